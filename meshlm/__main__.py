@@ -1,0 +1,3 @@
+from meshlm.cli import main
+
+raise SystemExit(main())

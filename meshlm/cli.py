@@ -1,0 +1,49 @@
+"""The ``meshlm`` command. Each sub-command lives in its own module with two functions,
+``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches.
+
+Errors a user can fix (bad config, missing file, corrupt checkpoint) print one clear line and
+exit with status 2, without a traceback; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "convert": ("meshlm.models.hf.cli", "convert between Hugging Face and meshlm checkpoints"),
+    "generate": ("meshlm.inference.cli", "generate text from a meshlm model or checkpoint"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshlm", description="Train and use meshlm language models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module_name, help_text) in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(command_parser)
+        command_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    from meshlm.checkpoint.model_files import CheckpointError
+    from meshlm.models.config import ConfigError
+    return (ConfigError, CheckpointError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except user_error_types() as error:
+        print(f"meshlm {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

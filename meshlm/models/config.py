@@ -1,0 +1,297 @@
+"""The model's shape, as one typed, documented, validated dataclass.
+
+A meshlm model is a stack of pre-norm residual blocks described by a *pattern string*, one
+symbol per block (Nemotron-H's "hybrid override pattern"):
+
+    M   Mamba-2 mixer            *   self-attention
+    -   dense MLP                E   Mixture-of-Experts MLP
+    |   (not a block) a pipeline-stage boundary, used by pipeline parallelism
+
+A Llama-style model is ``"*-*-*-*-"`` (each Llama layer is an attention block followed by an
+MLP block, each with its own norm); a Nemotron-H-style hybrid is ``"M-M-M*-M-"``; a hybrid MoE
+is ``"ME*EME"``. Every field below is read by exactly one module, and ``validate()`` checks the
+whole config once, naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from meshlm.models.pattern import BLOCK_KINDS, parse_pattern
+
+ACTIVATIONS = ("swiglu", "squared_relu", "gelu", "relu", "silu")
+NORMS = ("rmsnorm", "layernorm")
+POSITION_EMBEDDINGS = ("rope", "none")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+DROP_POLICIES = ("probs", "position")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Everything that determines a model's parameters and its forward computation."""
+
+    # --- vocabulary, width and layer stack -------------------------------------------------
+    vocab_size: int = 256
+    """Number of token ids the embedding and output head cover."""
+    hidden_size: int = 64
+    """Width of the residual stream (h in the papers)."""
+    pattern: str = "*-*-"
+    """Layer stack, one symbol per pre-norm residual block: M Mamba-2, * attention, - MLP,
+    E MoE; '|' marks a pipeline-stage boundary and is not a block."""
+
+    # --- attention ---------------------------------------------------------------------------
+    num_attention_heads: int = 4
+    """Query heads of each attention block."""
+    num_kv_heads: int | None = None
+    """Key/value heads (GQA; 1 = MQA). None means num_attention_heads (plain multi-head)."""
+    head_dim: int | None = None
+    """Width of one attention head. None means hidden_size // num_attention_heads."""
+    position_embedding: str = "rope"
+    """'rope' (rotary, Su et al. 2021, rotate-half layout as in Llama) or 'none' (Nemotron-H's
+    attention blocks use no positional signal; the Mamba blocks carry order)."""
+    rope_theta: float = 10000.0
+    """RoPE base: frequency i is rope_theta ** (-2i / head_dim)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on queries and keys before RoPE (Qwen3, OLMo-2)."""
+    attention_bias: bool = False
+    """Bias terms on the q/k/v/o projections."""
+
+    # --- MLP -----------------------------------------------------------------------------------
+    mlp_activation: str = "swiglu"
+    """'swiglu' (gated: silu(x W_gate) * x W_up), 'squared_relu' (Primer, Nemotron-H), 'gelu',
+    'relu' or 'silu' (non-gated). Also used by the MoE experts."""
+    ffn_hidden_size: int | None = None
+    """Inner width of the dense MLP. None means 4*hidden for non-gated activations and
+    8/3*hidden rounded up to a multiple of 64 for SwiGLU (same parameter count)."""
+    mlp_bias: bool = False
+    """Bias terms on MLP (and expert / latent) projections."""
+
+    # --- norms, embeddings, init ---------------------------------------------------------------
+    norm: str = "rmsnorm"
+    """'rmsnorm' or 'layernorm', for block pre-norms and the final norm."""
+    norm_eps: float = 1e-5
+    """Epsilon of every norm (block, final, QK-norm, Mamba's gated norm)."""
+    tie_embeddings: bool = False
+    """Share the input embedding matrix with the output head."""
+    init_std: float = 0.02
+    """Std of the normal init of linear and embedding weights. Output projections of each
+    block (attention o_proj, MLP/expert down_proj, Mamba out_proj) use
+    init_std / sqrt(2 * num_blocks), the scaled init of GPT-2/Megatron."""
+
+    # --- Mamba-2 -------------------------------------------------------------------------------
+    mamba_state_size: int = 16
+    """SSM state size N per head (d_state)."""
+    mamba_head_dim: int = 16
+    """Channels P per SSM head."""
+    mamba_num_heads: int | None = None
+    """SSM heads H. None means mamba_expand * hidden_size // mamba_head_dim."""
+    mamba_num_groups: int = 1
+    """Groups G sharing B and C (like KV heads in GQA); H must be divisible by G."""
+    mamba_conv_kernel: int = 4
+    """Width of the causal depthwise convolution over x, B and C."""
+    mamba_expand: int = 2
+    """Inner width factor, used only when mamba_num_heads is None."""
+    mamba_chunk_size: int = 64
+    """Chunk length of the SSD scan; any value gives the same result (up to rounding)."""
+    mamba_conv_bias: bool = True
+    """Bias on the depthwise convolution."""
+    mamba_proj_bias: bool = False
+    """Bias on the in/out projections."""
+    mamba_dt_min: float = 0.001
+    """Smallest time step drawn at init (dt is log-uniform in [dt_min, dt_max])."""
+    mamba_dt_max: float = 0.1
+    """Largest time step drawn at init."""
+    mamba_dt_init_floor: float = 1e-4
+    """Floor applied to the time steps drawn at init."""
+    mamba_dt_clamp_min: float = 0.0
+    """dt = softplus(raw + dt_bias) is clamped below at this value in the forward (Nemotron-H
+    uses its time_step_min here; plain Mamba-2 uses 0)."""
+
+    # --- Mixture of Experts --------------------------------------------------------------------
+    moe_num_experts: int = 8
+    """Routed experts per MoE block."""
+    moe_top_k: int = 2
+    """Experts each token is sent to."""
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of one routed expert. None means ffn_hidden_size."""
+    moe_shared_expert_ffn_hidden_size: int = 0
+    """Inner width of the always-on shared expert; 0 means no shared expert."""
+    moe_score_function: str = "softmax"
+    """Router score: 'softmax' over experts, or 'sigmoid' per expert (DeepSeek-V3, Nemotron 3)."""
+    moe_softmax_before_topk: bool = True
+    """With softmax scores: True takes top-k of the softmax over all experts (Mixtral's weights
+    before renormalization, Qwen3-MoE); False takes top-k of the logits and softmaxes over the
+    k chosen."""
+    moe_normalize_topk: bool = False
+    """Rescale the k chosen weights of each token to sum to one."""
+    moe_routed_scaling_factor: float = 1.0
+    """Constant multiplier on the routed weights (DeepSeek-V3 / Nemotron 3)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of the Switch-style load-balancing loss."""
+    moe_z_loss_coeff: float = 0.0
+    """Coefficient of the router z-loss (mean squared logsumexp of the router logits)."""
+    moe_capacity_factor: float | None = None
+    """Expert capacity = ceil(capacity_factor * tokens * top_k / experts); tokens beyond it are
+    dropped (they pass through the residual only). None means dropless."""
+    moe_drop_policy: str = "probs"
+    """Which tokens an over-full expert keeps: 'probs' (highest routing weight) or 'position'
+    (earliest in the batch)."""
+    moe_latent_size: int | None = None
+    """LatentMoE (Nemotron 3): project tokens to this width before the experts and back after.
+    None means experts work at hidden_size."""
+
+    # --- multi-token prediction ----------------------------------------------------------------
+    mtp_depth: int = 0
+    """Number of multi-token-prediction depths D (0 = off). Depth k predicts token t+k+1."""
+    mtp_pattern: str = "*-"
+    """Blocks inside each MTP depth (same symbols as pattern, no '|')."""
+    mtp_loss_coeff: float = 0.1
+    """The MTP loss added to the main loss is mtp_loss_coeff * mean over depths."""
+
+    # ------------------------------------------------------------------------------------------
+    block_kinds: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # --- derived sizes (one place for each default) ---------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_kinds)
+
+    @property
+    def resolved_num_kv_heads(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_attention_heads
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def resolved_ffn_hidden_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.mlp_activation == "swiglu":
+            return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+        return 4 * self.hidden_size
+
+    @property
+    def resolved_moe_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.resolved_ffn_hidden_size
+
+    @property
+    def resolved_mamba_num_heads(self) -> int:
+        if self.mamba_num_heads is not None:
+            return self.mamba_num_heads
+        return self.mamba_expand * self.hidden_size // self.mamba_head_dim
+
+    @property
+    def mamba_inner_size(self) -> int:
+        """d_inner = H * P, the width of x, z and the gated norm."""
+        return self.resolved_mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def output_init_std(self) -> float:
+        return self.init_std / math.sqrt(2 * max(self.num_blocks, 1))
+
+    # --- validation -------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every field once; raise ConfigError naming the field, the value and the fix."""
+        self.block_kinds = parse_pattern(self.pattern, field_name="model.pattern").kinds
+        _positive(self, "vocab_size", "hidden_size", "num_attention_heads", "mamba_state_size",
+                  "mamba_head_dim", "mamba_num_groups", "mamba_conv_kernel", "mamba_expand",
+                  "mamba_chunk_size", "moe_num_experts", "moe_top_k")
+        _choice(self, "mlp_activation", ACTIVATIONS)
+        _choice(self, "norm", NORMS)
+        _choice(self, "position_embedding", POSITION_EMBEDDINGS)
+        _choice(self, "moe_score_function", SCORE_FUNCTIONS)
+        _choice(self, "moe_drop_policy", DROP_POLICIES)
+        kinds = set(self.block_kinds) | (set(parse_pattern(self.mtp_pattern, "model.mtp_pattern").kinds)
+                                         if self.mtp_depth else set())
+        if "*" in kinds:
+            self._validate_attention()
+        if "M" in kinds:
+            self._validate_mamba()
+        if "E" in kinds:
+            self._validate_moe()
+        for name in ("ffn_hidden_size", "moe_ffn_hidden_size", "head_dim", "num_kv_heads",
+                     "mamba_num_heads", "moe_latent_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"model.{name}={value!r} must be a positive integer or null (for the default).")
+        if self.moe_shared_expert_ffn_hidden_size < 0:
+            raise ConfigError(f"model.moe_shared_expert_ffn_hidden_size={self.moe_shared_expert_ffn_hidden_size} "
+                              "must be >= 0 (0 means no shared expert).")
+        if self.mtp_depth < 0:
+            raise ConfigError(f"model.mtp_depth={self.mtp_depth} must be >= 0 (0 turns MTP off).")
+        if self.norm_eps <= 0 or self.init_std <= 0:
+            raise ConfigError(f"model.norm_eps={self.norm_eps} and model.init_std={self.init_std} must be > 0.")
+
+    def _validate_attention(self) -> None:
+        heads, kv_heads = self.num_attention_heads, self.resolved_num_kv_heads
+        if kv_heads <= 0 or heads % kv_heads:
+            raise ConfigError(f"model.num_kv_heads={kv_heads} must divide model.num_attention_heads={heads} "
+                              "(each KV head serves a whole group of query heads).")
+        if self.head_dim is None and self.hidden_size % heads:
+            raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
+                              f"{heads}; set model.head_dim explicitly or change the head count.")
+        if self.position_embedding == "rope" and self.resolved_head_dim % 2:
+            raise ConfigError(f"RoPE rotates pairs of channels, so the head dim ({self.resolved_head_dim}) must be even.")
+
+    def _validate_mamba(self) -> None:
+        heads, groups = self.resolved_mamba_num_heads, self.mamba_num_groups
+        if self.mamba_num_heads is None and (self.mamba_expand * self.hidden_size) % self.mamba_head_dim:
+            raise ConfigError(f"model.mamba_expand * model.hidden_size = {self.mamba_expand * self.hidden_size} is not "
+                              f"divisible by model.mamba_head_dim={self.mamba_head_dim}; set model.mamba_num_heads.")
+        if heads <= 0 or heads % groups:
+            raise ConfigError(f"model.mamba_num_groups={groups} must divide the number of Mamba heads ({heads}).")
+        if not 0 < self.mamba_dt_min <= self.mamba_dt_max:
+            raise ConfigError(f"need 0 < model.mamba_dt_min ({self.mamba_dt_min}) <= model.mamba_dt_max "
+                              f"({self.mamba_dt_max}).")
+
+    def _validate_moe(self) -> None:
+        if self.moe_top_k > self.moe_num_experts:
+            raise ConfigError(f"model.moe_top_k={self.moe_top_k} exceeds model.moe_num_experts={self.moe_num_experts}; "
+                              "a token cannot pick more experts than exist.")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ConfigError(f"model.moe_capacity_factor={self.moe_capacity_factor} must be > 0, or null for "
+                              "dropless routing.")
+        if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
+            raise ConfigError("model.moe_aux_loss_coeff and model.moe_z_loss_coeff must be >= 0.")
+
+    # --- (de)serialization --------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            import difflib
+            hints = [f"{name} (did you mean {', '.join(difflib.get_close_matches(name, known, 3)) or 'nothing close'}?)"
+                     for name in unknown]
+            raise ConfigError("unknown model config key(s): " + "; ".join(hints))
+        return cls(**values)
+
+
+def _positive(config: ModelConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"model.{name}={value!r} must be a positive integer.")
+
+
+def _choice(config: ModelConfig, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in allowed:
+        raise ConfigError(f"model.{name}={value!r} is not one of {', '.join(allowed)}.")
+
+
+__all__ = ["ModelConfig", "ConfigError", "BLOCK_KINDS"]

@@ -1,0 +1,149 @@
+"""The language model: embedding -> blocks from the pattern -> final norm -> output head.
+
+    h_0 = Embed(tokens)
+    h_i = h_{i-1} + Mixer_i(Norm_i(h_{i-1}))       one pre-norm residual block per symbol
+    logits = Head(FinalNorm(h_L))
+    loss = CE(logits, labels) + sum_E (aux_coeff * aux + z_coeff * z) + mtp_coeff * MTP
+
+The forward is split into ``embed``, ``run_blocks`` and ``head_logits`` so that a pipeline
+stage can run only its share (embedding on the first stage, head and loss on the last), and
+parameter names (``blocks.{i}...``) use the *global* block index so that checkpoints do not
+depend on the parallel layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.models.attention import SelfAttention
+from meshlm.models.cache import InferenceCache
+from meshlm.models.config import ModelConfig
+from meshlm.models.context import SequenceContext
+from meshlm.models.init import initialize_weights
+from meshlm.models.mlp import MLP
+from meshlm.models.norms import make_norm
+
+IGNORE_INDEX = -100
+
+
+def build_mixer(kind: str, config: ModelConfig, layer_index: int) -> nn.Module:
+    """The module behind one pattern symbol."""
+    if kind == "*":
+        return SelfAttention(config, layer_index)
+    if kind == "-":
+        return MLP(config.hidden_size, config.resolved_ffn_hidden_size, config.mlp_activation, config.mlp_bias)
+    if kind == "M":
+        from meshlm.models.mamba2 import Mamba2Mixer
+        return Mamba2Mixer(config, layer_index)
+    if kind == "E":
+        from meshlm.models.moe.layer import MoELayer
+        return MoELayer(config)
+    raise ValueError(f"unknown block kind {kind!r}")
+
+
+class Block(nn.Module):
+    """One pre-norm residual block: ``h + mixer(norm(h))``."""
+
+    def __init__(self, kind: str, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.kind = kind
+        self.norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
+        self.mixer = build_mixer(kind, config, layer_index)
+
+    def forward(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:
+        mixed = self.mixer(self.norm(hidden), context)
+        if isinstance(mixed, tuple):  # MoE blocks also return their auxiliary losses
+            mixed, moe_losses = mixed
+            context.moe_losses.append(moe_losses)
+        return hidden + mixed
+
+
+@dataclass
+class LMOutput:
+    logits: torch.Tensor | None
+    """[batch, seq, vocab] fp32 logits (None when the caller asked for the loss only)."""
+    loss: torch.Tensor | None = None
+    """Total training loss: language-model loss plus every auxiliary term times its coefficient."""
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each term before its coefficient: 'lm', 'moe_aux', 'moe_z', 'mtp', 'mtp_{k}'."""
+    tokens_per_expert: list[torch.Tensor] = field(default_factory=list)
+    """Per MoE block, the number of token assignments each expert received."""
+
+
+def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over positions whose label is not IGNORE_INDEX."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(Block(kind, config, index) for index, kind in enumerate(config.block_kinds))
+        self.final_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
+        self.output = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = None
+        if config.mtp_depth:
+            from meshlm.models.mtp import MultiTokenPrediction
+            self.mtp = MultiTokenPrediction(config)
+        initialize_weights(self, config)
+
+    # --- pieces (pipeline stages call these directly) ------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(input_ids)
+
+    def run_blocks(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:
+        for block in self.blocks:
+            hidden = block(hidden, context)
+        return hidden
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embedding.weight if self.output is None else self.output.weight
+
+    def head_logits(self, hidden: torch.Tensor, normed: bool = False) -> torch.Tensor:
+        """Final norm (unless already applied) then the output projection, as fp32 logits."""
+        if not normed:
+            hidden = self.final_norm(hidden)
+        return F.linear(hidden, self.output_weight()).float()
+
+    # --- whole model -----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                token_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                cache: InferenceCache | None = None, return_logits: bool = True) -> LMOutput:
+        """Logits for ``input_ids`` [batch, seq]; with ``labels`` [batch, seq] also the loss.
+
+        ``labels[b, t]`` is the token that should follow position t (IGNORE_INDEX to skip it).
+        """
+        context = SequenceContext.for_tokens(input_ids, token_mask, cache, position_ids)
+        hidden = self.run_blocks(self.embed(input_ids), context)
+        logits = self.head_logits(hidden)
+        output = LMOutput(logits=logits if return_logits or labels is None else None)
+        if context.moe_losses:
+            output.tokens_per_expert = [losses.tokens_per_expert for losses in context.moe_losses]
+        if labels is None:
+            return output
+
+        output.losses["lm"] = language_model_loss(logits, labels)
+        total = output.losses["lm"]
+        if context.moe_losses:
+            output.losses["moe_aux"] = torch.stack([m.aux_loss for m in context.moe_losses]).sum()
+            output.losses["moe_z"] = torch.stack([m.z_loss for m in context.moe_losses]).sum()
+            total = (total + self.config.moe_aux_loss_coeff * output.losses["moe_aux"]
+                     + self.config.moe_z_loss_coeff * output.losses["moe_z"])
+        if self.mtp is not None:
+            mtp_context = SequenceContext(position_ids=context.position_ids, token_mask=token_mask)
+            per_depth = self.mtp(hidden, input_ids, labels, self, mtp_context)
+            for depth, depth_loss in enumerate(per_depth, start=1):
+                output.losses[f"mtp_{depth}"] = depth_loss
+            output.losses["mtp"] = torch.stack(per_depth).mean()
+            total = total + self.config.mtp_loss_coeff * output.losses["mtp"]
+        output.loss = total
+        return output
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

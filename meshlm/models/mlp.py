@@ -1,0 +1,50 @@
+"""The dense MLP block and the activation functions shared with the MoE experts.
+
+Non-gated: ``down(act(up(x)))``. Gated (SwiGLU, Shazeer 2020): ``down(silu(gate(x)) * up(x))``.
+Squared ReLU (So et al. 2021, "Primer") is Nemotron-H's choice. Under tensor parallelism
+``gate``/``up`` are split by columns and ``down`` by rows, so the activation stays local.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+ELEMENTWISE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "squared_relu": squared_relu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def is_gated(activation: str) -> bool:
+    return activation == "swiglu"
+
+
+def activate(activation: str, up: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply the MLP nonlinearity to the up projection (and the gate projection when gated)."""
+    if is_gated(activation):
+        return F.silu(gate) * up
+    return ELEMENTWISE_ACTIVATIONS[activation](up)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str, bias: bool = False):
+        super().__init__()
+        self.activation = activation
+        self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=bias) if is_gated(activation) else None
+        self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
+        self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, context=None) -> torch.Tensor:
+        gate = self.gate_proj(x) if self.gate_proj is not None else None
+        return self.down_proj(activate(self.activation, self.up_proj(x), gate))

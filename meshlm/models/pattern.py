@@ -1,0 +1,54 @@
+"""Parse a layer pattern string into block kinds and pipeline-stage boundaries.
+
+``"M-M*|-M-E"`` is eight blocks (M, -, M, *, -, M, -, E) with a pipeline-stage boundary after the
+fourth. Whitespace is ignored so long patterns can be written in readable groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BLOCK_KINDS = {
+    "M": "mamba2",
+    "*": "attention",
+    "-": "mlp",
+    "E": "moe",
+}
+STAGE_BOUNDARY = "|"
+
+
+@dataclass(frozen=True)
+class ParsedPattern:
+    kinds: tuple[str, ...]
+    """One symbol per block, boundaries removed."""
+    stage_starts: tuple[int, ...]
+    """Index of the first block of each explicitly marked stage (always starts with 0)."""
+
+
+def parse_pattern(pattern: str, field_name: str = "pattern") -> ParsedPattern:
+    """Split a pattern into block symbols and the block indices where stages start."""
+    from meshlm.models.config import ConfigError  # local: config imports this module
+
+    if not isinstance(pattern, str):
+        raise ConfigError(f"{field_name}={pattern!r} must be a string such as '*-*-' or 'M-M*-E'.")
+    kinds: list[str] = []
+    stage_starts = [0]
+    for position, symbol in enumerate(pattern):
+        if symbol.isspace():
+            continue
+        if symbol == STAGE_BOUNDARY:
+            if not kinds or stage_starts[-1] == len(kinds):
+                raise ConfigError(f"{field_name}={pattern!r}: the '|' at position {position} would make an empty "
+                                  "pipeline stage; put at least one block between boundaries.")
+            stage_starts.append(len(kinds))
+            continue
+        if symbol not in BLOCK_KINDS:
+            allowed = ", ".join(f"'{s}' {name}" for s, name in BLOCK_KINDS.items())
+            raise ConfigError(f"{field_name}={pattern!r}: unknown symbol {symbol!r} at position {position}; "
+                              f"use {allowed}, and '|' for a pipeline-stage boundary.")
+        kinds.append(symbol)
+    if not kinds:
+        raise ConfigError(f"{field_name}={pattern!r} has no blocks; write at least one of M * - E.")
+    if len(stage_starts) > 1 and stage_starts[-1] == len(kinds):
+        raise ConfigError(f"{field_name}={pattern!r} ends with '|', which would make an empty last stage.")
+    return ParsedPattern(tuple(kinds), tuple(stage_starts))
