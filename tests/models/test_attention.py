@@ -1,0 +1,76 @@
+import math
+
+import torch
+
+from meshlm.models.attention import SelfAttention, attention_core
+from meshlm.models.config import ModelConfig
+from meshlm.models.context import SequenceContext
+from meshlm.models.norms import RMSNorm
+from meshlm.models.rope import RotaryEmbedding, apply_rotary
+
+
+def reference_attention(query, key, value):
+    """Textbook causal softmax attention, with KV heads repeated for GQA."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = query @ key.transpose(-1, -2) / math.sqrt(query.shape[-1])
+    seq = query.shape[2]
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ value
+
+
+def test_attention_core_matches_textbook_with_gqa():
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    torch.testing.assert_close(attention_core(query, key, value), reference_attention(query, key, value))
+
+
+def test_padded_keys_are_invisible():
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    mask = torch.tensor([[False, False, True, True, True, True]])
+    padded = attention_core(query, key, value, mask)
+    unpadded = attention_core(query[:, :, 2:], key[:, :, 2:], value[:, :, 2:])
+    torch.testing.assert_close(padded[:, :, 2:], unpadded)
+    assert torch.isfinite(padded).all()
+
+
+def test_rope_relative_positions():
+    rotary = RotaryEmbedding(8, 10000.0)
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+
+    def score(query_position, key_position):
+        cos_q, sin_q = rotary(torch.tensor([[query_position]]))
+        cos_k, sin_k = rotary(torch.tensor([[key_position]]))
+        return (apply_rotary(q, cos_q, sin_q) * apply_rotary(k, cos_k, sin_k)).sum()
+
+    torch.testing.assert_close(score(7, 3), score(14, 10))
+    assert not torch.allclose(score(7, 3), score(7, 4))
+
+
+def test_self_attention_module_against_manual_computation():
+    config = ModelConfig(hidden_size=32, num_attention_heads=4, num_kv_heads=2, qk_norm=True, pattern="*")
+    torch.manual_seed(0)
+    attention = SelfAttention(config, layer_index=0)
+    for parameter in attention.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    x = torch.randn(2, 7, 32)
+    context = SequenceContext.for_tokens(torch.zeros(2, 7, dtype=torch.long))
+    out = attention(x, context)
+
+    def heads(projection, count):
+        return projection(x).view(2, 7, count, 8).transpose(1, 2)
+    q, k, v = heads(attention.q_proj, 4), heads(attention.k_proj, 2), heads(attention.v_proj, 2)
+    q, k = RMSNorm.forward(attention.q_norm, q), RMSNorm.forward(attention.k_norm, k)
+    cos, sin = RotaryEmbedding(8, config.rope_theta)(context.position_ids)
+    o = reference_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+    torch.testing.assert_close(out, attention.o_proj(o.transpose(1, 2).reshape(2, 7, 32)))
+
+
+def test_rmsnorm_matches_formula():
+    norm = RMSNorm(6, eps=1e-6)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 6)
+    expected = norm.weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(norm(x), expected)
