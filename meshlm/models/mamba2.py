@@ -1,0 +1,159 @@
+"""The Mamba-2 mixer: a gated, selective state-space layer (Dao & Gu 2024, §7).
+
+One projection of the (normed) residual stream feeds five things at once:
+
+    z, x, B, C, dt = in_proj(u)                  widths d_inner, d_inner, G*N, G*N, H
+    x, B, C = silu(causal_depthwise_conv(x, B, C))   a short (K-tap) convolution over time
+    dt = max(softplus(dt + dt_bias), dt_clamp_min),  A = -exp(A_log)
+    y = SSM(x, dt, A, B, C) + D * x              the selective scan, per head (see ssd.py)
+    out = out_proj(GatedRMSNorm(y, z))           = out_proj(rmsnorm_per_group(y * silu(z)))
+
+What each piece is for:
+
+- **Selective SSM.** Each of the H heads keeps a [P x N] state that decays by exp(dt A) per
+  token and absorbs dt * x B^T. Because dt, B and C are computed from the token (Gu & Dao 2023,
+  "Mamba"), the layer chooses what to remember (large dt: reset towards the new input) and what
+  to read out (C). A is a learned scalar per head, so the state's decay is "scalar times
+  identity", the restriction that gives Mamba-2 its state-space duality: the whole layer is a
+  masked linear attention whose mask is a product of decays, computable with matmuls in chunks
+  (``ssd_chunked_scan``) or one token at a time (``ssd_recurrent_step``) with the same result.
+- **Groups.** B and C are produced once per group of heads (G groups, like KV heads in GQA),
+  which cuts projection width; head h uses group h // (H / G).
+- **Causal convolution.** A depthwise conv of K taps over x, B and C gives each token a little
+  local context before the scan, cheap short-range mixing the SSM does not do as well.
+- **D skip.** A per-head residual D * x around the scan.
+- **Gate and grouped norm.** The z branch gates the output as in gated MLPs; the product is
+  RMS-normalized per group of d_inner / G channels (not over all of d_inner) so that a tensor-
+  parallel rank holding whole groups can normalize without communicating (Dao & Gu 2024, §8).
+
+Parameter names and layouts follow Hugging Face's Mamba2 / Nemotron-H mixers one to one (in_proj
+output order z, x, B, C, dt; conv channels x, B, C), so checkpoints convert by renaming only.
+
+Generation keeps a ``MambaCache``: the last K-1 conv inputs and the fp32 SSM state. A single
+new token takes the recurrent step; a prompt (or a continuation of one) takes the chunked scan
+starting from the stored state, with the conv fed by the stored window. Left padding
+(``context.token_mask`` False) is zeroed before in_proj and after the conv, so padded
+positions add nothing to the conv window or the SSM state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.models.cache import MambaCache
+from meshlm.models.norms import GatedRMSNorm
+from meshlm.models.ssd import ssd_chunked_scan, ssd_recurrent_step
+
+
+def zero_padding(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """Zero the positions where ``token_mask`` [b, t] is False; hidden is [b, t, channels]."""
+    if token_mask is None:
+        return hidden
+    return hidden * token_mask[:, :, None].to(hidden.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, config, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.resolved_mamba_num_heads
+        self.head_dim = config.mamba_head_dim
+        self.state_size = config.mamba_state_size
+        self.num_groups = config.mamba_num_groups
+        self.conv_kernel = config.mamba_conv_kernel
+        self.chunk_size = config.mamba_chunk_size
+        self.dt_clamp_min = config.mamba_dt_clamp_min
+        self.inner_size = self.num_heads * self.head_dim
+        self.bc_size = self.num_groups * self.state_size  # width of B (and of C)
+        self.conv_dim = self.inner_size + 2 * self.bc_size
+
+        projection_size = 2 * self.inner_size + 2 * self.bc_size + self.num_heads
+        self.in_proj = nn.Linear(self.hidden_size, projection_size, bias=config.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim,
+                                bias=config.mamba_conv_bias, padding=self.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = GatedRMSNorm(self.inner_size, group_size=self.inner_size // self.num_groups,
+                                 eps=config.norm_eps)
+        self.out_proj = nn.Linear(self.inner_size, self.hidden_size, bias=config.mamba_proj_bias)
+        self.reset_parameters_from_config(config)
+
+    @torch.no_grad()
+    def reset_parameters_from_config(self, config) -> None:
+        """Mamba-2's own init (as mamba_ssm): A in U[1, 16], dt log-uniform, D = 1."""
+        device = self.A_log.device
+        self.A_log.copy_(torch.empty(self.num_heads, device=device).uniform_(1.0, 16.0).log())
+        log_dt_min, log_dt_max = math.log(config.mamba_dt_min), math.log(config.mamba_dt_max)
+        dt = torch.exp(torch.rand(self.num_heads, device=device) * (log_dt_max - log_dt_min) + log_dt_min)
+        dt = dt.clamp(min=config.mamba_dt_init_floor)
+        # Inverse softplus, so that softplus(dt_bias) == dt at a zero projection.
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.D.fill_(1.0)
+
+    # --- pieces ------------------------------------------------------------------------------
+    def split_projection(self, projected: torch.Tensor):
+        """in_proj output -> (z, xBC, dt_raw), by the named widths of this (partition of the) layer."""
+        return projected.split([self.inner_size, self.conv_dim, self.num_heads], dim=-1)
+
+    def causal_conv(self, xBC: torch.Tensor, window: torch.Tensor | None):
+        """silu(depthwise causal conv) of xBC [b, t, conv_dim], continuing from ``window``.
+
+        ``window`` [b, conv_dim, K-1] holds the previous K-1 inputs (None: zeros, the start of a
+        sequence). Returns the activated outputs [b, t, conv_dim] and the new window.
+        """
+        channels_first = xBC.transpose(1, 2)
+        if window is None:
+            window = channels_first.new_zeros(xBC.shape[0], self.conv_dim, self.conv_kernel - 1)
+        extended = torch.cat((window.to(channels_first.dtype), channels_first), dim=-1)
+        out = F.conv1d(extended, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        new_window = extended[:, :, extended.shape[-1] - (self.conv_kernel - 1):]
+        return F.silu(out).transpose(1, 2), new_window
+
+    def time_step(self, dt_raw: torch.Tensor) -> torch.Tensor:
+        """dt = softplus(dt_raw + dt_bias), clamped below; fp32 [b, t, heads]."""
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())
+        return dt.clamp(min=self.dt_clamp_min)
+
+    def scan(self, x, dt, B, C, state: MambaCache | None) -> torch.Tensor:
+        """The SSM over x [b, t, H, P] (fp32 result), updating the cached state when there is one."""
+        A = -torch.exp(self.A_log.float())
+        initial_state = None if state is None else state.ssm_state
+        if initial_state is not None and x.shape[1] == 1:
+            y, final_state = ssd_recurrent_step(initial_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0])
+            y = y[:, None]
+        else:
+            y, final_state = ssd_chunked_scan(x, dt, A, B, C, self.chunk_size, initial_state)
+        if state is not None:
+            state.ssm_state = final_state
+        return y
+
+    # --- forward -----------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, context) -> torch.Tensor:
+        batch, seq_len, _ = hidden.shape
+        token_mask = context.token_mask
+        state = None if context.cache is None else context.cache.state_for(self.layer_index, MambaCache)
+
+        z, xBC, dt_raw = self.split_projection(self.in_proj(zero_padding(hidden, token_mask)))
+        if state is None:  # training: no window to continue, the built-in causal padding does it
+            xBC = F.silu(self.conv1d(xBC.transpose(1, 2))[..., :seq_len]).transpose(1, 2)
+        else:
+            xBC, state.conv_state = self.causal_conv(xBC, state.conv_state)
+        xBC = zero_padding(xBC, token_mask)
+        x, B, C = xBC.split([self.inner_size, self.bc_size, self.bc_size], dim=-1)
+
+        x = x.unflatten(-1, (self.num_heads, self.head_dim))
+        y = self.scan(x, self.time_step(dt_raw),
+                      B.unflatten(-1, (self.num_groups, self.state_size)),
+                      C.unflatten(-1, (self.num_groups, self.state_size)), state)
+        y = y + self.D.float()[:, None] * x.float()
+        out = self.norm(y.flatten(-2), z)
+        return self.out_proj(out.to(hidden.dtype))
+
+
+__all__ = ["Mamba2Mixer", "zero_padding"]
