@@ -1,0 +1,279 @@
+"""A training run's configuration: typed sections, YAML files, dotted command-line overrides.
+
+    meshlm train configs/tiny.yaml train.steps=200 optim.lr=1e-3 model.pattern='M*-E'
+
+A run is one ``RunConfig`` with a section per concern (``model``, ``train``, ``optim``,
+``data``, ``precision``); every field is a typed dataclass field with a docstring. Loading
+goes YAML -> dict -> overrides applied -> dataclasses built -> validated once, and every
+mistake gets one sentence naming the dotted key, the value and the fix (unknown keys get
+the closest known names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from meshlm.models.config import ConfigError, ModelConfig
+
+SCHEDULES = ("cosine", "wsd", "constant")
+DTYPES = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps to run (the run ends at this step; resuming continues up to it)."""
+    run_dir: str = "runs/default"
+    """Where checkpoints, metrics.jsonl, TensorBoard events and loss.png go. Re-running with the
+    same run_dir resumes from its latest checkpoint."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward pass."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step; micro-batches are accumulated to reach it (must be a
+    multiple of micro_batch_size times the data-parallel size)."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    seed: int = 1234
+    """Seeds model init, data order and dropout; the same seed gives the same run."""
+    log_every: int = 10
+    """Write a metrics.jsonl line (and TensorBoard scalars) every this many steps."""
+    eval_every: int = 50
+    """Run validation every this many steps (0 = never; always once at the end if > 0)."""
+    eval_batches: int = 8
+    """Validation micro-batches per evaluation."""
+    save_every: int = 100
+    """Save a checkpoint every this many steps (0 = only at the end)."""
+    keep_checkpoints: int = 3
+    """Keep the most recent K checkpoints; older ones are deleted after a new one is complete."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = no clipping)."""
+    recompute: str = "none"
+    """Activation recomputation: 'none', 'selective' (attention core only, Korthikanti et al.
+    2022) or 'full' (whole blocks, every recompute_every-th block)."""
+    recompute_every: int = 1
+    """With recompute='full': recompute every k-th block (1 = all blocks)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files when the tensorboard package is installed."""
+    plot: bool = True
+    """Write RUN_DIR/loss.png (train and validation curves) at the end, when matplotlib is installed."""
+    progress: bool = True
+    """Show a live progress line on the terminal."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the decay."""
+    schedule: str = "cosine"
+    """'cosine' (warmup then cosine decay to min_lr), 'wsd' (warmup-stable-decay: constant after
+    warmup, then a linear decay over the last decay_fraction of steps) or 'constant' (after warmup)."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to lr over this many steps."""
+    decay_fraction: float = 0.2
+    """With schedule='wsd': the fraction of steps spent decaying at the end."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW, Loshchilov & Hutter 2019) on matrices."""
+    decay_embeddings_norms_biases: bool = False
+    """Also apply weight decay to embeddings, norm weights and biases (off by default)."""
+    beta1: float = 0.9
+    """Adam's first-moment decay."""
+    beta2: float = 0.95
+    """Adam's second-moment decay."""
+    eps: float = 1e-8
+    """Adam's denominator epsilon."""
+
+
+@dataclass
+class DataConfig:
+    blend: str | None = "data/demo/blend.json"
+    """A blend file written by `meshlm data demo` (prefixes, weights, tokenizer). Used when
+    `prefixes` is empty."""
+    prefixes: list[str] = field(default_factory=list)
+    """Token-store prefixes written by `meshlm preprocess` (PREFIX.bin / PREFIX.idx)."""
+    weights: list[float] | None = None
+    """Blend weights, one per prefix (None = proportional to size)."""
+    tokenizer: str | None = None
+    """tokenizer.json used to build the data (copied into checkpoints for generation)."""
+    split: str = "98,1,1"
+    """Train/valid/test split of each dataset's documents, as relative weights."""
+    cache_dir: str | None = None
+    """Where index caches go (default: beside the data)."""
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: str = "fp32"
+    """'fp32', 'bf16' (autocast; fp32 weights and optimizer), or 'fp16' (FP32 master weights
+    and a dynamic loss scaler, Micikevicius et al. 2017)."""
+    initial_loss_scale: float = 65536.0
+    """fp16: the loss scale to start from."""
+    growth_interval: int = 1000
+    """fp16: multiply the scale by growth_factor after this many steps without overflow."""
+    growth_factor: float = 2.0
+    """fp16: scale growth factor."""
+    backoff_factor: float = 0.5
+    """fp16: scale multiplier after an overflow."""
+    hysteresis: int = 2
+    """fp16: overflows tolerated (steps still skipped) before the scale is lowered."""
+    min_loss_scale: float = 1.0
+    """fp16: the scale never drops below this."""
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+
+    def to_dict(self) -> dict:
+        return {name: section_to_dict(getattr(self, name)) for name in SECTIONS}
+
+    def validate(self) -> None:
+        self.model.validate()
+        train, optim = self.train, self.optim
+        for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len", "log_every",
+                     "recompute_every", "keep_checkpoints", "eval_batches"):
+            if getattr(train, name) <= 0:
+                raise ConfigError(f"train.{name}={getattr(train, name)} must be a positive integer.")
+        if train.global_batch_size % train.micro_batch_size:
+            raise ConfigError(f"train.global_batch_size={train.global_batch_size} must be a multiple of "
+                              f"train.micro_batch_size={train.micro_batch_size}.")
+        _choice("train.recompute", train.recompute, RECOMPUTE)
+        _choice("optim.schedule", optim.schedule, SCHEDULES)
+        _choice("precision.dtype", self.precision.dtype, DTYPES)
+        if optim.lr <= 0 or optim.min_lr < 0 or optim.min_lr > optim.lr:
+            raise ConfigError(f"need 0 <= optim.min_lr ({optim.min_lr}) <= optim.lr ({optim.lr}) and optim.lr > 0.")
+        if not 0 <= optim.decay_fraction <= 1:
+            raise ConfigError(f"optim.decay_fraction={optim.decay_fraction} must lie in [0, 1].")
+        if optim.warmup_steps < 0 or train.eval_every < 0 or train.save_every < 0 or train.grad_clip < 0:
+            raise ConfigError("optim.warmup_steps, train.eval_every, train.save_every and train.grad_clip "
+                              "must be >= 0.")
+        if self.data.weights is not None and len(self.data.weights) != len(self.data.prefixes):
+            raise ConfigError(f"data.weights has {len(self.data.weights)} entries but data.prefixes has "
+                              f"{len(self.data.prefixes)}; give one weight per prefix (or null).")
+
+
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "optim": OptimConfig,
+            "data": DataConfig, "precision": PrecisionConfig}
+
+
+def section_to_dict(section) -> dict:
+    if isinstance(section, ModelConfig):
+        return section.to_dict()
+    return dataclasses.asdict(section)
+
+
+def _choice(key: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}.")
+
+
+def known_keys() -> list[str]:
+    return [f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in dataclasses.fields(cls) if f.init]
+
+
+def _unknown_key_error(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known_keys(), n=3, cutoff=0.6)
+    hint = f" Did you mean {', '.join(close)}?" if close else " Run `meshlm train --list-keys` to see all keys."
+    return ConfigError(f"unknown config key '{key}'.{hint}")
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """``train.steps=200`` -> ("train.steps", 200); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. train.steps=200).")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _coerce(key: str, value, annotation):
+    """Check ``value`` against a field's annotation (int/float/bool/str/list/Optional)."""
+    hint = eval(annotation, vars(typing), {}) if isinstance(annotation, str) else annotation  # noqa: S307
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{key} cannot be null.")
+    for option in options:
+        origin = typing.get_origin(option) or option
+        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if origin is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if origin is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if origin in (bool, str) and isinstance(value, origin):
+            return value
+        if origin is list and isinstance(value, list):
+            return value
+    names = " or ".join(getattr(typing.get_origin(o) or o, "__name__", str(o)) for o in options)
+    raise ConfigError(f"{key}={value!r} has the wrong type; expected {names}.")
+
+
+def build_run_config(values: dict) -> RunConfig:
+    """Dict (as from YAML) -> validated RunConfig."""
+    if not isinstance(values, dict):
+        raise ConfigError("the config file must be a mapping of sections (model:, train:, ...).")
+    sections = {}
+    for section_name, section_values in values.items():
+        if section_name not in SECTIONS:
+            raise _unknown_key_error(str(section_name))
+        if not isinstance(section_values, dict):
+            raise ConfigError(f"config section '{section_name}' must be a mapping, got {section_values!r}.")
+        cls = SECTIONS[section_name]
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        checked = {}
+        for key, value in section_values.items():
+            if key not in fields:
+                raise _unknown_key_error(f"{section_name}.{key}")
+            checked[key] = _coerce(f"{section_name}.{key}", value, fields[key].type)
+        sections[section_name] = cls(**checked)
+    config = RunConfig(**sections)
+    config.validate()
+    return config
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist (configs/ has examples such as configs/tiny.yaml).")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path} is not valid YAML: {error}") from error
+    for text in overrides:
+        key, value = parse_override(text)
+        section, _, name = key.partition(".")
+        if section not in SECTIONS or not name:
+            raise _unknown_key_error(key)
+        if not isinstance(values.get(section, {}), dict):
+            raise ConfigError(f"config section '{section}' must be a mapping.")
+        values.setdefault(section, {})[name] = value
+    return build_run_config(values)
+
+
+def save_run_config(config: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
