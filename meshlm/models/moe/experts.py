@@ -1,0 +1,96 @@
+"""The routed experts, stored as stacked weights and run as one grouped computation.
+
+Each of the E experts is an MLP of inner width F over tokens of width d (d is the hidden size,
+or the latent size in LatentMoE):
+
+    gated (SwiGLU):  y = W_down[e] (silu(W_gate[e] x) * W_up[e] x)
+    otherwise:       y = W_down[e] act(W_up[e] x)
+
+The weights of all experts live in three [E, out, in] tensors (the nn.Linear layout, one slice
+per expert), which is what expert parallelism shards along E and what a grouped GEMM consumes.
+The input is the permuted token tensor from ``dispatch.permute``: rows grouped by expert, with
+``tokens_per_expert`` giving the group sizes, so each matmul is a *grouped* matmul: segment e of
+the rows times W[e]^T. Two implementations compute it:
+
+- ``torch.nn.functional.grouped_mm`` with int32 end offsets (a single kernel; in torch 2.13 it
+  runs on CPU for fp32/bf16/fp16 and on CUDA for bf16, and needs 16-byte aligned row strides);
+- a loop over *experts* (never over tokens): split the rows into the E contiguous segments and
+  do one ordinary matmul per segment.
+
+Both give the same numbers; an expert with zero rows simply contributes an empty segment. The
+experts carry no biases, like the Mixtral, Qwen3-MoE and Nemotron-H experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.models.mlp import activate, is_gated
+
+
+def grouped_mm_supported(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` can run this grouped matmul (device, dtype, 16-byte strides)."""
+    if not hasattr(F, "grouped_mm") or tokens.dtype != weight.dtype or tokens.dim() != 2:
+        return False
+    if tokens.device.type == "cpu":
+        dtype_ok = tokens.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    elif tokens.device.type == "cuda":
+        dtype_ok = tokens.dtype == torch.bfloat16 and torch.cuda.get_device_capability(tokens.device)[0] >= 8
+    else:
+        dtype_ok = False
+    out_features, in_features = weight.shape[1:]
+    aligned = all((size * tokens.element_size()) % 16 == 0 for size in (in_features, out_features))
+    return dtype_ok and aligned and tokens.is_contiguous() and weight.is_contiguous()
+
+
+def grouped_linear(tokens: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
+                   use_grouped_mm: bool | None = None) -> torch.Tensor:
+    """Rows of segment e of ``tokens`` [m, in] times ``weight[e]``^T ([E, out, in]): [m, out].
+
+    ``use_grouped_mm`` None picks the grouped kernel when it supports the inputs, else the loop.
+    """
+    if use_grouped_mm is None:
+        use_grouped_mm = grouped_mm_supported(tokens, weight)
+    if use_grouped_mm:
+        end_offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        return F.grouped_mm(tokens, weight.transpose(-2, -1), offs=end_offsets)
+    segments = tokens.split(tokens_per_expert.tolist())
+    return torch.cat([segment @ weight[expert].T for expert, segment in enumerate(segments)])
+
+
+class GroupedExperts(nn.Module):
+    """E expert MLPs over permuted tokens: [m, d] with ``tokens_per_expert`` [E] -> [m, d]."""
+
+    def __init__(self, config, model_size: int):
+        super().__init__()
+        num_experts, ffn_size = config.moe_num_experts, config.resolved_moe_ffn_hidden_size
+        self.activation = config.mlp_activation
+        self.use_grouped_mm: bool | None = None
+        """None: grouped kernel when supported; True/False force one implementation (tests)."""
+        self.gate_weight = (nn.Parameter(torch.empty(num_experts, ffn_size, model_size))
+                            if is_gated(config.mlp_activation) else None)
+        self.up_weight = nn.Parameter(torch.empty(num_experts, ffn_size, model_size))
+        self.down_weight = nn.Parameter(torch.empty(num_experts, model_size, ffn_size))
+        self.reset_parameters_from_config(config)
+
+    @torch.no_grad()
+    def reset_parameters_from_config(self, config) -> None:
+        """N(0, init_std) for gate/up; the scaled output std for down (it feeds the residual)."""
+        for weight in (self.gate_weight, self.up_weight):
+            if weight is not None:
+                nn.init.normal_(weight, std=config.init_std)
+        nn.init.normal_(self.down_weight, std=config.output_init_std)
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        def linear(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return grouped_linear(inputs, weight, tokens_per_expert, self.use_grouped_mm)
+
+        up = linear(tokens, self.up_weight)
+        gate = linear(tokens, self.gate_weight) if self.gate_weight is not None else None
+        return linear(activate(self.activation, up, gate), self.down_weight)
+
+    def extra_repr(self) -> str:
+        num_experts, ffn_size, model_size = self.up_weight.shape
+        return f"experts={num_experts}, model_size={model_size}, ffn_size={ffn_size}, activation={self.activation}"

@@ -1,0 +1,84 @@
+"""The Mixture-of-Experts block: route, permute, run the experts, combine.
+
+    tokens = flatten(x)                                [n, h]
+    routing = router(tokens)                           top-k experts and weights per token
+    z = latent_in(tokens)                              [n, latent]  (LatentMoE only)
+    rows = permute(z, plan)                            [m, d] grouped by expert (m <= n*k)
+    y = unpermute(experts(rows), plan, weights)        sum_k weight * expert output, [n, d]
+    y = latent_out(y)                                  [n, h]       (LatentMoE only)
+    out = y + shared_expert(tokens)                    (only with a shared expert)
+
+This is a sparse replacement for the dense MLP (Shazeer et al. 2017; Switch Transformer; Mixtral;
+Qwen3-MoE): each token pays for k experts of width F while the layer holds E of them. Two
+variations of recent models are built in:
+
+- a *shared expert* (DeepSeekMoE, Nemotron 3): an ordinary MLP every token goes through, added
+  to the routed output, so common knowledge need not be copied into every routed expert;
+- *LatentMoE* (Nemotron 3): tokens are projected from the hidden size h down to a smaller latent
+  size before the experts and back up after the weighted sum, so the experts (and, under expert
+  parallelism, the all-to-all traffic) work at the latent width. The router and the shared
+  expert still see the full hidden state (like Hugging Face's NemotronHMoE fc1/fc2_latent_proj).
+
+The block returns its output and a ``MoELosses`` (load-balancing and z-loss, unscaled, and the
+per-expert traffic); the language model weights and sums the losses over blocks. Bias terms
+(``mlp_bias``) apply to the shared expert and the latent projections; routed experts have none.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshlm.models.mlp import MLP
+from meshlm.models.moe.dispatch import expert_capacity, permute, plan_dispatch, unpermute
+from meshlm.models.moe.experts import GroupedExperts
+from meshlm.models.moe.router import MoELosses, Routing, TopKRouter, load_balancing_loss, router_z_loss
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.moe_num_experts
+        self.top_k = config.moe_top_k
+        self.capacity_factor = config.moe_capacity_factor
+        self.drop_policy = config.moe_drop_policy
+        hidden, latent = config.hidden_size, config.moe_latent_size
+        self.router = TopKRouter(config)
+        self.latent_in_proj = nn.Linear(hidden, latent, bias=config.mlp_bias) if latent else None
+        self.experts = GroupedExperts(config, model_size=latent or hidden)
+        self.latent_out_proj = nn.Linear(latent, hidden, bias=config.mlp_bias) if latent else None
+        shared_size = config.moe_shared_expert_ffn_hidden_size
+        self.shared_expert = (MLP(hidden, shared_size, config.mlp_activation, config.mlp_bias)
+                              if shared_size > 0 else None)
+
+    def forward(self, x: torch.Tensor, context=None) -> tuple[torch.Tensor, MoELosses]:
+        """x [batch, seq, hidden] -> (MoE output [batch, seq, hidden], MoELosses)."""
+        batch, seq, hidden = x.shape
+        tokens = x.reshape(batch * seq, hidden)
+        routing = self.router(tokens)
+        routed, dropped = self.routed_experts(tokens, routing)
+        if self.shared_expert is not None:
+            routed = routed + self.shared_expert(tokens)
+        return routed.reshape(batch, seq, hidden), self.losses(routing, dropped)
+
+    def routed_experts(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weighted sum of each token's expert outputs [n, hidden], and the dropped count."""
+        num_tokens = tokens.shape[0]
+        capacity = (None if self.capacity_factor is None
+                    else expert_capacity(num_tokens, self.top_k, self.num_experts, self.capacity_factor))
+        plan = plan_dispatch(routing.expert_ids, routing.weights, self.num_experts, capacity, self.drop_policy)
+        expert_input = self.latent_in_proj(tokens) if self.latent_in_proj is not None else tokens
+        expert_output = self.experts(permute(expert_input, plan), plan.tokens_per_expert)
+        combined = unpermute(expert_output, plan, routing.weights, num_tokens)
+        if self.latent_out_proj is not None:
+            combined = self.latent_out_proj(combined)
+        return combined, plan.dropped
+
+    def losses(self, routing: Routing, dropped: torch.Tensor) -> MoELosses:
+        tokens_per_expert = torch.bincount(routing.expert_ids.flatten(), minlength=self.num_experts)
+        return MoELosses(
+            aux_loss=load_balancing_loss(routing.probs, tokens_per_expert, self.top_k),
+            z_loss=router_z_loss(routing.logits),
+            tokens_per_expert=tokens_per_expert,
+            dropped_tokens=dropped,
+        )
