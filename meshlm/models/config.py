@@ -70,7 +70,8 @@ class ModelConfig:
     """Inner width of the dense MLP. None means 4*hidden for non-gated activations and
     8/3*hidden rounded up to a multiple of 64 for SwiGLU (same parameter count)."""
     mlp_bias: bool = False
-    """Bias terms on MLP (and expert / latent) projections."""
+    """Bias terms on the dense MLP, shared-expert and LatentMoE projections (routed experts,
+    like Mixtral's, Qwen3-MoE's and Nemotron-H's, have none)."""
 
     # --- norms, embeddings, init ---------------------------------------------------------------
     norm: str = "rmsnorm"
