@@ -1,0 +1,127 @@
+"""``meshlm generate``: continue prompts with a saved model or the latest checkpoint of a run.
+
+    meshlm generate runs/x --prompt "ROMEO:" --max-new-tokens 64 --temperature 0.8 --top-p 0.95
+    meshlm generate runs/x/checkpoints/step_2000 --prompt-ids 1,2,3 --max-new-tokens 16 --greedy --json
+
+CKPT is a model directory (``config.json`` + ``model.safetensors``), or a training run / a
+folder of checkpoints, in which case the ``step_N`` folder with the highest N is used. Text
+prompts need a tokenizer: ``tokenizer.json`` beside the model, or ``--tokenizer PATH``. The
+tokenizer also supplies the eos token (``--eos-id`` overrides it) and the true vocabulary
+size, so a model whose vocabulary was padded never emits an id the tokenizer cannot decode.
+Output is one line per prompt: the generated text (or ids without a tokenizer), or with
+``--json`` an object ``{"ids": [...], "text": "..."}`` holding the new tokens only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from meshlm.checkpoint.model_files import CONFIG_FILE, CheckpointError, load_model
+from meshlm.data.tokenizer import Tokenizer, find_tokenizer_file, load_tokenizer
+from meshlm.inference.generate import generate
+from meshlm.inference.sampling import SamplingConfig
+from meshlm.models.config import ConfigError
+
+STEP_FOLDER = re.compile(r"step_(\d+)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT",
+                        help="model directory, training checkpoint, or run directory (latest step_N is used)")
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", metavar="TEXT", help="a text prompt (repeatable)")
+    prompts.add_argument("--prompt-ids", action="append", type=parse_token_ids, metavar="ID,ID,...",
+                         help="a prompt given as comma-separated token ids (repeatable)")
+    parser.add_argument("--max-new-tokens", type=int, required=True, metavar="N")
+    parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
+    parser.add_argument("--top-k", type=int, help="sample among the K most likely tokens (default: all)")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1.0: off)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory holding one")
+    parser.add_argument("--eos-id", type=int, help="stop a prompt at this token id (default: the tokenizer's eos)")
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+
+def parse_token_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integer token ids") from None
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """``path`` if it holds a model, else its newest ``step_N`` (or ``checkpoints/step_N``) folder.
+
+    Step folders without a ``config.json`` (a save that was interrupted) are passed over.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such model or checkpoint directory.")
+    if (path / CONFIG_FILE).is_file():
+        return path
+    steps = [(int(match.group(1)), folder)
+             for parent in (path, path / "checkpoints") if parent.is_dir()
+             for folder in parent.iterdir()
+             if folder.is_dir() and (match := STEP_FOLDER.fullmatch(folder.name))]
+    complete = [(step, folder) for step, folder in steps if (folder / CONFIG_FILE).is_file()]
+    if complete:
+        return max(complete, key=lambda item: item[0])[1]
+    if steps:
+        return max(steps, key=lambda item: item[0])[1]  # load_model names what is missing
+    raise CheckpointError(f"{path}: neither a model directory (no {CONFIG_FILE}) nor a run holding "
+                          "step_N or checkpoints/step_N folders.")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
+    chosen = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                                       ("--top-p", args.top_p)) if value is not None]
+    if args.greedy:
+        if chosen:
+            raise ConfigError(f"--greedy always takes the most likely token, so {', '.join(chosen)} "
+                              "cannot apply; drop --greedy to sample, or drop the sampling flags.")
+        return SamplingConfig(greedy=True, seed=args.seed)
+    return SamplingConfig(temperature=1.0 if args.temperature is None else args.temperature,
+                          top_k=0 if args.top_k is None else args.top_k,
+                          top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed)
+
+
+def find_tokenizer(explicit: str | None, model_dir: Path, given_path: Path) -> Tokenizer | None:
+    """The tokenizer named by ``--tokenizer``, else one saved with the model or run, else None."""
+    if explicit is not None:
+        return load_tokenizer(explicit)
+    for directory in dict.fromkeys((model_dir, given_path)):
+        try:
+            return load_tokenizer(find_tokenizer_file(directory))
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    sampling = sampling_from_args(args)
+    model_dir = resolve_model_dir(args.checkpoint)
+    tokenizer = find_tokenizer(args.tokenizer, model_dir, Path(args.checkpoint))
+    if args.prompt is not None and tokenizer is None:
+        raise FileNotFoundError(f"no tokenizer found in {model_dir}: text prompts need one; pass "
+                                "--tokenizer PATH, or give token ids with --prompt-ids.")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(model_dir, map_location=device)
+    prompts = args.prompt_ids if args.prompt is None else [tokenizer.encode(text) for text in args.prompt]
+    eos_token_id = args.eos_id if args.eos_id is not None else (tokenizer.eos_token_id if tokenizer else None)
+    valid_vocab_size = min(tokenizer.vocab_size, model.config.vocab_size) if tokenizer else None
+    results = generate(model, prompts, args.max_new_tokens, sampling, eos_token_id=eos_token_id,
+                       valid_vocab_size=valid_vocab_size)
+    for ids in results:
+        text = tokenizer.decode(ids) if tokenizer else None
+        if args.json:
+            print(json.dumps({"ids": ids} if text is None else {"ids": ids, "text": text}))
+        else:
+            print(text if text is not None else ",".join(map(str, ids)))
+    return 0

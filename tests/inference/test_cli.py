@@ -1,0 +1,128 @@
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from meshlm.checkpoint.model_files import load_model, save_model
+from meshlm.cli import main
+from meshlm.data.tokenizer import load_tokenizer
+from meshlm.inference.cli import resolve_model_dir
+from meshlm.inference.generate import generate
+from meshlm.inference.sampling import SamplingConfig
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
+
+SENTENCES = ["the cat sat on the mat.", "a dog sat on a log.", "the cat and the dog are friends."] * 4
+
+
+def tiny_model(seed: int = 0) -> LanguageModel:
+    torch.manual_seed(seed)  # vocab 320 > the tokenizer's ~300: a padded vocabulary
+    return LanguageModel(ModelConfig(vocab_size=320, hidden_size=32, pattern="*-*-", num_attention_heads=4,
+                                     num_kv_heads=2, init_std=0.1))
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path):
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(SENTENCES, trainer)
+    directory = tmp_path / "tokenizer"
+    directory.mkdir()
+    backend.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.fixture
+def model_dir(tmp_path, tokenizer_dir):
+    return save_model(tiny_model(), tmp_path / "model", tokenizer_dir=tokenizer_dir)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["generate", *map(str, argv)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def expected_ids(directory, prompts, max_new_tokens, sampling, tokenizer=None):
+    return generate(load_model(directory), prompts, max_new_tokens, sampling,
+                    eos_token_id=tokenizer.eos_token_id if tokenizer else None,
+                    valid_vocab_size=tokenizer.vocab_size if tokenizer else None)
+
+
+def test_prompt_ids_json_matches_generate(capsys, model_dir):
+    code, out, _ = run_cli(capsys, model_dir, "--prompt-ids", "1,2,3", "--prompt-ids", "40,41",
+                           "--max-new-tokens", 10, "--greedy", "--json")
+    assert code == 0
+    records = [json.loads(line) for line in out.splitlines()]
+    tokenizer = load_tokenizer(model_dir)
+    expected = expected_ids(model_dir, [[1, 2, 3], [40, 41]], 10, SamplingConfig(greedy=True), tokenizer)
+    assert [record["ids"] for record in records] == expected
+    assert [record["text"] for record in records] == [tokenizer.decode(ids) for ids in expected]
+    assert all(token < tokenizer.vocab_size for ids in expected for token in ids)
+
+
+def test_text_prompts_are_encoded_sampled_and_decoded(capsys, model_dir):
+    code, out, _ = run_cli(capsys, model_dir, "--prompt", "the cat", "--prompt", "a dog sat",
+                           "--max-new-tokens", 8, "--temperature", 0.9, "--top-k", 20, "--top-p", 0.9,
+                           "--seed", 4)
+    assert code == 0
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer.encode("the cat"), tokenizer.encode("a dog sat")]
+    sampling = SamplingConfig(temperature=0.9, top_k=20, top_p=0.9, seed=4)
+    expected = expected_ids(model_dir, prompts, 8, sampling, tokenizer)
+    assert out == "".join(tokenizer.decode(ids) + "\n" for ids in expected)
+
+
+def test_without_tokenizer_ids_are_printed_and_text_prompts_refused(capsys, tmp_path, tokenizer_dir):
+    directory = save_model(tiny_model(), tmp_path / "bare")
+    code, out, _ = run_cli(capsys, directory, "--prompt-ids", "5,6", "--max-new-tokens", 6, "--greedy")
+    assert code == 0
+    [expected] = expected_ids(directory, [[5, 6]], 6, SamplingConfig(greedy=True))
+    assert out == ",".join(map(str, expected)) + "\n"
+
+    code, _, err = run_cli(capsys, directory, "--prompt", "the cat", "--max-new-tokens", 4, "--greedy")
+    assert code == 2
+    assert "--tokenizer" in err and "--prompt-ids" in err
+
+    code, out, _ = run_cli(capsys, directory, "--prompt", "the cat", "--max-new-tokens", 4, "--greedy",
+                           "--tokenizer", tokenizer_dir / "tokenizer.json", "--json")
+    assert code == 0 and set(json.loads(out)) == {"ids", "text"}
+
+
+def test_eos_id_flag_overrides_the_tokenizer(capsys, model_dir):
+    [reference] = expected_ids(model_dir, [[7, 8, 9]], 12, SamplingConfig(greedy=True))
+    eos = reference[2]
+    code, out, _ = run_cli(capsys, model_dir, "--prompt-ids", "7,8,9", "--max-new-tokens", 12, "--greedy",
+                           "--eos-id", eos, "--json")
+    assert code == 0
+    assert json.loads(out)["ids"] == reference[:reference.index(eos) + 1]
+
+
+def test_user_errors_exit_with_status_2(capsys, tmp_path, model_dir):
+    code, _, err = run_cli(capsys, tmp_path / "missing", "--prompt-ids", "1", "--max-new-tokens", 2)
+    assert code == 2 and "missing" in err
+    code, _, err = run_cli(capsys, model_dir, "--prompt-ids", "1", "--max-new-tokens", 2, "--greedy",
+                           "--temperature", 0.5)
+    assert code == 2 and "--greedy" in err and "--temperature" in err
+    code, _, err = run_cli(capsys, model_dir, "--prompt-ids", "1", "--max-new-tokens", 2, "--top-p", 1.5)
+    assert code == 2 and "top_p" in err
+
+
+def test_run_directory_resolves_to_the_latest_complete_step(capsys, tmp_path):
+    run = tmp_path / "run"
+    for step in (9, 10):
+        save_model(tiny_model(seed=step), run / "checkpoints" / f"step_{step}")
+    (run / "checkpoints" / "step_11").mkdir()  # an interrupted save: no config.json
+    assert resolve_model_dir(run) == run / "checkpoints" / "step_10"
+    assert resolve_model_dir(run / "checkpoints") == run / "checkpoints" / "step_10"
+    assert resolve_model_dir(run / "checkpoints" / "step_9") == run / "checkpoints" / "step_9"
+
+    code, out, _ = run_cli(capsys, run, "--prompt-ids", "3,4", "--max-new-tokens", 5, "--greedy", "--json")
+    assert code == 0
+    assert [json.loads(out)["ids"]] == expected_ids(run / "checkpoints" / "step_10", [[3, 4]], 5,
+                                                     SamplingConfig(greedy=True))
