@@ -1,0 +1,159 @@
+"""Mixed-precision training with fp32 master weights (Micikevicius et al. 2017).
+
+In bf16 and fp16 runs the model's own parameters are cast to the low-precision dtype, so the
+forward and backward matmuls run in it and the activations and gradients are half the size.
+The optimizer never touches them. It updates an fp32 *master copy* of every parameter:
+
+    loss -> scale_loss(loss).backward()       grads in bf16/fp16 (scaled by S for fp16)
+         -> moved into master.grad as fp32    (after every backward, so micro-batches
+                                                accumulate in fp32, like Megatron's main_grad)
+    gradients_to_master()                     divide by S; any inf/nan? -> the trainer skips
+    optimizer.step()                          AdamW on the fp32 masters
+    master_to_model()                         cast the updated masters back into the model
+
+The master copy matters because an update lr * m / sqrt(v) is often below the spacing of
+bf16/fp16 numbers near the weight (bf16 keeps 8 significant bits): added to a low-precision
+weight it would round away, and training would stall. In fp32 it accumulates.
+
+fp16 also needs *loss scaling* (``loss_scaler.py``): its smallest normal number is 6e-5, so
+small gradients underflow unless the loss is multiplied by a large S first. bf16 has fp32's
+exponent range and uses S = 1. The model computes logits and the loss in fp32 itself, so no
+autocast is needed; ``autocast()`` exists only as a no-op hook for callers that want one.
+
+Bytes per parameter with Adam (plus activations, which scale with batch and sequence):
+
+    fp32:        4 weight + 4 grad + 8 Adam moments (m, v)                        = 16
+    bf16/fp16:   2 weight + 4 fp32 master + 8 moments + 4 fp32 master grad
+                 (+ 2 for the low-precision grad while a backward is producing it) = 18 (20 peak)
+
+So mixed precision does not save parameter memory on its own -- it saves activation memory and
+time, and the 12 bytes of master state are what a distributed (sharded) optimizer splits
+across data-parallel ranks (Rajbhandari et al. 2020, ZeRO).
+
+In fp32 nothing changes: the model's parameters are the master parameters and every method
+below is a no-op apart from the inf/nan check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from meshlm.checkpoint.model_files import CheckpointError
+from meshlm.models.config import ConfigError
+from meshlm.precision.loss_scaler import DynamicLossScaler
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class MixedPrecision:
+    def __init__(self, model: nn.Module, config):
+        if config.dtype not in DTYPES:
+            raise ConfigError(f"precision.dtype={config.dtype!r} is not one of {', '.join(DTYPES)}.")
+        self.dtype_name = config.dtype
+        self.dtype = DTYPES[config.dtype]
+        self.model_parameters: list[tuple[str, nn.Parameter]] = list(model.named_parameters())
+        self.scaler = DynamicLossScaler.from_config(config) if config.dtype == "fp16" else None
+        if self.dtype == torch.float32:
+            self.masters = self.model_parameters
+            return
+        self.masters = [(name, nn.Parameter(param.detach().float().clone(), requires_grad=param.requires_grad))
+                        for name, param in self.model_parameters]
+        for (_, param), (_, master) in zip(self.model_parameters, self.masters):
+            param.data = param.data.to(self.dtype)
+            param.register_post_accumulate_grad_hook(_grad_mover(master))
+
+    @property
+    def low_precision(self) -> bool:
+        return self.dtype != torch.float32
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def master_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(model parameter name, fp32 parameter the optimizer should update) pairs."""
+        return list(self.masters)
+
+    def autocast(self):
+        """No-op: the parameters already are in the compute dtype, and the loss is fp32."""
+        return contextlib.nullcontext()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def gradients_to_master(self) -> bool:
+        """Unscale the fp32 master gradients; True if any of them holds an inf or nan.
+
+        Gradients still left on the model (a backward without the hook, or grads written by
+        hand) are moved first. The check is one fused max-|g| per tensor and a single sync.
+        """
+        if self.low_precision:
+            for (_, param), (_, master) in zip(self.model_parameters, self.masters):
+                if param.grad is not None:
+                    _grad_mover(master)(param)
+        grads = [master.grad for _, master in self.masters if master.grad is not None]
+        if not grads:
+            return False
+        if self.loss_scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+        largest = torch.stack(torch._foreach_norm(grads, float("inf")))
+        return not bool(torch.isfinite(largest).all())
+
+    @torch.no_grad()
+    def master_to_model(self) -> None:
+        """Cast the (just updated) fp32 masters into the low-precision model parameters."""
+        if self.low_precision:
+            torch._foreach_copy_([p for _, p in self.model_parameters], [m for _, m in self.masters])
+
+    def update_scale(self, found_nonfinite: bool) -> None:
+        """Feed one step's overflow flag to the loss scaler (fp16 only; otherwise nothing)."""
+        if self.scaler is not None:
+            self.scaler.update(found_nonfinite)
+
+    # --- checkpointing -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Loss-scaler state and (in bf16/fp16) the fp32 master weights, for exact resumption."""
+        masters = {name: master.detach() for name, master in self.masters} if self.low_precision else None
+        return {"dtype": self.dtype_name,
+                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "master_weights": masters}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore; call after the model's own weights are loaded.
+
+        A state without master weights (saved by an fp32 run) re-seeds the masters from the
+        model. A state with them (bf16/fp16 run) also overwrites an fp32 model's weights, so the
+        bf16-rounded copy in the model checkpoint does not lose the fp32 bits.
+        """
+        if self.scaler is not None and state.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        saved = state.get("master_weights")
+        if saved is None:
+            if self.low_precision:
+                for (_, param), (_, master) in zip(self.model_parameters, self.masters):
+                    master.copy_(param)
+            return
+        missing = [name for name, _ in self.masters if name not in saved]
+        if missing:
+            raise CheckpointError(f"the precision state has no master weight for {missing[0]} "
+                                  f"({len(missing)} missing); it was saved for a different model.")
+        for name, master in self.masters:
+            master.copy_(saved[name])
+        self.master_to_model()
+
+
+def _grad_mover(master: nn.Parameter):
+    """A post-accumulate-grad hook: add the parameter's gradient into ``master.grad`` in fp32."""
+
+    def move(param: torch.Tensor) -> None:
+        if master.grad is None:
+            master.grad = param.grad.float() if param.grad.dtype != torch.float32 else param.grad.clone()
+        else:
+            master.grad.add_(param.grad)
+        param.grad = None
+
+    return move
