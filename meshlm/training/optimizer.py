@@ -1,0 +1,50 @@
+"""AdamW with two parameter groups: matrices decay, everything else does not.
+
+AdamW (Loshchilov & Hutter 2019) applies weight decay as its own step, w <- w - lr * wd * w,
+instead of adding wd * w to the gradient where Adam's per-coordinate scaling would distort it.
+Decay is a prior that pulls weights towards zero; it makes sense for the matrices that mix
+features, and little sense for:
+
+- the token embedding (its rows are looked up, so a rare token's row would mostly shrink;
+  an *untied* output head is an ordinary projection and does decay),
+- norm weights (they are gains around 1, and decaying them fights the normalization),
+- biases and other 1-D parameters (Mamba's A_log, D and dt_bias set time scales).
+
+This is the split GPT-3-style recipes use (nanoGPT, OLMo, Megatron's default minus the
+embedding). ``OptimConfig.decay_embeddings_norms_biases`` puts everything into the decay group.
+The groups carry a ``name`` ("decay" / "no_decay") and torch's ``param_names``, for logging
+and for reading optimizer checkpoints.
+
+The parameters may be the fp32 master copies of a mixed-precision run, so the caller passes
+(model name, parameter) pairs: the names decide the groups, the tensors are what gets updated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EMBEDDING_NAMES = ("embedding.weight",)
+"""Names (or dotted-name suffixes) of token-embedding matrices; the tied head shares the first."""
+
+
+def decays(name: str, parameter: torch.Tensor) -> bool:
+    """Whether weight decay applies to this parameter by default: matrices, not embeddings."""
+    is_embedding = any(name == suffix or name.endswith("." + suffix) for suffix in EMBEDDING_NAMES)
+    return parameter.ndim >= 2 and not is_embedding
+
+
+def build_optimizer(parameters_by_name: list[tuple[str, torch.nn.Parameter]], config) -> torch.optim.AdamW:
+    """AdamW over ``parameters_by_name`` with a "decay" and a "no_decay" group (empty ones left out)."""
+    groups = {"decay": [], "no_decay": []}
+    for name, parameter in parameters_by_name:
+        if not parameter.requires_grad:
+            continue
+        in_decay = config.decay_embeddings_norms_biases or decays(name, parameter)
+        groups["decay" if in_decay else "no_decay"].append((name, parameter))
+    param_groups = [
+        {"name": group_name, "params": members,
+         "weight_decay": config.weight_decay if group_name == "decay" else 0.0}
+        for group_name, members in groups.items() if members
+    ]
+    return torch.optim.AdamW(param_groups, lr=config.lr, betas=(config.beta1, config.beta2),
+                             eps=config.eps, foreach=True)
