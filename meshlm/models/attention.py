@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from meshlm.models.cache import AttentionCache
@@ -61,6 +62,9 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.rotary = (RotaryEmbedding(self.head_dim, config.rope_theta)
                        if config.position_embedding == "rope" else None)
+        self.recompute_core = False
+        """Selective recomputation (set by training.recompute): keep only q, k, v for backward and
+        recompute scores, softmax and the weighted sum from them."""
 
     def forward(self, x: torch.Tensor, context) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -79,5 +83,8 @@ class SelfAttention(nn.Module):
             key_mask = context.cache.token_mask
             if bool(key_mask.all()):
                 key_mask = None
-        out = attention_core(query, key, value, key_mask)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = torch.utils.checkpoint.checkpoint(attention_core, query, key, value, key_mask, use_reentrant=False)
+        else:
+            out = attention_core(query, key, value, key_mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

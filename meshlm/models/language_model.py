@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from meshlm.models.attention import SelfAttention
@@ -53,9 +54,19 @@ class Block(nn.Module):
         self.kind = kind
         self.norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         self.mixer = build_mixer(kind, config, layer_index)
+        self.recompute = False
+        """Full recomputation (set by training.recompute): keep only the block input for backward
+        and rerun norm + mixer during backward."""
+
+    def norm_and_mix(self, hidden: torch.Tensor, context: SequenceContext):
+        return self.mixer(self.norm(hidden), context)
 
     def forward(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:
-        mixed = self.mixer(self.norm(hidden), context)
+        if self.recompute and torch.is_grad_enabled() and context.cache is None:
+            # MoE losses come back from the first run only; the rerun in backward is discarded.
+            mixed = torch.utils.checkpoint.checkpoint(self.norm_and_mix, hidden, context, use_reentrant=False)
+        else:
+            mixed = self.norm_and_mix(hidden, context)
         if isinstance(mixed, tuple):  # MoE blocks also return their auxiliary losses
             mixed, moe_losses = mixed
             context.moe_losses.append(moe_losses)
