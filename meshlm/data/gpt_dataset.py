@@ -1,0 +1,183 @@
+"""Training samples from a token store: fixed-length windows packed across documents.
+
+A language model trains on sequences of ``seq_len`` tokens. Padding short documents to that
+length wastes compute, so, as in GPT-2/3 and Megatron-LM's ``GPTDataset`` (Shoeybi et al.
+2019), the documents are laid end to end in one long *token stream* and cut into windows:
+sample ``k`` is tokens ``[k * seq_len, k * seq_len + seq_len + 1)`` of the stream, its input
+the first ``seq_len`` tokens and its labels the last ``seq_len`` (the next token at every
+position). Consecutive samples share one token, so every token of the stream is an input
+exactly once. A window may span several documents; the EOS token that preprocessing appends
+(``--append-eos``) tells the model where one ends.
+
+Three index arrays turn "sample i" into tokens on disk, built once with numpy and cached:
+
+- ``document_index``: the order of documents in the stream. Each *epoch* is the split's
+  documents in a fresh random order (seeded); as many epochs are concatenated as the
+  requested number of samples needs.
+- ``sample_index[k] = (p, o)``: stream sample ``k`` starts at token ``o`` of document
+  ``document_index[p]``.
+- ``shuffle_index``: a seeded permutation of the samples, so consecutive training steps do
+  not see neighbouring windows of the same document. ``dataset[i]`` is stream sample
+  ``shuffle_index[i]``; the trainer resumes exactly by asking for ``i`` onwards.
+
+The train/valid/test *split* is by documents: ``split="98,1,1"`` gives the first 98% of the
+store's documents to train, the next 1% to valid and the last 1% to test (contiguous ranges,
+so the splits are disjoint; shuffle a sorted corpus before preprocessing).
+
+The cache lives in ``index_cache/`` beside the data (or ``cache_dir``); a file's name holds a
+hash of the store (sizes, modification times, header) and of every setting, so a change to
+either builds new indices and an unchanged run loads the old ones (memory-mapped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshlm.data.errors import DataError
+from meshlm.data.indexed import TokenStore
+
+SPLIT_NAMES = ("train", "valid", "test")
+INDEX_FORMAT_VERSION = 1
+INDEX_KINDS = ("document_index", "sample_index", "shuffle_index")
+
+
+def parse_split(split: str | list[float]) -> list[float]:
+    """``"98,1,1"`` (or ``[98, 1, 1]``) as fractions summing to 1; missing parts are 0."""
+    try:
+        parts = [float(part) for part in (split.split(",") if isinstance(split, str) else split)]
+    except ValueError as error:
+        raise DataError(f"split={split!r} must be comma-separated numbers such as '98,1,1'.") from error
+    if not 1 <= len(parts) <= len(SPLIT_NAMES) or min(parts) < 0 or sum(parts) <= 0:
+        raise DataError(f"split={split!r} must be 1 to 3 non-negative numbers (train,valid,test) with a "
+                        "positive sum, such as '98,1,1'.")
+    parts += [0.0] * (len(SPLIT_NAMES) - len(parts))
+    return [part / sum(parts) for part in parts]
+
+
+def split_document_range(num_documents: int, split: str | list[float], split_name: str) -> tuple[int, int]:
+    """The documents [start, stop) of ``split_name`` under ``split``."""
+    if split_name not in SPLIT_NAMES:
+        raise DataError(f"split_name={split_name!r} must be one of {', '.join(SPLIT_NAMES)}.")
+    bounds = np.round(np.concatenate([[0.0], np.cumsum(parse_split(split))]) * num_documents).astype(int)
+    bounds[-1] = num_documents
+    position = SPLIT_NAMES.index(split_name)
+    return int(bounds[position]), int(bounds[position + 1])
+
+
+def build_indices(document_lengths: np.ndarray, documents: np.ndarray, seq_len: int, num_samples: int,
+                  seed: int, shuffle: bool) -> dict[str, np.ndarray]:
+    """The three index arrays (see the module docstring) for ``num_samples`` samples."""
+    tokens_per_epoch = int(document_lengths[documents].sum())
+    num_epochs = math.ceil((num_samples * seq_len + 1) / tokens_per_epoch)
+    rng = np.random.default_rng(seed)
+    epochs = [rng.permutation(documents) if shuffle else documents for _ in range(num_epochs)]
+    document_index = np.concatenate(epochs).astype(np.int64)
+    stream_ends = np.cumsum(document_lengths[document_index])
+    sample_starts = np.arange(num_samples, dtype=np.int64) * seq_len
+    positions = np.searchsorted(stream_ends, sample_starts, side="right")
+    document_starts = stream_ends[positions] - document_lengths[document_index[positions]]
+    sample_index = np.stack([positions, sample_starts - document_starts], axis=1).astype(np.int64)
+    shuffle_index = rng.permutation(num_samples) if shuffle else np.arange(num_samples)
+    return {"document_index": document_index, "sample_index": sample_index,
+            "shuffle_index": shuffle_index.astype(np.int64)}
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """``num_samples`` samples of ``seq_len`` tokens from one split of the token store ``prefix``.
+
+    ``dataset[i]`` is ``{"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}``.
+    ``num_samples=None`` means one epoch's worth. ``indices_were_built`` tells whether this
+    instance built its indices (True) or loaded them from the cache (False).
+    """
+
+    def __init__(self, prefix: str | os.PathLike | TokenStore, seq_len: int, num_samples: int | None = None,
+                 seed: int = 1234, split: str | list[float] = "1", split_name: str = "train",
+                 shuffle: bool = True, cache_dir: str | os.PathLike | None = None):
+        self.store = prefix if isinstance(prefix, TokenStore) else TokenStore(prefix)
+        if seq_len < 1:
+            raise DataError(f"seq_len={seq_len} must be at least 1.")
+        self.seq_len = seq_len
+        self.split_name = split_name
+        start, stop = split_document_range(len(self.store), split, split_name)
+        self.documents = np.arange(start, stop, dtype=np.int64)
+        lengths = self.store.document_lengths
+        split_tokens = int(lengths[start:stop].sum())
+        if split_tokens == 0:
+            raise DataError(f"{self.store.idx_path}: the {split_name} split (documents {start}-{stop} of "
+                            f"{len(self.store)}) holds no tokens; change the split {split!r} or add data.")
+        self.num_samples = (split_tokens - 1) // seq_len if num_samples is None else int(num_samples)
+        if self.num_samples < 1:
+            raise DataError(f"{self.store.idx_path}: the {split_name} split holds {split_tokens} tokens, "
+                            f"fewer than one sample of seq_len + 1 = {seq_len + 1}; lower seq_len or add data.")
+        settings = {"version": INDEX_FORMAT_VERSION, "store": self.store.fingerprint(), "seq_len": seq_len,
+                    "num_samples": self.num_samples, "seed": seed, "documents": [start, stop], "shuffle": shuffle}
+        cache_dir = Path(cache_dir) if cache_dir is not None else Path(self.store.prefix).parent / "index_cache"
+        name = f"{Path(self.store.prefix).name}.{split_name}.{settings_hash(settings)}"
+        indices = load_cached(cache_dir, name, INDEX_KINDS)
+        self.indices_were_built = indices is None
+        if indices is None:
+            indices = build_indices(np.asarray(lengths), self.documents, seq_len, self.num_samples, seed, shuffle)
+            save_cached(cache_dir, name, indices)
+        self.document_index = indices["document_index"]
+        self.sample_index = indices["sample_index"]
+        self.shuffle_index = indices["shuffle_index"]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} is outside this dataset's {self.num_samples} samples.")
+        tokens = torch.from_numpy(self.stream_sample(int(self.shuffle_index[index])).astype(np.int64))
+        return {"input_ids": tokens[:-1], "labels": tokens[1:]}
+
+    def stream_sample(self, k: int) -> np.ndarray:
+        """The ``seq_len + 1`` tokens of sample ``k`` in stream (unshuffled) order."""
+        position, offset = (int(value) for value in self.sample_index[k])
+        pieces, needed = [], self.seq_len + 1
+        while needed > 0:
+            piece = self.store.document(int(self.document_index[position]))[offset:offset + needed]
+            pieces.append(piece)
+            needed -= len(piece)
+            position, offset = position + 1, 0
+        return np.concatenate(pieces)
+
+    def from_sample(self, start: int) -> torch.utils.data.Dataset:
+        """The samples ``start, start + 1, ...``: resume the global order at ``start``."""
+        return torch.utils.data.Subset(self, range(start, len(self)))
+
+
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_cached(cache_dir: Path, name: str, kinds: tuple[str, ...]) -> dict[str, np.ndarray] | None:
+    """The cached arrays ``name.KIND.npy`` (memory-mapped), or None if any is missing or unreadable."""
+    paths = {kind: cache_dir / f"{name}.{kind}.npy" for kind in kinds}
+    if not all(path.is_file() for path in paths.values()):
+        return None
+    try:
+        return {kind: np.load(path, mmap_mode="r") for kind, path in paths.items()}
+    except (OSError, ValueError):
+        return None
+
+
+def save_cached(cache_dir: Path, name: str, arrays: dict[str, np.ndarray]) -> None:
+    """Write each array to ``name.KIND.npy`` under a temporary name, then rename."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        for kind, array in arrays.items():
+            path = cache_dir / f"{name}.{kind}.npy"
+            temporary = cache_dir / f"{name}.{kind}.{os.getpid()}.tmp.npy"
+            np.save(temporary, array)
+            os.replace(temporary, path)
+    except OSError as error:
+        raise DataError(f"{cache_dir}: cannot write the dataset index cache ({error.strerror or error}); "
+                        "pass a writable cache_dir.") from error

@@ -1,0 +1,118 @@
+import numpy as np
+import pytest
+import torch
+
+from meshlm.data.errors import DataError
+from meshlm.data.gpt_dataset import GPTDataset, parse_split, split_document_range
+from meshlm.data.indexed import TokenStoreWriter
+
+SEQ_LEN = 8
+
+
+def write_counting_store(prefix, lengths, first_token=0):
+    """Documents of the given lengths whose tokens count up from ``first_token``: every token is unique,
+    so a token tells which document and position it came from."""
+    with TokenStoreWriter(prefix, vocab_size=65536) as writer:
+        start = first_token
+        for length in lengths:
+            writer.add_document(np.arange(start, start + length))
+            start += length
+    return np.arange(first_token, start)
+
+
+LENGTHS = [5, 0, 13, 1, 7, 22, 3, 9, 0, 16, 4, 11]
+
+
+def test_packing_covers_every_token_once_in_order(tmp_path):
+    stream = write_counting_store(tmp_path / "c", LENGTHS)
+    dataset = GPTDataset(tmp_path / "c", SEQ_LEN, shuffle=False)
+    assert len(dataset) == (len(stream) - 1) // SEQ_LEN
+    samples = [dataset[index] for index in range(len(dataset))]
+    inputs = torch.cat([sample["input_ids"] for sample in samples]).numpy()
+    labels = torch.cat([sample["labels"] for sample in samples]).numpy()
+    assert np.array_equal(inputs, stream[:len(inputs)]) and len(stream) - len(inputs) <= SEQ_LEN
+    assert np.array_equal(labels, stream[1:len(inputs) + 1])
+    assert samples[0]["input_ids"].dtype == torch.long and samples[0]["input_ids"].shape == (SEQ_LEN,)
+
+
+def test_every_epoch_is_a_fresh_permutation_of_all_documents(tmp_path):
+    stream = write_counting_store(tmp_path / "c", LENGTHS)
+    num_samples = 3 * len(stream) // SEQ_LEN - 1  # three epochs, the last one partly
+    dataset = GPTDataset(tmp_path / "c", SEQ_LEN, num_samples=num_samples, seed=3)
+    epochs = dataset.document_index.reshape(3, len(LENGTHS))
+    assert all(sorted(epoch) == list(range(len(LENGTHS))) for epoch in epochs)
+    assert not np.array_equal(epochs[0], epochs[1])
+    stream_inputs = np.concatenate([dataset.stream_sample(k)[:-1] for k in range(num_samples)])
+    for epoch in range(2):  # each full epoch holds every token exactly once
+        assert np.array_equal(np.sort(stream_inputs[epoch * len(stream):(epoch + 1) * len(stream)]), stream)
+    assert sorted(dataset.shuffle_index.tolist()) == list(range(num_samples))
+    shuffled = dataset[5]["input_ids"].numpy()
+    assert np.array_equal(shuffled, dataset.stream_sample(int(dataset.shuffle_index[5]))[:-1])
+
+
+def test_shuffle_is_deterministic_by_seed(tmp_path):
+    write_counting_store(tmp_path / "c", LENGTHS * 4)
+
+    def samples(seed, cache):
+        dataset = GPTDataset(tmp_path / "c", SEQ_LEN, num_samples=40, seed=seed, cache_dir=tmp_path / cache)
+        assert dataset.indices_were_built
+        return torch.stack([dataset[index]["input_ids"] for index in range(len(dataset))])
+
+    seed_1, seed_1_again, seed_2 = samples(1, "a"), samples(1, "b"), samples(2, "c")
+    assert torch.equal(seed_1, seed_1_again)
+    assert not torch.equal(seed_1, seed_2)
+
+
+def test_splits_are_disjoint_document_ranges(tmp_path):
+    lengths = [10 + index % 7 for index in range(50)]
+    stream = write_counting_store(tmp_path / "c", lengths)
+    document_of_token = np.repeat(np.arange(len(lengths)), lengths)
+    assert parse_split("8,1,1") == pytest.approx([0.8, 0.1, 0.1]) and parse_split("1") == [1.0, 0.0, 0.0]
+    seen = {}
+    for name in ("train", "valid", "test"):
+        start, stop = split_document_range(len(lengths), "80,10,10", name)
+        dataset = GPTDataset(tmp_path / "c", SEQ_LEN, split="80,10,10", split_name=name)
+        tokens = np.concatenate([dataset[index]["input_ids"].numpy() for index in range(len(dataset))])
+        seen[name] = set(document_of_token[tokens - stream[0]].tolist())
+        assert seen[name] <= set(range(start, stop)) and dataset.documents.tolist() == list(range(start, stop))
+    assert split_document_range(50, "80,10,10", "valid") == (40, 45)
+    assert not (seen["train"] & seen["valid"] or seen["train"] & seen["test"] or seen["valid"] & seen["test"])
+
+
+def test_indices_are_cached_and_rebuilt_when_settings_or_data_change(tmp_path):
+    write_counting_store(tmp_path / "c", LENGTHS)
+    first = GPTDataset(tmp_path / "c", SEQ_LEN, num_samples=20)
+    cache_files = sorted((tmp_path / "index_cache").iterdir())
+    assert first.indices_were_built and len(cache_files) == 3
+    mtimes = [path.stat().st_mtime_ns for path in cache_files]
+    again = GPTDataset(tmp_path / "c", SEQ_LEN, num_samples=20)
+    assert not again.indices_were_built and [path.stat().st_mtime_ns for path in cache_files] == mtimes
+    assert torch.equal(again[7]["input_ids"], first[7]["input_ids"])
+    assert GPTDataset(tmp_path / "c", SEQ_LEN, num_samples=21).indices_were_built
+    assert GPTDataset(tmp_path / "c", SEQ_LEN + 1, num_samples=20).indices_were_built
+    assert GPTDataset(tmp_path / "c", SEQ_LEN, num_samples=20, seed=99).indices_were_built
+    write_counting_store(tmp_path / "c", LENGTHS[::-1])  # new data, same shape
+    assert GPTDataset(tmp_path / "c", SEQ_LEN, num_samples=20).indices_were_built
+    assert len(list((tmp_path / "index_cache").iterdir())) == 3 * 5
+
+
+def test_resume_from_a_sample_offset(tmp_path):
+    write_counting_store(tmp_path / "c", LENGTHS)
+    dataset = GPTDataset(tmp_path / "c", SEQ_LEN, num_samples=30)
+    resumed = dataset.from_sample(17)
+    assert len(resumed) == 13
+    assert all(torch.equal(resumed[index]["labels"], dataset[17 + index]["labels"]) for index in range(13))
+    with pytest.raises(IndexError):
+        dataset[30]
+
+
+def test_unusable_splits_and_settings_are_data_errors(tmp_path):
+    write_counting_store(tmp_path / "c", [3, 4])
+    with pytest.raises(DataError, match=r"c\.idx: the test split .* holds no tokens"):
+        GPTDataset(tmp_path / "c", 2, split="1,0,0", split_name="test")
+    with pytest.raises(DataError, match=r"c\.idx: the train split holds 7 tokens, fewer than one sample"):
+        GPTDataset(tmp_path / "c", 7)
+    with pytest.raises(DataError, match="split='a,b'"):
+        GPTDataset(tmp_path / "c", 2, split="a,b")
+    with pytest.raises(DataError, match="split_name='dev'"):
+        GPTDataset(tmp_path / "c", 2, split_name="dev")
