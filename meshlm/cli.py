@@ -15,6 +15,9 @@ import sys
 COMMANDS = {
     "convert": ("meshlm.models.hf.cli", "convert between Hugging Face and meshlm checkpoints"),
     "generate": ("meshlm.inference.cli", "generate text from a meshlm model or checkpoint"),
+    "tokenizer": ("meshlm.data.tokenizer_training", "train a byte-level BPE tokenizer"),
+    "preprocess": ("meshlm.data.preprocess", "tokenize text files into a token store (PREFIX.bin + PREFIX.idx)"),
+    "data": ("meshlm.data.cli", "data utilities: build the demo corpus, inspect a token store"),
 }
 
 
@@ -32,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     from meshlm.checkpoint.model_files import CheckpointError
+    from meshlm.data.errors import DataError
     from meshlm.models.config import ConfigError
-    return (ConfigError, CheckpointError, FileNotFoundError)
+    return (ConfigError, CheckpointError, DataError, FileNotFoundError)
 
 
 def main(argv: list[str] | None = None) -> int:
