@@ -111,6 +111,9 @@ def test_user_errors_exit_with_status_2(capsys, tmp_path, model_dir):
     assert code == 2 and "--greedy" in err and "--temperature" in err
     code, _, err = run_cli(capsys, model_dir, "--prompt-ids", "1", "--max-new-tokens", 2, "--top-p", 1.5)
     assert code == 2 and "top_p" in err
+    (model_dir / "tokenizer.json").write_text("{ not a tokenizer")
+    code, _, err = run_cli(capsys, model_dir, "--prompt-ids", "1", "--max-new-tokens", 2, "--greedy")
+    assert code == 2 and "tokenizer.json" in err
 
 
 def test_run_directory_resolves_to_the_latest_complete_step(capsys, tmp_path):
