@@ -14,8 +14,9 @@ Korthikanti et al. 2022 (§4.1, eq. 1 and §5) count, for fp16 activations, 1-by
 and no parallelism, ``s*b*h*(34 + 5*a*s/h)`` bytes per layer and ``34*s*b*h`` with selective
 recomputation. Our layer differs, and ``predicted_for_this_layer`` adds up its own terms (listed
 in ``notes``) to show the measurement is understood. Two attention kernels are measured: 'math'
-(scores and softmax materialized, the paper's setting) and 'default' (what SDPA picks; on CPU
-and GPU for causal unpadded inputs that is a fused flash kernel that never stores the scores).
+(scores and softmax materialized, the paper's setting) and 'default' (what SDPA picks; for
+causal unpadded inputs on CPU that is a fused flash kernel, which never stores the scores; the
+backward node found is reported as ``attention_backward_nodes``).
 """
 
 from __future__ import annotations
