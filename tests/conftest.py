@@ -1,0 +1,15 @@
+"""Suite-wide settings: one intra-op thread.
+
+The tests run tiny models whose ops take microseconds; with several PyTorch threads on a 2-core
+machine they spend their time synchronizing threads (measured: test_generate.py 29 s with the
+default thread count under load, 3 s with one thread). Spawned multi-process tests set this in
+each child too.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
