@@ -66,6 +66,8 @@ class TrainConfig:
     """Write RUN_DIR/loss.png (train and validation curves) at the end, when matplotlib is installed."""
     progress: bool = True
     """Show a live progress line on the terminal."""
+    device: str = "auto"
+    """Device to train on: 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'."""
 
 
 @dataclass
@@ -113,8 +115,9 @@ class DataConfig:
 @dataclass
 class PrecisionConfig:
     dtype: str = "fp32"
-    """'fp32', 'bf16' (autocast; fp32 weights and optimizer), or 'fp16' (FP32 master weights
-    and a dynamic loss scaler, Micikevicius et al. 2017)."""
+    """'fp32'; 'bf16' (bf16 parameters, forward and backward; fp32 master weights, gradient
+    accumulation and optimizer states); or 'fp16' (the same with fp16, plus a dynamic loss
+    scaler; Micikevicius et al. 2017)."""
     initial_loss_scale: float = 65536.0
     """fp16: the loss scale to start from."""
     growth_interval: int = 1000
