@@ -21,6 +21,7 @@ and collect the reasons a meshlm config cannot be written as a given architectur
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -263,8 +264,6 @@ def require(hf_config: dict, architecture: str, name: str, allowed, meaning: str
 
 def blocks_of(config: ModelConfig, pattern_regex: str, description: str) -> list[str]:
     """[] if the block pattern (without '|') matches ``pattern_regex``, else one reason."""
-    import re
-
     pattern = "".join(config.block_kinds)
     if re.fullmatch(pattern_regex, pattern):
         return []
