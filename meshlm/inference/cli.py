@@ -104,6 +104,18 @@ def find_tokenizer(explicit: str | None, model_dir: Path, given_path: Path) -> T
     return None
 
 
+def choose_eos(explicit: int | None, tokenizer: Tokenizer | None, model_dir: Path) -> int | list[int] | None:
+    """``--eos-id``, else the tokenizer's eos, else the one a converted Hugging Face model declared."""
+    if explicit is not None:
+        return explicit
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    try:
+        return json.loads((model_dir / "config.json").read_text()).get("hf", {}).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     model_dir = resolve_model_dir(args.checkpoint)
@@ -114,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(model_dir, map_location=device)
     prompts = args.prompt_ids if args.prompt is None else [tokenizer.encode(text) for text in args.prompt]
-    eos_token_id = args.eos_id if args.eos_id is not None else (tokenizer.eos_token_id if tokenizer else None)
+    eos_token_id = choose_eos(args.eos_id, tokenizer, model_dir)
     valid_vocab_size = min(tokenizer.vocab_size, model.config.vocab_size) if tokenizer else None
     results = generate(model, prompts, args.max_new_tokens, sampling, eos_token_id=eos_token_id,
                        valid_vocab_size=valid_vocab_size)

@@ -60,10 +60,11 @@ def restrict_vocab(logits: torch.Tensor, valid_vocab_size: int | None) -> torch.
 
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
-             eos_token_id: int | None = None, pad_token_id: int = 0,
+             eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
              valid_vocab_size: int | None = None) -> list[list[int]]:
     """The new tokens of each prompt: at most ``max_new_tokens``, ending at eos if one is drawn.
 
+    ``eos_token_id`` may be one id or several (Hugging Face configs list several end tokens).
     ``valid_vocab_size`` limits sampling to the first ids of a padded vocabulary. The eos token,
     when drawn, is included as the last token of its row.
     """
@@ -102,7 +103,8 @@ def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id
         for row, token in zip(rows, next_ids.tolist()):
             new_tokens[row].append(token)
         if eos_token_id is not None:
-            unfinished = (next_ids != eos_token_id).nonzero().squeeze(-1)
+            eos_ids = torch.tensor(eos_token_id, device=device).reshape(-1)
+            unfinished = (~torch.isin(next_ids, eos_ids)).nonzero().squeeze(-1)
             if len(unfinished) < len(rows):
                 rows = [rows[i] for i in unfinished.tolist()]
                 next_ids = next_ids[unfinished]

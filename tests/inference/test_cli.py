@@ -129,3 +129,15 @@ def test_run_directory_resolves_to_the_latest_complete_step(capsys, tmp_path):
     assert code == 0
     assert [json.loads(out)["ids"]] == expected_ids(run / "checkpoints" / "step_10", [[3, 4]], 5,
                                                      SamplingConfig(greedy=True))
+
+
+def test_eos_falls_back_to_the_converted_hf_config(tmp_path):
+    import json
+
+    from meshlm.inference.cli import choose_eos
+
+    (tmp_path / "config.json").write_text(json.dumps({"format": "meshlm", "hf": {"eos_token_id": [2, 7]}}))
+    assert choose_eos(None, None, tmp_path) == [2, 7]
+    assert choose_eos(5, None, tmp_path) == 5
+    (tmp_path / "config.json").write_text(json.dumps({"format": "meshlm"}))
+    assert choose_eos(None, None, tmp_path) is None

@@ -105,3 +105,13 @@ def test_restores_training_mode_and_handles_zero_tokens():
 def test_bad_prompts_are_rejected(prompts, message):
     with pytest.raises(ConfigError, match=message):
         generate(tiny_model(PATTERNS["dense"]), prompts, 4, GREEDY)
+
+
+def test_any_of_several_eos_ids_ends_a_row():
+    model = tiny_model(PATTERNS["dense"])
+    reference = [generate_without_cache(model, prompt, 12) for prompt in PROMPTS[:2]]
+    first_eos, second_eos = reference[0][3], reference[1][5]
+    result = generate(model, PROMPTS[:2], 12, GREEDY, eos_token_id=[first_eos, second_eos])
+    for row, expected in zip(result, reference):
+        stop = min(expected.index(t) for t in (first_eos, second_eos) if t in expected)
+        assert row == expected[:stop + 1]
