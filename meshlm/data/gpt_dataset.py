@@ -93,8 +93,9 @@ class GPTDataset(torch.utils.data.Dataset):
     """``num_samples`` samples of ``seq_len`` tokens from one split of the token store ``prefix``.
 
     ``dataset[i]`` is ``{"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}``.
-    ``num_samples=None`` means one epoch's worth. ``indices_were_built`` tells whether this
-    instance built its indices (True) or loaded them from the cache (False).
+    ``num_samples=None`` means one epoch's worth; ``shuffle=False`` keeps documents and samples
+    in store order. ``indices_were_built`` tells whether this instance built its indices (True)
+    or loaded them from the cache (False).
     """
 
     def __init__(self, prefix: str | os.PathLike | TokenStore, seq_len: int, num_samples: int | None = None,

@@ -69,11 +69,13 @@ def preprocess(inputs: Iterable[str | os.PathLike], tokenizer_path: str | os.Pat
     progress = Progress(sum(path.stat().st_size for path in files), enabled=show_progress)
     batches = document_batches(files, text_key, progress.add_bytes)
     encoded = ordered_map(encode_batch, batches, workers, initialize_worker, (str(tokenizer_path), append_eos))
-    with TokenStoreWriter(out_prefix, tokenizer.vocab_size) as writer:
-        for source, tokens, lengths in encoded:
-            writer.add_documents(tokens, lengths, source=source)
-            progress.add_counts(len(lengths), tokens.size)
-    progress.close()
+    try:
+        with TokenStoreWriter(out_prefix, tokenizer.vocab_size) as writer:
+            for source, tokens, lengths in encoded:
+                writer.add_documents(tokens, lengths, source=source)
+                progress.add_counts(len(lengths), tokens.size)
+    finally:
+        progress.close()  # end the progress line, also before an error message
     return PreprocessResult(str(out_prefix), writer.num_documents, writer.num_tokens)
 
 
