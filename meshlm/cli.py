@@ -15,6 +15,7 @@ import sys
 COMMANDS = {
     "convert": ("meshlm.models.hf.cli", "convert between Hugging Face and meshlm checkpoints"),
     "generate": ("meshlm.inference.cli", "generate text from a meshlm model or checkpoint"),
+    "train": ("meshlm.training.cli", "train (or resume) a model from a YAML config and dotted overrides"),
     "tokenizer": ("meshlm.data.tokenizer_training", "train a byte-level BPE tokenizer"),
     "preprocess": ("meshlm.data.preprocess", "tokenize text files into a token store (PREFIX.bin + PREFIX.idx)"),
     "data": ("meshlm.data.cli", "data utilities: build the demo corpus, inspect a token store"),

@@ -1,0 +1,102 @@
+"""``meshlm train``: train (or resume) a model from a YAML config plus dotted overrides.
+
+    meshlm train configs/tiny.yaml
+    meshlm train configs/hybrid-tiny.yaml train.steps=2000 optim.lr=1e-3 train.run_dir=runs/h
+    python -m meshlm train configs/tiny.yaml          (the same)
+    torchrun --nproc_per_node 1 -m meshlm train configs/tiny.yaml
+    meshlm train --list-keys                          every key, its default and what it means
+
+Re-running the same command continues from the newest checkpoint in ``train.run_dir``. A bad
+config (unknown key, wrong type, invalid value) exits with status 2 and one sentence saying
+what to change; unknown keys come with the closest known names.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+import textwrap
+
+from meshlm.models.config import ConfigError
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", nargs="?", metavar="CONFIG.yaml", help="the run's YAML config")
+    parser.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
+                        help="override config values, e.g. train.steps=200 model.pattern='M*-E'")
+    parser.add_argument("--list-keys", action="store_true", help="print every config key with its default and meaning")
+
+
+def run(args) -> int:
+    if args.list_keys:
+        print("\n".join(key_descriptions()))
+        return 0
+    config_path, overrides = args.config, list(args.overrides)
+    if config_path is not None and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
+        config_path, overrides = None, [config_path, *overrides]  # only overrides, no file
+    if config_path is None and not overrides:
+        raise ConfigError("give a config file, e.g. `meshlm train configs/tiny.yaml` "
+                          "(`meshlm train --list-keys` lists every key).")
+    check_single_process()
+    from meshlm.config import load_run_config
+    from meshlm.training.trainer import train
+
+    config = load_run_config(config_path, overrides)
+    result = train(config)
+    summary = f"step {result.step}/{config.train.steps}"
+    if result.losses:
+        summary += f", last loss {result.losses[max(result.losses)]:.4f}"
+    if result.val_losses:
+        summary += f", last validation loss {result.val_losses[max(result.val_losses)]:.4f}"
+    print(f"meshlm train: done: {summary}; run directory {result.run_dir}")
+    return 0
+
+
+def check_single_process() -> None:
+    """Under torchrun with one process WORLD_SIZE is 1 and nothing changes; more is not built yet."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        raise ConfigError(f"WORLD_SIZE={world_size}: this version of `meshlm train` runs a single process; "
+                          "launch it with --nproc_per_node 1 (parallel training comes with the parallel configs).")
+
+
+# --- --list-keys --------------------------------------------------------------------------------------
+def field_docstrings(cls) -> dict[str, str]:
+    """The string literal written under each field of a dataclass (our config convention)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for statement, following in zip(body, body[1:]):
+        if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[statement.target.id] = following.value.value
+    return docs
+
+
+def first_sentence(text: str) -> str:
+    flat = " ".join(text.split())
+    end = flat.find(". ")
+    return flat if end < 0 else flat[:end + 1]
+
+
+def key_descriptions() -> list[str]:
+    """``section.key = default  first sentence of its docstring`` for every config key."""
+    from meshlm.config import SECTIONS
+
+    lines = []
+    for section, cls in SECTIONS.items():
+        docs = field_docstrings(cls)
+        for config_field in dataclasses.fields(cls):
+            if not config_field.init:
+                continue
+            default = (config_field.default_factory() if config_field.default_factory is not dataclasses.MISSING
+                       else config_field.default)
+            lines.append(f"{section}.{config_field.name} = {default!r}  # "
+                         f"{first_sentence(docs.get(config_field.name, ''))}")
+    return lines
+
+
+__all__ = ["add_arguments", "field_docstrings", "key_descriptions", "run"]

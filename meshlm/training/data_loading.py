@@ -1,0 +1,98 @@
+"""From a run's ``data`` and ``train`` sections to the datasets the trainer reads.
+
+The trainer needs two things from the data pipeline (``meshlm.data``):
+
+- a **train** dataset whose item ``i`` is sample ``i`` of one fixed global order, a dict
+  ``{"input_ids", "labels"}`` of ``seq_len`` tokens each. Step ``s`` reads samples
+  ``[s * global_batch_size, (s + 1) * global_batch_size)``, so "samples consumed" in a
+  checkpoint says exactly where a resumed run continues;
+- a **valid** dataset of ``eval_batches * micro_batch_size`` samples, read from its start at
+  every evaluation, so each validation loss is measured on the same sequences.
+
+Both are ``BlendedDataset``s (``meshlm/data/blend.py``): the corpora come from a blend file
+(``data.blend``, as written by ``meshlm data demo``) or from ``data.prefixes`` with
+``data.weights`` (default: proportional to each store's size). The train and valid parts are
+disjoint document ranges of every store (``data.split``).
+
+Before any step runs, the vocabulary is checked: every token store records the vocabulary
+size its ids lie below, and the tokenizer knows its own; the model's embedding must cover
+both, or the first batch would fail with an index error deep inside the embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from meshlm.data.blend import Blend, build_datasets, load_blend
+from meshlm.data.errors import DataError
+from meshlm.data.indexed import TokenStore
+from meshlm.data.tokenizer import load_tokenizer
+from meshlm.models.config import ConfigError
+
+
+@dataclass
+class TrainingData:
+    train: torch.utils.data.Dataset
+    """Sample i of the global training order at index i."""
+    valid: torch.utils.data.Dataset | None
+    """The fixed validation samples (None when train.eval_every is 0)."""
+    tokenizer_file: Path | None
+    """The tokenizer the data was built with (copied into every checkpoint), if known."""
+
+
+def resolve_blend(data) -> Blend:
+    """The corpora, weights and tokenizer named by a ``DataConfig``."""
+    if data.prefixes:
+        sizes = [TokenStore(prefix).num_tokens for prefix in data.prefixes]
+        weights = data.weights if data.weights is not None else [max(size, 1) for size in sizes]
+        blend = Blend(prefixes=list(data.prefixes), weights=list(weights), tokenizer=None)
+    elif data.blend:
+        if not Path(data.blend).is_file():
+            raise DataError(f"data.blend={data.blend}: no such blend file; run `meshlm data demo` to create the "
+                            "demo data, or point data.blend (or data.prefixes) at your own token stores.")
+        blend = load_blend(data.blend)
+    else:
+        raise ConfigError("the run has no data: set data.blend to a blend file or data.prefixes to token stores.")
+    if data.tokenizer is not None:
+        blend.tokenizer = data.tokenizer
+    return blend
+
+
+def check_vocabulary(blend: Blend, vocab_size: int) -> None:
+    """Raise ConfigError when token ids of the data or the tokenizer fall outside the model's vocabulary."""
+    sources = [(f"{TokenStore(prefix).idx_path} (token store)", TokenStore(prefix).vocab_size)
+               for prefix in blend.prefixes]
+    if blend.tokenizer is not None:
+        sources.append((f"{blend.tokenizer} (tokenizer)", load_tokenizer(blend.tokenizer).vocab_size))
+    for source, needed in sources:
+        if needed > vocab_size:
+            raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of {source}, which "
+                              f"has {needed} ids; set model.vocab_size={needed} (or a larger padded size).")
+
+
+def build_training_data(config) -> TrainingData:
+    """The train and valid datasets of a ``RunConfig``, with the vocabulary checked."""
+    data, train = config.data, config.train
+    blend = resolve_blend(data)
+    check_vocabulary(blend, config.model.vocab_size)
+    num_samples = {"train": train.steps * train.global_batch_size}
+    if train.eval_every > 0:
+        num_samples["valid"] = train.eval_batches * train.micro_batch_size
+    datasets = build_datasets(blend, train.seq_len, num_samples, seed=train.seed, split=data.split,
+                              cache_dir=data.cache_dir)
+    return TrainingData(train=datasets["train"], valid=datasets.get("valid"),
+                        tokenizer_file=Path(blend.tokenizer) if blend.tokenizer is not None else None)
+
+
+def read_batch(dataset: torch.utils.data.Dataset, start: int, size: int,
+               device: torch.device) -> dict[str, torch.Tensor]:
+    """Samples ``start .. start + size - 1`` of ``dataset``, stacked into [size, seq_len] tensors."""
+    samples = [dataset[index] for index in range(start, start + size)]
+    return {key: torch.stack([sample[key] for sample in samples]).to(device, non_blocking=True)
+            for key in ("input_ids", "labels")}
+
+
+__all__ = ["TrainingData", "build_training_data", "check_vocabulary", "read_batch", "resolve_blend"]

@@ -1,0 +1,177 @@
+"""The single-process trainer: learning, accumulation, exact resume, checkpoint safety, metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm.checkpoint.model_files import CheckpointError
+from meshlm.checkpoint.training_checkpoint import checkpoint_dirs, latest_checkpoint
+from meshlm.training.metrics import read_metrics
+from meshlm.training.trainer import Trainer, train
+
+STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "loss_scale", "skipped_steps", "loss_lm"}
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r and "event" not in r]
+
+
+def tree_digest(directory: Path) -> dict[str, str]:
+    return {str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+class SimulatedCrash(RuntimeError):
+    pass
+
+
+def crash_after(monkeypatch, step: int) -> None:
+    """Make the trainer die right after finishing ``step`` (logged, evaluated, maybe saved)."""
+    original = Trainer.after_step
+
+    def after_step(self, *args):
+        original(self, *args)
+        if self.state.step == step:
+            raise SimulatedCrash(f"killed after step {step}")
+
+    monkeypatch.setattr(Trainer, "after_step", after_step)
+
+
+def test_loss_falls_and_outputs_are_written(make_config):
+    config = make_config("train.steps=30", "train.log_every=5", "train.eval_every=10", "train.save_every=10",
+                         "train.tensorboard=true", "train.plot=true")
+    result = train(config)
+    run_dir = Path(config.train.run_dir)
+    losses = [result.losses[step] for step in sorted(result.losses)]
+    assert result.step == 30 and len(losses) == 30
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5
+    records = step_records(run_dir)
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
+    assert all(STEP_KEYS <= set(r) for r in records)
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["loss_scale"] == 1.0 for r in records)
+    validation = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
+    assert [r["step"] for r in validation] == [10, 20, 30] == sorted(result.val_losses)
+    assert validation[-1]["val_loss"] < validation[0]["val_loss"]
+    header = read_metrics(run_dir / "metrics.jsonl")[0]
+    assert header["event"] == "start" and header["peak_flops"] > 0 and "measured" in header["peak_flops_source"]
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    checkpoint = latest_checkpoint(run_dir)
+    assert checkpoint.name == "step_30" and (checkpoint / "tokenizer.json").is_file()
+
+
+def test_gradient_accumulation_matches_one_large_micro_batch(make_config, tmp_path):
+    def config(micro: int):
+        return make_config("train.global_batch_size=8", f"train.micro_batch_size={micro}", "train.steps=3",
+                           "train.eval_every=0", "train.save_every=0", f"train.run_dir={tmp_path / str(micro)}")
+
+    accumulated, single = Trainer(config(2)), Trainer(config(8))
+    gradients = {}
+    for trainer in (accumulated, single):
+        assert len(trainer.next_micro_batches()) == 8 // trainer.config.train.micro_batch_size
+        trainer.forward_backward(trainer.next_micro_batches())
+        trainer.finish_gradients()
+        gradients[trainer] = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+        trainer.optimizer.zero_grad(set_to_none=True)
+    for name, gradient in gradients[accumulated].items():
+        torch.testing.assert_close(gradient, gradients[single][name], rtol=0, atol=1e-6)
+    # Whole steps, optimizer included: the same losses (Adam amplifies 1e-7 gradient differences
+    # in near-zero coordinates, so the weights themselves are compared via the losses they give).
+    losses_accumulated, losses_single = accumulated.run().losses, single.run().losses
+    for step in (1, 2, 3):
+        assert losses_accumulated[step] == pytest.approx(losses_single[step], abs=1e-6)
+
+
+def test_resume_after_a_crash_is_bitwise_identical(make_config, tmp_path, monkeypatch):
+    settings = ("train.steps=6", "train.save_every=3", "train.eval_every=3")
+    uninterrupted = make_config(*settings, f"train.run_dir={tmp_path / 'whole'}")
+    train(uninterrupted)
+    interrupted = make_config(*settings, f"train.run_dir={tmp_path / 'crashed'}")
+    with monkeypatch.context() as patch:
+        crash_after(patch, 5)  # steps 4 and 5 are logged, then lost: the checkpoint is at step 3
+        with pytest.raises(SimulatedCrash):
+            train(interrupted)
+    assert [r["step"] for r in step_records(tmp_path / "crashed")] == [1, 2, 3, 4, 5]
+    result = train(interrupted)
+    assert sorted(result.losses) == [4, 5, 6]  # resumed at step 3
+
+    expected, resumed = step_records(tmp_path / "whole"), step_records(tmp_path / "crashed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # the lost steps 4, 5 are not duplicated
+    for before, after in zip(expected, resumed):
+        assert (before["loss"], before["grad_norm"], before["lr"]) == (after["loss"], after["grad_norm"], after["lr"])
+
+    def validation(run: str):
+        return [(r["step"], r["val_loss"]) for r in read_metrics(tmp_path / run / "metrics.jsonl") if "val_loss" in r]
+    assert validation("whole") == validation("crashed")
+    whole = torch.load(tmp_path / "whole/checkpoints/step_6/optimizer.pt", weights_only=True)
+    again = torch.load(tmp_path / "crashed/checkpoints/step_6/optimizer.pt", weights_only=True)
+    assert all(torch.equal(whole["state"][i]["exp_avg"], again["state"][i]["exp_avg"]) for i in whole["state"])
+
+
+def test_keeps_only_the_last_checkpoints(make_config):
+    config = make_config("train.steps=5", "train.save_every=1", "train.keep_checkpoints=2", "train.eval_every=0")
+    train(config)
+    assert [step for step, _ in checkpoint_dirs(config.train.run_dir)] == [4, 5]
+
+
+def test_an_interrupted_save_is_ignored(make_config):
+    train(make_config("train.steps=2"))
+    run_dir = Path(make_config().train.run_dir)
+    partial = run_dir / "checkpoints" / "step_4.tmp-crashed"
+    shutil.copytree(run_dir / "checkpoints" / "step_2", partial)
+    (partial / "trainer_state.json").unlink()
+    (partial / "model.safetensors").write_bytes(b"half a file")
+    assert latest_checkpoint(run_dir).name == "step_2"
+
+    result = train(make_config("train.steps=4"))
+    assert sorted(result.losses) == [3, 4]  # resumed from step_2, not from the broken step_4
+    assert not partial.exists()  # removed once a complete checkpoint was written
+    assert [step for step, _ in checkpoint_dirs(run_dir)] == [2, 4]
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda ckpt: (ckpt / "optimizer.pt").write_bytes((ckpt / "optimizer.pt").read_bytes()[:100]), "optimizer.pt"),
+    (lambda ckpt: (ckpt / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:50]),
+     "model.safetensors"),
+    (lambda ckpt: (ckpt / "rng.pt").unlink(), "rng.pt"),
+])
+def test_a_corrupt_checkpoint_fails_clearly_and_is_left_alone(make_config, damage, named):
+    train(make_config("train.steps=2", "train.save_every=1", "train.eval_every=0"))
+    run_dir = Path(make_config().train.run_dir)
+    damage(run_dir / "checkpoints" / "step_2")
+    before = tree_digest(run_dir / "checkpoints")
+    with pytest.raises(CheckpointError, match=named):
+        train(make_config("train.steps=4", "train.save_every=1", "train.eval_every=0"))
+    assert tree_digest(run_dir / "checkpoints") == before
+
+
+def test_a_different_model_is_refused(make_config):
+    train(make_config("train.steps=2"))
+    run_dir = Path(make_config().train.run_dir)
+    before = tree_digest(run_dir / "checkpoints")
+    with pytest.raises(CheckpointError, match=r"model.hidden_size: checkpoint 32 vs config 48"):
+        train(make_config("train.steps=4", "model.hidden_size=48"))
+    assert tree_digest(run_dir / "checkpoints") == before
+
+
+def test_moe_run_logs_each_loss_term_and_expert_load(make_config):
+    config = make_config("model.pattern=*E", "model.moe_num_experts=4", "model.moe_top_k=2",
+                         "model.moe_ffn_hidden_size=32", "model.moe_aux_loss_coeff=0.01",
+                         "model.moe_z_loss_coeff=0.001", "train.steps=2", "train.eval_every=0")
+    train(config)
+    for record in step_records(Path(config.train.run_dir)):
+        assert {"loss_lm", "loss_moe_aux", "loss_moe_z", "moe_max_load", "moe_min_load"} <= set(record)
+        combined = record["loss_lm"] + 0.01 * record["loss_moe_aux"] + 0.001 * record["loss_moe_z"]
+        assert record["loss"] == pytest.approx(combined, rel=1e-5)
+        assert record["moe_min_load"] <= 1.0 <= record["moe_max_load"]
+
+
+def test_a_finished_run_does_nothing_more(make_config):
+    train(make_config("train.steps=2"))
+    result = train(make_config("train.steps=2"))
+    assert result.step == 2 and result.losses == {}
