@@ -32,8 +32,8 @@ import os
 import pickle
 import random
 import re
+import secrets
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -120,7 +120,8 @@ def save_checkpoint(run_dir: str | os.PathLike, state: TrainerState, model: torc
     root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step}"
-    temporary = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=root))
+    temporary = root / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    temporary.mkdir()  # unlike tempfile.mkdtemp, keeps the umask's permissions for the final folder
     try:
         save_model(model, temporary, extra_config={"run": run_config.to_dict()})
         if tokenizer_file is not None:
