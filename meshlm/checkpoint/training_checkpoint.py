@@ -54,6 +54,7 @@ STATE_FILE = "trainer_state.json"
 REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, PRECISION_FILE, RNG_FILE, RUN_CONFIG_FILE, STATE_FILE)
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 STEP_DIR = re.compile(r"step_(\d+)")
+MOVE_AWAY_HINT = "move {directory} out of the checkpoints folder to resume from the one before it."
 
 
 @dataclass
@@ -205,14 +206,14 @@ def read_checkpoint(directory: str | os.PathLike, model_config) -> TrainingCheck
     directory = Path(directory)
     missing = [name for name in REQUIRED_FILES if not (directory / name).is_file()]
     if missing:
-        raise CheckpointError(f"{directory} is incomplete: missing {', '.join(missing)}. Delete this folder "
-                              "to resume from the previous checkpoint, or use a new train.run_dir.")
+        raise CheckpointError(f"{directory} is incomplete: missing {', '.join(missing)}; "
+                              f"{MOVE_AWAY_HINT.format(directory=directory)}")
     check_model_config(directory / CONFIG_FILE, model_config)
     try:
         model_state = load_file(str(directory / WEIGHTS_FILE))
     except (SafetensorError, OSError, ValueError) as error:
         raise CheckpointError(f"{directory / WEIGHTS_FILE}: unreadable or truncated safetensors file "
-                              f"({error}).") from error
+                              f"({error}); {MOVE_AWAY_HINT.format(directory=directory)}") from error
     try:
         trainer_state = TrainerState.from_dict(json.loads((directory / STATE_FILE).read_text()))
     except (json.JSONDecodeError, TypeError) as error:
@@ -226,7 +227,8 @@ def _torch_load(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as error:
-        raise CheckpointError(f"{path}: unreadable or truncated ({str(error).splitlines()[0]}).") from error
+        raise CheckpointError(f"{path}: unreadable or truncated ({str(error).splitlines()[0]}); "
+                              f"{MOVE_AWAY_HINT.format(directory=path.parent)}") from error
 
 
 def check_model_config(config_path: Path, model_config) -> None:

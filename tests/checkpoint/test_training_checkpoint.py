@@ -137,7 +137,8 @@ def test_truncated_files_are_named(tmp_path, name):
     run = make_run()
     path = save(tmp_path, 1, run)
     (path / name).write_bytes((path / name).read_bytes()[:64])
-    with pytest.raises(CheckpointError, match=rf"{name}: unreadable or truncated"):
+    with pytest.raises(CheckpointError, match=rf"{name}: unreadable or truncated.*; move \S+step_1 out of the "
+                                              r"checkpoints folder to resume from the one before it"):
         read_checkpoint(path, run[0].model)
 
 
