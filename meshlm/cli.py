@@ -19,6 +19,7 @@ COMMANDS = {
     "tokenizer": ("meshlm.data.tokenizer_training", "train a byte-level BPE tokenizer"),
     "preprocess": ("meshlm.data.preprocess", "tokenize text files into a token store (PREFIX.bin + PREFIX.idx)"),
     "data": ("meshlm.data.cli", "data utilities: build the demo corpus, inspect a token store"),
+    "demo": ("meshlm.demo", "build the demo corpus, train a small hybrid model, plot and sample from it"),
 }
 
 

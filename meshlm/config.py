@@ -46,7 +46,8 @@ class TrainConfig:
     log_every: int = 10
     """Write a metrics.jsonl line (and TensorBoard scalars) every this many steps."""
     eval_every: int = 50
-    """Run validation every this many steps (0 = never; always once at the end if > 0)."""
+    """Run validation every this many steps (0 = never; when > 0 also once before the first
+    step and once at the end)."""
     eval_batches: int = 8
     """Validation micro-batches per evaluation."""
     save_every: int = 100

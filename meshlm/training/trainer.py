@@ -257,6 +257,10 @@ class Trainer:
         result = TrainResult(run_dir=self.run_dir, step=self.state.step)
         self.open_logs()
         try:
+            if self.state.step == 0:  # the starting point of the validation curve
+                val_loss = self.maybe_evaluate(final=False)
+                if val_loss is not None:
+                    result.val_losses[0] = val_loss
             while self.state.step < train.steps:
                 started = time.perf_counter()
                 step_result = self.train_step()

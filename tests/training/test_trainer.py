@@ -55,7 +55,7 @@ def test_loss_falls_and_outputs_are_written(make_config):
     assert all(STEP_KEYS <= set(r) for r in records)
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["loss_scale"] == 1.0 for r in records)
     validation = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
-    assert [r["step"] for r in validation] == [10, 20, 30] == sorted(result.val_losses)
+    assert [r["step"] for r in validation] == [0, 10, 20, 30] == sorted(result.val_losses)  # 0: the start
     assert validation[-1]["val_loss"] < validation[0]["val_loss"]
     header = read_metrics(run_dir / "metrics.jsonl")[0]
     assert header["event"] == "start" and header["peak_flops"] > 0 and "measured" in header["peak_flops_source"]
