@@ -134,12 +134,51 @@ class PrecisionConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size (Shoeybi et al. 2019): each block's heads / FFN width / Mamba heads
+    are split across this many ranks. TP groups are adjacent ranks (inside a node)."""
+    dp: int | None = None
+    """Data-parallel size. None means whatever is left of the world: world / (tp * pp * cp)."""
+    sp: bool = False
+    """Sequence parallelism (Korthikanti et al. 2022, needs tp > 1): norms and the residual stream
+    are sharded along the sequence between blocks; all-gather before column-parallel layers and
+    reduce-scatter after row-parallel ones."""
+    pp: int = 1
+    """Pipeline-parallel size (not built yet: must be 1)."""
+    vp: int = 1
+    """Virtual pipeline stages per rank for the interleaved schedule (not built yet: must be 1)."""
+    cp: int = 1
+    """Context-parallel size (not built yet: must be 1)."""
+    ep: int = 1
+    """Expert-parallel size (not built yet: must be 1; MoE experts are split by tp on their FFN width)."""
+    etp: int | None = None
+    """Expert tensor-parallel size (not built yet: must be null or equal to tp)."""
+    distributed_optimizer: bool = False
+    """ZeRO stage 1: shard fp32 master weights and optimizer states over the DP group;
+    gradients are reduce-scattered and parameters all-gathered."""
+    bucket_size_mb: float = 25.0
+    """Gradients are reduced across DP in buckets of about this many MB, launched during backward
+    as soon as a bucket's gradients are ready."""
+    overlap_grad_reduce: bool = True
+    """Launch each bucket's DP reduction asynchronously during backward (else after it)."""
+    vocab_pad_multiple: int = 1
+    """The vocabulary is padded to a multiple of tp * vocab_pad_multiple for the vocab-parallel
+    embedding and loss; padded ids are masked out of the loss and generation."""
+    backend: str = "auto"
+    """torch.distributed backend: 'auto' (nccl with CUDA, gloo without), 'nccl' or 'gloo'."""
+    timeout_s: float = 600.0
+    """Collective timeout: a rank that dies makes the others fail after this long, not hang."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict:
         return {name: section_to_dict(getattr(self, name)) for name in SECTIONS}
@@ -164,13 +203,39 @@ class RunConfig:
         if optim.warmup_steps < 0 or train.eval_every < 0 or train.save_every < 0 or train.grad_clip < 0:
             raise ConfigError("optim.warmup_steps, train.eval_every, train.save_every and train.grad_clip "
                               "must be >= 0.")
+        validate_parallel(self.parallel)
         if self.data.weights is not None and len(self.data.weights) != len(self.data.prefixes):
             raise ConfigError(f"data.weights has {len(self.data.weights)} entries but data.prefixes has "
                               f"{len(self.data.prefixes)}; give one weight per prefix (or null).")
 
 
+def validate_parallel(parallel: ParallelConfig) -> None:
+    """Checks that need no world size; the layout against the world and the model is checked by
+    ``meshlm.parallel.mesh.check_layout`` before any collective runs."""
+    for name in ("tp", "pp", "vp", "cp", "ep", "vocab_pad_multiple"):
+        if not isinstance(getattr(parallel, name), int) or getattr(parallel, name) < 1:
+            raise ConfigError(f"parallel.{name}={getattr(parallel, name)!r} must be a positive integer.")
+    if parallel.dp is not None and parallel.dp < 1:
+        raise ConfigError(f"parallel.dp={parallel.dp} must be a positive integer, or null for the rest of the world.")
+    coming = {"pp": "pipeline parallelism", "vp": "the interleaved pipeline schedule",
+              "cp": "context parallelism", "ep": "expert parallelism"}
+    for name, feature in coming.items():
+        if getattr(parallel, name) != 1:
+            raise ConfigError(f"parallel.{name}={getattr(parallel, name)}: {feature} is not built yet; "
+                              f"set parallel.{name}=1.")
+    if parallel.etp is not None and parallel.etp != parallel.tp:
+        raise ConfigError(f"parallel.etp={parallel.etp}: a separate expert tensor-parallel size is not built yet; "
+                          "leave it null (experts are split by parallel.tp).")
+    if parallel.sp and parallel.tp == 1:
+        raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards along the "
+                          "tensor-parallel group); set parallel.tp or parallel.sp=false.")
+    _choice("parallel.backend", parallel.backend, ("auto", "nccl", "gloo"))
+    if parallel.bucket_size_mb <= 0 or parallel.timeout_s <= 0:
+        raise ConfigError("parallel.bucket_size_mb and parallel.timeout_s must be > 0.")
+
+
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "optim": OptimConfig,
-            "data": DataConfig, "precision": PrecisionConfig}
+            "data": DataConfig, "precision": PrecisionConfig, "parallel": ParallelConfig}
 
 
 def section_to_dict(section) -> dict:
