@@ -1,44 +1,54 @@
 """Run a function in N real gloo processes on CPU: the harness of the multi-process tests.
 
 Distributed code is tested with real ``torch.distributed`` (never mocked): ``run_distributed(fn,
-world_size, *args)`` spawns ``world_size`` fresh Python processes, joins them into a gloo process
-group through a file in a temporary folder, calls ``fn(*args, **kwargs)`` in each and returns the
-list of their return values, indexed by rank. ``fn`` must be a top-level function of an importable
-module or of a test file; inside it ``dist.get_rank()`` is the rank, and ``RANK``, ``WORLD_SIZE``
-and ``LOCAL_RANK`` are set as torchrun sets them, so ``build_parallel_context`` works unchanged.
+world_size, *args)`` runs ``fn(*args, **kwargs)`` in ``world_size`` spawned Python processes
+joined into a fresh gloo process group (rendezvous through a file in a new temporary folder) and
+returns the list of their return values, indexed by rank. ``fn`` must be a top-level function of
+an importable module or of a test file; inside it ``dist.get_rank()`` is the rank, and ``RANK``,
+``WORLD_SIZE`` and ``LOCAL_RANK`` are set as torchrun sets them, so ``build_parallel_context``
+works unchanged. The process group is destroyed when fn returns.
 
 The harness lives in the package (not a conftest) because pytest imports test files with
 ``--import-mode=importlib``, where test files cannot import each other; any test can import this.
 
+Reused processes. Starting a Python process that imports torch costs about 2 s of CPU; a world
+of 4 on a 2-core machine took 7-12 s to start, per call. So the spawned processes are kept
+(``daemon``) after a successful call and serve the next one: worker i always plays rank i, each
+call gets a new process group, and a call needing more ranks spawns the missing workers. A
+call that fails or times out kills the workers it used, and the next call starts fresh ones.
+``fresh_processes=True`` (or ``MESHLM_TEST_FRESH_PROCESSES=1``) spawns new ones for one call.
+
 Failures must be loud and quick, never a hung CI job:
 
-* a rank that raises writes its traceback to a file; the parent gives the others a moment, kills
-  those still running (they would wait forever in a collective the failed rank never enters) and
-  raises ``DistributedRunError`` with every failed rank's traceback;
-* a run still going after ``timeout_s`` is killed and raises ``DistributedTimeout`` naming the
+* a rank that raises sends its traceback; the parent gives the others a moment, kills those still
+  running (they would wait forever in a collective the failed rank never enters) and raises
+  ``DistributedRunError`` with every failed rank's traceback;
+* a call still going after ``timeout_s`` is killed and raises ``DistributedTimeout`` naming the
   ranks that had not finished (the process group gets the same timeout, so a stuck collective
   also fails on its own);
 * a rank that dies without a Python exception (killed, crashed) is reported by its exit code.
 
-How fn travels: spawned children do not share the parent's ``sys.modules``, and a test file
-loaded by importlib mode is not importable by name. So the child loads fn's file under the
+How fn travels: spawned processes do not share the parent's ``sys.modules``, and a test file
+loaded by importlib mode is not importable by name. So the worker loads fn's file under the
 module name the parent gave it, *then* unpickles the arguments (which may refer to that module),
-runs fn and saves the result with ``torch.save``; the parent loads it. Each child uses one
-intra-op thread (the tests are tiny and the machine small).
+runs fn and sends the result back serialized by ``torch.save``.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib
 import importlib.util
+import io
 import os
 import pickle
 import sys
 import tempfile
 import time
 import traceback
-from multiprocessing.connection import wait
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.distributed as dist
@@ -57,17 +67,11 @@ GRACE_AFTER_FAILURE_S = 3.0
 """After one rank fails, how long the others may still finish on their own before being killed."""
 
 
-def _function_reference(fn) -> tuple[str, str, str]:
-    if "<locals>" in fn.__qualname__ or "<lambda>" in fn.__qualname__:
-        raise ValueError(f"run_distributed needs a top-level function (spawned processes import it by "
-                         f"name), got {fn.__qualname__}; move it to module level.")
-    module = sys.modules[fn.__module__]
-    return fn.__module__, os.path.abspath(module.__file__), fn.__qualname__
-
+# --- in the worker -------------------------------------------------------------------------------
 
 def _load_function(module_name: str, file: str, qualname: str):
-    """Import fn's module in the child: normally when it is importable from the same file,
-    otherwise (a test file) from its path under the parent's module name."""
+    """Import fn's module: normally when it is importable from the same file, otherwise (a test
+    file) from its path under the parent's module name."""
     module = sys.modules.get(module_name)
     if module is None:
         try:
@@ -87,82 +91,136 @@ def _load_function(module_name: str, file: str, qualname: str):
     return function
 
 
-def _child(rank: int, world_size: int, folder: str, reference, payload: bytes, timeout_s: float) -> None:
+def _run_task(rank: int, world_size: int, folder: str, reference, payload: bytes, timeout_s: float) -> bytes:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
-        function = _load_function(*reference)
-        args, kwargs = pickle.loads(payload)
-        result = function(*args, **kwargs)
-        partial = os.path.join(folder, f"result_{rank}.partial")
-        torch.save(result, partial)
-        os.replace(partial, os.path.join(folder, f"result_{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(folder, f"error_{rank}.txt"), "w") as file:
-            file.write(traceback.format_exc())
-        sys.stderr.flush()
-        os._exit(1)  # skip the group's teardown: the other ranks may be stuck waiting for this one
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    function = _load_function(*reference)
+    args, kwargs = pickle.loads(payload)
+    result = function(*args, **kwargs)
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
     dist.destroy_process_group()
+    torch.set_grad_enabled(True)
+    torch.set_default_dtype(torch.float32)
+    return buffer.getvalue()
 
 
-def _wait(processes, deadline: float) -> bool:
-    """Wait until every process has exited (True), a process failed and the grace period has
-    passed, or the deadline (False if processes are still alive)."""
-    failed_at = None
+def _worker(connection: Connection) -> None:
+    """Serve tasks until the pipe closes. After a failure the worker exits at once, without the
+    group's teardown: the other ranks may be stuck waiting for this one."""
+    torch.set_num_threads(1)
     while True:
-        alive = [process for process in processes if process.exitcode is None]
-        if not alive:
-            return True
-        if failed_at is None and any(process.exitcode not in (None, 0) for process in processes):
-            failed_at = time.monotonic()
+        try:
+            task = connection.recv()
+        except EOFError:
+            return
+        try:
+            connection.send(("ok", _run_task(*task)))
+        except BaseException:
+            connection.send(("error", traceback.format_exc()))
+            sys.stderr.flush()
+            os._exit(1)
+
+
+# --- in the parent -------------------------------------------------------------------------------
+
+@dataclass
+class _Worker:
+    process: object
+    connection: Connection
+
+
+_workers: list[_Worker] = []
+"""Worker i plays rank i; kept between calls."""
+
+
+def _spawn_worker() -> _Worker:
+    context = torch.multiprocessing.get_context("spawn")
+    parent_end, child_end = context.Pipe()
+    process = context.Process(target=_worker, args=(child_end,), daemon=True, name="meshlm-test-rank")
+    process.start()
+    child_end.close()  # so that the parent sees EOF when the worker dies
+    return _Worker(process, parent_end)
+
+
+def _kill(workers: list[_Worker]) -> None:
+    for worker in workers:
+        if worker.process.is_alive():
+            worker.process.kill()
+        worker.process.join()
+        worker.connection.close()
+
+
+def _shut_down_pool() -> None:
+    _kill(_workers)
+    _workers.clear()
+
+
+atexit.register(_shut_down_pool)
+
+
+def _function_reference(fn) -> tuple[str, str, str]:
+    if "<locals>" in fn.__qualname__ or "<lambda>" in fn.__qualname__:
+        raise ValueError(f"run_distributed needs a top-level function (spawned processes import it by "
+                         f"name), got {fn.__qualname__}; move it to module level.")
+    module = sys.modules[fn.__module__]
+    return fn.__module__, os.path.abspath(module.__file__), fn.__qualname__
+
+
+def _collect(workers: list[_Worker], timeout_s: float) -> tuple[list, dict[int, str], list[int]]:
+    """Wait for every rank's message: (results by rank, failure messages by rank, ranks still
+    running at the deadline or after the grace period that follows a failure)."""
+    waiting = {worker.connection: rank for rank, worker in enumerate(workers)}
+    results, failures = [None] * len(workers), {}
+    deadline, failed_at = time.monotonic() + timeout_s, None
+    while waiting:
         limit = deadline if failed_at is None else min(deadline, failed_at + GRACE_AFTER_FAILURE_S)
         if time.monotonic() >= limit:
-            return False
-        wait([process.sentinel for process in alive], timeout=min(0.5, max(0.0, limit - time.monotonic())))
+            break
+        for connection in wait(list(waiting), timeout=limit - time.monotonic()):
+            rank = waiting.pop(connection)
+            try:
+                status, content = connection.recv()
+            except EOFError:
+                workers[rank].process.join(timeout=5)
+                status, content = "died", workers[rank].process.exitcode
+            if status == "ok":
+                results[rank] = content
+                continue
+            failures[rank] = (f"rank {rank} raised:\n{content}" if status == "error" else
+                              f"rank {rank} died with exit code {content} (a signal or crash, no Python exception).")
+            failed_at = failed_at or time.monotonic()
+    return results, failures, sorted(waiting.values())
 
 
-def _failure_report(processes, folder: str, world_size: int, timed_out: list[int]) -> str:
-    lines = []
-    for rank, process in enumerate(processes):
-        error_file = os.path.join(folder, f"error_{rank}.txt")
-        if os.path.exists(error_file):
-            with open(error_file) as file:
-                lines.append(f"rank {rank} of {world_size} raised:\n{file.read()}")
-        elif rank not in timed_out and process.exitcode not in (0, None):
-            lines.append(f"rank {rank} of {world_size} died with exit code {process.exitcode} "
-                         "(a signal or crash, no Python exception).")
-    return "\n".join(lines)
-
-
-def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, **kwargs) -> list:
-    """Call ``fn(*args, **kwargs)`` in ``world_size`` spawned gloo processes; return the results
-    by rank. Raises ``DistributedRunError`` (with the failing ranks' tracebacks) or
-    ``DistributedTimeout`` (after killing every process still running)."""
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, fresh_processes: bool = False,
+                    **kwargs) -> list:
+    """Call ``fn(*args, **kwargs)`` in ``world_size`` gloo processes; return the results by rank.
+    Raises ``DistributedRunError`` (with the failing ranks' tracebacks) or ``DistributedTimeout``
+    (after killing every process still running)."""
     reference = _function_reference(fn)
     payload = pickle.dumps((args, kwargs))
-    spawn = torch.multiprocessing.get_context("spawn")
+    if fresh_processes or os.environ.get("MESHLM_TEST_FRESH_PROCESSES") == "1":
+        _shut_down_pool()
+    while len(_workers) < world_size:
+        _workers.append(_spawn_worker())
+    workers = _workers[:world_size]
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meshlm_dist_") as folder:
-        processes = [spawn.Process(target=_child, args=(rank, world_size, folder, reference, payload, timeout_s),
-                                   daemon=True, name=f"meshlm-rank-{rank}") for rank in range(world_size)]
-        for process in processes:
-            process.start()
-        started = time.monotonic()
-        finished = _wait(processes, started + timeout_s)
-        still_running = [rank for rank, process in enumerate(processes) if process.exitcode is None]
-        for process in processes:
-            if process.exitcode is None:
-                process.kill()
-            process.join()
-        report = _failure_report(processes, folder, world_size, still_running)
-        if report:
-            killed = f"\n(ranks {still_running} were still running and were killed.)" if still_running else ""
-            raise DistributedRunError(report + killed)
-        if not finished:
-            raise DistributedTimeout(f"ranks {still_running} of {world_size} were still running after "
-                                     f"{time.monotonic() - started:.0f} s (timeout_s={timeout_s}) and were "
-                                     "killed; a collective that not every rank entered?")
-        return [torch.load(os.path.join(folder, f"result_{rank}.pt"), weights_only=False)
-                for rank in range(world_size)]
+        for rank, worker in enumerate(workers):
+            worker.connection.send((rank, world_size, folder, reference, payload, timeout_s))
+        results, failures, still_running = _collect(workers, timeout_s)
+        if failures or still_running:
+            _kill(workers)
+            del _workers[:world_size]
+    if failures:
+        killed = f"\n(ranks {still_running} were still running and were killed.)" if still_running else ""
+        raise DistributedRunError(f"{len(failures)} of {world_size} ranks failed.\n"
+                                  + "\n".join(failures[rank] for rank in sorted(failures)) + killed)
+    if still_running:
+        raise DistributedTimeout(f"ranks {still_running} of {world_size} were still running after "
+                                 f"{time.monotonic() - started:.0f} s (timeout_s={timeout_s}) and were "
+                                 "killed; a collective that not every rank entered?")
+    return [torch.load(io.BytesIO(result), weights_only=False) for result in results]
