@@ -135,11 +135,11 @@ class Mamba2Mixer(nn.Module):
 
     # --- forward -----------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, context) -> torch.Tensor:
-        batch, seq_len, _ = hidden.shape
         token_mask = context.token_mask
         state = None if context.cache is None else context.cache.state_for(self.layer_index, MambaCache)
 
         z, xBC, dt_raw = self.split_projection(self.in_proj(zero_padding(hidden, token_mask)))
+        seq_len = xBC.shape[1]  # the whole sequence, also when in_proj gathers a sequence-parallel slice
         if state is None:  # training: no window to continue, the built-in causal padding does it
             xBC = F.silu(self.conv1d(xBC.transpose(1, 2))[..., :seq_len]).transpose(1, 2)
         else:
