@@ -1,0 +1,90 @@
+"""The (dp, tp) mesh: TP groups are adjacent ranks, DP groups strided by tp; layouts that do not
+divide are refused before any collective, with a message naming the numbers."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshlm.config import ParallelConfig
+from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.parallel.mesh import build_parallel_context, check_layout
+from meshlm.parallel.testing import run_distributed
+
+
+def group_layout(tp: int) -> dict:
+    context = build_parallel_context(ParallelConfig(tp=tp), ModelConfig(pattern="*-"), torch.device("cpu"))
+
+    def ranks(group):
+        return None if group is None else tuple(dist.get_process_group_ranks(group))
+
+    tp_sum = torch.tensor([float(context.rank)])
+    if context.tp_group is not None:
+        dist.all_reduce(tp_sum, group=context.tp_group)  # the groups really communicate
+    return {"rank": context.rank, "tp": (context.tp_size, context.tp_rank, ranks(context.tp_group)),
+            "dp": (context.dp_size, context.dp_rank, ranks(context.dp_group)), "tp_sum": tp_sum.item()}
+
+
+@pytest.mark.parametrize("world_size, tp", [(4, 2), (4, 4), (4, 1), (8, 4)])
+def test_tensor_parallel_groups_are_adjacent_ranks(world_size, tp):
+    dp = world_size // tp
+    for rank, layout in enumerate(run_distributed(group_layout, world_size, tp, timeout_s=120)):
+        tp_members = tuple(range(rank - rank % tp, rank - rank % tp + tp))
+        dp_members = tuple(range(rank % tp, world_size, tp))
+        assert layout["rank"] == rank
+        assert layout["tp"] == (tp, rank % tp, tp_members if tp > 1 else None)
+        assert layout["dp"] == (dp, rank // tp, dp_members if dp > 1 else None)
+        assert layout["tp_sum"] == (sum(tp_members) if tp > 1 else rank)
+
+
+def refusal(parallel, model, world_size=4, **sizes) -> str:
+    with pytest.raises(ConfigError) as error:
+        check_layout(parallel, model, world_size, **sizes)
+    return str(error.value)
+
+
+def test_world_and_sizes_must_multiply():
+    message = refusal(ParallelConfig(tp=3), ModelConfig(pattern="-", ffn_hidden_size=96), world_size=4)
+    assert "4 processes" in message and "tp*pp*cp" in message and "3" in message
+    message = refusal(ParallelConfig(tp=2, dp=3), ModelConfig(pattern="-"), world_size=4)
+    assert "parallel.dp=3" in message and "6 processes" in message and "has 4" in message
+    assert check_layout(ParallelConfig(tp=2), ModelConfig(pattern="-"), 8) == 4
+    assert check_layout(ParallelConfig(tp=2, dp=2), ModelConfig(pattern="-"), 4) == 2
+
+
+@pytest.mark.parametrize("model_fields, names", [
+    (dict(pattern="*", hidden_size=48, num_attention_heads=6), ["num_attention_heads = 6", "tp=4"]),
+    (dict(pattern="*", hidden_size=48, num_attention_heads=12, num_kv_heads=6), ["num_kv_heads=6", "tp=4"]),
+    (dict(pattern="-", ffn_hidden_size=30), ["ffn_hidden_size = 30", "tp=4"]),
+    (dict(pattern="E", moe_ffn_hidden_size=30), ["moe_ffn_hidden_size = 30", "tp=4"]),
+    (dict(pattern="E", moe_ffn_hidden_size=32, moe_shared_expert_ffn_hidden_size=18),
+     ["moe_shared_expert_ffn_hidden_size = 18", "tp=4"]),
+    (dict(pattern="M", mamba_num_heads=6), ["Mamba heads", "= 6", "tp=4"]),
+    (dict(pattern="M", mamba_num_heads=8, mamba_num_groups=2), ["mamba_num_groups = 2", "tp=4"]),
+    (dict(pattern="M", mamba_num_heads=8, mtp_depth=1, mtp_pattern="*", num_attention_heads=6, hidden_size=48),
+     ["num_attention_heads = 6"]),
+], ids=["heads", "kv_heads", "ffn", "moe_ffn", "shared_expert", "mamba_heads", "mamba_groups", "mtp_blocks"])
+def test_model_widths_must_divide_by_tp(model_fields, names):
+    message = refusal(ParallelConfig(tp=4), ModelConfig(**model_fields))
+    for name in names:
+        assert name in message, message
+
+
+@pytest.mark.parametrize("kv_heads, tp", [(1, 2), (1, 4), (2, 4), (2, 2), (4, 2)])
+def test_kv_heads_are_split_or_replicated(kv_heads, tp):
+    model = ModelConfig(pattern="*-", hidden_size=64, num_attention_heads=8, num_kv_heads=kv_heads)
+    assert check_layout(ParallelConfig(tp=tp), model, tp) == 1
+
+
+def test_sequence_parallel_needs_a_divisible_sequence():
+    model = ModelConfig(pattern="*-")
+    message = refusal(ParallelConfig(tp=4, sp=True), model, seq_len=30)
+    assert "train.seq_len=30" in message and "parallel.tp=4" in message
+    assert check_layout(ParallelConfig(tp=4, sp=True), model, 4, seq_len=32) == 1
+    assert check_layout(ParallelConfig(tp=4, sp=False), model, 4, seq_len=30) == 1
+
+
+def test_micro_batches_must_split_over_data_parallel_ranks():
+    model = ModelConfig(pattern="*-")
+    message = refusal(ParallelConfig(tp=2), model, world_size=8, micro_batches_per_step=6)
+    assert "6 micro-batches" in message and "parallel.dp=4" in message
+    assert check_layout(ParallelConfig(tp=2), model, 8, micro_batches_per_step=8) == 4
