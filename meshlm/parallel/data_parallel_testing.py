@@ -1,0 +1,167 @@
+"""A small training loop with data parallelism, shared by the DP tests and ``bench/memory.py``.
+
+It runs the trainer's step (micro-batches with gradient accumulation, MixedPrecision, global-norm
+clipping, AdamW by parameter name, an LR that changes every step) on synthetic token batches,
+either the plain single-process way -- ``torch.optim.AdamW`` on ``.grad``, as
+``meshlm.training.trainer`` does it today -- or with this rank's share of the micro-batches and
+the data-parallel pieces (``GradientReducer`` + AdamW, or the ``DistributedOptimizer``). The
+tests compare the two: losses and final parameters must agree to fp32 rounding.
+
+Micro-batch ``j`` of step ``s`` is the same tokens in every run; with dp ranks, rank r runs
+micro-batches ``[r*n/dp, (r+1)*n/dp)`` of the n per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from meshlm.config import OptimConfig, ParallelConfig, PrecisionConfig
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
+from meshlm.parallel.data_parallel import build_data_parallel
+from meshlm.parallel.distributed_optimizer import DistributedOptimizer
+from meshlm.parallel.grad_norm import clip_grad_norm_across
+from meshlm.parallel.mesh import ParallelContext
+from meshlm.precision.mixed_precision import MixedPrecision
+from meshlm.training.optimizer import build_optimizer
+
+
+@dataclass
+class TrainSpec:
+    model: dict
+    """ModelConfig fields."""
+    steps: int = 5
+    micro_batches: int = 4
+    """Per step, over all DP ranks together."""
+    micro_batch_size: int = 2
+    seq_len: int = 16
+    dtype: str = "fp32"
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    grad_clip: float = 0.5
+    distributed_optimizer: bool = False
+    bucket_size_mb: float = 25.0
+    overlap: bool = True
+    seed: int = 0
+    data_seed: int = 1
+
+    def optim_config(self) -> OptimConfig:
+        return OptimConfig(lr=self.lr, weight_decay=self.weight_decay)
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(distributed_optimizer=self.distributed_optimizer, bucket_size_mb=self.bucket_size_mb,
+                              overlap_grad_reduce=self.overlap)
+
+
+@dataclass
+class TrainRun:
+    model: LanguageModel
+    precision: MixedPrecision
+    optimizer: object
+    reducer: object | None
+    """None in the plain single-process run."""
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+def micro_batch(spec: TrainSpec, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) of micro-batch ``index`` of ``step``, the same in every run."""
+    generator = torch.Generator().manual_seed(spec.data_seed * 1_000_003 + step * 1009 + index)
+    tokens = torch.randint(0, spec.model["vocab_size"], (spec.micro_batch_size, spec.seq_len + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def learning_rate(spec: TrainSpec, step: int) -> float:
+    return spec.lr * (1.0 - 0.1 * step)
+
+
+def build_run(spec: TrainSpec, context: ParallelContext | None) -> TrainRun:
+    """Model, precision and optimizer; ``context`` None means the plain single-process run."""
+    torch.manual_seed(spec.seed)
+    model = LanguageModel(ModelConfig(**spec.model)).train()
+    precision = MixedPrecision(model, PrecisionConfig(dtype=spec.dtype))
+    if context is None:
+        return TrainRun(model, precision, build_optimizer(precision.master_parameters(), spec.optim_config()), None)
+    reducer, optimizer = build_data_parallel(precision, spec.optim_config(), spec.parallel_config(), context)
+    return TrainRun(model, precision, optimizer, reducer)
+
+
+def train_steps(run: TrainRun, spec: TrainSpec, context: ParallelContext | None, first_step: int = 0,
+                steps: int | None = None, observe=None) -> TrainRun:
+    """Run steps ``first_step .. first_step + steps``. ``observe(event, step, micro_index)``, if
+    given, is called with event "start" before a step's first forward, "backward" after each
+    micro-batch's backward, "reduced" after the reduction and clipping, "stepped" after the update."""
+    observe = observe or (lambda event, step, micro: None)
+    dp_size, dp_rank = (context.dp_size, context.dp_rank) if context is not None else (1, 0)
+    per_rank = spec.micro_batches // dp_size
+    for step in range(first_step, first_step + (spec.steps if steps is None else steps)):
+        if run.reducer is not None:
+            run.reducer.zero_grad()
+        observe("start", step, 0)
+        loss_sum = torch.zeros(())
+        for local in range(per_rank):
+            input_ids, labels = micro_batch(spec, step, dp_rank * per_rank + local)
+            last = local == per_rank - 1
+            quiet = run.reducer.no_sync() if run.reducer is not None and not last else contextlib.nullcontext()
+            with quiet:
+                output = run.model(input_ids, labels, return_logits=False)
+                run.precision.scale_loss(output.loss / spec.micro_batches).backward()
+            loss_sum += output.loss.detach()
+            observe("backward", step, local)
+        norm = finish_and_clip(run, spec, context)
+        observe("reduced", step, per_rank - 1)
+        for group in run.optimizer.param_groups:
+            group["lr"] = learning_rate(spec, step)
+        run.optimizer.step()
+        run.precision.master_to_model()
+        run.optimizer.zero_grad(set_to_none=True)
+        observe("stepped", step, per_rank - 1)
+        if context is not None and context.dp_size > 1:
+            dist.all_reduce(loss_sum, group=context.dp_group)
+        run.losses.append(loss_sum.item() / spec.micro_batches)
+        run.grad_norms.append(float(norm))
+    return run
+
+
+def finish_and_clip(run: TrainRun, spec: TrainSpec, context: ParallelContext | None) -> torch.Tensor:
+    if run.reducer is None:
+        run.precision.gradients_to_master()
+        masters = [param for _, param in run.precision.master_parameters()]
+        return torch.nn.utils.clip_grad_norm_(masters, spec.grad_clip)
+    run.reducer.finish()
+    run.precision.gradients_to_master()
+    if isinstance(run.optimizer, DistributedOptimizer):
+        return run.optimizer.clip_grad_norm_(spec.grad_clip)
+    return clip_grad_norm_across(run.precision.master_parameters(), spec.grad_clip, context, sharded_by_dp=False)
+
+
+def single_process_result(spec: TrainSpec) -> dict:
+    """Losses, grad norms and final parameters of the plain single-process run."""
+    run = train_steps(build_run(spec, None), spec, None)
+    return result_of(run)
+
+
+def result_of(run: TrainRun) -> dict:
+    return {"losses": run.losses, "grad_norms": run.grad_norms,
+            "params": {name: param.detach().float().clone() for name, param in run.model.named_parameters()}}
+
+
+def context_from_world() -> ParallelContext:
+    """A pure-DP context over the whole default process group (tp = 1)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return ParallelContext(rank=rank, world_size=world, dp_size=world, dp_rank=rank,
+                           dp_group=dist.group.WORLD if world > 1 else None)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max|a - b| / max|b| (the measure of the parallel tests)."""
+    actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+
+
+__all__ = ["TrainRun", "TrainSpec", "build_run", "context_from_world", "finish_and_clip", "micro_batch",
+           "relative_error", "result_of", "single_process_result", "train_steps"]

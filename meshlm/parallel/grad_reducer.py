@@ -1,0 +1,266 @@
+"""Data-parallel gradient reduction: flat buckets, launched during backward, in a fixed order.
+
+Data parallelism runs one replica of the model per DP rank, each on its own micro-batches. Each
+micro-batch loss is scaled by 1 / (micro-batches per step, counted over ALL ranks) before its
+backward, so the gradient of the step's mean loss is the SUM of the ranks' accumulated gradients:
+one all-reduce(sum) over the DP group per step, after which every replica takes the same step.
+
+How that sum is done decides how much of it is hidden behind computation (Li et al. 2020,
+"PyTorch Distributed"; Megatron-LM's DDP):
+
+* **Buckets.** One collective per parameter pays the latency of hundreds of small messages; one
+  collective for everything can only start when backward has ended. So the parameters are laid
+  out, in *reverse* order of definition (backward produces the last layers' gradients first), in
+  one flat fp32 buffer cut into buckets of about ``bucket_size_mb``, closed at parameter
+  boundaries. Each gradient the optimizer reads is a *view* into that buffer (``holder.grad``),
+  so autograd (or MixedPrecision's grad mover) accumulates straight into it: no copy in, none out.
+* **Overlap.** A post-accumulate-grad hook on every parameter marks it ready; when every
+  parameter of a bucket is ready, the bucket's all-reduce is launched asynchronously and
+  backward goes on computing earlier layers meanwhile. ``finish()`` launches what is left and
+  waits. Buckets are launched strictly in index order (a ready bucket waits for the ones before
+  it, as in PyTorch DDP): every rank must issue its collectives in the same order, and the order
+  in which hooks fire may differ between ranks (an MoE graph depends on the routing).
+* **Accumulation.** The micro-batches before the last of a step run inside ``no_sync()``: their
+  gradients only accumulate locally and nothing is communicated; the last one triggers the
+  reduction of the accumulated sum. So the communication per step is one pass over the buffer
+  whatever the number of micro-batches.
+
+Precision. In fp32 the holders are the model parameters themselves. In bf16/fp16 they are
+``MixedPrecision``'s fp32 masters: its hook (registered first, so it runs first) adds each
+low-precision gradient into ``master.grad`` -- our bucket view -- and our hook, registered on the
+same model parameter, then marks it ready. So the overlap works in every precision, and the
+reduction always sums fp32 numbers (with fp16 they are still multiplied by the loss scale, which
+is linear and divided out later by ``MixedPrecision.gradients_to_master``). The reduced sum is
+exact up to the order of fp32 additions.
+
+Sharded mode (``shard=True``, used by the distributed optimizer): every bucket is padded to a
+multiple of the DP size and *reduce-scattered* instead: rank r receives the summed gradient of
+the r-th 1/dp slice of every bucket, in place in the buffer (the rest of the buffer keeps this
+rank's unreduced local values, which nobody reads).
+
+Tensor parallelism. Replicated parameters whose gradient is partial on each TP rank are summed
+over the TP group too. Sums commute, so that TP sum may run after ``finish()`` on the DP-reduced
+gradients (in sharded mode, on this rank's shards only: ``DistributedOptimizer.named_grad_shards``).
+
+Step cycle, as the trainer drives it::
+
+    reducer.zero_grad()                       zero the buffer, (re)attach the views
+    with reducer.no_sync(): backward(mb_1..mb_{n-1})
+    backward(mb_n)                            buckets launch as they fill (overlap_grad_reduce)
+    reducer.finish()                          launch the rest, wait for all
+
+A parameter that gets no gradient still has its (zero) view, so an optimizer steps it like one
+with a zero gradient; in our models every trainable parameter is used by every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BYTES_PER_GRAD_ELEMENT = 4
+"""The gradient buffer is fp32 in every precision."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int
+    """First element of the bucket in the flat buffer."""
+    end: int
+    """One past its last element, padding included (so ``end - start`` divides by the pad multiple)."""
+    params: tuple[int, ...]
+    """Indices of the parameters it holds, in buffer order."""
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    def shard(self, rank: int, num_shards: int) -> tuple[int, int]:
+        """[start, end) of rank's contiguous 1/num_shards of the bucket in the flat buffer."""
+        length = self.size // num_shards
+        return self.start + rank * length, self.start + (rank + 1) * length
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """Where each parameter lives in a flat buffer, and how the buffer is cut into buckets."""
+
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    buckets: tuple[Bucket, ...]
+    bucket_of: tuple[int, ...]
+    """Bucket index of each parameter."""
+    total: int
+    """Elements in the buffer, padding included."""
+
+    def view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s slot in ``buffer``, shaped like the parameter."""
+        numel = self.shapes[index].numel()
+        return buffer[self.offsets[index]:self.offsets[index] + numel].view(self.shapes[index])
+
+
+def plan_buckets(shapes: list[torch.Size], bucket_elements: int, pad_multiple: int = 1) -> BufferLayout:
+    """Lay out parameters of these shapes in reverse order; close a bucket at the first parameter
+    boundary at or past ``bucket_elements`` and pad it to a multiple of ``pad_multiple``."""
+    offsets, bucket_of = [0] * len(shapes), [0] * len(shapes)
+    buckets, members, start, cursor = [], [], 0, 0
+
+    def close_bucket() -> None:
+        nonlocal start, cursor, members
+        end = start + -(-(cursor - start) // pad_multiple) * pad_multiple
+        buckets.append(Bucket(start, end, tuple(members)))
+        start = cursor = end
+        members = []
+
+    for index in reversed(range(len(shapes))):
+        offsets[index], bucket_of[index] = cursor, len(buckets)
+        members.append(index)
+        cursor += shapes[index].numel()
+        if cursor - start >= bucket_elements:
+            close_bucket()
+    if members:
+        close_bucket()
+    return BufferLayout(tuple(shapes), tuple(offsets), tuple(buckets), tuple(bucket_of), cursor)
+
+
+def bucket_elements_for(bucket_size_mb: float) -> int:
+    return max(1, int(bucket_size_mb * 2**20) // BYTES_PER_GRAD_ELEMENT)
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    # torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only those.
+    function = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return function(output, input, group=group, async_op=async_op)
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    function = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return function(output, input, group=group, async_op=async_op)
+
+
+class GradientReducer:
+    """Sums the gradients of ``parameters`` over the DP group of ``context``, bucket by bucket.
+
+    ``parameters``: (name, tensor) pairs whose ``.grad`` the optimizer reads (fp32: the model's
+    parameters; bf16/fp16: ``MixedPrecision``'s masters). ``model_parameters``: the model tensors
+    whose backward produces those gradients, aligned with ``parameters`` (default: the same
+    tensors); the readiness hooks go on them. Build it after ``MixedPrecision``.
+    """
+
+    def __init__(self, parameters: list[tuple[str, torch.Tensor]], context, bucket_size_mb: float = 25.0,
+                 overlap: bool = True, shard: bool = False, model_parameters: list[torch.Tensor] | None = None):
+        sources = model_parameters if model_parameters is not None else [tensor for _, tensor in parameters]
+        if len(sources) != len(parameters):
+            raise ValueError(f"model_parameters has {len(sources)} tensors for {len(parameters)} parameters; "
+                             "pass one model tensor per (name, parameter) pair, in the same order.")
+        kept = [index for index, (_, tensor) in enumerate(parameters) if tensor.requires_grad]
+        self.names = [parameters[index][0] for index in kept]
+        self.holders = [parameters[index][1] for index in kept]
+        self.sources = [sources[index] for index in kept]
+        self.group, self.dp_size, self.dp_rank = context.dp_group, context.dp_size, context.dp_rank
+        self.overlap, self.shard = overlap, shard
+        self.layout = plan_buckets([holder.shape for holder in self.holders], bucket_elements_for(bucket_size_mb),
+                                   self.dp_size if shard else 1)
+        device = self.holders[0].device if self.holders else torch.device("cpu")
+        self.buffer = torch.zeros(self.layout.total, dtype=torch.float32, device=device)
+        self.grad_views = [self.layout.view(self.buffer, index) for index in range(len(self.holders))]
+        self.sync = True
+        self.pending: list = []
+        self.hook_handles = [source.register_post_accumulate_grad_hook(self._ready_hook(index))
+                             for index, source in enumerate(self.sources)]
+        self.zero_grad()
+
+    # --- the step cycle -------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero the buffer and point every holder's ``.grad`` at its view; call before a step's first backward."""
+        self._wait()
+        self.buffer.zero_()
+        for holder, view in zip(self.holders, self.grad_views):
+            holder.grad = view
+        self.ready = [set() for _ in self.layout.buckets]
+        self.next_bucket = 0
+        self.reduced = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate locally (the non-final micro-batches of a step)."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    def finish(self) -> None:
+        """Launch every bucket not launched yet, in order, and wait for all; idempotent until zero_grad()."""
+        if self.reduced:
+            return
+        for index in range(len(self.holders)):
+            self._attach(index)  # gradients that arrived without a hook (written by hand)
+        while self.next_bucket < len(self.layout.buckets):
+            self._launch(self.next_bucket)
+        self._wait()
+        self.reduced = True
+
+    # --- hooks and launches -------------------------------------------------------------------------
+    def _ready_hook(self, index: int):
+        def on_gradient_ready(source: torch.Tensor) -> None:
+            if self.reduced:
+                raise RuntimeError(f"a backward ran after GradientReducer.finish() without zero_grad() ({self.names[index]}); "
+                                   "call zero_grad() at the start of every step.")
+            if source is not self.holders[index] and source.grad is not None:
+                raise RuntimeError(f"{self.names[index]}: the model gradient was not moved into the fp32 master "
+                                   "before the reducer saw it; build the GradientReducer after MixedPrecision.")
+            self._attach(index)
+            if self.sync and self.overlap:
+                bucket = self.layout.bucket_of[index]
+                self.ready[bucket].add(index)
+                while (self.next_bucket < len(self.layout.buckets)
+                       and len(self.ready[self.next_bucket]) == len(self.layout.buckets[self.next_bucket].params)):
+                    self._launch(self.next_bucket)
+        return on_gradient_ready
+
+    def _attach(self, index: int) -> None:
+        """Make the holder's gradient its bucket view again, keeping the values, if something
+        (``zero_grad(set_to_none=True)``, a hand-written grad) replaced it."""
+        holder, view = self.holders[index], self.grad_views[index]
+        grad = holder.grad
+        if grad is None:
+            holder.grad = view
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            holder.grad = view
+
+    def _launch(self, bucket_index: int) -> None:
+        self.next_bucket = bucket_index + 1
+        if self.dp_size == 1:
+            return
+        bucket = self.layout.buckets[bucket_index]
+        data = self.buffer[bucket.start:bucket.end]
+        if self.shard:
+            start, end = bucket.shard(self.dp_rank, self.dp_size)
+            work = reduce_scatter_into(self.buffer[start:end], data, self.group, async_op=True)
+        else:
+            work = dist.all_reduce(data, group=self.group, async_op=True)
+        self.pending.append(work)
+
+    def _wait(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+
+    # --- what the optimizer and the clipping read -------------------------------------------------------
+    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, full gradient view) pairs; after ``finish()`` in unsharded mode, the DP sum."""
+        return list(zip(self.names, self.grad_views))
+
+    def remove_hooks(self) -> None:
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles = []
+
+
+__all__ = ["Bucket", "BufferLayout", "GradientReducer", "all_gather_into", "bucket_elements_for", "plan_buckets",
+           "reduce_scatter_into"]
