@@ -157,11 +157,58 @@ def context_from_world() -> ParallelContext:
                            dp_group=dist.group.WORLD if world > 1 else None)
 
 
+COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
+               "all_gather_into_tensor", "all_gather", "reduce_scatter", "broadcast", "all_to_all_single")
+
+
+@contextlib.contextmanager
+def counting_collectives(counts: dict):
+    """Count calls of the torch.distributed collectives into ``counts`` (name -> calls) while
+    inside; a call nested in another (a renamed function calling the old one) is not counted."""
+    originals, depth = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}, [0]
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            if depth[0] == 0:
+                counts[name] = counts.get(name, 0) + 1
+            depth[0] += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    try:
+        for name, function in originals.items():
+            setattr(dist, name, counted(name, function))
+        yield counts
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+
+
+def train_and_count(spec: TrainSpec, context: ParallelContext) -> tuple[TrainRun, list[tuple]]:
+    """Train with DP, recording (event, step, micro, {collective: calls}) for every phase of every
+    step: the calls made since the previous event (see ``train_steps``' observe)."""
+    run = build_run(spec, context)
+    counts, phases = {}, []
+
+    def observe(event, step, micro):
+        if event != "start":
+            phases.append((event, step, micro, dict(counts)))
+        counts.clear()
+
+    with counting_collectives(counts):
+        train_steps(run, spec, context, observe=observe)
+    return run, phases
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max|a - b| / max|b| (the measure of the parallel tests)."""
-    actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    actual = torch.as_tensor(actual).detach().to(torch.float64)
+    expected = torch.as_tensor(expected).detach().to(torch.float64)
     return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
 
 
-__all__ = ["TrainRun", "TrainSpec", "build_run", "context_from_world", "finish_and_clip", "micro_batch",
-           "relative_error", "result_of", "single_process_result", "train_steps"]
+__all__ = ["TrainRun", "TrainSpec", "build_run", "context_from_world", "counting_collectives", "finish_and_clip",
+           "micro_batch", "relative_error", "result_of", "single_process_result", "train_and_count", "train_steps"]

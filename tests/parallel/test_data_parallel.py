@@ -8,15 +8,11 @@ the non-final micro-batches, that with overlap every bucket is launched before b
 and that without it all are launched by finish().
 """
 
-import contextlib
-from collections import Counter
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from meshlm.parallel.data_parallel_testing import (TrainSpec, build_run, context_from_world, relative_error,
-                                                   result_of, single_process_result, train_steps)
+                                                   result_of, single_process_result, train_and_count, train_steps)
 from meshlm.parallel.grad_reducer import GradientReducer, plan_buckets
 from meshlm.parallel.mesh import ParallelContext
 from meshlm.parallel.testing import run_distributed
@@ -26,55 +22,15 @@ MOE = dict(vocab_size=64, hidden_size=32, pattern="*E*E", num_attention_heads=4,
            moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
 SMALL_BUCKETS_MB = 0.01  # 2621 fp32 elements: 5-8 buckets for these models
 TOLERANCE = 1e-5
-COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
-               "all_gather_into_tensor", "all_gather", "reduce_scatter", "broadcast", "all_to_all_single")
-
-
-@contextlib.contextmanager
-def counting_collectives(counts: Counter):
-    """Count top-level torch.distributed collective calls (a renamed function calling the old one counts once)."""
-    originals, depth = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}, [0]
-
-    def counted(name, function):
-        def call(*args, **kwargs):
-            if depth[0] == 0:
-                counts[name] += 1
-            depth[0] += 1
-            try:
-                return function(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return call
-
-    try:
-        for name, function in originals.items():
-            setattr(dist, name, counted(name, function))
-        yield counts
-    finally:
-        for name, function in originals.items():
-            setattr(dist, name, function)
-
-
-def train_and_count(spec: TrainSpec) -> dict:
-    """In a spawned rank: train with DP, recording how many collectives ran in each phase of each step."""
-    context = context_from_world()
-    run = build_run(spec, context)
-    counts, phases = Counter(), []
-
-    def observe(event, step, micro):
-        if event != "start":
-            phases.append((event, step, micro, sum(counts.values())))
-        counts.clear()
-
-    with counting_collectives(counts):
-        train_steps(run, spec, context, observe=observe)
-    result = result_of(run)
-    result.update(phases=phases, buckets=len(run.reducer.layout.buckets))
-    return result
 
 
 def train_specs(specs: list[TrainSpec]) -> list[dict]:
-    return [train_and_count(spec) for spec in specs]
+    """In each spawned rank: train every spec, recording the collectives of each phase."""
+    results = []
+    for spec in specs:
+        run, phases = train_and_count(spec, context_from_world())
+        results.append(dict(result_of(run), phases=phases, buckets=len(run.reducer.layout.buckets)))
+    return results
 
 
 def check_against_single_process(results_by_rank: list[list[dict]], specs: list[TrainSpec]) -> None:
@@ -91,20 +47,16 @@ def check_against_single_process(results_by_rank: list[list[dict]], specs: list[
 
 
 def check_communication(results_by_rank: list[list[dict]], specs: list[TrainSpec], micro_per_rank: int) -> None:
-    """Nothing during non-final micro-batches; with overlap every bucket during the last backward."""
+    """Nothing during non-final micro-batches; one all-reduce per bucket per step, launched during
+    the last backward with overlap and by finish() without; clipping and the step are local."""
     for number, spec in enumerate(specs):
         for results in results_by_rank:
-            result = results[number]
-            buckets = result["buckets"]
-            for event, step, micro, calls in result["phases"]:
-                if event == "backward" and micro < micro_per_rank - 1:
-                    assert calls == 0, f"spec {number}: {calls} collectives during non-final micro-batch {micro}"
-                elif event == "backward":
-                    assert calls == (buckets if spec.overlap else 0), (number, step, calls)
-                elif event == "reduced":
-                    assert calls == (0 if spec.overlap else buckets), (number, step, calls)  # clipping is local
-                elif event == "stepped":
-                    assert calls == 0, (number, step, calls)  # torch AdamW step, no communication
+            buckets = {"all_reduce": results[number]["buckets"]}
+            expected = {("backward", True): buckets if spec.overlap else {},
+                        ("reduced", True): {} if spec.overlap else buckets,
+                        ("backward", False): {}, ("stepped", True): {}}
+            for event, step, micro, counts in results[number]["phases"]:
+                assert counts == expected[event, micro == micro_per_rank - 1], (number, event, step, micro, counts)
 
 
 def specs_for(micro_batches: int) -> list[TrainSpec]:
