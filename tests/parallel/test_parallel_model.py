@@ -141,3 +141,9 @@ def test_indivisible_heads_are_refused_before_any_collective():
     model = build_model({"num_kv_heads": 2})
     with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by parallel.tp=3"):
         parallelize_model(model, ParallelContext(tp_size=3, tp_rank=0))
+
+
+def test_sequence_not_divisible_under_sequence_parallelism_is_refused():
+    model = parallelize_model(build_model({"num_kv_heads": 2}), ParallelContext(tp_size=2, sequence_parallel=True))
+    with pytest.raises(ConfigError, match="this batch has 15 positions; use a multiple of tp"):
+        model(torch.zeros(1, 15, dtype=torch.long))

@@ -16,7 +16,7 @@ from meshlm.config import ParallelConfig
 from meshlm.models.config import ModelConfig
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, gather_full_tensor,
-                                             reduce_partial_tp_grads, shard_tensor)
+                                             partial_grad_names, reduce_partial_tp_grads, shard_tensor)
 from meshlm.parallel.testing import run_distributed
 
 TOLERANCE = 1e-5
@@ -81,7 +81,11 @@ def check_row(context, partitions, seed: int) -> dict:
     out = layer(local_x)  # summed; this rank's sequence slice under SP
     (out * sequence_slice(upstream, context)).sum().backward()
     assert getattr(layer.bias, "tp_partial_grad", False) == context.sequence_parallel
-    reduce_partial_tp_grads(layer, context)
+    if partitions is None:
+        reduce_partial_tp_grads(layer, context)
+    else:  # the by-name form, as used on fp32 master gradients
+        named_grads = {name: param.grad for name, param in layer.named_parameters()}
+        reduce_partial_tp_grads(named_grads, context, names=partial_grad_names(layer))
     return {
         "output": relative_error(out, sequence_slice(ref_out, context)),
         "input grad": relative_error(local_x.grad, local_shard(ref_x_grad, 2, partitions, context)),
