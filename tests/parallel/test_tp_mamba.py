@@ -123,9 +123,9 @@ def check_model(context, seed: int) -> dict:
     parallel = parallelize_model(copy.deepcopy(reference), context)
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1), generator=generator)
-    reference_loss = reference(ids[:, :-1], ids[:, 1:]).loss
+    reference_loss = reference(ids[:, :-1], ids[:, 1:], return_logits=False).loss
     reference_loss.backward()
-    loss = parallel(ids[:, :-1], ids[:, 1:]).loss
+    loss = parallel(ids[:, :-1], ids[:, 1:], return_logits=False).loss
     loss.backward()
     return {"loss": relative_error(loss, reference_loss.detach()), **gradient_errors(parallel, reference, context)}
 
@@ -170,6 +170,12 @@ def test_parallel_mixer_matches_single_process():
     every_rank = run_distributed(run_mixer_cases, 4)
     assert all(sum(case.endswith("grad A_log") for case in errors) == 6 for errors in every_rank)
     assert all(sum("cached generation" in case for case in errors) == 2 for errors in every_rank)
+    assert_all_within_tolerance(every_rank)
+
+
+def test_parallel_hybrid_model_matches_single_process():
+    every_rank = run_distributed(run_model_cases, 4)
+    assert all(sum(case.endswith(": loss") for case in errors) == 4 for errors in every_rank)
     assert_all_within_tolerance(every_rank)
 
 

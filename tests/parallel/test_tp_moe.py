@@ -128,9 +128,9 @@ def check_model(context, pattern: str, seed: int) -> dict:
     parallel = parallelize_model(copy.deepcopy(reference), context)
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1), generator=generator)
-    expected = reference(ids[:, :-1], ids[:, 1:])
+    expected = reference(ids[:, :-1], ids[:, 1:], return_logits=False)
     expected.loss.backward()
-    output = parallel(ids[:, :-1], ids[:, 1:])
+    output = parallel(ids[:, :-1], ids[:, 1:], return_logits=False)
     output.loss.backward()
     for counts, expected_counts in zip(output.tokens_per_expert, expected.tokens_per_expert, strict=True):
         assert torch.equal(counts, expected_counts)
@@ -177,4 +177,11 @@ def assert_all_within_tolerance(every_rank: list[dict]) -> None:
 def test_parallel_moe_layer_matches_single_process():
     every_rank = run_distributed(run_layer_cases, 4)
     assert all(sum(case.endswith(": aux loss") for case in errors) == len(LAYER_CASES) * 4 for errors in every_rank)
+    assert_all_within_tolerance(every_rank)
+
+
+def test_parallel_moe_models_match_single_process():
+    every_rank = run_distributed(run_model_cases, 4)
+    assert all(sum(case.endswith(": loss moe_aux") for case in errors) == len(MODEL_PATTERNS) * 4
+               for errors in every_rank)
     assert_all_within_tolerance(every_rank)
