@@ -23,6 +23,14 @@ removed by the next successful save). Only then are checkpoints beyond the last 
 *Clear failures.* Reading a checkpoint checks every file before anything is used: a missing or
 truncated file, or a model config that differs from the run's, raises ``CheckpointError``
 naming the file and the difference. Nothing on disk is changed by a failed resume.
+
+*Parallel runs.* Checkpoints keep the single-process format at every layout. Saving is a
+collective: the TP groups all-gather their parameter shards (and the AdamW moments and fp32
+masters of those shards, the same way), the distributed optimizer all-gathers its DP shards of
+the moments, and global rank 0 alone writes the folder while the others wait at a barrier.
+Loading is the inverse: every rank reads the full files and keeps its own slices. So a
+checkpoint saved at tp2 x dp2 resumes at tp1 x dp1, at tp4, or loads into ``meshlm generate``.
+The RNG states saved are rank 0's; every rank seeds its streams identically.
 """
 
 from __future__ import annotations
@@ -114,30 +122,112 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 # --- saving --------------------------------------------------------------------------------------------------
 def save_checkpoint(run_dir: str | os.PathLike, state: TrainerState, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, precision, run_config, keep: int,
-                    tokenizer_file: Path | None = None) -> Path:
-    """Write ``checkpoints/step_{state.step}`` atomically, then keep only the newest ``keep``."""
+                    tokenizer_file: Path | None = None, context=None) -> Path:
+    """Write ``checkpoints/step_{state.step}`` atomically, then keep only the newest ``keep``.
+
+    With a distributed ``context`` every rank must call it (the full states are gathered
+    collectively); only global rank 0 writes, and every rank returns after the files are on disk.
+    """
     from meshlm.config import save_run_config
 
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{state.step}"
-    temporary = root / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    temporary.mkdir()  # unlike tempfile.mkdtemp, keeps the umask's permissions for the final folder
-    try:
-        save_model(model, temporary, extra_config={"run": run_config.to_dict()})
-        if tokenizer_file is not None:
-            copy_tokenizer(Path(tokenizer_file), temporary)
-        torch.save(optimizer.state_dict(), temporary / OPTIMIZER_FILE)
-        torch.save(precision.state_dict(), temporary / PRECISION_FILE)
-        torch.save(capture_rng_state(), temporary / RNG_FILE)
-        save_run_config(run_config, temporary / RUN_CONFIG_FILE)
-        write_json_atomic(temporary / STATE_FILE, asdict(state))  # last: marks the folder complete
-        _replace_directory(temporary, final)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
-    prune_checkpoints(run_dir, keep)
+    final = Path(run_dir) / CHECKPOINTS_DIR / f"step_{state.step}"
+    distributed = context is not None and context.distributed
+    if distributed:
+        model_state, optimizer_state, precision_state = gather_training_state(model, optimizer, precision, context)
+    else:
+        model_state, optimizer_state, precision_state = model.state_dict(), optimizer.state_dict(), precision.state_dict()
+    if not distributed or context.is_logging_rank:
+        try:
+            root = final.parent
+            root.mkdir(parents=True, exist_ok=True)
+            temporary = root / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            temporary.mkdir()  # unlike tempfile.mkdtemp, keeps the umask's permissions for the final folder
+            try:
+                save_model(_FullModel(model.config, model_state), temporary,
+                           extra_config={"run": run_config.to_dict()})
+                if tokenizer_file is not None:
+                    copy_tokenizer(Path(tokenizer_file), temporary)
+                torch.save(optimizer_state, temporary / OPTIMIZER_FILE)
+                torch.save(precision_state, temporary / PRECISION_FILE)
+                torch.save(capture_rng_state(), temporary / RNG_FILE)
+                save_run_config(run_config, temporary / RUN_CONFIG_FILE)
+                write_json_atomic(temporary / STATE_FILE, asdict(state))  # last: marks the folder complete
+                _replace_directory(temporary, final)
+            except BaseException:
+                shutil.rmtree(temporary, ignore_errors=True)
+                raise
+            prune_checkpoints(run_dir, keep)
+        finally:
+            if distributed:
+                torch.distributed.barrier()  # the others wait until the folder is complete (or failed)
+    elif distributed:
+        torch.distributed.barrier()
     return final
+
+
+class _FullModel:
+    """What ``save_model`` reads from a model (its config and state dict), for a gathered state."""
+
+    def __init__(self, config, state: dict[str, torch.Tensor]):
+        self.config, self.state = config, state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.state
+
+
+# --- parallel runs: full states gathered for saving, sliced after loading ---------------------------
+def _map_optimizer_moments(optimizer_state: dict, transform) -> dict:
+    """A copy of an AdamW state dict whose ``exp_avg``/``exp_avg_sq`` went through ``transform(name, t)``."""
+    state = {key: dict(entry) for key, entry in optimizer_state["state"].items()}
+    for group in optimizer_state["param_groups"]:
+        for name, packed in zip(group["param_names"], group["params"]):
+            entry = state.get(packed)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if entry and key in entry:
+                    entry[key] = transform(name, entry[key])
+    return {"state": state, "param_groups": optimizer_state["param_groups"]}
+
+
+def _map_masters(precision_state: dict, transform) -> dict:
+    masters = precision_state.get("master_weights")
+    if masters is None:
+        return precision_state
+    return dict(precision_state, master_weights={name: transform(name, value) for name, value in masters.items()})
+
+
+def gather_training_state(model, optimizer, precision, context) -> tuple[dict, dict, dict]:
+    """(model, optimizer, precision) states in the single-process format. Collective: every rank
+    calls it. TP shards (values, Adam moments, fp32 masters) are all-gathered over TP by the
+    parameter's name; the distributed optimizer's ``state_dict`` gathers its DP shards."""
+    from meshlm.parallel.tensor_parallel import gather_full_state_dict, gather_full_tensor
+
+    params = dict(model.named_parameters())
+
+    def full(name, tensor):
+        return gather_full_tensor(params[name], tensor, context)
+
+    model_state = gather_full_state_dict(model, context)
+    optimizer_state = _map_optimizer_moments(optimizer.state_dict(), full)
+    return model_state, optimizer_state, _map_masters(precision.state_dict(), full)
+
+
+def slice_training_state(checkpoint: TrainingCheckpoint, model, context) -> None:
+    """Turn a checkpoint's full optimizer and precision states into this rank's TP slices, in place
+    (the model's weights are sliced by ``parallelize_model`` after loading them in full)."""
+    from meshlm.parallel.tensor_parallel import local_shard_of
+
+    if context is None or context.tp_size == 1:
+        return
+    params = dict(model.named_parameters())
+
+    def local(name, tensor):
+        if name not in params:
+            raise CheckpointError(f"{checkpoint.directory / OPTIMIZER_FILE} holds state for {name}, which this "
+                                  "model does not have; it was saved for a different model.")
+        return local_shard_of(params[name], tensor, context).clone()
+
+    checkpoint.optimizer_state = _map_optimizer_moments(checkpoint.optimizer_state, local)
+    checkpoint.precision_state = _map_masters(checkpoint.precision_state, local)
 
 
 def _replace_directory(source: Path, destination: Path) -> None:
@@ -268,4 +358,5 @@ def load_training_state(checkpoint: TrainingCheckpoint, optimizer: torch.optim.O
 
 __all__ = ["CHECKPOINTS_DIR", "REQUIRED_FILES", "TrainerState", "TrainingCheckpoint", "capture_rng_state",
            "check_model_config", "checkpoint_dirs", "latest_checkpoint", "load_model_state",
-           "load_training_state", "prune_checkpoints", "read_checkpoint", "restore_rng_state", "save_checkpoint"]
+           "gather_training_state", "load_training_state", "prune_checkpoints", "read_checkpoint", "restore_rng_state",
+           "save_checkpoint", "slice_training_state"]

@@ -253,6 +253,25 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     os.replace(temporary, path)
 
 
+class SilentLog:
+    """Stands in for ``MetricsLog`` and ``ProgressLine`` on every rank but global rank 0, which
+    alone prints and writes the run's files."""
+
+    tensorboard_enabled = False
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def update(self, record: dict, logged: bool) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class MetricsLog:
     """Appends records to RUN_DIR/metrics.jsonl and mirrors their numbers to TensorBoard."""
 
@@ -300,6 +319,6 @@ def _tensorboard_writer(log_dir: Path, resume_step: int):
     return SummaryWriter(str(log_dir), purge_step=resume_step + 1 if resume_step > 0 else None)
 
 
-__all__ = ["GPU_PEAK_TFLOPS", "METRICS_FILE", "MetricsLog", "ProgressLine", "Throughput", "expert_load_summary",
+__all__ = ["GPU_PEAK_TFLOPS", "METRICS_FILE", "MetricsLog", "ProgressLine", "SilentLog", "Throughput", "expert_load_summary",
            "format_count", "format_duration", "measured_peak_flops", "peak_flops", "progress_text", "read_metrics",
            "table_peak_flops", "truncate_metrics"]

@@ -18,6 +18,25 @@ the overflow check and the clipping that must see the whole gradient.
 Data is read by sample index: step ``s`` consumes samples ``[s*G, (s+1)*G)`` of the global
 order, so a run resumed from a checkpoint at step ``s`` continues with exactly the batches the
 uninterrupted run would have seen (see ``meshlm/checkpoint/training_checkpoint.py``).
+
+Parallel runs (``torchrun --nproc_per_node N -m meshlm train ... parallel.tp=T``; see
+``meshlm/parallel/``). The layout is checked first, before any collective. Every rank builds the
+full model with the same seed (and loads a checkpoint in full), then ``parallelize_model`` keeps
+its tensor-parallel slices, so a run does not depend on its layout. Each step:
+
+    DP rank d runs micro-batches [d*k, (d+1)*k) of the step's n (k = n / dp); every rank of a
+        TP group reads the same ones; each loss is divided by n, the whole step's count
+    non-final micro-batches: backward only accumulates (no DP communication)
+    last micro-batch: the DP reduction of gradient buckets starts during its backward
+    finish_gradients: wait for it (all-reduce, or reduce-scatter with the distributed
+        optimizer), sum the partial gradients of TP-replicated parameters over TP, unscale,
+        clip by the global norm that counts every parameter element once
+    optimizer step (the distributed optimizer all-gathers the updated values over DP)
+
+Summing the DP ranks' gradients of losses divided by n gives the single-process gradient of the
+step's mean loss, so a parallel run matches the single-process one up to fp32 summation order.
+The logged loss is the mean over all n micro-batches (summed over DP). Only global rank 0
+prints and writes files; checkpoints stay in the single-process format.
 """
 
 from __future__ import annotations
@@ -27,18 +46,27 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import contextlib
+import os
+
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from meshlm.checkpoint.training_checkpoint import (TrainerState, latest_checkpoint, load_model_state,
-                                                   load_training_state, read_checkpoint, save_checkpoint)
+                                                   load_training_state, read_checkpoint, save_checkpoint,
+                                                   slice_training_state)
 from meshlm.models.config import ConfigError
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.language_model import LanguageModel
+from meshlm.parallel.data_parallel import DistributedOptimizer, build_data_parallel, clip_grad_norm_across
+from meshlm.parallel.mesh import build_parallel_context
+from meshlm.parallel.parallel_model import parallelize_model
+from meshlm.parallel.tensor_parallel import partial_grad_names, reduce_partial_tp_grads, tensor_parallel_names
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.training.data_loading import build_training_data, read_batch
-from meshlm.training.metrics import (MetricsLog, ProgressLine, Throughput, expert_load_summary, format_count,
-                                     peak_flops)
+from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary,
+                                     format_count, peak_flops)
 from meshlm.training.optimizer import build_optimizer
 from meshlm.training.plots import plot_losses
 from meshlm.training.recompute import apply_recompute
@@ -78,14 +106,19 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The run's device; under torchrun with CUDA, each process takes the GPU of its LOCAL_RANK."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError as error:
         raise ConfigError(f"train.device={name!r} is not a torch device; use auto, cpu, cuda or cuda:N.") from error
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"train.device={name!r} but CUDA is not available here; use train.device=cpu.")
+    if device.type == "cuda" and device.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     return device
 
 
@@ -98,44 +131,72 @@ class Trainer:
         self.run_dir = Path(train.run_dir)
         self.device = resolve_device(train.device)
         self.micro_batches_per_step = train.global_batch_size // train.micro_batch_size
+        # The layout is refused (ConfigError) here, before the process group is joined.
+        self.context = build_parallel_context(config.parallel, config.model, self.device, train.seq_len,
+                                              self.micro_batches_per_step)
         seed_everything(train.seed)
-        self.data = build_training_data(config)
+        self.data = self.build_data()
         checkpoint_dir = latest_checkpoint(self.run_dir)
         checkpoint = read_checkpoint(checkpoint_dir, config.model) if checkpoint_dir is not None else None
 
-        self.model = LanguageModel(config.model)
+        model = LanguageModel(config.model)
         if checkpoint is not None:
-            load_model_state(checkpoint, self.model)
+            load_model_state(checkpoint, model)  # in full; parallelize_model keeps this rank's slices
+        self.num_parameters = model.num_parameters()
+        self.model = parallelize_model(model, self.context, config.parallel.vocab_pad_multiple)
         apply_recompute(self.model, train.recompute, train.recompute_every)
         self.model.to(self.device).train()
         self.precision = MixedPrecision(self.model, config.precision)
         self.master_parameters = [param for _, param in self.precision.master_parameters()]
-        self.optimizer = build_optimizer(self.precision.master_parameters(), config.optim)
+        self.reducer = None
+        if self.context.distributed:
+            self.reducer, self.optimizer = build_data_parallel(self.precision, config.optim, config.parallel,
+                                                               self.context)
+        else:
+            self.optimizer = build_optimizer(self.precision.master_parameters(), config.optim)
+        self.sharded_names = tensor_parallel_names(self.model)
+        self.partial_names = partial_grad_names(self.model)
         self.state = TrainerState()
         if checkpoint is not None:
+            slice_training_state(checkpoint, self.model, self.context)
             self.state = load_training_state(checkpoint, self.optimizer, self.precision)  # restores the RNGs last
         self.resumed_from = checkpoint_dir if checkpoint is not None else None
         self.last_saved_step = self.state.step if checkpoint is not None else None
         self.last_eval_step: int | None = None
 
+    def build_data(self):
+        """The datasets; rank 0 builds (and caches) the sample indices first, the others then read them."""
+        if not self.context.distributed:
+            return build_training_data(self.config)
+        data = build_training_data(self.config) if self.context.rank == 0 else None
+        dist.barrier()
+        return data if data is not None else build_training_data(self.config)
+
     # --- one optimizer step ---------------------------------------------------------------------------
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
-        size = self.config.train.micro_batch_size
-        start = self.state.consumed_samples
-        return [read_batch(self.data.train, start + index * size, size, self.device)
-                for index in range(self.micro_batches_per_step)]
+        """This DP rank's contiguous share of the step's micro-batches (all of them without DP)."""
+        size, dp_size = self.config.train.micro_batch_size, self.context.dp_size
+        per_rank = self.micro_batches_per_step // dp_size
+        start = self.state.consumed_samples + self.context.dp_rank * per_rank * size
+        return [read_batch(self.data.train, start + index * size, size, self.device) for index in range(per_rank)]
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict, list]:
         """Forward and backward of every micro-batch, accumulating gradients.
 
-        Returns the summed total loss, the summed loss terms and the summed per-expert token
-        counts (detached). A pipeline schedule replaces exactly this loop.
+        Returns this rank's summed total loss, summed loss terms and summed per-expert token
+        counts (detached). Each loss is divided by the step's micro-batch count over all DP
+        ranks; only the last backward starts the DP reduction. A pipeline schedule replaces
+        exactly this loop.
         """
         loss_sum, term_sums, expert_counts = torch.zeros((), device=self.device), {}, []
-        for batch in micro_batches:
-            with self.precision.autocast():
+        if self.reducer is not None:
+            self.reducer.zero_grad()
+        for index, batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            quiet = self.reducer.no_sync() if self.reducer is not None and not last else contextlib.nullcontext()
+            with quiet, self.precision.autocast():
                 output = self.model(batch["input_ids"], batch["labels"], return_logits=False)
-            self.precision.scale_loss(output.loss / len(micro_batches)).backward()
+                self.precision.scale_loss(output.loss / self.micro_batches_per_step).backward()
             loss_sum += output.loss.detach()
             for name, value in output.losses.items():
                 term_sums[name] = term_sums.get(name, 0.0) + value.detach()
@@ -144,17 +205,29 @@ class Trainer:
         return loss_sum, term_sums, expert_counts
 
     def finish_gradients(self) -> tuple[float, bool]:
-        """Gradients -> fp32 masters (unscaled), global-norm clipping; returns (norm, found_nonfinite).
+        """Gradients -> fp32 masters (reduced, unscaled), global-norm clipping; returns (norm, found_nonfinite).
 
-        With data parallelism the gradient all-reduce goes first, so that every rank sees the
-        same overflow flag and the same norm.
+        With data parallelism the DP reduction is finished first and the partial gradients of
+        TP-replicated parameters are summed over TP (sums commute, so the order of the two does
+        not matter); the norm then counts every element once, so every rank sees the same norm
+        and makes the same skip decision.
         """
+        if self.reducer is not None:
+            self.reducer.finish()
+        if self.partial_names:
+            reduce_partial_tp_grads([(name, param.grad) for name, param in self.precision.master_parameters()],
+                                    self.context, self.partial_names)
         found_nonfinite = self.precision.gradients_to_master()
-        grads = [param.grad for param in self.master_parameters if param.grad is not None]
         clip = self.config.train.grad_clip
-        if clip > 0:
+        if isinstance(self.optimizer, DistributedOptimizer):
+            norm = self.optimizer.clip_grad_norm_(clip, self.sharded_names)
+        elif self.context.distributed:
+            norm = clip_grad_norm_across(self.precision.master_parameters(), clip, self.context, sharded_by_dp=False,
+                                         tensor_parallel_names=self.sharded_names)
+        elif clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.master_parameters, clip)
         else:
+            grads = [param.grad for param in self.master_parameters if param.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         grad_norm = float(norm)
         return grad_norm, found_nonfinite or not np.isfinite(grad_norm)
@@ -175,7 +248,8 @@ class Trainer:
         self.precision.update_scale(skipped)
         self.optimizer.zero_grad(set_to_none=True)
 
-        count = len(micro_batches)
+        loss_sum, term_sums, expert_counts = self.sum_over_data_parallel(loss_sum, term_sums, expert_counts)
+        count = self.micro_batches_per_step
         self.state.step += 1
         self.state.consumed_samples += self.config.train.global_batch_size
         self.state.skipped_steps += int(skipped)
@@ -185,10 +259,25 @@ class Trainer:
                                                              term_sums.items()},
                           grad_norm=grad_norm, lr=lr, skipped=skipped, tokens_per_expert=expert_counts)
 
+    def sum_over_data_parallel(self, loss_sum: torch.Tensor, term_sums: dict, expert_counts: list):
+        """The step's sums over every DP rank's micro-batches, in one all-reduce (for logging)."""
+        if self.context.dp_size == 1:
+            return loss_sum, term_sums, expert_counts
+        names = sorted(term_sums)
+        pieces = [loss_sum.reshape(1).float()] + [torch.as_tensor(term_sums[name], device=self.device).reshape(1).float()
+                                                  for name in names]
+        pieces += [count.reshape(-1).float() for count in expert_counts]
+        flat = torch.cat(pieces)
+        dist.all_reduce(flat, group=self.context.dp_group)
+        values = flat.split([piece.numel() for piece in pieces])
+        terms = {name: value[0] for name, value in zip(names, values[1:1 + len(names)])}
+        counts = [value.view_as(count).to(count.dtype) for value, count in zip(values[1 + len(names):], expert_counts)]
+        return values[0][0], terms, counts
+
     # --- evaluation and checkpoints -----------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean LM loss over the fixed validation micro-batches."""
+        """Mean LM loss over the fixed validation micro-batches (every DP rank evaluates all of them)."""
         size, batches = self.config.train.micro_batch_size, self.config.train.eval_batches
         self.model.eval()
         total = 0.0
@@ -217,7 +306,8 @@ class Trainer:
         if self.last_saved_step == step or not ((every and step % every == 0) or final):
             return
         path = save_checkpoint(self.run_dir, self.state, self.model, self.optimizer, self.precision, self.config,
-                               self.config.train.keep_checkpoints, tokenizer_file=self.data.tokenizer_file)
+                               self.config.train.keep_checkpoints, tokenizer_file=self.data.tokenizer_file,
+                               context=self.context)
         self.last_saved_step = step
         self.progress.message(f"step {step}: saved {path}")
 
@@ -234,22 +324,34 @@ class Trainer:
 
     def open_logs(self) -> None:
         train = self.config.train
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsLog(self.run_dir, self.state.step, train.tensorboard)
-        self.progress = ProgressLine(train.steps, train.progress)
-        peak, source = peak_flops(self.device, self.config.precision.dtype)
+        if self.context.is_logging_rank:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics = MetricsLog(self.run_dir, self.state.step, train.tensorboard)
+            self.progress = ProgressLine(train.steps, train.progress)
+        else:
+            self.metrics = self.progress = SilentLog()
+        device_peak, source = (peak_flops(self.device, self.config.precision.dtype) if self.context.is_logging_rank
+                               else (0.0, "not measured on this rank"))
+        peak = device_peak * self.context.world_size  # MFU of the whole run: every device's peak
         flops_per_token = model_flops_per_token(self.config.model, train.seq_len)
         self.throughput = Throughput(flops_per_token, peak)
-        num_parameters = self.model.num_parameters()
+        num_parameters = self.num_parameters
+        layout = self.context
+        where = f"{self.device}" if not layout.distributed else (
+            f"{layout.world_size} x {self.device.type} (tp {layout.tp_size}, dp {layout.dp_size}"
+            f"{', sp' if layout.sequence_parallel else ''}"
+            f"{', distributed optimizer' if self.config.parallel.distributed_optimizer else ''})")
         self.metrics.write({"event": "resume" if self.resumed_from else "start", "step": self.state.step,
                             "device": str(self.device), "dtype": self.config.precision.dtype,
+                            "world_size": layout.world_size, "tp": layout.tp_size, "dp": layout.dp_size,
+                            "sp": layout.sequence_parallel,
                             "num_parameters": num_parameters, "flops_per_token": flops_per_token,
                             "peak_flops": peak, "peak_flops_source": source,
                             "tokens_per_step": train.global_batch_size * train.seq_len,
                             "tensorboard": self.metrics.tensorboard_enabled})
         where = f"resuming from {self.resumed_from}" if self.resumed_from else "starting"
         self.progress.message(f"meshlm train: {where} at step {self.state.step}/{train.steps}; "
-                              f"{format_count(num_parameters)} parameters on {self.device} "
+                              f"{format_count(num_parameters)} parameters on {where} "
                               f"({self.config.precision.dtype}); peak {format_count(peak)}FLOP/s ({source})")
 
     def run(self) -> TrainResult:
@@ -269,7 +371,7 @@ class Trainer:
                 self.after_step(step_result, result)
         finally:
             self.metrics.close()
-        if train.plot and result.losses and plot_losses(self.run_dir) is None:
+        if train.plot and result.losses and self.context.is_logging_rank and plot_losses(self.run_dir) is None:
             self.progress.message("meshlm train: matplotlib is not installed, so no loss.png was drawn "
                                   "(pip install matplotlib).")
         result.step, result.skipped_steps = self.state.step, self.state.skipped_steps

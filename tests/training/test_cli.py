@@ -90,5 +90,7 @@ def test_python_dash_m_under_a_torchrun_environment(config_file, tmp_path):
     # stderr is a pipe here: plain log lines, no carriage returns
     assert "step 1/2 | loss" in finished.stderr and "step 2/2 | loss" in finished.stderr
     assert "\r" not in finished.stderr
-    refused = run_module(["train", str(config_file), f"train.run_dir={run_dir}"], world_size="2")
-    assert refused.returncode == 2 and "WORLD_SIZE=2" in refused.stderr
+    # a layout that does not fit the world is refused before the process group is joined (the
+    # second rank never starts, so joining would hang)
+    refused = run_module(["train", str(config_file), f"train.run_dir={run_dir}", "parallel.tp=3"], world_size="2")
+    assert refused.returncode == 2 and "world of 2 processes is not divisible by tp*pp*cp" in refused.stderr
