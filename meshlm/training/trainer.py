@@ -337,7 +337,7 @@ class Trainer:
         self.throughput = Throughput(flops_per_token, peak)
         num_parameters = self.num_parameters
         layout = self.context
-        where = f"{self.device}" if not layout.distributed else (
+        placement = f"{self.device}" if not layout.distributed else (
             f"{layout.world_size} x {self.device.type} (tp {layout.tp_size}, dp {layout.dp_size}"
             f"{', sp' if layout.sequence_parallel else ''}"
             f"{', distributed optimizer' if self.config.parallel.distributed_optimizer else ''})")
@@ -351,7 +351,7 @@ class Trainer:
                             "tensorboard": self.metrics.tensorboard_enabled})
         where = f"resuming from {self.resumed_from}" if self.resumed_from else "starting"
         self.progress.message(f"meshlm train: {where} at step {self.state.step}/{train.steps}; "
-                              f"{format_count(num_parameters)} parameters on {where} "
+                              f"{format_count(num_parameters)} parameters on {placement} "
                               f"({self.config.precision.dtype}); peak {format_count(peak)}FLOP/s ({source})")
 
     def run(self) -> TrainResult:

@@ -1,0 +1,193 @@
+"""The trainer under TP / SP / DP / the distributed optimizer equals the single-process trainer.
+
+Spawned gloo ranks (``meshlm.parallel.testing.run_distributed``) run ``Trainer`` on the tiny
+corpus for 5 steps of 4 micro-batches, for a dense, a hybrid Mamba and an MoE model, at the
+layouts tp2, dp2, dp2 + distributed optimizer (world 2) and tp2 x dp2 with SP, with and without
+the distributed optimizer (world 4). Every step's loss, the validation losses and the final
+full parameters must equal the single-process run (relative error <= 1e-5). Checkpoints
+written at tp2 x dp2 load with ``load_model`` and resume at other layouts with the losses of
+the uninterrupted run; layouts that do not fit are refused before any collective.
+
+(The spawned children cannot use pytest fixtures, so the corpus is written here and the
+children get its path.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm.checkpoint.model_files import load_model
+from meshlm.config import load_run_config
+from meshlm.models.config import ConfigError
+from meshlm.parallel.data_parallel_testing import counting_collectives, relative_error
+from meshlm.parallel.tensor_parallel import gather_full_state_dict
+from meshlm.parallel.testing import run_distributed
+from meshlm.training.metrics import read_metrics
+from meshlm.training.trainer import Trainer
+
+TOLERANCE = 1e-5
+MODELS = {
+    "dense": ["model.pattern=*-*-", "model.num_kv_heads=2"],
+    "hybrid": ["model.pattern=M*-M", "model.mamba_head_dim=8", "model.mamba_state_size=8",
+               "model.mamba_num_groups=2", "model.mamba_chunk_size=8"],
+    "moe": ["model.pattern=*E*-", "model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32",
+            "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"],
+}
+LAYOUTS = {
+    2: {"tp2": ["parallel.tp=2"], "dp2": ["parallel.dp=2"],
+        "dp2 dist-opt": ["parallel.dp=2", "parallel.distributed_optimizer=true"]},
+    4: {"tp2xdp2 sp": ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true"],
+        "tp2xdp2 sp dist-opt": ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true",
+                                "parallel.distributed_optimizer=true"]},
+}
+CHECKPOINTED = ("dense", "tp2xdp2 sp dist-opt")
+"""The run whose step-3 and step-5 checkpoints the load and resume tests use."""
+
+
+def write_tiny_corpus(directory: Path) -> Path:
+    """The trainer tests' corpus (tests/training/conftest.py), loaded by path: test files cannot import it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trainer_conftest", Path(__file__).parent / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write_corpus(directory)
+
+
+def run_config(blend: Path, run_dir: Path, *overrides: str):
+    base = ["model.vocab_size=64", "model.hidden_size=32", "model.num_attention_heads=4", "model.ffn_hidden_size=64",
+            "train.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=5",
+            "train.log_every=1", "train.eval_every=5", "train.eval_batches=1", "train.save_every=0",
+            "train.keep_checkpoints=5", "train.progress=false", "train.tensorboard=false", "train.plot=false",
+            "train.device=cpu", f"train.run_dir={run_dir}", f"data.blend={blend}", "data.split=90,10,0",
+            "optim.lr=1e-3", "optim.warmup_steps=2", "train.grad_clip=0.5"]
+    return load_run_config(None, [*base, *overrides])
+
+
+def train_once(blend: Path, run_dir: Path, overrides: list[str]) -> dict:
+    """Train (or resume) and return the losses and the full single-process parameters."""
+    torch.set_num_threads(1)
+    trainer = Trainer(run_config(blend, run_dir, *overrides))
+    result = trainer.run()
+    state = gather_full_state_dict(trainer.model, trainer.context)
+    return {"losses": result.losses, "val_losses": result.val_losses,
+            "params": {name: value.clone() for name, value in state.items()}}
+
+
+def train_runs(blend: str, root: str, runs: list[tuple[str, list[str]]]) -> dict:
+    """In each spawned rank: train every (name, overrides) run in ``root/name``."""
+    return {name: train_once(Path(blend), Path(root) / name, overrides) for name, overrides in runs}
+
+
+def refused_layouts(blend: str, root: str, layouts: list[list[str]]) -> list[tuple[str, dict]]:
+    """In each spawned rank: build a Trainer for each bad layout; (its ConfigError, collectives called)."""
+    refusals = []
+    for number, overrides in enumerate(layouts):
+        counts = {}
+        with counting_collectives(counts):
+            try:
+                Trainer(run_config(Path(blend), Path(root) / f"bad{number}", *overrides))
+            except ConfigError as error:
+                refusals.append((str(error), dict(counts)))
+                continue
+        refusals.append(("no error", dict(counts)))
+    return refusals
+
+
+def assert_same_run(actual: dict, expected: dict, where: str) -> None:
+    steps = sorted(expected["losses"])
+    assert sorted(actual["losses"]) == steps, where
+    assert relative_error([actual["losses"][s] for s in steps], [expected["losses"][s] for s in steps]) <= TOLERANCE, \
+        (where, actual["losses"], expected["losses"])
+    checks = sorted(expected["val_losses"])
+    assert sorted(actual["val_losses"]) == checks, where
+    assert relative_error([actual["val_losses"][s] for s in checks],
+                          [expected["val_losses"][s] for s in checks]) <= TOLERANCE, where
+    assert set(actual["params"]) == set(expected["params"]), where
+    for name, value in expected["params"].items():
+        assert actual["params"][name].shape == value.shape, (where, name)
+        assert relative_error(actual["params"][name], value) <= TOLERANCE, (where, name)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Single-process references, then every model at every layout (world 4 first: its checkpoints
+    are resumed by the world-2 call and here)."""
+    root = tmp_path_factory.mktemp("parallel-training")
+    blend = write_tiny_corpus(root / "corpus")
+    single = {model: train_once(blend, root / f"single {model}", overrides) for model, overrides in MODELS.items()}
+    world4 = [(f"{model} {layout}", [*model_overrides, *layout_overrides, *(
+        ["train.save_every=3"] if (model, layout) == CHECKPOINTED else [])])
+        for model, model_overrides in MODELS.items() for layout, layout_overrides in LAYOUTS[4].items()]
+    results4 = run_distributed(train_runs, 4, str(blend), str(root), world4, timeout_s=300)
+    # resume the tp2 x dp2 run's step-3 checkpoint at dp2 with the distributed optimizer
+    saved = root / " ".join(CHECKPOINTED) / "checkpoints"
+    resumed_dir = root / "resumed dp2 dist-opt" / "checkpoints"
+    shutil.copytree(saved / "step_3", resumed_dir / "step_3")
+    world2 = [(f"{model} {layout}", [*model_overrides, *layout_overrides])
+              for model, model_overrides in MODELS.items() for layout, layout_overrides in LAYOUTS[2].items()]
+    world2.append(("resumed dp2 dist-opt", [*MODELS["dense"], *LAYOUTS[2]["dp2 dist-opt"]]))
+    results2 = run_distributed(train_runs, 2, str(blend), str(root), world2, timeout_s=300)
+    return dict(root=root, blend=blend, single=single, saved=saved, by_rank={2: results2, 4: results4})
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_parallel_training_equals_single_process(runs, model, world):
+    for layout in LAYOUTS[world]:
+        for rank, results in enumerate(runs["by_rank"][world]):
+            assert_same_run(results[f"{model} {layout}"], runs["single"][model], f"{model} {layout} rank {rank}")
+
+
+def test_only_rank_zero_writes_metrics(runs):
+    for world, layouts in LAYOUTS.items():
+        for layout in layouts:
+            records = read_metrics(runs["root"] / f"dense {layout}" / "metrics.jsonl")
+            steps = [record["step"] for record in records if "loss" in record and "event" not in record]
+            assert steps == [1, 2, 3, 4, 5], (layout, steps)  # one line per step: no rank wrote twice
+            start = next(record for record in records if record.get("event") == "start")
+            assert start["world_size"] == world and start["tp"] * start["dp"] == world
+
+
+def test_checkpoint_from_tp2_dp2_loads_single_process(runs):
+    final = runs["saved"] / "step_5"
+    model = load_model(final)  # what `meshlm generate` does
+    expected = runs["single"]["dense"]["params"]
+    state = model.state_dict()
+    for name, value in expected.items():
+        assert relative_error(state[name], value) <= TOLERANCE, name
+    json.loads((final / "config.json").read_text())  # single-process format: a readable model config
+
+
+def continued(run: dict) -> dict:
+    """What a run resumed from its step-3 checkpoint must reproduce: steps 4-5 and the final state."""
+    return {**run, "losses": {step: run["losses"][step] for step in (4, 5)}, "val_losses": {5: run["val_losses"][5]}}
+
+
+def test_checkpoint_from_tp2_dp2_resumes_at_other_layouts(runs, tmp_path):
+    single = runs["single"]["dense"]
+    # at dp1 (this process): steps 4 and 5 continue the uninterrupted run
+    run_dir = tmp_path / "resumed single"
+    shutil.copytree(runs["saved"] / "step_3", run_dir / "checkpoints" / "step_3")
+    resumed = train_once(runs["blend"], run_dir, MODELS["dense"])
+    assert sorted(resumed["losses"]) == [4, 5]
+    assert_same_run(resumed, continued(single), "resumed at dp1")
+    # at dp2 with the distributed optimizer (spawned in the fixture)
+    for rank, results in enumerate(runs["by_rank"][2]):
+        assert_same_run(results["resumed dp2 dist-opt"], continued(results["dense dp2 dist-opt"]),
+                        f"resumed at dp2 dist-opt rank {rank}")
+
+
+def test_bad_layouts_are_refused_before_any_collective(runs):
+    layouts = [["parallel.tp=3"], ["parallel.tp=4", "model.num_attention_heads=2", "model.pattern=*-"]]
+    refusals = run_distributed(refused_layouts, 4, str(runs["blend"]), str(runs["root"]), layouts)
+    for rank_refusals in refusals:
+        (world_message, world_calls), (heads_message, heads_calls) = rank_refusals
+        assert "world of 4 processes is not divisible by tp*pp*cp" in world_message and world_calls == {}
+        assert "model.num_attention_heads = 2 is not divisible by parallel.tp=4" in heads_message
+        assert heads_calls == {}
