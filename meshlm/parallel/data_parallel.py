@@ -17,16 +17,24 @@ A trainer step with either optimizer::
 
     reducer.zero_grad()
     for micro-batch i of n:   (with reducer.no_sync() unless i == n - 1): backward(loss_i / total)
-    reducer.finish()                          # then: TP partial-grad sums, unscale (fp16)
-    norm = clip (DistributedOptimizer.clip_grad_norm_, or clip_grad_norm_across(..., sharded_by_dp=False))
-    optimizer.step(); precision.master_to_model()
+    norm, skip = finish_gradients(...)        # DP reduction, TP partial sums, unscale, clip
+    if not skip: optimizer.step(); precision.master_to_model()
+    optimizer.zero_grad()
+
+The skip decision comes from the global norm alone, so every rank takes it alike: an inf or nan
+in any rank's local gradient reaches the reduced gradient of the rank that owns that element,
+and from there the global norm of every rank. (MixedPrecision's own non-finite flag looks at
+this rank's buffer only and is implied by the norm.)
 """
 
 from __future__ import annotations
 
+import torch
+
 from meshlm.parallel.distributed_optimizer import DistributedOptimizer
 from meshlm.parallel.grad_norm import clip_grad_norm_across, clip_grads_, global_grad_norm
 from meshlm.parallel.grad_reducer import GradientReducer
+from meshlm.parallel.tensor_parallel import reduce_partial_tp_grads
 from meshlm.training.optimizer import build_optimizer
 
 
@@ -45,5 +53,22 @@ def build_data_parallel(precision, optim_config, parallel_config, context):
     return reducer, build_optimizer(named, optim_config)
 
 
+def finish_gradients(reducer: GradientReducer, optimizer, precision, context, max_norm: float,
+                     tensor_parallel_names: set[str] | None = None,
+                     partial_grad_names: set[str] | None = None) -> tuple[torch.Tensor, bool]:
+    """After the last micro-batch's backward: finish the DP reduction, sum TP-partial gradients
+    over the TP group (on this rank's shards only with the distributed optimizer; sums commute, so
+    after the DP sum is as good as before it), unscale (fp16) and clip by the global norm.
+    Returns (norm, skip), skip being True when the norm is not finite."""
+    reducer.finish()
+    sharded = isinstance(optimizer, DistributedOptimizer)
+    named_grads = optimizer.named_grad_shards() if sharded else reducer.named_grads()
+    if context.tp_size > 1 and partial_grad_names:
+        reduce_partial_tp_grads(named_grads, context, partial_grad_names)
+    precision.gradients_to_master()  # divides by the loss scale; linear, so after the sums
+    norm = clip_grads_(named_grads, max_norm, context, sharded, tensor_parallel_names, reducer.buffer.device)
+    return norm, not bool(torch.isfinite(norm))
+
+
 __all__ = ["DistributedOptimizer", "GradientReducer", "build_data_parallel", "clip_grad_norm_across", "clip_grads_",
-           "global_grad_norm"]
+           "finish_gradients", "global_grad_norm"]

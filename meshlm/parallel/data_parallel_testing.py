@@ -22,10 +22,10 @@ import torch.distributed as dist
 from meshlm.config import OptimConfig, ParallelConfig, PrecisionConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
-from meshlm.parallel.data_parallel import build_data_parallel
-from meshlm.parallel.distributed_optimizer import DistributedOptimizer
-from meshlm.parallel.grad_norm import clip_grad_norm_across
-from meshlm.parallel.mesh import ParallelContext
+from meshlm.parallel.data_parallel import build_data_parallel, finish_gradients
+from meshlm.parallel.mesh import ParallelContext, build_parallel_context
+from meshlm.parallel.tensor_parallel import (gather_full_state_dict, parallelize_model, partial_grad_names,
+                                             tensor_parallel_names)
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.training.optimizer import build_optimizer
 
@@ -43,6 +43,9 @@ class TrainSpec:
     lr: float = 1e-3
     weight_decay: float = 0.1
     grad_clip: float = 0.5
+    tp: int = 1
+    """Tensor-parallel size of the DP run (the world is dp * tp)."""
+    sp: bool = False
     distributed_optimizer: bool = False
     bucket_size_mb: float = 25.0
     overlap: bool = True
@@ -53,8 +56,8 @@ class TrainSpec:
         return OptimConfig(lr=self.lr, weight_decay=self.weight_decay)
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(distributed_optimizer=self.distributed_optimizer, bucket_size_mb=self.bucket_size_mb,
-                              overlap_grad_reduce=self.overlap)
+        return ParallelConfig(tp=self.tp, sp=self.sp, distributed_optimizer=self.distributed_optimizer,
+                              bucket_size_mb=self.bucket_size_mb, overlap_grad_reduce=self.overlap)
 
 
 @dataclass
@@ -83,6 +86,8 @@ def build_run(spec: TrainSpec, context: ParallelContext | None) -> TrainRun:
     """Model, precision and optimizer; ``context`` None means the plain single-process run."""
     torch.manual_seed(spec.seed)
     model = LanguageModel(ModelConfig(**spec.model)).train()
+    if context is not None:
+        model = parallelize_model(model, context)
     precision = MixedPrecision(model, PrecisionConfig(dtype=spec.dtype))
     if context is None:
         return TrainRun(model, precision, build_optimizer(precision.master_parameters(), spec.optim_config()), None)
@@ -131,12 +136,12 @@ def finish_and_clip(run: TrainRun, spec: TrainSpec, context: ParallelContext | N
     if run.reducer is None:
         run.precision.gradients_to_master()
         masters = [param for _, param in run.precision.master_parameters()]
-        return torch.nn.utils.clip_grad_norm_(masters, spec.grad_clip)
-    run.reducer.finish()
-    run.precision.gradients_to_master()
-    if isinstance(run.optimizer, DistributedOptimizer):
-        return run.optimizer.clip_grad_norm_(spec.grad_clip)
-    return clip_grad_norm_across(run.precision.master_parameters(), spec.grad_clip, context, sharded_by_dp=False)
+        if spec.grad_clip > 0:  # as the trainer does it
+            return torch.nn.utils.clip_grad_norm_(masters, spec.grad_clip)
+        return torch.nn.utils.get_total_norm([param.grad for param in masters])
+    norm, _ = finish_gradients(run.reducer, run.optimizer, run.precision, context, spec.grad_clip,
+                               tensor_parallel_names(run.model), partial_grad_names(run.model))
+    return norm
 
 
 def single_process_result(spec: TrainSpec) -> dict:
@@ -145,14 +150,21 @@ def single_process_result(spec: TrainSpec) -> dict:
     return result_of(run)
 
 
-def result_of(run: TrainRun) -> dict:
+def result_of(run: TrainRun, context: ParallelContext | None = None) -> dict:
+    """Losses, grad norms and the single-process form of the parameters (gathered over TP)."""
+    params = dict(run.model.named_parameters())
+    if context is not None and context.tp_size > 1:
+        params = {name: value for name, value in gather_full_state_dict(run.model, context).items() if name in params}
     return {"losses": run.losses, "grad_norms": run.grad_norms,
-            "params": {name: param.detach().float().clone() for name, param in run.model.named_parameters()}}
+            "params": {name: param.detach().float().clone() for name, param in params.items()}}
 
 
-def context_from_world() -> ParallelContext:
-    """A pure-DP context over the whole default process group (tp = 1)."""
+def context_from_world(spec: TrainSpec | None = None) -> ParallelContext:
+    """The (dp, tp) context of the spawned world: pure DP over the default group when tp = 1."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    if spec is not None and spec.tp > 1:
+        return build_parallel_context(spec.parallel_config(), ModelConfig(**spec.model), torch.device("cpu"),
+                                      spec.seq_len, spec.micro_batches)
     return ParallelContext(rank=rank, world_size=world, dp_size=world, dp_rank=rank,
                            dp_group=dist.group.WORLD if world > 1 else None)
 

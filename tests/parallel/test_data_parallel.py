@@ -136,3 +136,30 @@ def test_reducer_built_before_the_gradient_mover_is_refused():
     GradientReducer(masters, ParallelContext(), model_parameters=list(model.parameters()))
     with pytest.raises(RuntimeError, match="after MixedPrecision"):
         model(torch.ones(2, 4)).sum().backward()
+
+
+# --- beside tensor parallelism ---------------------------------------------------------------------------
+
+def train_with_tensor_parallelism(specs: list[TrainSpec]) -> list[dict]:
+    results = []
+    for spec in specs:
+        context = context_from_world(spec)
+        results.append(result_of(train_steps(build_run(spec, context), spec, context), context))
+    return results
+
+
+def test_data_parallel_beside_tensor_parallelism():
+    """tp=2 x dp=2: TP-sharded, vocabulary-padded and SP-partial gradients go through the buckets,
+    the partial sums over TP and the global norm. (lr 2e-4: TP changes fp32 summation orders inside
+    the matmuls, and Adam's m/sqrt(v) amplifies that noise on near-zero gradients by about lr.)"""
+    specs = [TrainSpec(dict(DENSE, vocab_size=63), tp=2, sp=True, distributed_optimizer=True, lr=2e-4,
+                       bucket_size_mb=SMALL_BUCKETS_MB / 2),
+             TrainSpec(MOE, tp=2, sp=False, distributed_optimizer=False, lr=2e-4, bucket_size_mb=SMALL_BUCKETS_MB / 2)]
+    results = run_distributed(train_with_tensor_parallelism, 4, specs)
+    for number, spec in enumerate(specs):
+        expected = single_process_result(spec)
+        for rank, result in enumerate(results):
+            assert relative_error(result[number]["losses"], expected["losses"]) <= TOLERANCE, (number, rank)
+            assert relative_error(result[number]["grad_norms"], expected["grad_norms"]) <= TOLERANCE, (number, rank)
+            for name, value in expected["params"].items():
+                assert relative_error(result[number]["params"][name], value) <= TOLERANCE, (number, rank, name)
