@@ -75,7 +75,11 @@ def train_once(blend: Path, run_dir: Path, overrides: list[str]) -> dict:
     trainer = Trainer(run_config(blend, run_dir, *overrides))
     result = trainer.run()
     state = gather_full_state_dict(trainer.model, trainer.context)
-    return {"losses": result.losses, "val_losses": result.val_losses,
+    grad_norms = None
+    if trainer.context.is_logging_rank:  # it wrote metrics.jsonl (closed when run() returned)
+        grad_norms = {record["step"]: record["grad_norm"] for record in read_metrics(run_dir / "metrics.jsonl")
+                      if "grad_norm" in record and record["step"] in result.losses}
+    return {"losses": result.losses, "val_losses": result.val_losses, "grad_norms": grad_norms,
             "params": {name: value.clone() for name, value in state.items()}}
 
 
@@ -104,6 +108,10 @@ def assert_same_run(actual: dict, expected: dict, where: str) -> None:
     assert sorted(actual["losses"]) == steps, where
     assert relative_error([actual["losses"][s] for s in steps], [expected["losses"][s] for s in steps]) <= TOLERANCE, \
         (where, actual["losses"], expected["losses"])
+    if actual["grad_norms"] is not None:  # the global norm before clipping: every element counted once
+        assert sorted(actual["grad_norms"]) == steps, where
+        assert relative_error([actual["grad_norms"][s] for s in steps],
+                              [expected["grad_norms"][s] for s in steps]) <= TOLERANCE, where
     checks = sorted(expected["val_losses"])
     assert sorted(actual["val_losses"]) == checks, where
     assert relative_error([actual["val_losses"][s] for s in checks],
@@ -166,7 +174,10 @@ def test_checkpoint_from_tp2_dp2_loads_single_process(runs):
 
 def continued(run: dict) -> dict:
     """What a run resumed from its step-3 checkpoint must reproduce: steps 4-5 and the final state."""
-    return {**run, "losses": {step: run["losses"][step] for step in (4, 5)}, "val_losses": {5: run["val_losses"][5]}}
+    later = {"losses": {step: run["losses"][step] for step in (4, 5)}, "val_losses": {5: run["val_losses"][5]}}
+    if run["grad_norms"] is not None:
+        later["grad_norms"] = {step: run["grad_norms"][step] for step in (4, 5)}
+    return {**run, **later}
 
 
 def test_checkpoint_from_tp2_dp2_resumes_at_other_layouts(runs, tmp_path):
