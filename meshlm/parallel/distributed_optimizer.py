@@ -116,7 +116,9 @@ class DistributedOptimizer:
 
     ``model_parameters``: the model tensors that produce the gradients (bf16/fp16 runs: the
     low-precision model parameters behind MixedPrecision's masters), aligned with the pairs.
-    The gradient reduction lives in ``self.reducer`` (``no_sync()``, ``finish()``).
+    The gradient reduction lives in ``self.reducer`` (``no_sync()``, ``finish()``). Build it
+    after the model is on its device and after MixedPrecision: the given parameters' ``.data``
+    become views into the flat value buffer (``.to()`` afterwards would break the views).
     """
 
     def __init__(self, parameters_by_name: list[tuple[str, torch.nn.Parameter]], optim_config, context,
@@ -141,7 +143,8 @@ class DistributedOptimizer:
         group_of = {id(param): number for number, group in enumerate(self.param_groups) for param in group["params"]}
         self.group_views = [GroupViews([], [], [], []) for _ in self.param_groups]
         for segment in self.segments:
-            views, local_end = self.group_views[group_of[id(holders[segment.param])]], segment.local + segment.end - segment.start
+            views = self.group_views[group_of[id(holders[segment.param])]]
+            local_end = segment.local + segment.end - segment.start
             views.values.append(self.values[segment.start:segment.end])
             views.grads.append(self.reducer.buffer[segment.start:segment.end])
             views.exp_avgs.append(self.exp_avg[segment.local:local_end])

@@ -41,9 +41,8 @@ def global_grad_norm(named_grads: list[tuple[str, torch.Tensor]], context, shard
     replicated = [grad for name, grad in named_grads if not (tensor_parallel_names and name in tensor_parallel_names)]
     if device is None:
         device = named_grads[0][1].device if named_grads else torch.device("cpu")
-    squares = torch.stack([_sum_of_squares(sharded, device),
-                           _sum_of_squares(replicated, device) if context.tp_rank == 0 else torch.zeros((), device=device)])
-    total = squares.sum()
+    replicated_squares = _sum_of_squares(replicated if context.tp_rank == 0 else [], device)
+    total = _sum_of_squares(sharded, device) + replicated_squares
     if context.tp_size > 1:
         dist.all_reduce(total, group=context.tp_group)
     if sharded_by_dp and context.dp_size > 1:

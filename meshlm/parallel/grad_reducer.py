@@ -208,8 +208,8 @@ class GradientReducer:
     def _ready_hook(self, index: int):
         def on_gradient_ready(source: torch.Tensor) -> None:
             if self.reduced:
-                raise RuntimeError(f"a backward ran after GradientReducer.finish() without zero_grad() ({self.names[index]}); "
-                                   "call zero_grad() at the start of every step.")
+                raise RuntimeError(f"a backward ran after GradientReducer.finish() without zero_grad() "
+                                   f"({self.names[index]}); call zero_grad() at the start of every step.")
             if source is not self.holders[index] and source.grad is not None:
                 raise RuntimeError(f"{self.names[index]}: the model gradient was not moved into the fp32 master "
                                    "before the reducer saw it; build the GradientReducer after MixedPrecision.")

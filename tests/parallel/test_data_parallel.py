@@ -120,12 +120,15 @@ def test_backward_after_finish_without_zero_grad_is_refused():
         run.model(input_ids, input_ids).loss.backward()
 
 
-def test_bf16_gradients_reach_the_fp32_buffer_through_mixed_precision():
-    spec = TrainSpec(DENSE, dtype="bf16", bucket_size_mb=SMALL_BUCKETS_MB)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_gradients_reach_the_fp32_buffer_through_mixed_precision(dtype):
+    spec = TrainSpec(DENSE, dtype=dtype, bucket_size_mb=SMALL_BUCKETS_MB)
     expected = single_process_result(spec)
     run = train_steps(build_run(spec, ParallelContext()), spec, ParallelContext())
     assert run.reducer.buffer.dtype == torch.float32
+    assert run.precision.loss_scale == (65536.0 if dtype == "fp16" else 1.0)  # fp16 grads were scaled, then unscaled
     assert relative_error(run.losses, expected["losses"]) <= TOLERANCE
+    assert relative_error(run.grad_norms, expected["grad_norms"]) <= TOLERANCE
     for name, value in result_of(run)["params"].items():
         assert relative_error(value, expected["params"][name]) <= 1e-2, name  # one bf16 ulp is 4e-3
 

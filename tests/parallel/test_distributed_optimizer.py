@@ -1,12 +1,12 @@
 """The ZeRO-1 distributed optimizer (meshlm/parallel/distributed_optimizer.py).
 
-Spawned gloo ranks train a dense and an MoE model with the fp32 values and Adam moments sharded
-over DP: losses, gradient norms and final parameters equal the plain single-process AdamW run
-(relative error <= 1e-5) at dp 2 and 4, with several buckets, overlap on and off, and the
-communication is one reduce-scatter and one all-gather per bucket per step. Each rank keeps 1/dp
-of the moments and the ranks' segments tile every parameter exactly once. The state gathered at
-dp=2 is the single-process AdamW state dict, and loads at dp=4 (and into torch AdamW) to
-continue identically.
+Spawned gloo ranks train a dense, an MoE and a hybrid Mamba/attention/MoE model (tied
+embeddings) with the fp32 values and Adam moments sharded over DP: losses, gradient norms and
+final parameters equal the plain single-process AdamW run (relative error <= 1e-5) at dp 2 and
+4, with several buckets, overlap on and off, and the communication is one reduce-scatter and one
+all-gather per bucket per step. Each rank keeps 1/dp of the moments and the ranks' segments tile
+every parameter exactly once. The state gathered at dp=2 is the single-process AdamW state
+dict, and loads at dp=4 (and into torch AdamW) to continue identically.
 """
 
 import pytest
@@ -20,6 +20,7 @@ from meshlm.parallel.testing import run_distributed
 DENSE = dict(vocab_size=64, hidden_size=32, pattern="*-*-", num_attention_heads=4, ffn_hidden_size=64)
 MOE = dict(vocab_size=64, hidden_size=32, pattern="*E*E", num_attention_heads=4, moe_num_experts=4, moe_top_k=2,
            moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+HYBRID_MOE = dict(MOE, pattern="M*E", mamba_head_dim=8, tie_embeddings=True)  # A_log, D, dt_bias: no decay
 SMALL_BUCKETS_MB = 0.01  # 2621 fp32 elements: 5-8 buckets for these models
 TOLERANCE = 1e-5
 
@@ -70,7 +71,7 @@ def test_sharded_training_equals_single_process(dp):
     micro_per_rank = 2
     specs = [TrainSpec(DENSE, micro_batches=dp * micro_per_rank, distributed_optimizer=True,
                        bucket_size_mb=SMALL_BUCKETS_MB, overlap=True),
-             TrainSpec(MOE, micro_batches=dp * micro_per_rank, distributed_optimizer=True,
+             TrainSpec(HYBRID_MOE, micro_batches=dp * micro_per_rank, distributed_optimizer=True,
                        bucket_size_mb=SMALL_BUCKETS_MB, overlap=False),
              TrainSpec(MOE, micro_batches=dp * micro_per_rank, distributed_optimizer=True, overlap=True)]
     results = run_distributed(train_sharded, dp, specs)
