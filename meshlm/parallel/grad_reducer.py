@@ -213,9 +213,12 @@ class GradientReducer:
             if source is not self.holders[index] and source.grad is not None:
                 raise RuntimeError(f"{self.names[index]}: the model gradient was not moved into the fp32 master "
                                    "before the reducer saw it; build the GradientReducer after MixedPrecision.")
+            bucket = self.layout.bucket_of[index]
+            if self.sync and self.overlap and bucket < self.next_bucket:
+                raise RuntimeError(f"{self.names[index]}: a second backward reached a bucket whose reduction was "
+                                   "already launched; run the non-final micro-batches of a step inside no_sync().")
             self._attach(index)
             if self.sync and self.overlap:
-                bucket = self.layout.bucket_of[index]
                 self.ready[bucket].add(index)
                 while (self.next_bucket < len(self.layout.buckets)
                        and len(self.ready[self.next_bucket]) == len(self.layout.buckets[self.next_bucket].params)):

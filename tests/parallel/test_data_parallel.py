@@ -8,6 +8,8 @@ the non-final micro-batches, that with overlap every bucket is launched before b
 and that without it all are launched by finish().
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -97,8 +99,9 @@ def test_gradients_are_views_into_the_buffer_and_accumulate_there():
 
     def accumulated(backward_passes: int) -> list[torch.Tensor]:
         reducer.zero_grad()
-        for _ in range(backward_passes):
-            run.model(input_ids, input_ids).loss.backward()
+        for number in range(backward_passes):
+            with reducer.no_sync() if number < backward_passes - 1 else contextlib.nullcontext():
+                run.model(input_ids, input_ids).loss.backward()
         reducer.finish()
         for (name, param), view in zip(run.model.named_parameters(), reducer.grad_views):
             assert param.grad.data_ptr() == view.data_ptr(), name
@@ -117,6 +120,16 @@ def test_backward_after_finish_without_zero_grad_is_refused():
     run.model(input_ids, input_ids).loss.backward()
     run.reducer.finish()
     with pytest.raises(RuntimeError, match="zero_grad"):
+        run.model(input_ids, input_ids).loss.backward()
+
+
+def test_a_second_synchronizing_backward_is_refused():
+    """Without no_sync() the first backward launches every bucket; accumulating into them again
+    would race with (or come after) their reduction."""
+    run = build_run(TrainSpec(DENSE, overlap=True), ParallelContext())
+    input_ids = torch.randint(0, 64, (2, 16))
+    run.model(input_ids, input_ids).loss.backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
         run.model(input_ids, input_ids).loss.backward()
 
 
