@@ -59,10 +59,11 @@ from meshlm.checkpoint.training_checkpoint import (TrainerState, latest_checkpoi
 from meshlm.models.config import ConfigError
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.language_model import LanguageModel
-from meshlm.parallel.data_parallel import DistributedOptimizer, build_data_parallel, clip_grad_norm_across
+from meshlm.parallel.data_parallel import build_data_parallel
+from meshlm.parallel.data_parallel import finish_gradients as finish_distributed_gradients
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.parallel_model import parallelize_model
-from meshlm.parallel.tensor_parallel import partial_grad_names, reduce_partial_tp_grads, tensor_parallel_names
+from meshlm.parallel.tensor_parallel import partial_grad_names, tensor_parallel_names
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.training.data_loading import build_training_data, read_batch
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary,
@@ -207,24 +208,18 @@ class Trainer:
     def finish_gradients(self) -> tuple[float, bool]:
         """Gradients -> fp32 masters (reduced, unscaled), global-norm clipping; returns (norm, found_nonfinite).
 
-        With data parallelism the DP reduction is finished first and the partial gradients of
-        TP-replicated parameters are summed over TP (sums commute, so the order of the two does
-        not matter); the norm then counts every element once, so every rank sees the same norm
-        and makes the same skip decision.
+        Distributed (``meshlm.parallel.data_parallel.finish_gradients``): finish the DP reduction,
+        sum the partial gradients of TP-replicated parameters over TP (sums commute, so after the
+        DP sum is as good as before it), unscale, clip by the global norm that counts every
+        element once. The skip decision comes from that norm alone, the same on every rank.
         """
-        if self.reducer is not None:
-            self.reducer.finish()
-        if self.partial_names:
-            reduce_partial_tp_grads([(name, param.grad) for name, param in self.precision.master_parameters()],
-                                    self.context, self.partial_names)
-        found_nonfinite = self.precision.gradients_to_master()
         clip = self.config.train.grad_clip
-        if isinstance(self.optimizer, DistributedOptimizer):
-            norm = self.optimizer.clip_grad_norm_(clip, self.sharded_names)
-        elif self.context.distributed:
-            norm = clip_grad_norm_across(self.precision.master_parameters(), clip, self.context, sharded_by_dp=False,
-                                         tensor_parallel_names=self.sharded_names)
-        elif clip > 0:
+        if self.reducer is not None:
+            norm, skip = finish_distributed_gradients(self.reducer, self.optimizer, self.precision, self.context, clip,
+                                                      self.sharded_names, self.partial_names)
+            return float(norm), skip
+        found_nonfinite = self.precision.gradients_to_master()
+        if clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.master_parameters, clip)
         else:
             grads = [param.grad for param in self.master_parameters if param.grad is not None]
