@@ -5,7 +5,10 @@ The trainer needs two things from the data pipeline (``meshlm.data``):
 - a **train** dataset whose item ``i`` is sample ``i`` of one fixed global order, a dict
   ``{"input_ids", "labels"}`` of ``seq_len`` tokens each. Step ``s`` reads samples
   ``[s * global_batch_size, (s + 1) * global_batch_size)``, so "samples consumed" in a
-  checkpoint says exactly where a resumed run continues;
+  checkpoint says exactly where a resumed run continues. With data parallelism the step's
+  ``global_batch_size / micro_batch_size`` micro-batches are split into contiguous shares, DP
+  rank d reading the d-th (the trainer's ``next_micro_batches``); every rank of a TP group
+  reads the same share. The order itself never depends on the layout;
 - a **valid** dataset of ``eval_batches * micro_batch_size`` samples, read from its start at
   every evaluation, so each validation loss is measured on the same sequences.
 
