@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         num_parameters = LanguageModel(config.model).num_parameters()
         by_rank = run_distributed(measure, 2, args, str(blend), folder, timeout_s=600)
     report = {"model": {"pattern": PATTERN, "hidden": args.hidden, "seq_len": args.seq_len,
-                        "micro_batch_size": args.micro_batch_size, "micro_batches_per_step": args.micro_batches_per_step,
+                        "micro_batch_size": args.micro_batch_size,
+                        "micro_batches_per_step": args.micro_batches_per_step,
                         "num_parameters": num_parameters}, "layouts": {}}
     for layout in LAYOUTS:
         measured = by_rank[0][layout]

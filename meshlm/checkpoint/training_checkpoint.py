@@ -135,7 +135,8 @@ def save_checkpoint(run_dir: str | os.PathLike, state: TrainerState, model: torc
     if distributed:
         model_state, optimizer_state, precision_state = gather_training_state(model, optimizer, precision, context)
     else:
-        model_state, optimizer_state, precision_state = model.state_dict(), optimizer.state_dict(), precision.state_dict()
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+        precision_state = precision.state_dict()
     if not distributed or context.is_logging_rank:
         try:
             root = final.parent

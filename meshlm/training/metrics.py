@@ -319,6 +319,6 @@ def _tensorboard_writer(log_dir: Path, resume_step: int):
     return SummaryWriter(str(log_dir), purge_step=resume_step + 1 if resume_step > 0 else None)
 
 
-__all__ = ["GPU_PEAK_TFLOPS", "METRICS_FILE", "MetricsLog", "ProgressLine", "SilentLog", "Throughput", "expert_load_summary",
-           "format_count", "format_duration", "measured_peak_flops", "peak_flops", "progress_text", "read_metrics",
-           "table_peak_flops", "truncate_metrics"]
+__all__ = ["GPU_PEAK_TFLOPS", "METRICS_FILE", "MetricsLog", "ProgressLine", "SilentLog", "Throughput",
+           "expert_load_summary", "format_count", "format_duration", "measured_peak_flops", "peak_flops",
+           "progress_text", "read_metrics", "table_peak_flops", "truncate_metrics"]

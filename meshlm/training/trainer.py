@@ -259,8 +259,8 @@ class Trainer:
         if self.context.dp_size == 1:
             return loss_sum, term_sums, expert_counts
         names = sorted(term_sums)
-        pieces = [loss_sum.reshape(1).float()] + [torch.as_tensor(term_sums[name], device=self.device).reshape(1).float()
-                                                  for name in names]
+        pieces = [loss_sum.reshape(1).float()]
+        pieces += [torch.as_tensor(term_sums[name], device=self.device).reshape(1).float() for name in names]
         pieces += [count.reshape(-1).float() for count in expert_counts]
         flat = torch.cat(pieces)
         dist.all_reduce(flat, group=self.context.dp_group)
