@@ -5,6 +5,10 @@
     logits = Head(FinalNorm(h_L))
     loss = CE(logits, labels) + sum_E (aux_coeff * aux + z_coeff * z) + mtp_coeff * MTP
 
+When the caller wants only the loss (``return_logits=False``, as the trainer does), Head and CE
+are fused (``head_loss``, meshlm/models/losses.py): the logits are computed a chunk of tokens at
+a time and never held in full, which saves memory and time.
+
 The forward is split into ``embed``, ``run_blocks`` and ``head_logits`` so that a pipeline
 stage can run only its share (embedding on the first stage, head and loss on the last), and
 parameter names (``blocks.{i}...``) use the *global* block index so that checkpoints do not
@@ -25,10 +29,9 @@ from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.init import initialize_weights
+from meshlm.models.losses import IGNORE_INDEX, linear_cross_entropy
 from meshlm.models.mlp import MLP
 from meshlm.models.norms import make_norm
-
-IGNORE_INDEX = -100
 
 
 def build_mixer(kind: str, config: ModelConfig, layer_index: int) -> nn.Module:
@@ -122,6 +125,15 @@ class LanguageModel(nn.Module):
             hidden = self.final_norm(hidden)
         return F.linear(hidden, self.output_weight()).float()
 
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, normed: bool = False) -> torch.Tensor:
+        """``language_model_loss(head_logits(hidden), labels)`` without materializing the logits.
+
+        A subclass that replaces ``head_logits`` (e.g. a vocabulary-split head) must replace this too.
+        """
+        if not normed:
+            hidden = self.final_norm(hidden)
+        return linear_cross_entropy(hidden, self.output_weight(), labels)
+
     # --- whole model -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 token_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -132,14 +144,15 @@ class LanguageModel(nn.Module):
         """
         context = SequenceContext.for_tokens(input_ids, token_mask, cache, position_ids)
         hidden = self.run_blocks(self.embed(input_ids), context)
-        logits = self.head_logits(hidden)
-        output = LMOutput(logits=logits if return_logits or labels is None else None)
+        fused_loss = labels is not None and not return_logits
+        logits = None if fused_loss else self.head_logits(hidden)
+        output = LMOutput(logits=logits)
         if context.moe_losses:
             output.tokens_per_expert = [losses.tokens_per_expert for losses in context.moe_losses]
         if labels is None:
             return output
 
-        output.losses["lm"] = language_model_loss(logits, labels)
+        output.losses["lm"] = self.head_loss(hidden, labels) if fused_loss else language_model_loss(logits, labels)
         total = output.losses["lm"]
         if context.moe_losses:
             output.losses["moe_aux"] = torch.stack([m.aux_loss for m in context.moe_losses]).sum()
@@ -148,7 +161,7 @@ class LanguageModel(nn.Module):
                      + self.config.moe_z_loss_coeff * output.losses["moe_z"])
         if self.mtp is not None:
             mtp_context = SequenceContext(position_ids=context.position_ids, token_mask=token_mask)
-            per_depth = self.mtp(hidden, input_ids, labels, self, mtp_context)
+            per_depth = self.mtp(hidden, input_ids, labels, self, mtp_context, fused_loss=fused_loss)
             for depth, depth_loss in enumerate(per_depth, start=1):
                 output.losses[f"mtp_{depth}"] = depth_loss
             output.losses["mtp"] = torch.stack(per_depth).mean()

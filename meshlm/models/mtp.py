@@ -58,14 +58,18 @@ class MultiTokenPrediction(nn.Module):
             MTPDepth(config, config.num_blocks + depth * blocks_per_depth) for depth in range(config.mtp_depth))
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
-                model, context) -> list[torch.Tensor]:
-        """Loss of each depth (mean CE over positions with a target), depth 1 first."""
+                model, context, fused_loss: bool = False) -> list[torch.Tensor]:
+        """Loss of each depth (mean CE over positions with a target), depth 1 first; with
+        ``fused_loss`` through ``model.head_loss`` (no full logits)."""
         from meshlm.models.language_model import IGNORE_INDEX, language_model_loss
 
         losses = []
         for k, depth in enumerate(self.depths, start=1):
             future_ids = shift_left(input_ids, k, fill=0)
             hidden = depth(hidden, model.embed(future_ids), context)
-            logits = model.head_logits(depth.final_norm(hidden), normed=True)
-            losses.append(language_model_loss(logits, shift_left(labels, k, fill=IGNORE_INDEX)))
+            normed, future_labels = depth.final_norm(hidden), shift_left(labels, k, fill=IGNORE_INDEX)
+            if fused_loss:
+                losses.append(model.head_loss(normed, future_labels, normed=True))
+            else:
+                losses.append(language_model_loss(model.head_logits(normed, normed=True), future_labels))
         return losses

@@ -1,0 +1,133 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import meshlm.models.losses as losses
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import IGNORE_INDEX, LanguageModel
+from meshlm.models.losses import linear_cross_entropy
+
+TOKENS, HIDDEN, VOCAB = 37, 16, 50
+
+
+def inputs(dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(TOKENS, HIDDEN, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(VOCAB, HIDDEN, generator=generator).to(dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (TOKENS,), generator=generator)
+    labels[::4] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+def unfused_loss(hidden, weight, labels):
+    return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=IGNORE_INDEX)
+
+
+def loss_and_grads(loss_fn, hidden, weight, labels, upstream=2.5):
+    loss = loss_fn(hidden, weight, labels)
+    grad_hidden, grad_weight = torch.autograd.grad(loss * upstream, (hidden, weight))
+    return loss, grad_hidden, grad_weight
+
+
+@pytest.mark.parametrize("tokens_per_chunk", [1, 5, 8, 36, 37, 1000])
+def test_fp32_loss_and_gradients_equal_unfused(tokens_per_chunk):
+    hidden, weight, labels = inputs()
+    expected = loss_and_grads(unfused_loss, hidden, weight, labels)
+    fused = loss_and_grads(lambda *args: linear_cross_entropy(*args, tokens_per_chunk), hidden, weight, labels)
+    for name, got, want in zip(("loss", "grad hidden", "grad weight"), fused, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item(), msg=name)
+
+
+def test_leading_dimensions_are_flattened():
+    hidden, weight, labels = inputs()
+    loss = linear_cross_entropy(hidden[:36].reshape(4, 9, HIDDEN), weight, labels[:36].reshape(4, 9), 7)
+    torch.testing.assert_close(loss, unfused_loss(hidden[:36], weight, labels[:36]), rtol=1e-6, atol=0)
+
+
+def test_bf16_inputs_give_bf16_gradients_close_to_unfused():
+    hidden, weight, labels = inputs(torch.bfloat16)
+    expected = loss_and_grads(unfused_loss, hidden, weight, labels)
+    fused = loss_and_grads(lambda *args: linear_cross_entropy(*args, 5), hidden, weight, labels)
+    assert fused[0].dtype == torch.float32
+    assert fused[1].dtype == fused[2].dtype == torch.bfloat16
+    torch.testing.assert_close(fused[0], expected[0], rtol=1e-5, atol=0)  # same bf16 logits, fp32 after
+    for got, want in zip(fused[1:], expected[1:]):
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+def test_all_labels_ignored_gives_nan_loss_and_zero_gradients_like_cross_entropy():
+    hidden, weight, labels = inputs()
+    labels.fill_(IGNORE_INDEX)
+    expected = loss_and_grads(unfused_loss, hidden, weight, labels)
+    fused = loss_and_grads(lambda *args: linear_cross_entropy(*args, 8), hidden, weight, labels)
+    assert torch.isnan(expected[0]) and torch.isnan(fused[0])
+    for got, want in zip(fused[1:], expected[1:]):
+        assert torch.equal(got, want) and not got.any()
+
+
+def test_no_grad_computes_the_loss_only(monkeypatch):
+    hidden, weight, labels = inputs()
+    expected = unfused_loss(hidden, weight, labels).detach()
+
+    def fail(*args, **kwargs):
+        raise AssertionError("gradients computed under no_grad")
+
+    monkeypatch.setattr(losses, "softmax_minus_onehot", fail)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, labels, 8)
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    frozen = linear_cross_entropy(hidden.detach(), weight.detach(), labels, 8)  # nothing requires grad
+    assert frozen.grad_fn is None
+
+
+def test_frozen_weight_gets_no_gradient():
+    hidden, weight, labels = inputs()
+    frozen = weight.detach()
+    linear_cross_entropy(hidden, frozen, labels, 8).backward()
+    expected, = torch.autograd.grad(unfused_loss(hidden, frozen, labels), hidden)
+    assert frozen.grad is None
+    torch.testing.assert_close(hidden.grad, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+
+
+def test_second_backward_with_retained_graph_accumulates_the_same_gradient():
+    hidden, weight, labels = inputs()
+    loss = linear_cross_entropy(hidden, weight, labels, 8)
+    loss.backward(retain_graph=True)
+    once = weight.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(weight.grad, 2 * once)
+
+
+def test_default_chunk_keeps_a_few_megabytes_of_logits_and_a_floor_of_tokens():
+    assert losses.default_tokens_per_chunk(8192) * 8192 * 4 == 16 * 2 ** 20
+    assert losses.default_tokens_per_chunk(2 ** 17) == losses.MIN_TOKENS_PER_CHUNK
+
+
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_language_model_fused_loss_and_grads_equal_the_logits_path(tie_embeddings):
+    config = ModelConfig(vocab_size=64, hidden_size=32, pattern="*-", num_attention_heads=4, num_kv_heads=2,
+                         tie_embeddings=tie_embeddings, mtp_depth=1, mtp_loss_coeff=0.5)
+    torch.manual_seed(0)
+    model = LanguageModel(config)
+    tokens = torch.randint(0, 64, (2, 12))
+    labels = tokens.roll(-1, 1)
+    labels[:, -1] = IGNORE_INDEX
+    labels[0, :3] = IGNORE_INDEX
+
+    def run(return_logits):
+        model.zero_grad(set_to_none=True)
+        output = model(tokens, labels, return_logits=return_logits)
+        output.loss.backward()
+        return output, {name: param.grad.clone() for name, param in model.named_parameters()}
+
+    reference, reference_grads = run(return_logits=True)
+    fused, fused_grads = run(return_logits=False)
+    assert fused.logits is None and reference.logits is not None
+    assert fused.losses.keys() == reference.losses.keys() == {"lm", "mtp_1", "mtp"}
+    for name, value in reference.losses.items():
+        torch.testing.assert_close(fused.losses[name], value, rtol=1e-6, atol=0, msg=name)
+    assert fused_grads.keys() == reference_grads.keys()
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item(),
+                                   msg=name)
