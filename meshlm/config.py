@@ -145,15 +145,16 @@ class ParallelConfig:
     are sharded along the sequence between blocks; all-gather before column-parallel layers and
     reduce-scatter after row-parallel ones."""
     pp: int = 1
-    """Pipeline-parallel size (not built yet: must be 1)."""
+    """Pipeline-parallel size: the blocks are split into this many stages (Narayanan et al. 2021)."""
     vp: int = 1
-    """Virtual pipeline stages per rank for the interleaved schedule (not built yet: must be 1)."""
+    """Virtual pipeline stages (model chunks) per rank; > 1 selects the interleaved 1F1B schedule."""
     cp: int = 1
-    """Context-parallel size (not built yet: must be 1)."""
+    """Context-parallel size: each sequence is split over this many ranks (ring attention)."""
     ep: int = 1
-    """Expert-parallel size (not built yet: must be 1; MoE experts are split by tp on their FFN width)."""
+    """Expert-parallel size: each rank of an EP group holds moe_num_experts / ep routed experts."""
     etp: int | None = None
-    """Expert tensor-parallel size (not built yet: must be null or equal to tp)."""
+    """Expert tensor-parallel size (each expert's FFN width split over etp ranks); null means tp.
+    Expert groups (etp x ep x expert-dp) fold onto the same ranks as tp x cp x dp."""
     distributed_optimizer: bool = False
     """ZeRO stage 1: shard fp32 master weights and optimizer states over the DP group;
     gradients are reduce-scattered and parameters all-gathered."""
@@ -217,6 +218,9 @@ def validate_parallel(parallel: ParallelConfig) -> None:
             raise ConfigError(f"parallel.{name}={getattr(parallel, name)!r} must be a positive integer.")
     if parallel.dp is not None and parallel.dp < 1:
         raise ConfigError(f"parallel.dp={parallel.dp} must be a positive integer, or null for the rest of the world.")
+    if parallel.etp is not None and (not isinstance(parallel.etp, int) or parallel.etp < 1):
+        raise ConfigError(f"parallel.etp={parallel.etp!r} must be a positive integer, or null for parallel.tp.")
+    # Features whose trainer integration has not landed yet; each entry goes when its feature does.
     coming = {"pp": "pipeline parallelism", "vp": "the interleaved pipeline schedule",
               "cp": "context parallelism", "ep": "expert parallelism"}
     for name, feature in coming.items():

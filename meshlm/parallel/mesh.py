@@ -1,26 +1,38 @@
 """From a ``ParallelConfig`` to the process groups one rank takes part in.
 
-The world is arranged as a grid ``(dp, tp)`` (later ``(pp, dp, cp, tp)``) with tensor
-parallelism innermost, as in Megatron-LM and picotron: rank = dp_rank * tp + tp_rank, so the
-ranks of one TP group are adjacent -- inside one node, where the per-layer all-reduces of
-tensor parallelism get the fast links -- and the ranks of one DP group are strided by tp.
+Two grids over the same ranks (Megatron Core's "MoE parallel folding", Liu et al. 2025):
 
-    world 8, tp 2:   TP groups {0,1} {2,3} {4,5} {6,7}     DP groups {0,2,4,6} {1,3,5,7}
+    dense layers (attention, Mamba, MLP, embedding, head):   (pp, dp, cp, tp)   tp innermost
+    expert layers (the routed experts of MoE blocks):        (pp, edp, ep, etp) etp innermost
 
-The groups come from ``torch.distributed.device_mesh.init_device_mesh``. Everything here is
-explicit: modules receive the ``ParallelContext`` they need; nothing reads a global "current
-group". With one process the context has no groups and every parallel layer is an ordinary one.
+rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank, so the ranks of one TP group
+are adjacent -- inside one node, where the per-layer all-reduces of tensor parallelism get the
+fast links -- then context parallelism, then data parallelism, and pipeline stages outermost
+(their point-to-point traffic is the lightest). Within one pipeline stage the same
+``tp * cp * dp`` ranks are split again as ``edp * ep * etp`` for the experts, so an expert-
+parallel group may span ranks that are TP or CP ranks of attention.
+
+    world 8, tp 2, dp 4:   TP groups {0,1} {2,3} {4,5} {6,7}     DP groups {0,2,4,6} {1,3,5,7}
+    ... with ep 4, etp 1:  EP groups {0,1,2,3} {4,5,6,7}          expert-DP groups {0,4} {1,5} ...
+
+Gradients of a dense parameter are summed over ``dp_cp`` (the DP and CP ranks together hold the
+same shard and saw different samples or different parts of the sequences); those of an expert
+over ``edp``. The groups come from ``torch.distributed.device_mesh.init_device_mesh``.
+Everything here is explicit: modules receive the ``ParallelContext`` they need; nothing reads a
+global "current group". With one process the context has no groups and every parallel layer is
+an ordinary one; a group of size 1 is ``None``.
 
 ``check_layout`` refuses a layout that does not divide (the world by the product of sizes, the
 heads, KV heads, FFN widths, Mamba heads and groups by tp, the sequence by tp under sequence
-parallelism) with a message naming the numbers, before any collective runs.
+parallelism and by 2*cp under context parallelism, the experts by ep) with a message naming the
+numbers, before any collective runs.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -36,15 +48,45 @@ class ParallelContext:
     tp_size: int = 1
     tp_rank: int = 0
     tp_group: dist.ProcessGroup | None = None
-    """None when tp_size == 1."""
+    """None when tp_size == 1 (so for every group below)."""
     dp_size: int = 1
     dp_rank: int = 0
     dp_group: dist.ProcessGroup | None = None
-    """None when dp_size == 1."""
+    """Ranks that read different samples (same pp, cp and tp coordinates)."""
     sequence_parallel: bool = False
     """The residual stream between blocks is sharded along the sequence over the TP group."""
     device_mesh: object | None = None
-    """The ``DeviceMesh`` with dims ('dp', 'tp'), when running distributed."""
+    """The dense ``DeviceMesh`` with dims ('pp', 'dp', 'cp', 'tp'), when running distributed."""
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = None
+    pp_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's pipeline, in stage order (for point-to-point sends)."""
+    vp_size: int = 1
+    """Virtual pipeline stages (model chunks) per rank, for the interleaved schedule."""
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+    cp_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's CP group, in cp-rank order (for the ring's sends)."""
+    dp_cp_size: int = 1
+    dp_cp_rank: int = 0
+    dp_cp_group: dist.ProcessGroup | None = None
+    """DP and CP together: the ranks holding the same dense shards; dense gradients are summed here."""
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    """Expert parallelism: each rank of this group holds num_experts / ep experts."""
+    etp_size: int = 1
+    etp_rank: int = 0
+    etp_group: dist.ProcessGroup | None = None
+    """Expert tensor parallelism: each expert's FFN width is split over this group."""
+    edp_size: int = 1
+    edp_rank: int = 0
+    edp_group: dist.ProcessGroup | None = None
+    """Expert data parallelism: ranks holding the same expert shards; expert gradients are summed here."""
+    expert_mesh: object | None = field(default=None, repr=False)
+    """The expert ``DeviceMesh`` with dims ('pp', 'edp', 'ep', 'etp'), when running distributed."""
 
     @property
     def is_logging_rank(self) -> bool:
@@ -54,6 +96,14 @@ class ParallelContext:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
 
 def world_from_environment() -> tuple[int, int]:
@@ -73,17 +123,28 @@ def resolve_dp(parallel, world_size: int) -> int:
     return dp
 
 
-def _divides(tp: int, value: int, what: str, fix: str) -> None:
-    if value % tp:
-        raise ConfigError(f"{what} = {value} is not divisible by parallel.tp={tp}; {fix}")
+def resolve_etp(parallel) -> int:
+    """Expert tensor-parallel size: ``parallel.etp``, or tp when unset (Megatron's default)."""
+    return parallel.tp if parallel.etp is None else parallel.etp
 
 
-def check_layout(parallel, model, world_size: int, seq_len: int | None = None,
-                 micro_batches_per_step: int | None = None) -> int:
-    """Validate the layout against the world and the model; return the data-parallel size."""
-    dp = resolve_dp(parallel, world_size)
-    tp = parallel.tp
-    kinds = set(model.block_kinds) | (set(model.mtp_pattern) - {"|", " "} if model.mtp_depth else set())
+def resolve_edp(parallel, dp: int) -> int:
+    """Expert data-parallel size: the ranks of one stage, ``tp * cp * dp``, over ``ep * etp``."""
+    stage_ranks, expert_model = parallel.tp * parallel.cp * dp, parallel.ep * resolve_etp(parallel)
+    if stage_ranks % expert_model:
+        raise ConfigError(f"the {stage_ranks} ranks of a pipeline stage (tp*cp*dp = {parallel.tp}*{parallel.cp}*{dp})"
+                          f" are not divisible by ep*etp = {parallel.ep}*{resolve_etp(parallel)} = {expert_model}; "
+                          "expert groups fold onto the same ranks as attention's, so choose ep and etp that "
+                          "divide tp*cp*dp.")
+    return stage_ranks // expert_model
+
+
+def _divides(size: int, value: int, what: str, fix: str, size_name: str = "parallel.tp") -> None:
+    if value % size:
+        raise ConfigError(f"{what} = {value} is not divisible by {size_name}={size}; {fix}")
+
+
+def _check_tensor_parallel(tp: int, model, kinds: set) -> None:
     if tp > 1 and "*" in kinds:
         _divides(tp, model.num_attention_heads, "model.num_attention_heads", "each rank must hold whole heads.")
         kv_heads = model.resolved_num_kv_heads
@@ -92,20 +153,44 @@ def check_layout(parallel, model, world_size: int, seq_len: int | None = None,
                               "(kv_heads divisible by tp) or replicated (tp divisible by kv_heads); neither holds.")
     if tp > 1 and "-" in kinds:
         _divides(tp, model.resolved_ffn_hidden_size, "model.ffn_hidden_size", "the MLP is split on its FFN width.")
-    if tp > 1 and "E" in kinds:
-        _divides(tp, model.resolved_moe_ffn_hidden_size, "model.moe_ffn_hidden_size",
-                 "each expert is split on its FFN width.")
-        if model.moe_shared_expert_ffn_hidden_size:
-            _divides(tp, model.moe_shared_expert_ffn_hidden_size, "model.moe_shared_expert_ffn_hidden_size",
-                     "the shared expert is split on its FFN width.")
+    if tp > 1 and "E" in kinds and model.moe_shared_expert_ffn_hidden_size:
+        _divides(tp, model.moe_shared_expert_ffn_hidden_size, "model.moe_shared_expert_ffn_hidden_size",
+                 "the shared expert is split on its FFN width.")
     if tp > 1 and "M" in kinds:
         _divides(tp, model.resolved_mamba_num_heads, "the number of Mamba heads (model.mamba_num_heads)",
                  "each rank must hold whole SSM heads.")
         _divides(tp, model.mamba_num_groups, "model.mamba_num_groups",
                  "each rank must hold whole B/C groups (and normalize them locally).")
+
+
+def _check_experts(parallel, model, kinds: set) -> None:
+    if "E" not in kinds:
+        return
+    etp = resolve_etp(parallel)
+    _divides(etp, model.resolved_moe_ffn_hidden_size, "model.moe_ffn_hidden_size",
+             "each expert is split on its FFN width over the expert tensor-parallel group.",
+             "parallel.etp" if parallel.etp is not None else "parallel.etp (null: parallel.tp) = parallel.tp")
+    _divides(parallel.ep, model.moe_num_experts, "model.moe_num_experts", "each expert-parallel rank holds whole experts.",
+             "parallel.ep")
+
+
+def check_layout(parallel, model, world_size: int, seq_len: int | None = None,
+                 micro_batches_per_step: int | None = None) -> int:
+    """Validate the layout against the world and the model; return the data-parallel size."""
+    dp = resolve_dp(parallel, world_size)
+    resolve_edp(parallel, dp)
+    tp = parallel.tp
+    kinds = set(model.block_kinds) | (set(model.mtp_pattern) - {"|", " "} if model.mtp_depth else set())
+    _check_tensor_parallel(tp, model, kinds)
+    _check_experts(parallel, model, kinds)
     if parallel.sp and seq_len is not None and seq_len % tp:
         raise ConfigError(f"train.seq_len={seq_len} is not divisible by parallel.tp={tp}; sequence parallelism "
                           "gives every rank an equal slice of the sequence.")
+    if parallel.cp > 1 and seq_len is not None and seq_len % (2 * parallel.cp * (tp if parallel.sp else 1)):
+        multiple = 2 * parallel.cp * (tp if parallel.sp else 1)
+        raise ConfigError(f"train.seq_len={seq_len} is not divisible by {multiple} (2*cp"
+                          f"{'*tp' if parallel.sp else ''}); context parallelism splits each sequence into 2*cp "
+                          f"chunks{' and sequence parallelism each chunk pair over tp' if parallel.sp else ''}.")
     if micro_batches_per_step is not None and micro_batches_per_step % dp:
         raise ConfigError(f"the {micro_batches_per_step} micro-batches of a step (train.global_batch_size / "
                           f"train.micro_batch_size) do not split evenly over parallel.dp={dp} ranks; make "
@@ -119,24 +204,46 @@ def choose_backend(parallel, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _group(mesh, name: str):
+    return mesh.get_group(name) if mesh.size(mesh.mesh_dim_names.index(name)) > 1 else None
+
+
+def _ranks(mesh, name: str) -> tuple[int, ...]:
+    """Global ranks of this rank's group along dim ``name``, in that dim's order."""
+    group = _group(mesh, name)
+    return (dist.get_rank(),) if group is None else tuple(dist.get_process_group_ranks(group))
+
+
 def build_parallel_context(parallel, model, device: torch.device, seq_len: int | None = None,
                            micro_batches_per_step: int | None = None) -> ParallelContext:
-    """Check the layout, then join the process group (when launched by torchrun) and build the mesh."""
+    """Check the layout, then join the process group (when launched by torchrun) and build the meshes."""
     rank, world_size = world_from_environment()
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     dp = check_layout(parallel, model, world_size, seq_len, micro_batches_per_step)
     if world_size == 1:
-        return ParallelContext()
+        return ParallelContext(vp_size=parallel.vp, sequence_parallel=parallel.sp)
     if not dist.is_initialized():
         dist.init_process_group(choose_backend(parallel, device),
                                 timeout=datetime.timedelta(seconds=parallel.timeout_s))
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (dp, parallel.tp), mesh_dim_names=("dp", "tp"))
-    tp_rank, dp_rank = mesh.get_local_rank("tp"), mesh.get_local_rank("dp")
+    tp, pp, cp, ep, etp = parallel.tp, parallel.pp, parallel.cp, parallel.ep, resolve_etp(parallel)
+    edp = resolve_edp(parallel, dp)
+    mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp") if dp * cp > 1 else None
+    expert_mesh = init_device_mesh(device.type, (pp, edp, ep, etp), mesh_dim_names=("pp", "edp", "ep", "etp"))
     return ParallelContext(
         rank=rank, world_size=world_size,
-        tp_size=parallel.tp, tp_rank=tp_rank, tp_group=mesh.get_group("tp") if parallel.tp > 1 else None,
-        dp_size=dp, dp_rank=dp_rank, dp_group=mesh.get_group("dp") if dp > 1 else None,
-        sequence_parallel=parallel.sp, device_mesh=mesh)
+        tp_size=tp, tp_rank=mesh.get_local_rank("tp"), tp_group=_group(mesh, "tp"),
+        dp_size=dp, dp_rank=mesh.get_local_rank("dp"), dp_group=_group(mesh, "dp"),
+        sequence_parallel=parallel.sp, device_mesh=mesh,
+        pp_size=pp, pp_rank=mesh.get_local_rank("pp"), pp_group=_group(mesh, "pp"), pp_ranks=_ranks(mesh, "pp"),
+        vp_size=parallel.vp,
+        cp_size=cp, cp_rank=mesh.get_local_rank("cp"), cp_group=_group(mesh, "cp"), cp_ranks=_ranks(mesh, "cp"),
+        dp_cp_size=dp * cp, dp_cp_rank=dp_cp.get_local_rank() if dp_cp is not None else 0,
+        dp_cp_group=dp_cp.get_group() if dp_cp is not None else None,
+        ep_size=ep, ep_rank=expert_mesh.get_local_rank("ep"), ep_group=_group(expert_mesh, "ep"),
+        etp_size=etp, etp_rank=expert_mesh.get_local_rank("etp"), etp_group=_group(expert_mesh, "etp"),
+        edp_size=edp, edp_rank=expert_mesh.get_local_rank("edp"), edp_group=_group(expert_mesh, "edp"),
+        expert_mesh=expert_mesh)

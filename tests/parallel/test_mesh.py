@@ -88,3 +88,47 @@ def test_micro_batches_must_split_over_data_parallel_ranks():
     message = refusal(ParallelConfig(tp=2), model, world_size=8, micro_batches_per_step=6)
     assert "6 micro-batches" in message and "parallel.dp=4" in message
     assert check_layout(ParallelConfig(tp=2), model, 8, micro_batches_per_step=8) == 4
+
+
+def full_layout(**sizes) -> dict:
+    model = ModelConfig(pattern="*E", moe_num_experts=4)
+    context = build_parallel_context(ParallelConfig(**sizes), model, torch.device("cpu"))
+
+    def ranks(group):
+        return None if group is None else tuple(dist.get_process_group_ranks(group))
+
+    layout = {name: ranks(getattr(context, f"{name}_group")) for name in ("tp", "dp", "cp", "pp", "dp_cp", "ep",
+                                                                             "etp", "edp")}
+    layout["coordinates"] = (context.pp_rank, context.dp_rank, context.cp_rank, context.tp_rank)
+    layout["expert_coordinates"] = (context.pp_rank, context.edp_rank, context.ep_rank, context.etp_rank)
+    layout["pp_ranks"], layout["cp_ranks"] = context.pp_ranks, context.cp_ranks
+    return layout
+
+
+def test_dense_and_expert_grids_fold_over_the_same_ranks():
+    """world 8 = pp2 x dp1 x cp2 x tp2; experts: pp2 x edp1 x ep4 x etp1 and pp2 x edp2 x ep1 x etp2."""
+    for rank, layout in enumerate(run_distributed(full_layout, 8, tp=2, pp=2, cp=2, ep=4, etp=1, timeout_s=120)):
+        pp, cp, tp = rank // 4, rank // 2 % 2, rank % 2
+        assert layout["coordinates"] == (pp, 0, cp, tp)
+        assert layout["tp"] == (rank - tp, rank - tp + 1)
+        assert layout["cp"] == layout["dp_cp"] == layout["cp_ranks"] == (rank - 2 * cp, rank - 2 * cp + 2)
+        assert layout["pp"] == layout["pp_ranks"] == (rank % 4, rank % 4 + 4)
+        assert layout["dp"] is None and layout["etp"] is None and layout["edp"] is None
+        assert layout["ep"] == tuple(range(4 * pp, 4 * pp + 4))  # spans TP and CP ranks of attention
+        assert layout["expert_coordinates"] == (pp, 0, rank % 4, 0)
+    for rank, layout in enumerate(run_distributed(full_layout, 4, tp=2, dp=2, ep=1, timeout_s=120)):
+        assert layout["etp"] == layout["tp"] == (rank - rank % 2, rank - rank % 2 + 1)  # etp defaults to tp
+        assert layout["edp"] == layout["dp"] == layout["dp_cp"] == (rank % 2, rank % 2 + 2)
+
+
+def test_expert_grid_must_fold_into_a_stage():
+    message = refusal(ParallelConfig(tp=2, ep=4, etp=2), ModelConfig(pattern="E", moe_num_experts=8), world_size=4)
+    assert "ep*etp = 4*2 = 8" in message and "tp*cp*dp" in message
+    message = refusal(ParallelConfig(ep=4), ModelConfig(pattern="E", moe_num_experts=6), world_size=4)
+    assert "moe_num_experts = 6" in message and "parallel.ep=4" in message
+
+
+def test_context_parallel_needs_two_chunks_per_rank():
+    message = refusal(ParallelConfig(cp=2), ModelConfig(pattern="*"), world_size=2, seq_len=18)
+    assert "train.seq_len=18" in message and "2*cp" in message
+    assert check_layout(ParallelConfig(cp=2), ModelConfig(pattern="*"), 2, seq_len=16) == 1
