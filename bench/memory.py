@@ -16,15 +16,17 @@ parameter tensors:
     plain DP, fp32:     4N params            + 4N grad buffer + 8N Adam moments + 4T Adam step counters
     plain DP, bf16:     2N params + 4N masters + 4N grad buffer + 8N + 4T
     ZeRO-1,   fp32:     4P params (= masters, the value buffer) + 4P grad buffer + 8P/dp moments
-    ZeRO-1,   bf16:     2N params + 4P masters (value buffer)    + 4P grad buffer + 8P/dp moments
+    ZeRO-1,   bf16:     2P params (flat buffer) + 4P/dp masters + 4T + 4P grad buffer + 8P/dp moments
+                        (the 4T: each master Parameter stays as the gradient holder of its full shape,
+                        its data one 4-byte element broadcast to that shape)
 
 Beside it, the ZeRO paper's count (Rajbhandari et al. 2020, sections 3.1 and 5.1): mixed-precision
 Adam holds (2 + 2 + K) N bytes with K = 12 of fp32 state (master weights and two moments), and
 (2 + 2 + K/dp) N with optimizer-state partitioning (P_os); for fp32 Adam the same count reads
-(4 + 4 + 8/dp) N. Our fp32 numbers are exactly that (plus padding). In bf16 ours differ twice:
-gradients are accumulated and reduced in fp32 (4 bytes, not 2), and the fp32 master weights stay
-whole on every rank (MixedPrecision owns them; only the moments are sharded), so our bf16 ZeRO-1
-is 10 + 8/dp bytes per parameter where the paper's is 4 + 12/dp.
+(4 + 4 + 8/dp) N. Our fp32 numbers are exactly that (plus padding). In bf16 ours differ in one
+place: gradients are accumulated and reduced in fp32 (4 bytes, not 2, as in Megatron-LM's
+distributed optimizer), so our bf16 ZeRO-1 is 6 + 12/dp bytes per parameter where the paper's is
+4 + 12/dp.
 Transient buffers (the foreach temporaries of the update, 4P/dp; the low-precision gradient of
 one parameter while backward produces it) are not persistent state and are not counted.
 """
@@ -67,6 +69,8 @@ def measured_bytes(run) -> dict[str, int]:
 
     params = list(run.model.parameters())
     masters = [master for _, master in run.precision.master_parameters()]
+    if isinstance(run.optimizer, DistributedOptimizer) and run.optimizer.low_precision:
+        masters.append(run.optimizer.values)  # the fp32 masters' shard lives in the optimizer
     grads = [run.reducer.buffer] + [p.grad for p in params] + [m.grad for m in masters]
     if isinstance(run.optimizer, DistributedOptimizer):
         state = [run.optimizer.exp_avg, run.optimizer.exp_avg_sq]
@@ -84,7 +88,7 @@ def formula_bytes(spec: TrainSpec, run, dp: int) -> dict[str, int]:
     p = run.reducer.layout.total
     low = spec.dtype != "fp32"
     if spec.distributed_optimizer:
-        return {"parameters": 2 * n if low else 4 * p, "master_weights": 4 * p if low else 0,
+        return {"parameters": 2 * p if low else 4 * p, "master_weights": 4 * p // dp + 4 * t if low else 0,
                 "gradients": 4 * p, "optimizer_state": 8 * p // dp}
     return {"parameters": 2 * n if low else 4 * n, "master_weights": 4 * n if low else 0,
             "gradients": 4 * n, "optimizer_state": 8 * n + 4 * t}

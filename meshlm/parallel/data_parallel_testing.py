@@ -165,8 +165,9 @@ def context_from_world(spec: TrainSpec | None = None) -> ParallelContext:
     if spec is not None and spec.tp > 1:
         return build_parallel_context(spec.parallel_config(), ModelConfig(**spec.model), torch.device("cpu"),
                                       spec.seq_len, spec.micro_batches)
-    return ParallelContext(rank=rank, world_size=world, dp_size=world, dp_rank=rank,
-                           dp_group=dist.group.WORLD if world > 1 else None)
+    group = dist.group.WORLD if world > 1 else None
+    return ParallelContext(rank=rank, world_size=world, dp_size=world, dp_rank=rank, dp_group=group,
+                           dp_cp_size=world, dp_cp_rank=rank, dp_cp_group=group)
 
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",

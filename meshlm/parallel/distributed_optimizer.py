@@ -19,26 +19,20 @@ parameters are laid out in reverse order in buckets, each bucket padded to a mul
 rank r owns the r-th contiguous 1/dp of every bucket, so each bucket's reduce-scatter can be
 launched during backward as soon as it fills (overlap). A parameter may straddle two ranks; each
 rank sees the pieces it owns as *segments* (views into the value, gradient and moment buffers).
-The values the optimizer updates -- the model's parameters in fp32, ``MixedPrecision``'s fp32
-masters in bf16/fp16 -- become views into one flat buffer with that same layout, so the update
-writes into it in place and the all-gather fills it in place. In bf16/fp16 the caller then casts
-the masters into the model (``MixedPrecision.master_to_model``), as without DP.
+The values the optimizer updates depend on the precision:
 
-AdamW runs per parameter group on the group's segments with the group's hyperparameters -- the
-groups are the single-process ones, made by ``build_optimizer`` from the parameter NAMES (matrices
-decay; embeddings, norms, biases and vectors do not), and ``param_groups`` is what the LR
-schedule writes ``lr`` into. The math is ``torch.optim.AdamW``'s (decoupled decay first, then
-the moments, bias-corrected step).
-
-Memory per rank, N parameters, P = N plus bucket padding (each bucket rounded up to dp), as held
-by this implementation (``bench/memory.py`` measures it):
-
-    fp32:       4N model params (= masters, the value buffer) + 4P grad buffer + 8P/dp moments
-    bf16/fp16:  2N model params + 4P fp32 masters (value buffer) + 4P grad buffer + 8P/dp moments
-
-In bf16/fp16 the fp32 masters stay whole on every rank because ``MixedPrecision`` owns them (they
-are the all-gather destination and what its checkpoint saves); sharding their storage as well
-(4P/dp, the full ZeRO-1 of the paper) needs MixedPrecision to hand them over.
+* fp32: the model's parameters ARE the masters. They become views into one flat fp32 value
+  buffer with the gradient buffer's layout; the update writes this rank's segments in place and
+  the all-gather fills the rest of the buffer in place.
+* bf16/fp16: this rank keeps only ITS 1/dp of the fp32 masters (``values`` holds the owned
+  segments, like the moments), copied from ``MixedPrecision``'s masters at construction, which are
+  then released: each master stays a Parameter of its full shape -- the gradient holder whose
+  ``.grad`` is a bucket view -- but its data is a single element broadcast to that shape (stride
+  0), so it costs 4 bytes. The model's low-precision parameters become views into one flat
+  buffer of their dtype; after the update each rank casts its fp32 segments into it and the
+  all-gather moves low-precision values (half the bytes of fp32). ``MixedPrecision`` forwards its
+  ``master_to_model`` (nothing left to do), ``state_dict`` and ``load_state_dict`` of the masters
+  here (``full_master_weights`` / ``load_master_weights``, collective over DP).
 
 Checkpoints stay in the single-process format: ``state_dict()`` all-gathers the moments into
 exactly the dict a ``torch.optim.AdamW`` from ``build_optimizer`` would save, and
@@ -131,25 +125,50 @@ class DistributedOptimizer:
         self.reducer = GradientReducer(parameters_by_name, context, bucket_size_mb, overlap, shard=True,
                                        model_parameters=model_parameters)
         layout, holders = self.reducer.layout, self.reducer.holders
-        self.values = torch.zeros(layout.total, dtype=torch.float32, device=self.reducer.buffer.device)
-        with torch.no_grad():
-            for index, holder in enumerate(holders):
-                view = layout.view(self.values, index)
-                view.copy_(holder)
-                holder.data = view
-        self.exp_avg = torch.zeros(layout.total // context.dp_size, dtype=torch.float32, device=self.values.device)
+        sources = self.reducer.sources
+        self.low_precision = any(source is not holder for source, holder in zip(sources, holders))
+        """bf16/fp16: the fp32 masters are sharded here and the model's parameters are gathered into."""
+        device = self.reducer.buffer.device
+        self.segments = owned_segments(layout, context.dp_cp_rank, context.dp_cp_size)
+        self.exp_avg = torch.zeros(layout.total // context.dp_cp_size, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        self.segments = owned_segments(layout, context.dp_rank, context.dp_size)
+        with torch.no_grad():
+            if self.low_precision:
+                self.values = torch.zeros_like(self.exp_avg)  # this rank's fp32 masters only
+                for segment in self.segments:
+                    self._owned(self.values, segment).copy_(self._piece(holders[segment.param], segment))
+                self.model_values = torch.zeros(layout.total, dtype=sources[0].dtype, device=device)
+                for index, (source, holder) in enumerate(zip(sources, holders)):
+                    view = layout.view(self.model_values, index)
+                    view.copy_(source)
+                    source.data = view
+                    holder.data = torch.zeros(1, dtype=holder.dtype, device=device).expand(holder.shape)
+            else:
+                self.values = torch.zeros(layout.total, dtype=torch.float32, device=device)
+                for index, holder in enumerate(holders):
+                    view = layout.view(self.values, index)
+                    view.copy_(holder)
+                    holder.data = view
         group_of = {id(param): number for number, group in enumerate(self.param_groups) for param in group["params"]}
         self.group_views = [GroupViews([], [], [], []) for _ in self.param_groups]
         for segment in self.segments:
             views = self.group_views[group_of[id(holders[segment.param])]]
-            local_end = segment.local + segment.end - segment.start
-            views.values.append(self.values[segment.start:segment.end])
+            views.values.append(self._owned(self.values, segment) if self.low_precision
+                                else self.values[segment.start:segment.end])
             views.grads.append(self.reducer.buffer[segment.start:segment.end])
-            views.exp_avgs.append(self.exp_avg[segment.local:local_end])
-            views.exp_avg_sqs.append(self.exp_avg_sq[segment.local:local_end])
+            views.exp_avgs.append(self._owned(self.exp_avg, segment))
+            views.exp_avg_sqs.append(self._owned(self.exp_avg_sq, segment))
         self.step_count = 0
+
+    @staticmethod
+    def _owned(local_buffer: torch.Tensor, segment: Segment) -> torch.Tensor:
+        """The segment's view into a buffer that holds only this rank's shard (moments, bf16 masters)."""
+        return local_buffer[segment.local:segment.local + segment.end - segment.start]
+
+    def _piece(self, tensor: torch.Tensor, segment: Segment) -> torch.Tensor:
+        """The segment's elements of a parameter-shaped tensor, flattened."""
+        first = segment.start - self.reducer.layout.offsets[segment.param]
+        return tensor.reshape(-1)[first:first + segment.end - segment.start]
 
     # --- the optimizer interface the trainer uses ----------------------------------------------------
     @torch.no_grad()
@@ -166,16 +185,25 @@ class DistributedOptimizer:
         """Zero the gradient buffer (never set to None: the gradients are views into it)."""
         self.reducer.zero_grad()
 
+    @torch.no_grad()
     def gather_parameters(self) -> None:
-        """All-gather every rank's updated shard into the full value buffer, bucket by bucket."""
-        if self.context.dp_size == 1:
+        """All-gather every rank's updated shard, bucket by bucket: in fp32 into the full value
+        buffer (the model's parameters); in bf16/fp16 cast first and gathered into the model's
+        low-precision buffer."""
+        layout, rank, size = self.reducer.layout, self.context.dp_cp_rank, self.context.dp_cp_size
+        target = self.model_values if self.low_precision else self.values
+        if self.low_precision:
+            for bucket in layout.buckets:
+                start, end = bucket.shard(rank, size)
+                local = bucket.start // size
+                target[start:end].copy_(self.values[local:local + end - start])
+        if size == 1:
             return
-        layout, rank, size = self.reducer.layout, self.context.dp_rank, self.context.dp_size
         pending = []
         for bucket in layout.buckets:
             start, end = bucket.shard(rank, size)
-            pending.append(all_gather_into(self.values[bucket.start:bucket.end], self.values[start:end],
-                                           self.context.dp_group, async_op=True))
+            pending.append(all_gather_into(target[bucket.start:bucket.end], target[start:end],
+                                           self.context.dp_cp_group, async_op=True))
         for work in pending:
             work.wait()
 
@@ -190,22 +218,38 @@ class DistributedOptimizer:
                            tensor_parallel_names=tensor_parallel_names, device=self.values.device)
 
     # --- checkpoints in the single-process format ---------------------------------------------------
-    def gathered_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(m, v) for every parameter, in the full buffer layout. Collective over the DP group."""
-        size, layout = self.context.dp_size, self.reducer.layout
+    def _gathered(self, local: torch.Tensor) -> torch.Tensor:
+        """A buffer holding this rank's shard of every bucket, all-gathered into the full layout."""
+        size, layout = self.context.dp_cp_size, self.reducer.layout
         if size == 1:
-            return self.exp_avg, self.exp_avg_sq
-        gathered, pending = [], []
-        for local in (self.exp_avg, self.exp_avg_sq):
-            full = torch.zeros(layout.total, dtype=local.dtype, device=local.device)
-            for bucket in layout.buckets:
-                pending.append(all_gather_into(full[bucket.start:bucket.end],
-                                               local[bucket.start // size:bucket.end // size],
-                                               self.context.dp_group, async_op=True))
-            gathered.append(full)
+            return local
+        full = torch.zeros(layout.total, dtype=local.dtype, device=local.device)
+        pending = [all_gather_into(full[bucket.start:bucket.end], local[bucket.start // size:bucket.end // size],
+                                   self.context.dp_cp_group, async_op=True) for bucket in layout.buckets]
         for work in pending:
             work.wait()
-        return gathered[0], gathered[1]
+        return full
+
+    def gathered_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(m, v) for every parameter, in the full buffer layout. Collective over the DP group."""
+        return self._gathered(self.exp_avg), self._gathered(self.exp_avg_sq)
+
+    # --- the fp32 masters of bf16/fp16 runs (MixedPrecision forwards here) -------------------------
+    def full_master_weights(self) -> dict[str, torch.Tensor]:
+        """{name: full fp32 master} of every parameter this optimizer holds. Collective over DP."""
+        full, layout = self._gathered(self.values), self.reducer.layout
+        return {name: layout.view(full, index).clone() for index, name in enumerate(self.reducer.names)}
+
+    @torch.no_grad()
+    def load_master_weights(self, masters: dict[str, torch.Tensor]) -> None:
+        """Keep this rank's segments of full fp32 masters (any DP size saved them) and refresh the
+        model's low-precision parameters from them (an all-gather over DP)."""
+        missing = [name for name in self.reducer.names if name not in masters]
+        if missing:
+            raise ValueError(f"no master weight for {missing[0]} ({len(missing)} missing); saved for another model")
+        for segment in self.segments:
+            self._owned(self.values, segment).copy_(self._piece(masters[self.reducer.names[segment.param]], segment))
+        self.gather_parameters()
 
     def state_dict(self) -> dict:
         """Exactly the state dict of the single-process ``torch.optim.AdamW`` (``build_optimizer``).
@@ -250,11 +294,8 @@ class DistributedOptimizer:
         for segment in self.segments:
             entry = entries[self.reducer.names[segment.param]]
             if entry:
-                first = segment.start - self.reducer.layout.offsets[segment.param]
-                piece = slice(first, first + segment.end - segment.start)
-                local = slice(segment.local, segment.local + segment.end - segment.start)
-                self.exp_avg[local].copy_(entry["exp_avg"].reshape(-1)[piece])
-                self.exp_avg_sq[local].copy_(entry["exp_avg_sq"].reshape(-1)[piece])
+                self._owned(self.exp_avg, segment).copy_(self._piece(entry["exp_avg"], segment))
+                self._owned(self.exp_avg_sq, segment).copy_(self._piece(entry["exp_avg_sq"], segment))
 
 
 __all__ = ["DistributedOptimizer", "GroupViews", "Segment", "adamw_update", "owned_segments"]

@@ -142,7 +142,9 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: 
 
 
 class GradientReducer:
-    """Sums the gradients of ``parameters`` over the DP group of ``context``, bucket by bucket.
+    """Sums the gradients of ``parameters`` over the dp_cp group of ``context``, bucket by bucket
+    (the DP and CP ranks together: they hold the same dense parameters and saw different samples
+    or different tokens of the same sequences; with cp = 1 it is the DP group).
 
     ``parameters``: (name, tensor) pairs whose ``.grad`` the optimizer reads (fp32: the model's
     parameters; bf16/fp16: ``MixedPrecision``'s masters). ``model_parameters``: the model tensors
@@ -160,7 +162,8 @@ class GradientReducer:
         self.names = [parameters[index][0] for index in kept]
         self.holders = [parameters[index][1] for index in kept]
         self.sources = [sources[index] for index in kept]
-        self.group, self.dp_size, self.dp_rank = context.dp_group, context.dp_size, context.dp_rank
+        # Dense parameters are replicated over DP and CP together (each CP rank sees other tokens).
+        self.group, self.dp_size, self.dp_rank = context.dp_cp_group, context.dp_cp_size, context.dp_cp_rank
         self.overlap, self.shard = overlap, shard
         self.layout = plan_buckets([holder.shape for holder in self.holders], bucket_elements_for(bucket_size_mb),
                                    self.dp_size if shard else 1)

@@ -56,6 +56,8 @@ class MixedPrecision:
         self.dtype = DTYPES[config.dtype]
         self.model_parameters: list[tuple[str, nn.Parameter]] = list(model.named_parameters())
         self.scaler = DynamicLossScaler.from_config(config) if config.dtype == "fp16" else None
+        self.master_owner = None
+        """A distributed optimizer holding the masters' values sharded (see ``hand_masters_to``)."""
         if self.dtype == torch.float32:
             self.masters = self.model_parameters
             return
@@ -76,6 +78,18 @@ class MixedPrecision:
     def master_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(model parameter name, fp32 parameter the optimizer should update) pairs."""
         return list(self.masters)
+
+    def hand_masters_to(self, owner) -> None:
+        """Let a sharded optimizer own the fp32 masters' values (ZeRO-1 in bf16/fp16).
+
+        ``owner`` (``meshlm.parallel.distributed_optimizer.DistributedOptimizer``) keeps only its
+        DP shard of them and gathers updated values into the model itself, so ``master_to_model``
+        has nothing left to do; the masters stay here as gradient holders, and ``state_dict`` /
+        ``load_state_dict`` reach their values through ``owner.full_master_weights()`` /
+        ``owner.load_master_weights()`` (collective over the DP group).
+        """
+        if self.low_precision:
+            self.master_owner = owner
 
     def autocast(self):
         """No-op: the parameters already are in the compute dtype, and the loss is fp32."""
@@ -108,7 +122,7 @@ class MixedPrecision:
     @torch.no_grad()
     def master_to_model(self) -> None:
         """Cast the (just updated) fp32 masters into the low-precision model parameters."""
-        if self.low_precision:
+        if self.low_precision and self.master_owner is None:
             torch._foreach_copy_([p for _, p in self.model_parameters], [m for _, m in self.masters])
 
     def update_scale(self, found_nonfinite: bool) -> None:
@@ -119,7 +133,10 @@ class MixedPrecision:
     # --- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Loss-scaler state and (in bf16/fp16) the fp32 master weights, for exact resumption."""
-        masters = {name: master.detach() for name, master in self.masters} if self.low_precision else None
+        masters = None
+        if self.low_precision:
+            owned = self.master_owner.full_master_weights() if self.master_owner is not None else {}
+            masters = {name: owned[name] if name in owned else master.detach() for name, master in self.masters}
         return {"dtype": self.dtype_name,
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "master_weights": masters}
@@ -136,14 +153,22 @@ class MixedPrecision:
             self.scaler.load_state_dict(state["loss_scaler"])
         saved = state.get("master_weights")
         if saved is None:
-            if self.low_precision:
-                for (_, param), (_, master) in zip(self.model_parameters, self.masters):
-                    master.copy_(param)
-            return
+            if self.low_precision:  # re-seed the masters from the model
+                saved = {name: param.detach().float() for name, param in self.model_parameters}
+            else:
+                return
         missing = [name for name, _ in self.masters if name not in saved]
         if missing:
             raise CheckpointError(f"the precision state has no master weight for {missing[0]} "
                                   f"({len(missing)} missing); it was saved for a different model.")
+        if self.master_owner is not None:
+            self.master_owner.load_master_weights(saved)  # keeps its shard, refreshes the model
+            owned = set(self.master_owner.reducer.names)
+            for (name, param), (_, master) in zip(self.model_parameters, self.masters):
+                if name not in owned:  # frozen parameters stay whole here
+                    master.copy_(saved[name])
+                    param.copy_(master)
+            return
         for name, master in self.masters:
             master.copy_(saved[name])
         self.master_to_model()

@@ -169,7 +169,45 @@ def test_bf16_updates_the_fp32_masters_and_casts_them_into_the_model():
     expected = single_process_result(spec)
     run = train_steps(build_run(spec, ParallelContext()), spec, ParallelContext())
     assert relative_error(run.losses, expected["losses"]) <= TOLERANCE
-    for (name, master), (_, param) in zip(run.precision.master_parameters(), run.model.named_parameters()):
-        assert param.dtype == torch.bfloat16 and master.dtype == torch.float32
-        assert torch.equal(param, master.to(torch.bfloat16)), name
+    masters = run.precision.state_dict()["master_weights"]  # gathered from the optimizer's shards
+    for name, param in run.model.named_parameters():
+        assert param.dtype == torch.bfloat16 and masters[name].dtype == torch.float32
+        assert torch.equal(param, masters[name].to(torch.bfloat16)), name
         assert relative_error(param.float(), expected["params"][name]) <= 1e-2, name  # one bf16 ulp is 4e-3
+
+
+def train_bf16_sharded(spec: TrainSpec) -> dict:
+    """bf16 + ZeRO-1 in a spawned rank: where the fp32 masters live, and a save/load round trip."""
+    context = context_from_world()
+    run = train_steps(build_run(spec, context), spec, context)
+    optimizer = run.optimizer
+    state = run.precision.state_dict()  # collective: gathers the fp32 master shards
+    fresh = build_run(spec, context)
+    fresh.precision.load_state_dict(state)  # each rank keeps its shard and gathers the bf16 model
+    return dict(result_of(run), total=optimizer.reducer.layout.total, master_elements=optimizer.values.numel(),
+                master_bytes=sum(master.untyped_storage().nbytes() for _, master in run.precision.masters),
+                model_in_buffer=all(param.untyped_storage().data_ptr() == optimizer.model_values.data_ptr()
+                                    for param in run.model.parameters()),
+                masters=state["master_weights"],
+                reloaded_model={name: param.detach().clone() for name, param in fresh.model.named_parameters()},
+                reloaded_masters=fresh.precision.state_dict()["master_weights"])
+
+
+def test_bf16_fp32_masters_are_sharded_over_data_parallel_ranks():
+    """ZeRO-1 in bf16 keeps 1/dp of the fp32 masters per rank (6 + 12/dp bytes per parameter), the
+    all-gathered bf16 model equals the cast masters, and a gathered state reloads exactly."""
+    dp = 2
+    spec = TrainSpec(DENSE, dtype="bf16", micro_batches=4, distributed_optimizer=True, bucket_size_mb=SMALL_BUCKETS_MB)
+    expected = single_process_result(spec)
+    results = run_distributed(train_bf16_sharded, dp, spec)
+    for rank, result in enumerate(results):
+        assert result["master_elements"] == result["total"] // dp, rank
+        assert result["master_bytes"] == 4 * len(result["masters"]), rank  # one broadcast element each
+        assert result["model_in_buffer"], rank
+        assert relative_error(result["losses"], expected["losses"]) <= 1e-3, rank
+        for name, master in result["masters"].items():
+            assert torch.equal(master, results[0]["masters"][name]), (rank, name)
+            assert torch.equal(result["params"][name], master.to(torch.bfloat16).float()), (rank, name)
+            assert relative_error(master, expected["params"][name]) <= 1e-2, (rank, name)
+            assert torch.equal(result["reloaded_masters"][name], master), (rank, name)
+            assert torch.equal(result["reloaded_model"][name], master.to(torch.bfloat16)), (rank, name)
