@@ -208,20 +208,24 @@ def test_bad_layouts_are_refused_before_any_collective(runs):
         assert heads_calls == {}
 
 
-def test_bf16_checkpoint_at_tp2_keeps_the_fp32_masters(tmp_path):
-    """bf16 + TP: the fp32 master shards and Adam moments are gathered into the checkpoint and
-    sliced again on resume, so resuming at tp2 repeats the uninterrupted run's losses exactly;
-    resuming single-process continues the same curve up to bf16 rounding of the layout."""
+@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.sp=true"],
+                                    ["parallel.dp=2", "parallel.distributed_optimizer=true"]],
+                         ids=["tp2 sp", "dp2 dist-opt"])
+def test_bf16_checkpoint_keeps_the_fp32_masters(tmp_path, layout):
+    """bf16 + TP, or + ZeRO-1 (whose fp32 masters are sharded over DP): the fp32 masters and Adam
+    moments are gathered into the checkpoint and sliced again on resume, so resuming at the same
+    layout repeats the uninterrupted run's losses exactly; resuming single-process continues the
+    same curve up to bf16 rounding of the layout."""
     blend = write_tiny_corpus(tmp_path / "corpus")
     bf16 = [*MODELS["dense"], "precision.dtype=bf16", "train.eval_every=0", "train.save_every=3"]
-    tp2 = [*bf16, "parallel.tp=2", "parallel.sp=true"]
-    uninterrupted = run_distributed(train_runs, 2, str(blend), str(tmp_path), [("bf16 tp2", tp2)])[0]["bf16 tp2"]
-    saved = tmp_path / "bf16 tp2" / "checkpoints" / "step_3"
+    parallel = [*bf16, *layout]
+    uninterrupted = run_distributed(train_runs, 2, str(blend), str(tmp_path), [("bf16", parallel)])[0]["bf16"]
+    saved = tmp_path / "bf16" / "checkpoints" / "step_3"
     masters = torch.load(saved / "precision.pt", weights_only=True)["master_weights"]
     assert masters["embedding.weight"].shape == (64, 32) and masters["embedding.weight"].dtype == torch.float32
-    for name in ("resumed tp2", "resumed single"):
+    for name in ("resumed", "resumed single"):
         shutil.copytree(saved, tmp_path / name / "checkpoints" / "step_3")
-    again = run_distributed(train_runs, 2, str(blend), str(tmp_path), [("resumed tp2", tp2)])[0]["resumed tp2"]
+    again = run_distributed(train_runs, 2, str(blend), str(tmp_path), [("resumed", parallel)])[0]["resumed"]
     assert again["losses"] == {step: uninterrupted["losses"][step] for step in (4, 5)}
     single = train_once(blend, tmp_path / "resumed single", bf16)
     assert sorted(single["losses"]) == [4, 5]
