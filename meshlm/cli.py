@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -47,8 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except user_error_types() as error:
-        print(f"meshlm {args.command}: error: {error}", file=sys.stderr)
+        if not _repeated_on_another_rank(error):
+            print(f"meshlm {args.command}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _repeated_on_another_rank(error: BaseException) -> bool:
+    """Under torchrun a config error is found by every rank alike (before any collective); only
+    global rank 0 prints it, so the user reads it once. Other errors may be one rank's own."""
+    from meshlm.models.config import ConfigError
+
+    return isinstance(error, ConfigError) and int(os.environ.get("RANK", "0")) != 0
 
 
 if __name__ == "__main__":
