@@ -144,6 +144,13 @@ class LanguageModel(nn.Module):
         """
         context = SequenceContext.for_tokens(input_ids, token_mask, cache, position_ids)
         hidden = self.run_blocks(self.embed(input_ids), context)
+        return self.finish(hidden, input_ids, labels, context, token_mask=token_mask, return_logits=return_logits)
+
+    def finish(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None,
+               context: SequenceContext, token_mask: torch.Tensor | None = None,
+               return_logits: bool = True) -> LMOutput:
+        """Head, losses and MTP from the last block's output: the end of ``forward``, and all that
+        the last pipeline stage runs after its blocks (the MoE terms are those of ``context``)."""
         fused_loss = labels is not None and not return_logits
         logits = None if fused_loss else self.head_logits(hidden)
         output = LMOutput(logits=logits)
@@ -155,10 +162,8 @@ class LanguageModel(nn.Module):
         output.losses["lm"] = self.head_loss(hidden, labels) if fused_loss else language_model_loss(logits, labels)
         total = output.losses["lm"]
         if context.moe_losses:
-            output.losses["moe_aux"] = torch.stack([m.aux_loss for m in context.moe_losses]).sum()
-            output.losses["moe_z"] = torch.stack([m.z_loss for m in context.moe_losses]).sum()
-            total = (total + self.config.moe_aux_loss_coeff * output.losses["moe_aux"]
-                     + self.config.moe_z_loss_coeff * output.losses["moe_z"])
+            output.losses.update(self.moe_loss_terms(context))
+            total = self.add_moe_losses(total, output.losses)
         if self.mtp is not None:
             mtp_context = SequenceContext(position_ids=context.position_ids, token_mask=token_mask)
             per_depth = self.mtp(hidden, input_ids, labels, self, mtp_context, fused_loss=fused_loss)
@@ -168,6 +173,18 @@ class LanguageModel(nn.Module):
             total = total + self.config.mtp_loss_coeff * output.losses["mtp"]
         output.loss = total
         return output
+
+    @staticmethod
+    def moe_loss_terms(context: SequenceContext) -> dict[str, torch.Tensor]:
+        """The MoE blocks' auxiliary losses collected in ``context``, summed over blocks, before
+        their coefficients (a pipeline stage without the head reports its own blocks' share)."""
+        return {"moe_aux": torch.stack([m.aux_loss for m in context.moe_losses]).sum(),
+                "moe_z": torch.stack([m.z_loss for m in context.moe_losses]).sum()}
+
+    def add_moe_losses(self, total: torch.Tensor | float, terms: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``total`` plus each MoE term times its coefficient."""
+        config = self.config
+        return total + config.moe_aux_loss_coeff * terms["moe_aux"] + config.moe_z_loss_coeff * terms["moe_z"]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
