@@ -25,6 +25,7 @@ ACTIVATIONS = ("swiglu", "squared_relu", "gelu", "relu", "silu")
 NORMS = ("rmsnorm", "layernorm")
 POSITION_EMBEDDINGS = ("rope", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+AUX_LOSS_TYPES = ("micro_batch", "sequence", "global")
 DROP_POLICIES = ("probs", "position")
 
 
@@ -133,8 +134,22 @@ class ModelConfig:
     """Rescale the k chosen weights of each token to sum to one."""
     moe_routed_scaling_factor: float = 1.0
     """Constant multiplier on the routed weights (DeepSeek-V3 / Nemotron 3)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (DeepSeek-V3): the experts form this many equal groups (e.g. the
+    experts of one device) and a token picks its k experts inside its moe_router_group_top_k
+    best groups, a group scored by the sum of its two best scores. None means no groups."""
+    moe_router_group_top_k: int | None = None
+    """With moe_router_num_groups: how many groups each token may route to."""
     moe_aux_loss_coeff: float = 0.0
-    """Coefficient of the Switch-style load-balancing loss."""
+    """Coefficient of the load-balancing loss (its kind: moe_aux_loss_type)."""
+    moe_aux_loss_type: str = "micro_batch"
+    """Which tokens the load-balancing loss balances: 'micro_batch' (Switch: all tokens of the
+    micro-batch), 'sequence' (DeepSeek-V3: each sequence on its own, averaged) or 'global'
+    (token counts summed over the data-parallel ranks, Qwen's global-batch balance)."""
+    moe_bias_update_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3): after each optimizer step every router's expert
+    bias (used to choose experts, not to weight them) moves by this rate times
+    sign(mean load - expert load). 0 turns it off; DeepSeek-V3 used 0.001."""
     moe_z_loss_coeff: float = 0.0
     """Coefficient of the router z-loss (mean squared logsumexp of the router logits)."""
     moe_capacity_factor: float | None = None
@@ -213,6 +228,7 @@ class ModelConfig:
         _choice(self, "position_embedding", POSITION_EMBEDDINGS)
         _choice(self, "moe_score_function", SCORE_FUNCTIONS)
         _choice(self, "moe_drop_policy", DROP_POLICIES)
+        _choice(self, "moe_aux_loss_type", AUX_LOSS_TYPES)
         kinds = set(self.block_kinds) | (set(parse_pattern(self.mtp_pattern, "model.mtp_pattern").kinds)
                                          if self.mtp_depth else set())
         if "*" in kinds:
@@ -222,7 +238,7 @@ class ModelConfig:
         if "E" in kinds:
             self._validate_moe()
         for name in ("ffn_hidden_size", "moe_ffn_hidden_size", "head_dim", "num_kv_heads",
-                     "mamba_num_heads", "moe_latent_size"):
+                     "mamba_num_heads", "moe_latent_size", "moe_router_num_groups", "moe_router_group_top_k"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"model.{name}={value!r} must be a positive integer or null (for the default).")
@@ -265,6 +281,28 @@ class ModelConfig:
                               "dropless routing.")
         if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
             raise ConfigError("model.moe_aux_loss_coeff and model.moe_z_loss_coeff must be >= 0.")
+        if self.moe_bias_update_rate < 0:
+            raise ConfigError(f"model.moe_bias_update_rate={self.moe_bias_update_rate} must be >= 0 (0 turns "
+                              "aux-loss-free balancing off).")
+        self._validate_router_groups()
+
+    def _validate_router_groups(self) -> None:
+        groups, group_top_k = self.moe_router_num_groups, self.moe_router_group_top_k
+        if (groups is None) != (group_top_k is None):
+            raise ConfigError(f"model.moe_router_num_groups={groups} and model.moe_router_group_top_k={group_top_k}: "
+                              "set both for group-limited routing, or neither.")
+        if groups is None:
+            return
+        _positive(self, "moe_router_num_groups", "moe_router_group_top_k")
+        if self.moe_num_experts % groups:
+            raise ConfigError(f"model.moe_router_num_groups={groups} must divide model.moe_num_experts="
+                              f"{self.moe_num_experts} (the groups are equal).")
+        if not 1 <= group_top_k <= groups:
+            raise ConfigError(f"model.moe_router_group_top_k={group_top_k} must lie in [1, "
+                              f"model.moe_router_num_groups={groups}].")
+        if self.moe_top_k > group_top_k * (self.moe_num_experts // groups):
+            raise ConfigError(f"model.moe_top_k={self.moe_top_k} exceeds the {group_top_k} eligible groups of "
+                              f"{self.moe_num_experts // groups} experts; raise model.moe_router_group_top_k.")
 
     # --- (de)serialization --------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -92,7 +92,7 @@ class TensorParallelMoELayer(MoELayer):
             routed = self.latent_out_proj(routed)
         if self.shared_expert is not None:  # column layers read the gathered input; down reduces
             routed = routed + self.shared_expert(full)
-        return routed, self.replicated_losses(routing, dropped)
+        return routed, self.replicated_losses(routing, dropped, num_sequences=full.shape[0])
 
     def routed_partial_sums(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of sum_k weight * expert output [n, latent or h], and the dropped count."""
@@ -104,9 +104,9 @@ class TensorParallelMoELayer(MoELayer):
         expert_output = self.experts(permute(expert_input, plan), plan.tokens_per_expert)
         return unpermute(expert_output, plan, routing.weights, num_tokens), plan.dropped
 
-    def replicated_losses(self, routing: Routing, dropped: torch.Tensor) -> MoELosses:
+    def replicated_losses(self, routing: Routing, dropped: torch.Tensor, num_sequences: int = 1) -> MoELosses:
         """The exact losses, with their gradient split evenly over the TP ranks (module docstring)."""
-        losses = self.losses(routing, dropped)
+        losses = self.losses(routing, dropped, num_sequences)
         factor = 1.0 / self.parallel_context.tp_size
         losses.aux_loss = scale_gradient(losses.aux_loss, factor)
         losses.z_loss = scale_gradient(losses.z_loss, factor)

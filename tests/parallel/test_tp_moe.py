@@ -38,6 +38,8 @@ LAYER_CASES = {
     "capacity 0.75 by position, sigmoid top-2": dict(moe_capacity_factor=0.75, moe_drop_policy="position",
                                                      moe_score_function="sigmoid", moe_normalize_topk=True),
     "latent, biases, shared expert": dict(moe_latent_size=16, mlp_bias=True, moe_shared_expert_ffn_hidden_size=32),
+    "sequence aux loss, group-limited top-k": dict(moe_aux_loss_type="sequence", moe_router_num_groups=4,
+                                                   moe_router_group_top_k=2),
 }
 MODEL_PATTERNS = ("*E*-", "ME")
 

@@ -20,8 +20,11 @@ variations of recent models are built in:
   expert still see the full hidden state (like Hugging Face's NemotronHMoE fc1/fc2_latent_proj).
 
 The block returns its output and a ``MoELosses`` (load-balancing and z-loss, unscaled, and the
-per-expert traffic); the language model weights and sums the losses over blocks. Bias terms
-(``mlp_bias``) apply to the shared expert and the latent projections; routed experts have none.
+per-expert traffic); the language model weights and sums the losses over blocks. Which tokens
+the balance loss balances (micro-batch, sequence, or the global batch across data-parallel
+ranks, whose process group the trainer hands to ``set_load_balancing_group``) is
+``moe_aux_loss_type``; see balancing.py. Bias terms (``mlp_bias``) apply to the shared expert
+and the latent projections; routed experts have none.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from torch import nn
 from meshlm.models.mlp import MLP
 from meshlm.models.moe.dispatch import expert_capacity, permute, plan_dispatch, unpermute
 from meshlm.models.moe.experts import GroupedExperts
-from meshlm.models.moe.router import MoELosses, Routing, TopKRouter, load_balancing_loss, router_z_loss
+from meshlm.models.moe.balancing import balance_loss, router_z_loss
+from meshlm.models.moe.router import MoELosses, Routing, TopKRouter
 
 
 class MoELayer(nn.Module):
@@ -42,6 +46,10 @@ class MoELayer(nn.Module):
         self.top_k = config.moe_top_k
         self.capacity_factor = config.moe_capacity_factor
         self.drop_policy = config.moe_drop_policy
+        self.aux_loss_type = config.moe_aux_loss_type
+        self.load_balancing_group = None
+        """With moe_aux_loss_type 'global': the process group whose token counts the loss sums
+        (the data- and context-parallel ranks); None in a single process."""
         hidden, latent = config.hidden_size, config.moe_latent_size
         self.router = TopKRouter(config)
         self.latent_in_proj = nn.Linear(hidden, latent, bias=config.mlp_bias) if latent else None
@@ -59,7 +67,7 @@ class MoELayer(nn.Module):
         routed, dropped = self.routed_experts(tokens, routing)
         if self.shared_expert is not None:
             routed = routed + self.shared_expert(tokens)
-        return routed.reshape(batch, seq, hidden), self.losses(routing, dropped)
+        return routed.reshape(batch, seq, hidden), self.losses(routing, dropped, num_sequences=batch)
 
     def routed_experts(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """Weighted sum of each token's expert outputs [n, hidden], and the dropped count."""
@@ -74,11 +82,21 @@ class MoELayer(nn.Module):
             combined = self.latent_out_proj(combined)
         return combined, plan.dropped
 
-    def losses(self, routing: Routing, dropped: torch.Tensor) -> MoELosses:
+    def losses(self, routing: Routing, dropped: torch.Tensor, num_sequences: int = 1) -> MoELosses:
+        """The router losses of ``routing`` over ``num_sequences`` equal-length sequences of tokens."""
         tokens_per_expert = torch.bincount(routing.expert_ids.flatten(), minlength=self.num_experts)
         return MoELosses(
-            aux_loss=load_balancing_loss(routing.probs, tokens_per_expert, self.top_k),
+            aux_loss=balance_loss(self.aux_loss_type, routing, tokens_per_expert, num_sequences,
+                                  self.load_balancing_group),
             z_loss=router_z_loss(routing.logits),
             tokens_per_expert=tokens_per_expert,
             dropped_tokens=dropped,
         )
+
+
+def set_load_balancing_group(model: nn.Module, group) -> int:
+    """Hand every MoE block of ``model`` the process group a 'global' balance loss sums over."""
+    layers = [module for module in model.modules() if isinstance(module, MoELayer)]
+    for layer in layers:
+        layer.load_balancing_group = group
+    return len(layers)

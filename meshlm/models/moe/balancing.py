@@ -1,0 +1,139 @@
+"""Keeping the experts evenly loaded: auxiliary losses and the aux-loss-free expert bias.
+
+A router left alone tends to collapse onto a few experts (they train faster, so they get picked
+more, so they train faster). Two remedies are in use, and meshlm has both.
+
+**Auxiliary balance losses** (Switch Transformer, Fedus et al. 2021, eq. 4). For E experts,
+top-k routing and T tokens,
+
+    aux = E * sum_i f_i * P_i,     f_i = (assignments to expert i) / (T * k),
+                                   P_i = mean over the T tokens of the router probability of i.
+
+f is a count (no gradient); P carries the gradient that pushes probability away from busy
+experts. aux is 1 for uniform traffic and probabilities and grows as both pile onto the same
+experts. For sigmoid scores, which do not sum to one, P uses the scores normalized per token.
+*Which T tokens* is the choice ``moe_aux_loss_type`` makes:
+
+- ``micro_batch``: all tokens of the micro-batch on this rank (Switch, Megatron's "aux_loss").
+- ``sequence``: each sequence on its own, then the mean over sequences (DeepSeek-V3's
+  "complementary sequence-wise balance loss", eqs. 17-20): it forbids imbalance *within* a
+  sequence too, which the micro-batch version lets cancel out across sequences.
+- ``global``: f counts the tokens of every data-parallel rank (the counts are summed over a
+  process group passed in explicitly), P stays local. Averaged over the ranks by the ordinary
+  gradient averaging, this is E * sum_i f_i^global * mean_ranks(P_i), the balance loss of the
+  whole global micro-batch (Qiu et al. 2025, "Demons in the Detail": balancing over more tokens
+  lets experts specialize by domain instead of being forced uniform within every small batch).
+
+**Router z-loss** (ST-MoE, Zoph et al. 2022, eq. 5): mean over tokens of logsumexp(logits)^2;
+it keeps logits small, away from the saturated, round-off-prone regime of the softmax.
+
+**Aux-loss-free balancing** (Wang et al. 2024; DeepSeek-V3 §2.1.2). No loss at all: every
+router keeps a per-expert bias b (``expert_bias``, a buffer saved with the model) that is added
+to the scores *for choosing experts only* (never for the weights). After each optimizer step,
+
+    b_i += u * sign(mean_j load_j - load_i)
+
+where load_i is the number of assignments expert i received during the step (summed over the
+data-parallel ranks, so every replica of the router applies the same update). Over-loaded
+experts get a lower bias and lose marginal tokens; idle ones gain them. u is
+``moe_bias_update_rate`` (DeepSeek-V3 used 0.001). Each router counts its own load while
+training (``TopKRouter.record_load``), so the update needs no bookkeeping of which block is
+where (pipeline stages, MTP depths). A block recomputed in backward counts its tokens twice;
+that scales all of that router's loads alike, which the sign rule ignores.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshlm.models.config import AUX_LOSS_TYPES
+
+
+def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch-style aux = E * sum_i f_i * P_i over all rows of ``probs`` [T, E]."""
+    num_tokens, num_experts = probs.shape
+    traffic_fraction = tokens_per_expert.to(probs.dtype) / (num_tokens * top_k)
+    mean_probability = probs.mean(dim=0)
+    return num_experts * (traffic_fraction * mean_probability).sum()
+
+
+def sequence_load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """The aux loss of each sequence on its own, averaged over sequences (DeepSeek-V3 eqs. 17-20).
+
+    ``probs`` [B*S, E] and ``expert_ids`` [B*S, k] hold the tokens of ``num_sequences`` = B
+    sequences one after the other (the [batch, seq] flattening of the MoE block).
+    """
+    num_tokens, num_experts = probs.shape
+    top_k = expert_ids.shape[1]
+    seq_len = num_tokens // num_sequences
+    per_sequence_ids = expert_ids.reshape(num_sequences, seq_len * top_k)
+    counts = torch.zeros(num_sequences, num_experts, dtype=probs.dtype, device=probs.device)
+    counts.scatter_add_(1, per_sequence_ids, torch.ones_like(per_sequence_ids, dtype=probs.dtype))
+    traffic_fraction = counts / (seq_len * top_k)                            # [B, E]
+    mean_probability = probs.reshape(num_sequences, seq_len, num_experts).mean(dim=1)
+    return num_experts * (traffic_fraction * mean_probability).sum(dim=-1).mean()
+
+
+def global_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int,
+                               group: dist.ProcessGroup | None) -> torch.Tensor:
+    """aux = E * sum_i f_i * P_i with f_i from the token counts summed over ``group``, P_i local.
+
+    One all-reduce of E + 1 numbers (the counts and the token total). Every rank of ``group``
+    must call it (it is part of the MoE forward). With ``group`` None (one process) it is
+    ``load_balancing_loss``.
+    """
+    num_tokens, num_experts = probs.shape
+    counts = torch.cat([tokens_per_expert.detach().to(probs.dtype), probs.new_tensor([num_tokens])])
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    traffic_fraction = counts[:num_experts] / (counts[num_experts] * top_k)
+    return num_experts * (traffic_fraction * probs.mean(dim=0)).sum()
+
+
+def balance_loss(kind: str, routing, tokens_per_expert: torch.Tensor, num_sequences: int,
+                 group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The load-balancing loss ``moe_aux_loss_type`` = ``kind`` selects (see the module docstring)."""
+    if kind == "sequence":
+        return sequence_load_balancing_loss(routing.probs, routing.expert_ids, num_sequences)
+    if kind == "global":
+        return global_load_balancing_loss(routing.probs, tokens_per_expert, routing.expert_ids.shape[1], group)
+    return load_balancing_loss(routing.probs, tokens_per_expert, routing.expert_ids.shape[1])
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def routers_of(model: nn.Module) -> list[nn.Module]:
+    """Every ``TopKRouter`` of ``model``, in module order."""
+    from meshlm.models.moe.router import TopKRouter
+
+    return [module for module in model.modules() if isinstance(module, TopKRouter)]
+
+
+@torch.no_grad()
+def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = None) -> int:
+    """After an optimizer step: b += u * sign(mean load - load) on every router that balances
+    without a loss (``moe_bias_update_rate`` > 0), from the loads counted since the last update,
+    summed over ``group`` (the ranks that read different tokens: data and context parallel).
+
+    One all-reduce for all routers; every rank of ``group`` must call it. Returns the number of
+    routers updated.
+    """
+    routers = [router for router in routers_of(model) if router.bias_update_rate > 0]
+    if not routers:
+        return 0
+    loads = torch.cat([router.take_recorded_load() for router in routers])
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    for router, load in zip(routers, loads.split([router.num_experts for router in routers])):
+        step = router.bias_update_rate * torch.sign(load.mean() - load)
+        router.expert_bias.add_(step.to(router.expert_bias.dtype))
+    return len(routers)
+
+
+__all__ = ["AUX_LOSS_TYPES", "balance_loss", "global_load_balancing_loss", "load_balancing_loss", "router_z_loss",
+           "routers_of", "sequence_load_balancing_loss", "update_expert_biases"]
