@@ -1,24 +1,33 @@
-"""The global gradient norm, and clipping by it, when the gradient is spread over TP and DP ranks.
+"""The global gradient norm, and clipping by it, when the gradient is spread over many ranks.
 
 Global-norm clipping (Pascanu et al. 2013, "On the difficulty of training recurrent neural
 networks") rescales the whole gradient by ``min(1, max_norm / ||g||)``. With parallelism no rank
 holds the whole g, and the norm must still be the single-process one: every element of every
-parameter counted exactly once. Where each element lives decides how its square is summed:
+parameter counted exactly once. Some elements live on one rank only (a TP shard, a ZeRO-1 shard,
+a pipeline stage's blocks); others are *replicated* -- several ranks hold the same reduced value.
 
-* **TP shards** (``param.tensor_parallel``): each rank of a TP group holds a different slice,
-  so their squares are summed over the TP group.
-* **Replicated over TP** (norm weights, routers, ...): every TP rank holds the same full
-  gradient (partial ones were summed over TP first), so it counts once -- we take it from TP
-  rank 0 only, so a single all-reduce over TP sums both kinds.
-* **DP**: without the distributed optimizer every DP rank holds the same reduced gradient after
-  the all-reduce, so nothing is summed over DP; with it, each DP rank holds a distinct shard of
-  the reduced gradient, so the squares are also summed over the DP group.
+**The canonical-owner rule.** Each element has exactly one canonical owner: among the ranks
+that hold the same value, the one whose rank is 0 in every group over which that value is
+replicated. Each rank sums the squares of the elements it is the canonical owner of, and ONE
+all-reduce over the whole world adds those sums up. A value is replicated
 
-So ``norm**2 = sum_over_DP_if_sharded( sum_over_TP( shard squares + [tp_rank == 0] replicated
-squares ) )``, the same number on every rank, so every rank clips by the same factor and makes
-the same skip decision. The clip factor is torch's: ``min(1, max_norm / (norm + 1e-6))``. A
-non-finite norm (an inf or nan anywhere, on any rank) leaves the gradients untouched; the caller
-skips the step.
+* over **tp** unless the parameter is a TP shard (``param.tensor_parallel``): norm weights,
+  routers, ... are the same on every TP rank (partial gradients are summed over TP first);
+* over **dp_cp** (the data- and context-parallel ranks together, which hold the same dense
+  shards and see different samples / tokens) unless the gradient is sharded over it by the
+  distributed optimizer (``sharded_by_dp``): after the all-reduce every replica holds the sum;
+* (other parallelisms add their cases in ``is_canonical_owner``: expert parameters are
+  replicated over edp, non-ETP expert parameters over etp, a tied embedding's last-stage copy
+  is never canonical; different pipeline stages hold different parameters.)
+
+So the norm is the same number on every rank, and every rank clips by the same factor and takes
+the same skip decision. (When every rank holds the whole reduced gradient -- pure DP/CP
+without the distributed optimizer -- each rank computes the norm alone, with no communication.)
+One all-reduce of one scalar, whatever the layout, instead of a chain of
+reductions over nested groups that each layout would order differently. The clip factor is
+torch's: ``min(1, max_norm / (norm + 1e-6))``. A non-finite norm (an inf or nan anywhere, on
+any rank) leaves the gradients untouched; the caller skips the step. A non-canonical replica's
+inf is also its canonical owner's (replicas hold the same values), so nothing is missed.
 """
 
 from __future__ import annotations
@@ -27,27 +36,46 @@ import torch
 import torch.distributed as dist
 
 
+def is_canonical_owner(name: str, context, sharded_by_dp: bool, tensor_parallel_names: set[str] | None) -> bool:
+    """Whether this rank counts parameter ``name``'s gradient elements in the global norm: it is
+    rank 0 of every group over which that gradient is replicated (see the module docstring)."""
+    tensor_parallel = bool(tensor_parallel_names) and name in tensor_parallel_names
+    if not tensor_parallel and context.tp_rank != 0:
+        return False
+    if not sharded_by_dp and context.dp_cp_rank != 0:
+        return False
+    return True
+
+
 def global_grad_norm(named_grads: list[tuple[str, torch.Tensor]], context, sharded_by_dp: bool,
                      tensor_parallel_names: set[str] | None = None, device: torch.device | None = None) -> torch.Tensor:
     """L2 norm of the whole model's gradient from this rank's (name, gradient) pairs; see the module docstring.
 
-    ``tensor_parallel_names``: the names of TP-shard parameters (``tensor_parallel_names(model)``),
-    required when ``context.tp_size > 1``. ``device``: where to reduce when this rank has no gradients.
+    ``sharded_by_dp``: the gradients are this rank's distributed-optimizer shards (distinct over
+    the dp_cp group) rather than full replicas. ``tensor_parallel_names``: the names of TP-shard
+    parameters (``tensor_parallel_names(model)``), required when ``context.tp_size > 1``.
+    ``device``: where to reduce when this rank has no gradients. Collective over the world.
     """
     if context.tp_size > 1 and tensor_parallel_names is None:
         raise ValueError("global_grad_norm with tp_size > 1 needs tensor_parallel_names (which parameters are "
                          "TP shards); pass meshlm.parallel.tensor_parallel.tensor_parallel_names(model).")
-    sharded = [grad for name, grad in named_grads if tensor_parallel_names and name in tensor_parallel_names]
-    replicated = [grad for name, grad in named_grads if not (tensor_parallel_names and name in tensor_parallel_names)]
     if device is None:
         device = named_grads[0][1].device if named_grads else torch.device("cpu")
-    replicated_squares = _sum_of_squares(replicated if context.tp_rank == 0 else [], device)
-    total = _sum_of_squares(sharded, device) + replicated_squares
-    if context.tp_size > 1:
-        dist.all_reduce(total, group=context.tp_group)
-    if sharded_by_dp and context.dp_size > 1:
-        dist.all_reduce(total, group=context.dp_group)
+    if holds_whole_gradient(context, sharded_by_dp):
+        return _sum_of_squares([grad for _, grad in named_grads], device).sqrt()
+    owned = [grad for name, grad in named_grads
+             if is_canonical_owner(name, context, sharded_by_dp, tensor_parallel_names)]
+    total = _sum_of_squares(owned, device)
+    if context.world_size > 1:
+        dist.all_reduce(total)  # the default group: the whole world
     return total.sqrt()
+
+
+def holds_whole_gradient(context, sharded_by_dp: bool) -> bool:
+    """True when every rank holds a replica of the whole reduced gradient (one process, or pure
+    data/context parallelism without the distributed optimizer): the norm is then computed here,
+    with no communication at all."""
+    return context.world_size == context.dp_cp_size and context.ep_size == 1 and not sharded_by_dp
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -77,4 +105,4 @@ def clip_grad_norm_across(params_with_names: list[tuple[str, torch.Tensor]], max
     return clip_grads_(named_grads, max_norm, context, sharded_by_dp, tensor_parallel_names, device)
 
 
-__all__ = ["clip_grad_norm_across", "clip_grads_", "global_grad_norm"]
+__all__ = ["clip_grad_norm_across", "clip_grads_", "global_grad_norm", "is_canonical_owner"]

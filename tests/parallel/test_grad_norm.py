@@ -1,9 +1,9 @@
-"""Global gradient norm and clipping across TP and DP (meshlm/parallel/grad_norm.py).
+"""Global gradient norm and clipping across TP, DP and CP (meshlm/parallel/grad_norm.py).
 
 A synthetic model of four gradients -- two TP-sharded ("shard.*", in a fake set of tensor-parallel
-names) and two replicated over TP -- is spread over a world of 4 as tp=2 x dp=2 (the real device
-mesh): without the distributed optimizer each DP rank holds the same TP-local gradients; with
-it, each DP rank holds a different half of them. Either way every rank must compute the norm of
+names) and two replicated over TP -- is spread over a world of 4 as tp=2 x dp=2, tp=2 x cp=2 or
+dp=2 x cp=2 (the real device mesh): without the distributed optimizer each DP/CP rank holds the
+same TP-local gradients; with it, each rank of the dp_cp group holds a different part of them. Either way every rank must compute the norm of
 the full gradient (each element counted once) and clip its pieces exactly as torch clips the
 full tensors; a non-finite element on one rank makes every rank report a non-finite norm.
 """
@@ -19,7 +19,7 @@ from meshlm.parallel.grad_norm import clip_grad_norm_across, clip_grads_, global
 from meshlm.parallel.mesh import ParallelContext, build_parallel_context
 from meshlm.parallel.testing import run_distributed
 
-SHAPES = {"shard.weight": (8, 6), "shard.bias": (8,), "norm.weight": (6,), "router.weight": (4, 6)}
+SHAPES = {"shard.weight": (8, 6), "shard.bias": (8,), "norm.weight": (8,), "router.weight": (4, 6)}
 TENSOR_PARALLEL_NAMES = {"shard.weight", "shard.bias"}
 
 
@@ -30,19 +30,22 @@ def full_gradients(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def local_piece(name: str, full: torch.Tensor, context, sharded_by_dp: bool) -> torch.Tensor:
     """This rank's part: a row block of TP shards (whole replicated tensors), then with
-    ``sharded_by_dp`` this DP rank's contiguous half of that."""
+    ``sharded_by_dp`` this dp_cp rank's contiguous share of that."""
     if name in TENSOR_PARALLEL_NAMES:
         rows = full.shape[0] // context.tp_size
         full = full[context.tp_rank * rows:(context.tp_rank + 1) * rows]
     flat = full.reshape(-1)
     if sharded_by_dp:
-        length = flat.numel() // context.dp_size
-        flat = flat[context.dp_rank * length:(context.dp_rank + 1) * length]
+        length = flat.numel() // context.dp_cp_size
+        flat = flat[context.dp_cp_rank * length:(context.dp_cp_rank + 1) * length]
     return flat.clone()
 
 
-def norms_and_clipping(sharded_by_dp: bool) -> dict:
-    context = build_parallel_context(ParallelConfig(tp=2), ModelConfig(), torch.device("cpu"))
+LAYOUTS = {"tp2 dp2": dict(tp=2), "tp2 cp2": dict(tp=2, cp=2), "dp2 cp2": dict(cp=2)}
+
+
+def norms_and_clipping(sharded_by_dp: bool, layout: dict) -> dict:
+    context = build_parallel_context(ParallelConfig(**layout), ModelConfig(), torch.device("cpu"))
     full = full_gradients()
     expected_norm = torch.nn.utils.get_total_norm(list(full.values()))
     named = [(name, local_piece(name, tensor, context, sharded_by_dp)) for name, tensor in full.items()]
@@ -56,8 +59,8 @@ def norms_and_clipping(sharded_by_dp: bool) -> dict:
                     for name, piece in named]
 
     poisoned = [(name, local_piece(name, tensor, context, sharded_by_dp)) for name, tensor in full.items()]
-    # An inf in a TP shard of one rank (of every DP replica, unless DP shards the gradient).
-    if context.tp_rank == 1 and (context.dp_rank == 1 or not sharded_by_dp):
+    # An inf in a TP shard of one rank (of every dp_cp replica, unless dp_cp shards the gradient).
+    if context.tp_rank == context.tp_size - 1 and (context.dp_cp_rank == 1 or not sharded_by_dp):
         poisoned[0][1][0] = float("inf")
     before = [piece.clone() for _, piece in poisoned]
     nonfinite = clip_grads_(poisoned, 1.0, context, sharded_by_dp, TENSOR_PARALLEL_NAMES)
@@ -66,9 +69,10 @@ def norms_and_clipping(sharded_by_dp: bool) -> dict:
             "nonfinite": float(nonfinite), "untouched": untouched}
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("sharded_by_dp", [False, True])
-def test_every_element_counts_once_across_tp_and_dp(sharded_by_dp):
-    results = run_distributed(norms_and_clipping, 4, sharded_by_dp)
+def test_every_element_counts_once_across_tp_dp_and_cp(sharded_by_dp, layout):
+    results = run_distributed(norms_and_clipping, 4, sharded_by_dp, LAYOUTS[layout])
     for rank, result in enumerate(results):
         assert math.isclose(result["norm"], result["expected"], rel_tol=1e-6), rank
         assert max(result["piece_errors"]) <= 1e-6 * result["expected"], rank
