@@ -12,7 +12,9 @@ after a warmup, and the medians are reported, so machine noise hits both alike.
 MFU = model FLOPs per token (``meshlm.models.flops``, training = 3 x forward, no
 recomputation) x tokens/s / peak, where the peak is a large matmul measured at start-up in the
 run's dtype on this machine (the same number the trainer logs on CPU). Prints one JSON object
-per dtype and a summary line.
+per dtype and a summary line. The trainer's glibc malloc setting (``train.keep_freed_cpu_memory``,
+see ``meshlm/training/cpu_allocator.py``) is process-wide, so it holds for both loops alike;
+``--no-keep-freed-memory`` measures both without it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def write_random_corpus(prefix: Path, num_tokens: int, seed: int = 0) -> None:
         writer.add_documents(rng.integers(0, VOCAB, size=int(lengths.sum())), lengths)
 
 
-def meshlm_trainer(data_prefix: Path, run_dir: Path, dtype: str) -> Trainer:
+def meshlm_trainer(data_prefix: Path, run_dir: Path, dtype: str, keep_freed_memory: bool = True) -> Trainer:
     overrides = [
         f"model.vocab_size={VOCAB}", f"model.hidden_size={HIDDEN}", f"model.pattern={'*-' * LAYERS}",
         f"model.num_attention_heads={HEADS}", "model.tie_embeddings=true", "model.mlp_activation=swiglu",
@@ -52,6 +54,7 @@ def meshlm_trainer(data_prefix: Path, run_dir: Path, dtype: str) -> Trainer:
         "train.steps=1000", "train.eval_every=0", "train.save_every=0", "train.tensorboard=false",
         "train.progress=false", f"train.run_dir={run_dir}", f"precision.dtype={dtype}",
         f"data.prefixes=[{data_prefix}]", "data.blend=null", "data.split=100,0,0",
+        f"train.keep_freed_cpu_memory={str(keep_freed_memory).lower()}",
     ]
     return Trainer(load_run_config(None, overrides))
 
@@ -68,9 +71,9 @@ def time_steps(step, steps: int) -> float:
     return (time.perf_counter() - started) / steps
 
 
-def measure(dtype: str, repeats: int, steps: int, workdir: Path) -> dict:
+def measure(dtype: str, repeats: int, steps: int, workdir: Path, keep_freed_memory: bool = True) -> dict:
     torch.manual_seed(0)
-    trainer = meshlm_trainer(workdir / "random", workdir / f"run-{dtype}", dtype)
+    trainer = meshlm_trainer(workdir / "random", workdir / f"run-{dtype}", dtype, keep_freed_memory)
     reference = reference_trainer(trainer.config, dtype)
     batch = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1))
     reference_step = lambda: reference.train_step(batch[:, :-1], batch[:, 1:])  # noqa: E731
@@ -87,7 +90,7 @@ def measure(dtype: str, repeats: int, steps: int, workdir: Path) -> dict:
     meshlm_tps = tokens / statistics.median(meshlm_times)
     reference_tps = tokens / statistics.median(reference_times)
     return {
-        "dtype": dtype, "threads": torch.get_num_threads(),
+        "dtype": dtype, "threads": torch.get_num_threads(), "keep_freed_cpu_memory": keep_freed_memory,
         "parameters": trainer.model.num_parameters(),
         "reference_parameters": sum(p.numel() for p in reference.model.parameters()),
         "tokens_per_step": tokens, "repeats": repeats, "steps_per_repeat": steps,
@@ -106,11 +109,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--no-keep-freed-memory", action="store_true",
+                        help="leave glibc malloc at its defaults (the trainer's train.keep_freed_cpu_memory=false); "
+                             "a process-wide setting, so it applies to the reference loop too")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as directory:
         workdir = Path(directory)
         write_random_corpus(workdir / "random", 2_000_000)
-        results = [measure(dtype, args.repeats, args.steps, workdir) for dtype in args.dtypes]
+        results = [measure(dtype, args.repeats, args.steps, workdir, not args.no_keep_freed_memory)
+                   for dtype in args.dtypes]
     for result in results:
         print(json.dumps(result))
     print(json.dumps({"summary": {r["dtype"]: {"ratio": r["ratio_meshlm_over_reference"], "mfu": r["meshlm_mfu"]}

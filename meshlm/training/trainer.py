@@ -67,6 +67,7 @@ from meshlm.parallel.tensor_parallel import partial_grad_names, tensor_parallel_
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.training.data_loading import build_training_data, read_batch
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary,
+from meshlm.training.cpu_allocator import keep_freed_memory
                                      format_count, peak_flops)
 from meshlm.training.optimizer import build_optimizer
 from meshlm.training.plots import plot_losses
@@ -134,6 +135,8 @@ class Trainer:
         self.micro_batches_per_step = train.global_batch_size // train.micro_batch_size
         # The layout is refused (ConfigError) here, before the process group is joined.
         self.context = build_parallel_context(config.parallel, config.model, self.device, train.seq_len,
+        if self.device.type == "cpu" and train.keep_freed_cpu_memory:
+            keep_freed_memory()
                                               self.micro_batches_per_step)
         seed_everything(train.seed)
         self.data = self.build_data()
