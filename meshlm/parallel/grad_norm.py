@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshlm.parallel.pipeline.stages import STAGE_COPY_NAMES
+
 
 def is_canonical_owner(name: str, context, sharded_by_dp: bool, tensor_parallel_names: set[str] | None) -> bool:
     """Whether this rank counts parameter ``name``'s gradient elements in the global norm: it is
@@ -44,6 +46,8 @@ def is_canonical_owner(name: str, context, sharded_by_dp: bool, tensor_parallel_
         return False
     if not sharded_by_dp and context.dp_cp_rank != 0:
         return False
+    if name in STAGE_COPY_NAMES and not context.is_first_stage:
+        return False  # the last pipeline stage's copy of a tied embedding: the first stage counts it
     return True
 
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.models.config import ConfigError
+from meshlm.parallel.pipeline.stages import check_pipeline_layout
 
 
 @dataclass
@@ -195,6 +196,8 @@ def check_layout(parallel, model, world_size: int, seq_len: int | None = None,
         raise ConfigError(f"the {micro_batches_per_step} micro-batches of a step (train.global_batch_size / "
                           f"train.micro_batch_size) do not split evenly over parallel.dp={dp} ranks; make "
                           "train.global_batch_size a multiple of micro_batch_size * dp.")
+    check_pipeline_layout(parallel, model, seq_len,
+                          micro_batches_per_step // dp if micro_batches_per_step is not None else None)
     return dp
 
 

@@ -1,0 +1,186 @@
+"""A language model cut into pipeline stages, as the trainer drives it: one step, one evaluation.
+
+``PipelinedModel.build`` cuts this rank's share out of the full (tensor-parallelized) model
+(``stages.py``) and prepares the schedules; each training step then runs
+
+    schedule (1F1B / interleaved)   every micro-batch's forward and backward through this rank's
+                                    chunks, activations and gradients exchanged with neighbours;
+                                    gradients only accumulate (the DP reducer is in no_sync)
+    tied embedding                  the first and last stages' embedding gradients are summed
+    loss sums                       the step's loss terms, summed over the pipeline (one
+                                    all-reduce), so every rank -- global rank 0 included, which
+                                    is a first stage -- logs the single-process numbers
+
+after which the trainer's ``finish_gradients`` reduces over DP (after the schedule: no overlap
+with the backward under pipelining) and clips by the global norm, whose all-reduce spans every
+stage.
+
+**Losses on every stage.** The last virtual stage computes the LM loss (and MTP), divided by the
+step's micro-batch count like the trainer's. A stage with MoE blocks also owns their auxiliary
+and z losses: its backward is ``autograd.backward([output, aux_total], [grad_from_next, 1])``, so
+those terms reach the router gradients on the stage that computed them, as they do in a single
+process where they are part of one scalar loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshlm.models.context import SequenceContext
+from meshlm.parallel.pipeline.runtime import PipelineExecutor
+from meshlm.parallel.pipeline.schedules import build_schedule
+from meshlm.parallel.pipeline.stages import (STAGE_COPY_NAMES, build_embedding_group, keep_stage_modules,
+                                             rank_chunks)
+
+
+def loss_term_names(config) -> list[str]:
+    """The loss terms a single-process forward reports, in a fixed order."""
+    names = ["lm"]
+    if "E" in config.block_kinds:
+        names += ["moe_aux", "moe_z"]
+    if config.mtp_depth:
+        names += ["mtp"] + [f"mtp_{depth}" for depth in range(1, config.mtp_depth + 1)]
+    return names
+
+
+class LanguageModelStages:
+    """The forward and backward of this rank's chunks for one step (the executor's ``stages``)."""
+
+    def __init__(self, model, chunks, microbatches: list[dict], loss_divisor: int, scale_loss=None):
+        self.model, self.chunks, self.microbatches = model, chunks, microbatches
+        self.loss_divisor, self.scale_loss = loss_divisor, scale_loss or (lambda loss: loss)
+        config = model.config
+        self.moe_blocks = [index for index, kind in enumerate(config.block_kinds) if kind == "E"]
+        self.term_names = loss_term_names(config)
+        self.loss_sum = torch.zeros(())
+        self.term_sums: dict[str, torch.Tensor] = {}
+        self.expert_counts: dict[int, torch.Tensor] = {}
+        """Global MoE block index -> token assignments per expert, summed over micro-batches."""
+        self.saved: dict[tuple[int, int], tuple] = {}
+
+    def forward(self, action, incoming: torch.Tensor | None) -> torch.Tensor | None:
+        chunk, batch = self.chunks[action.chunk], self.microbatches[action.microbatch]
+        input_ids = batch["input_ids"]
+        context = SequenceContext.for_tokens(input_ids, position_ids=batch.get("position_ids"))
+        if chunk.is_first:
+            hidden = self.model.embed(input_ids)
+        else:
+            hidden = incoming.requires_grad_(torch.is_grad_enabled())
+        stage_input = hidden
+        for index in chunk.blocks:
+            hidden = self.model.blocks[index](hidden, context)
+        if chunk.is_last:
+            output = self.model.finish(hidden, input_ids, batch["labels"], context, return_logits=False)
+            total, terms, counts = output.loss, output.losses, output.tokens_per_expert
+        else:
+            terms = self.model.moe_loss_terms(context) if context.moe_losses else {}
+            total = self.model.add_moe_losses(0.0, terms) if terms else None
+            counts = [losses.tokens_per_expert for losses in context.moe_losses]
+        self._accumulate(chunk, total, terms, counts)
+        if torch.is_grad_enabled():
+            scaled = self.scale_loss(total / self.loss_divisor) if total is not None else None
+            self.saved[(action.microbatch, action.chunk)] = (stage_input, hidden, scaled)
+        return None if chunk.is_last else hidden
+
+    def backward(self, action, grad: torch.Tensor | None) -> torch.Tensor | None:
+        chunk = self.chunks[action.chunk]
+        stage_input, output, scaled = self.saved.pop((action.microbatch, action.chunk))
+        if chunk.is_last:
+            scaled.backward()
+        else:
+            tensors, grads = [output], [grad]
+            if scaled is not None:  # this stage's MoE terms: part of the loss, so part of the gradient
+                tensors.append(scaled)
+                grads.append(None)
+            torch.autograd.backward(tensors, grads)
+        return None if chunk.is_first else stage_input.grad
+
+    def _accumulate(self, chunk, total, terms: dict, counts: list) -> None:
+        if total is not None:
+            self.loss_sum = self.loss_sum.to(total.device) + total.detach().float()
+        for name, value in terms.items():
+            self.term_sums[name] = self.term_sums.get(name, 0.0) + value.detach().float()
+        chunk_moe_blocks = [index for index in chunk.blocks if index in self.moe_blocks]
+        for index, count in zip(chunk_moe_blocks, counts):
+            self.expert_counts[index] = self.expert_counts.get(index, 0) + count.detach()
+
+
+class PipelinedModel:
+    """This rank's stages of a language model plus what running them needs (see the module docstring)."""
+
+    def __init__(self, model, context, chunks, embedding_group, micro_batch_size: int):
+        self.model, self.context, self.chunks = model, context, chunks
+        self.embedding_group, self.micro_batch_size = embedding_group, micro_batch_size
+        self.last_records = []
+        """The per-action timestamps of the last training step (``runtime.ActionRecord``)."""
+
+    @classmethod
+    def build(cls, model, context, seq_len: int, micro_batch_size: int) -> "PipelinedModel":
+        """Keep this rank's stages of the full ``model`` (in place) and join its embedding group.
+        Collective (the embedding groups are created by every rank)."""
+        chunks = rank_chunks(model.config, context.pp_size, context.vp_size, context.pp_rank, seq_len)
+        keep_stage_modules(model, chunks, context.pp_rank, context.pp_size)
+        return cls(model, context, chunks, build_embedding_group(context, model.config), micro_batch_size)
+
+    # --- one training step ----------------------------------------------------------------------
+    def forward_backward(self, microbatches: list[dict], loss_divisor: int, precision, reducer):
+        """Run the step's schedule; returns (loss sum, term sums, per-expert counts) of the whole
+        pipeline for this DP rank's micro-batches, like the trainer's loop without pipelining."""
+        stages = LanguageModelStages(self.model, self.chunks, microbatches, loss_divisor, precision.scale_loss)
+        schedule = build_schedule(self.context.pp_size, self.context.vp_size, len(microbatches))
+        reducer.zero_grad()
+        with reducer.no_sync():
+            self.last_records = self._executor(schedule).run(stages, *self._message_layout(microbatches, precision))
+        self.sum_embedding_grads(reducer)
+        return self.sum_over_pipeline(stages)
+
+    def sum_embedding_grads(self, reducer) -> None:
+        """Add the first and last stages' embedding gradients (the tied copies take the same step)."""
+        if self.embedding_group is None:
+            return
+        for name, grad in reducer.named_grads():
+            if name in STAGE_COPY_NAMES:
+                dist.all_reduce(grad, group=self.embedding_group)
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[dict], precision) -> float:
+        """Sum over ``batches`` of the LM loss, on every rank (forward-only schedule)."""
+        stages = LanguageModelStages(self.model, self.chunks, batches, loss_divisor=1)
+        schedule = build_schedule(self.context.pp_size, self.context.vp_size, len(batches), forward_only=True)
+        self._executor(schedule).run(stages, *self._message_layout(batches, precision))
+        _, terms, _ = self.sum_over_pipeline(stages)
+        return float(terms["lm"])
+
+    # --- helpers ---------------------------------------------------------------------------------------
+    def _executor(self, schedule) -> PipelineExecutor:
+        return PipelineExecutor(schedule, self.context.pp_rank, self.context.pp_ranks, self.context.pp_group)
+
+    def _message_layout(self, microbatches: list[dict], precision):
+        """(shape, dtype, device) of every activation between stages: [batch, local sequence, hidden]."""
+        batch, seq = microbatches[0]["input_ids"].shape
+        if self.context.sequence_parallel:
+            seq //= self.context.tp_size
+        device = microbatches[0]["input_ids"].device
+        return (batch, seq, self.model.config.hidden_size), precision.dtype, device
+
+    def sum_over_pipeline(self, stages: LanguageModelStages):
+        """The stages' loss sums, term sums and expert counts added over the pipeline (one all-reduce)."""
+        config, device = self.model.config, stages.loss_sum.device
+        names = stages.term_names
+        experts = [torch.zeros(config.moe_num_experts, dtype=torch.int64, device=device) for _ in stages.moe_blocks]
+        for position, index in enumerate(stages.moe_blocks):
+            if index in stages.expert_counts:
+                experts[position] = stages.expert_counts[index].to(torch.int64)
+        pieces = [stages.loss_sum.reshape(1)]
+        pieces += [torch.as_tensor(stages.term_sums.get(name, 0.0), device=device).reshape(1) for name in names]
+        pieces += experts
+        flat = torch.cat([piece.double() for piece in pieces])  # float64: counts stay exact integers
+        dist.all_reduce(flat, group=self.context.pp_group)
+        values = flat.split([piece.numel() for piece in pieces])
+        terms = {name: value[0].float() for name, value in zip(names, values[1:1 + len(names)])}
+        counts = [value.to(torch.int64) for value in values[1 + len(names):]]
+        return values[0][0].float(), terms, counts
+
+
+__all__ = ["LanguageModelStages", "PipelinedModel", "loss_term_names"]

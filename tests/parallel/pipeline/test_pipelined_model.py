@@ -1,0 +1,156 @@
+"""One pipelined training step equals the single-process step: losses, gradients, norm, eval.
+
+Spawned gloo ranks build the same model, keep their stages (``PipelinedModel.build``) and run one
+step's schedule; the loss terms (every rank gets them), every parameter's gradient (after the DP
+reduction and the tied-embedding sum, gathered by name), the global gradient norm, the per-expert
+counts and a forward-only evaluation must equal one process running the whole model. The models
+put MoE blocks (auxiliary and z losses) on a non-last stage, MTP and a tied head on the last;
+layouts: pp2 (1F1B), pp2 x vp2 (interleaved), pp2 x dp2 with the distributed optimizer, and
+pp2 x tp2 with sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshlm.config import OptimConfig, ParallelConfig, PrecisionConfig
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
+from meshlm.parallel.data_parallel import build_data_parallel, finish_gradients
+from meshlm.parallel.data_parallel_testing import relative_error
+from meshlm.parallel.mesh import build_parallel_context
+from meshlm.parallel.parallel_model import parallelize_model
+from meshlm.parallel.pipeline.pipelined_model import PipelinedModel
+from meshlm.parallel.pipeline.state import merge_named
+from meshlm.parallel.tensor_parallel import gather_full_tensor, partial_grad_names, tensor_parallel_names
+from meshlm.parallel.testing import run_distributed
+from meshlm.precision.mixed_precision import MixedPrecision
+
+TOLERANCE = 1e-5
+SEQ_LEN, MICRO_BATCH, NUM_MICROBATCHES = 16, 2, 4
+BASE = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64)
+MODELS = {
+    "moe mtp tied": dict(BASE, pattern="*E|-*", moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32,
+                         moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, mtp_depth=1, tie_embeddings=True),
+    "hybrid tied": dict(BASE, pattern="M*-M", mamba_head_dim=8, mamba_state_size=8, mamba_num_groups=4,
+                        mamba_chunk_size=8, tie_embeddings=True),
+    "dense": dict(BASE, pattern="*-*-", num_kv_heads=2),
+}
+
+
+def make_batches() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    return [{"input_ids": torch.randint(0, 64, (MICRO_BATCH, SEQ_LEN), generator=generator),
+             "labels": torch.randint(0, 64, (MICRO_BATCH, SEQ_LEN), generator=generator)}
+            for _ in range(NUM_MICROBATCHES)]
+
+
+def single_process_step(model_kwargs: dict) -> dict:
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(**model_kwargs))
+    loss_sum, terms = 0.0, {}
+    counts = []
+    for batch in make_batches():
+        output = model(batch["input_ids"], batch["labels"], return_logits=False)
+        (output.loss / NUM_MICROBATCHES).backward()
+        loss_sum += output.loss.item()
+        for name, value in output.losses.items():
+            terms[name] = terms.get(name, 0.0) + value.item()
+        counts = [a + b for a, b in zip(counts, output.tokens_per_expert)] if counts else output.tokens_per_expert
+    grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    norm = torch.nn.utils.get_total_norm(list(grads.values())).item()
+    with torch.no_grad():
+        evaluation = sum(model(b["input_ids"], b["labels"], return_logits=False).losses["lm"].item()
+                         for b in make_batches()[:2])
+    return dict(loss=loss_sum, terms=terms, counts=[c.tolist() for c in counts], grads=grads, norm=norm,
+                evaluation=evaluation)
+
+
+def pipelined_step(model_kwargs: dict, parallel_kwargs: dict) -> dict:
+    """In each spawned rank: one step of this rank's stages; full gradients gathered by name."""
+    torch.set_num_threads(1)
+    config, parallel = ModelConfig(**model_kwargs), ParallelConfig(**parallel_kwargs)
+    context = build_parallel_context(parallel, config, torch.device("cpu"), SEQ_LEN, NUM_MICROBATCHES)
+    torch.manual_seed(0)
+    model = parallelize_model(LanguageModel(config), context)
+    pipelined = PipelinedModel.build(model, context, SEQ_LEN, MICRO_BATCH)
+    precision = MixedPrecision(model, PrecisionConfig())
+    reducer, optimizer = build_data_parallel(precision, OptimConfig(), parallel, context)
+    share = NUM_MICROBATCHES // context.dp_size
+    batches = make_batches()[context.dp_rank * share:(context.dp_rank + 1) * share]
+    loss, terms, counts = pipelined.forward_backward(batches, NUM_MICROBATCHES, precision, reducer)
+    if context.dp_size > 1:  # the trainer sums the DP ranks' loss terms for logging the same way
+        flat = torch.stack([loss, *terms.values()])
+        torch.distributed.all_reduce(flat, group=context.dp_group)
+        loss, terms = flat[0], dict(zip(terms, flat[1:]))
+        counts = [count.clone() for count in counts]
+        for count in counts:
+            torch.distributed.all_reduce(count, group=context.dp_group)
+    norm, _ = finish_gradients(reducer, optimizer, precision, context, 0.0, tensor_parallel_names(model),
+                               partial_grad_names(model))
+    named = dict(model.named_parameters())
+    grads = dict(reducer.named_grads())
+    if parallel.distributed_optimizer:  # each DP rank holds the reduced gradient of its own segments
+        owned = torch.zeros_like(reducer.buffer)
+        for segment in optimizer.segments:
+            owned[segment.start:segment.end] = reducer.buffer[segment.start:segment.end]
+        torch.distributed.all_reduce(owned, group=context.dp_cp_group)
+        grads = {name: reducer.layout.view(owned, index) for index, name in enumerate(reducer.names)}
+    full = {name: gather_full_tensor(named[name], grad, context).clone() for name, grad in grads.items()}
+    everyone = [None] * context.pp_size
+    torch.distributed.all_gather_object(everyone, full, group=context.pp_group)
+    evaluation = pipelined.evaluate(make_batches()[:2], precision)
+    return dict(loss=float(loss), terms={name: float(value) for name, value in terms.items()},
+                counts=[count.tolist() for count in counts], grads=merge_named(everyone), norm=float(norm),
+                evaluation=evaluation, embedding_copies=_embedding_copies_equal(model, context, pipelined))
+
+
+def _embedding_copies_equal(model, context, pipelined) -> bool | None:
+    """The first and last stages' embedding gradients are the same after the step (None: no copy)."""
+    if pipelined.embedding_group is None:
+        return None
+    grad = model.embedding.weight.grad.clone()
+    copies = [torch.empty_like(grad) for _ in range(2)]
+    torch.distributed.all_gather(copies, grad, group=pipelined.embedding_group)
+    return bool(torch.equal(copies[0], copies[1]))
+
+
+def pipelined_steps(runs: list[tuple[str, dict, dict]]) -> dict:
+    return {name: pipelined_step(model_kwargs, parallel_kwargs) for name, model_kwargs, parallel_kwargs in runs}
+
+
+def assert_same_step(actual: dict, expected: dict, where: str) -> None:
+    assert abs(actual["loss"] - expected["loss"]) <= TOLERANCE * abs(expected["loss"]), where
+    assert set(actual["terms"]) == set(expected["terms"]), where
+    for name, value in expected["terms"].items():
+        assert abs(actual["terms"][name] - value) <= TOLERANCE * max(abs(value), 1e-3), (where, name)
+    assert actual["counts"] == expected["counts"], where
+    assert set(actual["grads"]) == set(expected["grads"]), where
+    for name, grad in expected["grads"].items():
+        assert relative_error(actual["grads"][name], grad) <= TOLERANCE, (where, name)
+    assert abs(actual["norm"] - expected["norm"]) <= TOLERANCE * expected["norm"], where
+    assert abs(actual["evaluation"] - expected["evaluation"]) <= TOLERANCE * expected["evaluation"], where
+
+
+def test_pipelined_step_equals_single_process_on_two_ranks():
+    runs = [("moe mtp tied pp2", MODELS["moe mtp tied"], dict(pp=2)),
+            ("hybrid tied pp2 vp2", MODELS["hybrid tied"], dict(pp=2, vp=2))]
+    results = run_distributed(pipelined_steps, 2, runs, timeout_s=120)
+    for name, model_kwargs, _ in runs:
+        expected = single_process_step(model_kwargs)
+        assert expected["terms"].keys() >= {"lm"}, name
+        for rank, by_run in enumerate(results):
+            assert_same_step(by_run[name], expected, f"{name} rank {rank}")
+            assert by_run[name]["embedding_copies"] is True, name
+    moe = single_process_step(MODELS["moe mtp tied"])
+    assert {"moe_aux", "moe_z", "mtp", "mtp_1"} <= set(moe["terms"])  # computed on stage 0 and 1 respectively
+
+
+def test_pipelined_step_with_tp_sp_and_with_dp_distributed_optimizer():
+    runs = [("dense pp2 tp2 sp", MODELS["dense"], dict(pp=2, tp=2, sp=True)),
+            ("hybrid pp2 vp2 dp2 dist-opt", MODELS["hybrid tied"], dict(pp=2, vp=2, dp=2, distributed_optimizer=True))]
+    results = run_distributed(pipelined_steps, 4, runs, timeout_s=120)
+    for name, model_kwargs, _ in runs:
+        expected = single_process_step(model_kwargs)
+        for rank, by_run in enumerate(results):
+            assert_same_step(by_run[name], expected, f"{name} rank {rank}")
