@@ -162,6 +162,11 @@ class ParallelConfig:
     etp: int | None = None
     """Expert tensor-parallel size (each expert's FFN width split over etp ranks); null means tp.
     Expert groups (etp x ep x expert-dp) fold onto the same ranks as tp x cp x dp."""
+    moe_dispatcher: str = "all_to_all"
+    """How MoE blocks send tokens to the ranks of their experts when ep > 1 or etp != tp
+    (meshlm/parallel/dispatchers.py): 'all_to_all' (permute by destination, exchange counts, then
+    exactly the routed rows) or 'all_gather' (every EP rank gathers all the group's tokens and
+    keeps those for its experts; a reduce-scatter brings the outputs back)."""
     distributed_optimizer: bool = False
     """ZeRO stage 1: shard fp32 master weights and optimizer states over the DP group;
     gradients are reduce-scattered and parameters all-gathered."""
@@ -241,6 +246,7 @@ def validate_parallel(parallel: ParallelConfig) -> None:
         raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards along the "
                           "tensor-parallel group); set parallel.tp or parallel.sp=false.")
     _choice("parallel.backend", parallel.backend, ("auto", "nccl", "gloo"))
+    _choice("parallel.moe_dispatcher", parallel.moe_dispatcher, ("all_to_all", "all_gather"))
     if parallel.bucket_size_mb <= 0 or parallel.timeout_s <= 0:
         raise ConfigError("parallel.bucket_size_mb and parallel.timeout_s must be > 0.")
 

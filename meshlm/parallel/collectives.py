@@ -34,7 +34,9 @@ followed by an all-gather).
 summing: keeping one's own slice of a replicated tensor is the adjoint of gathering the slices
 into a replicated tensor. ``all_to_all_along`` re-shards a tensor from one dim to another (used
 by expert and context parallelism); it is a permutation, so its adjoint is its inverse: the same
-exchange with the two dims swapped.
+exchange with the two dims swapped. ``all_to_all_uneven`` is its row-wise form with a different
+number of rows for every pair of ranks (expert parallelism's token exchange); it is a permutation
+too, and its adjoint is the same exchange with the send and receive counts swapped.
 
 Every function returns its input unchanged -- no communication, no autograd node -- when the
 group is None or has a single rank, so a model built for a world of one is an ordinary model.
@@ -258,6 +260,84 @@ def all_to_all_along(x: torch.Tensor, split_dim: int, concat_dim: int,
     if group_size(group) == 1:
         return x
     return _AllToAllAlong.apply(x, split_dim % x.dim(), concat_dim % x.dim(), group)
+
+
+# --- uneven all-to-all: rows of different counts to each rank (expert parallelism) -------------------
+
+def _exchange_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group, async_op: bool):
+    """(output buffer, work): rows [sum(input_splits), ...] of x cut into consecutive pieces, piece j
+    sent to rank j; output_splits[i] rows received from rank i, in rank order."""
+    output = x.new_empty((sum(output_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(output, x.contiguous(), list(output_splits), list(input_splits), group=group,
+                                  async_op=async_op)
+    return output, work
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
+        return _exchange_rows(x, output_splits, input_splits, group, async_op=False)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_uneven(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+
+
+class PendingExchange:
+    """An uneven all-to-all that was launched and may still be in flight; ``wait()`` returns its
+    output (the tensor must not be read before). Its backward is an ordinary, blocking exchange."""
+
+    def __init__(self, output: torch.Tensor | None = None):
+        self.output, self.work = output, None
+
+    def wait(self) -> torch.Tensor:
+        return self.output if self.work is None else _WaitForExchange.apply(self.output, self)
+
+
+class _StartAllToAllUneven(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group, pending):
+        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
+        output, pending.work = _exchange_rows(x, output_splits, input_splits, group, async_op=True)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_uneven(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None, None
+
+
+class _WaitForExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, output, pending):
+        pending.work.wait()
+        pending.work = None
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def all_to_all_uneven(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                      group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Forward: the rows of x cut into consecutive pieces of ``input_splits[j]`` rows, piece j sent
+    to rank j; the ``output_splits[i]`` rows received from rank i concatenated in rank order (the
+    token exchange of expert parallelism, where every rank sends a different number of tokens to
+    every other). Adjoint (= inverse, a permutation of rows): the same exchange with the two split
+    lists swapped. Zero rows in any direction are fine."""
+    return x if group_size(group) == 1 else _AllToAllUneven.apply(x, list(output_splits), list(input_splits), group)
+
+
+def start_all_to_all_uneven(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                            group: dist.ProcessGroup | None) -> PendingExchange:
+    """``all_to_all_uneven`` launched asynchronously: compute something else, then ``.wait()``.
+    (Backward runs the adjoint exchange synchronously.)"""
+    if group_size(group) == 1:
+        return PendingExchange(x)
+    pending = PendingExchange()
+    pending.output = _StartAllToAllUneven.apply(x, list(output_splits), list(input_splits), group, pending)
+    return pending
 
 
 # --- plain collectives on gradients --------------------------------------------------------------

@@ -86,6 +86,8 @@ class ParallelContext:
     edp_rank: int = 0
     edp_group: dist.ProcessGroup | None = None
     """Expert data parallelism: ranks holding the same expert shards; expert gradients are summed here."""
+    moe_dispatcher: str = "all_to_all"
+    """How MoE blocks move tokens to their experts' ranks (``parallel.moe_dispatcher``)."""
     expert_mesh: object | None = field(default=None, repr=False)
     """The expert ``DeviceMesh`` with dims ('pp', 'edp', 'ep', 'etp'), when running distributed."""
 
@@ -225,7 +227,8 @@ def build_parallel_context(parallel, model, device: torch.device, seq_len: int |
         rank, world_size = dist.get_rank(), dist.get_world_size()
     dp = check_layout(parallel, model, world_size, seq_len, micro_batches_per_step)
     if world_size == 1:
-        return ParallelContext(vp_size=parallel.vp, sequence_parallel=parallel.sp)
+        return ParallelContext(vp_size=parallel.vp, sequence_parallel=parallel.sp,
+                               moe_dispatcher=parallel.moe_dispatcher)
     if not dist.is_initialized():
         dist.init_process_group(choose_backend(parallel, device),
                                 timeout=datetime.timedelta(seconds=parallel.timeout_s))
@@ -249,4 +252,4 @@ def build_parallel_context(parallel, model, device: torch.device, seq_len: int |
         ep_size=ep, ep_rank=expert_mesh.get_local_rank("ep"), ep_group=_group(expert_mesh, "ep"),
         etp_size=etp, etp_rank=expert_mesh.get_local_rank("etp"), etp_group=_group(expert_mesh, "etp"),
         edp_size=edp, edp_rank=expert_mesh.get_local_rank("edp"), edp_group=_group(expert_mesh, "edp"),
-        expert_mesh=expert_mesh)
+        moe_dispatcher=parallel.moe_dispatcher, expert_mesh=expert_mesh)

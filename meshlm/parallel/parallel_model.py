@@ -179,9 +179,11 @@ def sequence_parallel_off(context):
 @torch.no_grad()
 def parallelize_model(model: LanguageModel, context, vocab_pad_multiple: int = 1) -> LanguageModel:
     """Split ``model`` in place over ``context``'s TP group (see the module docstring); with tp 1
-    the model is returned unchanged. ``vocab_pad_multiple`` is ``parallel.vocab_pad_multiple``."""
+    the model is returned unchanged (but for its MoE blocks when ep > 1 or etp > 1: see
+    ``meshlm.parallel.expert_parallel``). ``vocab_pad_multiple`` is ``parallel.vocab_pad_multiple``."""
     if context.tp_size == 1:
-        return model
+        from meshlm.parallel.expert_parallel import parallelize_experts
+        return parallelize_experts(model, context)
     if context.sequence_parallel:
         mark_partial_grad(model.final_norm)
     for block in model.blocks:

@@ -32,6 +32,10 @@ in-projection [z, x, B, C, dt]: rank r holds [z_r, x_r, B_r, C_r, dt_r]). A voca
 also carries ``unpadded_size`` (the real vocabulary; rows beyond it are padding). From these
 ``gather_full_tensor`` rebuilds the single-process tensor, and ``gather_full_state_dict`` /
 ``load_full_state_dict`` convert whole models, so checkpoints keep the single-process format.
+A routed-expert shard of the expert grid (``meshlm/parallel/expert_parallel.py``) instead carries
+``expert_parallel = True`` -- dim 0 (the experts) split into consecutive blocks over the EP group
+-- and, when expert tensor parallelism splits it too, ``expert_partition_dim`` /
+``expert_partition_sizes`` (the same rule as above, over the ETP group).
 """
 
 from __future__ import annotations
@@ -117,6 +121,14 @@ def mark_shard(param: nn.Parameter, dim: int, partition_sizes: list[int], unpadd
     param.partition_sizes = list(partition_sizes)
     if unpadded_size is not None:
         param.unpadded_size = unpadded_size
+
+
+def mark_expert_shard(param: nn.Parameter, etp_dim: int | None, partition_sizes: list[int]) -> None:
+    """Mark this rank's experts of a stacked [E, ., .] weight (dim 0 over EP), split on ``etp_dim`` over ETP."""
+    param.expert_parallel = True
+    if etp_dim is not None:
+        param.expert_partition_dim = etp_dim
+        param.expert_partition_sizes = list(partition_sizes)
 
 
 def mark_partial_grad(*modules_or_params) -> None:
@@ -259,14 +271,43 @@ def gather_full_tensor(param: torch.Tensor, tensor: torch.Tensor, context) -> to
     """The single-process form of ``tensor`` (a shard shaped like ``param``, e.g. its value or its
     gradient): all-gathered over the TP group and reassembled, vocabulary padding dropped. A
     replicated parameter's tensor is returned as it is."""
+    if getattr(param, "expert_parallel", False):
+        return _gather_full_expert_tensor(param, tensor, context)
     if not getattr(param, "tensor_parallel", False) or context.tp_size == 1:
         return tensor
-    local = tensor.detach().contiguous()
-    shards = [torch.empty_like(local) for _ in range(context.tp_size)]
-    dist.all_gather(shards, local, group=context.tp_group)
-    full = unshard_tensor(shards, param.partition_dim, param.partition_sizes)
+    full = unshard_tensor(_all_gathered(tensor, context.tp_size, context.tp_group), param.partition_dim,
+                          param.partition_sizes)
     unpadded = getattr(param, "unpadded_size", None)
     return full.narrow(param.partition_dim, 0, unpadded) if unpadded is not None else full
+
+
+def _all_gathered(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    local = tensor.detach().contiguous()
+    shards = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(shards, local, group=group)
+    return shards
+
+
+def _gather_full_expert_tensor(param: torch.Tensor, tensor: torch.Tensor, context) -> torch.Tensor:
+    """An expert shard's tensor gathered over ETP (its FFN split), then over EP (the experts)."""
+    full = tensor.detach()
+    etp_dim = getattr(param, "expert_partition_dim", None)
+    if etp_dim is not None and context.etp_size > 1:
+        full = unshard_tensor(_all_gathered(full, context.etp_size, context.etp_group), etp_dim,
+                              param.expert_partition_sizes)
+    if context.ep_size > 1:
+        full = torch.cat(_all_gathered(full, context.ep_size, context.ep_group), dim=0)
+    return full
+
+
+def local_expert_shard_of(param: torch.Tensor, full: torch.Tensor, context) -> torch.Tensor:
+    """This rank's experts of a full stacked expert tensor, split over ETP like ``param``."""
+    num_local = full.shape[0] // context.ep_size
+    local = full.narrow(0, context.ep_rank * num_local, num_local)
+    etp_dim = getattr(param, "expert_partition_dim", None)
+    if etp_dim is not None and context.etp_size > 1:
+        local = shard_tensor(local, etp_dim, param.expert_partition_sizes, context.etp_rank, context.etp_size)
+    return local
 
 
 def gather_full_state_dict(model: nn.Module, context) -> dict[str, torch.Tensor]:
@@ -278,6 +319,8 @@ def gather_full_state_dict(model: nn.Module, context) -> dict[str, torch.Tensor]
 
 def local_shard_of(param: torch.Tensor, full: torch.Tensor, context) -> torch.Tensor:
     """This rank's shard of the single-process tensor ``full`` for ``param`` (padding the vocabulary)."""
+    if getattr(param, "expert_parallel", False):
+        return local_expert_shard_of(param, full, context)
     if not getattr(param, "tensor_parallel", False) or context.tp_size == 1:
         return full
     dim, sizes = param.partition_dim, param.partition_sizes
@@ -317,7 +360,8 @@ def parallelize_model(model, context, vocab_pad_multiple: int = 1):
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "ReplicatedRowsLinear", "column_parallel_input",
-    "row_parallel_output", "shard_tensor", "unshard_tensor", "shard_parameter", "mark_shard", "mark_partial_grad",
+    "row_parallel_output", "shard_tensor", "unshard_tensor", "shard_parameter", "mark_shard", "mark_expert_shard",
+    "mark_partial_grad", "local_expert_shard_of",
     "tensor_parallel_names", "partial_grad_names", "reduce_partial_tp_grads", "gather_full_tensor",
     "gather_full_state_dict", "load_full_state_dict", "local_shard_of", "parallelize_model",
 ]

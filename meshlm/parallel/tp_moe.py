@@ -4,7 +4,8 @@ Every routed expert is an MLP of width F, so it is split like Megatron-LM's MLP 
 al. 2019): the gate/up weights [E, F, d] by output rows (column-parallel, the activation stays
 local), the down weights [E, d, F] by input columns (row-parallel). Rank r's experts give a
 *partial* output whose sum over the TP group is the expert's output. This is "expert tensor
-parallelism" with etp = tp; expert parallelism (whole experts per rank) comes later.
+parallelism" with etp = tp and ep = 1; any other expert grid (whole experts per rank, or an
+etp other than tp) is ``meshlm/parallel/expert_parallel.py``.
 
 Token flow on each rank of a TP group (n = all tokens of the micro-batch):
 
@@ -115,7 +116,13 @@ class TensorParallelMoELayer(MoELayer):
 
 @torch.no_grad()
 def parallelize_moe(layer: MoELayer, context) -> MoELayer:
-    """Split a full ``MoELayer`` in place over the TP group (see the module docstring)."""
+    """Split a full ``MoELayer`` in place over the TP group (see the module docstring); when the
+    expert grid is not just the TP group (ep > 1 or etp != tp), over the expert grid instead
+    (``meshlm.parallel.expert_parallel``)."""
+    from meshlm.parallel.expert_parallel import needs_expert_parallel, parallelize_expert_moe
+
+    if needs_expert_parallel(context):
+        return parallelize_expert_moe(layer, context)
     if context.tp_size == 1:
         return layer
     experts = layer.experts

@@ -77,13 +77,20 @@ def kept_assignments(expert_ids: torch.Tensor, weights: torch.Tensor, num_expert
     return keep
 
 
-def plan_dispatch(expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                  capacity: int | None = None, drop_policy: str = "probs") -> DispatchPlan:
-    """Group the assignments ``expert_ids`` [n, k] by expert, dropping beyond ``capacity``."""
+def plan_dispatch(expert_ids: torch.Tensor, weights: torch.Tensor | None, num_experts: int,
+                  capacity: int | None = None, drop_policy: str = "probs",
+                  kept: torch.Tensor | None = None) -> DispatchPlan:
+    """Group the assignments ``expert_ids`` [n, k] by expert, dropping beyond ``capacity``.
+
+    ``kept`` ([n, k] bool) instead keeps exactly the assignments it marks: expert parallelism
+    decides dropping once, from the routing of the whole micro-batch (meshlm/parallel/expert_parallel.py).
+    """
     top_k = expert_ids.shape[1]
     flat_experts = expert_ids.flatten()
     assignment_ids = torch.arange(flat_experts.numel(), device=flat_experts.device)
-    if capacity is not None:
+    if kept is not None:
+        assignment_ids = assignment_ids[kept.flatten()]
+    elif capacity is not None:
         assignment_ids = assignment_ids[kept_assignments(expert_ids, weights, num_experts, capacity, drop_policy)]
     kept_experts = flat_experts[assignment_ids]
     order = torch.sort(kept_experts, stable=True).indices

@@ -126,8 +126,9 @@ class TopKRouter(nn.Module):
     def reset_parameters_from_config(self, config) -> None:
         nn.init.normal_(self.weight, std=config.init_std)
 
-    def forward(self, tokens: torch.Tensor) -> Routing:
-        """Route ``tokens`` [n, hidden]."""
+    def forward(self, tokens: torch.Tensor, record_load: bool = True) -> Routing:
+        """Route ``tokens`` [n, hidden]. ``record_load=False``: the caller records the load itself
+        (expert parallelism routes a share of the micro-batch and records the whole one's)."""
         with full_precision(tokens.device.type):
             logits = F.linear(tokens.float(), self.weight.float())
             if self.score_function == "sigmoid":
@@ -144,7 +145,7 @@ class TopKRouter(nn.Module):
                 if self.normalize_topk:
                     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
             weights = weights * self.routed_scaling_factor
-        if self.training and self.bias_update_rate > 0:
+        if record_load and self.training and self.bias_update_rate > 0:
             self.record_load(expert_ids)
         return Routing(expert_ids=expert_ids, weights=weights, logits=logits, probs=probs)
 
