@@ -17,7 +17,9 @@ came from are written once into the run's metrics header, so every MFU number ca
 **metrics.jsonl** holds one JSON object per line: a header ``{"event": "start", ...}`` each time
 the trainer starts (or resumes), one object per logged step (``step``, ``loss``, ``lr``,
 ``grad_norm``, ``tokens_per_s``, ``mfu``, ``loss_scale``, ``skipped_steps`` and each loss term),
-and ``{"step": N, "val_loss": ...}`` after each evaluation. On resume the lines past the resumed
+MoE runs add the expert load: ``moe_max_load`` / ``moe_min_load`` (busiest and idlest expert over
+the mean, over all MoE blocks) and ``moe_max_load_per_layer`` (max/mean per block); then
+``{"step": N, "val_loss": ...}`` after each evaluation. On resume the lines past the resumed
 step are dropped, so the file always describes one consistent history. TensorBoard gets the
 same scalars when the ``tensorboard`` package is installed (it is optional).
 """
@@ -148,15 +150,18 @@ class Throughput:
         return self.flops_per_token * tokens_per_second / self.peak if self.peak > 0 else 0.0
 
 
-def expert_load_summary(tokens_per_expert: list[torch.Tensor]) -> dict[str, float]:
+def expert_load_summary(tokens_per_expert: list[torch.Tensor]) -> dict[str, float | list[float]]:
     """Load imbalance of MoE routing: the busiest and idlest expert over the mean (1.0 = balanced).
 
     ``tokens_per_expert`` holds, per MoE block, the assignments each expert received this step.
+    ``moe_max_load`` / ``moe_min_load`` are over all blocks; ``moe_max_load_per_layer`` lists
+    max/mean tokens per expert of each MoE block in order (the imbalance of each layer).
     """
     if not tokens_per_expert:
         return {}
     loads = torch.stack([counts.float() / counts.float().mean().clamp(min=1e-9) for counts in tokens_per_expert])
-    return {"moe_max_load": loads.max().item(), "moe_min_load": loads.min().item()}
+    return {"moe_max_load": loads.max().item(), "moe_min_load": loads.min().item(),
+            "moe_max_load_per_layer": loads.max(dim=1).values.tolist()}
 
 
 # --- the progress line -----------------------------------------------------------------------------------

@@ -59,6 +59,8 @@ from meshlm.checkpoint.training_checkpoint import (TrainerState, latest_checkpoi
 from meshlm.models.config import ConfigError
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.language_model import LanguageModel
+from meshlm.models.moe.balancing import update_expert_biases
+from meshlm.models.moe.layer import set_load_balancing_group
 from meshlm.parallel.data_parallel import build_data_parallel
 from meshlm.parallel.data_parallel import finish_gradients as finish_distributed_gradients
 from meshlm.parallel.mesh import build_parallel_context
@@ -66,8 +68,9 @@ from meshlm.parallel.parallel_model import parallelize_model
 from meshlm.parallel.tensor_parallel import partial_grad_names, tensor_parallel_names
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.training.data_loading import build_training_data, read_batch
-from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary,
+from meshlm.training.initial_weights import load_initial_weights
 from meshlm.training.cpu_allocator import keep_freed_memory
+from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary,
                                      format_count, peak_flops)
 from meshlm.training.optimizer import build_optimizer
 from meshlm.training.plots import plot_losses
@@ -132,11 +135,11 @@ class Trainer:
         self.config, train = config, config.train
         self.run_dir = Path(train.run_dir)
         self.device = resolve_device(train.device)
+        if self.device.type == "cpu" and train.keep_freed_cpu_memory:
+            keep_freed_memory()
         self.micro_batches_per_step = train.global_batch_size // train.micro_batch_size
         # The layout is refused (ConfigError) here, before the process group is joined.
         self.context = build_parallel_context(config.parallel, config.model, self.device, train.seq_len,
-        if self.device.type == "cpu" and train.keep_freed_cpu_memory:
-            keep_freed_memory()
                                               self.micro_batches_per_step)
         seed_everything(train.seed)
         self.data = self.build_data()
@@ -146,9 +149,12 @@ class Trainer:
         model = LanguageModel(config.model)
         if checkpoint is not None:
             load_model_state(checkpoint, model)  # in full; parallelize_model keeps this rank's slices
+        elif train.init_from is not None:
+            load_initial_weights(train.init_from, model)  # weights only; optimizer and step start fresh
         self.num_parameters = model.num_parameters()
         self.model = parallelize_model(model, self.context, config.parallel.vocab_pad_multiple)
         apply_recompute(self.model, train.recompute, train.recompute_every)
+        set_load_balancing_group(self.model, self.context.dp_cp_group)  # for moe_aux_loss_type 'global'
         self.model.to(self.device).train()
         self.precision = MixedPrecision(self.model, config.precision)
         self.master_parameters = [param for _, param in self.precision.master_parameters()]
@@ -243,6 +249,7 @@ class Trainer:
         lr = learning_rate(self.state.step, self.config.optim, self.config.train.steps)
         if not skipped:
             self.optimizer_step(lr)
+        update_expert_biases(self.model, self.context.dp_cp_group)  # aux-loss-free balancing (MoE), if on
         self.precision.update_scale(skipped)
         self.optimizer.zero_grad(set_to_none=True)
 

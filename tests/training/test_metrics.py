@@ -55,7 +55,7 @@ def test_throughput_and_mfu():
 def test_expert_load_summary_over_blocks():
     counts = [torch.tensor([2, 2, 2, 2]), torch.tensor([6, 1, 1, 0])]  # second block: mean 2
     summary = expert_load_summary(counts)
-    assert summary == {"moe_max_load": 3.0, "moe_min_load": 0.0}
+    assert summary == {"moe_max_load": 3.0, "moe_min_load": 0.0, "moe_max_load_per_layer": [1.0, 3.0]}
     assert expert_load_summary([]) == {}
 
 
