@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from meshlm.models.config import ModelConfig
-from meshlm.models.moe.router import TopKRouter, load_balancing_loss, router_z_loss, top_k_by_score
+from meshlm.models.moe.router import (TopKRouter, group_limited_top_k, load_balancing_loss, router_z_loss,
+                                      top_k_by_score)
 
 
 def make_router(**overrides):
@@ -109,3 +110,81 @@ def test_sigmoid_balance_probabilities_are_normalized_scores():
         router.weight.zero_()  # every score is sigmoid(0) = 1/2, normalized to 1/6 per expert
     routing = router(torch.randn(3, 16))
     torch.testing.assert_close(routing.probs, torch.full((3, 6), 1 / 6))
+
+
+def identity_router(num_experts=6, **overrides):
+    """hidden = E and W = I, so a token's logits are the token itself."""
+    router = make_router(hidden_size=num_experts, moe_num_experts=num_experts, **overrides)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(num_experts))
+    return router
+
+
+def logit(probability):
+    return math.log(probability / (1 - probability))
+
+
+def test_group_limited_top_k_on_hand_made_scores():
+    # Six experts in three groups {0,1} {2,3} {4,5}; group score = sum of its two best scores:
+    # 0.9 + 0.0 = 0.9, 0.5 + 0.45 = 0.95, 0.1 + 0.2 = 0.3.
+    scores = torch.tensor([[0.9, 0.0, 0.5, 0.45, 0.1, 0.2]])
+    assert top_k_by_score(scores, 2).tolist() == [[0, 2]]                             # no groups
+    assert group_limited_top_k(scores, 2, num_groups=3, group_top_k=1).tolist() == [[2, 3]]  # group {2,3} only
+    assert group_limited_top_k(scores, 2, num_groups=3, group_top_k=2).tolist() == [[0, 2]]  # groups {2,3}, {0,1}
+    assert group_limited_top_k(scores, 3, num_groups=3, group_top_k=2).tolist() == [[0, 2, 3]]
+    # groups of one expert: a group's score is its single score, so this is plain top-k
+    assert group_limited_top_k(scores, 2, num_groups=6, group_top_k=2).tolist() == [[0, 2]]
+
+
+def test_router_limits_groups_with_the_bias_and_keeps_unbiased_weights():
+    router = identity_router(moe_score_function="sigmoid", moe_router_num_groups=3, moe_router_group_top_k=1)
+    scores = [0.9, 0.01, 0.5, 0.45, 0.1, 0.2]  # group scores 0.91, 0.95, 0.3
+    routing = router(torch.tensor([[logit(s) for s in scores]]))
+    assert routing.expert_ids.tolist() == [[2, 3]]
+    torch.testing.assert_close(routing.weights, torch.tensor([[0.5, 0.45]]))
+    router.expert_bias[5] = 0.7  # biased group scores 0.91, 0.95, 0.1 + 0.9 = 1.0: group {4,5} wins
+    routing = router(torch.tensor([[logit(s) for s in scores]]))
+    assert routing.expert_ids.tolist() == [[5, 4]]
+    torch.testing.assert_close(routing.weights, torch.tensor([[0.2, 0.1]]))  # the plain scores
+
+
+@pytest.mark.parametrize("softmax_before_topk", [True, False])
+def test_expert_bias_steers_softmax_routing_too(softmax_before_topk):
+    router = make_router(moe_softmax_before_topk=softmax_before_topk)
+    tokens = torch.randn(10, 16)
+    router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 100.0, 0.0, 0.0]))
+    routing = router(tokens)
+    assert (routing.expert_ids[:, 0] == 3).all()
+    unbiased_ids, _ = expected_routing(routing.logits, 2, "softmax", softmax_before_topk, False, 1.0, [0.0] * 6)
+    assert not torch.equal(routing.expert_ids, unbiased_ids)
+    if softmax_before_topk:  # the weights are the unbiased probabilities of the chosen experts
+        torch.testing.assert_close(routing.weights, routing.probs.gather(1, routing.expert_ids))
+    else:                    # the softmax over the chosen experts' unbiased logits
+        torch.testing.assert_close(routing.weights, routing.logits.gather(1, routing.expert_ids).softmax(-1))
+
+
+def test_router_runs_in_fp32_inside_a_bf16_autocast_region():
+    router = make_router()
+    tokens = torch.randn(32, 16).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.nn.functional.linear(tokens.float(), router.weight).dtype == torch.bfloat16  # autocast is on
+        routing = router(tokens)
+    assert routing.logits.dtype == routing.weights.dtype == routing.probs.dtype == torch.float32
+    exact = tokens.double() @ router.weight.double().T
+    assert (routing.logits.double() - exact).abs().max() < 1e-5  # bf16 logits would be off by ~1e-2
+    assert torch.equal(routing.expert_ids, top_k_by_score(exact.softmax(-1), 2))
+
+
+def test_group_config_is_validated():
+    from meshlm.models.config import ConfigError, ModelConfig
+
+    base = dict(pattern="E", moe_num_experts=8, moe_top_k=2)
+    for bad, words in [(dict(moe_router_num_groups=3, moe_router_group_top_k=1), "divide"),
+                       (dict(moe_router_num_groups=4), "set both"),
+                       (dict(moe_router_num_groups=4, moe_router_group_top_k=5), "must lie in"),
+                       (dict(moe_router_num_groups=8, moe_router_group_top_k=1), "exceeds"),
+                       (dict(moe_router_num_groups=0, moe_router_group_top_k=1), "positive"),
+                       (dict(moe_aux_loss_type="batch"), "moe_aux_loss_type"),
+                       (dict(moe_bias_update_rate=-1.0), "moe_bias_update_rate")]:
+        with pytest.raises(ConfigError, match=words):
+            ModelConfig(**base, **bad)
