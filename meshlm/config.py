@@ -238,14 +238,11 @@ def validate_parallel(parallel: ParallelConfig) -> None:
         raise ConfigError(f"parallel.etp={parallel.etp!r} must be a positive integer, or null for parallel.tp.")
     # Features whose trainer integration has not landed yet; each entry goes when its feature does.
     coming = {"pp": "pipeline parallelism", "vp": "the interleaved pipeline schedule",
-              "cp": "context parallelism", "ep": "expert parallelism"}
+              "cp": "context parallelism"}
     for name, feature in coming.items():
         if getattr(parallel, name) != 1:
             raise ConfigError(f"parallel.{name}={getattr(parallel, name)}: {feature} is not built yet; "
                               f"set parallel.{name}=1.")
-    if parallel.etp is not None and parallel.etp != parallel.tp:
-        raise ConfigError(f"parallel.etp={parallel.etp}: a separate expert tensor-parallel size is not built yet; "
-                          "leave it null (experts are split by parallel.tp).")
     if parallel.sp and parallel.tp == 1:
         raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards along the "
                           "tensor-parallel group); set parallel.tp or parallel.sp=false.")

@@ -16,9 +16,11 @@ all-reduce over the whole world adds those sums up. A value is replicated
 * over **dp_cp** (the data- and context-parallel ranks together, which hold the same dense
   shards and see different samples / tokens) unless the gradient is sharded over it by the
   distributed optimizer (``sharded_by_dp``): after the all-reduce every replica holds the sum;
-* (other parallelisms add their cases in ``is_canonical_owner``: expert parameters are
-  replicated over edp, non-ETP expert parameters over etp, a tied embedding's last-stage copy
-  is never canonical; different pipeline stages hold different parameters.)
+* **expert parameters** (``expert_names``: the routed experts of expert parallelism, whose
+  shards are distinct over ep and etp and which are not replicated over tp) over **edp** unless
+  the distributed optimizer shards them there;
+* (other parallelisms add their cases in ``is_canonical_owner``: a tied embedding's last-stage
+  copy is never canonical; different pipeline stages hold different parameters.)
 
 So the norm is the same number on every rank, and every rank clips by the same factor and takes
 the same skip decision. (When every rank holds the whole reduced gradient -- pure DP/CP
@@ -38,9 +40,12 @@ import torch.distributed as dist
 from meshlm.parallel.pipeline.stages import STAGE_COPY_NAMES
 
 
-def is_canonical_owner(name: str, context, sharded_by_dp: bool, tensor_parallel_names: set[str] | None) -> bool:
+def is_canonical_owner(name: str, context, sharded_by_dp: bool, tensor_parallel_names: set[str] | None,
+                       expert_names: set[str] | None = None) -> bool:
     """Whether this rank counts parameter ``name``'s gradient elements in the global norm: it is
     rank 0 of every group over which that gradient is replicated (see the module docstring)."""
+    if expert_names and name in expert_names:
+        return sharded_by_dp or context.edp_rank == 0
     tensor_parallel = bool(tensor_parallel_names) and name in tensor_parallel_names
     if not tensor_parallel and context.tp_rank != 0:
         return False
@@ -52,13 +57,15 @@ def is_canonical_owner(name: str, context, sharded_by_dp: bool, tensor_parallel_
 
 
 def global_grad_norm(named_grads: list[tuple[str, torch.Tensor]], context, sharded_by_dp: bool,
-                     tensor_parallel_names: set[str] | None = None, device: torch.device | None = None) -> torch.Tensor:
+                     tensor_parallel_names: set[str] | None = None, device: torch.device | None = None,
+                     expert_names: set[str] | None = None) -> torch.Tensor:
     """L2 norm of the whole model's gradient from this rank's (name, gradient) pairs; see the module docstring.
 
     ``sharded_by_dp``: the gradients are this rank's distributed-optimizer shards (distinct over
     the dp_cp group) rather than full replicas. ``tensor_parallel_names``: the names of TP-shard
     parameters (``tensor_parallel_names(model)``), required when ``context.tp_size > 1``.
-    ``device``: where to reduce when this rank has no gradients. Collective over the world.
+    ``device``: where to reduce when this rank has no gradients. ``expert_names``: the names of
+    expert-grid parameters (``expert_parallel_names(model)``). Collective over the world.
     """
     if context.tp_size > 1 and tensor_parallel_names is None:
         raise ValueError("global_grad_norm with tp_size > 1 needs tensor_parallel_names (which parameters are "
@@ -68,7 +75,7 @@ def global_grad_norm(named_grads: list[tuple[str, torch.Tensor]], context, shard
     if holds_whole_gradient(context, sharded_by_dp):
         return _sum_of_squares([grad for _, grad in named_grads], device).sqrt()
     owned = [grad for name, grad in named_grads
-             if is_canonical_owner(name, context, sharded_by_dp, tensor_parallel_names)]
+             if is_canonical_owner(name, context, sharded_by_dp, tensor_parallel_names, expert_names)]
     total = _sum_of_squares(owned, device)
     if context.world_size > 1:
         dist.all_reduce(total)  # the default group: the whole world
@@ -79,7 +86,8 @@ def holds_whole_gradient(context, sharded_by_dp: bool) -> bool:
     """True when every rank holds a replica of the whole reduced gradient (one process, or pure
     data/context parallelism without the distributed optimizer): the norm is then computed here,
     with no communication at all."""
-    return context.world_size == context.dp_cp_size and context.ep_size == 1 and not sharded_by_dp
+    return (context.world_size == context.dp_cp_size and context.ep_size == 1 and context.etp_size == 1
+            and not sharded_by_dp)
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -91,10 +99,11 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
 
 @torch.no_grad()
 def clip_grads_(named_grads: list[tuple[str, torch.Tensor]], max_norm: float, context, sharded_by_dp: bool,
-                tensor_parallel_names: set[str] | None = None, device: torch.device | None = None) -> torch.Tensor:
+                tensor_parallel_names: set[str] | None = None, device: torch.device | None = None,
+                expert_names: set[str] | None = None) -> torch.Tensor:
     """Scale the gradients in place so that their global norm is at most ``max_norm`` (<= 0: only
     measure); return the norm before clipping."""
-    norm = global_grad_norm(named_grads, context, sharded_by_dp, tensor_parallel_names, device)
+    norm = global_grad_norm(named_grads, context, sharded_by_dp, tensor_parallel_names, device, expert_names)
     if max_norm > 0 and named_grads and bool(torch.isfinite(norm)):
         factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_([grad for _, grad in named_grads], factor)

@@ -63,6 +63,7 @@ from meshlm.models.moe.balancing import update_expert_biases
 from meshlm.models.moe.layer import set_load_balancing_group
 from meshlm.parallel.data_parallel import build_data_parallel
 from meshlm.parallel.data_parallel import finish_gradients as finish_distributed_gradients
+from meshlm.parallel.expert_parallel import expert_parallel_names
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.parallel_model import parallelize_model
 from meshlm.parallel.tensor_parallel import partial_grad_names, tensor_parallel_names
@@ -166,6 +167,7 @@ class Trainer:
             self.optimizer = build_optimizer(self.precision.master_parameters(), config.optim)
         self.sharded_names = tensor_parallel_names(self.model)
         self.partial_names = partial_grad_names(self.model)
+        self.expert_names = expert_parallel_names(self.model)
         self.state = TrainerState()
         if checkpoint is not None:
             slice_training_state(checkpoint, self.model, self.context)
@@ -225,7 +227,7 @@ class Trainer:
         clip = self.config.train.grad_clip
         if self.reducer is not None:
             norm, skip = finish_distributed_gradients(self.reducer, self.optimizer, self.precision, self.context, clip,
-                                                      self.sharded_names, self.partial_names)
+                                                      self.sharded_names, self.partial_names, self.expert_names)
             return float(norm), skip
         found_nonfinite = self.precision.gradients_to_master()
         if clip > 0:
