@@ -237,8 +237,7 @@ def validate_parallel(parallel: ParallelConfig) -> None:
     if parallel.etp is not None and (not isinstance(parallel.etp, int) or parallel.etp < 1):
         raise ConfigError(f"parallel.etp={parallel.etp!r} must be a positive integer, or null for parallel.tp.")
     # Features whose trainer integration has not landed yet; each entry goes when its feature does.
-    coming = {"pp": "pipeline parallelism", "vp": "the interleaved pipeline schedule",
-              "cp": "context parallelism"}
+    coming = {"pp": "pipeline parallelism", "vp": "the interleaved pipeline schedule"}
     for name, feature in coming.items():
         if getattr(parallel, name) != 1:
             raise ConfigError(f"parallel.{name}={getattr(parallel, name)}: {feature} is not built yet; "

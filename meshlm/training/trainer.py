@@ -61,6 +61,8 @@ from meshlm.models.flops import model_flops_per_token
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.balancing import update_expert_biases
 from meshlm.models.moe.layer import set_load_balancing_group
+from meshlm.parallel.context_parallel import (apply_context_parallel, check_context_parallel_model, share_losses,
+                                              split_batch)
 from meshlm.parallel.data_parallel import build_data_parallel
 from meshlm.parallel.data_parallel import finish_gradients as finish_distributed_gradients
 from meshlm.parallel.expert_parallel import expert_parallel_names
@@ -140,6 +142,7 @@ class Trainer:
             keep_freed_memory()
         self.micro_batches_per_step = train.global_batch_size // train.micro_batch_size
         # The layout is refused (ConfigError) here, before the process group is joined.
+        check_context_parallel_model(config.model, config.parallel.cp, train.seq_len)
         self.context = build_parallel_context(config.parallel, config.model, self.device, train.seq_len,
                                               self.micro_batches_per_step)
         seed_everything(train.seed)
@@ -154,6 +157,7 @@ class Trainer:
             load_initial_weights(train.init_from, model)  # weights only; optimizer and step start fresh
         self.num_parameters = model.num_parameters()
         self.model = parallelize_model(model, self.context, config.parallel.vocab_pad_multiple)
+        apply_context_parallel(self.model, self.context)  # ring attention, Mamba state hand-off (cp > 1)
         apply_recompute(self.model, train.recompute, train.recompute_every)
         set_load_balancing_group(self.model, self.context.dp_cp_group)  # for moe_aux_loss_type 'global'
         self.model.to(self.device).train()
@@ -186,11 +190,20 @@ class Trainer:
 
     # --- one optimizer step ---------------------------------------------------------------------------
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
-        """This DP rank's contiguous share of the step's micro-batches (all of them without DP)."""
+        """This DP rank's contiguous share of the step's micro-batches (all of them without DP);
+        under CP, of each sequence only this rank's chunks (with their global positions)."""
         size, dp_size = self.config.train.micro_batch_size, self.context.dp_size
         per_rank = self.micro_batches_per_step // dp_size
         start = self.state.consumed_samples + self.context.dp_rank * per_rank * size
-        return [read_batch(self.data.train, start + index * size, size, self.device) for index in range(per_rank)]
+        return [split_batch(read_batch(self.data.train, start + index * size, size, self.device), self.context)
+                for index in range(per_rank)]
+
+    def forward_micro_batch(self, batch: dict[str, torch.Tensor]):
+        """The model's output on one micro-batch (loss only, no logits); under CP its losses are
+        this rank's share, which summed over the CP group give the micro-batch's losses."""
+        output = self.model(batch["input_ids"], batch["labels"], position_ids=batch.get("position_ids"),
+                            return_logits=False)
+        return share_losses(output, batch, self.context)
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict, list]:
         """Forward and backward of every micro-batch, accumulating gradients.
@@ -207,7 +220,7 @@ class Trainer:
             last = index == len(micro_batches) - 1
             quiet = self.reducer.no_sync() if self.reducer is not None and not last else contextlib.nullcontext()
             with quiet, self.precision.autocast():
-                output = self.model(batch["input_ids"], batch["labels"], return_logits=False)
+                output = self.forward_micro_batch(batch)
                 self.precision.scale_loss(output.loss / self.micro_batches_per_step).backward()
             loss_sum += output.loss.detach()
             for name, value in output.losses.items():
@@ -267,15 +280,16 @@ class Trainer:
                           grad_norm=grad_norm, lr=lr, skipped=skipped, tokens_per_expert=expert_counts)
 
     def sum_over_data_parallel(self, loss_sum: torch.Tensor, term_sums: dict, expert_counts: list):
-        """The step's sums over every DP rank's micro-batches, in one all-reduce (for logging)."""
-        if self.context.dp_size == 1:
+        """The step's sums over every DP rank's micro-batches (and CP rank's loss shares), in one
+        all-reduce (for logging)."""
+        if self.context.dp_cp_size == 1:
             return loss_sum, term_sums, expert_counts
         names = sorted(term_sums)
         pieces = [loss_sum.reshape(1).float()]
         pieces += [torch.as_tensor(term_sums[name], device=self.device).reshape(1).float() for name in names]
         pieces += [count.reshape(-1).float() for count in expert_counts]
         flat = torch.cat(pieces)
-        dist.all_reduce(flat, group=self.context.dp_group)
+        dist.all_reduce(flat, group=self.context.dp_cp_group)
         values = flat.split([piece.numel() for piece in pieces])
         terms = {name: value[0] for name, value in zip(names, values[1:1 + len(names)])}
         counts = [value.view_as(count).to(count.dtype) for value, count in zip(values[1 + len(names):], expert_counts)]
@@ -289,11 +303,19 @@ class Trainer:
         self.model.eval()
         total = 0.0
         for index in range(batches):
-            batch = read_batch(self.data.valid, index * size, size, self.device)
+            batch = split_batch(read_batch(self.data.valid, index * size, size, self.device), self.context)
             with self.precision.autocast():
-                total += self.model(batch["input_ids"], batch["labels"], return_logits=False).losses["lm"].item()
+                total += self.forward_micro_batch(batch).losses["lm"].item()
         self.model.train()
-        return total / batches
+        return self.sum_over_context_parallel(total) / batches
+
+    def sum_over_context_parallel(self, value: float) -> float:
+        """A loss summed over the CP group: under CP every rank holds its share of it."""
+        if self.context.cp_size == 1:
+            return value
+        summed = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed, group=self.context.cp_group)
+        return summed.item()
 
     def maybe_evaluate(self, final: bool) -> float | None:
         every, step = self.config.train.eval_every, self.state.step
@@ -345,12 +367,14 @@ class Trainer:
         num_parameters = self.num_parameters
         layout = self.context
         placement = f"{self.device}" if not layout.distributed else (
-            f"{layout.world_size} x {self.device.type} (tp {layout.tp_size}, dp {layout.dp_size}"
+            f"{layout.world_size} x {self.device.type} (tp {layout.tp_size}, cp {layout.cp_size}, "
+            f"dp {layout.dp_size}"
             f"{', sp' if layout.sequence_parallel else ''}"
             f"{', distributed optimizer' if self.config.parallel.distributed_optimizer else ''})")
         self.metrics.write({"event": "resume" if self.resumed_from else "start", "step": self.state.step,
                             "device": str(self.device), "dtype": self.config.precision.dtype,
-                            "world_size": layout.world_size, "tp": layout.tp_size, "dp": layout.dp_size,
+                            "world_size": layout.world_size, "tp": layout.tp_size, "cp": layout.cp_size,
+                            "dp": layout.dp_size,
                             "sp": layout.sequence_parallel,
                             "num_parameters": num_parameters, "flops_per_token": flops_per_token,
                             "peak_flops": peak, "peak_flops_source": source,
