@@ -62,6 +62,9 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.rotary = (RotaryEmbedding(self.head_dim, config.rope_theta)
                        if config.position_embedding == "rope" else None)
+        self.core = attention_core
+        """The attention core; context parallelism replaces it with ring attention over its CP group
+        (``meshlm.parallel.ring_attention.RingAttentionCore``, same call)."""
         self.recompute_core = False
         """Selective recomputation (set by training.recompute): keep only q, k, v for backward and
         recompute scores, softmax and the weighted sum from them."""
@@ -84,7 +87,7 @@ class SelfAttention(nn.Module):
             if bool(key_mask.all()):
                 key_mask = None
         if self.recompute_core and torch.is_grad_enabled():
-            out = torch.utils.checkpoint.checkpoint(attention_core, query, key, value, key_mask, use_reentrant=False)
+            out = torch.utils.checkpoint.checkpoint(self.core, query, key, value, key_mask, use_reentrant=False)
         else:
-            out = attention_core(query, key, value, key_mask)
+            out = self.core(query, key, value, key_mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

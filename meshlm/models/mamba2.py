@@ -115,6 +115,11 @@ class Mamba2Mixer(nn.Module):
         new_window = extended[:, :, extended.shape[-1] - (self.conv_kernel - 1):]
         return F.silu(out).transpose(1, 2), new_window
 
+    def conv_from_start(self, xBC: torch.Tensor) -> torch.Tensor:
+        """silu(depthwise causal conv) of a whole sequence xBC [b, t, conv_dim] from a zero window
+        (the conv's built-in padding); context parallelism continues from the previous chunk instead."""
+        return F.silu(self.conv1d(xBC.transpose(1, 2))[..., :xBC.shape[1]]).transpose(1, 2)
+
     def time_step(self, dt_raw: torch.Tensor) -> torch.Tensor:
         """dt = softplus(dt_raw + dt_bias), clamped below; fp32 [b, t, heads]."""
         dt = F.softplus(dt_raw.float() + self.dt_bias.float())
@@ -139,9 +144,9 @@ class Mamba2Mixer(nn.Module):
         state = None if context.cache is None else context.cache.state_for(self.layer_index, MambaCache)
 
         z, xBC, dt_raw = self.split_projection(self.in_proj(zero_padding(hidden, token_mask)))
-        seq_len = xBC.shape[1]  # the whole sequence, also when in_proj gathers a sequence-parallel slice
-        if state is None:  # training: no window to continue, the built-in causal padding does it
-            xBC = F.silu(self.conv1d(xBC.transpose(1, 2))[..., :seq_len]).transpose(1, 2)
+        # xBC holds the whole sequence, also when in_proj gathers a sequence-parallel slice
+        if state is None:  # training: no window to continue
+            xBC = self.conv_from_start(xBC)
         else:
             xBC, state.conv_state = self.causal_conv(xBC, state.conv_state)
         xBC = zero_padding(xBC, token_mask)
