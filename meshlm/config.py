@@ -236,12 +236,9 @@ def validate_parallel(parallel: ParallelConfig) -> None:
         raise ConfigError(f"parallel.dp={parallel.dp} must be a positive integer, or null for the rest of the world.")
     if parallel.etp is not None and (not isinstance(parallel.etp, int) or parallel.etp < 1):
         raise ConfigError(f"parallel.etp={parallel.etp!r} must be a positive integer, or null for parallel.tp.")
-    # Features whose trainer integration has not landed yet; each entry goes when its feature does.
-    coming = {"pp": "pipeline parallelism", "vp": "the interleaved pipeline schedule"}
-    for name, feature in coming.items():
-        if getattr(parallel, name) != 1:
-            raise ConfigError(f"parallel.{name}={getattr(parallel, name)}: {feature} is not built yet; "
-                              f"set parallel.{name}=1.")
+    if parallel.vp > 1 and parallel.pp == 1:
+        raise ConfigError(f"parallel.vp={parallel.vp} needs parallel.pp > 1 (virtual stages interleave a pipeline); "
+                          "set parallel.pp or parallel.vp=1.")
     if parallel.sp and parallel.tp == 1:
         raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards along the "
                           "tensor-parallel group); set parallel.tp or parallel.sp=false.")

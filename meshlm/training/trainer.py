@@ -68,6 +68,7 @@ from meshlm.parallel.data_parallel import finish_gradients as finish_distributed
 from meshlm.parallel.expert_parallel import expert_parallel_names
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.parallel_model import parallelize_model
+from meshlm.parallel.pipeline.pipelined_model import PipelinedModel
 from meshlm.parallel.tensor_parallel import partial_grad_names, tensor_parallel_names
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.training.data_loading import build_training_data, read_batch
@@ -160,6 +161,9 @@ class Trainer:
         apply_context_parallel(self.model, self.context)  # ring attention, Mamba state hand-off (cp > 1)
         apply_recompute(self.model, train.recompute, train.recompute_every)
         set_load_balancing_group(self.model, self.context.dp_cp_group)  # for moe_aux_loss_type 'global'
+        self.pipeline = None  # pipeline parallelism: keep this rank's stages of the model (collective)
+        if self.context.pp_size > 1:
+            self.pipeline = PipelinedModel.build(self.model, self.context, train.seq_len, train.micro_batch_size)
         self.model.to(self.device).train()
         self.precision = MixedPrecision(self.model, config.precision)
         self.master_parameters = [param for _, param in self.precision.master_parameters()]
@@ -213,6 +217,9 @@ class Trainer:
         ranks; only the last backward starts the DP reduction. A pipeline schedule replaces
         exactly this loop.
         """
+        if self.pipeline is not None:  # the 1F1B / interleaved schedule (meshlm/parallel/pipeline/)
+            return self.pipeline.forward_backward(micro_batches, self.micro_batches_per_step, self.precision,
+                                                  self.reducer)
         loss_sum, term_sums, expert_counts = torch.zeros((), device=self.device), {}, []
         if self.reducer is not None:
             self.reducer.zero_grad()
@@ -302,10 +309,15 @@ class Trainer:
         size, batches = self.config.train.micro_batch_size, self.config.train.eval_batches
         self.model.eval()
         total = 0.0
-        for index in range(batches):
-            batch = split_batch(read_batch(self.data.valid, index * size, size, self.device), self.context)
-            with self.precision.autocast():
-                total += self.forward_micro_batch(batch).losses["lm"].item()
+        batches_read = [split_batch(read_batch(self.data.valid, index * size, size, self.device), self.context)
+                        for index in range(batches)]
+        if self.pipeline is not None:  # a forward-only schedule; every rank gets the sum
+            total = self.pipeline.evaluate(batches_read, self.precision)
+        else:
+            for batch in batches_read:
+                with self.precision.autocast():
+                    output = self.forward_micro_batch(batch)
+                total += output.losses["lm"].item()
         self.model.train()
         return self.sum_over_context_parallel(total) / batches
 
@@ -369,13 +381,14 @@ class Trainer:
         placement = f"{self.device}" if not layout.distributed else (
             f"{layout.world_size} x {self.device.type} (tp {layout.tp_size}, cp {layout.cp_size}, "
             f"dp {layout.dp_size}"
+            f"{f', pp {layout.pp_size}, vp {layout.vp_size}' if layout.pp_size > 1 else ''}"
             f"{', sp' if layout.sequence_parallel else ''}"
             f"{', distributed optimizer' if self.config.parallel.distributed_optimizer else ''})")
         self.metrics.write({"event": "resume" if self.resumed_from else "start", "step": self.state.step,
                             "device": str(self.device), "dtype": self.config.precision.dtype,
                             "world_size": layout.world_size, "tp": layout.tp_size, "cp": layout.cp_size,
                             "dp": layout.dp_size,
-                            "sp": layout.sequence_parallel,
+                            "sp": layout.sequence_parallel, "pp": layout.pp_size, "vp": layout.vp_size,
                             "num_parameters": num_parameters, "flops_per_token": flops_per_token,
                             "peak_flops": peak, "peak_flops_source": source,
                             "tokens_per_step": train.global_batch_size * train.seq_len,

@@ -28,7 +28,7 @@ from meshlm.checkpoint.model_files import load_model
 from meshlm.config import load_run_config
 from meshlm.models.config import ConfigError
 from meshlm.parallel.data_parallel_testing import counting_collectives, relative_error
-from meshlm.parallel.tensor_parallel import gather_full_state_dict
+from meshlm.parallel.pipeline.state import gather_pipeline_state_dict
 from meshlm.parallel.testing import run_distributed
 from meshlm.training.metrics import read_metrics
 from meshlm.training.trainer import Trainer
@@ -78,7 +78,7 @@ def train_once(blend: Path, run_dir: Path, overrides: list[str]) -> dict:
     torch.set_num_threads(1)
     trainer = Trainer(run_config(blend, run_dir, *overrides))
     result = trainer.run()
-    state = gather_full_state_dict(trainer.model, trainer.context)
+    state = gather_pipeline_state_dict(trainer.model, trainer.context)  # every stage's, under pp
     grad_norms = None
     if trainer.context.is_logging_rank:  # it wrote metrics.jsonl (closed when run() returned)
         grad_norms = {record["step"]: record["grad_norm"] for record in read_metrics(run_dir / "metrics.jsonl")

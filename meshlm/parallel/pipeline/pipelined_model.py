@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.models.context import SequenceContext
+from meshlm.parallel.context_parallel import share_losses
 from meshlm.parallel.pipeline.runtime import PipelineExecutor
 from meshlm.parallel.pipeline.schedules import build_schedule
 from meshlm.parallel.pipeline.stages import (STAGE_COPY_NAMES, build_embedding_group, keep_stage_modules,
@@ -47,8 +48,8 @@ def loss_term_names(config) -> list[str]:
 class LanguageModelStages:
     """The forward and backward of this rank's chunks for one step (the executor's ``stages``)."""
 
-    def __init__(self, model, chunks, microbatches: list[dict], loss_divisor: int, scale_loss=None):
-        self.model, self.chunks, self.microbatches = model, chunks, microbatches
+    def __init__(self, model, chunks, microbatches: list[dict], loss_divisor: int, context, scale_loss=None):
+        self.model, self.chunks, self.microbatches, self.context = model, chunks, microbatches, context
         self.loss_divisor, self.scale_loss = loss_divisor, scale_loss or (lambda loss: loss)
         config = model.config
         self.moe_blocks = [index for index, kind in enumerate(config.block_kinds) if kind == "E"]
@@ -72,9 +73,12 @@ class LanguageModelStages:
             hidden = self.model.blocks[index](hidden, context)
         if chunk.is_last:
             output = self.model.finish(hidden, input_ids, batch["labels"], context, return_logits=False)
+            output = share_losses(output, batch, self.context)  # under CP: this rank's share
             total, terms, counts = output.loss, output.losses, output.tokens_per_expert
         else:
             terms = self.model.moe_loss_terms(context) if context.moe_losses else {}
+            if terms and self.context.cp_size > 1:  # as share_losses does: 1/cp of each MoE term
+                terms = {name: value / self.context.cp_size for name, value in terms.items()}
             total = self.model.add_moe_losses(0.0, terms) if terms else None
             counts = [losses.tokens_per_expert for losses in context.moe_losses]
         self._accumulate(chunk, total, terms, counts)
@@ -127,7 +131,8 @@ class PipelinedModel:
     def forward_backward(self, microbatches: list[dict], loss_divisor: int, precision, reducer):
         """Run the step's schedule; returns (loss sum, term sums, per-expert counts) of the whole
         pipeline for this DP rank's micro-batches, like the trainer's loop without pipelining."""
-        stages = LanguageModelStages(self.model, self.chunks, microbatches, loss_divisor, precision.scale_loss)
+        stages = LanguageModelStages(self.model, self.chunks, microbatches, loss_divisor, self.context,
+                                     precision.scale_loss)
         schedule = build_schedule(self.context.pp_size, self.context.vp_size, len(microbatches))
         reducer.zero_grad()
         with reducer.no_sync():
@@ -145,8 +150,9 @@ class PipelinedModel:
 
     @torch.no_grad()
     def evaluate(self, batches: list[dict], precision) -> float:
-        """Sum over ``batches`` of the LM loss, on every rank (forward-only schedule)."""
-        stages = LanguageModelStages(self.model, self.chunks, batches, loss_divisor=1)
+        """Sum over ``batches`` of the LM loss (under CP: this CP rank's shares), on every rank of
+        the pipeline (forward-only schedule)."""
+        stages = LanguageModelStages(self.model, self.chunks, batches, 1, self.context)
         schedule = build_schedule(self.context.pp_size, self.context.vp_size, len(batches), forward_only=True)
         self._executor(schedule).run(stages, *self._message_layout(batches, precision))
         _, terms, _ = self.sum_over_pipeline(stages)

@@ -77,8 +77,8 @@ class PipelineSchedule:
 def check_microbatches(pp_size: int, vp_size: int, num_microbatches: int) -> None:
     """Refuse a micro-batch count the schedule cannot run (ConfigError naming the fix)."""
     if num_microbatches < 1:
-        raise ConfigError(f"the pipeline needs at least one micro-batch per data-parallel rank, got {num_microbatches}; "
-                          "raise train.global_batch_size.")
+        raise ConfigError(f"the pipeline needs at least one micro-batch per data-parallel rank, got "
+                          f"{num_microbatches}; raise train.global_batch_size.")
     if vp_size > 1 and num_microbatches % pp_size:
         raise ConfigError(f"the interleaved schedule (parallel.vp={vp_size}) runs micro-batches in groups of "
                           f"parallel.pp={pp_size}, but each data-parallel rank has {num_microbatches} per step; make "
@@ -119,10 +119,11 @@ def rank_actions(pp_size: int, vp_size: int, rank: int, num_microbatches: int) -
 
 def build_schedule(pp_size: int, vp_size: int, num_microbatches: int, forward_only: bool = False) -> PipelineSchedule:
     """1F1B (vp = 1) or interleaved 1F1B (vp > 1) for every rank; ``forward_only`` (evaluation):
-    the forwards alone, in the same order."""
-    check_microbatches(pp_size, vp_size, num_microbatches)
+    forwards alone, every micro-batch through chunk 0, then chunk 1, ... (no activations are kept
+    for a backward, so nothing is gained by interleaving, and any micro-batch count works)."""
+    check_microbatches(pp_size, 1 if forward_only else vp_size, num_microbatches)
     if forward_only:
-        order = [Action(FORWARD, mb, chunk) for mb, chunk in forward_order(pp_size, vp_size, num_microbatches)]
+        order = [Action(FORWARD, mb, chunk) for chunk in range(vp_size) for mb in range(num_microbatches)]
         actions = tuple(tuple(order) for _ in range(pp_size))
     else:
         actions = tuple(tuple(rank_actions(pp_size, vp_size, rank, num_microbatches)) for rank in range(pp_size))

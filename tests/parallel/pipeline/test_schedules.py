@@ -85,10 +85,11 @@ def test_a_schedule_that_cannot_run_is_caught_by_the_replay():
         simulate(type(broken)(2, 1, 2, stuck + (broken.actions[1],)))
 
 
-def test_forward_only_schedule_has_forwards_in_order():
-    schedule = build_schedule(2, 2, 4, forward_only=True)
+@pytest.mark.parametrize("pp, vp, m", [(2, 2, 4), (4, 2, 1), (3, 3, 5)])
+def test_forward_only_schedule_runs_each_chunk_in_turn_for_any_count(pp, vp, m):
+    schedule = build_schedule(pp, vp, m, forward_only=True)
     for actions in schedule.actions:
-        assert [(a.microbatch, a.chunk) for a in actions] == forward_order(2, 2, 4)
+        assert [(a.microbatch, a.chunk) for a in actions] == [(mb, c) for c in range(vp) for mb in range(m)]
         assert {a.kind for a in actions} == {FORWARD}
     simulate(schedule)
 

@@ -1,0 +1,104 @@
+"""The trainer under pipeline parallelism equals the single-process trainer.
+
+Spawned gloo ranks run ``Trainer`` for 5 steps of 4 micro-batches on the tiny corpus, for a
+dense model with a tied embedding (the head on the last stage uses a copy of the first stage's
+embedding) and a hybrid Mamba model, each with 8 blocks, at pp2 and pp4 with vp 1 (1F1B) and 2
+(interleaved), and at pp2 x tp2 with sequence parallelism and pp2 x vp2 x dp2 with the
+distributed optimizer. Every step's loss and global gradient norm, the validation losses (a
+forward-only schedule) and the final parameters must equal the single-process run (relative
+error <= 1e-5), on every rank. Layouts the pipeline cannot run are refused before any
+collective. (The run helpers are those of tests/training/test_parallel_training.py.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshlm.parallel.testing import run_distributed
+from meshlm.training.metrics import read_metrics
+
+
+def parallel_training_helpers():
+    """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
+    path = Path(__file__).parent / "test_parallel_training.py"
+    spec = importlib.util.spec_from_file_location("parallel_training_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # run_distributed finds its functions by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+HELPERS = parallel_training_helpers()
+MODELS = {
+    "dense tied": ["model.pattern=*-*-*-*-", "model.num_kv_heads=2", "model.tie_embeddings=true"],
+    "hybrid": ["model.pattern=M*-MM*-M", "model.mamba_head_dim=8", "model.mamba_state_size=8",
+               "model.mamba_num_groups=4", "model.mamba_chunk_size=8"],
+}
+LAYOUTS = {
+    2: {"pp2": ["parallel.pp=2"], "pp2 vp2": ["parallel.pp=2", "parallel.vp=2"]},
+    4: {"pp4": ["parallel.pp=4"], "pp4 vp2": ["parallel.pp=4", "parallel.vp=2"]},
+}
+MIXED = {  # world 4: name -> (model, layout)
+    "dense tied pp2 tp2 sp": ("dense tied", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"]),
+    "hybrid pp2 vp2 dp2 dist-opt": ("hybrid", ["parallel.pp=2", "parallel.vp=2", "parallel.dp=2",
+                                               "parallel.distributed_optimizer=true"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Single-process references, then every layout."""
+    root = tmp_path_factory.mktemp("pipeline-training")
+    blend = HELPERS.write_tiny_corpus(root / "corpus")
+    single = {model: HELPERS.train_once(blend, root / f"single {model}", overrides)
+              for model, overrides in MODELS.items()}
+    by_world = {}
+    for world in (4, 2):
+        batch = [(f"{model} {layout}", [*MODELS[model], *overrides])
+                 for model in MODELS for layout, overrides in LAYOUTS[world].items()]
+        if world == 4:
+            batch += [(name, [*MODELS[model], *overrides]) for name, (model, overrides) in MIXED.items()]
+        by_world[world] = run_distributed(HELPERS.train_runs, world, str(blend), str(root), batch, timeout_s=300)
+    return dict(root=root, blend=blend, single=single, by_world=by_world)
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_pipeline_training_equals_single_process(runs, model, world):
+    for layout in LAYOUTS[world]:
+        for rank, results in enumerate(runs["by_world"][world]):
+            HELPERS.assert_same_run(results[f"{model} {layout}"], runs["single"][model],
+                                    f"{model} {layout} rank {rank}")
+
+
+@pytest.mark.parametrize("name", list(MIXED))
+def test_pipeline_composes_with_tensor_and_data_parallelism(runs, name):
+    model = MIXED[name][0]
+    for rank, results in enumerate(runs["by_world"][4]):
+        HELPERS.assert_same_run(results[name], runs["single"][model], f"{name} rank {rank}")
+
+
+def test_start_record_names_the_pipeline_layout(runs):
+    records = read_metrics(runs["root"] / "hybrid pp4 vp2" / "metrics.jsonl")
+    start = next(record for record in records if record.get("event") == "start")
+    assert (start["pp"], start["vp"], start["world_size"]) == (4, 2, 4)
+    steps = [record["step"] for record in records if "loss" in record and "event" not in record]
+    assert steps == [1, 2, 3, 4, 5]  # rank 0 (a first stage) logged every step once
+
+
+def test_layouts_the_pipeline_cannot_run_are_refused_before_any_collective(runs):
+    layouts = [["parallel.pp=2", "parallel.vp=2", "train.global_batch_size=12"],  # dp2: 3 micro-batches each
+               ["parallel.pp=4", "parallel.vp=2", "model.pattern=*-*-"],  # 4 blocks for 8 stages
+               ["parallel.pp=2", "model.pattern=*-|*-|*-"]]  # 3 marked stages for pp 2
+    refusals = run_distributed(HELPERS.refused_layouts, 4, str(runs["blend"]), str(runs["root"]), layouts)
+    for rank_refusals in refusals:
+        (groups, groups_calls), (blocks, blocks_calls), (marks, marks_calls) = rank_refusals
+        assert "in groups of parallel.pp=2" in groups and "has 3 per step" in groups, groups
+        assert "4 blocks, fewer than the parallel.pp * parallel.vp = 8" in blocks, blocks
+        assert "marks 3 pipeline stages" in marks, marks
+        assert groups_calls == blocks_calls == marks_calls == {}
+
