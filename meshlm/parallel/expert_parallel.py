@@ -27,12 +27,17 @@ routing of the *whole micro-batch*, not of one rank's share: the load-balancing 
 fractions and mean probabilities over all tokens), the z-loss (a mean), and capacity dropping
 (which assignments are "the first C" of an expert). So the routing (ids, weights, logits,
 probabilities: a few numbers per token, against the k*d of the token exchange) is all-gathered
-over the ranks that share the micro-batch, in the single-process token order, and the layer's
-own ``losses`` and the single-process drop rule run on it. The gather is ``gather_along``: the
-losses are computed identically on every one of those ranks, so the adjoint keeps each rank's
-own slice of the (replicated) gradient, exact with no scaling. Dropping marks the dropped
+over the ranks that share the micro-batch -- first over TP, then over CP, whose chunk pairs are
+put back in sequence order -- and the layer's own ``losses`` and the single-process drop rule
+run on it. Two different gathers, because the two groups count the losses differently: the TP
+ranks all hold the same loss (it counts once), so the TP gather is ``gather_along``, whose
+adjoint keeps each rank's slice of the identical gradient; every CP rank adds 1/cp of the loss
+terms (``context_parallel.share_losses``), so the CP gather is ``all_gather_along``, whose
+adjoint sums the ranks' gradients. Both are exact, with no scaling. Dropping marks the dropped
 assignments of this rank's tokens with expert id -1, so every layout drops exactly what the
-single process drops, and ``tokens_per_expert`` / ``dropped_tokens`` are the micro-batch's.
+single process drops. ``dropped_tokens`` is the micro-batch's; ``tokens_per_expert`` (and the
+load recorded for the aux-loss-free bias) counts the CP rank's tokens, which the trainer sums
+over dp_cp.
 
 **Gradients.** Expert weights carry ``expert_parallel`` (and ``expert_partition_dim`` /
 ``expert_partition_sizes`` when etp splits them) and are summed over ``edp`` (the folding makes
@@ -62,7 +67,7 @@ from meshlm.models.config import ConfigError
 from meshlm.models.moe.dispatch import expert_capacity, kept_assignments
 from meshlm.models.moe.layer import MoELayer
 from meshlm.models.moe.router import MoELosses, Routing
-from meshlm.parallel.collectives import gather_along, scatter_along
+from meshlm.parallel.collectives import all_gather_along, gather_along, scatter_along
 from meshlm.parallel.dispatchers import build_dispatcher
 from meshlm.parallel.tensor_parallel import mark_expert_shard, mark_partial_grad, shard_tensor
 
@@ -95,35 +100,47 @@ def leave_expert_grid(y: torch.Tensor, context) -> torch.Tensor:
     return gather_along(y, 1, context.tp_group) if splits_tokens_over_tp(context) else y
 
 
-def micro_batch_group(context):
-    """The group whose ranks hold the other parts of this rank's micro-batch inside the grid (the TP
-    group: sequence slices in rank order), or None."""
-    return context.tp_group
+def map_routing(routing: Routing, function) -> Routing:
+    """``routing`` with ``function`` applied to each of its per-token tensors."""
+    return dataclasses.replace(routing, **{field.name: function(getattr(routing, field.name))
+                                           for field in dataclasses.fields(routing)
+                                           if getattr(routing, field.name) is not None})
 
 
-def micro_batch_routing(routing: Routing, batch: int, context) -> Routing:
-    """The routing of the whole micro-batch, in single-process token order, on every rank that
-    shares it (``gather_along``: replicated, so the adjoint keeps this rank's slice)."""
-    group = micro_batch_group(context)
-    if group is None:
-        return routing
+def cp_rank_tokens(tensor: torch.Tensor, batch: int, context) -> torch.Tensor:
+    """[n', ...] per-token values of this rank -> [b, s/cp, ...] of its CP rank's tokens (all TP
+    shares, in sequence order), replicated over the TP group: ``gather_along``, whose adjoint
+    keeps this rank's slice of the (then identical) gradient."""
+    per_sequence = tensor.reshape(batch, -1, *tensor.shape[1:])
+    return gather_along(per_sequence, 1, context.tp_group) if context.tp_size > 1 else per_sequence
 
-    def whole(tensor: torch.Tensor | None):
-        if tensor is None:
-            return None
-        return gather_along(tensor.reshape(batch, -1, *tensor.shape[1:]), 1, group).flatten(0, 1)
 
-    return dataclasses.replace(routing, **{field.name: whole(getattr(routing, field.name))
-                                           for field in dataclasses.fields(routing)})
+def cp_gather_order(seq_len: int, context) -> torch.Tensor:
+    """Global positions of the tokens of a CP-gathered sequence (rank 0's chunks, rank 1's, ...)."""
+    from meshlm.parallel.context_parallel import local_token_positions
+
+    return torch.cat([local_token_positions(seq_len, rank, context.cp_size) for rank in range(context.cp_size)])
+
+
+def whole_micro_batch(cp_tokens: torch.Tensor, context) -> torch.Tensor:
+    """[b, s/cp, ...] of this CP rank -> [b * s, ...] of the micro-batch in single-process order,
+    on every CP rank. Each CP rank adds 1/cp of the losses computed from it (``share_losses``),
+    so this gather is ``all_gather_along``, whose adjoint sums the ranks' gradients."""
+    if context.cp_size == 1:
+        return cp_tokens.flatten(0, 1)
+    gathered = all_gather_along(cp_tokens, 1, context.cp_group)
+    order = cp_gather_order(gathered.shape[1], context).to(gathered.device)
+    return gathered.index_select(1, torch.argsort(order)).flatten(0, 1)
 
 
 def own_part(whole: torch.Tensor, batch: int, context) -> torch.Tensor:
-    """This rank's rows of a tensor over the micro-batch's tokens (the inverse of the gather)."""
-    if micro_batch_group(context) is None:
-        return whole
+    """This rank's rows of a [b * s, ...] tensor over the micro-batch (the inverse of the gathers)."""
     per_sequence = whole.reshape(batch, -1, *whole.shape[1:])
-    share = per_sequence.shape[1] // context.tp_size
-    return per_sequence.narrow(1, context.tp_rank * share, share).flatten(0, 1)
+    if context.cp_size > 1:
+        per_sequence = per_sequence.index_select(1, cp_gather_order(per_sequence.shape[1], context).to(whole.device))
+    share = per_sequence.shape[1] // (context.cp_size * context.tp_size)
+    offset = (context.cp_rank * context.tp_size + context.tp_rank) * share
+    return per_sequence.narrow(1, offset, share).flatten(0, 1)
 
 
 # --- the layer ---------------------------------------------------------------------------------------------
@@ -135,15 +152,12 @@ class ExpertParallelMoELayer(MoELayer):
     dispatcher = None
 
     def forward(self, x: torch.Tensor, context=None) -> tuple[torch.Tensor, MoELosses]:
-        """x in attention's layout [b, s or s/tp, h] -> (output in the same layout, MoELosses)."""
+        """x in attention's layout [b, s/(cp tp) or s/cp, h] -> (output in the same layout, MoELosses)."""
         parallel = self.parallel_context
         local = enter_expert_grid(x, parallel)
         batch, hidden = local.shape[0], local.shape[-1]
         tokens = local.reshape(-1, hidden)
-        routing = self.router(tokens, record_load=False)
-        whole = micro_batch_routing(routing, batch, parallel)
-        if self.router.training and self.router.bias_update_rate > 0:  # the whole micro-batch's load, as
-            self.router.record_load(whole.expert_ids)                  # every replica of the router sees it
+        routing, cp_part, whole = self.route(tokens, batch)
         expert_ids, dropped = self.kept_expert_ids(routing, whole, batch)
         expert_input = self.latent_in_proj(tokens) if self.latent_in_proj is not None else tokens
         dispatched = self.dispatcher.dispatch(expert_input, expert_ids)
@@ -153,7 +167,20 @@ class ExpertParallelMoELayer(MoELayer):
         if self.latent_out_proj is not None:
             routed = self.latent_out_proj(routed)
         out = leave_expert_grid(routed.reshape(batch, -1, hidden), parallel)
-        return (out if shared is None else out + shared), self.losses(whole, dropped, num_sequences=batch)
+        losses = self.losses(whole, dropped, num_sequences=batch)
+        losses.tokens_per_expert = torch.bincount(cp_part.expert_ids.flatten(), minlength=self.num_experts)
+        return (out if shared is None else out + shared), losses
+
+    def route(self, tokens: torch.Tensor, batch: int) -> tuple[Routing, Routing, Routing]:
+        """The routing of this rank's tokens, of its CP rank's (every TP share: summed over dp_cp
+        they count each token once, for the logged traffic and the aux-loss-free bias), and of the
+        whole micro-batch in single-process order (for the losses and dropping)."""
+        routing = self.router(tokens, record_load=False)
+        cp_part = map_routing(routing, lambda tensor: cp_rank_tokens(tensor, batch, self.parallel_context))
+        whole = map_routing(cp_part, lambda tensor: whole_micro_batch(tensor, self.parallel_context))
+        if self.router.training and self.router.bias_update_rate > 0:
+            self.router.record_load(cp_part.expert_ids)
+        return routing, cp_part, whole
 
     def kept_expert_ids(self, routing: Routing, whole: Routing, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's expert ids with -1 where the capacity limit drops the assignment -- decided
@@ -228,5 +255,5 @@ def expert_parallel_names(model: nn.Module) -> set[str]:
 
 
 __all__ = ["ExpertParallelMoELayer", "enter_expert_grid", "expert_parallel_names", "leave_expert_grid",
-           "micro_batch_routing", "needs_expert_parallel", "parallelize_expert_moe", "parallelize_experts",
+           "needs_expert_parallel", "own_part", "whole_micro_batch", "parallelize_expert_moe", "parallelize_experts",
            "shard_expert_weight"]

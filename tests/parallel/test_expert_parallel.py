@@ -23,6 +23,7 @@ from meshlm.config import ParallelConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.layer import MoELayer
+from meshlm.parallel.context_parallel import slice_sequence
 from meshlm.parallel.expert_parallel import ExpertParallelMoELayer, expert_parallel_names
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.tensor_parallel import (gather_full_state_dict, gather_full_tensor, load_full_state_dict,
@@ -51,6 +52,9 @@ LAYOUTS = {  # world 4
     "tp2 sp ep2 etp2": dict(tp=2, sp=True, ep=2),
     "tp2 sp ep4 etp1": dict(tp=2, sp=True, ep=4, etp=1),
     "tp2 etp1 (folding only)": dict(tp=2, etp=1),
+    "cp2 ep2 edp2": dict(cp=2, ep=2),
+    "tp2 sp cp2 ep4 etp1": dict(tp=2, sp=True, cp=2, ep=4, etp=1),
+    "tp2 cp2 ep2 etp2 (no sp)": dict(tp=2, cp=2, ep=2, etp=2),
 }
 
 
@@ -65,9 +69,11 @@ def seeded(*shape, seed: int) -> torch.Tensor:
 
 
 def sequence_slice(full: torch.Tensor, context) -> torch.Tensor:
+    """This rank's tokens of a [b, s, ...] tensor in attention's layout: its CP chunks, then its SP slice."""
+    local = slice_sequence(full, context)
     if not context.sequence_parallel:
-        return full
-    return shard_tensor(full, 1, [full.shape[1]], context.tp_rank, context.tp_size)
+        return local
+    return shard_tensor(local, 1, [local.shape[1]], context.tp_rank, context.tp_size)
 
 
 def make_config(**overrides) -> ModelConfig:
@@ -108,9 +114,10 @@ def gradient_errors(parallel: torch.nn.Module, reference: torch.nn.Module, conte
     return errors
 
 
-def layer_loss(layer, x, upstream):
+def layer_loss(layer, x, upstream, cp_size: int = 1):
+    """Under CP each rank adds 1/cp of the router losses (what ``share_losses`` does in the trainer)."""
     out, losses = layer(x, None)
-    return out, losses, (out * upstream).sum() + AUX_COEFF * losses.aux_loss + Z_COEFF * losses.z_loss
+    return out, losses, (out * upstream).sum() + (AUX_COEFF * losses.aux_loss + Z_COEFF * losses.z_loss) / cp_size
 
 
 def check_layer(context, label: str, overrides: dict, seed: int) -> dict:
@@ -129,14 +136,18 @@ def check_layer(context, label: str, overrides: dict, seed: int) -> dict:
         if index == context.dp_rank:
             expected, expected_losses = out.detach(), losses
     local_x = sequence_slice(inputs[context.dp_rank], context).clone().requires_grad_()
-    out, losses, total = layer_loss(parallel, local_x, sequence_slice(upstreams[context.dp_rank], context))
+    out, losses, total = layer_loss(parallel, local_x, sequence_slice(upstreams[context.dp_rank], context),
+                                    context.cp_size)
     total.backward()
 
     if "capacity" in label:
         assert expected_losses.dropped_tokens > 0, "the capacity case must actually drop"
     if "empty" in label:
         assert losses.tokens_per_expert[2:].sum() == 0, "every token must go to experts 0 and 1"
-    assert torch.equal(losses.tokens_per_expert, expected_losses.tokens_per_expert)
+    counts = losses.tokens_per_expert.clone()  # this CP rank's tokens: summed over CP, the micro-batch's
+    if context.cp_group is not None:
+        dist.all_reduce(counts, group=context.cp_group)
+    assert torch.equal(counts, expected_losses.tokens_per_expert)
     assert torch.equal(losses.dropped_tokens, expected_losses.dropped_tokens)
     return {"output": relative_error(out, sequence_slice(expected, context)),
             "aux loss": relative_error(losses.aux_loss, expected_losses.aux_loss.detach()),
@@ -178,6 +189,14 @@ def test_expert_parallel_layer_on_dp_ranks_matches_single_process():
 
 def test_expert_parallel_layer_folded_onto_tp_matches_single_process():
     layouts = ["tp2 ep2 etp1 (no sp)", "tp2 sp ep2 etp2", "tp2 sp ep4 etp1", "tp2 etp1 (folding only)"]
+    every_rank = run_distributed(run_layer_cases, 4, layouts)
+    assert all(sum(case.endswith(": aux loss") for case in errors) == len(LAYER_CASES) * len(layouts) * 2
+               for errors in every_rank)
+    assert_all_within_tolerance(every_rank)
+
+
+def test_expert_parallel_layer_folded_onto_cp_matches_single_process():
+    layouts = ["cp2 ep2 edp2", "tp2 sp cp2 ep4 etp1", "tp2 cp2 ep2 etp2 (no sp)"]
     every_rank = run_distributed(run_layer_cases, 4, layouts)
     assert all(sum(case.endswith(": aux loss") for case in errors) == len(LAYER_CASES) * len(layouts) * 2
                for errors in every_rank)

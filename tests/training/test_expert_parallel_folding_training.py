@@ -1,0 +1,72 @@
+"""The trainer on 8 ranks with the expert grid folded onto tp, cp and dp; EP checkpoints.
+
+The MoE hybrid of test_expert_parallel_training.py at tp2 x ep4 (the 8 ranks split as tp 2 x
+dp 4 for attention and ep 4 x etp 2 for the experts), tp2+SP x cp2 x ep4 with etp 1 and the
+distributed optimizer, and tp2+SP x ep2 x etp1 (expert-DP 4) with the distributed optimizer:
+every step's loss and grad norm, the validation loss and the final parameters equal the single-
+process run (<= 1e-5). The tp2 x ep4 run's step-3 checkpoint, resumed by one process, continues
+with the losses of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshlm.parallel.testing import run_distributed
+
+
+def parallel_training_helpers():
+    """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
+    path = Path(__file__).parent / "test_parallel_training.py"
+    spec = importlib.util.spec_from_file_location("parallel_training_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # run_distributed finds its functions by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+HELPERS = parallel_training_helpers()
+MOE_HYBRID = ["model.pattern=ME*E", "model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32",
+              "model.moe_shared_expert_ffn_hidden_size=32", "model.moe_aux_loss_coeff=0.01",
+              "model.moe_z_loss_coeff=0.001", "model.mamba_head_dim=8", "model.mamba_state_size=8",
+              "model.mamba_num_groups=4", "model.mamba_chunk_size=8"]
+DIST_OPT = "parallel.distributed_optimizer=true"
+LAYOUTS = {  # world 8
+    "tp2 ep4": ["parallel.tp=2", "parallel.ep=4", "train.save_every=3"],
+    "tp2 sp cp2 ep4 etp1 dist-opt": ["parallel.tp=2", "parallel.sp=true", "parallel.cp=2", "parallel.ep=4",
+                                     "parallel.etp=1", DIST_OPT],
+    "tp2 sp ep2 etp1 edp4 dist-opt": ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", "parallel.etp=1",
+                                      DIST_OPT],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("expert-folding-training")
+    blend = HELPERS.write_tiny_corpus(root / "corpus")
+    single = HELPERS.train_once(blend, root / "single", MOE_HYBRID)
+    layouts = [(name, [*MOE_HYBRID, *overrides]) for name, overrides in LAYOUTS.items()]
+    by_rank = run_distributed(HELPERS.train_runs, 8, str(blend), str(root), layouts, timeout_s=300)
+    shutil.copytree(root / "tp2 ep4" / "checkpoints" / "step_3", root / "resumed" / "checkpoints" / "step_3")
+    resumed = HELPERS.train_once(blend, root / "resumed", MOE_HYBRID)
+    return dict(single=single, by_rank=by_rank, resumed=resumed)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_folded_expert_training_on_8_ranks_equals_single_process(runs, layout):
+    for rank, results in enumerate(runs["by_rank"]):
+        HELPERS.assert_same_run(results[layout], runs["single"], f"{layout} rank {rank}")
+
+
+def test_checkpoint_at_tp2_ep4_resumes_in_one_process(runs):
+    single = runs["single"]
+    later = {**single, "losses": {step: single["losses"][step] for step in (4, 5)},
+             "grad_norms": {step: single["grad_norms"][step] for step in (4, 5)},
+             "val_losses": {5: single["val_losses"][5]}}
+    assert sorted(runs["resumed"]["losses"]) == [4, 5]
+    HELPERS.assert_same_run(runs["resumed"], later, "resumed in one process")
