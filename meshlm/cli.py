@@ -20,6 +20,7 @@ COMMANDS = {
     "tokenizer": ("meshlm.data.tokenizer_training", "train a byte-level BPE tokenizer"),
     "preprocess": ("meshlm.data.preprocess", "tokenize text files into a token store (PREFIX.bin + PREFIX.idx)"),
     "data": ("meshlm.data.cli", "data utilities: build the demo corpus, inspect a token store"),
+    "upcycle": ("meshlm.adapt.cli", "turn a dense model or checkpoint into an MoE model with the same outputs"),
     "demo": ("meshlm.demo", "build the demo corpus, train a small hybrid model, plot and sample from it"),
 }
 

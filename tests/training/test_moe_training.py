@@ -10,12 +10,14 @@
 - The expert bias moves, is saved in the checkpoint, and a resumed run continues exactly.
 - metrics.jsonl carries the load imbalance (max/mean tokens per expert) of each MoE layer.
 - ``train.init_from`` starts a run from a model folder's weights (fresh optimizer) and refuses
-  a folder whose model differs.
+  a folder whose model differs; a dense run's checkpoint upcycled by ``meshlm upcycle`` (with
+  the overrides it prints) starts at the dense model's validation loss and trains.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -25,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from meshlm.checkpoint.model_files import CheckpointError, save_model
+from meshlm.cli import main
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.router import TopKRouter
 from meshlm.parallel.testing import run_distributed
@@ -113,3 +116,19 @@ def test_init_from_starts_from_the_folder_weights_with_a_fresh_optimizer(make_co
     with pytest.raises(CheckpointError, match="model.hidden_size: folder 32 vs run 64"):
         Trainer(make_config("model.hidden_size=64", f"train.init_from={tmp_path / 'start'}",
                             f"train.run_dir={tmp_path / 'other'}"))
+
+
+def test_an_upcycled_checkpoint_trains_from_the_dense_models_validation_loss(make_config, tmp_path, capsys):
+    dense_run = tmp_path / "dense"
+    dense = Trainer(make_config("model.pattern=*-*-", "train.steps=2", f"train.run_dir={dense_run}")).run()
+    code = main(["upcycle", str(dense_run / "checkpoints" / "step_2"), str(tmp_path / "moe"), "--experts", "8",
+                 "--top-k", "4", "--granularity", "2", "--set", "moe_aux_loss_coeff=0.01"])
+    assert code == 0
+    command = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("train it with:"))
+    overrides = command.split("meshlm train CONFIG ", 1)[1].split()  # train.init_from=... model.pattern='*E*E' ...
+    moe = Trainer(make_config("train.steps=3", f"train.run_dir={tmp_path / 'moe run'}", *overrides)).run()
+    # validation before the first step: the upcycled model computes what the dense model did at its end
+    assert abs(moe.val_losses[0] - dense.val_losses[2]) <= 1e-5 * dense.val_losses[2]
+    assert sorted(moe.losses) == [1, 2, 3] and all(math.isfinite(loss) for loss in moe.losses.values())
+    records = [r for r in read_metrics(tmp_path / "moe run" / "metrics.jsonl") if "loss" in r]
+    assert all(record["loss_moe_aux"] > 0 and len(record["moe_max_load_per_layer"]) == 2 for record in records)

@@ -1,0 +1,198 @@
+"""Upcycling: turn a trained dense model into a Mixture-of-Experts model that computes the same thing.
+
+Training an MoE from scratch throws away what a dense checkpoint already knows. Sparse
+upcycling (Komatsuzaki et al. 2022) copies the dense MLP into every expert; He et al. 2024
+("Upcycling Large Language Models into Mixture of Experts") extend it to *fine-grained* experts
+with "virtual group" initialization and weight scaling. Every dense MLP block ('-') becomes an
+MoE block ('E'); everything else is copied unchanged.
+
+**Shards.** A dense MLP is y = W_down phi(x), where phi(x) in R^F acts channel by channel
+(phi_j = act(u_j . x), or silu(g_j . x) * (u_j . x) for SwiGLU). Cutting the F channels into G
+consecutive shards S_1..S_G of width F/G splits it exactly into a sum of G narrower MLPs:
+
+    y = sum_g W_down[:, S_g] phi_{S_g}(x) = sum_g D_g(x).
+
+**Experts and virtual groups.** With granularity G, E experts of width F/G and top-K routing,
+E = C*G and K = m*G. Expert e = c*G + g is a copy of shard g, for the C "virtual groups"
+c = 0..C-1: each virtual group of G consecutive experts is one whole dense MLP. The router row
+of every expert of group c is the same random vector r_c, so the G members of a group get equal
+logits, scores and weights. Ties in the top-k go to the lower index and the members of a group
+are consecutive, so the K chosen experts are exactly m whole virtual groups (those with the
+best scores). The MoE output is then
+
+    sum_{chosen c} sum_g w_c * alpha * D_g(x) = alpha * W(x) * y,   W(x) = sum_{chosen c} w_c,
+
+where alpha scales the experts' down projections (the output is linear in them, for every
+activation). The output equals the dense one at step 0 exactly when alpha * W(x) = 1:
+
+- weights normalized over the K chosen (``moe_normalize_topk``, or top-k-then-softmax, with
+  softmax or sigmoid scores) sum to the routed scaling factor s, shared equally by the G
+  members of each group: W(x) = s / G for every x, so alpha = G / s and the output is *exact*.
+  This is the default (softmax, top-k of the softmax, renormalized).
+- unnormalized softmax-then-top-k (the paper's preferred router): w_c = s e^{l_c} / (G sum_c'
+  e^{l_c'}) (the softmax runs over all E experts, G per group) depends on x. With equal logits
+  every visit weighs s/E, so W = m s / E and alpha = E / (m s) = E G / (K s): the paper's (and
+  Megatron's) scale E*G/K. The output matches only up to the spread of the logits, which a
+  small ``router_init_std`` keeps small.
+- unnormalized sigmoid: w_c = s sigmoid(l_c), about s/2 each, so alpha = 2 G / (K s), again
+  approximate.
+
+``visit_weight_at_equal_logits`` gives the per-visit weight w0 of each case, alpha =
+G / (K w0), and ``is_exact`` says which case a config is in.
+
+**Spread.** The C router vectors are orthogonal and of equal length (random directions; the
+length of an N(0, std^2) vector), so for isotropic hidden states the C group logits are
+independent and identically distributed and each token's m best groups are a uniform draw:
+routing starts evenly spread over the virtual groups (independent Gaussian rows would not be:
+their lengths differ, and the longer ones win more often). The members of a group travel
+together until training breaks their tie. No capacity
+limit is set (dropping a token would break the equality); routed experts have no biases, so a
+dense model with ``mlp_bias`` cannot be upcycled exactly and is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.models.language_model import LanguageModel
+from meshlm.models.mlp import is_gated
+
+ROUTING_DEFAULTS = dict(moe_score_function="softmax", moe_softmax_before_topk=True, moe_normalize_topk=True,
+                        moe_routed_scaling_factor=1.0)
+"""Upcycling's router unless overridden: the exact case (see the module docstring)."""
+
+
+def upcycled_config(dense: ModelConfig, num_experts: int, top_k: int, granularity: int = 1,
+                    **moe_overrides) -> ModelConfig:
+    """The MoE config: every '-' block becomes 'E' with experts of width F/G; moe_* overrides apply."""
+    ffn = dense.resolved_ffn_hidden_size
+    pattern_kinds = dense.block_kinds
+    if "-" not in pattern_kinds:
+        raise ConfigError(f"model.pattern={dense.pattern!r} has no dense MLP block ('-') to upcycle.")
+    if "E" in pattern_kinds:
+        raise ConfigError(f"model.pattern={dense.pattern!r} already has MoE blocks; upcycle a dense model.")
+    if dense.mlp_bias:
+        raise ConfigError("model.mlp_bias=true: routed experts have no biases, so the dense MLP cannot be "
+                          "copied into them exactly; upcycle a model without MLP biases.")
+    if granularity < 1 or ffn % granularity:
+        raise ConfigError(f"--granularity {granularity} must divide the dense FFN width {ffn}.")
+    if num_experts % granularity or top_k % granularity:
+        raise ConfigError(f"--experts {num_experts} and --top-k {top_k} must be multiples of --granularity "
+                          f"{granularity}: each token must visit whole virtual groups (all G shards of an MLP).")
+    unknown = sorted(name for name in moe_overrides if not name.startswith("moe_"))
+    if unknown:
+        raise ConfigError(f"upcycle overrides must be moe_* model fields; got {', '.join(unknown)}.")
+    values = dense.to_dict()
+    values.update(ROUTING_DEFAULTS)
+    values.update(pattern=dense.pattern.replace("-", "E"), moe_num_experts=num_experts, moe_top_k=top_k,
+                  moe_ffn_hidden_size=ffn // granularity, moe_shared_expert_ffn_hidden_size=0,
+                  moe_latent_size=None, moe_capacity_factor=None)
+    values.update(moe_overrides)
+    config = ModelConfig.from_dict(values)
+    _check_groups_hold_whole_virtual_groups(config, granularity)
+    return config
+
+
+def _check_groups_hold_whole_virtual_groups(config: ModelConfig, granularity: int) -> None:
+    if config.moe_latent_size is not None or config.moe_shared_expert_ffn_hidden_size:
+        raise ConfigError("upcycling copies the dense MLP into routed experts at the hidden width; "
+                          "leave moe_latent_size null and moe_shared_expert_ffn_hidden_size 0.")
+    if config.moe_capacity_factor is not None:
+        raise ConfigError("upcycling needs dropless routing (a dropped token breaks the equality); "
+                          "leave moe_capacity_factor null.")
+    if config.moe_router_num_groups is not None:
+        group_size = config.moe_num_experts // config.moe_router_num_groups
+        if group_size % granularity:
+            raise ConfigError(f"moe_router_num_groups={config.moe_router_num_groups} makes router groups of "
+                              f"{group_size} experts, not whole virtual groups of {granularity}.")
+
+
+def visit_weight_at_equal_logits(config: ModelConfig) -> float:
+    """The routing weight of one visit when all logits are equal (w0 in the module docstring)."""
+    k, scale = config.moe_top_k, config.moe_routed_scaling_factor
+    if is_exact(config):
+        return scale / k
+    if config.moe_score_function == "sigmoid":
+        return scale / 2
+    return scale / config.moe_num_experts
+
+
+def is_exact(config: ModelConfig) -> bool:
+    """Whether the chosen weights always sum to the scaling factor (the exact upcycling case)."""
+    topk_then_softmax = config.moe_score_function == "softmax" and not config.moe_softmax_before_topk
+    return config.moe_normalize_topk or topk_then_softmax
+
+
+def down_projection_scale(config: ModelConfig, granularity: int) -> float:
+    """alpha = G / (K * w0): what makes sum over a token's visits of w * alpha * D_g equal sum_g D_g."""
+    return granularity / (config.moe_top_k * visit_weight_at_equal_logits(config))
+
+
+@torch.no_grad()
+def upcycle_model(dense_model: LanguageModel, num_experts: int, top_k: int, granularity: int = 1,
+                  router_init_std: float | None = None, seed: int = 0, **moe_overrides) -> LanguageModel:
+    """The upcycled MoE model (fp32 weights) of ``dense_model``; see the module docstring."""
+    dense = dense_model.config
+    config = upcycled_config(dense, num_experts, top_k, granularity, **moe_overrides)
+    state = {name: value.detach().float() for name, value in dense_model.state_dict().items()}
+    alpha = down_projection_scale(config, granularity)
+    std = dense.init_std if router_init_std is None else router_init_std
+    generator = torch.Generator().manual_seed(seed)
+    for index, kind in enumerate(dense.block_kinds):
+        if kind == "-":
+            prefix = f"blocks.{index}.mixer."
+            state.update(expert_weights(state, prefix, config, granularity, alpha))
+            state.update(router_weights(prefix, config, granularity, std, generator))
+    with torch.device("meta"):
+        model = LanguageModel(config)
+    model = model.to_empty(device="cpu")
+    if config.tie_embeddings:
+        state.pop("output.weight", None)
+    from meshlm.checkpoint.model_files import load_state_checked
+
+    load_state_checked(model, state, "the upcycled state")
+    return model
+
+
+def expert_weights(state: dict, prefix: str, config: ModelConfig, granularity: int,
+                   alpha: float) -> dict[str, torch.Tensor]:
+    """Pop the dense MLP at ``prefix`` and return the stacked expert weights: expert c*G + g is
+    shard g (gate/up rows, down columns), its down projection times alpha."""
+    copies = config.moe_num_experts // granularity
+
+    def stack(shards: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(shards * copies).contiguous()  # [E, ...]: shards 0..G-1, then again per group
+
+    up = state.pop(prefix + "up_proj.weight").chunk(granularity, dim=0)        # G x [F/G, h]
+    down = state.pop(prefix + "down_proj.weight").chunk(granularity, dim=1)    # G x [h, F/G]
+    experts = {prefix + "experts.up_weight": stack(list(up)),
+               prefix + "experts.down_weight": stack([alpha * shard for shard in down])}
+    if is_gated(config.mlp_activation):
+        gate = state.pop(prefix + "gate_proj.weight").chunk(granularity, dim=0)
+        experts[prefix + "experts.gate_weight"] = stack(list(gate))
+    return experts
+
+
+def router_weights(prefix: str, config: ModelConfig, granularity: int, std: float,
+                   generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """One row per virtual group, repeated for its G members; a zero expert bias. The rows are
+    orthogonal (when there are at most hidden_size of them) with the norm of an N(0, std^2) row."""
+    copies = config.moe_num_experts // granularity
+    rows = torch.nn.init.orthogonal_(torch.empty(copies, config.hidden_size), generator=generator)
+    rows = rows * std * config.hidden_size ** 0.5
+    return {prefix + "router.weight": rows.repeat_interleave(granularity, dim=0),
+            prefix + "router.expert_bias": torch.zeros(config.moe_num_experts)}
+
+
+def changed_fields(dense: ModelConfig, moe: ModelConfig) -> dict:
+    """The model fields the upcycled config sets differently (for a ``meshlm train`` command line)."""
+    before, after = dense.to_dict(), moe.to_dict()
+    return {field.name: after[field.name] for field in dataclasses.fields(ModelConfig)
+            if field.init and before[field.name] != after[field.name]}
+
+
+__all__ = ["ROUTING_DEFAULTS", "changed_fields", "down_projection_scale", "expert_weights", "is_exact",
+           "router_weights", "upcycle_model", "upcycled_config", "visit_weight_at_equal_logits"]
