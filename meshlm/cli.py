@@ -14,6 +14,7 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS = {
+    "checkpoint": ("meshlm.checkpoint.cli", "inspect or consolidate a (sharded) training checkpoint"),
     "convert": ("meshlm.models.hf.cli", "convert between Hugging Face and meshlm checkpoints"),
     "generate": ("meshlm.inference.cli", "generate text from a meshlm model or checkpoint"),
     "train": ("meshlm.training.cli", "train (or resume) a model from a YAML config and dotted overrides"),

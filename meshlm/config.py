@@ -54,6 +54,9 @@ class TrainConfig:
     """Save a checkpoint every this many steps (0 = only at the end)."""
     keep_checkpoints: int = 3
     """Keep the most recent K checkpoints; older ones are deleted after a new one is complete."""
+    async_save: bool = False
+    """Save checkpoints in a background thread: the step waits only while this rank's shards are
+    copied to CPU buffers, and training goes on while they are written."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = no clipping)."""
     recompute: str = "none"

@@ -1,9 +1,11 @@
 """A model on disk: ``config.json`` + ``model.safetensors`` (+ tokenizer files), one directory.
 
 This is the single-file, layout-free form of a meshlm model. ``meshlm convert hf-to-meshlm``
-writes it, ``meshlm generate`` and ``meshlm convert meshlm-to-hf`` read it, and training
-checkpoints hold the same two files (beside optimizer and trainer state), so every command
-that takes a model takes a training checkpoint too.
+and ``meshlm checkpoint consolidate`` write it, ``meshlm generate`` and ``meshlm convert
+meshlm-to-hf`` read it. Training checkpoints hold the same ``config.json`` beside their
+distributed shards, and ``load_model`` reads the weights from the shards
+(``meshlm/checkpoint/consolidate.py``), so every command that takes a model takes a training
+checkpoint too.
 
 ``config.json`` is ``{"format": "meshlm", "version": 1, "model": {...ModelConfig fields...}}``;
 other top-level keys (a training run's full config) are allowed and ignored here. Files are
@@ -29,6 +31,8 @@ FORMAT_NAME = "meshlm"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+DISTRIBUTED_INDEX = ".metadata"
+"""A distributed training checkpoint's index (torch.distributed.checkpoint); its weights are in shards."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -94,21 +98,33 @@ def read_model_config(directory: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{config_path}: invalid model config: {error}") from error
 
 
-def load_model(directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> LanguageModel:
-    """Build the model described by ``directory/config.json`` and load its weights."""
+def read_model_state(directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The weights of a model folder: ``model.safetensors``, or a distributed training
+    checkpoint's shards read whole (``meshlm/checkpoint/consolidate.py``)."""
     directory = Path(directory)
-    config = read_model_config(directory)
+    if (directory / DISTRIBUTED_INDEX).is_file():
+        from meshlm.checkpoint.consolidate import consolidated_model_state
+
+        return {name: tensor.to(map_location) for name, tensor in consolidated_model_state(directory).items()}
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         raise CheckpointError(f"{weights_path}: missing.")
     try:
-        state = load_file(str(weights_path), device=str(map_location))
+        return load_file(str(weights_path), device=str(map_location))
     except (SafetensorError, OSError, ValueError) as error:
         raise CheckpointError(f"{weights_path}: unreadable or truncated safetensors file ({error}).") from error
+
+
+def load_model(directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> LanguageModel:
+    """Build the model described by ``directory/config.json`` and load its weights."""
+    directory = Path(directory)
+    config = read_model_config(directory)
+    state = read_model_state(directory, map_location)
     with torch.device("meta"):
         model = LanguageModel(config)
     model = model.to_empty(device=map_location)
-    load_state_checked(model, state, str(weights_path))
+    source = DISTRIBUTED_INDEX if (directory / DISTRIBUTED_INDEX).is_file() else WEIGHTS_FILE
+    load_state_checked(model, state, str(directory / source))
     return model
 
 

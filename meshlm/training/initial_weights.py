@@ -5,8 +5,8 @@
 
 The folder is a model folder (``config.json`` + ``model.safetensors``, as ``save_model``,
 ``meshlm convert`` and ``meshlm upcycle`` write it) or a training checkpoint's ``step_N``
-folder (which holds the same two files). Only the weights (and buffers such as a router's
-expert bias) are taken: the optimizer moments, the step counter, the learning-rate schedule and
+folder (whose weights are read whole from its distributed shards). Only the weights (and
+buffers such as a router's expert bias) are taken: the optimizer moments, the step counter, the learning-rate schedule and
 the data position all start from zero, as for continued pre-training or upcycling.
 
 The folder's model config must equal the run's ``model`` section field by field, so that the
@@ -21,10 +21,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-
-from meshlm.checkpoint.model_files import WEIGHTS_FILE, CheckpointError, load_state_checked, read_model_config
+from meshlm.checkpoint.model_files import (WEIGHTS_FILE, CheckpointError, load_state_checked, read_model_config,
+                                           read_model_state)
 
 
 def load_initial_weights(path: str | Path, model: torch.nn.Module) -> None:
@@ -37,10 +35,7 @@ def load_initial_weights(path: str | Path, model: torch.nn.Module) -> None:
     if differences:
         raise CheckpointError(f"train.init_from={directory} holds a different model ({'; '.join(differences)}); "
                               f"copy the 'model' section of {directory / 'config.json'} into the run's config.")
-    try:
-        state = load_file(str(directory / WEIGHTS_FILE))
-    except (SafetensorError, OSError, ValueError) as error:
-        raise CheckpointError(f"{directory / WEIGHTS_FILE}: missing, unreadable or truncated ({error}).") from error
+    state = read_model_state(directory)  # model.safetensors, or a training checkpoint's shards
     expected = model.state_dict()
     state = {name: tensor.to(expected[name].dtype) if name in expected else tensor for name, tensor in state.items()}
     load_state_checked(model, state, str(directory / WEIGHTS_FILE))

@@ -17,7 +17,7 @@ the overflow check and the clipping that must see the whole gradient.
 
 Data is read by sample index: step ``s`` consumes samples ``[s*G, (s+1)*G)`` of the global
 order, so a run resumed from a checkpoint at step ``s`` continues with exactly the batches the
-uninterrupted run would have seen (see ``meshlm/checkpoint/training_checkpoint.py``).
+uninterrupted run would have seen, at any data-parallel size (see ``meshlm/checkpoint/``).
 
 Parallel runs (``torchrun --nproc_per_node N -m meshlm train ... parallel.tp=T``; see
 ``meshlm/parallel/``). The layout is checked first, before any collective. Every rank builds the
@@ -36,7 +36,8 @@ its tensor-parallel slices, so a run does not depend on its layout. Each step:
 Summing the DP ranks' gradients of losses divided by n gives the single-process gradient of the
 step's mean loss, so a parallel run matches the single-process one up to fp32 summation order.
 The logged loss is the mean over all n micro-batches (summed over DP). Only global rank 0
-prints and writes files; checkpoints stay in the single-process format.
+prints and writes logs. Checkpoints are distributed (``meshlm/checkpoint/distributed.py``): every
+rank writes its own shards in single-process coordinates, and a run resumes at any layout.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshlm.checkpoint.training_checkpoint import (TrainerState, latest_checkpoint, load_model_state,
-                                                   load_training_state, read_checkpoint, save_checkpoint,
-                                                   slice_training_state)
+from meshlm.checkpoint.distributed import Checkpointer
+from meshlm.checkpoint.global_state import TrainingParts
+from meshlm.checkpoint.training_checkpoint import TrainerState
 from meshlm.models.config import ConfigError
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.language_model import LanguageModel
@@ -148,13 +149,11 @@ class Trainer:
                                               self.micro_batches_per_step)
         seed_everything(train.seed)
         self.data = self.build_data()
-        checkpoint_dir = latest_checkpoint(self.run_dir)
-        checkpoint = read_checkpoint(checkpoint_dir, config.model) if checkpoint_dir is not None else None
+        self.checkpoints = Checkpointer(self.run_dir, config, self.context, tokenizer_file=self.data.tokenizer_file)
+        checkpoint_dir = self.checkpoints.latest()
 
         model = LanguageModel(config.model)
-        if checkpoint is not None:
-            load_model_state(checkpoint, model)  # in full; parallelize_model keeps this rank's slices
-        elif train.init_from is not None:
+        if checkpoint_dir is None and train.init_from is not None:
             load_initial_weights(train.init_from, model)  # weights only; optimizer and step start fresh
         self.num_parameters = model.num_parameters()
         self.model = parallelize_model(model, self.context, config.parallel.vocab_pad_multiple)
@@ -177,12 +176,15 @@ class Trainer:
         self.partial_names = partial_grad_names(self.model)
         self.expert_names = expert_parallel_names(self.model)
         self.state = TrainerState()
-        if checkpoint is not None:
-            slice_training_state(checkpoint, self.model, self.context)
-            self.state = load_training_state(checkpoint, self.optimizer, self.precision)  # restores the RNGs last
-        self.resumed_from = checkpoint_dir if checkpoint is not None else None
-        self.last_saved_step = self.state.step if checkpoint is not None else None
+        if checkpoint_dir is not None:  # saved at any layout; loaded in place, the RNG states last
+            self.state = self.checkpoints.load(checkpoint_dir, self.training_parts())
+        self.resumed_from = checkpoint_dir
+        self.last_saved_step = self.state.step if checkpoint_dir is not None else None
         self.last_eval_step: int | None = None
+
+    def training_parts(self) -> TrainingParts:
+        """What a checkpoint saves and restores (see ``meshlm/checkpoint/global_state.py``)."""
+        return TrainingParts(self.model, self.optimizer, self.precision, self.context)
 
     def build_data(self):
         """The datasets; rank 0 builds (and caches) the sample indices first, the others then read them."""
@@ -346,11 +348,10 @@ class Trainer:
         every, step = self.config.train.save_every, self.state.step
         if self.last_saved_step == step or not ((every and step % every == 0) or final):
             return
-        path = save_checkpoint(self.run_dir, self.state, self.model, self.optimizer, self.precision, self.config,
-                               self.config.train.keep_checkpoints, tokenizer_file=self.data.tokenizer_file,
-                               context=self.context)
+        background = self.config.train.async_save
+        path = self.checkpoints.save(self.state, self.training_parts(), async_save=background)
         self.last_saved_step = step
-        self.progress.message(f"step {step}: saved {path}")
+        self.progress.message(f"step {step}: {'saving' if background else 'saved'} {path}")
 
     # --- the loop -----------------------------------------------------------------------------------------
     def step_record(self, result: StepResult) -> dict:
@@ -413,6 +414,7 @@ class Trainer:
                 self.throughput.add(train.global_batch_size * train.seq_len, time.perf_counter() - started)
                 result.losses[self.state.step] = step_result.loss
                 self.after_step(step_result, result)
+            self.checkpoints.wait()  # an asynchronous save still in flight
         finally:
             self.metrics.close()
         if train.plot and result.losses and self.context.is_logging_rank and plot_losses(self.run_dir) is None:

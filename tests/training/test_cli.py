@@ -29,7 +29,7 @@ def test_train_from_yaml_with_overrides(config_file, tmp_path, capsys):
     run_dir = tmp_path / "cli-run"
     assert main(["train", str(config_file), "train.steps=3", f"train.run_dir={run_dir}"]) == 0
     assert "done: step 3/3" in capsys.readouterr().out
-    assert (run_dir / "checkpoints" / "step_3" / "model.safetensors").is_file()
+    assert (run_dir / "checkpoints" / "step_3" / "complete.json").is_file()
     saved = yaml.safe_load((run_dir / "checkpoints" / "step_3" / "run.yaml").read_text())
     assert saved["train"]["steps"] == 3 and saved["model"]["hidden_size"] == 32
 

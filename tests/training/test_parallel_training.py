@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshlm.checkpoint.consolidate import read_global_tensors
 from meshlm.checkpoint.model_files import load_model
 from meshlm.config import load_run_config
 from meshlm.models.config import ConfigError
@@ -173,7 +174,7 @@ def test_checkpoint_from_tp2_dp2_loads_single_process(runs):
     state = model.state_dict()
     for name, value in expected.items():
         assert relative_error(state[name], value) <= TOLERANCE, name
-    json.loads((final / "config.json").read_text())  # single-process format: a readable model config
+    json.loads((final / "config.json").read_text())  # a readable model config beside the shards
 
 
 def continued(run: dict) -> dict:
@@ -213,7 +214,7 @@ def test_bad_layouts_are_refused_before_any_collective(runs):
                          ids=["tp2 sp", "dp2 dist-opt"])
 def test_bf16_checkpoint_keeps_the_fp32_masters(tmp_path, layout):
     """bf16 + TP, or + ZeRO-1 (whose fp32 masters are sharded over DP): the fp32 masters and Adam
-    moments are gathered into the checkpoint and sliced again on resume, so resuming at the same
+    moments are saved in single-process coordinates and read back into the shards, so resuming at the same
     layout repeats the uninterrupted run's losses exactly; resuming single-process continues the
     same curve up to bf16 rounding of the layout."""
     blend = write_tiny_corpus(tmp_path / "corpus")
@@ -221,8 +222,9 @@ def test_bf16_checkpoint_keeps_the_fp32_masters(tmp_path, layout):
     parallel = [*bf16, *layout]
     uninterrupted = run_distributed(train_runs, 2, str(blend), str(tmp_path), [("bf16", parallel)])[0]["bf16"]
     saved = tmp_path / "bf16" / "checkpoints" / "step_3"
-    masters = torch.load(saved / "precision.pt", weights_only=True)["master_weights"]
-    assert masters["embedding.weight"].shape == (64, 32) and masters["embedding.weight"].dtype == torch.float32
+    masters = read_global_tensors(saved, ["master/embedding.weight"])
+    assert masters["master/embedding.weight"].shape == (64, 32)
+    assert masters["master/embedding.weight"].dtype == torch.float32
     for name in ("resumed", "resumed single"):
         shutil.copytree(saved, tmp_path / name / "checkpoints" / "step_3")
     again = run_distributed(train_runs, 2, str(blend), str(tmp_path), [("resumed", parallel)])[0]["resumed"]

@@ -1,0 +1,324 @@
+"""Distributed, layout-independent training checkpoints with torch.distributed.checkpoint (DCP).
+
+Every rank writes only what it holds -- its shards of the weights, of the fp32 masters and of
+the Adam moments -- each described in *global* coordinates: the single-process tensor's shape,
+with the rank's pieces as rectangular chunks of it (``meshlm/checkpoint/sharding.py`` derives
+them from the shard metadata on parameters; ``global_state.py`` lists them for a run;
+``planners.py`` hands them to DCP). A run at any other layout (tp, dp, ZeRO-1 on or off,
+another dtype, pipeline stages, experts) asks for the chunks *it* holds and DCP reads the
+overlapping stored chunks. Replicated tensors are written once. Nothing is gathered to one
+rank, so saving costs each rank its own bytes, in parallel.
+
+    RUN_DIR/checkpoints/step_N/
+        __R_0.distcp           rank R's chunks (DCP), for every rank R of the saving run
+        .metadata              DCP's index: every key's global shape, dtype and chunks
+        config.json            {"format": "meshlm", "model": ..., "run": ...}: `meshlm generate` and
+                               `meshlm convert` read the model straight from the shards
+        run.yaml               the run's full config
+        trainer_state.json     step, samples consumed (the data position), losses
+        training.json          the saving layout, optimizer step counts and group settings, loss scaler
+        tokenizer.json (+ its side files) when the run has one
+        complete.json          written last: size and CRC-32 of every file above
+
+Keys: ``model/NAME``, ``master/NAME`` (bf16/fp16), ``optim/NAME/exp_avg``, ``optim/NAME/exp_avg_sq``
+and ``rng/R`` (rank R's RNG states; a run at the same layout takes its own rank's, another
+layout rank 0's -- every rank seeds identically, so they agree until a run draws differently).
+
+**Atomic commit.** Every rank writes into ``step_N.tmp-XXXX`` (rank 0 picks XXXX and broadcasts
+it). After DCP's final collective every rank has finished writing; each computes the CRC-32 of
+its own files and rank 0 gathers them, writes the small files, then ``complete.json`` last, and
+renames the folder to ``step_N``; then older checkpoints beyond ``train.keep_checkpoints`` go.
+A crash at any point leaves the previous checkpoint as the newest complete one.
+
+**Asynchronous save** (``train.async_save``). The step stalls only while this rank's chunks are
+copied into CPU staging buffers (pinned on CUDA, reused between saves); a background thread
+then runs DCP's plan/write and the commit. DCP's collectives then run on a process group of
+their own (gloo, created with the checkpointer), never on the groups training uses, so the two
+threads cannot interleave collectives. The next save, ``wait()``, and ``load`` wait for it.
+
+**Loading** checks, before any bytes are read, that the folder is complete, that its model
+config equals the run's (naming every field that differs), that every key the run needs
+exists with the run's shape, and that the files this rank will read have the recorded size
+and CRC-32 (naming the file); ranks agree on the first error so all of them raise it. Then
+DCP reads into the live tensors in place, and what derives from them is recomputed (the
+bf16 model weights from the fp32 masters; the distributed optimizer's all-gather).
+
+Why custom planners rather than DTensor/ShardedTensor state dicts: see ``planners.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import threading
+import warnings
+import zlib
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from meshlm.checkpoint.global_state import GlobalTensor, TrainingParts, optimizer_scalars, training_tensors
+from meshlm.checkpoint.model_files import CONFIG_FILE, FORMAT_NAME, FORMAT_VERSION, CheckpointError
+from meshlm.checkpoint.planners import ChunkSavePlanner
+from meshlm.checkpoint.training_checkpoint import (CHECKPOINTS_DIR, COMPLETE_FILE, RUN_CONFIG_FILE, STATE_FILE,
+                                                   TOKENIZER_SIDE_FILES, TrainerState, capture_rng_state,
+                                                   checkpoint_dirs, prune_checkpoints)
+
+METADATA_FILE = ".metadata"
+TRAINING_FILE = "training.json"
+
+
+# --- small helpers shared by saving and loading -----------------------------------------------------
+def group_rank(group) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+def layout_of(context, run_config) -> dict:
+    """The layout a checkpoint was saved at (recorded; loading works at any layout)."""
+    parallel = run_config.parallel
+    sizes = {name: getattr(context, f"{name}_size", 1) if context is not None else 1
+             for name in ("tp", "dp", "pp", "cp", "ep", "etp")}
+    return {"world_size": context.world_size if context is not None else 1, **sizes,
+            "vp": getattr(context, "vp_size", 1) if context is not None else 1,
+            "sp": bool(getattr(context, "sequence_parallel", False)),
+            "distributed_optimizer": bool(parallel.distributed_optimizer), "dtype": run_config.precision.dtype}
+
+
+def file_checksum(path: Path) -> dict:
+    """{"bytes": size, "crc32": CRC-32} of a file, read in 16 MiB blocks."""
+    crc, size = 0, 0
+    with open(path, "rb") as stream:
+        while block := stream.read(16 << 20):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return {"bytes": size, "crc32": crc}
+
+
+def agree_on_error(message: str | None, group) -> None:
+    """Raise CheckpointError on every rank of ``group`` if any rank has a ``message`` (the first)."""
+    messages = [message]
+    if group is not None:
+        messages = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, message, group=group)
+    first = next((text for text in messages if text), None)
+    if first:
+        raise CheckpointError(first)
+
+
+def _fsync_directory(path: Path) -> None:
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+# --- what a save writes -------------------------------------------------------------------------------
+class SaveRequest:
+    """Everything one save writes, captured on the calling thread (so the run may go on)."""
+
+    def __init__(self, directory: Path, state: TrainerState, parts: TrainingParts, run_config,
+                 tokenizer_file: Path | None, keep: int, group):
+        self.directory, self.keep, self.group = Path(directory), keep, group
+        self.tensors = training_tensors(parts)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.objects = {f"rng/{rank}": capture_rng_state()}
+        scaler = getattr(parts.precision, "scaler", None)
+        training = {"step": state.step, "layout": layout_of(parts.context, run_config),
+                    "optimizers": optimizer_scalars(parts.optimizer),
+                    "loss_scaler": scaler.state_dict() if scaler is not None else None}
+        config = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "model": run_config.model.to_dict(),
+                  "run": run_config.to_dict()}
+        self.files = {CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True) + "\n",
+                      RUN_CONFIG_FILE: yaml.safe_dump(run_config.to_dict(), sort_keys=False),
+                      STATE_FILE: json.dumps(asdict(state), indent=2, sort_keys=True) + "\n",
+                      TRAINING_FILE: json.dumps(training, indent=2, sort_keys=True) + "\n"}
+        self.tokenizer_file = Path(tokenizer_file) if tokenizer_file is not None else None
+
+    def stage(self, buffers: dict) -> None:
+        """Copy every chunk into a CPU buffer (kept in ``buffers`` for the next save): after this,
+        training may change the live tensors while the copies are written."""
+        staged = {}
+        for key, tensor in self.tensors.items():
+            chunks = []
+            for offsets, view in tensor.chunks:
+                buffer = buffers.get((key, offsets))
+                if buffer is None or buffer.shape != view.shape or buffer.dtype != view.dtype:
+                    buffer = torch.empty(view.shape, dtype=view.dtype, pin_memory=view.is_cuda)
+                    buffers[(key, offsets)] = buffer
+                buffer.copy_(view.detach(), non_blocking=True)
+                chunks.append((offsets, buffer))
+            staged[key] = GlobalTensor(tensor.shape, tensor.dtype, chunks)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.tensors = staged
+
+    # --- the collective write and commit ------------------------------------------------------------
+    def write(self) -> Path:
+        """Write the shards into a temporary folder and commit it; collective over ``self.group``."""
+        rank, group = group_rank(self.group), self.group
+        token = [secrets.token_hex(4) if rank == 0 else None]
+        if group is not None:
+            dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        temporary = self.directory.with_name(f"{self.directory.name}.tmp-{token[0]}")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # DCP warns about single-process use and overwrites
+                dcp.save({}, storage_writer=FileSystemWriter(temporary, sync_files=True),
+                         planner=ChunkSavePlanner(self.tensors, self.objects), process_group=group,
+                         no_dist=group is None)
+            sums = {path.name: file_checksum(path) for path in temporary.glob(f"__{rank}_*")}
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        gathered = [sums]
+        if group is not None:
+            gathered = [None] * dist.get_world_size(group) if rank == 0 else None
+            dist.gather_object(sums, gathered, dst=dist.get_global_rank(group, 0), group=group)
+        status = [self._commit(temporary, gathered) if rank == 0 else None]
+        if group is not None:
+            dist.broadcast_object_list(status, src=dist.get_global_rank(group, 0), group=group)
+        if status[0] != "ok":
+            raise CheckpointError(f"saving {self.directory} failed on rank 0: {status[0]}")
+        return self.directory
+
+    def _commit(self, temporary: Path, rank_sums: list[dict]) -> str:
+        """Rank 0: small files, completion marker last, rename, prune. Returns "ok" or the error."""
+        try:
+            for name, text in self.files.items():
+                (temporary / name).write_text(text)
+            if self.tokenizer_file is not None:
+                copy_tokenizer_files(self.tokenizer_file, temporary)
+            sums = {name: value for entry in rank_sums for name, value in entry.items()}
+            for path in temporary.iterdir():
+                if path.name not in sums:
+                    sums[path.name] = file_checksum(path)
+            marker = {"step": json.loads(self.files[STATE_FILE])["step"], "files": sums}
+            with open(temporary / COMPLETE_FILE, "w") as stream:
+                stream.write(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+                stream.flush()
+                os.fsync(stream.fileno())
+            replace_directory(temporary, self.directory)
+            _fsync_directory(self.directory.parent)
+            prune_checkpoints(self.directory.parent.parent, self.keep)
+            return "ok"
+        except Exception as error:  # reported to every rank by the caller
+            shutil.rmtree(temporary, ignore_errors=True)
+            return f"{type(error).__name__}: {error}"
+
+
+def copy_tokenizer_files(tokenizer_file: Path, destination: Path) -> None:
+    if not tokenizer_file.is_file():
+        raise CheckpointError(f"{tokenizer_file}: the run's tokenizer file is missing; cannot copy it into the "
+                              "checkpoint (set data.tokenizer to an existing tokenizer.json).")
+    shutil.copyfile(tokenizer_file, destination / "tokenizer.json")
+    for name in TOKENIZER_SIDE_FILES:
+        if (tokenizer_file.parent / name).is_file():
+            shutil.copyfile(tokenizer_file.parent / name, destination / name)
+
+
+def replace_directory(source: Path, destination: Path) -> None:
+    """Rename ``source`` to ``destination``; an existing destination is swapped out, then removed."""
+    if not destination.exists():
+        os.rename(source, destination)
+        return
+    old = destination.with_name(f"{destination.name}.old-{os.getpid()}")
+    os.rename(destination, old)
+    os.rename(source, destination)
+    shutil.rmtree(old)
+
+
+# --- the trainer's interface --------------------------------------------------------------------------
+class Checkpointer:
+    """Saves and restores one run's checkpoints (``RUN_DIR/checkpoints/step_N``).
+
+    Build it on every rank at the same point (it creates the process group DCP uses); then
+    ``save`` (collective; asynchronous when asked), ``wait`` (for an asynchronous save),
+    ``latest`` and ``load`` (collective, in place). ``run_config`` is the run's ``RunConfig``.
+    """
+
+    def __init__(self, run_dir, run_config, context=None, tokenizer_file: Path | None = None,
+                 keep: int | None = None, group=None):
+        self.run_dir, self.run_config, self.context = Path(run_dir), run_config, context
+        self.tokenizer_file = tokenizer_file
+        self.keep = run_config.train.keep_checkpoints if keep is None else keep
+        self.group = group
+        """The process group of DCP's collectives: every rank; by default a new gloo group of its own."""
+        if group is None and context is not None and context.distributed:
+            import datetime
+
+            self.group = dist.new_group(backend="gloo",
+                                        timeout=datetime.timedelta(seconds=run_config.parallel.timeout_s))
+        self.staging: dict = {}
+        self.thread: threading.Thread | None = None
+        self.pending_error: BaseException | None = None
+        self.pending_path: Path | None = None
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint of the run (after any save in flight has committed)."""
+        self.wait()
+        return latest_complete(self.run_dir)
+
+    def save(self, state: TrainerState, parts: TrainingParts, async_save: bool = False) -> Path:
+        """Save ``checkpoints/step_{state.step}``; collective over every rank. With ``async_save``
+        the call returns once this rank's chunks are staged; the path is final after ``wait()``."""
+        self.wait()
+        request = SaveRequest(self.run_dir / CHECKPOINTS_DIR / f"step_{state.step}", state, parts, self.run_config,
+                              self.tokenizer_file, self.keep, self.group)
+        if not async_save:
+            return request.write()
+        request.stage(self.staging)
+        self.pending_path = request.directory
+        self.thread = threading.Thread(target=self._write_in_background, args=(request,), daemon=True,
+                                       name="meshlm-checkpoint-save")
+        self.thread.start()
+        return request.directory
+
+    def _write_in_background(self, request: SaveRequest) -> None:
+        try:
+            request.write()
+        except BaseException as error:  # re-raised by wait() on the training thread
+            self.pending_error = error
+
+    def wait(self) -> Path | None:
+        """Wait for the asynchronous save in flight (if any); raise its error; return its path."""
+        if self.thread is None:
+            return None
+        self.thread.join()
+        self.thread, path = None, self.pending_path
+        error, self.pending_error = self.pending_error, None
+        if error is not None:
+            raise error
+        return path
+
+    @property
+    def saving(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def load(self, directory: Path, parts: TrainingParts) -> TrainerState:
+        """Restore ``parts`` in place from ``directory`` (saved at any layout); collective."""
+        from meshlm.checkpoint.loading import load_checkpoint
+
+        self.wait()
+        return load_checkpoint(directory, parts, self.run_config, self.group)
+
+
+def latest_complete(run_dir) -> Path | None:
+    found = checkpoint_dirs(run_dir)
+    return found[-1][1] if found else None
+
+
+__all__ = ["Checkpointer", "METADATA_FILE", "SaveRequest", "TRAINING_FILE", "agree_on_error", "file_checksum",
+           "layout_of", "replace_directory"]

@@ -1,0 +1,227 @@
+"""A rank's training state as pieces of global (single-process) tensors, by name.
+
+The checkpoint keys, each a tensor of the single-process model's shape:
+
+    model/NAME                  parameter or persistent buffer, in the model's dtype
+    master/NAME                 fp32 master weight (bf16/fp16 runs only)
+    optim/NAME/exp_avg          AdamW first moment (fp32)
+    optim/NAME/exp_avg_sq       AdamW second moment (fp32)
+
+``training_tensors`` lists, for each key, the chunks this rank holds (views into the live
+tensors, from ``meshlm/checkpoint/sharding.py``) wherever they live:
+
+* a model parameter or buffer: the (TP/EP-sharded or replicated) tensor itself;
+* fp32 masters: ``MixedPrecision``'s master copies, or -- when the distributed optimizer owns
+  them in bf16/fp16 -- its flat buffer of this rank's ZeRO-1 segments;
+* Adam moments: ``torch.optim.AdamW``'s per-parameter state, or the distributed optimizer's
+  flat moment buffers, one segment per (parameter, owned range).
+
+Saving reads through these views; loading writes through them and then ``finish_loading``
+re-derives what depends on them (the bf16 model weights from the masters, the optimizer's
+step count). Nothing here communicates. Scalars that are not tensors (step counts, learning-
+rate group settings, the loss scaler) are plain JSON from ``optimizer_scalars``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from meshlm.checkpoint.sharding import Chunk, flat_chunks, tensor_chunks
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay")
+"""Per-group optimizer settings a checkpoint restores (as torch's AdamW.load_state_dict does)."""
+
+
+@dataclass
+class GlobalTensor:
+    """One checkpoint tensor: its single-process shape and dtype, and this rank's chunks of it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: list[Chunk] = field(default_factory=list)
+
+
+@dataclass
+class TrainingParts:
+    """The live objects a checkpoint saves and restores."""
+
+    model: torch.nn.Module
+    optimizer: object
+    """``torch.optim.AdamW``, a ``DistributedOptimizer``, or an object whose ``optimizers`` lists them."""
+    precision: object
+    """``MixedPrecision``: its masters (bf16/fp16) and loss scaler."""
+    context: object = None
+    """``ParallelContext`` (None: one process)."""
+
+
+def optimizers_of(optimizer) -> list:
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
+def is_sharded(optimizer) -> bool:
+    """A ZeRO-1 distributed optimizer (it has flat moment buffers cut into segments)."""
+    return hasattr(optimizer, "segments") and hasattr(optimizer, "exp_avg")
+
+
+def _add(tensors: dict, key: str, shape, dtype, chunks: list[Chunk]) -> None:
+    entry = tensors.setdefault(key, GlobalTensor(tuple(shape), dtype))
+    entry.chunks.extend(chunks)
+
+
+def model_tensors(parts: TrainingParts) -> dict[str, GlobalTensor]:
+    """``model/NAME`` for every parameter (tied ones once) and persistent buffer."""
+    tensors = {}
+    all_params = dict(parts.model.named_parameters(remove_duplicate=False))
+    for name, param in parts.model.named_parameters():
+        shape, chunks = tensor_chunks(param, param.data, parts.context)
+        _add(tensors, f"model/{name}", shape, param.dtype, chunks)
+    for name, value in parts.model.state_dict().items():
+        if name not in all_params:  # a persistent buffer (replicated)
+            _add(tensors, f"model/{name}", value.shape, value.dtype, [((0,) * value.dim(), value)])
+    return tensors
+
+
+def _segment_tensors(tensors: dict, optimizer, params: dict, context, prefix: str, buffers: dict) -> None:
+    """Chunks of flat per-rank buffers (ZeRO-1): ``buffers`` maps a key suffix to a flat buffer."""
+    layout, names = optimizer.reducer.layout, optimizer.reducer.names
+    for segment in optimizer.segments:
+        name, length = names[segment.param], segment.end - segment.start
+        first = segment.start - layout.offsets[segment.param]
+        for suffix, buffer in buffers.items():
+            flat = buffer[segment.local:segment.local + length]
+            shape, chunks = flat_chunks(params[name], flat, first, context)
+            _add(tensors, prefix.format(name=name, suffix=suffix), shape, buffer.dtype, chunks)
+
+
+def master_tensors(parts: TrainingParts) -> dict[str, GlobalTensor]:
+    """``master/NAME`` (bf16/fp16 runs): from the distributed optimizer's segments where it owns
+    the masters, else from ``MixedPrecision``'s full local masters."""
+    if not getattr(parts.precision, "low_precision", False):
+        return {}
+    params, tensors, owned = dict(parts.model.named_parameters()), {}, set()
+    for optimizer in optimizers_of(parts.optimizer):
+        if is_sharded(optimizer) and getattr(optimizer, "low_precision", False):
+            _segment_tensors(tensors, optimizer, params, parts.context, "master/{name}", {"": optimizer.values})
+            owned.update(optimizer.reducer.names)
+    for name, master in parts.precision.master_parameters():
+        if name not in owned:
+            shape, chunks = tensor_chunks(params[name], master.data, parts.context)
+            _add(tensors, f"master/{name}", shape, torch.float32, chunks)
+    return tensors
+
+
+def ensure_adamw_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of a torch AdamW its (zero) state, as its first step would."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if "exp_avg" not in state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                for key in MOMENTS:
+                    state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def moment_tensors(parts: TrainingParts, for_loading: bool = False) -> dict[str, GlobalTensor]:
+    """``optim/NAME/exp_avg`` and ``optim/NAME/exp_avg_sq`` of every parameter the optimizer updates.
+    A torch AdamW that has not stepped yet gets zero moments first (so a load has targets)."""
+    params, tensors = dict(parts.model.named_parameters()), {}
+    for optimizer in optimizers_of(parts.optimizer):
+        if is_sharded(optimizer):
+            buffers = {key: getattr(optimizer, key) for key in MOMENTS}
+            _segment_tensors(tensors, optimizer, params, parts.context, "optim/{name}/{suffix}", buffers)
+            continue
+        if for_loading:
+            ensure_adamw_state(optimizer)
+        for group in optimizer.param_groups:
+            for name, param in zip(group["param_names"], group["params"]):
+                state = optimizer.state.get(param, {})
+                for key in MOMENTS:
+                    moment = state[key] if key in state else torch.zeros_like(param)
+                    shape, chunks = tensor_chunks(params[name], moment, parts.context)
+                    _add(tensors, f"optim/{name}/{key}", shape, torch.float32, chunks)
+    return tensors
+
+
+def training_tensors(parts: TrainingParts, for_loading: bool = False) -> dict[str, GlobalTensor]:
+    """Every checkpoint tensor this rank holds a piece of (see the module docstring). The last
+    pipeline stage's copy of a tied embedding is loaded like the original but never saved (its
+    ZeRO-1 segments would overlap the first stage's differently cut ones)."""
+    tensors = {**model_tensors(parts), **master_tensors(parts), **moment_tensors(parts, for_loading)}
+    if for_loading:
+        return tensors
+    return {key: value for key, value in tensors.items() if not is_stage_copy(parameter_name(key), parts.context)}
+
+
+def parameter_name(key: str) -> str:
+    """``model/NAME``, ``master/NAME``, ``optim/NAME/exp_avg`` -> NAME."""
+    kind, rest = key.split("/", 1)
+    return rest.rsplit("/", 1)[0] if kind == "optim" else rest
+
+
+def is_stage_copy(name: str, context) -> bool:
+    """A parameter a later pipeline stage holds a copy of (the first stage's is canonical)."""
+    if context is None or getattr(context, "pp_size", 1) == 1 or context.is_first_stage:
+        return False
+    from meshlm.parallel.pipeline.stages import STAGE_COPY_NAMES
+
+    return name in STAGE_COPY_NAMES
+
+
+# --- scalars -----------------------------------------------------------------------------------
+def optimizer_step_count(optimizer) -> int:
+    if is_sharded(optimizer):
+        return int(optimizer.step_count)
+    steps = [int(state["step"]) for state in optimizer.state.values() if "step" in state]
+    return max(steps, default=0)
+
+
+def optimizer_scalars(optimizer) -> list[dict]:
+    """Step count and group settings of each (sub-)optimizer, JSON-ready."""
+    return [{"step": optimizer_step_count(part),
+             "groups": [{"name": group.get("name"), **{key: group[key] for key in GROUP_SETTINGS if key in group}}
+                        for group in part.param_groups]}
+            for part in optimizers_of(optimizer)]
+
+
+def restore_optimizer_scalars(optimizer, saved: list[dict]) -> None:
+    """Set step counts (every AdamW state entry, or the distributed optimizer's count) and group
+    settings by group name. Every optimizer of a run steps together, so the saved optimizers need
+    not match the run's one for one (e.g. a separate expert optimizer under expert parallelism)."""
+    step = max((int(entry["step"]) for entry in saved), default=0)
+    settings = {group["name"]: group for entry in saved for group in entry["groups"]}
+    for part in optimizers_of(optimizer):
+        for group in part.param_groups:
+            stored = settings.get(group.get("name"), {})
+            group.update({key: tuple(value) if key == "betas" else value
+                          for key, value in stored.items() if key in GROUP_SETTINGS})
+        if is_sharded(part):
+            part.step_count = step
+            continue
+        for group in part.param_groups:
+            for param in group["params"]:
+                if "exp_avg" in part.state[param]:
+                    part.state[param]["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+@torch.no_grad()
+def finish_loading(parts: TrainingParts) -> None:
+    """After the masters were loaded: recompute the low-precision model weights from them
+    (the distributed optimizer all-gathers its segments; otherwise a cast per parameter)."""
+    if not getattr(parts.precision, "low_precision", False):
+        return
+    owned = set()
+    for optimizer in optimizers_of(parts.optimizer):
+        if is_sharded(optimizer) and getattr(optimizer, "low_precision", False):
+            optimizer.gather_parameters()  # collective over the optimizer's DP group
+            owned.update(optimizer.reducer.names)
+    for (name, param), (_, master) in zip(parts.precision.model_parameters, parts.precision.master_parameters()):
+        if name not in owned:
+            param.copy_(master)
+
+
+__all__ = ["GlobalTensor", "MOMENTS", "TrainingParts", "ensure_adamw_state", "finish_loading", "is_sharded",
+           "master_tensors", "model_tensors", "moment_tensors", "optimizer_scalars", "optimizers_of",
+           "restore_optimizer_scalars", "training_tensors"]

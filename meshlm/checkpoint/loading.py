@@ -1,0 +1,241 @@
+"""Reading a checkpoint into a run at any layout, after checking everything that can be checked.
+
+``load_checkpoint`` (what ``Checkpointer.load`` and so the trainer's resume call) works in
+three stages, so that a bad checkpoint is refused before anything is changed and with the
+same error on every rank:
+
+1. *Check* (local, no bytes of tensors read): the folder exists and carries its completion
+   marker; its model config equals the run's (every differing field named); every key the
+   run needs exists in DCP's ``.metadata`` with the run's global shape; every file this rank
+   will read has the size and CRC-32 recorded in ``complete.json`` (a truncated or corrupted
+   shard is named). The ranks then agree on the first error (``agree_on_error``).
+2. *Read*: DCP reads the overlaps of the stored chunks with this rank's chunks, straight into
+   the live tensors (``ChunkLoadPlanner``).
+3. *Derive*: optimizer step counts and group settings, the loss scaler, the RNG states; the
+   bf16/fp16 model weights from the fp32 masters (``finish_loading``).
+
+Where a key comes from: an fp32 run reads its weights from ``master/NAME`` when the checkpoint
+has fp32 masters (a bf16 run saved them), else from ``model/NAME``; a bf16/fp16 run reads its
+masters from ``master/NAME``, or from ``model/NAME`` when an fp32 run saved it. So the dtype
+may change on resume too.
+
+Older single-process checkpoints (``model.safetensors`` + ``optimizer.pt`` ...) are read in
+full and sliced into the same chunks (``load_single_process_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from meshlm.checkpoint.distributed import (METADATA_FILE, TRAINING_FILE, agree_on_error, file_checksum, layout_of)
+from meshlm.checkpoint.global_state import (MOMENTS, TrainingParts, finish_loading, restore_optimizer_scalars,
+                                            training_tensors)
+from meshlm.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
+from meshlm.checkpoint.planners import ChunkLoadPlanner, read_items_by_file
+from meshlm.checkpoint.training_checkpoint import (COMPLETE_FILE, MOVE_AWAY_HINT, STATE_FILE, TrainerState,
+                                                   check_model_config, read_checkpoint, restore_rng_state)
+
+
+# --- stage 1: checks -------------------------------------------------------------------------------
+def check_folder(directory: Path) -> None:
+    """The folder exists and is a complete distributed checkpoint (or an older single-process one)."""
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such checkpoint directory.")
+    if is_single_process_format(directory):
+        return
+    if not (directory / COMPLETE_FILE).is_file():
+        raise CheckpointError(f"{directory} is incomplete: no {COMPLETE_FILE} (its save was interrupted, or it is "
+                              f"not a meshlm checkpoint); {MOVE_AWAY_HINT.format(directory=directory)}")
+
+
+def is_single_process_format(directory: Path) -> bool:
+    return (directory / WEIGHTS_FILE).is_file() and not (directory / METADATA_FILE).is_file()
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: missing or not valid JSON ({error}); "
+                              f"{MOVE_AWAY_HINT.format(directory=path.parent)}") from error
+
+
+def verify_files(directory: Path, names, marker: dict) -> None:
+    """Each named file has the size and CRC-32 that ``complete.json`` recorded when it was saved."""
+    recorded = marker.get("files", {})
+    for name in sorted(names):
+        path = directory / name
+        if name not in recorded:
+            raise CheckpointError(f"{path} is not listed in {directory / COMPLETE_FILE}; the checkpoint was "
+                                  "altered after it was saved.")
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (the checkpoint lists it); "
+                                  f"{MOVE_AWAY_HINT.format(directory=directory)}")
+        expected, size = recorded[name], path.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{path}: {size} bytes, but {expected['bytes']} were written (truncated or "
+                                  f"overwritten); {MOVE_AWAY_HINT.format(directory=directory)}")
+        if file_checksum(path)["crc32"] != expected["crc32"]:
+            raise CheckpointError(f"{path}: corrupted (its CRC-32 differs from the one recorded when it was "
+                                  f"written); {MOVE_AWAY_HINT.format(directory=directory)}")
+
+
+def read_metadata(directory: Path, marker: dict):
+    """DCP's ``.metadata``, after checking it against the completion marker."""
+    verify_files(directory, [METADATA_FILE], marker)
+    try:
+        return FileSystemReader(directory).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as error:
+        raise CheckpointError(f"{directory / METADATA_FILE}: unreadable ({error}).") from error
+
+
+def plan_sources(parts: TrainingParts, stored: dict[str, tuple]) -> tuple[dict, dict[str, str]]:
+    """(chunks to fill, {key: stored key it is read from}) for this rank; ``stored``: key -> shape."""
+    tensors = training_tensors(parts, for_loading=True)
+    low_precision = getattr(parts.precision, "low_precision", False)
+    param_names = {name for name, _ in parts.model.named_parameters()}
+    requests, sources = {}, {}
+    for key, tensor in tensors.items():
+        kind, name = key.split("/", 1)
+        if kind == "model" and name in param_names:
+            if low_precision:
+                continue  # recomputed from the masters
+            sources[key] = f"master/{name}" if f"master/{name}" in stored else key
+        elif kind == "master":
+            sources[key] = key if key in stored else f"model/{name}"
+        else:
+            sources[key] = key
+        requests[key] = tensor
+    return requests, sources
+
+
+def check_shapes(requests: dict, sources: dict[str, str], stored: dict[str, tuple], where: Path) -> None:
+    missing = sorted({sources[key] for key in requests if sources[key] not in stored})
+    wrong = [f"{sources[key]}: checkpoint {tuple(stored[sources[key]])} vs run {tuple(tensor.shape)}"
+             for key, tensor in sorted(requests.items())
+             if sources[key] in stored and tuple(stored[sources[key]]) != tuple(tensor.shape)]
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if wrong:
+        parts.append("shape mismatch: " + "; ".join(wrong[:8]) + (" ..." if len(wrong) > 8 else ""))
+    if parts:
+        raise CheckpointError(f"{where} does not fit this run's model ({' | '.join(parts)}); it was saved for a "
+                              "different model.")
+
+
+def stored_shapes(metadata) -> dict[str, tuple]:
+    return {key: tuple(value.size) for key, value in metadata.state_dict_metadata.items()
+            if isinstance(value, TensorStorageMetadata)}
+
+
+# --- the whole load ----------------------------------------------------------------------------------
+def load_checkpoint(directory, parts: TrainingParts, run_config, group=None) -> TrainerState:
+    """Restore ``parts`` in place from ``directory``; collective over ``group`` (every rank)."""
+    directory = Path(directory)
+    try:
+        check_folder(directory)
+        single = is_single_process_format(directory)
+        prepared = prepare_single_process(directory, parts, run_config) if single else \
+            prepare_distributed(directory, parts, run_config)
+        message = None
+    except CheckpointError as error:
+        prepared, message = None, str(error)
+    agree_on_error(message, group)
+    if isinstance(prepared, dict):
+        return apply_single_process(prepared, parts)
+    planner, training = prepared
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load({}, storage_reader=FileSystemReader(directory), planner=planner, process_group=group,
+                     no_dist=group is None)
+    except Exception as error:  # DCP reports every rank's failure to every rank
+        raise CheckpointError(f"reading {directory} failed: {error}") from error
+    restore_scalars(parts, training["optimizers"], training.get("loss_scaler"), directory / TRAINING_FILE)
+    finish_loading(parts)
+    restore_rng_state(next(iter(planner.loaded.values())))
+    return TrainerState.from_dict(read_json(directory / STATE_FILE))
+
+
+def prepare_distributed(directory: Path, parts: TrainingParts, run_config):
+    check_model_config(directory / CONFIG_FILE, run_config.model)
+    marker = read_json(directory / COMPLETE_FILE)
+    training = read_json(directory / TRAINING_FILE)
+    metadata = read_metadata(directory, marker)
+    stored = stored_shapes(metadata)
+    requests, sources = plan_sources(parts, stored)
+    check_shapes(requests, sources, stored, directory / METADATA_FILE)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    same_layout = training.get("layout") == layout_of(parts.context, run_config)
+    rng_key = f"rng/{rank if same_layout else 0}"
+    if rng_key not in metadata.state_dict_metadata:
+        raise CheckpointError(f"{directory / METADATA_FILE} has no {rng_key}; the checkpoint is damaged.")
+    planner = ChunkLoadPlanner(requests, sources, [rng_key])
+    verify_files(directory, read_items_by_file(planner, metadata), marker)
+    return planner, training
+
+
+def restore_scalars(parts: TrainingParts, optimizers: list[dict], loss_scaler: dict | None, where: Path) -> None:
+    try:
+        restore_optimizer_scalars(parts.optimizer, optimizers)
+    except (KeyError, ValueError, TypeError) as error:
+        raise CheckpointError(f"{where}: the optimizer state does not fit this run's optimizer ({error}).") from error
+    scaler = getattr(parts.precision, "scaler", None)
+    if scaler is not None and loss_scaler is not None:
+        scaler.load_state_dict(loss_scaler)
+
+
+# --- older single-process checkpoints ------------------------------------------------------------------
+def prepare_single_process(directory: Path, parts: TrainingParts, run_config) -> dict:
+    """Read a single-process-format checkpoint in full and plan its slicing into this rank's chunks."""
+    checkpoint = read_checkpoint(directory, run_config.model)
+    full = {f"model/{name}": tensor for name, tensor in checkpoint.model_state.items()}
+    masters = (checkpoint.precision_state or {}).get("master_weights") or {}
+    full.update({f"master/{name}": tensor for name, tensor in masters.items()})
+    saved, steps, groups = checkpoint.optimizer_state, [], []
+    for group in saved.get("param_groups", []):
+        groups.append({"name": group.get("name"), **{key: group[key] for key in ("lr", "betas", "eps",
+                                                                                 "weight_decay") if key in group}})
+        for name, packed in zip(group.get("param_names", []), group["params"]):
+            entry = saved["state"].get(packed) or {}
+            full.update({f"optim/{name}/{key}": entry[key] for key in MOMENTS if key in entry})
+            steps += [int(entry["step"])] if "step" in entry else []
+    stored = {key: tuple(tensor.shape) for key, tensor in full.items()}
+    requests, sources = plan_sources(parts, stored)
+    if not steps:  # saved before the first step: no moments yet
+        sources.update({key: None for key in requests if key.startswith("optim/")})
+    check_shapes({k: v for k, v in requests.items() if sources[k]}, sources, stored, directory)
+    return {"directory": directory, "full": full, "requests": requests, "sources": sources,
+            "optimizers": [{"step": max(steps, default=0), "groups": groups}],
+            "loss_scaler": (checkpoint.precision_state or {}).get("loss_scaler"), "rng": checkpoint.rng_state,
+            "state": checkpoint.trainer_state}
+
+
+@torch.no_grad()
+def apply_single_process(prepared: dict, parts: TrainingParts) -> TrainerState:
+    for key, tensor in prepared["requests"].items():
+        source = prepared["sources"][key]
+        for offsets, view in tensor.chunks:
+            if source is None:
+                view.zero_()
+                continue
+            region = tuple(slice(start, start + size) for start, size in zip(offsets, view.shape))
+            view.copy_(prepared["full"][source][region])
+    restore_scalars(parts, prepared["optimizers"], prepared["loss_scaler"], prepared["directory"])
+    finish_loading(parts)
+    restore_rng_state(prepared["rng"])
+    return prepared["state"]
+
+
+__all__ = ["check_folder", "check_shapes", "is_single_process_format", "load_checkpoint", "plan_sources",
+           "read_json", "read_metadata", "stored_shapes", "verify_files"]
