@@ -49,11 +49,13 @@ each token counted once. The shared expert is an ordinary tensor-parallel MLP on
 input in attention's layout.
 
 **Overlap.** The shared expert runs between the start of the token all-to-all and the wait for
-it (``dispatchers.Dispatched.expert_rows``). With NCCL the exchange proceeds on its own stream
-meanwhile; gloo runs each process group's collectives on its own background threads, so on CPU
-the exchange of the EP group progresses while the shared expert's matmuls (and its TP
-collectives, on another group) run -- on a many-core machine the overlap is real, on our
-2-core test machine the threads mostly take turns.
+it (``dispatchers.Dispatched.expert_rows``; ``overlap_shared_expert`` turns it off). With NCCL
+the exchange proceeds on its own stream meanwhile. Gloo runs an asynchronous collective on the
+process group's own worker thread, so on CPU the exchange of the EP group progresses while the
+shared expert's matmuls (and its TP collectives, on another group) run -- which only helps when
+there are idle cores: on our 2-core test machine, shared with other jobs, 4 ranks' forward +
+backward of a block (ep 4, 4096 tokens per rank, hidden 256) took 1.1-1.9 s either way, the
+faster order changing from run to run (``bench/moe_all_to_all.py`` prints the pair).
 """
 
 from __future__ import annotations
@@ -150,6 +152,9 @@ class ExpertParallelMoELayer(MoELayer):
 
     parallel_context = None
     dispatcher = None
+    overlap_shared_expert = True
+    """Compute the shared expert while the token all-to-all is in flight (False: after it, for
+    ``bench/moe_all_to_all.py``'s comparison)."""
 
     def forward(self, x: torch.Tensor, context=None) -> tuple[torch.Tensor, MoELosses]:
         """x in attention's layout [b, s/(cp tp) or s/cp, h] -> (output in the same layout, MoELosses)."""
@@ -161,8 +166,10 @@ class ExpertParallelMoELayer(MoELayer):
         expert_ids, dropped = self.kept_expert_ids(routing, whole, batch)
         expert_input = self.latent_in_proj(tokens) if self.latent_in_proj is not None else tokens
         dispatched = self.dispatcher.dispatch(expert_input, expert_ids)
+        rows = None if self.overlap_shared_expert else dispatched.expert_rows()
         shared = self.shared_expert(x) if self.shared_expert is not None else None  # while the rows travel
-        expert_output = self.experts(dispatched.expert_rows(), dispatched.tokens_per_local_expert)
+        rows = dispatched.expert_rows() if rows is None else rows
+        expert_output = self.experts(rows, dispatched.tokens_per_local_expert)
         routed = self.dispatcher.combine(expert_output, dispatched, routing.weights)
         if self.latent_out_proj is not None:
             routed = self.latent_out_proj(routed)
