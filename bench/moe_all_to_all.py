@@ -66,7 +66,8 @@ whose all-reduce is not the dispatcher's.)"""
 def overrides_for(args, blend: Path, run_dir: Path, layout: list[str], latent: bool, dispatcher: str) -> list[str]:
     return [f"model.vocab_size={VOCAB}", f"model.hidden_size={args.hidden}", f"model.pattern={PATTERN}",
             "model.num_attention_heads=4", f"model.moe_num_experts={args.experts}", f"model.moe_top_k={args.top_k}",
-            f"model.moe_ffn_hidden_size={2 * args.hidden}", *([f"model.moe_latent_size={args.latent}"] if latent else []),
+            f"model.moe_ffn_hidden_size={2 * args.hidden}",
+            *([f"model.moe_latent_size={args.latent}"] if latent else []),
             f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch_size}",
             f"train.global_batch_size={args.micro_batch_size * args.micro_batches_per_step}",
             "train.steps=10", "train.eval_every=0", "train.save_every=0", "train.progress=false",

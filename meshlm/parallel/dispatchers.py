@@ -127,8 +127,8 @@ class AllToAllDispatcher(TokenDispatcher):
         received_counts = all_to_all_along(sent_counts, 0, 0, self.ep_group)  # row i: from rank i
         input_splits, output_splits = sent_counts.sum(1).tolist(), received_counts.sum(1).tolist()
         pending = start_all_to_all_uneven(permute(source, plan), output_splits, input_splits, self.ep_group)
-        return Dispatched(plan, source.shape[0], pending, received_counts.sum(0), by_local_expert_order(received_counts),
-                          input_splits, output_splits)
+        return Dispatched(plan, source.shape[0], pending, received_counts.sum(0),
+                          by_local_expert_order(received_counts), input_splits, output_splits)
 
     def returned_rows(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         by_source = expert_output.index_select(0, inverse_permutation(dispatched.by_local_expert))

@@ -379,17 +379,21 @@ class Trainer:
         self.throughput = Throughput(flops_per_token, peak)
         num_parameters = self.num_parameters
         layout = self.context
+        experts = (f"; experts: ep {layout.ep_size}, etp {layout.etp_size}, edp {layout.edp_size}"
+                   if self.expert_names else "")
         placement = f"{self.device}" if not layout.distributed else (
             f"{layout.world_size} x {self.device.type} (tp {layout.tp_size}, cp {layout.cp_size}, "
             f"dp {layout.dp_size}"
             f"{f', pp {layout.pp_size}, vp {layout.vp_size}' if layout.pp_size > 1 else ''}"
             f"{', sp' if layout.sequence_parallel else ''}"
+            f"{experts}"
             f"{', distributed optimizer' if self.config.parallel.distributed_optimizer else ''})")
         self.metrics.write({"event": "resume" if self.resumed_from else "start", "step": self.state.step,
                             "device": str(self.device), "dtype": self.config.precision.dtype,
                             "world_size": layout.world_size, "tp": layout.tp_size, "cp": layout.cp_size,
                             "dp": layout.dp_size,
                             "sp": layout.sequence_parallel, "pp": layout.pp_size, "vp": layout.vp_size,
+                            "ep": layout.ep_size, "etp": layout.etp_size, "edp": layout.edp_size,
                             "num_parameters": num_parameters, "flops_per_token": flops_per_token,
                             "peak_flops": peak, "peak_flops_source": source,
                             "tokens_per_step": train.global_batch_size * train.seq_len,

@@ -1,9 +1,10 @@
-"""The trainer under expert parallelism (folded onto dp, tp and cp) equals the single-process trainer.
+"""The trainer under expert parallelism (folded onto dp, tp, cp; with pp) equals one process.
 
 An MoE hybrid (Mamba, attention, two MoE blocks of 4 experts, top-2, a shared expert, aux and
 z-losses on) trains for 5 steps of 4 micro-batches at expert layouts on 4 spawned gloo ranks --
-EP folded onto DP, onto TP with and without SP, onto CP; ETP 1 and 2; each dispatcher; with and
-without the distributed optimizer (ZeRO-1 over dp_cp for dense weights, over edp for experts).
+EP folded onto DP, onto TP with and without SP, onto CP, inside a pipeline stage; ETP 1 and 2;
+each dispatcher; with and without the distributed optimizer (ZeRO-1 over dp_cp for dense
+weights, over edp for experts).
 Every step's loss and global gradient norm, the validation loss and the final full parameters
 must equal the single-process run (relative error <= 1e-5). 8-rank layouts and checkpoints are
 in test_expert_parallel_folding_training.py; the helpers are test_parallel_training.py's.
@@ -43,6 +44,8 @@ LAYOUTS = {  # world 4
     "tp2 sp ep2 (etp=tp) dist-opt": ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", DIST_OPT],
     "tp2 ep2 etp1 edp2 dist-opt": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", DIST_OPT],
     "cp2 ep2 edp2": ["parallel.cp=2", "parallel.ep=2"],
+    "pp2 tp2 sp ep2 etp1 dist-opt": ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.ep=2",
+                                     "parallel.etp=1", DIST_OPT],
 }
 
 
