@@ -170,3 +170,21 @@ def test_language_model_collects_moe_losses_and_backpropagates():
     for block in model.blocks[1::2]:
         assert block.mixer.router.weight.grad.abs().sum() > 0
         assert block.mixer.experts.down_weight.grad.abs().sum() > 0
+
+
+def test_latent_moe_sends_latent_rows_to_the_experts_and_its_gradients_match_the_definition():
+    # LatentMoE (Nemotron 3): what a dispatcher moves -- the permuted rows in, the expert rows out --
+    # is latent-wide (16), not hidden-wide (32): all-to-all bytes shrink by hidden / latent.
+    layer = make_layer(moe_latent_size=16, moe_shared_expert_ffn_hidden_size=24, mlp_bias=True)
+    seen = []
+    layer.experts.register_forward_hook(lambda module, inputs, output: seen.append((inputs[0].shape, output.shape)))
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    output, _ = layer(x)
+    assert seen == [((2 * 6 * 2, 16), (2 * 6 * 2, 16))]
+    probe = torch.randn_like(output)
+    gradients = torch.autograd.grad((output * probe).sum(), [x, *layer.parameters()])
+    reference = token_by_token_reference(layer, x)
+    expected = torch.autograd.grad((reference * probe).sum(), [x, *layer.parameters()])
+    for name, actual, wanted in zip(["input", *dict(layer.named_parameters())], gradients, expected):
+        torch.testing.assert_close(actual, wanted, msg=name)
+    assert gradients[0].abs().sum() > 0 and all(g.abs().sum() > 0 for g in gradients[1:])
