@@ -1,0 +1,75 @@
+"""Checkpoints across pipeline, context and expert parallelism: pp2 x dp2 (tied embedding, ZeRO-1)
+-> dp4, cp2 x dp2 -> tp2 x dp2 (Mamba), ep2 (ZeRO-1) -> ep1 with experts split by TP, ep1 -> ep4.
+
+The same checks as ``test_reshard.py`` (whose ``train_recorded`` runs them): steps 4-5 after
+resuming A's step-3 checkpoint at B equal the uninterrupted run at B (fp32, <= 1e-5), and A's
+checkpoint re-saved at B holds exactly A's tensors. Pipeline stages write only their own
+parameters (the last stage's copy of the tied embedding not at all); CP ranks hold the same
+shards as their DP peers; expert shards map back through ``expert_parallel`` metadata.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm.checkpoint.consolidate import read_global_tensors
+from meshlm.parallel.testing import run_distributed
+
+
+def _load(name: str, path: Path):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+reshard = _load("meshlm_reshard_tests", Path(__file__).parent / "test_reshard.py")
+helpers = reshard.helpers
+MODELS, DIST_OPT = helpers.MODELS, reshard.DIST_OPT
+TIED = [*MODELS["dense"], "model.tie_embeddings=true"]
+RUNS = {
+    "tied pp2xdp2 zero": TIED + ["parallel.pp=2", "parallel.dp=2"] + DIST_OPT,
+    "tied dp4": TIED + ["parallel.dp=4"],
+    "hybrid cp2xdp2": MODELS["hybrid"] + ["parallel.cp=2", "parallel.dp=2"],
+    "hybrid tp2xdp2": MODELS["hybrid"] + reshard.LAYOUTS["tp2xdp2"],
+    "moe ep2 zero": MODELS["moe"] + ["parallel.dp=4", "parallel.ep=2"] + DIST_OPT,
+    "moe tp2xdp2": MODELS["moe"] + reshard.LAYOUTS["tp2xdp2"],
+    "moe dp4": MODELS["moe"] + ["parallel.dp=4"],
+    "moe ep4": MODELS["moe"] + ["parallel.dp=4", "parallel.ep=4"],
+}
+RESHARDS = [("tied pp2xdp2 zero", "tied dp4"), ("hybrid cp2xdp2", "hybrid tp2xdp2"),
+            ("moe ep2 zero", "moe tp2xdp2"), ("moe dp4", "moe ep4")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("reshard-pp-cp-ep")
+    blend = helpers.write_tiny_corpus(root / "corpus")
+    plan = [(name, None, overrides) for name, overrides in RUNS.items()]
+    plan += [(f"{saved} -> {resumed}", saved, RUNS[resumed]) for saved, resumed in RESHARDS]
+    by_rank = run_distributed(reshard.train_recorded, 4, str(blend), str(root), plan, timeout_s=400)
+    return {"root": root, "by_rank": by_rank}
+
+
+@pytest.mark.parametrize("saved, resumed", RESHARDS)
+def test_resumed_run_continues_the_uninterrupted_run(runs, saved, resumed):
+    for rank, results in enumerate(runs["by_rank"]):
+        again = results[f"{saved} -> {resumed}"]
+        assert sorted(again["losses"]) == [4, 5]
+        helpers.assert_same_run(again, helpers.continued(results[resumed]), f"{saved} -> {resumed} rank {rank}")
+
+
+@pytest.mark.parametrize("saved, resumed", RESHARDS)
+def test_resaving_at_the_new_layout_keeps_every_tensor(runs, saved, resumed):
+    before = read_global_tensors(runs["root"] / saved / "checkpoints" / "step_3")
+    after = read_global_tensors(runs["root"] / f"{saved} -> {resumed}" / "checkpoints" / "step_3")
+    assert set(before) == set(after) and any(key.startswith("optim/") for key in before)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
