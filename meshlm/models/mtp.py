@@ -56,6 +56,9 @@ class MultiTokenPrediction(nn.Module):
         blocks_per_depth = len(parse_pattern(config.mtp_pattern, "model.mtp_pattern").kinds)
         self.depths = nn.ModuleList(
             MTPDepth(config, config.num_blocks + depth * blocks_per_depth) for depth in range(config.mtp_depth))
+        self.shift = shift_left
+        """How tokens are shifted along the sequence; context parallelism replaces it with a shift
+        across its ranks' chunks (``meshlm.parallel.context_parallel.ContextParallelShift``)."""
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                 model, context, fused_loss: bool = False) -> list[torch.Tensor]:
@@ -65,9 +68,9 @@ class MultiTokenPrediction(nn.Module):
 
         losses = []
         for k, depth in enumerate(self.depths, start=1):
-            future_ids = shift_left(input_ids, k, fill=0)
+            future_ids = self.shift(input_ids, k, fill=0)
             hidden = depth(hidden, model.embed(future_ids), context)
-            normed, future_labels = depth.final_norm(hidden), shift_left(labels, k, fill=IGNORE_INDEX)
+            normed, future_labels = depth.final_norm(hidden), self.shift(labels, k, fill=IGNORE_INDEX)
             if fused_loss:
                 losses.append(model.head_loss(normed, future_labels, normed=True))
             else:

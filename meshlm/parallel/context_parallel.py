@@ -28,12 +28,16 @@ ones, and every layer that does not mix tokens runs unchanged on the shortened s
 micro-batches and keeps its chunks. The loss must stay the single-process mean over all tokens
 of the micro-batch, so each rank's language-model loss is its share -- the sum of its tokens'
 losses over the labelled tokens of the *whole* sequences -- and the shares sum to the mean when
-the dp_cp gradient reduction (and the logging) adds them over CP. The other loss terms are
-per-token means over equal token counts, so their share is 1/cp of the rank's value. The MoE
-router's Switch load-balancing loss multiplies two per-token means (traffic fraction times mean
-probability); per CP rank it is computed over that rank's tokens, so under CP the aux term is
-the mean over CP ranks of per-rank balance losses -- balance at the granularity of a chunk pair
-instead of the micro-batch (the language-model loss and the z-loss are exact).
+the dp_cp gradient reduction (and the logging) adds them over CP. Multi-token prediction's
+terms are shared the same way (its depth-k inputs and labels come k tokens later, across chunk
+boundaries: ``ContextParallelShift``). The other terms are per-token means over equal token
+counts, so their share is 1/cp of the rank's value; that is exact for the router z-loss. The
+MoE Switch balance loss multiplies two per-token means (traffic fraction f times mean router
+probability P), so which tokens it sees matters: with ``moe_aux_loss_type`` 'micro_batch' or
+'sequence' each CP rank computes it over its own chunks, and the aux term is the mean over CP
+ranks of per-chunk-pair balance losses (balance enforced on finer pieces than in one process);
+with 'global' the counts f are summed over the dp_cp group (the trainer passes it) and P is
+local, so the shares add up to the balance loss of all the tokens -- exact under CP.
 
 With cp = 1 every function here is the identity, so the trainer calls them unconditionally.
 """
@@ -85,6 +89,60 @@ def local_token_positions(seq_len: int, cp_rank: int, cp_size: int, layout=paire
     return torch.cat([torch.arange(start, start + length, device=device) for start in starts])
 
 
+# --- rows of the neighbouring chunk ------------------------------------------------------------------
+
+def rows_of_neighbour_chunk(rows: torch.Tensor, offset: int, context, layout=paired_chunks, fill=0) -> torch.Tensor:
+    """For each of this rank's two chunks, the corresponding rows of the chunk ``offset`` (+1: the
+    next, -1: the previous) places away in sequence order, fetched from whichever rank holds it;
+    ``fill`` where there is no such chunk. ``rows`` [b, 2, w, ...] holds a few rows of each of this
+    rank's chunks (e.g. the last w, for a convolution window). Batched isend/irecv; collective
+    over the CP group (every rank calls it with the same offset). Not differentiable by itself:
+    the adjoint of taking rows from offset -1 is taking their gradient from offset +1 (zeros
+    for the last chunk), which ``cp_mamba`` uses."""
+    import torch.distributed as dist
+
+    rank, size, last = context.cp_rank, context.cp_size, 2 * context.cp_size - 1
+    result = torch.full_like(rows, fill)
+    sends, receives = [], []
+    for slot, chunk in enumerate(layout(rank, size)):
+        target, source = chunk - offset, chunk + offset  # whose neighbour I am; who my neighbour is
+        if 0 <= target <= last and chunk_owner(target, size, layout)[0] != rank:
+            sends.append(dist.P2POp(dist.isend, rows[:, slot].contiguous(),
+                                    context.cp_ranks[chunk_owner(target, size, layout)[0]], tag=target))
+        if 0 <= source <= last:
+            owner, source_slot = chunk_owner(source, size, layout)
+            if owner == rank:
+                result[:, slot] = rows[:, source_slot]
+            else:
+                buffer = torch.empty_like(rows[:, slot], memory_format=torch.contiguous_format)
+                receives.append((slot, buffer, dist.P2POp(dist.irecv, buffer, context.cp_ranks[owner], tag=chunk)))
+    operations = sends + [operation for _, _, operation in receives]
+    if operations:
+        for request in dist.batch_isend_irecv(operations):
+            request.wait()
+    for slot, buffer, _ in receives:
+        result[:, slot] = buffer
+    return result
+
+
+class ContextParallelShift:
+    """``shift_left`` (meshlm/models/mtp.py) for a CP rank's tokens: position t gets the token
+    ``steps`` later in the whole sequence, the last ones of a chunk coming from the next chunk's
+    first tokens (multi-token prediction's future inputs and labels)."""
+
+    def __init__(self, context, layout=paired_chunks):
+        self.context, self.layout = context, layout
+
+    def __call__(self, tensor: torch.Tensor, steps: int, fill: int) -> torch.Tensor:
+        batch, length = tensor.shape[:2]
+        chunks = tensor.view(batch, 2, length // 2, *tensor.shape[2:])
+        if steps > chunks.shape[2]:
+            raise ConfigError(f"multi-token prediction looks {steps} tokens ahead, more than a context-parallel "
+                              f"chunk of {chunks.shape[2]}; use a longer train.seq_len or a smaller parallel.cp.")
+        following = rows_of_neighbour_chunk(chunks[:, :, :steps], +1, self.context, self.layout, fill)
+        return torch.cat((chunks[:, :, steps:], following), dim=2).view_as(tensor)
+
+
 # --- slicing a micro-batch -----------------------------------------------------------------------
 
 def slice_sequence(tensor: torch.Tensor, context, dim: int = 1) -> torch.Tensor:
@@ -97,62 +155,81 @@ def slice_sequence(tensor: torch.Tensor, context, dim: int = 1) -> torch.Tensor:
 
 def split_batch(batch: dict[str, torch.Tensor], context) -> dict[str, torch.Tensor]:
     """A micro-batch as this CP rank runs it: its chunks of ``input_ids`` and ``labels``, the
-    global ``position_ids`` of those tokens, and ``lm_loss_weight`` -- the fraction of the whole
-    sequences' labelled tokens that are this rank's (see ``share_losses``). Identity at cp = 1."""
+    global ``position_ids`` of those tokens, and the whole sequences' labels (``sequence_labels``,
+    for the loss shares of ``share_losses``). Identity at cp = 1."""
     if context.cp_size == 1:
         return batch
     input_ids, labels = batch["input_ids"], batch["labels"]
     positions = local_token_positions(input_ids.shape[1], context.cp_rank, context.cp_size,
                                       device=input_ids.device)
-    local_labels = labels.index_select(1, positions)
-    labelled = int((labels != IGNORE_INDEX).sum())
-    return {**batch, "input_ids": input_ids.index_select(1, positions), "labels": local_labels,
-            "position_ids": positions.expand(input_ids.shape[0], -1),
-            "lm_loss_weight": float((local_labels != IGNORE_INDEX).sum()) / max(labelled, 1)}
+    return {**batch, "input_ids": input_ids.index_select(1, positions), "labels": labels.index_select(1, positions),
+            "position_ids": positions.expand(input_ids.shape[0], -1), "sequence_labels": labels}
 
 
-def share_losses(output, batch: dict[str, torch.Tensor], context):
+def target_share(sequence_labels: torch.Tensor, steps_ahead: int, context) -> float:
+    """The fraction of the whole sequences' labelled targets ``steps_ahead`` tokens further on
+    (0: the next-token labels; k: multi-token prediction depth k) that sit at this rank's positions."""
+    from meshlm.models.mtp import shift_left
+
+    targets = shift_left(sequence_labels, steps_ahead, fill=IGNORE_INDEX) if steps_ahead else sequence_labels
+    labelled = targets != IGNORE_INDEX
+    return float(slice_sequence(labelled, context).sum()) / max(int(labelled.sum()), 1)
+
+
+def share_losses(output, batch: dict[str, torch.Tensor], context, mtp_loss_coeff: float | None = None):
     """Turn a model output computed on this rank's chunks into this rank's share of the losses.
 
-    The model reports means over its own tokens. The language-model term becomes
-    mean * (own labelled tokens / whole sequences' labelled tokens) = own loss sum / all labelled
-    tokens; every other term (MoE aux and z losses: means over equal token counts) becomes 1/cp
-    of its value. ``output.loss`` and ``output.losses`` are replaced in place; summed over the
-    CP group the shares give the micro-batch's losses. Identity at cp = 1.
+    The model reports means over its own tokens. A cross-entropy term becomes mean * (own
+    labelled targets / the whole sequences' labelled targets) = own loss sum / all labelled
+    targets: 'lm' with the next-token labels, 'mtp_k' with the labels k tokens further on (the
+    last k tokens of a sequence have none, so the ranks' counts differ), 'mtp' the mean of those
+    shares over depths. Every other term (MoE balance and z losses: means over equal token
+    counts) becomes 1/cp of its value. ``output.loss`` (rebuilt from the shares, with
+    ``mtp_loss_coeff`` = ``model.mtp_loss_coeff``) and ``output.losses`` are replaced in place;
+    summed over the CP group the shares give the micro-batch's losses. Identity at cp = 1.
     """
     if context.cp_size == 1:
         return output
-    uniform = 1.0 / context.cp_size
-    lm = output.losses["lm"]
-    output.loss = output.loss * uniform + lm * (batch["lm_loss_weight"] - uniform)
-    output.losses = {name: value * (batch["lm_loss_weight"] if name == "lm" else uniform)
-                     for name, value in output.losses.items()}
+    uniform, losses = 1.0 / context.cp_size, output.losses
+    depths = sorted(int(name[4:]) for name in losses if name.startswith("mtp_"))
+    weights = {"lm": target_share(batch["sequence_labels"], 0, context)}
+    weights.update({f"mtp_{k}": target_share(batch["sequence_labels"], k, context) for k in depths})
+    shares = {name: value * weights.get(name, uniform) for name, value in losses.items()}
+    loss = output.loss * uniform + (shares["lm"] - losses["lm"] * uniform)  # the rest is uniform
+    if depths:
+        if mtp_loss_coeff is None:
+            raise ValueError("share_losses of a model with multi-token prediction needs mtp_loss_coeff "
+                             "(model.mtp_loss_coeff) to rebuild the total loss from the shares.")
+        shares["mtp"] = torch.stack([shares[f"mtp_{k}"] for k in depths]).mean()
+        loss = loss + mtp_loss_coeff * (shares["mtp"] - losses["mtp"] * uniform)
+    output.loss, output.losses = loss, shares
     return output
 
 
 # --- the model ---------------------------------------------------------------------------------------
 
 def check_context_parallel_model(model_config, cp_size: int, seq_len: int | None = None) -> None:
-    """Refuse what context parallelism does not support, before any collective: multi-token
-    prediction, and chunks shorter than the Mamba conv window (the window comes from one chunk)."""
-    if cp_size == 1:
+    """Refuse, before any collective, chunks shorter than what is fetched from a neighbouring
+    chunk: the Mamba conv window (K - 1 tokens) and multi-token prediction's look-ahead."""
+    if cp_size == 1 or seq_len is None:
         return
-    if model_config.mtp_depth:
-        raise ConfigError(f"model.mtp_depth={model_config.mtp_depth} with parallel.cp={cp_size}: multi-token "
-                          "prediction shifts tokens across chunk boundaries, which context parallelism does not "
-                          "do yet; set model.mtp_depth=0 or parallel.cp=1.")
-    window = model_config.mamba_conv_kernel - 1
-    if seq_len is not None and "M" in model_config.block_kinds and seq_len // (2 * cp_size) < window:
-        raise ConfigError(f"train.seq_len={seq_len} gives context-parallel chunks of {seq_len // (2 * cp_size)} "
-                          f"tokens (2*cp = {2 * cp_size} chunks), shorter than the Mamba conv window of {window} "
-                          "(model.mamba_conv_kernel - 1); use a longer train.seq_len or a smaller parallel.cp.")
+    chunk = seq_len // (2 * cp_size)
+    window = model_config.mamba_conv_kernel - 1 if "M" in model_config.block_kinds else 0
+    for needed, what in ((window, f"the Mamba conv window of {window} (model.mamba_conv_kernel - 1)"),
+                         (model_config.mtp_depth, f"the multi-token prediction look-ahead of "
+                                                  f"model.mtp_depth={model_config.mtp_depth}")):
+        if chunk < needed:
+            raise ConfigError(f"train.seq_len={seq_len} gives context-parallel chunks of {chunk} tokens (2*cp = "
+                              f"{2 * cp_size} chunks), shorter than {what}; use a longer train.seq_len or a "
+                              "smaller parallel.cp.")
 
 
 def apply_context_parallel(model, context):
     """Make ``model`` (single-process or tensor-parallel) run on this CP rank's chunks, in place:
     attention cores become ring attention over the CP group, Mamba-2 mixers hand their conv
-    window and SSM state over (see ``cp_mamba.py``). Everything else needs nothing: it acts per
-    token. Returns the model; with cp = 1 it is unchanged."""
+    window and SSM state over (see ``cp_mamba.py``), multi-token prediction shifts its inputs and
+    labels across chunks. Everything else needs nothing: it acts per token. Returns the model;
+    with cp = 1 it is unchanged."""
     if context.cp_size == 1:
         return model
     from meshlm.models.attention import SelfAttention
@@ -160,15 +237,16 @@ def apply_context_parallel(model, context):
     from meshlm.parallel.cp_mamba import make_context_parallel_mamba
     from meshlm.parallel.ring_attention import RingAttentionCore
 
-    check_context_parallel_model(model.config, context.cp_size)
     for module in model.modules():
         if isinstance(module, SelfAttention):
             module.core = RingAttentionCore(context)
         elif isinstance(module, Mamba2Mixer):
             make_context_parallel_mamba(module, context)
+    if getattr(model, "mtp", None) is not None:
+        model.mtp.shift = ContextParallelShift(context)
     return model
 
 
-__all__ = ["CHUNK_LAYOUTS", "apply_context_parallel", "check_context_parallel_model", "chunk_length", "chunk_owner",
-           "contiguous_chunks", "local_token_positions", "paired_chunks", "share_losses", "slice_sequence",
-           "split_batch"]
+__all__ = ["CHUNK_LAYOUTS", "ContextParallelShift", "apply_context_parallel", "check_context_parallel_model",
+           "chunk_length", "chunk_owner", "contiguous_chunks", "local_token_positions", "paired_chunks",
+           "rows_of_neighbour_chunk", "share_losses", "slice_sequence", "split_batch", "target_share"]

@@ -37,43 +37,16 @@ under sequence parallelism ``in_proj`` has gathered the CP-local sequence, so no
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshlm.models.config import ConfigError
 from meshlm.models.mamba2 import Mamba2Mixer
 from meshlm.models.ssd import expand_groups, ssd_chunked_scan
 from meshlm.parallel.collectives import all_gather_along
-from meshlm.parallel.context_parallel import chunk_owner, paired_chunks
+from meshlm.parallel.context_parallel import chunk_owner, paired_chunks, rows_of_neighbour_chunk
 
 
 # --- the conv window handed over between chunks ---------------------------------------------------
-
-def _window_routes(context, layout):
-    """(sends, receives) of window hand-overs for this rank: sends are (my slot, global rank, tag) --
-    my chunk's tail goes to the holder of the next chunk; receives are (my slot, global rank or
-    None for zeros, source slot if local, tag)."""
-    rank, size = context.cp_rank, context.cp_size
-    sends, receives = [], []
-    for slot, chunk in enumerate(layout(rank, size)):
-        if chunk + 1 < 2 * size:
-            owner, _ = chunk_owner(chunk + 1, size, layout)
-            if owner != rank:
-                sends.append((slot, context.cp_ranks[owner], chunk + 1))
-        if chunk > 0:
-            owner, source_slot = chunk_owner(chunk - 1, size, layout)
-            receives.append((slot, context.cp_ranks[owner] if owner != rank else None, source_slot, chunk))
-    return sends, receives
-
-
-def _exchange(sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]], tag_base: int = 0):
-    """Batched point-to-point: sends/receives are (peer, tensor, tag); waits for all."""
-    operations = [dist.P2POp(dist.isend, tensor, peer, tag=tag_base + tag) for peer, tensor, tag in sends]
-    operations += [dist.P2POp(dist.irecv, tensor, peer, tag=tag_base + tag) for peer, tensor, tag in receives]
-    if operations:
-        for request in dist.batch_isend_irecv(operations):
-            request.wait()
-
 
 class _PreviousWindows(torch.autograd.Function):
     """tails [b, 2, w, ch] of this rank's chunks -> windows [b, 2, w, ch]: for each chunk, the tail
@@ -81,37 +54,13 @@ class _PreviousWindows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tails, context, layout):
-        sends, receives = _window_routes(context, layout)
-        windows = torch.zeros_like(tails)
-        remote = []
-        for slot, peer, source_slot, tag in receives:
-            if peer is None:
-                windows[:, slot] = tails[:, source_slot]
-            else:
-                remote.append((slot, (peer, torch.empty_like(tails[:, slot], memory_format=torch.contiguous_format), tag)))
-        _exchange([(peer, tails[:, slot].contiguous(), tag) for slot, peer, tag in sends],
-                  [message for _, message in remote])
-        for slot, (_, received, _) in remote:
-            windows[:, slot] = received
-        ctx.routes = sends, receives
-        return windows
+        ctx.context, ctx.layout = context, layout
+        return rows_of_neighbour_chunk(tails, -1, context, layout)
 
     @staticmethod
     def backward(ctx, grad_windows):
-        """The adjoint: each window's gradient goes back to the tail it was copied from."""
-        sends, receives = ctx.routes
-        grad_tails = torch.zeros_like(grad_windows)
-        back = []
-        for slot, peer, source_slot, tag in receives:
-            if peer is None:
-                grad_tails[:, source_slot] += grad_windows[:, slot]
-            else:
-                back.append((peer, grad_windows[:, slot].contiguous(), tag))
-        returned = [(slot, (peer, torch.empty_like(grad_tails[:, slot], memory_format=torch.contiguous_format), tag)) for slot, peer, tag in sends]
-        _exchange(back, [message for _, message in returned])
-        for slot, (_, received, _) in returned:
-            grad_tails[:, slot] += received
-        return grad_tails, None, None
+        """The adjoint: a tail's gradient is that of the window of the chunk after it (none for the last)."""
+        return rows_of_neighbour_chunk(grad_windows, +1, ctx.context, ctx.layout), None, None
 
 
 def previous_windows(chunks: torch.Tensor, width: int, context, layout=paired_chunks) -> torch.Tensor:

@@ -209,7 +209,7 @@ class Trainer:
         this rank's share, which summed over the CP group give the micro-batch's losses."""
         output = self.model(batch["input_ids"], batch["labels"], position_ids=batch.get("position_ids"),
                             return_logits=False)
-        return share_losses(output, batch, self.context)
+        return share_losses(output, batch, self.context, self.config.model.mtp_loss_coeff)
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict, list]:
         """Forward and backward of every micro-batch, accumulating gradients.

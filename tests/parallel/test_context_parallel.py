@@ -1,16 +1,19 @@
 """Context parallelism (meshlm/parallel/context_parallel.py) in the trainer equals the single-process run.
 
-The chunk pairing and batch slicing are checked in one process. Then spawned gloo ranks run the
-real ``Trainer`` for 5 steps of 4 micro-batches of 32 tokens on the trainer tests' tiny corpus,
-with the dense ('*-*-', GQA) and the hybrid Mamba ('M*-M') models of
-tests/training/test_parallel_training.py, at cp2 (world 2), cp4, cp2 x tp2 with SP off and on,
-and cp2 x dp2 with the distributed optimizer (world 4); plus, at cp2, the dense model with
-selective recomputation (ring attention rerun in backward) and the MoE model without its
-Switch balance loss (routing acts per token, the z-loss is a per-token mean; the balance loss
-becomes per CP rank, see the module docstring). Every step's loss and global gradient norm, the
-validation losses and the final parameters must equal the single-process run (relative error
-<= 1e-5, the tolerance of the other parallel trainer tests). A sequence length that 2*cp does
-not divide is refused by the trainer before any collective, naming the numbers.
+The chunk pairing, batch slicing, loss shares and the multi-token shift across chunks are
+checked first. Then spawned gloo ranks run the real ``Trainer`` for 5 steps of 4 micro-batches
+of 32 tokens on the trainer tests' tiny corpus, with the dense ('*-*-', GQA) and the hybrid
+Mamba ('M*-M') models of tests/training/test_parallel_training.py, at cp2 (world 2), cp4,
+cp2 x tp2 with SP off and on, and cp2 x dp2 with the distributed optimizer (world 4); plus the
+dense model with selective recomputation (ring attention rerun in backward) at cp2, the dense
+model with a multi-token-prediction depth at cp4 (with 2 depths one block-0 weight of this
+model ends ~1e-4 apart at tp2 as well: Adam amplifying fp32 rounding in near-zero gradient
+elements, so 1 depth; the shift by 2 across 4 ranks is checked on its own), and the MoE model with the 'global' Switch
+balance loss (counts summed over dp_cp: exact under CP, see the module docstring) at cp2. Every
+step's loss and global gradient norm, the validation losses and the final parameters must
+equal the single-process run (relative error <= 1e-5, the tolerance of the other parallel
+trainer tests). A sequence length that 2*cp (2*cp*tp under SP) does not divide is refused by
+the trainer before any collective, naming the numbers.
 
 (The trainer-run helpers are those of tests/training/test_parallel_training.py, loaded by path:
 test files cannot import each other.)
@@ -27,9 +30,9 @@ import torch
 
 from meshlm.models.config import ConfigError, ModelConfig
 from meshlm.models.language_model import LMOutput
-from meshlm.parallel.context_parallel import (check_context_parallel_model, chunk_owner, contiguous_chunks,
-                                              local_token_positions, paired_chunks, share_losses, slice_sequence,
-                                              split_batch)
+from meshlm.parallel.context_parallel import (ContextParallelShift, check_context_parallel_model, chunk_owner,
+                                              contiguous_chunks, local_token_positions, paired_chunks, share_losses,
+                                              slice_sequence, split_batch, target_share)
 from meshlm.parallel.mesh import ParallelContext
 from meshlm.parallel.testing import run_distributed
 
@@ -46,7 +49,8 @@ def load_trainer_test_helpers():
 helpers = load_trainer_test_helpers()
 SEQ_LEN = ["train.seq_len=32"]  # chunks of 4 tokens at cp 4: at least the Mamba conv window of 3
 MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
-          "moe without balance loss": [*helpers.MODELS["moe"], "model.moe_aux_loss_coeff=0"]}
+          "dense with mtp": [*helpers.MODELS["dense"], "model.mtp_depth=1"],
+          "moe global balance": [*helpers.MODELS["moe"], "model.moe_aux_loss_type=global"]}
 LAYOUTS = {
     2: {"cp2": ["parallel.cp=2"]},
     4: {"cp4": ["parallel.cp=4"], "cp2xtp2": ["parallel.cp=2", "parallel.tp=2"],
@@ -54,7 +58,8 @@ LAYOUTS = {
         "cp2xdp2 dist-opt": ["parallel.cp=2", "parallel.dp=2", "parallel.distributed_optimizer=true"]},
 }
 EXTRA_RUNS = {2: [("dense", "cp2 selective recompute", ["parallel.cp=2", "train.recompute=selective"]),
-                  ("moe without balance loss", "cp2", ["parallel.cp=2"])]}
+                  ("moe global balance", "cp2", ["parallel.cp=2"])],
+              4: [("dense with mtp", "cp4", ["parallel.cp=4"])]}
 
 
 # --- one process -------------------------------------------------------------------------------------
@@ -77,25 +82,53 @@ def test_split_batch_keeps_this_ranks_chunks_with_global_positions():
     batch = split_batch({"input_ids": tokens, "labels": labels}, context)
     assert batch["input_ids"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
     assert batch["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
-    assert batch["lm_loss_weight"] == 7 / 15  # its labelled tokens over the whole sequences'
+    assert torch.equal(batch["sequence_labels"], labels)
+    assert target_share(labels, 0, context) == 7 / 15  # its labelled tokens over the whole sequences'
+    assert target_share(labels, 2, context) == 8 / 11  # depth 2: the last 2 of each sequence have no target
     assert torch.equal(slice_sequence(tokens, context), batch["input_ids"])
     assert split_batch({"input_ids": tokens, "labels": labels}, ParallelContext())["input_ids"] is tokens
 
 
 def test_loss_shares_sum_to_the_micro_batch_losses():
-    context = ParallelContext(cp_size=4, cp_rank=0)
-    output = LMOutput(logits=None, loss=torch.tensor(3.0), losses={"lm": torch.tensor(2.0), "moe_z": torch.tensor(1.0)})
-    shared = share_losses(output, {"lm_loss_weight": 0.5}, context)
-    assert shared.losses["lm"].item() == 1.0 and shared.losses["moe_z"].item() == 0.25
-    assert shared.loss.item() == 1.25  # 0.5 * lm + (1/4) * the rest
+    context = ParallelContext(cp_size=2, cp_rank=0)  # positions 0, 1, 6, 7 of 8
+    batch = {"sequence_labels": torch.arange(8).view(1, 8)}
+    terms = {"lm": 2.0, "moe_z": 1.0, "mtp_1": 4.0, "mtp": 4.0}
+    output = LMOutput(logits=None, loss=torch.tensor(2.0 + 1.0 + 0.5 * 4.0),
+                      losses={name: torch.tensor(value) for name, value in terms.items()})
+    shared = share_losses(output, batch, context, mtp_loss_coeff=0.5)
+    assert shared.losses["lm"].item() == 1.0  # 4 of the 8 labels
+    assert shared.losses["moe_z"].item() == 0.5  # 1/cp
+    assert shared.losses["mtp_1"].item() == pytest.approx(4.0 * 3 / 7)  # position 7 has no target 1 ahead
+    assert shared.losses["mtp"].item() == pytest.approx(4.0 * 3 / 7)
+    assert shared.loss.item() == pytest.approx(1.0 + 0.5 + 0.5 * 4.0 * 3 / 7)
+    with pytest.raises(ValueError, match="mtp_loss_coeff"):
+        share_losses(LMOutput(logits=None, loss=torch.tensor(1.0), losses={"lm": torch.tensor(1.0),
+                                                                           "mtp_1": torch.tensor(1.0)}), batch, context)
 
 
-def test_unsupported_model_features_are_refused():
-    with pytest.raises(ConfigError, match="model.mtp_depth=1 with parallel.cp=2"):
-        check_context_parallel_model(ModelConfig(mtp_depth=1), 2)
-    with pytest.raises(ConfigError, match="chunks of 2 tokens"):
+def test_chunks_shorter_than_what_is_fetched_from_a_neighbour_are_refused():
+    with pytest.raises(ConfigError, match="chunks of 2 tokens .* shorter than the Mamba conv window of 3"):
         check_context_parallel_model(ModelConfig(pattern="M*"), 4, seq_len=16)
-    check_context_parallel_model(ModelConfig(pattern="M*"), 4, seq_len=32)
+    with pytest.raises(ConfigError, match="shorter than the multi-token prediction look-ahead of model.mtp_depth=3"):
+        check_context_parallel_model(ModelConfig(pattern="*-", mtp_depth=3), 4, seq_len=16)
+    check_context_parallel_model(ModelConfig(pattern="M*", mtp_depth=3), 4, seq_len=32)
+
+
+def shifted_across_ranks(cp: int) -> list:
+    from meshlm.config import ParallelConfig
+    from meshlm.parallel.mesh import build_parallel_context
+
+    context = build_parallel_context(ParallelConfig(cp=cp), ModelConfig(), torch.device("cpu"))
+    tokens = slice_sequence(torch.arange(16).view(1, 16), context)
+    return ContextParallelShift(context)(tokens, 2, fill=-1).tolist()
+
+
+def test_multi_token_shift_crosses_chunk_boundaries():
+    from meshlm.models.mtp import shift_left
+
+    expected = shift_left(torch.arange(16).view(1, 16), 2, fill=-1)
+    for rank, shifted in enumerate(run_distributed(shifted_across_ranks, 4, 4)):
+        assert shifted == slice_sequence(expected, ParallelContext(cp_size=4, cp_rank=rank)).tolist(), rank
 
 
 # --- the trainer ------------------------------------------------------------------------------------------
@@ -124,9 +157,10 @@ def test_context_parallel_training_equals_single_process(runs, model, world):
             helpers.assert_same_run(results[f"{model} {layout}"], runs["single"][model], f"{model} {layout} rank {rank}")
 
 
-def test_recomputation_and_moe_under_context_parallelism(runs):
-    for model, name, _ in EXTRA_RUNS[2]:
-        for rank, results in enumerate(runs["by_world"][2]):
+@pytest.mark.parametrize("world", [2, 4])
+def test_recomputation_mtp_and_moe_under_context_parallelism(runs, world):
+    for model, name, _ in EXTRA_RUNS[world]:
+        for rank, results in enumerate(runs["by_world"][world]):
             helpers.assert_same_run(results[f"{model} {name}"], runs["single"][model], f"{model} {name} rank {rank}")
 
 
