@@ -44,7 +44,8 @@ HEADS, HEAD_DIM = 32, 128
 
 def blocks_per_rank(cp: int, layout) -> list[list[tuple[int, int, bool]]]:
     """For each rank, every (query slot, key slot, causal) block the ring makes it compute."""
-    return [[block for step in range(cp) for block in attention_blocks(layout(rank, cp), layout((rank - step) % cp, cp))]
+    return [[block for step in range(cp)
+             for block in attention_blocks(layout(rank, cp), layout((rank - step) % cp, cp))]
             for rank in range(cp)]
 
 

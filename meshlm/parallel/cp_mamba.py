@@ -148,5 +148,6 @@ def make_context_parallel_mamba(mixer: Mamba2Mixer, context, layout=paired_chunk
     mixer.chunk_layout = layout
 
 
-__all__ = ["ContextParallelMamba2Mixer", "context_parallel_conv", "context_parallel_scan", "make_context_parallel_mamba",
+__all__ = ["ContextParallelMamba2Mixer", "context_parallel_conv", "context_parallel_scan",
+           "make_context_parallel_mamba",
            "previous_windows", "start_states"]

@@ -154,7 +154,8 @@ def runs(tmp_path_factory) -> dict:
 def test_context_parallel_training_equals_single_process(runs, model, world):
     for layout in LAYOUTS[world]:
         for rank, results in enumerate(runs["by_world"][world]):
-            helpers.assert_same_run(results[f"{model} {layout}"], runs["single"][model], f"{model} {layout} rank {rank}")
+            helpers.assert_same_run(results[f"{model} {layout}"], runs["single"][model],
+                                    f"{model} {layout} rank {rank}")
 
 
 @pytest.mark.parametrize("world", [2, 4])

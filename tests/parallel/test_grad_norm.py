@@ -3,9 +3,10 @@
 A synthetic model of four gradients -- two TP-sharded ("shard.*", in a fake set of tensor-parallel
 names) and two replicated over TP -- is spread over a world of 4 as tp=2 x dp=2, tp=2 x cp=2 or
 dp=2 x cp=2 (the real device mesh): without the distributed optimizer each DP/CP rank holds the
-same TP-local gradients; with it, each rank of the dp_cp group holds a different part of them. Either way every rank must compute the norm of
-the full gradient (each element counted once) and clip its pieces exactly as torch clips the
-full tensors; a non-finite element on one rank makes every rank report a non-finite norm.
+same TP-local gradients; with it, each rank of the dp_cp group holds a different part of them.
+Either way every rank must compute the norm of the full gradient (each element counted once)
+and clip its pieces exactly as torch clips the full tensors; a non-finite element on one rank
+makes every rank report a non-finite norm.
 """
 
 import math
