@@ -27,9 +27,10 @@ all-gather backward) and head (its input enters the parallel region: an all-redu
 SP an all-gather forward and a reduce-scatter backward), the vocab-parallel cross-entropy (an
 all-reduce of the row maxima, b s, and one of the exp-sums with the target logits, 2 b s), the
 sum of partial gradients of TP-replicated parameters over TP after the last micro-batch (SP: the
-norm weights, one coalesced all-reduce), the global gradient norm (one scalar all-reduce over TP;
-over DP too with the distributed optimizer) and, under DP, the logging all-reduce of the step's
-loss sums (a few floats).
+norm weights, one coalesced all-reduce), the global gradient norm (one scalar all-reduce over the
+whole world, ``meshlm/parallel/grad_norm.py``; none under plain DP, where every rank holds the
+whole reduced gradient) and, under DP, the logging all-reduce of the step's loss sums (a few
+floats).
 """
 
 from __future__ import annotations
@@ -117,14 +118,16 @@ def analytic(args, layout: str, num_parameters: int, buffer_elements: int, parti
         add(extras, "reduce_scatter@tp", 2 * activation * k)  # embedding forward, head input backward
         add(extras, "all_reduce@tp", partial_elements * FP32)  # norm weights' partial gradients
     if layout.startswith("tp"):
-        add(extras, "all_reduce@tp", 3 * b * s * FP32 * k + FP32)  # cross-entropy statistics; grad norm
+        add(extras, "all_reduce@tp", 3 * b * s * FP32 * k)  # cross-entropy statistics
+        add(extras, "all_reduce@world", FP32)  # the grad norm: squares of owned elements, summed
     elif layout == "dp2":
         add(formula, "all_reduce@dp", num_parameters * FP32)
         add(extras, "all_reduce@dp", 2 * FP32)  # the step's loss sum and its 'lm' term, for logging
     else:
         add(formula, "reduce_scatter@dp", buffer_elements * FP32)
         add(formula, "all_gather@dp", buffer_elements * FP32)
-        add(extras, "all_reduce@dp", 2 * FP32 + FP32)  # logging sums; the grad norm summed over DP shards
+        add(extras, "all_reduce@dp", 2 * FP32)  # the step's loss sums, for logging
+        add(extras, "all_reduce@world", FP32)  # the grad norm summed over the ZeRO-1 shards
     return formula, extras
 
 
