@@ -4,8 +4,8 @@ The MoE hybrid of test_expert_parallel_training.py at tp2 x ep4 (the 8 ranks spl
 dp 4 for attention and ep 4 x etp 2 for the experts), tp2+SP x cp2 x ep4 with etp 1 and the
 distributed optimizer, and tp2+SP x ep2 x etp1 (expert-DP 4) with the distributed optimizer:
 every step's loss and grad norm, the validation loss and the final parameters equal the single-
-process run (<= 1e-5). The tp2 x ep4 run's step-3 checkpoint, resumed by one process, continues
-with the losses of the uninterrupted run.
+process run (<= 1e-5). The step-3 checkpoint of the last (expert moments sharded over edp 4),
+resumed by one process, continues with the losses of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -37,12 +37,16 @@ MOE_HYBRID = ["model.pattern=ME*E", "model.moe_num_experts=4", "model.moe_top_k=
               "model.mamba_num_groups=4", "model.mamba_chunk_size=8"]
 DIST_OPT = "parallel.distributed_optimizer=true"
 LAYOUTS = {  # world 8
-    "tp2 ep4": ["parallel.tp=2", "parallel.ep=4", "train.save_every=3"],
+    "tp2 ep4": ["parallel.tp=2", "parallel.ep=4"],
     "tp2 sp cp2 ep4 etp1 dist-opt": ["parallel.tp=2", "parallel.sp=true", "parallel.cp=2", "parallel.ep=4",
                                      "parallel.etp=1", DIST_OPT],
     "tp2 sp ep2 etp1 edp4 dist-opt": ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", "parallel.etp=1",
-                                      DIST_OPT],
+                                      DIST_OPT, "train.save_every=3"],
 }
+
+
+SAVED = "tp2 sp ep2 etp1 edp4 dist-opt"
+"""Its step-3 checkpoint holds expert Adam moments sharded over edp 4 by ZeRO-1."""
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ def runs(tmp_path_factory) -> dict:
     single = HELPERS.train_once(blend, root / "single", MOE_HYBRID)
     layouts = [(name, [*MOE_HYBRID, *overrides]) for name, overrides in LAYOUTS.items()]
     by_rank = run_distributed(HELPERS.train_runs, 8, str(blend), str(root), layouts, timeout_s=300)
-    shutil.copytree(root / "tp2 ep4" / "checkpoints" / "step_3", root / "resumed" / "checkpoints" / "step_3")
+    shutil.copytree(root / SAVED / "checkpoints" / "step_3", root / "resumed" / "checkpoints" / "step_3")
     resumed = HELPERS.train_once(blend, root / "resumed", MOE_HYBRID)
     return dict(single=single, by_rank=by_rank, resumed=resumed)
 
@@ -63,7 +67,7 @@ def test_folded_expert_training_on_8_ranks_equals_single_process(runs, layout):
         HELPERS.assert_same_run(results[layout], runs["single"], f"{layout} rank {rank}")
 
 
-def test_checkpoint_at_tp2_ep4_resumes_in_one_process(runs):
+def test_checkpoint_with_zero1_expert_shards_resumes_in_one_process(runs):
     single = runs["single"]
     later = {**single, "losses": {step: single["losses"][step] for step in (4, 5)},
              "grad_norms": {step: single["grad_norms"][step] for step in (4, 5)},
