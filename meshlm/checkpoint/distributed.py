@@ -309,10 +309,14 @@ class Checkpointer:
 
     def load(self, directory: Path, parts: TrainingParts) -> TrainerState:
         """Restore ``parts`` in place from ``directory`` (saved at any layout); collective."""
-        from meshlm.checkpoint.loading import load_checkpoint
+        from meshlm.checkpoint.loading import load_checkpoint, resume_warnings
 
         self.wait()
-        return load_checkpoint(directory, parts, self.run_config, self.group)
+        state = load_checkpoint(directory, parts, self.run_config, self.group)
+        if group_rank(self.group) == 0:
+            for message in resume_warnings(Path(directory), self.run_config):
+                warnings.warn(message, stacklevel=2)
+        return state
 
 
 def latest_complete(run_dir) -> Path | None:

@@ -185,6 +185,30 @@ def prepare_distributed(directory: Path, parts: TrainingParts, run_config):
     return planner, training
 
 
+DATA_ORDER_KEYS = (("train", "steps"), ("train", "global_batch_size"), ("train", "seq_len"), ("train", "seed"),
+                   ("data", "blend"), ("data", "prefixes"), ("data", "weights"), ("data", "split"))
+"""Settings the global sample order depends on (the shuffle covers steps * global_batch_size samples)."""
+
+
+def resume_warnings(directory: Path, run_config) -> list[str]:
+    """What changed since the checkpoint's run that makes the continuation differ from an uninterrupted
+    run: the global sample order (and the LR schedule) are functions of these settings."""
+    try:
+        saved = read_json(directory / CONFIG_FILE).get("run") or {}
+    except CheckpointError:
+        return []
+    current, notes = run_config.to_dict(), []
+    for section, key in DATA_ORDER_KEYS:
+        before, now = (saved.get(section) or {}).get(key), current[section][key]
+        if before is not None and before != now:
+            notes.append(f"{section}.{key}: checkpoint {before!r}, now {now!r}")
+    if not notes:
+        return []
+    return [f"resuming {directory} with changed settings ({'; '.join(notes)}): the order of the training "
+            "samples (and the learning-rate schedule) depend on them, so from here on the run reads a different "
+            "sample order than the checkpoint's run would have -- some samples may repeat or be skipped."]
+
+
 def restore_scalars(parts: TrainingParts, optimizers: list[dict], loss_scaler: dict | None, where: Path) -> None:
     try:
         restore_optimizer_scalars(parts.optimizer, optimizers)
@@ -238,4 +262,4 @@ def apply_single_process(prepared: dict, parts: TrainingParts) -> TrainerState:
 
 
 __all__ = ["check_folder", "check_shapes", "is_single_process_format", "load_checkpoint", "plan_sources",
-           "read_json", "read_metadata", "stored_shapes", "verify_files"]
+           "read_json", "read_metadata", "resume_warnings", "stored_shapes", "verify_files"]

@@ -226,3 +226,12 @@ def test_older_single_process_checkpoints_still_load(tmp_path, dtype):
         save_file({"x": torch.zeros(1)}, str(tmp_path / "checkpoints" / "step_4" / "model.safetensors"))
         with pytest.raises(CheckpointError, match=r"step_4 does not fit this run's model \(missing \d+: model/"):
             load(latest_checkpoint(tmp_path), make_run(dtype, seed=1, steps=0))
+
+
+def test_resuming_with_another_sample_order_warns(tmp_path):
+    config, parts = make_run()
+    path = save(tmp_path, 1, (config, parts))
+    longer = load_run_config(None, ["model.vocab_size=64", "model.hidden_size=32", "model.pattern=*-",
+                                    "train.steps=200"])
+    with pytest.warns(UserWarning, match=r"train.steps: checkpoint 100, now 200\): the order of the training samples"):
+        Checkpointer(tmp_path, longer).load(path, parts)
