@@ -4,16 +4,17 @@ The chunk pairing, batch slicing, loss shares and the multi-token shift across c
 checked first. Then spawned gloo ranks run the real ``Trainer`` for 5 steps of 4 micro-batches
 of 32 tokens on the trainer tests' tiny corpus, with the dense ('*-*-', GQA) and the hybrid
 Mamba ('M*-M') models of tests/training/test_parallel_training.py, at cp2 (world 2), cp4,
-cp2 x tp2 with SP off and on, and cp2 x dp2 with the distributed optimizer (world 4); plus the
-dense model with selective recomputation (ring attention rerun in backward) at cp2, the dense
-model with a multi-token-prediction depth at cp4 (with 2 depths one block-0 weight of this
-model ends ~1e-4 apart at tp2 as well: Adam amplifying fp32 rounding in near-zero gradient
-elements, so 1 depth; the shift by 2 across 4 ranks is checked on its own), and the MoE model with the 'global' Switch
-balance loss (counts summed over dp_cp: exact under CP, see the module docstring) at cp2. Every
-step's loss and global gradient norm, the validation losses and the final parameters must
-equal the single-process run (relative error <= 1e-5, the tolerance of the other parallel
-trainer tests). A sequence length that 2*cp (2*cp*tp under SP) does not divide is refused by
-the trainer before any collective, naming the numbers.
+cp2 x tp2 with SP off and on, and cp2 x dp2 with the distributed optimizer (world 4). Also at
+cp2: the dense model with selective recomputation (ring attention rerun in backward), the
+hybrid with full recomputation (ring attention and Mamba hand-offs rerun) and the MoE model
+with the 'global' Switch balance loss (counts summed over dp_cp: exact under CP, see the
+module docstring); at cp4 the dense model with a multi-token-prediction depth (with 2 depths
+one block-0 weight of this model ends ~1e-4 apart at tp2 as well -- Adam amplifying fp32
+rounding in near-zero gradient elements -- so 1 depth here; the shift by 2 across 4 ranks is
+checked on its own). Every step's loss and global gradient norm, the validation losses and the
+final parameters must equal the single-process run (relative error <= 1e-5, the tolerance of
+the other parallel trainer tests). A sequence length that 2*cp (2*cp*tp under SP) does not
+divide is refused by the trainer before any collective, naming the numbers.
 
 (The trainer-run helpers are those of tests/training/test_parallel_training.py, loaded by path:
 test files cannot import each other.)
@@ -58,6 +59,7 @@ LAYOUTS = {
         "cp2xdp2 dist-opt": ["parallel.cp=2", "parallel.dp=2", "parallel.distributed_optimizer=true"]},
 }
 EXTRA_RUNS = {2: [("dense", "cp2 selective recompute", ["parallel.cp=2", "train.recompute=selective"]),
+                  ("hybrid", "cp2 full recompute", ["parallel.cp=2", "train.recompute=full"]),
                   ("moe global balance", "cp2", ["parallel.cp=2"])],
               4: [("dense with mtp", "cp4", ["parallel.cp=4"])]}
 
