@@ -25,6 +25,7 @@ from meshlm.models.config import ConfigError, ModelConfig
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
+ON_NONFINITE = ("rollback", "stop")
 
 
 @dataclass
@@ -83,6 +84,18 @@ class TrainConfig:
     keep_freed_cpu_memory: bool = True
     """On CPU, let glibc reuse freed heap memory instead of returning it to the kernel (faster
     steps; the process keeps its peak memory). See meshlm/training/cpu_allocator.py."""
+    max_consecutive_skips: int = 20
+    """After this many skipped steps in a row (a non-finite loss or gradient, in any precision;
+    fp16 overflows count too, and a loss-scale search from 65536 down to 1 needs at most 17) act
+    as on_nonfinite says; 0 = never (keep skipping). See meshlm/training/fault_tolerance.py."""
+    on_nonfinite: str = "rollback"
+    """What max_consecutive_skips skips in a row do: 'rollback' (reload the newest complete
+    checkpoint's weights, optimizer and loss scaler in this process and go on with the next
+    unseen batch: the batches since that checkpoint are not replayed, the step count and the LR
+    schedule are not rewound) or 'stop' (end the run with an error naming the step and the
+    checkpoint to resume from)."""
+    max_rollbacks: int = 3
+    """With on_nonfinite='rollback': stop instead once this many rollbacks happened in one process."""
 
 
 @dataclass
@@ -214,6 +227,10 @@ class RunConfig:
             raise ConfigError(f"train.global_batch_size={train.global_batch_size} must be a multiple of "
                               f"train.micro_batch_size={train.micro_batch_size}.")
         _choice("train.recompute", train.recompute, RECOMPUTE)
+        _choice("train.on_nonfinite", train.on_nonfinite, ON_NONFINITE)
+        if train.max_consecutive_skips < 0 or train.max_rollbacks < 0:
+            raise ConfigError(f"train.max_consecutive_skips={train.max_consecutive_skips} and train.max_rollbacks="
+                              f"{train.max_rollbacks} must be >= 0 (0 skips: never roll back or stop).")
         _choice("optim.schedule", optim.schedule, SCHEDULES)
         _choice("precision.dtype", self.precision.dtype, DTYPES)
         if optim.lr <= 0 or optim.min_lr < 0 or optim.min_lr > optim.lr:

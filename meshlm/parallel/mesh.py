@@ -219,6 +219,26 @@ def _ranks(mesh, name: str) -> tuple[int, ...]:
     return (dist.get_rank(),) if group is None else tuple(dist.get_process_group_ranks(group))
 
 
+def join_process_group(backend: str, timeout_s: float) -> None:
+    """``init_process_group`` from torchrun's environment, with ``timeout_s`` on every collective.
+
+    Under ``torchrun --max-restarts`` the workers of every attempt share the agent's TCPStore
+    (``TORCHELASTIC_USE_AGENT_STORE``), and torch 2.13 no longer separates the attempts' keys: a
+    restarted rank could read a dead rank's address from the last attempt and fail to connect.
+    So each attempt gets its own key prefix, as older torch did (``/worker/attempt_N``).
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world_size = world_from_environment()
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"/meshlm/attempt_{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
+
+
 def build_parallel_context(parallel, model, device: torch.device, seq_len: int | None = None,
                            micro_batches_per_step: int | None = None) -> ParallelContext:
     """Check the layout, then join the process group (when launched by torchrun) and build the meshes."""
@@ -230,8 +250,7 @@ def build_parallel_context(parallel, model, device: torch.device, seq_len: int |
         return ParallelContext(vp_size=parallel.vp, sequence_parallel=parallel.sp,
                                moe_dispatcher=parallel.moe_dispatcher)
     if not dist.is_initialized():
-        dist.init_process_group(choose_backend(parallel, device),
-                                timeout=datetime.timedelta(seconds=parallel.timeout_s))
+        join_process_group(choose_backend(parallel, device), parallel.timeout_s)
     from torch.distributed.device_mesh import init_device_mesh
 
     tp, pp, cp, ep, etp = parallel.tp, parallel.pp, parallel.cp, parallel.ep, resolve_etp(parallel)

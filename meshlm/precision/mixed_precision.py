@@ -96,6 +96,15 @@ class MixedPrecision:
         return contextlib.nullcontext()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: times the loss scale, and nan-poisoned when not finite.
+
+        A non-finite loss can have finite gradients (an inf added by a term whose gradient is
+        zero), yet its step must be skipped on every rank. Multiplying by nan instead of 1 makes
+        every gradient of this rank nan, so the global gradient norm that decides the skip (one
+        all-reduce over the world) reports it to all ranks, with no extra collective and no
+        host sync here. A finite loss is multiplied by exactly 1: gradients are unchanged.
+        """
+        loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, float("nan")).to(loss.dtype)
         return loss * self.scaler.scale if self.scaler is not None else loss
 
     def gradients_to_master(self) -> bool:

@@ -12,7 +12,11 @@
 
 Re-running the same command continues from the newest checkpoint in ``train.run_dir``. A bad
 config (unknown key, wrong type, invalid value) exits with status 2 and one sentence saying
-what to change; unknown keys come with the closest known names.
+what to change; unknown keys come with the closest known names. A collective that fails because
+a peer process died or hung exits with status 3 and names the collective and its group; with
+``torchrun --max-restarts N`` the job then restarts from the newest complete checkpoint. Too many
+non-finite steps in a row with train.on_nonfinite=stop exit with status 1
+(see meshlm/training/fault_tolerance.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import ast
 import dataclasses
 import inspect
 import os
+import sys
 import textwrap
 
 from meshlm.models.config import ConfigError
@@ -44,11 +49,19 @@ def run(args) -> int:
         raise ConfigError("give a config file, e.g. `meshlm train configs/tiny.yaml` "
                           "(`meshlm train --list-keys` lists every key).")
     from meshlm.config import load_run_config
+    from meshlm.training.fault_tolerance import (CollectiveFailure, NonFiniteTrainingStop,
+                                                 exit_after_collective_failure)
     from meshlm.training.trainer import train
 
     config = load_run_config(config_path, overrides)
     try:
         result = train(config)
+    except CollectiveFailure as failure:  # a peer died or hung: leave now, torchrun may restart the job
+        exit_after_collective_failure(failure)
+    except NonFiniteTrainingStop as stop:  # every rank stops alike; rank 0 says why
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"meshlm train: stopped: {stop}", file=sys.stderr)
+        return 1
     finally:
         leave_process_group()
     if int(os.environ.get("RANK", "0")) != 0:

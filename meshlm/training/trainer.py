@@ -25,9 +25,12 @@ full model with the same seed (and loads a checkpoint in full), then ``paralleli
 its tensor-parallel slices, so a run does not depend on its layout. Each step:
 
     DP rank d runs micro-batches [d*k, (d+1)*k) of the step's n (k = n / dp); every rank of a
-        TP group reads the same ones; each loss is divided by n, the whole step's count
+        TP or CP group reads the same ones; each loss is divided by n, the whole step's count
+    CP (``meshlm/parallel/context_parallel.py``): each rank keeps its two chunks of every
+        sequence (global positions for RoPE), attention rings K/V over the CP group, Mamba hands
+        its conv window and SSM state on; its losses are its share (summed over CP: the mean)
     non-final micro-batches: backward only accumulates (no DP communication)
-    last micro-batch: the DP reduction of gradient buckets starts during its backward
+    last micro-batch: the DP reduction of gradient buckets (over DP and CP) starts during its backward
     finish_gradients: wait for it (all-reduce, or reduce-scatter with the distributed
         optimizer), sum the partial gradients of TP-replicated parameters over TP, unscale,
         clip by the global norm that counts every parameter element once
