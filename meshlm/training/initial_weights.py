@@ -6,8 +6,9 @@
 The folder is a model folder (``config.json`` + ``model.safetensors``, as ``save_model``,
 ``meshlm convert`` and ``meshlm upcycle`` write it) or a training checkpoint's ``step_N``
 folder (whose weights are read whole from its distributed shards). Only the weights (and
-buffers such as a router's expert bias) are taken: the optimizer moments, the step counter, the learning-rate schedule and
-the data position all start from zero, as for continued pre-training or upcycling.
+buffers such as a router's expert bias) are taken: the optimizer moments, the step counter,
+the learning-rate schedule and the data position all start from zero, as for continued
+pre-training or upcycling.
 
 The folder's model config must equal the run's ``model`` section field by field, so that the
 weights mean what the run thinks they mean (an upcycled checkpoint, for instance, is exact only

@@ -121,7 +121,8 @@ def test_cli_writes_a_folder_that_loads_and_refuses_an_existing_one(tmp_path, ca
     save_model(dense, tmp_path / "dense")
     (tmp_path / "dense" / "tokenizer.json").write_text("{}")
     code = main(["upcycle", str(tmp_path / "dense"), str(tmp_path / "moe"), "--experts", "8", "--top-k", "4",
-                 "--granularity", "2", "--seed", "3", "--set", "moe_aux_loss_coeff=0.01", "model.moe_bias_update_rate=1e-3"])
+                 "--granularity", "2", "--seed", "3",
+                 "--set", "moe_aux_loss_coeff=0.01", "model.moe_bias_update_rate=1e-3"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "train.init_from=" in printed and "model.pattern='M*EME'" in printed
