@@ -8,7 +8,8 @@ One optimizer step of a run with ``global_batch_size = G`` and ``micro_batch_siz
     found_nonfinite = unscale + move grads to the fp32 master parameters
     grad_norm = clip the global L2 norm to grad_clip
     if finite: lr = schedule(step); AdamW step on the masters; copy masters into the model
-    else:      skip the update (an fp16 overflow); the loss scaler backs off
+    else:      skip the update (an fp16 overflow, or any inf/nan in the loss or gradients); the loss
+               scaler backs off; too many skips in a row roll back or stop (fault_tolerance.py)
 
 The pieces are small methods so that the parallel versions replace one piece each:
 ``forward_backward`` is where a pipeline schedule (1F1B, interleaved) takes over the loop over
@@ -78,6 +79,8 @@ from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.training.data_loading import build_training_data, read_batch
 from meshlm.training.initial_weights import load_initial_weights
 from meshlm.training.cpu_allocator import keep_freed_memory
+from meshlm.training.fault_tolerance import (NonFiniteTrainingStop, SkipStreak, explain_collective_failures,
+                                             stop_message)
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary,
                                      format_count, peak_flops)
 from meshlm.training.optimizer import build_optimizer
@@ -96,7 +99,9 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     """Validation loss of every evaluation this call ran."""
     skipped_steps: int = 0
-    """Steps of the whole run whose update was skipped (non-finite gradients)."""
+    """Steps of the whole run whose update was skipped (non-finite loss or gradients)."""
+    rollbacks: int = 0
+    """Rollbacks to the last checkpoint this call made (train.on_nonfinite='rollback')."""
 
 
 @dataclass
@@ -184,6 +189,7 @@ class Trainer:
         self.resumed_from = checkpoint_dir
         self.last_saved_step = self.state.step if checkpoint_dir is not None else None
         self.last_eval_step: int | None = None
+        self.skips = SkipStreak.from_config(train)
 
     def training_parts(self) -> TrainingParts:
         """What a checkpoint saves and restores (see ``meshlm/checkpoint/global_state.py``)."""
@@ -356,6 +362,23 @@ class Trainer:
         self.last_saved_step = step
         self.progress.message(f"step {step}: {'saving' if background else 'saved'} {path}")
 
+    # --- non-finite steps (meshlm/training/fault_tolerance.py) ---------------------------------------------
+    def after_nonfinite_streak(self, action: str) -> None:
+        """train.max_consecutive_skips skips in a row: roll back to the newest complete checkpoint, or stop."""
+        checkpoint = self.checkpoints.latest()  # after an asynchronous save in flight has committed
+        if action == "stop" or checkpoint is None:
+            raise NonFiniteTrainingStop(stop_message(self.state.step, self.skips, checkpoint))
+        kept = {name: getattr(self.state, name) for name in ("step", "consumed_samples", "skipped_steps")}
+        self.state = self.checkpoints.load(checkpoint, self.training_parts())  # in place, the RNGs last
+        for name, value in kept.items():  # neither the schedule nor the data position is rewound
+            setattr(self.state, name, value)
+        streak = self.skips.length
+        self.skips.rolled_back()
+        self.metrics.write({"event": "rollback", "step": self.state.step, "checkpoint": str(checkpoint),
+                            "rollbacks": self.skips.rollbacks})
+        self.progress.message(f"step {self.state.step}: {streak} non-finite steps in a row; rolled back to "
+                              f"{checkpoint} (weights, optimizer, loss scale) and going on with the next batch")
+
     # --- the loop -----------------------------------------------------------------------------------------
     def step_record(self, result: StepResult) -> dict:
         tokens_per_s = self.throughput.tokens_per_second()
@@ -427,30 +450,37 @@ class Trainer:
         if train.plot and result.losses and self.context.is_logging_rank and plot_losses(self.run_dir) is None:
             self.progress.message("meshlm train: matplotlib is not installed, so no loss.png was drawn "
                                   "(pip install matplotlib).")
-        result.step, result.skipped_steps = self.state.step, self.state.skipped_steps
+        result.step, result.skipped_steps, result.rollbacks = self.state.step, self.state.skipped_steps, \
+            self.skips.rollbacks
         return result
 
     def after_step(self, step_result: StepResult, result: TrainResult) -> None:
         step, train = self.state.step, self.config.train
         final = step == train.steps
+        action = self.skips.record(step_result.skipped)
         if step_result.skipped:
-            self.progress.message(f"step {step}: non-finite gradients, update skipped "
-                                  f"(loss scale now {self.precision.loss_scale:g})")
+            self.progress.message(f"step {step}: non-finite loss or gradients, update skipped ({self.skips.length} "
+                                  f"in a row; loss scale now {self.precision.loss_scale:g})")
         record = self.step_record(step_result)
         logged = step % train.log_every == 0 or final
         self.progress.update(record, logged)
         if logged:
             self.metrics.write(record)
             self.throughput.reset()
+        if action is not None:
+            self.after_nonfinite_streak(action)
         val_loss = self.maybe_evaluate(final)
         if val_loss is not None:
             result.val_losses[step] = val_loss
-        self.maybe_save(final)
+        if self.skips.length == 0 or final:  # while steps keep failing, the last good checkpoint stays the newest
+            self.maybe_save(final)
 
 
 def train(config) -> TrainResult:
-    """Train (or resume) the run described by ``config``; see the module docstring."""
-    return Trainer(config).run()
+    """Train (or resume) the run described by ``config``; see the module docstring. A collective that
+    fails because a peer died or hung raises ``CollectiveFailure`` naming it (fault_tolerance.py)."""
+    with explain_collective_failures(config.parallel.timeout_s):
+        return Trainer(config).run()
 
 
 __all__ = ["StepResult", "TrainResult", "Trainer", "seed_everything", "train"]
