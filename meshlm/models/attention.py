@@ -11,6 +11,12 @@ sum) is its own function, ``attention_core``: it is the part selective recomputa
 (Korthikanti et al. 2022) recomputes, and the part context parallelism replaces with ring
 attention. Under tensor parallelism the heads are split across ranks: q/k/v are
 column-parallel, o is row-parallel.
+
+Attention dropout (``model.attention_dropout``, training only) zeroes attention probabilities
+with a mask keyed by each probability's global coordinates -- sample, head, query and key
+positions (``meshlm/models/dropout.py``) -- so it does not depend on how heads or tokens are
+split. SDPA's built-in dropout draws from a stateful generator, so with dropout on the core is
+``attention_with_dropout``, an explicit softmax (it materializes the [t, s] probabilities).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from meshlm.models.cache import AttentionCache
+from meshlm.models.config import ConfigError
+from meshlm.models.dropout import apply_keep_mask, attention_keep_mask, dropout_site, required_key
 from meshlm.models.norms import RMSNorm
 from meshlm.models.rope import RotaryEmbedding, apply_rotary
 
@@ -37,13 +45,31 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     gqa = query.shape[1] != key.shape[1]
     if key_mask is None and query_len == key_len:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=gqa)
-    query_positions = torch.arange(key_len - query_len, key_len, device=query.device)[:, None]
-    key_positions = torch.arange(key_len, device=query.device)[None, :]
+    allowed = allowed_keys(query_len, key_len, key_mask, query.device)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, enable_gqa=gqa)
+
+
+def allowed_keys(query_len: int, key_len: int, key_mask: torch.Tensor | None, device) -> torch.Tensor:
+    """Which keys each query may attend to: [t, s], or [b, 1, t, s] with a key mask (see ``attention_core``)."""
+    query_positions = torch.arange(key_len - query_len, key_len, device=device)[:, None]
+    key_positions = torch.arange(key_len, device=device)[None, :]
     allowed = key_positions <= query_positions  # [t, s]
     if key_mask is not None:
         allowed = allowed & key_mask[:, None, None, :].bool()
         allowed = allowed | (key_positions == query_positions)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, enable_gqa=gqa)
+    return allowed
+
+
+def attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           key_mask: torch.Tensor | None, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """``attention_core`` with dropout on the probabilities: softmax(q k^T / sqrt(d) + mask), then
+    the ``keep`` mask [b, heads, t, s] and the 1/(1-p) scale, then times v."""
+    group = query.shape[1] // key.shape[1]  # GQA: query head h reads KV head h // group
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scores = (query @ key.transpose(-2, -1)) * query.shape[-1] ** -0.5
+    allowed = allowed_keys(query.shape[2], key.shape[2], key_mask, query.device)
+    probabilities = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1)
+    return apply_keep_mask(probabilities.to(value.dtype), keep, p) @ value
 
 
 class SelfAttention(nn.Module):
@@ -68,6 +94,13 @@ class SelfAttention(nn.Module):
         self.recompute_core = False
         """Selective recomputation (set by training.recompute): keep only q, k, v for backward and
         recompute scores, softmax and the weighted sum from them."""
+        self.dropout_p = config.attention_dropout
+        self.dropout_site = dropout_site("attention_probs", layer_index)
+
+    @property
+    def head_offset(self) -> int:
+        """Global index of this module's first query head (tensor parallelism holds a slice)."""
+        return 0
 
     def forward(self, x: torch.Tensor, context) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -86,8 +119,23 @@ class SelfAttention(nn.Module):
             key_mask = context.cache.token_mask
             if bool(key_mask.all()):
                 key_mask = None
+        core, dropout = self.core, ()
+        if self.training and self.dropout_p > 0:
+            core, dropout = attention_with_dropout, (self.dropout_keep_mask(context, key.shape[2]), self.dropout_p)
         if self.recompute_core and torch.is_grad_enabled():
-            out = torch.utils.checkpoint.checkpoint(self.core, query, key, value, key_mask, use_reentrant=False)
+            out = torch.utils.checkpoint.checkpoint(core, query, key, value, key_mask, *dropout, use_reentrant=False)
         else:
-            out = self.core(query, key, value, key_mask)
+            out = core(query, key, value, key_mask, *dropout)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def dropout_keep_mask(self, context, key_len: int) -> torch.Tensor:
+        """The attention-dropout mask [b, heads, t, s] of this forward (training, no cache)."""
+        if self.core is not attention_core:
+            raise ConfigError("model.attention_dropout > 0 is not supported under context parallelism (ring "
+                              "attention has no dropout); set model.attention_dropout=0 or parallel.cp=1.")
+        positions = context.position_ids
+        if positions.shape[1] != key_len:
+            raise RuntimeError("attention dropout runs in training forwards without a cache only")
+        heads = torch.arange(self.num_heads, device=positions.device) + self.head_offset
+        return attention_keep_mask(required_key(context), self.dropout_site, heads, positions, positions,
+                                   self.dropout_p)

@@ -86,6 +86,14 @@ class ModelConfig:
     block (attention o_proj, MLP/expert down_proj, Mamba out_proj) use
     init_std / sqrt(2 * num_blocks), the scaled init of GPT-2/Megatron."""
 
+    # --- dropout (training only; masks keyed by global coordinates: meshlm/models/dropout.py) ----
+    hidden_dropout: float = 0.0
+    """Dropout probability on the embedding output and on every block's mixer output before the
+    residual add (the regions sequence parallelism shards along the sequence). 0 turns it off."""
+    attention_dropout: float = 0.0
+    """Dropout probability on the attention probabilities (an explicit softmax path instead of
+    fused SDPA while training; not available under context parallelism). 0 turns it off."""
+
     # --- Mamba-2 -------------------------------------------------------------------------------
     mamba_state_size: int = 16
     """SSM state size N per head (d_state)."""
@@ -247,6 +255,10 @@ class ModelConfig:
                               "must be >= 0 (0 means no shared expert).")
         if self.mtp_depth < 0:
             raise ConfigError(f"model.mtp_depth={self.mtp_depth} must be >= 0 (0 turns MTP off).")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ConfigError(f"model.{name}={value!r} must be a probability in [0, 1) (0 turns it off).")
         if self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} and model.init_std={self.init_std} must be > 0.")
 

@@ -9,6 +9,8 @@ any block kind anywhere and parallel wrappers can treat blocks alike. The contex
   padded key; Mamba zeroes padded positions so they leave its conv and SSM states untouched.
 - ``cache``: an ``InferenceCache`` during generation, else None.
 - ``moe_losses``: MoE blocks append their auxiliary losses here for the model to collect.
+- ``dropout_key``: which draw of the run this forward is (seed, step, global sample indices),
+  for the layout-independent dropout masks of ``meshlm/models/dropout.py``; None outside training.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshlm.models.cache import InferenceCache
+from meshlm.models.dropout import DropoutKey
 
 
 @dataclass
@@ -26,11 +29,13 @@ class SequenceContext:
     token_mask: torch.Tensor | None = None
     cache: InferenceCache | None = None
     moe_losses: list = field(default_factory=list)
+    dropout_key: DropoutKey | None = None
 
     @staticmethod
     def for_tokens(input_ids: torch.Tensor, token_mask: torch.Tensor | None = None,
                    cache: InferenceCache | None = None,
-                   position_ids: torch.Tensor | None = None) -> "SequenceContext":
+                   position_ids: torch.Tensor | None = None,
+                   dropout_key: DropoutKey | None = None) -> "SequenceContext":
         """Build the context for a forward over ``input_ids`` [batch, seq].
 
         Positions default to 0, 1, 2, ... after whatever the cache has already seen, counting
@@ -48,4 +53,4 @@ class SequenceContext:
                 position_ids = (token_mask.long().cumsum(-1) - 1).clamp(min=0)
             else:
                 position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-        return SequenceContext(position_ids=position_ids, token_mask=token_mask, cache=cache)
+        return SequenceContext(position_ids=position_ids, token_mask=token_mask, cache=cache, dropout_key=dropout_key)

@@ -1,9 +1,14 @@
 """The language model: embedding -> blocks from the pattern -> final norm -> output head.
 
-    h_0 = Embed(tokens)
-    h_i = h_{i-1} + Mixer_i(Norm_i(h_{i-1}))       one pre-norm residual block per symbol
+    h_0 = Dropout(Embed(tokens))
+    h_i = h_{i-1} + Dropout(Mixer_i(Norm_i(h_{i-1})))   one pre-norm residual block per symbol
     logits = Head(FinalNorm(h_L))
     loss = CE(logits, labels) + sum_E (aux_coeff * aux + z_coeff * z) + mtp_coeff * MTP
+
+Dropout (``model.hidden_dropout``, off by default, active in training mode only) draws its masks
+from the tokens' global coordinates (``meshlm/models/dropout.py``), so a parallel run drops the
+same elements as a single process; the trainer passes the key (seed, step, sample indices), a
+bare training-mode forward draws one.
 
 When the caller wants only the loss (``return_logits=False``, as the trainer does), Head and CE
 are fused (``head_loss``, meshlm/models/losses.py): the logits are computed a chunk of tokens at
@@ -28,6 +33,7 @@ from meshlm.models.attention import SelfAttention
 from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
+from meshlm.models.dropout import DropoutKey, HiddenDropout, dropout_site
 from meshlm.models.init import initialize_weights
 from meshlm.models.losses import IGNORE_INDEX, linear_cross_entropy
 from meshlm.models.mlp import MLP
@@ -50,13 +56,14 @@ def build_mixer(kind: str, config: ModelConfig, layer_index: int) -> nn.Module:
 
 
 class Block(nn.Module):
-    """One pre-norm residual block: ``h + mixer(norm(h))``."""
+    """One pre-norm residual block: ``h + dropout(mixer(norm(h)))``."""
 
     def __init__(self, kind: str, config: ModelConfig, layer_index: int):
         super().__init__()
         self.kind = kind
         self.norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         self.mixer = build_mixer(kind, config, layer_index)
+        self.dropout = HiddenDropout(config.hidden_dropout, dropout_site("block_output", layer_index))
         self.recompute = False
         """Full recomputation (set by training.recompute): keep only the block input for backward
         and rerun norm + mixer during backward."""
@@ -73,7 +80,7 @@ class Block(nn.Module):
         if isinstance(mixed, tuple):  # MoE blocks also return their auxiliary losses
             mixed, moe_losses = mixed
             context.moe_losses.append(moe_losses)
-        return hidden + mixed
+        return hidden + self.dropout(mixed, context)
 
 
 @dataclass
@@ -98,6 +105,7 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embedding_dropout = HiddenDropout(config.hidden_dropout, dropout_site("embedding"))
         self.blocks = nn.ModuleList(Block(kind, config, index) for index, kind in enumerate(config.block_kinds))
         self.final_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -108,8 +116,11 @@ class LanguageModel(nn.Module):
         initialize_weights(self, config)
 
     # --- pieces (pipeline stages call these directly) ------------------------------------------
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embedding(input_ids)
+    def embed(self, input_ids: torch.Tensor, context: SequenceContext | None = None) -> torch.Tensor:
+        """Token embeddings; with ``context``, after the embedding dropout (the model's input; MTP's
+        future-token embeddings are taken without)."""
+        hidden = self.embedding(input_ids)
+        return hidden if context is None else self.embedding_dropout(hidden, context)
 
     def run_blocks(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:
         for block in self.blocks:
@@ -137,13 +148,18 @@ class LanguageModel(nn.Module):
     # --- whole model -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 token_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cache: InferenceCache | None = None, return_logits: bool = True) -> LMOutput:
+                cache: InferenceCache | None = None, return_logits: bool = True,
+                dropout_key: DropoutKey | None = None) -> LMOutput:
         """Logits for ``input_ids`` [batch, seq]; with ``labels`` [batch, seq] also the loss.
 
         ``labels[b, t]`` is the token that should follow position t (IGNORE_INDEX to skip it).
+        ``dropout_key`` fixes the dropout masks in training mode (drawn from torch's generator
+        when None and the model has dropout).
         """
-        context = SequenceContext.for_tokens(input_ids, token_mask, cache, position_ids)
-        hidden = self.run_blocks(self.embed(input_ids), context)
+        if dropout_key is None and self.training and (self.config.hidden_dropout or self.config.attention_dropout):
+            dropout_key = DropoutKey.draw(input_ids.shape[0], input_ids.device)
+        context = SequenceContext.for_tokens(input_ids, token_mask, cache, position_ids, dropout_key)
+        hidden = self.run_blocks(self.embed(input_ids, context), context)
         return self.finish(hidden, input_ids, labels, context, token_mask=token_mask, return_logits=return_logits)
 
     def finish(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None,
@@ -165,7 +181,8 @@ class LanguageModel(nn.Module):
             output.losses.update(self.moe_loss_terms(context))
             total = self.add_moe_losses(total, output.losses)
         if self.mtp is not None:
-            mtp_context = SequenceContext(position_ids=context.position_ids, token_mask=token_mask)
+            mtp_context = SequenceContext(position_ids=context.position_ids, token_mask=token_mask,
+                                          dropout_key=context.dropout_key)
             per_depth = self.mtp(hidden, input_ids, labels, self, mtp_context, fused_loss=fused_loss)
             for depth, depth_loss in enumerate(per_depth, start=1):
                 output.losses[f"mtp_{depth}"] = depth_loss

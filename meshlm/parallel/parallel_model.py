@@ -17,6 +17,9 @@ sequence parallelism, shards the residual stream along the sequence (Korthikanti
     head + loss     column-parallel over the padded vocabulary; the training loss is the
                     vocab-parallel cross-entropy; logits are gathered only when asked for
     MTP depths      like the main stack; their norms and 2h -> h projection are replicated
+    dropout         masks keyed by global coordinates (meshlm/models/dropout.py): under SP each
+                    residual-stream dropout masks its rank's slice of the positions, attention
+                    dropout knows its global head indices
 
 Attention and the MLP enter the parallel region once per block (one all-reduce in backward, or
 one all-gather under SP) however many column-parallel layers read the input. Modules keep
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 
 from meshlm.models.attention import SelfAttention
 from meshlm.models.config import ConfigError
+from meshlm.models.dropout import HiddenDropout
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.mlp import MLP
 from meshlm.parallel.tensor_parallel import (ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear,
@@ -45,6 +49,10 @@ class TensorParallelSelfAttention(SelfAttention):
     """``SelfAttention`` over this rank's heads; the input is gathered once for q, k and v."""
 
     parallel_context = None
+
+    @property
+    def head_offset(self) -> int:
+        return self.parallel_context.tp_rank * self.num_heads
 
     def forward(self, x: torch.Tensor, context) -> torch.Tensor:
         return super().forward(column_parallel_input(x, self.parallel_context), context)
@@ -186,6 +194,9 @@ def parallelize_model(model: LanguageModel, context, vocab_pad_multiple: int = 1
         return parallelize_experts(model, context)
     if context.sequence_parallel:
         mark_partial_grad(model.final_norm)
+    for module in model.modules():
+        if isinstance(module, HiddenDropout):  # under SP it masks this rank's slice of the sequence
+            module.parallel_context = context
     for block in model.blocks:
         parallelize_block(block, context)
     if model.mtp is not None:

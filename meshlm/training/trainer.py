@@ -62,6 +62,7 @@ from meshlm.checkpoint.distributed import Checkpointer
 from meshlm.checkpoint.global_state import TrainingParts
 from meshlm.checkpoint.training_checkpoint import TrainerState
 from meshlm.models.config import ConfigError
+from meshlm.models.dropout import DropoutKey
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.balancing import update_expert_biases
@@ -76,9 +77,9 @@ from meshlm.parallel.parallel_model import parallelize_model
 from meshlm.parallel.pipeline.pipelined_model import PipelinedModel
 from meshlm.parallel.tensor_parallel import partial_grad_names, tensor_parallel_names
 from meshlm.precision.mixed_precision import MixedPrecision
+from meshlm.training.cpu_allocator import keep_freed_memory
 from meshlm.training.data_loading import build_training_data, read_batch
 from meshlm.training.initial_weights import load_initial_weights
-from meshlm.training.cpu_allocator import keep_freed_memory
 from meshlm.training.fault_tolerance import (NonFiniteTrainingStop, SkipStreak, explain_collective_failures,
                                              stop_message)
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary,
@@ -206,18 +207,23 @@ class Trainer:
     # --- one optimizer step ---------------------------------------------------------------------------
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         """This DP rank's contiguous share of the step's micro-batches (all of them without DP);
-        under CP, of each sequence only this rank's chunks (with their global positions)."""
+        under CP, of each sequence only this rank's chunks (with their global positions). Each
+        carries its ``dropout_key`` (seed, step, global sample indices: layout-independent masks)."""
         size, dp_size = self.config.train.micro_batch_size, self.context.dp_size
         per_rank = self.micro_batches_per_step // dp_size
         start = self.state.consumed_samples + self.context.dp_rank * per_rank * size
-        return [split_batch(read_batch(self.data.train, start + index * size, size, self.device), self.context)
-                for index in range(per_rank)]
+        batches = []
+        for first in range(start, start + per_rank * size, size):
+            batch = split_batch(read_batch(self.data.train, first, size, self.device), self.context)
+            samples = torch.arange(first, first + size, device=self.device)
+            batches.append({**batch, "dropout_key": DropoutKey(self.config.train.seed, self.state.step, samples)})
+        return batches
 
     def forward_micro_batch(self, batch: dict[str, torch.Tensor]):
         """The model's output on one micro-batch (loss only, no logits); under CP its losses are
         this rank's share, which summed over the CP group give the micro-batch's losses."""
         output = self.model(batch["input_ids"], batch["labels"], position_ids=batch.get("position_ids"),
-                            return_logits=False)
+                            return_logits=False, dropout_key=batch.get("dropout_key"))
         return share_losses(output, batch, self.context, self.config.model.mtp_loss_coeff)
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict, list]:

@@ -63,9 +63,10 @@ class LanguageModelStages:
     def forward(self, action, incoming: torch.Tensor | None) -> torch.Tensor | None:
         chunk, batch = self.chunks[action.chunk], self.microbatches[action.microbatch]
         input_ids = batch["input_ids"]
-        context = SequenceContext.for_tokens(input_ids, position_ids=batch.get("position_ids"))
+        context = SequenceContext.for_tokens(input_ids, position_ids=batch.get("position_ids"),
+                                             dropout_key=batch.get("dropout_key"))
         if chunk.is_first:
-            hidden = self.model.embed(input_ids)
+            hidden = self.model.embed(input_ids, context)
         else:
             hidden = incoming.requires_grad_(torch.is_grad_enabled())
         stage_input = hidden
@@ -73,7 +74,7 @@ class LanguageModelStages:
             hidden = self.model.blocks[index](hidden, context)
         if chunk.is_last:
             output = self.model.finish(hidden, input_ids, batch["labels"], context, return_logits=False)
-            output = share_losses(output, batch, self.context)  # under CP: this rank's share
+            output = share_losses(output, batch, self.context, self.model.config.mtp_loss_coeff)  # CP: our share
             total, terms, counts = output.loss, output.losses, output.tokens_per_expert
         else:
             terms = self.model.moe_loss_terms(context) if context.moe_losses else {}
