@@ -31,13 +31,11 @@ losses over the labelled tokens of the *whole* sequences -- and the shares sum t
 the dp_cp gradient reduction (and the logging) adds them over CP. Multi-token prediction's
 terms are shared the same way (its depth-k inputs and labels come k tokens later, across chunk
 boundaries: ``ContextParallelShift``). The other terms are per-token means over equal token
-counts, so their share is 1/cp of the rank's value; that is exact for the router z-loss. The
-MoE Switch balance loss multiplies two per-token means (traffic fraction f times mean router
-probability P), so which tokens it sees matters: with ``moe_aux_loss_type`` 'micro_batch' or
-'sequence' each CP rank computes it over its own chunks, and the aux term is the mean over CP
-ranks of per-chunk-pair balance losses (balance enforced on finer pieces than in one process);
-with 'global' the counts f are summed over the dp_cp group (the trainer passes it) and P is
-local, so the shares add up to the balance loss of all the tokens -- exact under CP.
+counts, so their share is 1/cp of the rank's value. The MoE layer's terms (Switch balance loss,
+z-loss) and its capacity dropping depend on the routing of the whole micro-batch, not of one
+rank's chunks; under CP the MoE blocks therefore always run as the expert-grid layer
+(``expert_parallel.py``, even at ep = 1), which all-gathers the routing over CP, so each rank's
+1/cp share of those terms adds up to the single-process value and drops what one process drops.
 
 With cp = 1 every function here is the identity, so the trainer calls them unconditionally.
 """
@@ -183,8 +181,8 @@ def share_losses(output, batch: dict[str, torch.Tensor], context, mtp_loss_coeff
     labelled targets / the whole sequences' labelled targets) = own loss sum / all labelled
     targets: 'lm' with the next-token labels, 'mtp_k' with the labels k tokens further on (the
     last k tokens of a sequence have none, so the ranks' counts differ), 'mtp' the mean of those
-    shares over depths. Every other term (MoE balance and z losses: means over equal token
-    counts) becomes 1/cp of its value. ``output.loss`` (rebuilt from the shares, with
+    shares over depths. Every other term (the MoE terms, which every CP rank computes from the
+    routing of the whole micro-batch) becomes 1/cp of its value. ``output.loss`` (rebuilt from the shares, with
     ``mtp_loss_coeff`` = ``model.mtp_loss_coeff``) and ``output.losses`` are replaced in place;
     summed over the CP group the shares give the micro-batch's losses. Identity at cp = 1.
     """

@@ -75,8 +75,10 @@ from meshlm.parallel.tensor_parallel import mark_expert_shard, mark_partial_grad
 
 
 def needs_expert_parallel(context) -> bool:
-    """Whether the MoE blocks need the expert grid: ep > 1, or experts split other than by tp."""
-    return context.ep_size > 1 or context.etp_size != context.tp_size
+    """Whether the MoE blocks need the expert grid: ep > 1, experts split other than by tp, or
+    context parallelism (even at ep 1: the layer's losses and dropping then see the routing of the
+    whole micro-batch, gathered over CP, instead of each CP rank's chunks -- see above)."""
+    return context.ep_size > 1 or context.etp_size != context.tp_size or context.cp_size > 1
 
 
 # --- entering and leaving the expert grid -----------------------------------------------------------

@@ -7,11 +7,11 @@ Mamba ('M*-M') models of tests/training/test_parallel_training.py, at cp2 (world
 cp2 x tp2 with SP off and on, and cp2 x dp2 with the distributed optimizer (world 4). Also at
 cp2: the dense model with selective recomputation (ring attention rerun in backward), the
 hybrid with full recomputation (ring attention and Mamba hand-offs rerun) and the MoE model
-with the 'global' Switch balance loss (counts summed over dp_cp: exact under CP, see the
-module docstring); at cp4 the dense model with a multi-token-prediction depth (with 2 depths
-one block-0 weight of this model ends ~1e-4 apart at tp2 as well -- Adam amplifying fp32
-rounding in near-zero gradient elements -- so 1 depth here; the shift by 2 across 4 ranks is
-checked on its own). Every step's loss and global gradient norm, the validation losses and the
+with its Switch balance and z losses (the routing gathered over CP: exact, see the module
+docstring), also at cp2 x tp2 with SP; at cp4 the dense model with a multi-token-prediction
+depth (with 2 depths one block-0 weight of this model ends ~1e-4 apart at tp2 as well -- Adam
+amplifying fp32 rounding in near-zero gradient elements -- so 1 depth here; the shift by 2
+across 4 ranks is checked on its own). Every step's loss and global gradient norm, the validation losses and the
 final parameters must equal the single-process run (relative error <= 1e-5, the tolerance of
 the other parallel trainer tests). A sequence length that 2*cp (2*cp*tp under SP) does not
 divide is refused by the trainer before any collective, naming the numbers.
@@ -51,7 +51,7 @@ helpers = load_trainer_test_helpers()
 SEQ_LEN = ["train.seq_len=32"]  # chunks of 4 tokens at cp 4: at least the Mamba conv window of 3
 MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
           "dense with mtp": [*helpers.MODELS["dense"], "model.mtp_depth=1"],
-          "moe global balance": [*helpers.MODELS["moe"], "model.moe_aux_loss_type=global"]}
+          "moe": helpers.MODELS["moe"]}
 LAYOUTS = {
     2: {"cp2": ["parallel.cp=2"]},
     4: {"cp4": ["parallel.cp=4"], "cp2xtp2": ["parallel.cp=2", "parallel.tp=2"],
@@ -60,8 +60,9 @@ LAYOUTS = {
 }
 EXTRA_RUNS = {2: [("dense", "cp2 selective recompute", ["parallel.cp=2", "train.recompute=selective"]),
                   ("hybrid", "cp2 full recompute", ["parallel.cp=2", "train.recompute=full"]),
-                  ("moe global balance", "cp2", ["parallel.cp=2"])],
-              4: [("dense with mtp", "cp4", ["parallel.cp=4"])]}
+                  ("moe", "cp2", ["parallel.cp=2"])],
+              4: [("dense with mtp", "cp4", ["parallel.cp=4"]),
+                  ("moe", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"])]}
 
 
 # --- one process -------------------------------------------------------------------------------------
