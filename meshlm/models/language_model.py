@@ -14,9 +14,9 @@ When the caller wants only the loss (``return_logits=False``, as the trainer doe
 are fused (``head_loss``, meshlm/models/losses.py): the logits are computed a chunk of tokens at
 a time and never held in full, which saves memory and time.
 
-The forward is split into ``embed``, ``run_blocks`` and ``head_logits`` so that a pipeline
-stage can run only its share (embedding on the first stage, head and loss on the last), and
-parameter names (``blocks.{i}...``) use the *global* block index so that checkpoints do not
+The forward is split into ``embed``, ``run_blocks`` and ``finish`` (head, losses, MTP) so that a
+pipeline stage can run only its share (embedding on the first stage, head and loss on the last;
+``meshlm/parallel/pipeline/``), and parameter names (``blocks.{i}...``) use the *global* block index so that checkpoints do not
 depend on the parallel layout.
 """
 
