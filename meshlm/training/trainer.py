@@ -171,7 +171,7 @@ class Trainer:
         set_load_balancing_group(self.model, self.context.dp_cp_group)  # for moe_aux_loss_type 'global'
         self.pipeline = None  # pipeline parallelism: keep this rank's stages of the model (collective)
         if self.context.pp_size > 1:
-            self.pipeline = PipelinedModel.build(self.model, self.context, train.seq_len, train.micro_batch_size)
+            self.pipeline = PipelinedModel.build(self.model, self.context, train.seq_len)
         self.model.to(self.device).train()
         self.precision = MixedPrecision(self.model, config.precision)
         self.master_parameters = [param for _, param in self.precision.master_parameters()]

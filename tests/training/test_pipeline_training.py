@@ -4,10 +4,11 @@ Spawned gloo ranks run ``Trainer`` for 5 steps of 4 micro-batches on the tiny co
 dense model with a tied embedding (the head on the last stage uses a copy of the first stage's
 embedding) and a hybrid Mamba model, each with 8 blocks, at pp2 and pp4 with vp 1 (1F1B) and 2
 (interleaved); at pp2 x tp2 with sequence parallelism and pp2 x vp2 x dp2 with the distributed
-optimizer; and with multi-token prediction at pp2 x vp2 x cp2 (the MTP depth on the last stage,
-its loss shared over CP). Every step's loss and global gradient norm, the validation losses (a
-forward-only schedule) and the final parameters must equal the single-process run (relative
-error <= 1e-5), on every rank. A checkpoint written at pp4 x vp2 (each stage writes its own
+optimizer; with multi-token prediction at pp2 x vp2 x cp2 (the MTP depth on the last stage,
+its loss shared over CP); and an MoE model at pp2 x vp2 x ep2 with the distributed optimizer.
+Every step's loss and global gradient norm, the validation losses (a forward-only schedule)
+and the final parameters must equal the single-process run (relative error <= 1e-5), on every
+rank. A checkpoint written at pp4 x vp2 (each stage writes its own
 parameters by name) resumes at pp2 x vp2 and in one process with the uninterrupted run's
 losses. Layouts the pipeline cannot run are refused before any collective. (The run helpers
 are those of tests/training/test_parallel_training.py.)
@@ -46,15 +47,18 @@ LAYOUTS = {
     2: {"pp2": ["parallel.pp=2"], "pp2 vp2": ["parallel.pp=2", "parallel.vp=2"]},
     4: {"pp4": ["parallel.pp=4"], "pp4 vp2": ["parallel.pp=4", "parallel.vp=2"]},
 }
-MTP = {"dense mtp": [*HELPERS.MODELS["dense"], "model.mtp_depth=1"]}
+EXTRA = {"dense mtp": [*HELPERS.MODELS["dense"], "model.mtp_depth=1"], "moe": HELPERS.MODELS["moe"]}
 """Multi-token prediction on the last stage: it embeds future tokens with its copy of the (untied)
-embedding. (The 4-block model of the CP tests: with a tied embedding, cp2 alone already ends
-1.7e-4 apart from one process, pipeline or not.)"""
+embedding (the 4-block model of the CP tests: with a tied embedding, cp2 alone already ends
+1.7e-4 apart from one process, pipeline or not); MoE blocks with auxiliary and z losses on the
+first stage, experts over ep = dp = 2."""
 MIXED = {  # world 4: name -> (model, layout)
     "dense tied pp2 tp2 sp": ("dense tied", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"]),
     "hybrid pp2 vp2 dp2 dist-opt": ("hybrid", ["parallel.pp=2", "parallel.vp=2", "parallel.dp=2",
                                                "parallel.distributed_optimizer=true"]),
     "dense mtp pp2 vp2 cp2": ("dense mtp", ["parallel.pp=2", "parallel.vp=2", "parallel.cp=2"]),
+    "moe pp2 vp2 ep2 dist-opt": ("moe", ["parallel.pp=2", "parallel.vp=2", "parallel.ep=2",
+                                         "parallel.distributed_optimizer=true"]),
 }
 
 
@@ -69,14 +73,15 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("pipeline-training")
     blend = HELPERS.write_tiny_corpus(root / "corpus")
     single = {model: HELPERS.train_once(blend, root / f"single {model}", overrides)
-              for model, overrides in {**MODELS, **MTP}.items()}
+              for model, overrides in {**MODELS, **EXTRA}.items()}
     by_world = {}
     for world in (4, 2):
         batch = [(f"{model} {layout}", [*MODELS[model], *overrides, *(
             ["train.save_every=3"] if f"{model} {layout}" == SAVED else [])])
             for model in MODELS for layout, overrides in LAYOUTS[world].items()]
         if world == 4:
-            batch += [(name, [*{**MODELS, **MTP}[model], *overrides]) for name, (model, overrides) in MIXED.items()]
+            batch += [(name, [*{**MODELS, **EXTRA}[model], *overrides])
+                      for name, (model, overrides) in MIXED.items()]
         else:
             saved = root / SAVED / "checkpoints" / "step_3"
             shutil.copytree(saved, root / "resumed pp2 vp2" / "checkpoints" / "step_3")

@@ -114,19 +114,18 @@ class LanguageModelStages:
 class PipelinedModel:
     """This rank's stages of a language model plus what running them needs (see the module docstring)."""
 
-    def __init__(self, model, context, chunks, embedding_group, micro_batch_size: int):
-        self.model, self.context, self.chunks = model, context, chunks
-        self.embedding_group, self.micro_batch_size = embedding_group, micro_batch_size
+    def __init__(self, model, context, chunks, embedding_group):
+        self.model, self.context, self.chunks, self.embedding_group = model, context, chunks, embedding_group
         self.last_records = []
         """The per-action timestamps of the last training step (``runtime.ActionRecord``)."""
 
     @classmethod
-    def build(cls, model, context, seq_len: int, micro_batch_size: int) -> "PipelinedModel":
-        """Keep this rank's stages of the full ``model`` (in place) and join its embedding group.
-        Collective (the embedding groups are created by every rank)."""
+    def build(cls, model, context, seq_len: int) -> "PipelinedModel":
+        """Keep this rank's stages of the full ``model`` (in place; ``seq_len`` weighs the blocks'
+        FLOPs) and join its embedding group. Collective (every rank creates every embedding group)."""
         chunks = rank_chunks(model.config, context.pp_size, context.vp_size, context.pp_rank, seq_len)
         keep_stage_modules(model, chunks, context.pp_rank, context.pp_size)
-        return cls(model, context, chunks, build_embedding_group(context, model.config), micro_batch_size)
+        return cls(model, context, chunks, build_embedding_group(context, model.config))
 
     # --- one training step ----------------------------------------------------------------------
     def forward_backward(self, microbatches: list[dict], loss_divisor: int, precision, reducer):

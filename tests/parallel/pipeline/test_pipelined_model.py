@@ -73,7 +73,7 @@ def pipelined_step(model_kwargs: dict, parallel_kwargs: dict) -> dict:
     context = build_parallel_context(parallel, config, torch.device("cpu"), SEQ_LEN, NUM_MICROBATCHES)
     torch.manual_seed(0)
     model = parallelize_model(LanguageModel(config), context)
-    pipelined = PipelinedModel.build(model, context, SEQ_LEN, MICRO_BATCH)
+    pipelined = PipelinedModel.build(model, context, SEQ_LEN)
     precision = MixedPrecision(model, PrecisionConfig())
     reducer, optimizer = build_data_parallel(precision, OptimConfig(), parallel, context)
     share = NUM_MICROBATCHES // context.dp_size
