@@ -6,8 +6,9 @@ with the rank's pieces as rectangular chunks of it (``meshlm/checkpoint/sharding
 them from the shard metadata on parameters; ``global_state.py`` lists them for a run;
 ``planners.py`` hands them to DCP). A run at any other layout (tp, dp, ZeRO-1 on or off,
 another dtype, pipeline stages, experts) asks for the chunks *it* holds and DCP reads the
-overlapping stored chunks. Replicated tensors are written once. Nothing is gathered to one
-rank, so saving costs each rank its own bytes, in parallel.
+overlapping stored chunks. Replicated tensors are written once, by one of their holders
+(``own_chunks`` balances the bytes). Nothing is gathered to one rank, so saving costs each
+rank its share of the bytes, in parallel.
 
     RUN_DIR/checkpoints/step_N/
         __R_0.distcp           rank R's chunks (DCP), for every rank R of the saving run
@@ -125,23 +126,67 @@ def _fsync_directory(path: Path) -> None:
 
 
 # --- what a save writes -------------------------------------------------------------------------------
+def own_chunks(tensors: dict[str, GlobalTensor], group, cache: dict | None = None) -> dict[str, GlobalTensor]:
+    """The chunks this rank writes: a chunk that several ranks hold (a replica over DP, over TP
+    for a replicated weight, ...) goes to one of them, the least loaded so far, biggest chunks
+    first -- the same answer on every rank from one all-gather of the chunk lists (no data).
+    Replicas are then neither staged nor written twice (DCP would deduplicate them too, but
+    only after every rank had staged its copy). ``cache`` keeps the answer for the next save
+    while this rank's chunk list is unchanged (a run's shapes and layout do not change)."""
+    if group is None:
+        return tensors
+    mine = [(key, offsets, view.numel() * view.element_size()) for key, tensor in tensors.items()
+            for offsets, view in tensor.chunks]
+    if cache is not None and cache.get("mine") == mine:
+        writer = cache["writer"]
+    else:
+        writer = assign_writers(mine, group)
+        if cache is not None:
+            cache.update(mine=mine, writer=writer)
+    rank = dist.get_rank(group)
+    kept = {key: GlobalTensor(tensor.shape, tensor.dtype, [(offsets, view) for offsets, view in tensor.chunks
+                                                           if writer[(key, offsets)] == rank])
+            for key, tensor in tensors.items()}
+    return {key: tensor for key, tensor in kept.items() if tensor.chunks}
+
+
+def assign_writers(mine: list[tuple], group) -> dict:
+    """{(key, offsets): the rank that writes the chunk}, from every rank's (key, offsets, bytes) list."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    holders, sizes = {}, {}
+    for rank, chunks in enumerate(everyone):
+        for key, offsets, size in chunks:
+            holders.setdefault((key, offsets), []).append(rank)
+            sizes[(key, offsets)] = size
+    load, writer = [0] * len(everyone), {}
+    for chunk in sorted(holders, key=lambda item: (-sizes[item], item)):
+        writer[chunk] = min(holders[chunk], key=lambda rank: (load[rank], rank))
+        load[writer[chunk]] += sizes[chunk]
+    return writer
+
+
 class SaveRequest:
     """Everything one save writes, captured on the calling thread (so the run may go on)."""
 
     def __init__(self, directory: Path, state: TrainerState, parts: TrainingParts, run_config,
-                 tokenizer_file: Path | None, keep: int, group):
+                 tokenizer_file: Path | None, keep: int, group, cache: dict | None = None):
+        """``cache``: a dict kept between one run's saves (the chunk assignment, the rendered configs)."""
+        cache = {} if cache is None else cache
         self.directory, self.keep, self.group = Path(directory), keep, group
-        self.tensors = training_tensors(parts)
+        self.tensors = own_chunks(training_tensors(parts), group, cache.setdefault("writers", {}))
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.objects = {f"rng/{rank}": capture_rng_state()}
         scaler = getattr(parts.precision, "scaler", None)
         training = {"step": state.step, "layout": layout_of(parts.context, run_config),
                     "optimizers": optimizer_scalars(parts.optimizer),
                     "loss_scaler": scaler.state_dict() if scaler is not None else None}
-        config = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "model": run_config.model.to_dict(),
-                  "run": run_config.to_dict()}
-        self.files = {CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True) + "\n",
-                      RUN_CONFIG_FILE: yaml.safe_dump(run_config.to_dict(), sort_keys=False),
+        if "configs" not in cache:  # the run's config does not change between saves
+            config = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "model": run_config.model.to_dict(),
+                      "run": run_config.to_dict()}
+            cache["configs"] = {CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True) + "\n",
+                                RUN_CONFIG_FILE: yaml.safe_dump(run_config.to_dict(), sort_keys=False)}
+        self.files = {**cache["configs"],
                       STATE_FILE: json.dumps(asdict(state), indent=2, sort_keys=True) + "\n",
                       TRAINING_FILE: json.dumps(training, indent=2, sort_keys=True) + "\n"}
         self.tokenizer_file = Path(tokenizer_file) if tokenizer_file is not None else None
@@ -262,6 +307,9 @@ class Checkpointer:
             self.group = dist.new_group(backend="gloo",
                                         timeout=datetime.timedelta(seconds=run_config.parallel.timeout_s))
         self.staging: dict = {}
+        """CPU buffers of asynchronous saves, reused by the next one."""
+        self.cache: dict = {}
+        """What stays the same between saves: the chunk-to-writer assignment, the rendered configs."""
         self.thread: threading.Thread | None = None
         self.pending_error: BaseException | None = None
         self.pending_path: Path | None = None
@@ -276,7 +324,7 @@ class Checkpointer:
         the call returns once this rank's chunks are staged; the path is final after ``wait()``."""
         self.wait()
         request = SaveRequest(self.run_dir / CHECKPOINTS_DIR / f"step_{state.step}", state, parts, self.run_config,
-                              self.tokenizer_file, self.keep, self.group)
+                              self.tokenizer_file, self.keep, self.group, self.cache)
         if not async_save:
             return request.write()
         request.stage(self.staging)
