@@ -1,0 +1,87 @@
+"""``meshlm checkpoint inspect|consolidate`` and the model commands on a sharded checkpoint.
+
+A bf16 run at tp2 (2 spawned gloo ranks) writes a checkpoint of TP shards; one process then
+inspects it, consolidates it into a single-file model (bf16 weights, or the fp32 masters) that
+equals the run's parameters, generates from it, and converts it to Hugging Face.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm.checkpoint.model_files import load_model
+from meshlm.cli import main
+from meshlm.parallel.testing import run_distributed
+
+
+def _load(name: str, path: Path):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+helpers = _load("meshlm_parallel_training_helpers", Path(__file__).parents[1] / "training" / "test_parallel_training.py")
+LAYOUT = [*helpers.MODELS["dense"], "precision.dtype=bf16", "parallel.tp=2", "parallel.vocab_pad_multiple=3",
+          "train.steps=2", "train.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("checkpoint-cli")
+    blend = helpers.write_tiny_corpus(root / "corpus")
+    results = run_distributed(helpers.train_runs, 2, str(blend), str(root), [("tp2", LAYOUT)])
+    return {"root": root, "run_dir": root / "tp2", "checkpoint": root / "tp2" / "checkpoints" / "step_2",
+            "params": results[0]["tp2"]["params"]}
+
+
+def test_inspect_prints_step_layout_and_global_shapes(run, capsys):
+    assert main(["checkpoint", "inspect", str(run["run_dir"])]) == 0  # a run directory: its newest
+    text = capsys.readouterr().out
+    assert "step 2, samples consumed 16" in text and "tp 2" in text and "dtype bf16" in text
+    assert "model/embedding.weight" in text and "(64, 32)  (2 chunks)" in text  # vocab padding not stored
+    assert main(["checkpoint", "inspect", str(run["checkpoint"]), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["layout"]["tp"] == 2 and info["tensors"]["master/embedding.weight"]["dtype"] == "float32"
+    assert info["model"]["hidden_size"] == 32
+
+
+def test_consolidate_writes_a_single_file_model_of_the_run(run, tmp_path, capsys):
+    out = tmp_path / "model"
+    assert main(["checkpoint", "consolidate", str(run["checkpoint"]), str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    model = load_model(out)
+    assert model.embedding.weight.dtype == torch.bfloat16
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, run["params"][name]), name
+    masters = tmp_path / "masters"
+    assert main(["checkpoint", "consolidate", str(run["checkpoint"]), str(masters), "--fp32-masters"]) == 0
+    fp32 = load_model(masters)
+    assert fp32.embedding.weight.dtype == torch.float32
+    assert torch.equal(fp32.embedding.weight.bfloat16(), run["params"]["embedding.weight"])
+    capsys.readouterr()
+    assert main(["checkpoint", "consolidate", str(run["checkpoint"]), str(out)]) == 2  # not empty: refused
+    assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_generate_and_convert_read_the_shards(run, tmp_path, capsys):
+    for target in (run["checkpoint"], run["run_dir"]):
+        assert main(["generate", str(target), "--prompt", "t1 t4 t7", "--max-new-tokens", "4", "--greedy",
+                     "--json"]) == 0
+        assert len(json.loads(capsys.readouterr().out.strip())["ids"]) == 4
+    assert main(["convert", "meshlm-to-hf", str(run["checkpoint"]), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_a_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 2
+    error = capsys.readouterr().err
+    assert "nope: no such checkpoint or run directory" in error and "Traceback" not in error
