@@ -208,7 +208,13 @@ def share_losses(output, batch: dict[str, torch.Tensor], context, mtp_loss_coeff
 
 def check_context_parallel_model(model_config, cp_size: int, seq_len: int | None = None) -> None:
     """Refuse, before any collective, chunks shorter than what is fetched from a neighbouring
-    chunk: the Mamba conv window (K - 1 tokens) and multi-token prediction's look-ahead."""
+    chunk: the Mamba conv window (K - 1 tokens) and multi-token prediction's look-ahead; and
+    attention dropout, which ring attention does not implement."""
+    attends = "*" in model_config.block_kinds or (model_config.mtp_depth and "*" in model_config.mtp_pattern)
+    if cp_size > 1 and model_config.attention_dropout > 0 and attends:
+        raise ConfigError(f"model.attention_dropout={model_config.attention_dropout} is not supported under context "
+                          f"parallelism (parallel.cp={cp_size}: ring attention has no dropout); set "
+                          "model.attention_dropout=0 or parallel.cp=1 (model.hidden_dropout works at any layout).")
     if cp_size == 1 or seq_len is None:
         return
     chunk = seq_len // (2 * cp_size)

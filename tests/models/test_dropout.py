@@ -223,6 +223,13 @@ def test_dropout_outside_zero_to_one_is_refused(field, value):
 
 
 def test_attention_dropout_is_refused_under_ring_attention():
+    from meshlm.parallel.context_parallel import check_context_parallel_model
+
+    check_context_parallel_model(ModelConfig(attention_dropout=0.1), 1, 16)
+    check_context_parallel_model(ModelConfig(pattern="M-", attention_dropout=0.1), 2, 16)  # no attention
+    check_context_parallel_model(ModelConfig(hidden_dropout=0.1), 2, 16)
+    with pytest.raises(ConfigError, match=r"model.attention_dropout=0.1 .*parallel.cp=2"):
+        check_context_parallel_model(ModelConfig(attention_dropout=0.1), 2, 16)  # before any collective
     model, ids, labels = tiny_model(attention_dropout=0.1).train(), *tokens()
     model.blocks[1].mixer.core = lambda *args: attention_core(*args)  # what context parallelism does
     with pytest.raises(ConfigError, match="model.attention_dropout"):
