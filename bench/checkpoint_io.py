@@ -17,11 +17,12 @@ gloo processes on CPU. Each rank measures, after warm-up steps (medians of ``--r
   read, DCP read, derived state);
 * asynchronous save (``train.async_save``): ``async_blocking_s`` is what the step that issues
   the save waits for (listing the chunks and agreeing which replica writes each -- one small
-  all-gather --, capturing the scalars and RNG states, copying this rank's chunks to CPU
-  staging buffers, starting the thread); then steps run while the shard is written (``steps_in_flight`` of them, their mean
-  ``in_flight_step_s`` against ``step_s`` shows the contention of the writer thread for CPU and
-  disk); ``async_total_s`` until the commit. The target of the issue: ``async_blocking_s`` <
-  10% of ``sync_save_s`` (``stall_over_sync``).
+  all-gather, cached after the first save --, capturing the scalars and RNG states, copying
+  this rank's chunks to CPU staging buffers, starting the thread); then steps run while the
+  shard is written (``steps_in_flight`` of them; their mean ``in_flight_step_s`` against
+  ``step_s`` shows the writer thread's contention for CPU and disk); ``async_total_s`` until
+  the commit. The target of the issue: ``async_blocking_s`` < 10% of ``sync_save_s``
+  (``stall_over_sync``).
 
 JSON on stdout: per rank, and the slowest rank (what the job waits for).
 """

@@ -45,6 +45,17 @@ DCP reads into the live tensors in place, and what derives from them is recomput
 bf16 model weights from the fp32 masters; the distributed optimizer's all-gather).
 
 Why custom planners rather than DTensor/ShardedTensor state dicts: see ``planners.py``.
+
+**The API** (the trainer's ``self.checkpoints``; ``Trainer.training_parts()`` gives ``parts``)::
+
+    checkpointer = Checkpointer(run_dir, run_config, context, tokenizer_file)  # every rank, same point
+    checkpointer.save(state, parts, async_save=False) -> Path   # collective; TrainerState + TrainingParts
+    checkpointer.wait() -> Path | None                          # the asynchronous save in flight, if any
+    checkpointer.latest() -> Path | None                        # the newest complete step_N of run_dir
+    checkpointer.load(path, parts) -> TrainerState              # collective, in place, any saved layout
+
+``load`` can run at any time (a rollback), not only at start-up: it writes into the live
+tensors and returns the ``TrainerState`` to continue from. Errors are ``CheckpointError``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ def _load(name: str, path: Path):
     return sys.modules[name]
 
 
-helpers = _load("meshlm_parallel_training_helpers", Path(__file__).parents[1] / "training" / "test_parallel_training.py")
+helpers = _load("meshlm_parallel_training_helpers",
+                Path(__file__).parents[1] / "training" / "test_parallel_training.py")
 LAYOUT = [*helpers.MODELS["dense"], "precision.dtype=bf16", "parallel.tp=2", "parallel.vocab_pad_multiple=3",
           "train.steps=2", "train.eval_every=0"]
 
