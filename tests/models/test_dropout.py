@@ -234,3 +234,25 @@ def test_attention_dropout_is_refused_under_ring_attention():
     model.blocks[1].mixer.core = lambda *args: attention_core(*args)  # what context parallelism does
     with pytest.raises(ConfigError, match="model.attention_dropout"):
         model(ids, labels)
+
+
+# --- Hugging Face configs ----------------------------------------------------------------------------
+
+def test_hugging_face_dropout_fields_map_both_ways():
+    transformers = pytest.importorskip("transformers")
+    from meshlm.models.hf import llama, nemotron_h
+
+    config = ModelConfig(pattern="*-*-", hidden_dropout=0.1, attention_dropout=0.2)
+    exported = llama.config_to_hf(config)  # no residual dropout in Llama: training-only, dropped
+    assert exported["attention_dropout"] == 0.2 and "hidden_dropout" not in exported
+    assert transformers.LlamaConfig(**exported).attention_dropout == 0.2
+    imported = llama.config_from_hf(exported)
+    assert (imported.attention_dropout, imported.hidden_dropout) == (0.2, 0.0)
+    assert llama.config_from_hf({**exported, "attention_dropout": None}).attention_dropout == 0.0
+
+    hybrid = ModelConfig(pattern="M*-", mamba_head_dim=8, position_embedding="none", mlp_activation="squared_relu",
+                         hidden_dropout=0.1, attention_dropout=0.2)
+    exported = nemotron_h.config_to_hf(hybrid)
+    assert (exported["hidden_dropout"], exported["attention_dropout"]) == (0.1, 0.2)
+    imported = nemotron_h.config_from_hf(exported)
+    assert (imported.hidden_dropout, imported.attention_dropout) == (0.1, 0.2)

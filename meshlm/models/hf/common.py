@@ -16,6 +16,12 @@ Config translation is explicit code per architecture; the helpers here read HF's
 (``rope_parameters`` in transformers v5, ``rope_theta`` + ``rope_scaling`` before), decode the
 ``{"__float__": "Infinity"}`` tags transformers writes for infinite floats, map activation names
 and collect the reasons a meshlm config cannot be written as a given architecture.
+
+Dropout is a training-time setting: HF's ``attention_dropout`` (every architecture with
+attention) is meshlm's ``attention_dropout`` both ways, and Nemotron-H's ``hidden_dropout`` is
+meshlm's ``hidden_dropout``. The other architectures have no residual-stream dropout field, so a
+model trained with ``hidden_dropout`` is exported without it: the weights compute the same
+function at inference, where dropout is off.
 """
 
 from __future__ import annotations

@@ -34,12 +34,13 @@ def attention_fields(hf: dict) -> dict:
     head_dim = hf.get("head_dim") or hidden // heads
     return {"num_attention_heads": heads, "num_kv_heads": None if kv_heads == heads else kv_heads,
             "head_dim": None if head_dim == hidden // heads else head_dim,
-            "attention_bias": bool(hf.get("attention_bias", False))}
+            "attention_bias": bool(hf.get("attention_bias", False)),
+            "attention_dropout": float(hf.get("attention_dropout") or 0.0)}
 
 
 def attention_to_hf(config: ModelConfig) -> dict:
     return {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.resolved_num_kv_heads,
-            "head_dim": config.resolved_head_dim, "attention_dropout": 0.0, **rope_to_hf(config)}
+            "head_dim": config.resolved_head_dim, "attention_dropout": config.attention_dropout, **rope_to_hf(config)}
 
 
 def decoder_unsupported(config: ModelConfig, qk_norm: bool) -> list[str]:
