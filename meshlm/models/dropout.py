@@ -74,14 +74,14 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def fold(state: torch.Tensor, value) -> torch.Tensor:
-    """Fold a coordinate in [0, 2**32) into a running hash state (broadcasting)."""
-    return mix32(state ^ (torch.as_tensor(value, device=state.device) & MASK32))
+def fold(state: torch.Tensor, value: torch.Tensor | int) -> torch.Tensor:
+    """Fold a coordinate in [0, 2**32) (an int64 tensor, broadcasting, or a Python int) into a
+    running hash state."""
+    return mix32(state ^ (value & MASK32))
 
 
-def fold_wide(state: torch.Tensor, value) -> torch.Tensor:
+def fold_wide(state: torch.Tensor, value: torch.Tensor | int) -> torch.Tensor:
     """Fold a non-negative coordinate below 2**63 (a seed, a step, a sample index): both halves."""
-    value = torch.as_tensor(value, dtype=torch.int64, device=state.device)
     return fold(fold(state, value & MASK32), value >> 32)
 
 
@@ -111,7 +111,8 @@ class DropoutKey:
     seed: int
     step: int
     sample_ids: torch.Tensor
-    """[batch] int64: the global index of each row's sample (rows of different DP ranks differ)."""
+    """[batch] non-negative int64: the global index of each row's sample (rows of different DP
+    ranks differ)."""
 
     @staticmethod
     def draw(batch_size: int, device: torch.device | None = None) -> "DropoutKey":
@@ -121,8 +122,6 @@ class DropoutKey:
     def row_states(self, site: int, device: torch.device) -> torch.Tensor:
         """[batch] hash states of (seed, step, site, sample) for every row."""
         samples = self.sample_ids.to(device=device, dtype=torch.int64)
-        if samples.min() < 0:
-            raise ValueError("dropout sample indices must be non-negative")
         state = torch.zeros((), dtype=torch.int64, device=device)
         state = fold(fold_wide(fold_wide(state, self.seed % 2**63), self.step), site)
         return fold_wide(state.expand_as(samples), samples)

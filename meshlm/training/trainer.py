@@ -118,7 +118,8 @@ class StepResult:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed every RNG a run draws from (model init, dropout, anything using numpy or random)."""
+    """Seed every RNG a run draws from (model init, anything using numpy or random). Dropout draws
+    nothing: its masks hash train.seed with global coordinates (meshlm/models/dropout.py)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
