@@ -38,6 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from meshlm.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
+from meshlm.models.config import TRAINING_ONLY_FIELDS
 
 CHECKPOINTS_DIR = "checkpoints"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -230,7 +231,8 @@ def check_model_config(config_path: Path, model_config) -> None:
         raise CheckpointError(f"{config_path}: not a meshlm model config ({error}).") from error
     current = json.loads(json.dumps(model_config.to_dict()))
     differences = [f"model.{key}: checkpoint {saved.get(key)!r} vs config {current.get(key)!r}"
-                   for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+                   for key in sorted(set(saved) | set(current))
+                   if saved.get(key) != current.get(key) and key not in TRAINING_ONLY_FIELDS]  # dropout may change
     if differences:
         raise CheckpointError(f"{config_path} was written for a different model ({'; '.join(differences)}); "
                               "resume with the run's original model settings or choose a new train.run_dir.")

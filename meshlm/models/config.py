@@ -33,6 +33,11 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field and the fix."""
 
 
+TRAINING_ONLY_FIELDS = ("hidden_dropout", "attention_dropout")
+"""Fields that change neither the parameters nor the inference function: a checkpoint may be
+resumed with other values (and a checkpoint written before they existed has their defaults)."""
+
+
 @dataclass
 class ModelConfig:
     """Everything that determines a model's parameters and its forward computation."""
@@ -345,4 +350,4 @@ def _choice(config: ModelConfig, name: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"model.{name}={value!r} is not one of {', '.join(allowed)}.")
 
 
-__all__ = ["ModelConfig", "ConfigError", "BLOCK_KINDS"]
+__all__ = ["ModelConfig", "ConfigError", "BLOCK_KINDS", "TRAINING_ONLY_FIELDS"]

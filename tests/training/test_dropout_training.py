@@ -10,7 +10,8 @@ sample indices), pp2 x tp2 with SP (stages build their own contexts) and cp2 x t
 validation losses and final parameters equal the single-process run (fp32, relative error
 <= 1e-5), on every rank. In one process: the dropout changes the training losses but not the
 validation losses (eval mode is dropout-free), and a run resumed from its step-3 checkpoint
-repeats steps 4-5 bitwise (the masks depend on the step, which the checkpoint restores).
+repeats steps 4-5 bitwise (the masks depend on the step, which the checkpoint restores); the
+dropout fields may change on resume and are absent from older checkpoints.
 (The run helpers are those of tests/training/test_parallel_training.py.)
 """
 
@@ -89,3 +90,20 @@ def test_resume_with_dropout_is_bitwise_exact(runs, tmp_path):
     assert resumed["val_losses"][5] == whole["val_losses"][5]
     assert resumed["params"].keys() == whole["params"].keys()
     assert all(torch.equal(resumed["params"][name], value) for name, value in whole["params"].items())
+
+
+def test_checkpoints_resume_with_other_dropout_and_from_before_dropout_existed(tmp_path):
+    import json
+
+    from meshlm.checkpoint.model_files import CheckpointError
+    from meshlm.checkpoint.training_checkpoint import check_model_config
+    from meshlm.models.config import ModelConfig
+
+    older = ModelConfig().to_dict()
+    del older["hidden_dropout"], older["attention_dropout"]  # written before the fields existed
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps({"model": older}))
+    check_model_config(config_file, ModelConfig())
+    check_model_config(config_file, ModelConfig(hidden_dropout=0.1, attention_dropout=0.2))  # training-only
+    with pytest.raises(CheckpointError, match="model.hidden_size"):
+        check_model_config(config_file, ModelConfig(hidden_size=32, hidden_dropout=0.1))
