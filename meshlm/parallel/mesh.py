@@ -225,14 +225,17 @@ def join_process_group(backend: str, timeout_s: float) -> None:
     Under ``torchrun --max-restarts`` the workers of every attempt share the agent's TCPStore
     (``TORCHELASTIC_USE_AGENT_STORE``), and torch 2.13 no longer separates the attempts' keys: a
     restarted rank could read a dead rank's address from the last attempt and fail to connect.
-    So each attempt gets its own key prefix, as older torch did (``/worker/attempt_N``).
+    So each attempt gets its own key prefix, as older torch did (``/worker/attempt_N``), on a
+    single node only: there one agent numbers the attempts of every worker alike, while across
+    nodes an agent restarting for another node's failure keeps its count.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+    rank, world_size = world_from_environment()
+    single_node = os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or not single_node:
         dist.init_process_group(backend, timeout=timeout)
         return
-    rank, world_size = world_from_environment()
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
                           timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"/meshlm/attempt_{attempt}", store), rank=rank,
