@@ -4,7 +4,7 @@ Spawned gloo ranks run ``Trainer`` for 5 steps of 4 micro-batches on the tiny co
 dense model with a tied embedding (the head on the last stage uses a copy of the first stage's
 embedding) and a hybrid Mamba model, each with 8 blocks, at pp2 and pp4 with vp 1 (1F1B) and 2
 (interleaved); at pp2 x tp2 with sequence parallelism and pp2 x vp2 x dp2 with the distributed
-optimizer; with multi-token prediction at pp2 x vp2 x cp2 (the MTP depth on the last stage,
+optimizer and full recomputation; with multi-token prediction at pp2 x vp2 x cp2 (the MTP depth on the last stage,
 its loss shared over CP); and an MoE model at pp2 x vp2 x ep2 with the distributed optimizer.
 Every step's loss and global gradient norm, the validation losses (a forward-only schedule)
 and the final parameters must equal the single-process run (relative error <= 1e-5), on every
@@ -54,8 +54,9 @@ embedding (the 4-block model of the CP tests: with a tied embedding, cp2 alone a
 first stage, experts over ep = dp = 2."""
 MIXED = {  # world 4: name -> (model, layout)
     "dense tied pp2 tp2 sp": ("dense tied", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"]),
-    "hybrid pp2 vp2 dp2 dist-opt": ("hybrid", ["parallel.pp=2", "parallel.vp=2", "parallel.dp=2",
-                                               "parallel.distributed_optimizer=true"]),
+    "hybrid pp2 vp2 dp2 dist-opt recompute": ("hybrid", ["parallel.pp=2", "parallel.vp=2", "parallel.dp=2",
+                                                         "parallel.distributed_optimizer=true",
+                                                         "train.recompute=full"]),
     "dense mtp pp2 vp2 cp2": ("dense mtp", ["parallel.pp=2", "parallel.vp=2", "parallel.cp=2"]),
     "moe pp2 vp2 ep2 dist-opt": ("moe", ["parallel.pp=2", "parallel.vp=2", "parallel.ep=2",
                                          "parallel.distributed_optimizer=true"]),
