@@ -185,9 +185,13 @@ def prepare_distributed(directory: Path, parts: TrainingParts, run_config):
     return planner, training
 
 
-DATA_ORDER_KEYS = (("train", "steps"), ("train", "global_batch_size"), ("train", "seq_len"), ("train", "seed"),
+DATA_ORDER_KEYS = (("train", "global_batch_size"), ("train", "seq_len"), ("train", "seed"),
                    ("data", "blend"), ("data", "prefixes"), ("data", "weights"), ("data", "split"))
-"""Settings the global sample order depends on (the shuffle covers steps * global_batch_size samples)."""
+"""Settings the global sample order depends on. ``train.steps`` is not one of them: the sample
+order is prefix-stable (meshlm/data/gpt_dataset.py), so a longer run reads the same first samples;
+it only stretches the learning-rate schedule (see ``SCHEDULE_KEYS``)."""
+SCHEDULE_KEYS = (("train", "steps"),)
+"""Settings the learning-rate schedule depends on beyond ``optim.*``."""
 
 
 def resume_warnings(directory: Path, run_config) -> list[str]:
@@ -197,16 +201,27 @@ def resume_warnings(directory: Path, run_config) -> list[str]:
         saved = read_json(directory / CONFIG_FILE).get("run") or {}
     except CheckpointError:
         return []
-    current, notes = run_config.to_dict(), []
-    for section, key in DATA_ORDER_KEYS:
-        before, now = (saved.get(section) or {}).get(key), current[section][key]
-        if before is not None and before != now:
-            notes.append(f"{section}.{key}: checkpoint {before!r}, now {now!r}")
-    if not notes:
-        return []
-    return [f"resuming {directory} with changed settings ({'; '.join(notes)}): the order of the training "
-            "samples (and the learning-rate schedule) depend on them, so from here on the run reads a different "
-            "sample order than the checkpoint's run would have -- some samples may repeat or be skipped."]
+    current = run_config.to_dict()
+
+    def changes(keys) -> list[str]:
+        found = []
+        for section, key in keys:
+            before, now = (saved.get(section) or {}).get(key), current[section][key]
+            if before is not None and before != now:
+                found.append(f"{section}.{key}: checkpoint {before!r}, now {now!r}")
+        return found
+
+    warnings = []
+    data_changes, schedule_changes = changes(DATA_ORDER_KEYS), changes(SCHEDULE_KEYS)
+    if data_changes:
+        warnings.append(f"resuming {directory} with changed settings ({'; '.join(data_changes)}): the order of "
+                        "the training samples depends on them, so from here on the run reads a different sample "
+                        "order than the checkpoint's run would have -- some samples may repeat or be skipped.")
+    if schedule_changes:
+        warnings.append(f"resuming {directory} with {'; '.join(schedule_changes)}: the samples continue where "
+                        "the checkpoint stopped, but the learning-rate schedule (warmup/decay over train.steps) "
+                        "is recomputed for the new length.")
+    return warnings
 
 
 def restore_scalars(parts: TrainingParts, optimizers: list[dict], loss_scaler: dict | None, where: Path) -> None:

@@ -16,9 +16,14 @@ Three index arrays turn "sample i" into tokens on disk, built once with numpy an
   requested number of samples needs.
 - ``sample_index[k] = (p, o)``: stream sample ``k`` starts at token ``o`` of document
   ``document_index[p]``.
-- ``shuffle_index``: a seeded permutation of the samples, so consecutive training steps do
-  not see neighbouring windows of the same document. ``dataset[i]`` is stream sample
-  ``shuffle_index[i]``; the trainer resumes exactly by asking for ``i`` onwards.
+- ``shuffle_index``: a seeded shuffle of the samples, so consecutive training steps do not see
+  neighbouring windows of the same document: the stream samples are cut into windows of about
+  one epoch (at most ``SHUFFLE_WINDOW_LIMIT``) and each window is permuted by its own seeded
+  generator. ``dataset[i]`` is stream sample ``shuffle_index[i]``; the trainer resumes exactly
+  by asking for ``i`` onwards.
+
+All three are *prefix-stable*: asking for more samples (a longer run, or a resumed run given
+more ``train.steps``) appends to the order and never changes the samples before.
 
 The train/valid/test *split* is by documents: ``split="98,1,1"`` gives the first 98% of the
 store's documents to train, the next 1% to valid and the last 1% to test (contiguous ranges,
@@ -44,7 +49,7 @@ from meshlm.data.errors import DataError
 from meshlm.data.indexed import TokenStore
 
 SPLIT_NAMES = ("train", "valid", "test")
-INDEX_FORMAT_VERSION = 1
+INDEX_FORMAT_VERSION = 2
 INDEX_KINDS = ("document_index", "sample_index", "shuffle_index")
 
 
@@ -71,20 +76,42 @@ def split_document_range(num_documents: int, split: str | list[float], split_nam
     return int(bounds[position]), int(bounds[position + 1])
 
 
+SHUFFLE_WINDOW_LIMIT = 1 << 22
+"""At most this many consecutive stream samples are shuffled together (32 MB of int64 index)."""
+
+
+def shuffle_window(tokens_per_epoch: int, seq_len: int) -> int:
+    """Samples shuffled together: about one epoch's worth, capped by ``SHUFFLE_WINDOW_LIMIT``."""
+    return max(1, min(tokens_per_epoch // seq_len, SHUFFLE_WINDOW_LIMIT))
+
+
 def build_indices(document_lengths: np.ndarray, documents: np.ndarray, seq_len: int, num_samples: int,
                   seed: int, shuffle: bool) -> dict[str, np.ndarray]:
-    """The three index arrays (see the module docstring) for ``num_samples`` samples."""
+    """The three index arrays (see the module docstring) for ``num_samples`` samples.
+
+    Prefix-stable: the first n samples are the same whatever ``num_samples`` >= n is asked for,
+    because epoch e's document order comes from its own generator (seed, e) and the samples are
+    shuffled in whole windows of fixed size, window w by its own generator (seed, w). So a run
+    given more steps (``train.steps``) on resume reads the same samples up to where it stopped.
+    """
     tokens_per_epoch = int(document_lengths[documents].sum())
-    num_epochs = math.ceil((num_samples * seq_len + 1) / tokens_per_epoch)
-    rng = np.random.default_rng(seed)
-    epochs = [rng.permutation(documents) if shuffle else documents for _ in range(num_epochs)]
+    window = shuffle_window(tokens_per_epoch, seq_len)
+    num_windows = math.ceil(num_samples / window)
+    stream_samples = num_windows * window  # whole windows, so the last window's order is stable too
+    num_epochs = math.ceil((stream_samples * seq_len + 1) / tokens_per_epoch)
+    epochs = [np.random.default_rng([seed, 0, epoch]).permutation(documents) if shuffle else documents
+              for epoch in range(num_epochs)]
     document_index = np.concatenate(epochs).astype(np.int64)
     stream_ends = np.cumsum(document_lengths[document_index])
-    sample_starts = np.arange(num_samples, dtype=np.int64) * seq_len
+    sample_starts = np.arange(stream_samples, dtype=np.int64) * seq_len
     positions = np.searchsorted(stream_ends, sample_starts, side="right")
     document_starts = stream_ends[positions] - document_lengths[document_index[positions]]
     sample_index = np.stack([positions, sample_starts - document_starts], axis=1).astype(np.int64)
-    shuffle_index = rng.permutation(num_samples) if shuffle else np.arange(num_samples)
+    if shuffle:
+        shuffle_index = np.concatenate([w * window + np.random.default_rng([seed, 1, w]).permutation(window)
+                                        for w in range(num_windows)])[:num_samples]
+    else:
+        shuffle_index = np.arange(num_samples)
     return {"document_index": document_index, "sample_index": sample_index,
             "shuffle_index": shuffle_index.astype(np.int64)}
 

@@ -63,6 +63,22 @@ def test_shuffle_is_deterministic_by_seed(tmp_path):
     assert not torch.equal(seed_1, seed_2)
 
 
+def test_asking_for_more_samples_keeps_the_first_ones(tmp_path):
+    """Prefix stability: a run resumed with more train.steps reads the same samples up to where
+    it stopped (epochs and shuffle windows have their own generators)."""
+    write_counting_store(tmp_path / "c", LENGTHS * 3)
+    short = GPTDataset(tmp_path / "c", SEQ_LEN, num_samples=30, seed=5, cache_dir=tmp_path / "short")
+    long = GPTDataset(tmp_path / "c", SEQ_LEN, num_samples=200, seed=5, cache_dir=tmp_path / "long")
+    window = (3 * sum(LENGTHS)) // SEQ_LEN
+    assert 30 % window and 200 > 2 * window  # a partial window, and several epochs later
+    for index in range(30):
+        assert torch.equal(short[index]["input_ids"], long[index]["input_ids"]), index
+    first_window = long.shuffle_index[:window]
+    assert sorted(first_window.tolist()) == list(range(window))  # shuffled within its window
+    assert not np.array_equal(first_window, np.arange(window))
+    assert len(set(long.shuffle_index.tolist())) == 200  # no sample twice
+
+
 def test_splits_are_disjoint_document_ranges(tmp_path):
     lengths = [10 + index % 7 for index in range(50)]
     stream = write_counting_store(tmp_path / "c", lengths)

@@ -115,6 +115,18 @@ def test_resume_after_a_crash_is_bitwise_identical(make_config, tmp_path, monkey
     assert set(whole) == set(again) and all(torch.equal(whole[key], again[key]) for key in whole)
 
 
+def test_extending_a_finished_run_continues_the_longer_run_exactly(make_config, tmp_path):
+    """A run trained to step 3 and resumed with train.steps=6 reads the samples the 6-step run
+    reads (the sample order is prefix-stable); with a constant LR the losses are bitwise equal."""
+    constant = ("optim.schedule=constant", "optim.warmup_steps=0", "train.eval_every=0", "train.save_every=3")
+    train(make_config(*constant, "train.steps=6", f"train.run_dir={tmp_path / 'long'}"))
+    train(make_config(*constant, "train.steps=3", f"train.run_dir={tmp_path / 'short'}"))
+    with pytest.warns(UserWarning, match="train.steps: checkpoint 3, now 6"):
+        extended = train(make_config(*constant, "train.steps=6", f"train.run_dir={tmp_path / 'short'}"))
+    assert sorted(extended.losses) == [4, 5, 6]
+    assert [r["loss"] for r in step_records(tmp_path / "short")] == [r["loss"] for r in step_records(tmp_path / "long")]
+
+
 def test_keeps_only_the_last_checkpoints(make_config):
     config = make_config("train.steps=5", "train.save_every=1", "train.keep_checkpoints=2", "train.eval_every=0")
     train(config)
