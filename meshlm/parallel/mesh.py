@@ -242,6 +242,17 @@ def join_process_group(backend: str, timeout_s: float) -> None:
                             world_size=world_size, timeout=timeout)
 
 
+def check_backend(parallel, backend: str) -> None:
+    """Layouts a backend cannot run correctly. The pipeline's point-to-point messages are matched
+    by tag (meshlm/parallel/pipeline/p2p.py); NCCL ignores tags and matches by issue order per
+    pair of ranks, which the interleaved schedule does not keep when pp = 2 (the two ranks carry
+    activations and gradients both ways). Refused rather than risk swapped micro-batches."""
+    if backend == "nccl" and parallel.pp == 2 and parallel.vp > 1:
+        raise ConfigError(f"parallel.pp=2 with parallel.vp={parallel.vp} on NCCL: the interleaved schedule's "
+                          "messages between two stages are matched by tag, which NCCL ignores; use "
+                          "parallel.vp=1, or pp >= 3 for interleaving.")
+
+
 def build_parallel_context(parallel, model, device: torch.device, seq_len: int | None = None,
                            micro_batches_per_step: int | None = None) -> ParallelContext:
     """Check the layout, then join the process group (when launched by torchrun) and build the meshes."""
@@ -249,6 +260,7 @@ def build_parallel_context(parallel, model, device: torch.device, seq_len: int |
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     dp = check_layout(parallel, model, world_size, seq_len, micro_batches_per_step)
+    check_backend(parallel, choose_backend(parallel, device))
     if world_size == 1:
         return ParallelContext(vp_size=parallel.vp, sequence_parallel=parallel.sp,
                                moe_dispatcher=parallel.moe_dispatcher)

@@ -132,3 +132,12 @@ def test_context_parallel_needs_two_chunks_per_rank():
     message = refusal(ParallelConfig(cp=2), ModelConfig(pattern="*"), world_size=2, seq_len=18)
     assert "train.seq_len=18" in message and "2*cp" in message
     assert check_layout(ParallelConfig(cp=2), ModelConfig(pattern="*"), 2, seq_len=16) == 1
+
+
+def test_interleaving_over_two_stages_is_refused_on_nccl():
+    from meshlm.parallel.mesh import check_backend
+
+    with pytest.raises(ConfigError, match="parallel.pp=2 with parallel.vp=2 on NCCL"):
+        check_backend(ParallelConfig(pp=2, vp=2), "nccl")
+    check_backend(ParallelConfig(pp=2, vp=2), "gloo")  # gloo matches by tag: allowed
+    check_backend(ParallelConfig(pp=4, vp=2), "nccl")

@@ -19,7 +19,8 @@ pp = 2 and vp > 1 the same pair carries activations one way and gradients the ot
 order in which each side issues them depends on its schedule), and a tag-less match by issue
 order could silently hand one micro-batch's activation to another. Gloo honours tags (this is
 what the tests run); NCCL ignores them and matches by issue order per pair, which our schedules
-do not guarantee for pp = 2 with vp > 1 -- untested on GPUs here.
+do not guarantee for pp = 2 with vp > 1, so that layout is refused on NCCL
+(``meshlm.parallel.mesh.check_backend``) -- untested on GPUs here.
 """
 
 from __future__ import annotations
