@@ -195,6 +195,17 @@ def _collect(workers: list[_Worker], timeout_s: float) -> tuple[list, dict[int, 
     return results, failures, sorted(waiting.values())
 
 
+def import_test_file(path, module_name: str):
+    """Load a test file as module ``module_name`` and register it in ``sys.modules``, so another
+    test file can reuse its helpers (pytest's importlib mode does not let test files import each
+    other) and ``run_distributed`` can send its functions to the spawned ranks by module name."""
+    spec = importlib.util.spec_from_file_location(module_name, os.fspath(path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, fresh_processes: bool = False,
                     **kwargs) -> list:
     """Call ``fn(*args, **kwargs)`` in ``world_size`` gloo processes; return the results by rank.

@@ -17,25 +17,18 @@ dropout fields may change on resume and are absent from older checkpoints.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from meshlm.parallel.testing import run_distributed
+from meshlm.parallel.testing import import_test_file, run_distributed
 
 
 def parallel_training_helpers():
     """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
-    path = Path(__file__).parent / "test_parallel_training.py"
-    spec = importlib.util.spec_from_file_location("parallel_training_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # run_distributed finds its functions by module name
-    spec.loader.exec_module(module)
-    return module
+    return import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
 
 
 HELPERS = parallel_training_helpers()

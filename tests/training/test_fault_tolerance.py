@@ -9,7 +9,6 @@ rank 1 only. Dead and hung peers, and torchrun restarts: tests/training/test_cha
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import shutil
 from pathlib import Path
@@ -22,7 +21,7 @@ from meshlm.cli import main
 from meshlm.models.config import ConfigError
 from meshlm.parallel.data_parallel_testing import relative_error
 from meshlm.parallel.tensor_parallel import gather_full_state_dict
-from meshlm.parallel.testing import run_distributed
+from meshlm.parallel.testing import import_test_file, run_distributed
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, backend_message
 from meshlm.training.metrics import read_metrics
 from meshlm.training.trainer import Trainer
@@ -34,12 +33,8 @@ ROLLBACK_RUN = ["train.steps=10", "train.save_every=2", "train.keep_checkpoints=
 
 
 def parallel_training_helpers():
-    """tests/training/test_parallel_training.py, loaded by path (test files cannot import each other)."""
-    spec = importlib.util.spec_from_file_location("parallel_training_helpers",
-                                                  Path(__file__).parent / "test_parallel_training.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
+    return import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
 
 
 class FaultyTrainer(Trainer):

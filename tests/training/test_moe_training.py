@@ -16,10 +16,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,19 +27,14 @@ from meshlm.checkpoint.model_files import CheckpointError, save_model
 from meshlm.cli import main
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.router import TopKRouter
-from meshlm.parallel.testing import run_distributed
+from meshlm.parallel.testing import import_test_file, run_distributed
 from meshlm.training.metrics import read_metrics
 from meshlm.training.trainer import Trainer
 
 
 def parallel_training_helpers():
     """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
-    path = Path(__file__).parent / "test_parallel_training.py"
-    spec = importlib.util.spec_from_file_location("parallel_training_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # run_distributed finds its functions by module name
-    spec.loader.exec_module(module)
-    return module
+    return import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
 
 
 HELPERS = parallel_training_helpers()
