@@ -74,14 +74,14 @@ import torch
 import torch.distributed as dist
 import yaml
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 
 from meshlm.checkpoint.global_state import GlobalTensor, TrainingParts, optimizer_scalars, training_tensors
 from meshlm.checkpoint.model_files import CONFIG_FILE, FORMAT_NAME, FORMAT_VERSION, CheckpointError
 from meshlm.checkpoint.planners import ChunkSavePlanner
 from meshlm.checkpoint.training_checkpoint import (CHECKPOINTS_DIR, COMPLETE_FILE, RUN_CONFIG_FILE, STATE_FILE,
-                                                   TOKENIZER_SIDE_FILES, TrainerState, capture_rng_state,
-                                                   checkpoint_dirs, prune_checkpoints)
+                                                   TrainerState, capture_rng_state, checkpoint_dirs,
+                                                   copy_tokenizer, prune_checkpoints, replace_directory)
 
 METADATA_FILE = ".metadata"
 TRAINING_FILE = "training.json"
@@ -256,7 +256,7 @@ class SaveRequest:
             for name, text in self.files.items():
                 (temporary / name).write_text(text)
             if self.tokenizer_file is not None:
-                copy_tokenizer_files(self.tokenizer_file, temporary)
+                copy_tokenizer(self.tokenizer_file, temporary)
             sums = {name: value for entry in rank_sums for name, value in entry.items()}
             for path in temporary.iterdir():
                 if path.name not in sums:
@@ -273,27 +273,6 @@ class SaveRequest:
         except Exception as error:  # reported to every rank by the caller
             shutil.rmtree(temporary, ignore_errors=True)
             return f"{type(error).__name__}: {error}"
-
-
-def copy_tokenizer_files(tokenizer_file: Path, destination: Path) -> None:
-    if not tokenizer_file.is_file():
-        raise CheckpointError(f"{tokenizer_file}: the run's tokenizer file is missing; cannot copy it into the "
-                              "checkpoint (set data.tokenizer to an existing tokenizer.json).")
-    shutil.copyfile(tokenizer_file, destination / "tokenizer.json")
-    for name in TOKENIZER_SIDE_FILES:
-        if (tokenizer_file.parent / name).is_file():
-            shutil.copyfile(tokenizer_file.parent / name, destination / name)
-
-
-def replace_directory(source: Path, destination: Path) -> None:
-    """Rename ``source`` to ``destination``; an existing destination is swapped out, then removed."""
-    if not destination.exists():
-        os.rename(source, destination)
-        return
-    old = destination.with_name(f"{destination.name}.old-{os.getpid()}")
-    os.rename(destination, old)
-    os.rename(source, destination)
-    shutil.rmtree(old)
 
 
 # --- the trainer's interface --------------------------------------------------------------------------
@@ -384,4 +363,4 @@ def latest_complete(run_dir) -> Path | None:
 
 
 __all__ = ["Checkpointer", "METADATA_FILE", "SaveRequest", "TRAINING_FILE", "agree_on_error", "file_checksum",
-           "layout_of", "replace_directory"]
+           "layout_of"]

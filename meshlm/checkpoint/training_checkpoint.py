@@ -118,7 +118,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _replace_directory(source: Path, destination: Path) -> None:
+def replace_directory(source: Path, destination: Path) -> None:
     """Rename ``source`` to ``destination``; an existing destination is swapped out, then removed."""
     if not destination.exists():
         os.rename(source, destination)
@@ -240,4 +240,5 @@ def check_model_config(config_path: Path, model_config) -> None:
 
 __all__ = ["CHECKPOINTS_DIR", "COMPLETE_FILE", "MOVE_AWAY_HINT", "REQUIRED_FILES", "TrainerState", "TrainingCheckpoint",
            "capture_rng_state", "check_model_config", "checkpoint_dirs", "copy_tokenizer", "is_complete",
-           "latest_checkpoint", "prune_checkpoints", "read_checkpoint", "restore_rng_state", "save_checkpoint"]
+           "latest_checkpoint", "prune_checkpoints", "read_checkpoint", "replace_directory", "restore_rng_state",
+           "save_checkpoint"]

@@ -198,7 +198,10 @@ def _collect(workers: list[_Worker], timeout_s: float) -> tuple[list, dict[int, 
 def import_test_file(path, module_name: str):
     """Load a test file as module ``module_name`` and register it in ``sys.modules``, so another
     test file can reuse its helpers (pytest's importlib mode does not let test files import each
-    other) and ``run_distributed`` can send its functions to the spawned ranks by module name."""
+    other) and ``run_distributed`` can send its functions to the spawned ranks by module name.
+    A module already loaded under that name is returned as it is."""
+    if module_name in sys.modules:
+        return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, os.fspath(path))
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module

@@ -7,9 +7,7 @@ equals the run's parameters, generates from it, and converts it to Hugging Face.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,20 +15,11 @@ import torch
 
 from meshlm.checkpoint.model_files import load_model
 from meshlm.cli import main
-from meshlm.parallel.testing import run_distributed
+from meshlm.parallel.testing import import_test_file, run_distributed
 
 
-def _load(name: str, path: Path):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-helpers = _load("meshlm_parallel_training_helpers",
-                Path(__file__).parents[1] / "training" / "test_parallel_training.py")
+helpers = import_test_file(Path(__file__).parents[1] / "training" / "test_parallel_training.py",
+                           "meshlm_parallel_training_helpers")
 LAYOUT = [*helpers.MODELS["dense"], "precision.dtype=bf16", "parallel.tp=2", "parallel.vocab_pad_multiple=3",
           "train.steps=2", "train.eval_every=0"]
 

@@ -7,9 +7,7 @@ checkpoint at step 3), reused through ``tests/checkpoint/test_reshard.py``'s ``t
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,19 +17,10 @@ import torch.distributed as dist
 from meshlm.checkpoint.consolidate import read_global_tensors
 from meshlm.checkpoint.model_files import CheckpointError
 from meshlm.parallel.data_parallel_testing import relative_error
-from meshlm.parallel.testing import run_distributed
+from meshlm.parallel.testing import import_test_file, run_distributed
 
 
-def _load(name: str, path: Path):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-reshard = _load("meshlm_reshard_tests", Path(__file__).parent / "test_reshard.py")
+reshard = import_test_file(Path(__file__).parent / "test_reshard.py", "meshlm_reshard_tests")
 helpers = reshard.helpers
 BF16 = [*helpers.MODELS["dense"], "precision.dtype=bf16"]
 RUNS = {

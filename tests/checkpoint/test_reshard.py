@@ -16,9 +16,7 @@ A's step-3 checkpoint is copied into a new run at layout B, which loads it, re-s
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,23 +25,11 @@ import torch
 import torch.distributed as dist
 
 from meshlm.checkpoint.consolidate import read_global_tensors
-from meshlm.parallel.data_parallel_testing import relative_error
-from meshlm.parallel.testing import run_distributed
+from meshlm.parallel.testing import import_test_file, run_distributed
 
 
-def _load_helpers():
-    """tests/training/test_parallel_training.py (test files are not importable by name)."""
-    name = "meshlm_parallel_training_helpers"
-    if name not in sys.modules:
-        path = Path(__file__).parents[1] / "training" / "test_parallel_training.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-helpers = _load_helpers()
+helpers = import_test_file(Path(__file__).parents[1] / "training" / "test_parallel_training.py",
+                           "meshlm_parallel_training_helpers")
 MODELS = helpers.MODELS
 PADDED = ["parallel.vocab_pad_multiple=3"]  # 64 -> 66 rows at tp2: padding rows inside the shards
 DIST_OPT = ["parallel.distributed_optimizer=true"]

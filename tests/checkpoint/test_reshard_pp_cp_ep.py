@@ -12,27 +12,16 @@ shards as their DP peers; expert shards map back through ``expert_parallel`` met
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from meshlm.checkpoint.consolidate import read_global_tensors
-from meshlm.parallel.testing import run_distributed
+from meshlm.parallel.testing import import_test_file, run_distributed
 
 
-def _load(name: str, path: Path):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-reshard = _load("meshlm_reshard_tests", Path(__file__).parent / "test_reshard.py")
+reshard = import_test_file(Path(__file__).parent / "test_reshard.py", "meshlm_reshard_tests")
 helpers = reshard.helpers
 MODELS, DIST_OPT = helpers.MODELS, reshard.DIST_OPT
 TIED = [*MODELS["dense"], "model.tie_embeddings=true", "model.vocab_size=512"]
