@@ -26,12 +26,8 @@ import torch
 from meshlm.parallel.testing import import_test_file, run_distributed
 
 
-def parallel_training_helpers():
-    """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
-    return import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
-
-
-HELPERS = parallel_training_helpers()
+HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
+"""tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
 HYBRID = HELPERS.MODELS["hybrid"]
 MODELS = {
     "hidden+attention": [*HYBRID, "model.hidden_dropout=0.1", "model.attention_dropout=0.1"],

@@ -18,17 +18,11 @@ import pytest
 from meshlm.parallel.testing import import_test_file, run_distributed
 
 
-def parallel_training_helpers():
-    """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
-    return import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
-
-
-HELPERS = parallel_training_helpers()
-MOE_HYBRID = ["model.pattern=ME*E", "model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32",
-              "model.moe_shared_expert_ffn_hidden_size=32", "model.moe_aux_loss_coeff=0.01",
-              "model.moe_z_loss_coeff=0.001", "model.mamba_head_dim=8", "model.mamba_state_size=8",
-              "model.mamba_num_groups=4", "model.mamba_chunk_size=8"]
-DIST_OPT = "parallel.distributed_optimizer=true"
+HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
+"""tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
+EXPERT_TESTS = import_test_file(Path(__file__).parent / "test_expert_parallel_training.py", "expert_parallel_tests")
+MOE_HYBRID, DIST_OPT = EXPERT_TESTS.MOE_HYBRID, EXPERT_TESTS.DIST_OPT
+"""The MoE hybrid and settings of the 4-rank expert-parallel trainer tests."""
 LAYOUTS = {  # world 8
     "tp2 ep4": ["parallel.tp=2", "parallel.ep=4"],
     "tp2 sp cp2 ep4 etp1 dist-opt": ["parallel.tp=2", "parallel.sp=true", "parallel.cp=2", "parallel.ep=4",

@@ -18,12 +18,8 @@ import pytest
 from meshlm.parallel.testing import import_test_file, run_distributed
 
 
-def parallel_training_helpers():
-    """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
-    return import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
-
-
-HELPERS = parallel_training_helpers()
+HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
+"""tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
 MOE_HYBRID = ["model.pattern=ME*E", "model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32",
               "model.moe_shared_expert_ffn_hidden_size=32", "model.moe_aux_loss_coeff=0.01",
               "model.moe_z_loss_coeff=0.001", "model.mamba_head_dim=8", "model.mamba_state_size=8",

@@ -32,9 +32,8 @@ ROLLBACK_RUN = ["train.steps=10", "train.save_every=2", "train.keep_checkpoints=
 """A nan weight at step 5 makes steps 5-7 fail; the third failure rolls back to step_4."""
 
 
-def parallel_training_helpers():
-    """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
-    return import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
+HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
+"""tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
 
 
 class FaultyTrainer(Trainer):
@@ -94,11 +93,10 @@ def test_a_non_finite_loss_skips_the_step_even_with_finite_gradients(make_config
 @pytest.fixture(scope="module")
 def rollback_run(tmp_path_factory, corpus_blend) -> dict:
     """A single-process run whose weights turn nan at step 5; rolled back at step 7 to step_4."""
-    helpers = parallel_training_helpers()
     root = tmp_path_factory.mktemp("rollback")
-    trainer = FaultyTrainer(helpers.run_config(corpus_blend, root / "run", *ROLLBACK_RUN), nan_weight_steps={5})
+    trainer = FaultyTrainer(HELPERS.run_config(corpus_blend, root / "run", *ROLLBACK_RUN), nan_weight_steps={5})
     result = trainer.run()
-    return dict(root=root, run_dir=root / "run", result=result, final=trainer.snapshots[10], helpers=helpers)
+    return dict(root=root, run_dir=root / "run", result=result, final=trainer.snapshots[10])
 
 
 def test_k_skips_in_a_row_roll_back_to_the_last_checkpoint(rollback_run, corpus_blend):
@@ -112,7 +110,7 @@ def test_k_skips_in_a_row_roll_back_to_the_last_checkpoint(rollback_run, corpus_
     # loss scale and RNG, and the next unseen batch (samples 7*G onwards; none replayed)
     reference_dir = rollback_run["root"] / "reference"
     shutil.copytree(run_dir / "checkpoints" / "step_4", reference_dir / "checkpoints" / "step_4")
-    config = rollback_run["helpers"].run_config(corpus_blend, reference_dir, *ROLLBACK_RUN)
+    config = HELPERS.run_config(corpus_blend, reference_dir, *ROLLBACK_RUN)
     reference = FaultyTrainer(config)
     reference.state.step, reference.state.consumed_samples = 7, 7 * config.train.global_batch_size
     resumed = reference.run()
@@ -174,14 +172,13 @@ LAYOUTS = {"dp2 dist-opt async-save": ["parallel.dp=2", "parallel.distributed_op
 def faulty_runs(blend: str, root: str) -> dict:
     """In each spawned rank: per layout, an inf loss at step 3 and a rollback run, faults on rank 1."""
     torch.set_num_threads(1)
-    helpers = parallel_training_helpers()
     results = {}
     for name, layout in LAYOUTS.items():
-        config = helpers.run_config(Path(blend), Path(root) / f"{name} skip", "train.steps=4", "train.eval_every=0",
+        config = HELPERS.run_config(Path(blend), Path(root) / f"{name} skip", "train.steps=4", "train.eval_every=0",
                                     *layout)
         skipper = FaultyTrainer(config, inf_loss_steps={3}, ranks={1})
         skipped = skipper.run()
-        config = helpers.run_config(Path(blend), Path(root) / f"{name} rollback", *ROLLBACK_RUN, *layout)
+        config = HELPERS.run_config(Path(blend), Path(root) / f"{name} rollback", *ROLLBACK_RUN, *layout)
         rolled = FaultyTrainer(config, nan_weight_steps={5}, ranks={1})
         rollback = rolled.run()
         results[name] = dict(skipped=skipped.skipped_steps, unchanged=same_parameters(skipper.snapshots[3],

@@ -32,12 +32,8 @@ from meshlm.training.metrics import read_metrics
 from meshlm.training.trainer import Trainer
 
 
-def parallel_training_helpers():
-    """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
-    return import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
-
-
-HELPERS = parallel_training_helpers()
+HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
+"""tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
 MOE = [*HELPERS.MODELS["moe"], "model.moe_bias_update_rate=0.01", "train.global_batch_size=4"]
 
 

@@ -11,26 +11,16 @@ tests/training/test_parallel_training.py; the dense model: tests/training/test_p
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-from meshlm.parallel.testing import run_distributed
+from meshlm.parallel.testing import import_test_file, run_distributed
 
 
-def load_test_module(file_name: str, module_name: str):
-    """Another test file's helpers (test files cannot import each other)."""
-    spec = importlib.util.spec_from_file_location(module_name, Path(__file__).parent / file_name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # run_distributed finds its functions by module name
-    spec.loader.exec_module(module)
-    return module
-
-
-HELPERS = load_test_module("test_parallel_training.py", "parallel_training_helpers")
-MODELS = {"dense tied": load_test_module("test_pipeline_training.py", "pipeline_training_models").MODELS["dense tied"],
+HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
+MODELS = {"dense tied": import_test_file(Path(__file__).parent / "test_pipeline_training.py",
+                                             "pipeline_training_models").MODELS["dense tied"],
           "hybrid": HELPERS.MODELS["hybrid"]}
 """The 8-block dense model of the pipeline tests; the 4-block hybrid of the CP tests ('M*-M': with
 CP, 1e-5 holds for it; an 8-block hybrid ends 6.5e-5 apart at cp2 alone, pipeline or not)."""

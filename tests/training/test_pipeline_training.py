@@ -25,12 +25,8 @@ from meshlm.parallel.testing import import_test_file, run_distributed
 from meshlm.training.metrics import read_metrics
 
 
-def parallel_training_helpers():
-    """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
-    return import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
-
-
-HELPERS = parallel_training_helpers()
+HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
+"""tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
 MODELS = {
     "dense tied": ["model.pattern=*-*-*-*-", "model.num_kv_heads=2", "model.tie_embeddings=true"],
     "hybrid": ["model.pattern=M*-MM*-M", "model.mamba_head_dim=8", "model.mamba_state_size=8",
