@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from meshlm.parallel.testing import run_distributed
+from tests.helpers.distributed import run_distributed
 
 LAYOUTS = {"dp2": ["parallel.dp=2"], "dp2-zero": ["parallel.dp=2", "parallel.distributed_optimizer=true"],
            "tp2": ["parallel.tp=2"], "tp2xdp2": ["parallel.tp=2", "parallel.dp=2"],

@@ -28,7 +28,7 @@ SP an all-gather forward and a reduce-scatter backward), the vocab-parallel cros
 all-reduce of the row maxima, b s, and one of the exp-sums with the target logits, 2 b s), the
 sum of partial gradients of TP-replicated parameters over TP after the last micro-batch (SP: the
 norm weights, one coalesced all-reduce), the global gradient norm (one scalar all-reduce over the
-whole world, ``meshlm/parallel/grad_norm.py``; none under plain DP, where every rank holds the
+whole world, ``meshlm/parallel/data/grad_norm.py``; none under plain DP, where every rank holds the
 whole reduced gradient) and, under DP, the logging all-reduce of the step's loss sums (a few
 floats).
 """
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshlm.parallel.testing import run_distributed
+from tests.helpers.distributed import run_distributed
 
 LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2 sp": ["parallel.tp=2", "parallel.sp=true"],
            "dp2": ["parallel.dp=2"], "dp2 dist-opt": ["parallel.dp=2", "parallel.distributed_optimizer=true"]}

@@ -3,7 +3,7 @@
     python -m bench.context_parallel_balance [--measure-cp 2 4] [--measure-seq-len 64]
 
 Under context parallelism each rank computes attention for its own queries against every key
-before them (``meshlm/parallel/ring_attention.py``). How the sequence is cut decides how that
+before them (``meshlm/parallel/context/ring_attention.py``). How the sequence is cut decides how that
 work is spread. The baseline cuts it into cp contiguous slices (``contiguous_chunks``): the
 rank holding the end of the sequence attends to everything, the one holding the start to
 almost nothing. meshlm cuts it into 2*cp chunks and gives rank i chunks i and 2cp-1-i
@@ -33,9 +33,9 @@ import json
 
 import torch
 
-from meshlm.parallel.context_parallel import CHUNK_LAYOUTS
-from meshlm.parallel.ring_attention import attention_blocks
-from meshlm.parallel.testing import run_distributed
+from meshlm.parallel.context.chunks import CHUNK_LAYOUTS
+from meshlm.parallel.context.ring_attention import attention_blocks
+from tests.helpers.distributed import run_distributed
 
 TARGET = 1.05
 HEADS, HEAD_DIM = 32, 128
@@ -87,8 +87,8 @@ def measure_rank(cp: int, seq_len: int) -> dict[str, int]:
 
     from meshlm.config import ParallelConfig
     from meshlm.models.config import ModelConfig
+    from meshlm.parallel.context.ring_attention import ring_attention
     from meshlm.parallel.mesh import build_parallel_context
-    from meshlm.parallel.ring_attention import ring_attention
 
     torch.set_num_threads(1)
     context = build_parallel_context(ParallelConfig(cp=cp), ModelConfig(), torch.device("cpu"))

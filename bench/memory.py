@@ -38,10 +38,10 @@ import json
 
 import torch
 
-from meshlm.parallel.data_parallel_testing import TrainSpec, build_run, context_from_world, train_steps
-from meshlm.parallel.distributed_optimizer import DistributedOptimizer
+from meshlm.parallel.data.distributed_optimizer import DistributedOptimizer
 from meshlm.parallel.mesh import ParallelContext
-from meshlm.parallel.testing import run_distributed
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny_training import TrainSpec, build_run, context_from_world, train_steps
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_state")
 

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from bench.communication import write_random_corpus
-from meshlm.parallel.testing import run_distributed
+from tests.helpers.distributed import run_distributed
 
 LAYOUTS = {"ep4": ["parallel.ep=4"],
            "tp2 sp ep2 etp2": ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", "parallel.etp=2"]}
@@ -128,7 +128,7 @@ def time_overlap(args) -> dict:
     from meshlm.models.config import ModelConfig
     from meshlm.models.moe.layer import MoELayer
     from meshlm.parallel.mesh import build_parallel_context
-    from meshlm.parallel.tp_moe import parallelize_moe
+    from meshlm.parallel.parallelize import parallelize_moe_block
 
     torch.set_num_threads(1)
     hidden = args.overlap_hidden
@@ -136,7 +136,7 @@ def time_overlap(args) -> dict:
                          moe_ffn_hidden_size=hidden, moe_shared_expert_ffn_hidden_size=4 * hidden)
     context = build_parallel_context(ParallelConfig(ep=4), config, torch.device("cpu"))
     torch.manual_seed(0)
-    layer = parallelize_moe(MoELayer(config), context)
+    layer = parallelize_moe_block(MoELayer(config), context)
     x = torch.randn(1, args.overlap_tokens, hidden, requires_grad=True)
     times = {}
     for overlap in (True, False, True, False, True, False):

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from meshlm.parallel.pipeline.runtime import PipelineExecutor
 from meshlm.parallel.pipeline.schedules import build_schedule, simulate
-from meshlm.parallel.testing import run_distributed
+from tests.helpers.distributed import run_distributed
 
 MESSAGE_SHAPE = (1, 64, 64)
 LAYOUTS = {2: [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16)],

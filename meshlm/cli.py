@@ -12,10 +12,12 @@ import importlib
 import os
 import sys
 
+from meshlm.errors import CheckpointError, ConfigError, DataError
+
 # name -> (module, one-line help)
 COMMANDS = {
     "checkpoint": ("meshlm.checkpoint.cli", "inspect or consolidate a (sharded) training checkpoint"),
-    "convert": ("meshlm.models.hf.cli", "convert between Hugging Face and meshlm checkpoints"),
+    "convert": ("meshlm.hf.cli", "convert between Hugging Face and meshlm checkpoints"),
     "generate": ("meshlm.inference.cli", "generate text from a meshlm model or checkpoint"),
     "train": ("meshlm.training.cli", "train (or resume) a model from a YAML config and dotted overrides"),
     "tokenizer": ("meshlm.data.tokenizer_training", "train a byte-level BPE tokenizer"),
@@ -38,18 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def user_error_types() -> tuple[type[BaseException], ...]:
-    from meshlm.checkpoint.model_files import CheckpointError
-    from meshlm.data.errors import DataError
-    from meshlm.models.config import ConfigError
-    return (ConfigError, CheckpointError, DataError, FileNotFoundError)
+USER_ERRORS = (ConfigError, CheckpointError, DataError, FileNotFoundError)
+"""Errors that are the user's to fix: printed as one line, exit status 2, no traceback."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except user_error_types() as error:
+    except USER_ERRORS as error:
         if not _repeated_on_another_rank(error):
             print(f"meshlm {args.command}: error: {error}", file=sys.stderr)
         return 2
@@ -58,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
 def _repeated_on_another_rank(error: BaseException) -> bool:
     """Under torchrun a config error is found by every rank alike (before any collective); only
     global rank 0 prints it, so the user reads it once. Other errors may be one rank's own."""
-    from meshlm.models.config import ConfigError
-
     return isinstance(error, ConfigError) and int(os.environ.get("RANK", "0")) != 0
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.errors import ConfigError
+from meshlm.models.config import ModelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -180,7 +181,7 @@ class ParallelConfig:
     Expert groups (etp x ep x expert-dp) fold onto the same ranks as tp x cp x dp."""
     moe_dispatcher: str = "all_to_all"
     """How MoE blocks send tokens to the ranks of their experts when ep > 1 or etp != tp
-    (meshlm/parallel/dispatchers.py): 'all_to_all' (permute by destination, exchange counts, then
+    (meshlm/parallel/expert/dispatchers.py): 'all_to_all' (permute by destination, exchange counts, then
     exactly the routed rows) or 'all_gather' (every EP rank gathers all the group's tokens and
     keeps those for its experts; a reduce-scatter brings the outputs back)."""
     distributed_optimizer: bool = False

@@ -29,7 +29,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from meshlm.config import load_run_config
     from meshlm.data.demo_corpus import build_demo_corpus
-    from meshlm.models.config import ConfigError
+    from meshlm.errors import ConfigError
     from meshlm.training.trainer import train
 
     if not Path(args.config).is_file():

@@ -8,7 +8,7 @@ import pytest
 
 from meshlm.config import RunConfig, build_run_config, known_keys, load_run_config, parse_override, save_run_config
 from meshlm.data.demo_corpus import DemoSettings
-from meshlm.models.config import ConfigError
+from meshlm.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -22,8 +22,10 @@ import secrets
 import shutil
 from pathlib import Path
 
-from meshlm.checkpoint.model_files import CheckpointError, copy_tokenizer_files, load_model, save_model
+from meshlm.checkpoint.files import copy_tokenizer_files
+from meshlm.checkpoint.model_files import load_model, save_model
 from meshlm.config import parse_override
+from meshlm.errors import CheckpointError
 from meshlm.models.config import ModelConfig
 
 

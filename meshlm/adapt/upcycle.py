@@ -56,7 +56,9 @@ import dataclasses
 
 import torch
 
-from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.checkpoint.model_files import load_state_checked
+from meshlm.errors import ConfigError
+from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.mlp import is_gated
 
@@ -151,8 +153,6 @@ def upcycle_model(dense_model: LanguageModel, num_experts: int, top_k: int, gran
     model = model.to_empty(device="cpu")
     if config.tie_embeddings:
         state.pop("output.weight", None)
-    from meshlm.checkpoint.model_files import load_state_checked
-
     load_state_checked(model, state, "the upcycled state")
     return model
 

@@ -1,8 +1,7 @@
-"""A distributed checkpoint read in one process: whole tensors, a single-file model, a summary.
+"""A distributed checkpoint read in one process: a single-file model, a summary.
 
-DCP can load without a process group: given one chunk per key that covers the whole global
-tensor, its planner reads every stored chunk into it (``read_global_tensors``), whatever
-layout wrote them. On top of that:
+DCP can load without a process group, reading every stored chunk of a key into one whole tensor
+whatever layout wrote them (``whole_tensors.py``). On top of that:
 
 * ``consolidate`` writes ``config.json`` + ``model.safetensors`` (+ tokenizer files): the
   single-file model that ``meshlm generate``, ``meshlm convert meshlm-to-hf`` and
@@ -20,21 +19,17 @@ Files are checked against the completion marker's sizes and CRC-32 before they a
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from meshlm.checkpoint.distributed import METADATA_FILE, TRAINING_FILE
-from meshlm.checkpoint.global_state import GlobalTensor
-from meshlm.checkpoint.loading import check_folder, read_json, read_metadata, verify_files
-from meshlm.checkpoint.model_files import (CONFIG_FILE, WEIGHTS_FILE, CheckpointError, read_model_config,
-                                           save_model)
-from meshlm.checkpoint.planners import ChunkLoadPlanner, read_items_by_file
-from meshlm.checkpoint.training_checkpoint import COMPLETE_FILE, STATE_FILE, latest_checkpoint
+from meshlm.checkpoint.files import (COMPLETE_FILE, CONFIG_FILE, METADATA_FILE, STATE_FILE, TRAINING_FILE, WEIGHTS_FILE,
+                                     read_json)
+from meshlm.checkpoint.folders import check_folder, latest_checkpoint, read_metadata
+from meshlm.checkpoint.model_files import read_model_config, save_model
+from meshlm.checkpoint.whole_tensors import consolidated_model_state
+from meshlm.errors import CheckpointError
 
 
 def is_distributed_checkpoint(directory: Path) -> bool:
@@ -53,42 +48,6 @@ def resolve_checkpoint(path) -> Path:
         raise CheckpointError(f"{path}: neither a checkpoint (no {CONFIG_FILE}) nor a run directory with complete "
                               "checkpoints/step_N folders.")
     return latest
-
-
-def read_global_tensors(directory, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Whole single-process tensors of a distributed checkpoint (all keys, or ``keys``), in one process."""
-    directory = Path(directory)
-    check_folder(directory)
-    marker = read_json(directory / COMPLETE_FILE)
-    metadata = read_metadata(directory, marker)
-    stored = {key: value for key, value in metadata.state_dict_metadata.items()
-              if isinstance(value, TensorStorageMetadata)}
-    keys = sorted(stored) if keys is None else list(keys)
-    missing = [key for key in keys if key not in stored]
-    if missing:
-        raise CheckpointError(f"{directory / METADATA_FILE} has no {', '.join(missing[:8])}.")
-    tensors = {}
-    for key in keys:
-        value = torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)
-        tensors[key] = GlobalTensor(tuple(value.shape), value.dtype, [((0,) * value.dim(), value)])
-    planner = ChunkLoadPlanner(tensors)
-    verify_files(directory, read_items_by_file(planner, metadata), marker)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
-        try:
-            dcp.load({}, storage_reader=FileSystemReader(directory), planner=planner, no_dist=True)
-        except Exception as error:
-            raise CheckpointError(f"reading {directory} failed: {error}") from error
-    return {key: tensor.chunks[0][1] for key, tensor in tensors.items()}
-
-
-def consolidated_model_state(directory, fp32_masters: bool = False) -> dict[str, torch.Tensor]:
-    """{parameter or buffer name: whole tensor} of the model in a distributed checkpoint."""
-    metadata = read_metadata(Path(directory), read_json(Path(directory) / COMPLETE_FILE))
-    names = [key.removeprefix("model/") for key in metadata.state_dict_metadata if key.startswith("model/")]
-    keys = [f"master/{name}" if fp32_masters and f"master/{name}" in metadata.state_dict_metadata
-            else f"model/{name}" for name in names]
-    return {key.split("/", 1)[1]: tensor for key, tensor in read_global_tensors(directory, keys).items()}
 
 
 class _StateModel:
@@ -166,5 +125,4 @@ def format_inspection(info: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["consolidate", "consolidated_model_state", "format_inspection", "inspect_checkpoint",
-           "is_distributed_checkpoint", "read_global_tensors", "resolve_checkpoint"]
+__all__ = ["consolidate", "format_inspection", "inspect_checkpoint", "is_distributed_checkpoint", "resolve_checkpoint"]

@@ -66,7 +66,6 @@ import secrets
 import shutil
 import threading
 import warnings
-import zlib
 from dataclasses import asdict
 from pathlib import Path
 
@@ -76,64 +75,20 @@ import yaml
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from meshlm.checkpoint.global_state import GlobalTensor, TrainingParts, optimizer_scalars, training_tensors
-from meshlm.checkpoint.model_files import CONFIG_FILE, FORMAT_NAME, FORMAT_VERSION, CheckpointError
+from meshlm.checkpoint.files import (CHECKPOINTS_DIR, COMPLETE_FILE, CONFIG_FILE, FORMAT_NAME, FORMAT_VERSION,
+                                     RUN_CONFIG_FILE, STATE_FILE, TRAINING_FILE, copy_tokenizer, file_checksum,
+                                     fsync_directory, replace_directory)
+from meshlm.checkpoint.folders import latest_checkpoint, prune_checkpoints
+from meshlm.checkpoint.global_state import GlobalTensor, TrainingParts, layout_of, optimizer_scalars, training_tensors
+from meshlm.checkpoint.loading import load_checkpoint, resume_warnings
 from meshlm.checkpoint.planners import ChunkSavePlanner
-from meshlm.checkpoint.training_checkpoint import (CHECKPOINTS_DIR, COMPLETE_FILE, RUN_CONFIG_FILE, STATE_FILE,
-                                                   TrainerState, capture_rng_state, checkpoint_dirs,
-                                                   copy_tokenizer, prune_checkpoints, replace_directory)
-
-METADATA_FILE = ".metadata"
-TRAINING_FILE = "training.json"
+from meshlm.checkpoint.training_checkpoint import TrainerState, capture_rng_state
+from meshlm.errors import CheckpointError
 
 
-# --- small helpers shared by saving and loading -----------------------------------------------------
+# --- small helpers -------------------------------------------------------------------------------------
 def group_rank(group) -> int:
     return dist.get_rank(group) if group is not None else 0
-
-
-def layout_of(context, run_config) -> dict:
-    """The layout a checkpoint was saved at (recorded; loading works at any layout)."""
-    parallel = run_config.parallel
-    sizes = {name: getattr(context, f"{name}_size", 1) if context is not None else 1
-             for name in ("tp", "dp", "pp", "cp", "ep", "etp")}
-    return {"world_size": context.world_size if context is not None else 1, **sizes,
-            "vp": getattr(context, "vp_size", 1) if context is not None else 1,
-            "sp": bool(getattr(context, "sequence_parallel", False)),
-            "distributed_optimizer": bool(parallel.distributed_optimizer), "dtype": run_config.precision.dtype}
-
-
-def file_checksum(path: Path) -> dict:
-    """{"bytes": size, "crc32": CRC-32} of a file, read in 16 MiB blocks."""
-    crc, size = 0, 0
-    with open(path, "rb") as stream:
-        while block := stream.read(16 << 20):
-            crc, size = zlib.crc32(block, crc), size + len(block)
-    return {"bytes": size, "crc32": crc}
-
-
-def agree_on_error(message: str | None, group) -> None:
-    """Raise CheckpointError on every rank of ``group`` if any rank has a ``message`` (the first)."""
-    messages = [message]
-    if group is not None:
-        messages = [None] * dist.get_world_size(group)
-        dist.all_gather_object(messages, message, group=group)
-    first = next((text for text in messages if text), None)
-    if first:
-        raise CheckpointError(first)
-
-
-def _fsync_directory(path: Path) -> None:
-    try:
-        descriptor = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
 
 
 # --- what a save writes -------------------------------------------------------------------------------
@@ -267,7 +222,7 @@ class SaveRequest:
                 stream.flush()
                 os.fsync(stream.fileno())
             replace_directory(temporary, self.directory)
-            _fsync_directory(self.directory.parent)
+            fsync_directory(self.directory.parent)
             prune_checkpoints(self.directory.parent.parent, self.keep)
             return "ok"
         except Exception as error:  # reported to every rank by the caller
@@ -307,7 +262,7 @@ class Checkpointer:
     def latest(self) -> Path | None:
         """The newest complete checkpoint of the run (after any save in flight has committed)."""
         self.wait()
-        return latest_complete(self.run_dir)
+        return latest_checkpoint(self.run_dir)
 
     def save(self, state: TrainerState, parts: TrainingParts, async_save: bool = False) -> Path:
         """Save ``checkpoints/step_{state.step}``; collective over every rank. With ``async_save``
@@ -347,8 +302,6 @@ class Checkpointer:
 
     def load(self, directory: Path, parts: TrainingParts) -> TrainerState:
         """Restore ``parts`` in place from ``directory`` (saved at any layout); collective."""
-        from meshlm.checkpoint.loading import load_checkpoint, resume_warnings
-
         self.wait()
         state = load_checkpoint(directory, parts, self.run_config, self.group)
         if group_rank(self.group) == 0:
@@ -357,10 +310,14 @@ class Checkpointer:
         return state
 
 
-def latest_complete(run_dir) -> Path | None:
-    found = checkpoint_dirs(run_dir)
-    return found[-1][1] if found else None
+def save_checkpoint(run_dir: str | os.PathLike, state: TrainerState, model: torch.nn.Module, optimizer, precision,
+                    run_config, keep: int, tokenizer_file: Path | None = None, context=None) -> Path:
+    """Write ``checkpoints/step_{state.step}`` (collective when ``context`` is distributed) and keep
+    the newest ``keep``. A convenience over ``Checkpointer``."""
+    distributed = context is not None and context.distributed
+    checkpointer = Checkpointer(run_dir, run_config, context, tokenizer_file=tokenizer_file, keep=keep,
+                                group=torch.distributed.group.WORLD if distributed else None)
+    return checkpointer.save(state, TrainingParts(model, optimizer, precision, context))
 
 
-__all__ = ["Checkpointer", "METADATA_FILE", "SaveRequest", "TRAINING_FILE", "agree_on_error", "file_checksum",
-           "layout_of"]
+__all__ = ["Checkpointer", "SaveRequest", "save_checkpoint"]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshlm.checkpoint.sharding import Chunk, flat_chunks, tensor_chunks
+from meshlm.parallel.pipeline.stages import STAGE_COPY_NAMES
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay")
@@ -165,8 +166,6 @@ def is_stage_copy(name: str, context) -> bool:
     """A parameter a later pipeline stage holds a copy of (the first stage's is canonical)."""
     if context is None or getattr(context, "pp_size", 1) == 1 or context.is_first_stage:
         return False
-    from meshlm.parallel.pipeline.stages import STAGE_COPY_NAMES
-
     return name in STAGE_COPY_NAMES
 
 
@@ -222,6 +221,17 @@ def finish_loading(parts: TrainingParts) -> None:
             param.copy_(master)
 
 
+def layout_of(context, run_config) -> dict:
+    """The layout a checkpoint was saved at (recorded; loading works at any layout)."""
+    parallel = run_config.parallel
+    sizes = {name: getattr(context, f"{name}_size", 1) if context is not None else 1
+             for name in ("tp", "dp", "pp", "cp", "ep", "etp")}
+    return {"world_size": context.world_size if context is not None else 1, **sizes,
+            "vp": getattr(context, "vp_size", 1) if context is not None else 1,
+            "sp": bool(getattr(context, "sequence_parallel", False)),
+            "distributed_optimizer": bool(parallel.distributed_optimizer), "dtype": run_config.precision.dtype}
+
+
 __all__ = ["GlobalTensor", "MOMENTS", "TrainingParts", "ensure_adamw_state", "finish_loading", "is_sharded",
            "master_tensors", "model_tensors", "moment_tensors", "optimizer_scalars", "optimizers_of",
-           "restore_optimizer_scalars", "training_tensors"]
+           "layout_of", "restore_optimizer_scalars", "training_tensors"]

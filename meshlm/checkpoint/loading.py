@@ -25,8 +25,6 @@ full and sliced into the same chunks (``load_single_process_checkpoint``).
 
 from __future__ import annotations
 
-import json
-import pickle
 import warnings
 from pathlib import Path
 
@@ -36,66 +34,27 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from meshlm.checkpoint.distributed import (METADATA_FILE, TRAINING_FILE, agree_on_error, file_checksum, layout_of)
-from meshlm.checkpoint.global_state import (MOMENTS, TrainingParts, finish_loading, restore_optimizer_scalars,
-                                            training_tensors)
-from meshlm.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
+from meshlm.checkpoint.files import COMPLETE_FILE, CONFIG_FILE, METADATA_FILE, STATE_FILE, TRAINING_FILE, read_json
+from meshlm.checkpoint.folders import check_folder, is_single_process_format, read_metadata, verify_files
+from meshlm.checkpoint.global_state import (MOMENTS, TrainingParts, finish_loading, layout_of,
+                                            restore_optimizer_scalars, training_tensors)
 from meshlm.checkpoint.planners import ChunkLoadPlanner, read_items_by_file
-from meshlm.checkpoint.training_checkpoint import (COMPLETE_FILE, MOVE_AWAY_HINT, STATE_FILE, TrainerState,
-                                                   check_model_config, read_checkpoint, restore_rng_state)
+from meshlm.checkpoint.training_checkpoint import TrainerState, check_model_config, read_checkpoint, restore_rng_state
+from meshlm.errors import CheckpointError
 
 
-# --- stage 1: checks -------------------------------------------------------------------------------
-def check_folder(directory: Path) -> None:
-    """The folder exists and is a complete distributed checkpoint (or an older single-process one)."""
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: no such checkpoint directory.")
-    if is_single_process_format(directory):
-        return
-    if not (directory / COMPLETE_FILE).is_file():
-        raise CheckpointError(f"{directory} is incomplete: no {COMPLETE_FILE} (its save was interrupted, or it is "
-                              f"not a meshlm checkpoint); {MOVE_AWAY_HINT.format(directory=directory)}")
+# --- stage 1: checks (the folder's own: ``folders.check_folder``, ``verify_files``) ---------------
+def agree_on_error(message: str | None, group) -> None:
+    """Raise CheckpointError on every rank of ``group`` if any rank has a ``message`` (the first)."""
+    messages = [message]
+    if group is not None:
+        messages = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, message, group=group)
+    first = next((text for text in messages if text), None)
+    if first:
+        raise CheckpointError(first)
 
 
-def is_single_process_format(directory: Path) -> bool:
-    return (directory / WEIGHTS_FILE).is_file() and not (directory / METADATA_FILE).is_file()
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: missing or not valid JSON ({error}); "
-                              f"{MOVE_AWAY_HINT.format(directory=path.parent)}") from error
-
-
-def verify_files(directory: Path, names, marker: dict) -> None:
-    """Each named file has the size and CRC-32 that ``complete.json`` recorded when it was saved."""
-    recorded = marker.get("files", {})
-    for name in sorted(names):
-        path = directory / name
-        if name not in recorded:
-            raise CheckpointError(f"{path} is not listed in {directory / COMPLETE_FILE}; the checkpoint was "
-                                  "altered after it was saved.")
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing (the checkpoint lists it); "
-                                  f"{MOVE_AWAY_HINT.format(directory=directory)}")
-        expected, size = recorded[name], path.stat().st_size
-        if size != expected["bytes"]:
-            raise CheckpointError(f"{path}: {size} bytes, but {expected['bytes']} were written (truncated or "
-                                  f"overwritten); {MOVE_AWAY_HINT.format(directory=directory)}")
-        if file_checksum(path)["crc32"] != expected["crc32"]:
-            raise CheckpointError(f"{path}: corrupted (its CRC-32 differs from the one recorded when it was "
-                                  f"written); {MOVE_AWAY_HINT.format(directory=directory)}")
-
-
-def read_metadata(directory: Path, marker: dict):
-    """DCP's ``.metadata``, after checking it against the completion marker."""
-    verify_files(directory, [METADATA_FILE], marker)
-    try:
-        return FileSystemReader(directory).read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as error:
-        raise CheckpointError(f"{directory / METADATA_FILE}: unreadable ({error}).") from error
 
 
 def plan_sources(parts: TrainingParts, stored: dict[str, tuple]) -> tuple[dict, dict[str, str]]:

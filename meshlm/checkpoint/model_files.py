@@ -4,7 +4,7 @@ This is the single-file, layout-free form of a meshlm model. ``meshlm convert hf
 and ``meshlm checkpoint consolidate`` write it, ``meshlm generate`` and ``meshlm convert
 meshlm-to-hf`` read it. Training checkpoints hold the same ``config.json`` beside their
 distributed shards, and ``load_model`` reads the weights from the shards
-(``meshlm/checkpoint/consolidate.py``), so every command that takes a model takes a training
+(``meshlm/checkpoint/whole_tensors.py``), so every command that takes a model takes a training
 checkpoint too.
 
 ``config.json`` is ``{"format": "meshlm", "version": 1, "model": {...ModelConfig fields...}}``;
@@ -17,33 +17,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.checkpoint.files import (CONFIG_FILE, FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, WEIGHTS_FILE,
+                                     copy_tokenizer_files, write_json_atomic)
+from meshlm.checkpoint.whole_tensors import consolidated_model_state
+from meshlm.errors import CheckpointError, ConfigError
+from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
-
-FORMAT_NAME = "meshlm"
-FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-DISTRIBUTED_INDEX = ".metadata"
-"""A distributed training checkpoint's index (torch.distributed.checkpoint); its weights are in shards."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
-
-
-class CheckpointError(RuntimeError):
-    """A model directory is missing, corrupt or does not match; the message names the file."""
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    os.replace(temporary, path)
 
 
 def save_model(model: LanguageModel, directory: str | os.PathLike, extra_config: dict | None = None,
@@ -63,15 +48,6 @@ def save_model(model: LanguageModel, directory: str | os.PathLike, extra_config:
     if tokenizer_dir is not None:
         copy_tokenizer_files(Path(tokenizer_dir), directory)
     return directory
-
-
-def copy_tokenizer_files(source: Path, destination: Path) -> list[str]:
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file() and source.resolve() != destination.resolve():
-            shutil.copyfile(source / name, destination / name)
-            copied.append(name)
-    return copied
 
 
 def read_model_config(directory: str | os.PathLike) -> ModelConfig:
@@ -100,11 +76,9 @@ def read_model_config(directory: str | os.PathLike) -> ModelConfig:
 
 def read_model_state(directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The weights of a model folder: ``model.safetensors``, or a distributed training
-    checkpoint's shards read whole (``meshlm/checkpoint/consolidate.py``)."""
+    checkpoint's shards read whole (``meshlm/checkpoint/whole_tensors.py``)."""
     directory = Path(directory)
-    if (directory / DISTRIBUTED_INDEX).is_file():
-        from meshlm.checkpoint.consolidate import consolidated_model_state
-
+    if (directory / METADATA_FILE).is_file():
         return {name: tensor.to(map_location) for name, tensor in consolidated_model_state(directory).items()}
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
@@ -123,7 +97,7 @@ def load_model(directory: str | os.PathLike, map_location: str | torch.device = 
     with torch.device("meta"):
         model = LanguageModel(config)
     model = model.to_empty(device=map_location)
-    source = DISTRIBUTED_INDEX if (directory / DISTRIBUTED_INDEX).is_file() else WEIGHTS_FILE
+    source = METADATA_FILE if (directory / METADATA_FILE).is_file() else WEIGHTS_FILE
     load_state_checked(model, state, str(directory / source))
     return model
 

@@ -5,7 +5,7 @@ process, without vocabulary padding -- as a set of rectangular *chunks*, each wr
 rank that holds it. A run at any other layout then asks for the chunks it holds in the new
 layout and reads the overlaps (``meshlm/checkpoint/distributed.py``). This file is only the
 coordinate arithmetic, derived from the metadata that parallel code puts on parameters
-(``meshlm.parallel.tensor_parallel.mark_shard``):
+(``meshlm.parallel.tensor.sharding.mark_shard``):
 
 * **Tensor parallelism** (``tensor_parallel``, ``partition_dim``, ``partition_sizes``): the
   dim is a concatenation of partitions (Mamba's in_proj rows are [z, x, B, C, dt]) and each
@@ -19,7 +19,7 @@ coordinate arithmetic, derived from the metadata that parallel code puts on para
 * **Expert parallelism** (``expert_parallel``): the expert dim 0 is one partition split over
   ep; expert tensor parallelism (``expert_partition_dim``, ``expert_partition_sizes``) splits
   an expert's FFN width over etp, like TP. Splits act on different dims.
-* **ZeRO-1** (``meshlm.parallel.distributed_optimizer``): a rank owns a contiguous *flat*
+* **ZeRO-1** (``meshlm.parallel.data.distributed_optimizer``): a rank owns a contiguous *flat*
   range [a, b) of a (local) parameter. ``flat_range_boxes`` cuts it into boxes that are each
   contiguous in row-major order -- a partial row, whole rows, a partial row (recursively for
   more dims) -- at most 2 * ndim - 1 of them; each box then goes through the splits above.

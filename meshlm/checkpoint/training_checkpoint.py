@@ -1,24 +1,15 @@
-"""A run's checkpoint folders: naming, finding the newest complete one, pruning, trainer state, RNG.
-
-    RUN_DIR/checkpoints/step_N/          one checkpoint (see meshlm/checkpoint/distributed.py)
-    RUN_DIR/checkpoints/step_N.tmp-XXXX  a save in progress, or one a crash interrupted
-
-*Which checkpoint is current.* A save writes into ``step_N.tmp-XXXX/``; when every rank has
-finished, global rank 0 writes ``complete.json`` (the completion marker, with the size and
-CRC-32 of every file) last and renames the folder to ``step_N``. A rename within one file
-system is atomic, so a ``step_N`` folder is always complete; ``latest_checkpoint`` returns the
-newest one and an interrupted save is ignored (and removed by the next successful save, after
-which only the newest K checkpoints are kept). A ``step_N`` without its marker can only come
-from outside (a partial copy): loading it is refused, naming the folder.
+"""Where a run stands (``TrainerState``), its RNG states, and the older single-process checkpoint.
 
 *Exact resume.* The data pipeline serves sample i of a fixed global order, so "samples consumed"
 (``TrainerState``) says exactly where the next batch starts whatever the data-parallel size;
-weights, optimizer moments, loss scaler and RNG states are restored bit for bit.
+weights, optimizer moments, loss scaler and RNG states are restored bit for bit
+(``capture_rng_state`` / ``restore_rng_state``).
 
 *Older checkpoints.* Before distributed checkpoints, a step folder held the single-process
 format (``model.safetensors``, ``optimizer.pt``, ``precision.pt``, ``rng.pt``);
-``read_checkpoint`` still reads it, and ``meshlm.checkpoint.distributed.load_checkpoint``
-slices it into any layout.
+``read_checkpoint`` still reads it, and ``meshlm.checkpoint.loading.load_checkpoint`` slices it
+into any layout. The folders of a run (naming, the newest complete one, pruning) are
+``folders.py``; how a distributed checkpoint is written, ``distributed.py``.
 """
 
 from __future__ import annotations
@@ -27,8 +18,6 @@ import json
 import os
 import pickle
 import random
-import re
-import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -37,21 +26,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from meshlm.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
+from meshlm.checkpoint.files import (CONFIG_FILE, MOVE_AWAY_HINT, OPTIMIZER_FILE, PRECISION_FILE, RNG_FILE,
+                                     RUN_CONFIG_FILE, STATE_FILE, WEIGHTS_FILE)
+from meshlm.errors import CheckpointError
 from meshlm.models.config import TRAINING_ONLY_FIELDS
 
-CHECKPOINTS_DIR = "checkpoints"
-OPTIMIZER_FILE = "optimizer.pt"
-PRECISION_FILE = "precision.pt"
-RNG_FILE = "rng.pt"
-RUN_CONFIG_FILE = "run.yaml"
-STATE_FILE = "trainer_state.json"
-COMPLETE_FILE = "complete.json"
-"""The completion marker: written last, by global rank 0, once every rank has written its shards."""
 REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, PRECISION_FILE, RNG_FILE, RUN_CONFIG_FILE, STATE_FILE)
-TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
-STEP_DIR = re.compile(r"step_(\d+)")
-MOVE_AWAY_HINT = "move {directory} out of the checkpoints folder to resume from the one before it."
 
 
 @dataclass
@@ -89,80 +69,6 @@ class TrainingCheckpoint:
     precision_state: dict
     rng_state: dict
     trainer_state: TrainerState
-
-
-# --- finding checkpoints -------------------------------------------------------------------------------
-def checkpoint_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """The ``step_N`` folders of a run, oldest first (saves in progress or interrupted,
-    ``step_N.tmp-*``, excluded). Our saves rename a folder to ``step_N`` only after its
-    completion marker is on disk, so a ``step_N`` without one was damaged by hand: loading it
-    fails with a clear message rather than silently resuming from an older step."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = [(int(match.group(1)), path) for path in root.iterdir()
-             if path.is_dir() and (match := STEP_DIR.fullmatch(path.name))]
-    return sorted(found)
-
-
-def is_complete(directory: Path) -> bool:
-    """A distributed checkpoint with its completion marker, or an older single-process one
-    (whose save wrote trainer_state.json last, then renamed the folder)."""
-    return (directory / COMPLETE_FILE).is_file() or all((directory / name).is_file()
-                                                        for name in (WEIGHTS_FILE, STATE_FILE))
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest ``step_N`` folder of a run, or None when it has none."""
-    found = checkpoint_dirs(run_dir)
-    return found[-1][1] if found else None
-
-
-def replace_directory(source: Path, destination: Path) -> None:
-    """Rename ``source`` to ``destination``; an existing destination is swapped out, then removed."""
-    if not destination.exists():
-        os.rename(source, destination)
-        return
-    old = destination.with_name(f"{destination.name}.old-{os.getpid()}")
-    os.rename(destination, old)
-    os.rename(source, destination)
-    shutil.rmtree(old)
-
-
-def copy_tokenizer(tokenizer_file: Path, destination: Path) -> None:
-    """Copy the run's tokenizer as ``tokenizer.json`` (plus its special-token configs, if any)."""
-    if not tokenizer_file.is_file():
-        raise CheckpointError(f"{tokenizer_file}: the run's tokenizer file is missing; cannot copy it into "
-                              "the checkpoint (set data.tokenizer to an existing tokenizer.json).")
-    shutil.copyfile(tokenizer_file, destination / "tokenizer.json")
-    for name in TOKENIZER_SIDE_FILES:
-        if (tokenizer_file.parent / name).is_file():
-            shutil.copyfile(tokenizer_file.parent / name, destination / name)
-
-
-def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints, and leftovers of interrupted saves.
-    Call only when no save is in progress in this run directory."""
-    removed = [path for _, path in checkpoint_dirs(run_dir)[:-keep]] if keep > 0 else []
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    removed += [path for path in root.iterdir()
-                if path.is_dir() and re.fullmatch(r"step_\d+\.(tmp|old)-.+", path.name)]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
-
-
-def save_checkpoint(run_dir: str | os.PathLike, state: TrainerState, model: torch.nn.Module, optimizer, precision,
-                    run_config, keep: int, tokenizer_file: Path | None = None, context=None) -> Path:
-    """Write ``checkpoints/step_{state.step}`` (collective when ``context`` is distributed) and keep
-    the newest ``keep``. A convenience over ``meshlm.checkpoint.distributed.Checkpointer``."""
-    from meshlm.checkpoint.distributed import Checkpointer
-    from meshlm.checkpoint.global_state import TrainingParts
-
-    distributed = context is not None and context.distributed
-    checkpointer = Checkpointer(run_dir, run_config, context, tokenizer_file=tokenizer_file, keep=keep,
-                                group=torch.distributed.group.WORLD if distributed else None)
-    return checkpointer.save(state, TrainingParts(model, optimizer, precision, context))
 
 
 # --- RNG state -----------------------------------------------------------------------------------------------
@@ -238,7 +144,5 @@ def check_model_config(config_path: Path, model_config) -> None:
                               "resume with the run's original model settings or choose a new train.run_dir.")
 
 
-__all__ = ["CHECKPOINTS_DIR", "COMPLETE_FILE", "MOVE_AWAY_HINT", "REQUIRED_FILES", "TrainerState", "TrainingCheckpoint",
-           "capture_rng_state", "check_model_config", "checkpoint_dirs", "copy_tokenizer", "is_complete",
-           "latest_checkpoint", "prune_checkpoints", "read_checkpoint", "replace_directory", "restore_rng_state",
-           "save_checkpoint"]
+__all__ = ["REQUIRED_FILES", "TrainerState", "TrainingCheckpoint", "capture_rng_state", "check_model_config",
+           "read_checkpoint", "restore_rng_state"]

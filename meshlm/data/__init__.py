@@ -7,7 +7,3 @@ The path from raw text to training batches (after Megatron-LM's data pipeline, S
     text files --(preprocess)----------> PREFIX.bin + PREFIX.idx      (indexed)
     PREFIX(es) --(gpt_dataset, blend)--> {"input_ids", "labels"} samples of seq_len tokens
 """
-
-from meshlm.data.errors import DataError
-
-__all__ = ["DataError"]

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import yaml
 
-from meshlm.data.errors import DataError
-from meshlm.data.gpt_dataset import SPLIT_NAMES, GPTDataset, load_cached, save_cached, settings_hash
+from meshlm.data.gpt_dataset import GPTDataset, SPLIT_NAMES, load_cached, save_cached, settings_hash
+from meshlm.errors import DataError
 
 BLEND_KINDS = ("blend_index", "blend_sample_index")
 

@@ -35,11 +35,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from meshlm.data.errors import DataError
 from meshlm.data.indexed import TokenStore, store_paths
 from meshlm.data.preprocess import preprocess
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.data.tokenizer_training import CONFIG_FILE, train_tokenizer
+from meshlm.errors import DataError
 
 DEFAULT_DIR = "data/demo"
 BLEND_WEIGHTS = {"shakespeare": 0.7, "python": 0.3}

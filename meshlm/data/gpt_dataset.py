@@ -45,8 +45,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshlm.data.errors import DataError
 from meshlm.data.indexed import TokenStore
+from meshlm.errors import DataError
 
 SPLIT_NAMES = ("train", "valid", "test")
 INDEX_FORMAT_VERSION = 2

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.data.errors import DataError
+from meshlm.errors import DataError
 
 MAGIC = b"MESHLMTK"
 VERSION = 1

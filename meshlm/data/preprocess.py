@@ -31,10 +31,10 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from meshlm.data.errors import DataError
 from meshlm.data.indexed import TokenStoreWriter
 from meshlm.data.readers import expand_inputs, read_documents
 from meshlm.data.tokenizer import load_tokenizer
+from meshlm.errors import DataError
 
 BATCH_DOCUMENTS = 512
 BATCH_CHARACTERS = 2_000_000

@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from meshlm.data.errors import DataError
+from meshlm.errors import DataError
 
 SUPPORTED_SUFFIXES = (".jsonl", ".txt", ".parquet")
 PARQUET_BATCH_ROWS = 1024

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import tokenizers
 
-from meshlm.data.errors import DataError
+from meshlm.errors import DataError
 
 TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken")
 """Files ``load_tokenizer`` looks for inside a directory, in order of preference."""

@@ -24,8 +24,8 @@ from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from meshlm.data.errors import DataError
 from meshlm.data.readers import expand_inputs, read_all_documents
+from meshlm.errors import DataError
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"

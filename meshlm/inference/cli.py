@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from meshlm.checkpoint.model_files import CONFIG_FILE, CheckpointError, load_model
+from meshlm.checkpoint.files import CONFIG_FILE
+from meshlm.checkpoint.model_files import load_model
 from meshlm.data.tokenizer import Tokenizer, find_tokenizer_file, load_tokenizer
+from meshlm.errors import CheckpointError, ConfigError
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
-from meshlm.models.config import ConfigError
 
 STEP_FOLDER = re.compile(r"step_(\d+)")
 

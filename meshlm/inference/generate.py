@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from meshlm.errors import ConfigError
 from meshlm.inference.sampling import SamplingConfig, sample_next
 from meshlm.models.cache import InferenceCache
-from meshlm.models.config import ConfigError
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:

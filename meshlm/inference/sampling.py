@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshlm.models.config import ConfigError
+from meshlm.errors import ConfigError
 
 
 @dataclass

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from meshlm.errors import ConfigError
 from meshlm.models.cache import AttentionCache
-from meshlm.models.config import ConfigError
 from meshlm.models.dropout import apply_keep_mask, attention_keep_mask, dropout_site, required_key
 from meshlm.models.norms import RMSNorm
 from meshlm.models.rope import RotaryEmbedding, apply_rotary
@@ -90,7 +90,7 @@ class SelfAttention(nn.Module):
                        if config.position_embedding == "rope" else None)
         self.core = attention_core
         """The attention core; context parallelism replaces it with ring attention over its CP group
-        (``meshlm.parallel.ring_attention.RingAttentionCore``, same call)."""
+        (``meshlm.parallel.context.ring_attention.RingAttentionCore``, same call)."""
         self.recompute_core = False
         """Selective recomputation (set by training.recompute): keep only q, k, v for backward and
         recompute scores, softmax and the weighted sum from them."""

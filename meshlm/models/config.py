@@ -19,6 +19,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from meshlm.errors import ConfigError
 from meshlm.models.pattern import BLOCK_KINDS, parse_pattern
 
 ACTIVATIONS = ("swiglu", "squared_relu", "gelu", "relu", "silu")
@@ -27,10 +28,6 @@ POSITION_EMBEDDINGS = ("rope", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("micro_batch", "sequence", "global")
 DROP_POLICIES = ("probs", "position")
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field and the fix."""
 
 
 TRAINING_ONLY_FIELDS = ("hidden_dropout", "attention_dropout")
@@ -350,4 +347,4 @@ def _choice(config: ModelConfig, name: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"model.{name}={value!r} is not one of {', '.join(allowed)}.")
 
 
-__all__ = ["ModelConfig", "ConfigError", "BLOCK_KINDS", "TRAINING_ONLY_FIELDS"]
+__all__ = ["ModelConfig", "BLOCK_KINDS", "TRAINING_ONLY_FIELDS"]

@@ -166,7 +166,7 @@ class HiddenDropout(nn.Module):
     """Dropout on a [batch, seq, hidden] tensor of the residual stream, masked by global coordinates.
 
     Under sequence parallelism the tensor holds this rank's contiguous 1/tp of the (CP-local)
-    sequence: ``parallel_context`` (set by ``meshlm.parallel.parallel_model.parallelize_model``)
+    sequence: ``parallel_context`` (set by ``meshlm.parallel.parallelize.parallelize_model``)
     says which slice of ``context.position_ids`` its rows are. Active only in training mode.
     """
 

@@ -58,7 +58,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.errors import ConfigError
+from meshlm.models.config import ModelConfig
 from meshlm.models.mlp import is_gated
 from meshlm.models.pattern import parse_pattern
 

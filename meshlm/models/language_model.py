@@ -26,61 +26,17 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
-from meshlm.models.attention import SelfAttention
+from meshlm.models.block import Block
 from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.dropout import DropoutKey, HiddenDropout, dropout_site
 from meshlm.models.init import initialize_weights
-from meshlm.models.losses import IGNORE_INDEX, linear_cross_entropy
-from meshlm.models.mlp import MLP
+from meshlm.models.losses import language_model_loss, linear_cross_entropy
+from meshlm.models.mtp import MultiTokenPrediction
 from meshlm.models.norms import make_norm
-
-
-def build_mixer(kind: str, config: ModelConfig, layer_index: int) -> nn.Module:
-    """The module behind one pattern symbol."""
-    if kind == "*":
-        return SelfAttention(config, layer_index)
-    if kind == "-":
-        return MLP(config.hidden_size, config.resolved_ffn_hidden_size, config.mlp_activation, config.mlp_bias)
-    if kind == "M":
-        from meshlm.models.mamba2 import Mamba2Mixer
-        return Mamba2Mixer(config, layer_index)
-    if kind == "E":
-        from meshlm.models.moe.layer import MoELayer
-        return MoELayer(config)
-    raise ValueError(f"unknown block kind {kind!r}")
-
-
-class Block(nn.Module):
-    """One pre-norm residual block: ``h + dropout(mixer(norm(h)))``."""
-
-    def __init__(self, kind: str, config: ModelConfig, layer_index: int):
-        super().__init__()
-        self.kind = kind
-        self.norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
-        self.mixer = build_mixer(kind, config, layer_index)
-        self.dropout = HiddenDropout(config.hidden_dropout, dropout_site("block_output", layer_index))
-        self.recompute = False
-        """Full recomputation (set by training.recompute): keep only the block input for backward
-        and rerun norm + mixer during backward."""
-
-    def norm_and_mix(self, hidden: torch.Tensor, context: SequenceContext):
-        return self.mixer(self.norm(hidden), context)
-
-    def forward(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:
-        if self.recompute and torch.is_grad_enabled() and context.cache is None:
-            # MoE losses come back from the first run only; the rerun in backward is discarded.
-            mixed = torch.utils.checkpoint.checkpoint(self.norm_and_mix, hidden, context, use_reentrant=False)
-        else:
-            mixed = self.norm_and_mix(hidden, context)
-        if isinstance(mixed, tuple):  # MoE blocks also return their auxiliary losses
-            mixed, moe_losses = mixed
-            context.moe_losses.append(moe_losses)
-        return hidden + self.dropout(mixed, context)
 
 
 @dataclass
@@ -95,11 +51,6 @@ class LMOutput:
     """Per MoE block, the number of token assignments each expert received."""
 
 
-def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over positions whose label is not IGNORE_INDEX."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
-
-
 class LanguageModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -111,7 +62,6 @@ class LanguageModel(nn.Module):
         self.output = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = None
         if config.mtp_depth:
-            from meshlm.models.mtp import MultiTokenPrediction
             self.mtp = MultiTokenPrediction(config)
         initialize_weights(self, config)
 

@@ -38,6 +38,7 @@ all ignored gives a nan loss and zero gradients.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 IGNORE_INDEX = -100
@@ -132,3 +133,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     chunk = tokens_per_chunk or default_tokens_per_chunk(weight.shape[0])
     compute_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk, compute_grads)
+
+
+def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over positions whose label is not IGNORE_INDEX."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshlm.models.block import Block
+from meshlm.models.losses import IGNORE_INDEX, language_model_loss
 from meshlm.models.norms import make_norm
 from meshlm.models.pattern import parse_pattern
 
@@ -33,8 +35,6 @@ def shift_left(tensor: torch.Tensor, steps: int, fill: int) -> torch.Tensor:
 
 class MTPDepth(nn.Module):
     def __init__(self, config, first_layer_index: int):
-        from meshlm.models.language_model import Block
-
         super().__init__()
         norm = lambda: make_norm(config.norm, config.hidden_size, config.norm_eps)  # noqa: E731
         self.hidden_norm, self.embedding_norm, self.final_norm = norm(), norm(), norm()
@@ -58,14 +58,12 @@ class MultiTokenPrediction(nn.Module):
             MTPDepth(config, config.num_blocks + depth * blocks_per_depth) for depth in range(config.mtp_depth))
         self.shift = shift_left
         """How tokens are shifted along the sequence; context parallelism replaces it with a shift
-        across its ranks' chunks (``meshlm.parallel.context_parallel.ContextParallelShift``)."""
+        across its ranks' chunks (``meshlm.parallel.context.context_parallel.ContextParallelShift``)."""
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                 model, context, fused_loss: bool = False) -> list[torch.Tensor]:
         """Loss of each depth (mean CE over positions with a target), depth 1 first; with
         ``fused_loss`` through ``model.head_loss`` (no full logits)."""
-        from meshlm.models.language_model import IGNORE_INDEX, language_model_loss
-
         losses = []
         for k, depth in enumerate(self.depths, start=1):
             future_ids = self.shift(input_ids, k, fill=0)

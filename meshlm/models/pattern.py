@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshlm.errors import ConfigError
+
 BLOCK_KINDS = {
     "M": "mamba2",
     "*": "attention",
@@ -27,8 +29,6 @@ class ParsedPattern:
 
 def parse_pattern(pattern: str, field_name: str = "pattern") -> ParsedPattern:
     """Split a pattern into block symbols and the block indices where stages start."""
-    from meshlm.models.config import ConfigError  # local: config imports this module
-
     if not isinstance(pattern, str):
         raise ConfigError(f"{field_name}={pattern!r} must be a string such as '*-*-' or 'M-M*-E'.")
     kinds: list[str] = []

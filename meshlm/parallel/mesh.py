@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from meshlm.models.config import ConfigError
+from meshlm.errors import ConfigError
 from meshlm.parallel.pipeline.stages import check_pipeline_layout
 
 

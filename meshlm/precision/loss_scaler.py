@@ -19,7 +19,7 @@ bf16 shares fp32's exponent range and needs no scaling.
 
 from __future__ import annotations
 
-from meshlm.models.config import ConfigError
+from meshlm.errors import ConfigError
 
 
 class DynamicLossScaler:

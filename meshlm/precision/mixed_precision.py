@@ -41,8 +41,7 @@ import contextlib
 import torch
 from torch import nn
 
-from meshlm.checkpoint.model_files import CheckpointError
-from meshlm.models.config import ConfigError
+from meshlm.errors import CheckpointError, ConfigError
 from meshlm.precision.loss_scaler import DynamicLossScaler
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -82,7 +81,7 @@ class MixedPrecision:
     def hand_masters_to(self, owner) -> None:
         """Let a sharded optimizer own the fp32 masters' values (ZeRO-1 in bf16/fp16).
 
-        ``owner`` (``meshlm.parallel.distributed_optimizer.DistributedOptimizer``) keeps only its
+        ``owner`` (``meshlm.parallel.data.distributed_optimizer.DistributedOptimizer``) keeps only its
         DP shard of them and gathers updated values into the model itself, so ``master_to_model``
         has nothing left to do; the masters stay here as gradient holders, and ``state_dict`` /
         ``load_state_dict`` reach their values through ``owner.full_master_weights()`` /

@@ -28,7 +28,7 @@ import os
 import sys
 import textwrap
 
-from meshlm.models.config import ConfigError
+from meshlm.errors import ConfigError
 
 
 def add_arguments(parser) -> None:
@@ -49,8 +49,7 @@ def run(args) -> int:
         raise ConfigError("give a config file, e.g. `meshlm train configs/tiny.yaml` "
                           "(`meshlm train --list-keys` lists every key).")
     from meshlm.config import load_run_config
-    from meshlm.training.fault_tolerance import (CollectiveFailure, NonFiniteTrainingStop,
-                                                 exit_after_collective_failure)
+    from meshlm.training.fault_tolerance import CollectiveFailure, NonFiniteTrainingStop, exit_after_collective_failure
     from meshlm.training.trainer import train
 
     config = load_run_config(config_path, overrides)

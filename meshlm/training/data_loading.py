@@ -30,10 +30,9 @@ from pathlib import Path
 import torch
 
 from meshlm.data.blend import Blend, build_datasets, load_blend
-from meshlm.data.errors import DataError
 from meshlm.data.indexed import TokenStore
 from meshlm.data.tokenizer import load_tokenizer
-from meshlm.models.config import ConfigError
+from meshlm.errors import ConfigError, DataError
 
 
 @dataclass

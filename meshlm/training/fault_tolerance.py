@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-import torch
 import torch.distributed as dist
 
 EXIT_PEER_FAILURE = 3

@@ -22,8 +22,9 @@ import json
 from pathlib import Path
 
 import torch
-from meshlm.checkpoint.model_files import (WEIGHTS_FILE, CheckpointError, load_state_checked, read_model_config,
-                                           read_model_state)
+from meshlm.checkpoint.files import WEIGHTS_FILE
+from meshlm.checkpoint.model_files import load_state_checked, read_model_config, read_model_state
+from meshlm.errors import CheckpointError
 
 
 def load_initial_weights(path: str | Path, model: torch.nn.Module) -> None:

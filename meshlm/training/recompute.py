@@ -24,9 +24,9 @@ from __future__ import annotations
 from torch import nn
 
 from meshlm.config import RECOMPUTE
+from meshlm.errors import ConfigError
 from meshlm.models.attention import SelfAttention
-from meshlm.models.config import ConfigError
-from meshlm.models.language_model import Block
+from meshlm.models.block import Block
 
 
 def apply_recompute(model: nn.Module, mode: str, every: int = 1) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from meshlm.models.config import ConfigError
+from meshlm.errors import ConfigError
 
 
 def learning_rate(step: int, config, total_steps: int) -> float:

@@ -27,7 +27,7 @@ its tensor-parallel slices, so a run does not depend on its layout. Each step:
 
     DP rank d runs micro-batches [d*k, (d+1)*k) of the step's n (k = n / dp); every rank of a
         TP or CP group reads the same ones; each loss is divided by n, the whole step's count
-    CP (``meshlm/parallel/context_parallel.py``): each rank keeps its two chunks of every
+    CP (``meshlm/parallel/context/context_parallel.py``): each rank keeps its two chunks of every
         sequence (global positions for RoPE), attention rings K/V over the CP group, Mamba hands
         its conv window and SSM state on; its losses are its share (summed over CP: the mean)
     non-final micro-batches: backward only accumulates (no DP communication)
@@ -61,30 +61,28 @@ import torch.distributed as dist
 from meshlm.checkpoint.distributed import Checkpointer
 from meshlm.checkpoint.global_state import TrainingParts
 from meshlm.checkpoint.training_checkpoint import TrainerState
-from meshlm.models.config import ConfigError
+from meshlm.errors import ConfigError
 from meshlm.models.dropout import DropoutKey
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.balancing import update_expert_biases
 from meshlm.models.moe.layer import set_load_balancing_group
-from meshlm.parallel.context_parallel import (apply_context_parallel, check_context_parallel_model, share_losses,
-                                              split_batch)
-from meshlm.parallel.data_parallel import build_data_parallel
-from meshlm.parallel.data_parallel import finish_gradients as finish_distributed_gradients
-from meshlm.parallel.expert_parallel import expert_parallel_names
+from meshlm.optim.adamw import build_optimizer
+from meshlm.parallel.context.context_parallel import (apply_context_parallel, check_context_parallel_model,
+                                                      share_losses, split_batch)
+from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradients as finish_distributed_gradients
+from meshlm.parallel.expert.expert_parallel import expert_parallel_names
 from meshlm.parallel.mesh import build_parallel_context
-from meshlm.parallel.parallel_model import parallelize_model
+from meshlm.parallel.parallelize import parallelize_model
 from meshlm.parallel.pipeline.pipelined_model import PipelinedModel
-from meshlm.parallel.tensor_parallel import partial_grad_names, tensor_parallel_names
+from meshlm.parallel.tensor.sharding import partial_grad_names, tensor_parallel_names
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.training.cpu_allocator import keep_freed_memory
 from meshlm.training.data_loading import build_training_data, read_batch
+from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
 from meshlm.training.initial_weights import load_initial_weights
-from meshlm.training.fault_tolerance import (NonFiniteTrainingStop, SkipStreak, explain_collective_failures,
-                                             stop_message)
-from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary,
-                                     format_count, peak_flops)
-from meshlm.training.optimizer import build_optimizer
+from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary, format_count,
+                                     peak_flops)
 from meshlm.training.plots import plot_losses
 from meshlm.training.recompute import apply_recompute
 from meshlm.training.schedules import learning_rate
@@ -257,7 +255,7 @@ class Trainer:
     def finish_gradients(self) -> tuple[float, bool]:
         """Gradients -> fp32 masters (reduced, unscaled), global-norm clipping; returns (norm, found_nonfinite).
 
-        Distributed (``meshlm.parallel.data_parallel.finish_gradients``): finish the DP reduction,
+        Distributed (``meshlm.parallel.data.data_parallel.finish_gradients``): finish the DP reduction,
         sum the partial gradients of TP-replicated parameters over TP (sums commute, so after the
         DP sum is as good as before it), unscale, clip by the global norm that counts every
         element once. The skip decision comes from that norm alone, the same on every rank.

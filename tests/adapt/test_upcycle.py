@@ -9,7 +9,8 @@ import torch
 from meshlm.adapt.upcycle import down_projection_scale, is_exact, upcycle_model, upcycled_config
 from meshlm.checkpoint.model_files import load_model, save_model
 from meshlm.cli import main
-from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.errors import ConfigError
+from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 
 DENSE = dict(vocab_size=64, hidden_size=32, pattern="*-*-", num_attention_heads=4, ffn_hidden_size=64)

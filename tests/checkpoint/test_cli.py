@@ -15,7 +15,7 @@ import torch
 
 from meshlm.checkpoint.model_files import load_model
 from meshlm.cli import main
-from meshlm.parallel.testing import import_test_file, run_distributed
+from tests.helpers.distributed import import_test_file, run_distributed
 
 
 helpers = import_test_file(Path(__file__).parents[1] / "training" / "test_parallel_training.py",

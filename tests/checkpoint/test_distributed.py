@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshlm.checkpoint.consolidate import read_global_tensors
-from meshlm.checkpoint.model_files import CheckpointError
-from meshlm.parallel.data_parallel_testing import relative_error
-from meshlm.parallel.testing import import_test_file, run_distributed
+from meshlm.checkpoint.whole_tensors import read_global_tensors
+from meshlm.errors import CheckpointError
+from tests.helpers.distributed import import_test_file, run_distributed
+from tests.helpers.tiny_training import relative_error
 
 
 reshard = import_test_file(Path(__file__).parent / "test_reshard.py", "meshlm_reshard_tests")

@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from meshlm.checkpoint.model_files import CheckpointError, load_model, save_model
+from meshlm.checkpoint.model_files import load_model, save_model
+from meshlm.errors import CheckpointError
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshlm.checkpoint.consolidate import read_global_tensors
-from meshlm.parallel.testing import import_test_file, run_distributed
+from meshlm.checkpoint.whole_tensors import read_global_tensors
+from tests.helpers.distributed import import_test_file, run_distributed
 
 
 helpers = import_test_file(Path(__file__).parents[1] / "training" / "test_parallel_training.py",

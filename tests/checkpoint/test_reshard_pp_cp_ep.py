@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.checkpoint.consolidate import read_global_tensors
-from meshlm.parallel.testing import import_test_file, run_distributed
+from meshlm.checkpoint.whole_tensors import read_global_tensors
+from tests.helpers.distributed import import_test_file, run_distributed
 
 
 reshard = import_test_file(Path(__file__).parent / "test_reshard.py", "meshlm_reshard_tests")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from meshlm.checkpoint.sharding import flat_chunks, flat_range_boxes, tensor_chunks
-from meshlm.parallel.tensor_parallel import mark_shard, shard_tensor
+from meshlm.parallel.tensor.sharding import mark_shard, shard_tensor
 
 
 def context(tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, etp_size=1, etp_rank=0):

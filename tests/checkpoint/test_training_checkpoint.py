@@ -13,16 +13,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from meshlm.checkpoint.consolidate import read_global_tensors
 from meshlm.checkpoint.distributed import Checkpointer
+from meshlm.checkpoint.folders import checkpoint_dirs, latest_checkpoint, prune_checkpoints
 from meshlm.checkpoint.global_state import TrainingParts
-from meshlm.checkpoint.model_files import CheckpointError, load_model, save_model
-from meshlm.checkpoint.training_checkpoint import (TrainerState, capture_rng_state, checkpoint_dirs,
-                                                   latest_checkpoint, prune_checkpoints, restore_rng_state)
+from meshlm.checkpoint.model_files import load_model, save_model
+from meshlm.checkpoint.training_checkpoint import TrainerState, capture_rng_state, restore_rng_state
+from meshlm.checkpoint.whole_tensors import read_global_tensors
 from meshlm.config import load_run_config, save_run_config
+from meshlm.errors import CheckpointError
 from meshlm.models.language_model import LanguageModel
+from meshlm.optim.adamw import build_optimizer
 from meshlm.precision.mixed_precision import MixedPrecision
-from meshlm.training.optimizer import build_optimizer
 
 
 def make_run(dtype: str = "fp32", hidden_size: int = 32, seed: int = 0, steps: int = 1):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from meshlm.data.blend import Blend, BlendedDataset, build_blend_indices, build_datasets, load_blend
-from meshlm.data.errors import DataError
 from meshlm.data.indexed import TokenStoreWriter
+from meshlm.errors import DataError
 
 SEQ_LEN = 8
 

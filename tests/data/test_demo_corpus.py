@@ -5,14 +5,13 @@ import json
 import pytest
 
 from meshlm.cli import COMMANDS
-from meshlm.data import cli as data_cli
-from meshlm.data import demo_corpus
+from meshlm.data import cli as data_cli, demo_corpus
 from meshlm.data.blend import build_datasets, load_blend
 from meshlm.data.demo_corpus import (DemoSettings, build_demo_corpus, python_source_files, shakespeare_play_files,
                                      shakespeare_scenes)
-from meshlm.data.errors import DataError
 from meshlm.data.indexed import TokenStore
 from meshlm.data.tokenizer import load_tokenizer
+from meshlm.errors import DataError
 
 SMALL = ["--max-documents", "24", "--python-bytes", "300000", "--vocab-size", "400"]
 STEPS = ["shakespeare.jsonl", "python.jsonl", "tokenizer", "shakespeare token store", "python token store",

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm.data.errors import DataError
 from meshlm.data.gpt_dataset import GPTDataset, parse_split, split_document_range
 from meshlm.data.indexed import TokenStoreWriter
+from meshlm.errors import DataError
 
 SEQ_LEN = 8
 

@@ -3,8 +3,8 @@ import struct
 import numpy as np
 import pytest
 
-from meshlm.data.errors import DataError
 from meshlm.data.indexed import HEADER, MAGIC, TokenStore, TokenStoreWriter, dtype_for_vocab
+from meshlm.errors import DataError
 
 DOCUMENTS = [[5, 6, 7], [], [8], [1, 2, 3, 4, 9]]
 

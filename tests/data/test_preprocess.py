@@ -4,12 +4,12 @@ import json
 import numpy as np
 import pytest
 
-from meshlm.cli import COMMANDS, user_error_types
+from meshlm.cli import COMMANDS, USER_ERRORS
 from meshlm.data import preprocess as preprocess_module
-from meshlm.data.errors import DataError
 from meshlm.data.indexed import TokenStore
 from meshlm.data.preprocess import document_batches, preprocess
 from meshlm.data.tokenizer import Tokenizer, load_tokenizer
+from meshlm.errors import DataError
 
 
 def expected_documents(tokenizer, texts, append_eos):
@@ -80,7 +80,7 @@ def test_token_ids_beyond_the_vocabulary_name_the_source(tmp_path, tokenizer_pat
 
 
 def test_unreadable_input_and_missing_eos_are_data_errors(tmp_path, tokenizer_path, write_jsonl):
-    assert DataError in user_error_types()
+    assert DataError in USER_ERRORS
     with pytest.raises(DataError, match=r"nothere\.jsonl: no such input"):
         preprocess([tmp_path / "nothere.jsonl"], tokenizer_path, tmp_path / "out", show_progress=False)
     no_eos_dir = tmp_path / "no_eos"

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from meshlm.data.errors import DataError
 from meshlm.data.readers import expand_inputs, read_all_documents, read_documents
+from meshlm.errors import DataError
 
 
 def test_jsonl_yields_the_text_key_and_skips_blank_lines(tmp_path):

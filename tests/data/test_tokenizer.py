@@ -4,8 +4,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from meshlm.data.errors import DataError
 from meshlm.data.tokenizer import load_tokenizer
+from meshlm.errors import DataError
 
 SENTENCES = ["the cat sat on the mat.", "a dog sat on a log.", "the cat and the dog are friends.",
              "on the mat the cat sleeps; on the log the dog waits."] * 4

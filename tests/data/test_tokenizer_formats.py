@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from meshlm.data.errors import DataError
 from meshlm.data.indexed import TokenStore
 from meshlm.data.preprocess import preprocess
 from meshlm.data.tokenizer import SentencePieceTokenizer, TiktokenTokenizer, load_tokenizer
+from meshlm.errors import DataError
 
 SENTENCES = ["the cat sat on the mat.", "a dog sat on a log.", "the cat and the dog are friends."] * 20
 

@@ -5,9 +5,9 @@ import pytest
 
 from meshlm.cli import COMMANDS
 from meshlm.data import tokenizer_training
-from meshlm.data.errors import DataError
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.data.tokenizer_training import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, train_tokenizer
+from meshlm.errors import DataError
 
 
 def test_trained_tokenizer_has_the_special_tokens_and_round_trips(tmp_path, write_jsonl, numbered_texts):

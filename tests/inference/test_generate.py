@@ -1,10 +1,11 @@
 import pytest
 import torch
 
+from meshlm.errors import ConfigError
 from meshlm.inference.generate import generate, restrict_vocab
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.models.cache import InferenceCache
-from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 
 GREEDY = SamplingConfig(greedy=True)

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
+from meshlm.errors import ConfigError
 from meshlm.inference.sampling import SamplingConfig, sample_next, top_k_filter, top_p_filter
-from meshlm.models.config import ConfigError
 
 # A hand-made distribution, deliberately not sorted: token 1 is the most likely, then 3, 2, 0.
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])

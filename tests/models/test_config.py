@@ -1,6 +1,7 @@
 import pytest
 
-from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.errors import ConfigError
+from meshlm.models.config import ModelConfig
 from meshlm.models.pattern import parse_pattern
 
 

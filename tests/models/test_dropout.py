@@ -13,8 +13,9 @@ import math
 import pytest
 import torch
 
+from meshlm.errors import ConfigError
 from meshlm.models.attention import attention_core, attention_with_dropout
-from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.dropout import (DropoutKey, HiddenDropout, attention_keep_mask, dropout_site, hidden_keep_mask,
                                    mix32, multiply_mod32)
@@ -223,7 +224,7 @@ def test_dropout_outside_zero_to_one_is_refused(field, value):
 
 
 def test_attention_dropout_is_refused_under_ring_attention():
-    from meshlm.parallel.context_parallel import check_context_parallel_model
+    from meshlm.parallel.context.context_parallel import check_context_parallel_model
 
     check_context_parallel_model(ModelConfig(attention_dropout=0.1), 1, 16)
     check_context_parallel_model(ModelConfig(pattern="M-", attention_dropout=0.1), 2, 16)  # no attention
@@ -240,7 +241,7 @@ def test_attention_dropout_is_refused_under_ring_attention():
 
 def test_hugging_face_dropout_fields_map_both_ways():
     transformers = pytest.importorskip("transformers")
-    from meshlm.models.hf import llama, nemotron_h
+    from meshlm.hf import llama, nemotron_h
 
     config = ModelConfig(pattern="*-*-", hidden_dropout=0.1, attention_dropout=0.2)
     exported = llama.config_to_hf(config)  # no residual dropout in Llama: training-only, dropped

@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, sdpa_backward_flop_count, sdpa_flop_count
 
-from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.errors import ConfigError
+from meshlm.models.config import ModelConfig
 from meshlm.models.flops import (BACKWARD_TO_FORWARD, block_flops, model_flops_breakdown, model_flops_per_sequence,
                                  model_flops_per_token)
 from meshlm.models.language_model import LanguageModel

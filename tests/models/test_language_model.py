@@ -3,7 +3,8 @@ import torch
 
 from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
-from meshlm.models.language_model import IGNORE_INDEX, LanguageModel
+from meshlm.models.language_model import LanguageModel
+from meshlm.models.losses import IGNORE_INDEX
 
 
 def tiny(**overrides):

@@ -4,8 +4,8 @@ import torch.nn.functional as F
 
 import meshlm.models.losses as losses
 from meshlm.models.config import ModelConfig
-from meshlm.models.language_model import IGNORE_INDEX, LanguageModel
-from meshlm.models.losses import linear_cross_entropy
+from meshlm.models.language_model import LanguageModel
+from meshlm.models.losses import IGNORE_INDEX, linear_cross_entropy
 
 TOKENS, HIDDEN, VOCAB = 37, 16, 50
 

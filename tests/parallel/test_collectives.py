@@ -13,10 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshlm.parallel.collectives import (all_gather_along, all_reduce_coalesced_, all_to_all_along,
-                                         copy_to_group, gather_along, reduce_from_group,
-                                         reduce_scatter_along, scatter_along)
-from meshlm.parallel.testing import run_distributed
+from meshlm.parallel.collectives import (all_gather_along, all_reduce_coalesced_, all_to_all_along, copy_to_group,
+                                         gather_along, reduce_from_group, reduce_scatter_along, scatter_along)
+from tests.helpers.distributed import run_distributed
 
 REPLICATED, PER_RANK = "replicated", "per-rank"
 

@@ -5,10 +5,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from meshlm.parallel.collectives import (all_gather_along, all_reduce_coalesced_, all_to_all_along,
-                                         copy_to_group, reduce_from_group, reduce_scatter_along)
+from meshlm.parallel.collectives import (all_gather_along, all_reduce_coalesced_, all_to_all_along, copy_to_group,
+                                         reduce_from_group, reduce_scatter_along)
 from meshlm.parallel.comm_log import record_communication
-from meshlm.parallel.testing import run_distributed
+from tests.helpers.distributed import run_distributed
 
 FLOAT32, FLOAT64 = 4, 8
 

@@ -6,9 +6,10 @@ import torch
 import torch.distributed as dist
 
 from meshlm.config import ParallelConfig
-from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.errors import ConfigError
+from meshlm.models.config import ModelConfig
 from meshlm.parallel.mesh import build_parallel_context, check_layout
-from meshlm.parallel.testing import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 def group_layout(tp: int) -> dict:

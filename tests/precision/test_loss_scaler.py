@@ -1,7 +1,7 @@
 import pytest
 
 from meshlm.config import PrecisionConfig
-from meshlm.models.config import ConfigError
+from meshlm.errors import ConfigError
 from meshlm.precision.loss_scaler import DynamicLossScaler
 
 

@@ -1,12 +1,12 @@
 import pytest
 import torch
 
-from meshlm.checkpoint.model_files import CheckpointError
 from meshlm.config import OptimConfig, PrecisionConfig
+from meshlm.errors import CheckpointError
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
+from meshlm.optim.adamw import build_optimizer
 from meshlm.precision.mixed_precision import MixedPrecision
-from meshlm.training.optimizer import build_optimizer
 
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1)
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 import meshlm
+from meshlm.checkpoint.folders import checkpoint_dirs, latest_checkpoint
 from meshlm.checkpoint.model_files import load_model
-from meshlm.checkpoint.training_checkpoint import checkpoint_dirs, latest_checkpoint
 from meshlm.training.fault_tolerance import EXIT_PEER_FAILURE
 from meshlm.training.metrics import read_metrics
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.parallel.testing import import_test_file, run_distributed
+from tests.helpers.distributed import import_test_file, run_distributed
 
 
 HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
@@ -84,8 +84,8 @@ def test_resume_with_dropout_is_bitwise_exact(runs, tmp_path):
 def test_checkpoints_resume_with_other_dropout_and_from_before_dropout_existed(tmp_path):
     import json
 
-    from meshlm.checkpoint.model_files import CheckpointError
     from meshlm.checkpoint.training_checkpoint import check_model_config
+    from meshlm.errors import CheckpointError
     from meshlm.models.config import ModelConfig
 
     older = ModelConfig().to_dict()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.parallel.testing import import_test_file, run_distributed
+from tests.helpers.distributed import import_test_file, run_distributed
 
 
 HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.checkpoint.training_checkpoint import checkpoint_dirs
+from meshlm.checkpoint.folders import checkpoint_dirs
 from meshlm.cli import main
-from meshlm.models.config import ConfigError
-from meshlm.parallel.data_parallel_testing import relative_error
-from meshlm.parallel.tensor_parallel import gather_full_state_dict
-from meshlm.parallel.testing import import_test_file, run_distributed
+from meshlm.errors import ConfigError
+from meshlm.parallel.tensor.sharding import gather_full_state_dict
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, backend_message
 from meshlm.training.metrics import read_metrics
 from meshlm.training.trainer import Trainer
+from tests.helpers.distributed import import_test_file, run_distributed
+from tests.helpers.tiny_training import relative_error
 
 TOLERANCE = 1e-5
 ROLLBACK_RUN = ["train.steps=10", "train.save_every=2", "train.keep_checkpoints=5", "train.eval_every=0",

@@ -22,14 +22,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from meshlm.checkpoint.consolidate import read_global_tensors
-from meshlm.checkpoint.model_files import CheckpointError, save_model
+from meshlm.checkpoint.model_files import save_model
+from meshlm.checkpoint.whole_tensors import read_global_tensors
 from meshlm.cli import main
+from meshlm.errors import CheckpointError
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.router import TopKRouter
-from meshlm.parallel.testing import import_test_file, run_distributed
 from meshlm.training.metrics import read_metrics
 from meshlm.training.trainer import Trainer
+from tests.helpers.distributed import import_test_file, run_distributed
 
 
 HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")

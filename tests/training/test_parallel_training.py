@@ -1,6 +1,6 @@
 """The trainer under TP / SP / DP / the distributed optimizer equals the single-process trainer.
 
-Spawned gloo ranks (``meshlm.parallel.testing.run_distributed``) run ``Trainer`` on the tiny
+Spawned gloo ranks (``tests.helpers.distributed.run_distributed``) run ``Trainer`` on the tiny
 corpus for 5 steps of 4 micro-batches, for a dense, a hybrid Mamba and an MoE model, at the
 layouts tp2, dp2, dp2 + distributed optimizer (world 2), tp2 x dp2 with SP, with and without
 the distributed optimizer, and tp4 with SP (world 4). Every step's loss and global gradient
@@ -26,15 +26,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.checkpoint.consolidate import read_global_tensors
 from meshlm.checkpoint.model_files import load_model
+from meshlm.checkpoint.whole_tensors import read_global_tensors
 from meshlm.config import load_run_config
-from meshlm.models.config import ConfigError
-from meshlm.parallel.data_parallel_testing import counting_collectives, relative_error
+from meshlm.errors import ConfigError
 from meshlm.parallel.pipeline.state import gather_pipeline_state_dict
-from meshlm.parallel.testing import run_distributed
 from meshlm.training.metrics import read_metrics
 from meshlm.training.trainer import Trainer
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny_training import counting_collectives, relative_error
 
 TOLERANCE = 1e-5
 MODELS = {

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.parallel.testing import import_test_file, run_distributed
 from meshlm.training.metrics import read_metrics
+from tests.helpers.distributed import import_test_file, run_distributed
 
 
 HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.errors import ConfigError
+from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.training.recompute import apply_recompute
 

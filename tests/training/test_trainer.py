@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.checkpoint.consolidate import read_global_tensors
-from meshlm.checkpoint.model_files import CheckpointError
-from meshlm.checkpoint.training_checkpoint import checkpoint_dirs, latest_checkpoint
+from meshlm.checkpoint.folders import checkpoint_dirs, latest_checkpoint
+from meshlm.checkpoint.whole_tensors import read_global_tensors
+from meshlm.errors import CheckpointError
 from meshlm.training.metrics import read_metrics
 from meshlm.training.trainer import Trainer, train
 

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.models.config import AUX_LOSS_TYPES
+from meshlm.models.moe.router import routers_of
 
 
 def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -107,13 +108,6 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
-def routers_of(model: nn.Module) -> list[nn.Module]:
-    """Every ``TopKRouter`` of ``model``, in module order."""
-    from meshlm.models.moe.router import TopKRouter
-
-    return [module for module in model.modules() if isinstance(module, TopKRouter)]
-
-
 @torch.no_grad()
 def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = None) -> int:
     """After an optimizer step: b += u * sign(mean load - load) on every router that balances
@@ -136,4 +130,4 @@ def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = Non
 
 
 __all__ = ["AUX_LOSS_TYPES", "balance_loss", "global_load_balancing_loss", "load_balancing_loss", "router_z_loss",
-           "routers_of", "sequence_load_balancing_loss", "update_expert_biases"]
+           "sequence_load_balancing_loss", "update_expert_biases"]

@@ -83,7 +83,7 @@ def plan_dispatch(expert_ids: torch.Tensor, weights: torch.Tensor | None, num_ex
     """Group the assignments ``expert_ids`` [n, k] by expert, dropping beyond ``capacity``.
 
     ``kept`` ([n, k] bool) instead keeps exactly the assignments it marks: expert parallelism
-    decides dropping once, from the routing of the whole micro-batch (meshlm/parallel/expert_parallel.py).
+    decides dropping once, from the routing of the whole micro-batch (meshlm/parallel/expert/expert_parallel.py).
     """
     top_k = expert_ids.shape[1]
     flat_experts = expert_ids.flatten()

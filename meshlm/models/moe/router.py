@@ -40,8 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.models.moe.balancing import load_balancing_loss, router_z_loss  # noqa: F401  (re-exported)
-
 
 @dataclass
 class Routing:
@@ -173,3 +171,8 @@ class TopKRouter(nn.Module):
         return (f"experts={self.num_experts}, top_k={self.top_k}, score={self.score_function}, "
                 f"softmax_before_topk={self.softmax_before_topk}, normalize_topk={self.normalize_topk}, "
                 f"scaling={self.routed_scaling_factor}{groups}")
+
+
+def routers_of(model: nn.Module) -> list[nn.Module]:
+    """Every ``TopKRouter`` of ``model``, in module order."""
+    return [module for module in model.modules() if isinstance(module, TopKRouter)]

@@ -28,11 +28,10 @@ import torch
 import torch.distributed as dist
 
 from meshlm.models.context import SequenceContext
-from meshlm.parallel.context_parallel import share_losses
+from meshlm.parallel.context.context_parallel import share_losses
 from meshlm.parallel.pipeline.runtime import PipelineExecutor
 from meshlm.parallel.pipeline.schedules import build_schedule
-from meshlm.parallel.pipeline.stages import (STAGE_COPY_NAMES, build_embedding_group, keep_stage_modules,
-                                             rank_chunks)
+from meshlm.parallel.pipeline.stages import STAGE_COPY_NAMES, build_embedding_group, keep_stage_modules, rank_chunks
 
 
 def loss_term_names(config) -> list[str]:

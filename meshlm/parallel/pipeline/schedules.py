@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshlm.models.config import ConfigError
+from meshlm.errors import ConfigError
 
 FORWARD, BACKWARD = "F", "B"
 

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.models.config import ConfigError
+from meshlm.errors import ConfigError
 from meshlm.models.flops import block_flops, head_flops, mtp_depth_flops
 from meshlm.models.pattern import parse_pattern
+from meshlm.parallel.pipeline.schedules import check_microbatches
 
 STAGE_COPY_NAMES = ("embedding.weight",)
 """Parameters the last stage holds a copy of (the first stage's value is the canonical one)."""
@@ -171,8 +172,6 @@ def build_embedding_group(context, config) -> dist.ProcessGroup | None:
 
 def check_pipeline_layout(parallel, config, seq_len: int | None, microbatches_per_dp_rank: int | None) -> None:
     """Refuse, before any collective, a pipeline layout the model or the batch cannot fill."""
-    from meshlm.parallel.pipeline.schedules import check_microbatches
-
     if parallel.vp > 1 and parallel.pp == 1:
         raise ConfigError(f"parallel.vp={parallel.vp} needs parallel.pp > 1 (virtual stages interleave a pipeline).")
     if parallel.pp == 1:

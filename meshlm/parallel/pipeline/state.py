@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshlm.parallel.tensor.sharding import gather_full_state_dict
+
 
 def merge_named(states: list[dict]) -> dict:
     """Union of name -> value dicts; a name held by several stages (a tied copy) keeps the first."""
@@ -25,8 +27,6 @@ def merge_named(states: list[dict]) -> dict:
 def gather_pipeline_state_dict(model, context) -> dict[str, torch.Tensor]:
     """The whole single-process state dict (on CPU) on every rank: TP shards gathered, then every
     stage's tensors exchanged over the pipeline. Collective; for tests and tools, not for the step."""
-    from meshlm.parallel.tensor_parallel import gather_full_state_dict
-
     local = {name: value.detach().cpu() for name, value in gather_full_state_dict(model, context).items()}
     if context.pp_size == 1:
         return local

@@ -5,11 +5,11 @@ import torch
 import torch.distributed as dist
 
 from meshlm.models.config import ModelConfig
-from meshlm.models.moe.balancing import (global_load_balancing_loss, load_balancing_loss,
-                                         sequence_load_balancing_loss, update_expert_biases)
+from meshlm.models.moe.balancing import (global_load_balancing_loss, load_balancing_loss, sequence_load_balancing_loss,
+                                         update_expert_biases)
 from meshlm.models.moe.layer import MoELayer, set_load_balancing_group
 from meshlm.models.moe.router import TopKRouter
-from meshlm.parallel.testing import run_distributed
+from tests.helpers.distributed import run_distributed
 
 # Two rows of hand-made probabilities over 3 experts (sum(exp(logits)) = 4 for both):
 QUARTER_HALF = [0.25, 0.5, 0.25]   # top-1 -> expert 1

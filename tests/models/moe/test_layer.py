@@ -3,9 +3,10 @@ import math
 import pytest
 import torch
 
+from meshlm.models.block import Block
 from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
-from meshlm.models.language_model import Block, LanguageModel
+from meshlm.models.language_model import LanguageModel
 from meshlm.models.mlp import MLP
 from meshlm.models.moe.layer import MoELayer
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from meshlm.models.config import ModelConfig
-from meshlm.models.moe.router import (TopKRouter, group_limited_top_k, load_balancing_loss, router_z_loss,
-                                      top_k_by_score)
+from meshlm.models.moe.balancing import load_balancing_loss, router_z_loss
+from meshlm.models.moe.router import TopKRouter, group_limited_top_k, top_k_by_score
 
 
 def make_router(**overrides):
@@ -176,7 +176,8 @@ def test_router_runs_in_fp32_inside_a_bf16_autocast_region():
 
 
 def test_group_config_is_validated():
-    from meshlm.models.config import ConfigError, ModelConfig
+    from meshlm.errors import ConfigError
+    from meshlm.models.config import ModelConfig
 
     base = dict(pattern="E", moe_num_experts=8, moe_top_k=2)
     for bad, words in [(dict(moe_router_num_groups=3, moe_router_group_top_k=1), "divide"),

@@ -16,15 +16,15 @@ import torch
 from meshlm.config import OptimConfig, ParallelConfig, PrecisionConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
-from meshlm.parallel.data_parallel import build_data_parallel, finish_gradients
-from meshlm.parallel.data_parallel_testing import relative_error
+from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradients
 from meshlm.parallel.mesh import build_parallel_context
-from meshlm.parallel.parallel_model import parallelize_model
+from meshlm.parallel.parallelize import parallelize_model
 from meshlm.parallel.pipeline.pipelined_model import PipelinedModel
 from meshlm.parallel.pipeline.state import merge_named
-from meshlm.parallel.tensor_parallel import gather_full_tensor, partial_grad_names, tensor_parallel_names
-from meshlm.parallel.testing import run_distributed
+from meshlm.parallel.tensor.sharding import gather_full_tensor, partial_grad_names, tensor_parallel_names
 from meshlm.precision.mixed_precision import MixedPrecision
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny_training import relative_error
 
 TOLERANCE = 1e-5
 SEQ_LEN, MICRO_BATCH, NUM_MICROBATCHES = 16, 2, 4

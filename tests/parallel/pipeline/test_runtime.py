@@ -17,7 +17,7 @@ import torch.distributed as dist
 from meshlm.parallel.pipeline.p2p import ACTIVATION, GRADIENT, Message, PointToPoint
 from meshlm.parallel.pipeline.runtime import PipelineExecutor
 from meshlm.parallel.pipeline.schedules import build_schedule
-from meshlm.parallel.testing import run_distributed
+from tests.helpers.distributed import run_distributed
 
 SHAPE = (2, 3)
 

@@ -11,8 +11,8 @@ from collections import Counter
 
 import pytest
 
-from meshlm.models.config import ConfigError
-from meshlm.parallel.pipeline.schedules import (BACKWARD, FORWARD, Action, build_schedule, forward_order, simulate,
+from meshlm.errors import ConfigError
+from meshlm.parallel.pipeline.schedules import (Action, BACKWARD, FORWARD, build_schedule, forward_order, simulate,
                                                 warmup_forwards)
 
 LAYOUTS = [(pp, vp, m) for pp in (1, 2, 3, 4, 8) for vp in (1, 2, 3) for m in (pp, 2 * pp, 3 * pp)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from meshlm.config import ParallelConfig
-from meshlm.models.config import ConfigError, ModelConfig
+from meshlm.errors import ConfigError
+from meshlm.models.config import ModelConfig
 from meshlm.models.flops import block_flops, head_flops
 from meshlm.models.language_model import LanguageModel
 from meshlm.parallel.pipeline.stages import (balanced_starts, check_pipeline_layout, keep_stage_modules, rank_chunks,

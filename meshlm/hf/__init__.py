@@ -1,0 +1,13 @@
+"""Hugging Face interop: read and write ``transformers`` checkpoints (config.json + safetensors).
+
+Supported architectures: LlamaForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM,
+Mamba2ForCausalLM and NemotronHForCausalLM, one adapter module each (``llama.py``, ...), sharing
+the tensor-map machinery of ``common.py``. ``convert.py`` converts whole folders and ``cli.py`` is
+``meshlm convert``. transformers itself is not needed to convert, only to run the parity tests.
+"""
+
+from meshlm.hf.convert import (ARCHITECTURES, architecture_of, choose_architecture, export_hf, hf_to_meshlm,
+                               load_hf_model, meshlm_to_hf)
+
+__all__ = ["ARCHITECTURES", "architecture_of", "choose_architecture", "export_hf", "hf_to_meshlm", "load_hf_model",
+           "meshlm_to_hf"]

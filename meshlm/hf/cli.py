@@ -1,0 +1,45 @@
+"""``meshlm convert``: Hugging Face folders <-> meshlm models.
+
+    meshlm convert hf-to-meshlm HF_DIR OUT                 [--overwrite]
+    meshlm convert meshlm-to-hf CKPT HF_DIR [--architecture NAME] [--overwrite]
+
+HF_DIR holds config.json and model.safetensors (or a sharded index); CKPT is a meshlm model
+folder or a training checkpoint (the same two files). Tokenizer files are copied across. An
+existing, non-empty output folder is refused unless --overwrite is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from meshlm.hf.convert import ARCHITECTURES, hf_to_meshlm, meshlm_to_hf
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    directions = parser.add_subparsers(dest="direction", metavar="DIRECTION")
+    directions.required = True
+    to_meshlm = directions.add_parser("hf-to-meshlm", help="Hugging Face folder -> meshlm model",
+                                      description="Convert a Hugging Face model folder into a meshlm model.")
+    to_meshlm.add_argument("hf_dir", metavar="HF_DIR", help="folder with config.json and model.safetensors")
+    to_meshlm.add_argument("out", metavar="OUT", help="meshlm model folder to write")
+    to_hf = directions.add_parser("meshlm-to-hf", help="meshlm model or checkpoint -> Hugging Face folder",
+                                  description="Convert a meshlm model or checkpoint into a Hugging Face folder.")
+    to_hf.add_argument("checkpoint", metavar="CKPT", help="meshlm model folder or training checkpoint")
+    to_hf.add_argument("out", metavar="HF_DIR", help="Hugging Face folder to write")
+    to_hf.add_argument("--architecture", choices=sorted(ARCHITECTURES), metavar="NAME",
+                       help="HF architecture to write (default: chosen from the model's shape); one of "
+                            + ", ".join(sorted(ARCHITECTURES)))
+    for sub in (to_meshlm, to_hf):
+        sub.add_argument("--overwrite", action="store_true",
+                         help="write into OUT even if it is not empty (files of the same names are replaced)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.direction == "hf-to-meshlm":
+        out, model, extra = hf_to_meshlm(args.hf_dir, args.out, overwrite=args.overwrite)
+        print(f"wrote meshlm model {out} from {extra['architecture']} {args.hf_dir}: pattern "
+              f"{model.config.pattern!r}, {model.num_parameters():,} parameters")
+    else:
+        out, architecture = meshlm_to_hf(args.checkpoint, args.out, args.architecture, overwrite=args.overwrite)
+        print(f"wrote {architecture.name} folder {out} from {args.checkpoint}")
+    return 0

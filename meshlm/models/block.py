@@ -1,0 +1,68 @@
+"""One residual block: ``h + dropout(mixer(norm(h)))``, the mixer chosen by a pattern symbol.
+
+The pattern (``meshlm/models/pattern.py``) names one block per symbol: ``*`` attention, ``-`` MLP,
+``M`` Mamba-2, ``E`` Mixture-of-Experts. Every block is pre-norm (the norm acts on the block's
+input, the residual stream is never normalized in place), as in GPT-2 and Llama. The main stack
+(``language_model.py``) and every multi-token-prediction depth (``mtp.py``) are built from these.
+Full recomputation (``training.recompute=full``) keeps only the block input and reruns norm and
+mixer in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from meshlm.models.attention import SelfAttention
+from meshlm.models.config import ModelConfig
+from meshlm.models.context import SequenceContext
+from meshlm.models.dropout import HiddenDropout, dropout_site
+from meshlm.models.mamba2 import Mamba2Mixer
+from meshlm.models.mlp import MLP
+from meshlm.models.moe.layer import MoELayer
+from meshlm.models.norms import make_norm
+
+
+def build_mixer(kind: str, config: ModelConfig, layer_index: int) -> nn.Module:
+    """The module behind one pattern symbol."""
+    if kind == "*":
+        return SelfAttention(config, layer_index)
+    if kind == "-":
+        return MLP(config.hidden_size, config.resolved_ffn_hidden_size, config.mlp_activation, config.mlp_bias)
+    if kind == "M":
+        return Mamba2Mixer(config, layer_index)
+    if kind == "E":
+        return MoELayer(config)
+    raise ValueError(f"unknown block kind {kind!r}")
+
+
+class Block(nn.Module):
+    """One pre-norm residual block: ``h + dropout(mixer(norm(h)))``."""
+
+    def __init__(self, kind: str, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.kind = kind
+        self.norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
+        self.mixer = build_mixer(kind, config, layer_index)
+        self.dropout = HiddenDropout(config.hidden_dropout, dropout_site("block_output", layer_index))
+        self.recompute = False
+        """Full recomputation (set by training.recompute): keep only the block input for backward
+        and rerun norm + mixer during backward."""
+
+    def norm_and_mix(self, hidden: torch.Tensor, context: SequenceContext):
+        return self.mixer(self.norm(hidden), context)
+
+    def forward(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled() and context.cache is None:
+            # MoE losses come back from the first run only; the rerun in backward is discarded.
+            mixed = torch.utils.checkpoint.checkpoint(self.norm_and_mix, hidden, context, use_reentrant=False)
+        else:
+            mixed = self.norm_and_mix(hidden, context)
+        if isinstance(mixed, tuple):  # MoE blocks also return their auxiliary losses
+            mixed, moe_losses = mixed
+            context.moe_losses.append(moe_losses)
+        return hidden + self.dropout(mixed, context)
+
+
+__all__ = ["Block", "build_mixer"]

@@ -1,0 +1,221 @@
+"""Ring attention: causal attention over a sequence whose chunks live on the ranks of a CP group.
+
+Under context parallelism (``context_parallel.py``) rank i holds the queries, keys and values
+of two chunks of every sequence, i and 2cp-1-i. Its queries must attend to the keys and values
+of every earlier chunk, wherever they live. Ring attention (Liu et al. 2023, "Ring Attention
+with Blockwise Transformers for Near-Infinite Context") never gathers them: in cp steps, each
+rank computes attention against the K/V block it holds, while passing that block on to the next
+rank of the ring and receiving the previous rank's (batched isend/irecv, so the transfer runs
+during the computation). After cp steps every query has seen every key once.
+
+**Masks per chunk pair.** Query chunk a and key chunk b interact fully when b < a, causally
+(lower triangle) when b = a, and not at all when b > a. With the pairing, step 0 (own K/V) is
+the two diagonal blocks plus one full block; every later step is exactly two full blocks (the
+sender's front chunk for all local queries, or all its keys for the local back chunk) -- the
+same work on every rank and every step.
+
+**Merging partial results (online softmax).** Each block b gives, per query row, the softmax
+over its keys only: out_b = softmax(S_b) V_b and lse_b = log sum_j exp(S_b,j). Two partial
+results of the same row combine exactly (Milakov & Gimelshein 2018, "Online normalizer
+calculation for softmax"; the rescaling inside FlashAttention, Dao et al. 2022):
+
+    lse = log(exp(lse_1) + exp(lse_2))
+    out = exp(lse_1 - lse) out_1 + exp(lse_2 - lse) out_2
+
+so the blocks may arrive in any order and nothing of size [queries x all keys] is ever held.
+
+**Backward.** A custom autograd function with FlashAttention's backward per block (Dao et al.
+2022, Alg. 4): with the final lse and D = rowsum(dO * O) of each query row, a block's
+probabilities are P = exp(S - lse) (recomputed, not stored), and
+
+    dV = P^T dO     dS = P * (dO V^T - D)     dQ = dS K / sqrt(d)     dK = dS^T Q / sqrt(d)
+
+The K/V blocks travel the ring again, and with each travels the accumulator of ITS dK/dV: a
+rank adds its queries' contribution and passes the accumulator on with the block, so after cp
+steps (one more hop than the K/V) every block's dK/dV arrives, complete, at its owner. Forward
+saves only q, k, v, the output and lse -- O(local sequence) memory, as the single-process
+FlashAttention-style core would.
+
+Grouped-query attention: query head h reads KV head h // (heads / kv_heads) (the rule of
+``F.scaled_dot_product_attention(enable_gqa=True)``); the queries are viewed as [kv_heads,
+group] so K/V are never repeated, and dK/dV sum over each group. Tensor parallelism splits heads,
+so each TP rank rings its own heads over its CP group; sequence parallelism has gathered the
+CP-local sequence before q/k/v are computed, so nothing changes. Computation is in fp32 (fp64
+for fp64 inputs); the output comes back in the inputs' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from meshlm.parallel.context.chunks import paired_chunks
+
+KV_TAG, GRAD_TAG = 0, 1
+"""Point-to-point tags: the K/V blocks and their gradient accumulators travel separately."""
+
+
+# --- which blocks a query chunk attends to -----------------------------------------------------------
+
+def attention_blocks(query_chunks: tuple[int, ...], key_chunks: tuple[int, ...]) -> list[tuple[int, int, bool]]:
+    """(query slot, key slot, causal) for every pair of chunks that interact: key chunk before the
+    query chunk (full block) or the same chunk (causal block); later key chunks are skipped."""
+    return [(q_slot, k_slot, key == query)
+            for q_slot, query in enumerate(query_chunks) for k_slot, key in enumerate(key_chunks) if key <= query]
+
+
+# --- one block ---------------------------------------------------------------------------------------
+
+def _scores(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """S = q k^T * scale for grouped queries [b, kv, g, t, d] and keys [b, kv, s, d] -> [b, kv, g, t, s]."""
+    scores = torch.matmul(query, key.unsqueeze(2).transpose(-1, -2)) * scale
+    if causal:
+        length = scores.shape[-1]
+        above = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    return scores
+
+
+def block_forward(query, key, value, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of grouped queries over one K/V block: (out [b, kv, g, t, d], lse [b, kv, g, t])."""
+    scores = _scores(query, key, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value.unsqueeze(2))
+    return out, lse
+
+
+def block_backward(query, key, value, grad_out, lse, delta, causal: bool, scale: float):
+    """(dq, dk, dv) of one block, given the FINAL lse and D = rowsum(dO * O) of the query rows."""
+    probs = torch.exp(_scores(query, key, causal, scale) - lse.unsqueeze(-1))  # [b, kv, g, t, s]
+    grad_value = torch.matmul(probs.transpose(-1, -2), grad_out).sum(2)
+    grad_scores = probs * (torch.matmul(grad_out, value.unsqueeze(2).transpose(-1, -2)) - delta.unsqueeze(-1))
+    grad_query = torch.matmul(grad_scores, key.unsqueeze(2)) * scale
+    grad_key = torch.matmul(grad_scores.transpose(-1, -2), query).sum(2) * scale
+    return grad_query, grad_key, grad_value
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
+               block_lse: torch.Tensor) -> None:
+    """Online-softmax merge of a block's partial result into rows ``rows`` of (out, lse), in place."""
+    old_lse = lse[..., rows]
+    new_lse = torch.logaddexp(old_lse, block_lse)
+    out[..., rows, :] = (out[..., rows, :] * torch.exp(old_lse - new_lse).unsqueeze(-1)
+                         + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    lse[..., rows] = new_lse
+
+
+# --- the ring ------------------------------------------------------------------------------------------
+
+class Ring:
+    """The CP group as a ring: rank i sends to i+1 and receives from i-1 (global ranks)."""
+
+    def __init__(self, context, layout=paired_chunks):
+        self.size, self.rank, self.layout = context.cp_size, context.cp_rank, layout
+        ranks = context.cp_ranks
+        self.next_rank, self.previous_rank = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
+
+    def chunks(self, step: int) -> tuple[int, ...]:
+        """The chunks of the K/V block this rank holds at ``step`` (its own at step 0)."""
+        return self.layout((self.rank - step) % self.size, self.size)
+
+    def start_pass(self, tensor: torch.Tensor, tag: int):
+        """Send ``tensor`` to the next rank and receive the previous rank's into a new buffer;
+        returns (buffer, requests) -- wait on the requests before reading the buffer."""
+        received = torch.empty_like(tensor)
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next_rank, tag=tag),
+                                           dist.P2POp(dist.irecv, received, self.previous_rank, tag=tag)])
+        return received, requests
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, context, layout):
+        ring = Ring(context, layout)
+        compute = torch.promote_types(query.dtype, torch.float32)
+        batch, heads, length, head_dim = query.shape
+        kv_heads = key.shape[1]
+        grouped = query.to(compute).view(batch, kv_heads, heads // kv_heads, length, head_dim)
+        scale, slot = 1.0 / math.sqrt(head_dim), length // 2
+        out = grouped.new_zeros(grouped.shape)
+        lse = grouped.new_full(grouped.shape[:-1], float("-inf"))
+        kv = torch.stack((key, value)).contiguous()
+        for step in range(ring.size):
+            incoming, requests = ring.start_pass(kv, KV_TAG) if step < ring.size - 1 else (None, [])
+            block_key, block_value = kv[0].to(compute), kv[1].to(compute)
+            for q_slot, k_slot, causal in attention_blocks(ring.chunks(0), ring.chunks(step)):
+                rows, cols = slice(q_slot * slot, (q_slot + 1) * slot), slice(k_slot * slot, (k_slot + 1) * slot)
+                block_out, block_lse = block_forward(grouped[..., rows, :], block_key[..., cols, :],
+                                                     block_value[..., cols, :], causal, scale)
+                merge_into(out, lse, rows, block_out, block_lse)
+            _wait(requests)
+            kv = incoming
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.ring, ctx.scale = ring, scale
+        return out.view(batch, heads, length, head_dim).to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, out, lse = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        compute = out.dtype
+        grouped = query.to(compute).view(out.shape)
+        grad_out = grad_output.to(compute).reshape(out.shape)
+        delta = (grad_out * out).sum(-1)  # D = rowsum(dO * O)
+        slot = query.shape[2] // 2
+        grad_query = torch.zeros_like(grouped)
+        kv = torch.stack((key, value)).contiguous()
+        grad_kv = torch.zeros(kv.shape, dtype=compute, device=kv.device)  # dK/dV of the block held
+        for step in range(ring.size):
+            incoming, requests = ring.start_pass(kv, KV_TAG) if step < ring.size - 1 else (None, [])
+            block_key, block_value = kv[0].to(compute), kv[1].to(compute)
+            for q_slot, k_slot, causal in attention_blocks(ring.chunks(0), ring.chunks(step)):
+                rows, cols = slice(q_slot * slot, (q_slot + 1) * slot), slice(k_slot * slot, (k_slot + 1) * slot)
+                dq, dk, dv = block_backward(grouped[..., rows, :], block_key[..., cols, :], block_value[..., cols, :],
+                                            grad_out[..., rows, :], lse[..., rows], delta[..., rows], causal, scale)
+                grad_query[..., rows, :] += dq
+                grad_kv[0][..., cols, :] += dk
+                grad_kv[1][..., cols, :] += dv
+            outgoing = grad_kv  # on with its block; home, complete, after cp hops
+            grad_kv, grad_requests = ring.start_pass(outgoing, GRAD_TAG)
+            _wait(requests)
+            _wait(grad_requests)
+            kv = incoming
+        return (grad_query.view(query.shape).to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype),
+                None, None)
+
+
+def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context,
+                   layout=paired_chunks) -> torch.Tensor:
+    """Causal attention of this CP rank's queries [b, heads, 2c, d] over the whole sequence, whose
+    keys/values [b, kv_heads, 2c, d] are spread over the CP group as ``layout`` says (each rank's
+    two chunks of c tokens, concatenated). Returns [b, heads, 2c, d], equal to the rows of full
+    causal attention at this rank's positions. Collective over the CP group."""
+    if query.shape[2] % 2 or key.shape[2] != query.shape[2]:
+        raise ValueError(f"ring attention needs two equal chunks of queries and keys per rank, got "
+                         f"{query.shape[2]} queries and {key.shape[2]} keys")
+    return _RingAttention.apply(query, key, value, context, layout)
+
+
+class RingAttentionCore:
+    """The attention core of ``SelfAttention`` under context parallelism (set by
+    ``apply_context_parallel``): same call as ``attention_core``, without padding masks or caches."""
+
+    def __init__(self, context, layout=paired_chunks):
+        self.context, self.layout = context, layout
+
+    def __call__(self, query, key, value, key_mask=None):
+        if key_mask is not None or key.shape[2] != query.shape[2]:
+            raise ValueError("context parallelism runs training forwards only: no padding mask and no KV cache "
+                             "(generate with a single-process or tensor-parallel model).")
+        return ring_attention(query, key, value, self.context, self.layout)
+
+
+__all__ = ["Ring", "RingAttentionCore", "attention_blocks", "block_backward", "block_forward", "merge_into",
+           "ring_attention"]

@@ -1,0 +1,84 @@
+"""Data parallelism: where the pieces are, and the one call that picks them for a run.
+
+Every DP rank holds a replica of the (tensor-parallel) model and runs micro-batches of its own
+samples; each micro-batch loss is divided by the micro-batch count of the WHOLE step (all DP
+ranks together), so the sum of the ranks' gradients is the single-process gradient of the
+step's mean loss. Three pieces turn that into a step:
+
+* ``grad_reducer.GradientReducer`` -- fp32 gradient buckets, summed over DP by all-reduces that
+  start during the last micro-batch's backward (overlap), nothing sent on the others.
+* ``distributed_optimizer.DistributedOptimizer`` -- ZeRO stage 1: the reducer reduce-scatters
+  instead, each rank updates its 1/dp of the fp32 values with its 1/dp of the Adam moments,
+  and an all-gather brings the updated values back to every rank.
+* ``expert_data_parallel`` -- under expert parallelism (MoE Parallel Folding) the routed
+  experts' gradients are summed over the expert-data-parallel group (edp) and dense ones over
+  dp_cp: one reducer (and distributed optimizer) per group, driven as one.
+* ``grad_norm`` -- the global gradient norm (and clipping by it), every element counted once
+  across TP shards and, with the distributed optimizer, DP shards.
+
+A trainer step with either optimizer::
+
+    reducer.zero_grad()
+    for micro-batch i of n:   (with reducer.no_sync() unless i == n - 1): backward(loss_i / total)
+    norm, skip = finish_gradients(...)        # DP reduction, TP partial sums, unscale, clip
+    if not skip: optimizer.step(); precision.master_to_model()
+    optimizer.zero_grad()
+
+The skip decision comes from the global norm alone, so every rank takes it alike: an inf or nan
+in any rank's local gradient reaches the reduced gradient of the rank that owns that element,
+and from there the global norm of every rank. (MixedPrecision's own non-finite flag looks at
+this rank's buffer only and is implied by the norm.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshlm.optim.adamw import build_optimizer
+from meshlm.parallel.data.distributed_optimizer import DistributedOptimizer
+from meshlm.parallel.data.expert_data_parallel import build_expert_data_parallel
+from meshlm.parallel.data.grad_norm import clip_grad_norm_across, clip_grads_, global_grad_norm
+from meshlm.parallel.data.grad_reducer import GradientReducer
+from meshlm.parallel.tensor.sharding import reduce_partial_tp_grads
+
+
+def build_data_parallel(precision, optim_config, parallel_config, context):
+    """(reducer, optimizer) for a run: the distributed optimizer (whose reducer shards) when
+    ``parallel.distributed_optimizer``, else torch AdamW beside an all-reducing reducer. Build
+    after ``MixedPrecision`` (the reducer's hooks must run after its gradient mover)."""
+    expert_names = {name for name, param in precision.model_parameters if getattr(param, "expert_parallel", False)}
+    if expert_names:  # expert parallelism: experts reduced over edp (meshlm/parallel/data/expert_data_parallel.py)
+        return build_expert_data_parallel(precision, optim_config, parallel_config, context, expert_names)
+    named = precision.master_parameters()
+    sources = [param for _, param in precision.model_parameters]
+    if parallel_config.distributed_optimizer:
+        optimizer = DistributedOptimizer(named, optim_config, context, parallel_config.bucket_size_mb,
+                                         parallel_config.overlap_grad_reduce, model_parameters=sources)
+        precision.hand_masters_to(optimizer)  # bf16/fp16: the fp32 masters are sharded over DP too
+        return optimizer.reducer, optimizer
+    reducer = GradientReducer(named, context, parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce,
+                              model_parameters=sources)
+    return reducer, build_optimizer(named, optim_config)
+
+
+def finish_gradients(reducer: GradientReducer, optimizer, precision, context, max_norm: float,
+                     tensor_parallel_names: set[str] | None = None,
+                     partial_grad_names: set[str] | None = None,
+                     expert_names: set[str] | None = None) -> tuple[torch.Tensor, bool]:
+    """After the last micro-batch's backward: finish the DP reduction, sum TP-partial gradients
+    over the TP group (on this rank's shards only with the distributed optimizer; sums commute, so
+    after the DP sum is as good as before it), unscale (fp16) and clip by the global norm.
+    Returns (norm, skip), skip being True when the norm is not finite."""
+    reducer.finish()
+    sharded = hasattr(optimizer, "named_grad_shards")  # a DistributedOptimizer (or a group of them)
+    named_grads = optimizer.named_grad_shards() if sharded else reducer.named_grads()
+    if context.tp_size > 1 and partial_grad_names:
+        reduce_partial_tp_grads(named_grads, context, partial_grad_names)
+    precision.gradients_to_master()  # divides by the loss scale; linear, so after the sums
+    norm = clip_grads_(named_grads, max_norm, context, sharded, tensor_parallel_names, reducer.buffer.device,
+                       expert_names)
+    return norm, not bool(torch.isfinite(norm))
+
+
+__all__ = ["DistributedOptimizer", "GradientReducer", "build_data_parallel", "clip_grad_norm_across", "clip_grads_",
+           "finish_gradients", "global_grad_norm"]

@@ -1,0 +1,301 @@
+"""A distributed optimizer: AdamW whose fp32 master state is sharded over the data-parallel group.
+
+Plain data parallelism keeps a full copy of everything on every DP rank: with AdamW in fp32 that
+is 4 bytes of weight, 4 of gradient and 8 of moments (m, v) per parameter, of which only the
+weights and gradients are needed by forward and backward. ZeRO stage 1 (Rajbhandari et al. 2020,
+"ZeRO: memory optimizations toward training trillion parameter models", section 5.1; Megatron-LM's
+distributed optimizer) shards the optimizer's part: rank r owns 1/dp of the elements and keeps
+the Adam moments of those only. One step then reads:
+
+    gradients   reduce-scatter (instead of all-reduce): rank r receives the DP sum of its elements
+    update      AdamW on rank r's elements only (each rank does 1/dp of the optimizer's work)
+    parameters  all-gather: every rank receives everybody's updated elements
+
+A ring all-reduce *is* a reduce-scatter followed by an all-gather, so the step moves the same
+bytes as plain data parallelism; it only moves the update between the two halves.
+
+Layout. The shards are cut from the flat buffers of ``GradientReducer`` in sharded mode: the
+parameters are laid out in reverse order in buckets, each bucket padded to a multiple of dp, and
+rank r owns the r-th contiguous 1/dp of every bucket, so each bucket's reduce-scatter can be
+launched during backward as soon as it fills (overlap). A parameter may straddle two ranks; each
+rank sees the pieces it owns as *segments* (views into the value, gradient and moment buffers).
+The values the optimizer updates depend on the precision:
+
+* fp32: the model's parameters ARE the masters. They become views into one flat fp32 value
+  buffer with the gradient buffer's layout; the update writes this rank's segments in place and
+  the all-gather fills the rest of the buffer in place.
+* bf16/fp16: this rank keeps only ITS 1/dp of the fp32 masters (``values`` holds the owned
+  segments, like the moments), copied from ``MixedPrecision``'s masters at construction, which are
+  then released: each master stays a Parameter of its full shape -- the gradient holder whose
+  ``.grad`` is a bucket view -- but its data is a single element broadcast to that shape (stride
+  0), so it costs 4 bytes. The model's low-precision parameters become views into one flat
+  buffer of their dtype; after the update each rank casts its fp32 segments into it and the
+  all-gather moves low-precision values (half the bytes of fp32). ``MixedPrecision`` forwards its
+  ``master_to_model`` (nothing left to do), ``state_dict`` and ``load_state_dict`` of the masters
+  here (``full_master_weights`` / ``load_master_weights``, collective over DP).
+
+Checkpoints stay in the single-process format: ``state_dict()`` all-gathers the moments into
+exactly the dict a ``torch.optim.AdamW`` from ``build_optimizer`` would save, and
+``load_state_dict()`` takes such a dict and keeps this rank's segments -- so a checkpoint written
+at one DP size (or by a single process) loads at any other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from meshlm.optim.adamw import build_optimizer
+from meshlm.parallel.data.grad_norm import clip_grads_
+from meshlm.parallel.data.grad_reducer import GradientReducer, all_gather_into
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of parameter ``param`` that this rank owns."""
+
+    param: int
+    """Index of the parameter (in the reducer's order)."""
+    start: int
+    """[start, end) in the flat value / gradient buffers."""
+    end: int
+    local: int
+    """Where it starts in this rank's moment buffers."""
+
+
+@dataclass
+class GroupViews:
+    """One parameter group's segments as parallel lists of views, for the foreach kernels."""
+
+    values: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+
+
+def owned_segments(layout, rank: int, num_shards: int) -> list[Segment]:
+    """Every (parameter, owned range) piece of rank's 1/num_shards of each bucket."""
+    segments = []
+    for bucket in layout.buckets:
+        shard_start, shard_end = bucket.shard(rank, num_shards)
+        local_start = bucket.start // num_shards  # buckets are contiguous and each divides by num_shards
+        for index in bucket.params:
+            start = max(layout.offsets[index], shard_start)
+            end = min(layout.offsets[index] + layout.shapes[index].numel(), shard_end)
+            if start < end:
+                segments.append(Segment(index, start, end, local_start + start - shard_start))
+    return segments
+
+
+@torch.no_grad()
+def adamw_update(views: GroupViews, group: dict, step: int) -> None:
+    """One AdamW step on a group's segments (``torch.optim.AdamW``'s math, foreach form)."""
+    lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if weight_decay:
+        torch._foreach_mul_(views.values, 1 - lr * weight_decay)
+    torch._foreach_lerp_(views.exp_avgs, views.grads, 1 - beta1)
+    torch._foreach_mul_(views.exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(views.exp_avg_sqs, views.grads, views.grads, 1 - beta2)
+    step_size = lr / (1 - beta1 ** step)
+    denominators = torch._foreach_sqrt(views.exp_avg_sqs)
+    torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** step))
+    torch._foreach_add_(denominators, eps)
+    torch._foreach_addcdiv_(views.values, views.exp_avgs, denominators, -step_size)
+
+
+class DistributedOptimizer:
+    """ZeRO-1 AdamW over (name, fp32 parameter) pairs; a drop-in for ``build_optimizer``'s AdamW.
+
+    ``model_parameters``: the model tensors that produce the gradients (bf16/fp16 runs: the
+    low-precision model parameters behind MixedPrecision's masters), aligned with the pairs.
+    The gradient reduction lives in ``self.reducer`` (``no_sync()``, ``finish()``). Build it
+    after the model is on its device and after MixedPrecision: the given parameters' ``.data``
+    become views into the flat value buffer (``.to()`` afterwards would break the views).
+    """
+
+    def __init__(self, parameters_by_name: list[tuple[str, torch.nn.Parameter]], optim_config, context,
+                 bucket_size_mb: float = 25.0, overlap: bool = True,
+                 model_parameters: list[torch.Tensor] | None = None):
+        self.context = context
+        self.reference = build_optimizer(parameters_by_name, optim_config)
+        """The single-process AdamW: its groups, hyperparameters and state-dict layout. It never steps."""
+        self.param_groups = self.reference.param_groups
+        self.reducer = GradientReducer(parameters_by_name, context, bucket_size_mb, overlap, shard=True,
+                                       model_parameters=model_parameters)
+        layout, holders = self.reducer.layout, self.reducer.holders
+        sources = self.reducer.sources
+        self.low_precision = any(source is not holder for source, holder in zip(sources, holders))
+        """bf16/fp16: the fp32 masters are sharded here and the model's parameters are gathered into."""
+        device = self.reducer.buffer.device
+        self.segments = owned_segments(layout, context.dp_cp_rank, context.dp_cp_size)
+        self.exp_avg = torch.zeros(layout.total // context.dp_cp_size, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        with torch.no_grad():
+            if self.low_precision:
+                self.values = torch.zeros_like(self.exp_avg)  # this rank's fp32 masters only
+                for segment in self.segments:
+                    self._owned(self.values, segment).copy_(self._piece(holders[segment.param], segment))
+                self.model_values = torch.zeros(layout.total, dtype=sources[0].dtype, device=device)
+                for index, (source, holder) in enumerate(zip(sources, holders)):
+                    view = layout.view(self.model_values, index)
+                    view.copy_(source)
+                    source.data = view
+                    holder.data = torch.zeros(1, dtype=holder.dtype, device=device).expand(holder.shape)
+            else:
+                self.values = torch.zeros(layout.total, dtype=torch.float32, device=device)
+                for index, holder in enumerate(holders):
+                    view = layout.view(self.values, index)
+                    view.copy_(holder)
+                    holder.data = view
+        group_of = {id(param): number for number, group in enumerate(self.param_groups) for param in group["params"]}
+        self.group_views = [GroupViews([], [], [], []) for _ in self.param_groups]
+        for segment in self.segments:
+            views = self.group_views[group_of[id(holders[segment.param])]]
+            views.values.append(self._owned(self.values, segment) if self.low_precision
+                                else self.values[segment.start:segment.end])
+            views.grads.append(self.reducer.buffer[segment.start:segment.end])
+            views.exp_avgs.append(self._owned(self.exp_avg, segment))
+            views.exp_avg_sqs.append(self._owned(self.exp_avg_sq, segment))
+        self.step_count = 0
+
+    @staticmethod
+    def _owned(local_buffer: torch.Tensor, segment: Segment) -> torch.Tensor:
+        """The segment's view into a buffer that holds only this rank's shard (moments, bf16 masters)."""
+        return local_buffer[segment.local:segment.local + segment.end - segment.start]
+
+    def _piece(self, tensor: torch.Tensor, segment: Segment) -> torch.Tensor:
+        """The segment's elements of a parameter-shaped tensor, flattened."""
+        first = segment.start - self.reducer.layout.offsets[segment.param]
+        return tensor.reshape(-1)[first:first + segment.end - segment.start]
+
+    # --- the optimizer interface the trainer uses ----------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Finish the gradient reduction (if the caller has not), update this rank's shard, all-gather."""
+        self.reducer.finish()
+        self.step_count += 1
+        for group, views in zip(self.param_groups, self.group_views):
+            if views.values:
+                adamw_update(views, group, self.step_count)
+        self.gather_parameters()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffer (never set to None: the gradients are views into it)."""
+        self.reducer.zero_grad()
+
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        """All-gather every rank's updated shard, bucket by bucket: in fp32 into the full value
+        buffer (the model's parameters); in bf16/fp16 cast first and gathered into the model's
+        low-precision buffer."""
+        layout, rank, size = self.reducer.layout, self.context.dp_cp_rank, self.context.dp_cp_size
+        target = self.model_values if self.low_precision else self.values
+        if self.low_precision:
+            for bucket in layout.buckets:
+                start, end = bucket.shard(rank, size)
+                local = bucket.start // size
+                target[start:end].copy_(self.values[local:local + end - start])
+        if size == 1:
+            return
+        pending = []
+        for bucket in layout.buckets:
+            start, end = bucket.shard(rank, size)
+            pending.append(all_gather_into(target[bucket.start:bucket.end], target[start:end],
+                                           self.context.dp_cp_group, async_op=True))
+        for work in pending:
+            work.wait()
+
+    def named_grad_shards(self) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, this rank's reduced gradient piece) for every owned segment."""
+        return [(self.reducer.names[segment.param], self.reducer.buffer[segment.start:segment.end])
+                for segment in self.segments]
+
+    def clip_grad_norm_(self, max_norm: float, tensor_parallel_names: set[str] | None = None) -> torch.Tensor:
+        """Global-norm clipping of the sharded gradient (squares summed over DP and TP shards)."""
+        return clip_grads_(self.named_grad_shards(), max_norm, self.context, sharded_by_dp=True,
+                           tensor_parallel_names=tensor_parallel_names, device=self.values.device)
+
+    # --- checkpoints in the single-process format ---------------------------------------------------
+    def _gathered(self, local: torch.Tensor) -> torch.Tensor:
+        """A buffer holding this rank's shard of every bucket, all-gathered into the full layout."""
+        size, layout = self.context.dp_cp_size, self.reducer.layout
+        if size == 1:
+            return local
+        full = torch.zeros(layout.total, dtype=local.dtype, device=local.device)
+        pending = [all_gather_into(full[bucket.start:bucket.end], local[bucket.start // size:bucket.end // size],
+                                   self.context.dp_cp_group, async_op=True) for bucket in layout.buckets]
+        for work in pending:
+            work.wait()
+        return full
+
+    def gathered_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(m, v) for every parameter, in the full buffer layout. Collective over the DP group."""
+        return self._gathered(self.exp_avg), self._gathered(self.exp_avg_sq)
+
+    # --- the fp32 masters of bf16/fp16 runs (MixedPrecision forwards here) -------------------------
+    def full_master_weights(self) -> dict[str, torch.Tensor]:
+        """{name: full fp32 master} of every parameter this optimizer holds. Collective over DP."""
+        full, layout = self._gathered(self.values), self.reducer.layout
+        return {name: layout.view(full, index).clone() for index, name in enumerate(self.reducer.names)}
+
+    @torch.no_grad()
+    def load_master_weights(self, masters: dict[str, torch.Tensor]) -> None:
+        """Keep this rank's segments of full fp32 masters (any DP size saved them) and refresh the
+        model's low-precision parameters from them (an all-gather over DP)."""
+        missing = [name for name in self.reducer.names if name not in masters]
+        if missing:
+            raise ValueError(f"no master weight for {missing[0]} ({len(missing)} missing); saved for another model")
+        for segment in self.segments:
+            self._owned(self.values, segment).copy_(self._piece(masters[self.reducer.names[segment.param]], segment))
+        self.gather_parameters()
+
+    def state_dict(self) -> dict:
+        """Exactly the state dict of the single-process ``torch.optim.AdamW`` (``build_optimizer``).
+        Collective: every DP rank must call it (every rank gets the whole dict)."""
+        exp_avg, exp_avg_sq = self.gathered_moments()
+        packed = self.reference.state_dict()  # groups with hyperparameters, names and packed indices
+        if self.step_count == 0:
+            return packed
+        layout = self.reducer.layout
+        position = {id(holder): index for index, holder in enumerate(self.reducer.holders)}
+        for group, packed_group in zip(self.param_groups, packed["param_groups"]):
+            for param, packed_index in zip(group["params"], packed_group["params"]):
+                index = position[id(param)]
+                packed["state"][packed_index] = {
+                    "step": torch.tensor(float(self.step_count), dtype=torch.float32),
+                    "exp_avg": layout.view(exp_avg, index).clone(),
+                    "exp_avg_sq": layout.view(exp_avg_sq, index).clone()}
+        return packed
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a single-process AdamW state dict (saved at any DP size), keeping this rank's segments."""
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the optimizer state has {len(saved_groups)} parameter groups, this run "
+                             f"{len(self.param_groups)}; it was saved with different optim settings.")
+        entries = {}
+        for group, saved in zip(self.param_groups, saved_groups):
+            names = saved.get("param_names")
+            if names is None or list(names) != list(group["param_names"]):
+                raise ValueError(f"optimizer group {group.get('name')!r} holds different parameters in the saved "
+                                 "state (compared by name); it was saved for a different model.")
+            entries.update({name: saved_state.get(packed) for name, packed in zip(names, saved["params"])})
+            group.update({key: value for key, value in saved.items() if key not in ("params", "param_names")})
+        steps = {int(entry["step"]) for entry in entries.values() if entry}
+        if len(steps) > 1:
+            raise ValueError(f"the saved parameters have different step counts {sorted(steps)}; this optimizer "
+                             "keeps one count for all of them.")
+        self.step_count = steps.pop() if steps else 0
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        for segment in self.segments:
+            entry = entries[self.reducer.names[segment.param]]
+            if entry:
+                self._owned(self.exp_avg, segment).copy_(self._piece(entry["exp_avg"], segment))
+                self._owned(self.exp_avg_sq, segment).copy_(self._piece(entry["exp_avg_sq"], segment))
+
+
+__all__ = ["DistributedOptimizer", "GroupViews", "Segment", "adamw_update", "owned_segments"]

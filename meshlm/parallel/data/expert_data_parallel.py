@@ -1,0 +1,145 @@
+"""Data parallelism over two groups at once: dense weights over dp_cp, expert weights over edp.
+
+MoE Parallel Folding (Liu et al. 2025) lays the experts on their own grid (edp, ep, etp) over the
+ranks of a pipeline stage (``meshlm/parallel/expert/expert_parallel.py``). A dense weight (attention, norms, the router,
+the shared expert) is replicated over the data- and context-parallel ranks, and its gradient is
+summed over ``dp_cp``; an expert shard is replicated over the *expert*-data-parallel ranks only,
+and its gradient is summed over ``edp``. With ep = 4 on 8 ranks, say, dp_cp may be 8 while edp is
+2: each expert lives on 2 ranks and sees the tokens that were sent to it from all 8.
+
+Nothing about the reduction itself changes, only the group, so both halves reuse the existing
+pieces unchanged: a ``GradientReducer`` (and, with ZeRO-1, a ``DistributedOptimizer``) over the
+dense parameters, and another over the expert parameters whose ``ParallelContext`` says that its
+data-parallel group is edp (``expert_data_context``). ``ReducerGroup`` and
+``OptimizerGroup`` drive the two as one, in the order the trainer expects: both reducers launch
+their buckets during the last backward (on different process groups, so their collectives do
+not have to interleave in any particular order), both finish, both optimizers step. The
+distributed optimizer thus shards the Adam moments (and bf16/fp16 masters) of the experts over
+edp, and those of dense weights over dp_cp. Without it, one ordinary AdamW over all parameters
+keeps the single-process optimizer state layout.
+
+The global gradient norm counts an expert element on the rank that is canonical for it (edp rank
+0, or its ZeRO-1 owner): ``grad_norm.is_canonical_owner``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from meshlm.optim.adamw import build_optimizer
+from meshlm.parallel.data.distributed_optimizer import DistributedOptimizer
+from meshlm.parallel.data.grad_reducer import GradientReducer
+
+
+def expert_data_context(context):
+    """``context`` with its data-parallel group replaced by the expert-data-parallel one (what the
+    reducer and the distributed optimizer read)."""
+    return dataclasses.replace(context, dp_size=context.edp_size, dp_rank=context.edp_rank, dp_group=context.edp_group,
+                               dp_cp_size=context.edp_size, dp_cp_rank=context.edp_rank,
+                               dp_cp_group=context.edp_group)
+
+
+class ReducerGroup:
+    """Several ``GradientReducer``s (dense over dp_cp, experts over edp) driven as one."""
+
+    def __init__(self, reducers: list[GradientReducer]):
+        self.reducers = reducers
+
+    def zero_grad(self) -> None:
+        for reducer in self.reducers:
+            reducer.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with contextlib.ExitStack() as stack:
+            for reducer in self.reducers:
+                stack.enter_context(reducer.no_sync())
+            yield
+
+    def finish(self) -> None:
+        for reducer in self.reducers:
+            reducer.finish()
+
+    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        return [pair for reducer in self.reducers for pair in reducer.named_grads()]
+
+    @property
+    def names(self) -> list[str]:
+        return [name for reducer in self.reducers for name in reducer.names]
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The first reducer's buffer (callers read its device)."""
+        return self.reducers[0].buffer
+
+    def remove_hooks(self) -> None:
+        for reducer in self.reducers:
+            reducer.remove_hooks()
+
+
+class OptimizerGroup:
+    """Distributed optimizers over disjoint parameter sets (dense over dp_cp, experts over edp),
+    stepped together; ``optimizers`` lists them for the checkpoint code."""
+
+    def __init__(self, optimizers: list[DistributedOptimizer]):
+        self.optimizers = optimizers
+        self.reducer = ReducerGroup([optimizer.reducer for optimizer in optimizers])
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Every part's groups (the LR schedule writes ``lr`` into each)."""
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none)
+
+    def named_grad_shards(self) -> list[tuple[str, torch.Tensor]]:
+        return [pair for optimizer in self.optimizers for pair in optimizer.named_grad_shards()]
+
+    def full_master_weights(self) -> dict[str, torch.Tensor]:
+        """bf16/fp16: every part's fp32 masters, gathered (collective over each part's group)."""
+        return {name: value for optimizer in self.optimizers for name, value in optimizer.full_master_weights().items()}
+
+    def load_master_weights(self, masters: dict[str, torch.Tensor]) -> None:
+        for optimizer in self.optimizers:
+            optimizer.load_master_weights({name: masters[name] for name in optimizer.reducer.names})
+
+
+def split_by_expert(named: list[tuple[str, torch.Tensor]], sources: list[torch.Tensor], expert_names: set[str]):
+    """((dense pairs, dense sources), (expert pairs, expert sources)), order kept."""
+    dense, experts = ([], []), ([], [])
+    for pair, source in zip(named, sources):
+        part = experts if pair[0] in expert_names else dense
+        part[0].append(pair)
+        part[1].append(source)
+    return dense, experts
+
+
+def build_expert_data_parallel(precision, optim_config, parallel_config, context, expert_names: set[str]):
+    """(reducer, optimizer) for a model with expert-grid parameters (``expert_names``): dense
+    parameters reduced over dp_cp, experts over edp; see the module docstring."""
+    named = precision.master_parameters()
+    sources = [param for _, param in precision.model_parameters]
+    parts = [(pairs, part_sources, part_context) for (pairs, part_sources), part_context in
+             zip(split_by_expert(named, sources, expert_names), (context, expert_data_context(context))) if pairs]
+    size, overlap = parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce
+    if parallel_config.distributed_optimizer:
+        optimizer = OptimizerGroup([DistributedOptimizer(pairs, optim_config, part_context, size, overlap,
+                                                         model_parameters=part_sources)
+                                    for pairs, part_sources, part_context in parts])
+        precision.hand_masters_to(optimizer)
+        return optimizer.reducer, optimizer
+    reducers = [GradientReducer(pairs, part_context, size, overlap, model_parameters=part_sources)
+                for pairs, part_sources, part_context in parts]
+    return ReducerGroup(reducers), build_optimizer(named, optim_config)
+
+
+__all__ = ["OptimizerGroup", "ReducerGroup", "build_expert_data_parallel", "expert_data_context", "split_by_expert"]

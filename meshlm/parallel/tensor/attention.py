@@ -1,0 +1,69 @@
+"""Tensor-parallel attention: each rank holds whole heads (Shoeybi et al. 2019, §3).
+
+q/k/v are column-parallel (split by heads), o is row-parallel; the input enters the parallel
+region once for q, k and v. KV heads are split when tp divides them; when there are fewer KV
+heads than ranks (GQA), every rank keeps the full k/v projections and computes the rows of the
+KV head its query heads share (``kv_rows_for_rank``). QK-norm weights act on local heads only,
+so their gradients are partial (summed over TP after backward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshlm.errors import ConfigError
+from meshlm.models.attention import SelfAttention
+from meshlm.parallel.tensor.layers import (ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear,
+                                           column_parallel_input)
+from meshlm.parallel.tensor.sharding import mark_partial_grad
+
+
+class TensorParallelSelfAttention(SelfAttention):
+    """``SelfAttention`` over this rank's heads; the input is gathered once for q, k and v."""
+
+    parallel_context = None
+
+    @property
+    def head_offset(self) -> int:
+        return self.parallel_context.tp_rank * self.num_heads
+
+    def forward(self, x: torch.Tensor, context) -> torch.Tensor:
+        return super().forward(column_parallel_input(x, self.parallel_context), context)
+
+
+def kv_rows_for_rank(num_heads: int, num_kv_heads: int, head_dim: int, tp_rank: int, tp_size: int) -> slice:
+    """Rows of the full k/v projection that this rank's query heads read (GQA: query head h reads
+    KV head h // (num_heads / num_kv_heads))."""
+    local_heads, group = num_heads // tp_size, num_heads // num_kv_heads
+    first = tp_rank * local_heads // group
+    last = ((tp_rank + 1) * local_heads - 1) // group
+    return slice(first * head_dim, (last + 1) * head_dim)
+
+
+@torch.no_grad()
+def parallelize_attention(attention: SelfAttention, context) -> None:
+    tp, heads, kv_heads = context.tp_size, attention.num_heads, attention.num_kv_heads
+    if heads % tp:
+        raise ConfigError(f"model.num_attention_heads={heads} is not divisible by parallel.tp={tp}; each rank "
+                          "must hold whole heads.")
+    attention.q_proj = ColumnParallelLinear.from_full(attention.q_proj, context, gather_input=False)
+    if kv_heads % tp == 0:
+        attention.k_proj = ColumnParallelLinear.from_full(attention.k_proj, context, gather_input=False)
+        attention.v_proj = ColumnParallelLinear.from_full(attention.v_proj, context, gather_input=False)
+        attention.num_kv_heads = kv_heads // tp
+    elif tp % kv_heads == 0:
+        rows = kv_rows_for_rank(heads, kv_heads, attention.head_dim, context.tp_rank, tp)
+        attention.k_proj = ReplicatedRowsLinear(attention.k_proj, context, rows, gather_input=False)
+        attention.v_proj = ReplicatedRowsLinear(attention.v_proj, context, rows, gather_input=False)
+        attention.num_kv_heads = (rows.stop - rows.start) // attention.head_dim
+    else:
+        raise ConfigError(f"model.num_kv_heads={kv_heads} and parallel.tp={tp}: KV heads are either split "
+                          "(kv_heads divisible by tp) or replicated (tp divisible by kv_heads); neither holds.")
+    attention.o_proj = RowParallelLinear.from_full(attention.o_proj, context)
+    attention.num_heads = heads // tp
+    mark_partial_grad(attention.q_norm, attention.k_norm)  # shared by all heads, applied to local ones
+    attention.__class__ = TensorParallelSelfAttention
+    attention.parallel_context = context
+
+
+__all__ = ["TensorParallelSelfAttention", "kv_rows_for_rank", "parallelize_attention"]

@@ -1,0 +1,147 @@
+"""Tensor-parallel linear layers: column- and row-parallel, and entering and leaving their region.
+
+Megatron-LM's intra-layer model parallelism (Shoeybi et al. 2019, §3) splits one matrix
+multiply y = x A over the t ranks of a tensor-parallel (TP) group in one of two ways:
+
+- **column-parallel**: A = [A_1 ... A_t] by output features. Every rank needs the whole input
+  x and computes its own slice y_r = x A_r. Entering it is the operator f (``copy_to_group``):
+  identity forward; in backward each rank holds only its share of dL/dx, so f all-reduces it.
+- **row-parallel**: A split by input features, so x must already be split the same way (the
+  output of a column-parallel layer is). Rank r computes the partial product x_r A_r; the sum
+  over ranks is the operator g (``reduce_from_group``): all-reduce forward, identity backward.
+
+Column then row (attention's q/k/v then o; the MLP's up then down) costs one all-reduce in the
+forward and one in the backward, and everything between the two layers -- the activation, the
+per-head attention -- stays local. A bias of a column-parallel layer is split with its outputs;
+a row-parallel layer adds its (replicated) bias once, after the sum.
+
+**Sequence parallelism** (Korthikanti et al. 2022, §4.2.2) keeps the residual stream sharded
+along the sequence between these regions: rank r holds tokens [r s/t, (r+1) s/t). f becomes an
+all-gather along the sequence and g a reduce-scatter along it -- the same bytes as the
+all-reduce, since a ring all-reduce *is* a reduce-scatter followed by an all-gather -- and the
+norms in between run on 1/t of the tokens. A replicated parameter applied to a sequence shard
+(a norm weight, a row-parallel bias) then receives only its shard's share of the gradient: it
+carries ``tp_partial_grad`` and ``reduce_partial_tp_grads`` sums it over the group after
+backward. The layers read ``context.sequence_parallel`` at every call, so a model can switch
+SP off (e.g. to decode one token at a time) without being rebuilt.
+
+Which parameters are shards, and how a full tensor is cut into them, is ``sharding.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.parallel.collectives import all_gather_along, copy_to_group, reduce_from_group, reduce_scatter_along
+from meshlm.parallel.tensor.sharding import mark_partial_grad, shard_parameter
+
+# --- entering and leaving a tensor-parallel region ---------------------------------------------
+
+
+def column_parallel_input(x: torch.Tensor, context) -> torch.Tensor:
+    """The full input [b, s, in] every rank of a column-parallel layer needs: f (identity forward,
+    all-reduce backward), or under SP the all-gather of the sequence slices [b, s/t, in]."""
+    if context.sequence_parallel:
+        return all_gather_along(x, dim=1, group=context.tp_group)
+    return copy_to_group(x, context.tp_group)
+
+
+def row_parallel_output(partial: torch.Tensor, context) -> torch.Tensor:
+    """Sum a row-parallel layer's partial products over the group: g (all-reduce), or under SP a
+    reduce-scatter that leaves this rank its slice of the sequence."""
+    if context.sequence_parallel:
+        return reduce_scatter_along(partial, dim=1, group=context.tp_group)
+    return reduce_from_group(partial, context.tp_group)
+
+
+# --- the layers -------------------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x A_r (+ b_r): this rank's output features. Input [b, s, in] (or [b, s/t, in] under SP,
+    gathered here); output [b, s, out/t]. ``gather_input=False`` when the caller already entered
+    the parallel region once for several layers that share the input (q, k, v; gate, up)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, context, gather_input: bool = True):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.context = context
+        self.gather_input = gather_input
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @classmethod
+    def from_full(cls, full: nn.Linear, context, partition_sizes: list[int] | None = None,
+                  gather_input: bool = True) -> "ColumnParallelLinear":
+        sizes = partition_sizes or [full.out_features]
+        what = f"ColumnParallelLinear({full.in_features} -> {full.out_features})"
+        weight = shard_parameter(full.weight, 0, context, sizes, what)
+        bias = shard_parameter(full.bias, 0, context, sizes, what) if full.bias is not None else None
+        return cls(weight, bias, context, gather_input)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather_input:
+            x = column_parallel_input(x, self.context)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, local_out={self.out_features}, tp={self.context.tp_size}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r A_r (+ b): input [b, s, in/t] split like A's rows; output [b, s, out] summed
+    over the group, or [b, s/t, out] under SP. The bias is added once, after the sum."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, context):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.context = context
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @classmethod
+    def from_full(cls, full: nn.Linear, context, partition_sizes: list[int] | None = None) -> "RowParallelLinear":
+        sizes = partition_sizes or [full.in_features]
+        what = f"RowParallelLinear({full.in_features} -> {full.out_features})"
+        weight = shard_parameter(full.weight, 1, context, sizes, what)
+        bias = None
+        if full.bias is not None:
+            bias = nn.Parameter(full.bias.detach().clone(), requires_grad=full.bias.requires_grad)
+            if context.sequence_parallel:  # added to this rank's tokens only
+                mark_partial_grad(bias)
+        return cls(weight, bias, context)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = row_parallel_output(F.linear(x, self.weight), self.context)
+        return out + self.bias if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        return f"local_in={self.in_features}, out={self.out_features}, tp={self.context.tp_size}"
+
+
+class ReplicatedRowsLinear(nn.Module):
+    """A full linear layer kept on every rank, of which this rank computes only ``rows`` of the
+    output: the key/value projections when there are fewer KV heads than ranks (each rank reads
+    the KV head its query heads share). Its gradient covers only those rows and only this rank's
+    queries, so it is partial and summed over the group after backward."""
+
+    def __init__(self, full: nn.Linear, context, rows: slice, gather_input: bool = True):
+        super().__init__()
+        self.weight = full.weight
+        self.bias = full.bias
+        mark_partial_grad(self.weight, self.bias)
+        self.context, self.rows, self.gather_input = context, rows, gather_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather_input:
+            x = column_parallel_input(x, self.context)
+        bias = self.bias[self.rows] if self.bias is not None else None
+        return F.linear(x, self.weight[self.rows], bias)
+
+    def extra_repr(self) -> str:
+        return f"rows={self.rows.start}:{self.rows.stop} of {self.weight.shape[0]}"
+
+
+
+__all__ = ["ColumnParallelLinear", "ReplicatedRowsLinear", "RowParallelLinear", "column_parallel_input",
+           "row_parallel_output"]

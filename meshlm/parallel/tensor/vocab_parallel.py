@@ -1,0 +1,168 @@
+"""The vocabulary split over the tensor-parallel group: embedding, output head and loss.
+
+The embedding matrix and the output head are the two largest matrices of a small model, and
+the logits [tokens, vocab] its largest activation. Megatron-LM (Shoeybi et al. 2019, §3) splits
+all three by vocabulary: rank r owns token ids [r V'/t, (r+1) V'/t), where V' is the vocabulary
+padded up to a multiple of t (times ``parallel.vocab_pad_multiple``, for GEMM-friendly shapes).
+
+**Embedding.** Each rank looks up the ids in its range and writes zeros for the others; the sum
+over the group is the full lookup (``reduce_from_group``), or, under sequence parallelism, the
+reduce-scatter that hands every rank its slice of the sequence -- the residual stream starts
+sharded.
+
+**Head and loss.** The head is column-parallel over the vocabulary, so each rank holds logits
+z[:, r-th block] only. Cross-entropy needs, per token, log sum_j exp z_j and the target's logit;
+both are sums over the vocabulary, so they come from three per-token all-reduces of a scalar
+instead of gathering [tokens, V] numbers:
+
+    m      = max_j z_j                         all-reduce MAX   (for a stable exp)
+    S      = sum_j exp(z_j - m)                all-reduce SUM
+    z_y    = the target's logit (0 off-rank)   all-reduce SUM   (sent together with S)
+    loss   = log S - (z_y - m)
+
+The gradient needs no communication: d loss / d z_j = softmax_j - [j = y], and this rank has
+softmax_j = exp(z_j - m) / S for its own j. Padded vocabulary entries get logit -inf, so they
+take no probability and no gradient, and generation never samples them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.parallel.collectives import gather_along, reduce_from_group, reduce_scatter_along
+from meshlm.parallel.tensor.layers import ColumnParallelLinear
+from meshlm.parallel.tensor.sharding import mark_shard, shard_parameter
+
+IGNORE_INDEX = -100
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, pad_multiple: int = 1) -> int:
+    """The vocabulary rounded up to a multiple of tp * pad_multiple."""
+    multiple = tp_size * pad_multiple
+    return multiple * math.ceil(vocab_size / multiple)
+
+
+def pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` with zero rows appended up to ``rows`` rows."""
+    return F.pad(weight.detach(), (0, 0, 0, rows - weight.shape[0]))
+
+
+def vocab_range(local_vocab: int, context) -> tuple[int, int]:
+    start = context.tp_rank * local_vocab
+    return start, start + local_vocab
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [r V'/t, (r+1) V'/t) of the padded embedding matrix; ids [b, s] -> [b, s, h] (or
+    [b, s/t, h] under SP), equal to the full lookup."""
+
+    def __init__(self, weight: nn.Parameter, context):
+        super().__init__()
+        self.weight = weight
+        self.context = context
+
+    @classmethod
+    @torch.no_grad()
+    def from_full(cls, full: nn.Embedding, context, padded_size: int) -> "VocabParallelEmbedding":
+        weight = shard_parameter(pad_rows(full.weight, padded_size).requires_grad_(full.weight.requires_grad),
+                                 0, context, what="VocabParallelEmbedding")
+        mark_shard(weight, 0, [padded_size], unpadded_size=full.num_embeddings)
+        return cls(weight, context)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        start, end = vocab_range(self.weight.shape[0], self.context)
+        off_rank = (input_ids < start) | (input_ids >= end)
+        local_ids = (input_ids - start).masked_fill(off_rank, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(off_rank[..., None], 0.0)
+        if self.context.sequence_parallel:
+            return reduce_scatter_along(partial, dim=1, group=self.context.tp_group)
+        return reduce_from_group(partial, self.context.tp_group)
+
+    def extra_repr(self) -> str:
+        return f"local_vocab={self.weight.shape[0]}, hidden={self.weight.shape[1]}, tp={self.context.tp_size}"
+
+
+@torch.no_grad()
+def vocab_parallel_head(output: nn.Linear, context, padded_size: int) -> ColumnParallelLinear:
+    """The untied output head, padded to ``padded_size`` rows and split by vocabulary."""
+    padded = nn.Linear(output.in_features, padded_size, bias=False, device=output.weight.device,
+                       dtype=output.weight.dtype)
+    padded.weight.copy_(pad_rows(output.weight, padded_size))
+    padded.weight.requires_grad_(output.weight.requires_grad)
+    head = ColumnParallelLinear.from_full(padded, context)
+    mark_shard(head.weight, 0, [padded_size], unpadded_size=output.out_features)
+    return head
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of vocab-sharded logits [n, V'/t] (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, local_logits, labels, vocab_size, context):
+        logits = local_logits.float()
+        local_vocab = logits.shape[-1]
+        start, _ = vocab_range(local_vocab, context)
+        padding = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
+        if bool(padding.any()):
+            logits = logits.masked_fill(padding, float("-inf"))
+        row_max = logits.max(dim=-1).values
+        _all_reduce(row_max, context, dist.ReduceOp.MAX)
+        exp = (logits - row_max[:, None]).exp()
+
+        valid = labels != IGNORE_INDEX
+        local_target = labels - start
+        on_rank = valid & (local_target >= 0) & (local_target < local_vocab)
+        local_target = local_target.masked_fill(~on_rank, 0)
+        target_logit = logits.gather(1, local_target[:, None]).squeeze(1).masked_fill(~on_rank, 0.0)
+        sums = torch.stack((exp.sum(dim=-1), target_logit))  # one all-reduce for both sums
+        _all_reduce(sums, context, dist.ReduceOp.SUM)
+        sum_exp, target_logit = sums
+
+        losses = (sum_exp.log() + row_max - target_logit).masked_fill(~valid, 0.0)
+        softmax = exp.div_(sum_exp[:, None])
+        ctx.save_for_backward(softmax, local_target, on_rank, valid)
+        ctx.logits_dtype = local_logits.dtype
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        softmax, local_target, on_rank, valid = ctx.saved_tensors
+        grad_losses = grad_losses.masked_fill(~valid, 0.0)
+        grad = softmax * grad_losses[:, None]
+        rows = on_rank.nonzero().squeeze(1)
+        grad[rows, local_target[rows]] -= grad_losses[rows]
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+def _all_reduce(tensor: torch.Tensor, context, op) -> None:
+    if context.tp_size > 1:
+        dist.all_reduce(tensor, op=op, group=context.tp_group)
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tensor, context, vocab_size: int,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of this rank's logits [..., V'/t] against full ``labels`` [...] (IGNORE_INDEX
+    skips a token), without gathering the logits. 'mean' is over the tokens with a label (as
+    ``F.cross_entropy``), 'sum' sums them, 'none' gives per-token losses (0 where ignored). The
+    value is the same on every rank of the group."""
+    losses = _VocabParallelCrossEntropy.apply(local_logits.flatten(0, -2), labels.flatten(), vocab_size, context)
+    if reduction == "none":
+        return losses.view(labels.shape)
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (labels != IGNORE_INDEX).sum()
+
+
+def gather_vocab_logits(local_logits: torch.Tensor, context, vocab_size: int) -> torch.Tensor:
+    """Full logits [..., vocab_size] from every rank's vocabulary slice, padding dropped (for
+    evaluation and generation; the loss never needs them)."""
+    return gather_along(local_logits, dim=-1, group=context.tp_group)[..., :vocab_size]
+
+
+__all__ = ["padded_vocab_size", "VocabParallelEmbedding", "vocab_parallel_head", "vocab_parallel_cross_entropy",
+           "gather_vocab_logits", "IGNORE_INDEX"]

@@ -1,0 +1,8 @@
+"""Helpers shared by the tests (and by the ``bench/`` scripts that run distributed code).
+
+- ``distributed.py`` -- ``run_distributed``: a function in N real gloo processes, results by rank.
+- ``tiny_training.py`` -- a small training step loop at any data/tensor-parallel layout, for the
+  data-parallel tests and ``bench/memory.py``.
+
+Nothing here is part of the ``meshlm`` package.
+"""

@@ -1,0 +1,178 @@
+"""Context parallelism (meshlm/parallel/context/context_parallel.py) in the trainer equals the single-process run.
+
+The chunk pairing, batch slicing, loss shares and the multi-token shift across chunks are
+checked first. Then spawned gloo ranks run the real ``Trainer`` for 5 steps of 4 micro-batches
+of 32 tokens on the trainer tests' tiny corpus, with the dense ('*-*-', GQA) and the hybrid
+Mamba ('M*-M') models of tests/training/test_parallel_training.py, at cp2 (world 2), cp4,
+cp2 x tp2 with SP off and on, and cp2 x dp2 with the distributed optimizer (world 4). Also at
+cp2: the dense model with selective recomputation (ring attention rerun in backward), the
+hybrid with full recomputation (ring attention and Mamba hand-offs rerun) and the MoE model
+with its Switch balance and z losses (the routing gathered over CP: exact, see the module
+docstring), also at cp2 x tp2 with SP; at cp4 the dense model with a multi-token-prediction
+depth (with 2 depths one block-0 weight of this model ends ~1e-4 apart at tp2 as well -- Adam
+amplifying fp32 rounding in near-zero gradient elements -- so 1 depth here; the shift by 2
+across 4 ranks is checked on its own). Every step's loss and global gradient norm, the validation losses and the
+final parameters must equal the single-process run (relative error <= 1e-5, the tolerance of
+the other parallel trainer tests). A sequence length that 2*cp (2*cp*tp under SP) does not
+divide is refused by the trainer before any collective, naming the numbers.
+
+(The trainer-run helpers are those of tests/training/test_parallel_training.py, loaded by path:
+test files cannot import each other.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm.errors import ConfigError
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LMOutput
+from meshlm.parallel.context.chunks import chunk_owner, contiguous_chunks, local_token_positions, paired_chunks
+from meshlm.parallel.context.context_parallel import (ContextParallelShift, check_context_parallel_model, share_losses,
+                                                      slice_sequence, split_batch, target_share)
+from meshlm.parallel.mesh import ParallelContext
+from tests.helpers.distributed import run_distributed
+
+
+def load_trainer_test_helpers():
+    path = Path(__file__).parents[2] / "training" / "test_parallel_training.py"
+    spec = importlib.util.spec_from_file_location("parallel_training_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+helpers = load_trainer_test_helpers()
+SEQ_LEN = ["train.seq_len=32"]  # chunks of 4 tokens at cp 4: at least the Mamba conv window of 3
+MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
+          "dense with mtp": [*helpers.MODELS["dense"], "model.mtp_depth=1"],
+          "moe": helpers.MODELS["moe"]}
+LAYOUTS = {
+    2: {"cp2": ["parallel.cp=2"]},
+    4: {"cp4": ["parallel.cp=4"], "cp2xtp2": ["parallel.cp=2", "parallel.tp=2"],
+        "cp2xtp2 sp": ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"],
+        "cp2xdp2 dist-opt": ["parallel.cp=2", "parallel.dp=2", "parallel.distributed_optimizer=true"]},
+}
+EXTRA_RUNS = {2: [("dense", "cp2 selective recompute", ["parallel.cp=2", "train.recompute=selective"]),
+                  ("hybrid", "cp2 full recompute", ["parallel.cp=2", "train.recompute=full"]),
+                  ("moe", "cp2", ["parallel.cp=2"])],
+              4: [("dense with mtp", "cp4", ["parallel.cp=4"]),
+                  ("moe", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"])]}
+
+
+# --- one process -------------------------------------------------------------------------------------
+
+def test_paired_chunks_balance_the_causal_work():
+    assert [paired_chunks(rank, 4) for rank in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert [contiguous_chunks(rank, 2) for rank in range(2)] == [(0, 1), (2, 3)]
+    assert local_token_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert local_token_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    every = torch.cat([local_token_positions(24, rank, 3) for rank in range(3)]).sort().values
+    assert every.tolist() == list(range(24))  # each token on exactly one rank
+    assert chunk_owner(5, 4) == (2, 1) and chunk_owner(2, 4) == (2, 0)
+
+
+def test_split_batch_keeps_this_ranks_chunks_with_global_positions():
+    context = ParallelContext(cp_size=2, cp_rank=1)
+    tokens = torch.arange(16).view(2, 8)
+    labels = tokens.clone()
+    labels[0, 2] = -100  # one ignored label, on rank 1's chunks
+    batch = split_batch({"input_ids": tokens, "labels": labels}, context)
+    assert batch["input_ids"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert batch["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
+    assert torch.equal(batch["sequence_labels"], labels)
+    assert target_share(labels, 0, context) == 7 / 15  # its labelled tokens over the whole sequences'
+    assert target_share(labels, 2, context) == 8 / 11  # depth 2: the last 2 of each sequence have no target
+    assert torch.equal(slice_sequence(tokens, context), batch["input_ids"])
+    assert split_batch({"input_ids": tokens, "labels": labels}, ParallelContext())["input_ids"] is tokens
+
+
+def test_loss_shares_sum_to_the_micro_batch_losses():
+    context = ParallelContext(cp_size=2, cp_rank=0)  # positions 0, 1, 6, 7 of 8
+    batch = {"sequence_labels": torch.arange(8).view(1, 8)}
+    terms = {"lm": 2.0, "moe_z": 1.0, "mtp_1": 4.0, "mtp": 4.0}
+    output = LMOutput(logits=None, loss=torch.tensor(2.0 + 1.0 + 0.5 * 4.0),
+                      losses={name: torch.tensor(value) for name, value in terms.items()})
+    shared = share_losses(output, batch, context, mtp_loss_coeff=0.5)
+    assert shared.losses["lm"].item() == 1.0  # 4 of the 8 labels
+    assert shared.losses["moe_z"].item() == 0.5  # 1/cp
+    assert shared.losses["mtp_1"].item() == pytest.approx(4.0 * 3 / 7)  # position 7 has no target 1 ahead
+    assert shared.losses["mtp"].item() == pytest.approx(4.0 * 3 / 7)
+    assert shared.loss.item() == pytest.approx(1.0 + 0.5 + 0.5 * 4.0 * 3 / 7)
+    with pytest.raises(ValueError, match="mtp_loss_coeff"):
+        share_losses(LMOutput(logits=None, loss=torch.tensor(1.0), losses={"lm": torch.tensor(1.0),
+                                                                           "mtp_1": torch.tensor(1.0)}), batch, context)
+
+
+def test_chunks_shorter_than_what_is_fetched_from_a_neighbour_are_refused():
+    with pytest.raises(ConfigError, match="chunks of 2 tokens .* shorter than the Mamba conv window of 3"):
+        check_context_parallel_model(ModelConfig(pattern="M*"), 4, seq_len=16)
+    with pytest.raises(ConfigError, match="shorter than the multi-token prediction look-ahead of model.mtp_depth=3"):
+        check_context_parallel_model(ModelConfig(pattern="*-", mtp_depth=3), 4, seq_len=16)
+    check_context_parallel_model(ModelConfig(pattern="M*", mtp_depth=3), 4, seq_len=32)
+
+
+def shifted_across_ranks(cp: int) -> list:
+    from meshlm.config import ParallelConfig
+    from meshlm.parallel.mesh import build_parallel_context
+
+    context = build_parallel_context(ParallelConfig(cp=cp), ModelConfig(), torch.device("cpu"))
+    tokens = slice_sequence(torch.arange(16).view(1, 16), context)
+    return ContextParallelShift(context)(tokens, 2, fill=-1).tolist()
+
+
+def test_multi_token_shift_crosses_chunk_boundaries():
+    from meshlm.models.mtp import shift_left
+
+    expected = shift_left(torch.arange(16).view(1, 16), 2, fill=-1)
+    for rank, shifted in enumerate(run_distributed(shifted_across_ranks, 4, 4)):
+        assert shifted == slice_sequence(expected, ParallelContext(cp_size=4, cp_rank=rank)).tolist(), rank
+
+
+# --- the trainer ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("context-parallel-training")
+    blend = helpers.write_tiny_corpus(root / "corpus")
+    single = {model: helpers.train_once(blend, root / f"single {model}", [*overrides, *SEQ_LEN])
+              for model, overrides in MODELS.items()}
+    by_world = {}
+    for world, layouts in LAYOUTS.items():
+        todo = [(f"{model} {layout}", [*MODELS[model], *SEQ_LEN, *overrides])
+                for model in ("dense", "hybrid") for layout, overrides in layouts.items()]
+        todo += [(f"{model} {name}", [*MODELS[model], *SEQ_LEN, *overrides])
+                 for model, name, overrides in EXTRA_RUNS.get(world, [])]
+        by_world[world] = run_distributed(helpers.train_runs, world, str(blend), str(root), todo, timeout_s=300)
+    return dict(root=root, blend=blend, single=single, by_world=by_world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_context_parallel_training_equals_single_process(runs, model, world):
+    for layout in LAYOUTS[world]:
+        for rank, results in enumerate(runs["by_world"][world]):
+            helpers.assert_same_run(results[f"{model} {layout}"], runs["single"][model],
+                                    f"{model} {layout} rank {rank}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_recomputation_mtp_and_moe_under_context_parallelism(runs, world):
+    for model, name, _ in EXTRA_RUNS[world]:
+        for rank, results in enumerate(runs["by_world"][world]):
+            helpers.assert_same_run(results[f"{model} {name}"], runs["single"][model], f"{model} {name} rank {rank}")
+
+
+def test_sequence_not_divisible_by_twice_cp_is_refused(runs):
+    layouts = [["parallel.cp=2", "train.seq_len=18"],
+               ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "train.seq_len=20"]]
+    refusals = run_distributed(helpers.refused_layouts, 4, str(runs["blend"]), str(runs["root"]), layouts)
+    for (cp_message, cp_calls), (sp_message, sp_calls) in refusals:
+        assert "train.seq_len=18 is not divisible by 4 (2*cp)" in cp_message and cp_calls == {}
+        assert "train.seq_len=20 is not divisible by 8 (2*cp*tp)" in sp_message and sp_calls == {}

@@ -1,0 +1,151 @@
+"""A whole tensor-(and sequence-)parallel model against the single-process model, in gloo processes.
+
+Dense models ('*-*-', vocabulary 61 so it must be padded, QK-norm on) with grouped-query
+attention whose KV heads are split over the ranks (kv 2 at tp 2, kv 4 at tp 4) or replicated on
+them (kv 2 at tp 4, kv 1 at tp 2 and 4), tied and untied embeddings, biases, LayerNorm and a
+non-gated MLP, and one MTP depth. One spawned world of 4 ranks runs tp 2 (two TP groups side by
+side) and tp 4, sequence parallelism off and on. Every rank builds the full model from a seed,
+runs the single-process forward/backward itself, then parallelizes a copy and checks:
+
+- the training loss (``return_logits=False``: vocab-parallel cross-entropy, logits never
+  gathered), and the loss and full logits of ``return_logits=True``;
+- every parameter's gradient, after ``reduce_partial_tp_grads`` and gathered back to full;
+- ``gather_full_state_dict`` equals the single-process state dict exactly, and
+  ``load_full_state_dict`` of it restores a zeroed parallel model exactly;
+- cached generation (prefill, then one token at a time) gives the full forward's logits.
+
+The parent asserts every relative error is <= 1e-5 (max|a - b| / max|b|).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshlm.config import ParallelConfig
+from meshlm.errors import ConfigError
+from meshlm.models.cache import InferenceCache
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
+from meshlm.models.losses import IGNORE_INDEX
+from meshlm.parallel.mesh import ParallelContext, build_parallel_context
+from meshlm.parallel.parallelize import parallelize_model
+from meshlm.parallel.tensor.sharding import (gather_full_state_dict, gather_full_tensor, load_full_state_dict,
+                                             partial_grad_names, reduce_partial_tp_grads, tensor_parallel_names)
+from tests.helpers.distributed import run_distributed
+
+TOLERANCE = 1e-5
+BATCH, SEQ, VOCAB = 2, 16, 61
+BASE = dict(vocab_size=VOCAB, hidden_size=32, pattern="*-*-", num_attention_heads=4, qk_norm=True)
+MODELS = {
+    "kv2 untied biases": dict(num_kv_heads=2, attention_bias=True, mlp_bias=True),
+    "mqa tied": dict(num_kv_heads=1, tie_embeddings=True),
+    "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
+                                    mlp_activation="squared_relu", mlp_bias=True),
+    "kv2 mtp": dict(num_kv_heads=2, mtp_depth=1, mtp_pattern="*-"),
+}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.detach() - expected.detach()).abs().max() / expected.detach().abs().max())
+
+
+def build_model(overrides: dict) -> LanguageModel:
+    torch.manual_seed(0)
+    return LanguageModel(ModelConfig(**{**BASE, **overrides}))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    tokens[0, :2] = torch.tensor([0, VOCAB - 1])
+    labels = tokens[:, 1:].clone()
+    labels[1, :3] = IGNORE_INDEX
+    return tokens[:, :-1], labels
+
+
+def check_layout(full: LanguageModel, reference: dict, context) -> dict:
+    input_ids, labels = batch()
+    model = parallelize_model(copy.deepcopy(full), context)
+    output = model(input_ids, labels, return_logits=False)  # the training path: vocab-parallel loss
+    assert output.logits is None
+    output.loss.backward()
+    reduce_partial_tp_grads(model, context)
+    with torch.no_grad():
+        evaluated = model(input_ids, labels, return_logits=True)  # evaluation: logits gathered in full
+    errors = {"loss": relative_error(output.loss, reference["loss"]),
+              "loss with logits": relative_error(evaluated.loss, reference["loss"]),
+              "logits": relative_error(evaluated.logits, reference["logits"])}
+    assert evaluated.logits.shape == (BATCH, SEQ, VOCAB)
+    for name, param in model.named_parameters():
+        errors[f"grad {name}"] = relative_error(gather_full_tensor(param, param.grad, context),
+                                                reference["grads"][name])
+    assert tensor_parallel_names(model) and not tensor_parallel_names(model) & partial_grad_names(model)
+
+    state = gather_full_state_dict(model, context)
+    assert state.keys() == reference["state"].keys()
+    errors["state dict (exact)"] = float(not all(torch.equal(state[k], reference["state"][k]) for k in state))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    load_full_state_dict(model, reference["state"], context)
+    reloaded = gather_full_state_dict(model, context)
+    errors["load + gather (exact)"] = float(not all(torch.equal(reloaded[k], state[k]) for k in state))
+    errors.update(check_cached_generation(model, input_ids, reference["logits"]))
+    return errors
+
+
+@torch.no_grad()
+def check_cached_generation(model, input_ids, full_logits) -> dict:
+    cache = InferenceCache()
+    pieces = [model(input_ids[:, :8], cache=cache).logits]
+    pieces += [model(input_ids[:, t:t + 1], cache=cache).logits for t in range(8, 12)]
+    return {"cached generation logits": relative_error(torch.cat(pieces, dim=1), full_logits[:, :12])}
+
+
+def run_all_cases() -> dict:
+    input_ids, labels = batch()
+    errors = {}
+    for model_name, overrides in MODELS.items():
+        full = build_model(overrides)
+        output = full(input_ids, labels, return_logits=True)
+        output.loss.backward()
+        reference = {"loss": output.loss.detach(), "logits": output.logits.detach(),
+                     "grads": {name: param.grad.clone() for name, param in full.named_parameters()},
+                     "state": {name: value.clone() for name, value in full.state_dict().items()}}
+        full.zero_grad(set_to_none=True)
+        for tp in (2, 4):
+            for sp in (False, True):
+                context = build_parallel_context(ParallelConfig(tp=tp, sp=sp), full.config, torch.device("cpu"),
+                                                 seq_len=SEQ)
+                for quantity, error in check_layout(full, reference, context).items():
+                    errors[f"{model_name} tp={tp} sp={sp}: {quantity}"] = error
+    dist.barrier()
+    return errors
+
+
+def test_parallel_model_matches_single_process():
+    every_rank = run_distributed(run_all_cases, 4, timeout_s=180)
+    for rank, errors in enumerate(every_rank):
+        assert len(errors) > len(MODELS) * 4 * 20
+        bad = {case: error for case, error in errors.items() if not error <= TOLERANCE}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def test_world_of_one_is_unchanged():
+    model = build_model({})
+    assert parallelize_model(model, ParallelContext()) is model
+    assert type(model) is LanguageModel and not tensor_parallel_names(model)
+
+
+def test_indivisible_heads_are_refused_before_any_collective():
+    model = build_model({"num_kv_heads": 2})
+    with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by parallel.tp=3"):
+        parallelize_model(model, ParallelContext(tp_size=3, tp_rank=0))
+
+
+def test_sequence_not_divisible_under_sequence_parallelism_is_refused():
+    model = parallelize_model(build_model({"num_kv_heads": 2}), ParallelContext(tp_size=2, sequence_parallel=True))
+    with pytest.raises(ConfigError, match="this batch has 15 positions; use a multiple of tp"):
+        model(torch.zeros(1, 15, dtype=torch.long))
