@@ -3,6 +3,7 @@
 - ``distributed.py`` -- ``run_distributed``: a function in N real gloo processes, results by rank.
 - ``tiny_training.py`` -- a small training step loop at any data/tensor-parallel layout, for the
   data-parallel tests and ``bench/memory.py``.
+- ``parallel_checks.py`` -- seeded inputs, a rank's sequence slice, errors-within-tolerance over ranks.
 
 Nothing here is part of the ``meshlm`` package.
 """

@@ -30,6 +30,7 @@ from meshlm.parallel.parallelize import parallelize_model, parallelize_moe_block
 from meshlm.parallel.tensor.sharding import (gather_full_state_dict, gather_full_tensor, load_full_state_dict,
                                              reduce_partial_tp_grads, shard_tensor)
 from tests.helpers.distributed import run_distributed
+from tests.helpers.parallel_checks import assert_all_within_tolerance, seeded
 
 TOLERANCE = 1e-5
 BATCH, SEQ, HIDDEN = 2, 8, 32
@@ -62,10 +63,6 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     scale = expected.abs().max()
     difference = (actual.detach() - expected).abs().max()
     return float(difference / scale) if scale > 0 else float(difference)
-
-
-def seeded(*shape, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def sequence_slice(full: torch.Tensor, context) -> torch.Tensor:
@@ -173,18 +170,12 @@ def run_layer_cases(layouts: list[str]) -> dict:
     return errors
 
 
-def assert_all_within_tolerance(every_rank: list[dict]) -> None:
-    for rank, errors in enumerate(every_rank):
-        bad = {case: error for case, error in errors.items() if not error <= TOLERANCE}
-        assert not bad, f"rank {rank}: {bad}"
-
-
 def test_expert_parallel_layer_on_dp_ranks_matches_single_process():
     layouts = ["ep4", "ep2 etp2"]
     every_rank = run_distributed(run_layer_cases, 4, layouts)
     assert all(sum(case.endswith(": aux loss") for case in errors) == len(LAYER_CASES) * len(layouts) * 2
                for errors in every_rank)
-    assert_all_within_tolerance(every_rank)
+    assert_all_within_tolerance(every_rank, TOLERANCE)
 
 
 def test_expert_parallel_layer_folded_onto_tp_matches_single_process():
@@ -192,7 +183,7 @@ def test_expert_parallel_layer_folded_onto_tp_matches_single_process():
     every_rank = run_distributed(run_layer_cases, 4, layouts)
     assert all(sum(case.endswith(": aux loss") for case in errors) == len(LAYER_CASES) * len(layouts) * 2
                for errors in every_rank)
-    assert_all_within_tolerance(every_rank)
+    assert_all_within_tolerance(every_rank, TOLERANCE)
 
 
 def test_expert_parallel_layer_folded_onto_cp_matches_single_process():
@@ -200,7 +191,7 @@ def test_expert_parallel_layer_folded_onto_cp_matches_single_process():
     every_rank = run_distributed(run_layer_cases, 4, layouts)
     assert all(sum(case.endswith(": aux loss") for case in errors) == len(LAYER_CASES) * len(layouts) * 2
                for errors in every_rank)
-    assert_all_within_tolerance(every_rank)
+    assert_all_within_tolerance(every_rank, TOLERANCE)
 
 
 def check_state_dict(layout: str) -> dict:

@@ -19,6 +19,7 @@ from meshlm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinea
 from meshlm.parallel.tensor.sharding import (gather_full_tensor, partial_grad_names, reduce_partial_tp_grads,
                                              shard_tensor)
 from tests.helpers.distributed import run_distributed
+from tests.helpers.parallel_checks import seeded
 
 TOLERANCE = 1e-5
 BATCH, SEQ, IN, OUT = 2, 8, 24, 32
@@ -27,10 +28,6 @@ PARTITIONS = {"one partition": None, "partitions": [8, 16, 8]}
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.detach() - expected).abs().max() / expected.abs().max())
-
-
-def seeded(*shape, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def local_shard(full, dim, partitions, context):

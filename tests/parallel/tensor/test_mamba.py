@@ -25,8 +25,9 @@ from meshlm.models.mamba2 import Mamba2Mixer
 from meshlm.parallel.mesh import ParallelContext, build_parallel_context
 from meshlm.parallel.parallelize import parallelize_model
 from meshlm.parallel.tensor.mamba import parallelize_mamba
-from meshlm.parallel.tensor.sharding import gather_full_tensor, reduce_partial_tp_grads, shard_tensor
+from meshlm.parallel.tensor.sharding import gather_full_tensor, reduce_partial_tp_grads
 from tests.helpers.distributed import run_distributed
+from tests.helpers.parallel_checks import assert_all_within_tolerance, seeded, sequence_slice
 
 TOLERANCE = 1e-5
 BATCH, SEQ, HIDDEN = 2, 16, 32
@@ -34,16 +35,6 @@ BATCH, SEQ, HIDDEN = 2, 16, 32
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.detach() - expected).abs().max() / expected.abs().max())
-
-
-def seeded(*shape, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def sequence_slice(full: torch.Tensor, context) -> torch.Tensor:
-    if not context.sequence_parallel:
-        return full
-    return shard_tensor(full, 1, [full.shape[1]], context.tp_rank, context.tp_size)
 
 
 def make_config(groups: int, **overrides) -> ModelConfig:
@@ -162,23 +153,17 @@ def run_model_cases() -> dict:
     return errors
 
 
-def assert_all_within_tolerance(every_rank: list[dict]) -> None:
-    for rank, errors in enumerate(every_rank):
-        bad = {case: error for case, error in errors.items() if not error <= TOLERANCE}
-        assert not bad, f"rank {rank}: {bad}"
-
-
 def test_parallel_mixer_matches_single_process():
     every_rank = run_distributed(run_mixer_cases, 4)
     assert all(sum(case.endswith("grad A_log") for case in errors) == 6 for errors in every_rank)
     assert all(sum("cached generation" in case for case in errors) == 2 for errors in every_rank)
-    assert_all_within_tolerance(every_rank)
+    assert_all_within_tolerance(every_rank, TOLERANCE)
 
 
 def test_parallel_hybrid_model_matches_single_process():
     every_rank = run_distributed(run_model_cases, 4)
     assert all(sum(case.endswith(": loss") for case in errors) == 4 for errors in every_rank)
-    assert_all_within_tolerance(every_rank)
+    assert_all_within_tolerance(every_rank, TOLERANCE)
 
 
 def test_groups_not_divisible_by_tp_are_refused():

@@ -23,8 +23,9 @@ from meshlm.models.moe.layer import MoELayer
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.parallelize import parallelize_model
 from meshlm.parallel.tensor.moe import parallelize_moe
-from meshlm.parallel.tensor.sharding import gather_full_tensor, reduce_partial_tp_grads, shard_tensor
+from meshlm.parallel.tensor.sharding import gather_full_tensor, reduce_partial_tp_grads
 from tests.helpers.distributed import run_distributed
+from tests.helpers.parallel_checks import assert_all_within_tolerance, seeded, sequence_slice
 
 TOLERANCE = 1e-5
 BATCH, SEQ, HIDDEN = 2, 16, 32
@@ -46,16 +47,6 @@ MODEL_PATTERNS = ("*E*-", "ME")
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.detach() - expected).abs().max() / expected.abs().max())
-
-
-def seeded(*shape, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def sequence_slice(full: torch.Tensor, context) -> torch.Tensor:
-    if not context.sequence_parallel:
-        return full
-    return shard_tensor(full, 1, [full.shape[1]], context.tp_rank, context.tp_size)
 
 
 def make_config(**overrides) -> ModelConfig:
@@ -170,20 +161,14 @@ def run_model_cases() -> dict:
     return errors
 
 
-def assert_all_within_tolerance(every_rank: list[dict]) -> None:
-    for rank, errors in enumerate(every_rank):
-        bad = {case: error for case, error in errors.items() if not error <= TOLERANCE}
-        assert not bad, f"rank {rank}: {bad}"
-
-
 def test_parallel_moe_layer_matches_single_process():
     every_rank = run_distributed(run_layer_cases, 4)
     assert all(sum(case.endswith(": aux loss") for case in errors) == len(LAYER_CASES) * 4 for errors in every_rank)
-    assert_all_within_tolerance(every_rank)
+    assert_all_within_tolerance(every_rank, TOLERANCE)
 
 
 def test_parallel_moe_models_match_single_process():
     every_rank = run_distributed(run_model_cases, 4)
     assert all(sum(case.endswith(": loss moe_aux") for case in errors) == len(MODEL_PATTERNS) * 4
                for errors in every_rank)
-    assert_all_within_tolerance(every_rank)
+    assert_all_within_tolerance(every_rank, TOLERANCE)

@@ -21,6 +21,7 @@ from meshlm.parallel.tensor.sharding import gather_full_tensor, shard_tensor
 from meshlm.parallel.tensor.vocab_parallel import (VocabParallelEmbedding, gather_vocab_logits, padded_vocab_size,
                                                    vocab_parallel_cross_entropy)
 from tests.helpers.distributed import run_distributed
+from tests.helpers.parallel_checks import sequence_slice
 
 TOLERANCE = 1e-5
 VOCAB, HIDDEN, BATCH, SEQ = 61, 16, 2, 8
@@ -36,12 +37,6 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Te
 
 def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def sequence_slice(full: torch.Tensor, context) -> torch.Tensor:
-    if not context.sequence_parallel:
-        return full
-    return shard_tensor(full, 1, [full.shape[1]], context.tp_rank, context.tp_size)
 
 
 def check_embedding(context, padded: int, seed: int) -> dict:
