@@ -24,16 +24,12 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from meshlm.checkpoint.files import (COMPLETE_FILE, CONFIG_FILE, METADATA_FILE, STATE_FILE, TRAINING_FILE, WEIGHTS_FILE,
+from meshlm.checkpoint.files import (COMPLETE_FILE, CONFIG_FILE, STATE_FILE, TRAINING_FILE, WEIGHTS_FILE,
                                      read_json)
-from meshlm.checkpoint.folders import check_folder, latest_checkpoint, read_metadata
+from meshlm.checkpoint.folders import check_folder, is_distributed_checkpoint, latest_checkpoint, read_metadata
 from meshlm.checkpoint.model_files import read_model_config, save_model
 from meshlm.checkpoint.whole_tensors import consolidated_model_state
 from meshlm.errors import CheckpointError
-
-
-def is_distributed_checkpoint(directory: Path) -> bool:
-    return (Path(directory) / METADATA_FILE).is_file()
 
 
 def resolve_checkpoint(path) -> Path:
@@ -125,4 +121,4 @@ def format_inspection(info: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["consolidate", "format_inspection", "inspect_checkpoint", "is_distributed_checkpoint", "resolve_checkpoint"]
+__all__ = ["consolidate", "format_inspection", "inspect_checkpoint", "resolve_checkpoint"]

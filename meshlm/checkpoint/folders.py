@@ -80,8 +80,13 @@ def check_folder(directory: Path) -> None:
                               f"not a meshlm checkpoint); {MOVE_AWAY_HINT.format(directory=directory)}")
 
 
+def is_distributed_checkpoint(directory: Path) -> bool:
+    """A folder of DCP shards (with its ``.metadata`` index), as training saves them."""
+    return (Path(directory) / METADATA_FILE).is_file()
+
+
 def is_single_process_format(directory: Path) -> bool:
-    return (directory / WEIGHTS_FILE).is_file() and not (directory / METADATA_FILE).is_file()
+    return (directory / WEIGHTS_FILE).is_file() and not is_distributed_checkpoint(directory)
 
 
 def verify_files(directory: Path, names, marker: dict) -> None:
@@ -113,5 +118,5 @@ def read_metadata(directory: Path, marker: dict):
         raise CheckpointError(f"{directory / METADATA_FILE}: unreadable ({error}).") from error
 
 
-__all__ = ["STEP_DIR", "check_folder", "checkpoint_dirs", "is_complete", "is_single_process_format",
-           "latest_checkpoint", "prune_checkpoints", "read_metadata", "verify_files"]
+__all__ = ["STEP_DIR", "check_folder", "checkpoint_dirs", "is_complete", "is_distributed_checkpoint",
+           "is_single_process_format", "latest_checkpoint", "prune_checkpoints", "read_metadata", "verify_files"]

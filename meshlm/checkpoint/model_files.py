@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from meshlm.checkpoint.files import (CONFIG_FILE, FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, WEIGHTS_FILE,
                                      copy_tokenizer_files, write_json_atomic)
+from meshlm.checkpoint.folders import is_distributed_checkpoint
 from meshlm.checkpoint.whole_tensors import consolidated_model_state
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.models.config import ModelConfig
@@ -78,7 +79,7 @@ def read_model_state(directory: str | os.PathLike, map_location: str | torch.dev
     """The weights of a model folder: ``model.safetensors``, or a distributed training
     checkpoint's shards read whole (``meshlm/checkpoint/whole_tensors.py``)."""
     directory = Path(directory)
-    if (directory / METADATA_FILE).is_file():
+    if is_distributed_checkpoint(directory):
         return {name: tensor.to(map_location) for name, tensor in consolidated_model_state(directory).items()}
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
@@ -97,7 +98,7 @@ def load_model(directory: str | os.PathLike, map_location: str | torch.device = 
     with torch.device("meta"):
         model = LanguageModel(config)
     model = model.to_empty(device=map_location)
-    source = METADATA_FILE if (directory / METADATA_FILE).is_file() else WEIGHTS_FILE
+    source = METADATA_FILE if is_distributed_checkpoint(directory) else WEIGHTS_FILE
     load_state_checked(model, state, str(directory / source))
     return model
 

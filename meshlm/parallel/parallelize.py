@@ -29,7 +29,6 @@ their names (only their class changes, as FSDP2's ``fully_shard`` does), so para
 and with ``gather_full_state_dict`` whole checkpoints -- are those of the single-process model.
 """
 
-
 from __future__ import annotations
 
 import torch

@@ -34,11 +34,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.models.losses import IGNORE_INDEX
 from meshlm.parallel.collectives import gather_along, reduce_from_group, reduce_scatter_along
 from meshlm.parallel.tensor.layers import ColumnParallelLinear
 from meshlm.parallel.tensor.sharding import mark_shard, shard_parameter
-
-IGNORE_INDEX = -100
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, pad_multiple: int = 1) -> int:
