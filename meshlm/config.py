@@ -59,6 +59,12 @@ class TrainConfig:
     async_save: bool = False
     """Save checkpoints in a background thread: the step waits only while this rank's shards are
     copied to CPU buffers, and training goes on while they are written."""
+    time_limit_minutes: float = 0.0
+    """The job's wall-clock limit in minutes, counted from the start of the trainer (0 = none): the
+    run saves a checkpoint and stops at the end of the first step where the elapsed time plus the
+    longest step so far (evaluations and saves included: a margin for one more step and a save)
+    would exceed it; the same command resumes. SIGTERM and SIGINT stop it the same way. See
+    meshlm/training/stop_requests.py."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = no clipping)."""
     recompute: str = "none"
@@ -228,6 +234,9 @@ class RunConfig:
         if train.max_consecutive_skips < 0 or train.max_rollbacks < 0:
             raise ConfigError(f"train.max_consecutive_skips={train.max_consecutive_skips} and train.max_rollbacks="
                               f"{train.max_rollbacks} must be >= 0 (0 skips: never roll back or stop).")
+        if not train.time_limit_minutes >= 0:  # also refuses nan
+            raise ConfigError(f"train.time_limit_minutes={train.time_limit_minutes} must be >= 0; give the job's "
+                              "wall-clock limit in minutes (a little below the scheduler's), or 0 for none.")
         _choice("optim.schedule", optim.schedule, SCHEDULES)
         _choice("precision.dtype", self.precision.dtype, DTYPES)
         if optim.lr <= 0 or optim.min_lr < 0 or optim.min_lr > optim.lr:

@@ -40,6 +40,8 @@ def run(args) -> int:
     print(f"[2/3] training {config.model.pattern!r} for {config.train.steps} steps -> {config.train.run_dir}",
           flush=True)
     result = train(config)
+    if result.stopped_by is not None:  # a signal or the time limit: the line saying where to resume is out
+        return 0
     report_losses(Path(result.run_dir))
     print(f"[3/3] samples (temperature 0.8, top-k 40) from {result.run_dir}", flush=True)
     for prompt, text in sample(Path(result.run_dir), args.max_new_tokens):

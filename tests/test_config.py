@@ -56,6 +56,8 @@ def test_round_trip_through_yaml(tmp_path):
     (["train.steps"], r"must look like section.key=value"),
     (["train.global_batch_size=6", "train.micro_batch_size=4"], r"multiple of train.micro_batch_size=4"),
     (["train.steps=0"], r"train.steps=0 must be a positive integer"),
+    (["train.time_limit_minutes=-1"], r"train.time_limit_minutes=-1.0 must be >= 0; give the job's wall-clock"),
+    (["train.time_limit_minutes=.nan"], r"train.time_limit_minutes=nan must be >= 0"),
     (["optim.schedule=linear"], r"optim.schedule='linear' is not one of cosine, wsd, constant"),
     (["precision.dtype=fp8"], r"precision.dtype='fp8' is not one of"),
     (["optim.min_lr=1", "optim.lr=0.1"], r"optim.min_lr"),

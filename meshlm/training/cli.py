@@ -16,7 +16,9 @@ what to change; unknown keys come with the closest known names. A collective tha
 a peer process died or hung exits with status 3 and names the collective and its group; with
 ``torchrun --max-restarts N`` the job then restarts from the newest complete checkpoint. Too many
 non-finite steps in a row with train.on_nonfinite=stop exit with status 1
-(see meshlm/training/fault_tolerance.py).
+(see meshlm/training/fault_tolerance.py). SIGTERM, SIGINT (Ctrl-C) or train.time_limit_minutes
+save a checkpoint at the end of the current step and exit with status 0, after one line saying
+where to resume (see meshlm/training/stop_requests.py).
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ def run(args) -> int:
         return 1
     finally:
         leave_process_group()
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0  # global rank 0 alone prints
+    if int(os.environ.get("RANK", "0")) != 0 or result.stopped_by is not None:
+        return 0  # global rank 0 alone prints; a stopped run has printed its line already
     summary = f"step {result.step}/{config.train.steps}"
     if result.losses:
         summary += f", last loss {result.losses[max(result.losses)]:.4f}"

@@ -42,6 +42,8 @@ step's mean loss, so a parallel run matches the single-process one up to fp32 su
 The logged loss is the mean over all n micro-batches (summed over DP). Only global rank 0
 prints and writes logs. Checkpoints are distributed (``meshlm/checkpoint/distributed.py``): every
 rank writes its own shards in single-process coordinates, and a run resumes at any layout.
+SIGTERM, SIGINT and ``train.time_limit_minutes`` end a run early, with a checkpoint of the step
+every rank agreed on (``meshlm/training/stop_requests.py``).
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throug
 from meshlm.training.plots import plot_losses
 from meshlm.training.recompute import apply_recompute
 from meshlm.training.schedules import learning_rate
+from meshlm.training.stop_requests import StopRequests
 
 
 @dataclass
@@ -101,6 +104,8 @@ class TrainResult:
     """Steps of the whole run whose update was skipped (non-finite loss or gradients)."""
     rollbacks: int = 0
     """Rollbacks to the last checkpoint this call made (train.on_nonfinite='rollback')."""
+    stopped_by: str | None = None
+    """Why the run stopped early and saved: 'SIGTERM', 'SIGINT' or 'time limit' (stop_requests.py); None if not."""
 
 
 @dataclass
@@ -146,6 +151,7 @@ class Trainer:
     def __init__(self, config):
         config.validate()
         self.config, train = config, config.train
+        self.stop_requests = StopRequests(train.time_limit_minutes)  # the time limit counts from here
         self.run_dir = Path(train.run_dir)
         self.device = resolve_device(train.device)
         if self.device.type == "cpu" and train.keep_freed_cpu_memory:
@@ -367,6 +373,14 @@ class Trainer:
         self.last_saved_step = step
         self.progress.message(f"step {step}: {'saving' if background else 'saved'} {path}")
 
+    def save_and_stop(self, reason: str) -> None:
+        """Every rank agreed to stop after this step (a signal or the time limit; stop_requests.py):
+        save it synchronously (after any asynchronous save in flight) and say where to resume."""
+        path = self.checkpoints.save(self.state, self.training_parts())
+        self.last_saved_step = self.state.step
+        self.metrics.write({"event": "stopped", "step": self.state.step, "reason": reason, "checkpoint": str(path)})
+        self.progress.message(self.stop_requests.message(reason, self.state.step, self.config.train.steps, path))
+
     # --- non-finite steps (meshlm/training/fault_tolerance.py) ---------------------------------------------
     def after_nonfinite_streak(self, action: str) -> None:
         """train.max_consecutive_skips skips in a row: roll back to the newest complete checkpoint, or stop."""
@@ -438,12 +452,13 @@ class Trainer:
         train = self.config.train
         result = TrainResult(run_dir=self.run_dir, step=self.state.step)
         self.open_logs()
+        self.stop_requests.listen()  # SIGTERM and SIGINT now stop the run after the current step
         try:
             if self.state.step == 0:  # the starting point of the validation curve
                 val_loss = self.maybe_evaluate(final=False)
                 if val_loss is not None:
                     result.val_losses[0] = val_loss
-            while self.state.step < train.steps:
+            while self.state.step < train.steps and result.stopped_by is None:
                 started = time.perf_counter()
                 step_result = self.train_step()
                 self.throughput.add(train.global_batch_size * train.seq_len, time.perf_counter() - started)
@@ -451,6 +466,7 @@ class Trainer:
                 self.after_step(step_result, result)
             self.checkpoints.wait()  # an asynchronous save still in flight
         finally:
+            self.stop_requests.close()
             self.metrics.close()
         if train.plot and result.losses and self.context.is_logging_rank and plot_losses(self.run_dir) is None:
             self.progress.message("meshlm train: matplotlib is not installed, so no loss.png was drawn "
@@ -474,6 +490,9 @@ class Trainer:
             self.throughput.reset()
         if action is not None:
             self.after_nonfinite_streak(action)
+        result.stopped_by = self.stop_requests.agreed_reason(self.device, self.context.world_size)
+        if result.stopped_by is not None:  # nothing slow (no evaluation) after a stop request: only the save
+            return self.save_and_stop(result.stopped_by)
         val_loss = self.maybe_evaluate(final)
         if val_loss is not None:
             result.val_losses[step] = val_loss
