@@ -33,7 +33,7 @@ from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.dropout import DropoutKey, HiddenDropout, dropout_site
-from meshlm.models.init import initialize_weights
+from meshlm.models.init import draw_seed, initialize_weights
 from meshlm.models.losses import language_model_loss, linear_cross_entropy
 from meshlm.models.mtp import MultiTokenPrediction
 from meshlm.models.norms import make_norm
@@ -52,9 +52,23 @@ class LMOutput:
 
 
 class LanguageModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """``seed`` fixes the initial values, each tensor drawn from its own generator (see
+    ``meshlm/models/init.py``; None: a seed drawn from torch's global generator). Built under
+    ``torch.device("meta")`` the model has shapes but no values: that is how a parallel run
+    starts (``meshlm/checkpoint/materialize.py`` fills each rank's shards with the same values)."""
+
+    def __init__(self, config: ModelConfig, seed: int | None = None):
         super().__init__()
         self.config = config
+        self.init_seed = draw_seed() if seed is None else int(seed)
+        device = torch.get_default_device()
+        with torch.device("meta"):  # shapes first; each tensor is then filled once, by its rule
+            self.build_modules(config)
+        if device.type != "meta":
+            self.to_empty(device=device)
+            initialize_weights(self, config, self.init_seed)
+
+    def build_modules(self, config: ModelConfig) -> None:
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embedding_dropout = HiddenDropout(config.hidden_dropout, dropout_site("embedding"))
         self.blocks = nn.ModuleList(Block(kind, config, index) for index, kind in enumerate(config.block_kinds))
@@ -63,7 +77,6 @@ class LanguageModel(nn.Module):
         self.mtp = None
         if config.mtp_depth:
             self.mtp = MultiTokenPrediction(config)
-        initialize_weights(self, config)
 
     # --- pieces (pipeline stages call these directly) ------------------------------------------
     def embed(self, input_ids: torch.Tensor, context: SequenceContext | None = None) -> torch.Tensor:

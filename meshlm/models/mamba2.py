@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.models.cache import MambaCache
+from meshlm.models.init import constant, initialize_own_tensors
 from meshlm.models.norms import GatedRMSNorm
 from meshlm.models.ssd import ssd_chunked_scan, ssd_recurrent_step
 
@@ -82,19 +83,22 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(self.inner_size, group_size=self.inner_size // self.num_groups,
                                  eps=config.norm_eps)
         self.out_proj = nn.Linear(self.inner_size, self.hidden_size, bias=config.mamba_proj_bias)
-        self.reset_parameters_from_config(config)
+        initialize_own_tensors(self, config)
 
-    @torch.no_grad()
-    def reset_parameters_from_config(self, config) -> None:
-        """Mamba-2's own init (as mamba_ssm): A in U[1, 16], dt log-uniform, D = 1."""
-        device = self.A_log.device
-        self.A_log.copy_(torch.empty(self.num_heads, device=device).uniform_(1.0, 16.0).log())
+    def init_rules(self, config) -> dict:
+        """Mamba-2's own init (as mamba_ssm): A in U[1, 16], dt log-uniform, D = 1 (meshlm/models/init.py)."""
         log_dt_min, log_dt_max = math.log(config.mamba_dt_min), math.log(config.mamba_dt_max)
-        dt = torch.exp(torch.rand(self.num_heads, device=device) * (log_dt_max - log_dt_min) + log_dt_min)
-        dt = dt.clamp(min=config.mamba_dt_init_floor)
-        # Inverse softplus, so that softplus(dt_bias) == dt at a zero projection.
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-        self.D.fill_(1.0)
+
+        def a_log(tensor, generator):
+            tensor.uniform_(1.0, 16.0, generator=generator).log_()
+
+        def dt_bias(tensor, generator):
+            dt = torch.exp(torch.rand(tensor.shape, generator=generator) * (log_dt_max - log_dt_min) + log_dt_min)
+            dt = dt.clamp(min=config.mamba_dt_init_floor)
+            # Inverse softplus, so that softplus(dt_bias) == dt at a zero projection.
+            tensor.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+        return {"A_log": a_log, "dt_bias": dt_bias, "D": constant(1.0)}
 
     # --- pieces ------------------------------------------------------------------------------
     def split_projection(self, projected: torch.Tensor):

@@ -21,26 +21,31 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from meshlm.checkpoint.files import WEIGHTS_FILE
-from meshlm.checkpoint.model_files import load_state_checked, read_model_config, read_model_state
+from meshlm.checkpoint.folders import is_distributed_checkpoint
+from meshlm.checkpoint.materialize import CheckpointShards, SafetensorsFile
+from meshlm.checkpoint.model_files import read_model_config
 from meshlm.errors import CheckpointError
 
 
-def load_initial_weights(path: str | Path, model: torch.nn.Module) -> None:
-    """Copy the weights of the model folder ``path`` into ``model`` (a freshly built LanguageModel)."""
+def initial_weights_source(path: str | Path, model_config):
+    """Where the run's weights come from when it starts from ``path`` (checked first: the folder's
+    model config must equal ``model_config``): its ``model.safetensors``, read by slice, or a
+    training checkpoint's shards, read by chunk (``meshlm/checkpoint/materialize.py``)."""
     directory = Path(path)
     saved = read_model_config(directory)  # CheckpointError when it is not a meshlm model folder
-    run, folder = _plain(model.config.to_dict()), _plain(saved.to_dict())
+    run, folder = _plain(model_config.to_dict()), _plain(saved.to_dict())
     differences = [f"model.{key}: folder {folder.get(key)!r} vs run {run.get(key)!r}"
                    for key in sorted(set(run) | set(folder)) if run.get(key) != folder.get(key)]
     if differences:
         raise CheckpointError(f"train.init_from={directory} holds a different model ({'; '.join(differences)}); "
                               f"copy the 'model' section of {directory / 'config.json'} into the run's config.")
-    state = read_model_state(directory)  # model.safetensors, or a training checkpoint's shards
-    expected = model.state_dict()
-    state = {name: tensor.to(expected[name].dtype) if name in expected else tensor for name, tensor in state.items()}
-    load_state_checked(model, state, str(directory / WEIGHTS_FILE))
+    if is_distributed_checkpoint(directory):
+        return CheckpointShards(directory, prefer_masters=False)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: missing.")
+    return SafetensorsFile(weights)
 
 
 def _plain(values: dict) -> dict:
@@ -48,4 +53,4 @@ def _plain(values: dict) -> dict:
     return json.loads(json.dumps(values))
 
 
-__all__ = ["load_initial_weights"]
+__all__ = ["initial_weights_source"]

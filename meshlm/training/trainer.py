@@ -66,27 +66,21 @@ from meshlm.checkpoint.training_checkpoint import TrainerState
 from meshlm.errors import ConfigError
 from meshlm.models.dropout import DropoutKey
 from meshlm.models.flops import model_flops_per_token
-from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.balancing import update_expert_biases
-from meshlm.models.moe.layer import set_load_balancing_group
 from meshlm.optim.adamw import build_optimizer
-from meshlm.parallel.context.context_parallel import (apply_context_parallel, check_context_parallel_model,
-                                                      share_losses, split_batch)
+from meshlm.parallel.context.context_parallel import check_context_parallel_model, share_losses, split_batch
 from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradients as finish_distributed_gradients
 from meshlm.parallel.expert.expert_parallel import expert_parallel_names
 from meshlm.parallel.mesh import build_parallel_context
-from meshlm.parallel.parallelize import parallelize_model
-from meshlm.parallel.pipeline.pipelined_model import PipelinedModel
 from meshlm.parallel.tensor.sharding import partial_grad_names, tensor_parallel_names
 from meshlm.precision.mixed_precision import MixedPrecision
+from meshlm.training.build import build_model
 from meshlm.training.cpu_allocator import keep_freed_memory
 from meshlm.training.data_loading import build_training_data, read_batch
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
-from meshlm.training.initial_weights import load_initial_weights
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary, format_count,
                                      peak_flops)
 from meshlm.training.plots import plot_losses
-from meshlm.training.recompute import apply_recompute
 from meshlm.training.schedules import learning_rate
 from meshlm.training.stop_requests import StopRequests
 
@@ -166,18 +160,10 @@ class Trainer:
         self.checkpoints = Checkpointer(self.run_dir, config, self.context, tokenizer_file=self.data.tokenizer_file)
         checkpoint_dir = self.checkpoints.latest()
 
-        model = LanguageModel(config.model)
-        if checkpoint_dir is None and train.init_from is not None:
-            load_initial_weights(train.init_from, model)  # weights only; optimizer and step start fresh
-        self.num_parameters = model.num_parameters()
-        self.model = parallelize_model(model, self.context, config.parallel.vocab_pad_multiple)
-        apply_context_parallel(self.model, self.context)  # ring attention, Mamba state hand-off (cp > 1)
-        apply_recompute(self.model, train.recompute, train.recompute_every)
-        set_load_balancing_group(self.model, self.context.dp_cp_group)  # for moe_aux_loss_type 'global'
-        self.pipeline = None  # pipeline parallelism: keep this rank's stages of the model (collective)
-        if self.context.pp_size > 1:
-            self.pipeline = PipelinedModel.build(self.model, self.context, train.seq_len)
-        self.model.to(self.device).train()
+        # Built on meta and materialized shard by shard: no rank ever holds the whole model.
+        built = build_model(config, self.context, self.device,
+                            init_from=train.init_from if checkpoint_dir is None else None)
+        self.model, self.pipeline, self.num_parameters = built.model, built.pipeline, built.num_parameters
         self.precision = MixedPrecision(self.model, config.precision)
         self.master_parameters = [param for _, param in self.precision.master_parameters()]
         self.reducer = None

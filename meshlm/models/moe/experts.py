@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.models.init import initialize_own_tensors, normal
 from meshlm.models.mlp import activate, is_gated
 
 
@@ -73,15 +74,12 @@ class GroupedExperts(nn.Module):
                             if is_gated(config.mlp_activation) else None)
         self.up_weight = nn.Parameter(torch.empty(num_experts, ffn_size, model_size))
         self.down_weight = nn.Parameter(torch.empty(num_experts, model_size, ffn_size))
-        self.reset_parameters_from_config(config)
+        initialize_own_tensors(self, config)
 
-    @torch.no_grad()
-    def reset_parameters_from_config(self, config) -> None:
+    def init_rules(self, config) -> dict:
         """N(0, init_std) for gate/up; the scaled output std for down (it feeds the residual)."""
-        for weight in (self.gate_weight, self.up_weight):
-            if weight is not None:
-                nn.init.normal_(weight, std=config.init_std)
-        nn.init.normal_(self.down_weight, std=config.output_init_std)
+        return {"gate_weight": normal(config.init_std), "up_weight": normal(config.init_std),
+                "down_weight": normal(config.output_init_std)}
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         def linear(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

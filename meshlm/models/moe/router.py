@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.models.init import constant, initialize_own_tensors, normal
+
 
 @dataclass
 class Routing:
@@ -118,11 +120,10 @@ class TopKRouter(nn.Module):
         self.recorded_load: torch.Tensor | None = None
         """[E] float: assignments made in training forwards since the last bias update (only
         while ``bias_update_rate`` > 0); a plain attribute, not state: it is never saved."""
-        self.reset_parameters_from_config(config)
+        initialize_own_tensors(self, config)
 
-    @torch.no_grad()
-    def reset_parameters_from_config(self, config) -> None:
-        nn.init.normal_(self.weight, std=config.init_std)
+    def init_rules(self, config) -> dict:
+        return {"weight": normal(config.init_std), "expert_bias": constant(0.0)}
 
     def forward(self, tokens: torch.Tensor, record_load: bool = True) -> Routing:
         """Route ``tokens`` [n, hidden]. ``record_load=False``: the caller records the load itself
