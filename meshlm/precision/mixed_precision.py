@@ -48,7 +48,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class MixedPrecision:
-    def __init__(self, model: nn.Module, config):
+    """``sharded_masters=True`` (a distributed optimizer will own the masters, ZeRO): the fp32
+    masters are not copied here. Each master shares the fp32 model parameter's storage until
+    ``hand_masters_to(owner)``: the owner copies out its DP shard, then the model's parameters are
+    cast, so no rank ever holds a second full fp32 copy of its parameters."""
+
+    def __init__(self, model: nn.Module, config, sharded_masters: bool = False):
         if config.dtype not in DTYPES:
             raise ConfigError(f"precision.dtype={config.dtype!r} is not one of {', '.join(DTYPES)}.")
         self.dtype_name = config.dtype
@@ -57,13 +62,19 @@ class MixedPrecision:
         self.scaler = DynamicLossScaler.from_config(config) if config.dtype == "fp16" else None
         self.master_owner = None
         """A distributed optimizer holding the masters' values sharded (see ``hand_masters_to``)."""
+        self.deferred = False
+        """True until ``hand_masters_to``: masters share the (still fp32) model parameters' storage."""
         if self.dtype == torch.float32:
             self.masters = self.model_parameters
             return
-        self.masters = [(name, nn.Parameter(param.detach().float().clone(), requires_grad=param.requires_grad))
-                        for name, param in self.model_parameters]
+        self.deferred = sharded_masters
+        masters = [param.detach().float() if sharded_masters else param.detach().float().clone()
+                   for _, param in self.model_parameters]
+        self.masters = [(name, nn.Parameter(master, requires_grad=param.requires_grad))
+                        for (name, param), master in zip(self.model_parameters, masters)]
         for (_, param), (_, master) in zip(self.model_parameters, self.masters):
-            param.data = param.data.to(self.dtype)
+            if not sharded_masters:
+                param.data = param.data.to(self.dtype)
             param.register_post_accumulate_grad_hook(_grad_mover(master))
 
     @property
@@ -89,6 +100,12 @@ class MixedPrecision:
         """
         if self.low_precision:
             self.master_owner = owner
+        if self.deferred:  # what the owner did not take (frozen parameters) gets its own copy now
+            for (_, param), (_, master) in zip(self.model_parameters, self.masters):
+                if param.dtype != self.dtype:
+                    master.data = master.data.clone()
+                    param.data = param.data.to(self.dtype)
+            self.deferred = False
 
     def autocast(self):
         """No-op: the parameters already are in the compute dtype, and the loss is fp32."""

@@ -164,7 +164,8 @@ class Trainer:
         built = build_model(config, self.context, self.device,
                             init_from=train.init_from if checkpoint_dir is None else None)
         self.model, self.pipeline, self.num_parameters = built.model, built.pipeline, built.num_parameters
-        self.precision = MixedPrecision(self.model, config.precision)
+        sharded_masters = self.context.distributed and config.parallel.distributed_optimizer  # ZeRO: no full copy
+        self.precision = MixedPrecision(self.model, config.precision, sharded_masters=sharded_masters)
         self.master_parameters = [param for _, param in self.precision.master_parameters()]
         self.reducer = None
         if self.context.distributed:

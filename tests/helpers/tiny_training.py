@@ -42,6 +42,10 @@ class TrainSpec:
     dtype: str = "fp32"
     lr: float = 1e-3
     weight_decay: float = 0.1
+    eps: float = 1e-6
+    """AdamW's eps, as in the trainer tests: at 1e-8 an element whose gradient is nearly zero
+    moves by m / sqrt(v) ~ +-lr whatever its size, so fp32 rounding of another summation order
+    (DP) can flip a whole update there -- an element-level difference, not an error."""
     grad_clip: float = 0.5
     tp: int = 1
     """Tensor-parallel size of the DP run (the world is dp * tp)."""
@@ -53,7 +57,7 @@ class TrainSpec:
     data_seed: int = 1
 
     def optim_config(self) -> OptimConfig:
-        return OptimConfig(lr=self.lr, weight_decay=self.weight_decay)
+        return OptimConfig(lr=self.lr, weight_decay=self.weight_decay, eps=self.eps)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, sp=self.sp, distributed_optimizer=self.distributed_optimizer,
@@ -88,7 +92,8 @@ def build_run(spec: TrainSpec, context: ParallelContext | None) -> TrainRun:
     model = LanguageModel(ModelConfig(**spec.model)).train()
     if context is not None:
         model = parallelize_model(model, context)
-    precision = MixedPrecision(model, PrecisionConfig(dtype=spec.dtype))
+    sharded_masters = context is not None and spec.distributed_optimizer  # ZeRO owns the masters
+    precision = MixedPrecision(model, PrecisionConfig(dtype=spec.dtype), sharded_masters=sharded_masters)
     if context is None:
         return TrainRun(model, precision, build_optimizer(precision.master_parameters(), spec.optim_config()), None)
     reducer, optimizer = build_data_parallel(precision, spec.optim_config(), spec.parallel_config(), context)

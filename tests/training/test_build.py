@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import pytest
-from torch.profiler import ProfilerActivity, profile
 
 from meshlm.checkpoint.materialize import local_tensors
 from meshlm.checkpoint.sharding import tensor_chunks
@@ -23,6 +22,7 @@ from meshlm.models.language_model import LanguageModel
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.training.build import build_model
 from tests.helpers.distributed import run_distributed
+from tests.helpers.memory import peak_allocated_bytes
 
 BASE = ["model.vocab_size=97", "model.hidden_size=32", "model.num_attention_heads=4", "model.num_kv_heads=2",
         "model.ffn_hidden_size=64", "model.mamba_head_dim=8", "model.mamba_state_size=8", "model.mamba_num_groups=2",
@@ -77,22 +77,6 @@ def test_each_rank_holds_the_single_process_values_of_its_shards(layout):
     for name, size in sizes.items():  # every element of the model lives on some rank
         covered = set().union(*(result["covered"].get(name, set()) for result in results))
         assert len(covered) == size, f"{layout}: {name} covers {len(covered)} of {size} elements"
-
-
-def peak_allocated_bytes(function) -> int:
-    """The most bytes torch held allocated (on the CPU) at once while ``function`` ran."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as profiler:
-        result = function()
-    live = before = peak = 0
-    for _, action, _, size in profiler._memory_profile().timeline:
-        if action.name == "PREEXISTING":  # allocated before: counted, and the peak is taken above them
-            before += size
-        live += {"PREEXISTING": size, "CREATE": size, "DESTROY": -size}.get(action.name, 0)
-        peak = max(peak, live)
-    peak -= before
-    del result
-    return peak
 
 
 def construction_peak(overrides: list[str]) -> dict:

@@ -53,7 +53,8 @@ def build_data_parallel(precision, optim_config, parallel_config, context):
     sources = [param for _, param in precision.model_parameters]
     if parallel_config.distributed_optimizer:
         optimizer = DistributedOptimizer(named, optim_config, context, parallel_config.bucket_size_mb,
-                                         parallel_config.overlap_grad_reduce, model_parameters=sources)
+                                         parallel_config.overlap_grad_reduce, model_parameters=sources,
+                                         model_dtype=precision.dtype)
         precision.hand_masters_to(optimizer)  # bf16/fp16: the fp32 masters are sharded over DP too
         return optimizer.reducer, optimizer
     reducer = GradientReducer(named, context, parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce,

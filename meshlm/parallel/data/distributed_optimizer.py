@@ -109,7 +109,9 @@ class DistributedOptimizer:
     """ZeRO-1 AdamW over (name, fp32 parameter) pairs; a drop-in for ``build_optimizer``'s AdamW.
 
     ``model_parameters``: the model tensors that produce the gradients (bf16/fp16 runs: the
-    low-precision model parameters behind MixedPrecision's masters), aligned with the pairs.
+    low-precision model parameters behind MixedPrecision's masters), aligned with the pairs;
+    ``model_dtype``: their dtype in training (default: their dtype now; MixedPrecision with
+    ``sharded_masters`` leaves them fp32, sharing the masters' storage, for this optimizer to cast).
     The gradient reduction lives in ``self.reducer`` (``no_sync()``, ``finish()``). Build it
     after the model is on its device and after MixedPrecision: the given parameters' ``.data``
     become views into the flat value buffer (``.to()`` afterwards would break the views).
@@ -117,7 +119,7 @@ class DistributedOptimizer:
 
     def __init__(self, parameters_by_name: list[tuple[str, torch.nn.Parameter]], optim_config, context,
                  bucket_size_mb: float = 25.0, overlap: bool = True,
-                 model_parameters: list[torch.Tensor] | None = None):
+                 model_parameters: list[torch.Tensor] | None = None, model_dtype: torch.dtype | None = None):
         self.context = context
         self.reference = build_optimizer(parameters_by_name, optim_config)
         """The single-process AdamW: its groups, hyperparameters and state-dict layout. It never steps."""
@@ -126,7 +128,9 @@ class DistributedOptimizer:
                                        model_parameters=model_parameters)
         layout, holders = self.reducer.layout, self.reducer.holders
         sources = self.reducer.sources
-        self.low_precision = any(source is not holder for source, holder in zip(sources, holders))
+        model_dtype = model_dtype or sources[0].dtype
+        self.low_precision = model_dtype != torch.float32 or any(source is not holder
+                                                                 for source, holder in zip(sources, holders))
         """bf16/fp16: the fp32 masters are sharded here and the model's parameters are gathered into."""
         device = self.reducer.buffer.device
         self.segments = owned_segments(layout, context.dp_cp_rank, context.dp_cp_size)
@@ -137,7 +141,7 @@ class DistributedOptimizer:
                 self.values = torch.zeros_like(self.exp_avg)  # this rank's fp32 masters only
                 for segment in self.segments:
                     self._owned(self.values, segment).copy_(self._piece(holders[segment.param], segment))
-                self.model_values = torch.zeros(layout.total, dtype=sources[0].dtype, device=device)
+                self.model_values = torch.zeros(layout.total, dtype=model_dtype, device=device)
                 for index, (source, holder) in enumerate(zip(sources, holders)):
                     view = layout.view(self.model_values, index)
                     view.copy_(source)

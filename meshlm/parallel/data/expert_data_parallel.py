@@ -133,7 +133,7 @@ def build_expert_data_parallel(precision, optim_config, parallel_config, context
     size, overlap = parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce
     if parallel_config.distributed_optimizer:
         optimizer = OptimizerGroup([DistributedOptimizer(pairs, optim_config, part_context, size, overlap,
-                                                         model_parameters=part_sources)
+                                                         model_parameters=part_sources, model_dtype=precision.dtype)
                                     for pairs, part_sources, part_context in parts])
         precision.hand_masters_to(optimizer)
         return optimizer.reducer, optimizer

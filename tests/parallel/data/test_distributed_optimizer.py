@@ -12,8 +12,14 @@ dict, and loads at dp=4 (and into torch AdamW) to continue identically.
 import pytest
 import torch
 
+from meshlm.config import PrecisionConfig
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
+from meshlm.parallel.data.data_parallel import build_data_parallel
 from meshlm.parallel.mesh import ParallelContext
+from meshlm.precision.mixed_precision import MixedPrecision
 from tests.helpers.distributed import run_distributed
+from tests.helpers.memory import allocation_profile
 from tests.helpers.tiny_training import (TrainSpec, build_run, context_from_world, relative_error, result_of,
                                          single_process_result, train_and_count, train_steps)
 
@@ -211,3 +217,38 @@ def test_bf16_fp32_masters_are_sharded_over_data_parallel_ranks():
             assert relative_error(master, expected["params"][name]) <= 1e-2, (rank, name)
             assert torch.equal(result["reloaded_masters"][name], master), (rank, name)
             assert torch.equal(result["reloaded_model"][name], master.to(torch.bfloat16)), (rank, name)
+
+
+def zero_setup_peak(spec: TrainSpec, sharded_masters: bool) -> dict:
+    """In a spawned rank: the peak bytes of MixedPrecision + the distributed optimizer (bf16)."""
+    context = context_from_world()
+    torch.manual_seed(spec.seed)
+    model = LanguageModel(ModelConfig(**spec.model)).train()
+    numel = sum(param.numel() for param in model.parameters())
+    holder = {}
+
+    def set_up():
+        precision = MixedPrecision(model, PrecisionConfig(dtype="bf16"), sharded_masters=sharded_masters)
+        holder["parts"] = (precision, *build_data_parallel(precision, spec.optim_config(), spec.parallel_config(),
+                                                           context))
+
+    peak, total = allocation_profile(set_up)
+    return {"peak": peak, "total": total, "numel": numel}
+
+
+def test_zero_never_copies_all_fp32_masters():
+    """bf16 + ZeRO-1: setting up allocates the model's bf16 buffer, the fp32 gradient buffer and
+    this rank's 1/dp of fp32 masters and moments ((2 + 4 + 12 / dp) bytes per parameter) -- never an fp32
+    copy of every parameter, which the unsharded masters path does make (4 bytes more) -- and
+    holds at most the fp32 model besides."""
+    dp = 2
+    spec = TrainSpec(dict(DENSE, hidden_size=64, ffn_hidden_size=256), dtype="bf16", distributed_optimizer=True)
+    sharded = run_distributed(zero_setup_peak, dp, spec, True)
+    copied = run_distributed(zero_setup_peak, dp, spec, False)
+    slack = 64 * 1024
+    for rank in range(dp):
+        numel = sharded[rank]["numel"]
+        allocated = numel * (2 + 4 + 12 / dp) + slack
+        assert sharded[rank]["total"] <= allocated, (rank, sharded[rank], allocated)
+        assert copied[rank]["total"] >= allocated + 4 * numel - 2 * slack, (rank, copied[rank], allocated)
+        assert sharded[rank]["peak"] <= allocated + 4 * numel, (rank, sharded[rank])
