@@ -1,8 +1,9 @@
 """Turn a full single-process ``LanguageModel`` into this rank's share of the model, in place.
 
-Every rank builds the whole model with the same seed, so initialization does not depend on the
-layout; ``parallelize_model`` then keeps each rank's slices (Shoeybi et al. 2019) and, with
-sequence parallelism, shards the residual stream along the sequence (Korthikanti et al. 2022):
+``parallelize_model`` keeps each rank's slices (Shoeybi et al. 2019) and, with
+sequence parallelism, shards the residual stream along the sequence (Korthikanti et al. 2022).
+The model may be on the ``meta`` device (the trainer's way: ``meshlm/training/build.py`` then
+fills only the shards) or hold values (a test's way: the slices keep them):
 
     embedding       vocabulary-parallel; summed over the group (SP: reduce-scattered along s)
     each block      h + mixer(norm(h)); the norm is replicated (SP: runs on the rank's tokens)

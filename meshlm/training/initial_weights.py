@@ -5,7 +5,9 @@
 
 The folder is a model folder (``config.json`` + ``model.safetensors``, as ``save_model``,
 ``meshlm convert`` and ``meshlm upcycle`` write it) or a training checkpoint's ``step_N``
-folder (whose weights are read whole from its distributed shards). Only the weights (and
+folder (whose weights are read chunk by chunk from its distributed shards). Each rank reads
+only the slices it holds (safetensors by ``get_slice``; ``meshlm/checkpoint/materialize.py``),
+never the whole model. Only the weights (and
 buffers such as a router's expert bias) are taken: the optimizer moments, the step counter,
 the learning-rate schedule and the data position all start from zero, as for continued
 pre-training or upcycling.

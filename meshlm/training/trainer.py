@@ -22,8 +22,10 @@ uninterrupted run would have seen, at any data-parallel size (see ``meshlm/check
 
 Parallel runs (``torchrun --nproc_per_node N -m meshlm train ... parallel.tp=T``; see
 ``meshlm/parallel/``). The layout is checked first, before any collective. Every rank builds the
-full model with the same seed (and loads a checkpoint in full), then ``parallelize_model`` keeps
-its tensor-parallel slices, so a run does not depend on its layout. Each step:
+model on the ``meta`` device, cuts it to its shards (TP/EP slices, its pipeline stages) and only
+then gives those shards their values -- each tensor drawn from its own (seed, name) generator,
+or read by slice from ``train.init_from`` (``meshlm/training/build.py``) -- so no rank holds the
+whole model and a run does not depend on its layout. Each step:
 
     DP rank d runs micro-batches [d*k, (d+1)*k) of the step's n (k = n / dp); every rank of a
         TP or CP group reads the same ones; each loss is divided by n, the whole step's count

@@ -12,15 +12,16 @@ virtual stage c * pp + r (with vp = 1: rank r holds stage r). Where the cuts go:
 Every virtual stage needs at least one block. The first virtual stage also embeds the tokens;
 the last one also runs the final norm, the output head, the loss and the MTP depths.
 
-**One module per rank, single-process names.** Every rank builds the whole model with the same
-seed (and tensor-parallelizes it) as without pipelining, then ``keep_stage_modules`` deletes
-what its chunks do not run. The blocks it keeps stay at ``blocks.{global index}``, so parameter
+**One module per rank, single-process names.** Every rank builds the whole model on the
+``meta`` device (and tensor-parallelizes it) as without pipelining, then ``keep_stage_modules``
+deletes what its chunks do not run; only what is kept ever gets storage
+(``meshlm/training/build.py``). The blocks it keeps stay at ``blocks.{global index}``, so parameter
 names, checkpoints, the optimizer's groups and the gradient reducer are those of the single-
 process model restricted to this rank; a chunk is just a list of block indices into that module.
 
 **Tied embeddings across stages.** With ``tie_embeddings`` the output head is the embedding
 matrix, and the MTP depths embed future tokens, so the last stage needs the embedding too. It
-keeps its own copy, identical at initialization (every rank built the same model), and after
+keeps its own copy, identical at initialization (drawn from the same (seed, name) generator), and after
 each step's backward the copies' gradients are summed over the two ranks (``embedding_group``:
 the first and last stage of one pipeline), so both take the same update (Megatron-LM's
 "embedding group"; Narayanan et al. 2021). The last stage's copy is not counted in the global
