@@ -56,7 +56,6 @@ import os
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from meshlm.checkpoint.distributed import Checkpointer
 from meshlm.checkpoint.global_state import TrainingParts
@@ -66,8 +65,10 @@ from meshlm.models.dropout import DropoutKey
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.balancing import update_expert_biases
-from meshlm.models.moe.layer import set_load_balancing_group
+from meshlm.models.moe.layer import set_load_balancing_sum
 from meshlm.optim.adamw import build_optimizer
+from meshlm.parallel.collective_checks import compare_collectives
+from meshlm.parallel.collectives import all_reduce_, barrier, summing_over
 from meshlm.parallel.context.context_parallel import (apply_context_parallel, check_context_parallel_model,
                                                       share_losses, split_batch)
 from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradients as finish_distributed_gradients
@@ -167,7 +168,8 @@ class Trainer:
         self.model = parallelize_model(model, self.context, config.parallel.vocab_pad_multiple)
         apply_context_parallel(self.model, self.context)  # ring attention, Mamba state hand-off (cp > 1)
         apply_recompute(self.model, train.recompute, train.recompute_every)
-        set_load_balancing_group(self.model, self.context.dp_cp_group)  # for moe_aux_loss_type 'global'
+        self.sum_over_dp_cp = summing_over(self.context.dp_cp_group)  # the MoE balancing's token counts
+        set_load_balancing_sum(self.model, self.sum_over_dp_cp)  # for moe_aux_loss_type 'global'
         self.pipeline = None  # pipeline parallelism: keep this rank's stages of the model (collective)
         if self.context.pp_size > 1:
             self.pipeline = PipelinedModel.build(self.model, self.context, train.seq_len)
@@ -200,7 +202,7 @@ class Trainer:
         if not self.context.distributed:
             return build_training_data(self.config)
         data = build_training_data(self.config) if self.context.rank == 0 else None
-        dist.barrier()
+        barrier(self.context.world_group)
         return data if data is not None else build_training_data(self.config)
 
     # --- one optimizer step ---------------------------------------------------------------------------
@@ -287,7 +289,7 @@ class Trainer:
         lr = learning_rate(self.state.step, self.config.optim, self.config.train.steps)
         if not skipped:
             self.optimizer_step(lr)
-        update_expert_biases(self.model, self.context.dp_cp_group)  # aux-loss-free balancing (MoE), if on
+        update_expert_biases(self.model, self.sum_over_dp_cp)  # aux-loss-free balancing (MoE), if on
         self.precision.update_scale(skipped)
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -298,6 +300,7 @@ class Trainer:
         self.state.skipped_steps += int(skipped)
         self.state.lr = lr
         self.state.last_loss = loss_sum.item() / count
+        compare_collectives(self.context, f"after step {self.state.step}")  # parallel.check_collectives
         return StepResult(loss=self.state.last_loss, losses={name: value.item() / count for name, value in
                                                              term_sums.items()},
                           grad_norm=grad_norm, lr=lr, skipped=skipped, tokens_per_expert=expert_counts)
@@ -312,7 +315,7 @@ class Trainer:
         pieces += [torch.as_tensor(term_sums[name], device=self.device).reshape(1).float() for name in names]
         pieces += [count.reshape(-1).float() for count in expert_counts]
         flat = torch.cat(pieces)
-        dist.all_reduce(flat, group=self.context.dp_cp_group)
+        all_reduce_(flat, self.context.dp_cp_group)
         values = flat.split([piece.numel() for piece in pieces])
         terms = {name: value[0] for name, value in zip(names, values[1:1 + len(names)])}
         counts = [value.view_as(count).to(count.dtype) for value, count in zip(values[1 + len(names):], expert_counts)]
@@ -335,14 +338,16 @@ class Trainer:
                     output = self.forward_micro_batch(batch)
                 total += output.losses["lm"].item()
         self.model.train()
-        return self.sum_over_context_parallel(total) / batches
+        total = self.sum_over_context_parallel(total)
+        compare_collectives(self.context, f"in the evaluation after step {self.state.step}")
+        return total / batches
 
     def sum_over_context_parallel(self, value: float) -> float:
         """A loss summed over the CP group: under CP every rank holds its share of it."""
         if self.context.cp_size == 1:
             return value
         summed = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        dist.all_reduce(summed, group=self.context.cp_group)
+        all_reduce_(summed, self.context.cp_group)
         return summed.item()
 
     def maybe_evaluate(self, final: bool) -> float | None:
@@ -450,6 +455,7 @@ class Trainer:
                 result.losses[self.state.step] = step_result.loss
                 self.after_step(step_result, result)
             self.checkpoints.wait()  # an asynchronous save still in flight
+            compare_collectives(self.context, f"at the end of the run (step {self.state.step})")
         finally:
             self.metrics.close()
         if train.plot and result.losses and self.context.is_logging_rank and plot_losses(self.run_dir) is None:

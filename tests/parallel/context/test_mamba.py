@@ -12,13 +12,13 @@ the conv window.
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from meshlm.config import ParallelConfig
 from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.mamba2 import Mamba2Mixer
+from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.context.chunks import local_token_positions
 from meshlm.parallel.context.mamba import make_context_parallel_mamba, previous_windows
 from meshlm.parallel.mesh import ParallelContext, build_parallel_context
@@ -65,7 +65,7 @@ def cp_mixer_errors(cp: int, tp: int, seq_len: int) -> dict:
               "d_hidden": relative_error(local_hidden.grad, hidden.grad[:, positions])}
     for name, param in mixer.named_parameters():
         grad = param.grad.clone()
-        dist.all_reduce(grad, group=context.cp_group)
+        all_reduce_(grad, context.cp_group)
         errors[name] = relative_error(gather_full_tensor(param, grad, context), expected_grads[name])
     return errors
 
