@@ -6,8 +6,10 @@ asynchronous all-reduces over two shared groups in opposite orders; a member iss
 different shape over a group; a message received as another shape than it was sent. Each must
 stop with one message naming the step, the two ranks and the first diverging call. A CPU tensor
 handed to a collective of a context whose run device is ``meta`` is refused naming the
-operation, the group and the tensor. The comparison itself is also checked on hand-made records,
-and the gradient buckets' merged launch order on a single process.
+operation, the group and the tensor. The comparison itself is also checked on hand-made records.
+And the checker finds what the fixed launch order of the gradient buckets prevents: two ranks
+whose dense and expert gradients arrive in different orders launch their dp_cp and edp buckets
+in opposite orders, unless the two reducers share one order (``ReducerGroup``).
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from meshlm.models.config import ModelConfig
 from meshlm.parallel.collective_checks import compare_collectives, first_disagreement
 from meshlm.parallel.collective_log import Call, CollectiveMismatch, WrongDevice
 from meshlm.parallel.collectives import all_reduce_, reduce_from_group, send_and_receive
-from meshlm.parallel.data.expert_data_parallel import ReducerGroup
+from meshlm.parallel.data.expert_data_parallel import ReducerGroup, expert_data_context
 from meshlm.parallel.data.grad_reducer import GradientReducer
 from meshlm.parallel.groups import group_of
-from meshlm.parallel.mesh import ParallelContext, build_parallel_context
+from meshlm.parallel.mesh import build_parallel_context
 from tests.helpers.distributed import run_distributed
 
 CPU = torch.device("cpu")
@@ -148,24 +150,38 @@ def test_agreeing_records_pass_and_each_kind_of_disagreement_is_named():
 
 # --- the gradient buckets' fixed launch order ------------------------------------------------------------
 
-def test_merged_buckets_launch_in_one_order_whatever_order_the_gradients_arrive_in():
-    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(6)]
-    dense, experts = params[0::2], params[1::2]  # interleaved, as an MoE model's are
-    reducers = [GradientReducer([(f"p{index}", param) for index, param in zip(indices, part)], ParallelContext(),
-                                bucket_size_mb=1e-6)  # one parameter per bucket
-                for indices, part in ((range(0, 6, 2), dense), (range(1, 6, 2), experts))]
-    group = ReducerGroup(reducers, params)
-    launched = []
-    for number, reducer in enumerate(reducers):
-        reducer.launch = (lambda launch, number: lambda bucket: (launched.append((number, bucket)),
-                                                                  launch(bucket)))(reducer.launch, number)
-    in_backward_order = [(1, 0), (0, 0), (1, 1), (0, 1), (1, 2), (0, 2)]  # p5, p4, ..., p0
-    for arrival in ([5, 4, 3, 2, 1, 0], [4, 2, 0, 5, 3, 1], [0, 1, 2, 3, 4, 5]):
-        group.zero_grad()
-        launched.clear()
-        for index in arrival:
-            params[index].grad = torch.ones(4)
-            reducer = reducers[index % 2]
-            reducer._ready_hook(index // 2)(reducer.sources[index // 2])
-        group.finish()
-        assert launched == in_backward_order, (arrival, launched)
+def buckets_when_gradients_arrive_in_other_orders(merged: bool) -> tuple[bool, str | None]:
+    """Dense parameters reduced over dp_cp and "experts" over edp (the same two ranks), one parameter
+    per bucket; the gradients arrive in backward order on rank 0 and dense-first on rank 1.
+    ``merged``: the reducers share ReducerGroup's launch order; else each keeps its own. Returns
+    (every gradient summed correctly, the checker's message or None)."""
+    context = checked_context()
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(6)]  # even: dense, odd: experts, as in an MoE model
+    reducers = [GradientReducer([(f"p{index}", params[index]) for index in indices], part_context,
+                                bucket_size_mb=1e-6)
+                for indices, part_context in ((range(0, 6, 2), context), (range(1, 6, 2), expert_data_context(context)))]
+    finish = ReducerGroup(reducers, params).finish if merged else lambda: [reducer.finish() for reducer in reducers]
+    for reducer in reducers:
+        reducer.zero_grad()
+    for index in ([5, 4, 3, 2, 1, 0] if context.rank == 0 else [4, 2, 0, 5, 3, 1]):
+        params[index].grad = torch.full((4,), float(index))
+        reducer = reducers[index % 2]
+        reducer._ready_hook(index // 2)(params[index])  # what autograd's post-accumulate hook calls
+    finish()
+    summed = all(torch.equal(param.grad, torch.full((4,), 2.0 * index)) for index, param in enumerate(params))
+    try:
+        compare_collectives(context, "after step 1")
+    except CollectiveMismatch as error:
+        return summed, str(error)
+    return summed, None
+
+
+def test_dense_and_expert_buckets_launch_in_one_order_whatever_order_the_gradients_arrive_in():
+    assert run_distributed(buckets_when_gradients_arrive_in_other_orders, 2, True) == [(True, None)] * 2
+    # Each reducer in its own order: on a world of 2, dp_cp and edp are the same process group (the
+    # device mesh reuses the world's), so gloo sums each bucket with whatever the peer launched at
+    # the same position -- wrong sums -- and the checker names the opposite orders.
+    for summed, message in run_distributed(buckets_when_gradients_arrive_in_other_orders, 2, False):
+        assert not summed
+        assert "ranks 0 and 1 issue calls over the groups they share in opposite orders" in message, message
+        assert "group edp (ranks [0, 1]) call #0" in message and "group dp_cp (ranks [0, 1]) call #0" in message

@@ -19,6 +19,7 @@ from meshlm.config import ParallelConfig
 from meshlm.models.config import ModelConfig
 from meshlm.parallel.collectives import all_to_all_uneven, start_all_to_all_uneven
 from meshlm.parallel.expert.dispatchers import DISPATCHERS, build_dispatcher
+from meshlm.parallel.groups import group_of
 from meshlm.parallel.mesh import build_parallel_context
 from tests.helpers.distributed import run_distributed
 
