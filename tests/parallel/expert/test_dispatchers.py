@@ -45,11 +45,11 @@ def adjoint_halves(started: bool) -> dict:
     counts = uneven_counts(world, seed=7 + int(started))
     input_splits, output_splits = counts[rank].tolist(), counts[:, rank].tolist()
     x = seeded(sum(input_splits), 3, seed=rank).requires_grad_()
-    world = group_of(dist.group.WORLD, "ep", torch.device("cpu"))
+    everyone = group_of(dist.group.WORLD, "ep", torch.device("cpu"))
     if started:
-        output = start_all_to_all_uneven(x, output_splits, input_splits, world).wait()
+        output = start_all_to_all_uneven(x, output_splits, input_splits, everyone).wait()
     else:
-        output = all_to_all_uneven(x, output_splits, input_splits, world)
+        output = all_to_all_uneven(x, output_splits, input_splits, everyone)
     every_x = [seeded(int(counts[r].sum()), 3, seed=r) for r in range(world)]
     expected = torch.cat([every_x[r].split(counts[r].tolist())[rank] for r in range(world)])
     y = seeded(*output.shape, seed=100 + rank)
