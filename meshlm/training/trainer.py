@@ -39,6 +39,9 @@ its tensor-parallel slices, so a run does not depend on its layout. Each step:
 
 Summing the DP ranks' gradients of losses divided by n gives the single-process gradient of the
 step's mean loss, so a parallel run matches the single-process one up to fp32 summation order.
+With ``parallel.check_collectives`` the ranks compare every collective they issued at the end of
+each step, evaluation and run (``meshlm/parallel/collective_checks.py``): a disagreement that
+would hang NCCL stops the run, naming the step, two ranks and the first diverging call.
 The logged loss is the mean over all n micro-batches (summed over DP). Only global rank 0
 prints and writes logs. Checkpoints are distributed (``meshlm/checkpoint/distributed.py``): every
 rank writes its own shards in single-process coordinates, and a run resumes at any layout.

@@ -14,12 +14,15 @@ in opposite orders, unless the two reducers share one order (``ReducerGroup``).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import meshlm
 from meshlm.config import ParallelConfig
 from meshlm.models.config import ModelConfig
 from meshlm.parallel.collective_checks import compare_collectives, first_disagreement
@@ -123,6 +126,32 @@ def test_a_cpu_tensor_is_refused_by_a_collective_of_a_meta_run():
                            "NCCL moves only tensors on its rank's GPU."), reduced
         assert autograd.startswith("all_reduce over group dp (ranks [0, 1]): the reduced tensor (shape (4,)"), autograd
         assert sent.startswith("send over group dp (ranks [0, 1]): the sent (peer ") and "shape (5,)" in sent, sent
+
+
+# --- one place ------------------------------------------------------------------------------------------
+
+COMMUNICATION = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+                 "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
+                 "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp",
+                 "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "gather",
+                 "scatter", "reduce"}
+"""torch.distributed's functions that move data between ranks."""
+
+
+def test_only_plain_collectives_calls_torch_distributed_communication():
+    """Every collective is checked because every one goes through meshlm/parallel/plain_collectives.py."""
+    found = []
+    for path in sorted(Path(meshlm.__file__).parent.rglob("*.py")):
+        if path.name == "plain_collectives.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in COMMUNICATION
+                    and ast.unparse(node.value) in ("dist", "torch.distributed")):
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+            if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+                found += [f"{path.name}:{node.lineno} imports {alias.name}" for alias in node.names
+                          if alias.name in COMMUNICATION]
+    assert found == [], found
 
 
 # --- the comparison on hand-made records ---------------------------------------------------------------
