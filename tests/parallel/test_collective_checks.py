@@ -186,9 +186,9 @@ def buckets_when_gradients_arrive_in_other_orders(merged: bool) -> tuple[bool, s
     (every gradient summed correctly, the checker's message or None)."""
     context = checked_context()
     params = [torch.nn.Parameter(torch.ones(4)) for _ in range(6)]  # even: dense, odd: experts, as in an MoE model
-    reducers = [GradientReducer([(f"p{index}", params[index]) for index in indices], part_context,
-                                bucket_size_mb=1e-6)
-                for indices, part_context in ((range(0, 6, 2), context), (range(1, 6, 2), expert_data_context(context)))]
+    parts = ((range(0, 6, 2), context), (range(1, 6, 2), expert_data_context(context)))
+    reducers = [GradientReducer([(f"p{index}", params[index]) for index in indices], part_context, bucket_size_mb=1e-6)
+                for indices, part_context in parts]
     finish = ReducerGroup(reducers, params).finish if merged else lambda: [reducer.finish() for reducer in reducers]
     for reducer in reducers:
         reducer.zero_grad()

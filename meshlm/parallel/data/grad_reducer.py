@@ -203,7 +203,7 @@ class GradientReducer:
         self.overlap, self.shard = overlap, shard
         self.layout = plan_buckets([holder.shape for holder in self.holders], bucket_elements_for(bucket_size_mb),
                                    self.dp_size if shard else 1)
-        device = self.holders[0].device if self.holders else torch.device("cpu")
+        device = self.holders[0].device if self.holders else context.device
         self.buffer = torch.zeros(self.layout.total, dtype=torch.float32, device=device)
         self.grad_views = [self.layout.view(self.buffer, index) for index in range(len(self.holders))]
         self.sync = True
