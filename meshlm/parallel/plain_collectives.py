@@ -126,15 +126,16 @@ def send_and_receive(sends: list[tuple[torch.Tensor, int, int]], receives: list[
     torch's work handles, sends first (one per operation, or a single one on a backend that
     coalesces the batch). Each message is recorded on its pair of ranks ("<group> p2p").
     A message's tensor must be contiguous."""
-    operations, me = [], group.ranks[group.rank]
-    for kind, function, messages in (("send", dist.isend, sends), ("recv", dist.irecv, receives)):
-        for tensor, peer, tag in messages:
-            _refuse_off_device(kind, group, {f"{'sent' if kind == 'send' else 'received'} (peer {peer}, tag {tag})":
-                                             tensor})
-            if group.log is not None:
-                group.log.record(Call(f"{group.name} p2p", tuple(sorted((me, peer))), kind, (tuple(tensor.shape),),
-                                      (_dtype(tensor),), peer, tag))
-            operations.append(dist.P2POp(function, tensor, peer, group.process_group, tag))
+    messages = [("send", dist.isend, *send) for send in sends] + [("recv", dist.irecv, *got) for got in receives]
+    for kind, _, tensor, peer, tag in messages:  # all checked before any is recorded or issued
+        role = f"{'sent' if kind == 'send' else 'received'} (peer {peer}, tag {tag})"
+        _refuse_off_device(kind, group, {role: tensor})
+    me = group.ranks[group.rank]
+    for kind, _, tensor, peer, tag in messages if group.log is not None else ():
+        group.log.record(Call(f"{group.name} p2p", tuple(sorted((me, peer))), kind, (tuple(tensor.shape),),
+                              (_dtype(tensor),), peer, tag))
+    operations = [dist.P2POp(function, tensor, peer, group.process_group, tag)
+                  for _, function, tensor, peer, tag in messages]
     return dist.batch_isend_irecv(operations) if operations else []
 
 
