@@ -19,6 +19,9 @@ world -- with a group view that is not recorded itself -- and checks, on every r
     waiting in different communicators for each other is NCCL's classic deadlock. Given (a),
     this is checked by comparing each pair of ranks' whole sequences restricted to their
     shared groups: where they first differ, the two groups named there are in opposite orders.
+    Two names may even be one communicator (on a world of 2 the device mesh gives dp, dp_cp
+    and edp the world's process group): then opposite orders mix up data on gloo too, and (b)
+    names them all the same.
 
 An asynchronous collective counts when it is issued, which is when NCCL enqueues it. A mismatch
 raises ``CollectiveMismatch`` on every rank (they all compare the same records) with one message
