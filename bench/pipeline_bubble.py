@@ -38,6 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshlm.parallel.groups import group_of
 from meshlm.parallel.pipeline.runtime import PipelineExecutor
 from meshlm.parallel.pipeline.schedules import build_schedule, simulate
 from tests.helpers.distributed import run_distributed
@@ -71,7 +72,8 @@ def measure_rank(layouts: list[tuple[int, int]], forward_s: float, steps: int) -
     pp, rank = dist.get_world_size(), dist.get_rank()
     measured = []
     for vp, microbatches in layouts:
-        executor = PipelineExecutor(build_schedule(pp, vp, microbatches), rank, tuple(range(pp)), None)
+        executor = PipelineExecutor(build_schedule(pp, vp, microbatches), rank, tuple(range(pp)),
+                                    group_of(dist.group.WORLD, "pp", torch.device("cpu")))
         stages = SleepStages(forward_s / vp, 2 * forward_s / vp)
         for step in range(1 + steps):
             dist.barrier()

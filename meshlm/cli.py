@@ -1,8 +1,9 @@
 """The ``meshlm`` command. Each sub-command lives in its own module with two functions,
 ``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches.
 
-Errors a user can fix (bad config, missing file, corrupt checkpoint) print one clear line and
-exit with status 2, without a traceback; anything else is a bug and keeps its traceback.
+Errors a user can fix (bad config, missing file, corrupt checkpoint), and the findings of the
+collectives' checks (``meshlm/parallel/collective_log.py``), print one clear line and exit with
+status 2, without a traceback; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 
 from meshlm.errors import CheckpointError, ConfigError, DataError
+from meshlm.parallel.collective_log import CollectiveError, CollectiveMismatch
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -40,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-USER_ERRORS = (ConfigError, CheckpointError, DataError, FileNotFoundError)
-"""Errors that are the user's to fix: printed as one line, exit status 2, no traceback."""
+USER_ERRORS = (ConfigError, CheckpointError, DataError, FileNotFoundError, CollectiveError)
+"""Errors printed as one line, exit status 2, no traceback: the user's to fix, and the collective
+checks' findings (a tensor off the run's device, ranks whose collectives disagree), whose one
+sentence already names the operation, the group, the ranks and the step."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _repeated_on_another_rank(error: BaseException) -> bool:
-    """Under torchrun a config error is found by every rank alike (before any collective); only
-    global rank 0 prints it, so the user reads it once. Other errors may be one rank's own."""
-    return isinstance(error, ConfigError) and int(os.environ.get("RANK", "0")) != 0
+    """Under torchrun a config error is found by every rank alike (before any collective), and so
+    is a collective mismatch (every rank compares the same records); only global rank 0 prints
+    them, so the user reads them once. Other errors may be one rank's own."""
+    return isinstance(error, (ConfigError, CollectiveMismatch)) and int(os.environ.get("RANK", "0")) != 0
 
 
 if __name__ == "__main__":

@@ -205,6 +205,13 @@ class ParallelConfig:
     """torch.distributed backend: 'auto' (nccl with CUDA, gloo without), 'nccl' or 'gloo'."""
     timeout_s: float = 600.0
     """Collective timeout: a rank that dies makes the others fail after this long, not hang."""
+    check_collectives: bool = False
+    """Record every rank's collectives and point-to-point messages (group, operation, shapes,
+    dtypes) and compare them across ranks after every step, evaluation and at the end of the run:
+    a group whose members issued different sequences, or two ranks that used two shared groups in
+    opposite orders (either can hang NCCL), stops the run with one message naming the step, the
+    two ranks and the first diverging call (meshlm/parallel/collective_checks.py). Costs one
+    small all-gather per step; meant for tests and for debugging a new layout."""
 
 
 @dataclass

@@ -84,11 +84,8 @@ from meshlm.checkpoint.loading import load_checkpoint, resume_warnings
 from meshlm.checkpoint.planners import ChunkSavePlanner
 from meshlm.checkpoint.training_checkpoint import TrainerState, capture_rng_state
 from meshlm.errors import CheckpointError
-
-
-# --- small helpers -------------------------------------------------------------------------------------
-def group_rank(group) -> int:
-    return dist.get_rank(group) if group is not None else 0
+from meshlm.parallel.collectives import all_gather_objects, broadcast_objects, gather_objects, group_rank
+from meshlm.parallel.groups import group_of
 
 
 # --- what a save writes -------------------------------------------------------------------------------
@@ -109,7 +106,7 @@ def own_chunks(tensors: dict[str, GlobalTensor], group, cache: dict | None = Non
         writer = assign_writers(mine, group)
         if cache is not None:
             cache.update(mine=mine, writer=writer)
-    rank = dist.get_rank(group)
+    rank = group.rank
     kept = {key: GlobalTensor(tensor.shape, tensor.dtype, [(offsets, view) for offsets, view in tensor.chunks
                                                            if writer[(key, offsets)] == rank])
             for key, tensor in tensors.items()}
@@ -118,8 +115,7 @@ def own_chunks(tensors: dict[str, GlobalTensor], group, cache: dict | None = Non
 
 def assign_writers(mine: list[tuple], group) -> dict:
     """{(key, offsets): the rank that writes the chunk}, from every rank's (key, offsets, bytes) list."""
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = all_gather_objects(mine, group)
     holders, sizes = {}, {}
     for rank, chunks in enumerate(everyone):
         for key, offsets, size in chunks:
@@ -179,28 +175,21 @@ class SaveRequest:
     def write(self) -> Path:
         """Write the shards into a temporary folder and commit it; collective over ``self.group``."""
         rank, group = group_rank(self.group), self.group
-        token = [secrets.token_hex(4) if rank == 0 else None]
-        if group is not None:
-            dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        token = broadcast_objects([secrets.token_hex(4) if rank == 0 else None], group)
         temporary = self.directory.with_name(f"{self.directory.name}.tmp-{token[0]}")
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # DCP warns about single-process use and overwrites
                 dcp.save({}, storage_writer=FileSystemWriter(temporary, sync_files=True),
-                         planner=ChunkSavePlanner(self.tensors, self.objects), process_group=group,
-                         no_dist=group is None)
+                         planner=ChunkSavePlanner(self.tensors, self.objects),
+                         process_group=group.process_group if group is not None else None, no_dist=group is None)
             sums = {path.name: file_checksum(path) for path in temporary.glob(f"__{rank}_*")}
         except BaseException:
             if rank == 0:
                 shutil.rmtree(temporary, ignore_errors=True)
             raise
-        gathered = [sums]
-        if group is not None:
-            gathered = [None] * dist.get_world_size(group) if rank == 0 else None
-            dist.gather_object(sums, gathered, dst=dist.get_global_rank(group, 0), group=group)
-        status = [self._commit(temporary, gathered) if rank == 0 else None]
-        if group is not None:
-            dist.broadcast_object_list(status, src=dist.get_global_rank(group, 0), group=group)
+        gathered = gather_objects(sums, group)
+        status = broadcast_objects([self._commit(temporary, gathered) if rank == 0 else None], group)
         if status[0] != "ok":
             raise CheckpointError(f"saving {self.directory} failed on rank 0: {status[0]}")
         return self.directory
@@ -245,12 +234,16 @@ class Checkpointer:
         self.tokenizer_file = tokenizer_file
         self.keep = run_config.train.keep_checkpoints if keep is None else keep
         self.group = group
-        """The process group of DCP's collectives: every rank; by default a new gloo group of its own."""
+        """The ``Group`` of DCP's collectives: every rank; by default a new gloo group of its own
+        ("checkpoint", carrying objects through the CPU). It is not recorded by
+        ``parallel.check_collectives``: an asynchronous save uses it from a background thread
+        while training goes on, on a communicator of its own."""
         if group is None and context is not None and context.distributed:
             import datetime
 
-            self.group = dist.new_group(backend="gloo",
-                                        timeout=datetime.timedelta(seconds=run_config.parallel.timeout_s))
+            self.group = group_of(dist.new_group(backend="gloo",
+                                                 timeout=datetime.timedelta(seconds=run_config.parallel.timeout_s)),
+                                  "checkpoint", torch.device("cpu"))
         self.staging: dict = {}
         """CPU buffers of asynchronous saves, reused by the next one."""
         self.cache: dict = {}
@@ -316,7 +309,7 @@ def save_checkpoint(run_dir: str | os.PathLike, state: TrainerState, model: torc
     the newest ``keep``. A convenience over ``Checkpointer``."""
     distributed = context is not None and context.distributed
     checkpointer = Checkpointer(run_dir, run_config, context, tokenizer_file=tokenizer_file, keep=keep,
-                                group=torch.distributed.group.WORLD if distributed else None)
+                                group=context.world_group if distributed else None)
     return checkpointer.save(state, TrainingParts(model, optimizer, precision, context))
 
 

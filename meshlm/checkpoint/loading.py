@@ -41,15 +41,13 @@ from meshlm.checkpoint.global_state import (MOMENTS, TrainingParts, finish_loadi
 from meshlm.checkpoint.planners import ChunkLoadPlanner, read_items_by_file
 from meshlm.checkpoint.training_checkpoint import TrainerState, check_model_config, read_checkpoint, restore_rng_state
 from meshlm.errors import CheckpointError
+from meshlm.parallel.collectives import all_gather_objects
 
 
 # --- stage 1: checks (the folder's own: ``folders.check_folder``, ``verify_files``) ---------------
 def agree_on_error(message: str | None, group) -> None:
     """Raise CheckpointError on every rank of ``group`` if any rank has a ``message`` (the first)."""
-    messages = [message]
-    if group is not None:
-        messages = [None] * dist.get_world_size(group)
-        dist.all_gather_object(messages, message, group=group)
+    messages = all_gather_objects(message, group)
     first = next((text for text in messages if text), None)
     if first:
         raise CheckpointError(first)
@@ -116,8 +114,8 @@ def load_checkpoint(directory, parts: TrainingParts, run_config, group=None) -> 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load({}, storage_reader=FileSystemReader(directory), planner=planner, process_group=group,
-                     no_dist=group is None)
+            dcp.load({}, storage_reader=FileSystemReader(directory), planner=planner,
+                     process_group=group.process_group if group is not None else None, no_dist=group is None)
     except Exception as error:  # DCP reports every rank's failure to every rank
         raise CheckpointError(f"reading {directory} failed: {error}") from error
     restore_scalars(parts, training["optimizers"], training.get("loss_scaler"), directory / TRAINING_FILE)

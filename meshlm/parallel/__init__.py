@@ -7,7 +7,14 @@ ordinary PyTorch layer. The pieces, bottom up:
     mesh.py          ``ParallelContext``: the process groups of one grid (pp, dp, cp, tp), TP
                      innermost, and the folded expert grid (pp, edp, ep, etp); layouts are
                      refused before any collective.
-    collectives.py   every collective with a custom backward, defined once with its adjoint.
+    groups.py        ``Group``: a process group with its name ("tp", "dp_cp", ...), the run's
+                     device and the run's collective record; what every collective takes.
+    collectives.py   every collective with a custom backward, defined once with its adjoint;
+                     the one import for all communication (plain ones re-exported).
+    plain_collectives.py  the only calls of torch.distributed's communication functions: each
+                     refuses a tensor off the run's device and is recorded when checked.
+    collective_log.py, collective_checks.py  ``parallel.check_collectives``: what a rank records,
+                     and the comparison of the ranks' records after every step.
     comm_log.py      counts collectives and their bytes per group (for benchmarks and tests).
     tensor/          tensor + sequence parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022).
     data/            data parallelism: bucketed gradient reduction, ZeRO-1 (Rajbhandari et al. 2020).

@@ -40,42 +40,44 @@ too, and its adjoint is the same exchange with the send and receive counts swapp
 
 Every function returns its input unchanged -- no communication, no autograd node -- when the
 group is None or has a single rank, so a model built for a world of one is an ordinary model.
-The ``torch.distributed`` functions are looked up at call time on the module, so
-``meshlm.parallel.comm_log.record_communication`` can count them.
+
+**One place for all communication.** Groups are ``meshlm.parallel.groups.Group`` objects (a
+process group with its name, the run's device and the run's record), and every byte that moves
+between ranks -- these autograd pairs, and the plain collectives, point-to-point batches and
+object exchanges the rest of meshlm imports from here -- goes through
+``meshlm/parallel/plain_collectives.py``, the only module that calls torch.distributed's
+communication functions. There each call refuses a tensor that is not on the run's device
+(naming the operation, the group and the tensor) and, under ``parallel.check_collectives``, is
+recorded so that the ranks can compare their sequences after every step
+(``collective_checks.py``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch.distributed as dist
+
+from meshlm.parallel.groups import Group
+from meshlm.parallel.plain_collectives import (all_gather_into_, all_gather_objects, all_reduce_, all_to_all_, barrier,
+                                               broadcast_objects, gather_objects, reduce_scatter_into_,
+                                               send_and_receive)
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+def group_size(group: Group | None) -> int:
+    return 1 if group is None else group.size
 
 
-def group_rank(group: dist.ProcessGroup | None) -> int:
-    return 0 if group is None else dist.get_rank(group)
+def group_rank(group: Group | None) -> int:
+    return 0 if group is None else group.rank
 
 
 # --- the raw collectives, on contiguous buffers --------------------------------------------------
-# torch 2.13 renamed the single-tensor all-gather / reduce-scatter (the old names warn); torch
-# before 2.10 has only the old ones.
-
-def _all_gather_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, input, group=group)
-
-
-def _reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, input, group=group)
-
 
 def _all_reduced(x: torch.Tensor, group) -> torch.Tensor:
     """A new tensor holding the sum of x over the group (x itself is left alone)."""
     summed = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(summed, group=group)
+    all_reduce_(summed, group)
     return summed
 
 
@@ -102,7 +104,7 @@ def _gathered(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     the output, and none when dim is 0. (gloo wants the buffers concatenated on dim 0, hence
     the flattened views.)"""
     stacked = x.new_empty((group_size(group), *x.shape))
-    _all_gather_into(stacked.flatten(0, 1), x.contiguous(), group)
+    all_gather_into_(stacked.flatten(0, 1), x.contiguous(), group)
     return _unstacked(stacked, dim)
 
 
@@ -112,7 +114,7 @@ def _reduce_scattered(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     _check_divisible(x, dim, size, "reduce_scatter_along")
     stacked = _stacked_chunks(x, dim, size)
     own = stacked.new_empty(stacked.shape[1:])
-    _reduce_scatter_into(own, stacked.flatten(0, 1), group)
+    reduce_scatter_into_(own, stacked.flatten(0, 1), group)
     return own
 
 
@@ -130,7 +132,7 @@ def _exchanged(x: torch.Tensor, split_dim: int, concat_dim: int, group) -> torch
     _check_divisible(x, split_dim, size, "all_to_all_along")
     outgoing = _stacked_chunks(x, split_dim, size)
     incoming = torch.empty_like(outgoing)
-    dist.all_to_all_single(incoming, outgoing, group=group)
+    all_to_all_(incoming, outgoing, group)
     return _unstacked(incoming, concat_dim)
 
 
@@ -215,45 +217,45 @@ class _AllToAllAlong(torch.autograd.Function):
 
 # --- the public functions ------------------------------------------------------------------------
 
-def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def copy_to_group(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """f (Shoeybi et al. 2019). Forward: identity (a replicated tensor enters per-rank
     computation). Adjoint: all-reduce(sum) of the per-rank gradients."""
     return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
 
 
-def reduce_from_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def reduce_from_group(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """g (Shoeybi et al. 2019). Forward: all-reduce(sum) of per-rank partial results into a
     replicated tensor. Adjoint: identity."""
     return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
 
 
-def all_gather_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+def all_gather_along(x: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
     """Sequence parallelism's entry (Korthikanti et al. 2022). Forward: every rank's x
     concatenated along dim in rank order; each rank then computes with its copy. Adjoint:
     reduce-scatter along dim (sum the per-rank gradients, keep one's own slice)."""
     return x if group_size(group) == 1 else _AllGatherAlong.apply(x, dim % x.dim(), group)
 
 
-def reduce_scatter_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+def reduce_scatter_along(x: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
     """Sequence parallelism's exit (Korthikanti et al. 2022). Forward: the sum of x over the
     ranks, of which this rank keeps its slice along dim. Adjoint: all-gather along dim."""
     return x if group_size(group) == 1 else _ReduceScatterAlong.apply(x, dim % x.dim(), group)
 
 
-def scatter_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+def scatter_along(x: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
     """Forward: this rank's slice along dim of a replicated x (no communication). Adjoint:
     all-gather the slices' gradients into a replicated gradient."""
     return x if group_size(group) == 1 else _ScatterAlong.apply(x, dim % x.dim(), group)
 
 
-def gather_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+def gather_along(x: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
     """Forward: all-gather the shards along dim into a replicated tensor. Adjoint: keep this
     rank's slice of the replicated gradient (no communication)."""
     return x if group_size(group) == 1 else _GatherAlong.apply(x, dim % x.dim(), group)
 
 
 def all_to_all_along(x: torch.Tensor, split_dim: int, concat_dim: int,
-                     group: dist.ProcessGroup | None) -> torch.Tensor:
+                     group: Group | None) -> torch.Tensor:
     """Forward: x cut into group-size chunks along split_dim, chunk j sent to rank j, the chunks
     received concatenated along concat_dim in rank order. Adjoint (= inverse, a permutation):
     the same exchange with split_dim and concat_dim swapped."""
@@ -268,8 +270,7 @@ def _exchange_rows(x: torch.Tensor, output_splits: list[int], input_splits: list
     """(output buffer, work): rows [sum(input_splits), ...] of x cut into consecutive pieces, piece j
     sent to rank j; output_splits[i] rows received from rank i, in rank order."""
     output = x.new_empty((sum(output_splits), *x.shape[1:]))
-    work = dist.all_to_all_single(output, x.contiguous(), list(output_splits), list(input_splits), group=group,
-                                  async_op=async_op)
+    work = all_to_all_(output, x.contiguous(), group, list(output_splits), list(input_splits), async_op=async_op)
     return output, work
 
 
@@ -320,7 +321,7 @@ class _WaitForExchange(torch.autograd.Function):
 
 
 def all_to_all_uneven(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                      group: dist.ProcessGroup | None) -> torch.Tensor:
+                      group: Group | None) -> torch.Tensor:
     """Forward: the rows of x cut into consecutive pieces of ``input_splits[j]`` rows, piece j sent
     to rank j; the ``output_splits[i]`` rows received from rank i concatenated in rank order (the
     token exchange of expert parallelism, where every rank sends a different number of tokens to
@@ -330,7 +331,7 @@ def all_to_all_uneven(x: torch.Tensor, output_splits: list[int], input_splits: l
 
 
 def start_all_to_all_uneven(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                            group: dist.ProcessGroup | None) -> PendingExchange:
+                            group: Group | None) -> PendingExchange:
     """``all_to_all_uneven`` launched asynchronously: compute something else, then ``.wait()``.
     (Backward runs the adjoint exchange synchronously.)"""
     if group_size(group) == 1:
@@ -342,7 +343,7 @@ def start_all_to_all_uneven(x: torch.Tensor, output_splits: list[int], input_spl
 
 # --- plain collectives on gradients --------------------------------------------------------------
 
-def all_reduce_coalesced_(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+def all_reduce_coalesced_(tensors: list[torch.Tensor], group: Group | None) -> list[torch.Tensor]:
     """Sum each tensor over the group in place, with one all-reduce per dtype: the tensors are
     flattened into one buffer (many small all-reduces cost a latency each), reduced, and copied
     back. Not autograd-aware; meant for gradients after backward."""
@@ -353,7 +354,20 @@ def all_reduce_coalesced_(tensors: list[torch.Tensor], group: dist.ProcessGroup 
         by_dtype.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     for same_kind in by_dtype.values():
         buffer = torch.cat([tensor.reshape(-1) for tensor in same_kind])
-        dist.all_reduce(buffer, group=group)
+        all_reduce_(buffer, group)
         for tensor, reduced in zip(same_kind, buffer.split([t.numel() for t in same_kind])):
             tensor.copy_(reduced.view_as(tensor))
     return tensors
+
+
+def summing_over(group: Group | None):
+    """A function that sums a tensor in place over ``group`` (None for one rank): how a layer
+    below ``parallel`` (the MoE balancing of ``meshlm.models``) is handed a collective."""
+    return None if group_size(group) == 1 else functools.partial(all_reduce_, group=group)
+
+
+__all__ = ["PendingExchange", "all_gather_along", "all_gather_into_", "all_gather_objects", "all_reduce_",
+           "all_reduce_coalesced_", "all_to_all_", "all_to_all_along", "all_to_all_uneven", "barrier",
+           "broadcast_objects", "copy_to_group", "gather_along", "gather_objects", "group_rank", "group_size",
+           "reduce_from_group", "reduce_scatter_along", "reduce_scatter_into_", "scatter_along", "send_and_receive",
+           "start_all_to_all_uneven", "summing_over"]

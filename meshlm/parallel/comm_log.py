@@ -9,7 +9,7 @@ For the duration of the ``with`` block the ``torch.distributed`` collectives (``
 ``reduce_scatter_tensor`` / ``reduce_scatter``, ``all_to_all_single`` / ``all_to_all``,
 ``broadcast``) are replaced on the ``torch.distributed`` module by wrappers that count each call
 of *this* rank, then call the original. Code that calls them as ``dist.<name>`` at call time --
-``meshlm.parallel.collectives`` and the data-parallel code -- is counted; a name imported
+``meshlm.parallel.plain_collectives``, through which all of meshlm communicates -- is counted; a name imported
 before the block (``from torch.distributed import all_reduce``), torch's own internal calls and
 the traceable ``_functional_collectives`` are not. A collective that calls another counts once.
 
@@ -80,8 +80,10 @@ class CommunicationLog:
     """Counts by (kind, group label); a group's label comes from ``labels``, else 'world' for the
     default group, else the tuple of its global ranks."""
 
-    def __init__(self, labels: dict[str, dist.ProcessGroup | None] | None = None):
-        self.labels = {name: group for name, group in (labels or {}).items() if group is not None}
+    def __init__(self, labels: dict[str, object] | None = None):
+        """``labels``: name -> ``Group`` (or raw ``ProcessGroup``); None values are skipped."""
+        self.labels = {name: getattr(group, "process_group", group) for name, group in (labels or {}).items()
+                       if group is not None}
         self.counts: dict[tuple[str, str], CollectiveCount] = {}
 
     def label_of(self, group) -> str:
@@ -141,7 +143,7 @@ def _counting(name: str, original):
 
 
 @contextmanager
-def record_communication(labels: dict[str, dist.ProcessGroup | None] | None = None):
+def record_communication(labels: dict[str, object] | None = None):
     """Count this rank's collectives inside the block; yields the ``CommunicationLog``. Blocks
     may nest (each log counts what runs inside it)."""
     log = CommunicationLog(labels)

@@ -17,7 +17,10 @@ parallel group may span ranks that are TP or CP ranks of attention.
 
 Gradients of a dense parameter are summed over ``dp_cp`` (the DP and CP ranks together hold the
 same shard and saw different samples or different parts of the sequences); those of an expert
-over ``edp``. The groups come from ``torch.distributed.device_mesh.init_device_mesh``.
+over ``edp``. The groups come from ``torch.distributed.device_mesh.init_device_mesh``, each
+wrapped in a ``Group`` (``groups.py``) named after its dim ("tp", "dp", "dp_cp", "edp", ...,
+and "world") that carries the run's device and, under ``parallel.check_collectives``, the run's
+``CollectiveLog``: what every collective checks (``collectives.py``).
 Everything here is explicit: modules receive the ``ParallelContext`` they need; nothing reads a
 global "current group". With one process the context has no groups and every parallel layer is
 an ordinary one; a group of size 1 is ``None``.
@@ -38,6 +41,8 @@ import torch
 import torch.distributed as dist
 
 from meshlm.errors import ConfigError
+from meshlm.parallel.collective_log import CollectiveLog
+from meshlm.parallel.groups import Group, group_of
 from meshlm.parallel.pipeline.stages import check_pipeline_layout
 
 
@@ -48,11 +53,11 @@ class ParallelContext:
     world_size: int = 1
     tp_size: int = 1
     tp_rank: int = 0
-    tp_group: dist.ProcessGroup | None = None
+    tp_group: Group | None = None
     """None when tp_size == 1 (so for every group below)."""
     dp_size: int = 1
     dp_rank: int = 0
-    dp_group: dist.ProcessGroup | None = None
+    dp_group: Group | None = None
     """Ranks that read different samples (same pp, cp and tp coordinates)."""
     sequence_parallel: bool = False
     """The residual stream between blocks is sharded along the sequence over the TP group."""
@@ -60,36 +65,43 @@ class ParallelContext:
     """The dense ``DeviceMesh`` with dims ('pp', 'dp', 'cp', 'tp'), when running distributed."""
     pp_size: int = 1
     pp_rank: int = 0
-    pp_group: dist.ProcessGroup | None = None
+    pp_group: Group | None = None
     pp_ranks: tuple[int, ...] = (0,)
     """Global ranks of this rank's pipeline, in stage order (for point-to-point sends)."""
     vp_size: int = 1
     """Virtual pipeline stages (model chunks) per rank, for the interleaved schedule."""
     cp_size: int = 1
     cp_rank: int = 0
-    cp_group: dist.ProcessGroup | None = None
+    cp_group: Group | None = None
     cp_ranks: tuple[int, ...] = (0,)
     """Global ranks of this rank's CP group, in cp-rank order (for the ring's sends)."""
     dp_cp_size: int = 1
     dp_cp_rank: int = 0
-    dp_cp_group: dist.ProcessGroup | None = None
+    dp_cp_group: Group | None = None
     """DP and CP together: the ranks holding the same dense shards; dense gradients are summed here."""
     ep_size: int = 1
     ep_rank: int = 0
-    ep_group: dist.ProcessGroup | None = None
+    ep_group: Group | None = None
     """Expert parallelism: each rank of this group holds num_experts / ep experts."""
     etp_size: int = 1
     etp_rank: int = 0
-    etp_group: dist.ProcessGroup | None = None
+    etp_group: Group | None = None
     """Expert tensor parallelism: each expert's FFN width is split over this group."""
     edp_size: int = 1
     edp_rank: int = 0
-    edp_group: dist.ProcessGroup | None = None
+    edp_group: Group | None = None
     """Expert data parallelism: ranks holding the same expert shards; expert gradients are summed here."""
     moe_dispatcher: str = "all_to_all"
     """How MoE blocks move tokens to their experts' ranks (``parallel.moe_dispatcher``)."""
     expert_mesh: object | None = field(default=None, repr=False)
     """The expert ``DeviceMesh`` with dims ('pp', 'edp', 'ep', 'etp'), when running distributed."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """The run's device: every tensor a collective over the groups below moves must live here."""
+    world_group: Group | None = None
+    """Every rank (the global gradient norm, barriers, the collective checks); None in one process."""
+    collective_log: CollectiveLog | None = field(default=None, repr=False)
+    """This rank's record of its collectives under ``parallel.check_collectives`` (every group
+    above holds it too; ``meshlm/parallel/collective_checks.py`` compares the ranks'), else None."""
 
     @property
     def is_logging_rank(self) -> bool:
@@ -209,14 +221,16 @@ def choose_backend(parallel, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _group(mesh, name: str):
-    return mesh.get_group(name) if mesh.size(mesh.mesh_dim_names.index(name)) > 1 else None
+def _group(mesh, name: str, device: torch.device, log: CollectiveLog | None) -> Group | None:
+    """This rank's group along dim ``name`` of ``mesh`` (None when that dim has size 1)."""
+    if mesh.size(mesh.mesh_dim_names.index(name)) == 1:
+        return None
+    return group_of(mesh.get_group(name), name, device, log)
 
 
-def _ranks(mesh, name: str) -> tuple[int, ...]:
-    """Global ranks of this rank's group along dim ``name``, in that dim's order."""
-    group = _group(mesh, name)
-    return (dist.get_rank(),) if group is None else tuple(dist.get_process_group_ranks(group))
+def _ranks(group: Group | None) -> tuple[int, ...]:
+    """Global ranks of a group in its own order (this rank alone for None)."""
+    return (dist.get_rank(),) if group is None else group.ranks
 
 
 def join_process_group(backend: str, timeout_s: float) -> None:
@@ -263,7 +277,7 @@ def build_parallel_context(parallel, model, device: torch.device, seq_len: int |
     check_backend(parallel, choose_backend(parallel, device))
     if world_size == 1:
         return ParallelContext(vp_size=parallel.vp, sequence_parallel=parallel.sp,
-                               moe_dispatcher=parallel.moe_dispatcher)
+                               moe_dispatcher=parallel.moe_dispatcher, device=device)
     if not dist.is_initialized():
         join_process_group(choose_backend(parallel, device), parallel.timeout_s)
     from torch.distributed.device_mesh import init_device_mesh
@@ -273,17 +287,21 @@ def build_parallel_context(parallel, model, device: torch.device, seq_len: int |
     mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
     dp_cp = mesh["dp", "cp"]._flatten("dp_cp") if dp * cp > 1 else None
     expert_mesh = init_device_mesh(device.type, (pp, edp, ep, etp), mesh_dim_names=("pp", "edp", "ep", "etp"))
+    log = CollectiveLog() if parallel.check_collectives else None
+    dense = {name: _group(mesh, name, device, log) for name in ("pp", "dp", "cp", "tp")}
+    experts = {name: _group(expert_mesh, name, device, log) for name in ("edp", "ep", "etp")}
     return ParallelContext(
         rank=rank, world_size=world_size,
-        tp_size=tp, tp_rank=mesh.get_local_rank("tp"), tp_group=_group(mesh, "tp"),
-        dp_size=dp, dp_rank=mesh.get_local_rank("dp"), dp_group=_group(mesh, "dp"),
+        tp_size=tp, tp_rank=mesh.get_local_rank("tp"), tp_group=dense["tp"],
+        dp_size=dp, dp_rank=mesh.get_local_rank("dp"), dp_group=dense["dp"],
         sequence_parallel=parallel.sp, device_mesh=mesh,
-        pp_size=pp, pp_rank=mesh.get_local_rank("pp"), pp_group=_group(mesh, "pp"), pp_ranks=_ranks(mesh, "pp"),
+        pp_size=pp, pp_rank=mesh.get_local_rank("pp"), pp_group=dense["pp"], pp_ranks=_ranks(dense["pp"]),
         vp_size=parallel.vp,
-        cp_size=cp, cp_rank=mesh.get_local_rank("cp"), cp_group=_group(mesh, "cp"), cp_ranks=_ranks(mesh, "cp"),
+        cp_size=cp, cp_rank=mesh.get_local_rank("cp"), cp_group=dense["cp"], cp_ranks=_ranks(dense["cp"]),
         dp_cp_size=dp * cp, dp_cp_rank=dp_cp.get_local_rank() if dp_cp is not None else 0,
-        dp_cp_group=dp_cp.get_group() if dp_cp is not None else None,
-        ep_size=ep, ep_rank=expert_mesh.get_local_rank("ep"), ep_group=_group(expert_mesh, "ep"),
-        etp_size=etp, etp_rank=expert_mesh.get_local_rank("etp"), etp_group=_group(expert_mesh, "etp"),
-        edp_size=edp, edp_rank=expert_mesh.get_local_rank("edp"), edp_group=_group(expert_mesh, "edp"),
-        moe_dispatcher=parallel.moe_dispatcher, expert_mesh=expert_mesh)
+        dp_cp_group=group_of(dp_cp.get_group(), "dp_cp", device, log) if dp_cp is not None else None,
+        ep_size=ep, ep_rank=expert_mesh.get_local_rank("ep"), ep_group=experts["ep"],
+        etp_size=etp, etp_rank=expert_mesh.get_local_rank("etp"), etp_group=experts["etp"],
+        edp_size=edp, edp_rank=expert_mesh.get_local_rank("edp"), edp_group=experts["edp"],
+        moe_dispatcher=parallel.moe_dispatcher, expert_mesh=expert_mesh, device=device,
+        world_group=group_of(dist.group.WORLD, "world", device, log), collective_log=log)

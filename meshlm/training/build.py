@@ -2,7 +2,7 @@
 
     LanguageModel on meta          the single-process model: shapes, names, no storage
     parallelize_model              keep this rank's TP / EP slices (still meta)
-    apply_context_parallel, recompute, MoE balancing group
+    apply_context_parallel, recompute, MoE balancing sum
     PipelinedModel.build           keep this rank's pipeline stages (still meta)
     materialize                    allocate the shards on the run's device and fill them:
                                    initial values (seed, name) or ``train.init_from``'s files
@@ -21,7 +21,8 @@ import torch
 
 from meshlm.checkpoint.materialize import InitialValues, materialize
 from meshlm.models.language_model import LanguageModel
-from meshlm.models.moe.layer import set_load_balancing_group
+from meshlm.models.moe.layer import set_load_balancing_sum
+from meshlm.parallel.collectives import summing_over
 from meshlm.parallel.context.context_parallel import apply_context_parallel
 from meshlm.parallel.parallelize import parallelize_model
 from meshlm.parallel.pipeline.pipelined_model import PipelinedModel
@@ -37,6 +38,8 @@ class BuiltModel:
     """The pipeline schedule's view of the model (pp > 1), else None."""
     num_parameters: int
     """Parameters of the whole single-process model."""
+    sum_over_dp_cp: object
+    """Sums a tensor over the DP x CP group (the MoE balancing's token counts; identity in one process)."""
 
 
 def build_model(config, context, device: torch.device, init_from: str | None = None) -> BuiltModel:
@@ -49,14 +52,15 @@ def build_model(config, context, device: torch.device, init_from: str | None = N
     model = parallelize_model(model, context, config.parallel.vocab_pad_multiple)
     apply_context_parallel(model, context)  # ring attention, Mamba state hand-off (cp > 1)
     apply_recompute(model, train.recompute, train.recompute_every)
-    set_load_balancing_group(model, context.dp_cp_group)  # for moe_aux_loss_type 'global'
+    sum_over_dp_cp = summing_over(context.dp_cp_group)  # the MoE balancing's token counts
+    set_load_balancing_sum(model, sum_over_dp_cp)  # for moe_aux_loss_type 'global'
     pipeline = None  # pipeline parallelism: keep this rank's stages of the model (collective)
     if context.pp_size > 1:
         pipeline = PipelinedModel.build(model, context, train.seq_len)
     source = (InitialValues(config.model, train.seed) if init_from is None
               else initial_weights_source(init_from, config.model))
     materialize(model, context, source, device)
-    return BuiltModel(model.train(), pipeline, num_parameters)
+    return BuiltModel(model.train(), pipeline, num_parameters, sum_over_dp_cp)
 
 
 __all__ = ["BuiltModel", "build_model"]

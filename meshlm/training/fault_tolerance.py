@@ -54,12 +54,17 @@ from types import FrameType
 
 import torch.distributed as dist
 
+from meshlm.parallel.collective_log import CollectiveError
+from meshlm.parallel.groups import Group
+
 EXIT_PEER_FAILURE = 3
 """Exit status of ``meshlm train`` when a collective failed (a peer died or hung)."""
 TRANSPORT_ERROR_MARKERS = ("gloo", "nccl", "timed out", "connection reset", "connection closed", "broken pipe")
 """Words of the backends' errors for a peer that went away; other RuntimeErrors are not ours."""
 MESHLM_ROOT = str(Path(__file__).resolve().parents[1])
 C10D_FILE = "distributed_c10d.py"
+COLLECTIVES_FILES = ("plain_collectives.py", "collectives.py")
+"""meshlm's collectives: the line that called them is the one to report."""
 
 
 class CollectiveFailure(RuntimeError):
@@ -72,7 +77,10 @@ class NonFiniteTrainingStop(RuntimeError):
 
 # --- a dead or hung peer ----------------------------------------------------------------------------------
 def is_collective_failure(error: BaseException) -> bool:
-    """True for the errors a collective raises when a peer is gone or too slow (not for bugs)."""
+    """True for the errors a collective raises when a peer is gone or too slow (not for bugs,
+    nor for the collectives' own checks, whose messages mention NCCL)."""
+    if isinstance(error, CollectiveError):
+        return False
     if isinstance(error, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
         return True
     text = str(error).lower()
@@ -83,6 +91,8 @@ def group_description(group) -> str:
     """``group dp (ranks [0, 2])`` as the mesh named it, or ``the world (ranks 0-3)``."""
     if not dist.is_initialized():
         return "an unknown group"
+    if isinstance(group, Group):
+        return f"group {group.describe()}"
     if group is None or group is dist.group.WORLD:
         return f"the world (ranks 0-{dist.get_world_size() - 1})"
     name = getattr(group, "group_desc", "") or "unnamed"
@@ -99,17 +109,18 @@ def _frames(error: BaseException) -> list[tuple[FrameType, int]]:
 
 
 def _caller(frames: list[tuple[FrameType, int]]) -> tuple[FrameType, int] | None:
-    """The innermost meshlm frame (outside this file): the line of ours that was waiting."""
+    """The innermost meshlm frame (outside this file and the collectives): the line of ours that was waiting."""
     ours = [(frame, line) for frame, line in frames if frame.f_code.co_filename.startswith(MESHLM_ROOT)
-            and not frame.f_code.co_filename.endswith("fault_tolerance.py")]
+            and not frame.f_code.co_filename.endswith(("fault_tolerance.py",) + COLLECTIVES_FILES)]
     return ours[-1] if ours else None
 
 
 def _waited_group(frame: FrameType):
     """The one process group a frame that waited on an asynchronous collective refers to, if any."""
-    candidates = [value for value in frame.f_locals.values() if isinstance(value, dist.ProcessGroup)]
+    kinds = (dist.ProcessGroup, Group)
+    candidates = [value for value in frame.f_locals.values() if isinstance(value, kinds)]
     owner = frame.f_locals.get("self")
-    candidates += [value for value in vars(owner).values() if isinstance(value, dist.ProcessGroup)] \
+    candidates += [value for value in vars(owner).values() if isinstance(value, kinds)] \
         if hasattr(owner, "__dict__") else []
     unique = {id(group): group for group in candidates}
     return next(iter(unique.values())) if len(unique) == 1 else None
@@ -130,7 +141,10 @@ def describe_collective_failure(error: BaseException, timeout_s: float | None = 
     caller = _caller(frames)
     if collective is not None:
         frame = collective[0]
-        what = f"collective {frame.f_code.co_name} over {group_description(frame.f_locals.get('group'))}"
+        named = next((ours.f_locals.get("group") for ours, _ in frames
+                      if ours.f_code.co_filename.endswith(COLLECTIVES_FILES[0])), None)  # our Group, by name
+        group = named if isinstance(named, Group) else frame.f_locals.get("group")
+        what = f"collective {frame.f_code.co_name} over {group_description(group)}"
     elif caller is not None and (group := _waited_group(caller[0])) is not None:
         what = f"an asynchronous collective over {group_description(group)}"
     else:

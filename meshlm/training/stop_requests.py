@@ -67,7 +67,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+from meshlm.parallel.collectives import all_reduce_, group_size
 
 REASONS = (None, "time limit", "SIGINT", "SIGTERM")
 """Why a run stops, by the code each rank votes in the all-reduce (its index; MAX wins)."""
@@ -131,14 +132,15 @@ class StopRequests:
             return "time limit"
         return None
 
-    def agreed_reason(self, device: torch.device, world_size: int) -> str | None:
+    def agreed_reason(self, world_group) -> str | None:
         """The reason to stop after this step that every rank returns alike (None: go on).
-        Collective over the world when ``world_size > 1``: call it on every rank after every step."""
+        Collective over ``world_group`` (the context's; None in one process): call it on every
+        rank after every step."""
         reason = self.local_reason()
-        if world_size == 1:
+        if group_size(world_group) == 1:
             return reason
-        vote = torch.tensor([REASONS.index(reason)], device=device)
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        vote = torch.tensor([REASONS.index(reason)], device=world_group.device)
+        all_reduce_(vote, world_group, op="max")
         return REASONS[int(vote.item())]
 
     def message(self, reason: str, step: int, steps: int, checkpoint: Path) -> str:

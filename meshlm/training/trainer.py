@@ -41,6 +41,9 @@ whole model and a run does not depend on its layout. Each step:
 
 Summing the DP ranks' gradients of losses divided by n gives the single-process gradient of the
 step's mean loss, so a parallel run matches the single-process one up to fp32 summation order.
+With ``parallel.check_collectives`` the ranks compare every collective they issued at the end of
+each step, evaluation and run (``meshlm/parallel/collective_checks.py``): a disagreement that
+would hang NCCL stops the run, naming the step, two ranks and the first diverging call.
 The logged loss is the mean over all n micro-batches (summed over DP). Only global rank 0
 prints and writes logs. Checkpoints are distributed (``meshlm/checkpoint/distributed.py``): every
 rank writes its own shards in single-process coordinates, and a run resumes at any layout.
@@ -60,7 +63,6 @@ import os
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from meshlm.checkpoint.distributed import Checkpointer
 from meshlm.checkpoint.global_state import TrainingParts
@@ -70,6 +72,8 @@ from meshlm.models.dropout import DropoutKey
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.moe.balancing import update_expert_biases
 from meshlm.optim.adamw import build_optimizer
+from meshlm.parallel.collective_checks import compare_collectives
+from meshlm.parallel.collectives import all_reduce_, barrier
 from meshlm.parallel.context.context_parallel import check_context_parallel_model, share_losses, split_batch
 from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradients as finish_distributed_gradients
 from meshlm.parallel.expert.expert_parallel import expert_parallel_names
@@ -166,6 +170,7 @@ class Trainer:
         built = build_model(config, self.context, self.device,
                             init_from=train.init_from if checkpoint_dir is None else None)
         self.model, self.pipeline, self.num_parameters = built.model, built.pipeline, built.num_parameters
+        self.sum_over_dp_cp = built.sum_over_dp_cp  # the MoE balancing's token counts
         sharded_masters = self.context.distributed and config.parallel.distributed_optimizer  # ZeRO: no full copy
         self.precision = MixedPrecision(self.model, config.precision, sharded_masters=sharded_masters)
         self.master_parameters = [param for _, param in self.precision.master_parameters()]
@@ -195,7 +200,7 @@ class Trainer:
         if not self.context.distributed:
             return build_training_data(self.config)
         data = build_training_data(self.config) if self.context.rank == 0 else None
-        dist.barrier()
+        barrier(self.context.world_group)
         return data if data is not None else build_training_data(self.config)
 
     # --- one optimizer step ---------------------------------------------------------------------------
@@ -282,7 +287,7 @@ class Trainer:
         lr = learning_rate(self.state.step, self.config.optim, self.config.train.steps)
         if not skipped:
             self.optimizer_step(lr)
-        update_expert_biases(self.model, self.context.dp_cp_group)  # aux-loss-free balancing (MoE), if on
+        update_expert_biases(self.model, self.sum_over_dp_cp)  # aux-loss-free balancing (MoE), if on
         self.precision.update_scale(skipped)
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -293,6 +298,7 @@ class Trainer:
         self.state.skipped_steps += int(skipped)
         self.state.lr = lr
         self.state.last_loss = loss_sum.item() / count
+        compare_collectives(self.context, f"after step {self.state.step}")  # parallel.check_collectives
         return StepResult(loss=self.state.last_loss, losses={name: value.item() / count for name, value in
                                                              term_sums.items()},
                           grad_norm=grad_norm, lr=lr, skipped=skipped, tokens_per_expert=expert_counts)
@@ -307,7 +313,7 @@ class Trainer:
         pieces += [torch.as_tensor(term_sums[name], device=self.device).reshape(1).float() for name in names]
         pieces += [count.reshape(-1).float() for count in expert_counts]
         flat = torch.cat(pieces)
-        dist.all_reduce(flat, group=self.context.dp_cp_group)
+        all_reduce_(flat, self.context.dp_cp_group)
         values = flat.split([piece.numel() for piece in pieces])
         terms = {name: value[0] for name, value in zip(names, values[1:1 + len(names)])}
         counts = [value.view_as(count).to(count.dtype) for value, count in zip(values[1 + len(names):], expert_counts)]
@@ -330,14 +336,16 @@ class Trainer:
                     output = self.forward_micro_batch(batch)
                 total += output.losses["lm"].item()
         self.model.train()
-        return self.sum_over_context_parallel(total) / batches
+        total = self.sum_over_context_parallel(total)
+        compare_collectives(self.context, f"in the evaluation after step {self.state.step}")
+        return total / batches
 
     def sum_over_context_parallel(self, value: float) -> float:
         """A loss summed over the CP group: under CP every rank holds its share of it."""
         if self.context.cp_size == 1:
             return value
         summed = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        dist.all_reduce(summed, group=self.context.cp_group)
+        all_reduce_(summed, self.context.cp_group)
         return summed.item()
 
     def maybe_evaluate(self, final: bool) -> float | None:
@@ -454,6 +462,7 @@ class Trainer:
                 result.losses[self.state.step] = step_result.loss
                 self.after_step(step_result, result)
             self.checkpoints.wait()  # an asynchronous save still in flight
+            compare_collectives(self.context, f"at the end of the run (step {self.state.step})")
         finally:
             self.stop_requests.close()
             self.metrics.close()
@@ -479,7 +488,7 @@ class Trainer:
             self.throughput.reset()
         if action is not None:
             self.after_nonfinite_streak(action)
-        result.stopped_by = self.stop_requests.agreed_reason(self.device, self.context.world_size)
+        result.stopped_by = self.stop_requests.agreed_reason(self.context.world_group)
         if result.stopped_by is not None:  # nothing slow (no evaluation) after a stop request: only the save
             return self.save_and_stop(result.stopped_by)
         val_loss = self.maybe_evaluate(final)

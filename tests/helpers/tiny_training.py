@@ -23,7 +23,9 @@ from meshlm.config import OptimConfig, ParallelConfig, PrecisionConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.optim.adamw import build_optimizer
+from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradients
+from meshlm.parallel.groups import group_of
 from meshlm.parallel.mesh import ParallelContext, build_parallel_context
 from meshlm.parallel.parallelize import parallelize_model
 from meshlm.parallel.tensor.sharding import gather_full_state_dict, partial_grad_names, tensor_parallel_names
@@ -131,7 +133,7 @@ def train_steps(run: TrainRun, spec: TrainSpec, context: ParallelContext | None,
         run.optimizer.zero_grad(set_to_none=True)
         observe("stepped", step, per_rank - 1)
         if context is not None and context.dp_size > 1:
-            dist.all_reduce(loss_sum, group=context.dp_group)
+            all_reduce_(loss_sum, context.dp_group)
         run.losses.append(loss_sum.item() / spec.micro_batches)
         run.grad_norms.append(float(norm))
     return run
@@ -170,9 +172,10 @@ def context_from_world(spec: TrainSpec | None = None) -> ParallelContext:
     if spec is not None and spec.tp > 1:
         return build_parallel_context(spec.parallel_config(), ModelConfig(**spec.model), torch.device("cpu"),
                                       spec.seq_len, spec.micro_batches)
-    group = dist.group.WORLD if world > 1 else None
+    group = group_of(dist.group.WORLD, "dp", torch.device("cpu")) if world > 1 else None
     return ParallelContext(rank=rank, world_size=world, dp_size=world, dp_rank=rank, dp_group=group,
-                           dp_cp_size=world, dp_cp_rank=rank, dp_cp_group=group)
+                           dp_cp_size=world, dp_cp_rank=rank, dp_cp_group=group,
+                           world_group=group_of(dist.group.WORLD, "world", torch.device("cpu")) if world > 1 else None)
 
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",

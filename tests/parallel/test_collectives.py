@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from meshlm.parallel.collectives import (all_gather_along, all_reduce_coalesced_, all_to_all_along, copy_to_group,
                                          gather_along, reduce_from_group, reduce_scatter_along, scatter_along)
+from meshlm.parallel.groups import group_of
 from tests.helpers.distributed import run_distributed
 
 REPLICATED, PER_RANK = "replicated", "per-rank"
@@ -67,9 +68,9 @@ def measure_cases(group_size: int) -> dict:
     halves of the dot-product test. The world is split into groups of `group_size` adjacent ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group(list(range(start, start + group_size))) for start in range(0, world, group_size)]
-    group = groups[rank // group_size]
-    members = dist.get_process_group_ranks(group)
-    group_rank = members.index(rank)
+    group = group_of(groups[rank // group_size], "test", torch.device("cpu"))
+    members = list(group.ranks)
+    group_rank = group.rank
     results = {"members": tuple(members)}
     for salt, (name, collective, shape, in_space, out_space, by_hand) in enumerate(case_list(group_size)):
         x = seeded(shape, in_space, rank, salt).requires_grad_()
@@ -119,7 +120,7 @@ def test_forward_and_adjoint(measured, case):
 
 def check_coalesced_and_errors() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(list(range(world)))
+    group = group_of(dist.new_group(list(range(world))), "test", torch.device("cpu"))
     shapes_and_dtypes = [((3, 4), torch.float64), ((5,), torch.float32), ((2, 2, 2), torch.float64),
                          ((1,), torch.int64), ((), torch.float32)]
 
@@ -133,7 +134,8 @@ def check_coalesced_and_errors() -> dict:
     expected = [sum(parts) for parts in zip(*[values(other) for other in range(world)])]
     singletons = [dist.new_group([member]) for member in range(world)]
     x = torch.randn(4, 6, requires_grad=True)
-    identical = [f(x, singletons[rank]) is x for f in (
+    alone = group_of(singletons[rank], "alone", torch.device("cpu"))
+    identical = [f(x, alone) is x for f in (
         copy_to_group, reduce_from_group, lambda t, g: all_gather_along(t, 1, g),
         lambda t, g: reduce_scatter_along(t, 1, g), lambda t, g: scatter_along(t, 1, g),
         lambda t, g: gather_along(t, 1, g), lambda t, g: all_to_all_along(t, 0, 1, g))]

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from meshlm.parallel.collectives import (all_gather_along, all_reduce_coalesced_, all_to_all_along, copy_to_group,
                                          reduce_from_group, reduce_scatter_along)
 from meshlm.parallel.comm_log import record_communication
+from meshlm.parallel.groups import group_of
 from tests.helpers.distributed import run_distributed
 
 FLOAT32, FLOAT64 = 4, 8
@@ -17,7 +18,8 @@ def known_sequence() -> dict:
     """A tensor-parallel-like sequence on pairs of ranks, then a few world collectives."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pairs = [dist.new_group([start, start + 1]) for start in range(0, world, 2)]
-    pair = pairs[rank // 2]
+    pair_group = pairs[rank // 2]
+    pair = group_of(pair_group, "tp", torch.device("cpu"))
     original_all_reduce = dist.all_reduce
     with record_communication(labels={"tp": pair}) as log:
         x = torch.randn(2, 4, 3, requires_grad=True)
@@ -28,15 +30,16 @@ def known_sequence() -> dict:
         exchanged = all_to_all_along(scattered, 1, 2, pair)      # 1 all-to-all of 2*4*3; backward too
         exchanged.sum().backward()                               # + reduce-scatter, all-gather, all-to-all
         all_reduce_coalesced_([torch.ones(5), torch.ones(2, 3, dtype=torch.float64), torch.ones(7)], None)
-        all_reduce_coalesced_([torch.ones(5), torch.ones(3)], dist.group.WORLD)  # one float32 buffer of 8
+        world_group = group_of(dist.group.WORLD, "world", torch.device("cpu"))
+        all_reduce_coalesced_([torch.ones(5), torch.ones(3)], world_group)  # one float32 buffer of 8
         dist.broadcast(torch.ones(10), src=0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             dist.all_gather_into_tensor(torch.empty(world * 6), torch.ones(6))  # counted once
         with record_communication() as inner:
-            dist.all_reduce(torch.ones(4), group=pair)
+            dist.all_reduce(torch.ones(4), group=pair_group)
     restored = dist.all_reduce is original_all_reduce
-    dist.all_reduce(torch.ones(4), group=pair)  # outside: not counted
+    dist.all_reduce(torch.ones(4), group=pair_group)  # outside: not counted
     counts = {key: (count.calls, count.bytes, count.group_size, count.ring_bytes_sent)
               for key, count in log.counts.items()}
     return {"counts": counts, "inner": {key: count.calls for key, count in inner.counts.items()},

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from meshlm.config import ParallelConfig
 from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
+from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.mesh import build_parallel_context, check_layout
 from tests.helpers.distributed import run_distributed
 
@@ -16,11 +17,10 @@ def group_layout(tp: int) -> dict:
     context = build_parallel_context(ParallelConfig(tp=tp), ModelConfig(pattern="*-"), torch.device("cpu"))
 
     def ranks(group):
-        return None if group is None else tuple(dist.get_process_group_ranks(group))
+        return None if group is None else tuple(dist.get_process_group_ranks(group.process_group))
 
     tp_sum = torch.tensor([float(context.rank)])
-    if context.tp_group is not None:
-        dist.all_reduce(tp_sum, group=context.tp_group)  # the groups really communicate
+    all_reduce_(tp_sum, context.tp_group)  # the groups really communicate
     return {"rank": context.rank, "tp": (context.tp_size, context.tp_rank, ranks(context.tp_group)),
             "dp": (context.dp_size, context.dp_rank, ranks(context.dp_group)), "tp_sum": tp_sum.item()}
 
@@ -96,7 +96,7 @@ def full_layout(**sizes) -> dict:
     context = build_parallel_context(ParallelConfig(**sizes), model, torch.device("cpu"))
 
     def ranks(group):
-        return None if group is None else tuple(dist.get_process_group_ranks(group))
+        return None if group is None else tuple(dist.get_process_group_ranks(group.process_group))
 
     layout = {name: ranks(getattr(context, f"{name}_group")) for name in ("tp", "dp", "cp", "pp", "dp_cp", "ep",
                                                                              "etp", "edp")}

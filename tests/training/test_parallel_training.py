@@ -72,7 +72,8 @@ def run_config(blend: Path, run_dir: Path, *overrides: str):
             "train.log_every=1", "train.eval_every=5", "train.eval_batches=1", "train.save_every=0",
             "train.keep_checkpoints=5", "train.progress=false", "train.tensorboard=false", "train.plot=false",
             "train.device=cpu", f"train.run_dir={run_dir}", f"data.blend={blend}", "data.split=90,10,0",
-            "optim.lr=5e-4", "optim.eps=1e-6", "optim.warmup_steps=2", "train.grad_clip=0.5"]
+            "optim.lr=5e-4", "optim.eps=1e-6", "optim.warmup_steps=2", "train.grad_clip=0.5",
+            "parallel.check_collectives=true"]  # every multi-process run compares its ranks' collectives
     return load_run_config(None, [*base, *overrides])
 
 

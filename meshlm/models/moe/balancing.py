@@ -18,8 +18,8 @@ experts. For sigmoid scores, which do not sum to one, P uses the scores normaliz
 - ``sequence``: each sequence on its own, then the mean over sequences (DeepSeek-V3's
   "complementary sequence-wise balance loss", eqs. 17-20): it forbids imbalance *within* a
   sequence too, which the micro-batch version lets cancel out across sequences.
-- ``global``: f counts the tokens of every data-parallel rank (the counts are summed over a
-  process group passed in explicitly), P stays local. Averaged over the ranks by the ordinary
+- ``global``: f counts the tokens of every data-parallel rank (the counts are summed by a
+  function passed in explicitly, ``sum_over_ranks``), P stays local. Averaged over the ranks by the ordinary
   gradient averaging, this is E * sum_i f_i^global * mean_ranks(P_i), the balance loss of the
   whole global micro-batch (Qiu et al. 2025, "Demons in the Detail": balancing over more tokens
   lets experts specialize by domain instead of being forced uniform within every small batch).
@@ -34,7 +34,14 @@ to the scores *for choosing experts only* (never for the weights). After each op
     b_i += u * sign(mean_j load_j - load_i)
 
 where load_i is the number of assignments expert i received during the step (summed over the
-data-parallel ranks, so every replica of the router applies the same update). Over-loaded
+data-parallel ranks, so every replica of the router applies the same update).
+
+**Communication comes in as a function.** This file is single-device math (``meshlm.models``
+sits below ``meshlm.parallel``), so the two sums over ranks above are done by a function the
+caller hands in, ``sum_over_ranks(tensor)``, which sums a tensor in place over the ranks that
+read different tokens -- the trainer passes ``meshlm.parallel.collectives.summing_over`` of the
+data- and context-parallel group, so the sum is a checked collective like every other. None
+(one process) means no sum. Over-loaded
 experts get a lower bias and lose marginal tokens; idle ones gain them. u is
 ``moe_bias_update_rate`` (DeepSeek-V3 used 0.001). Each router counts its own load while
 training (``TopKRouter.record_load``), so the update needs no bookkeeping of which block is
@@ -44,12 +51,16 @@ that scales all of that router's loads alike, which the sign rule ignores.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from meshlm.models.config import AUX_LOSS_TYPES
 from meshlm.models.moe.router import routers_of
+
+SumOverRanks = Callable[[torch.Tensor], object]
+"""Sums a tensor in place over the ranks whose tokens are balanced together (see the module docstring)."""
 
 
 def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -78,28 +89,29 @@ def sequence_load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, 
 
 
 def global_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int,
-                               group: dist.ProcessGroup | None) -> torch.Tensor:
-    """aux = E * sum_i f_i * P_i with f_i from the token counts summed over ``group``, P_i local.
+                               sum_over_ranks: SumOverRanks | None) -> torch.Tensor:
+    """aux = E * sum_i f_i * P_i with f_i from the token counts summed by ``sum_over_ranks``, P_i local.
 
-    One all-reduce of E + 1 numbers (the counts and the token total). Every rank of ``group``
-    must call it (it is part of the MoE forward). With ``group`` None (one process) it is
+    One sum of E + 1 numbers (the counts and the token total). Every rank it sums over must call
+    it (it is part of the MoE forward). With ``sum_over_ranks`` None (one process) it is
     ``load_balancing_loss``.
     """
     num_tokens, num_experts = probs.shape
     counts = torch.cat([tokens_per_expert.detach().to(probs.dtype), probs.new_tensor([num_tokens])])
-    if group is not None:
-        dist.all_reduce(counts, group=group)
+    if sum_over_ranks is not None:
+        sum_over_ranks(counts)
     traffic_fraction = counts[:num_experts] / (counts[num_experts] * top_k)
     return num_experts * (traffic_fraction * probs.mean(dim=0)).sum()
 
 
 def balance_loss(kind: str, routing, tokens_per_expert: torch.Tensor, num_sequences: int,
-                 group: dist.ProcessGroup | None) -> torch.Tensor:
+                 sum_over_ranks: SumOverRanks | None) -> torch.Tensor:
     """The load-balancing loss ``moe_aux_loss_type`` = ``kind`` selects (see the module docstring)."""
     if kind == "sequence":
         return sequence_load_balancing_loss(routing.probs, routing.expert_ids, num_sequences)
     if kind == "global":
-        return global_load_balancing_loss(routing.probs, tokens_per_expert, routing.expert_ids.shape[1], group)
+        return global_load_balancing_loss(routing.probs, tokens_per_expert, routing.expert_ids.shape[1],
+                                          sum_over_ranks)
     return load_balancing_loss(routing.probs, tokens_per_expert, routing.expert_ids.shape[1])
 
 
@@ -109,20 +121,21 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = None) -> int:
+def update_expert_biases(model: nn.Module, sum_over_ranks: SumOverRanks | None = None) -> int:
     """After an optimizer step: b += u * sign(mean load - load) on every router that balances
     without a loss (``moe_bias_update_rate`` > 0), from the loads counted since the last update,
-    summed over ``group`` (the ranks that read different tokens: data and context parallel).
+    summed by ``sum_over_ranks`` (over the ranks that read different tokens: data and context
+    parallel; None in one process).
 
-    One all-reduce for all routers; every rank of ``group`` must call it. Returns the number of
+    One sum for all routers; every rank it sums over must call it. Returns the number of
     routers updated.
     """
     routers = [router for router in routers_of(model) if router.bias_update_rate > 0]
     if not routers:
         return 0
     loads = torch.cat([router.take_recorded_load() for router in routers])
-    if group is not None:
-        dist.all_reduce(loads, group=group)
+    if sum_over_ranks is not None:
+        sum_over_ranks(loads)
     for router, load in zip(routers, loads.split([router.num_experts for router in routers])):
         step = router.bias_update_rate * torch.sign(load.mean() - load)
         router.expert_bias.add_(step.to(router.expert_bias.dtype))

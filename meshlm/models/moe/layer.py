@@ -22,7 +22,7 @@ variations of recent models are built in:
 The block returns its output and a ``MoELosses`` (load-balancing and z-loss, unscaled, and the
 per-expert traffic); the language model weights and sums the losses over blocks. Which tokens
 the balance loss balances (micro-batch, sequence, or the global batch across data-parallel
-ranks, whose process group the trainer hands to ``set_load_balancing_group``) is
+ranks, whose counts a function the trainer hands to ``set_load_balancing_sum`` sums) is
 ``moe_aux_loss_type``; see balancing.py. Bias terms (``mlp_bias``) apply to the shared expert
 and the latent projections; routed experts have none.
 """
@@ -47,9 +47,9 @@ class MoELayer(nn.Module):
         self.capacity_factor = config.moe_capacity_factor
         self.drop_policy = config.moe_drop_policy
         self.aux_loss_type = config.moe_aux_loss_type
-        self.load_balancing_group = None
-        """With moe_aux_loss_type 'global': the process group whose token counts the loss sums
-        (the data- and context-parallel ranks); None in a single process."""
+        self.sum_over_ranks = None
+        """With moe_aux_loss_type 'global': sums the token counts in place over the data- and
+        context-parallel ranks (``balancing.SumOverRanks``); None in a single process."""
         hidden, latent = config.hidden_size, config.moe_latent_size
         self.router = TopKRouter(config)
         self.latent_in_proj = nn.Linear(hidden, latent, bias=config.mlp_bias) if latent else None
@@ -87,16 +87,17 @@ class MoELayer(nn.Module):
         tokens_per_expert = torch.bincount(routing.expert_ids.flatten(), minlength=self.num_experts)
         return MoELosses(
             aux_loss=balance_loss(self.aux_loss_type, routing, tokens_per_expert, num_sequences,
-                                  self.load_balancing_group),
+                                  self.sum_over_ranks),
             z_loss=router_z_loss(routing.logits),
             tokens_per_expert=tokens_per_expert,
             dropped_tokens=dropped,
         )
 
 
-def set_load_balancing_group(model: nn.Module, group) -> int:
-    """Hand every MoE block of ``model`` the process group a 'global' balance loss sums over."""
+def set_load_balancing_sum(model: nn.Module, sum_over_ranks) -> int:
+    """Hand every MoE block of ``model`` the function that sums a 'global' balance loss's token
+    counts over the data-parallel ranks (``balancing.SumOverRanks``; None: one process)."""
     layers = [module for module in model.modules() if isinstance(module, MoELayer)]
     for layer in layers:
-        layer.load_balancing_group = group
+        layer.sum_over_ranks = sum_over_ranks
     return len(layers)

@@ -11,9 +11,9 @@ before or after each of theirs from whichever rank holds it (``rows_of_neighbour
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from meshlm.errors import ConfigError
+from meshlm.parallel.collectives import send_and_receive
 
 
 # --- which chunks a rank holds ---------------------------------------------------------------------
@@ -55,7 +55,7 @@ def rows_of_neighbour_chunk(rows: torch.Tensor, offset: int, context, layout=pai
     """For each of this rank's two chunks, the corresponding rows of the chunk ``offset`` (+1: the
     next, -1: the previous) places away in sequence order, fetched from whichever rank holds it;
     ``fill`` where there is no such chunk. ``rows`` [b, 2, w, ...] holds a few rows of each of this
-    rank's chunks (e.g. the last w, for a convolution window). Batched isend/irecv; collective
+    rank's chunks (e.g. the last w, for a convolution window). One batch of sends and receives; collective
     over the CP group (every rank calls it with the same offset). Not differentiable by itself:
     the adjoint of taking rows from offset -1 is taking their gradient from offset +1 (zeros
     for the last chunk), which ``mamba.py`` uses."""
@@ -66,20 +66,19 @@ def rows_of_neighbour_chunk(rows: torch.Tensor, offset: int, context, layout=pai
     for slot, chunk in enumerate(layout(rank, size)):
         target, source = chunk - offset, chunk + offset  # whose neighbour I am; who my neighbour is
         if 0 <= target <= last and chunk_owner(target, size, layout)[0] != rank:
-            sends.append(dist.P2POp(dist.isend, rows[:, slot].contiguous(),
-                                    context.cp_ranks[chunk_owner(target, size, layout)[0]], tag=target))
+            sends.append((rows[:, slot].contiguous(), context.cp_ranks[chunk_owner(target, size, layout)[0]], target))
         if 0 <= source <= last:
             owner, source_slot = chunk_owner(source, size, layout)
             if owner == rank:
                 result[:, slot] = rows[:, source_slot]
             else:
                 buffer = torch.empty_like(rows[:, slot], memory_format=torch.contiguous_format)
-                receives.append((slot, buffer, dist.P2POp(dist.irecv, buffer, context.cp_ranks[owner], tag=chunk)))
-    operations = sends + [operation for _, _, operation in receives]
-    if operations:
-        for request in dist.batch_isend_irecv(operations):
+                receives.append((slot, buffer, context.cp_ranks[owner], chunk))
+    if sends or receives:
+        requests = send_and_receive(sends, [(buffer, peer, tag) for _, buffer, peer, tag in receives], context.cp_group)
+        for request in requests:
             request.wait()
-    for slot, buffer, _ in receives:
+    for slot, buffer, _, _ in receives:
         result[:, slot] = buffer
     return result
 

@@ -49,8 +49,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
+from meshlm.parallel.collectives import send_and_receive
 from meshlm.parallel.context.chunks import paired_chunks
 
 KV_TAG, GRAD_TAG = 0, 1
@@ -112,7 +112,7 @@ class Ring:
     """The CP group as a ring: rank i sends to i+1 and receives from i-1 (global ranks)."""
 
     def __init__(self, context, layout=paired_chunks):
-        self.size, self.rank, self.layout = context.cp_size, context.cp_rank, layout
+        self.size, self.rank, self.layout, self.group = context.cp_size, context.cp_rank, layout, context.cp_group
         ranks = context.cp_ranks
         self.next_rank, self.previous_rank = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
 
@@ -124,8 +124,7 @@ class Ring:
         """Send ``tensor`` to the next rank and receive the previous rank's into a new buffer;
         returns (buffer, requests) -- wait on the requests before reading the buffer."""
         received = torch.empty_like(tensor)
-        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next_rank, tag=tag),
-                                           dist.P2POp(dist.irecv, received, self.previous_rank, tag=tag)])
+        requests = send_and_receive([(tensor, self.next_rank, tag)], [(received, self.previous_rank, tag)], self.group)
         return received, requests
 
 

@@ -49,7 +49,8 @@ import torch
 
 from meshlm.optim.adamw import build_optimizer
 from meshlm.parallel.data.grad_norm import clip_grads_
-from meshlm.parallel.data.grad_reducer import GradientReducer, all_gather_into
+from meshlm.parallel.collectives import all_gather_into_
+from meshlm.parallel.data.grad_reducer import GradientReducer
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ class DistributedOptimizer:
         pending = []
         for bucket in layout.buckets:
             start, end = bucket.shard(rank, size)
-            pending.append(all_gather_into(target[bucket.start:bucket.end], target[start:end],
+            pending.append(all_gather_into_(target[bucket.start:bucket.end], target[start:end],
                                            self.context.dp_cp_group, async_op=True))
         for work in pending:
             work.wait()
@@ -228,7 +229,7 @@ class DistributedOptimizer:
         if size == 1:
             return local
         full = torch.zeros(layout.total, dtype=local.dtype, device=local.device)
-        pending = [all_gather_into(full[bucket.start:bucket.end], local[bucket.start // size:bucket.end // size],
+        pending = [all_gather_into_(full[bucket.start:bucket.end], local[bucket.start // size:bucket.end // size],
                                    self.context.dp_cp_group, async_op=True) for bucket in layout.buckets]
         for work in pending:
             work.wait()

@@ -12,11 +12,19 @@ pieces unchanged: a ``GradientReducer`` (and, with ZeRO-1, a ``DistributedOptimi
 dense parameters, and another over the expert parameters whose ``ParallelContext`` says that its
 data-parallel group is edp (``expert_data_context``). ``ReducerGroup`` and
 ``OptimizerGroup`` drive the two as one, in the order the trainer expects: both reducers launch
-their buckets during the last backward (on different process groups, so their collectives do
-not have to interleave in any particular order), both finish, both optimizers step. The
-distributed optimizer thus shards the Adam moments (and bf16/fp16 masters) of the experts over
-edp, and those of dense weights over dp_cp. Without it, one ordinary AdamW over all parameters
-keeps the single-process optimizer state layout.
+their buckets during the last backward, both finish, both optimizers step. The distributed
+optimizer thus shards the Adam moments (and bf16/fp16 masters) of the experts over edp, and
+those of dense weights over dp_cp. Without it, one ordinary AdamW over all parameters keeps the
+single-process optimizer state layout.
+
+**One launch order for both.** dp_cp and edp share ranks (ranks 0 and 4 may be in both), and
+two ranks that launch a dense and an expert bucket in opposite orders can deadlock NCCL; which
+bucket fills first depends on when each gradient arrives, which depends on the routing. So the
+two reducers' buckets are merged into ONE fixed order (``grad_reducer.LaunchOrder``): by the
+place in backward order (the highest parameter index first, parameters being laid out in
+reverse) of each bucket's last-arriving parameter, the one that completes it. A bucket launches
+when it is ready and every bucket before it in that order has launched, so the overlap with
+backward stays and the sequence of collectives is the same on every rank.
 
 The global gradient norm counts an expert element on the rank that is canonical for it (edp rank
 0, or its ZeRO-1 owner): ``grad_norm.is_canonical_owner``.
@@ -31,7 +39,7 @@ import torch
 
 from meshlm.optim.adamw import build_optimizer
 from meshlm.parallel.data.distributed_optimizer import DistributedOptimizer
-from meshlm.parallel.data.grad_reducer import GradientReducer
+from meshlm.parallel.data.grad_reducer import GradientReducer, LaunchOrder
 
 
 def expert_data_context(context):
@@ -42,11 +50,30 @@ def expert_data_context(context):
                                dp_cp_group=context.edp_group)
 
 
-class ReducerGroup:
-    """Several ``GradientReducer``s (dense over dp_cp, experts over edp) driven as one."""
+def merged_launch_order(reducers: list[GradientReducer], parameter_order: list[torch.Tensor]) -> LaunchOrder:
+    """Every bucket of ``reducers`` in one order: by the position in ``parameter_order`` (the model
+    parameters in definition order) of the bucket's first parameter, highest first -- the order
+    in which backward completes them. Within a reducer this is its index order."""
+    position = {id(param): index for index, param in enumerate(parameter_order)}
 
-    def __init__(self, reducers: list[GradientReducer]):
+    def completed_by(entry: tuple[GradientReducer, int]) -> int:
+        reducer, bucket = entry
+        return min(position[id(reducer.sources[index])] for index in reducer.layout.buckets[bucket].params)
+
+    entries = [(reducer, bucket) for reducer in reducers for bucket in range(len(reducer.layout.buckets))]
+    return LaunchOrder(sorted(entries, key=completed_by, reverse=True))
+
+
+class ReducerGroup:
+    """Several ``GradientReducer``s (dense over dp_cp, experts over edp) driven as one, their
+    buckets launched in one merged order (see the module docstring). ``parameter_order``: every
+    model parameter the reducers hold, in definition order."""
+
+    def __init__(self, reducers: list[GradientReducer], parameter_order: list[torch.Tensor]):
         self.reducers = reducers
+        self.launch_order = merged_launch_order(reducers, parameter_order)
+        for reducer in reducers:
+            reducer.launch_order = self.launch_order
 
     def zero_grad(self) -> None:
         for reducer in self.reducers:
@@ -60,8 +87,7 @@ class ReducerGroup:
             yield
 
     def finish(self) -> None:
-        for reducer in self.reducers:
-            reducer.finish()
+        self.launch_order.finish()
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
         return [pair for reducer in self.reducers for pair in reducer.named_grads()]
@@ -84,9 +110,9 @@ class OptimizerGroup:
     """Distributed optimizers over disjoint parameter sets (dense over dp_cp, experts over edp),
     stepped together; ``optimizers`` lists them for the checkpoint code."""
 
-    def __init__(self, optimizers: list[DistributedOptimizer]):
+    def __init__(self, optimizers: list[DistributedOptimizer], parameter_order: list[torch.Tensor]):
         self.optimizers = optimizers
-        self.reducer = ReducerGroup([optimizer.reducer for optimizer in optimizers])
+        self.reducer = ReducerGroup([optimizer.reducer for optimizer in optimizers], parameter_order)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -134,12 +160,13 @@ def build_expert_data_parallel(precision, optim_config, parallel_config, context
     if parallel_config.distributed_optimizer:
         optimizer = OptimizerGroup([DistributedOptimizer(pairs, optim_config, part_context, size, overlap,
                                                          model_parameters=part_sources, model_dtype=precision.dtype)
-                                    for pairs, part_sources, part_context in parts])
+                                    for pairs, part_sources, part_context in parts], sources)
         precision.hand_masters_to(optimizer)
         return optimizer.reducer, optimizer
     reducers = [GradientReducer(pairs, part_context, size, overlap, model_parameters=part_sources)
                 for pairs, part_sources, part_context in parts]
-    return ReducerGroup(reducers), build_optimizer(named, optim_config)
+    return ReducerGroup(reducers, sources), build_optimizer(named, optim_config)
 
 
-__all__ = ["OptimizerGroup", "ReducerGroup", "build_expert_data_parallel", "expert_data_context", "split_by_expert"]
+__all__ = ["OptimizerGroup", "ReducerGroup", "build_expert_data_parallel", "expert_data_context", "merged_launch_order",
+           "split_by_expert"]

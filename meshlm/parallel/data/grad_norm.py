@@ -35,8 +35,8 @@ inf is also its canonical owner's (replicas hold the same values), so nothing is
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.pipeline.stages import STAGE_COPY_NAMES
 
 
@@ -64,21 +64,21 @@ def global_grad_norm(named_grads: list[tuple[str, torch.Tensor]], context, shard
     ``sharded_by_dp``: the gradients are this rank's distributed-optimizer shards (distinct over
     the dp_cp group) rather than full replicas. ``tensor_parallel_names``: the names of TP-shard
     parameters (``tensor_parallel_names(model)``), required when ``context.tp_size > 1``.
-    ``device``: where to reduce when this rank has no gradients. ``expert_names``: the names of
+    ``device``: where to reduce when this rank has no gradients (default: the run's). ``expert_names``: the names of
     expert-grid parameters (``expert_parallel_names(model)``). Collective over the world.
     """
     if context.tp_size > 1 and tensor_parallel_names is None:
         raise ValueError("global_grad_norm with tp_size > 1 needs tensor_parallel_names (which parameters are "
                          "TP shards); pass meshlm.parallel.tensor.sharding.tensor_parallel_names(model).")
     if device is None:
-        device = named_grads[0][1].device if named_grads else torch.device("cpu")
+        device = named_grads[0][1].device if named_grads else context.device
     if holds_whole_gradient(context, sharded_by_dp):
         return _sum_of_squares([grad for _, grad in named_grads], device).sqrt()
     owned = [grad for name, grad in named_grads
              if is_canonical_owner(name, context, sharded_by_dp, tensor_parallel_names, expert_names)]
     total = _sum_of_squares(owned, device)
     if context.world_size > 1:
-        dist.all_reduce(total)  # the default group: the whole world
+        all_reduce_(total, context.world_group)
     return total.sqrt()
 
 

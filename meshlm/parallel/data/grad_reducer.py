@@ -17,9 +17,16 @@ How that sum is done decides how much of it is hidden behind computation (Li et 
 * **Overlap.** A post-accumulate-grad hook on every parameter marks it ready; when every
   parameter of a bucket is ready, the bucket's all-reduce is launched asynchronously and
   backward goes on computing earlier layers meanwhile. ``finish()`` launches what is left and
-  waits. Buckets are launched strictly in index order (a ready bucket waits for the ones before
-  it, as in PyTorch DDP): every rank must issue its collectives in the same order, and the order
-  in which hooks fire may differ between ranks (an MoE graph depends on the routing).
+  waits.
+* **A fixed launch order.** Every rank must issue its collectives in the same order (NCCL hangs
+  otherwise), but the order in which the hooks fire may differ between ranks: an MoE graph
+  depends on the routing, and an expert that received no tokens gets its gradient at another
+  moment. So buckets launch in one fixed order (``LaunchOrder``), index order for one reducer:
+  a ready bucket waits until every bucket before it has launched (as in PyTorch DDP). Under
+  expert parallelism two reducers -- dense weights over dp_cp, experts over edp, groups that
+  share ranks -- run in one backward; ``ReducerGroup`` gives them ONE merged order (by each
+  bucket's place in backward order), so that no two ranks launch a dense and an expert bucket
+  in opposite orders either.
 * **Accumulation.** The micro-batches before the last of a step run inside ``no_sync()``: their
   gradients only accumulate locally and nothing is communicated; the last one triggers the
   reduction of the accumulated sum. So the communication per step is one pass over the buffer
@@ -59,7 +66,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from meshlm.parallel.collectives import all_reduce_, reduce_scatter_into_
 
 BYTES_PER_GRAD_ELEMENT = 4
 """The gradient buffer is fp32 in every precision."""
@@ -130,15 +138,43 @@ def bucket_elements_for(bucket_size_mb: float) -> int:
     return max(1, int(bucket_size_mb * 2**20) // BYTES_PER_GRAD_ELEMENT)
 
 
-def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
-    # torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only those.
-    function = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return function(output, input, group=group, async_op=async_op)
+class LaunchOrder:
+    """The one order in which the buckets of one or more reducers are launched: an entry
+    launches when its bucket is ready and every entry before it has launched; ``finish()``
+    launches the rest, in order, and waits for every reducer. Built by ``GradientReducer`` (its
+    own buckets in index order) or by ``ReducerGroup`` (several reducers merged)."""
 
+    def __init__(self, entries: list[tuple["GradientReducer", int]]):
+        self.entries = entries
+        self.reducers = list({id(reducer): reducer for reducer, _ in entries}.values())
+        self.cursor = 0
+        """Entries before it have launched (since the last ``restart``)."""
 
-def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
-    function = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return function(output, input, group=group, async_op=async_op)
+    def restart(self) -> None:
+        self.cursor = 0
+
+    def launch_ready(self) -> None:
+        while self.cursor < len(self.entries):
+            reducer, bucket = self.entries[self.cursor]
+            if bucket >= reducer.next_bucket:  # not launched yet
+                if not reducer.bucket_ready(bucket):
+                    return
+                reducer.launch(bucket)
+            self.cursor += 1
+
+    def finish(self) -> None:
+        """Launch every bucket not launched yet, in order, and wait for all; idempotent until zero_grad()."""
+        if all(reducer.reduced for reducer in self.reducers):
+            return
+        for reducer in self.reducers:
+            reducer.attach_all()  # gradients that arrived without a hook (written by hand)
+        for reducer, bucket in self.entries[self.cursor:]:
+            if bucket >= reducer.next_bucket:
+                reducer.launch(bucket)
+        self.cursor = len(self.entries)
+        for reducer in self.reducers:
+            reducer.wait()
+            reducer.reduced = True
 
 
 class GradientReducer:
@@ -167,11 +203,13 @@ class GradientReducer:
         self.overlap, self.shard = overlap, shard
         self.layout = plan_buckets([holder.shape for holder in self.holders], bucket_elements_for(bucket_size_mb),
                                    self.dp_size if shard else 1)
-        device = self.holders[0].device if self.holders else torch.device("cpu")
+        device = self.holders[0].device if self.holders else context.device
         self.buffer = torch.zeros(self.layout.total, dtype=torch.float32, device=device)
         self.grad_views = [self.layout.view(self.buffer, index) for index in range(len(self.holders))]
         self.sync = True
         self.pending: list = []
+        self.launch_order = LaunchOrder([(self, bucket) for bucket in range(len(self.layout.buckets))])
+        """Shared with other reducers when a ``ReducerGroup`` merges their orders."""
         self.hook_handles = [source.register_post_accumulate_grad_hook(self._ready_hook(index))
                              for index, source in enumerate(self.sources)]
         self.zero_grad()
@@ -179,13 +217,14 @@ class GradientReducer:
     # --- the step cycle -------------------------------------------------------------------------
     def zero_grad(self) -> None:
         """Zero the buffer and point every holder's ``.grad`` at its view; call before a step's first backward."""
-        self._wait()
+        self.wait()
         self.buffer.zero_()
         for holder, view in zip(self.holders, self.grad_views):
             holder.grad = view
         self.ready = [set() for _ in self.layout.buckets]
         self.next_bucket = 0
         self.reduced = False
+        self.launch_order.restart()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -197,15 +236,9 @@ class GradientReducer:
             self.sync = previous
 
     def finish(self) -> None:
-        """Launch every bucket not launched yet, in order, and wait for all; idempotent until zero_grad()."""
-        if self.reduced:
-            return
-        for index in range(len(self.holders)):
-            self._attach(index)  # gradients that arrived without a hook (written by hand)
-        while self.next_bucket < len(self.layout.buckets):
-            self._launch(self.next_bucket)
-        self._wait()
-        self.reduced = True
+        """Launch every bucket not launched yet, in the launch order, and wait for all (every
+        reducer sharing the order: they are one reduction); idempotent until zero_grad()."""
+        self.launch_order.finish()
 
     # --- hooks and launches -------------------------------------------------------------------------
     def _ready_hook(self, index: int):
@@ -223,10 +256,15 @@ class GradientReducer:
             self._attach(index)
             if self.sync and self.overlap:
                 self.ready[bucket].add(index)
-                while (self.next_bucket < len(self.layout.buckets)
-                       and len(self.ready[self.next_bucket]) == len(self.layout.buckets[self.next_bucket].params)):
-                    self._launch(self.next_bucket)
+                self.launch_order.launch_ready()
         return on_gradient_ready
+
+    def bucket_ready(self, bucket_index: int) -> bool:
+        return len(self.ready[bucket_index]) == len(self.layout.buckets[bucket_index].params)
+
+    def attach_all(self) -> None:
+        for index in range(len(self.holders)):
+            self._attach(index)
 
     def _attach(self, index: int) -> None:
         """Make the holder's gradient its bucket view again, keeping the values, if something
@@ -239,7 +277,11 @@ class GradientReducer:
             view.copy_(grad)
             holder.grad = view
 
-    def _launch(self, bucket_index: int) -> None:
+    def launch(self, bucket_index: int) -> None:
+        """Start bucket ``bucket_index``'s reduction (only ``LaunchOrder`` calls this, in its order)."""
+        if bucket_index != self.next_bucket:
+            raise RuntimeError(f"bucket {bucket_index} launched before bucket {self.next_bucket}; buckets launch "
+                               "in index order")
         self.next_bucket = bucket_index + 1
         if self.dp_size == 1:
             return
@@ -247,12 +289,12 @@ class GradientReducer:
         data = self.buffer[bucket.start:bucket.end]
         if self.shard:
             start, end = bucket.shard(self.dp_rank, self.dp_size)
-            work = reduce_scatter_into(self.buffer[start:end], data, self.group, async_op=True)
+            work = reduce_scatter_into_(self.buffer[start:end], data, self.group, async_op=True)
         else:
-            work = dist.all_reduce(data, group=self.group, async_op=True)
+            work = all_reduce_(data, self.group, async_op=True)
         self.pending.append(work)
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
         for work in self.pending:
             work.wait()
         self.pending = []
@@ -268,5 +310,4 @@ class GradientReducer:
         self.hook_handles = []
 
 
-__all__ = ["Bucket", "BufferLayout", "GradientReducer", "all_gather_into", "bucket_elements_for", "plan_buckets",
-           "reduce_scatter_into"]
+__all__ = ["Bucket", "BufferLayout", "GradientReducer", "LaunchOrder", "bucket_elements_for", "plan_buckets"]

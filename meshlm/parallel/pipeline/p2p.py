@@ -6,7 +6,7 @@ batch size x local sequence length (sequence / tp under sequence parallelism, / 
 parallelism) x hidden size, in the model's compute dtype -- so the receiver allocates its buffer
 itself and no message ever carries a shape (no per-step handshake).
 
-After each action the executor issues, in ONE ``torch.distributed.batch_isend_irecv`` call, the
+After each action the executor issues, in ONE batch (``collectives.send_and_receive``), the
 send of the tensor it just produced and the receive of the tensor its next action needs, then
 waits for the receive only. A send never blocks the sender: its handle (and tensor) is kept
 until it completes, and all are waited for at the end of the schedule. So a rank waits only when
@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from meshlm.parallel.collectives import send_and_receive
 
 ACTIVATION, GRADIENT = 0, 1
 
@@ -58,22 +59,21 @@ class PointToPoint:
 
     def exchange(self, sends: list[tuple[Message, torch.Tensor]], receive: Message | None) -> torch.Tensor | None:
         """Start ``sends`` and ``receive`` in one batch; return the received tensor once it is here."""
-        ops = []
+        outgoing = []
         for message, tensor in sends:
             if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
                 raise RuntimeError(f"pipeline message {message} has shape {tuple(tensor.shape)} {tensor.dtype}, "
                                    f"but every stage expects {self.shape} {self.dtype}")
-            tensor = tensor.detach().contiguous()
-            ops.append(dist.P2POp(dist.isend, tensor, message.peer, self.group, message.tag(self.num_virtual_stages)))
-        buffer = None
+            outgoing.append((tensor.detach().contiguous(), message.peer, message.tag(self.num_virtual_stages)))
+        buffer, incoming = None, []
         if receive is not None:
             buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, receive.peer, self.group, receive.tag(self.num_virtual_stages)))
-        if not ops:
+            incoming.append((buffer, receive.peer, receive.tag(self.num_virtual_stages)))
+        if not outgoing and not incoming:
             return None
-        works = dist.batch_isend_irecv(ops)
-        if len(works) == len(ops):  # one handle per op (gloo): keep the sends going, wait for the receive
-            self.pending_sends += [(work, op.tensor) for work, op in zip(works, ops) if op.op is dist.isend]
+        works = send_and_receive(outgoing, incoming, self.group)  # sends first
+        if len(works) == len(outgoing) + len(incoming):  # one handle per op (gloo): keep the sends going
+            self.pending_sends += [(work, tensor) for work, (tensor, _, _) in zip(works, outgoing)]
             if receive is not None:
                 works[-1].wait()
         else:  # one handle for the whole batch (a coalescing backend)

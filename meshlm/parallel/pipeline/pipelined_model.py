@@ -25,9 +25,9 @@ process where they are part of one scalar loss.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from meshlm.models.context import SequenceContext
+from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.context.context_parallel import share_losses
 from meshlm.parallel.pipeline.runtime import PipelineExecutor
 from meshlm.parallel.pipeline.schedules import build_schedule
@@ -53,7 +53,7 @@ class LanguageModelStages:
         config = model.config
         self.moe_blocks = [index for index, kind in enumerate(config.block_kinds) if kind == "E"]
         self.term_names = loss_term_names(config)
-        self.loss_sum = torch.zeros(())
+        self.loss_sum = torch.zeros((), device=context.device)  # all-reduced over pp: on the run's device
         self.term_sums: dict[str, torch.Tensor] = {}
         self.expert_counts: dict[int, torch.Tensor] = {}
         """Global MoE block index -> token assignments per expert, summed over micro-batches."""
@@ -102,7 +102,7 @@ class LanguageModelStages:
 
     def _accumulate(self, chunk, total, terms: dict, counts: list) -> None:
         if total is not None:
-            self.loss_sum = self.loss_sum.to(total.device) + total.detach().float()
+            self.loss_sum = self.loss_sum + total.detach().float()
         for name, value in terms.items():
             self.term_sums[name] = self.term_sums.get(name, 0.0) + value.detach().float()
         chunk_moe_blocks = [index for index in chunk.blocks if index in self.moe_blocks]
@@ -145,7 +145,7 @@ class PipelinedModel:
             return
         for name, grad in reducer.named_grads():
             if name in STAGE_COPY_NAMES:
-                dist.all_reduce(grad, group=self.embedding_group)
+                all_reduce_(grad, self.embedding_group)
 
     @torch.no_grad()
     def evaluate(self, batches: list[dict], precision) -> float:
@@ -171,7 +171,7 @@ class PipelinedModel:
 
     def sum_over_pipeline(self, stages: LanguageModelStages):
         """The stages' loss sums, term sums and expert counts added over the pipeline (one all-reduce)."""
-        config, device = self.model.config, stages.loss_sum.device
+        config, device = self.model.config, self.context.device
         names = stages.term_names
         experts = [torch.zeros(config.moe_num_experts, dtype=torch.int64, device=device) for _ in stages.moe_blocks]
         for position, index in enumerate(stages.moe_blocks):
@@ -181,7 +181,7 @@ class PipelinedModel:
         pieces += [torch.as_tensor(stages.term_sums.get(name, 0.0), device=device).reshape(1) for name in names]
         pieces += experts
         flat = torch.cat([piece.double() for piece in pieces])  # float64: counts stay exact integers
-        dist.all_reduce(flat, group=self.context.pp_group)
+        all_reduce_(flat, self.context.pp_group)
         values = flat.split([piece.numel() for piece in pieces])
         terms = {name: value[0].float() for name, value in zip(names, values[1:1 + len(names)])}
         counts = [value.to(torch.int64) for value in values[1 + len(names):]]

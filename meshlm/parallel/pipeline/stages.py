@@ -38,6 +38,7 @@ from torch import nn
 from meshlm.errors import ConfigError
 from meshlm.models.flops import block_flops, head_flops, mtp_depth_flops
 from meshlm.models.pattern import parse_pattern
+from meshlm.parallel.groups import Group, group_of
 from meshlm.parallel.pipeline.schedules import check_microbatches
 
 STAGE_COPY_NAMES = ("embedding.weight",)
@@ -157,9 +158,10 @@ def keep_stage_modules(model: nn.Module, chunks: list[ModelChunk], pp_rank: int,
     return layout
 
 
-def build_embedding_group(context, config) -> dist.ProcessGroup | None:
-    """The group of this rank's first and last pipeline stage, when the last stage holds a copy of
-    the embedding. Collective: every rank creates every pipeline's group, in the same order."""
+def build_embedding_group(context, config) -> Group | None:
+    """The group of this rank's first and last pipeline stage ("embedding"), when the last stage
+    holds a copy of the embedding. Collective: every rank creates every pipeline's group, in the
+    same order."""
     if context.pp_size == 1 or not needs_embedding_copy(config):
         return None
     stride = context.world_size // context.pp_size  # ranks of one stage; pipelines are strided by it
@@ -167,7 +169,7 @@ def build_embedding_group(context, config) -> dist.ProcessGroup | None:
     for first in range(stride):
         group = dist.new_group([first, first + (context.pp_size - 1) * stride])
         if context.rank in (first, first + (context.pp_size - 1) * stride):
-            mine = group
+            mine = group_of(group, "embedding", context.device, context.collective_log)
     return mine
 
 

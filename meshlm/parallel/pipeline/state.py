@@ -10,8 +10,8 @@ the full parameters on every rank use ``gather_pipeline_state_dict``.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from meshlm.parallel.collectives import all_gather_objects
 from meshlm.parallel.tensor.sharding import gather_full_state_dict
 
 
@@ -30,9 +30,7 @@ def gather_pipeline_state_dict(model, context) -> dict[str, torch.Tensor]:
     local = {name: value.detach().cpu() for name, value in gather_full_state_dict(model, context).items()}
     if context.pp_size == 1:
         return local
-    everyone = [None] * context.pp_size
-    dist.all_gather_object(everyone, local, group=context.pp_group)
-    return merge_named(everyone)
+    return merge_named(all_gather_objects(local, context.pp_group))
 
 
 __all__ = ["gather_pipeline_state_dict", "merge_named"]

@@ -20,12 +20,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.parallel.collectives import all_reduce_coalesced_
+from meshlm.parallel.collectives import all_gather_into_, all_reduce_coalesced_
 
 
 # --- slicing a full tensor into this rank's shard, and back ---------------------------------------
@@ -154,10 +153,11 @@ def gather_full_tensor(param: torch.Tensor, tensor: torch.Tensor, context) -> to
 
 
 def _all_gathered(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape everywhere), in group-rank order."""
     local = tensor.detach().contiguous()
-    shards = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(shards, local, group=group)
-    return shards
+    stacked = local.new_empty((size, *local.shape))
+    all_gather_into_(stacked.view(-1), local.view(-1), group)
+    return list(stacked.unbind(0))
 
 
 def _gather_full_expert_tensor(param: torch.Tensor, tensor: torch.Tensor, context) -> torch.Tensor:

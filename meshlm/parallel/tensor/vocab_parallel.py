@@ -30,12 +30,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from meshlm.models.losses import IGNORE_INDEX
-from meshlm.parallel.collectives import gather_along, reduce_from_group, reduce_scatter_along
+from meshlm.parallel.collectives import all_reduce_, gather_along, reduce_from_group, reduce_scatter_along
 from meshlm.parallel.tensor.layers import ColumnParallelLinear
 from meshlm.parallel.tensor.sharding import mark_shard, shard_parameter
 
@@ -110,7 +109,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if bool(padding.any()):
             logits = logits.masked_fill(padding, float("-inf"))
         row_max = logits.max(dim=-1).values
-        _all_reduce(row_max, context, dist.ReduceOp.MAX)
+        _all_reduce(row_max, context, "max")
         exp = (logits - row_max[:, None]).exp()
 
         valid = labels != IGNORE_INDEX
@@ -119,7 +118,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = local_target.masked_fill(~on_rank, 0)
         target_logit = logits.gather(1, local_target[:, None]).squeeze(1).masked_fill(~on_rank, 0.0)
         sums = torch.stack((exp.sum(dim=-1), target_logit))  # one all-reduce for both sums
-        _all_reduce(sums, context, dist.ReduceOp.SUM)
+        _all_reduce(sums, context, "sum")
         sum_exp, target_logit = sums
 
         losses = (sum_exp.log() + row_max - target_logit).masked_fill(~valid, 0.0)
@@ -138,9 +137,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None
 
 
-def _all_reduce(tensor: torch.Tensor, context, op) -> None:
+def _all_reduce(tensor: torch.Tensor, context, op: str) -> None:
     if context.tp_size > 1:
-        dist.all_reduce(tensor, op=op, group=context.tp_group)
+        all_reduce_(tensor, context.tp_group, op=op)
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tensor, context, vocab_size: int,

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from meshlm.models.config import ModelConfig
 from meshlm.models.moe.balancing import (global_load_balancing_loss, load_balancing_loss, sequence_load_balancing_loss,
                                          update_expert_biases)
-from meshlm.models.moe.layer import MoELayer, set_load_balancing_group
+from meshlm.models.moe.layer import MoELayer, set_load_balancing_sum
 from meshlm.models.moe.router import TopKRouter
 from tests.helpers.distributed import run_distributed
 
@@ -61,15 +61,20 @@ def test_layer_treats_the_batch_dimension_as_sequences():
     assert losses.aux_loss.item() == pytest.approx(39 / 32)
 
 
+def sum_over_world(tensor: torch.Tensor) -> None:
+    """What the trainer hands the models layer (there: ``collectives.summing_over(dp_cp_group)``)."""
+    dist.all_reduce(tensor)
+
+
 def global_loss_on_each_rank(rows_per_rank: list[list[list[float]]], ids_per_rank: list[list[int]]):
     """In each spawned rank: its share of the tokens, counts summed over the world; loss and dP."""
     rank = dist.get_rank()
     probs = torch.tensor(rows_per_rank[rank], requires_grad=True)
     counts = torch.bincount(torch.tensor(ids_per_rank[rank]), minlength=3)
-    loss = global_load_balancing_loss(probs, counts, top_k=1, group=dist.group.WORLD)
+    loss = global_load_balancing_loss(probs, counts, top_k=1, sum_over_ranks=sum_over_world)
     loss.backward()
     layer = hand_made_layer("global")
-    set_load_balancing_group(layer, dist.group.WORLD)
+    set_load_balancing_sum(layer, sum_over_world)
     e0, e1 = [1.0, 0.0, 0.0], [0.0, 1.0, 0.0]
     x = torch.tensor([[e0, e1]]) if rank == 0 else torch.tensor([[e1, e1]])
     _, layer_losses = layer(x)
@@ -178,7 +183,7 @@ def biases_after_update_on_each_rank(rate: float):
     router = make_router(moe_bias_update_rate=rate)
     loads = {0: [[0, 1], [0, 1]], 1: [[0, 2], [3, 2]]}[dist.get_rank()]
     router.record_load(torch.tensor(loads))
-    update_expert_biases(router, dist.group.WORLD)
+    update_expert_biases(router, sum_over_world)
     return router.expert_bias
 
 

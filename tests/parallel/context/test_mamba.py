@@ -12,13 +12,14 @@ the conv window.
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from meshlm.config import ParallelConfig
 from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.mamba2 import Mamba2Mixer
+from meshlm.parallel.collective_checks import compare_collectives
+from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.context.chunks import local_token_positions
 from meshlm.parallel.context.mamba import make_context_parallel_mamba, previous_windows
 from meshlm.parallel.mesh import ParallelContext, build_parallel_context
@@ -50,7 +51,7 @@ def run_mixer(mixer, hidden):
 
 def cp_mixer_errors(cp: int, tp: int, seq_len: int) -> dict:
     config, mixer, hidden, grad_out = mixer_and_data(seq_len)
-    context = build_parallel_context(ParallelConfig(cp=cp, tp=tp), config, torch.device("cpu"))
+    context = build_parallel_context(ParallelConfig(cp=cp, tp=tp, check_collectives=True), config, torch.device("cpu"))
     out = run_mixer(mixer, hidden)
     out.backward(grad_out)
     expected_grads = {name: param.grad.clone() for name, param in mixer.named_parameters()}
@@ -65,8 +66,9 @@ def cp_mixer_errors(cp: int, tp: int, seq_len: int) -> dict:
               "d_hidden": relative_error(local_hidden.grad, hidden.grad[:, positions])}
     for name, param in mixer.named_parameters():
         grad = param.grad.clone()
-        dist.all_reduce(grad, group=context.cp_group)
+        all_reduce_(grad, context.cp_group)
         errors[name] = relative_error(gather_full_tensor(param, grad, context), expected_grads[name])
+    compare_collectives(context, "after the CP Mamba mixer")
     return errors
 
 

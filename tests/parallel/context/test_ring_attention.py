@@ -17,6 +17,7 @@ from meshlm.config import ParallelConfig
 from meshlm.models.config import ModelConfig
 from meshlm.parallel.context.chunks import CHUNK_LAYOUTS, local_token_positions
 from meshlm.parallel.context.ring_attention import attention_blocks, block_forward, merge_into, ring_attention
+from meshlm.parallel.collective_checks import compare_collectives
 from meshlm.parallel.mesh import build_parallel_context
 from tests.helpers.distributed import run_distributed
 
@@ -35,7 +36,8 @@ def full_attention_and_gradients():
 
 
 def ring_errors(cp: int, tp: int, layout_name: str) -> dict:
-    context = build_parallel_context(ParallelConfig(cp=cp, tp=tp), ModelConfig(), torch.device("cpu"))
+    context = build_parallel_context(ParallelConfig(cp=cp, tp=tp, check_collectives=True), ModelConfig(),
+                                     torch.device("cpu"))
     (query, key, value), out, grad_out = full_attention_and_gradients()
     layout = CHUNK_LAYOUTS[layout_name]
     positions = local_token_positions(SEQ, context.cp_rank, cp, layout)
@@ -48,6 +50,7 @@ def ring_errors(cp: int, tp: int, layout_name: str) -> dict:
     local_out.backward(mine(grad_out, heads))
     expected = [mine(out, heads), mine(query.grad, heads), mine(key.grad, kv_heads), mine(value.grad, kv_heads)]
     actual = [local_out, *(tensor.grad for tensor in local)]
+    compare_collectives(context, "after ring attention")  # the ring's messages match, in order
     return {name: float((a - e).abs().max()) for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected)}
 
 

@@ -19,6 +19,7 @@ from meshlm.config import ParallelConfig
 from meshlm.models.config import ModelConfig
 from meshlm.parallel.collectives import all_to_all_uneven, start_all_to_all_uneven
 from meshlm.parallel.expert.dispatchers import DISPATCHERS, build_dispatcher
+from meshlm.parallel.groups import group_of
 from meshlm.parallel.mesh import build_parallel_context
 from tests.helpers.distributed import run_distributed
 
@@ -44,10 +45,11 @@ def adjoint_halves(started: bool) -> dict:
     counts = uneven_counts(world, seed=7 + int(started))
     input_splits, output_splits = counts[rank].tolist(), counts[:, rank].tolist()
     x = seeded(sum(input_splits), 3, seed=rank).requires_grad_()
+    everyone = group_of(dist.group.WORLD, "ep", torch.device("cpu"))
     if started:
-        output = start_all_to_all_uneven(x, output_splits, input_splits, dist.group.WORLD).wait()
+        output = start_all_to_all_uneven(x, output_splits, input_splits, everyone).wait()
     else:
-        output = all_to_all_uneven(x, output_splits, input_splits, dist.group.WORLD)
+        output = all_to_all_uneven(x, output_splits, input_splits, everyone)
     every_x = [seeded(int(counts[r].sum()), 3, seed=r) for r in range(world)]
     expected = torch.cat([every_x[r].split(counts[r].tolist())[rank] for r in range(world)])
     y = seeded(*output.shape, seed=100 + rank)

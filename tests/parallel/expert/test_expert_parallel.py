@@ -23,6 +23,8 @@ from meshlm.config import ParallelConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.layer import MoELayer
+from meshlm.parallel.collective_checks import compare_collectives
+from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.context.context_parallel import slice_sequence
 from meshlm.parallel.expert.expert_parallel import ExpertParallelMoELayer, expert_parallel_names
 from meshlm.parallel.mesh import build_parallel_context
@@ -98,8 +100,7 @@ def reduce_like_the_trainer(model: torch.nn.Module, context) -> None:
     experts = expert_parallel_names(model)
     for name, param in model.named_parameters():
         group = context.edp_group if name in experts else context.dp_cp_group
-        if group is not None:
-            dist.all_reduce(param.grad, group=group)
+        all_reduce_(param.grad, group)
 
 
 def gradient_errors(parallel: torch.nn.Module, reference: torch.nn.Module, context) -> dict:
@@ -142,8 +143,7 @@ def check_layer(context, label: str, overrides: dict, seed: int) -> dict:
     if "empty" in label:
         assert losses.tokens_per_expert[2:].sum() == 0, "every token must go to experts 0 and 1"
     counts = losses.tokens_per_expert.clone()  # this CP rank's tokens: summed over CP, the micro-batch's
-    if context.cp_group is not None:
-        dist.all_reduce(counts, group=context.cp_group)
+    all_reduce_(counts, context.cp_group)
     assert torch.equal(counts, expected_losses.tokens_per_expert)
     assert torch.equal(losses.dropped_tokens, expected_losses.dropped_tokens)
     return {"output": relative_error(out, sequence_slice(expected, context)),
@@ -154,8 +154,8 @@ def check_layer(context, label: str, overrides: dict, seed: int) -> dict:
 
 
 def context_for(layout: dict, dispatcher: str = "all_to_all"):
-    return build_parallel_context(ParallelConfig(moe_dispatcher=dispatcher, **layout), make_config(),
-                                  torch.device("cpu"))
+    return build_parallel_context(ParallelConfig(moe_dispatcher=dispatcher, check_collectives=True, **layout),
+                                  make_config(), torch.device("cpu"))
 
 
 def run_layer_cases(layouts: list[str]) -> dict:
@@ -166,6 +166,7 @@ def run_layer_cases(layouts: list[str]) -> dict:
             for label, overrides in LAYER_CASES.items():
                 for quantity, error in check_layer(context, label, overrides, seed=len(errors)).items():
                     errors[f"{label} {layout} {dispatcher}: {quantity}"] = error
+                compare_collectives(context, f"after the {label} case at {layout} with {dispatcher}")
     dist.barrier()
     return errors
 

@@ -6,7 +6,8 @@ reduction and the tied-embedding sum, gathered by name), the global gradient nor
 counts and a forward-only evaluation must equal one process running the whole model. The models
 put MoE blocks (auxiliary and z losses) on a non-last stage, MTP and a tied head on the last;
 layouts: pp2 (1F1B), pp2 x vp2 (interleaved), pp2 x dp2 with the distributed optimizer, and
-pp2 x tp2 with sequence parallelism.
+pp2 x tp2 with sequence parallelism. Every run has ``parallel.check_collectives`` on and compares
+the ranks' collectives and pipeline messages at the end.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 from meshlm.config import OptimConfig, ParallelConfig, PrecisionConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
+from meshlm.parallel.collective_checks import compare_collectives
+from meshlm.parallel.collectives import all_gather_along, all_gather_objects, all_reduce_
 from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradients
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.parallelize import parallelize_model
@@ -69,7 +72,7 @@ def single_process_step(model_kwargs: dict) -> dict:
 def pipelined_step(model_kwargs: dict, parallel_kwargs: dict) -> dict:
     """In each spawned rank: one step of this rank's stages; full gradients gathered by name."""
     torch.set_num_threads(1)
-    config, parallel = ModelConfig(**model_kwargs), ParallelConfig(**parallel_kwargs)
+    config, parallel = ModelConfig(**model_kwargs), ParallelConfig(check_collectives=True, **parallel_kwargs)
     context = build_parallel_context(parallel, config, torch.device("cpu"), SEQ_LEN, NUM_MICROBATCHES)
     torch.manual_seed(0)
     model = parallelize_model(LanguageModel(config), context)
@@ -81,11 +84,11 @@ def pipelined_step(model_kwargs: dict, parallel_kwargs: dict) -> dict:
     loss, terms, counts = pipelined.forward_backward(batches, NUM_MICROBATCHES, precision, reducer)
     if context.dp_size > 1:  # the trainer sums the DP ranks' loss terms for logging the same way
         flat = torch.stack([loss, *terms.values()])
-        torch.distributed.all_reduce(flat, group=context.dp_group)
+        all_reduce_(flat, context.dp_group)
         loss, terms = flat[0], dict(zip(terms, flat[1:]))
         counts = [count.clone() for count in counts]
         for count in counts:
-            torch.distributed.all_reduce(count, group=context.dp_group)
+            all_reduce_(count, context.dp_group)
     norm, _ = finish_gradients(reducer, optimizer, precision, context, 0.0, tensor_parallel_names(model),
                                partial_grad_names(model))
     named = dict(model.named_parameters())
@@ -94,24 +97,23 @@ def pipelined_step(model_kwargs: dict, parallel_kwargs: dict) -> dict:
         owned = torch.zeros_like(reducer.buffer)
         for segment in optimizer.segments:
             owned[segment.start:segment.end] = reducer.buffer[segment.start:segment.end]
-        torch.distributed.all_reduce(owned, group=context.dp_cp_group)
+        all_reduce_(owned, context.dp_cp_group)
         grads = {name: reducer.layout.view(owned, index) for index, name in enumerate(reducer.names)}
     full = {name: gather_full_tensor(named[name], grad, context).clone() for name, grad in grads.items()}
-    everyone = [None] * context.pp_size
-    torch.distributed.all_gather_object(everyone, full, group=context.pp_group)
+    everyone = all_gather_objects(full, context.pp_group)
     evaluation = pipelined.evaluate(make_batches()[:2], precision)
+    copies = _embedding_copies_equal(model, context, pipelined)
+    compare_collectives(context, "after the pipelined step")
     return dict(loss=float(loss), terms={name: float(value) for name, value in terms.items()},
                 counts=[count.tolist() for count in counts], grads=merge_named(everyone), norm=float(norm),
-                evaluation=evaluation, embedding_copies=_embedding_copies_equal(model, context, pipelined))
+                evaluation=evaluation, embedding_copies=copies)
 
 
 def _embedding_copies_equal(model, context, pipelined) -> bool | None:
     """The first and last stages' embedding gradients are the same after the step (None: no copy)."""
     if pipelined.embedding_group is None:
         return None
-    grad = model.embedding.weight.grad.clone()
-    copies = [torch.empty_like(grad) for _ in range(2)]
-    torch.distributed.all_gather(copies, grad, group=pipelined.embedding_group)
+    copies = all_gather_along(model.embedding.weight.grad.detach(), 0, pipelined.embedding_group).chunk(2)
     return bool(torch.equal(copies[0], copies[1]))
 
 

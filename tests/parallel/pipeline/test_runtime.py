@@ -1,7 +1,7 @@
 """The executor and its point-to-point layer on spawned gloo ranks, without a model.
 
 * Tags: two same-shape messages between the same pair, received in the opposite order to the
-  one they were sent in, each reach the right buffer (``dist.batch_isend_irecv`` on gloo).
+  one they were sent in, each reach the right buffer (one batch of isend/irecv on gloo).
 * Routing: counting stages (each forward adds 1, each backward adds 1000) through 1F1B and
   interleaved schedules: the last virtual stage sees micro-batch b's value after exactly
   pp * vp forwards, the first stage gets back pp * vp - 1 backward increments, and every rank
@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meshlm.parallel.groups import group_of
 from meshlm.parallel.pipeline.p2p import ACTIVATION, GRADIENT, Message, PointToPoint
 from meshlm.parallel.pipeline.runtime import PipelineExecutor
 from meshlm.parallel.pipeline.schedules import build_schedule
@@ -22,9 +23,14 @@ from tests.helpers.distributed import run_distributed
 SHAPE = (2, 3)
 
 
+def world_group():
+    """The whole world as the pipeline's group (the executor sends to global ranks)."""
+    return group_of(dist.group.WORLD, "pp", torch.device("cpu"))
+
+
 def tagged_exchange() -> list[float]:
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
-    p2p = PointToPoint(None, SHAPE, torch.float32, torch.device("cpu"), num_virtual_stages=2)
+    p2p = PointToPoint(world_group(), SHAPE, torch.float32, torch.device("cpu"), num_virtual_stages=2)
     if rank == 0:
         sends = [(Message(ACTIVATION, microbatch, 1, peer), torch.full(SHAPE, float(microbatch + 1)))
                  for microbatch in range(2)]
@@ -69,8 +75,8 @@ def count_through(pp: int, vp: int, microbatches: int) -> dict:
     rank = dist.get_rank()
     schedule = build_schedule(pp, vp, microbatches)
     stages = CountingStages(schedule, rank)
-    records = PipelineExecutor(schedule, rank, tuple(range(pp)), None).run(stages, SHAPE, torch.float32,
-                                                                               torch.device("cpu"))
+    executor = PipelineExecutor(schedule, rank, tuple(range(pp)), world_group())
+    records = executor.run(stages, SHAPE, torch.float32, torch.device("cpu"))
     return {"seen_by_last": stages.seen_by_last, "returned_to_first": stages.returned_to_first,
             "actions": [str(record.action) for record in records],
             "ordered": all(a.end <= b.start for a, b in zip(records, records[1:]))}
