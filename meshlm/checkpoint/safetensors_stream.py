@@ -27,6 +27,7 @@ per-expert ones) and read with ``load()``, which reads only the handle's own row
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -166,7 +167,9 @@ class SafetensorsReader:
     Why not ``safe_open``: its PyTorch path maps the whole file *copy-on-write* (private and
     writable), which the kernel charges to the process's data size in full, as if the file had
     been loaded, even though only the rows read are ever touched. A read-only shared mapping
-    (numpy's ``memmap``) costs address space only; a read copies exactly the box asked for."""
+    costs address space only, and a read copies exactly the box asked for. After each read the
+    mapped pages are dropped from the process (``MADV_DONTNEED``; they stay in the page cache),
+    so its resident size counts the copies it holds, not the file it has read."""
 
     def __init__(self, path: str | os.PathLike):
         import numpy as np
@@ -178,13 +181,14 @@ class SafetensorsReader:
                 if length > size - 8:
                     raise ValueError(f"header of {length} bytes in a file of {size}")
                 header = json.loads(stream.read(length))
-            self.metadata = header.pop("__metadata__", None) or {}
-            self.entries = {name: (DTYPES[entry["dtype"]], tuple(entry["shape"]), tuple(entry["data_offsets"]))
-                            for name, entry in header.items()}
-            end = max((offsets[1] for _, _, offsets in self.entries.values()), default=0)
-            if 8 + length + end > size:
-                raise ValueError(f"the header describes {8 + length + end} bytes, the file holds {size}")
-            self.data = (np.memmap(self.path, dtype=np.uint8, mode="r", offset=8 + length, shape=(end,))
+                self.metadata = header.pop("__metadata__", None) or {}
+                self.entries = {name: (DTYPES[entry["dtype"]], tuple(entry["shape"]),
+                                       tuple(entry["data_offsets"])) for name, entry in header.items()}
+                end = max((offsets[1] for _, _, offsets in self.entries.values()), default=0)
+                if 8 + length + end > size:
+                    raise ValueError(f"the header describes {8 + length + end} bytes, the file holds {size}")
+                self.mapping = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) if end else None
+            self.data = (np.frombuffer(self.mapping, dtype=np.uint8, count=end, offset=8 + length)
                          if end else np.zeros(0, dtype=np.uint8))
         except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
             raise CheckpointError(f"{self.path}: unreadable or truncated safetensors file ({error}); "
@@ -197,6 +201,8 @@ class SafetensorsReader:
         element = torch.empty((), dtype=dtype).element_size()
         raw = self.data[begin:end].view(f"<u{element}" if element > 1 else np.uint8).reshape(shape)
         values = np.array(raw[box] if box else raw, copy=True)  # the one copy: exactly the box, in memory
+        if self.mapping is not None and hasattr(self.mapping, "madvise"):
+            self.mapping.madvise(mmap.MADV_DONTNEED)  # unmap the pages read (the page cache keeps them)
         return torch.from_numpy(values).view(dtype)
 
 
