@@ -42,6 +42,8 @@ DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+BITS = {1: (torch.uint8, "u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4"), 8: (torch.int64, "<i8")}
+"""Element size -> (torch, numpy) integer dtypes of that size, through which a tensor's bytes are copied."""
 
 
 @dataclass(frozen=True)
@@ -198,12 +200,14 @@ class SafetensorsReader:
         """Tensor ``name``, or the part of it that ``box`` (ints and slices, numpy-style) selects."""
         import numpy as np
         dtype, shape, (begin, end) = self.entries[name]
-        element = torch.empty((), dtype=dtype).element_size()
-        raw = self.data[begin:end].view(f"<u{element}" if element > 1 else np.uint8).reshape(shape)
-        values = np.array(raw[box] if box else raw, copy=True)  # the one copy: exactly the box, in memory
+        bits = BITS[torch.empty((), dtype=dtype).element_size()]  # copied as integers: bf16 has no numpy type
+        region = self.data[begin:end].view(bits[1]).reshape(shape)
+        region = region[box] if box else region
+        out = torch.empty(region.shape, dtype=dtype)  # the one copy: exactly the box, from torch's allocator
+        np.copyto(out.view(bits[0]).numpy(), region)
         if self.mapping is not None and hasattr(self.mapping, "madvise"):
             self.mapping.madvise(mmap.MADV_DONTNEED)  # unmap the pages read (the page cache keeps them)
-        return torch.from_numpy(values).view(dtype)
+        return out
 
 
 class SafetensorsFiles:
