@@ -1,6 +1,7 @@
 """Run one model-file job in a fresh process whose memory is capped, and report its peak.
 
     python -m tests.helpers.capped_process JOB HEADROOM_MIB ARG...     (prints one JSON line)
+    run_capped(JOB, HEADROOM_MIB, ARG...)                              (from a test: that line, parsed)
 
 The cap is ``RLIMIT_DATA`` = the process's data size once torch and meshlm are imported, plus
 HEADROOM_MIB. Why that limit: ``RLIMIT_DATA`` counts the memory a process writes -- the heap and
@@ -26,11 +27,16 @@ above the baseline). Jobs:
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def status(key: str) -> int:
@@ -68,12 +74,27 @@ def job(name: str, arguments: list[str]):
     raise SystemExit(f"unknown job {name!r}")
 
 
+def run_capped(job_name: str, headroom_mib: float, *arguments, timeout_s: float = 300, env: dict | None = None) -> dict:
+    """Run ``job_name`` in a fresh capped process; its JSON report (raises if the process itself failed)."""
+    completed = subprocess.run([sys.executable, "-m", "tests.helpers.capped_process", job_name, str(headroom_mib),
+                                *map(str, arguments)], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                               env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
+    if completed.returncode != 0:
+        raise RuntimeError(f"the capped process exited with {completed.returncode}: {completed.stderr[-3000:]}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str]) -> int:
     import torch
 
     name, headroom, arguments = argv[0], int(float(argv[1]) * 2**20), argv[2:]
     run = job(name, arguments)  # imports what the job needs before the baseline
     torch.ones(4).sum()  # start torch's thread pool (its stacks) before the baseline, too
+    from meshlm.models.config import ModelConfig
+    from meshlm.models.language_model import LanguageModel
+    with torch.device("meta"):  # the first model built imports ~200 modules lazily (~25 MiB): not the job's
+        LanguageModel(ModelConfig(vocab_size=16, hidden_size=16, pattern="M*-E", num_attention_heads=2,
+                                  mamba_head_dim=8, moe_num_experts=2, moe_top_k=1))
     sampler = Sampler()
     sampler.start()
     time.sleep(0.05)

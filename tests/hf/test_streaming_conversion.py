@@ -17,9 +17,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -29,8 +26,8 @@ from safetensors.torch import save_file
 
 from meshlm.checkpoint.model_files import expected_shapes
 from meshlm.hf import hf_to_meshlm, mixtral, qwen3_moe
+from tests.helpers.capped_process import run_capped
 
-ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
 HEADROOM_MIB = 256
 BIG_MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 2048,
@@ -75,26 +72,18 @@ def write_sharded_hf_model(directory: Path, hf_config: dict, shapes: dict[str, t
     return total
 
 
-def run_capped(job: str, *arguments) -> dict:
-    completed = subprocess.run([sys.executable, "-m", "tests.helpers.capped_process", job, str(HEADROOM_MIB),
-                                *map(str, arguments)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(completed.stdout.strip().splitlines()[-1])
-
-
 def test_a_model_larger_than_the_memory_cap_converts(tmp_path):
     shapes = hf_tensor_shapes(mixtral.ARCHITECTURE, BIG_MIXTRAL)
     total = write_sharded_hf_model(tmp_path / "hf", BIG_MIXTRAL, shapes, shard_bytes=150 * MIB)
     assert total > 1.5 * HEADROOM_MIB * MIB  # loading it once already exceeds the cap
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) == 3
 
-    streamed = run_capped("hf-to-meshlm", tmp_path / "hf", tmp_path / "out")
+    streamed = run_capped("hf-to-meshlm", HEADROOM_MIB, tmp_path / "hf", tmp_path / "out")
     figures = f"model {total / MIB:.0f} MiB, streamed conversion {streamed}"
     assert streamed["ok"], figures
     largest_output, largest_input = 8 * 2048 * 1024 * 4, 2048 * 1024 * 4  # 8 stacked experts; one expert
     assert streamed["data_peak"] <= largest_output + largest_input + 64 * MIB, figures  # allocator slack
-    in_memory = run_capped("hf-in-memory", tmp_path / "hf")
+    in_memory = run_capped("hf-in-memory", HEADROOM_MIB, tmp_path / "hf")
     assert not in_memory["ok"] and "allocate" in in_memory["error"], (figures, in_memory)
     print(f"\n{figures}\nin memory under the same cap: {in_memory}")
 
