@@ -140,7 +140,7 @@ class SafetensorsFile:
             _check_shape(name, entries[self.rename(name)][1], target.shape, self.path)
             for offsets, view in target.chunks:
                 box = tuple(slice(start, start + size) for start, size in zip(offsets, view.shape))
-                view.copy_(self.reader.read(self.rename(name), box))
+                self.reader.read(self.rename(name), box, out=view)  # straight into place on CPU
 
 
 class CheckpointShards:

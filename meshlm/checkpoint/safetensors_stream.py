@@ -42,6 +42,8 @@ DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+COPY_BLOCK = 8 << 20
+"""Bytes of a file mapped at once while a tensor is copied out of it."""
 BITS = {1: (torch.uint8, "u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4"), 8: (torch.int64, "<i8")}
 """Element size -> (torch, numpy) integer dtypes of that size, through which a tensor's bytes are copied."""
 
@@ -196,18 +198,34 @@ class SafetensorsReader:
             raise CheckpointError(f"{self.path}: unreadable or truncated safetensors file ({error}); "
                                   "write or download it again.") from error
 
-    def read(self, name: str, box: tuple = ()) -> torch.Tensor:
-        """Tensor ``name``, or the part of it that ``box`` (ints and slices, numpy-style) selects."""
+    def read(self, name: str, box: tuple = (), out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``name``, or the part of it that ``box`` (ints and slices, numpy-style) selects,
+        copied into ``out`` when given (a CPU tensor of that shape, strided or not: no other copy)."""
         import numpy as np
         dtype, shape, (begin, end) = self.entries[name]
         bits = BITS[torch.empty((), dtype=dtype).element_size()]  # copied as integers: bf16 has no numpy type
         region = self.data[begin:end].view(bits[1]).reshape(shape)
         region = region[box] if box else region
-        out = torch.empty(region.shape, dtype=dtype)  # the one copy: exactly the box, from torch's allocator
-        np.copyto(out.view(bits[0]).numpy(), region)
-        if self.mapping is not None and hasattr(self.mapping, "madvise"):
-            self.mapping.madvise(mmap.MADV_DONTNEED)  # unmap the pages read (the page cache keeps them)
+        if out is None or out.device.type != "cpu" or out.dtype != dtype:
+            staged = torch.empty(region.shape, dtype=dtype)  # the one copy, from torch's allocator
+            self._copy(staged.view(bits[0]).numpy(), region)
+            return staged if out is None else out.copy_(staged)
+        self._copy(out.view(bits[0]).numpy(), region)
         return out
+
+    def _copy(self, destination, region) -> None:
+        """Copy in blocks of rows of about ``COPY_BLOCK`` bytes, unmapping each block's pages after
+        it (``MADV_DONTNEED``; the page cache keeps them), so the process's resident size counts
+        the copy it holds plus one block of the file, not the whole tensor twice."""
+        import numpy as np
+        if region.ndim == 0 or region.shape[0] == 0:
+            np.copyto(destination, region)
+            return
+        rows = max(1, COPY_BLOCK // max(1, region[0].nbytes))
+        for start in range(0, region.shape[0], rows):
+            np.copyto(destination[start:start + rows], region[start:start + rows])
+            if self.mapping is not None and hasattr(self.mapping, "madvise"):
+                self.mapping.madvise(mmap.MADV_DONTNEED)
 
 
 class SafetensorsFiles:

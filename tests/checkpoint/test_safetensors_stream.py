@@ -3,7 +3,7 @@
 safetensors' own reader reads back, bit for bit and with the metadata, what ``write_safetensors``
 wrote from a plan (every dtype meshlm stores, 0-dim and empty tensors); a plan whose tensor comes
 out with another shape is refused and leaves no file behind; ``SafetensorsReader`` reads boxes
-and refuses a truncated file by name; ``StoredTensor`` handles narrow like tensors.
+(into a strided view or a tensor of another dtype, too) and refuses a truncated file by name; ``StoredTensor`` handles narrow like tensors.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ def test_reader_reads_boxes_and_names_a_truncated_file(tmp_path):
     assert torch.equal(reader.read("fp32", (slice(0, 2), slice(1, 3), slice(2, 4))), TENSORS["fp32"][:, 1:3, 2:])
     assert torch.equal(reader.read("bf16", (1,)), TENSORS["bf16"][1])
     assert torch.equal(reader.read("scalar"), TENSORS["scalar"])
+    strided = torch.zeros(4, 3).t()  # a column-split shard's view: read straight into it
+    assert reader.read("fp32", (0,), out=strided) is strided and torch.equal(strided, TENSORS["fp32"][0])
+    as_fp32 = torch.zeros(3, 5)  # another dtype: read, then cast into place
+    assert torch.equal(reader.read("bf16", out=as_fp32), TENSORS["bf16"].float())
     data = (tmp_path / "m.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[:-10])
     with pytest.raises(CheckpointError, match="cut.safetensors: unreadable or truncated"):

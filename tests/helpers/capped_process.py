@@ -18,6 +18,7 @@ reported too. The JSON line: {"ok", "error", "headroom", "data_peak", "rss_peak"
 above the baseline). Jobs:
 
     hf-to-meshlm HF_DIR OUT        ``meshlm convert hf-to-meshlm`` (streams)
+    meshlm-to-hf MODEL OUT         ``meshlm convert meshlm-to-hf`` (streams)
     hf-in-memory HF_DIR            the HF model built in memory (``load_hf_model``), as the
                                    conversion worked before it streamed
     consolidate CKPT OUT           ``meshlm checkpoint consolidate`` (streams)
@@ -61,6 +62,9 @@ def job(name: str, arguments: list[str]):
     if name == "hf-to-meshlm":
         from meshlm.hf.convert import hf_to_meshlm
         return lambda: hf_to_meshlm(arguments[0], arguments[1])
+    if name == "meshlm-to-hf":
+        from meshlm.hf.convert import meshlm_to_hf
+        return lambda: meshlm_to_hf(arguments[0], arguments[1])
     if name == "hf-in-memory":
         from meshlm.hf.convert import load_hf_model
         return lambda: load_hf_model(arguments[0])

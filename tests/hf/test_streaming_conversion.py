@@ -8,7 +8,8 @@
   memory, as the conversion did before it streamed, fails under the same cap -- so the test can
   fail. The
   output equals, tensor for tensor, the HF tensors mapped by the adapter's ``TensorMap`` list,
-  both read back independently with safetensors' own ``safe_open``.
+  both read back independently with safetensors' own ``safe_open``. Converted back
+  (``meshlm-to-hf``) under the same cap, it gives the original HF tensors again.
 * A small Qwen3-MoE checkpoint whose experts are stored fused (``experts.gate_up_proj`` [E, 2F, d],
   read expert by expert through ``StoredTensor`` handles) converts, by streaming, to exactly the
   tensors the in-memory conversion of the same tensors gives.
@@ -101,6 +102,15 @@ def test_a_model_larger_than_the_memory_cap_converts(tmp_path):
             else:
                 expected = torch.stack([hf(name) for name in entry.theirs]) if entry.stacked else hf(entry.theirs[0])
             assert torch.equal(out.get_tensor(entry.ours), expected), entry.ours
+
+    back = run_capped("meshlm-to-hf", HEADROOM_MIB, tmp_path / "out", tmp_path / "hf_again")
+    assert back["ok"] and back["data_peak"] <= largest_output + largest_input + 64 * MIB, back
+    print(f"back to HF under the same cap: {back}")
+    with safe_open(str(tmp_path / "hf_again" / "model.safetensors"), "pt") as again:
+        assert sorted(again.keys()) == sorted(index)
+        for name in again.keys():
+            with safe_open(str(tmp_path / "hf" / index[name]), "pt") as original:
+                assert torch.equal(again.get_tensor(name), original.get_tensor(name)), name
 
 
 def test_fused_experts_stream_to_the_in_memory_conversion(tmp_path):
