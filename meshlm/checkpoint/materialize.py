@@ -158,6 +158,7 @@ class CheckpointShards:
             check_folder(self.directory)
             self._marker = read_json(self.directory / COMPLETE_FILE)
             self._metadata = read_metadata(self.directory, self._marker)
+            self._reader = _IndexedReader(self.directory, self._metadata)
         return {key: value for key, value in self._metadata.state_dict_metadata.items()
                 if isinstance(value, TensorStorageMetadata)}
 
@@ -188,12 +189,24 @@ class CheckpointShards:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
             try:
-                dcp.load({}, storage_reader=FileSystemReader(self.directory), planner=planner, no_dist=True)
+                dcp.load({}, storage_reader=self._reader, planner=planner, no_dist=True)
             except Exception as error:
                 raise CheckpointError(f"reading {self.directory} failed: {error}") from error
         for request, copies in requests.values():
             for staged, view in copies:
                 view.copy_(staged)
+
+
+class _IndexedReader(FileSystemReader):
+    """DCP's file reader with the index already read: a command that reads a checkpoint one
+    tensor at a time loads once per tensor, and DCP would otherwise unpickle ``.metadata`` each time."""
+
+    def __init__(self, directory: Path, metadata):
+        super().__init__(directory)
+        self.known_metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        return self.known_metadata
 
 
 def read_tensor(source, name: str) -> torch.Tensor:

@@ -131,7 +131,9 @@ def check_stored_tensors(config: ModelConfig, stored: dict[str, tuple], source: 
             parts.append(f"unexpected {len(unexpected)}: {_listed(unexpected)}")
         if wrong_shape:
             parts.append("shape mismatch: " + "; ".join(wrong_shape[:MAX_LISTED]))
-        raise CheckpointError(f"{source} does not match the model in its config: " + " | ".join(parts))
+        raise CheckpointError(f"{source} does not match the model in its config: " + " | ".join(parts)
+                              + "; the weights and config.json come from different models (restore the folder's "
+                              "own config.json).")
     return list(expected)
 
 
