@@ -22,6 +22,8 @@ above the baseline). Jobs:
     hf-in-memory HF_DIR            the HF model built in memory (``load_hf_model``), as the
                                    conversion worked before it streamed
     consolidate CKPT OUT           ``meshlm checkpoint consolidate`` (streams)
+    upcycle CKPT OUT ARG...        ``meshlm upcycle`` (streams)
+    upcycle-in-memory CKPT E K     the dense model loaded and upcycled in memory (``upcycle_model``)
     dcp-in-memory CKPT             every model tensor of a checkpoint read whole at once
 """
 
@@ -58,6 +60,11 @@ class Sampler(threading.Thread):
             time.sleep(0.002)
 
 
+def cli_succeeds(cli, argv: list[str]) -> None:
+    if cli(argv) != 0:
+        raise RuntimeError(f"meshlm {' '.join(argv)} failed")
+
+
 def job(name: str, arguments: list[str]):
     if name == "hf-to-meshlm":
         from meshlm.hf.convert import hf_to_meshlm
@@ -71,6 +78,13 @@ def job(name: str, arguments: list[str]):
     if name == "consolidate":
         from meshlm.checkpoint.consolidate import consolidate
         return lambda: consolidate(arguments[0], arguments[1])
+    if name == "upcycle":
+        from meshlm.cli import main as cli
+        return lambda: cli_succeeds(cli, ["upcycle", *arguments])
+    if name == "upcycle-in-memory":
+        from meshlm.adapt.upcycle import upcycle_model
+        from meshlm.checkpoint.model_files import load_model
+        return lambda: upcycle_model(load_model(arguments[0]), int(arguments[1]), int(arguments[2]))
     if name == "dcp-in-memory":
         from meshlm.checkpoint.whole_tensors import read_global_tensors
         from meshlm.checkpoint.model_files import weights_source
