@@ -7,7 +7,9 @@
 
 CKPT is a model folder (``save_model``, ``meshlm convert``) or a training checkpoint's step
 folder; OUT gets ``config.json`` + ``model.safetensors`` (and the tokenizer files), written to a
-temporary folder beside it and renamed into place, so OUT is either complete or absent.
+temporary folder beside it and renamed into place, so OUT is either complete or absent. The
+dense weights are read one tensor at a time (by slice from model.safetensors, by chunk from a
+checkpoint) and each MoE tensor is written as soon as it is made: neither model is ever held.
 ``--set moe_*=VALUE`` pairs set other MoE fields (router, balancing; see ``meshlm train --list-keys``).
 The command prints the ``meshlm train`` overrides that describe the new model, for a run
 started with ``train.init_from=OUT``. See meshlm/adapt/upcycle.py for the construction.
@@ -20,13 +22,19 @@ import dataclasses
 import os
 import secrets
 import shutil
+from functools import partial
 from pathlib import Path
 
+import torch
+
 from meshlm.checkpoint.files import copy_tokenizer_files
-from meshlm.checkpoint.model_files import load_model, save_model
+from meshlm.checkpoint.materialize import read_tensor
+from meshlm.checkpoint.model_files import (check_stored_tensors, read_model_config, source_file, weights_source,
+                                           write_model_folder)
 from meshlm.config import parse_override
 from meshlm.errors import CheckpointError
 from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,25 +52,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.adapt.upcycle import changed_fields, down_projection_scale, is_exact, upcycle_model
+    from meshlm.adapt.upcycle import changed_fields, down_projection_scale, is_exact, upcycle_plan
 
-    out = Path(args.out)
+    out, source_dir = Path(args.out), Path(args.checkpoint)
     if out.exists():
         raise CheckpointError(f"{out} already exists; choose a new OUT folder or remove it.")
     overrides = model_overrides(args.overrides)
-    dense = load_model(args.checkpoint)
-    moe = upcycle_model(dense, args.experts, args.top_k, args.granularity, args.router_init_std, args.seed,
-                        **overrides)
-    write_atomically(moe, out, Path(args.checkpoint))
-    exactness = "equal to the dense model's" if is_exact(moe.config) else "close to the dense model's"
-    print(f"wrote {out}: pattern {moe.config.pattern!r}, {moe.config.moe_num_experts} experts of width "
-          f"{moe.config.moe_ffn_hidden_size}, top-{moe.config.moe_top_k}, down projections x"
-          f"{down_projection_scale(moe.config, args.granularity):g}; {moe.num_parameters():,} parameters "
-          f"(dense {dense.num_parameters():,}); outputs {exactness} at step 0")
+    dense = read_model_config(source_dir)
+    source = weights_source(source_dir)
+    check_stored_tensors(dense, source.layout, str(source_file(source_dir)))
+    config, plan = upcycle_plan(dense, source.layout, partial(read_tensor, source), args.experts, args.top_k,
+                                args.granularity, args.router_init_std, args.seed, **overrides)
+    write_atomically(config, plan, out, source_dir)
+    exactness = "equal to the dense model's" if is_exact(config) else "close to the dense model's"
+    print(f"wrote {out}: pattern {config.pattern!r}, {config.moe_num_experts} experts of width "
+          f"{config.moe_ffn_hidden_size}, top-{config.moe_top_k}, down projections x"
+          f"{down_projection_scale(config, args.granularity):g}; {parameter_count(config):,} parameters "
+          f"(dense {parameter_count(dense):,}); outputs {exactness} at step 0")
     settings = " ".join(f"model.{key}={value!r}" if isinstance(value, str) else f"model.{key}={value}"
-                        for key, value in changed_fields(dense.config, moe.config).items())
+                        for key, value in changed_fields(dense, config).items())
     print(f"train it with: meshlm train CONFIG train.init_from={out} {settings}")
     return 0
+
+
+def parameter_count(config: ModelConfig) -> int:
+    with torch.device("meta"):  # shapes only
+        return LanguageModel(config).num_parameters()
 
 
 def model_overrides(texts: list[str]) -> dict:
@@ -80,11 +95,12 @@ def model_overrides(texts: list[str]) -> dict:
     return values
 
 
-def write_atomically(model, out: Path, source: Path) -> None:
-    """save_model into a temporary sibling of ``out`` (with the source's tokenizer), then rename."""
+def write_atomically(config: ModelConfig, plan: dict, out: Path, source: Path) -> None:
+    """Write the model folder into a temporary sibling of ``out`` (with the source's tokenizer),
+    tensor by tensor, then rename it."""
     temporary = out.with_name(f"{out.name}.tmp-{secrets.token_hex(4)}")
     try:
-        save_model(model, temporary)
+        write_model_folder(temporary, config, plan)
         copy_tokenizer_files(source, temporary)
         os.replace(temporary, out)
     finally:
@@ -92,4 +108,4 @@ def write_atomically(model, out: Path, source: Path) -> None:
             shutil.rmtree(temporary, ignore_errors=True)
 
 
-__all__ = ["add_arguments", "model_overrides", "run", "write_atomically"]
+__all__ = ["add_arguments", "model_overrides", "parameter_count", "run", "write_atomically"]

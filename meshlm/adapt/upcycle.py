@@ -48,15 +48,26 @@ their lengths differ, and the longer ones win more often). The members of a grou
 together until training breaks their tie. No capacity
 limit is set (dropping a token would break the equality); routed experts have no biases, so a
 dense model with ``mlp_bias`` cannot be upcycled exactly and is refused.
+
+**One tensor at a time.** ``upcycle_plan`` describes the MoE model as a plan, {name:
+PlannedTensor}: every dense tensor read and cast to fp32 when it is written, each stacked expert
+tensor built from the one dense MLP weight it copies, the routers drawn up front (they are
+small, and drawing them in block order keeps the seed's meaning). ``meshlm upcycle`` writes the
+plan straight to disk, reading the dense model or checkpoint tensor by tensor, so it holds one
+expert tensor and the dense weight it comes from, never either model; ``upcycle_model`` builds
+the same plan into a model in memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
+from typing import Callable
 
 import torch
 
-from meshlm.checkpoint.model_files import load_state_checked
+from meshlm.checkpoint.model_files import expected_shapes, load_state_checked
+from meshlm.checkpoint.safetensors_stream import PlannedTensor, planned
 from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
@@ -134,46 +145,78 @@ def down_projection_scale(config: ModelConfig, granularity: int) -> float:
 
 
 @torch.no_grad()
-def upcycle_model(dense_model: LanguageModel, num_experts: int, top_k: int, granularity: int = 1,
-                  router_init_std: float | None = None, seed: int = 0, **moe_overrides) -> LanguageModel:
-    """The upcycled MoE model (fp32 weights) of ``dense_model``; see the module docstring."""
-    dense = dense_model.config
+def upcycle_plan(dense: ModelConfig, stored: dict[str, tuple], read: Callable[[str], torch.Tensor],
+                 num_experts: int, top_k: int, granularity: int = 1, router_init_std: float | None = None,
+                 seed: int = 0, **moe_overrides) -> tuple[ModelConfig, dict[str, PlannedTensor]]:
+    """(MoE config, plan of its fp32 tensors) for the dense model whose tensors are ``stored``
+    ({name: (shape, dtype)}) and read whole by ``read(name)``; see the module docstring."""
     config = upcycled_config(dense, num_experts, top_k, granularity, **moe_overrides)
-    state = {name: value.detach().float() for name, value in dense_model.state_dict().items()}
     alpha = down_projection_scale(config, granularity)
     std = dense.init_std if router_init_std is None else router_init_std
     generator = torch.Generator().manual_seed(seed)
+    plan = {}
+    for name, (shape, _) in stored.items():
+        if not (config.tie_embeddings and name == "output.weight"):
+            plan[name] = PlannedTensor(tuple(shape), torch.float32, partial(_as_fp32, read, name))
     for index, kind in enumerate(dense.block_kinds):
         if kind == "-":
             prefix = f"blocks.{index}.mixer."
-            state.update(expert_weights(state, prefix, config, granularity, alpha))
-            state.update(router_weights(prefix, config, granularity, std, generator))
+            for weight in ("up_proj.weight", "down_proj.weight", "gate_proj.weight"):
+                plan.pop(prefix + weight, None)
+            plan.update(expert_plan(stored, read, prefix, config, granularity, alpha))
+            plan.update({name: planned(value) for name, value in
+                         router_weights(prefix, config, granularity, std, generator).items()})
+    shapes = expected_shapes(config)  # the plan is the MoE model's, tensor for tensor
+    plan = {name: plan[name] for name in shapes}
+    return config, plan
+
+
+@torch.no_grad()
+def upcycle_model(dense_model: LanguageModel, num_experts: int, top_k: int, granularity: int = 1,
+                  router_init_std: float | None = None, seed: int = 0, **moe_overrides) -> LanguageModel:
+    """The upcycled MoE model (fp32 weights) of ``dense_model``, in memory; see the module docstring."""
+    state = {name: value.detach() for name, value in dense_model.state_dict().items()}
+    stored = {name: (tuple(value.shape), value.dtype) for name, value in state.items()}
+    config, plan = upcycle_plan(dense_model.config, stored, state.__getitem__, num_experts, top_k, granularity,
+                                router_init_std, seed, **moe_overrides)
     with torch.device("meta"):
         model = LanguageModel(config)
-    model = model.to_empty(device="cpu")
-    if config.tie_embeddings:
-        state.pop("output.weight", None)
-    load_state_checked(model, state, "the upcycled state")
+    load_state_checked(model, {name: entry.produce() for name, entry in plan.items()}, "the upcycled state")
     return model
 
 
-def expert_weights(state: dict, prefix: str, config: ModelConfig, granularity: int,
-                   alpha: float) -> dict[str, torch.Tensor]:
-    """Pop the dense MLP at ``prefix`` and return the stacked expert weights: expert c*G + g is
-    shard g (gate/up rows, down columns), its down projection times alpha."""
-    copies = config.moe_num_experts // granularity
+def _as_fp32(read: Callable[[str], torch.Tensor], name: str) -> torch.Tensor:
+    return read(name).float()
 
-    def stack(shards: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(shards * copies).contiguous()  # [E, ...]: shards 0..G-1, then again per group
 
-    up = state.pop(prefix + "up_proj.weight").chunk(granularity, dim=0)        # G x [F/G, h]
-    down = state.pop(prefix + "down_proj.weight").chunk(granularity, dim=1)    # G x [h, F/G]
-    experts = {prefix + "experts.up_weight": stack(list(up)),
-               prefix + "experts.down_weight": stack([alpha * shard for shard in down])}
+def expert_plan(stored: dict[str, tuple], read: Callable[[str], torch.Tensor], prefix: str, config: ModelConfig,
+                granularity: int, alpha: float) -> dict[str, PlannedTensor]:
+    """The stacked expert weights replacing the dense MLP at ``prefix``: expert c*G + g is shard g
+    (gate/up rows, down columns), its down projection times alpha."""
+    names = {"up_weight": "up_proj.weight", "down_weight": "down_proj.weight"}
     if is_gated(config.mlp_activation):
-        gate = state.pop(prefix + "gate_proj.weight").chunk(granularity, dim=0)
-        experts[prefix + "experts.gate_weight"] = stack(list(gate))
-    return experts
+        names["gate_weight"] = "gate_proj.weight"
+    plan = {}
+    for ours, dense_name in names.items():
+        rows, columns = stored[prefix + dense_name][0]
+        shape = (config.moe_num_experts, rows // granularity, columns) if ours != "down_weight" else \
+            (config.moe_num_experts, rows, columns // granularity)
+        plan[prefix + "experts." + ours] = PlannedTensor(shape, torch.float32, partial(
+            expert_weight, read, prefix + dense_name, config, granularity, alpha if ours == "down_weight" else None))
+    return plan
+
+
+def expert_weight(read: Callable[[str], torch.Tensor], dense_name: str, config: ModelConfig, granularity: int,
+                  alpha: float | None) -> torch.Tensor:
+    """One stacked expert weight [E, ...] from one dense MLP weight: its G shards (rows of up/gate,
+    or columns of down scaled by ``alpha``), repeated for each virtual group."""
+    copies = config.moe_num_experts // granularity
+    dense = read(dense_name).float()
+    if alpha is None:
+        shards = list(dense.chunk(granularity, dim=0))                      # G x [F/G, h]
+    else:
+        shards = [alpha * shard for shard in dense.chunk(granularity, dim=1)]  # G x [h, F/G]
+    return torch.stack(shards * copies).contiguous()  # [E, ...]: shards 0..G-1, then again per group
 
 
 def router_weights(prefix: str, config: ModelConfig, granularity: int, std: float,
@@ -194,5 +237,5 @@ def changed_fields(dense: ModelConfig, moe: ModelConfig) -> dict:
             if field.init and before[field.name] != after[field.name]}
 
 
-__all__ = ["ROUTING_DEFAULTS", "changed_fields", "down_projection_scale", "expert_weights", "is_exact",
-           "router_weights", "upcycle_model", "upcycled_config", "visit_weight_at_equal_logits"]
+__all__ = ["ROUTING_DEFAULTS", "changed_fields", "down_projection_scale", "expert_plan", "expert_weight", "is_exact",
+           "router_weights", "upcycle_model", "upcycle_plan", "upcycled_config", "visit_weight_at_equal_logits"]

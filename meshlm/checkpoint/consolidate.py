@@ -1,15 +1,16 @@
 """A distributed checkpoint read in one process: a single-file model, a summary.
 
-DCP can load without a process group, reading every stored chunk of a key into one whole tensor
-whatever layout wrote them (``whole_tensors.py``). On top of that:
+DCP can load without a process group, reading the stored chunks of one global tensor into it
+whatever layout wrote them (``CheckpointShards``, ``meshlm/checkpoint/materialize.py``). On top:
 
 * ``consolidate`` writes ``config.json`` + ``model.safetensors`` (+ tokenizer files): the
   single-file model that ``meshlm generate``, ``meshlm convert meshlm-to-hf`` and
   ``load_model`` take -- in the model's dtype, or with ``fp32_masters`` the fp32 master weights
-  of a bf16/fp16 run;
+  of a bf16/fp16 run. One tensor at a time: read one global tensor through the DCP planner,
+  write it, let it go, so consolidating never holds more than the largest tensor (and the
+  stored chunk being copied into it);
 * ``load_model`` (``meshlm/checkpoint/model_files.py``) reads a distributed checkpoint's
-  weights through ``consolidated_model_state`` directly, so those commands also take
-  training checkpoints without a consolidation step;
+  shards directly, so those commands also take training checkpoints without consolidating;
 * ``inspect_checkpoint`` summarizes step, layout, config and every tensor's shape and dtype
   without reading any tensor.
 
@@ -21,14 +22,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshlm.checkpoint.files import (COMPLETE_FILE, CONFIG_FILE, STATE_FILE, TRAINING_FILE, WEIGHTS_FILE,
                                      read_json)
 from meshlm.checkpoint.folders import check_folder, is_distributed_checkpoint, latest_checkpoint, read_metadata
-from meshlm.checkpoint.model_files import read_model_config, save_model
-from meshlm.checkpoint.whole_tensors import consolidated_model_state
+from meshlm.checkpoint.materialize import SafetensorsFile, read_tensor
+from meshlm.checkpoint.model_files import (check_stored_tensors, read_model_config, source_file, weights_source,
+                                           write_model_folder)
+from meshlm.checkpoint.safetensors_stream import DTYPE_NAMES, PlannedTensor
 from meshlm.errors import CheckpointError
 
 
@@ -46,33 +48,23 @@ def resolve_checkpoint(path) -> Path:
     return latest
 
 
-class _StateModel:
-    """What ``save_model`` reads from a model: its config and a state dict."""
-
-    def __init__(self, config, state: dict[str, torch.Tensor]):
-        self.config, self.state = config, state
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.state
-
-
 def consolidate(checkpoint, out, overwrite: bool = False, fp32_masters: bool = False) -> Path:
-    """Write the model of a checkpoint (any layout, or a run directory's newest) as ``out``."""
-    source, out = resolve_checkpoint(checkpoint), Path(out)
+    """Write the model of a checkpoint (any layout, or a run directory's newest) as ``out``,
+    one tensor at a time."""
+    source_dir, out = resolve_checkpoint(checkpoint), Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise CheckpointError(f"{out} exists and is not empty; choose a new folder or pass --overwrite "
                               "(files of the same names are replaced, others kept).")
-    if out.resolve() == source.resolve():
+    if out.resolve() == source_dir.resolve():
         raise CheckpointError(f"{out} is the checkpoint itself; choose another output folder.")
-    config = read_model_config(source)
-    if is_distributed_checkpoint(source):
-        state = consolidated_model_state(source, fp32_masters)
-    else:  # already a single-file model (an older checkpoint, or a consolidated one)
-        from safetensors.torch import load_file
-        state = load_file(str(source / WEIGHTS_FILE))
-    extra = {key: value for key, value in read_json(source / CONFIG_FILE).items()
+    config = read_model_config(source_dir)
+    source = weights_source(source_dir, prefer_masters=fp32_masters)
+    names = check_stored_tensors(config, source.layout, str(source_file(source_dir)))
+    plan = {name: PlannedTensor(*source.layout[name], lambda name=name: read_tensor(source, name))
+            for name in names}
+    extra = {key: value for key, value in read_json(source_dir / CONFIG_FILE).items()
              if key not in ("format", "version", "model")}
-    return save_model(_StateModel(config, state), out, extra_config=extra, tokenizer_dir=source)
+    return write_model_folder(out, config, plan, extra_config=extra, tokenizer_dir=source_dir)
 
 
 def inspect_checkpoint(checkpoint) -> dict:
@@ -82,11 +74,9 @@ def inspect_checkpoint(checkpoint) -> dict:
     if (directory / STATE_FILE).is_file():
         info["trainer_state"] = read_json(directory / STATE_FILE)
     if not is_distributed_checkpoint(directory):
-        from safetensors import safe_open
-        with safe_open(str(directory / WEIGHTS_FILE), "pt") as weights:
-            info["tensors"] = {f"model/{name}": {"shape": list(weights.get_slice(name).get_shape()),
-                                                 "dtype": weights.get_slice(name).get_dtype()}
-                               for name in weights.keys()}
+        stored = SafetensorsFile(directory / WEIGHTS_FILE).layout
+        info["tensors"] = {f"model/{name}": {"shape": list(shape), "dtype": DTYPE_NAMES[dtype]}
+                           for name, (shape, dtype) in sorted(stored.items())}
         info["format"] = "single-process"
         return info
     check_folder(directory)

@@ -10,21 +10,26 @@ something that, asked for a box of a single-process tensor, returns it.
                       own generator seeded by (seed, name), so a shard equals the slice of the
                       single-process model. The tensor is computed whole (one, never the model),
                       sliced, and dropped.
-    SafetensorsFile   a model folder's ``model.safetensors``, read by slice (``get_slice``): a
-                      rank reads its boxes only.
+    SafetensorsFile   a model folder's ``model.safetensors``, read by slice (a read-only mapping,
+                      ``meshlm/checkpoint/safetensors_stream.py``): a rank reads its boxes only.
     CheckpointShards  a distributed training checkpoint: DCP reads the overlaps of the stored
                       chunks with this rank's boxes (``meshlm/checkpoint/planners.py``).
+
+The two file sources also say what they hold without reading it (``layout``: {name: (shape,
+stored dtype)}), and ``read_tensor(source, name)`` reads one whole tensor: what the one-process
+commands (load, consolidate, convert, upcycle) use to go through a model one tensor at a time.
 
 Where a local tensor sits in the global one comes from the same metadata the checkpoints use
 (``meshlm/checkpoint/sharding.py``: one box per tensor-parallel partition, expert slices,
 vocabulary padding left at zero), so a rank's values are, by construction, those it would hold
 had it built the whole model and kept its slices. The peak is the rank's shards plus one full
-tensor (``InitialValues``) or plus nothing (the files).
+tensor (``InitialValues``) or plus the box being copied (the files).
 """
 
 from __future__ import annotations
 
 import warnings
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -37,6 +42,7 @@ from meshlm.checkpoint.files import COMPLETE_FILE, METADATA_FILE, read_json
 from meshlm.checkpoint.folders import check_folder, read_metadata, verify_files
 from meshlm.checkpoint.global_state import GlobalTensor
 from meshlm.checkpoint.planners import ChunkLoadPlanner, read_items_by_file
+from meshlm.checkpoint.safetensors_stream import SafetensorsReader
 from meshlm.checkpoint.sharding import tensor_chunks
 from meshlm.errors import CheckpointError
 from meshlm.models.init import init_rules, initial_value
@@ -68,14 +74,19 @@ def _replace(model: nn.Module, old: torch.Tensor, new: torch.Tensor) -> torch.Te
 
 @torch.no_grad()
 def materialize(model: nn.Module, context, source, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Allocate ``model``'s meta tensors on ``device`` (parameters in ``dtype``) and fill them from
-    ``source``; tensors already holding values are left alone. Returns ``model``."""
+                dtype: torch.dtype | dict[str, torch.dtype] = torch.float32) -> nn.Module:
+    """Allocate ``model``'s meta tensors on ``device`` and fill them from ``source``; tensors
+    already holding values are left alone. ``dtype``: the floating-point parameters' dtype, or
+    {name: dtype} for every tensor (a saved model loaded in the dtypes it was saved in).
+    Returns ``model``."""
     targets = {}
     for name, tensor in local_tensors(model).items():
         if not tensor.is_meta:
             continue
-        value_dtype = dtype if isinstance(tensor, nn.Parameter) and tensor.is_floating_point() else tensor.dtype
+        if isinstance(dtype, dict):
+            value_dtype = dtype[name]
+        else:
+            value_dtype = dtype if isinstance(tensor, nn.Parameter) and tensor.is_floating_point() else tensor.dtype
         value = torch.zeros(tensor.shape, dtype=value_dtype, device=device)  # padding rows stay zero
         value = _replace(model, tensor, value)
         shape, chunks = tensor_chunks(value, value.data, context)
@@ -109,59 +120,101 @@ class SafetensorsFile:
     def __init__(self, path: str | Path, rename=None):
         self.path = Path(path)
         self.rename = rename or (lambda name: name)
+        self._reader = None
+
+    @property
+    def reader(self) -> SafetensorsReader:
+        if self._reader is None:
+            self._reader = SafetensorsReader(self.path)  # the header only; CheckpointError if unreadable
+        return self._reader
+
+    @cached_property
+    def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{file key: (shape, stored dtype)}, without reading any tensor."""
+        return {name: (shape, dtype) for name, (dtype, shape, _) in self.reader.entries.items()}
 
     def fill(self, targets: dict[str, GlobalTensor]) -> None:
-        from safetensors import SafetensorError, safe_open
-        try:
-            with safe_open(str(self.path), framework="pt") as file:
-                keys = set(file.keys())
-                _check_names(targets, keys, self.rename, self.path)
-                for name, target in targets.items():
-                    stored = file.get_slice(self.rename(name))
-                    _check_shape(name, tuple(stored.get_shape()), target.shape, self.path)
-                    for offsets, view in target.chunks:
-                        box = tuple(slice(start, start + size) for start, size in zip(offsets, view.shape))
-                        view.copy_(stored[box] if box else stored[:])
-        except (SafetensorError, OSError) as error:
-            raise CheckpointError(f"{self.path}: unreadable or truncated safetensors file ({error}).") from error
+        entries = self.reader.entries
+        _check_names(targets, set(entries), self.rename, self.path)
+        for name, target in targets.items():
+            _check_shape(name, entries[self.rename(name)][1], target.shape, self.path)
+            for offsets, view in target.chunks:
+                box = tuple(slice(start, start + size) for start, size in zip(offsets, view.shape))
+                self.reader.read(self.rename(name), box, out=view)  # straight into place on CPU
 
 
 class CheckpointShards:
     """A distributed checkpoint's ``model/NAME`` tensors (or ``master/NAME``, its fp32 masters,
-    when it has them), read chunk by chunk by this process alone."""
+    when it has them), read chunk by chunk by this process alone. The index is read once and each
+    shard file is checked against the completion marker once, however many calls read from it."""
 
     def __init__(self, directory: str | Path, prefer_masters: bool = True):
         self.directory = Path(directory)
         self.prefer_masters = prefer_masters
+        self._metadata, self._verified = None, set()
+
+    def _stored(self) -> dict:
+        if self._metadata is None:
+            check_folder(self.directory)
+            self._marker = read_json(self.directory / COMPLETE_FILE)
+            self._metadata = read_metadata(self.directory, self._marker)
+            self._reader = _IndexedReader(self.directory, self._metadata)
+        return {key: value for key, value in self._metadata.state_dict_metadata.items()
+                if isinstance(value, TensorStorageMetadata)}
+
+    def _key(self, name: str, stored: dict) -> str:
+        master = f"master/{name}"
+        return master if self.prefer_masters and master in stored else f"model/{name}"
+
+    @cached_property
+    def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{model name: (global shape, stored dtype)} from the index, without reading any tensor."""
+        stored = self._stored()
+        names = [key.removeprefix("model/") for key in stored if key.startswith("model/")]
+        return {name: (tuple(stored[self._key(name, stored)].size), stored[self._key(name, stored)].properties.dtype)
+                for name in names}
 
     def fill(self, targets: dict[str, GlobalTensor]) -> None:
-        check_folder(self.directory)
-        marker = read_json(self.directory / COMPLETE_FILE)
-        metadata = read_metadata(self.directory, marker)
-        stored = {key: value for key, value in metadata.state_dict_metadata.items()
-                  if isinstance(value, TensorStorageMetadata)}
-
-        def key_of(name: str) -> str:
-            master = f"master/{name}"
-            return master if self.prefer_masters and master in stored else f"model/{name}"
-
-        _check_names(targets, set(stored), key_of, self.directory / METADATA_FILE)
+        stored = self._stored()
+        _check_names(targets, set(stored), lambda name: self._key(name, stored), self.directory / METADATA_FILE)
         requests = {}
         for name, target in targets.items():
-            key = key_of(name)
+            key = self._key(name, stored)
             _check_shape(name, tuple(stored[key].size), target.shape, self.directory / METADATA_FILE)
             requests[key] = _in_stored_dtype(target, stored[key].properties.dtype)
         planner = ChunkLoadPlanner({key: request for key, (request, _) in requests.items()})
-        verify_files(self.directory, read_items_by_file(planner, metadata), marker)
+        files = set(read_items_by_file(planner, self._metadata)) - self._verified
+        verify_files(self.directory, files, self._marker)
+        self._verified |= files
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
             try:
-                dcp.load({}, storage_reader=FileSystemReader(self.directory), planner=planner, no_dist=True)
+                dcp.load({}, storage_reader=self._reader, planner=planner, no_dist=True)
             except Exception as error:
                 raise CheckpointError(f"reading {self.directory} failed: {error}") from error
         for request, copies in requests.values():
             for staged, view in copies:
                 view.copy_(staged)
+
+
+class _IndexedReader(FileSystemReader):
+    """DCP's file reader with the index already read: a command that reads a checkpoint one
+    tensor at a time loads once per tensor, and DCP would otherwise unpickle ``.metadata`` each time."""
+
+    def __init__(self, directory: Path, metadata):
+        super().__init__(directory)
+        self.known_metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        return self.known_metadata
+
+
+def read_tensor(source, name: str) -> torch.Tensor:
+    """One whole tensor of ``source`` (SafetensorsFile, CheckpointShards), in its stored dtype, on CPU."""
+    shape, dtype = source.layout[name]
+    value = torch.empty(shape, dtype=dtype)
+    source.fill({name: GlobalTensor(tuple(shape), dtype, [((0,) * len(shape), value)])})
+    return value
 
 
 def _in_stored_dtype(target: GlobalTensor, dtype: torch.dtype):
@@ -194,4 +247,4 @@ def _check_shape(name: str, stored: tuple, expected: tuple, where: Path) -> None
                               "the folder holds a different model.")
 
 
-__all__ = ["CheckpointShards", "InitialValues", "SafetensorsFile", "local_tensors", "materialize"]
+__all__ = ["CheckpointShards", "InitialValues", "SafetensorsFile", "local_tensors", "materialize", "read_tensor"]

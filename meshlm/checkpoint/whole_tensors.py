@@ -1,10 +1,12 @@
 """A distributed checkpoint's tensors read whole, in one process, whatever layout saved them.
 
 DCP can load without a process group: given one chunk per key that covers the whole global
-tensor, its planner reads every stored chunk into it (``read_global_tensors``). The model's
-weights read that way (``consolidated_model_state``) are what ``load_model`` returns for a
-training checkpoint and what ``meshlm checkpoint consolidate`` writes as a single-file model.
-Files are checked against the completion marker's sizes and CRC-32 before they are read.
+tensor, its planner reads every stored chunk into it (``read_global_tensors``): every key of a
+checkpoint (weights, fp32 masters, Adam moments) at once, to compare two checkpoints or look
+inside one. The commands that read a model (``load_model``, ``meshlm checkpoint consolidate``,
+``meshlm convert``) go one tensor at a time instead (``CheckpointShards`` in
+``meshlm/checkpoint/materialize.py``). Files are checked against the completion marker's sizes
+and CRC-32 before they are read.
 """
 
 from __future__ import annotations
@@ -51,13 +53,4 @@ def read_global_tensors(directory, keys: list[str] | None = None) -> dict[str, t
     return {key: tensor.chunks[0][1] for key, tensor in tensors.items()}
 
 
-def consolidated_model_state(directory, fp32_masters: bool = False) -> dict[str, torch.Tensor]:
-    """{parameter or buffer name: whole tensor} of the model in a distributed checkpoint."""
-    metadata = read_metadata(Path(directory), read_json(Path(directory) / COMPLETE_FILE))
-    names = [key.removeprefix("model/") for key in metadata.state_dict_metadata if key.startswith("model/")]
-    keys = [f"master/{name}" if fp32_masters and f"master/{name}" in metadata.state_dict_metadata
-            else f"model/{name}" for name in names]
-    return {key.split("/", 1)[1]: tensor for key, tensor in read_global_tensors(directory, keys).items()}
-
-
-__all__ = ["consolidated_model_state", "read_global_tensors"]
+__all__ = ["read_global_tensors"]

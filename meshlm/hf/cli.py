@@ -4,7 +4,8 @@
     meshlm convert meshlm-to-hf CKPT HF_DIR [--architecture NAME] [--overwrite]
 
 HF_DIR holds config.json and model.safetensors (or a sharded index); CKPT is a meshlm model
-folder or a training checkpoint (the same two files). Tokenizer files are copied across. An
+folder or a training checkpoint (the same two files). Both directions go one tensor at a time,
+so a model larger than the host's memory converts. Tokenizer files are copied across. An
 existing, non-empty output folder is refused unless --overwrite is given.
 """
 
@@ -12,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from meshlm.hf.convert import ARCHITECTURES, hf_to_meshlm, meshlm_to_hf
+from meshlm.models.language_model import LanguageModel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,9 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.direction == "hf-to-meshlm":
-        out, model, extra = hf_to_meshlm(args.hf_dir, args.out, overwrite=args.overwrite)
+        out, config, extra = hf_to_meshlm(args.hf_dir, args.out, overwrite=args.overwrite)
+        with torch.device("meta"):  # shapes only, to count the parameters
+            model = LanguageModel(config)
         print(f"wrote meshlm model {out} from {extra['architecture']} {args.hf_dir}: pattern "
-              f"{model.config.pattern!r}, {model.num_parameters():,} parameters")
+              f"{config.pattern!r}, {model.num_parameters():,} parameters")
     else:
         out, architecture = meshlm_to_hf(args.checkpoint, args.out, args.architecture, overwrite=args.overwrite)
         print(f"wrote {architecture.name} folder {out} from {args.checkpoint}")

@@ -12,6 +12,13 @@ On import the map is checked against the HF files *and* against the shapes the m
 implies, so a missing, unexpected or mis-shaped tensor is reported by its HF name (the one the
 user can find in their files), not as a failure deep inside ``load_state_dict``.
 
+Both directions produce a *plan*, {name: ``PlannedTensor(shape, dtype, produce)``}, checked
+from the shapes alone and read only when the writer asks for each tensor in turn
+(``meshlm/checkpoint/safetensors_stream.py``). The HF tensors can be handles into the files
+(``StoredTensor``: only the tensor's bytes, or one expert's rows, are read when it is produced)
+or tensors in memory; a stacked meshlm tensor is assembled in place, expert by expert. So a
+conversion holds one output tensor, plus the one input it is read from, at a time.
+
 Config translation is explicit code per architecture; the helpers here read HF's RoPE settings
 (``rope_parameters`` in transformers v5, ``rope_theta`` + ``rope_scaling`` before), decode the
 ``{"__float__": "Infinity"}`` tags transformers writes for infinite floats, map activation names
@@ -29,13 +36,15 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from functools import partial, reduce
 from typing import Callable
 
 import torch
 
+from meshlm.checkpoint.model_files import expected_shapes
+from meshlm.checkpoint.safetensors_stream import PlannedTensor, load
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.models.config import ModelConfig
-from meshlm.models.language_model import LanguageModel
 
 # HF activation name -> meshlm mlp_activation for non-gated MLPs ("relu2" is Nemotron-H's squared ReLU).
 ACTIVATION_FROM_HF = {"relu2": "squared_relu", "relu": "relu", "gelu": "gelu", "silu": "silu", "swish": "silu"}
@@ -92,12 +101,21 @@ class Architecture:
     """Rewrites alternative HF layouts (other prefixes, fused expert tensors) into the
     canonical per-expert hub layout the tensor maps use."""
 
-    def state_from_hf(self, tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-        return state_from_hf_tensors(self.normalize_hf_tensors(dict(tensors)), config, self.tensor_maps(config),
-                                     self.name)
+    def plan_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, PlannedTensor]:
+        """The meshlm tensors of HF ``tensors`` (in memory or ``StoredTensor`` handles), as a plan."""
+        return plan_from_hf(self.normalize_hf_tensors(dict(tensors)), config, self.tensor_maps(config), self.name)
+
+    def plan_to_hf(self, stored: dict[str, tuple], read: Callable[[str], torch.Tensor], config: ModelConfig
+                   ) -> dict[str, PlannedTensor]:
+        """The HF tensors of a meshlm model ({name: (shape, dtype)}, each read by ``read``), as a plan."""
+        return plan_to_hf(stored, read, config, self.tensor_maps(config), self.name)
+
+    def state_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
+        return produce_all(self.plan_from_hf(tensors, config))
 
     def state_to_hf(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-        return state_to_hf_tensors(state, config, self.tensor_maps(config), self.name)
+        stored = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
+        return produce_all(self.plan_to_hf(stored, state.__getitem__, config))
 
     def check_expressible(self, config: ModelConfig) -> None:
         reasons = self.unsupported(config)
@@ -106,30 +124,33 @@ class Architecture:
 
 
 # --- tensors ------------------------------------------------------------------------------------
-def expected_shapes(config: ModelConfig) -> dict[str, torch.Size]:
-    """Name -> shape of every tensor a meshlm model with ``config`` saves (built on 'meta', free)."""
-    with torch.device("meta"):
-        model = LanguageModel(config)
-    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
-    if config.tie_embeddings:
-        shapes.pop("output.weight", None)
-    return shapes
-
-
 def _listed(names: list[str]) -> str:
     shown = ", ".join(names[:MAX_LISTED])
     return shown + (f" ... ({len(names)} in all)" if len(names) > MAX_LISTED else "")
 
 
-def state_from_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, maps: list[TensorMap],
-                          architecture: str, ignorable: Callable[[str], bool] | None = None) -> dict:
-    """Apply ``maps`` to HF ``tensors``; raise CheckpointError naming every missing, unexpected
-    or mis-shaped HF tensor."""
+def _stacked(pieces: list, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The pieces (tensors or StoredTensors) stacked on a new dim 0, read one at a time into place."""
+    out = torch.empty(shape, dtype=dtype)
+    for index, piece in enumerate(pieces):
+        out[index].copy_(load(piece))
+    return out
+
+
+def _zeros(shape: tuple) -> torch.Tensor:
+    return torch.zeros(shape)
+
+
+def plan_from_hf(tensors: dict, config: ModelConfig, maps: list[TensorMap], architecture: str,
+                 ignorable: Callable[[str], bool] | None = None) -> dict[str, PlannedTensor]:
+    """Apply ``maps`` to HF ``tensors`` (tensors or StoredTensors), from their shapes alone; raise
+    CheckpointError naming every missing, unexpected or mis-shaped HF tensor."""
     shapes = expected_shapes(config)
-    state, missing, used, wrong = {}, [], set(), []
+    plan, missing, used, wrong = {}, [], set(), []
     for entry in maps:
         if not entry.theirs:
-            state[entry.ours] = torch.zeros(shapes[entry.ours])
+            plan[entry.ours] = PlannedTensor(tuple(shapes[entry.ours]), torch.float32,
+                                             partial(_zeros, tuple(shapes[entry.ours])))
             continue
         found = [tensors.get(name) for name in entry.theirs]
         absent = [name for name, tensor in zip(entry.theirs, found) if tensor is None]
@@ -137,17 +158,18 @@ def state_from_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig,
             missing.extend(absent)
             continue
         used.update(entry.theirs)
-        if entry.stacked and len({tensor.shape for tensor in found}) > 1:
+        if entry.stacked and len({tuple(tensor.shape) for tensor in found}) > 1:
             wrong.append(f"{entry.describe_theirs()} do not all have the same shape")
             continue
-        tensor = torch.stack(found) if entry.stacked else found[0]
-        if tensor.shape != shapes[entry.ours]:
-            shape = tuple(found[0].shape) if entry.stacked else tuple(tensor.shape)
+        shape = (len(found), *found[0].shape) if entry.stacked else tuple(found[0].shape)
+        if shape != tuple(shapes[entry.ours]):
             want = tuple(shapes[entry.ours][1:] if entry.stacked else shapes[entry.ours])
-            wrong.append(f"{entry.describe_theirs()} has shape {shape}, but config.json implies {want} "
-                         f"(meshlm {entry.ours})")
+            wrong.append(f"{entry.describe_theirs()} has shape {tuple(found[0].shape)}, but config.json implies "
+                         f"{want} (meshlm {entry.ours})")
             continue
-        state[entry.ours] = tensor
+        dtype = reduce(torch.promote_types, [tensor.dtype for tensor in found])
+        produce = partial(_stacked, found, shape, dtype) if entry.stacked else partial(load, found[0])
+        plan[entry.ours] = PlannedTensor(shape, dtype, produce)
     ignorable = ignorable or (lambda name: name.endswith("rotary_emb.inv_freq")
                               or (config.tie_embeddings and name == "lm_head.weight"))
     unexpected = sorted(name for name in tensors if name not in used and not ignorable(name))
@@ -161,33 +183,55 @@ def state_from_hf_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig,
     if problems:
         raise CheckpointError(f"the {architecture} weights do not match their config.json: "
                               + " | ".join(problems))
-    unmapped = sorted(set(shapes) - set(state))
+    unmapped = sorted(set(shapes) - set(plan))
     if unmapped:  # an adapter bug, not a user error: the map forgot part of the model
         raise RuntimeError(f"{architecture} adapter does not map meshlm tensors {_listed(unmapped)}")
-    return state
+    return plan
 
 
-def state_to_hf_tensors(state: dict[str, torch.Tensor], config: ModelConfig, maps: list[TensorMap],
-                        architecture: str) -> dict[str, torch.Tensor]:
-    """Apply ``maps`` backwards: meshlm ``state`` -> HF tensors (per-expert slices are copied so
-    that every saved tensor owns its memory, as safetensors requires)."""
-    tensors, used = {}, set()
+class LastTensorRead:
+    """``read(name)`` that keeps the last tensor read: the E per-expert HF tensors cut from one
+    stacked meshlm tensor cost one read of it, and at most one meshlm tensor is held."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor]):
+        self.read, self.name, self.value = read, None, None
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name != self.name:
+            self.name = self.value = None  # let the previous one go before reading the next
+            self.value, self.name = self.read(name), name
+        return self.value
+
+    def row(self, name: str, index: int) -> torch.Tensor:
+        return self(name)[index].clone()  # its own memory, not a view pinning the stacked tensor
+
+
+def plan_to_hf(stored: dict[str, tuple], read: Callable[[str], torch.Tensor], config: ModelConfig,
+               maps: list[TensorMap], architecture: str) -> dict[str, PlannedTensor]:
+    """Apply ``maps`` backwards: meshlm tensors ({name: (shape, dtype)}, read whole by ``read``)
+    -> HF tensors, each produced when it is written."""
+    reader, plan, used = LastTensorRead(read), {}, set()
     for entry in maps:
-        if entry.ours not in state:
+        if entry.ours not in stored:
             raise CheckpointError(f"the meshlm state has no {entry.ours}, which {architecture} needs; "
                                   "does the checkpoint match its config.json?")
-        tensor = state[entry.ours].detach()
+        shape, dtype = stored[entry.ours]
         if entry.stacked:
             for index, name in enumerate(entry.theirs):
-                tensors[name] = tensor[index].clone().contiguous()
-        elif entry.theirs:  # a second HF name for the same tensor (an untied copy) gets its own memory
-            tensors[entry.theirs[0]] = tensor.clone() if entry.ours in used else tensor.contiguous()
+                plan[name] = PlannedTensor(tuple(shape[1:]), dtype, partial(reader.row, entry.ours, index))
+        elif entry.theirs:  # a second HF name for the same tensor (an untied copy) is read again
+            plan[entry.theirs[0]] = PlannedTensor(tuple(shape), dtype, partial(reader, entry.ours))
         used.add(entry.ours)
-    left_over = sorted(name for name in state if name not in used
+    left_over = sorted(name for name in stored if name not in used
                        and not (config.tie_embeddings and name == "output.weight"))
     if left_over:
         raise CheckpointError(f"{architecture} has no place for meshlm tensors {_listed(left_over)}.")
-    return tensors
+    return plan
+
+
+def produce_all(plan: dict[str, PlannedTensor]) -> dict[str, torch.Tensor]:
+    """Every tensor of a plan, in memory (small models and tests)."""
+    return {name: entry.produce() for name, entry in plan.items()}
 
 
 def split_fused_experts(tensors: dict, fused_suffix: str, per_expert: Callable[[str, int], list[tuple[str, int]]]

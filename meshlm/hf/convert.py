@@ -2,7 +2,10 @@
 
 Import (``hf_to_meshlm``): read config.json, pick the adapter by its ``architectures`` entry
 (or ``model_type``), translate the config, map the tensors (checked against the shapes the
-config implies), build the model and save it as a meshlm model folder. The HF settings meshlm
+config implies, from the files' headers alone) and write the meshlm model folder one tensor at
+a time, each read from the HF shards when it is written. No model is built and no process holds
+more than one output tensor and what it is read from, so a model larger than the host's memory
+converts. The HF settings meshlm
 does not model but generation needs (bos/eos/pad token ids, the context length) travel in the
 meshlm config.json under ``"hf"``, together with the source architecture, so that export can
 restore them and ``meshlm generate`` can find the eos id.
@@ -11,22 +14,27 @@ Export (``meshlm_to_hf``): the architecture is, in order, the one asked for, the
 was imported from (if it can still express the model), or the first that fits of Llama (dense
 '*-' with RoPE), Qwen3-MoE / Mixtral (softmax-routed '*E'), Mamba2 ('MMM...') and Nemotron-H
 (everything hybrid). When none fits, the error lists, per architecture, the fields that block it.
+The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
+by chunk from a training checkpoint) when the first HF tensor cut from it is written.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from meshlm.checkpoint.files import CONFIG_FILE
-from meshlm.checkpoint.model_files import load_model, load_state_checked, save_model
+from meshlm.checkpoint.materialize import read_tensor
+from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_checked, read_model_config, source_file,
+                                           weights_source, write_model_folder)
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.hf import llama, mamba2, mixtral, nemotron_h, qwen3_moe
-from meshlm.hf.common import Architecture
-from meshlm.hf.files import check_output_dir, read_hf_config, read_hf_tensors, write_hf_folder
+from meshlm.hf.common import Architecture, produce_all
+from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 
@@ -73,37 +81,53 @@ def choose_architecture(config: ModelConfig, requested: str | None = None, origi
 
 
 # --- import -------------------------------------------------------------------------------------
-def load_hf_model(hf_dir: str | os.PathLike) -> tuple[LanguageModel, dict]:
-    """The meshlm model held by an HF folder, and the ``"hf"`` extra config to keep with it."""
-    hf_dir = Path(hf_dir)
+def read_hf_model_config(hf_dir: Path) -> tuple[dict, Architecture, ModelConfig]:
+    """(HF config.json, its adapter, the meshlm config it translates to)."""
     hf_config = read_hf_config(hf_dir)
     architecture = architecture_of(hf_config, str(hf_dir / CONFIG_FILE))
     try:
-        config = architecture.config_from_hf(hf_config)
+        return hf_config, architecture, architecture.config_from_hf(hf_config)
     except ConfigError as error:
         raise ConfigError(f"{hf_dir / CONFIG_FILE}: {error}") from error
-    tensors = read_hf_tensors(hf_dir)
+
+
+def hf_plan(architecture: Architecture, tensors: dict, config: ModelConfig, hf_dir: Path) -> dict:
+    """The meshlm tensors of an HF folder's tensors, as a plan (errors name the folder)."""
     try:
-        state = architecture.state_from_hf(tensors, config)
+        return architecture.plan_from_hf(tensors, config)
     except CheckpointError as error:
         raise CheckpointError(f"{hf_dir}: {error}") from error
+
+
+def kept_hf_fields(hf_config: dict, architecture: Architecture) -> dict:
+    return {"architecture": architecture.name,
+            **{name: hf_config[name] for name in KEPT_HF_FIELDS if hf_config.get(name) is not None}}
+
+
+def load_hf_model(hf_dir: str | os.PathLike) -> tuple[LanguageModel, dict]:
+    """The meshlm model held by an HF folder (in memory), and the ``"hf"`` extra config to keep with it."""
+    hf_dir = Path(hf_dir)
+    hf_config, architecture, config = read_hf_model_config(hf_dir)
+    with open_hf_tensors(hf_dir) as files:
+        state = produce_all(hf_plan(architecture, files.tensors, config, hf_dir))
     with torch.device("meta"):
         model = LanguageModel(config)
-    model = model.to_empty(device="cpu")
     load_state_checked(model, state, str(hf_dir))
-    extra = {"architecture": architecture.name,
-             **{name: hf_config[name] for name in KEPT_HF_FIELDS if hf_config.get(name) is not None}}
-    return model, extra
+    return model, kept_hf_fields(hf_config, architecture)
 
 
 def hf_to_meshlm(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False
-                 ) -> tuple[Path, LanguageModel, dict]:
-    """Convert an HF folder into a meshlm model folder (tokenizer files are copied along)."""
-    out_dir = Path(out_dir)
+                 ) -> tuple[Path, ModelConfig, dict]:
+    """Convert an HF folder into a meshlm model folder, one tensor at a time (tokenizer files are
+    copied along); returns (the folder, its model config, the ``"hf"`` extra config)."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     check_output_dir(out_dir, overwrite)
-    model, extra = load_hf_model(hf_dir)
-    save_model(model, out_dir, extra_config={HF_EXTRA_KEY: extra}, tokenizer_dir=hf_dir)
-    return out_dir, model, extra
+    hf_config, architecture, config = read_hf_model_config(hf_dir)
+    extra = kept_hf_fields(hf_config, architecture)
+    with open_hf_tensors(hf_dir) as files:
+        plan = hf_plan(architecture, files.tensors, config, hf_dir)
+        write_model_folder(out_dir, config, plan, extra_config={HF_EXTRA_KEY: extra}, tokenizer_dir=hf_dir)
+    return out_dir, config, extra
 
 
 # --- export -------------------------------------------------------------------------------------
@@ -116,26 +140,36 @@ def read_hf_extra(model_dir: Path) -> dict:
     return extra if isinstance(extra, dict) else {}
 
 
-def export_hf(model: LanguageModel, extra: dict | None = None, architecture: str | None = None
-              ) -> tuple[dict, dict[str, torch.Tensor], Architecture]:
-    """(HF config.json, HF tensors, chosen architecture) for a meshlm model, in memory."""
+def hf_export_plan(config: ModelConfig, stored: dict[str, tuple], read, extra: dict | None = None,
+                   architecture: str | None = None) -> tuple[dict, dict, Architecture]:
+    """(HF config.json, plan of the HF tensors, chosen architecture) for a meshlm model whose
+    tensors are ``stored`` ({name: (shape, dtype)}) and read one at a time by ``read(name)``."""
     extra = extra or {}
-    config = model.config
     chosen = choose_architecture(config, architecture, extra.get("architecture"))
     hf_config = chosen.config_to_hf(config)
     hf_config.update({name: extra[name] for name in KEPT_HF_FIELDS if name in extra})
+    hf_config["dtype"] = str(stored["embedding.weight"][1]).removeprefix("torch.")
+    return hf_config, chosen.plan_to_hf(stored, read, config), chosen
+
+
+def export_hf(model: LanguageModel, extra: dict | None = None, architecture: str | None = None
+              ) -> tuple[dict, dict[str, torch.Tensor], Architecture]:
+    """(HF config.json, HF tensors, chosen architecture) for a meshlm model, in memory."""
     state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    tensors = chosen.state_to_hf(state, config)
-    hf_config["dtype"] = str(model.embedding.weight.dtype).removeprefix("torch.")
-    return hf_config, tensors, chosen
+    stored = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
+    hf_config, plan, chosen = hf_export_plan(model.config, stored, state.__getitem__, extra, architecture)
+    return hf_config, produce_all(plan), chosen
 
 
 def meshlm_to_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike, architecture: str | None = None,
                  overwrite: bool = False) -> tuple[Path, Architecture]:
-    """Convert a meshlm model folder (or training checkpoint) into an HF folder."""
+    """Convert a meshlm model folder (or training checkpoint) into an HF folder, one tensor at a time."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output_dir(out_dir, overwrite)
-    model = load_model(model_dir)
-    hf_config, tensors, chosen = export_hf(model, read_hf_extra(model_dir), architecture)
-    write_hf_folder(out_dir, hf_config, tensors, tokenizer_dir=model_dir, overwrite=True)
+    config = read_model_config(model_dir)
+    source = weights_source(model_dir)
+    check_stored_tensors(config, source.layout, str(source_file(model_dir)))
+    hf_config, plan, chosen = hf_export_plan(config, source.layout, partial(read_tensor, source),
+                                             read_hf_extra(model_dir), architecture)
+    write_hf_folder(out_dir, hf_config, plan, tokenizer_dir=model_dir, overwrite=True)
     return out_dir, chosen

@@ -3,10 +3,14 @@
 An HF folder holds ``config.json`` and either one ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``), plus tokenizer
 files. Only safetensors are read: pickled ``pytorch_model.bin`` files can run code when loaded.
+``open_hf_tensors`` reads the headers only and hands out a ``StoredTensor`` per name; a tensor's
+bytes are read when the conversion needs them, one tensor (or one expert's rows) at a time
+(``meshlm/checkpoint/safetensors_stream.py``), so a model larger than the host's memory converts.
 
 Writing is the same shape: one ``model.safetensors`` (metadata ``format: pt``, which
-transformers expects) and ``config.json``, each written under a temporary name and renamed, so
-an interrupted conversion never leaves a half-written file under the real name. An output
+transformers expects) written one tensor at a time, and ``config.json``, each under a temporary
+name and renamed, so an interrupted conversion never leaves a half-written file under the real
+name. An output
 folder that exists and is not empty is refused unless the caller passes ``overwrite``; then
 files of the same name are replaced, and a stale shard index (which transformers would prefer
 over our single file) is removed with its shards.
@@ -15,14 +19,11 @@ over our single file) is removed with its shards.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from typing import Mapping
 
 from meshlm.checkpoint.files import copy_tokenizer_files, write_json_atomic
+from meshlm.checkpoint.safetensors_stream import SafetensorsFiles, write_safetensors
 from meshlm.errors import CheckpointError
 from meshlm.hf.common import encode_special_floats
 
@@ -48,33 +49,31 @@ def read_hf_config(directory: Path) -> dict:
     return payload
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({error}).") from error
-
-
-def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the folder's single file or of every shard its index names."""
+def hf_weight_files(directory: Path) -> list[Path]:
+    """The folder's single safetensors file, or every shard its index names (checked to exist)."""
     if (directory / WEIGHTS_FILE).is_file():
-        return _load_safetensors(directory / WEIGHTS_FILE)
+        return [directory / WEIGHTS_FILE]
     index_path = directory / INDEX_FILE
     if index_path.is_file():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            shards = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
             raise CheckpointError(f"{index_path}: not a safetensors index (no 'weight_map': {error}).") from error
-        tensors = {}
-        for shard in sorted(set(weight_map.values())):
+        for shard in shards:
             if not (directory / shard).is_file():
                 raise CheckpointError(f"{directory / shard}: missing; {INDEX_FILE} lists it as a shard.")
-            tensors.update(_load_safetensors(directory / shard))
-        return tensors
+        return [directory / shard for shard in shards]
     pickled = sorted(path.name for path in directory.glob("pytorch_model*.bin"))
     hint = (f" It holds {', '.join(pickled)}: re-save the model with safetensors "
             "(model.save_pretrained(path) does by default)." if pickled else "")
     raise CheckpointError(f"{directory}: no {WEIGHTS_FILE} and no {INDEX_FILE}.{hint}")
+
+
+def open_hf_tensors(directory: Path) -> SafetensorsFiles:
+    """The folder's tensors as ``StoredTensor`` handles (``.tensors``: {name: handle}); nothing is
+    read until a handle's ``load()``. Use as a context manager."""
+    return SafetensorsFiles(hf_weight_files(directory))
 
 
 def check_output_dir(directory: Path, overwrite: bool) -> None:
@@ -101,15 +100,14 @@ def remove_stale_shards(directory: Path) -> None:
     index_path.unlink()
 
 
-def write_hf_folder(directory: Path, hf_config: dict, tensors: dict[str, torch.Tensor],
-                    tokenizer_dir: Path | None = None, overwrite: bool = False) -> Path:
-    """Write an HF model folder that ``AutoModelForCausalLM.from_pretrained`` loads."""
+def write_hf_folder(directory: Path, hf_config: dict, tensors: Mapping, tokenizer_dir: Path | None = None,
+                    overwrite: bool = False) -> Path:
+    """Write an HF model folder that ``AutoModelForCausalLM.from_pretrained`` loads; ``tensors``:
+    {name: tensor or PlannedTensor}, written one at a time."""
     check_output_dir(directory, overwrite)
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_shards(directory)
-    temporary = directory / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(temporary), metadata={"format": "pt"})
-    os.replace(temporary, directory / WEIGHTS_FILE)
+    write_safetensors(directory / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
     write_json_atomic(directory / CONFIG_FILE, encode_special_floats(hf_config))
     if tokenizer_dir is not None:
         copy_tokenizer_files(Path(tokenizer_dir), directory)

@@ -6,8 +6,7 @@
 The folder is a model folder (``config.json`` + ``model.safetensors``, as ``save_model``,
 ``meshlm convert`` and ``meshlm upcycle`` write it) or a training checkpoint's ``step_N``
 folder (whose weights are read chunk by chunk from its distributed shards). Each rank reads
-only the slices it holds (safetensors by ``get_slice``; ``meshlm/checkpoint/materialize.py``),
-never the whole model. Only the weights (and
+only the slices it holds (``meshlm/checkpoint/materialize.py``), never the whole model. Only the weights (and
 buffers such as a router's expert bias) are taken: the optimizer moments, the step counter,
 the learning-rate schedule and the data position all start from zero, as for continued
 pre-training or upcycling.
@@ -23,10 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshlm.checkpoint.files import WEIGHTS_FILE
-from meshlm.checkpoint.folders import is_distributed_checkpoint
-from meshlm.checkpoint.materialize import CheckpointShards, SafetensorsFile
-from meshlm.checkpoint.model_files import read_model_config
+from meshlm.checkpoint.model_files import read_model_config, weights_source
 from meshlm.errors import CheckpointError
 
 
@@ -42,12 +38,7 @@ def initial_weights_source(path: str | Path, model_config):
     if differences:
         raise CheckpointError(f"train.init_from={directory} holds a different model ({'; '.join(differences)}); "
                               f"copy the 'model' section of {directory / 'config.json'} into the run's config.")
-    if is_distributed_checkpoint(directory):
-        return CheckpointShards(directory, prefer_masters=False)
-    weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
-        raise CheckpointError(f"{weights}: missing.")
-    return SafetensorsFile(weights)
+    return weights_source(directory)
 
 
 def _plain(values: dict) -> dict:

@@ -1,5 +1,6 @@
 """Upcycling: the MoE model's outputs equal the dense model's at step 0 (fp32), routing is spread,
-the scale of the approximate routers is right, and ``meshlm upcycle`` writes a loadable folder."""
+the scale of the approximate routers is right, and ``meshlm upcycle`` writes a loadable folder --
+one tensor at a time, so an MoE model larger than the process's memory cap is written."""
 
 from __future__ import annotations
 
@@ -138,3 +139,36 @@ def test_cli_writes_a_folder_that_loads_and_refuses_an_existing_one(tmp_path, ca
         assert relative_error(loaded.eval()(tokens()).logits, dense(tokens()).logits) <= TOLERANCE
     code = main(["upcycle", str(tmp_path / "dense"), str(tmp_path / "moe"), "--experts", "8", "--top-k", "2"])
     assert code == 2 and "already exists" in capsys.readouterr().err
+
+
+def test_upcycling_writes_a_model_larger_than_the_memory_cap(tmp_path):
+    """``meshlm upcycle`` reads the dense model tensor by tensor and writes each expert tensor as it
+    is made: a 136 MiB dense model becomes a ~400 MiB MoE model (64 MiB per stacked expert tensor)
+    in a process whose data size is capped 192 MiB above its baseline, where upcycling in memory
+    fails (``tests/helpers/capped_process.py``). With G = 1 every expert is the dense MLP, and the
+    exact router (top-2 of 4, renormalized) scales the down projections by G / (K w0) = 1."""
+    from safetensors import safe_open
+
+    from tests.helpers.capped_process import run_capped
+
+    mib, headroom = 2**20, 192
+    config = ModelConfig(vocab_size=1024, hidden_size=1024, pattern="*-*-", num_attention_heads=8,
+                         ffn_hidden_size=4096)
+    save_model(LanguageModel(config), tmp_path / "dense")
+    streamed = run_capped("upcycle", headroom, tmp_path / "dense", tmp_path / "moe", "--experts", "4", "--top-k", "2")
+    expert_tensor, dense_weight = 4 * 4096 * 1024 * 4, 4096 * 1024 * 4
+    assert streamed["ok"] and streamed["data_peak"] <= expert_tensor + dense_weight + 64 * mib, streamed
+    in_memory = run_capped("upcycle-in-memory", headroom, tmp_path / "dense", 4, 2)
+    assert not in_memory["ok"] and "allocate" in in_memory["error"], in_memory
+    print(f"\nupcycled under a {headroom} MiB cap: {streamed}\nin memory: {in_memory}")
+    with safe_open(str(tmp_path / "dense" / "model.safetensors"), "pt") as dense, \
+            safe_open(str(tmp_path / "moe" / "model.safetensors"), "pt") as moe:
+        assert (tmp_path / "moe" / "model.safetensors").stat().st_size > 2 * headroom * mib
+        for name in dense.keys():
+            if "_proj" in name and name.startswith(("blocks.1.", "blocks.3.")):
+                ours = name.replace("gate_proj.weight", "experts.gate_weight").replace(
+                    "up_proj.weight", "experts.up_weight").replace("down_proj.weight", "experts.down_weight")
+                assert torch.equal(moe.get_tensor(ours), dense.get_tensor(name).expand(4, -1, -1)), name
+            else:
+                assert torch.equal(moe.get_tensor(name), dense.get_tensor(name)), name
+        assert moe.get_tensor("blocks.1.mixer.router.weight").shape == (4, 1024)

@@ -48,3 +48,32 @@ def test_shape_mismatch_lists_the_tensors(tmp_path, model):
     config_path.write_text(json.dumps(payload))
     with pytest.raises(CheckpointError, match=r"embedding.weight: file \(64, 32\) vs model \(80, 32\)"):
         load_model(tmp_path / "m")
+
+
+def test_loading_holds_the_model_plus_one_tensor(tmp_path):
+    """``load_model`` (what ``meshlm generate`` and ``meshlm convert meshlm-to-hf`` load with) builds
+    on meta and reads tensor by tensor: torch's peak is the model plus the one tensor being read.
+    Reading the whole file first and then building the model -- as it did before -- exceeds that."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.memory import peak_allocated_bytes
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=256, hidden_size=128, pattern="*-*-*-*-", num_attention_heads=4,
+                         ffn_hidden_size=512)
+    save_model(LanguageModel(config), tmp_path / "m")
+    tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
+    model_bytes = sum(value.numel() * value.element_size() for value in tensors.values())
+    largest = max(value.numel() * value.element_size() for value in tensors.values())
+    del tensors
+    bound = model_bytes + largest + 64 * 1024
+    peak = peak_allocated_bytes(lambda: load_model(tmp_path / "m"))
+    assert peak <= bound, (peak, model_bytes, largest)
+
+    def whole_then_model():
+        state = load_file(str(tmp_path / "m" / "model.safetensors"))
+        model = LanguageModel(config)
+        model.load_state_dict(state)
+        return model
+
+    assert peak_allocated_bytes(whole_then_model) > bound  # the measurement sees a whole copy

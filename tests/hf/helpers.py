@@ -88,7 +88,8 @@ def assert_meshlm_round_trip(model: LanguageModel, tmp_path: Path, architecture:
     _, chosen = meshlm_to_hf(tmp_path / "ours", tmp_path / "hf_export")
     assert chosen.name == architecture
     load_hf(tmp_path / "hf_export")  # transformers loads it with no missing / unexpected keys
-    _, back, _ = hf_to_meshlm(tmp_path / "hf_export", tmp_path / "ours_again")
+    out, _, _ = hf_to_meshlm(tmp_path / "hf_export", tmp_path / "ours_again")
+    back = load_model(out)
     ours, again = model.config.to_dict(), back.config.to_dict()
     assert ours == again, {key: (ours[key], again[key]) for key in ours if ours[key] != again[key]}
     state, state_again = model.state_dict(), back.state_dict()

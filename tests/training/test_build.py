@@ -5,6 +5,10 @@ shards, with the single-process model's values, and never allocates the whole mo
   (the last stage's copy), EP with expert tensor parallelism, CP and an MTP depth, every element
   of every rank's local parameters and buffers equals the same element of ``LanguageModel(config,
   seed)`` built whole in one process, and together the ranks cover every element of it.
+* ``train.init_from``: at TP x EP x CP on 4 ranks, every element of every rank's tensors equals
+  the same element of the folder it starts from -- a model folder (``model.safetensors``, read by
+  slice) and a single-process training run's checkpoint (DCP shards, read by chunk) -- read whole
+  and independently (safetensors' ``load_file``, ``read_global_tensors``); and the ranks cover it.
 * Peak memory: the bytes torch allocates on each rank while ``build_model`` runs (the profiler's
   allocation timeline) stay within the rank's own shards plus one full tensor of the model (the
   initial value being sliced), and -- the check can fail -- building the whole model in the same
@@ -12,15 +16,21 @@ shards, with the single-process model's values, and never allocates the whole mo
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import pytest
+from safetensors.torch import load_file
 
 from meshlm.checkpoint.materialize import local_tensors
+from meshlm.checkpoint.model_files import save_model
+from meshlm.checkpoint.whole_tensors import read_global_tensors
 from meshlm.checkpoint.sharding import tensor_chunks
 from meshlm.config import load_run_config
 from meshlm.models.language_model import LanguageModel
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.training.build import build_model
+from meshlm.training.trainer import Trainer
 from tests.helpers.distributed import run_distributed
 from tests.helpers.memory import peak_allocated_bytes
 
@@ -41,13 +51,14 @@ def run_config(overrides: list[str]):
     return load_run_config(None, [*BASE, *overrides])
 
 
-def shards_equal_single_process(overrides: list[str]) -> dict:
-    """In each rank: build this rank's model; compare every chunk of it with the whole model."""
+def shards_equal_single_process(overrides: list[str], init_from: str | None = None) -> dict:
+    """In each rank: build this rank's model; compare every chunk of it with the whole model --
+    ``LanguageModel(config, seed)``, or the tensors of ``init_from`` read whole."""
     config = run_config(overrides)
     context = build_parallel_context(config.parallel, config.model, torch.device("cpu"), config.train.seq_len,
                                      config.train.global_batch_size // config.train.micro_batch_size)
-    built = build_model(config, context, torch.device("cpu"))
-    reference = local_tensors(LanguageModel(config.model, seed=config.train.seed))
+    built = build_model(config, context, torch.device("cpu"), init_from=init_from)
+    reference = whole_tensors(config, init_from)
     compared, mismatches, covered = 0, [], {}
     for name, tensor in local_tensors(built.model).items():
         assert not tensor.is_meta, name
@@ -61,6 +72,16 @@ def shards_equal_single_process(overrides: list[str]) -> dict:
             covered.setdefault(name, set()).update(_elements(reference[name].shape, box))
     return {"compared": compared, "mismatches": mismatches, "covered": covered,
             "sizes": {name: value.numel() for name, value in reference.items()}}
+
+
+def whole_tensors(config, init_from: str | None) -> dict[str, torch.Tensor]:
+    if init_from is None:
+        return local_tensors(LanguageModel(config.model, seed=config.train.seed))
+    folder = Path(init_from)
+    if (folder / "model.safetensors").is_file():
+        return load_file(str(folder / "model.safetensors"))
+    return {key.removeprefix("model/"): value for key, value in read_global_tensors(folder).items()
+            if key.startswith("model/")}
 
 
 def _elements(shape, box) -> set[int]:
@@ -77,6 +98,24 @@ def test_each_rank_holds_the_single_process_values_of_its_shards(layout):
     for name, size in sizes.items():  # every element of the model lives on some rank
         covered = set().union(*(result["covered"].get(name, set()) for result in results))
         assert len(covered) == size, f"{layout}: {name} covers {len(covered)} of {size} elements"
+
+
+def test_init_from_a_model_folder_or_a_checkpoint_at_tp_ep_cp(make_config, tmp_path):
+    layout = LAYOUTS["tp2 ep2 etp1 cp2"]
+    model = run_config(layout).model
+    save_model(LanguageModel(model, seed=5), tmp_path / "folder")  # other values than the run's seed 11 gives
+    model_fields = [item for item in BASE if item.startswith("model.")] + [item for item in layout
+                                                                          if item.startswith("model.")]
+    Trainer(make_config(*model_fields, "train.steps=1", "train.eval_every=0", "train.save_every=1",
+                        "train.seed=3", f"train.run_dir={tmp_path / 'run'}")).run()
+    sources = {"model folder": tmp_path / "folder", "checkpoint": tmp_path / "run" / "checkpoints" / "step_1"}
+    for kind, folder in sources.items():
+        results = run_distributed(shards_equal_single_process, 4, layout, str(folder), timeout_s=240)
+        for rank, result in enumerate(results):
+            assert result["compared"] > 0 and not result["mismatches"], (kind, rank, result["mismatches"][:5])
+        for name, size in results[0]["sizes"].items():
+            covered = set().union(*(result["covered"].get(name, set()) for result in results))
+            assert len(covered) == size, f"{kind}: {name} covers {len(covered)} of {size} elements"
 
 
 def construction_peak(overrides: list[str]) -> dict:
