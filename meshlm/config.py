@@ -24,7 +24,7 @@ from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 ON_NONFINITE = ("rollback", "stop")
 
@@ -145,8 +145,9 @@ class DataConfig:
 
 @dataclass
 class PrecisionConfig:
-    dtype: str = "fp32"
-    """'fp32'; 'bf16' (bf16 parameters, forward and backward; fp32 master weights, gradient
+    dtype: str = "auto"
+    """'auto' (bf16 when the run's device is a GPU, fp32 on CPU; resolved once at start-up and
+    logged); 'fp32'; 'bf16' (bf16 parameters, forward and backward; fp32 master weights, gradient
     accumulation and optimizer states); or 'fp16' (the same with fp16, plus a dynamic loss
     scaler; Micikevicius et al. 2017)."""
     initial_loss_scale: float = 65536.0

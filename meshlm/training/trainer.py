@@ -48,6 +48,7 @@ every rank agreed on (``meshlm/training/stop_requests.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradi
 from meshlm.parallel.expert.expert_parallel import expert_parallel_names
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.tensor.sharding import partial_grad_names, tensor_parallel_names
+from meshlm.precision.device_defaults import resolve_precision
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.training.build import build_model
 from meshlm.training.cpu_allocator import keep_freed_memory
@@ -144,10 +146,12 @@ class Trainer:
 
     def __init__(self, config):
         config.validate()
+        self.stop_requests = StopRequests(config.train.time_limit_minutes)  # the time limit counts from here
+        self.device = resolve_device(config.train.device)
+        self.requested_dtype = config.precision.dtype  # 'auto' -> bf16 on CUDA, fp32 on CPU, from here on
+        config = dataclasses.replace(config, precision=resolve_precision(config.precision, self.device))
         self.config, train = config, config.train
-        self.stop_requests = StopRequests(train.time_limit_minutes)  # the time limit counts from here
         self.run_dir = Path(train.run_dir)
-        self.device = resolve_device(train.device)
         if self.device.type == "cpu" and train.keep_freed_cpu_memory:
             keep_freed_memory()
         self.micro_batches_per_step = train.global_batch_size // train.micro_batch_size
@@ -431,9 +435,10 @@ class Trainer:
                             "tokens_per_step": train.global_batch_size * train.seq_len,
                             "tensorboard": self.metrics.tensorboard_enabled})
         where = f"resuming from {self.resumed_from}" if self.resumed_from else "starting"
+        dtype = self.config.precision.dtype + (" from precision.dtype=auto" if self.requested_dtype == "auto" else "")
         self.progress.message(f"meshlm train: {where} at step {self.state.step}/{train.steps}; "
                               f"{format_count(num_parameters)} parameters on {placement} "
-                              f"({self.config.precision.dtype}); peak {format_count(peak)}FLOP/s ({source})")
+                              f"({dtype}); peak {format_count(peak)}FLOP/s ({source})")
 
     def run(self) -> TrainResult:
         train = self.config.train
