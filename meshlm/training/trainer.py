@@ -74,7 +74,7 @@ from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradi
 from meshlm.parallel.expert.expert_parallel import expert_parallel_names
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.tensor.sharding import partial_grad_names, tensor_parallel_names
-from meshlm.precision.device_defaults import resolve_precision
+from meshlm.precision.device_defaults import configure_tf32, resolve_precision
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.training.build import build_model
 from meshlm.training.cpu_allocator import keep_freed_memory
@@ -151,6 +151,7 @@ class Trainer:
         self.requested_dtype = config.precision.dtype  # 'auto' -> bf16 on CUDA, fp32 on CPU, from here on
         config = dataclasses.replace(config, precision=resolve_precision(config.precision, self.device))
         self.config, train = config, config.train
+        self.tf32 = configure_tf32(self.device, config.precision.dtype, config.precision.tf32)  # CUDA fp32 only
         self.run_dir = Path(train.run_dir)
         if self.device.type == "cpu" and train.keep_freed_cpu_memory:
             keep_freed_memory()
@@ -425,7 +426,7 @@ class Trainer:
             f"{experts}"
             f"{', distributed optimizer' if self.config.parallel.distributed_optimizer else ''})")
         self.metrics.write({"event": "resume" if self.resumed_from else "start", "step": self.state.step,
-                            "device": str(self.device), "dtype": self.config.precision.dtype,
+                            "device": str(self.device), "dtype": self.config.precision.dtype, "tf32": self.tf32,
                             "world_size": layout.world_size, "tp": layout.tp_size, "cp": layout.cp_size,
                             "dp": layout.dp_size,
                             "sp": layout.sequence_parallel, "pp": layout.pp_size, "vp": layout.vp_size,
