@@ -84,6 +84,10 @@ class TrainConfig:
     """A model folder (config.json + model.safetensors, e.g. from `meshlm upcycle` or a training
     checkpoint's step_N folder) whose weights start the run; the optimizer, step and data position
     start fresh. Its model config must equal the run's. Ignored when run_dir has a checkpoint."""
+    prefetch_batches: bool = True
+    """Read the next step's micro-batches in a background thread while the current step computes
+    (into pinned memory on CUDA, copied with non_blocking=True). The batches are the same either
+    way; see meshlm/training/data_loading.py."""
     keep_freed_cpu_memory: bool = True
     """On CPU, let glibc reuse freed heap memory instead of returning it to the kernel (faster
     steps; the process keeps its peak memory). See meshlm/training/cpu_allocator.py."""

@@ -78,7 +78,7 @@ from meshlm.precision.device_defaults import configure_tf32, resolve_precision
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.training.build import build_model
 from meshlm.training.cpu_allocator import keep_freed_memory
-from meshlm.training.data_loading import build_training_data, read_batch
+from meshlm.training.data_loading import BatchPrefetcher, build_training_data, read_batch
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary, format_count,
                                      peak_flops)
@@ -162,6 +162,8 @@ class Trainer:
                                               self.micro_batches_per_step)
         seed_everything(train.seed)
         self.data = self.build_data()
+        self.batches = BatchPrefetcher(self.data.train, train.micro_batch_size, pin_memory=self.device.type == "cuda",
+                                       background=train.prefetch_batches)
         self.checkpoints = Checkpointer(self.run_dir, config, self.context, tokenizer_file=self.data.tokenizer_file)
         checkpoint_dir = self.checkpoints.latest()
 
@@ -202,18 +204,27 @@ class Trainer:
         return data if data is not None else build_training_data(self.config)
 
     # --- one optimizer step ---------------------------------------------------------------------------
+    def micro_batch_starts(self, consumed_samples: int) -> list[int]:
+        """First sample index of each of this DP rank's micro-batches of the step at ``consumed_samples``."""
+        size, per_rank = self.config.train.micro_batch_size, self.micro_batches_per_step // self.context.dp_size
+        start = consumed_samples + self.context.dp_rank * per_rank * size
+        return list(range(start, start + per_rank * size, size))
+
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         """This DP rank's contiguous share of the step's micro-batches (all of them without DP);
         under CP, of each sequence only this rank's chunks (with their global positions). Each
-        carries its ``dropout_key`` (seed, step, global sample indices: layout-independent masks)."""
-        size, dp_size = self.config.train.micro_batch_size, self.context.dp_size
-        per_rank = self.micro_batches_per_step // dp_size
-        start = self.state.consumed_samples + self.context.dp_rank * per_rank * size
+        carries its ``dropout_key`` (seed, step, global sample indices: layout-independent masks).
+        The next step's share is read ahead in the background meanwhile (data_loading.py)."""
+        train, firsts = self.config.train, self.micro_batch_starts(self.state.consumed_samples)
+        host_batches = self.batches.take(firsts)
+        if self.state.step + 1 < train.steps:
+            self.batches.prefetch(self.micro_batch_starts(self.state.consumed_samples + train.global_batch_size))
         batches = []
-        for first in range(start, start + per_rank * size, size):
-            batch = split_batch(read_batch(self.data.train, first, size, self.device), self.context)
-            samples = torch.arange(first, first + size, device=self.device)
-            batches.append({**batch, "dropout_key": DropoutKey(self.config.train.seed, self.state.step, samples)})
+        for first, host_batch in zip(firsts, host_batches):
+            batch = {key: value.to(self.device, non_blocking=True) for key, value in host_batch.items()}
+            batch = split_batch(batch, self.context)
+            samples = torch.arange(first, first + train.micro_batch_size, device=self.device)
+            batches.append({**batch, "dropout_key": DropoutKey(train.seed, self.state.step, samples)})
         return batches
 
     def forward_micro_batch(self, batch: dict[str, torch.Tensor]):
@@ -459,6 +470,7 @@ class Trainer:
                 self.after_step(step_result, result)
             self.checkpoints.wait()  # an asynchronous save still in flight
         finally:
+            self.batches.close()
             self.stop_requests.close()
             self.metrics.close()
         if train.plot and result.losses and self.context.is_logging_rank and plot_losses(self.run_dir) is None:
