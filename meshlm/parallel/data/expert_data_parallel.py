@@ -59,6 +59,13 @@ class ReducerGroup:
                 stack.enter_context(reducer.no_sync())
             yield
 
+    @contextlib.contextmanager
+    def sync_parameters(self, names):
+        with contextlib.ExitStack() as stack:
+            for reducer in self.reducers:
+                stack.enter_context(reducer.sync_parameters(names))
+            yield
+
     def finish(self) -> None:
         for reducer in self.reducers:
             reducer.finish()
