@@ -207,6 +207,10 @@ class ParallelConfig:
     as soon as a bucket's gradients are ready."""
     overlap_grad_reduce: bool = True
     """Launch each bucket's DP reduction asynchronously during backward (else after it)."""
+    overlap_param_gather: bool = True
+    """With distributed_optimizer: leave the all-gather of the updated parameters running after each
+    step, bucket by bucket in forward order; the next forward waits for each bucket just before the
+    first module that uses it (else the step waits for all of them)."""
     vocab_pad_multiple: int = 1
     """The vocabulary is padded to a multiple of tp * vocab_pad_multiple for the vocab-parallel
     embedding and loss; padded ids are masked out of the loss and generation."""

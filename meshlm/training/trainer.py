@@ -177,7 +177,7 @@ class Trainer:
         self.reducer = None
         if self.context.distributed:
             self.reducer, self.optimizer = build_data_parallel(self.precision, config.optim, config.parallel,
-                                                               self.context)
+                                                               self.context, model=self.model)
         else:
             self.optimizer = build_optimizer(self.precision.master_parameters(), config.optim)
         self.sharded_names = tensor_parallel_names(self.model)

@@ -111,6 +111,10 @@ class OptimizerGroup:
     def named_grad_shards(self) -> list[tuple[str, torch.Tensor]]:
         return [pair for optimizer in self.optimizers for pair in optimizer.named_grad_shards()]
 
+    def wait_for_parameters(self, names=None) -> None:
+        for optimizer in self.optimizers:
+            optimizer.wait_for_parameters(names)
+
     def full_master_weights(self) -> dict[str, torch.Tensor]:
         """bf16/fp16: every part's fp32 masters, gathered (collective over each part's group)."""
         return {name: value for optimizer in self.optimizers for name, value in optimizer.full_master_weights().items()}
