@@ -11,10 +11,6 @@ from meshlm.training.data_loading import BatchPrefetcher, read_batch
 from meshlm.training.trainer import Trainer
 
 
-def prefetch_threads() -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread.name == BatchPrefetcher.THREAD_NAME]
-
-
 def same_batches(a: list[dict], b: list[dict]) -> bool:
     return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
                                     for x, y in zip(a, b))
@@ -32,16 +28,27 @@ def test_a_read_ahead_is_handed_out_only_for_its_own_samples(make_config):
     assert same_batches(moved, [read_batch(dataset, first, 2, torch.device("cpu")) for first in (0, 2)])
     assert batches.reads[-1].thread == threading.current_thread().name
     assert not moved[0]["input_ids"].is_pinned()  # CPU run: never pinned
+    thread = batches.thread
+    assert thread.daemon and thread.is_alive()
     batches.close()
-    assert batches.thread is None and not prefetch_threads()
+    assert batches.thread is None and not thread.is_alive()
 
 
 def timed_run(config, monkeypatch):
-    """Train ``config``; returns (trainer, losses, [(start, end) of each step's forward_backward])."""
-    spans, original = [], Trainer.forward_backward
+    """Train ``config``; returns (trainer, losses, [(start, end) of each step's forward_backward],
+    the read-ahead threads seen during the run)."""
+    spans, threads, original = [], set(), Trainer.forward_backward
 
     def forward_backward(self, micro_batches):
         started = time.perf_counter()
+        if self.batches.thread is not None:
+            threads.add(self.batches.thread)
+        # A step that computes for a while (the tiny model takes milliseconds; the machine may be
+        # busy): up to 5 s, until the next step's read-ahead has finished, if there is one.
+        reads_before = len(self.batches.reads)
+        while self.batches.pending is not None and len(self.batches.reads) == reads_before \
+                and time.perf_counter() < started + 5:
+            time.sleep(0.005)
         try:
             return original(self, micro_batches)
         finally:
@@ -51,28 +58,29 @@ def timed_run(config, monkeypatch):
     trainer = Trainer(config)
     result = trainer.run()
     monkeypatch.undo()
-    return trainer, result.losses, spans
+    return trainer, result.losses, spans, threads
 
 
 def test_training_with_the_read_ahead_is_bitwise_the_same(make_config, tmp_path, monkeypatch):
     steps = 5
     plain_config = make_config(f"train.steps={steps}", "train.prefetch_batches=false", "train.eval_every=0",
                                f"train.run_dir={tmp_path / 'plain'}")
-    plain, plain_losses, _ = timed_run(plain_config, monkeypatch)
-    ahead, ahead_losses, spans = timed_run(make_config(f"train.steps={steps}", "train.eval_every=0"), monkeypatch)
+    plain, plain_losses, _, plain_threads = timed_run(plain_config, monkeypatch)
+    ahead, ahead_losses, spans, threads = timed_run(make_config(f"train.steps={steps}", "train.eval_every=0"),
+                                                    monkeypatch)
     assert ahead_losses == plain_losses and len(ahead_losses) == steps
     for a, b in zip(ahead.model.state_dict().values(), plain.model.state_dict().values()):
         assert torch.equal(a, b)
-    assert all(read.thread == threading.current_thread().name for read in plain.batches.reads)
+    assert all(read.thread == threading.current_thread().name for read in plain.batches.reads) and not plain_threads
 
-    # Step 1 is read on the spot; step s + 1 by the background thread, starting before step s's
-    # forward/backward is over (it overlaps the step's compute).
+    # Step 1 is read on the spot; step s + 1 by the background thread, while step s's
+    # forward/backward runs (it overlaps the step's compute).
     reads = list(ahead.batches.reads)
     assert [read.first_samples[0] for read in reads] == [4 * step for step in range(steps)]
     assert reads[0].thread == threading.current_thread().name
     assert all(read.thread == BatchPrefetcher.THREAD_NAME for read in reads[1:])
-    assert all(reads[step + 1].started < spans[step][1] for step in range(steps - 1))
-    assert not prefetch_threads()  # the run closed it
+    assert all(reads[step + 1].finished < spans[step][1] for step in range(steps - 1))
+    assert len(threads) == 1 and not threads.pop().is_alive() and ahead.batches.thread is None  # the run closed it
 
 
 def test_a_moved_data_position_is_read_at_its_new_place(make_config):
