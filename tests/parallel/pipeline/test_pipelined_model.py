@@ -198,4 +198,5 @@ def test_dp_reduction_starts_in_each_chunks_last_backward():
         for rank, by_run in enumerate(results):
             assert_same_step(by_run[name], expected, f"{name} rank {rank}")
             assert by_run[name]["embedding_copies"] is True, name
-            assert_reduction_overlaps_the_schedule(by_run[name], parallel_kwargs.get("vp", 1) > 1, f"{name} rank {rank}")
+            interleaved = parallel_kwargs.get("vp", 1) > 1
+            assert_reduction_overlaps_the_schedule(by_run[name], interleaved, f"{name} rank {rank}")
