@@ -24,7 +24,7 @@ from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 ON_NONFINITE = ("rollback", "stop")
 
@@ -84,6 +84,10 @@ class TrainConfig:
     """A model folder (config.json + model.safetensors, e.g. from `meshlm upcycle` or a training
     checkpoint's step_N folder) whose weights start the run; the optimizer, step and data position
     start fresh. Its model config must equal the run's. Ignored when run_dir has a checkpoint."""
+    prefetch_batches: bool = True
+    """Read the next step's micro-batches in a background thread while the current step computes
+    (into pinned memory on CUDA, copied with non_blocking=True). The batches are the same either
+    way; see meshlm/training/data_loading.py."""
     keep_freed_cpu_memory: bool = True
     """On CPU, let glibc reuse freed heap memory instead of returning it to the kernel (faster
     steps; the process keeps its peak memory). See meshlm/training/cpu_allocator.py."""
@@ -145,10 +149,15 @@ class DataConfig:
 
 @dataclass
 class PrecisionConfig:
-    dtype: str = "fp32"
-    """'fp32'; 'bf16' (bf16 parameters, forward and backward; fp32 master weights, gradient
+    dtype: str = "auto"
+    """'auto' (bf16 when the run's device is a GPU, fp32 on CPU; resolved once at start-up and
+    logged); 'fp32'; 'bf16' (bf16 parameters, forward and backward; fp32 master weights, gradient
     accumulation and optimizer states); or 'fp16' (the same with fp16, plus a dynamic loss
     scaler; Micikevicius et al. 2017)."""
+    tf32: bool = True
+    """fp32 runs on CUDA: let matmuls and convolutions use TF32 tensor cores (fp32 range, 10-bit
+    mantissa products, fp32 sums; several times faster). Set at the trainer's start only when the
+    device is CUDA and the dtype fp32; false forces full-fp32 products there. No effect on CPU."""
     initial_loss_scale: float = 65536.0
     """fp16: the loss scale to start from."""
     growth_interval: int = 1000
@@ -198,6 +207,10 @@ class ParallelConfig:
     as soon as a bucket's gradients are ready."""
     overlap_grad_reduce: bool = True
     """Launch each bucket's DP reduction asynchronously during backward (else after it)."""
+    overlap_param_gather: bool = True
+    """With distributed_optimizer: leave the all-gather of the updated parameters running after each
+    step, bucket by bucket in forward order; the next forward waits for each bucket just before the
+    first module that uses it (else the step waits for all of them)."""
     vocab_pad_multiple: int = 1
     """The vocabulary is padded to a multiple of tp * vocab_pad_multiple for the vocab-parallel
     embedding and loss; padded ids are masked out of the loss and generation."""

@@ -34,6 +34,7 @@ def test_yaml_then_overrides(tmp_path):
 def test_defaults_without_a_file():
     config = load_run_config(None, ["model.vocab_size=128"])
     assert config.model.vocab_size == 128 and config.train.device == "auto"
+    assert config.precision.dtype == "auto"  # bf16 on CUDA, fp32 on CPU, resolved by the trainer
 
 
 def test_round_trip_through_yaml(tmp_path):
@@ -59,7 +60,7 @@ def test_round_trip_through_yaml(tmp_path):
     (["train.time_limit_minutes=-1"], r"train.time_limit_minutes=-1.0 must be >= 0; give the job's wall-clock"),
     (["train.time_limit_minutes=.nan"], r"train.time_limit_minutes=nan must be >= 0"),
     (["optim.schedule=linear"], r"optim.schedule='linear' is not one of cosine, wsd, constant"),
-    (["precision.dtype=fp8"], r"precision.dtype='fp8' is not one of"),
+    (["precision.dtype=fp8"], r"precision.dtype='fp8' is not one of auto, fp32, bf16, fp16"),
     (["optim.min_lr=1", "optim.lr=0.1"], r"optim.min_lr"),
     (["data.prefixes=[a]", "data.weights=[1, 2]"], r"data.weights has 2 entries but data.prefixes has 1"),
     (["model.pattern=*X"], r"model.pattern"),

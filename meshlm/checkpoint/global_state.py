@@ -150,6 +150,8 @@ def training_tensors(parts: TrainingParts, for_loading: bool = False) -> dict[st
     """Every checkpoint tensor this rank holds a piece of (see the module docstring). The last
     pipeline stage's copy of a tied embedding is loaded like the original but never saved (its
     ZeRO-1 segments would overlap the first stage's differently cut ones)."""
+    for optimizer in optimizers_of(parts.optimizer):  # ZeRO-1 all-gathers still running into the parameters
+        getattr(optimizer, "wait_for_parameters", lambda: None)()
     tensors = {**model_tensors(parts), **master_tensors(parts), **moment_tensors(parts, for_loading)}
     if for_loading:
         return tensors

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from meshlm.errors import CheckpointError, ConfigError
+from meshlm.precision.device_defaults import resolve_dtype
 from meshlm.precision.loss_scaler import DynamicLossScaler
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,12 +55,14 @@ class MixedPrecision:
     cast, so no rank ever holds a second full fp32 copy of its parameters."""
 
     def __init__(self, model: nn.Module, config, sharded_masters: bool = False):
-        if config.dtype not in DTYPES:
-            raise ConfigError(f"precision.dtype={config.dtype!r} is not one of {', '.join(DTYPES)}.")
-        self.dtype_name = config.dtype
-        self.dtype = DTYPES[config.dtype]
         self.model_parameters: list[tuple[str, nn.Parameter]] = list(model.named_parameters())
-        self.scaler = DynamicLossScaler.from_config(config) if config.dtype == "fp16" else None
+        device = self.model_parameters[0][1].device if self.model_parameters else torch.device("cpu")
+        dtype_name = resolve_dtype(config.dtype, device)  # the trainer resolves 'auto' itself, earlier
+        if dtype_name not in DTYPES:
+            raise ConfigError(f"precision.dtype={config.dtype!r} is not one of auto, {', '.join(DTYPES)}.")
+        self.dtype_name = dtype_name
+        self.dtype = DTYPES[dtype_name]
+        self.scaler = DynamicLossScaler.from_config(config) if dtype_name == "fp16" else None
         self.master_owner = None
         """A distributed optimizer holding the masters' values sharded (see ``hand_masters_to``)."""
         self.deferred = False

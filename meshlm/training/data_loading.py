@@ -20,10 +20,25 @@ disjoint document ranges of every store (``data.split``).
 Before any step runs, the vocabulary is checked: every token store records the vocabulary
 size its ids lie below, and the tokenizer knows its own; the model's embedding must cover
 both, or the first batch would fail with an index error deep inside the embedding.
+
+**Reading ahead** (``BatchPrefetcher``). Gathering a step's samples (index lookups, memory-mapped
+token slices, stacking) is host work that would otherwise sit between two steps with the device
+idle. Since the order is a function of the sample index alone, the next step's micro-batches are
+known in advance: while step s computes, a background thread reads those of step s + 1, into
+page-locked ("pinned") memory when the run is on CUDA, so that the trainer's
+``.to(device, non_blocking=True)`` is a DMA that does not hold up the host. A read is asked for by
+its micro-batches' first sample indices, and ``take`` hands it out only for exactly those indices;
+anything else (a checkpoint loaded, a data position moved) is read on the spot instead, so the
+batches are the same, bit for bit, with or without the thread.
 """
 
 from __future__ import annotations
 
+import collections
+import queue
+import threading
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,4 +112,79 @@ def read_batch(dataset: torch.utils.data.Dataset, start: int, size: int,
             for key in ("input_ids", "labels")}
 
 
-__all__ = ["TrainingData", "build_training_data", "check_vocabulary", "read_batch", "resolve_blend"]
+@dataclass(frozen=True)
+class BatchRead:
+    """One read of micro-batches, as ``BatchPrefetcher.reads`` records it (tests, timelines)."""
+    first_samples: tuple[int, ...]
+    thread: str
+    """Name of the thread that read them: ``BatchPrefetcher.THREAD_NAME`` when read ahead."""
+    started: float
+    finished: float
+    """``time.perf_counter()`` seconds."""
+
+
+class BatchPrefetcher:
+    """Micro-batches of ``micro_batch_size`` samples read ahead in one background daemon thread.
+
+    ``prefetch(firsts)`` queues the read of the micro-batches starting at samples ``firsts``;
+    ``take(firsts)`` returns them (on the host, pinned when ``pin_memory``), from the read ahead
+    when it was for the same ``firsts``, else read in the calling thread. ``background=False``
+    reads everything on the spot. ``close()`` stops the thread; the thread is a daemon, so even a
+    prefetcher never closed cannot keep the process alive.
+    """
+
+    THREAD_NAME = "meshlm-batch-prefetch"
+
+    def __init__(self, dataset: torch.utils.data.Dataset, micro_batch_size: int, pin_memory: bool = False,
+                 background: bool = True):
+        self.dataset, self.micro_batch_size = dataset, micro_batch_size
+        self.pin_memory, self.background = pin_memory, background  # pin only on CUDA runs: it needs a driver
+        self.requests: queue.Queue = queue.Queue()
+        self.pending: tuple[tuple[int, ...], Future] | None = None
+        self.thread: threading.Thread | None = None
+        self.reads: collections.deque[BatchRead] = collections.deque(maxlen=64)
+
+    def read(self, firsts) -> list[dict[str, torch.Tensor]]:
+        started = time.perf_counter()
+        batches = [read_batch(self.dataset, first, self.micro_batch_size, torch.device("cpu")) for first in firsts]
+        if self.pin_memory:
+            batches = [{key: value.pin_memory() for key, value in batch.items()} for batch in batches]
+        self.reads.append(BatchRead(tuple(firsts), threading.current_thread().name, started, time.perf_counter()))
+        return batches
+
+    def prefetch(self, firsts) -> None:
+        """Start reading the micro-batches that begin at samples ``firsts`` in the background."""
+        if not self.background:
+            return
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._serve, name=self.THREAD_NAME, daemon=True)
+            self.thread.start()
+        self.pending = (tuple(firsts), Future())
+        self.requests.put(self.pending)
+
+    def take(self, firsts) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches that begin at samples ``firsts``: the read ahead if it is theirs."""
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] == tuple(firsts):
+            return pending[1].result()  # re-raises a failed read here, in the trainer's thread
+        return self.read(firsts)  # nothing read ahead, or for another data position: read now
+
+    def close(self) -> None:
+        """Stop the background thread (after the read it is doing, if any)."""
+        self.pending = None
+        if self.thread is not None:
+            self.requests.put(None)
+            self.thread.join(timeout=60)
+            self.thread = None
+
+    def _serve(self) -> None:
+        while (request := self.requests.get()) is not None:
+            firsts, future = request
+            try:
+                future.set_result(self.read(firsts))
+            except BaseException as error:  # handed to take(); a read nobody takes is dropped
+                future.set_exception(error)
+
+
+__all__ = ["BatchPrefetcher", "BatchRead", "TrainingData", "build_training_data", "check_vocabulary", "read_batch",
+           "resolve_blend"]

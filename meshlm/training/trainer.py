@@ -53,6 +53,7 @@ every rank agreed on (``meshlm/training/stop_requests.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -79,10 +80,11 @@ from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradi
 from meshlm.parallel.expert.expert_parallel import expert_parallel_names
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.tensor.sharding import partial_grad_names, tensor_parallel_names
+from meshlm.precision.device_defaults import configure_tf32, resolve_precision
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.training.build import build_model
 from meshlm.training.cpu_allocator import keep_freed_memory
-from meshlm.training.data_loading import build_training_data, read_batch
+from meshlm.training.data_loading import BatchPrefetcher, build_training_data, read_batch
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary, format_count,
                                      peak_flops)
@@ -150,10 +152,13 @@ class Trainer:
 
     def __init__(self, config):
         config.validate()
+        self.stop_requests = StopRequests(config.train.time_limit_minutes)  # the time limit counts from here
+        self.device = resolve_device(config.train.device)
+        self.requested_dtype = config.precision.dtype  # 'auto' -> bf16 on CUDA, fp32 on CPU, from here on
+        config = dataclasses.replace(config, precision=resolve_precision(config.precision, self.device))
         self.config, train = config, config.train
-        self.stop_requests = StopRequests(train.time_limit_minutes)  # the time limit counts from here
+        self.tf32 = configure_tf32(self.device, config.precision.dtype, config.precision.tf32)  # CUDA fp32 only
         self.run_dir = Path(train.run_dir)
-        self.device = resolve_device(train.device)
         if self.device.type == "cpu" and train.keep_freed_cpu_memory:
             keep_freed_memory()
         self.micro_batches_per_step = train.global_batch_size // train.micro_batch_size
@@ -163,6 +168,8 @@ class Trainer:
                                               self.micro_batches_per_step)
         seed_everything(train.seed)
         self.data = self.build_data()
+        self.batches = BatchPrefetcher(self.data.train, train.micro_batch_size, pin_memory=self.device.type == "cuda",
+                                       background=train.prefetch_batches)
         self.checkpoints = Checkpointer(self.run_dir, config, self.context, tokenizer_file=self.data.tokenizer_file)
         checkpoint_dir = self.checkpoints.latest()
 
@@ -177,7 +184,7 @@ class Trainer:
         self.reducer = None
         if self.context.distributed:
             self.reducer, self.optimizer = build_data_parallel(self.precision, config.optim, config.parallel,
-                                                               self.context)
+                                                               self.context, model=self.model)
         else:
             self.optimizer = build_optimizer(self.precision.master_parameters(), config.optim)
         self.sharded_names = tensor_parallel_names(self.model)
@@ -204,18 +211,27 @@ class Trainer:
         return data if data is not None else build_training_data(self.config)
 
     # --- one optimizer step ---------------------------------------------------------------------------
+    def micro_batch_starts(self, consumed_samples: int) -> list[int]:
+        """First sample index of each of this DP rank's micro-batches of the step at ``consumed_samples``."""
+        size, per_rank = self.config.train.micro_batch_size, self.micro_batches_per_step // self.context.dp_size
+        start = consumed_samples + self.context.dp_rank * per_rank * size
+        return list(range(start, start + per_rank * size, size))
+
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         """This DP rank's contiguous share of the step's micro-batches (all of them without DP);
         under CP, of each sequence only this rank's chunks (with their global positions). Each
-        carries its ``dropout_key`` (seed, step, global sample indices: layout-independent masks)."""
-        size, dp_size = self.config.train.micro_batch_size, self.context.dp_size
-        per_rank = self.micro_batches_per_step // dp_size
-        start = self.state.consumed_samples + self.context.dp_rank * per_rank * size
+        carries its ``dropout_key`` (seed, step, global sample indices: layout-independent masks).
+        The next step's share is read ahead in the background meanwhile (data_loading.py)."""
+        train, firsts = self.config.train, self.micro_batch_starts(self.state.consumed_samples)
+        host_batches = self.batches.take(firsts)
+        if self.state.step + 1 < train.steps:
+            self.batches.prefetch(self.micro_batch_starts(self.state.consumed_samples + train.global_batch_size))
         batches = []
-        for first in range(start, start + per_rank * size, size):
-            batch = split_batch(read_batch(self.data.train, first, size, self.device), self.context)
-            samples = torch.arange(first, first + size, device=self.device)
-            batches.append({**batch, "dropout_key": DropoutKey(self.config.train.seed, self.state.step, samples)})
+        for first, host_batch in zip(firsts, host_batches):
+            batch = {key: value.to(self.device, non_blocking=True) for key, value in host_batch.items()}
+            batch = split_batch(batch, self.context)
+            samples = torch.arange(first, first + train.micro_batch_size, device=self.device)
+            batches.append({**batch, "dropout_key": DropoutKey(train.seed, self.state.step, samples)})
         return batches
 
     def forward_micro_batch(self, batch: dict[str, torch.Tensor]):
@@ -431,7 +447,7 @@ class Trainer:
             f"{experts}"
             f"{', distributed optimizer' if self.config.parallel.distributed_optimizer else ''})")
         self.metrics.write({"event": "resume" if self.resumed_from else "start", "step": self.state.step,
-                            "device": str(self.device), "dtype": self.config.precision.dtype,
+                            "device": str(self.device), "dtype": self.config.precision.dtype, "tf32": self.tf32,
                             "world_size": layout.world_size, "tp": layout.tp_size, "cp": layout.cp_size,
                             "dp": layout.dp_size,
                             "sp": layout.sequence_parallel, "pp": layout.pp_size, "vp": layout.vp_size,
@@ -441,9 +457,10 @@ class Trainer:
                             "tokens_per_step": train.global_batch_size * train.seq_len,
                             "tensorboard": self.metrics.tensorboard_enabled})
         where = f"resuming from {self.resumed_from}" if self.resumed_from else "starting"
+        dtype = self.config.precision.dtype + (" from precision.dtype=auto" if self.requested_dtype == "auto" else "")
         self.progress.message(f"meshlm train: {where} at step {self.state.step}/{train.steps}; "
                               f"{format_count(num_parameters)} parameters on {placement} "
-                              f"({self.config.precision.dtype}); peak {format_count(peak)}FLOP/s ({source})")
+                              f"({dtype}); peak {format_count(peak)}FLOP/s ({source})")
 
     def run(self) -> TrainResult:
         train = self.config.train
@@ -464,6 +481,7 @@ class Trainer:
             self.checkpoints.wait()  # an asynchronous save still in flight
             compare_collectives(self.context, f"at the end of the run (step {self.state.step})")
         finally:
+            self.batches.close()
             self.stop_requests.close()
             self.metrics.close()
         if train.plot and result.losses and self.context.is_logging_rank and plot_losses(self.run_dir) is None:

@@ -66,6 +66,20 @@ def test_loss_falls_and_outputs_are_written(make_config):
     assert checkpoint.name == "step_30" and (checkpoint / "tokenizer.json").is_file()
 
 
+def test_auto_dtype_resolves_to_fp32_on_cpu_and_tf32_stays_untouched(make_config):
+    config = make_config("train.steps=1", "train.eval_every=0", "precision.tf32=true")
+    assert config.precision.dtype == "auto"
+    tf32_before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    trainer = Trainer(config)
+    assert trainer.config.precision.dtype == "fp32" and config.precision.dtype == "auto"
+    assert not trainer.precision.low_precision
+    assert all(param.dtype == torch.float32 for param in trainer.model.parameters())
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == tf32_before  # CPU: no effect
+    trainer.run()
+    start = read_metrics(Path(config.train.run_dir) / "metrics.jsonl")[0]
+    assert start["event"] == "start" and start["dtype"] == "fp32" and start["tf32"] is False
+
+
 def test_gradient_accumulation_matches_one_large_micro_batch(make_config, tmp_path):
     def config(micro: int):
         return make_config("train.global_batch_size=8", f"train.micro_batch_size={micro}", "train.steps=3",

@@ -9,7 +9,8 @@ step's mean loss. Three pieces turn that into a step:
   start during the last micro-batch's backward (overlap), nothing sent on the others.
 * ``distributed_optimizer.DistributedOptimizer`` -- ZeRO stage 1: the reducer reduce-scatters
   instead, each rank updates its 1/dp of the fp32 values with its 1/dp of the Adam moments,
-  and an all-gather brings the updated values back to every rank.
+  and an all-gather brings the updated values back to every rank (by default while the next
+  forward runs: each block waits only for its own buckets).
 * ``expert_data_parallel`` -- under expert parallelism (MoE Parallel Folding) the routed
   experts' gradients are summed over the expert-data-parallel group (edp) and dense ones over
   dp_cp: one reducer (and distributed optimizer) per group, driven as one.
@@ -35,28 +36,41 @@ from __future__ import annotations
 import torch
 
 from meshlm.optim.adamw import build_optimizer
-from meshlm.parallel.data.distributed_optimizer import DistributedOptimizer
+from meshlm.parallel.data.distributed_optimizer import DistributedOptimizer, overlap_gather_with_forward
 from meshlm.parallel.data.expert_data_parallel import build_expert_data_parallel
 from meshlm.parallel.data.grad_norm import clip_grad_norm_across, clip_grads_, global_grad_norm
 from meshlm.parallel.data.grad_reducer import GradientReducer
 from meshlm.parallel.tensor.sharding import reduce_partial_tp_grads
 
 
-def build_data_parallel(precision, optim_config, parallel_config, context):
+def build_data_parallel(precision, optim_config, parallel_config, context, model=None):
     """(reducer, optimizer) for a run: the distributed optimizer (whose reducer shards) when
     ``parallel.distributed_optimizer``, else torch AdamW beside an all-reducing reducer. Build
-    after ``MixedPrecision`` (the reducer's hooks must run after its gradient mover)."""
+    after ``MixedPrecision`` (the reducer's hooks must run after its gradient mover). Given the
+    ``model`` and ``parallel.overlap_param_gather``, the distributed optimizer's parameter
+    all-gathers run on into the next forward (``overlap_gather_with_forward``)."""
     expert_names = {name for name, param in precision.model_parameters if getattr(param, "expert_parallel", False)}
     if expert_names:  # expert parallelism: experts reduced over edp (meshlm/parallel/data/expert_data_parallel.py)
-        return build_expert_data_parallel(precision, optim_config, parallel_config, context, expert_names)
-    named = precision.master_parameters()
-    sources = [param for _, param in precision.model_parameters]
-    if parallel_config.distributed_optimizer:
-        optimizer = DistributedOptimizer(named, optim_config, context, parallel_config.bucket_size_mb,
-                                         parallel_config.overlap_grad_reduce, model_parameters=sources,
+        reducer, optimizer = build_expert_data_parallel(precision, optim_config, parallel_config, context,
+                                                        expert_names)
+    elif parallel_config.distributed_optimizer:
+        optimizer = DistributedOptimizer(precision.master_parameters(), optim_config, context,
+                                         parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce,
+                                         model_parameters=[param for _, param in precision.model_parameters],
                                          model_dtype=precision.dtype)
         precision.hand_masters_to(optimizer)  # bf16/fp16: the fp32 masters are sharded over DP too
-        return optimizer.reducer, optimizer
+        reducer = optimizer.reducer
+    else:
+        return build_replicated(precision, optim_config, parallel_config, context)
+    if model is not None and parallel_config.distributed_optimizer and parallel_config.overlap_param_gather:
+        overlap_gather_with_forward(model, optimizer)
+    return reducer, optimizer
+
+
+def build_replicated(precision, optim_config, parallel_config, context):
+    """(all-reducing reducer, torch AdamW over the full fp32 parameters)."""
+    named = precision.master_parameters()
+    sources = [param for _, param in precision.model_parameters]
     reducer = GradientReducer(named, context, parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce,
                               model_parameters=sources)
     return reducer, build_optimizer(named, optim_config)

@@ -34,6 +34,18 @@ The values the optimizer updates depend on the precision:
   ``master_to_model`` (nothing left to do), ``state_dict`` and ``load_state_dict`` of the masters
   here (``full_master_weights`` / ``load_master_weights``, collective over DP).
 
+Overlapping the all-gather with the next forward (``overlap_gather_with_forward``, the trainer's
+``parallel.overlap_param_gather``). Nothing needs the updated parameters until the next forward
+reaches them, and it reaches them in order: the embedding, block 0, block 1, ... So ``step()``
+launches the buckets' all-gathers asynchronously in that order (the buffer holds the parameters
+in reverse, so the last bucket first) and returns at once; a forward pre-hook on the embedding
+and on each block waits for the buckets holding that module's parameters only, so block k
+computes while the buckets of blocks k+1, ... are still on the wire. The final norm's hook waits
+for everything left: the head that follows reads weights (the output matrix, a tied embedding)
+without calling their modules. Anything else that reads or writes the parameters first calls
+``wait_for_parameters()``: the next ``step``, the state dicts here, and the trainer before a
+checkpoint is saved or loaded. ``gather_waits`` records when each bucket was waited for.
+
 Checkpoints stay in the single-process format: ``state_dict()`` all-gathers the moments into
 exactly the dict a ``torch.optim.AdamW`` from ``build_optimizer`` would save, and
 ``load_state_dict()`` takes such a dict and keeps this rank's segments -- so a checkpoint written
@@ -43,6 +55,7 @@ at one DP size (or by a single process) loads at any other.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -164,6 +177,12 @@ class DistributedOptimizer:
             views.exp_avgs.append(self._owned(self.exp_avg, segment))
             views.exp_avg_sqs.append(self._owned(self.exp_avg_sq, segment))
         self.step_count = 0
+        self.defer_gather = False
+        """True: ``step()`` leaves the all-gathers running (``overlap_gather_with_forward``)."""
+        self.gathers: dict[int, object] = {}
+        """Bucket index -> its all-gather still in flight."""
+        self.gather_waits: list[tuple[int, float, float]] = []
+        """(bucket index, perf_counter when waiting began, when it ended) for the last gathers launched."""
 
     @staticmethod
     def _owned(local_buffer: torch.Tensor, segment: Segment) -> torch.Tensor:
@@ -178,23 +197,27 @@ class DistributedOptimizer:
     # --- the optimizer interface the trainer uses ----------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
-        """Finish the gradient reduction (if the caller has not), update this rank's shard, all-gather."""
+        """Finish the gradient reduction (if the caller has not), update this rank's shard, all-gather
+        (left running when ``defer_gather``: the next forward waits for each bucket as it needs it)."""
         self.reducer.finish()
+        self.wait_for_parameters()
         self.step_count += 1
         for group, views in zip(self.param_groups, self.group_views):
             if views.values:
                 adamw_update(views, group, self.step_count)
-        self.gather_parameters()
+        self.gather_parameters(wait=not self.defer_gather)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer (never set to None: the gradients are views into it)."""
         self.reducer.zero_grad()
 
     @torch.no_grad()
-    def gather_parameters(self) -> None:
-        """All-gather every rank's updated shard, bucket by bucket: in fp32 into the full value
-        buffer (the model's parameters); in bf16/fp16 cast first and gathered into the model's
-        low-precision buffer."""
+    def gather_parameters(self, wait: bool = True) -> None:
+        """All-gather every rank's updated shard, bucket by bucket in forward order (the last
+        bucket first): in fp32 into the full value buffer (the model's parameters); in bf16/fp16
+        cast first and gathered into the model's low-precision buffer. ``wait=False`` leaves the
+        gathers running (``wait_for_parameters``)."""
+        self.wait_for_parameters()
         layout, rank, size = self.reducer.layout, self.context.dp_cp_rank, self.context.dp_cp_size
         target = self.model_values if self.low_precision else self.values
         if self.low_precision:
@@ -204,13 +227,30 @@ class DistributedOptimizer:
                 target[start:end].copy_(self.values[local:local + end - start])
         if size == 1:
             return
-        pending = []
-        for bucket in layout.buckets:
+        self.gather_waits = []
+        for index in reversed(range(len(layout.buckets))):
+            bucket = layout.buckets[index]
             start, end = bucket.shard(rank, size)
-            pending.append(all_gather_into_(target[bucket.start:bucket.end], target[start:end],
-                                           self.context.dp_cp_group, async_op=True))
-        for work in pending:
-            work.wait()
+            self.gathers[index] = all_gather_into_(target[bucket.start:bucket.end], target[start:end],
+                                                   self.context.dp_cp_group, async_op=True)
+        if wait:
+            self.wait_for_parameters()
+
+    def wait_for_parameters(self, names=None) -> None:
+        """Wait for the all-gathers of the buckets holding the parameters ``names`` (all: None)."""
+        if not self.gathers:
+            return
+        if names is None:
+            buckets = sorted(self.gathers, reverse=True)  # in launch order
+        else:
+            index_of, bucket_of = self.reducer.index_of, self.reducer.layout.bucket_of
+            buckets = sorted({bucket_of[index_of[name]] for name in names if name in index_of}, reverse=True)
+        for bucket in buckets:
+            work = self.gathers.pop(bucket, None)
+            if work is not None:
+                started = time.perf_counter()
+                work.wait()
+                self.gather_waits.append((bucket, started, time.perf_counter()))
 
     def named_grad_shards(self) -> list[tuple[str, torch.Tensor]]:
         """(parameter name, this rank's reduced gradient piece) for every owned segment."""
@@ -225,6 +265,7 @@ class DistributedOptimizer:
     # --- checkpoints in the single-process format ---------------------------------------------------
     def _gathered(self, local: torch.Tensor) -> torch.Tensor:
         """A buffer holding this rank's shard of every bucket, all-gathered into the full layout."""
+        self.wait_for_parameters()  # one collective at a time on the group, in the same order on every rank
         size, layout = self.context.dp_cp_size, self.reducer.layout
         if size == 1:
             return local
@@ -252,6 +293,7 @@ class DistributedOptimizer:
         missing = [name for name in self.reducer.names if name not in masters]
         if missing:
             raise ValueError(f"no master weight for {missing[0]} ({len(missing)} missing); saved for another model")
+        self.wait_for_parameters()
         for segment in self.segments:
             self._owned(self.values, segment).copy_(self._piece(masters[self.reducer.names[segment.param]], segment))
         self.gather_parameters()
@@ -294,6 +336,7 @@ class DistributedOptimizer:
             raise ValueError(f"the saved parameters have different step counts {sorted(steps)}; this optimizer "
                              "keeps one count for all of them.")
         self.step_count = steps.pop() if steps else 0
+        self.wait_for_parameters()
         self.exp_avg.zero_()
         self.exp_avg_sq.zero_()
         for segment in self.segments:
@@ -303,4 +346,34 @@ class DistributedOptimizer:
                 self._owned(self.exp_avg_sq, segment).copy_(self._piece(entry["exp_avg_sq"], segment))
 
 
-__all__ = ["DistributedOptimizer", "GroupViews", "Segment", "adamw_update", "owned_segments"]
+def overlap_gather_with_forward(model, optimizer) -> list:
+    """Let ``optimizer.step()`` (a ``DistributedOptimizer`` or an ``OptimizerGroup`` of them) leave
+    its parameter all-gathers running, and make the forward of ``model`` (a language model, whole
+    or a pipeline stage) wait for each bucket just before it needs it: the embedding and each
+    block for their own parameters, the final norm for all the rest (see the module docstring).
+    Returns the hook handles."""
+    parts = getattr(optimizer, "optimizers", [optimizer])
+    for part in parts:
+        part.defer_gather = True
+    handles = []
+    units = [("embedding", getattr(model, "embedding", None))]
+    units += [(name, module) for name, module in model.named_modules() if name.count(".") == 1
+              and name.startswith("blocks.")]
+    for prefix, module in units:
+        if module is not None:
+            names = [f"{prefix}.{name}" for name, _ in module.named_parameters()]
+            handles.append(module.register_forward_pre_hook(_waiter(parts, names)))
+    if getattr(model, "final_norm", None) is not None:
+        handles.append(model.final_norm.register_forward_pre_hook(_waiter(parts, None)))
+    return handles
+
+
+def _waiter(parts, names):
+    def wait_before_forward(module, args) -> None:
+        for part in parts:
+            part.wait_for_parameters(names)
+    return wait_before_forward
+
+
+__all__ = ["DistributedOptimizer", "GroupViews", "Segment", "adamw_update", "overlap_gather_with_forward",
+           "owned_segments"]

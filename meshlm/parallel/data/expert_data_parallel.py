@@ -86,6 +86,13 @@ class ReducerGroup:
                 stack.enter_context(reducer.no_sync())
             yield
 
+    @contextlib.contextmanager
+    def sync_parameters(self, names):
+        with contextlib.ExitStack() as stack:
+            for reducer in self.reducers:
+                stack.enter_context(reducer.sync_parameters(names))
+            yield
+
     def finish(self) -> None:
         self.launch_order.finish()
 
@@ -129,6 +136,10 @@ class OptimizerGroup:
 
     def named_grad_shards(self) -> list[tuple[str, torch.Tensor]]:
         return [pair for optimizer in self.optimizers for pair in optimizer.named_grad_shards()]
+
+    def wait_for_parameters(self, names=None) -> None:
+        for optimizer in self.optimizers:
+            optimizer.wait_for_parameters(names)
 
     def full_master_weights(self) -> dict[str, torch.Tensor]:
         """bf16/fp16: every part's fp32 masters, gathered (collective over each part's group)."""

@@ -30,7 +30,11 @@ How that sum is done decides how much of it is hidden behind computation (Li et 
 * **Accumulation.** The micro-batches before the last of a step run inside ``no_sync()``: their
   gradients only accumulate locally and nothing is communicated; the last one triggers the
   reduction of the accumulated sum. So the communication per step is one pass over the buffer
-  whatever the number of micro-batches.
+  whatever the number of micro-batches. Under pipeline parallelism each model chunk of a rank
+  has its own last backward, at its own time; inside ``no_sync()``, ``sync_parameters(names)``
+  makes one backward final for those parameters only (``pipeline/pipelined_model.py``), so a
+  chunk's buckets go out while the schedule still runs the other chunks. ``launches`` records
+  when each bucket went out.
 
 Precision. In fp32 the holders are the model parameters themselves. In bf16/fp16 they are
 ``MixedPrecision``'s fp32 masters: its hook (registered first, so it runs first) adds each
@@ -63,6 +67,7 @@ with a zero gradient; in our models every trainable parameter is used by every s
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -207,9 +212,14 @@ class GradientReducer:
         self.buffer = torch.zeros(self.layout.total, dtype=torch.float32, device=device)
         self.grad_views = [self.layout.view(self.buffer, index) for index in range(len(self.holders))]
         self.sync = True
+        self.synced_params: frozenset[int] = frozenset()
+        """Parameters whose gradients count as final even inside ``no_sync()`` (``sync_parameters``)."""
+        self.index_of = {name: index for index, name in enumerate(self.names)}
         self.pending: list = []
         self.launch_order = LaunchOrder([(self, bucket) for bucket in range(len(self.layout.buckets))])
         """Shared with other reducers when a ``ReducerGroup`` merges their orders."""
+        self.launches: list[tuple[int, float]] = []
+        """This step's reductions so far: (bucket index, ``time.perf_counter()`` at launch), in order."""
         self.hook_handles = [source.register_post_accumulate_grad_hook(self._ready_hook(index))
                              for index, source in enumerate(self.sources)]
         self.zero_grad()
@@ -225,6 +235,7 @@ class GradientReducer:
         self.next_bucket = 0
         self.reduced = False
         self.launch_order.restart()
+        self.launches = []
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -234,6 +245,18 @@ class GradientReducer:
             yield
         finally:
             self.sync = previous
+
+    @contextlib.contextmanager
+    def sync_parameters(self, names):
+        """Inside ``no_sync()``: backward passes in this block are the last of the step for the
+        parameters named ``names`` (those this reducer holds), whose buckets then launch as they
+        fill: a pipeline chunk's last backward."""
+        indices = {self.index_of[name] for name in names if name in self.index_of}
+        previous, self.synced_params = self.synced_params, self.synced_params | indices
+        try:
+            yield
+        finally:
+            self.synced_params = previous
 
     def finish(self) -> None:
         """Launch every bucket not launched yet, in the launch order, and wait for all (every
@@ -250,11 +273,11 @@ class GradientReducer:
                 raise RuntimeError(f"{self.names[index]}: the model gradient was not moved into the fp32 master "
                                    "before the reducer saw it; build the GradientReducer after MixedPrecision.")
             bucket = self.layout.bucket_of[index]
-            if self.sync and self.overlap and bucket < self.next_bucket:
+            if self.overlap and bucket < self.next_bucket:
                 raise RuntimeError(f"{self.names[index]}: a second backward reached a bucket whose reduction was "
                                    "already launched; run the non-final micro-batches of a step inside no_sync().")
             self._attach(index)
-            if self.sync and self.overlap:
+            if self.overlap and (self.sync or index in self.synced_params):
                 self.ready[bucket].add(index)
                 self.launch_order.launch_ready()
         return on_gradient_ready
@@ -293,6 +316,7 @@ class GradientReducer:
         else:
             work = all_reduce_(data, self.group, async_op=True)
         self.pending.append(work)
+        self.launches.append((bucket_index, time.perf_counter()))
 
     def wait(self) -> None:
         for work in self.pending:

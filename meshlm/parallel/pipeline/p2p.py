@@ -6,12 +6,23 @@ batch size x local sequence length (sequence / tp under sequence parallelism, / 
 parallelism) x hidden size, in the model's compute dtype -- so the receiver allocates its buffer
 itself and no message ever carries a shape (no per-step handshake).
 
-After each action the executor issues, in ONE batch (``collectives.send_and_receive``), the
-send of the tensor it just produced and the receive of the tensor its next action needs, then
-waits for the receive only. A send never blocks the sender: its handle (and tensor) is kept
-until it completes, and all are waited for at the end of the schedule. So a rank waits only when
-its next action's input has not been produced yet -- the dependency the schedule simulator
-checks (``schedules.simulate``).
+Every message goes through ``collectives.send_and_receive`` (device-checked, and recorded for
+``parallel.check_collectives``). A send never blocks the sender: its handle (and tensor) is kept until it completes, and all are
+waited for at the end of the schedule. When a receive is posted depends on the backend
+(``receives_early``):
+
+* **gloo** (every op its own asynchronous request): the receive of an action's input is posted
+  *before the compute it waits behind* -- before the previous action runs -- so the message can
+  arrive while this rank computes, instead of starting its transfer only once the rank is free
+  to post it. The executor waits for it just before the action that needs it.
+* **NCCL**: one stream carries a pair of ranks' sends and receives in issue order, so a receive
+  posted alone, before a send its peer is waiting for, could block that send behind it: the
+  receive of the next action's input goes out in ONE ``batch_isend_irecv`` call with the send
+  of what the current action produced (a group NCCL completes as a whole), after that action,
+  as Megatron-LM does.
+
+Either way a rank waits only when its next action's input has not been produced yet -- the
+dependency the schedule simulator checks (``schedules.simulate``).
 
 Messages are matched by (peer, tag), the tag naming the kind, micro-batch and receiving virtual
 stage: two ranks may exchange several messages of the same shape in different orders (with
@@ -25,9 +36,11 @@ do not guarantee for pp = 2 with vp > 1, so that layout is refused on NCCL
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from meshlm.parallel.collectives import send_and_receive
 
@@ -48,6 +61,20 @@ class Message:
         return (self.microbatch * num_virtual_stages + self.virtual_stage) * 2 + self.kind
 
 
+class Receive:
+    """A receive in flight: ``wait()`` returns its tensor once it is here (None: nothing was posted)."""
+
+    def __init__(self, buffer: torch.Tensor | None = None, work=None, posted_at: float | None = None):
+        self.buffer, self.work, self.posted_at = buffer, work, posted_at
+        """``time.perf_counter()`` when it was posted."""
+
+    def wait(self) -> torch.Tensor | None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.buffer
+
+
 class PointToPoint:
     """Batched sends and receives of fixed-shape tensors over one pipeline's process group."""
 
@@ -56,9 +83,16 @@ class PointToPoint:
         self.group, self.shape, self.dtype, self.device = group, tuple(shape), dtype, device
         self.num_virtual_stages = num_virtual_stages
         self.pending_sends: list[tuple[object, torch.Tensor]] = []
+        self.receives_early = dist.get_backend(group.process_group) == "gloo"
+        """Post each receive on its own, before the compute it waits behind (see the module docstring)."""
 
     def exchange(self, sends: list[tuple[Message, torch.Tensor]], receive: Message | None) -> torch.Tensor | None:
         """Start ``sends`` and ``receive`` in one batch; return the received tensor once it is here."""
+        return self.start(sends, receive).wait()
+
+    def start(self, sends: list[tuple[Message, torch.Tensor]], receive: Message | None) -> Receive:
+        """Start ``sends`` and ``receive`` in one batch; the receive is waited for by ``Receive.wait``."""
+        posted_at = time.perf_counter()
         outgoing = []
         for message, tensor in sends:
             if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
@@ -70,17 +104,17 @@ class PointToPoint:
             buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             incoming.append((buffer, receive.peer, receive.tag(self.num_virtual_stages)))
         if not outgoing and not incoming:
-            return None
-        works = send_and_receive(outgoing, incoming, self.group)  # sends first
-        if len(works) == len(outgoing) + len(incoming):  # one handle per op (gloo): keep the sends going
+            return Receive()
+        works = send_and_receive(outgoing, incoming, self.group)  # checked and recorded; sends first
+        pending = None
+        if len(works) == len(outgoing) + len(incoming):  # one handle per op (gloo): sends go on, the receive for wait()
             self.pending_sends += [(work, tensor) for work, (tensor, _, _) in zip(works, outgoing)]
-            if receive is not None:
-                works[-1].wait()
+            pending = works[-1] if receive is not None else None
         else:  # one handle for the whole batch (a coalescing backend)
             for work in works:
                 work.wait()
         self._forget_completed_sends()
-        return buffer
+        return Receive(buffer, pending, posted_at)
 
     def _forget_completed_sends(self) -> None:
         self.pending_sends = [(work, tensor) for work, tensor in self.pending_sends if not work.is_completed()]
@@ -92,4 +126,4 @@ class PointToPoint:
         self.pending_sends = []
 
 
-__all__ = ["ACTIVATION", "GRADIENT", "Message", "PointToPoint"]
+__all__ = ["ACTIVATION", "GRADIENT", "Message", "PointToPoint", "Receive"]

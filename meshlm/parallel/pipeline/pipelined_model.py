@@ -5,15 +5,31 @@
 
     schedule (1F1B / interleaved)   every micro-batch's forward and backward through this rank's
                                     chunks, activations and gradients exchanged with neighbours;
-                                    gradients only accumulate (the DP reducer is in no_sync)
+                                    gradients accumulate (the DP reducer is in no_sync), except
+                                    in each chunk's LAST backward, which is final for that
+                                    chunk's parameters: their DP buckets launch as they fill
     tied embedding                  the first and last stages' embedding gradients are summed
     loss sums                       the step's loss terms, summed over the pipeline (one
                                     all-reduce), so every rank -- global rank 0 included, which
                                     is a first stage -- logs the single-process numbers
 
-after which the trainer's ``finish_gradients`` reduces over DP (after the schedule: no overlap
-with the backward under pipelining) and clips by the global norm, whose all-reduce spans every
-stage.
+after which the trainer's ``finish_gradients`` launches the buckets left, waits for the DP
+reduction and clips by the global norm, whose all-reduce spans every stage.
+
+**DP reduction during the schedule.** Without pipelining, the last micro-batch's backward
+launches the DP reduction of each gradient bucket as soon as it fills (``grad_reducer.py``).
+A pipeline rank has one last backward per model chunk, and with interleaving (vp > 1) they come
+at different times: chunk v - 1 finishes its micro-batches first. So the reducer stays in
+``no_sync()`` for the schedule, and each chunk's last backward runs inside
+``reducer.sync_parameters(that chunk's parameters)``; the buffer holds the later blocks first and
+buckets launch in order, so the buckets of later chunks go out while earlier chunks still
+compute. One exception: the tied embedding's gradients (first stage, and the last stage's copy)
+must be summed over the two stages *before* the DP reduction. Sums commute, so for an all-reduce
+the order would not matter; but with the distributed optimizer the DP reduction is a
+reduce-scatter, and the two stages' buffers cut the embedding into different shards, so after it
+neither holds the values the other adds. Those parameters are therefore never made final during
+the schedule: their bucket (the last: the embedding is the model's first parameter) launches in
+``finish`` after ``sum_embedding_grads`` -- at the end of the first stage's last backward anyway.
 
 **Losses on every stage.** The last virtual stage computes the LM loss (and MTP), divided by the
 step's micro-batch count like the trainer's. A stage with MoE blocks also owns their auxiliary
@@ -24,14 +40,17 @@ process where they are part of one scalar loss.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from meshlm.models.context import SequenceContext
 from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.context.context_parallel import share_losses
 from meshlm.parallel.pipeline.runtime import PipelineExecutor
-from meshlm.parallel.pipeline.schedules import build_schedule
-from meshlm.parallel.pipeline.stages import STAGE_COPY_NAMES, build_embedding_group, keep_stage_modules, rank_chunks
+from meshlm.parallel.pipeline.schedules import BACKWARD, build_schedule
+from meshlm.parallel.pipeline.stages import (STAGE_COPY_NAMES, build_embedding_group, chunk_parameter_names,
+                                             keep_stage_modules, rank_chunks)
 
 
 def loss_term_names(config) -> list[str]:
@@ -47,9 +66,12 @@ def loss_term_names(config) -> list[str]:
 class LanguageModelStages:
     """The forward and backward of this rank's chunks for one step (the executor's ``stages``)."""
 
-    def __init__(self, model, chunks, microbatches: list[dict], loss_divisor: int, context, scale_loss=None):
+    def __init__(self, model, chunks, microbatches: list[dict], loss_divisor: int, context, scale_loss=None,
+                 backward_context=None):
         self.model, self.chunks, self.microbatches, self.context = model, chunks, microbatches, context
         self.loss_divisor, self.scale_loss = loss_divisor, scale_loss or (lambda loss: loss)
+        self.backward_context = backward_context or (lambda action: contextlib.nullcontext())
+        """action -> the context its backward runs in (the DP reducer's sync for a chunk's last one)."""
         config = model.config
         self.moe_blocks = [index for index, kind in enumerate(config.block_kinds) if kind == "E"]
         self.term_names = loss_term_names(config)
@@ -90,14 +112,15 @@ class LanguageModelStages:
     def backward(self, action, grad: torch.Tensor | None) -> torch.Tensor | None:
         chunk = self.chunks[action.chunk]
         stage_input, output, scaled = self.saved.pop((action.microbatch, action.chunk))
-        if chunk.is_last:
-            scaled.backward()
-        else:
-            tensors, grads = [output], [grad]
-            if scaled is not None:  # this stage's MoE terms: part of the loss, so part of the gradient
-                tensors.append(scaled)
-                grads.append(None)
-            torch.autograd.backward(tensors, grads)
+        with self.backward_context(action):
+            if chunk.is_last:
+                scaled.backward()
+            else:
+                tensors, grads = [output], [grad]
+                if scaled is not None:  # this stage's MoE terms: part of the loss, so part of the gradient
+                    tensors.append(scaled)
+                    grads.append(None)
+                torch.autograd.backward(tensors, grads)
         return None if chunk.is_first else stage_input.grad
 
     def _accumulate(self, chunk, total, terms: dict, counts: list) -> None:
@@ -115,6 +138,10 @@ class PipelinedModel:
 
     def __init__(self, model, context, chunks, embedding_group):
         self.model, self.context, self.chunks, self.embedding_group = model, context, chunks, embedding_group
+        held_back = set(STAGE_COPY_NAMES) if embedding_group is not None else set()  # summed over stages first
+        self.chunk_parameters = [[name for name in names if name not in held_back]
+                                 for names in chunk_parameter_names(model, chunks)]
+        """Per chunk, the parameters its last backward makes final for the DP reduction."""
         self.last_records = []
         """The per-action timestamps of the last training step (``runtime.ActionRecord``)."""
 
@@ -130,17 +157,29 @@ class PipelinedModel:
     def forward_backward(self, microbatches: list[dict], loss_divisor: int, precision, reducer):
         """Run the step's schedule; returns (loss sum, term sums, per-expert counts) of the whole
         pipeline for this DP rank's micro-batches, like the trainer's loop without pipelining."""
-        stages = LanguageModelStages(self.model, self.chunks, microbatches, loss_divisor, self.context,
-                                     precision.scale_loss)
         schedule = build_schedule(self.context.pp_size, self.context.vp_size, len(microbatches))
+        stages = LanguageModelStages(self.model, self.chunks, microbatches, loss_divisor, self.context,
+                                     precision.scale_loss, self._final_backward_sync(schedule, reducer))
         reducer.zero_grad()
         with reducer.no_sync():
             self.last_records = self._executor(schedule).run(stages, *self._message_layout(microbatches, precision))
         self.sum_embedding_grads(reducer)
         return self.sum_over_pipeline(stages)
 
+    def _final_backward_sync(self, schedule, reducer):
+        """action -> context: each chunk's last backward of the step makes its parameters' gradients final."""
+        last = {action.chunk: action for action in schedule.actions[self.context.pp_rank] if action.kind == BACKWARD}
+
+        def backward_context(action):
+            if last.get(action.chunk) != action:
+                return contextlib.nullcontext()
+            return reducer.sync_parameters(self.chunk_parameters[action.chunk])
+
+        return backward_context
+
     def sum_embedding_grads(self, reducer) -> None:
-        """Add the first and last stages' embedding gradients (the tied copies take the same step)."""
+        """Add the first and last stages' embedding gradients (the tied copies take the same step);
+        before their DP reduction, which ``finish`` launches (see the module docstring)."""
         if self.embedding_group is None:
             return
         for name, grad in reducer.named_grads():

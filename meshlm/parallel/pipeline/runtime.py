@@ -5,15 +5,17 @@
     for each action (F or B of one micro-batch through one model chunk):
         wait for its input, if it comes from another stage (an activation for F on a virtual
             stage > 0, an activation gradient for B on a virtual stage < last)
+        gloo: post the receive of what the NEXT action needs, so it arrives during this compute
         compute it: stages.forward(action, input) / stages.backward(action, grad)
-        one batched call: send what it produced to the neighbouring virtual stage, and post the
-            receive of what the next action needs (``p2p.PointToPoint.exchange``)
+        send what it produced to the neighbouring virtual stage (NCCL: in one batched call with
+            the receive of what the next action needs; ``p2p.py`` says why)
 
 The executor knows nothing about language models: ``stages`` is any object with
 ``forward(action, incoming) -> outgoing`` and ``backward(action, incoming_grad) -> outgoing_grad``
 (``pipelined_model.LanguageModelStages`` for training, a fixed-duration stand-in in
 ``bench/pipeline_bubble.py``). It records, per action, when its computation started and ended
-(``time.perf_counter``); the gaps are the rank's idle time: the pipeline bubble plus transfers.
+(``time.perf_counter``) and when the receive of its input was posted; the gaps are the rank's
+idle time: the pipeline bubble plus transfers.
 
 Why our own executor rather than ``torch.distributed.pipelining``: that package wants one
 ``nn.Module`` per stage whose ``forward`` maps the received tensors to the sent ones, with the
@@ -42,6 +44,8 @@ class ActionRecord:
     start: float
     """``time.perf_counter()`` when the computation started (its input had arrived)."""
     end: float
+    input_posted: float | None = None
+    """When the receive of its input from another stage was posted (None: no such input)."""
 
 
 class PipelineExecutor:
@@ -75,18 +79,24 @@ class PipelineExecutor:
         actions = self.schedule.actions[self.pp_rank]
         p2p = PointToPoint(self.group, shape, dtype, device, self.schedule.num_virtual_stages)
         records = []
-        received = p2p.exchange([], self.incoming(actions[0])) if actions else None
+        receive = p2p.start([], self.incoming(actions[0])) if actions else None
         for index, action in enumerate(actions):
+            received, posted = receive.wait(), receive.posted_at
+            following = self.incoming(actions[index + 1]) if index + 1 < len(actions) else None
+            if p2p.receives_early:  # posted before this action's compute, which it may arrive during
+                receive = p2p.start([], following)
             start = time.perf_counter()
             if action.kind == FORWARD:
                 produced = stages.forward(action, received)
             else:
                 produced = stages.backward(action, received)
-            records.append(ActionRecord(action, start, time.perf_counter()))
+            records.append(ActionRecord(action, start, time.perf_counter(), posted if received is not None else None))
             destination = self.outgoing(action)
             sends = [(destination, produced)] if destination is not None else []
-            following = self.incoming(actions[index + 1]) if index + 1 < len(actions) else None
-            received = p2p.exchange(sends, following)
+            if p2p.receives_early:
+                p2p.start(sends, None)
+            else:
+                receive = p2p.start(sends, following)
         p2p.wait_sends()
         return records
 

@@ -158,6 +158,27 @@ def keep_stage_modules(model: nn.Module, chunks: list[ModelChunk], pp_rank: int,
     return layout
 
 
+def chunk_parameter_names(model: nn.Module, chunks: list[ModelChunk]) -> list[list[str]]:
+    """The names of the parameters of this rank's stage ``model`` that each of its ``chunks`` runs:
+    ``blocks.{i}.*`` with block i; the embedding with the first virtual stage (or, as the tied
+    copy, the last); the final norm, output head and MTP depths with the last virtual stage."""
+    chunk_of_block = {index: number for number, chunk in enumerate(chunks) for index in chunk.blocks}
+    first = [number for number, chunk in enumerate(chunks) if chunk.is_first]
+    last = [number for number, chunk in enumerate(chunks) if chunk.is_last]
+    names: list[list[str]] = [[] for _ in chunks]
+    for name, _ in model.named_parameters():
+        top, _, rest = name.partition(".")
+        if top == "blocks":
+            owners = [chunk_of_block[int(rest.partition(".")[0])]]
+        elif top == "embedding":
+            owners = first or last
+        else:
+            owners = last
+        for number in owners:
+            names[number].append(name)
+    return names
+
+
 def build_embedding_group(context, config) -> Group | None:
     """The group of this rank's first and last pipeline stage ("embedding"), when the last stage
     holds a copy of the embedding. Collective: every rank creates every pipeline's group, in the
@@ -185,5 +206,5 @@ def check_pipeline_layout(parallel, config, seq_len: int | None, microbatches_pe
 
 
 __all__ = ["ModelChunk", "STAGE_COPY_NAMES", "StageBlocks", "StageLayout", "balanced_starts",
-           "build_embedding_group", "check_pipeline_layout", "keep_stage_modules", "needs_embedding_copy",
-           "rank_chunks", "stage_starts"]
+           "build_embedding_group", "check_pipeline_layout", "chunk_parameter_names", "keep_stage_modules",
+           "needs_embedding_copy", "rank_chunks", "stage_starts"]

@@ -6,8 +6,12 @@ final parameters equal the plain single-process AdamW run (relative error <= 1e-
 4, with several buckets, overlap on and off, and the communication is one reduce-scatter and one
 all-gather per bucket per step. Each rank keeps 1/dp of the moments and the ranks' segments tile
 every parameter exactly once. The state gathered at dp=2 is the single-process AdamW state
-dict, and loads at dp=4 (and into torch AdamW) to continue identically.
+dict, and loads at dp=4 (and into torch AdamW) to continue identically. With the parameter
+all-gather left to the next forward, each bucket is waited for inside that forward (timestamps),
+in forward order, and training is bitwise the same as with the gather waited for in step().
 """
+
+import time
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from meshlm.config import PrecisionConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.parallel.data.data_parallel import build_data_parallel
+from meshlm.parallel.data.distributed_optimizer import overlap_gather_with_forward
 from meshlm.parallel.mesh import ParallelContext
 from meshlm.precision.mixed_precision import MixedPrecision
 from tests.helpers.distributed import run_distributed
@@ -252,3 +257,63 @@ def test_zero_never_copies_all_fp32_masters():
         assert sharded[rank]["total"] <= allocated, (rank, sharded[rank], allocated)
         assert copied[rank]["total"] >= allocated + 4 * numel - 2 * slack, (rank, copied[rank], allocated)
         assert sharded[rank]["peak"] <= allocated + 4 * numel, (rank, sharded[rank])
+
+
+# --- the parameter all-gather overlapping the next forward ----------------------------------------------
+
+def train_with_gather_overlap(specs: list[TrainSpec]) -> list[dict]:
+    """Each spec trained twice on this rank: the all-gathers waited for in step() and left to the
+    next forward (``overlap_gather_with_forward``), with when each bucket was waited for."""
+    context, results = context_from_world(), []
+    for spec in specs:
+        plain = result_of(train_steps(build_run(spec, context), spec, context), context)
+        run = build_run(spec, context)
+        overlap_gather_with_forward(run.model, run.optimizer)
+        forwards, block_starts, waits = [], [], []
+        run.model.register_forward_pre_hook(lambda module, args: forwards.append([time.perf_counter()]))
+        run.model.register_forward_hook(lambda module, args, output: forwards[-1].append(time.perf_counter()))
+        run.model.blocks[0].register_forward_pre_hook(lambda module, args: block_starts.append(time.perf_counter()))
+
+        def observe(event, step, micro):
+            if event == "reduced":  # the waits for the gathers launched by the previous step
+                waits.append(list(run.optimizer.gather_waits))
+        train_steps(run, spec, context, observe=observe)
+        run.optimizer.wait_for_parameters()  # the last step's gathers: no forward followed (a checkpoint waits too)
+        overlapped = result_of(run, context)
+        per_rank = spec.micro_batches // context.dp_size
+        first_forwards = [forwards[step * per_rank] for step in range(spec.steps)]
+        first_blocks = [block_starts[step * per_rank] for step in range(spec.steps)]
+        results.append(dict(plain=plain, overlapped=overlapped, waits=waits, first_forwards=first_forwards,
+                            first_blocks=first_blocks, buckets=len(run.optimizer.reducer.layout.buckets)))
+    return results
+
+
+def test_parameter_all_gather_is_waited_for_inside_the_next_forward():
+    dp = 2
+    specs = [TrainSpec(DENSE, micro_batches=4, distributed_optimizer=True, bucket_size_mb=SMALL_BUCKETS_MB, steps=3),
+             TrainSpec(HYBRID_MOE, micro_batches=4, distributed_optimizer=True, bucket_size_mb=SMALL_BUCKETS_MB,
+                       steps=3, dtype="bf16")]
+    results = run_distributed(train_with_gather_overlap, dp, specs)
+    for number, spec in enumerate(specs):
+        for rank in range(dp):
+            result = results[rank][number]
+            for key in ("losses", "grad_norms"):  # the same collectives on the same bits: identical
+                assert result["overlapped"][key] == result["plain"][key], (number, rank, key)
+            for name, value in result["plain"]["params"].items():
+                assert torch.equal(result["overlapped"]["params"][name], value), (number, rank, name)
+            assert result["buckets"] >= 3
+            # Step 0's forward had nothing to wait for; from step 1 on, every bucket gathered after the
+            # previous step is waited for inside the first forward, in forward order (the last
+            # bucket, holding the embedding, first), some only after block 0 has started computing.
+            assert result["waits"][0] == []
+            for step in range(1, spec.steps):
+                waits, (start, end) = result["waits"][step], result["first_forwards"][step]
+                assert sorted(bucket for bucket, _, _ in waits) == list(range(result["buckets"])), (number, step)
+                assert [bucket for bucket, _, _ in waits] == sorted((b for b, _, _ in waits), reverse=True)
+                assert all(start <= began <= ended <= end for _, began, ended in waits), (number, rank, step)
+                assert max(began for _, began, _ in waits) > result["first_blocks"][step], (number, rank, step)
+        if spec.dtype == "fp32":
+            expected = single_process_result(spec)
+            assert relative_error(results[0][number]["overlapped"]["losses"], expected["losses"]) <= TOLERANCE
+            for name, value in expected["params"].items():
+                assert relative_error(results[0][number]["overlapped"]["params"][name], value) <= TOLERANCE, name

@@ -8,6 +8,11 @@ put MoE blocks (auxiliary and z losses) on a non-last stage, MTP and a tied head
 layouts: pp2 (1F1B), pp2 x vp2 (interleaved), pp2 x dp2 with the distributed optimizer, and
 pp2 x tp2 with sequence parallelism. Every run has ``parallel.check_collectives`` on and compares
 the ranks' collectives and pipeline messages at the end.
+
+With small DP buckets, the executor's action timestamps and the reducer's launch times show the
+DP reduction of each chunk's gradients starting inside that chunk's last backward -- under
+interleaving, before the rank's last action -- while the tied embedding's bucket waits for the
+sum over the two stages; the gradients still equal the single-process ones.
 """
 
 from __future__ import annotations
@@ -82,6 +87,11 @@ def pipelined_step(model_kwargs: dict, parallel_kwargs: dict) -> dict:
     share = NUM_MICROBATCHES // context.dp_size
     batches = make_batches()[context.dp_rank * share:(context.dp_rank + 1) * share]
     loss, terms, counts = pipelined.forward_backward(batches, NUM_MICROBATCHES, precision, reducer)
+    launches = list(reducer.launches)  # those that went out during the schedule (finish() adds the rest)
+    records = [(action.kind, action.chunk, action.microbatch, start, end)
+               for action, start, end in ((r.action, r.start, r.end) for r in pipelined.last_records)]
+    embedding = reducer.index_of.get("embedding.weight")
+    embedding_bucket = reducer.layout.bucket_of[embedding] if embedding is not None else None
     if context.dp_size > 1:  # the trainer sums the DP ranks' loss terms for logging the same way
         flat = torch.stack([loss, *terms.values()])
         all_reduce_(flat, context.dp_group)
@@ -106,7 +116,9 @@ def pipelined_step(model_kwargs: dict, parallel_kwargs: dict) -> dict:
     compare_collectives(context, "after the pipelined step")
     return dict(loss=float(loss), terms={name: float(value) for name, value in terms.items()},
                 counts=[count.tolist() for count in counts], grads=merge_named(everyone), norm=float(norm),
-                evaluation=evaluation, embedding_copies=copies)
+                evaluation=evaluation, embedding_copies=copies,
+                launches=launches, records=records, embedding_bucket=embedding_bucket,
+                embedding_group=pipelined.embedding_group is not None)
 
 
 def _embedding_copies_equal(model, context, pipelined) -> bool | None:
@@ -156,3 +168,37 @@ def test_pipelined_step_with_tp_sp_and_with_dp_distributed_optimizer():
         expected = single_process_step(model_kwargs)
         for rank, by_run in enumerate(results):
             assert_same_step(by_run[name], expected, f"{name} rank {rank}")
+
+
+def assert_reduction_overlaps_the_schedule(result: dict, interleaved: bool, where: str) -> None:
+    """Buckets launched inside the chunks' last backwards (timestamps), the tied embedding's held back."""
+    records, launches = result["records"], result["launches"]
+    assert launches, f"{where}: no DP bucket was launched during the schedule"
+    last_backward = {}
+    for kind, chunk, _, start, end in records:
+        if kind == "B":
+            last_backward[chunk] = (start, end)
+    first_final = min(start for start, _ in last_backward.values())
+    schedule_end = records[-1][4]
+    assert all(first_final <= time <= schedule_end for _, time in launches), where
+    if interleaved:  # a later chunk's buckets go out while the rank still computes an earlier chunk
+        assert min(time for _, time in launches) < records[-1][3], where
+    else:  # 1F1B: the last action is the chunk's last backward; the launches happen inside it
+        start, end = last_backward[0]
+        assert records[-1][3] == start and all(start <= time <= end for _, time in launches), where
+    if result["embedding_group"]:  # summed over the embedding group first, reduced over DP in finish()
+        assert result["embedding_bucket"] not in {bucket for bucket, _ in launches}, where
+
+
+def test_dp_reduction_starts_in_each_chunks_last_backward():
+    small = dict(dp=2, bucket_size_mb=0.0005)  # ~130 fp32 elements: many buckets per stage
+    runs = [("hybrid tied pp2 vp2 dp2", MODELS["hybrid tied"], dict(pp=2, vp=2, **small)),
+            ("moe mtp tied pp2 dp2 dist-opt", MODELS["moe mtp tied"], dict(pp=2, distributed_optimizer=True, **small))]
+    results = run_distributed(pipelined_steps, 4, runs, timeout_s=180)
+    for name, model_kwargs, parallel_kwargs in runs:
+        expected = single_process_step(model_kwargs)
+        for rank, by_run in enumerate(results):
+            assert_same_step(by_run[name], expected, f"{name} rank {rank}")
+            assert by_run[name]["embedding_copies"] is True, name
+            interleaved = parallel_kwargs.get("vp", 1) > 1
+            assert_reduction_overlaps_the_schedule(by_run[name], interleaved, f"{name} rank {rank}")

@@ -6,6 +6,8 @@
   interleaved schedules: the last virtual stage sees micro-batch b's value after exactly
   pp * vp forwards, the first stage gets back pp * vp - 1 backward increments, and every rank
   records its actions in the schedule's order with increasing timestamps.
+* Early receives (gloo): the receive of each action's input was posted before the previous
+  action's compute started, so the message could arrive during it.
 """
 
 from __future__ import annotations
@@ -77,9 +79,13 @@ def count_through(pp: int, vp: int, microbatches: int) -> dict:
     stages = CountingStages(schedule, rank)
     executor = PipelineExecutor(schedule, rank, tuple(range(pp)), world_group())
     records = executor.run(stages, SHAPE, torch.float32, torch.device("cpu"))
+    received = [(previous, record) for previous, record in zip(records, records[1:]) if record.input_posted is not None]
     return {"seen_by_last": stages.seen_by_last, "returned_to_first": stages.returned_to_first,
             "actions": [str(record.action) for record in records],
-            "ordered": all(a.end <= b.start for a, b in zip(records, records[1:]))}
+            "ordered": all(a.end <= b.start for a, b in zip(records, records[1:])),
+            "inputs": len(received) + int(bool(records) and records[0].input_posted is not None),
+            "posted_before_previous_compute": all(record.input_posted <= previous.start
+                                                  for previous, record in received)}
 
 
 def test_tags_match_messages_received_out_of_order():
@@ -95,5 +101,8 @@ def test_activations_and_gradients_reach_the_right_stage(pp, vp, microbatches):
     for rank, result in enumerate(results):
         assert result["actions"] == [str(action) for action in schedule.actions[rank]]
         assert result["ordered"]
+        assert result["posted_before_previous_compute"], rank
+        executor = PipelineExecutor(schedule, rank, tuple(range(pp)), None)
+        assert result["inputs"] == sum(executor.incoming(action) is not None for action in schedule.actions[rank])
     assert results[pp - 1]["seen_by_last"] == {b: 100.0 * b + stages for b in range(microbatches)}
     assert results[0]["returned_to_first"] == {b: 1000.0 * (stages - 1) for b in range(microbatches)}

@@ -1,0 +1,52 @@
+"""What precision a run gets on its device when the config does not say: ``precision.dtype: auto``.
+
+A GPU since Ampere does its matmuls in bf16 on tensor cores at about 15x its plain-fp32 rate
+(A100 and H100 data sheets), and bf16 has fp32's exponent range, so it needs no loss scaling
+(``mixed_precision.py`` keeps fp32 masters): ``auto`` means bf16 on CUDA. A CPU has no such
+fast path in most builds (bf16 matmuls often run slower than fp32 there), so ``auto`` means fp32
+on CPU. The choice is made once, at start-up, against the device the run resolved
+(``meshlm.training.trainer.resolve_device``), and the resolved name is what every later piece
+sees and what the run's logs and checkpoints record.
+
+fp32 runs on CUDA can still use tensor cores through TF32 (fp32's range with a 10-bit mantissa
+for the products, fp32 accumulation; NVIDIA's A100 white paper, 2020): about 7x the plain-fp32
+matmul rate on an H100, with training curves that match fp32's in practice. ``precision.tf32``
+(default on) lets PyTorch's CUDA matmuls and cuDNN convolutions use it. The switch is
+process-wide, so it is set at the trainer's start and only when it means something -- the device
+is CUDA and the dtype fp32; on CPU, and for bf16/fp16 runs, PyTorch's settings are left alone.
+``meshlm.training.metrics.peak_flops`` reads the same switch to pick the TF32 or the FP32 peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """``precision.dtype`` as the run will use it: 'auto' becomes 'bf16' on CUDA, 'fp32' elsewhere."""
+    if name != "auto":
+        return name
+    return "bf16" if torch.device(device).type == "cuda" else "fp32"
+
+
+def resolve_precision(config, device: torch.device):
+    """A copy of a ``PrecisionConfig`` with its dtype resolved for ``device`` (the input is not changed)."""
+    return dataclasses.replace(config, dtype=resolve_dtype(config.dtype, device))
+
+
+def configure_tf32(device: torch.device, dtype: str, enabled: bool) -> bool:
+    """Allow (or forbid) TF32 for fp32 CUDA matmuls and convolutions; True when TF32 is now on.
+
+    Does nothing unless ``device`` is CUDA and ``dtype`` (resolved) is fp32: a CPU run never
+    touches the CUDA backends' flags.
+    """
+    if torch.device(device).type != "cuda" or dtype != "fp32":
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    return enabled
+
+
+__all__ = ["configure_tf32", "resolve_dtype", "resolve_precision"]
