@@ -71,16 +71,22 @@ class MoELayer(nn.Module):
 
     def routed_experts(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """Weighted sum of each token's expert outputs [n, hidden], and the dropped count."""
+        combined, dropped = self.routed_partial_sums(tokens, routing)
+        if self.latent_out_proj is not None:
+            combined = self.latent_out_proj(combined)
+        return combined, dropped
+
+    def routed_partial_sums(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """sum_k weight * expert output [n, latent or hidden], before the latent out-projection, and
+        the dropped count. With FFN-width expert shards (tensor parallelism) it is this rank's
+        partial sum, which the caller reduces over the group."""
         num_tokens = tokens.shape[0]
         capacity = (None if self.capacity_factor is None
                     else expert_capacity(num_tokens, self.top_k, self.num_experts, self.capacity_factor))
         plan = plan_dispatch(routing.expert_ids, routing.weights, self.num_experts, capacity, self.drop_policy)
         expert_input = self.latent_in_proj(tokens) if self.latent_in_proj is not None else tokens
         expert_output = self.experts(permute(expert_input, plan), plan.tokens_per_expert)
-        combined = unpermute(expert_output, plan, routing.weights, num_tokens)
-        if self.latent_out_proj is not None:
-            combined = self.latent_out_proj(combined)
-        return combined, plan.dropped
+        return unpermute(expert_output, plan, routing.weights, num_tokens), plan.dropped
 
     def losses(self, routing: Routing, dropped: torch.Tensor, num_sequences: int = 1) -> MoELosses:
         """The router losses of ``routing`` over ``num_sequences`` equal-length sequences of tokens."""

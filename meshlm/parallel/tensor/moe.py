@@ -53,7 +53,6 @@ FSDP2's ``fully_shard`` does), so checkpoints stay in the single-process format.
 from __future__ import annotations
 
 import torch
-from meshlm.models.moe.dispatch import expert_capacity, permute, plan_dispatch, unpermute
 from meshlm.models.moe.layer import MoELayer
 from meshlm.models.moe.router import MoELosses, Routing
 from meshlm.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, column_parallel_input,
@@ -95,16 +94,6 @@ class TensorParallelMoELayer(MoELayer):
         if self.shared_expert is not None:  # column layers read the gathered input; down reduces
             routed = routed + self.shared_expert(full)
         return routed, self.replicated_losses(routing, dropped, num_sequences=full.shape[0])
-
-    def routed_partial_sums(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's share of sum_k weight * expert output [n, latent or h], and the dropped count."""
-        num_tokens = tokens.shape[0]
-        capacity = (None if self.capacity_factor is None
-                    else expert_capacity(num_tokens, self.top_k, self.num_experts, self.capacity_factor))
-        plan = plan_dispatch(routing.expert_ids, routing.weights, self.num_experts, capacity, self.drop_policy)
-        expert_input = self.latent_in_proj(tokens) if self.latent_in_proj is not None else tokens
-        expert_output = self.experts(permute(expert_input, plan), plan.tokens_per_expert)
-        return unpermute(expert_output, plan, routing.weights, num_tokens), plan.dropped
 
     def replicated_losses(self, routing: Routing, dropped: torch.Tensor, num_sequences: int = 1) -> MoELosses:
         """The exact losses, with their gradient split evenly over the TP ranks (module docstring)."""
