@@ -39,6 +39,7 @@ from meshlm.checkpoint.folders import check_folder, is_single_process_format, re
 from meshlm.checkpoint.global_state import (MOMENTS, TrainingParts, finish_loading, layout_of,
                                             restore_optimizer_scalars, training_tensors)
 from meshlm.checkpoint.planners import ChunkLoadPlanner, read_items_by_file
+from meshlm.checkpoint.sharding import box_view
 from meshlm.checkpoint.training_checkpoint import TrainerState, check_model_config, read_checkpoint, restore_rng_state
 from meshlm.errors import CheckpointError
 from meshlm.parallel.collectives import all_gather_objects
@@ -225,8 +226,7 @@ def apply_single_process(prepared: dict, parts: TrainingParts) -> TrainerState:
             if source is None:
                 view.zero_()
                 continue
-            region = tuple(slice(start, start + size) for start, size in zip(offsets, view.shape))
-            view.copy_(prepared["full"][source][region])
+            view.copy_(box_view(prepared["full"][source], (offsets, view.shape)))
     restore_scalars(parts, prepared["optimizers"], prepared["loss_scaler"], prepared["directory"])
     finish_loading(parts)
     restore_rng_state(prepared["rng"])

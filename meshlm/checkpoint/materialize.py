@@ -43,20 +43,10 @@ from meshlm.checkpoint.folders import check_folder, read_metadata, verify_files
 from meshlm.checkpoint.global_state import GlobalTensor
 from meshlm.checkpoint.planners import ChunkLoadPlanner, read_items_by_file
 from meshlm.checkpoint.safetensors_stream import SafetensorsReader
-from meshlm.checkpoint.sharding import tensor_chunks
+from meshlm.checkpoint.sharding import box_slices, box_view, tensor_chunks
 from meshlm.errors import CheckpointError
-from meshlm.models.init import init_rules, initial_value
+from meshlm.models.init import init_rules, initial_value, state_tensors
 from meshlm.models.language_model import LanguageModel
-
-
-def local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter (tied ones once) and persistent buffer of ``model``, by name."""
-    tensors = dict(model.named_parameters())
-    for module_name, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set and buffer is not None:
-                tensors[f"{module_name}.{name}" if module_name else name] = buffer
-    return tensors
 
 
 def _replace(model: nn.Module, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -80,7 +70,7 @@ def materialize(model: nn.Module, context, source, device: torch.device | str = 
     {name: dtype} for every tensor (a saved model loaded in the dtypes it was saved in).
     Returns ``model``."""
     targets = {}
-    for name, tensor in local_tensors(model).items():
+    for name, tensor in state_tensors(model).items():
         if not tensor.is_meta:
             continue
         if isinstance(dtype, dict):
@@ -103,7 +93,7 @@ class InitialValues:
             reference = LanguageModel(config, seed=seed)
         self.config, self.seed = config, int(seed)
         self.rules = init_rules(reference, config)
-        self.shapes = {name: tuple(tensor.shape) for name, tensor in local_tensors(reference).items()}
+        self.shapes = {name: tuple(tensor.shape) for name, tensor in state_tensors(reference).items()}
 
     def fill(self, targets: dict[str, GlobalTensor]) -> None:
         for name, target in targets.items():
@@ -139,8 +129,7 @@ class SafetensorsFile:
         for name, target in targets.items():
             _check_shape(name, entries[self.rename(name)][1], target.shape, self.path)
             for offsets, view in target.chunks:
-                box = tuple(slice(start, start + size) for start, size in zip(offsets, view.shape))
-                self.reader.read(self.rename(name), box, out=view)  # straight into place on CPU
+                self.reader.read(self.rename(name), box_slices(offsets, view.shape), out=view)  # straight into place on CPU
 
 
 class CheckpointShards:
@@ -229,8 +218,7 @@ def _in_stored_dtype(target: GlobalTensor, dtype: torch.dtype):
 
 def _copy_boxes(full: torch.Tensor, target: GlobalTensor) -> None:
     for offsets, view in target.chunks:
-        box = tuple(slice(start, start + size) for start, size in zip(offsets, view.shape))
-        view.copy_(full[box])
+        view.copy_(box_view(full, (offsets, view.shape)))
 
 
 def _check_names(targets: dict, keys: set, key_of, where: Path) -> None:
@@ -247,4 +235,4 @@ def _check_shape(name: str, stored: tuple, expected: tuple, where: Path) -> None
                               "the folder holds a different model.")
 
 
-__all__ = ["CheckpointShards", "InitialValues", "SafetensorsFile", "local_tensors", "materialize", "read_tensor"]
+__all__ = ["CheckpointShards", "InitialValues", "SafetensorsFile", "materialize", "read_tensor"]

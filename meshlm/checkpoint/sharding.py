@@ -138,9 +138,13 @@ def flat_range_boxes(shape, start: int, end: int) -> list[Box]:
     return boxes
 
 
+def box_slices(offsets, sizes) -> tuple[slice, ...]:
+    """The index of the block at ``offsets`` with ``sizes`` (one slice per dim)."""
+    return tuple(slice(offset, offset + size) for offset, size in zip(offsets, sizes))
+
+
 def box_view(tensor: torch.Tensor, box: Box) -> torch.Tensor:
-    offsets, sizes = box
-    return tensor[tuple(slice(offset, offset + size) for offset, size in zip(offsets, sizes))]
+    return tensor[box_slices(*box)]
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:
@@ -183,5 +187,5 @@ def flat_chunks(param: torch.Tensor, flat: torch.Tensor, first: int, context) ->
     return shape, chunks
 
 
-__all__ = ["Box", "Chunk", "Split", "box_view", "flat_box_view", "flat_chunks", "flat_range_boxes", "global_shape",
+__all__ = ["Box", "Chunk", "Split", "box_slices", "box_view", "flat_box_view", "flat_chunks", "flat_range_boxes", "global_shape",
            "splits_of", "tensor_chunks", "to_global"]

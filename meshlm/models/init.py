@@ -86,13 +86,31 @@ def module_rule(module: nn.Module, module_name: str, attribute: str, config) -> 
                    "give the module an init_rules(config) method.")
 
 
+def own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s own parameters and persistent buffers (not its children's), by attribute name."""
+    tensors = dict(module.named_parameters(recurse=False))
+    tensors.update((name, buffer) for name, buffer in module.named_buffers(recurse=False)
+                   if name not in module._non_persistent_buffers_set)
+    return tensors
+
+
+def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter (tied ones once) and persistent buffer of ``model``, by name: what is
+    initialized, saved and loaded."""
+    tensors, seen = {}, set()
+    for module_name, module in model.named_modules():
+        for attribute, tensor in own_tensors(module).items():
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors[f"{module_name}.{attribute}" if module_name else attribute] = tensor
+    return tensors
+
+
 def init_rules(model: nn.Module, config) -> dict[str, InitRule]:
     """{single-process name: rule} for every parameter and persistent buffer of ``model``."""
     rules = {}
     for module_name, module in model.named_modules():
-        persistent = [name for name, _ in module.named_buffers(recurse=False)
-                      if name not in module._non_persistent_buffers_set]
-        for attribute in [name for name, _ in module.named_parameters(recurse=False)] + persistent:
+        for attribute in own_tensors(module):
             full_name = f"{module_name}.{attribute}" if module_name else attribute
             rules[full_name] = module_rule(module, module_name, attribute, config)
     return rules
@@ -103,33 +121,35 @@ def initialize_own_tensors(module: nn.Module, config) -> None:
     """Apply ``module.init_rules(config)`` to its own tensors, drawing from torch's global
     generator: how a module built on its own (a test, a benchmark) starts. Inside a
     ``LanguageModel`` the tensors are drawn again, per tensor, by ``initialize_weights``."""
-    tensors = dict(module.named_parameters(recurse=False))
-    tensors.update(module.named_buffers(recurse=False))
+    tensors = own_tensors(module)
     for attribute, rule in module.init_rules(config).items():
         tensor = tensors.get(attribute)  # an optional tensor may be None (e.g. an ungated MLP's gate)
         if tensor is not None and not tensor.is_meta:
-            value = torch.empty(tensor.shape, dtype=torch.float32, device="cpu")
-            rule(value, torch.default_generator)
-            tensor.copy_(value)
+            tensor.copy_(drawn(rule, tensor.shape, torch.default_generator))
+
+
+def drawn(rule: InitRule, shape, generator: torch.Generator) -> torch.Tensor:
+    """A new fp32 CPU tensor of ``shape`` filled by ``rule`` from ``generator``."""
+    value = torch.empty(tuple(shape), dtype=torch.float32, device="cpu")
+    rule(value, generator)
+    return value
 
 
 def initial_value(rule: InitRule, name: str, shape, seed: int) -> torch.Tensor:
     """The full fp32 CPU value of tensor ``name`` (one tensor, never the model)."""
-    value = torch.empty(tuple(shape), dtype=torch.float32, device="cpu")
-    rule(value, tensor_generator(seed, name))
-    return value
+    return drawn(rule, shape, tensor_generator(seed, name))
 
 
 @torch.no_grad()
 def initialize_weights(model: nn.Module, config, seed: int) -> None:
     """Fill every parameter and persistent buffer of ``model`` (not on ``meta``) by its rule."""
-    tensors = dict(model.named_parameters())
-    tensors.update(model.named_buffers())
+    tensors = state_tensors(model)
     for name, rule in init_rules(model, config).items():
         tensor = tensors[name]
         if not tensor.is_meta:
             tensor.copy_(initial_value(rule, name, tensor.shape, seed))
 
 
-__all__ = ["InitRule", "OUTPUT_PROJECTION_NAMES", "constant", "draw_seed", "init_rules", "initial_value", "initialize_own_tensors",
-           "initialize_weights", "normal", "tensor_generator", "tensor_seed", "uniform"]
+__all__ = ["InitRule", "OUTPUT_PROJECTION_NAMES", "constant", "draw_seed", "drawn", "init_rules", "initial_value",
+           "initialize_own_tensors", "initialize_weights", "normal", "own_tensors", "state_tensors", "tensor_generator",
+           "tensor_seed", "uniform"]

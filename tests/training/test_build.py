@@ -22,11 +22,11 @@ import torch
 import pytest
 from safetensors.torch import load_file
 
-from meshlm.checkpoint.materialize import local_tensors
 from meshlm.checkpoint.model_files import save_model
 from meshlm.checkpoint.whole_tensors import read_global_tensors
-from meshlm.checkpoint.sharding import tensor_chunks
+from meshlm.checkpoint.sharding import box_slices, tensor_chunks
 from meshlm.config import load_run_config
+from meshlm.models.init import state_tensors
 from meshlm.models.language_model import LanguageModel
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.training.build import build_model
@@ -60,12 +60,12 @@ def shards_equal_single_process(overrides: list[str], init_from: str | None = No
     built = build_model(config, context, torch.device("cpu"), init_from=init_from)
     reference = whole_tensors(config, init_from)
     compared, mismatches, covered = 0, [], {}
-    for name, tensor in local_tensors(built.model).items():
+    for name, tensor in state_tensors(built.model).items():
         assert not tensor.is_meta, name
         shape, chunks = tensor_chunks(tensor, tensor.data, context)
         assert shape == tuple(reference[name].shape), name
         for offsets, view in chunks:
-            box = tuple(slice(start, start + size) for start, size in zip(offsets, view.shape))
+            box = box_slices(offsets, view.shape)
             if not torch.equal(view, reference[name][box]):
                 mismatches.append(f"{name} at {offsets}")
             compared += view.numel()
@@ -76,7 +76,7 @@ def shards_equal_single_process(overrides: list[str], init_from: str | None = No
 
 def whole_tensors(config, init_from: str | None) -> dict[str, torch.Tensor]:
     if init_from is None:
-        return local_tensors(LanguageModel(config.model, seed=config.train.seed))
+        return state_tensors(LanguageModel(config.model, seed=config.train.seed))
     folder = Path(init_from)
     if (folder / "model.safetensors").is_file():
         return load_file(str(folder / "model.safetensors"))
@@ -131,9 +131,9 @@ def construction_peak(overrides: list[str]) -> dict:
         holder["built"] = build_model(config, context, torch.device("cpu"))
 
     peak = peak_allocated_bytes(build)
-    own = sum(tensor.numel() * tensor.element_size() for tensor in local_tensors(holder["built"].model).values())
+    own = sum(tensor.numel() * tensor.element_size() for tensor in state_tensors(holder["built"].model).values())
     with torch.device("meta"):
-        full = local_tensors(LanguageModel(config.model, seed=config.train.seed))
+        full = state_tensors(LanguageModel(config.model, seed=config.train.seed))
     largest = max(tensor.numel() * 4 for tensor in full.values())
     whole = sum(tensor.numel() * 4 for tensor in full.values())
     whole_peak = peak_allocated_bytes(lambda: LanguageModel(config.model, seed=config.train.seed))
