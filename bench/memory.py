@@ -71,7 +71,7 @@ def measured_bytes(run) -> dict[str, int]:
     masters = [master for _, master in run.precision.master_parameters()]
     if isinstance(run.optimizer, DistributedOptimizer) and run.optimizer.low_precision:
         masters.append(run.optimizer.values)  # the fp32 masters' shard lives in the optimizer
-    grads = [run.reducer.buffer] + [p.grad for p in params] + [m.grad for m in masters]
+    grads = ([run.reducer.buffer] if run.reducer is not None else []) + [p.grad for p in params] + [m.grad for m in masters]
     if isinstance(run.optimizer, DistributedOptimizer):
         state = [run.optimizer.exp_avg, run.optimizer.exp_avg_sq]
     else:

@@ -36,28 +36,6 @@ def peak_resident_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status (this benchmark needs Linux)")
 
 
-def own_state_bytes(trainer) -> int:
-    """Bytes of the unique storages of the rank's parameters, masters, gradients and optimizer state."""
-    seen, total = set(), 0
-    tensors = list(trainer.model.parameters()) + [master for _, master in trainer.precision.master_parameters()]
-    tensors += [param.grad for param in tensors]
-    optimizers = getattr(trainer.optimizer, "optimizers", [trainer.optimizer])
-    for optimizer in optimizers:
-        if hasattr(optimizer, "exp_avg"):  # the distributed optimizer
-            tensors += [optimizer.exp_avg, optimizer.exp_avg_sq, optimizer.values, optimizer.reducer.buffer]
-        else:
-            tensors += [value for entry in optimizer.state.values() for value in entry.values()
-                        if isinstance(value, torch.Tensor)]
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen and storage.nbytes() > 4:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
-
-
 def overrides(args, blend: Path, run_dir: Path, tp: int, pp: int) -> list[str]:
     return [f"model.vocab_size={args.vocab}", f"model.hidden_size={args.hidden}",
             f"model.num_attention_heads={args.heads}", f"model.ffn_hidden_size={4 * args.hidden}",
@@ -70,6 +48,7 @@ def overrides(args, blend: Path, run_dir: Path, tp: int, pp: int) -> list[str]:
 
 def run_rank(values: list[str]) -> dict:
     """In one spawned process: build the Trainer, train one step, report the peak and own state."""
+    from bench.memory import measured_bytes  # the rank's parameters, masters, gradients and optimizer state
     from meshlm.config import load_run_config
     from meshlm.training.trainer import Trainer
 
@@ -77,7 +56,7 @@ def run_rank(values: list[str]) -> dict:
     trainer = Trainer(load_run_config(None, values))
     trainer.train_step()  # one step (Adam's moments exist from here on), no logs and no checkpoint
     largest = max(param.numel() for param in trainer.model.parameters())
-    return {"peak_bytes": peak_resident_bytes(), "own_state_bytes": own_state_bytes(trainer),
+    return {"peak_bytes": peak_resident_bytes(), "own_state_bytes": sum(measured_bytes(trainer).values()),
             "num_parameters": trainer.num_parameters, "largest_local_parameter": largest}
 
 
