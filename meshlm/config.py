@@ -201,7 +201,13 @@ class ParallelConfig:
     keeps those for its experts; a reduce-scatter brings the outputs back)."""
     distributed_optimizer: bool = False
     """ZeRO stage 1: shard fp32 master weights and optimizer states over the DP group;
-    gradients are reduce-scattered and parameters all-gathered."""
+    gradients are reduce-scattered and parameters all-gathered. The same as zero_stage=1."""
+    zero_stage: int = 0
+    """How much of the training state is sharded over the DP (x CP) ranks (meshlm/parallel/data/
+    fully_sharded.py): 0 none (unless distributed_optimizer), 1 the optimizer state (ZeRO-1),
+    2 also the gradients (reduce-scattered block by block in every backward, only a shard kept),
+    3 also the parameters (each block all-gathered just before its forward and again for its
+    backward, then freed; the next block's gather is prefetched)."""
     bucket_size_mb: float = 25.0
     """Gradients are reduced across DP in buckets of about this many MB, launched during backward
     as soon as a bucket's gradients are ready."""
@@ -225,6 +231,11 @@ class ParallelConfig:
     opposite orders (either can hang NCCL), stops the run with one message naming the step, the
     two ranks and the first diverging call (meshlm/parallel/collective_checks.py). Costs one
     small all-gather per step; meant for tests and for debugging a new layout."""
+
+    @property
+    def sharding_stage(self) -> int:
+        """The ZeRO stage in effect: zero_stage, or 1 for distributed_optimizer=true."""
+        return max(self.zero_stage, int(self.distributed_optimizer))
 
 
 @dataclass
@@ -290,6 +301,8 @@ def validate_parallel(parallel: ParallelConfig) -> None:
                           "tensor-parallel group); set parallel.tp or parallel.sp=false.")
     _choice("parallel.backend", parallel.backend, ("auto", "nccl", "gloo"))
     _choice("parallel.moe_dispatcher", parallel.moe_dispatcher, ("all_to_all", "all_gather"))
+    if parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={parallel.zero_stage!r} must be 0, 1, 2 or 3.")
     if parallel.bucket_size_mb <= 0 or parallel.timeout_s <= 0:
         raise ConfigError("parallel.bucket_size_mb and parallel.timeout_s must be > 0.")
 

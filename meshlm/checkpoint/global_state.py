@@ -63,7 +63,7 @@ def optimizers_of(optimizer) -> list:
 
 
 def is_sharded(optimizer) -> bool:
-    """A ZeRO-1 distributed optimizer (it has flat moment buffers cut into segments)."""
+    """A distributed optimizer, ZeRO stage 1-3 (it has flat moment buffers cut into segments)."""
     return hasattr(optimizer, "segments") and hasattr(optimizer, "exp_avg")
 
 
@@ -74,9 +74,16 @@ def _add(tensors: dict, key: str, shape, dtype, chunks: list[Chunk]) -> None:
 
 def model_tensors(parts: TrainingParts) -> dict[str, GlobalTensor]:
     """``model/NAME`` for every parameter (tied ones once) and persistent buffer."""
-    tensors = {}
+    tensors, sharded = {}, set()
     all_params = dict(parts.model.named_parameters(remove_duplicate=False))
+    params = dict(parts.model.named_parameters())
+    for optimizer in optimizers_of(parts.optimizer):  # ZeRO-3: the parameters are the segments of model_shard
+        if getattr(optimizer, "zero_stage", 1) == 3:
+            _segment_tensors(tensors, optimizer, params, parts.context, "model/{name}", {"": optimizer.model_shard})
+            sharded.update(optimizer.reducer.names)
     for name, param in parts.model.named_parameters():
+        if name in sharded:
+            continue
         shape, chunks = tensor_chunks(param, param.data, parts.context)
         _add(tensors, f"model/{name}", shape, param.dtype, chunks)
     for name, value in parts.model.state_dict().items():
@@ -211,12 +218,16 @@ def restore_optimizer_scalars(optimizer, saved: list[dict]) -> None:
 def finish_loading(parts: TrainingParts) -> None:
     """After the masters were loaded: recompute the low-precision model weights from them
     (the distributed optimizer all-gathers its segments; otherwise a cast per parameter)."""
+    for optimizer in optimizers_of(parts.optimizer):
+        if getattr(optimizer, "zero_stage", 1) == 3:  # refresh model_shard, drop the gathered (stale) units
+            optimizer.gather_parameters()
     if not getattr(parts.precision, "low_precision", False):
         return
     owned = set()
     for optimizer in optimizers_of(parts.optimizer):
         if is_sharded(optimizer) and getattr(optimizer, "low_precision", False):
-            optimizer.gather_parameters()  # collective over the optimizer's DP group
+            if getattr(optimizer, "zero_stage", 1) != 3:
+                optimizer.gather_parameters()  # collective over the optimizer's DP group
             owned.update(optimizer.reducer.names)
     for (name, param), (_, master) in zip(parts.precision.model_parameters, parts.precision.master_parameters()):
         if name not in owned:
@@ -231,7 +242,8 @@ def layout_of(context, run_config) -> dict:
     return {"world_size": context.world_size if context is not None else 1, **sizes,
             "vp": getattr(context, "vp_size", 1) if context is not None else 1,
             "sp": bool(getattr(context, "sequence_parallel", False)),
-            "distributed_optimizer": bool(parallel.distributed_optimizer), "dtype": run_config.precision.dtype}
+            "distributed_optimizer": bool(parallel.distributed_optimizer),
+            "zero_stage": parallel.sharding_stage, "dtype": run_config.precision.dtype}
 
 
 __all__ = ["GlobalTensor", "MOMENTS", "TrainingParts", "ensure_adamw_state", "finish_loading", "is_sharded",

@@ -67,6 +67,10 @@ class MixedPrecision:
         """A distributed optimizer holding the masters' values sharded (see ``hand_masters_to``)."""
         self.deferred = False
         """True until ``hand_masters_to``: masters share the (still fp32) model parameters' storage."""
+        self.grad_movers: dict[str, object] = {}
+        """Parameter name -> the hook handle of its gradient mover."""
+        self.owner_gradients: list[torch.Tensor] = []
+        """ZeRO-2/3: the owner's fp32 gradient shards, which take the place of ``master.grad``."""
         if self.dtype == torch.float32:
             self.masters = self.model_parameters
             return
@@ -75,10 +79,10 @@ class MixedPrecision:
                    for _, param in self.model_parameters]
         self.masters = [(name, nn.Parameter(master, requires_grad=param.requires_grad))
                         for (name, param), master in zip(self.model_parameters, masters)]
-        for (_, param), (_, master) in zip(self.model_parameters, self.masters):
+        for (name, param), (_, master) in zip(self.model_parameters, self.masters):
             if not sharded_masters:
                 param.data = param.data.to(self.dtype)
-            param.register_post_accumulate_grad_hook(_grad_mover(master))
+            self.grad_movers[name] = param.register_post_accumulate_grad_hook(_grad_mover(master))
 
     @property
     def low_precision(self) -> bool:
@@ -103,6 +107,13 @@ class MixedPrecision:
         """
         if self.low_precision:
             self.master_owner = owner
+        for part in getattr(owner, "optimizers", [owner]):
+            if self.low_precision and getattr(part.reducer, "shards_gradients", False):
+                for name in part.reducer.names:  # ZeRO-2/3: the owner's hooks read the model's gradients
+                    handle = self.grad_movers.pop(name, None)
+                    if handle is not None:
+                        handle.remove()
+                self.owner_gradients.append(part.reducer.shard)
         if self.deferred:  # what the owner did not take (frozen parameters) gets its own copy now
             for (_, param), (_, master) in zip(self.model_parameters, self.masters):
                 if param.dtype != self.dtype:
@@ -136,7 +147,7 @@ class MixedPrecision:
             for (_, param), (_, master) in zip(self.model_parameters, self.masters):
                 if param.grad is not None:
                     _grad_mover(master)(param)
-        grads = [master.grad for _, master in self.masters if master.grad is not None]
+        grads = [master.grad for _, master in self.masters if master.grad is not None] + self.owner_gradients
         if not grads:
             return False
         if self.loss_scale != 1.0:

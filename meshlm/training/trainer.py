@@ -178,7 +178,7 @@ class Trainer:
                             init_from=train.init_from if checkpoint_dir is None else None)
         self.model, self.pipeline, self.num_parameters = built.model, built.pipeline, built.num_parameters
         self.sum_over_dp_cp = built.sum_over_dp_cp  # the MoE balancing's token counts
-        sharded_masters = self.context.distributed and config.parallel.distributed_optimizer  # ZeRO: no full copy
+        sharded_masters = self.context.distributed and config.parallel.sharding_stage >= 1  # ZeRO: no full copy
         self.precision = MixedPrecision(self.model, config.precision, sharded_masters=sharded_masters)
         self.master_parameters = [param for _, param in self.precision.master_parameters()]
         self.reducer = None
@@ -190,6 +190,7 @@ class Trainer:
         self.sharded_names = tensor_parallel_names(self.model)
         self.partial_names = partial_grad_names(self.model)
         self.expert_names = expert_parallel_names(self.model)
+        self.zero_stage = config.parallel.sharding_stage if self.context.distributed else 0
         self.state = TrainerState()
         if checkpoint_dir is not None:  # saved at any layout; loaded in place, the RNG states last
             self.state = self.checkpoints.load(checkpoint_dir, self.training_parts())
@@ -445,7 +446,7 @@ class Trainer:
             f"{f', pp {layout.pp_size}, vp {layout.vp_size}' if layout.pp_size > 1 else ''}"
             f"{', sp' if layout.sequence_parallel else ''}"
             f"{experts}"
-            f"{', distributed optimizer' if self.config.parallel.distributed_optimizer else ''})")
+            f"{f', ZeRO-{self.zero_stage}' if self.zero_stage else ''})")
         self.metrics.write({"event": "resume" if self.resumed_from else "start", "step": self.state.step,
                             "device": str(self.device), "dtype": self.config.precision.dtype, "tf32": self.tf32,
                             "world_size": layout.world_size, "tp": layout.tp_size, "cp": layout.cp_size,
@@ -479,6 +480,8 @@ class Trainer:
                 result.losses[self.state.step] = step_result.loss
                 self.after_step(step_result, result)
             self.checkpoints.wait()  # an asynchronous save still in flight
+            if self.zero_stage == 3:  # leave the model whole (its units gathered) for whoever reads it next
+                self.optimizer.gather_all()
             compare_collectives(self.context, f"at the end of the run (step {self.state.step})")
         finally:
             self.batches.close()

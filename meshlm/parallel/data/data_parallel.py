@@ -11,6 +11,9 @@ step's mean loss. Three pieces turn that into a step:
   instead, each rank updates its 1/dp of the fp32 values with its 1/dp of the Adam moments,
   and an all-gather brings the updated values back to every rank (by default while the next
   forward runs: each block waits only for its own buckets).
+* ``fully_sharded`` -- ZeRO stages 2 and 3 (``parallel.zero_stage``): the same optimizer keeps
+  only a shard of the gradients (``sharded_gradients.ShardedGradientReducer``), and at stage 3
+  of the parameters too, gathered block by block; hooks on the model issue the collectives.
 * ``expert_data_parallel`` -- under expert parallelism (MoE Parallel Folding) the routed
   experts' gradients are summed over the expert-data-parallel group (edp) and dense ones over
   dp_cp: one reducer (and distributed optimizer) per group, driven as one.
@@ -38,31 +41,38 @@ import torch
 from meshlm.optim.adamw import build_optimizer
 from meshlm.parallel.data.distributed_optimizer import DistributedOptimizer, overlap_gather_with_forward
 from meshlm.parallel.data.expert_data_parallel import build_expert_data_parallel
+from meshlm.parallel.data.fully_sharded import UnitSchedule
 from meshlm.parallel.data.grad_norm import clip_grad_norm_across, clip_grads_, global_grad_norm
 from meshlm.parallel.data.grad_reducer import GradientReducer
 from meshlm.parallel.tensor.sharding import reduce_partial_tp_grads
 
 
 def build_data_parallel(precision, optim_config, parallel_config, context, model=None):
-    """(reducer, optimizer) for a run: the distributed optimizer (whose reducer shards) when
-    ``parallel.distributed_optimizer``, else torch AdamW beside an all-reducing reducer. Build
-    after ``MixedPrecision`` (the reducer's hooks must run after its gradient mover). Given the
-    ``model`` and ``parallel.overlap_param_gather``, the distributed optimizer's parameter
-    all-gathers run on into the next forward (``overlap_gather_with_forward``)."""
+    """(reducer, optimizer) for a run: the distributed optimizer of ``parallel.sharding_stage``
+    (ZeRO 1, 2 or 3; its reducer shards) when it is > 0, else torch AdamW beside an all-reducing
+    reducer. Build after ``MixedPrecision`` (the reducer's hooks must run after its gradient
+    mover). Given the ``model`` and ``parallel.overlap_param_gather``, the stage-1/2 parameter
+    all-gathers run on into the next forward (``overlap_gather_with_forward``); stages 2 and 3
+    need the ``model``: their collectives are driven by hooks on it (``fully_sharded.py``)."""
+    stage = parallel_config.sharding_stage
+    if stage >= 2 and model is None:
+        raise ValueError(f"ZeRO stage {stage} needs the model: its collectives are driven by hooks on its blocks.")
     expert_names = {name for name, param in precision.model_parameters if getattr(param, "expert_parallel", False)}
     if expert_names:  # expert parallelism: experts reduced over edp (meshlm/parallel/data/expert_data_parallel.py)
         reducer, optimizer = build_expert_data_parallel(precision, optim_config, parallel_config, context,
                                                         expert_names)
-    elif parallel_config.distributed_optimizer:
+    elif stage >= 1:
         optimizer = DistributedOptimizer(precision.master_parameters(), optim_config, context,
                                          parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce,
                                          model_parameters=[param for _, param in precision.model_parameters],
-                                         model_dtype=precision.dtype)
+                                         model_dtype=precision.dtype, zero_stage=stage)
         precision.hand_masters_to(optimizer)  # bf16/fp16: the fp32 masters are sharded over DP too
         reducer = optimizer.reducer
     else:
         return build_replicated(precision, optim_config, parallel_config, context)
-    if model is not None and parallel_config.distributed_optimizer and parallel_config.overlap_param_gather:
+    if stage >= 2:
+        optimizer.schedule = UnitSchedule(model, list(getattr(optimizer, "optimizers", [optimizer])))
+    if model is not None and stage in (1, 2) and parallel_config.overlap_param_gather:
         overlap_gather_with_forward(model, optimizer)
     return reducer, optimizer
 

@@ -64,6 +64,10 @@ from meshlm.optim.adamw import build_optimizer
 from meshlm.parallel.data.grad_norm import clip_grads_
 from meshlm.parallel.collectives import all_gather_into_
 from meshlm.parallel.data.grad_reducer import GradientReducer
+from meshlm.parallel.data.sharded_gradients import ShardedGradientReducer
+
+READY = "ready"
+"""A stage-3 unit whose all-gather has completed."""
 
 
 @dataclass(frozen=True)
@@ -129,32 +133,50 @@ class DistributedOptimizer:
     The gradient reduction lives in ``self.reducer`` (``no_sync()``, ``finish()``). Build it
     after the model is on its device and after MixedPrecision: the given parameters' ``.data``
     become views into the flat value buffer (``.to()`` afterwards would break the views).
+
+    ``zero_stage``: 1 (the above), 2 (gradients sharded too: ``ShardedGradientReducer``, one
+    bucket per unit) or 3 (parameters sharded as well: see ``fully_sharded.py``; the model's
+    parameters become views into per-unit buffers that hold values only while gathered). Stages
+    2 and 3 need a ``fully_sharded.UnitSchedule`` over the model to launch their collectives.
     """
 
     def __init__(self, parameters_by_name: list[tuple[str, torch.nn.Parameter]], optim_config, context,
                  bucket_size_mb: float = 25.0, overlap: bool = True,
-                 model_parameters: list[torch.Tensor] | None = None, model_dtype: torch.dtype | None = None):
-        self.context = context
+                 model_parameters: list[torch.Tensor] | None = None, model_dtype: torch.dtype | None = None,
+                 zero_stage: int = 1):
+        if zero_stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage={zero_stage} is not 1, 2 or 3.")
+        self.context, self.zero_stage = context, zero_stage
         self.reference = build_optimizer(parameters_by_name, optim_config)
         """The single-process AdamW: its groups, hyperparameters and state-dict layout. It never steps."""
         self.param_groups = self.reference.param_groups
-        self.reducer = GradientReducer(parameters_by_name, context, bucket_size_mb, overlap, shard=True,
-                                       model_parameters=model_parameters)
+        if zero_stage == 1:
+            self.reducer = GradientReducer(parameters_by_name, context, bucket_size_mb, overlap, shard=True,
+                                           model_parameters=model_parameters)
+        else:
+            self.reducer = ShardedGradientReducer(parameters_by_name, context, model_parameters=model_parameters)
         layout, holders = self.reducer.layout, self.reducer.holders
         sources = self.reducer.sources
         model_dtype = model_dtype or sources[0].dtype
         self.low_precision = model_dtype != torch.float32 or any(source is not holder
                                                                  for source, holder in zip(sources, holders))
         """bf16/fp16: the fp32 masters are sharded here and the model's parameters are gathered into."""
+        self.shard_values = self.low_precision or zero_stage == 3
+        """``values`` holds this rank's segments only (else the full fp32 layout, the model's own parameters)."""
         device = self.reducer.buffer.device
         self.segments = owned_segments(layout, context.dp_cp_rank, context.dp_cp_size)
         self.exp_avg = torch.zeros(layout.total // context.dp_cp_size, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.unit_gathers: dict[int, object] = {}
+        """Stage 3: bucket -> its all-gather in flight, or ``READY``; absent: not gathered (no storage)."""
         with torch.no_grad():
-            if self.low_precision:
+            if self.shard_values:
                 self.values = torch.zeros_like(self.exp_avg)  # this rank's fp32 masters only
                 for segment in self.segments:
                     self._owned(self.values, segment).copy_(self._piece(holders[segment.param], segment))
+            if zero_stage == 3:
+                self._shard_parameters(model_dtype, device)
+            elif self.low_precision:
                 self.model_values = torch.zeros(layout.total, dtype=model_dtype, device=device)
                 for index, (source, holder) in enumerate(zip(sources, holders)):
                     view = layout.view(self.model_values, index)
@@ -171,9 +193,9 @@ class DistributedOptimizer:
         self.group_views = [GroupViews([], [], [], []) for _ in self.param_groups]
         for segment in self.segments:
             views = self.group_views[group_of[id(holders[segment.param])]]
-            views.values.append(self._owned(self.values, segment) if self.low_precision
+            views.values.append(self._owned(self.values, segment) if self.shard_values
                                 else self.values[segment.start:segment.end])
-            views.grads.append(self.reducer.buffer[segment.start:segment.end])
+            views.grads.append(self.reducer.segment_grad(segment))
             views.exp_avgs.append(self._owned(self.exp_avg, segment))
             views.exp_avg_sqs.append(self._owned(self.exp_avg_sq, segment))
         self.step_count = 0
@@ -183,6 +205,72 @@ class DistributedOptimizer:
         """Bucket index -> its all-gather still in flight."""
         self.gather_waits: list[tuple[int, float, float]] = []
         """(bucket index, perf_counter when waiting began, when it ended) for the last gathers launched."""
+
+    def _shard_parameters(self, model_dtype: torch.dtype, device: torch.device) -> None:
+        """ZeRO-3: keep the model's parameters as this rank's ``model_shard`` (the fp32 ``values``
+        themselves in fp32), and make each parameter a view into its unit's ``gathered`` buffer,
+        whose storage exists only between ``start_gather`` and ``release`` (freed by resizing
+        it to zero bytes, so every view -- and every tensor autograd saved -- follows it)."""
+        layout = self.reducer.layout
+        self.model_shard = self.values if model_dtype == torch.float32 else self.values.to(model_dtype)
+        self.gathered = [torch.empty(bucket.size, dtype=model_dtype, device=device) for bucket in layout.buckets]
+        for index, (source, holder) in enumerate(zip(self.reducer.sources, self.reducer.holders)):
+            bucket_index = layout.bucket_of[index]
+            first = layout.offsets[index] - layout.buckets[bucket_index].start
+            view = self.gathered[bucket_index][first:first + layout.shapes[index].numel()].view(layout.shapes[index])
+            source.data = view
+            if holder is not source:  # bf16/fp16 master: a 4-byte stand-in keeps the gradient holder's shape
+                holder.data = torch.zeros(1, dtype=holder.dtype, device=device).expand(holder.shape)
+        for full in self.gathered:
+            full.untyped_storage().resize_(0)
+
+    # --- ZeRO-3: a unit's parameters, gathered and released (``fully_sharded.UnitSchedule`` calls) ----
+    def start_gather(self, unit: str) -> None:
+        """Launch the all-gather of ``unit``'s parameters from every rank's shard (if not gathered
+        or on the way already)."""
+        bucket_index = self.reducer.bucket_of_unit.get(unit)
+        if bucket_index is None or bucket_index in self.unit_gathers:
+            return
+        full, bucket, size = self.gathered[bucket_index], self.reducer.layout.buckets[bucket_index], self.context.dp_cp_size
+        storage = full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(full.numel() * full.element_size())
+        self.unit_gathers[bucket_index] = all_gather_into_(full, self.model_shard[bucket.start // size:bucket.end // size],
+                                                           self.context.dp_cp_group, async_op=True)
+
+    def finish_gather(self, unit: str) -> None:
+        """``unit``'s parameters hold their values when this returns."""
+        bucket_index = self.reducer.bucket_of_unit.get(unit)
+        if bucket_index is None:
+            return
+        if bucket_index not in self.unit_gathers:
+            self.start_gather(unit)
+        work = self.unit_gathers[bucket_index]
+        if work is not READY:
+            if work is not None:
+                work.wait()
+            self.unit_gathers[bucket_index] = READY
+
+    def release(self, unit: str) -> None:
+        """Free ``unit``'s gathered parameters (their storage shrinks to zero bytes)."""
+        bucket_index = self.reducer.bucket_of_unit.get(unit)
+        if bucket_index is None or bucket_index not in self.unit_gathers:
+            return
+        self.finish_gather(unit)
+        del self.unit_gathers[bucket_index]
+        self.gathered[bucket_index].untyped_storage().resize_(0)
+
+    def release_all(self) -> None:
+        for unit in list(self.reducer.bucket_of_unit):
+            self.release(unit)
+
+    def gather_all(self) -> None:
+        """Gather every unit and keep it (after training: the model then holds all its values;
+        the next step releases them again)."""
+        for unit in self.reducer.bucket_of_unit:
+            self.start_gather(unit)
+        for unit in self.reducer.bucket_of_unit:
+            self.finish_gather(unit)
 
     @staticmethod
     def _owned(local_buffer: torch.Tensor, segment: Segment) -> torch.Tensor:
@@ -218,6 +306,11 @@ class DistributedOptimizer:
         cast first and gathered into the model's low-precision buffer. ``wait=False`` leaves the
         gathers running (``wait_for_parameters``)."""
         self.wait_for_parameters()
+        if self.zero_stage == 3:  # nothing is gathered ahead: the next forward gathers unit by unit
+            if self.low_precision:
+                self.model_shard.copy_(self.values)
+            self.release_all()
+            return
         layout, rank, size = self.reducer.layout, self.context.dp_cp_rank, self.context.dp_cp_size
         target = self.model_values if self.low_precision else self.values
         if self.low_precision:
@@ -238,6 +331,10 @@ class DistributedOptimizer:
 
     def wait_for_parameters(self, names=None) -> None:
         """Wait for the all-gathers of the buckets holding the parameters ``names`` (all: None)."""
+        if names is None:  # stage 3: no unit's gather may still be running either
+            for unit, bucket_index in self.reducer.bucket_of_unit.items() if self.zero_stage == 3 else ():
+                if bucket_index in self.unit_gathers:
+                    self.finish_gather(unit)
         if not self.gathers:
             return
         if names is None:
@@ -254,8 +351,7 @@ class DistributedOptimizer:
 
     def named_grad_shards(self) -> list[tuple[str, torch.Tensor]]:
         """(parameter name, this rank's reduced gradient piece) for every owned segment."""
-        return [(self.reducer.names[segment.param], self.reducer.buffer[segment.start:segment.end])
-                for segment in self.segments]
+        return [(self.reducer.names[segment.param], self.reducer.segment_grad(segment)) for segment in self.segments]
 
     def clip_grad_norm_(self, max_norm: float, tensor_parallel_names: set[str] | None = None) -> torch.Tensor:
         """Global-norm clipping of the sharded gradient (squares summed over DP and TP shards)."""

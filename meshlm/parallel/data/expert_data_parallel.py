@@ -71,9 +71,12 @@ class ReducerGroup:
 
     def __init__(self, reducers: list[GradientReducer], parameter_order: list[torch.Tensor]):
         self.reducers = reducers
-        self.launch_order = merged_launch_order(reducers, parameter_order)
-        for reducer in reducers:
-            reducer.launch_order = self.launch_order
+        self.shards_gradients = all(getattr(reducer, "shards_gradients", False) for reducer in reducers)
+        """ZeRO-2/3 reducers: ``fully_sharded.UnitSchedule`` orders their launches, not a LaunchOrder."""
+        if not self.shards_gradients:
+            self.launch_order = merged_launch_order(reducers, parameter_order)
+            for reducer in reducers:
+                reducer.launch_order = self.launch_order
 
     def zero_grad(self) -> None:
         for reducer in self.reducers:
@@ -94,7 +97,11 @@ class ReducerGroup:
             yield
 
     def finish(self) -> None:
-        self.launch_order.finish()
+        if self.shards_gradients:
+            for reducer in self.reducers:
+                reducer.finish()
+        else:
+            self.launch_order.finish()
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
         return [pair for reducer in self.reducers for pair in reducer.named_grads()]
@@ -149,6 +156,11 @@ class OptimizerGroup:
         for optimizer in self.optimizers:
             optimizer.load_master_weights({name: masters[name] for name in optimizer.reducer.names})
 
+    def gather_all(self) -> None:
+        """ZeRO-3: every part gathers all its units and keeps them (see ``DistributedOptimizer.gather_all``)."""
+        for optimizer in self.optimizers:
+            optimizer.gather_all()
+
 
 def split_by_expert(named: list[tuple[str, torch.Tensor]], sources: list[torch.Tensor], expert_names: set[str]):
     """((dense pairs, dense sources), (expert pairs, expert sources)), order kept."""
@@ -167,10 +179,12 @@ def build_expert_data_parallel(precision, optim_config, parallel_config, context
     sources = [param for _, param in precision.model_parameters]
     parts = [(pairs, part_sources, part_context) for (pairs, part_sources), part_context in
              zip(split_by_expert(named, sources, expert_names), (context, expert_data_context(context))) if pairs]
-    size, overlap = parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce
-    if parallel_config.distributed_optimizer:
+    size, overlap, stage = parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce, \
+        parallel_config.sharding_stage
+    if stage >= 1:
         optimizer = OptimizerGroup([DistributedOptimizer(pairs, optim_config, part_context, size, overlap,
-                                                         model_parameters=part_sources, model_dtype=precision.dtype)
+                                                         model_parameters=part_sources, model_dtype=precision.dtype,
+                                                         zero_stage=stage)
                                     for pairs, part_sources, part_context in parts], sources)
         precision.hand_masters_to(optimizer)
         return optimizer.reducer, optimizer

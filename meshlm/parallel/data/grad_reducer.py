@@ -324,6 +324,10 @@ class GradientReducer:
         self.pending = []
 
     # --- what the optimizer and the clipping read -------------------------------------------------------
+    def segment_grad(self, segment) -> torch.Tensor:
+        """Sharded mode: the reduced gradient of one owned segment (``distributed_optimizer.Segment``)."""
+        return self.buffer[segment.start:segment.end]
+
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
         """(name, full gradient view) pairs; after ``finish()`` in unsharded mode, the DP sum."""
         return list(zip(self.names, self.grad_views))

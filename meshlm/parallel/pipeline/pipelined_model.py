@@ -47,6 +47,7 @@ import torch
 from meshlm.models.context import SequenceContext
 from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.context.context_parallel import share_losses
+from meshlm.parallel.data.units import EMBEDDING
 from meshlm.parallel.pipeline.runtime import PipelineExecutor
 from meshlm.parallel.pipeline.schedules import BACKWARD, build_schedule
 from meshlm.parallel.pipeline.stages import (STAGE_COPY_NAMES, build_embedding_group, chunk_parameter_names,
@@ -181,6 +182,16 @@ class PipelinedModel:
         """Add the first and last stages' embedding gradients (the tied copies take the same step);
         before their DP reduction, which ``finish`` launches (see the module docstring)."""
         if self.embedding_group is None:
+            return
+        parts = getattr(reducer, "reducers", [reducer])
+        if any(getattr(part, "shards_gradients", False) for part in parts):
+            # ZeRO-2/3: the embedding is a unit of its own, cut into the same shards on both
+            # stages, so the sum goes after its reduce-scatter, on this rank's shard.
+            reducer.finish()
+            for part in parts:
+                shard = part.unit_shard(EMBEDDING)
+                if shard is not None:
+                    all_reduce_(shard, self.embedding_group)
             return
         for name, grad in reducer.named_grads():
             if name in STAGE_COPY_NAMES:
