@@ -53,6 +53,8 @@ class TrainSpec:
     """Tensor-parallel size of the DP run (the world is dp * tp)."""
     sp: bool = False
     distributed_optimizer: bool = False
+    zero_stage: int = 0
+    """ZeRO stage of the DP run (distributed_optimizer=True is stage 1)."""
     bucket_size_mb: float = 25.0
     overlap: bool = True
     seed: int = 0
@@ -63,7 +65,8 @@ class TrainSpec:
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, sp=self.sp, distributed_optimizer=self.distributed_optimizer,
-                              bucket_size_mb=self.bucket_size_mb, overlap_grad_reduce=self.overlap)
+                              zero_stage=self.zero_stage, bucket_size_mb=self.bucket_size_mb,
+                              overlap_grad_reduce=self.overlap)
 
 
 @dataclass
@@ -94,11 +97,13 @@ def build_run(spec: TrainSpec, context: ParallelContext | None) -> TrainRun:
     model = LanguageModel(ModelConfig(**spec.model)).train()
     if context is not None:
         model = parallelize_model(model, context)
-    sharded_masters = context is not None and spec.distributed_optimizer  # ZeRO owns the masters
+    stage = spec.parallel_config().sharding_stage
+    sharded_masters = context is not None and stage >= 1  # ZeRO owns the masters
     precision = MixedPrecision(model, PrecisionConfig(dtype=spec.dtype), sharded_masters=sharded_masters)
     if context is None:
         return TrainRun(model, precision, build_optimizer(precision.master_parameters(), spec.optim_config()), None)
-    reducer, optimizer = build_data_parallel(precision, spec.optim_config(), spec.parallel_config(), context)
+    reducer, optimizer = build_data_parallel(precision, spec.optim_config(), spec.parallel_config(), context,
+                                             model=model if stage >= 2 else None)  # ZeRO-2/3 hook the blocks
     return TrainRun(model, precision, optimizer, reducer)
 
 
@@ -159,6 +164,8 @@ def single_process_result(spec: TrainSpec) -> dict:
 
 def result_of(run: TrainRun, context: ParallelContext | None = None) -> dict:
     """Losses, grad norms and the single-process form of the parameters (gathered over TP)."""
+    if getattr(run.optimizer, "zero_stage", 0) == 3:  # the parameters hold values only while gathered
+        run.optimizer.gather_all()
     params = dict(run.model.named_parameters())
     if context is not None and context.tp_size > 1:
         params = {name: value for name, value in gather_full_state_dict(run.model, context).items() if name in params}

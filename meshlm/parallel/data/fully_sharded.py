@@ -75,6 +75,8 @@ class UnitSchedule:
         """Blocks whose backward began in the running backward and whose gradients are not reduced yet."""
         self.seen: set[str] = set()
         self.callback_queued = False
+        self.events: list[tuple[str, str]] | None = None
+        """Set to a list to record every (operation, unit) in order (the tests read it)."""
         self.handles = []
         for part in parts:
             part.reducer.on_gradient = self.note_backward
@@ -90,12 +92,15 @@ class UnitSchedule:
 
     # --- gathers (stage 3) ---------------------------------------------------------------------------
     def _each(self, method: str, unit: str) -> None:
+        """Every part's ``method`` for ``unit`` in part order: 'launch' (the gradients' reduce-scatter)
+        or, at stage 3, 'start_gather', 'finish_gather', 'release'."""
+        if self.events is not None:
+            self.events.append((method, unit))
         for part in self.parts:
-            if part.zero_stage == 3 or method == "launch":
-                if method == "launch":
-                    part.reducer.launch_unit(unit)
-                else:
-                    getattr(part, method)(unit)
+            if method == "launch":
+                part.reducer.launch_unit(unit)
+            elif part.zero_stage == 3:
+                getattr(part, method)(unit)
 
     def _gather_step_units(self, module, args) -> None:
         for unit in self.step_units:
