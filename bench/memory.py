@@ -36,7 +36,8 @@ the parameters (P_os+g+p, stage 3) (2 + 2 + 12)/dp. Our fp32 numbers are exactly
 padding). In bf16 ours differ in one place: gradients are accumulated and reduced in fp32 (4
 bytes, not 2, as in Megatron-LM's distributed optimizer), so our bf16 ZeRO-1 is 6 + 12/dp bytes
 per parameter where the paper's is 4 + 12/dp, and our ZeRO-3 (2 + 4 + 12)/dp where the paper's
-is (2 + 2 + 12)/dp.
+is (2 + 2 + 12)/dp. With ``parallel.reduce_grads_in_fp32=false`` (rows marked so) ZeRO-2/3 keep
+the gradient shard in bf16, 2P/dp bytes, and match the paper's count exactly (plus padding).
 Transient buffers (the foreach temporaries of the update, 4P/dp; the low-precision gradient of
 one parameter while backward produces it) are not persistent state and are not counted.
 """
@@ -104,7 +105,8 @@ def formula_bytes(spec: TrainSpec, run, dp: int) -> dict[str, int]:
     if stage:
         weights = (2 if low else 4) * (p // dp if stage == 3 else p)
         return {"parameters": weights, "master_weights": 4 * p // dp + 4 * t if low else 0,
-                "gradients": 4 * p // dp if stage >= 2 else 4 * p, "optimizer_state": 8 * p // dp}
+                "gradients": (4 if spec.reduce_grads_in_fp32 or not low else 2) * p // dp if stage >= 2 else 4 * p,
+                "optimizer_state": 8 * p // dp}
     return {"parameters": 2 * n if low else 4 * n, "master_weights": 4 * n if low else 0,
             "gradients": 4 * n, "optimizer_state": 8 * n + 4 * t}
 
@@ -144,7 +146,7 @@ def row(spec: TrainSpec, dp: int, per_rank: list[dict]) -> dict:
     n = result["num_parameters"]
     measured_total, formula_total = sum(result["measured"].values()), sum(result["formula"].values())
     stage = spec.parallel_config().sharding_stage
-    return {"dtype": spec.dtype, "zero_stage": stage, "dp": dp,
+    return {"dtype": spec.dtype, "zero_stage": stage, "reduce_grads_in_fp32": spec.reduce_grads_in_fp32, "dp": dp,
             "num_parameters": n, "buffer_elements": result["buffer_elements"], "buckets": result["buckets"],
             "measured_bytes": result["measured"], "formula_bytes": result["formula"],
             "measured_total": measured_total, "formula_total": formula_total,
@@ -158,6 +160,9 @@ def run(hidden: int, bucket_size_mb: float) -> list[dict]:
     specs = [TrainSpec(model_fields(hidden), dtype=dtype, zero_stage=stage, bucket_size_mb=bucket_size_mb,
                        micro_batches=4, micro_batch_size=1, seq_len=32)
              for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3)]
+    specs += [TrainSpec(model_fields(hidden), dtype="bf16", zero_stage=stage, reduce_grads_in_fp32=False,
+                        bucket_size_mb=bucket_size_mb, micro_batches=4, micro_batch_size=1, seq_len=32)
+              for stage in (2, 3)]  # gradients in bf16: the ZeRO paper's count
     from bench import memory  # spawned ranks import the function by module name, which "__main__" is not
 
     rows = []

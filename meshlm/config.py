@@ -208,6 +208,11 @@ class ParallelConfig:
     2 also the gradients (reduce-scattered block by block in every backward, only a shard kept),
     3 also the parameters (each block all-gathered just before its forward and again for its
     backward, then freed; the next block's gather is prefetched)."""
+    reduce_grads_in_fp32: bool = True
+    """ZeRO-2/3 in bf16/fp16: reduce-scatter and accumulate the gradients in fp32 (4 bytes per
+    parameter / dp; Megatron-LM's default). false: in the model's dtype (2 bytes / dp, the ZeRO
+    paper's count; DeepSpeed's default), at the price of low-precision sums over ranks and
+    micro-batches. Stages 0 and 1 always accumulate in their fp32 gradient buffer."""
     bucket_size_mb: float = 25.0
     """Gradients are reduced across DP in buckets of about this many MB, launched during backward
     as soon as a bucket's gradients are ready."""
@@ -303,6 +308,9 @@ def validate_parallel(parallel: ParallelConfig) -> None:
     _choice("parallel.moe_dispatcher", parallel.moe_dispatcher, ("all_to_all", "all_gather"))
     if parallel.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={parallel.zero_stage!r} must be 0, 1, 2 or 3.")
+    if not parallel.reduce_grads_in_fp32 and parallel.sharding_stage < 2:
+        raise ConfigError("parallel.reduce_grads_in_fp32=false needs parallel.zero_stage=2 or 3 (stages 0 and 1 "
+                          "accumulate in an fp32 gradient buffer); set parallel.zero_stage or drop the override.")
     if parallel.bucket_size_mb <= 0 or parallel.timeout_s <= 0:
         raise ConfigError("parallel.bucket_size_mb and parallel.timeout_s must be > 0.")
 

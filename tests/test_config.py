@@ -64,6 +64,9 @@ def test_round_trip_through_yaml(tmp_path):
     (["optim.min_lr=1", "optim.lr=0.1"], r"optim.min_lr"),
     (["data.prefixes=[a]", "data.weights=[1, 2]"], r"data.weights has 2 entries but data.prefixes has 1"),
     (["model.pattern=*X"], r"model.pattern"),
+    (["parallel.zero_stage=4"], r"parallel.zero_stage=4 must be 0, 1, 2 or 3"),
+    (["parallel.reduce_grads_in_fp32=false", "parallel.distributed_optimizer=true"],
+     r"parallel.reduce_grads_in_fp32=false needs parallel.zero_stage=2 or 3"),
 ])
 def test_override_errors_name_the_key_and_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -55,6 +55,8 @@ class TrainSpec:
     distributed_optimizer: bool = False
     zero_stage: int = 0
     """ZeRO stage of the DP run (distributed_optimizer=True is stage 1)."""
+    reduce_grads_in_fp32: bool = True
+    """ZeRO-2/3 in bf16/fp16: False reduces and keeps the gradient shard in the model's dtype."""
     bucket_size_mb: float = 25.0
     overlap: bool = True
     seed: int = 0
@@ -65,7 +67,8 @@ class TrainSpec:
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, sp=self.sp, distributed_optimizer=self.distributed_optimizer,
-                              zero_stage=self.zero_stage, bucket_size_mb=self.bucket_size_mb,
+                              zero_stage=self.zero_stage, reduce_grads_in_fp32=self.reduce_grads_in_fp32,
+                              bucket_size_mb=self.bucket_size_mb,
                               overlap_grad_reduce=self.overlap)
 
 

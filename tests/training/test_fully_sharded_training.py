@@ -4,7 +4,8 @@ Spawned gloo ranks run ``Trainer`` for 5 steps of 4 micro-batches on the tiny co
 ``parallel.check_collectives`` on: a dense, a hybrid Mamba and an MoE model at dp2 with stage 2
 and stage 3 (world 2), and at world 4: dp4, tp2 x dp2 with sequence parallelism, pp2 x dp2 (a
 tied embedding: the last stage's copy is summed with the first stage's on their reduced shards)
-and, for the MoE model, ep2 x edp2 (experts sharded over edp, dense weights over dp) and the
+cp2 x dp2 (dense weights sharded over the DP and CP ranks together), and, for the MoE model,
+ep2 x edp2 (experts sharded over edp, dense weights over dp) and the
 hybrid at pp2 x vp2 x dp2 with full recomputation (a block's forward rerun inside its backward,
 gathered). Every step's loss and global gradient norm, the validation losses and the final
 parameters must equal the single-process run (relative error <= 1e-5) on every rank. A stage-3
@@ -37,6 +38,7 @@ WORLD4 = {  # name -> (model, layout)
     "dense tied pp2xdp2 zero3": ("dense tied", ["parallel.pp=2", "parallel.dp=2", Z3]),
     "hybrid pp2 vp2 dp2 zero3 recompute": ("hybrid", ["parallel.pp=2", "parallel.vp=2", "parallel.dp=2", Z3,
                                                       "model.pattern=M*-MM*-M", "train.recompute=full"]),
+    "dense cp2xdp2 zero3": ("dense", ["parallel.cp=2", "parallel.dp=2", Z3]),
     "moe ep2xedp2 zero3": ("moe", ["parallel.ep=2", Z3]),
     "moe ep2xedp2 zero2": ("moe", ["parallel.ep=2", Z2]),
 }

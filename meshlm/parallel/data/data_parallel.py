@@ -65,7 +65,8 @@ def build_data_parallel(precision, optim_config, parallel_config, context, model
         optimizer = DistributedOptimizer(precision.master_parameters(), optim_config, context,
                                          parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce,
                                          model_parameters=[param for _, param in precision.model_parameters],
-                                         model_dtype=precision.dtype, zero_stage=stage)
+                                         model_dtype=precision.dtype, zero_stage=stage,
+                                         reduce_grads_in_fp32=parallel_config.reduce_grads_in_fp32)
         precision.hand_masters_to(optimizer)  # bf16/fp16: the fp32 masters are sharded over DP too
         reducer = optimizer.reducer
     else:

@@ -143,7 +143,7 @@ class DistributedOptimizer:
     def __init__(self, parameters_by_name: list[tuple[str, torch.nn.Parameter]], optim_config, context,
                  bucket_size_mb: float = 25.0, overlap: bool = True,
                  model_parameters: list[torch.Tensor] | None = None, model_dtype: torch.dtype | None = None,
-                 zero_stage: int = 1):
+                 zero_stage: int = 1, reduce_grads_in_fp32: bool = True):
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage} is not 1, 2 or 3.")
         self.context, self.zero_stage = context, zero_stage
@@ -154,7 +154,9 @@ class DistributedOptimizer:
             self.reducer = GradientReducer(parameters_by_name, context, bucket_size_mb, overlap, shard=True,
                                            model_parameters=model_parameters)
         else:
-            self.reducer = ShardedGradientReducer(parameters_by_name, context, model_parameters=model_parameters)
+            grad_dtype = torch.float32 if reduce_grads_in_fp32 else (model_dtype or parameters_by_name[0][1].dtype)
+            self.reducer = ShardedGradientReducer(parameters_by_name, context, model_parameters=model_parameters,
+                                                  grad_dtype=grad_dtype)
         layout, holders = self.reducer.layout, self.reducer.holders
         sources = self.reducer.sources
         model_dtype = model_dtype or sources[0].dtype
@@ -292,6 +294,9 @@ class DistributedOptimizer:
         self.step_count += 1
         for group, views in zip(self.param_groups, self.group_views):
             if views.values:
+                if views.grads[0].dtype != torch.float32:  # gradients reduced in bf16/fp16: the update is fp32
+                    views = GroupViews(views.values, [grad.float() for grad in views.grads], views.exp_avgs,
+                                       views.exp_avg_sqs)
                 adamw_update(views, group, self.step_count)
         self.gather_parameters(wait=not self.defer_gather)
 

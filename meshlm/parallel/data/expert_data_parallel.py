@@ -184,7 +184,8 @@ def build_expert_data_parallel(precision, optim_config, parallel_config, context
     if stage >= 1:
         optimizer = OptimizerGroup([DistributedOptimizer(pairs, optim_config, part_context, size, overlap,
                                                          model_parameters=part_sources, model_dtype=precision.dtype,
-                                                         zero_stage=stage)
+                                                         zero_stage=stage,
+                                                         reduce_grads_in_fp32=parallel_config.reduce_grads_in_fp32)
                                     for pairs, part_sources, part_context in parts], sources)
         precision.hand_masters_to(optimizer)
         return optimizer.reducer, optimizer

@@ -27,7 +27,10 @@ What the optimizer reads: ``segment_grad(segment)``, a view of the shard for eac
 
 Precision. The hooks go on the model's parameters and read their gradient in the model's dtype,
 adding it into the fp32 staging bucket; ``MixedPrecision``'s own gradient mover is removed
-(``MixedPrecision.hand_masters_to``), so no full fp32 master gradient ever exists.
+(``MixedPrecision.hand_masters_to``), so no full fp32 master gradient ever exists. With
+``parallel.reduce_grads_in_fp32=false`` staging, reduction and shard are in the model's dtype
+instead (2 bytes per parameter / dp, the ZeRO paper's count), and the optimizer casts each
+segment to fp32 for its update.
 """
 
 from __future__ import annotations
@@ -48,14 +51,17 @@ class ShardedGradientReducer:
     ``parameters``: (name, tensor) pairs the optimizer updates; ``model_parameters``: the model
     tensors whose backward produces the gradients (default: the same), where the hooks go.
     ``max_in_flight``: reductions left running before the oldest is waited for (bounds the
-    staging memory to about that many units). The launches come from ``UnitSchedule``.
+    staging memory to about that many units). ``grad_dtype``: of the staging buckets, the
+    reduction and the shard (fp32, or the model's bf16/fp16: ``parallel.reduce_grads_in_fp32``).
+    The launches come from ``UnitSchedule``.
     """
 
     shards_gradients = True
     """What ``fully_sharded`` and the pipeline ask to tell this reducer from ``GradientReducer``."""
 
     def __init__(self, parameters: list[tuple[str, torch.Tensor]], context,
-                 model_parameters: list[torch.Tensor] | None = None, max_in_flight: int = 2):
+                 model_parameters: list[torch.Tensor] | None = None, max_in_flight: int = 2,
+                 grad_dtype: torch.dtype = torch.float32):
         sources = model_parameters if model_parameters is not None else [tensor for _, tensor in parameters]
         if len(sources) != len(parameters):
             raise ValueError(f"model_parameters has {len(sources)} tensors for {len(parameters)} parameters; "
@@ -70,7 +76,8 @@ class ShardedGradientReducer:
                                                              self.dp_size)
         self.index_of = {name: index for index, name in enumerate(self.names)}
         self.device = self.holders[0].device if self.holders else context.device
-        self.shard = torch.zeros(self.layout.total // self.dp_size, dtype=torch.float32, device=self.device)
+        self.grad_dtype = grad_dtype
+        self.shard = torch.zeros(self.layout.total // self.dp_size, dtype=grad_dtype, device=self.device)
         """This rank's 1/dp of every bucket: the reduced gradient, accumulated over the step."""
         self.max_in_flight = max_in_flight
         self.staging: dict[int, torch.Tensor] = {}
@@ -116,7 +123,7 @@ class ShardedGradientReducer:
         bucket = self.layout.buckets[bucket_index]
         staging = self.staging.pop(bucket_index, None)
         if staging is None:
-            staging = torch.zeros(bucket.size, dtype=torch.float32, device=self.device)
+            staging = torch.zeros(bucket.size, dtype=self.grad_dtype, device=self.device)
         output = self.shard[bucket.start // self.dp_size:bucket.end // self.dp_size]
         first = bucket_index not in self.reduced_this_step
         self.reduced_this_step.add(bucket_index)
@@ -165,7 +172,7 @@ class ShardedGradientReducer:
             bucket = self.layout.buckets[bucket_index]
             staging = self.staging.get(bucket_index)
             if staging is None:
-                staging = self.staging[bucket_index] = torch.zeros(bucket.size, dtype=torch.float32,
+                staging = self.staging[bucket_index] = torch.zeros(bucket.size, dtype=self.grad_dtype,
                                                                    device=self.device)
             offset, numel = self.layout.offsets[index] - bucket.start, self.layout.shapes[index].numel()
             with torch.no_grad():

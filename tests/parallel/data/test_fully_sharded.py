@@ -107,15 +107,24 @@ def test_stage_3_gathers_ahead_and_reduces_during_backward():
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_low_precision_stage_3_follows_stage_1(dtype):
     specs = [TrainSpec(DENSE, dtype=dtype, zero_stage=stage, steps=4) for stage in (1, 3)]
-    stage1, stage3 = run_distributed(train_staged_or_sharded, 2, specs)[0]
-    assert relative_error(stage3["losses"], stage1["losses"]) <= 1e-3, (stage3["losses"], stage1["losses"])
-    for name, value in stage1["params"].items():
-        assert relative_error(stage3["params"][name], value) <= 2e-2, name  # a few bf16/fp16 ulps
+    specs.append(TrainSpec(DENSE, dtype=dtype, zero_stage=3, steps=4, reduce_grads_in_fp32=False))
+    stage1, *others = run_distributed(train_staged_or_sharded, 2, specs)[0]
+    for spec, result in zip(specs[1:], others):
+        where = f"{dtype} stage 3, gradients in fp32: {spec.reduce_grads_in_fp32}"
+        assert relative_error(result["losses"], stage1["losses"]) <= 1e-3, (where, result["losses"], stage1["losses"])
+        for name, value in stage1["params"].items():
+            assert relative_error(result["params"][name], value) <= 2e-2, (where, name)  # a few bf16/fp16 ulps
+        assert result["grad_dtype"] == (torch.float32 if spec.reduce_grads_in_fp32 else result["model_dtype"]), where
 
 
 def train_staged_or_sharded(specs: list[TrainSpec]) -> list[dict]:
     context = context_from_world()
-    return [result_of(train_steps(build_run(spec, context), spec, context)) for spec in specs]
+    results = []
+    for spec in specs:
+        run = train_steps(build_run(spec, context), spec, context)
+        results.append(dict(result_of(run), grad_dtype=run.reducer.buffer.dtype,
+                            model_dtype=next(run.model.parameters()).dtype))
+    return results
 
 
 def train_with_a_parameter_used_outside_its_block(spec: TrainSpec) -> str:
