@@ -6,8 +6,8 @@ stage 2 and stage 3 (fp32): losses, gradient norms and parameters equal the sing
 (relative error <= 1e-5); between steps a rank keeps 1/dp of the gradient and, at stage 3, no
 parameter storage at all besides its 1/dp shard. In bf16 and fp16 (loss scaling) stage 3
 follows stage 1 to low-precision rounding. The recorded schedule shows the next block's
-all-gather launched before the running block is freed and a block's gradients reduced while
-earlier blocks still run their backward. A parameter used outside its block is refused with
+all-gather launched before the running block is freed, never more than two blocks gathered at
+once, and a block's gradients reduced while earlier blocks still run their backward. A parameter used outside its block is refused with
 one message instead of losing its gradient.
 """
 
@@ -102,6 +102,15 @@ def test_stage_3_gathers_ahead_and_reduces_during_backward():
     assert backward.index(("launch", "blocks.3")) < backward.index(("finish_gather", "blocks.0"))
     assert backward.index(("launch", "blocks.0")) < backward.index(("launch", "embedding"))
     assert ("launch", "tail") in backward
+    gathered, most = set(), 0  # never more than the running block and the prefetched one
+    for operation, unit in events:
+        if unit.startswith("blocks."):
+            if operation == "start_gather":
+                gathered.add(unit)
+            elif operation == "release":
+                gathered.discard(unit)
+            most = max(most, len(gathered))
+    assert most == 2, most
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
