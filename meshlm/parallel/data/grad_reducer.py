@@ -139,6 +139,19 @@ def plan_buckets(shapes: list[torch.Size], bucket_elements: int, pad_multiple: i
     return BufferLayout(tuple(shapes), tuple(offsets), tuple(buckets), tuple(bucket_of), cursor)
 
 
+def trainable_pairs(parameters: list[tuple[str, torch.Tensor]], model_parameters: list[torch.Tensor] | None):
+    """(names, holders, sources) of the trainable ``parameters``: the (name, tensor) pairs whose
+    ``.grad`` the optimizer reads, and the model tensors (``model_parameters``, aligned with them;
+    default: the same tensors) whose backward produces those gradients, where hooks go."""
+    sources = model_parameters if model_parameters is not None else [tensor for _, tensor in parameters]
+    if len(sources) != len(parameters):
+        raise ValueError(f"model_parameters has {len(sources)} tensors for {len(parameters)} parameters; "
+                         "pass one model tensor per (name, parameter) pair, in the same order.")
+    kept = [index for index, (_, tensor) in enumerate(parameters) if tensor.requires_grad]
+    return ([parameters[index][0] for index in kept], [parameters[index][1] for index in kept],
+            [sources[index] for index in kept])
+
+
 def bucket_elements_for(bucket_size_mb: float) -> int:
     return max(1, int(bucket_size_mb * 2**20) // BYTES_PER_GRAD_ELEMENT)
 
@@ -195,14 +208,7 @@ class GradientReducer:
 
     def __init__(self, parameters: list[tuple[str, torch.Tensor]], context, bucket_size_mb: float = 25.0,
                  overlap: bool = True, shard: bool = False, model_parameters: list[torch.Tensor] | None = None):
-        sources = model_parameters if model_parameters is not None else [tensor for _, tensor in parameters]
-        if len(sources) != len(parameters):
-            raise ValueError(f"model_parameters has {len(sources)} tensors for {len(parameters)} parameters; "
-                             "pass one model tensor per (name, parameter) pair, in the same order.")
-        kept = [index for index, (_, tensor) in enumerate(parameters) if tensor.requires_grad]
-        self.names = [parameters[index][0] for index in kept]
-        self.holders = [parameters[index][1] for index in kept]
-        self.sources = [sources[index] for index in kept]
+        self.names, self.holders, self.sources = trainable_pairs(parameters, model_parameters)
         # Dense parameters are replicated over DP and CP together (each CP rank sees other tokens).
         self.group, self.dp_size, self.dp_rank = context.dp_cp_group, context.dp_cp_size, context.dp_cp_rank
         self.overlap, self.shard = overlap, shard
@@ -338,4 +344,5 @@ class GradientReducer:
         self.hook_handles = []
 
 
-__all__ = ["Bucket", "BufferLayout", "GradientReducer", "LaunchOrder", "bucket_elements_for", "plan_buckets"]
+__all__ = ["Bucket", "BufferLayout", "GradientReducer", "LaunchOrder", "bucket_elements_for", "plan_buckets",
+           "trainable_pairs"]

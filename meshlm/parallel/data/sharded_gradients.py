@@ -41,6 +41,7 @@ import time
 import torch
 
 from meshlm.parallel.collectives import reduce_scatter_into_
+from meshlm.parallel.data.grad_reducer import trainable_pairs
 from meshlm.parallel.data.units import plan_unit_buckets, unit_of
 
 
@@ -62,14 +63,7 @@ class ShardedGradientReducer:
     def __init__(self, parameters: list[tuple[str, torch.Tensor]], context,
                  model_parameters: list[torch.Tensor] | None = None, max_in_flight: int = 2,
                  grad_dtype: torch.dtype = torch.float32):
-        sources = model_parameters if model_parameters is not None else [tensor for _, tensor in parameters]
-        if len(sources) != len(parameters):
-            raise ValueError(f"model_parameters has {len(sources)} tensors for {len(parameters)} parameters; "
-                             "pass one model tensor per (name, parameter) pair, in the same order.")
-        kept = [index for index, (_, tensor) in enumerate(parameters) if tensor.requires_grad]
-        self.names = [parameters[index][0] for index in kept]
-        self.holders = [parameters[index][1] for index in kept]
-        self.sources = [sources[index] for index in kept]
+        self.names, self.holders, self.sources = trainable_pairs(parameters, model_parameters)
         self.group, self.dp_size, self.dp_rank = context.dp_cp_group, context.dp_cp_size, context.dp_cp_rank
         self.units = [unit_of(name) for name in self.names]
         self.layout, self.bucket_of_unit = plan_unit_buckets([holder.shape for holder in self.holders], self.units,
