@@ -95,7 +95,7 @@ def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id
     device = next(model.parameters()).device
     generator = sampling.make_generator(device)
     input_ids, token_mask = left_pad(prompts, pad_token_id, device)
-    cache = InferenceCache()
+    cache = InferenceCache(max_tokens=input_ids.shape[1] + max_new_tokens)  # KV buffers allocated once
     logits = model(input_ids, token_mask=token_mask, cache=cache).logits[:, -1]
     rows = list(range(len(prompts)))  # the prompt each batch row belongs to
     for step in range(max_new_tokens):

@@ -43,12 +43,12 @@ class SequenceContext:
         unpadded one.
         """
         batch, seq = input_ids.shape
+        cached_positions = None
         if cache is not None:
-            cache.append_token_mask(token_mask, batch, seq, input_ids.device)
+            cached_positions = cache.append_token_mask(token_mask, batch, seq, input_ids.device)
         if position_ids is None:
             if cache is not None:
-                full_mask = cache.token_mask
-                position_ids = (full_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq:]
+                position_ids = cached_positions
             elif token_mask is not None:
                 position_ids = (token_mask.long().cumsum(-1) - 1).clamp(min=0)
             else:
