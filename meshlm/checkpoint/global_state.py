@@ -81,7 +81,7 @@ def model_tensors(parts: TrainingParts) -> dict[str, GlobalTensor]:
         if getattr(optimizer, "zero_stage", 1) == 3:
             _segment_tensors(tensors, optimizer, params, parts.context, "model/{name}", {"": optimizer.model_shard})
             sharded.update(optimizer.reducer.names)
-    for name, param in parts.model.named_parameters():
+    for name, param in params.items():
         if name in sharded:
             continue
         shape, chunks = tensor_chunks(param, param.data, parts.context)
@@ -217,18 +217,17 @@ def restore_optimizer_scalars(optimizer, saved: list[dict]) -> None:
 @torch.no_grad()
 def finish_loading(parts: TrainingParts) -> None:
     """After the masters were loaded: recompute the low-precision model weights from them
-    (the distributed optimizer all-gathers its segments; otherwise a cast per parameter)."""
-    for optimizer in optimizers_of(parts.optimizer):
-        if getattr(optimizer, "zero_stage", 1) == 3:  # refresh model_shard, drop the gathered (stale) units
-            optimizer.gather_parameters()
-    if not getattr(parts.precision, "low_precision", False):
-        return
+    (the distributed optimizer all-gathers its segments, or at ZeRO-3 casts them into its
+    parameter shard; otherwise a cast per parameter)."""
     owned = set()
     for optimizer in optimizers_of(parts.optimizer):
-        if is_sharded(optimizer) and getattr(optimizer, "low_precision", False):
-            if getattr(optimizer, "zero_stage", 1) != 3:
-                optimizer.gather_parameters()  # collective over the optimizer's DP group
+        # collective over the optimizer's DP group; stage 3 (any precision) refreshes its parameter
+        # shard and drops the gathered, now stale, units instead of gathering
+        if is_sharded(optimizer) and (optimizer.low_precision or optimizer.zero_stage == 3):
+            optimizer.gather_parameters()
             owned.update(optimizer.reducer.names)
+    if not getattr(parts.precision, "low_precision", False):
+        return
     for (name, param), (_, master) in zip(parts.precision.model_parameters, parts.precision.master_parameters()):
         if name not in owned:
             param.copy_(master)

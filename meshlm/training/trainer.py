@@ -178,8 +178,9 @@ class Trainer:
                             init_from=train.init_from if checkpoint_dir is None else None)
         self.model, self.pipeline, self.num_parameters = built.model, built.pipeline, built.num_parameters
         self.sum_over_dp_cp = built.sum_over_dp_cp  # the MoE balancing's token counts
-        sharded_masters = self.context.distributed and config.parallel.sharding_stage >= 1  # ZeRO: no full copy
-        self.precision = MixedPrecision(self.model, config.precision, sharded_masters=sharded_masters)
+        self.zero_stage = config.parallel.sharding_stage if self.context.distributed else 0
+        self.precision = MixedPrecision(self.model, config.precision,
+                                        sharded_masters=self.zero_stage >= 1)  # ZeRO: no full fp32 copy
         self.master_parameters = [param for _, param in self.precision.master_parameters()]
         self.reducer = None
         if self.context.distributed:
@@ -190,7 +191,6 @@ class Trainer:
         self.sharded_names = tensor_parallel_names(self.model)
         self.partial_names = partial_grad_names(self.model)
         self.expert_names = expert_parallel_names(self.model)
-        self.zero_stage = config.parallel.sharding_stage if self.context.distributed else 0
         self.state = TrainerState()
         if checkpoint_dir is not None:  # saved at any layout; loaded in place, the RNG states last
             self.state = self.checkpoints.load(checkpoint_dir, self.training_parts())

@@ -233,12 +233,12 @@ class DistributedOptimizer:
         bucket_index = self.reducer.bucket_of_unit.get(unit)
         if bucket_index is None or bucket_index in self.unit_gathers:
             return
-        full, bucket, size = self.gathered[bucket_index], self.reducer.layout.buckets[bucket_index], self.context.dp_cp_size
+        full, bucket = self.gathered[bucket_index], self.reducer.layout.buckets[bucket_index]
         storage = full.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(full.numel() * full.element_size())
-        self.unit_gathers[bucket_index] = all_gather_into_(full, self.model_shard[bucket.start // size:bucket.end // size],
-                                                           self.context.dp_cp_group, async_op=True)
+        own = self.model_shard[bucket.local_slice(self.context.dp_cp_size)]
+        self.unit_gathers[bucket_index] = all_gather_into_(full, own, self.context.dp_cp_group, async_op=True)
 
     def finish_gather(self, unit: str) -> None:
         """``unit``'s parameters hold their values when this returns."""
@@ -247,6 +247,10 @@ class DistributedOptimizer:
             return
         if bucket_index not in self.unit_gathers:
             self.start_gather(unit)
+        self._settle(bucket_index)
+
+    def _settle(self, bucket_index: int) -> None:
+        """Wait for a stage-3 unit's all-gather, if it is still running."""
         work = self.unit_gathers[bucket_index]
         if work is not READY:
             if work is not None:
@@ -337,9 +341,8 @@ class DistributedOptimizer:
     def wait_for_parameters(self, names=None) -> None:
         """Wait for the all-gathers of the buckets holding the parameters ``names`` (all: None)."""
         if names is None:  # stage 3: no unit's gather may still be running either
-            for unit, bucket_index in self.reducer.bucket_of_unit.items() if self.zero_stage == 3 else ():
-                if bucket_index in self.unit_gathers:
-                    self.finish_gather(unit)
+            for bucket_index in list(self.unit_gathers):
+                self._settle(bucket_index)
         if not self.gathers:
             return
         if names is None:
@@ -371,7 +374,7 @@ class DistributedOptimizer:
         if size == 1:
             return local
         full = torch.zeros(layout.total, dtype=local.dtype, device=local.device)
-        pending = [all_gather_into_(full[bucket.start:bucket.end], local[bucket.start // size:bucket.end // size],
+        pending = [all_gather_into_(full[bucket.start:bucket.end], local[bucket.local_slice(size)],
                                    self.context.dp_cp_group, async_op=True) for bucket in layout.buckets]
         for work in pending:
             work.wait()

@@ -91,6 +91,11 @@ class Bucket:
     def size(self) -> int:
         return self.end - self.start
 
+    def local_slice(self, num_shards: int) -> slice:
+        """Where the bucket's 1/num_shards lives in a buffer holding only one rank's shard of every
+        bucket (moments, ZeRO-2/3 gradient and parameter shards)."""
+        return slice(self.start // num_shards, self.end // num_shards)
+
     def shard(self, rank: int, num_shards: int) -> tuple[int, int]:
         """[start, end) of rank's contiguous 1/num_shards of the bucket in the flat buffer."""
         length = self.size // num_shards

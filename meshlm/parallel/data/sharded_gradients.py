@@ -111,14 +111,16 @@ class ShardedGradientReducer:
         """Reduce-scatter ``unit``'s staging bucket (zeros if no gradient came), unless this
         backward already did; the oldest reductions are waited for beyond ``max_in_flight``."""
         bucket_index = self.bucket_of_unit.get(unit)
-        if bucket_index is None or bucket_index in self.launched:
-            return
+        if bucket_index is not None and bucket_index not in self.launched:
+            self._launch(bucket_index)
+
+    def _launch(self, bucket_index: int) -> None:
         self.launched.add(bucket_index)
         bucket = self.layout.buckets[bucket_index]
         staging = self.staging.pop(bucket_index, None)
         if staging is None:
             staging = torch.zeros(bucket.size, dtype=self.grad_dtype, device=self.device)
-        output = self.shard[bucket.start // self.dp_size:bucket.end // self.dp_size]
+        output = self.shard[bucket.local_slice(self.dp_size)]
         first = bucket_index not in self.reduced_this_step
         self.reduced_this_step.add(bucket_index)
         received = output if first else torch.empty_like(output)
@@ -135,8 +137,7 @@ class ShardedGradientReducer:
     def finish(self) -> None:
         """Reduce what was left unlaunched (gradients written by hand), in bucket order, and wait for all."""
         for bucket_index in sorted(self.staging):
-            unit = next(unit for unit, index in self.bucket_of_unit.items() if index == bucket_index)
-            self.launch_unit(unit)
+            self._launch(bucket_index)
         self.end_backward()
         self.wait()
 
@@ -186,8 +187,7 @@ class ShardedGradientReducer:
         bucket_index = self.bucket_of_unit.get(unit)
         if bucket_index is None:
             return None
-        bucket = self.layout.buckets[bucket_index]
-        return self.shard[bucket.start // self.dp_size:bucket.end // self.dp_size]
+        return self.shard[self.layout.buckets[bucket_index].local_slice(self.dp_size)]
 
     @property
     def buffer(self) -> torch.Tensor:
