@@ -25,14 +25,16 @@ from meshlm.models.pattern import BLOCK_KINDS, parse_pattern
 ACTIVATIONS = ("swiglu", "squared_relu", "gelu", "relu", "silu")
 NORMS = ("rmsnorm", "layernorm")
 POSITION_EMBEDDINGS = ("rope", "none")
+MAMBA_SCANS = ("auto", "pytorch", "reference")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("micro_batch", "sequence", "global")
 DROP_POLICIES = ("probs", "position")
 
 
-TRAINING_ONLY_FIELDS = ("hidden_dropout", "attention_dropout")
+TRAINING_ONLY_FIELDS = ("hidden_dropout", "attention_dropout", "mamba_scan")
 """Fields that change neither the parameters nor the inference function: a checkpoint may be
-resumed with other values (and a checkpoint written before they existed has their defaults)."""
+resumed with other values (and a checkpoint written before they existed has their defaults).
+mamba_scan changes only how the same function is computed."""
 
 
 @dataclass
@@ -111,6 +113,11 @@ class ModelConfig:
     """Inner width factor, used only when mamba_num_heads is None."""
     mamba_chunk_size: int = 64
     """Chunk length of the SSD scan; any value gives the same result (up to rounding)."""
+    mamba_scan: str = "auto"
+    """How the SSD scan is computed while training and prefilling: "pytorch" (meshlm/models/ssd_fast.py:
+    run-dtype matmuls, recomputation in a hand-written backward), "reference" (meshlm/models/ssd.py:
+    fp32 einsums differentiated by autograd; slower, several times the activation memory), or
+    "auto" (= "pytorch"). All give the same result up to rounding."""
     mamba_conv_bias: bool = True
     """Bias on the depthwise convolution."""
     mamba_proj_bias: bool = False
@@ -234,6 +241,7 @@ class ModelConfig:
                   "mamba_head_dim", "mamba_num_groups", "mamba_conv_kernel", "mamba_expand",
                   "mamba_chunk_size", "moe_num_experts", "moe_top_k")
         _choice(self, "mlp_activation", ACTIVATIONS)
+        _choice(self, "mamba_scan", MAMBA_SCANS)
         _choice(self, "norm", NORMS)
         _choice(self, "position_embedding", POSITION_EMBEDDINGS)
         _choice(self, "moe_score_function", SCORE_FUNCTIONS)

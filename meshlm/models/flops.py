@@ -34,23 +34,24 @@ Per block kind, for a sequence of T tokens (h hidden, a/k query/KV heads of widt
 - MoE ``E``: router 2 h E T, plus top_k experts per token, plus the shared expert and the
   LatentMoE in/out projections. We count the *nominal* top_k: a capacity limit that drops
   assignments lowers the work actually done but not the model FLOPs.
-- Mamba-2 ``M``: in_proj and out_proj, the depthwise causal convolution (K taps over
-  d_inner + 2 G N channels), and the SSD scan (Dao & Gu 2024, §6) as ``ssd.py`` computes it,
-  with c = ceil(T / Q) chunks of Q tokens (the last one zero-padded and computed in full):
-  per chunk and head, scores C B^T 2 Q^2 N, scores times x 2 Q^2 P, chunk states B^T x 2 Q N P,
-  state to output C h 2 Q N P; and the inter-chunk recurrence as one (c+1) x (c+1) matmul per
-  head over [P x N] states, 2 (c+1)^2 P N. ``ssd.py`` expands B and C from groups to heads
-  before the einsums, so the scores are counted per head, as they are computed. Per token that
-  is about 2 H Q (N + P) + 4 H N P, linear in T for the sequence as a whole, plus the state
-  passing 2 H (c+1)^2 P N / T, which grows like T / Q^2 per token and stays small until the
-  sequence has hundreds of chunks (mamba_ssm's fused kernels pass states with a sequential,
-  elementwise scan over chunks instead, which is no matmul at all).
+- Mamba-2 ``M``: in_proj and out_proj, the depthwise causal convolution (K multiply-adds per
+  channel and token over d_inner + 2 G N channels), and the SSD scan (Dao & Gu 2024, §6) as
+  ``ssd_fast.py`` computes it, with c = ceil(T / Q) chunks of Q tokens (the last one
+  zero-padded and computed in full): per chunk, scores C B^T 2 Q^2 N once per B/C *group*, and
+  per chunk and head scores times x 2 Q^2 P, chunk states B^T x 2 Q N P, state to output
+  C h 2 Q N P; and the inter-chunk recurrence as one (c+1) x (c+1) matmul per head over
+  [P x N] states, 2 (c+1)^2 P N. Per token that is about 2 Q (G N + H P) + 4 H N P, linear in T
+  for the sequence as a whole, plus the state passing 2 H (c+1)^2 P N / T, which grows like
+  T / Q^2 per token and stays small until the sequence has hundreds of chunks (mamba_ssm's
+  fused kernels pass states with a sequential, elementwise scan over chunks instead, which is
+  no matmul at all). (The reference ``ssd.py`` repeats B and C for every head and so computes
+  the scores H / G times.)
 - the output head costs 2 h V per token (tied or not), and each multi-token-prediction depth
   adds its 2h -> h projection, its blocks and another pass through the head.
 
-Two conventions follow what our implementation does, so that FlopCounterMode agrees exactly:
-the conv is counted over the T + K - 1 outputs ``nn.Conv1d(padding=K-1)`` computes (the last
-K - 1 are discarded), and the SSD scan counts its padded last chunk.
+The SSD scan counts its padded last chunk, as our implementation computes it, so that
+FlopCounterMode agrees exactly; the conv's multiply-adds are elementwise ops, which
+FlopCounterMode does not see (``causal_conv.py``).
 """
 
 from __future__ import annotations
@@ -128,12 +129,12 @@ def moe_terms(config: ModelConfig, seq_len: int) -> dict[str, int]:
 
 
 def ssd_scan_terms(seq_len: int, chunk_size: int, num_heads: int, head_dim: int,
-                   state_size: int) -> dict[str, int]:
-    """The five einsums of ``ssd.ssd_chunked_scan`` for one sequence (see the module docstring)."""
+                   state_size: int, num_groups: int) -> dict[str, int]:
+    """The five matmuls of ``ssd_fast.ssd_chunked_scan_fast`` for one sequence (see the module docstring)."""
     chunks = math.ceil(seq_len / chunk_size)
     per_chunk_and_head = 2 * num_heads * chunks  # times the matmul sizes below
     return {
-        "ssd_scores": per_chunk_and_head * chunk_size * chunk_size * state_size,
+        "ssd_scores": 2 * num_groups * chunks * chunk_size * chunk_size * state_size,
         "ssd_diagonal_output": per_chunk_and_head * chunk_size * chunk_size * head_dim,
         "ssd_chunk_states": per_chunk_and_head * chunk_size * head_dim * state_size,
         "ssd_state_passing": 2 * num_heads * (chunks + 1) ** 2 * head_dim * state_size,
@@ -147,12 +148,12 @@ def mamba_terms(config: ModelConfig, seq_len: int) -> dict[str, int]:
     conv_channels, kernel = inner + 2 * bc_size, config.mamba_conv_kernel
     terms = {
         "in_proj": linear_flops(hidden, 2 * inner + 2 * bc_size + heads, seq_len),
-        # Depthwise: one multiply-add per channel and tap, over the T + K - 1 computed outputs.
-        "conv": 2 * conv_channels * kernel * (seq_len + kernel - 1),
+        # Depthwise: one multiply-add per channel, tap and token.
+        "conv": 2 * conv_channels * kernel * seq_len,
         "out_proj": linear_flops(inner, hidden, seq_len),
     }
     terms.update(ssd_scan_terms(seq_len, config.mamba_chunk_size, heads, config.mamba_head_dim,
-                                config.mamba_state_size))
+                                config.mamba_state_size, config.mamba_num_groups))
     return terms
 
 

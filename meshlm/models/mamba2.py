@@ -29,6 +29,10 @@ What each piece is for:
 Parameter names and layouts follow Hugging Face's Mamba2 / Nemotron-H mixers one to one (in_proj
 output order z, x, B, C, dt; conv channels x, B, C), so checkpoints convert by renaming only.
 
+The scan over a sequence is ``model.mamba_scan``'s: ``ssd_fast.ssd_chunked_scan_fast`` (run-dtype
+matmuls, a hand-written backward that recomputes instead of saving) or the reference
+``ssd.ssd_chunked_scan``; both compute the same function.
+
 Generation keeps a ``MambaCache``: the last K-1 conv inputs and the fp32 SSM state. A single
 new token takes the recurrent step; a prompt (or a continuation of one) takes the chunked scan
 starting from the stored state, with the conv fed by the stored window. Left padding
@@ -45,9 +49,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.models.cache import MambaCache
+from meshlm.models.causal_conv import causal_conv_silu
 from meshlm.models.init import constant, initialize_own_tensors
 from meshlm.models.norms import GatedRMSNorm
 from meshlm.models.ssd import ssd_chunked_scan, ssd_recurrent_step
+from meshlm.models.ssd_fast import ssd_chunked_scan_fast
+
+CHUNKED_SCANS = {"auto": ssd_chunked_scan_fast, "pytorch": ssd_chunked_scan_fast, "reference": ssd_chunked_scan}
+"""``model.mamba_scan`` -> the function computing the SSD scan over a sequence (same call and results)."""
 
 
 def zero_padding(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -69,6 +78,7 @@ class Mamba2Mixer(nn.Module):
         self.conv_kernel = config.mamba_conv_kernel
         self.chunk_size = config.mamba_chunk_size
         self.dt_clamp_min = config.mamba_dt_clamp_min
+        self.chunked_scan = CHUNKED_SCANS[config.mamba_scan]
         self.inner_size = self.num_heads * self.head_dim
         self.bc_size = self.num_groups * self.state_size  # width of B (and of C)
         self.conv_dim = self.inner_size + 2 * self.bc_size
@@ -108,21 +118,25 @@ class Mamba2Mixer(nn.Module):
     def causal_conv(self, xBC: torch.Tensor, window: torch.Tensor | None):
         """silu(depthwise causal conv) of xBC [b, t, conv_dim], continuing from ``window``.
 
-        ``window`` [b, conv_dim, K-1] holds the previous K-1 inputs (None: zeros, the start of a
-        sequence). Returns the activated outputs [b, t, conv_dim] and the new window.
+        ``window`` [b, conv_dim, W] holds the previous inputs, newest last (None: K-1 zeros, the
+        start of a sequence); the conv reads the last K-1, and W > K-1 when the cache keeps older
+        inputs to roll back over (``MambaCache.enable_rollback``). Returns the activated outputs
+        [b, t, conv_dim] and the new window, as wide as the old one and a copy (a view would keep
+        this call's whole input alive in the cache).
         """
         channels_first = xBC.transpose(1, 2)
         if window is None:
             window = channels_first.new_zeros(xBC.shape[0], self.conv_dim, self.conv_kernel - 1)
         extended = torch.cat((window.to(channels_first.dtype), channels_first), dim=-1)
-        out = F.conv1d(extended, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-        new_window = extended[:, :, extended.shape[-1] - (self.conv_kernel - 1):]
+        read = extended[:, :, extended.shape[-1] - (self.conv_kernel - 1 + xBC.shape[1]):]
+        out = F.conv1d(read, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        new_window = extended[:, :, extended.shape[-1] - window.shape[-1]:].clone()
         return F.silu(out).transpose(1, 2), new_window
 
     def conv_from_start(self, xBC: torch.Tensor) -> torch.Tensor:
         """silu(depthwise causal conv) of a whole sequence xBC [b, t, conv_dim] from a zero window
-        (the conv's built-in padding); context parallelism continues from the previous chunk instead."""
-        return F.silu(self.conv1d(xBC.transpose(1, 2))[..., :xBC.shape[1]]).transpose(1, 2)
+        (``causal_conv.causal_conv_silu``); context parallelism continues from the previous chunk instead."""
+        return causal_conv_silu(xBC, self.conv1d.weight, self.conv1d.bias)
 
     def time_step(self, dt_raw: torch.Tensor) -> torch.Tensor:
         """dt = softplus(dt_raw + dt_bias), clamped below; fp32 [b, t, heads]."""
@@ -133,14 +147,34 @@ class Mamba2Mixer(nn.Module):
         """The SSM over x [b, t, H, P] (fp32 result), updating the cached state when there is one."""
         A = -torch.exp(self.A_log.float())
         initial_state = None if state is None else state.ssm_state
-        if initial_state is not None and x.shape[1] == 1:
+        if state is not None and state.rollback_window:
+            y, final_state = self.scan_keeping_states(x, dt, A, B, C, state)
+        elif initial_state is not None and x.shape[1] == 1:
             y, final_state = ssd_recurrent_step(initial_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0])
             y = y[:, None]
         else:
-            y, final_state = ssd_chunked_scan(x, dt, A, B, C, self.chunk_size, initial_state)
+            y, final_state = self.chunked_scan(x, dt, A, B, C, self.chunk_size, initial_state)
         if state is not None:
             state.ssm_state = final_state
         return y
+
+    def scan_keeping_states(self, x, dt, A, B, C, state: MambaCache):
+        """The cached scan of a cache that can roll back (speculative decoding): the chunked scan up
+        to the last ``state.rollback_window`` tokens, then one recurrent step per token, handing the
+        state after each to the cache (``MambaCache.remember_states``)."""
+        stepped_from = max(x.shape[1] - state.rollback_window, 0)
+        outputs, current, start, states = [], state.ssm_state, None, []
+        if stepped_from:
+            head = slice(0, stepped_from)
+            y_head, current = self.chunked_scan(x[:, head], dt[:, head], A, B[:, head], C[:, head],
+                                                self.chunk_size, current)
+            outputs, start = [y_head], current
+        for t in range(stepped_from, x.shape[1]):
+            y_t, current = ssd_recurrent_step(current, x[:, t], dt[:, t], A, B[:, t], C[:, t])
+            outputs.append(y_t[:, None])
+            states.append(current)
+        state.remember_states(states, start)
+        return torch.cat(outputs, dim=1), current
 
     # --- forward -----------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, context) -> torch.Tensor:

@@ -42,10 +42,42 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        gated = y.float() * F.silu(gate.float())
-        grouped = gated.unflatten(-1, (-1, self.group_size))
-        normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed.flatten(-2)).to(y.dtype)
+        return _GatedRMSNormFunction.apply(y, gate, self.weight, self.group_size, self.eps)
+
+
+class _GatedRMSNormFunction(torch.autograd.Function):
+    """``w * RMSNorm_per_group(y * silu(z))`` in fp32 (fp64 for fp64 inputs), with a hand-written backward that saves only
+    y, z and the per-group 1/rms (autograd would keep four full-size fp32 intermediates).
+
+    With g = y * silu(z), r = 1/sqrt(mean(g^2) + eps) per group and n = g r:
+    dn = dout * w, dw = sum(dout * n), dg = r (dn - n * mean(dn * n)) (the RMSNorm backward),
+    dy = dg * silu(z), dz = dg * y * silu'(z) with silu'(v) = sigmoid(v) (1 + v (1 - sigmoid(v))).
+    """
+
+    @staticmethod
+    def forward(ctx, y, gate, weight, group_size, eps):
+        compute = torch.promote_types(y.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
+        gated = y.to(compute) * F.silu(gate.to(compute))
+        grouped = gated.unflatten(-1, (-1, group_size))
+        inverse_rms = torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(y, gate, weight, inverse_rms)
+        ctx.group_size = group_size
+        return (weight.to(compute) * (grouped * inverse_rms).flatten(-2)).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y, gate, weight, inverse_rms = ctx.saved_tensors
+        compute = inverse_rms.dtype
+        gate32 = gate.to(compute)
+        sigmoid = torch.sigmoid(gate32)
+        silu = gate32 * sigmoid
+        normed = (y.to(compute) * silu).unflatten(-1, (-1, ctx.group_size)).mul_(inverse_rms)
+        grad_normed = (grad_out.to(compute) * weight.to(compute)).unflatten(-1, (-1, ctx.group_size))
+        grad_weight = (grad_out.to(compute) * normed.flatten(-2)).flatten(0, -2).sum(0)
+        grad_gated = (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(inverse_rms).flatten(-2)
+        grad_y = grad_gated * silu
+        grad_gate = grad_gated.mul_(y.to(compute)).mul_(sigmoid.mul_(1 + gate32 * (1 - sigmoid)))
+        return grad_y.to(y.dtype), grad_gate.to(gate.dtype), grad_weight.to(weight.dtype), None, None
 
 
 def make_norm(kind: str, size: int, eps: float) -> nn.Module:

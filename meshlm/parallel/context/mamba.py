@@ -37,9 +37,9 @@ under sequence parallelism ``in_proj`` has gathered the CP-local sequence, so no
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from meshlm.errors import ConfigError
+from meshlm.models.causal_conv import causal_conv_silu
 from meshlm.models.mamba2 import Mamba2Mixer
 from meshlm.models.ssd import expand_groups, ssd_chunked_scan
 from meshlm.parallel.collectives import all_gather_along
@@ -79,10 +79,9 @@ def context_parallel_conv(xBC: torch.Tensor, weight: torch.Tensor, bias: torch.T
     the window of the chunk before it; equal to the single-process conv at these positions."""
     batch, length, channels = xBC.shape
     chunks = xBC.view(batch, 2, length // 2, channels)
-    windows = previous_windows(chunks, weight.shape[-1] - 1, context, layout)
-    extended = torch.cat((windows, chunks), dim=2).flatten(0, 1).transpose(1, 2)  # [2b, ch, w + c]
-    out = F.conv1d(extended, weight, bias, groups=channels)  # [2b, ch, c]
-    return F.silu(out).transpose(1, 2).reshape(batch, length, channels)
+    windows = previous_windows(chunks, weight.shape[-1] - 1, context, layout)  # [b, 2, K-1, ch]
+    out = causal_conv_silu(chunks.flatten(0, 1), weight, bias, windows.flatten(0, 1))  # [2b, c, ch]
+    return out.view(batch, length, channels)
 
 
 # --- the SSM state handed over between chunks -----------------------------------------------------------
@@ -107,13 +106,13 @@ def start_states(final_states: torch.Tensor, log_decays: torch.Tensor, context, 
 
 
 def context_parallel_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                          chunk_size: int, context, layout=paired_chunks) -> torch.Tensor:
+                          chunk_size: int, context, layout=paired_chunks, chunked_scan=ssd_chunked_scan) -> torch.Tensor:
     """The SSM over this rank's two chunks (x [b, 2c, h, p], dt [b, 2c, h], B, C [b, 2c, g, n]),
-    exact: each chunk scanned from zero, then corrected by its true start state (module docstring).
-    Returns y [b, 2c, h, p] fp32 without the D skip, like ``ssd_chunked_scan``."""
+    exact: each chunk scanned from zero by ``chunked_scan`` (the mixer's), then corrected by its
+    true start state (module docstring). Returns y [b, 2c, h, p] fp32 without the D skip."""
     batch, length, heads, head_dim = x.shape
     as_chunks = lambda tensor: tensor.reshape(batch * 2, length // 2, *tensor.shape[2:])  # noqa: E731
-    y, final_states = ssd_chunked_scan(as_chunks(x), as_chunks(dt), A, as_chunks(B), as_chunks(C), chunk_size)
+    y, final_states = chunked_scan(as_chunks(x), as_chunks(dt), A, as_chunks(B), as_chunks(C), chunk_size)
     log_decay = (dt.float() * A.float()).view(batch, 2, length // 2, heads)  # a_t = dt_t A
     decay_cumsum = log_decay.cumsum(dim=2)  # a_1 + ... + a_t from each chunk's start
     entering = start_states(final_states.view(batch, 2, heads, head_dim, -1), decay_cumsum[:, :, -1], context, layout)
@@ -138,7 +137,8 @@ class ContextParallelMamba2Mixer(Mamba2Mixer):
             raise ValueError("context parallelism runs training forwards only: no Mamba cache (generate with a "
                              "single-process or tensor-parallel model).")
         A = -torch.exp(self.A_log.float())
-        return context_parallel_scan(x, dt, A, B, C, self.chunk_size, self.cp_context, self.chunk_layout)
+        return context_parallel_scan(x, dt, A, B, C, self.chunk_size, self.cp_context, self.chunk_layout,
+                                     self.chunked_scan)
 
 
 def make_context_parallel_mamba(mixer: Mamba2Mixer, context, layout=paired_chunks) -> None:

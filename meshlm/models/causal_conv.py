@@ -1,0 +1,84 @@
+"""Mamba-2's short causal convolution with its SiLU, as K shifted multiply-adds.
+
+Before the scan, x, B and C pass through a depthwise causal convolution of K taps (K = 4 in
+Mamba-2 and Nemotron-H) and a SiLU (Dao & Gu 2024, §7):
+
+    out[t, ch] = silu(bias[ch] + sum_k weight[ch, k] * in[t - (K-1) + k, ch])
+
+with ``in`` before the first token taken from a *window* of the K-1 previous inputs (zeros at
+the start of a sequence; the previous chunk's tail under context parallelism; the cached tail
+while generating). As a grouped ``F.conv1d`` this is the slowest part of the layer on CPU: the
+oneDNN depthwise backward takes several times the time of the whole SSD scan. With K this small
+it is cheaper as what it is, K multiply-adds of shifted views of a channels-last tensor, which
+also needs no transposes (the projection already gives [b, t, channels]).
+
+``causal_conv_silu`` is one autograd function: it saves only its input and window (views the
+layer keeps anyway) and recomputes the pre-activation in backward, where
+
+    g = grad_out * silu'(pre),   silu'(v) = sigmoid(v) (1 + v (1 - sigmoid(v)))
+    d in[t - (K-1) + k] += weight[k] g[t],   d weight[k] = sum_t g[t] in[t - (K-1) + k],   d bias = sum_t g[t]
+
+and the gradient of the window goes back to wherever the window came from.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _extended(inputs: torch.Tensor, window: torch.Tensor | None, taps: int) -> torch.Tensor:
+    """[b, K-1 + t, ch]: the window (zeros if None) followed by the inputs."""
+    if window is None:
+        return F.pad(inputs, (0, 0, taps - 1, 0))
+    return torch.cat((window.to(inputs.dtype), inputs), dim=1)
+
+
+def _pre_activation(extended: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    length: int) -> torch.Tensor:
+    """bias + sum_k weight[:, k] * extended[:, k : k + t] -> [b, t, ch]."""
+    taps = weight.shape[-1]
+    pre = extended[:, taps - 1:] * weight[:, taps - 1]
+    for k in range(taps - 1):
+        pre.addcmul_(extended[:, k:k + length], weight[:, k])
+    if bias is not None:
+        pre += bias
+    return pre
+
+
+class _CausalConvSiLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inputs, weight, bias, window):
+        taps = weight.shape[-1]
+        pre = _pre_activation(_extended(inputs, window, taps), weight, bias, inputs.shape[1])
+        ctx.save_for_backward(inputs, weight, bias, window)
+        return F.silu(pre)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        inputs, weight, bias, window = ctx.saved_tensors
+        taps, length = weight.shape[-1], inputs.shape[1]
+        extended = _extended(inputs, window, taps)
+        pre = _pre_activation(extended, weight, bias, length)
+        sigmoid = torch.sigmoid(pre)
+        grad_pre = grad_out * sigmoid * (1 + pre * (1 - sigmoid))
+        del pre, sigmoid
+        grad_extended = torch.zeros_like(extended)
+        grad_weight = torch.empty_like(weight)
+        for k in range(taps):
+            grad_extended[:, k:k + length].addcmul_(grad_pre, weight[:, k])
+            grad_weight[:, k] = (grad_pre * extended[:, k:k + length]).sum((0, 1))
+        grad_bias = grad_pre.sum((0, 1)) if bias is not None else None
+        grad_window = grad_extended[:, :taps - 1] if window is not None and ctx.needs_input_grad[3] else None
+        return grad_extended[:, taps - 1:], grad_weight, grad_bias, grad_window
+
+
+def causal_conv_silu(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     window: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(depthwise causal conv) of inputs [b, t, ch] (channels last), continuing from ``window``
+    [b, K-1, ch] (None: zeros, the start of a sequence). ``weight`` is [ch, K] or Conv1d's
+    [ch, 1, K]; ``bias`` [ch] or None. Returns [b, t, ch], equal to the grouped ``F.conv1d``."""
+    return _CausalConvSiLU.apply(inputs, weight.reshape(weight.shape[0], -1), bias, window)
+
+
+__all__ = ["causal_conv_silu"]
