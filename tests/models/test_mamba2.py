@@ -164,3 +164,27 @@ def test_hybrid_language_model_trains():
     # init.py's generic pass ran, then the mixer's own init: out_proj is the scaled output init
     assert abs(mixer.out_proj.weight.std().item() - config.output_init_std) < 0.3 * config.output_init_std
     assert torch.exp(mixer.A_log).min() >= 1.0
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_fast_and_reference_scans_give_the_same_mixer(dtype, tolerance):
+    """model.mamba_scan="pytorch" (the default's path) equals "reference": output and every gradient
+    (fp32 within 1e-5 relative; a bf16 mixer -- projections, conv and scan matmuls in bf16, 8-bit
+    mantissa -- within 5e-2 of the fp32 reference)."""
+    hidden = torch.randn(2, 29, HIDDEN, generator=torch.Generator().manual_seed(4))
+    results = {}
+    for scan, run_dtype in (("reference", torch.float32), ("pytorch", dtype)):
+        mixer = make_mixer(mamba_scan=scan).to(run_dtype)
+        inputs = hidden.to(run_dtype).detach().requires_grad_()
+        out = run(mixer, inputs)
+        (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results[scan] = [out, inputs.grad] + [param.grad for _, param in sorted(mixer.named_parameters())]
+    for index, (actual, expected) in enumerate(zip(results["pytorch"], results["reference"])):
+        assert actual.dtype == dtype
+        assert relative_error(actual.float(), expected) <= tolerance, index
+
+
+def test_mamba_scan_choice_is_validated():
+    from meshlm.errors import ConfigError
+    with pytest.raises(ConfigError, match="model.mamba_scan='triton2' is not one of auto, pytorch, reference"):
+        make_config(mamba_scan="triton2")
