@@ -1,9 +1,13 @@
-"""Suite-wide settings: one intra-op thread.
+"""Suite-wide settings: one intra-op thread; Triton's interpreter where there is no GPU.
 
 The tests run tiny models whose ops take microseconds; with several PyTorch threads on a 2-core
 machine they spend their time synchronizing threads (measured: test_generate.py 29 s with the
 default thread count under load, 3 s with one thread). Spawned multi-process tests set this in
 each child too.
+
+Without CUDA, Triton kernels (meshlm/kernels/, tests/kernels/) run in Triton's interpreter. The
+variable must be set before Triton is first imported (``triton.jit`` reads it when a kernel is
+defined), hence here, before any test module is collected.
 """
 
 import os
@@ -13,3 +17,5 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

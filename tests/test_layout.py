@@ -13,7 +13,7 @@ How an import statement becomes edges of the module graph:
 
 Layers (lowest first): a module may import from its own top-level package and from any lower
 layer, never from its own layer's other packages or from a higher one. The order is the design
-of ``meshlm/`` (see README "Layout"): errors at the bottom; single-device math, the optimizer
+of ``meshlm/`` (see README "Layout"): errors at the bottom; optional kernels; single-device math, the optimizer
 rule and data; then parallelism, precision and the run config; checkpoints; then the things a
 user runs (training, generation, conversion, adaptation); the command line on top.
 """
@@ -29,6 +29,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = (
     ("errors",),
+    ("kernels",),
     ("models", "optim", "data"),
     ("parallel", "precision", "config"),
     ("checkpoint",),

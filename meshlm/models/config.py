@@ -16,6 +16,7 @@ whole config once, naming the field, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from meshlm.models.pattern import BLOCK_KINDS, parse_pattern
 ACTIVATIONS = ("swiglu", "squared_relu", "gelu", "relu", "silu")
 NORMS = ("rmsnorm", "layernorm")
 POSITION_EMBEDDINGS = ("rope", "none")
-MAMBA_SCANS = ("auto", "pytorch", "reference")
+MAMBA_SCANS = ("auto", "pytorch", "triton", "reference")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("micro_batch", "sequence", "global")
 DROP_POLICIES = ("probs", "position")
@@ -115,9 +116,12 @@ class ModelConfig:
     """Chunk length of the SSD scan; any value gives the same result (up to rounding)."""
     mamba_scan: str = "auto"
     """How the SSD scan is computed while training and prefilling: "pytorch" (meshlm/models/ssd_fast.py:
-    run-dtype matmuls, recomputation in a hand-written backward), "reference" (meshlm/models/ssd.py:
-    fp32 einsums differentiated by autograd; slower, several times the activation memory), or
-    "auto" (= "pytorch"). All give the same result up to rounding."""
+    run-dtype matmuls, recomputation in a hand-written backward), "triton" (the same, with the
+    diagonal blocks in the Triton kernels of meshlm/kernels/ssd_diagonal.py; needs Triton, and CUDA
+    or TRITON_INTERPRET=1), "reference" (meshlm/models/ssd.py: fp32 einsums differentiated by
+    autograd; slower, several times the activation memory), or "auto" ("triton" on CUDA tensors
+    when Triton is installed and the shapes suit the kernels, else "pytorch"). All compute the
+    same function up to rounding."""
     mamba_conv_bias: bool = True
     """Bias on the depthwise convolution."""
     mamba_proj_bias: bool = False
@@ -285,6 +289,9 @@ class ModelConfig:
 
     def _validate_mamba(self) -> None:
         heads, groups = self.resolved_mamba_num_heads, self.mamba_num_groups
+        if self.mamba_scan == "triton" and importlib.util.find_spec("triton") is None:
+            raise ConfigError("model.mamba_scan='triton' needs Triton, which is not installed; install it "
+                              "(pip install -e '.[triton]') or use model.mamba_scan=auto.")
         if self.mamba_num_heads is None and (self.mamba_expand * self.hidden_size) % self.mamba_head_dim:
             raise ConfigError(f"model.mamba_expand * model.hidden_size = {self.mamba_expand * self.hidden_size} is not "
                               f"divisible by model.mamba_head_dim={self.mamba_head_dim}; set model.mamba_num_heads.")

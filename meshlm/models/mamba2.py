@@ -43,6 +43,7 @@ positions add nothing to the conv window or the SSM state.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,10 @@ from meshlm.models.norms import GatedRMSNorm
 from meshlm.models.ssd import ssd_chunked_scan, ssd_recurrent_step
 from meshlm.models.ssd_fast import ssd_chunked_scan_fast
 
-CHUNKED_SCANS = {"auto": ssd_chunked_scan_fast, "pytorch": ssd_chunked_scan_fast, "reference": ssd_chunked_scan}
+CHUNKED_SCANS = {"auto": partial(ssd_chunked_scan_fast, use_triton=None),
+                 "pytorch": partial(ssd_chunked_scan_fast, use_triton=False),
+                 "triton": partial(ssd_chunked_scan_fast, use_triton=True),
+                 "reference": ssd_chunked_scan}
 """``model.mamba_scan`` -> the function computing the SSD scan over a sequence (same call and results)."""
 
 

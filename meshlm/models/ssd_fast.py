@@ -44,9 +44,12 @@ The result equals ``ssd_chunked_scan`` up to rounding in fp32 (tests/models/test
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
+from meshlm.errors import ConfigError
 from meshlm.models.ssd import _split_into_chunks, segment_sum
 
 
@@ -160,14 +163,47 @@ def _chunk_decay_matrix(chunk_log_decays: torch.Tensor) -> torch.Tensor:
     return torch.exp(segment_sum(F.pad(chunk_log_decays, (1, 0))))
 
 
+def _triton_kernels():
+    """meshlm/kernels/ssd_diagonal.py, imported on first use (it imports Triton)."""
+    from meshlm.kernels import ssd_diagonal
+    return ssd_diagonal
+
+
+def _diagonal_backward(pieces: _Pieces, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Gradients of the diagonal blocks y = M u, M = (C B^T) o L, in PyTorch: du [b, h, c, l, p],
+    dB, dC [b, g, c, l, n] and the log-decays' d a [b, h, c, l] (module docstring)."""
+    dtype, compute = pieces.dtype, pieces.compute
+    decay_mask = pieces.decay_mask()
+    masked = pieces.masked_scores(decay_mask)
+    dy_run = dy.to(dtype)
+    grad_u = torch.matmul(masked.transpose(-1, -2), dy_run).to(compute)
+    grad_masked = torch.matmul(dy_run, pieces.u.transpose(-1, -2)).to(compute)  # [b, h, c, l, s]
+    grad_scores = (pieces.grouped(grad_masked) * pieces.grouped(decay_mask)).sum(2)  # [b, g, c, l, s]
+    grad_scores = grad_scores.masked_fill_(pieces.above_diagonal(), 0.0).to(dtype)
+    grad_C = torch.matmul(grad_scores, pieces.B).to(compute)
+    grad_B = torch.matmul(grad_scores.transpose(-1, -2), pieces.C).to(compute)
+    del grad_scores, decay_mask
+    # dM o M is the gradient of each segment sum a_{s+1} + ... + a_l; a_k lies in the segments
+    # with s < k <= l, so d a_k = sum_{l >= k} sum_{s < k} (dM o M)[l, s]: partial sums over s,
+    # then a masked sum over l (no difference of long sums, which would lose precision).
+    before = grad_masked.mul_(masked).cumsum_(-1)[..., :, :-1]  # [l, k-1] = sum_{s < k} (dM o M)[l, s]
+    length = pieces.chunk_size
+    at_or_after = torch.ones(length, length - 1, dtype=torch.bool, device=dy.device).tril(-1)  # l >= k
+    grad_log_decay = F.pad(before.masked_fill_(~at_or_after, 0.0).sum(-2), (1, 0))  # [b, h, c, k]
+    return grad_u, grad_B, grad_C, grad_log_decay
+
+
 class _ChunkedScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, initial_state, chunk_size):
+    def forward(ctx, x, dt, A, B, C, initial_state, chunk_size, use_kernels):
         pieces = _Pieces(x, dt, A, B, C, chunk_size)
         compute = pieces.compute
         batch, heads, head_dim, state_size = pieces.batch, pieces.heads, pieces.head_dim, pieces.state_size
 
-        y = torch.matmul(pieces.masked_scores(pieces.decay_mask()), pieces.u).to(compute)  # diagonal blocks
+        if use_kernels:  # diagonal blocks
+            y = _triton_kernels().diagonal_forward(pieces.u, pieces.C, pieces.B, pieces.cs)
+        else:
+            y = torch.matmul(pieces.masked_scores(pieces.decay_mask()), pieces.u).to(compute)
 
         chunk_states = pieces.chunk_states(pieces.u * pieces.decay_to_end()[..., None].to(pieces.dtype))
         if initial_state is None:
@@ -179,7 +215,7 @@ class _ChunkedScan(torch.autograd.Function):
 
         y += pieces.read_states(start_states) * pieces.cs.exp()[..., None]  # off-diagonal blocks
         ctx.save_for_backward(x, dt, A, B, C, start_states.contiguous())
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.use_kernels = chunk_size, use_kernels
         return _from_per_head_chunks(y, pieces.seq_len).contiguous(), final_state.contiguous()
 
     @staticmethod
@@ -192,24 +228,15 @@ class _ChunkedScan(torch.autograd.Function):
         dy = _per_head_chunks(grad_y, ctx.chunk_size, compute)  # [b, h, c, l, p]
 
         # Diagonal blocks y = M u, M = (C B^T) o L.
-        decay_mask = pieces.decay_mask()
-        masked = pieces.masked_scores(decay_mask)
-        dy_run = dy.to(dtype)
-        grad_u = torch.matmul(masked.transpose(-1, -2), dy_run).to(compute)
-        grad_masked = torch.matmul(dy_run, pieces.u.transpose(-1, -2)).to(compute)  # [b, h, c, l, s]
-        grad_scores = (pieces.grouped(grad_masked) * pieces.grouped(decay_mask)).sum(2)  # [b, g, c, l, s]
-        grad_scores = grad_scores.masked_fill_(pieces.above_diagonal(), 0.0).to(dtype)
-        grad_C = torch.matmul(grad_scores, pieces.B).to(compute)
-        grad_B = torch.matmul(grad_scores.transpose(-1, -2), pieces.C).to(compute)
-        # dM o M is the gradient of each segment sum a_{s+1} + ... + a_l; a_k lies in the segments
-        # with s < k <= l, so d a_k = sum_{l >= k} sum_{s < k} (dM o M)[l, s]: partial sums over s,
-        # then a masked sum over l (no difference of long sums, which would lose precision).
-        before = grad_masked.mul_(masked).cumsum_(-1)[..., :, :-1]  # [l, k-1] = sum_{s < k} (dM o M)[l, s]
-        length = pieces.chunk_size
-        at_or_after = torch.ones(length, length - 1, dtype=torch.bool, device=x.device).tril(-1)  # l >= k
-        grad_log_decay = F.pad(before.masked_fill_(~at_or_after, 0.0).sum(-2), (1, 0))  # [b, h, c, k]
-        grad_cs = torch.zeros_like(pieces.cs)
-        del decay_mask, masked, grad_masked, grad_scores, before
+        if ctx.use_kernels:
+            grad_u, grad_B, grad_C, grad_cs = _triton_kernels().diagonal_backward(
+                pieces.u, pieces.C, pieces.B, pieces.cs, dy.to(dtype))
+            grad_B, grad_C = (pieces.grouped(grad).sum(2).to(compute) for grad in (grad_B, grad_C))
+            grad_u, grad_cs = grad_u.to(compute), grad_cs.to(compute)
+            grad_log_decay = torch.zeros_like(grad_cs)
+        else:
+            grad_u, grad_B, grad_C, grad_log_decay = _diagonal_backward(pieces, dy)
+            grad_cs = torch.zeros_like(pieces.cs)
 
         # Off-diagonal blocks y_off = exp(cs_l) C_l H_c^T.
         dy_decayed = dy * pieces.cs.exp()[..., None]
@@ -251,19 +278,38 @@ class _ChunkedScan(torch.autograd.Function):
                 _from_per_head_chunks(grad_B, seq_len).to(B.dtype),
                 _from_per_head_chunks(grad_C, seq_len).to(C.dtype),
                 grad_initial if ctx.needs_input_grad[5] else None,
-                None)
+                None, None)
 
 
 def ssd_chunked_scan_fast(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                          chunk_size: int, initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk_size: int, initial_state: torch.Tensor | None = None,
+                          use_triton: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``ssd.ssd_chunked_scan`` with the same arguments and results, computed as the module docstring says.
 
     x [b, t, heads, head_dim] and B, C [b, t, groups, state] in the run dtype (their matmuls run
     in it); dt [b, t, heads] and A [heads] are used in fp32. Returns y [b, t, heads, head_dim]
     without the D skip and the final state [b, heads, head_dim, state], both fp32 (fp64 for fp64 x).
+
+    ``use_triton``: compute the diagonal blocks with the Triton kernels of
+    ``meshlm/kernels/ssd_diagonal.py`` (True; on CPU tensors they need ``TRITON_INTERPRET=1``), with
+    PyTorch (False), or with the kernels where they apply -- CUDA tensors, Triton installed, shapes
+    the kernels take -- and PyTorch elsewhere (None).
     """
     B, C = B.to(x.dtype), C.to(x.dtype)
-    return _ChunkedScan.apply(x, dt, A, B, C, initial_state, chunk_size)
+    shapes = (chunk_size, x.shape[-1], B.shape[-1], x.dtype)
+    if use_triton is None:
+        use_triton = x.is_cuda and triton_installed() and _triton_kernels().supported(*shapes)
+    elif use_triton and not _triton_kernels().supported(*shapes):
+        raise ConfigError(f"the Triton SSD kernels need model.mamba_chunk_size a multiple of "
+                          f"{_triton_kernels().BLOCK} (or 16), model.mamba_head_dim and model.mamba_state_size "
+                          f"powers of two >= 16 and a float16/bfloat16/float32 run; got chunk {chunk_size}, "
+                          f"head dim {x.shape[-1]}, state {B.shape[-1]}, {x.dtype}. Use model.mamba_scan=auto.")
+    return _ChunkedScan.apply(x, dt, A, B, C, initial_state, chunk_size, use_triton)
 
 
-__all__ = ["ssd_chunked_scan_fast"]
+def triton_installed() -> bool:
+    """Whether Triton can be imported (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+__all__ = ["ssd_chunked_scan_fast", "triton_installed"]

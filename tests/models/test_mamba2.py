@@ -184,7 +184,18 @@ def test_fast_and_reference_scans_give_the_same_mixer(dtype, tolerance):
         assert relative_error(actual.float(), expected) <= tolerance, index
 
 
-def test_mamba_scan_choice_is_validated():
+def test_mamba_scan_choice_is_validated(monkeypatch):
     from meshlm.errors import ConfigError
-    with pytest.raises(ConfigError, match="model.mamba_scan='triton2' is not one of auto, pytorch, reference"):
+    with pytest.raises(ConfigError, match="model.mamba_scan='triton2' is not one of auto, pytorch, triton, reference"):
         make_config(mamba_scan="triton2")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # as if Triton were not installed
+    with pytest.raises(ConfigError, match="model.mamba_scan='triton' needs Triton"):
+        make_config(mamba_scan="triton")
+
+
+def test_triton_scan_refuses_shapes_the_kernels_do_not_take():
+    pytest.importorskip("triton")
+    from meshlm.errors import ConfigError
+    mixer = make_mixer(mamba_scan="triton")  # head dim 8, state 8: below tl.dot's 16
+    with pytest.raises(ConfigError, match="model.mamba_head_dim and model.mamba_state_size powers of two"):
+        run(mixer, torch.randn(1, 8, HIDDEN))

@@ -1,0 +1,200 @@
+"""Triton kernels for the diagonal blocks of the SSD scan: the one part that is O(T x chunk).
+
+In the chunked SSD scan (``meshlm/models/ssd_fast.py``; Dao & Gu 2024, §6) every chunk of Q
+tokens runs a masked "attention" inside itself, per head h of group g:
+
+    y[l] = sum_{s <= l} (C[l] . B[s]) exp(cs[l] - cs[s]) u[s]          u = dt x, cs = cumsum(dt A)
+
+In PyTorch this materializes the [Q x Q] decay mask and masked scores for every chunk and head
+(and again in backward). These kernels never do: one program computes a tile of BLOCK_L
+target rows, walking source tiles up to the diagonal, and builds each [BLOCK_L x BLOCK_S] tile
+of scores, decays and mask in registers, as ``mamba_ssm``'s ``chunk_scan`` kernels do
+(FlashAttention's tiling, with a decay mask instead of a softmax). The decay of a pair is
+exp(cs[l] - cs[s]) from the in-chunk cumulative sums (exponents clamped at -80, like the PyTorch
+path), so with very strong decays it is less precise than the PyTorch path's segment sums.
+
+Backward (same tiling, recomputing scores and decays):
+
+- ``_diagonal_backward_sources``: per source tile s, du[s] = sum_l M[l, s] dy[l],
+  dB_h[s] = sum_l (dM o L)[l, s] C[l] with dM = dy u^T, and colsum_s(dM o M);
+- ``_diagonal_backward_targets``: per target tile l, dC_h[l] = sum_s (dM o L)[l, s] B[s] and
+  rowsum_l(dM o M).
+
+dB and dC come per head (the caller sums the heads of a group); the decay gradient comes as
+rowsum - colsum on cs (the adjoint of cs[l] - cs[s]). Everything accumulates in fp32; u, B, C
+and dy enter the dot products in their own dtype (bf16 in a bf16 run).
+
+Tensors are laid out as the PyTorch path lays them out: u, dy [b, h, c, Q, P]; B, C
+[b, g, c, Q, N]; cs [b, h, c, Q] (fp32); all contiguous. The kernels need Q, P and N of at least
+16 (``tl.dot``'s smallest tile); ``supported`` says whether a call can use them. Tested on CPU with
+Triton's interpreter (``TRITON_INTERPRET=1``) against the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional: everything runs on the PyTorch path without it
+    triton = None
+
+MIN_LOG_DECAY = -80.0
+BLOCK = 32
+"""Rows and columns of one score tile; Q must be a multiple of it (or equal to 16)."""
+
+
+def available() -> bool:
+    """Whether Triton is importable."""
+    return triton is not None
+
+
+def supported(chunk: int, head_dim: int, state: int, dtype: torch.dtype) -> bool:
+    """Whether the kernels take these shapes: chunk Q, head_dim P and state N of at least 16, Q a
+    multiple of the tile (or 16), P and N powers of two (whole rows in one tile), a float dtype."""
+    power_of_two = lambda value: value >= 16 and value & (value - 1) == 0  # noqa: E731
+    return (power_of_two(head_dim) and power_of_two(state) and (chunk % BLOCK == 0 or chunk == 16)
+            and dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def _tile(chunk: int) -> int:
+    return min(BLOCK, chunk)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decayed_scores(C_ptr, B_ptr, cs_ptr, rows, cols, N: tl.constexpr, MIN_DECAY: tl.constexpr):
+        """(C[rows] . B[cols]) * exp(clamp(cs[rows] - cs[cols])) on and below the diagonal, 0 above;
+        fp32 [rows x cols], with the decay factor L for reuse."""
+        n = tl.arange(0, N)
+        c_tile = tl.load(C_ptr + rows[:, None] * N + n[None, :])
+        b_tile = tl.load(B_ptr + cols[:, None] * N + n[None, :])
+        scores = tl.dot(c_tile, tl.trans(b_tile))
+        cs_rows = tl.load(cs_ptr + rows)
+        cs_cols = tl.load(cs_ptr + cols)
+        exponent = tl.minimum(tl.maximum(cs_rows[:, None] - cs_cols[None, :], MIN_DECAY), 0.0)
+        causal = rows[:, None] >= cols[None, :]
+        decay = tl.where(causal, tl.exp(exponent), 0.0)
+        return scores * decay, decay
+
+    @triton.jit
+    def _diagonal_forward(u_ptr, C_ptr, B_ptr, cs_ptr, y_ptr, heads_per_group, heads, groups, chunks,
+                          Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
+                          MIN_DECAY: tl.constexpr):
+        block_id, row_tile = tl.program_id(0), tl.program_id(1)  # block_id = (b, h, c) flattened
+        chunk = block_id % chunks
+        head = (block_id // chunks) % heads
+        batch = block_id // (chunks * heads)
+        group_block = (batch * groups + head // heads_per_group) * chunks + chunk
+        u_base, cs_base = u_ptr + block_id * Q * P, cs_ptr + block_id * Q
+        C_base, B_base = C_ptr + group_block * Q * N, B_ptr + group_block * Q * N
+        rows = row_tile * TILE + tl.arange(0, TILE)
+        p = tl.arange(0, P)
+        acc = tl.zeros((TILE, P), dtype=tl.float32)
+        for col_tile in range(0, row_tile + 1):
+            cols = col_tile * TILE + tl.arange(0, TILE)
+            masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY)
+            u_tile = tl.load(u_base + cols[:, None] * P + p[None, :])
+            acc += tl.dot(masked.to(u_tile.dtype), u_tile)
+        tl.store(y_ptr + block_id * Q * P + rows[:, None] * P + p[None, :], acc)
+
+    @triton.jit
+    def _diagonal_backward_sources(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, du_ptr, dB_ptr, colsum_ptr,
+                                   heads_per_group, heads, groups, chunks,
+                                   Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
+                                   MIN_DECAY: tl.constexpr, NUM_TILES: tl.constexpr):
+        block_id, col_tile = tl.program_id(0), tl.program_id(1)
+        chunk = block_id % chunks
+        head = (block_id // chunks) % heads
+        batch = block_id // (chunks * heads)
+        group_block = (batch * groups + head // heads_per_group) * chunks + chunk
+        u_base, dy_base, cs_base = u_ptr + block_id * Q * P, dy_ptr + block_id * Q * P, cs_ptr + block_id * Q
+        C_base, B_base = C_ptr + group_block * Q * N, B_ptr + group_block * Q * N
+        cols = col_tile * TILE + tl.arange(0, TILE)
+        p, n = tl.arange(0, P), tl.arange(0, N)
+        u_cols = tl.load(u_base + cols[:, None] * P + p[None, :])
+        grad_u = tl.zeros((TILE, P), dtype=tl.float32)
+        grad_B = tl.zeros((TILE, N), dtype=tl.float32)
+        colsum = tl.zeros((TILE,), dtype=tl.float32)
+        for row_tile in range(col_tile, NUM_TILES):
+            rows = row_tile * TILE + tl.arange(0, TILE)
+            masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY)
+            dy_rows = tl.load(dy_base + rows[:, None] * P + p[None, :])
+            grad_u += tl.dot(tl.trans(masked.to(dy_rows.dtype)), dy_rows)
+            grad_masked = tl.dot(dy_rows, tl.trans(u_cols))  # [rows x cols] fp32
+            c_rows = tl.load(C_base + rows[:, None] * N + n[None, :])
+            grad_B += tl.dot(tl.trans((grad_masked * decay).to(c_rows.dtype)), c_rows)
+            colsum += tl.sum(grad_masked * masked, axis=0)
+        tl.store(du_ptr + block_id * Q * P + cols[:, None] * P + p[None, :], grad_u)
+        tl.store(dB_ptr + block_id * Q * N + cols[:, None] * N + n[None, :], grad_B)
+        tl.store(colsum_ptr + block_id * Q + cols, colsum)
+
+    @triton.jit
+    def _diagonal_backward_targets(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, dC_ptr, rowsum_ptr,
+                                   heads_per_group, heads, groups, chunks,
+                                   Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
+                                   MIN_DECAY: tl.constexpr):
+        block_id, row_tile = tl.program_id(0), tl.program_id(1)
+        chunk = block_id % chunks
+        head = (block_id // chunks) % heads
+        batch = block_id // (chunks * heads)
+        group_block = (batch * groups + head // heads_per_group) * chunks + chunk
+        u_base, dy_base, cs_base = u_ptr + block_id * Q * P, dy_ptr + block_id * Q * P, cs_ptr + block_id * Q
+        C_base, B_base = C_ptr + group_block * Q * N, B_ptr + group_block * Q * N
+        rows = row_tile * TILE + tl.arange(0, TILE)
+        p, n = tl.arange(0, P), tl.arange(0, N)
+        dy_rows = tl.load(dy_base + rows[:, None] * P + p[None, :])
+        grad_C = tl.zeros((TILE, N), dtype=tl.float32)
+        rowsum = tl.zeros((TILE,), dtype=tl.float32)
+        for col_tile in range(0, row_tile + 1):
+            cols = col_tile * TILE + tl.arange(0, TILE)
+            masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY)
+            u_cols = tl.load(u_base + cols[:, None] * P + p[None, :])
+            grad_masked = tl.dot(dy_rows, tl.trans(u_cols))
+            b_cols = tl.load(B_base + cols[:, None] * N + n[None, :])
+            grad_C += tl.dot((grad_masked * decay).to(b_cols.dtype), b_cols)
+            rowsum += tl.sum(grad_masked * masked, axis=1)
+        tl.store(dC_ptr + block_id * Q * N + rows[:, None] * N + n[None, :], grad_C)
+        tl.store(rowsum_ptr + block_id * Q + rows, rowsum)
+
+
+def _layout(u: torch.Tensor, B: torch.Tensor) -> tuple[int, ...]:
+    batch, heads, chunks, chunk, head_dim = u.shape
+    groups, state = B.shape[1], B.shape[4]
+    return batch, heads, chunks, chunk, head_dim, groups, state
+
+
+def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    """y_diag [b, h, c, Q, P] fp32 = (C B^T o L) u per chunk and head (module docstring)."""
+    batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
+    y = torch.empty(u.shape, dtype=torch.float32, device=u.device)
+    tile = _tile(chunk)
+    grid = (batch * heads * chunks, chunk // tile)
+    _diagonal_forward[grid](u, C, B, cs, y, heads // groups, heads, groups, chunks,
+                            Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=MIN_LOG_DECAY)
+    return y
+
+
+def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
+                      dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Gradients of ``diagonal_forward`` for dy [b, h, c, Q, P] (in u's dtype): du [b, h, c, Q, P],
+    dB and dC per head [b, h, c, Q, N], and d cs [b, h, c, Q], all fp32."""
+    batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
+    grad_u = torch.empty(u.shape, dtype=torch.float32, device=u.device)
+    grad_B = torch.empty(batch, heads, chunks, chunk, state, dtype=torch.float32, device=u.device)
+    grad_C = torch.empty_like(grad_B)
+    colsum = torch.empty(cs.shape, dtype=torch.float32, device=u.device)
+    rowsum = torch.empty_like(colsum)
+    tile = _tile(chunk)
+    grid = (batch * heads * chunks, chunk // tile)
+    _diagonal_backward_sources[grid](u, dy, C, B, cs, grad_u, grad_B, colsum, heads // groups, heads, groups, chunks,
+                                     Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=MIN_LOG_DECAY,
+                                     NUM_TILES=chunk // tile)
+    _diagonal_backward_targets[grid](u, dy, C, B, cs, grad_C, rowsum, heads // groups, heads, groups, chunks,
+                                     Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=MIN_LOG_DECAY)
+    return grad_u, grad_B, grad_C, rowsum - colsum
+
+
+__all__ = ["available", "diagonal_backward", "diagonal_forward", "supported"]

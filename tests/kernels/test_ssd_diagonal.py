@@ -1,0 +1,89 @@
+"""The Triton kernels of the SSD diagonal blocks (meshlm/kernels/ssd_diagonal.py) against PyTorch.
+
+On a CUDA GPU the kernels run compiled; elsewhere in Triton's interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1``: numpy, one program at a time). Their results are compared with the same
+function written as PyTorch tensor ops and differentiated by autograd. Skipped where Triton is not
+installed (``pip install -e .[triton]`` installs it).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+import meshlm.kernels.ssd_diagonal as kernels  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+"""fp32 in both, summed in different orders; the interpreter's dot products run in numpy fp32."""
+
+
+def diagonal_reference(u, C, B, cs):
+    """(C B^T o L) u with L = exp(clamp(cs_l - cs_s, -80, 0)) below the diagonal, per head."""
+    heads, groups, chunk = u.shape[1], B.shape[1], u.shape[3]
+    C_heads, B_heads = (tensor.repeat_interleave(heads // groups, dim=1) for tensor in (C, B))
+    scores = C_heads @ B_heads.transpose(-1, -2)
+    decay = torch.exp((cs[..., :, None] - cs[..., None, :]).clamp(-80.0, 0.0))
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=u.device).tril()
+    return (scores * decay * causal) @ u
+
+
+def random_inputs(chunk, heads=4, groups=2, head_dim=16, state=16, chunks=2, batch=1, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    u = torch.randn(batch, heads, chunks, chunk, head_dim, generator=generator)
+    C, B = (torch.randn(batch, groups, chunks, chunk, state, generator=generator) for _ in range(2))
+    cs = (-torch.rand(batch, heads, chunks, chunk, generator=generator) * 0.3).cumsum(-1)
+    return tuple(tensor.to(DEVICE) for tensor in (u, C, B, cs))
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_forward_matches_pytorch(chunk):
+    u, C, B, cs = random_inputs(chunk)
+    assert kernels.supported(chunk, 16, 16, u.dtype)
+    torch.testing.assert_close(kernels.diagonal_forward(u, C, B, cs), diagonal_reference(u, C, B, cs), **TOLERANCE)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_backward_matches_autograd(chunk):
+    u, C, B, cs = random_inputs(chunk, seed=1)
+    dy = torch.randn(u.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    leaves = [tensor.clone().requires_grad_() for tensor in (u, C, B, cs)]
+    expected_u, expected_C, expected_B, expected_cs = torch.autograd.grad(
+        (diagonal_reference(*leaves) * dy).sum(), leaves)
+    grad_u, grad_B, grad_C, grad_cs = kernels.diagonal_backward(u, C, B, cs, dy)
+    per_group = lambda grad: grad.view(1, 2, 2, *grad.shape[2:]).sum(2)  # noqa: E731  (heads of a group)
+    torch.testing.assert_close(grad_u, expected_u, **TOLERANCE)
+    torch.testing.assert_close(per_group(grad_B), expected_B, **TOLERANCE)
+    torch.testing.assert_close(per_group(grad_C), expected_C, **TOLERANCE)
+    torch.testing.assert_close(grad_cs, expected_cs, **TOLERANCE)
+
+
+def test_small_or_odd_shapes_are_not_supported():
+    assert not kernels.supported(16, 8, 16, torch.float32)  # head_dim below tl.dot's 16
+    assert not kernels.supported(48, 16, 16, torch.float32)  # chunk not a multiple of the tile
+    assert not kernels.supported(64, 16, 24, torch.float32)  # state not a power of two
+    assert not kernels.supported(64, 16, 16, torch.float64)
+
+
+@pytest.mark.parametrize("groups,with_state", [(1, False), (2, True)])
+def test_scan_with_kernels_equals_the_pytorch_scan(groups, with_state):
+    """``ssd_chunked_scan_fast(use_triton=True)`` (model.mamba_scan=triton): values and all gradients."""
+    from meshlm.models.ssd_fast import ssd_chunked_scan_fast
+    generator = torch.Generator().manual_seed(groups)
+    batch, seq_len, heads, head_dim, state = 2, 70, 4, 16, 16  # 70: a padded last chunk of 32
+    x = torch.randn(batch, seq_len, heads, head_dim, generator=generator)
+    dt = torch.rand(batch, seq_len, heads, generator=generator) * 0.2 + 0.01
+    A = -torch.rand(heads, generator=generator) * 4 - 0.5
+    B, C = (torch.randn(batch, seq_len, groups, state, generator=generator) for _ in range(2))
+    initial = torch.randn(batch, heads, head_dim, state, generator=generator) if with_state else None
+    grad_y = torch.randn(batch, seq_len, heads, head_dim, generator=generator)
+    results = []
+    for use_triton in (True, False):
+        leaves = [tensor.to(DEVICE).requires_grad_() for tensor in (x, dt, A, B, C)]
+        start = None if initial is None else initial.to(DEVICE).requires_grad_()
+        y, final = ssd_chunked_scan_fast(*leaves, 32, start, use_triton=use_triton)
+        targets = leaves + ([start] if start is not None else [])
+        grads = torch.autograd.grad((y * grad_y.to(DEVICE)).sum() + final.square().sum(), targets)
+        results.append((y, final) + grads)
+    for actual, expected in zip(*results):
+        torch.testing.assert_close(actual, expected, **TOLERANCE)
