@@ -12,17 +12,20 @@ almost nothing. meshlm cuts it into 2*cp chunks and gives rank i chunks i and 2c
 * ``causal_flops``: the attention FLOPs causal masking actually needs -- for every (query chunk,
   key chunk) pair the ring visits, c^2 score entries for a full block (key chunk earlier) and
   c(c+1)/2 for the diagonal block, times 4 d per entry and head (q k^T and P V, forward);
-* ``computed_flops``: what ``ring_attention`` computes, a diagonal block being computed whole
-  and then masked (c^2 entries), forward + backward: 14 d per entry and head (forward q k^T and
-  P V; backward recomputes q k^T, then dV, dP, dQ, dK);
+* ``computed_flops``: what ``ring_attention``'s fused kernel calls count in torch's convention
+  (``FlopCounterMode``'s SDPA formulas: a block is counted as its full c^2 square whatever the
+  causal mask, although the fused kernel skips the masked tiles of a diagonal block), forward +
+  backward: 14 d per entry and head (forward q k^T and P V; backward recomputes q k^T, then
+  dV, dP, dQ, dK);
 
 and ``max_over_min`` across ranks (1.0 = perfectly balanced; target <= 1.05 with the pairing).
 The block list is the one ``ring_attention`` itself iterates (``attention_blocks``), so the
 count follows the code, not a separate model of it.
 
 Measured check: spawned gloo ranks run the real ``ring_attention`` forward and backward under
-``torch.utils.flop_counter.FlopCounterMode`` for both layouts; the matmul FLOPs each rank counts
-are printed beside ``computed_flops`` for the same shapes (they must be equal) with their
+``torch.utils.flop_counter.FlopCounterMode`` for both layouts (with the CPU flash kernel's
+formulas, ``tests/helpers/flop_formulas.py``, which torch's table lacks); the FLOPs each rank
+counts are printed beside ``computed_flops`` for the same shapes (they must be equal) with their
 max/min across ranks.
 """
 
@@ -89,6 +92,7 @@ def measure_rank(cp: int, seq_len: int) -> dict[str, int]:
     from meshlm.models.config import ModelConfig
     from meshlm.parallel.context.ring_attention import ring_attention
     from meshlm.parallel.mesh import build_parallel_context
+    from tests.helpers.flop_formulas import MISSING_FORMULAS
 
     torch.set_num_threads(1)
     context = build_parallel_context(ParallelConfig(cp=cp), ModelConfig(), torch.device("cpu"))
@@ -99,7 +103,7 @@ def measure_rank(cp: int, seq_len: int) -> dict[str, int]:
         query = torch.randn(shape["batch"], shape["heads"], local, shape["head_dim"], requires_grad=True)
         key, value = (torch.randn(shape["batch"], shape["kv_heads"], local, shape["head_dim"], requires_grad=True)
                       for _ in range(2))
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=MISSING_FORMULAS) as counter:
             ring_attention(query, key, value, context, layout).sum().backward()
         measured[name] = counter.get_total_flops()
     return measured

@@ -18,7 +18,10 @@ layer keeps anyway) and recomputes the pre-activation in backward, where
     g = grad_out * silu'(pre),   silu'(v) = sigmoid(v) (1 + v (1 - sigmoid(v)))
     d in[t - (K-1) + k] += weight[k] g[t],   d weight[k] = sum_t g[t] in[t - (K-1) + k],   d bias = sum_t g[t]
 
-and the gradient of the window goes back to wherever the window came from.
+and the gradient of the window goes back to wherever the window came from. The weight and bias
+gradients are sums over every position of the batch: they are accumulated in fp64 and rounded
+once, so that they do not depend on how the positions are split (context parallelism sums the
+ranks' partial sums) beyond that final rounding.
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ class _CausalConvSiLU(torch.autograd.Function):
         grad_weight = torch.empty_like(weight)
         for k in range(taps):
             grad_extended[:, k:k + length].addcmul_(grad_pre, weight[:, k])
-            grad_weight[:, k] = (grad_pre * extended[:, k:k + length]).sum((0, 1))
-        grad_bias = grad_pre.sum((0, 1)) if bias is not None else None
+            grad_weight[:, k] = (grad_pre * extended[:, k:k + length]).sum((0, 1), dtype=torch.float64)
+        grad_bias = grad_pre.sum((0, 1), dtype=torch.float64).to(bias.dtype) if bias is not None else None
         grad_window = grad_extended[:, :taps - 1] if window is not None and ctx.needs_input_grad[3] else None
         return grad_extended[:, taps - 1:], grad_weight, grad_bias, grad_window
 

@@ -42,42 +42,42 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return _GatedRMSNormFunction.apply(y, gate, self.weight, self.group_size, self.eps)
+        return _RecomputedGatedRMSNorm.apply(y, gate, self.weight, self.group_size, self.eps)
 
 
-class _GatedRMSNormFunction(torch.autograd.Function):
-    """``w * RMSNorm_per_group(y * silu(z))`` in fp32 (fp64 for fp64 inputs), with a hand-written backward that saves only
-    y, z and the per-group 1/rms (autograd would keep four full-size fp32 intermediates).
+def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int,
+                   eps: float) -> torch.Tensor:
+    """``weight * RMSNorm_per_group(y * silu(gate))``, statistics in fp32 (fp64 for fp64 inputs)."""
+    compute = torch.promote_types(y.dtype, torch.float32)
+    gated = y.to(compute) * F.silu(gate.to(compute))
+    grouped = gated.unflatten(-1, (-1, group_size))
+    normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(compute) * normed.flatten(-2)).to(y.dtype)
 
-    With g = y * silu(z), r = 1/sqrt(mean(g^2) + eps) per group and n = g r:
-    dn = dout * w, dw = sum(dout * n), dg = r (dn - n * mean(dn * n)) (the RMSNorm backward),
-    dy = dg * silu(z), dz = dg * y * silu'(z) with silu'(v) = sigmoid(v) (1 + v (1 - sigmoid(v))).
+
+class _RecomputedGatedRMSNorm(torch.autograd.Function):
+    """``gated_rms_norm`` that saves only its inputs and recomputes itself in backward.
+
+    Autograd would keep four full-size fp32 intermediates (silu(z), the gated product, the
+    normalized values and more) between forward and backward; this keeps y and z, which the
+    layer holds anyway, and reruns the few elementwise ops under autograd in backward (selective
+    recomputation of cheap ops, Korthikanti et al. 2022), so the gradients are exactly autograd's.
     """
 
     @staticmethod
     def forward(ctx, y, gate, weight, group_size, eps):
-        compute = torch.promote_types(y.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
-        gated = y.to(compute) * F.silu(gate.to(compute))
-        grouped = gated.unflatten(-1, (-1, group_size))
-        inverse_rms = torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(y, gate, weight, inverse_rms)
-        ctx.group_size = group_size
-        return (weight.to(compute) * (grouped * inverse_rms).flatten(-2)).to(y.dtype)
+        ctx.save_for_backward(y, gate, weight)
+        ctx.group_size, ctx.eps = group_size, eps
+        return gated_rms_norm(y, gate, weight, group_size, eps)
 
     @staticmethod
     def backward(ctx, grad_out):
-        y, gate, weight, inverse_rms = ctx.saved_tensors
-        compute = inverse_rms.dtype
-        gate32 = gate.to(compute)
-        sigmoid = torch.sigmoid(gate32)
-        silu = gate32 * sigmoid
-        normed = (y.to(compute) * silu).unflatten(-1, (-1, ctx.group_size)).mul_(inverse_rms)
-        grad_normed = (grad_out.to(compute) * weight.to(compute)).unflatten(-1, (-1, ctx.group_size))
-        grad_weight = (grad_out.to(compute) * normed.flatten(-2)).flatten(0, -2).sum(0)
-        grad_gated = (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(inverse_rms).flatten(-2)
-        grad_y = grad_gated * silu
-        grad_gate = grad_gated.mul_(y.to(compute)).mul_(sigmoid.mul_(1 + gate32 * (1 - sigmoid)))
-        return grad_y.to(y.dtype), grad_gate.to(gate.dtype), grad_weight.to(weight.dtype), None, None
+        y, gate, weight = (tensor.detach().requires_grad_(tensor.requires_grad) for tensor in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = gated_rms_norm(y, gate, weight, ctx.group_size, ctx.eps)
+        inputs = [tensor for tensor in (y, gate, weight) if tensor.requires_grad]
+        grads = iter(torch.autograd.grad(out, inputs, grad_out))
+        return tuple(next(grads) if tensor.requires_grad else None for tensor in (y, gate, weight)) + (None, None)
 
 
 def make_norm(kind: str, size: int, eps: float) -> nn.Module:

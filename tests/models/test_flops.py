@@ -1,23 +1,13 @@
 """FLOP accounting: every block kind's formula against torch's FlopCounterMode, forward and backward.
 
-FlopCounterMode counts mm / bmm / convolution / SDPA by their shapes, per module. Three gaps in
-torch 2.13's table are filled here, each with the same convention torch uses elsewhere:
-
-- the CPU flash-attention kernels (``_scaled_dot_product_flash_attention_for_cpu`` and its
-  backward) are not in the table and would count as 0; we give them torch's own SDPA formulas
-  (``sdpa_flop_count``: two full-square batched matmuls; the backward five, one of them the
-  recomputed scores);
-- ``_grouped_mm`` (the MoE experts' grouped GEMM) is not in the table either;
-- torch's ``convolution_backward`` formula ignores ``groups`` for the weight gradient, so for
-  our depthwise conv it counts channels-times too much; a conv's weight gradient is the same
-  number of multiply-adds as its forward, which is what we count instead.
+FlopCounterMode counts mm / bmm / SDPA by their shapes, per module. Two gaps in torch 2.13's
+table are filled by ``tests/helpers/flop_formulas.py`` with the conventions torch uses elsewhere:
+the CPU flash-attention kernels and ``_grouped_mm`` (the MoE experts' grouped GEMM).
 """
-
-import math
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
@@ -25,37 +15,10 @@ from meshlm.models.flops import (BACKWARD_TO_FORWARD, block_flops, model_flops_b
                                  model_flops_per_token)
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.layer import MoELayer
+from tests.helpers.flop_formulas import MISSING_FORMULAS
 
 aten = torch.ops.aten
 BATCH = 2
-
-
-def _cpu_sdpa_forward(query, key, value, *args, out_shape=None, **kwargs):
-    return sdpa_flop_count(query, key, value)
-
-
-def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-def _grouped_mm(a, b, *args, out_shape=None, **kwargs):
-    if len(a) == 2 and len(b) == 2:  # weight gradient: the contraction (rows) is split into groups
-        return 2 * a[0] * a[1] * b[1]
-    return 2 * math.prod(out_shape) * a[-1]
-
-
-def _conv_backward(grad_out, x, weight, *args, out_shape=None, **kwargs):
-    output_mask = args[-1]
-    forward = conv_flop_count(x, weight, grad_out)  # grad_out has the forward output's shape
-    return forward * (int(output_mask[0]) + int(output_mask[1]))
-
-
-MISSING_FORMULAS = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_forward,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward,
-    aten._grouped_mm: _grouped_mm,
-    aten.convolution_backward: _conv_backward,
-}
 
 
 def flop_counter() -> FlopCounterMode:

@@ -1,4 +1,4 @@
-"""Mamba-2's gated, grouped RMSNorm: the hand-written backward equals autograd's of the formula."""
+"""Mamba-2's gated, grouped RMSNorm: recomputed in backward, its gradients equal autograd's of the formula."""
 
 import pytest
 import torch
@@ -35,3 +35,13 @@ def test_gated_rms_norm_keeps_the_input_dtype():
     norm = GatedRMSNorm(8, group_size=4).bfloat16()
     out = norm(torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16))
     assert out.dtype == torch.bfloat16
+
+
+def test_gated_rms_norm_saves_only_its_inputs():
+    norm = GatedRMSNorm(16, group_size=8)
+    y, gate = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
+        norm(y, gate)
+    pointers = {tensor.untyped_storage().data_ptr() for tensor in saved}
+    assert pointers == {tensor.untyped_storage().data_ptr() for tensor in (y, gate, norm.weight)}

@@ -8,5 +8,6 @@ Attention), Mamba-2 hands its convolution window and SSM state over in sequence 
     chunks.py            which chunks a rank holds; rows of a neighbouring chunk
     context_parallel.py  a micro-batch split into the rank's chunks, loss shares, applying CP to a model
     ring_attention.py    exact causal attention with K/V travelling the ring (online-softmax merge)
+    block_attention.py   one chunk pair's attention through the fused kernel that returns the log-sum-exp
     mamba.py             exact Mamba-2: conv windows from the previous chunk, SSM start states by one all-gather
 """
