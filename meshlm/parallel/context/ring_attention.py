@@ -14,6 +14,13 @@ the two diagonal blocks plus one full block; every later step is exactly two ful
 sender's front chunk for all local queries, or all its keys for the local back chunk) -- the
 same work on every rank and every step.
 
+**One block, through a fused kernel** (``block_attention.py``). Each block is computed by a
+fused attention kernel that also returns the log-sum-exp of its rows (FlashAttention-2, Dao
+2023; the CPU flash kernel on CPU, FlashAttention-2 or the memory-efficient kernel on CUDA), in
+the run's dtype: bf16 blocks stay bf16. The [c x c] scores exist only a tile at a time inside
+the kernel. Shapes or dtypes no kernel takes (e.g. fp64 on CUDA) use the explicit-matmul
+reference of the same equations.
+
 **Merging partial results (online softmax).** Each block b gives, per query row, the softmax
 over its keys only: out_b = softmax(S_b) V_b and lse_b = log sum_j exp(S_b,j). Two partial
 results of the same row combine exactly (Milakov & Gimelshein 2018, "Online normalizer
@@ -22,26 +29,29 @@ calculation for softmax"; the rescaling inside FlashAttention, Dao et al. 2022):
     lse = log(exp(lse_1) + exp(lse_2))
     out = exp(lse_1 - lse) out_1 + exp(lse_2 - lse) out_2
 
-so the blocks may arrive in any order and nothing of size [queries x all keys] is ever held.
+The running out and lse are fp32 accumulators (fp64 for fp64 inputs), so the blocks may arrive
+in any order, bf16 partial results are summed without bf16 rounding, and nothing of size
+[queries x all keys] is ever held.
 
-**Backward.** A custom autograd function with FlashAttention's backward per block (Dao et al.
-2022, Alg. 4): with the final lse and D = rowsum(dO * O) of each query row, a block's
-probabilities are P = exp(S - lse) (recomputed, not stored), and
+**Backward.** A custom autograd function calls the kernel's backward per block (FlashAttention-2,
+Alg. 2) with the FINAL output O and lse of the query rows: the kernel recomputes
+P = exp(S_block - lse) -- exactly the block's columns of the full softmax -- and uses
+D = rowsum(dO * O) of the whole row, so each block's (dq, dk, dv) is its exact share:
 
     dV = P^T dO     dS = P * (dO V^T - D)     dQ = dS K / sqrt(d)     dK = dS^T Q / sqrt(d)
 
-The K/V blocks travel the ring again, and with each travels the accumulator of ITS dK/dV: a
-rank adds its queries' contribution and passes the accumulator on with the block, so after cp
-steps (one more hop than the K/V) every block's dK/dV arrives, complete, at its owner. Forward
-saves only q, k, v, the output and lse -- O(local sequence) memory, as the single-process
-FlashAttention-style core would.
+The K/V blocks travel the ring again, and with each travels the fp32 accumulator of ITS dK/dV:
+a rank adds its queries' contribution and passes the accumulator on with the block, so after cp
+steps (one more hop than the K/V) every block's dK/dV arrives, complete, at its owner; dQ is
+accumulated in fp32 at home. Forward saves only q, k, v, the output (in the run's dtype: the
+very tensor it returns) and the fp32 lse -- O(local sequence) memory, no [c x c] tensor.
 
 Grouped-query attention: query head h reads KV head h // (heads / kv_heads) (the rule of
-``F.scaled_dot_product_attention(enable_gqa=True)``); the queries are viewed as [kv_heads,
-group] so K/V are never repeated, and dK/dV sum over each group. Tensor parallelism splits heads,
-so each TP rank rings its own heads over its CP group; sequence parallelism has gathered the
-CP-local sequence before q/k/v are computed, so nothing changes. Computation is in fp32 (fp64
-for fp64 inputs); the output comes back in the inputs' dtype.
+``F.scaled_dot_product_attention(enable_gqa=True)``); K/V travel with their own kv_heads, and
+only inside one block's kernel call are they repeated per query head (see
+``block_attention.py``). Tensor parallelism splits heads, so each TP rank rings its own heads
+over its CP group; sequence parallelism has gathered the CP-local sequence before q/k/v are
+computed, so nothing changes. The output and gradients come back in the inputs' dtype.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ import math
 import torch
 
 from meshlm.parallel.collectives import send_and_receive
+from meshlm.parallel.context.block_attention import accumulation_dtype, block_backward, block_forward
 from meshlm.parallel.context.chunks import paired_chunks
 
 KV_TAG, GRAD_TAG = 0, 1
@@ -66,35 +77,7 @@ def attention_blocks(query_chunks: tuple[int, ...], key_chunks: tuple[int, ...])
             for q_slot, query in enumerate(query_chunks) for k_slot, key in enumerate(key_chunks) if key <= query]
 
 
-# --- one block ---------------------------------------------------------------------------------------
-
-def _scores(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """S = q k^T * scale for grouped queries [b, kv, g, t, d] and keys [b, kv, s, d] -> [b, kv, g, t, s]."""
-    scores = torch.matmul(query, key.unsqueeze(2).transpose(-1, -2)) * scale
-    if causal:
-        length = scores.shape[-1]
-        above = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(above, float("-inf"))
-    return scores
-
-
-def block_forward(query, key, value, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of grouped queries over one K/V block: (out [b, kv, g, t, d], lse [b, kv, g, t])."""
-    scores = _scores(query, key, causal, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value.unsqueeze(2))
-    return out, lse
-
-
-def block_backward(query, key, value, grad_out, lse, delta, causal: bool, scale: float):
-    """(dq, dk, dv) of one block, given the FINAL lse and D = rowsum(dO * O) of the query rows."""
-    probs = torch.exp(_scores(query, key, causal, scale) - lse.unsqueeze(-1))  # [b, kv, g, t, s]
-    grad_value = torch.matmul(probs.transpose(-1, -2), grad_out).sum(2)
-    grad_scores = probs * (torch.matmul(grad_out, value.unsqueeze(2).transpose(-1, -2)) - delta.unsqueeze(-1))
-    grad_query = torch.matmul(grad_scores, key.unsqueeze(2)) * scale
-    grad_key = torch.matmul(grad_scores.transpose(-1, -2), query).sum(2) * scale
-    return grad_query, grad_key, grad_value
-
+# --- merging blocks ------------------------------------------------------------------------------------
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
                block_lse: torch.Tensor) -> None:
@@ -137,47 +120,36 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, context, layout):
         ring = Ring(context, layout)
-        compute = torch.promote_types(query.dtype, torch.float32)
-        batch, heads, length, head_dim = query.shape
-        kv_heads = key.shape[1]
-        grouped = query.to(compute).view(batch, kv_heads, heads // kv_heads, length, head_dim)
-        scale, slot = 1.0 / math.sqrt(head_dim), length // 2
-        out = grouped.new_zeros(grouped.shape)
-        lse = grouped.new_full(grouped.shape[:-1], float("-inf"))
+        scale, slot = 1.0 / math.sqrt(query.shape[-1]), query.shape[2] // 2
+        wide = accumulation_dtype(query.dtype)
+        out = torch.zeros(query.shape, dtype=wide, device=query.device)
+        lse = torch.full(query.shape[:-1], float("-inf"), dtype=wide, device=query.device)
         kv = torch.stack((key, value)).contiguous()
         for step in range(ring.size):
             incoming, requests = ring.start_pass(kv, KV_TAG) if step < ring.size - 1 else (None, [])
-            block_key, block_value = kv[0].to(compute), kv[1].to(compute)
-            for q_slot, k_slot, causal in attention_blocks(ring.chunks(0), ring.chunks(step)):
-                rows, cols = slice(q_slot * slot, (q_slot + 1) * slot), slice(k_slot * slot, (k_slot + 1) * slot)
-                block_out, block_lse = block_forward(grouped[..., rows, :], block_key[..., cols, :],
-                                                     block_value[..., cols, :], causal, scale)
+            for rows, cols, causal in _block_slices(ring, step, slot):
+                block_out, block_lse = block_forward(query[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
+                                                     causal, scale)
                 merge_into(out, lse, rows, block_out, block_lse)
             _wait(requests)
             kv = incoming
-        ctx.save_for_backward(query, key, value, out, lse)
+        output = out.to(query.dtype)  # the same tensor when the run is fp32 or fp64
+        ctx.save_for_backward(query, key, value, output, lse)
         ctx.ring, ctx.scale = ring, scale
-        return out.view(batch, heads, length, head_dim).to(query.dtype)
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, key, value, out, lse = ctx.saved_tensors
-        ring, scale = ctx.ring, ctx.scale
-        compute = out.dtype
-        grouped = query.to(compute).view(out.shape)
-        grad_out = grad_output.to(compute).reshape(out.shape)
-        delta = (grad_out * out).sum(-1)  # D = rowsum(dO * O)
-        slot = query.shape[2] // 2
-        grad_query = torch.zeros_like(grouped)
+        query, key, value, output, lse = ctx.saved_tensors
+        ring, scale, slot = ctx.ring, ctx.scale, query.shape[2] // 2
+        grad_query = torch.zeros(query.shape, dtype=lse.dtype, device=query.device)
         kv = torch.stack((key, value)).contiguous()
-        grad_kv = torch.zeros(kv.shape, dtype=compute, device=kv.device)  # dK/dV of the block held
+        grad_kv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)  # dK/dV of the block held
         for step in range(ring.size):
             incoming, requests = ring.start_pass(kv, KV_TAG) if step < ring.size - 1 else (None, [])
-            block_key, block_value = kv[0].to(compute), kv[1].to(compute)
-            for q_slot, k_slot, causal in attention_blocks(ring.chunks(0), ring.chunks(step)):
-                rows, cols = slice(q_slot * slot, (q_slot + 1) * slot), slice(k_slot * slot, (k_slot + 1) * slot)
-                dq, dk, dv = block_backward(grouped[..., rows, :], block_key[..., cols, :], block_value[..., cols, :],
-                                            grad_out[..., rows, :], lse[..., rows], delta[..., rows], causal, scale)
+            for rows, cols, causal in _block_slices(ring, step, slot):
+                dq, dk, dv = block_backward(grad_output[..., rows, :], query[..., rows, :], kv[0][..., cols, :],
+                                            kv[1][..., cols, :], output[..., rows, :], lse[..., rows], causal, scale)
                 grad_query[..., rows, :] += dq
                 grad_kv[0][..., cols, :] += dk
                 grad_kv[1][..., cols, :] += dv
@@ -186,8 +158,13 @@ class _RingAttention(torch.autograd.Function):
             _wait(requests)
             _wait(grad_requests)
             kv = incoming
-        return (grad_query.view(query.shape).to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype),
-                None, None)
+        return (grad_query.to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype), None, None)
+
+
+def _block_slices(ring: Ring, step: int, slot: int) -> list[tuple[slice, slice, bool]]:
+    """(query rows, key rows, causal) of the blocks this rank computes at ``step``; ``slot`` tokens a chunk."""
+    return [(slice(q_slot * slot, (q_slot + 1) * slot), slice(k_slot * slot, (k_slot + 1) * slot), causal)
+            for q_slot, k_slot, causal in attention_blocks(ring.chunks(0), ring.chunks(step))]
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context,
@@ -216,5 +193,4 @@ class RingAttentionCore:
         return ring_attention(query, key, value, self.context, self.layout)
 
 
-__all__ = ["Ring", "RingAttentionCore", "attention_blocks", "block_backward", "block_forward", "merge_into",
-           "ring_attention"]
+__all__ = ["Ring", "RingAttentionCore", "attention_blocks", "merge_into", "ring_attention"]
