@@ -10,6 +10,17 @@ tokenizer also supplies the eos token (``--eos-id`` overrides it) and the true v
 size, so a model whose vocabulary was padded never emits an id the tokenizer cannot decode.
 Output is one line per prompt: the generated text (or ids without a tokenizer), or with
 ``--json`` an object ``{"ids": [...], "text": "..."}`` holding the new tokens only.
+
+    meshlm generate runs/x --prompt-ids 1,2,3 --max-new-tokens 256 --greedy --prefill-chunk 4096 --stats
+    meshlm generate runs/demo-mtp --prompt "ROMEO:" --max-new-tokens 128 --greedy --speculative mtp --stats
+
+``--prefill-chunk N`` runs each prompt through the model N tokens per forward (memory bounded for
+long prompts; the same tokens). ``--speculative mtp`` drafts tokens with the model's
+multi-token-prediction depths and verifies them in one forward (greedy only, the same tokens as
+plain greedy decoding; ``meshlm/inference/speculative.py``). ``--stats`` prints one JSON line to
+stderr: prefill and decode tokens/s and cache bytes (``meshlm/inference/stats.py``); with
+``--speculative`` also the drafts accepted, and the speed-up over plain greedy decoding of the
+same prompts, which it then runs too (one prompt at a time, as speculative decoding does).
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +39,8 @@ from meshlm.data.tokenizer import Tokenizer, find_tokenizer_file, load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
+from meshlm.inference.speculative import SPECULATIVE_METHODS
+from meshlm.inference.stats import GenerationStats
 
 STEP_FOLDER = re.compile(r"step_(\d+)")
 
@@ -48,6 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eos-id", type=int, help="stop a prompt at this token id (default: the tokenizer's eos)")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument("--prefill-chunk", type=int, metavar="N",
+                        help="run prompts through the model N tokens per forward (default: whole prompts)")
+    parser.add_argument("--speculative", choices=SPECULATIVE_METHODS,
+                        help="mtp: draft with the model's multi-token-prediction depths, verify in one forward "
+                             "(greedy only)")
+    parser.add_argument("--draft-tokens", type=int, metavar="K",
+                        help="with --speculative mtp: tokens drafted a step, 1 to model.mtp_depth (default: all)")
+    parser.add_argument("--stats", action="store_true",
+                        help="print prefill/decode tokens/s, cache bytes (and drafts accepted) as JSON on stderr")
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -129,12 +152,34 @@ def run(args: argparse.Namespace) -> int:
     prompts = args.prompt_ids if args.prompt is None else [tokenizer.encode(text) for text in args.prompt]
     eos_token_id = choose_eos(args.eos_id, tokenizer, model_dir)
     valid_vocab_size = min(tokenizer.vocab_size, model.config.vocab_size) if tokenizer else None
-    results = generate(model, prompts, args.max_new_tokens, sampling, eos_token_id=eos_token_id,
-                       valid_vocab_size=valid_vocab_size)
+    settings = dict(eos_token_id=eos_token_id, valid_vocab_size=valid_vocab_size, prefill_chunk=args.prefill_chunk)
+    stats = GenerationStats() if args.stats else None
+    results = generate(model, prompts, args.max_new_tokens, sampling, speculative=args.speculative,
+                       draft_tokens=args.draft_tokens, stats=stats, **settings)
     for ids in results:
         text = tokenizer.decode(ids) if tokenizer else None
         if args.json:
             print(json.dumps({"ids": ids} if text is None else {"ids": ids, "text": text}))
         else:
             print(text if text is not None else ",".join(map(str, ids)))
+    if stats is not None:
+        report = stats.summary()
+        if args.speculative is not None:
+            report.update(compare_with_plain_greedy(model, prompts, args.max_new_tokens, results, stats, settings))
+        print(json.dumps(report), file=sys.stderr)
     return 0
+
+
+def compare_with_plain_greedy(model, prompts: list[list[int]], max_new_tokens: int, speculative_results,
+                              speculative_stats: GenerationStats, settings: dict) -> dict:
+    """Decode the prompts again with plain greedy decoding, one at a time as speculative decoding
+    does: its decode tokens/s, the speed-up, and whether the tokens are the same."""
+    plain_stats, plain_results = GenerationStats(), []
+    for prompt in prompts:
+        plain_results += generate(model, [prompt], max_new_tokens, SamplingConfig(greedy=True), stats=plain_stats,
+                                  **settings)
+    plain_rate = plain_stats.summary()["decode_tokens_per_s"]
+    speculative_rate = speculative_stats.summary()["decode_tokens_per_s"]
+    return {"plain_decode_tokens_per_s": plain_rate,
+            "speedup": round(speculative_rate / plain_rate, 3) if plain_rate and speculative_rate else None,
+            "same_tokens_as_plain": plain_results == speculative_results}

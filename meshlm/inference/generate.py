@@ -15,6 +15,12 @@ batch: attention never attends to a padded key, Mamba zeroes padded positions so
 its state untouched, and positions count real tokens only, so every row produces exactly
 the tokens it would produce alone. A row that emits ``eos_token_id`` is finished and dropped
 from the batch (and from the cache, with ``InferenceCache.select``).
+
+A long prompt can be prefilled ``prefill_chunk`` tokens per forward (``prefill.py``), which
+bounds the memory of the prefill without changing the tokens; only the last position's logits
+are ever computed. With ``speculative="mtp"`` the model's multi-token-prediction depths draft
+tokens that one forward verifies (``speculative.py``): the same greedy tokens, fewer forwards.
+Either way a ``GenerationStats`` passed in collects speed and cache size (``stats.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ from __future__ import annotations
 import torch
 
 from meshlm.errors import ConfigError
-from meshlm.inference.sampling import SamplingConfig, sample_next
+from meshlm.inference.prefill import hidden_states, prefill
+from meshlm.inference.sampling import SamplingConfig, restrict_vocab, sample_next
+from meshlm.inference.speculative import check_speculative, speculative_generate
+from meshlm.inference.stats import GenerationStats
 from meshlm.models.cache import InferenceCache
 
 
@@ -51,22 +60,19 @@ def left_pad(prompts: list[list[int]], pad_token_id: int,
     return input_ids.to(device), (None if bool(token_mask.all()) else token_mask.to(device))
 
 
-def restrict_vocab(logits: torch.Tensor, valid_vocab_size: int | None) -> torch.Tensor:
-    """Mask logits beyond ``valid_vocab_size`` (rows of a vocabulary padded for efficiency)."""
-    if valid_vocab_size is None or valid_vocab_size >= logits.shape[-1]:
-        return logits
-    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= valid_vocab_size,
-                              float("-inf"))
-
-
 def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
              eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
-             valid_vocab_size: int | None = None) -> list[list[int]]:
+             valid_vocab_size: int | None = None, prefill_chunk: int | None = None,
+             speculative: str | None = None, draft_tokens: int | None = None,
+             stats: GenerationStats | None = None) -> list[list[int]]:
     """The new tokens of each prompt: at most ``max_new_tokens``, ending at eos if one is drawn.
 
     ``eos_token_id`` may be one id or several (Hugging Face configs list several end tokens).
     ``valid_vocab_size`` limits sampling to the first ids of a padded vocabulary. The eos token,
-    when drawn, is included as the last token of its row.
+    when drawn, is included as the last token of its row. ``prefill_chunk``: run the prompts
+    this many tokens per forward (None: all at once). ``speculative="mtp"``: draft with the
+    model's MTP depths and verify (greedy only; prompts decoded one at a time), ``draft_tokens``
+    a step (default: one per depth). ``stats``, if given, is added to.
     """
     vocab_size = model.config.vocab_size
     check_prompts(prompts, vocab_size)
@@ -75,41 +81,61 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     if valid_vocab_size is not None and not 0 < valid_vocab_size <= vocab_size:
         raise ConfigError(f"valid_vocab_size={valid_vocab_size} must be in [1, {vocab_size}] "
                           "(the model's vocab_size).")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or prefill_chunk < 1):
+        raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be a number of tokens >= 1, or None to "
+                          "prefill each prompt in one forward.")
+    if speculative is not None:
+        check_speculative(model, speculative, sampling, draft_tokens)
+    elif draft_tokens is not None:
+        raise ConfigError(f"draft_tokens={draft_tokens} sets the drafts of speculative decoding; add "
+                          "--speculative mtp (speculative='mtp'), or drop --draft-tokens.")
     new_tokens: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:
         return new_tokens
+    stats = GenerationStats() if stats is None else stats
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id,
-                    valid_vocab_size, new_tokens)
+            if speculative is not None:
+                for row, prompt in enumerate(prompts):
+                    new_tokens[row] = speculative_generate(model, prompt, max_new_tokens, eos_token_id,
+                                                           valid_vocab_size, prefill_chunk, stats, draft_tokens)
+            else:
+                _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id,
+                        valid_vocab_size, prefill_chunk, stats, new_tokens)
     finally:
         model.train(was_training)
     return new_tokens
 
 
-def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id,
-            valid_vocab_size, new_tokens: list[list[int]]) -> None:
+def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, valid_vocab_size,
+            prefill_chunk, stats: GenerationStats, new_tokens: list[list[int]]) -> None:
     """Prefill the padded batch, then decode one token per step, appending into ``new_tokens``."""
     device = next(model.parameters()).device
     generator = sampling.make_generator(device)
     input_ids, token_mask = left_pad(prompts, pad_token_id, device)
     cache = InferenceCache(max_tokens=input_ids.shape[1] + max_new_tokens)  # KV buffers allocated once
-    logits = model(input_ids, token_mask=token_mask, cache=cache).logits[:, -1]
+    with stats.timing("prefill", device):
+        logits = model.head_logits(prefill(model, input_ids, token_mask, cache, prefill_chunk))[:, -1]
+    stats.prefill_tokens += sum(len(prompt) for prompt in prompts)
+    stats.saw_cache_bytes(cache.nbytes)
+    eos_ids = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)
     rows = list(range(len(prompts)))  # the prompt each batch row belongs to
-    for step in range(max_new_tokens):
-        next_ids = sample_next(restrict_vocab(logits, valid_vocab_size), sampling, generator)
-        for row, token in zip(rows, next_ids.tolist()):
-            new_tokens[row].append(token)
-        if eos_token_id is not None:
-            eos_ids = torch.tensor(eos_token_id, device=device).reshape(-1)
-            unfinished = (~torch.isin(next_ids, eos_ids)).nonzero().squeeze(-1)
-            if len(unfinished) < len(rows):
-                rows = [rows[i] for i in unfinished.tolist()]
-                next_ids = next_ids[unfinished]
-                cache.select(unfinished)
-        if not rows or step == max_new_tokens - 1:
-            return
-        new_column_mask = torch.ones(len(rows), 1, dtype=torch.bool, device=device)
-        logits = model(next_ids[:, None], token_mask=new_column_mask, cache=cache).logits[:, -1]
+    with stats.timing("decode", device):
+        for step in range(max_new_tokens):
+            next_ids = sample_next(restrict_vocab(logits, valid_vocab_size), sampling, generator)
+            for row, token in zip(rows, next_ids.tolist()):
+                new_tokens[row].append(token)
+            stats.decode_tokens += len(rows)
+            if eos_ids is not None:
+                unfinished = (~torch.isin(next_ids, eos_ids)).nonzero().squeeze(-1)
+                if len(unfinished) < len(rows):
+                    rows = [rows[i] for i in unfinished.tolist()]
+                    next_ids = next_ids[unfinished]
+                    cache.select(unfinished)
+            if not rows or step == max_new_tokens - 1:
+                break
+            # the new column holds no padding (no mask): nothing in a step looks at all cached tokens
+            logits = model.head_logits(hidden_states(model, next_ids[:, None], cache))[:, -1]
+    stats.saw_cache_bytes(cache.nbytes)

@@ -81,6 +81,14 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def restrict_vocab(logits: torch.Tensor, valid_vocab_size: int | None) -> torch.Tensor:
+    """Mask logits [..., vocab] beyond ``valid_vocab_size`` (rows of a vocabulary padded for efficiency)."""
+    if valid_vocab_size is None or valid_vocab_size >= logits.shape[-1]:
+        return logits
+    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= valid_vocab_size,
+                              float("-inf"))
+
+
 def sample_next(logits: torch.Tensor, config: SamplingConfig,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """The next token id [b] for each row of ``logits`` [b, vocab]."""

@@ -7,13 +7,21 @@ model's memory per generated token stays flat where a Transformer's grows.
 
 States are created by the blocks themselves on first use (``state_for``), keyed by block index,
 so the cache needs to know nothing about the model.
+
+**Rolling back.** Speculative decoding (``meshlm/inference/speculative.py``) feeds the model
+draft tokens and then has to forget the rejected ones: ``InferenceCache.truncate`` undoes the
+latest tokens. For attention that is a count (the keys past it are overwritten later). A Mamba
+state cannot be run backwards, so after ``enable_rollback(n)`` each Mamba cache keeps what it
+needs to undo up to n tokens: its SSM state before and after each of the latest n tokens, and
+n more columns of conv inputs (``MambaCache``). Until then generation keeps nothing extra.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 def grown(buffer: torch.Tensor | None, like: torch.Tensor, dim: int, length: int, needed: int,
@@ -30,6 +38,12 @@ def grown(buffer: torch.Tensor | None, like: torch.Tensor, dim: int, length: int
     if length:
         larger.narrow(dim, 0, length).copy_(buffer.narrow(dim, 0, length))
     return larger
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes of the distinct tensors given (None and repeats of one tensor are skipped)."""
+    distinct = {id(tensor): tensor for tensor in tensors if tensor is not None}
+    return sum(tensor.numel() * tensor.element_size() for tensor in distinct.values())
 
 
 @dataclass
@@ -65,6 +79,12 @@ class AttentionCache:
         self.length = needed
         return self.keys, self.values
 
+    def forget_latest(self, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` tokens: only the count shrinks, the next append overwrites them."""
+        if not 0 <= num_tokens <= self.length:
+            raise ValueError(f"cannot forget {num_tokens} of the {self.length} cached tokens")
+        self.length -= num_tokens
+
     def select(self, batch_indices: torch.Tensor) -> None:
         if self.key_buffer is not None:
             self.key_buffer, self.value_buffer = self.key_buffer[batch_indices], self.value_buffer[batch_indices]
@@ -72,24 +92,76 @@ class AttentionCache:
     @property
     def nbytes(self) -> int:
         """Bytes allocated (capacity, not only the tokens held)."""
-        return sum(buffer.numel() * buffer.element_size() for buffer in (self.key_buffer, self.value_buffer)
-                   if buffer is not None)
+        return tensor_bytes(self.key_buffer, self.value_buffer)
 
 
 @dataclass
 class MambaCache:
-    """The recurrent state of one Mamba-2 block."""
+    """The recurrent state of one Mamba-2 block.
+
+    With a rollback window of n tokens (``enable_rollback``) it can also undo its latest tokens,
+    up to n of them: the SSM state after each of those tokens is kept (the Mamba mixer then
+    steps through the last n tokens of each forward one recurrent step at a time, see
+    ``Mamba2Mixer.scan``), and the conv window holds n more columns of past inputs, from which
+    the window as it was n tokens ago is a slice."""
 
     conv_state: torch.Tensor | None = None
-    """[batch, conv_channels, conv_kernel - 1]: the most recent inputs of the causal conv."""
+    """[batch, conv_channels, conv_kernel - 1 + rollback_window]: the most recent inputs of the
+    causal conv, newest last (the conv reads the last conv_kernel - 1)."""
     ssm_state: torch.Tensor | None = None
     """[batch, heads, head_dim, state_size], fp32."""
+    rollback_window: int = 0
+    """How many of the latest tokens ``forget_latest`` may undo; 0 (the default): none."""
+    recent_ssm_states: list[torch.Tensor] = field(default_factory=list)
+    """With a rollback window: the SSM states before and after each of the latest (up to
+    rollback_window) tokens, oldest first; the last one is ``ssm_state``."""
+
+    def enable_rollback(self, num_tokens: int) -> None:
+        """Keep what undoing up to ``num_tokens`` latest tokens needs, from the next forward on.
+
+        The conv window is widened on the left with zeros: they stand for inputs older than any
+        token that can be undone (only tokens seen from now on can), so they are never read."""
+        if num_tokens <= self.rollback_window:
+            return
+        if self.conv_state is None:
+            raise RuntimeError("a Mamba cache can roll back only tokens after its first forward")
+        if self.rollback_window == 0:
+            self.recent_ssm_states = [self.ssm_state]
+        self.conv_state = F.pad(self.conv_state, (num_tokens - self.rollback_window, 0))
+        self.rollback_window = num_tokens
+
+    def remember_states(self, states: list[torch.Tensor], start: torch.Tensor | None = None) -> None:
+        """Keep the SSM ``states`` after each of the latest tokens, oldest first. ``start`` is the
+        state before them when tokens that were not stepped one by one came in between (those
+        cannot be undone); None when they follow the states already kept."""
+        history = self.recent_ssm_states if start is None else [start]
+        self.recent_ssm_states = (history + states)[-(self.rollback_window + 1):]
+
+    def forget_latest(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` tokens: back to the SSM state kept before them, and the conv
+        window shifted back by as many columns (zeros enter on the left, never read; see
+        ``enable_rollback``)."""
+        if num_tokens == 0:
+            return
+        if not 0 < num_tokens < len(self.recent_ssm_states):
+            raise RuntimeError(f"this Mamba cache can undo at most {max(len(self.recent_ssm_states) - 1, 0)} "
+                               f"tokens (rollback window {self.rollback_window}), not {num_tokens}")
+        del self.recent_ssm_states[-num_tokens:]
+        self.ssm_state = self.recent_ssm_states[-1]
+        self.conv_state = F.pad(self.conv_state[:, :, :-num_tokens], (num_tokens, 0))
 
     def select(self, batch_indices: torch.Tensor) -> None:
         if self.conv_state is not None:
             self.conv_state = self.conv_state[batch_indices]
-        if self.ssm_state is not None:
+        self.recent_ssm_states = [state[batch_indices] for state in self.recent_ssm_states]
+        if self.recent_ssm_states:
+            self.ssm_state = self.recent_ssm_states[-1]
+        elif self.ssm_state is not None:
             self.ssm_state = self.ssm_state[batch_indices]
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.conv_state, self.ssm_state, *self.recent_ssm_states)
 
 
 class InferenceCache:
@@ -105,6 +177,9 @@ class InferenceCache:
         self.num_seen_tokens = 0
         self.real_tokens: torch.Tensor | None = None
         """[batch] int64: unmasked tokens seen per sequence (the next token's position)."""
+        self.has_padding = False
+        """Whether a token seen so far was padding. While it is False attention needs no key mask,
+        and knowing it costs no look over the whole mask (and no device sync) per decode step."""
 
     @property
     def token_mask(self) -> torch.Tensor | None:
@@ -121,12 +196,14 @@ class InferenceCache:
 
     def append_token_mask(self, token_mask: torch.Tensor | None, batch: int, seq: int,
                           device: torch.device) -> torch.Tensor:
-        """Record the new tokens' mask; returns their positions [batch, seq]: 0, 1, 2, ... counting
-        only real tokens of each sequence so far (padding takes its neighbour's position), in
-        work independent of the tokens already seen."""
+        """Record the new tokens' mask (None: all real); returns their positions [batch, seq]: 0, 1,
+        2, ... counting only real tokens of each sequence so far (padding takes its neighbour's
+        position), in work independent of the tokens already seen."""
         if token_mask is None:
             token_mask = torch.ones(batch, seq, dtype=torch.bool, device=device)
-        token_mask = token_mask.bool()
+        else:
+            token_mask = token_mask.bool()
+            self.has_padding = self.has_padding or not bool(token_mask.all())
         needed = self.num_seen_tokens + seq
         self.mask_buffer = grown(self.mask_buffer, token_mask, 1, self.num_seen_tokens, needed, self.max_tokens)
         self.mask_buffer[:, self.num_seen_tokens:needed] = token_mask
@@ -136,6 +213,26 @@ class InferenceCache:
         counts = seen_before[:, None] + token_mask.long().cumsum(-1)
         self.real_tokens = counts[:, -1]
         return (counts - 1).clamp(min=0)
+
+    def enable_rollback(self, num_tokens: int) -> None:
+        """Let ``truncate`` undo up to ``num_tokens`` of the latest tokens, from the next forward on
+        (for the blocks that exist now: call it after a first forward)."""
+        for state in self.layers.values():
+            if isinstance(state, MambaCache):
+                state.enable_rollback(num_tokens)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Forget every token after the first ``num_tokens`` seen (rejected draft tokens), as if the
+        cache had never seen them. Mamba blocks can undo only up to their rollback window."""
+        dropped = self.num_seen_tokens - num_tokens
+        if dropped < 0:
+            raise ValueError(f"cannot truncate a cache of {self.num_seen_tokens} tokens to {num_tokens}")
+        if dropped == 0:
+            return
+        self.real_tokens = self.real_tokens - self.mask_buffer[:, num_tokens:self.num_seen_tokens].sum(-1)
+        self.num_seen_tokens = num_tokens
+        for state in self.layers.values():
+            state.forget_latest(dropped)
 
     def select(self, batch_indices: torch.Tensor) -> None:
         """Keep only some sequences of the batch (e.g. drop finished ones)."""
@@ -148,11 +245,4 @@ class InferenceCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by every block's state (KV capacity, Mamba conv and SSM states)."""
-        total = 0
-        for state in self.layers.values():
-            if isinstance(state, AttentionCache):
-                total += state.nbytes
-            else:
-                total += sum(tensor.numel() * tensor.element_size()
-                             for tensor in (state.conv_state, state.ssm_state) if tensor is not None)
-        return total
+        return sum(state.nbytes for state in self.layers.values())

@@ -11,8 +11,9 @@ with the shared output head:
 
 Tensors keep their full length by shifting left (the last k positions have no target and are
 ignored), so the causal blocks inside each depth see ordinary sequences. The model adds
-``mtp_loss_coeff * mean_k loss_k`` to its loss. At inference the depths can serve as a draft
-model for speculative decoding.
+``mtp_loss_coeff * mean_k loss_k`` to its loss. At inference the depths serve as a draft model
+for self-speculative decoding (``meshlm/inference/speculative.py``: ``meshlm generate
+--speculative mtp``), each depth with a cache of its own blocks' states.
 """
 
 from __future__ import annotations

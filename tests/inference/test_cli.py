@@ -141,3 +141,31 @@ def test_eos_falls_back_to_the_converted_hf_config(tmp_path):
     assert choose_eos(5, None, tmp_path) == 5
     (tmp_path / "config.json").write_text(json.dumps({"format": "meshlm"}))
     assert choose_eos(None, None, tmp_path) is None
+
+
+def test_speculative_prefill_chunk_and_stats_flags(capsys, tmp_path, tokenizer_dir):
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=320, hidden_size=32, pattern="M*-", num_attention_heads=4,
+                                      num_kv_heads=2, mamba_head_dim=8, init_std=0.1, mtp_depth=2))
+    directory = save_model(model, tmp_path / "mtp", tokenizer_dir=tokenizer_dir)
+    prompt_args = ("--prompt-ids", "1,2,3", "--prompt-ids", "40,41", "--max-new-tokens", 9, "--greedy", "--json")
+    code, plain, _ = run_cli(capsys, directory, *prompt_args)
+    assert code == 0
+    code, out, err = run_cli(capsys, directory, *prompt_args, "--speculative", "mtp", "--prefill-chunk", 2, "--stats")
+    assert code == 0 and out == plain
+    stats = json.loads(err)
+    generated = sum(len(json.loads(line)["ids"]) for line in out.splitlines())
+    assert stats["prefill_tokens"] == 5 and stats["decode_tokens"] == generated and stats["cache_bytes"] > 0
+    assert stats["same_tokens_as_plain"] is True and stats["drafted_tokens"] > 0 and "speedup" in stats
+    assert 0 <= stats["acceptance_rate"] <= 1
+
+    code, out, err = run_cli(capsys, directory, *prompt_args, "--stats")
+    assert code == 0 and out == plain and "acceptance_rate" not in json.loads(err)
+
+
+def test_speculative_needs_mtp_depths_and_greedy_decoding(capsys, model_dir):
+    code, _, err = run_cli(capsys, model_dir, "--prompt-ids", "1,2", "--max-new-tokens", 4, "--greedy",
+                           "--speculative", "mtp")
+    assert code == 2 and "model.mtp_depth=0" in err
+    code, _, err = run_cli(capsys, model_dir, "--prompt-ids", "1,2", "--max-new-tokens", 4, "--prefill-chunk", 0)
+    assert code == 2 and "prefill_chunk=0" in err

@@ -2,8 +2,10 @@ import pytest
 import torch
 
 from meshlm.errors import ConfigError
-from meshlm.inference.generate import generate, restrict_vocab
+from meshlm.inference.generate import generate, left_pad, restrict_vocab
+from meshlm.inference.prefill import prefill
 from meshlm.inference.sampling import SamplingConfig
+from meshlm.inference.stats import GenerationStats
 from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
@@ -116,3 +118,57 @@ def test_any_of_several_eos_ids_ends_a_row():
     for row, expected in zip(result, reference):
         stop = min(expected.index(t) for t in (first_eos, second_eos) if t in expected)
         assert row == expected[:stop + 1]
+
+
+@pytest.mark.parametrize("name", ["dense", "hybrid", "moe"])
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_chunked_prefill_equals_one_forward(name, chunk):
+    """Left-padded prompts of different lengths (longest 9, so chunks of 4 leave a short last one)."""
+    model = tiny_model(PATTERNS[name])
+    input_ids, token_mask = left_pad(PROMPTS, 3, torch.device("cpu"))
+    with torch.no_grad():
+        whole = model.head_logits(prefill(model, input_ids, token_mask, InferenceCache()))
+        chunked = model.head_logits(prefill(model, input_ids, token_mask, InferenceCache(), chunk_size=chunk))
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-4)
+    assert generate(model, PROMPTS, 10, GREEDY, prefill_chunk=chunk) == generate(model, PROMPTS, 10, GREEDY)
+
+
+def test_chunked_prefill_never_holds_a_whole_prompt_of_activations_or_logits():
+    model = tiny_model(PATTERNS["hybrid"])
+    widths, head_inputs = [], []
+    model.blocks[0].register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
+    head_logits = model.head_logits
+    model.head_logits = lambda hidden, **kwargs: head_inputs.append(hidden.shape) or head_logits(hidden, **kwargs)
+    generate(model, PROMPTS, 3, GREEDY, prefill_chunk=4)
+    assert widths == [4, 4, 1, 1, 1]  # 9 prompt columns in chunks of 4, then one token per step
+    assert all(shape[:2] == (len(PROMPTS), 1) for shape in head_inputs)  # logits of one position only
+
+
+def test_generation_stats_count_tokens_and_cache_bytes():
+    model = tiny_model(PATTERNS["hybrid"])
+    stats = GenerationStats()
+    generate(model, PROMPTS, 6, GREEDY, stats=stats)
+    summary = stats.summary()
+    assert summary["prefill_tokens"] == sum(map(len, PROMPTS)) and summary["decode_tokens"] == 6 * len(PROMPTS)
+    assert summary["prefill_tokens_per_s"] > 0 and summary["decode_tokens_per_s"] > 0
+    assert 0 < summary["cache_bytes"] == stats.cache_bytes
+    assert "acceptance_rate" not in summary
+
+
+def test_bad_prefill_chunk_is_rejected():
+    with pytest.raises(ConfigError, match="prefill_chunk=0"):
+        generate(tiny_model(PATTERNS["dense"]), PROMPTS, 4, GREEDY, prefill_chunk=0)
+
+
+def test_decode_steps_hand_attention_a_key_mask_only_when_a_prompt_was_padded():
+    """The cache remembers whether it saw padding, instead of checking every cached token each step."""
+    model = tiny_model(PATTERNS["dense"])
+    attention = model.blocks[0].mixer
+    core, key_masks = attention.core, []
+    attention.core = lambda query, key, value, key_mask=None: key_masks.append(key_mask) or core(query, key, value,
+                                                                                               key_mask)
+    generate(model, [PROMPTS[0], PROMPTS[0][:5]], 3, GREEDY)  # left-padded
+    assert all(mask is not None for mask in key_masks)
+    key_masks.clear()
+    generate(model, [PROMPTS[0], PROMPTS[0]], 3, GREEDY)  # no padding
+    assert key_masks == [None, None, None]

@@ -4,12 +4,17 @@ Keys and values appended a few tokens at a time equal their concatenation; the b
 reallocated only when full, doubling (100 single-token appends: at most 8 allocations), and
 exactly once when the cache knows its final length. Positions returned for each piece equal
 the cumulative count of real tokens over everything seen (the old whole-mask cumsum), with
-left padding; dropping sequences keeps the others' keys, mask and counts.
+left padding; dropping sequences keeps the others' keys, mask and counts. Truncating (the
+rollback of speculative decoding) leaves a cache equal to one that never saw the dropped
+tokens: attention keys, positions, and -- tested directly -- Mamba conv windows and SSM states.
 """
 
+import pytest
 import torch
 
 from meshlm.models.cache import AttentionCache, InferenceCache
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
 
 
 def pieces(total: int, sizes=(3, 1, 1, 4, 1, 2)):
@@ -65,3 +70,85 @@ def test_cache_knowing_its_length_allocates_the_mask_once():
         cache.append_token_mask(None, 2, 1, torch.device("cpu"))
     assert cache.mask_buffer.data_ptr() == first and cache.mask_buffer.shape == (2, 20)
     assert cache.state_for(0, AttentionCache).capacity_hint == 20
+
+
+def test_attention_truncate_forgets_the_latest_tokens_and_positions():
+    keys = torch.randn(1, 2, 10, 4)
+    cache = InferenceCache(max_tokens=16)
+    cache.append_token_mask(None, 1, 6, torch.device("cpu"))
+    cache.state_for(0, AttentionCache).append(keys[:, :, :6], keys[:, :, :6])
+    cache.append_token_mask(None, 1, 4, torch.device("cpu"))
+    cache.state_for(0, AttentionCache).append(keys[:, :, 6:], keys[:, :, 6:])
+    cache.truncate(7)
+    assert cache.num_seen_tokens == 7 and cache.real_tokens.tolist() == [7]
+    assert torch.equal(cache.state_for(0, AttentionCache).keys, keys[:, :, :7])
+    positions = cache.append_token_mask(None, 1, 2, torch.device("cpu"))
+    assert positions.tolist() == [[7, 8]]  # the next tokens take the forgotten ones' places
+    with pytest.raises(ValueError, match="truncate"):
+        cache.truncate(10)
+
+
+def test_padding_is_tracked_without_looking_at_the_whole_mask():
+    cache = InferenceCache()
+    cache.append_token_mask(torch.ones(2, 3, dtype=torch.bool), 2, 3, torch.device("cpu"))
+    assert not cache.has_padding  # an all-true mask needs no key mask in attention
+    cache.append_token_mask(torch.tensor([[False, True], [True, True]]), 2, 2, torch.device("cpu"))
+    assert cache.has_padding
+    cache.append_token_mask(None, 2, 1, torch.device("cpu"))  # a decode step: no mask, no look
+    assert cache.has_padding and cache.num_seen_tokens == 6
+
+
+def mamba_model() -> LanguageModel:
+    torch.manual_seed(0)
+    return LanguageModel(ModelConfig(vocab_size=50, hidden_size=32, pattern="M-M", mamba_head_dim=8,
+                                     mamba_chunk_size=4, init_std=0.1)).eval()
+
+
+def run(model: LanguageModel, ids: list[int], cache: InferenceCache) -> torch.Tensor:
+    return model(torch.tensor([ids]), cache=cache).logits
+
+
+@pytest.mark.parametrize("calls, keep", [([[4, 9, 12, 3]], 2), ([[4, 9], [12, 3]], 1), ([[4, 9, 12, 3, 30]], 0),
+                                         ([[4, 9, 12, 3]], 4), ([[4, 9, 12, 3, 30, 11, 19]], 3)])
+def test_mamba_rollback_equals_a_cache_that_saw_only_the_kept_tokens(calls, keep):
+    """Undo the latest tokens (within the rollback window, across forwards too): the conv window and
+    SSM state equal those of a cache that only ever saw the kept tokens, and so do later outputs."""
+    model, prompt = mamba_model(), [7, 1, 22, 5, 40, 13, 8, 2, 17, 33]  # longer than a scan chunk
+    fed = [token for call in calls for token in call]
+    with torch.no_grad():
+        rolled_back = InferenceCache()
+        run(model, prompt, rolled_back)
+        rolled_back.enable_rollback(5)
+        for call in calls:
+            run(model, call, rolled_back)
+        rolled_back.truncate(len(prompt) + keep)
+
+        reference = InferenceCache()
+        run(model, prompt + fed[:keep], reference)
+
+        for index in (0, 2):
+            state, expected = rolled_back.layers[index], reference.layers[index]
+            kernel_inputs = expected.conv_state.shape[-1]
+            # equal up to rounding: the reference ran the kept tokens in another forward shape
+            torch.testing.assert_close(state.conv_state[..., -kernel_inputs:], expected.conv_state,
+                                       atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(state.ssm_state, expected.ssm_state, atol=1e-5, rtol=1e-4)
+        assert rolled_back.num_seen_tokens == reference.num_seen_tokens
+        assert torch.equal(rolled_back.real_tokens, reference.real_tokens)
+        torch.testing.assert_close(run(model, [21, 6], rolled_back), run(model, [21, 6], reference),
+                                   atol=1e-5, rtol=1e-4)
+
+
+def test_mamba_rollback_refuses_more_than_its_window():
+    model = mamba_model()
+    with torch.no_grad():
+        cache = InferenceCache()
+        run(model, [7, 1, 22], cache)
+        cache.enable_rollback(2)
+        run(model, [4, 9, 12], cache)
+        with pytest.raises(RuntimeError, match="at most 2 tokens"):
+            cache.truncate(3)
+        fresh = InferenceCache()
+        run(model, [7, 1], fresh)
+        with pytest.raises(RuntimeError, match="at most 0 tokens"):
+            fresh.truncate(1)  # no rollback window: nothing kept to undo with
