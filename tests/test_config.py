@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -104,10 +105,15 @@ def test_known_keys_cover_every_section():
 
 
 @pytest.mark.parametrize("name, kinds", [("tiny", {"*", "-"}), ("hybrid-tiny", {"M", "*", "-"}),
-                                         ("moe-tiny", {"*", "E"})])
+                                         ("moe-tiny", {"*", "E"}), ("demo-mtp", {"M", "*", "-", "E"})])
 def test_shipped_configs_load_and_match_the_demo_data(name, kinds):
     config = load_run_config(CONFIGS / f"{name}.yaml")
     assert set(config.model.block_kinds) == kinds
+    if name == "demo-mtp":  # the demo model plus MTP depths to draft with (meshlm generate --speculative mtp)
+        demo = dataclasses.asdict(load_run_config(CONFIGS / "demo.yaml").model)
+        with_mtp = dataclasses.asdict(config.model)
+        assert config.model.mtp_depth == 2
+        assert {key for key in demo if demo[key] != with_mtp[key]} <= {"mtp_depth", "mtp_pattern", "mtp_loss_coeff"}
     assert config.model.vocab_size == DemoSettings().vocab_size  # the demo tokenizer's vocabulary
     assert config.data.blend == "data/demo/blend.json"
     assert config.train.run_dir == f"runs/{name}"

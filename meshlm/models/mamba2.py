@@ -37,7 +37,11 @@ Generation keeps a ``MambaCache``: the last K-1 conv inputs and the fp32 SSM sta
 new token takes the recurrent step; a prompt (or a continuation of one) takes the chunked scan
 starting from the stored state, with the conv fed by the stored window. Left padding
 (``context.token_mask`` False) is zeroed before in_proj and after the conv, so padded
-positions add nothing to the conv window or the SSM state.
+positions add nothing to the conv window or the SSM state. For speculative decoding a cache can
+also roll back (``MambaCache.enable_rollback``): it then keeps the SSM state after each of its
+last few tokens and a conv window that many columns wider, and the mixer steps those tokens one
+at a time (``scan_keeping_states``), so that undoing rejected draft tokens restores a state and
+slices the window.
 """
 
 from __future__ import annotations
