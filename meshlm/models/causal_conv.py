@@ -81,7 +81,10 @@ def causal_conv_silu(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """silu(depthwise causal conv) of inputs [b, t, ch] (channels last), continuing from ``window``
     [b, K-1, ch] (None: zeros, the start of a sequence). ``weight`` is [ch, K] or Conv1d's
     [ch, 1, K]; ``bias`` [ch] or None. Returns [b, t, ch], equal to the grouped ``F.conv1d``."""
-    return _CausalConvSiLU.apply(inputs, weight.reshape(weight.shape[0], -1), bias, window)
+    weight = weight.reshape(weight.shape[0], -1)
+    if not torch.is_grad_enabled():  # generation: no backward, no autograd function needed
+        return F.silu(_pre_activation(_extended(inputs, window, weight.shape[-1]), weight, bias, inputs.shape[1]))
+    return _CausalConvSiLU.apply(inputs, weight, bias, window)
 
 
 __all__ = ["causal_conv_silu"]

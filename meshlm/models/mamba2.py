@@ -135,11 +135,11 @@ class Mamba2Mixer(nn.Module):
         channels_first = xBC.transpose(1, 2)
         if window is None:
             window = channels_first.new_zeros(xBC.shape[0], self.conv_dim, self.conv_kernel - 1)
-        extended = torch.cat((window.to(channels_first.dtype), channels_first), dim=-1)
-        read = extended[:, :, extended.shape[-1] - (self.conv_kernel - 1 + xBC.shape[1]):]
-        out = F.conv1d(read, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-        new_window = extended[:, :, extended.shape[-1] - window.shape[-1]:].clone()
-        return F.silu(out).transpose(1, 2), new_window
+        window = window.to(xBC.dtype)
+        read = window[:, :, window.shape[-1] - (self.conv_kernel - 1):].transpose(1, 2)  # [b, K-1, ch]
+        out = causal_conv_silu(xBC, self.conv1d.weight, self.conv1d.bias, read)
+        new_window = torch.cat((window, channels_first), dim=-1)[:, :, -window.shape[-1]:].clone()
+        return out, new_window
 
     def conv_from_start(self, xBC: torch.Tensor) -> torch.Tensor:
         """silu(depthwise causal conv) of a whole sequence xBC [b, t, conv_dim] from a zero window
