@@ -170,6 +170,17 @@ class PrecisionConfig:
     """fp16: overflows tolerated (steps still skipped) before the scale is lowered."""
     min_loss_scale: float = 1.0
     """fp16: the scale never drops below this."""
+    recipe: str = "none"
+    """Low-precision training on top of bf16 (meshlm/precision/recipes.py): 'none'; 'fp8_tensorwise'
+    (per-tensor current scaling, E4M3 / E5M2); 'fp8_blockwise' (DeepSeek-V3: 1x128 tiles, 128x128
+    weight blocks); 'mxfp8' (1x32 blocks, power-of-two scales); 'nvfp4' (E2M1 in 16-element blocks,
+    E4M3 block scales, fp32 tensor scale, stochastic rounding of gradients, random Hadamard
+    transform for the weight gradient). Every GEMM of the blocks' linear layers is quantized
+    (emulated: exact format values, bf16 matmuls); needs precision.dtype=bf16."""
+    fp8_format: str = "hybrid"
+    """fp8_tensorwise: 'hybrid' (E4M3 activations and weights, E5M2 gradients) or 'e4m3' (E4M3 for all)."""
+    high_precision_layers: int = 0
+    """Keep the first and last this many blocks (and, when > 0, the MTP depths) out of the recipe, in bf16."""
 
 
 @dataclass
@@ -275,6 +286,9 @@ class RunConfig:
                               "wall-clock limit in minutes (a little below the scheduler's), or 0 for none.")
         _choice("optim.schedule", optim.schedule, SCHEDULES)
         _choice("precision.dtype", self.precision.dtype, DTYPES)
+        if not isinstance(self.precision.high_precision_layers, int) or self.precision.high_precision_layers < 0:
+            raise ConfigError(f"precision.high_precision_layers={self.precision.high_precision_layers!r} must be "
+                              "an integer >= 0 (blocks kept out of the recipe at each end).")
         if optim.lr <= 0 or optim.min_lr < 0 or optim.min_lr > optim.lr:
             raise ConfigError(f"need 0 <= optim.min_lr ({optim.min_lr}) <= optim.lr ({optim.lr}) and optim.lr > 0.")
         if not 0 <= optim.decay_fraction <= 1:

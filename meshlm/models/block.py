@@ -43,6 +43,8 @@ class Block(nn.Module):
     def __init__(self, kind: str, config: ModelConfig, layer_index: int):
         super().__init__()
         self.kind = kind
+        self.layer_index = layer_index
+        """The block's index in the whole model (MTP blocks count on after the main blocks), on any pipeline stage."""
         self.norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         self.mixer = build_mixer(kind, config, layer_index)
         self.dropout = HiddenDropout(config.hidden_dropout, dropout_site("block_output", layer_index))

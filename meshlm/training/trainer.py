@@ -82,6 +82,8 @@ from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.tensor.sharding import partial_grad_names, tensor_parallel_names
 from meshlm.precision.device_defaults import configure_tf32, resolve_precision
 from meshlm.precision.mixed_precision import MixedPrecision
+from meshlm.precision.quantized_linear import apply_recipe
+from meshlm.precision.recipes import build_recipe, check_recipe_layout
 from meshlm.training.build import build_model
 from meshlm.training.cpu_allocator import keep_freed_memory
 from meshlm.training.data_loading import BatchPrefetcher, build_training_data, read_batch
@@ -164,6 +166,8 @@ class Trainer:
         self.micro_batches_per_step = train.global_batch_size // train.micro_batch_size
         # The layout is refused (ConfigError) here, before the process group is joined.
         check_context_parallel_model(config.model, config.parallel.cp, train.seq_len)
+        self.recipe = build_recipe(config.precision, train.seed)  # low-precision GEMMs (None: plain dtype)
+        check_recipe_layout(self.recipe, config.parallel)
         self.context = build_parallel_context(config.parallel, config.model, self.device, train.seq_len,
                                               self.micro_batches_per_step)
         seed_everything(train.seed)
@@ -178,6 +182,8 @@ class Trainer:
                             init_from=train.init_from if checkpoint_dir is None else None)
         self.model, self.pipeline, self.num_parameters = built.model, built.pipeline, built.num_parameters
         self.sum_over_dp_cp = built.sum_over_dp_cp  # the MoE balancing's token counts
+        if self.recipe is not None:
+            apply_recipe(self.model, self.recipe, config.model.num_blocks, config.precision.high_precision_layers)
         self.zero_stage = config.parallel.sharding_stage if self.context.distributed else 0
         self.precision = MixedPrecision(self.model, config.precision,
                                         sharded_masters=self.zero_stage >= 1)  # ZeRO: no full fp32 copy

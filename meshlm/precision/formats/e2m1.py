@@ -44,7 +44,7 @@ def _nearest_even_index(magnitude: torch.Tensor) -> torch.Tensor:
     """Index (0..7) of the nearest E2M1 magnitude to ``magnitude`` (fp32, in [0, 6]); ties to even."""
     grid = _magnitudes(magnitude.device)
     midpoints = (grid[:-1] + grid[1:]) / 2
-    index = torch.bucketize(magnitude, midpoints)  # a value on midpoint i gets index i, the lower one
+    index = torch.bucketize(magnitude.contiguous(), midpoints)  # on midpoint i: index i, the lower one
     on_midpoint = (index < len(midpoints)) & (magnitude == midpoints[index.clamp(max=len(midpoints) - 1)])
     return torch.where(on_midpoint & (index % 2 == 1), index + 1, index)
 
@@ -53,7 +53,7 @@ def _stochastic_index(magnitude: torch.Tensor, generator: torch.Generator) -> to
     """Index of ``lo`` or ``hi`` around ``magnitude`` (fp32, in [0, 6]); ``hi`` with probability
     ``(magnitude - lo) / (hi - lo)``."""
     grid = _magnitudes(magnitude.device)
-    lower = (torch.bucketize(magnitude, grid, right=True) - 1).clamp(0, len(grid) - 2)
+    lower = (torch.bucketize(magnitude.contiguous(), grid, right=True) - 1).clamp(0, len(grid) - 2)
     low, high = grid[lower], grid[lower + 1]
     round_up_probability = (magnitude - low) / (high - low)
     uniform = torch.rand(magnitude.shape, generator=generator, device=magnitude.device)

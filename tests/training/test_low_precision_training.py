@@ -1,0 +1,72 @@
+"""Low-precision recipes in the trainer (precision.recipe): every recipe trains the hybrid and the
+MoE tiny models in bf16 with finite, falling losses; a recipe on fp32 and on a tensor-parallel
+layout is refused before training starts, naming the fields.
+
+(The trainer-run helpers are those of tests/training/test_parallel_training.py, loaded by path:
+test files cannot import each other.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshlm.errors import ConfigError
+from meshlm.precision.quantized_linear import QuantizedLinear
+from meshlm.training.trainer import Trainer
+
+
+def load_trainer_test_helpers():
+    path = Path(__file__).parent / "test_parallel_training.py"
+    spec = importlib.util.spec_from_file_location("parallel_training_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+helpers = load_trainer_test_helpers()
+RECIPE_NAMES = ["fp8_tensorwise", "fp8_blockwise", "mxfp8", "nvfp4"]
+STEPS = ["train.steps=8", "optim.lr=3e-3", "optim.warmup_steps=1", "parallel.check_collectives=false"]
+
+
+@pytest.fixture(scope="module")
+def blend(tmp_path_factory):
+    return helpers.write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.mark.parametrize("model", ["hybrid", "moe"])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_each_recipe_trains_with_falling_loss(blend, tmp_path, model, recipe):
+    config = helpers.run_config(blend, tmp_path / "run", *helpers.MODELS[model], *STEPS, "precision.dtype=bf16",
+                                f"precision.recipe={recipe}")
+    trainer = Trainer(config)
+    quantized = [module for module in trainer.model.modules() if isinstance(module, QuantizedLinear)]
+    assert quantized and all(module.recipe.name == recipe for module in quantized)
+    losses = trainer.run().losses
+    values = [losses[step] for step in sorted(losses)]
+    assert all(math.isfinite(value) for value in values), values
+    assert sum(values[-3:]) / 3 < sum(values[:3]) / 3, values
+
+
+def test_high_precision_layers_keep_the_ends_out(blend, tmp_path):
+    config = helpers.run_config(blend, tmp_path / "run", *helpers.MODELS["hybrid"], "precision.dtype=bf16",
+                                "precision.recipe=mxfp8", "precision.high_precision_layers=1")
+    trainer = Trainer(config)
+    blocks = {name.split(".")[1] for name, module in trainer.model.named_modules() if isinstance(module, QuantizedLinear)}
+    assert blocks == {"1", "2"}  # of the four blocks of M*-M
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["precision.dtype=fp32"], "precision.recipe=nvfp4 quantizes the GEMMs of a bf16 run, but precision.dtype is fp32"),
+    (["precision.dtype=bf16", "parallel.tp=2"], "does not run under tensor or context parallelism yet"),
+])
+def test_recipe_refused_on_other_dtypes_and_sharded_layouts(blend, tmp_path, overrides, message):
+    config = helpers.run_config(blend, tmp_path / "run", *helpers.MODELS["hybrid"], "precision.recipe=nvfp4",
+                                *overrides)
+    with pytest.raises(ConfigError, match=message):
+        Trainer(config)
