@@ -65,6 +65,14 @@ def _tile(chunk: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _group_block(block_id, heads_per_group, heads, groups, chunks):
+        """The flattened (batch, group, chunk) index of B and C for program ``block_id`` = (batch, head, chunk)."""
+        chunk = block_id % chunks
+        head = (block_id // chunks) % heads
+        batch = block_id // (chunks * heads)
+        return (batch * groups + head // heads_per_group) * chunks + chunk
+
+    @triton.jit
     def _decayed_scores(C_ptr, B_ptr, cs_ptr, rows, cols, N: tl.constexpr, MIN_DECAY: tl.constexpr):
         """(C[rows] . B[cols]) * exp(clamp(cs[rows] - cs[cols])) on and below the diagonal, 0 above;
         fp32 [rows x cols], with the decay factor L for reuse."""
@@ -84,10 +92,7 @@ if triton is not None:
                           Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
                           MIN_DECAY: tl.constexpr):
         block_id, row_tile = tl.program_id(0), tl.program_id(1)  # block_id = (b, h, c) flattened
-        chunk = block_id % chunks
-        head = (block_id // chunks) % heads
-        batch = block_id // (chunks * heads)
-        group_block = (batch * groups + head // heads_per_group) * chunks + chunk
+        group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
         u_base, cs_base = u_ptr + block_id * Q * P, cs_ptr + block_id * Q
         C_base, B_base = C_ptr + group_block * Q * N, B_ptr + group_block * Q * N
         rows = row_tile * TILE + tl.arange(0, TILE)
@@ -106,10 +111,7 @@ if triton is not None:
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
                                    MIN_DECAY: tl.constexpr, NUM_TILES: tl.constexpr):
         block_id, col_tile = tl.program_id(0), tl.program_id(1)
-        chunk = block_id % chunks
-        head = (block_id // chunks) % heads
-        batch = block_id // (chunks * heads)
-        group_block = (batch * groups + head // heads_per_group) * chunks + chunk
+        group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
         u_base, dy_base, cs_base = u_ptr + block_id * Q * P, dy_ptr + block_id * Q * P, cs_ptr + block_id * Q
         C_base, B_base = C_ptr + group_block * Q * N, B_ptr + group_block * Q * N
         cols = col_tile * TILE + tl.arange(0, TILE)
@@ -137,10 +139,7 @@ if triton is not None:
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
                                    MIN_DECAY: tl.constexpr):
         block_id, row_tile = tl.program_id(0), tl.program_id(1)
-        chunk = block_id % chunks
-        head = (block_id // chunks) % heads
-        batch = block_id // (chunks * heads)
-        group_block = (batch * groups + head // heads_per_group) * chunks + chunk
+        group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
         u_base, dy_base, cs_base = u_ptr + block_id * Q * P, dy_ptr + block_id * Q * P, cs_ptr + block_id * Q
         C_base, B_base = C_ptr + group_block * Q * N, B_ptr + group_block * Q * N
         rows = row_tile * TILE + tl.arange(0, TILE)

@@ -2,34 +2,22 @@
 MoE tiny models in bf16 with finite, falling losses; a recipe on fp32 and on a tensor-parallel
 layout is refused before training starts, naming the fields.
 
-(The trainer-run helpers are those of tests/training/test_parallel_training.py, loaded by path:
-test files cannot import each other.)
+(The trainer-run helpers are those of tests/training/test_parallel_training.py, loaded by path with
+tests/helpers/trainer_runs.py: test files cannot import each other.)
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
 from meshlm.errors import ConfigError
 from meshlm.precision.quantized_linear import QuantizedLinear
 from meshlm.training.trainer import Trainer
+from tests.helpers.trainer_runs import load_parallel_training_helpers
 
-
-def load_trainer_test_helpers():
-    path = Path(__file__).parent / "test_parallel_training.py"
-    spec = importlib.util.spec_from_file_location("parallel_training_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-helpers = load_trainer_test_helpers()
+helpers = load_parallel_training_helpers()
 RECIPE_NAMES = ["fp8_tensorwise", "fp8_blockwise", "mxfp8", "nvfp4"]
 STEPS = ["train.steps=8", "optim.lr=3e-3", "optim.warmup_steps=1", "parallel.check_collectives=false"]
 

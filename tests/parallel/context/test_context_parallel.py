@@ -16,15 +16,11 @@ final parameters must equal the single-process run (relative error <= 1e-5, the 
 the other parallel trainer tests). A sequence length that 2*cp (2*cp*tp under SP) does not
 divide is refused by the trainer before any collective, naming the numbers.
 
-(The trainer-run helpers are those of tests/training/test_parallel_training.py, loaded by path:
-test files cannot import each other.)
+(The trainer-run helpers are those of tests/training/test_parallel_training.py, loaded by path with
+tests/helpers/trainer_runs.py: test files cannot import each other.)
 """
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,18 +33,10 @@ from meshlm.parallel.context.context_parallel import (ContextParallelShift, chec
                                                       slice_sequence, split_batch, target_share)
 from meshlm.parallel.mesh import ParallelContext
 from tests.helpers.distributed import run_distributed
+from tests.helpers.trainer_runs import load_parallel_training_helpers
 
 
-def load_trainer_test_helpers():
-    path = Path(__file__).parents[2] / "training" / "test_parallel_training.py"
-    spec = importlib.util.spec_from_file_location("parallel_training_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-helpers = load_trainer_test_helpers()
+helpers = load_parallel_training_helpers()
 SEQ_LEN = ["train.seq_len=32"]  # chunks of 4 tokens at cp 4: at least the Mamba conv window of 3
 MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
           "dense with mtp": [*helpers.MODELS["dense"], "model.mtp_depth=1"],
