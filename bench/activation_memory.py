@@ -32,6 +32,7 @@ from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.language_model import LanguageModel
 from meshlm.training.recompute import apply_recompute
+from tests.helpers.saved_tensors import SavedStorages
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SETTINGS = [(128, 2, 64, 4), (256, 2, 64, 4), (256, 1, 128, 8), (512, 1, 128, 4)]
@@ -53,21 +54,13 @@ def saved_bytes(model: LanguageModel, s: int, b: int, mode: str, kernel: str) ->
     names of the attention backward nodes (to report which kernel ran)."""
     apply_recompute(model, mode)
     parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameter_storages:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     dtype = model.embedding.weight.dtype
     hidden = torch.randn(b, s, model.config.hidden_size, dtype=dtype, requires_grad=True)
     context = SequenceContext.for_tokens(torch.zeros(b, s, dtype=torch.long))
     choice = sdpa_kernel(KERNELS[kernel]) if KERNELS[kernel] else contextlib.nullcontext()
-    with choice, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with choice, SavedStorages(parameter_storages) as saved:
         out = model.blocks[1](model.blocks[0](hidden, context), context)
-    return sum(storages.values()), attention_nodes(out)
+    return saved.nbytes, attention_nodes(out)
 
 
 def attention_nodes(out: torch.Tensor) -> list[str]:

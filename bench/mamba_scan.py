@@ -33,6 +33,7 @@ from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.ssd import ssd_chunked_scan
 from meshlm.models.ssd_fast import ssd_chunked_scan_fast, triton_installed
+from tests.helpers.saved_tensors import SavedStorages
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SCANS = {"pytorch": ssd_chunked_scan_fast, "reference": ssd_chunked_scan}
@@ -40,27 +41,6 @@ if DEVICE.type == "cuda" and triton_installed():  # the Triton kernels run (comp
     SCANS["triton"] = partial(ssd_chunked_scan_fast, use_triton=True)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEADS, HEAD_DIM, STATE, GROUPS, CHUNK, HIDDEN = 16, 32, 64, 1, 64, 256
-
-
-class SavedBytes:
-    """Collects the distinct storages saved for backward inside its ``hooks()`` context."""
-
-    def __init__(self, excluded: set[int] = frozenset()):
-        self.storages: dict[int, int] = {}
-        self.excluded = excluded
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.excluded:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
 
 
 def scan_inputs(seq_len: int, dtype: torch.dtype):
@@ -87,10 +67,9 @@ def time_scan(name: str, inputs) -> float:
 
 
 def scan_saved_bytes(name: str, inputs) -> int:
-    saved = SavedBytes()
-    with saved.hooks():
+    with SavedStorages() as saved:
         SCANS[name](*inputs, CHUNK)
-    return saved.total
+    return saved.nbytes
 
 
 def make_block(scan: str, dtype: torch.dtype) -> Block:
@@ -109,10 +88,9 @@ def time_block(block: Block, hidden: torch.Tensor, context) -> float:
 
 
 def block_saved_bytes(block: Block, hidden: torch.Tensor, context) -> int:
-    saved = SavedBytes({param.untyped_storage().data_ptr() for param in block.parameters()})
-    with saved.hooks():
+    with SavedStorages({param.untyped_storage().data_ptr() for param in block.parameters()}) as saved:
         block(hidden, context)
-    return saved.total
+    return saved.nbytes
 
 
 def median_times(runs: dict, repeats: int) -> dict[str, float]:

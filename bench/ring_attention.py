@@ -34,12 +34,12 @@ import statistics
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshlm.parallel.context.block_attention import (accumulation_dtype, block_backward, block_forward, fused_kernel,
                                                      reference_block_backward, reference_block_forward)
 from meshlm.parallel.context.ring_attention import merge_into, ring_attention
 from meshlm.parallel.mesh import ParallelContext
+from tests.helpers.saved_tensors import LargestTensor, SavedStorages
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEADS, HEAD_DIM = 8, 64
@@ -84,33 +84,12 @@ def forward_and_backward(path: str, query, key, value, grad_out) -> None:
         grads[2][..., cols, :] += dv
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the bytes of the biggest tensor an op returns while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for tensor in torch.utils._pytree.tree_leaves(result):
-            if isinstance(tensor, torch.Tensor):
-                self.bytes = max(self.bytes, tensor.numel() * tensor.element_size())
-        return result
-
-
 def saved_bytes(function, *inputs) -> int:
     """Bytes of the unique storages autograd saves for backward during ``function(*inputs)``."""
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
     leaves = [tensor.detach().requires_grad_() for tensor in inputs]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedStorages() as saved:
         function(*leaves)
-    return sum(storages.values())
+    return saved.nbytes
 
 
 def measure(chunk: int, dtype_name: str, repeats: int) -> dict:

@@ -49,13 +49,17 @@ def _pre_activation(extended: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return pre
 
 
+def _conv_silu(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               window: torch.Tensor | None) -> torch.Tensor:
+    """The forward computation: silu of the pre-activation over [window; inputs]."""
+    return F.silu(_pre_activation(_extended(inputs, window, weight.shape[-1]), weight, bias, inputs.shape[1]))
+
+
 class _CausalConvSiLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inputs, weight, bias, window):
-        taps = weight.shape[-1]
-        pre = _pre_activation(_extended(inputs, window, taps), weight, bias, inputs.shape[1])
         ctx.save_for_backward(inputs, weight, bias, window)
-        return F.silu(pre)
+        return _conv_silu(inputs, weight, bias, window)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -83,7 +87,7 @@ def causal_conv_silu(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     [ch, 1, K]; ``bias`` [ch] or None. Returns [b, t, ch], equal to the grouped ``F.conv1d``."""
     weight = weight.reshape(weight.shape[0], -1)
     if not torch.is_grad_enabled():  # generation: no backward, no autograd function needed
-        return F.silu(_pre_activation(_extended(inputs, window, weight.shape[-1]), weight, bias, inputs.shape[1]))
+        return _conv_silu(inputs, weight, bias, window)
     return _CausalConvSiLU.apply(inputs, weight, bias, window)
 
 

@@ -53,19 +53,22 @@ import torch
 import torch.nn.functional as F
 
 
-def segment_sum(values: torch.Tensor) -> torch.Tensor:
-    """``out[..., i, j] = values[..., j+1] + ... + values[..., i]`` for i >= j, and -inf above.
+def segment_sum(values: torch.Tensor, above: float = float("-inf")) -> torch.Tensor:
+    """``out[..., i, j] = values[..., j+1] + ... + values[..., i]`` for i >= j, and ``above`` above.
 
-    values [..., T] -> [..., T, T]. exp(out) is the lower-triangular decay matrix of the scan
-    (ones on the diagonal, zeros above it).
+    values [..., T] -> [..., T, T]. With the default -inf, exp(out) is the lower-triangular decay
+    matrix of the scan (ones on the diagonal, zeros above it); ``above=0.0`` leaves the empty sums
+    above the diagonal as they come out (one pass fewer), for callers that mask elsewhere.
     """
     length = values.shape[-1]
     # repeated[..., k, j] = values[..., k]; keep only terms k > j, then sum down the k axis.
     repeated = values[..., :, None].expand(*values.shape, length)
     strictly_below = torch.ones(length, length, dtype=torch.bool, device=values.device).tril(-1)
     sums = repeated.masked_fill(~strictly_below, 0.0).cumsum(dim=-2)
+    if above == 0.0:
+        return sums
     causal = torch.ones(length, length, dtype=torch.bool, device=values.device).tril(0)
-    return sums.masked_fill(~causal, float("-inf"))
+    return sums.masked_fill(~causal, above)
 
 
 def expand_groups(tensor: torch.Tensor, num_heads: int, group_dim: int) -> torch.Tensor:
@@ -76,7 +79,7 @@ def expand_groups(tensor: torch.Tensor, num_heads: int, group_dim: int) -> torch
     return tensor.repeat_interleave(num_heads // num_groups, dim=group_dim)
 
 
-def _split_into_chunks(tensor: torch.Tensor, chunk_size: int) -> torch.Tensor:
+def split_into_chunks(tensor: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """[b, t, ...] -> [b, chunks, chunk_size, ...], zero-padding t up to a multiple of chunk_size.
 
     Zero padding is harmless: a padded step has dt = 0, so it neither decays the state nor
@@ -110,7 +113,7 @@ def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
     log_decay = A.float() * dt  # a_t = dt_t A <= 0
 
     # [b, c, l, ...] layout; log decays as [b, h, c, l] so cumulative sums run along the chunk.
-    x_dt, B, C, log_decay = (_split_into_chunks(tensor, chunk_size) for tensor in (x_dt, B, C, log_decay))
+    x_dt, B, C, log_decay = (split_into_chunks(tensor, chunk_size) for tensor in (x_dt, B, C, log_decay))
     log_decay = log_decay.permute(0, 3, 1, 2)
     decay_cumsum = log_decay.cumsum(dim=-1)  # [b, h, c, l]: sum of a from chunk start to l
 
@@ -159,4 +162,4 @@ def ssd_recurrent_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A
     return y, new_state
 
 
-__all__ = ["ssd_chunked_scan", "ssd_recurrent_step", "segment_sum", "expand_groups"]
+__all__ = ["ssd_chunked_scan", "ssd_recurrent_step", "segment_sum", "expand_groups", "split_into_chunks"]

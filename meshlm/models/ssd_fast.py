@@ -50,12 +50,12 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.errors import ConfigError
-from meshlm.models.ssd import _split_into_chunks, segment_sum
+from meshlm.models.ssd import split_into_chunks, segment_sum
 
 
 def _per_head_view(tensor: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """[b, t, h, ...] -> [b, h, c, l, ...] (zero-padded to whole chunks; a view when no padding is needed)."""
-    chunked = _split_into_chunks(tensor, chunk_size)  # [b, c, l, h, ...]
+    chunked = split_into_chunks(tensor, chunk_size)  # [b, c, l, h, ...]
     return chunked.permute((0, 3, 1, 2) + tuple(range(4, chunked.dim())))
 
 
@@ -94,7 +94,6 @@ class _Pieces:
         self.cs = self.log_decay.cumsum(-1)
         self.B = _per_head_chunks(B, chunk_size, x.dtype)  # [b, g, c, l, n]
         self.C = _per_head_chunks(C, chunk_size, x.dtype)
-        self.chunks = self.cs.shape[2]
 
     def grouped(self, tensor: torch.Tensor) -> torch.Tensor:
         """A per-head tensor [b, h, ...] viewed as [b, g, j, ...] (head h = g * per_group + j)."""
@@ -109,16 +108,12 @@ class _Pieces:
 
         Only the lower triangle (s <= l) is used: the upper one is 1 (an empty sum) and the causal
         zeros come from ``causal_scores``. Each segment sum is a cumulative sum of its own terms
-        (as ``ssd.segment_sum``), not a difference cs_l - cs_s of two long sums, which would lose
+        (``ssd.segment_sum``), not a difference cs_l - cs_s of two long sums, which would lose
         precision when decays are strong. Clamping keeps exp() on normal floats: the vectorized
         exp is several times slower on results that underflow (a decay below e^-80 is 1.8e-35
         instead of smaller, far below fp32's resolution of the sums it enters).
         """
-        length = self.chunk_size
-        strictly_below = torch.ones(length, length, dtype=torch.bool, device=self.cs.device).tril(-1)
-        terms = self.log_decay[..., :, None].expand(*self.log_decay.shape, length)  # [..., k, s] = a_k
-        sums = terms.masked_fill(~strictly_below, 0.0).cumsum(-2)  # [..., l, s] = sum of a_k, s < k <= l
-        return sums.clamp_(min=MIN_LOG_DECAY).exp_()
+        return segment_sum(self.log_decay, above=0.0).clamp_(min=MIN_LOG_DECAY).exp_()
 
     def causal_scores(self) -> torch.Tensor:
         """C_l . B_s [b, g, c, l, s] on and below the diagonal, 0 above (once per group, run dtype)."""

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.models.norms import GatedRMSNorm
+from tests.helpers.saved_tensors import SavedStorages
 
 
 def formula(y, gate, weight, group_size, eps):
@@ -40,8 +41,6 @@ def test_gated_rms_norm_keeps_the_input_dtype():
 def test_gated_rms_norm_saves_only_its_inputs():
     norm = GatedRMSNorm(16, group_size=8)
     y, gate = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
+    with SavedStorages() as saved:
         norm(y, gate)
-    pointers = {tensor.untyped_storage().data_ptr() for tensor in saved}
-    assert pointers == {tensor.untyped_storage().data_ptr() for tensor in (y, gate, norm.weight)}
+    assert saved.pointers == {tensor.untyped_storage().data_ptr() for tensor in (y, gate, norm.weight)}

@@ -15,6 +15,7 @@ import torch
 
 from meshlm.models.ssd import ssd_chunked_scan
 from meshlm.models.ssd_fast import ssd_chunked_scan_fast
+from tests.helpers.saved_tensors import SavedStorages
 from tests.models.test_ssd import random_inputs, relative_error
 
 NAMES = ("y", "final", "x", "dt", "A", "B", "C", "initial")
@@ -96,17 +97,10 @@ def test_strong_decays_stay_finite_and_exact():
 
 def saved_bytes(scan, inputs, chunk_size) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of one scan."""
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     x, dt, A, B, C, _ = (tensor.detach().requires_grad_() if tensor is not None else None for tensor in inputs)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        y, final = scan(x, dt, A, B, C, chunk_size)
-    return sum(storages.values())
+    with SavedStorages() as saved:
+        scan(x, dt, A, B, C, chunk_size)
+    return saved.nbytes
 
 
 def test_fast_scan_saves_at_most_four_times_the_input():

@@ -5,6 +5,7 @@ from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.training.recompute import apply_recompute
+from tests.helpers.saved_tensors import SavedStorages
 
 SETTINGS = [("selective", 1), ("full", 1), ("full", 2)]
 
@@ -82,17 +83,11 @@ def test_recompute_saves_fewer_activations():
     def saved_bytes(mode):
         model = tiny("*-", hidden_size=64, num_attention_heads=4)
         apply_recompute(model, mode)
-        storages = {}
-
-        def pack(tensor):
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
-
         tokens = torch.randint(0, 64, (2, 64))
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with SavedStorages() as saved:
                 model(tokens, tokens)
-        return sum(storages.values())
+        return saved.nbytes
 
     none, selective, full = saved_bytes("none"), saved_bytes("selective"), saved_bytes("full")
     assert full < selective < none

@@ -22,7 +22,6 @@ no worse than single-process bf16 SDPA (within 2x its error, plus 2e-3), and no 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshlm.config import ParallelConfig
 from meshlm.models.config import ModelConfig
@@ -33,6 +32,7 @@ from meshlm.parallel.context.ring_attention import attention_blocks, merge_into,
 from meshlm.parallel.collective_checks import compare_collectives
 from meshlm.parallel.mesh import ParallelContext, build_parallel_context
 from tests.helpers.distributed import run_distributed
+from tests.helpers.saved_tensors import LargestTensor, SavedStorages
 
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 16, 8
 
@@ -172,15 +172,9 @@ CHUNK, SMALL_HEAD_DIM = 64, 8
 
 def saved_for_backward(function, *inputs) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Every tensor autograd saves during ``function(*inputs)``, and its result."""
-    saved = []
-
-    def pack(tensor):
-        saved.append(tensor)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedStorages() as saved:
         result = function(*inputs)
-    return saved, result
+    return saved.tensors, result
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -212,21 +206,6 @@ def test_ring_attention_saves_only_its_inputs_output_and_lse(dtype):
 
 BF16_SEQ, BF16_TOLERANCE = 4 * CHUNK, 2e-3
 """cp = 2: 4 chunks of 64 tokens. Ring bf16 error <= 2 x (single-process bf16 SDPA error) + this."""
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the most elements of any tensor an op returns while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for tensor in torch.utils._pytree.tree_leaves(result):
-            if isinstance(tensor, torch.Tensor):
-                self.numel = max(self.numel, tensor.numel())
-        return result
 
 
 def bf16_ring_errors(cp: int) -> dict:
