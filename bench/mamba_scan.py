@@ -32,7 +32,8 @@ from meshlm.models.block import Block
 from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.ssd import ssd_chunked_scan
-from meshlm.models.ssd_fast import ssd_chunked_scan_fast, triton_installed
+from meshlm.kernels import triton_installed
+from meshlm.models.ssd_fast import ssd_chunked_scan_fast
 from tests.helpers.saved_tensors import SavedStorages
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

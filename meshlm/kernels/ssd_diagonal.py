@@ -34,20 +34,16 @@ from __future__ import annotations
 
 import torch
 
+from meshlm.kernels import SSD_MIN_LOG_DECAY
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # Triton is optional: everything runs on the PyTorch path without it
     triton = None
 
-MIN_LOG_DECAY = -80.0
 BLOCK = 32
 """Rows and columns of one score tile; Q must be a multiple of it (or equal to 16)."""
-
-
-def available() -> bool:
-    """Whether Triton is importable."""
-    return triton is not None
 
 
 def supported(chunk: int, head_dim: int, state: int, dtype: torch.dtype) -> bool:
@@ -172,7 +168,7 @@ def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torc
     tile = _tile(chunk)
     grid = (batch * heads * chunks, chunk // tile)
     _diagonal_forward[grid](u, C, B, cs, y, heads // groups, heads, groups, chunks,
-                            Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=MIN_LOG_DECAY)
+                            Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=SSD_MIN_LOG_DECAY)
     return y
 
 
@@ -189,11 +185,11 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     tile = _tile(chunk)
     grid = (batch * heads * chunks, chunk // tile)
     _diagonal_backward_sources[grid](u, dy, C, B, cs, grad_u, grad_B, colsum, heads // groups, heads, groups, chunks,
-                                     Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=MIN_LOG_DECAY,
+                                     Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=SSD_MIN_LOG_DECAY,
                                      NUM_TILES=chunk // tile)
     _diagonal_backward_targets[grid](u, dy, C, B, cs, grad_C, rowsum, heads // groups, heads, groups, chunks,
-                                     Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=MIN_LOG_DECAY)
+                                     Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=SSD_MIN_LOG_DECAY)
     return grad_u, grad_B, grad_C, rowsum - colsum
 
 
-__all__ = ["available", "diagonal_backward", "diagonal_forward", "supported"]
+__all__ = ["diagonal_backward", "diagonal_forward", "supported"]

@@ -16,11 +16,11 @@ whole config once, naming the field, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from dataclasses import dataclass, field
 
 from meshlm.errors import ConfigError
+from meshlm.kernels import triton_installed
 from meshlm.models.pattern import BLOCK_KINDS, parse_pattern
 
 ACTIVATIONS = ("swiglu", "squared_relu", "gelu", "relu", "silu")
@@ -289,7 +289,7 @@ class ModelConfig:
 
     def _validate_mamba(self) -> None:
         heads, groups = self.resolved_mamba_num_heads, self.mamba_num_groups
-        if self.mamba_scan == "triton" and importlib.util.find_spec("triton") is None:
+        if self.mamba_scan == "triton" and not triton_installed():
             raise ConfigError("model.mamba_scan='triton' needs Triton, which is not installed; install it "
                               "(pip install -e '.[triton]') or use model.mamba_scan=auto.")
         if self.mamba_num_heads is None and (self.mamba_expand * self.hidden_size) % self.mamba_head_dim:

@@ -44,12 +44,11 @@ The result equals ``ssd_chunked_scan`` up to rounding in fp32 (tests/models/test
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
 from meshlm.errors import ConfigError
+from meshlm.kernels import SSD_MIN_LOG_DECAY, triton_installed
 from meshlm.models.ssd import split_into_chunks, segment_sum
 
 
@@ -113,7 +112,7 @@ class _Pieces:
         exp is several times slower on results that underflow (a decay below e^-80 is 1.8e-35
         instead of smaller, far below fp32's resolution of the sums it enters).
         """
-        return segment_sum(self.log_decay, above=0.0).clamp_(min=MIN_LOG_DECAY).exp_()
+        return segment_sum(self.log_decay, above=0.0).clamp_(min=SSD_MIN_LOG_DECAY).exp_()
 
     def causal_scores(self) -> torch.Tensor:
         """C_l . B_s [b, g, c, l, s] on and below the diagonal, 0 above (once per group, run dtype)."""
@@ -146,10 +145,6 @@ class _Pieces:
     def read_states(self, states: torch.Tensor) -> torch.Tensor:
         """[b, h, c, l, p] = C_l H_c^T (no decay), fp32, for states H [b, h, c, p, n]."""
         return self.by_head(torch.einsum("bgcln,bgjcpn->bgjclp", self.C.to(self.compute), self.grouped(states)))
-
-
-MIN_LOG_DECAY = -80.0
-"""Log-decays inside a chunk are clamped here: e^-80 is still a normal fp32 (see ``_Pieces.decay_mask``)."""
 
 
 def _chunk_decay_matrix(chunk_log_decays: torch.Tensor) -> torch.Tensor:
@@ -302,9 +297,4 @@ def ssd_chunked_scan_fast(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     return _ChunkedScan.apply(x, dt, A, B, C, initial_state, chunk_size, use_triton)
 
 
-def triton_installed() -> bool:
-    """Whether Triton can be imported (checked without importing it)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-__all__ = ["ssd_chunked_scan_fast", "triton_installed"]
+__all__ = ["ssd_chunked_scan_fast"]

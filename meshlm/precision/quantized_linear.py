@@ -34,7 +34,7 @@ class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inputs, weight, bias, recipe):
         ctx.save_for_backward(inputs, weight)
-        ctx.recipe, ctx.has_bias = recipe, bias is not None
+        ctx.recipe = recipe
         out = torch.matmul(recipe.quantize(inputs, "activation"), recipe.quantize(weight, "weight").t())
         return out + bias if bias is not None else out
 
@@ -50,7 +50,7 @@ class _QuantizedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # wgrad: contraction over the tokens
             grad_t, inputs_t = recipe.wgrad_operands(grad_2d, inputs_2d)
             grad_weight = torch.matmul(grad_t, inputs_t.t()).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False without a bias
             grad_bias = grad_2d.sum(0)
         return grad_inputs, grad_weight, grad_bias, None
 

@@ -50,7 +50,6 @@ from meshlm.precision.formats.nvfp4 import quantize_nvfp4
 
 RECIPES = ("none", "fp8_tensorwise", "fp8_blockwise", "mxfp8", "nvfp4")
 FP8_FORMATS = ("hybrid", "e4m3")
-ROLES = ("activation", "weight", "gradient")
 HADAMARD_SIZE = 16
 
 
@@ -67,19 +66,25 @@ class Recipe:
     seed: int = 0
     """Seeds the stochastic rounding of NVFP4 gradients (generators of the recipe's own, one per device)."""
     generators: dict = field(init=False, repr=False, default_factory=dict)
+    hadamard_matrices: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.name not in RECIPES or self.name == "none":
-            raise ConfigError(f"precision.recipe={self.name!r} is not a low-precision recipe; use one of "
-                              f"{', '.join(RECIPES[1:])} (or 'none' for plain bf16).")
-        if self.fp8_format not in FP8_FORMATS:
-            raise ConfigError(f"precision.fp8_format={self.fp8_format!r} is not one of {', '.join(FP8_FORMATS)}.")
+        check_names(self.name, self.fp8_format)
+        if self.name == "none":
+            raise ConfigError(f"precision.recipe='none' is not a low-precision recipe; use one of "
+                              f"{', '.join(RECIPES[1:])}.")
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This recipe's random-number generator on ``device`` (seeded with ``seed`` on first use)."""
         if device not in self.generators:
             self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self.generators[device]
+
+    def hadamard_matrix(self, device: torch.device) -> torch.Tensor:
+        """The fixed random Hadamard matrix [16, 16] on ``device`` (built once per device)."""
+        if device not in self.hadamard_matrices:
+            self.hadamard_matrices[device] = random_hadamard_matrix(HADAMARD_SIZE, device=device)
+        return self.hadamard_matrices[device]
 
     @property
     def hadamard_for_wgrad(self) -> bool:
@@ -106,18 +111,23 @@ class Recipe:
         if self.hadamard_for_wgrad:
             pad = -grad_t.shape[1] % HADAMARD_SIZE
             grad_t, inputs_t = F.pad(grad_t, (0, pad)), F.pad(inputs_t, (0, pad))
-            matrix = random_hadamard_matrix(HADAMARD_SIZE, device=grad_t.device)
+            matrix = self.hadamard_matrix(grad_t.device)
             grad_t, inputs_t = apply_blockwise(grad_t, matrix, dim=1), apply_blockwise(inputs_t, matrix, dim=1)
         return self.quantize(grad_t, "gradient"), self.quantize(inputs_t, "activation")
+
+
+def check_names(recipe: str, fp8_format: str) -> None:
+    """ConfigError unless ``precision.recipe`` and ``precision.fp8_format`` name known choices."""
+    if fp8_format not in FP8_FORMATS:
+        raise ConfigError(f"precision.fp8_format={fp8_format!r} is not one of {', '.join(FP8_FORMATS)}.")
+    if recipe not in RECIPES:
+        raise ConfigError(f"precision.recipe={recipe!r} is not one of {', '.join(RECIPES)}.")
 
 
 def build_recipe(precision, seed: int = 0) -> Recipe | None:
     """The recipe ``precision`` (a resolved ``PrecisionConfig``) asks for, None for 'none'; a
     ConfigError for an unknown name or format, or a recipe on a dtype other than bf16."""
-    if precision.fp8_format not in FP8_FORMATS:
-        raise ConfigError(f"precision.fp8_format={precision.fp8_format!r} is not one of {', '.join(FP8_FORMATS)}.")
-    if precision.recipe not in RECIPES:
-        raise ConfigError(f"precision.recipe={precision.recipe!r} is not one of {', '.join(RECIPES)}.")
+    check_names(precision.recipe, precision.fp8_format)
     if precision.recipe == "none":
         return None
     if precision.dtype != "bf16":
@@ -136,4 +146,4 @@ def check_recipe_layout(recipe: Recipe | None, parallel) -> None:
                           "or precision.recipe=none.")
 
 
-__all__ = ["check_recipe_layout", "FP8_FORMATS", "RECIPES", "ROLES", "Recipe", "build_recipe"]
+__all__ = ["check_names", "check_recipe_layout", "FP8_FORMATS", "RECIPES", "Recipe", "build_recipe"]
