@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from bench.timing import interleaved_medians
 from meshlm.config import load_run_config
 from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
@@ -88,17 +89,6 @@ def decode_ms_per_token(models: dict, prefilled: dict, steps: int) -> dict[str, 
     return {name: statistics.median(values[1:]) * 1000 for name, values in times.items()}
 
 
-def interleaved(runs: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each named run, one warm-up each, then ``repeats`` alternating rounds."""
-    times = {name: [] for name in runs}
-    for run in runs.values():
-        run()
-    for _ in range(repeats):
-        for name, run in runs.items():
-            times[name].append(run())
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-seq-lens", type=int, nargs="*", default=[1024, 4096])
@@ -118,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
               "training": [], "inference": []}
 
     for seq_len in args.train_seq_lens:
-        seconds = interleaved({name: (lambda model=model: train_step_seconds(model, seq_len))
+        seconds = interleaved_medians({name: (lambda model=model: train_step_seconds(model, seq_len))
                                for name, model in models.items()}, args.repeats)
         row = {"seq_len": seq_len, **{f"{name}_tokens_per_s": round(TRAIN_BATCH * seq_len / s, 1)
                                       for name, s in seconds.items()}}

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from functools import partial
 
 import torch
 
+from bench.timing import interleaved_medians
+from meshlm.kernels import triton_installed
 from meshlm.models.block import Block
 from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.ssd import ssd_chunked_scan
-from meshlm.kernels import triton_installed
 from meshlm.models.ssd_fast import ssd_chunked_scan_fast
 from tests.helpers.saved_tensors import SavedStorages
 
@@ -94,21 +94,10 @@ def block_saved_bytes(block: Block, hidden: torch.Tensor, context) -> int:
     return saved.nbytes
 
 
-def median_times(runs: dict, repeats: int) -> dict[str, float]:
-    """Interleave the named runs: one warm-up each, then ``repeats`` rounds; median seconds."""
-    times = {name: [] for name in runs}
-    for name, run in runs.items():
-        run()
-    for _ in range(repeats):
-        for name, run in runs.items():
-            times[name].append(run())
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def measure(seq_len: int, repeats: int, dtype: torch.dtype) -> dict:
     inputs = scan_inputs(seq_len, dtype)
     x_bytes = inputs[0].numel() * inputs[0].element_size()
-    scan_times = median_times({name: (lambda name=name: time_scan(name, inputs)) for name in SCANS}, repeats)
+    scan_times = interleaved_medians({name: (lambda name=name: time_scan(name, inputs)) for name in SCANS}, repeats)
     scan = {}
     for name in SCANS:
         saved = scan_saved_bytes(name, inputs)
@@ -123,7 +112,7 @@ def measure(seq_len: int, repeats: int, dtype: torch.dtype) -> dict:
     hidden.requires_grad_()
     context = SequenceContext.for_tokens(torch.zeros(1, seq_len, dtype=torch.long, device=DEVICE))
     blocks = {name: make_block(name, dtype) for name in SCANS}
-    block_times = median_times({name: (lambda name=name: time_block(blocks[name], hidden, context))
+    block_times = interleaved_medians({name: (lambda name=name: time_block(blocks[name], hidden, context))
                                 for name in SCANS}, repeats)
     hidden_bytes = hidden.numel() * hidden.element_size()
     block = {}
