@@ -25,6 +25,7 @@ from meshlm.models.config import ModelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
+FP8_GEMMS = ("auto", "emulated", "hardware")
 RECOMPUTE = ("none", "selective", "full")
 ON_NONFINITE = ("rollback", "stop")
 
@@ -172,7 +173,8 @@ class PrecisionConfig:
     """fp16: the scale never drops below this."""
     recipe: str = "none"
     """Low-precision training on top of bf16 (meshlm/precision/recipes.py): 'none'; 'fp8_tensorwise'
-    (per-tensor current scaling, E4M3 / E5M2); 'fp8_blockwise' (DeepSeek-V3: 1x128 tiles, 128x128
+    (per-tensor current scaling, E4M3 / E5M2); 'fp8_delayed' (per-tensor scales from an amax history
+    of past steps, as Transformer Engine's delayed scaling); 'fp8_blockwise' (DeepSeek-V3: 1x128 tiles, 128x128
     weight blocks); 'mxfp8' (1x32 blocks, power-of-two scales); 'nvfp4' (E2M1 in 16-element blocks,
     E4M3 block scales, fp32 tensor scale, stochastic rounding of gradients, random Hadamard
     transform for the weight gradient). Every GEMM of the blocks' linear layers is quantized
@@ -181,6 +183,16 @@ class PrecisionConfig:
     """fp8_tensorwise: 'hybrid' (E4M3 activations and weights, E5M2 gradients) or 'e4m3' (E4M3 for all)."""
     high_precision_layers: int = 0
     """Keep the first and last this many blocks (and, when > 0, the MTP depths) out of the recipe, in bf16."""
+    amax_history: int = 16
+    """fp8_delayed: how many past steps' amaxes a scale is taken from (the window's max)."""
+    nvfp4_hadamard: bool = True
+    """nvfp4: apply the 16x16 random Hadamard transform to both weight-gradient operands (false: the ablation)."""
+    nvfp4_stochastic_rounding: bool = True
+    """nvfp4: round gradients stochastically (false: round-to-nearest-even, the ablation)."""
+    fp8_gemm: str = "auto"
+    """FP8 recipes: 'emulated' (dequantize, matmul in bf16), 'hardware' (torch._scaled_mm on the FP8
+    codes; CUDA with compute capability >= 8.9, or the CPU), or 'auto' (hardware on such a GPU where
+    the installed torch supports the recipe's scales, else emulated). NVFP4 is always emulated."""
 
 
 @dataclass
@@ -286,6 +298,10 @@ class RunConfig:
                               "wall-clock limit in minutes (a little below the scheduler's), or 0 for none.")
         _choice("optim.schedule", optim.schedule, SCHEDULES)
         _choice("precision.dtype", self.precision.dtype, DTYPES)
+        _choice("precision.fp8_gemm", self.precision.fp8_gemm, FP8_GEMMS)
+        if not isinstance(self.precision.amax_history, int) or self.precision.amax_history < 1:
+            raise ConfigError(f"precision.amax_history={self.precision.amax_history!r} must be an integer >= 1 "
+                              "(the number of past steps whose amaxes set an fp8_delayed scale).")
         if not isinstance(self.precision.high_precision_layers, int) or self.precision.high_precision_layers < 0:
             raise ConfigError(f"precision.high_precision_layers={self.precision.high_precision_layers!r} must be "
                               "an integer >= 0 (blocks kept out of the recipe at each end).")

@@ -6,6 +6,8 @@ The checkpoint keys, each a tensor of the single-process model's shape:
     master/NAME                 fp32 master weight (bf16/fp16 runs only)
     optim/NAME/exp_avg          AdamW first moment (fp32)
     optim/NAME/exp_avg_sq       AdamW second moment (fp32)
+    recipe/LAYER/amax_history   a low-precision recipe's per-layer state (fp8_delayed's amax
+                                history, replicated over the ranks that hold the layer)
 
 ``training_tensors`` lists, for each key, the chunks this rank holds (views into the live
 tensors, from ``meshlm/checkpoint/sharding.py``) wherever they live:
@@ -30,6 +32,7 @@ import torch
 
 from meshlm.checkpoint.sharding import Chunk, flat_chunks, tensor_chunks
 from meshlm.parallel.pipeline.stages import STAGE_COPY_NAMES
+from meshlm.precision.delayed_scaling import delayed_scalings
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay")
@@ -153,22 +156,32 @@ def moment_tensors(parts: TrainingParts, for_loading: bool = False) -> dict[str,
     return tensors
 
 
+def recipe_tensors(parts: TrainingParts) -> dict[str, GlobalTensor]:
+    """``recipe/LAYER/amax_history`` for every layer with a delayed-scaling history (fp8_delayed)."""
+    tensors = {}
+    for name, state in delayed_scalings(parts.model):
+        _add(tensors, f"recipe/{name}/amax_history", state.history.shape, state.history.dtype,
+             [((0,) * state.history.dim(), state.history)])
+    return tensors
+
+
 def training_tensors(parts: TrainingParts, for_loading: bool = False) -> dict[str, GlobalTensor]:
     """Every checkpoint tensor this rank holds a piece of (see the module docstring). The last
     pipeline stage's copy of a tied embedding is loaded like the original but never saved (its
     ZeRO-1 segments would overlap the first stage's differently cut ones)."""
     for optimizer in optimizers_of(parts.optimizer):  # ZeRO-1 all-gathers still running into the parameters
         getattr(optimizer, "wait_for_parameters", lambda: None)()
-    tensors = {**model_tensors(parts), **master_tensors(parts), **moment_tensors(parts, for_loading)}
+    tensors = {**model_tensors(parts), **master_tensors(parts), **moment_tensors(parts, for_loading),
+               **recipe_tensors(parts)}
     if for_loading:
         return tensors
     return {key: value for key, value in tensors.items() if not is_stage_copy(parameter_name(key), parts.context)}
 
 
 def parameter_name(key: str) -> str:
-    """``model/NAME``, ``master/NAME``, ``optim/NAME/exp_avg`` -> NAME."""
+    """``model/NAME``, ``master/NAME``, ``optim/NAME/exp_avg``, ``recipe/NAME/amax_history`` -> NAME."""
     kind, rest = key.split("/", 1)
-    return rest.rsplit("/", 1)[0] if kind == "optim" else rest
+    return rest.rsplit("/", 1)[0] if kind in ("optim", "recipe") else rest
 
 
 def is_stage_copy(name: str, context) -> bool:

@@ -70,6 +70,8 @@ def plan_sources(parts: TrainingParts, stored: dict[str, tuple]) -> tuple[dict, 
             sources[key] = f"master/{name}" if f"master/{name}" in stored else key
         elif kind == "master":
             sources[key] = key if key in stored else f"model/{name}"
+        elif kind == "recipe" and key not in stored:
+            continue  # a checkpoint of a run without this recipe state: start from empty histories
         else:
             sources[key] = key
         requests[key] = tensor

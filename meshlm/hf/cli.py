@@ -1,21 +1,26 @@
 """``meshlm convert``: Hugging Face folders <-> meshlm models.
 
     meshlm convert hf-to-meshlm HF_DIR OUT                 [--overwrite]
-    meshlm convert meshlm-to-hf CKPT HF_DIR [--architecture NAME] [--overwrite]
+    meshlm convert meshlm-to-hf CKPT HF_DIR [--architecture NAME] [--quantize fp8] [--overwrite]
 
 HF_DIR holds config.json and model.safetensors (or a sharded index); CKPT is a meshlm model
 folder or a training checkpoint (the same two files). Both directions go one tensor at a time,
 so a model larger than the host's memory converts. Tokenizer files are copied across. An
-existing, non-empty output folder is refused unless --overwrite is given.
+existing, non-empty output folder is refused unless --overwrite is given. ``--quantize fp8``
+writes the decoder blocks' linear weights in block-wise FP8 with 128 x 128 block scales, the
+layout of DeepSeek-V3's checkpoints that transformers' fine-grained FP8 loader reads
+(``meshlm/hf/fp8_export.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
 from meshlm.hf.convert import ARCHITECTURES, hf_to_meshlm, meshlm_to_hf
+from meshlm.hf.fp8_export import QUANTIZE_CHOICES, describe_fp8_export
 from meshlm.models.language_model import LanguageModel
 
 
@@ -33,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("--architecture", choices=sorted(ARCHITECTURES), metavar="NAME",
                        help="HF architecture to write (default: chosen from the model's shape); one of "
                             + ", ".join(sorted(ARCHITECTURES)))
+    to_hf.add_argument("--quantize", choices=QUANTIZE_CHOICES,
+                       help="fp8: store the decoder blocks' linear weights as FP8 E4M3 with one fp32 scale per "
+                            "128x128 block (DeepSeek-V3 layout, transformers' fine-grained FP8); the rest keeps "
+                            "its stored dtype")
     for sub in (to_meshlm, to_hf):
         sub.add_argument("--overwrite", action="store_true",
                          help="write into OUT even if it is not empty (files of the same names are replaced)")
@@ -46,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote meshlm model {out} from {extra['architecture']} {args.hf_dir}: pattern "
               f"{config.pattern!r}, {model.num_parameters():,} parameters")
     else:
-        out, architecture = meshlm_to_hf(args.checkpoint, args.out, args.architecture, overwrite=args.overwrite)
+        out, architecture = meshlm_to_hf(args.checkpoint, args.out, args.architecture, overwrite=args.overwrite,
+                                         quantize=args.quantize)
         print(f"wrote {architecture.name} folder {out} from {args.checkpoint}")
+        if args.quantize:
+            print(describe_fp8_export(json.loads((out / "config.json").read_text())))
     return 0

@@ -15,7 +15,9 @@ was imported from (if it can still express the model), or the first that fits of
 '*-' with RoPE), Qwen3-MoE / Mixtral (softmax-routed '*E'), Mamba2 ('MMM...') and Nemotron-H
 (everything hybrid). When none fits, the error lists, per architecture, the fields that block it.
 The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
-by chunk from a training checkpoint) when the first HF tensor cut from it is written.
+by chunk from a training checkpoint) when the first HF tensor cut from it is written. With
+``quantize="fp8"`` the decoder blocks' linear weights are written as block-wise FP8, each
+quantized as it is written (``fp8_export.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from meshlm.errors import CheckpointError, ConfigError
 from meshlm.hf import llama, mamba2, mixtral, nemotron_h, qwen3_moe
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
+from meshlm.hf.fp8_export import quantize_hf_export
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 
@@ -162,8 +165,9 @@ def export_hf(model: LanguageModel, extra: dict | None = None, architecture: str
 
 
 def meshlm_to_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike, architecture: str | None = None,
-                 overwrite: bool = False) -> tuple[Path, Architecture]:
-    """Convert a meshlm model folder (or training checkpoint) into an HF folder, one tensor at a time."""
+                 overwrite: bool = False, quantize: str | None = None) -> tuple[Path, Architecture]:
+    """Convert a meshlm model folder (or training checkpoint) into an HF folder, one tensor at a time;
+    ``quantize="fp8"`` writes the block linears in block-wise FP8 (``fp8_export.py``)."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output_dir(out_dir, overwrite)
     config = read_model_config(model_dir)
@@ -171,5 +175,7 @@ def meshlm_to_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike, archi
     check_stored_tensors(config, source.layout, str(source_file(model_dir)))
     hf_config, plan, chosen = hf_export_plan(config, source.layout, partial(read_tensor, source),
                                              read_hf_extra(model_dir), architecture)
+    if quantize is not None:
+        hf_config, plan = quantize_hf_export(hf_config, plan, quantize)
     write_hf_folder(out_dir, hf_config, plan, tokenizer_dir=model_dir, overwrite=True)
     return out_dir, chosen

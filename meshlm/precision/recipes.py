@@ -28,57 +28,92 @@ Roles and formats per recipe (``precision.recipe``):
   operands pass through a 16 x 16 random Hadamard transform along the tokens first, which
   spreads outliers and leaves dY^T X unchanged (Q orthogonal: dY^T Q Q^T X = dY^T X).
 
+- ``fp8_delayed``: as ``fp8_tensorwise``, but a tensor's scale comes from the largest amax of
+  the previous ``precision.amax_history`` steps (Transformer Engine's delayed scaling; the first
+  step, with an empty history, scales from the current amax); the histories are per layer and
+  operand, reduced over every rank that holds the layer and checkpointed
+  (``delayed_scaling.py``).
+
 Emulation: an operand is quantized to the exact format values and dequantized to the run's
-dtype, and the GEMM runs in that dtype -- the recipe's numerics at bf16's speed. (Delayed
-scaling from an amax history, the hardware FP8 GEMM and the scales' reduction over sharded
-layouts are not part of this file yet.)
+dtype, and the GEMM runs in that dtype -- the recipe's numerics at bf16's speed. On hardware
+with FP8 GEMMs the per-tensor FP8 recipes multiply the FP8 codes instead (``fp8_gemm.py``).
+
+Layout independence: a per-tensor scale needs the amax of the whole tensor, so where a layout
+shards the tensor (TP, CP) the caller passes the amax reduced over the shards' group
+(``tensor_amax``; ``quantized_linear.py`` knows which operand is sharded where); block scales
+need blocks that never straddle two shards (checked when the recipe is put on the model).
+Stochastic rounding is keyed by the values themselves (``formats/hashed_noise.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from meshlm.errors import ConfigError
 from meshlm.precision.formats.blockwise import quantize_fp8_blockwise
-from meshlm.precision.formats.fp8 import E4M3, E5M2, quantize_fp8_tensorwise
+from meshlm.precision.formats.fp8 import E4M3, E5M2, FP8Format, quantize_fp8, scale_from_amax
 from meshlm.precision.formats.hadamard import apply_blockwise, random_hadamard_matrix
 from meshlm.precision.formats.mxfp8 import quantize_mxfp8
 from meshlm.precision.formats.nvfp4 import quantize_nvfp4
 
-RECIPES = ("none", "fp8_tensorwise", "fp8_blockwise", "mxfp8", "nvfp4")
+RECIPES = ("none", "fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "mxfp8", "nvfp4")
+PER_TENSOR_RECIPES = ("fp8_tensorwise", "fp8_delayed")
 FP8_FORMATS = ("hybrid", "e4m3")
 HADAMARD_SIZE = 16
+BLOCK_SIZES = {"fp8_tensorwise": 1, "fp8_delayed": 1, "fp8_blockwise": 128, "mxfp8": 32, "nvfp4": 16}
+"""Elements per scaling block along a GEMM's contraction dimension (and the side of a weight's
+square block); 1 for per-tensor scaling. A dimension a layout shards must be cut at multiples of it."""
 
 
 @dataclass
 class Recipe:
     """Quantizes GEMM operands for one of ``RECIPES`` (module docstring).
 
-    ``quantize(tensor, role)``: ``tensor [..., contraction]`` quantized with its blocks along the
-    last dim (weights: square blocks over the last two dims) and returned dequantized, in its dtype.
+    ``quantize(tensor, role, ...)``: ``tensor [..., contraction]`` quantized with its blocks along
+    the last dim (weights: square blocks over the last two dims) and returned dequantized, in its dtype.
     """
 
     name: str
     fp8_format: str = "hybrid"
     seed: int = 0
-    """Seeds the stochastic rounding of NVFP4 gradients (generators of the recipe's own, one per device)."""
-    generators: dict = field(init=False, repr=False, default_factory=dict)
-    hadamard_matrices: dict = field(init=False, repr=False, default_factory=dict)
+    """Keys the stochastic rounding of NVFP4 gradients (with the step, the layer and the operand)."""
+    amax_history: int = 16
+    """fp8_delayed: steps of amax history behind a scale."""
+    hadamard: bool = True
+    """nvfp4: random Hadamard transform of the weight-gradient operands."""
+    stochastic_rounding: bool = True
+    """nvfp4: stochastic rounding of gradients (else nearest-even)."""
+    fp8_gemm: str = "auto"
+    """'auto', 'emulated' or 'hardware' (``PrecisionConfig.fp8_gemm``)."""
+    step: int = 0
+    """The optimizer step being run (set by the trainer): part of the stochastic-rounding key."""
 
     def __post_init__(self) -> None:
         check_names(self.name, self.fp8_format)
         if self.name == "none":
             raise ConfigError(f"precision.recipe='none' is not a low-precision recipe; use one of "
                               f"{', '.join(RECIPES[1:])}.")
+        self.hadamard_matrices: dict[torch.device, torch.Tensor] = {}
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """This recipe's random-number generator on ``device`` (seeded with ``seed`` on first use)."""
-        if device not in self.generators:
-            self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return self.generators[device]
+    @property
+    def block_size(self) -> int:
+        return BLOCK_SIZES[self.name]
+
+    @property
+    def per_tensor(self) -> bool:
+        """Whether one scale covers a whole tensor (so sharded tensors need their amax reduced)."""
+        return self.name in PER_TENSOR_RECIPES or self.name == "nvfp4"  # nvfp4: the fp32 tensor scale
+
+    @property
+    def hadamard_for_wgrad(self) -> bool:
+        return self.name == "nvfp4" and self.hadamard
+
+    def fp8_format_of(self, role: str) -> FP8Format:
+        """The FP8 format of a per-tensor FP8 recipe's ``role`` operand (E5M2 gradients under 'hybrid')."""
+        return E5M2 if role == "gradient" and self.fp8_format == "hybrid" else E4M3
 
     def hadamard_matrix(self, device: torch.device) -> torch.Tensor:
         """The fixed random Hadamard matrix [16, 16] on ``device`` (built once per device)."""
@@ -86,34 +121,42 @@ class Recipe:
             self.hadamard_matrices[device] = random_hadamard_matrix(HADAMARD_SIZE, device=device)
         return self.hadamard_matrices[device]
 
-    @property
-    def hadamard_for_wgrad(self) -> bool:
-        return self.name == "nvfp4"
+    def quantize(self, tensor: torch.Tensor, role: str, tensor_amax: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None, noise_key: int | None = None) -> torch.Tensor:
+        """``tensor`` quantized as ``role`` ('activation', 'weight' or 'gradient') and dequantized.
 
-    def quantize(self, tensor: torch.Tensor, role: str) -> torch.Tensor:
-        if self.name == "fp8_tensorwise":
-            fmt = E5M2 if role == "gradient" and self.fp8_format == "hybrid" else E4M3
-            return quantize_fp8_tensorwise(tensor, fmt).values
+        ``tensor_amax``: the whole tensor's amax where ``tensor`` is a shard (per-tensor scales);
+        ``scale``: a given per-tensor FP8 scale (fp8_delayed); ``noise_key``: keys NVFP4's
+        stochastic rounding of gradients."""
+        if self.name in PER_TENSOR_RECIPES:
+            if scale is None:
+                amax = tensor.detach().float().abs().amax() if tensor_amax is None else tensor_amax
+                scale = scale_from_amax(amax, self.fp8_format_of(role))
+            return quantize_fp8(tensor, scale, self.fp8_format_of(role)).values
         if self.name == "fp8_blockwise":
             rows, cols = (128, 128) if role == "weight" else (1, 128)
             return quantize_fp8_blockwise(tensor, rows, cols, E4M3, power_of_two=True).values
         if self.name == "mxfp8":
             return quantize_mxfp8(tensor, E4M3).values
         rows = HADAMARD_SIZE if role == "weight" else 1  # nvfp4
-        if role == "gradient":
-            return quantize_nvfp4(tensor, rows, 16, rounding="stochastic", generator=self.generator(tensor.device)).values
-        return quantize_nvfp4(tensor, rows, 16).values
+        if role == "gradient" and self.stochastic_rounding:
+            return quantize_nvfp4(tensor, rows, 16, rounding="stochastic", tensor_amax=tensor_amax,
+                                  noise_key=noise_key if noise_key is not None else self.seed).values
+        return quantize_nvfp4(tensor, rows, 16, tensor_amax=tensor_amax).values
 
-    def wgrad_operands(self, grad_output: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """dY^T and X^T [features, tokens], transformed by the random Hadamard transform along the
-        tokens (NVFP4; the tokens zero-padded to a multiple of 16) and quantized along them."""
+    def wgrad_layout(self, grad_output: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """dY^T and X^T [features, tokens], the weight-gradient GEMM's operands with its contraction
+        (the tokens) last; NVFP4 with the Hadamard transform: transformed along the tokens (zero-padded
+        to a multiple of 16) by the random Hadamard matrix, which leaves dY^T X unchanged."""
         grad_t, inputs_t = grad_output.t(), inputs.t()
         if self.hadamard_for_wgrad:
             pad = -grad_t.shape[1] % HADAMARD_SIZE
             grad_t, inputs_t = F.pad(grad_t, (0, pad)), F.pad(inputs_t, (0, pad))
             matrix = self.hadamard_matrix(grad_t.device)
             grad_t, inputs_t = apply_blockwise(grad_t, matrix, dim=1), apply_blockwise(inputs_t, matrix, dim=1)
-        return self.quantize(grad_t, "gradient"), self.quantize(inputs_t, "activation")
+        return grad_t, inputs_t
+
+
 
 
 def check_names(recipe: str, fp8_format: str) -> None:
@@ -133,17 +176,9 @@ def build_recipe(precision, seed: int = 0) -> Recipe | None:
     if precision.dtype != "bf16":
         raise ConfigError(f"precision.recipe={precision.recipe} quantizes the GEMMs of a bf16 run, but "
                           f"precision.dtype is {precision.dtype}; set precision.dtype=bf16 (or precision.recipe=none).")
-    return Recipe(precision.recipe, precision.fp8_format, seed)
+    return Recipe(precision.recipe, precision.fp8_format, seed, amax_history=precision.amax_history,
+                  hadamard=precision.nvfp4_hadamard, stochastic_rounding=precision.nvfp4_stochastic_rounding,
+                  fp8_gemm=precision.fp8_gemm)
 
 
-def check_recipe_layout(recipe: Recipe | None, parallel) -> None:
-    """Refuse the layouts a recipe does not run exactly under yet: tensor and context parallelism
-    shard the tensors whose scales need an amax over the whole tensor (not reduced over the group yet)."""
-    if recipe is not None and (parallel.tp > 1 or parallel.cp > 1):
-        raise ConfigError(f"precision.recipe={recipe.name} does not run under tensor or context parallelism yet "
-                          f"(parallel.tp={parallel.tp}, parallel.cp={parallel.cp}): its scales would be taken per "
-                          "shard; use parallel.tp=1 and parallel.cp=1 (data and pipeline parallelism are fine), "
-                          "or precision.recipe=none.")
-
-
-__all__ = ["check_names", "check_recipe_layout", "FP8_FORMATS", "RECIPES", "Recipe", "build_recipe"]
+__all__ = ["check_names", "BLOCK_SIZES", "FP8_FORMATS", "RECIPES", "Recipe", "build_recipe"]

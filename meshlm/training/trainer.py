@@ -83,7 +83,9 @@ from meshlm.parallel.tensor.sharding import partial_grad_names, tensor_parallel_
 from meshlm.precision.device_defaults import configure_tf32, resolve_precision
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.precision.quantized_linear import apply_recipe
-from meshlm.precision.recipes import build_recipe, check_recipe_layout
+from meshlm.precision.delayed_scaling import begin_step as begin_delayed_scaling
+from meshlm.precision.delayed_scaling import finish_step as finish_delayed_scaling
+from meshlm.precision.recipes import build_recipe
 from meshlm.training.build import build_model
 from meshlm.training.cpu_allocator import keep_freed_memory
 from meshlm.training.data_loading import BatchPrefetcher, build_training_data, read_batch
@@ -167,7 +169,6 @@ class Trainer:
         # The layout is refused (ConfigError) here, before the process group is joined.
         check_context_parallel_model(config.model, config.parallel.cp, train.seq_len)
         self.recipe = build_recipe(config.precision, train.seed)  # low-precision GEMMs (None: plain dtype)
-        check_recipe_layout(self.recipe, config.parallel)
         self.context = build_parallel_context(config.parallel, config.model, self.device, train.seq_len,
                                               self.micro_batches_per_step)
         seed_everything(train.seed)
@@ -183,7 +184,8 @@ class Trainer:
         self.model, self.pipeline, self.num_parameters = built.model, built.pipeline, built.num_parameters
         self.sum_over_dp_cp = built.sum_over_dp_cp  # the MoE balancing's token counts
         if self.recipe is not None:
-            apply_recipe(self.model, self.recipe, config.model.num_blocks, config.precision.high_precision_layers)
+            apply_recipe(self.model, self.recipe, config.model.num_blocks, config.precision.high_precision_layers,
+                         self.context, train.seq_len)
         self.zero_stage = config.parallel.sharding_stage if self.context.distributed else 0
         self.precision = MixedPrecision(self.model, config.precision,
                                         sharded_masters=self.zero_stage >= 1)  # ZeRO: no full fp32 copy
@@ -305,7 +307,13 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         micro_batches = self.next_micro_batches()
+        if self.recipe is not None:  # keys stochastic rounding; delayed scaling's histories
+            self.recipe.step = self.state.step
+            begin_delayed_scaling(self.model)
         loss_sum, term_sums, expert_counts = self.forward_backward(micro_batches)
+        if self.recipe is not None:
+            context = self.context
+            finish_delayed_scaling(self.model, (context.tp_group, context.cp_group, context.dp_group))
         grad_norm, skipped = self.finish_gradients()
         lr = learning_rate(self.state.step, self.config.optim, self.config.train.steps)
         if not skipped:

@@ -22,7 +22,7 @@ from meshlm.precision.formats.blockwise import quantize_fp8_blockwise
 from meshlm.precision.formats.fp8 import E4M3, E5M2, quantize_fp8_tensorwise
 from meshlm.precision.formats.mxfp8 import quantize_mxfp8
 from meshlm.precision.quantized_linear import QuantizedLinear, apply_recipe, is_quantized_block, quantized_linear
-from meshlm.precision.recipes import RECIPES, Recipe, build_recipe, check_recipe_layout
+from meshlm.precision.recipes import RECIPES, Recipe, build_recipe
 
 TOKENS, IN_FEATURES, OUT_FEATURES = 40, 64, 96
 
@@ -88,7 +88,7 @@ def test_mxfp8_blocks_follow_the_contraction_not_the_storage():
 @pytest.mark.parametrize("name", RECIPES[1:])
 def test_with_identity_quantizers_the_layer_is_f_linear(name, monkeypatch):
     recipe = Recipe(name)
-    monkeypatch.setattr(recipe, "quantize", lambda tensor, role: tensor)
+    monkeypatch.setattr(recipe, "quantize", lambda tensor, role, **kwargs: tensor)
     inputs, weight, bias, grad_out = (tensor.double() for tensor in operands())
     results = run(recipe, inputs, weight, bias, grad_out)
     leaves = [tensor.clone().requires_grad_() for tensor in (inputs, weight, bias)]
@@ -134,14 +134,15 @@ def test_apply_recipe_keeps_the_ends_and_mtp_in_high_precision():
     assert [is_quantized_block(index, 6, 1) for index in range(8)] == [False, True, True, True, True, False,
                                                                        False, False]
     assert all(is_quantized_block(index, 6, 0) for index in range(8))
-    assert all(type(module) is not QuantizedLinear or module.recipe is not None for module in model.modules())
+    assert all(type(module) is not QuantizedLinear or module.quantization is not None for module in model.modules())
     assert not any(isinstance(module, QuantizedLinear) for module in model.mtp.modules())
     assert isinstance(model.blocks[0].mixer.in_proj, nn.Linear) and type(model.blocks[0].mixer.in_proj) is nn.Linear
 
 
 def test_recipe_errors_name_the_field():
     precision = lambda **fields: SimpleNamespace(**{"recipe": "nvfp4", "fp8_format": "hybrid", "dtype": "bf16",  # noqa: E731
-                                                   **fields})
+                                                   "amax_history": 4, "nvfp4_hadamard": True,
+                                                   "nvfp4_stochastic_rounding": True, "fp8_gemm": "auto", **fields})
     assert build_recipe(precision(recipe="none", dtype="fp32")) is None
     assert build_recipe(precision()).name == "nvfp4"
     with pytest.raises(ConfigError, match="precision.recipe=nvfp4 quantizes the GEMMs of a bf16 run, but "
@@ -153,7 +154,3 @@ def test_recipe_errors_name_the_field():
         build_recipe(precision(recipe="fp4"))
     with pytest.raises(ConfigError, match="precision.fp8_format='e5m2' is not one of hybrid, e4m3"):
         build_recipe(precision(fp8_format="e5m2"))
-    with pytest.raises(ConfigError, match="parallel.tp=2, parallel.cp=1"):
-        check_recipe_layout(Recipe("mxfp8"), SimpleNamespace(tp=2, cp=1))
-    check_recipe_layout(Recipe("mxfp8"), SimpleNamespace(tp=1, cp=1))
-    check_recipe_layout(None, SimpleNamespace(tp=2, cp=2))

@@ -1,6 +1,6 @@
 """Low-precision recipes in the trainer (precision.recipe): every recipe trains the hybrid and the
-MoE tiny models in bf16 with finite, falling losses; a recipe on fp32 and on a tensor-parallel
-layout is refused before training starts, naming the fields.
+MoE tiny models in bf16 with finite, falling losses; a recipe on fp32 and bad recipe settings are
+refused before training starts, naming the fields.
 
 (The trainer-run helpers are those of tests/training/test_parallel_training.py, loaded by path with
 tests/helpers/trainer_runs.py: test files cannot import each other.)
@@ -18,7 +18,7 @@ from meshlm.training.trainer import Trainer
 from tests.helpers.trainer_runs import load_parallel_training_helpers
 
 helpers = load_parallel_training_helpers()
-RECIPE_NAMES = ["fp8_tensorwise", "fp8_blockwise", "mxfp8", "nvfp4"]
+RECIPE_NAMES = ["fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "mxfp8", "nvfp4"]
 STEPS = ["train.steps=8", "optim.lr=3e-3", "optim.warmup_steps=1", "parallel.check_collectives=false"]
 
 
@@ -34,7 +34,7 @@ def test_each_recipe_trains_with_falling_loss(blend, tmp_path, model, recipe):
                                 f"precision.recipe={recipe}")
     trainer = Trainer(config)
     quantized = [module for module in trainer.model.modules() if isinstance(module, QuantizedLinear)]
-    assert quantized and all(module.recipe.name == recipe for module in quantized)
+    assert quantized and all(module.quantization.recipe.name == recipe for module in quantized)
     losses = trainer.run().losses
     values = [losses[step] for step in sorted(losses)]
     assert all(math.isfinite(value) for value in values), values
@@ -51,10 +51,10 @@ def test_high_precision_layers_keep_the_ends_out(blend, tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["precision.dtype=fp32"], "precision.recipe=nvfp4 quantizes the GEMMs of a bf16 run, but precision.dtype is fp32"),
-    (["precision.dtype=bf16", "parallel.tp=2"], "does not run under tensor or context parallelism yet"),
+    (["precision.dtype=bf16", "precision.amax_history=0"], "precision.amax_history=0 must be an integer >= 1"),
+    (["precision.dtype=bf16", "precision.fp8_gemm=fast"], "precision.fp8_gemm"),
 ])
-def test_recipe_refused_on_other_dtypes_and_sharded_layouts(blend, tmp_path, overrides, message):
-    config = helpers.run_config(blend, tmp_path / "run", *helpers.MODELS["hybrid"], "precision.recipe=nvfp4",
-                                *overrides)
-    with pytest.raises(ConfigError, match=message):
-        Trainer(config)
+def test_recipe_refused_on_other_dtypes_and_bad_settings(blend, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):  # from the config's checks or the trainer's
+        Trainer(helpers.run_config(blend, tmp_path / "run", *helpers.MODELS["hybrid"], "precision.recipe=nvfp4",
+                                   *overrides))

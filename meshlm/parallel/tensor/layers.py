@@ -26,6 +26,10 @@ backward. The layers read ``context.sequence_parallel`` at every call, so a mode
 SP off (e.g. to decode one token at a time) without being rebuilt.
 
 Which parameters are shards, and how a full tensor is cut into them, is ``sharding.py``.
+
+A low-precision recipe (``meshlm/precision/quantized_linear.py``) sets a layer's
+``quantization``; its GEMMs then run on quantized operands, with the amaxes of sharded tensors
+reduced over the group.
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ from meshlm.parallel.collectives import all_gather_along, copy_to_group, reduce_
 from meshlm.parallel.tensor.sharding import mark_partial_grad, shard_parameter
 
 # --- entering and leaving a tensor-parallel region ---------------------------------------------
+
+
+def _linear(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` with the layer's weight, or its recipe's quantized GEMMs when it has one."""
+    if layer.quantization is None:
+        return F.linear(x, layer.weight, bias)
+    return layer.quantization.linear(x, layer.weight, bias)
 
 
 def column_parallel_input(x: torch.Tensor, context) -> torch.Tensor:
@@ -64,12 +75,18 @@ class ColumnParallelLinear(nn.Module):
     gathered here); output [b, s, out/t]. ``gather_input=False`` when the caller already entered
     the parallel region once for several layers that share the input (q, k, v; gate, up)."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, context, gather_input: bool = True):
+    quantization = None
+    """A low-precision recipe's ``LinearQuantization`` (None: plain GEMMs)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, context, gather_input: bool = True,
+                 partition_sizes: list[int] | None = None):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.context = context
         self.gather_input = gather_input
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.partition_sizes = partition_sizes or [self.out_features * context.tp_size]
+        """Full sizes of the output partitions a fused projection is cut into (each split over the ranks)."""
 
     @classmethod
     def from_full(cls, full: nn.Linear, context, partition_sizes: list[int] | None = None,
@@ -78,12 +95,12 @@ class ColumnParallelLinear(nn.Module):
         what = f"ColumnParallelLinear({full.in_features} -> {full.out_features})"
         weight = shard_parameter(full.weight, 0, context, sizes, what)
         bias = shard_parameter(full.bias, 0, context, sizes, what) if full.bias is not None else None
-        return cls(weight, bias, context, gather_input)
+        return cls(weight, bias, context, gather_input, sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_input:
             x = column_parallel_input(x, self.context)
-        return F.linear(x, self.weight, self.bias)
+        return _linear(self, x, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, local_out={self.out_features}, tp={self.context.tp_size}"
@@ -92,6 +109,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r A_r (+ b): input [b, s, in/t] split like A's rows; output [b, s, out] summed
     over the group, or [b, s/t, out] under SP. The bias is added once, after the sum."""
+
+    quantization = None
+    """A low-precision recipe's ``LinearQuantization`` (None: plain GEMMs)."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, context):
         super().__init__()
@@ -112,7 +132,7 @@ class RowParallelLinear(nn.Module):
         return cls(weight, bias, context)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = row_parallel_output(F.linear(x, self.weight), self.context)
+        out = row_parallel_output(_linear(self, x, None), self.context)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:

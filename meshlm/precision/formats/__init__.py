@@ -13,7 +13,8 @@ Inputs may be any float dtype; all arithmetic is fp32. One file per job:
 - ``e2m1.py``: the 4-bit E2M1 element, round-to-nearest-even and stochastic rounding;
 - ``nvfp4.py``: NVFP4, E2M1 in 1 x 16 or 16 x 16 blocks with E4M3 block scales and an fp32
   tensor scale;
-- ``hadamard.py``: the 16 x 16 random Hadamard transform for the weight-gradient GEMM.
+- ``hadamard.py``: the 16 x 16 random Hadamard transform for the weight-gradient GEMM;
+- ``hashed_noise.py``: stochastic-rounding noise hashed from the rounded values (layout-free).
 
-Nothing here is wired into training yet.
+The training recipes that use them are ``meshlm/precision/recipes.py``.
 """

@@ -19,7 +19,8 @@ Two roundings, both saturating (a magnitude above 6 becomes 6, as ``cvt.satfinit
   it for gradients ("Pretraining LLMs with NVFP4", 2025; REFERENCES.md "Precision"): rounding errors
   of many small updates average out instead of all pointing the same way. Each element's
   absolute error is larger than with nearest rounding; the error of their mean is smaller.
-  The random numbers come from an explicit ``torch.Generator``, never the global RNG.
+  The random numbers are given (``uniform``, e.g. hashed from the values: ``hashed_noise.py``)
+  or drawn from an explicit ``torch.Generator``, never the global RNG.
 """
 
 from __future__ import annotations
@@ -49,31 +50,33 @@ def _nearest_even_index(magnitude: torch.Tensor) -> torch.Tensor:
     return torch.where(on_midpoint & (index % 2 == 1), index + 1, index)
 
 
-def _stochastic_index(magnitude: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Index of ``lo`` or ``hi`` around ``magnitude`` (fp32, in [0, 6]); ``hi`` with probability
-    ``(magnitude - lo) / (hi - lo)``."""
+def _stochastic_index(magnitude: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Index of ``lo`` or ``hi`` around ``magnitude`` (fp32, in [0, 6]); ``hi`` when ``uniform``
+    (numbers in [0, 1), same shape) lies below ``(magnitude - lo) / (hi - lo)``."""
     grid = _magnitudes(magnitude.device)
     lower = (torch.bucketize(magnitude.contiguous(), grid, right=True) - 1).clamp(0, len(grid) - 2)
     low, high = grid[lower], grid[lower + 1]
     round_up_probability = (magnitude - low) / (high - low)
-    uniform = torch.rand(magnitude.shape, generator=generator, device=magnitude.device)
     return lower + (uniform < round_up_probability).long()
 
 
-def encode_e2m1(x: torch.Tensor, rounding: Rounding = "nearest",
-                generator: torch.Generator | None = None) -> torch.Tensor:
+def encode_e2m1(x: torch.Tensor, rounding: Rounding = "nearest", generator: torch.Generator | None = None,
+                uniform: torch.Tensor | None = None) -> torch.Tensor:
     """Round ``x`` (any shape and float dtype, already scaled into [-6, 6]) to E2M1 codes (``uint8``, same shape).
 
-    ``rounding="stochastic"`` needs ``generator`` (on ``x``'s device). Larger magnitudes saturate to 6.
+    ``rounding="stochastic"`` needs ``uniform`` (numbers in [0, 1), ``x``'s shape) or ``generator``
+    (on ``x``'s device) to draw them. Larger magnitudes saturate to 6.
     """
     magnitude = x.float().abs().clamp(max=E2M1_MAX)
     if rounding == "nearest":
         index = _nearest_even_index(magnitude)
     elif rounding == "stochastic":
-        if generator is None:
-            raise ValueError("stochastic rounding needs an explicit torch.Generator (generator=...); "
-                             "it never draws from the global random state.")
-        index = _stochastic_index(magnitude, generator)
+        if uniform is None and generator is None:
+            raise ValueError("stochastic rounding needs its random numbers (uniform=...) or an explicit "
+                             "torch.Generator (generator=...); it never draws from the global random state.")
+        if uniform is None:
+            uniform = torch.rand(magnitude.shape, generator=generator, device=magnitude.device)
+        index = _stochastic_index(magnitude, uniform)
     else:
         raise ValueError(f"rounding={rounding!r} is invalid; use 'nearest' or 'stochastic'.")
     return (index + torch.signbit(x).long() * SIGN_BIT).to(torch.uint8)

@@ -40,6 +40,7 @@ import torch
 from meshlm.precision.formats.blocks import block_amax, block_grid, expand_grid, from_blocks, to_blocks
 from meshlm.precision.formats.e2m1 import E2M1_MAX, Rounding, decode_e2m1, encode_e2m1
 from meshlm.precision.formats.fp8 import E4M3
+from meshlm.precision.formats.hashed_noise import hashed_uniform
 
 NVFP4_BLOCK_SIZE = 16
 
@@ -71,11 +72,13 @@ def nvfp4_block_scales(amax_per_block: torch.Tensor, tensor_scale: torch.Tensor)
 
 def quantize_nvfp4(x: torch.Tensor, block_rows: int = 1, block_cols: int = NVFP4_BLOCK_SIZE,
                    rounding: Rounding = "nearest", generator: torch.Generator | None = None,
-                   tensor_amax: torch.Tensor | None = None) -> NVFP4Quantized:
+                   tensor_amax: torch.Tensor | None = None, noise_key: int | None = None) -> NVFP4Quantized:
     """Quantize ``x [..., rows, cols]`` (or ``[cols]`` for 1 x n blocks) to NVFP4.
 
     ``block_rows=1`` (default): 1 x 16 blocks for activations and gradients; ``block_rows=16``:
-    16 x 16 blocks for weights. ``rounding="stochastic"`` (gradients) needs ``generator``.
+    16 x 16 blocks for weights. ``rounding="stochastic"`` (gradients) needs ``noise_key`` (the
+    random numbers are then hashed from it, each element's place in its block and its scaled
+    value: ``hashed_noise.py``, the same in any layout) or a ``generator`` to draw them from.
     ``tensor_amax`` overrides ``amax(|x|)`` for the tensor scale, e.g. an amax reduced over the
     ranks that hold shards of one tensor, so that every shard uses the same ``s_tensor``.
     """
@@ -85,7 +88,12 @@ def quantize_nvfp4(x: torch.Tensor, block_rows: int = 1, block_cols: int = NVFP4
     block_scales = nvfp4_block_scales(block_amax(blocks), tensor_scale)
     total_scale = block_scales.float() * tensor_scale
     scaled = torch.where(total_scale > 0, blocks / total_scale, torch.zeros_like(blocks))
-    codes = encode_e2m1(scaled, rounding, generator)
+    uniform = None
+    if rounding == "stochastic" and noise_key is not None:
+        block_rows_, block_cols_ = blocks.shape[-3], blocks.shape[-1]
+        places = torch.arange(block_rows_ * block_cols_, device=x.device).view(block_rows_, 1, block_cols_)
+        uniform = hashed_uniform(scaled, places, noise_key)
+    codes = encode_e2m1(scaled, rounding, generator, uniform)
     values = decode_e2m1(codes) * total_scale
     return NVFP4Quantized(from_blocks(values, x.shape).to(x.dtype), from_blocks(codes, x.shape),
                           block_grid(block_scales, x.dim()), tensor_scale)
