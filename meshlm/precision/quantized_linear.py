@@ -30,6 +30,11 @@ sequence is cut at a multiple of the recipe's block size, and refuses the layout
 naming the layer. Stochastic rounding is hashed from the values (``formats/hashed_noise.py``).
 Data and pipeline parallelism quantize each micro-batch's tensors as one process does.
 
+**Hardware FP8 GEMMs.** Where ``precision.fp8_gemm`` allows and the device runs them
+(``hardware_gemm``), the FP8 recipes hand the FP8 codes and scales to ``torch._scaled_mm``
+(``fp8_gemm.py``) instead of multiplying dequantized tensors: the same quantization, the GEMM
+accumulated in fp32 on the codes.
+
 ``apply_recipe`` puts the recipe on the blocks' linear layers: an ``nn.Linear`` becomes a
 ``QuantizedLinear`` (class swap: same parameters, same state dict) and a tensor-parallel linear
 gets the ``quantization`` attribute its forward reads -- except in the first and last
@@ -54,6 +59,7 @@ from meshlm.parallel.plain_collectives import all_reduce_
 from meshlm.parallel.tensor.layers import ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear
 from meshlm.precision.delayed_scaling import DelayedScaling
 from meshlm.precision.formats.hashed_noise import noise_key
+from meshlm.precision.fp8_gemm import hardware_fp8_supported, scaled_matmul
 from meshlm.precision.recipes import Recipe
 from meshlm.precision.formats.fp8 import scale_from_amax
 
@@ -74,6 +80,8 @@ class LinearQuantization:
     """{'input' | 'weight' | 'grad_output': tuple of Groups (None entries allowed) the tensor is sharded over}."""
     delayed: DelayedScaling | None = None
     """fp8_delayed: this layer's amax history."""
+    hardware: bool = False
+    """Multiply FP8 codes with the hardware GEMM (``fp8_gemm.py``) instead of dequantized tensors."""
 
     def linear(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(inputs, weight, bias)`` with the recipe's quantized GEMMs."""
@@ -82,6 +90,19 @@ class LinearQuantization:
     def quantize(self, tensor: torch.Tensor, tensor_name: str, use: str, record: bool = False) -> torch.Tensor:
         """``tensor`` (all or a shard of the layer's ``tensor_name``, in the layout of GEMM operand
         ``use``) quantized and dequantized; ``record``: count its amax in the step's history."""
+        tensor_amax, scale = self.tensor_scaling(tensor, tensor_name, record)
+        role = ROLES[tensor_name]
+        key = noise_key(self.recipe.seed, self.recipe.step, self.key, USES[use]) if role == "gradient" else None
+        return self.recipe.quantize(tensor, role, tensor_amax=tensor_amax, scale=scale, noise_key=key)
+
+    def codes(self, tensor: torch.Tensor, tensor_name: str, record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(FP8 codes, scales) of ``tensor [rows, contraction]`` for the hardware GEMM; as ``quantize``."""
+        tensor_amax, scale = self.tensor_scaling(tensor, tensor_name, record)
+        return self.recipe.fp8_codes(tensor, ROLES[tensor_name], tensor_amax=tensor_amax, scale=scale)
+
+    def tensor_scaling(self, tensor: torch.Tensor, tensor_name: str, record: bool) -> tuple:
+        """(whole-tensor amax reduced over the shards' groups, or None; delayed scale, or None) for a
+        per-tensor recipe; (None, None) for block scales. ``record``: note the amax in the history."""
         recipe, role, groups = self.recipe, ROLES[tensor_name], self.groups[tensor_name]
         scale = tensor_amax = None
         if recipe.per_tensor:
@@ -95,8 +116,7 @@ class LinearQuantization:
                 tensor_amax = amax.clone()
                 for group in groups:
                     all_reduce_(tensor_amax, group, op="max")
-        key = noise_key(recipe.seed, recipe.step, self.key, USES[use]) if role == "gradient" else None
-        return recipe.quantize(tensor, role, tensor_amax=tensor_amax, scale=scale, noise_key=key)
+        return tensor_amax, scale
 
 
 class _QuantizedLinear(torch.autograd.Function):
@@ -105,6 +125,12 @@ class _QuantizedLinear(torch.autograd.Function):
         ctx.save_for_backward(inputs, weight)
         ctx.quantization = quantization
         training = any(ctx.needs_input_grad)  # evaluation does not move the delayed-scaling history
+        if quantization.hardware:
+            inputs_2d = inputs.reshape(-1, inputs.shape[-1])
+            out = scaled_matmul(*quantization.codes(inputs_2d, "input", record=training),
+                                *quantization.codes(weight, "weight", record=training),
+                                out_dtype=inputs.dtype).view(*inputs.shape[:-1], weight.shape[0])
+            return out + bias if bias is not None else out
         out = torch.matmul(quantization.quantize(inputs, "input", "fprop_input", record=training),
                            quantization.quantize(weight, "weight", "fprop_weight", record=training).t())
         return out + bias if bias is not None else out
@@ -115,6 +141,8 @@ class _QuantizedLinear(torch.autograd.Function):
         quantization = ctx.quantization
         grad_2d, inputs_2d = grad_out.reshape(-1, grad_out.shape[-1]), inputs.reshape(-1, inputs.shape[-1])
         grad_inputs = grad_weight = grad_bias = None
+        if quantization.hardware:
+            return _hardware_backward(ctx, quantization, grad_2d, inputs_2d, weight, inputs.shape)
         if ctx.needs_input_grad[0]:  # dgrad: contraction over the output features
             grad_inputs = torch.matmul(quantization.quantize(grad_out, "grad_output", "dgrad_grad", record=True),
                                        quantization.quantize(weight.t(), "weight", "dgrad_weight").t()).view_as(inputs)
@@ -127,11 +155,52 @@ class _QuantizedLinear(torch.autograd.Function):
         return grad_inputs, grad_weight, grad_bias, None
 
 
+def _hardware_backward(ctx, quantization: LinearQuantization, grad_2d: torch.Tensor, inputs_2d: torch.Tensor,
+                       weight: torch.Tensor, input_shape: torch.Size) -> tuple:
+    """The backward GEMMs on FP8 codes (``fp8_gemm.scaled_matmul``), outputs in the run's dtype."""
+    grad_inputs = grad_weight = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_inputs = scaled_matmul(*quantization.codes(grad_2d, "grad_output", record=True),
+                                    *quantization.codes(weight.t().contiguous(), "weight"),
+                                    out_dtype=grad_2d.dtype).view(input_shape)
+    if ctx.needs_input_grad[1]:
+        grad_t, inputs_t = quantization.recipe.wgrad_layout(grad_2d, inputs_2d)
+        grad_weight = scaled_matmul(*quantization.codes(grad_t.contiguous(), "grad_output", record=True),
+                                    *quantization.codes(inputs_t.contiguous(), "input"),
+                                    out_dtype=weight.dtype)
+    if ctx.needs_input_grad[2]:
+        grad_bias = grad_2d.sum(0)
+    return grad_inputs, grad_weight, grad_bias, None
+
+
+def hardware_gemm(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``recipe``'s GEMMs run on FP8 codes (``precision.fp8_gemm``): 'auto' where a CUDA
+    device runs every scale layout and format pair the recipe needs, 'hardware' wherever this torch
+    does (the CPU included: a check of the path, not a speed-up), 'emulated' never."""
+    if recipe.fp8_gemm == "emulated":
+        return False
+    if recipe.name not in ("fp8_tensorwise", "fp8_delayed", "fp8_blockwise"):
+        if recipe.fp8_gemm == "hardware":
+            raise ConfigError(f"precision.fp8_gemm=hardware runs the FP8 recipes' GEMMs on FP8 codes, but "
+                              f"precision.recipe={recipe.name} is emulated only; use precision.fp8_gemm=auto.")
+        return False
+    activation, weight, gradient = (recipe.fp8_format_of(role).dtype for role in ("activation", "weight", "gradient"))
+    main, wgrad = recipe.hardware_scalings()
+    needs = [(main, activation, weight), (main, gradient, weight), (wgrad, gradient, activation)]
+    supported = all(hardware_fp8_supported(device, scaling, a, b, dtype) for scaling, a, b in needs)
+    if recipe.fp8_gemm == "hardware" and not supported:
+        raise ConfigError(f"precision.fp8_gemm=hardware, but torch {torch.__version__} on {device} cannot run the "
+                          f"FP8 GEMMs precision.recipe={recipe.name} needs ({main} and {wgrad} scales); use "
+                          "precision.fp8_gemm=auto (emulated where the hardware GEMM is missing).")
+    return supported and (recipe.fp8_gemm == "hardware" or device.type == "cuda")
+
+
 def quantized_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      recipe: Recipe, key: int = 0) -> torch.Tensor:
     """``F.linear(inputs, weight, bias)`` with ``recipe``'s quantized GEMMs, as one unsharded layer
     (no groups, no history); inputs [..., in], weight [out, in], bias [out] or None."""
-    return LinearQuantization(recipe, key, {name: () for name in ROLES}).linear(inputs, weight, bias)
+    return LinearQuantization(recipe, key, {name: () for name in ROLES},
+                              hardware=hardware_gemm(recipe, weight.device, weight.dtype)).linear(inputs, weight, bias)
 
 
 class QuantizedLinear(nn.Linear):
@@ -234,7 +303,7 @@ def quantize_layer(module: nn.Module, recipe: Recipe, name: str, context=None) -
     ``name`` is its global name (keys its stochastic rounding), ``context`` the run's (None: one process)."""
     delayed = DelayedScaling(recipe.amax_history, module.weight.device) if recipe.name == "fp8_delayed" else None
     module.quantization = LinearQuantization(recipe, layer_key(name), _groups_of(module, name, recipe, context),
-                                             delayed)
+                                             delayed, hardware_gemm(recipe, module.weight.device, module.weight.dtype))
 
 
 __all__ = ["LinearQuantization", "QuantizedLinear", "apply_recipe", "check_sequence_cut", "is_quantized_block",

@@ -144,6 +144,28 @@ class Recipe:
                                   noise_key=noise_key if noise_key is not None else self.seed).values
         return quantize_nvfp4(tensor, rows, 16, tensor_amax=tensor_amax).values
 
+    def fp8_codes(self, tensor: torch.Tensor, role: str, tensor_amax: torch.Tensor | None = None,
+                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(FP8 codes, fp32 scales) of ``tensor [rows, contraction]`` for the hardware GEMM
+        (``fp8_gemm.py``): what ``quantize`` dequantizes, before dequantization. Per-tensor recipes
+        give a 0-dim scale, fp8_blockwise 1 x 128 tile or 128 x 128 block scales."""
+        if self.name in PER_TENSOR_RECIPES:
+            fmt = self.fp8_format_of(role)
+            if scale is None:
+                amax = tensor.detach().float().abs().amax() if tensor_amax is None else tensor_amax
+                scale = scale_from_amax(amax, fmt)
+            quantized = quantize_fp8(tensor, scale, fmt)
+            return quantized.codes, quantized.scales
+        if self.name == "fp8_blockwise":
+            rows, cols = (128, 128) if role == "weight" else (1, 128)
+            quantized = quantize_fp8_blockwise(tensor, rows, cols, E4M3, power_of_two=True)
+            return quantized.codes, quantized.scales
+        raise ValueError(f"precision.recipe={self.name} has no hardware FP8 GEMM (only the fp8_* recipes).")
+
+    def hardware_scalings(self) -> tuple[str, str]:
+        """The ``fp8_gemm.py`` scale layouts of (fprop and dgrad, wgrad) under this recipe."""
+        return ("blockwise", "tilewise") if self.name == "fp8_blockwise" else ("tensorwise", "tensorwise")
+
     def wgrad_layout(self, grad_output: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """dY^T and X^T [features, tokens], the weight-gradient GEMM's operands with its contraction
         (the tokens) last; NVFP4 with the Hadamard transform: transformed along the tokens (zero-padded

@@ -154,3 +154,31 @@ def test_recipe_errors_name_the_field():
         build_recipe(precision(recipe="fp4"))
     with pytest.raises(ConfigError, match="precision.fp8_format='e5m2' is not one of hybrid, e4m3"):
         build_recipe(precision(fp8_format="e5m2"))
+
+
+@pytest.mark.parametrize("name", ["fp8_tensorwise", "fp8_delayed"])
+def test_hardware_fp8_gemm_computes_what_the_emulation_computes(name):
+    """precision.fp8_gemm=hardware multiplies the FP8 codes with torch._scaled_mm (on this CPU too):
+    the same quantized operands, so forward and both gradients equal the emulated GEMMs on
+    dequantized fp32 tensors to fp32 summation order (each dequantized operand is rounded once to
+    fp32 in the emulation: 2^-24 relative)."""
+    inputs, weight, bias, grad_out = operands()
+    hardware = run(Recipe(name, fp8_gemm="hardware"), inputs, weight, bias, grad_out)
+    emulated = run(Recipe(name, fp8_gemm="emulated"), inputs, weight, bias, grad_out)
+    for actual, expected in zip(hardware, emulated):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    plain = F.linear(inputs, weight, bias)
+    assert 0 < (hardware[0] - plain).abs().max() < 0.1 * plain.abs().max()  # quantized, and close
+
+
+def test_hardware_fp8_gemm_is_refused_where_it_cannot_run():
+    inputs, weight, bias, grad_out = operands()
+    with pytest.raises(ConfigError, match="precision.fp8_gemm=hardware runs the FP8 recipes' GEMMs on FP8 codes, "
+                                          "but precision.recipe=nvfp4 is emulated only"):
+        run(Recipe("nvfp4", fp8_gemm="hardware"), inputs, weight, bias, grad_out)
+    if not torch.cuda.is_available():  # this CPU build's _scaled_mm has no 128-block scales
+        with pytest.raises(ConfigError, match="cannot run the FP8 GEMMs precision.recipe=fp8_blockwise needs"):
+            run(Recipe("fp8_blockwise", fp8_gemm="hardware"), inputs, weight, bias, grad_out)
+    auto = run(Recipe("fp8_blockwise", fp8_gemm="auto"), inputs, weight, bias, grad_out)  # falls back to emulation
+    emulated = run(Recipe("fp8_blockwise", fp8_gemm="emulated"), inputs, weight, bias, grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(auto, emulated)) or torch.cuda.is_available()

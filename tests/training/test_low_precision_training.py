@@ -58,3 +58,17 @@ def test_recipe_refused_on_other_dtypes_and_bad_settings(blend, tmp_path, overri
     with pytest.raises(ConfigError, match=message):  # from the config's checks or the trainer's
         Trainer(helpers.run_config(blend, tmp_path / "run", *helpers.MODELS["hybrid"], "precision.recipe=nvfp4",
                                    *overrides))
+
+
+def test_hardware_fp8_gemms_train_in_the_trainer(blend, tmp_path):
+    """precision.fp8_gemm=hardware: every quantized layer multiplies FP8 codes (torch._scaled_mm,
+    which this CPU build runs for per-tensor scales), and the run trains with falling loss."""
+    config = helpers.run_config(blend, tmp_path / "run", *helpers.MODELS["hybrid"], *STEPS, "precision.dtype=bf16",
+                                "precision.recipe=fp8_delayed", "precision.fp8_gemm=hardware")
+    trainer = Trainer(config)
+    quantized = [module for module in trainer.model.modules() if isinstance(module, QuantizedLinear)]
+    assert quantized and all(module.quantization.hardware for module in quantized)
+    losses = trainer.run().losses
+    values = [losses[step] for step in sorted(losses)]
+    assert all(math.isfinite(value) for value in values), values
+    assert sum(values[-3:]) / 3 < sum(values[:3]) / 3, values
