@@ -25,10 +25,10 @@ tensors, replicated) and a resume at any layout restores them; a checkpoint with
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
-
-from meshlm.parallel.plain_collectives import all_reduce_
 
 OPERANDS = ("input", "weight", "grad_output")
 """The tensors of a linear layer whose amaxes a history tracks, in its column order."""
@@ -74,15 +74,17 @@ def begin_step(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def finish_step(model: nn.Module, groups) -> None:
+def finish_step(model: nn.Module, groups=(), reduce_max: Callable | None = None) -> None:
     """After a step's backward: reduce its amaxes (max) over ``groups`` (the TP, CP and DP groups;
-    None entries skipped) and push them into every history."""
+    None entries skipped) with ``reduce_max(tensor, group)`` (the run's all-reduce with op='max')
+    and push them into every history."""
     states = [state for _, state in delayed_scalings(model)]
     if not states:
         return
     amaxes = torch.stack([state.step_amax for state in states])
     for group in groups:
-        all_reduce_(amaxes, group, op="max")
+        if group is not None and group.size > 1:
+            reduce_max(amaxes, group)
     amaxes = torch.where(torch.isfinite(amaxes), amaxes, torch.zeros_like(amaxes))
     for state, amax in zip(states, amaxes):
         state.history.copy_(torch.cat([amax[None], state.history[:-1]]))

@@ -47,6 +47,7 @@ are not quantized yet).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,6 @@ from torch import nn
 
 from meshlm.errors import ConfigError
 from meshlm.models.block import Block
-from meshlm.parallel.plain_collectives import all_reduce_
-from meshlm.parallel.tensor.layers import ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear
 from meshlm.precision.delayed_scaling import DelayedScaling
 from meshlm.precision.formats.hashed_noise import noise_key
 from meshlm.precision.fp8_gemm import hardware_fp8_supported, scaled_matmul
@@ -82,6 +81,10 @@ class LinearQuantization:
     """fp8_delayed: this layer's amax history."""
     hardware: bool = False
     """Multiply FP8 codes with the hardware GEMM (``fp8_gemm.py``) instead of dequantized tensors."""
+    reduce_max: Callable | None = None
+    """``reduce_max(tensor, group)``: all-reduce (max) in place over a group (the run's collective,
+    ``meshlm.parallel.collectives.all_reduce_`` with op='max'; passed in: precision sits beside
+    parallelism, not above it). Needed where a group has more than one rank."""
 
     def linear(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(inputs, weight, bias)`` with the recipe's quantized GEMMs."""
@@ -115,7 +118,7 @@ class LinearQuantization:
             if scale is None and any(group is not None and group.size > 1 for group in groups):
                 tensor_amax = amax.clone()
                 for group in groups:
-                    all_reduce_(tensor_amax, group, op="max")
+                    self.reduce_max(tensor_amax, group)
         return tensor_amax, scale
 
 
@@ -250,11 +253,12 @@ def _groups_of(module: nn.Module, layer: str, recipe: Recipe, context) -> dict:
     tp_size = getattr(context, "tp_size", 1) if context is not None else 1
     fix = "use a smaller parallel.tp"
     layer = "block " + layer.replace(".", " ", 1) if layer[:1].isdigit() else layer  # "block 3 mixer.in_proj"
-    if isinstance(module, ColumnParallelLinear):
+    kind = getattr(module, "tensor_parallel", None)  # parallel/tensor/layers.py's layers say how they are cut
+    if kind == "column":
         sizes = [size // tp_size for size in module.partition_sizes]
         _check_cut(recipe, layer, "output features (per partition, per rank)", sizes, fix)
         return {"input": (cp,), "weight": (tp,), "grad_output": (tp, cp)}
-    if isinstance(module, RowParallelLinear):
+    if kind == "row":
         _check_cut(recipe, layer, "input features (per rank)", [module.in_features], fix)
         return {"input": (tp, cp), "weight": (tp,), "grad_output": (cp,)}
     return {"input": (cp,), "weight": (), "grad_output": (cp,)}
@@ -275,35 +279,43 @@ def layer_key(name: str) -> int:
 
 
 def apply_recipe(model: nn.Module, recipe: Recipe, num_blocks: int, high_precision_layers: int = 0,
-                 context=None, seq_len: int | None = None) -> int:
+                 context=None, seq_len: int | None = None, reduce_max: Callable | None = None) -> int:
     """Put ``recipe`` on the linear layers of the chosen blocks in place (module docstring); returns
     how many layers now run under it. ``context``: the run's ``ParallelContext`` (None: one process);
-    ``seq_len``: the training sequence length (checked against the CP chunks)."""
+    ``seq_len``: the training sequence length (checked against the CP chunks); ``reduce_max``: the
+    collective for sharded amaxes (``LinearQuantization.reduce_max``)."""
     if seq_len is not None:
         check_sequence_cut(recipe, context, seq_len)
     count = 0
     for block in quantized_blocks(model, num_blocks, high_precision_layers):
         for name, module in block.named_modules():
-            if isinstance(module, ReplicatedRowsLinear):
+            kind = getattr(module, "tensor_parallel", None)
+            if kind == "replicated rows":
                 raise ConfigError(f"precision.recipe={recipe.name} cannot quantize block {block.layer_index} {name} "
                                   f"exactly: with fewer "
                                   f"key/value heads than parallel.tp ranks its output gradient is summed across "
                                   "ranks after the GEMM; use parallel.tp <= model.num_kv_heads, or precision.recipe=none.")
             if type(module) is nn.Linear:
                 module.__class__ = QuantizedLinear
-            elif not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            elif kind not in ("column", "row"):
                 continue
-            quantize_layer(module, recipe, f"{block.layer_index}.{name}", context)
+            quantize_layer(module, recipe, f"{block.layer_index}.{name}", context, reduce_max)
             count += 1
     return count
 
 
-def quantize_layer(module: nn.Module, recipe: Recipe, name: str, context=None) -> None:
+def quantize_layer(module: nn.Module, recipe: Recipe, name: str, context=None, reduce_max: Callable | None = None) -> None:
     """Give one linear layer (``QuantizedLinear``, column- or row-parallel) its ``quantization``:
-    ``name`` is its global name (keys its stochastic rounding), ``context`` the run's (None: one process)."""
+    ``name`` is its global name (keys its stochastic rounding), ``context`` the run's (None: one
+    process), ``reduce_max`` the collective for sharded amaxes (needed where a group has > 1 rank)."""
+    groups = _groups_of(module, name, recipe, context)
+    if reduce_max is None and recipe.per_tensor and any(group is not None and group.size > 1
+                                                        for members in groups.values() for group in members):
+        raise ValueError(f"{name} is sharded over a group of several ranks: pass reduce_max (the run's all-reduce "
+                         "with op='max', meshlm.parallel.collectives.all_reduce_) to reduce its amaxes.")
     delayed = DelayedScaling(recipe.amax_history, module.weight.device) if recipe.name == "fp8_delayed" else None
-    module.quantization = LinearQuantization(recipe, layer_key(name), _groups_of(module, name, recipe, context),
-                                             delayed, hardware_gemm(recipe, module.weight.device, module.weight.dtype))
+    module.quantization = LinearQuantization(recipe, layer_key(name), groups, delayed,
+                                             hardware_gemm(recipe, module.weight.device, module.weight.dtype), reduce_max)
 
 
 __all__ = ["LinearQuantization", "QuantizedLinear", "apply_recipe", "check_sequence_cut", "is_quantized_block",

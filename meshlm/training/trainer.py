@@ -185,7 +185,7 @@ class Trainer:
         self.sum_over_dp_cp = built.sum_over_dp_cp  # the MoE balancing's token counts
         if self.recipe is not None:
             apply_recipe(self.model, self.recipe, config.model.num_blocks, config.precision.high_precision_layers,
-                         self.context, train.seq_len)
+                         self.context, train.seq_len, reduce_max=reduce_max)
         self.zero_stage = config.parallel.sharding_stage if self.context.distributed else 0
         self.precision = MixedPrecision(self.model, config.precision,
                                         sharded_masters=self.zero_stage >= 1)  # ZeRO: no full fp32 copy
@@ -313,7 +313,7 @@ class Trainer:
         loss_sum, term_sums, expert_counts = self.forward_backward(micro_batches)
         if self.recipe is not None:
             context = self.context
-            finish_delayed_scaling(self.model, (context.tp_group, context.cp_group, context.dp_group))
+            finish_delayed_scaling(self.model, (context.tp_group, context.cp_group, context.dp_group), reduce_max)
         grad_norm, skipped = self.finish_gradients()
         lr = learning_rate(self.state.step, self.config.optim, self.config.train.steps)
         if not skipped:
@@ -531,6 +531,11 @@ class Trainer:
             result.val_losses[step] = val_loss
         if self.skips.length == 0 or final:  # while steps keep failing, the last good checkpoint stays the newest
             self.maybe_save(final)
+
+
+def reduce_max(tensor: torch.Tensor, group) -> None:
+    """All-reduce (max) in place: how the low-precision recipes complete a sharded tensor's amax."""
+    all_reduce_(tensor, group, op="max")
 
 
 def train(config) -> TrainResult:

@@ -35,7 +35,7 @@ from meshlm.models.language_model import LanguageModel
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.parallelize import parallelize_model
 from meshlm.parallel.context.chunks import paired_chunks
-from meshlm.parallel.plain_collectives import all_reduce_
+from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from meshlm.parallel.tensor.sharding import gather_full_tensor, reduce_partial_tp_grads
 from meshlm.precision.delayed_scaling import begin_step, finish_step
@@ -43,6 +43,10 @@ from meshlm.precision.quantized_linear import QuantizedLinear, apply_recipe, qua
 from meshlm.precision.recipes import RECIPES, Recipe
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parallel_checks import seeded
+
+
+def reduce_max(tensor: torch.Tensor, group) -> None:
+    all_reduce_(tensor, group, op="max")
 
 LAYER_TOLERANCE = 1e-6
 LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
@@ -75,7 +79,7 @@ def run_layer(layer, recipe: Recipe, inputs_of, grad_of, groups=()) -> list[tupl
         inputs = inputs_of(full_inputs).clone().requires_grad_()
         out = layer(inputs)
         out.backward(grad_of(full_grad))
-        finish_step(layer, groups)
+        finish_step(layer, groups, reduce_max)
         results.append((out.detach(), inputs.grad, layer.weight.grad.clone()))
         layer.weight.grad = None
     return results
@@ -91,8 +95,8 @@ def tensor_parallel_layers(context, name: str) -> dict:
     sequence = (lambda t: t[:, tokens]) if sp else (lambda t: t)
     column, row = ColumnParallelLinear.from_full(full_linear(), context), RowParallelLinear.from_full(full_linear(), context)
     recipe = Recipe(name, seed=3)
-    quantize_layer(column, recipe, "column", context)
-    quantize_layer(row, recipe, "row", context)
+    quantize_layer(column, recipe, "column", context, reduce_max)
+    quantize_layer(row, recipe, "row", context, reduce_max)
     cases = {}
     cases["column"] = [(out, dx if sp else dx, dw) for out, dx, dw in
                        run_layer(column, recipe, sequence, lambda g: g[..., features], (context.tp_group,))]
@@ -144,7 +148,7 @@ def run_layer_cases() -> dict:
         layer = QuantizedLinear(FEATURES, FEATURES, bias=False)
         layer.load_state_dict(full_linear().state_dict())
         recipe = Recipe(name, seed=3)
-        quantize_layer(layer, recipe, "plain", cp_context)
+        quantize_layer(layer, recipe, "plain", cp_context, reduce_max)
         got = run_layer(layer, recipe, lambda t: t[:, positions], lambda t: t[:, positions], (cp_context.cp_group,))
         for step, ((out, dx, dw), (ref_out, ref_dx, ref_dw)) in enumerate(zip(got, results["plain"])):
             all_reduce_(dw, cp_context.cp_group)  # each rank's tokens' share of the weight gradient
@@ -192,7 +196,7 @@ def two_steps(model, recipe: Recipe, context=None) -> list[dict]:
         begin_step(model)
         loss = model(input_ids, labels, return_logits=False).loss
         loss.backward()
-        finish_step(model, (context.tp_group,) if context is not None else ())
+        finish_step(model, (context.tp_group,) if context is not None else (), reduce_max)
         grads = {}
         if context is not None:
             reduce_partial_tp_grads(model, context)
@@ -217,7 +221,7 @@ def run_all_cases() -> dict:
                                                  seq_len=SEQ)
                 model = parallelize_model(copy.deepcopy(full), context)
                 recipe = Recipe(name, seed=3)
-                apply_recipe(model, recipe, full.config.num_blocks, context=context, seq_len=SEQ)
+                apply_recipe(model, recipe, full.config.num_blocks, context=context, seq_len=SEQ, reduce_max=reduce_max)
                 for step, (got, wanted) in enumerate(zip(two_steps(model, recipe, context), reference)):
                     case = f"{model_name} {name} sp={sp} step {step}"
                     errors[f"{case}: loss"] = relative_error(got["loss"], wanted["loss"]) * GRAD_TOLERANCE / LOSS_TOLERANCE
@@ -246,7 +250,7 @@ def refuse_misaligned_blocks() -> str:
     context = build_parallel_context(ParallelConfig(tp=2), config, torch.device("cpu"), seq_len=SEQ)
     model = parallelize_model(LanguageModel(config, seed=0), context)
     try:
-        apply_recipe(model, Recipe("nvfp4"), config.num_blocks, context=context, seq_len=SEQ)
+        apply_recipe(model, Recipe("nvfp4"), config.num_blocks, context=context, seq_len=SEQ, reduce_max=reduce_max)
     except ConfigError as error:
         return str(error)
     return "not refused"

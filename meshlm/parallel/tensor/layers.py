@@ -75,6 +75,8 @@ class ColumnParallelLinear(nn.Module):
     gathered here); output [b, s, out/t]. ``gather_input=False`` when the caller already entered
     the parallel region once for several layers that share the input (q, k, v; gate, up)."""
 
+    tensor_parallel = "column"
+    """How the layer is cut, for code that must not import this module (the precision recipes)."""
     quantization = None
     """A low-precision recipe's ``LinearQuantization`` (None: plain GEMMs)."""
 
@@ -110,6 +112,8 @@ class RowParallelLinear(nn.Module):
     """y = sum_r x_r A_r (+ b): input [b, s, in/t] split like A's rows; output [b, s, out] summed
     over the group, or [b, s/t, out] under SP. The bias is added once, after the sum."""
 
+    tensor_parallel = "row"
+    """How the layer is cut, for code that must not import this module (the precision recipes)."""
     quantization = None
     """A low-precision recipe's ``LinearQuantization`` (None: plain GEMMs)."""
 
@@ -144,6 +148,9 @@ class ReplicatedRowsLinear(nn.Module):
     output: the key/value projections when there are fewer KV heads than ranks (each rank reads
     the KV head its query heads share). Its gradient covers only those rows and only this rank's
     queries, so it is partial and summed over the group after backward."""
+
+    tensor_parallel = "replicated rows"
+    """How the layer is cut, for code that must not import this module (the precision recipes)."""
 
     def __init__(self, full: nn.Linear, context, rows: slice, gather_input: bool = True):
         super().__init__()
