@@ -103,8 +103,19 @@ class LinearQuantization:
         tensor_amax, scale = self.tensor_scaling(tensor, tensor_name, record)
         return self.recipe.fp8_codes(tensor, ROLES[tensor_name], tensor_amax=tensor_amax, scale=scale)
 
+    def gemm(self, a: torch.Tensor, a_name: str, a_use: str, b: torch.Tensor, b_name: str, b_use: str,
+             out_dtype: torch.dtype, record_a: bool = False, record_b: bool = False) -> torch.Tensor:
+        """``q(a) q(b)^T`` for ``a [M, K]``, ``b [N, K]`` (the contraction last in both), in ``out_dtype``:
+        on the FP8 codes with the hardware GEMM, or on the dequantized operands; ``record_*``: count
+        that operand's amax in the delayed-scaling history."""
+        if self.hardware:
+            return scaled_matmul(*self.codes(a.contiguous(), a_name, record_a),
+                                 *self.codes(b.contiguous(), b_name, record_b), out_dtype=out_dtype)
+        return torch.matmul(self.quantize(a, a_name, a_use, record_a),
+                            self.quantize(b, b_name, b_use, record_b).t()).to(out_dtype)
+
     def tensor_scaling(self, tensor: torch.Tensor, tensor_name: str, record: bool) -> tuple:
-        """(whole-tensor amax reduced over the shards' groups, or None; delayed scale, or None) for a
+        """(whole-tensor amax, reduced over the shards' groups; delayed scale, or None) for a
         per-tensor recipe; (None, None) for block scales. ``record``: note the amax in the history."""
         recipe, role, groups = self.recipe, ROLES[tensor_name], self.groups[tensor_name]
         scale = tensor_amax = None
@@ -115,10 +126,11 @@ class LinearQuantization:
                     self.delayed.record(tensor_name, amax)
                 if not self.delayed.empty:
                     scale = scale_from_amax(self.delayed.window_amax(tensor_name), recipe.fp8_format_of(role))
-            if scale is None and any(group is not None and group.size > 1 for group in groups):
-                tensor_amax = amax.clone()
+            if scale is None:
+                tensor_amax = amax
                 for group in groups:
-                    self.reduce_max(tensor_amax, group)
+                    if group is not None and group.size > 1:
+                        self.reduce_max(tensor_amax, group)
         return tensor_amax, scale
 
 
@@ -128,14 +140,9 @@ class _QuantizedLinear(torch.autograd.Function):
         ctx.save_for_backward(inputs, weight)
         ctx.quantization = quantization
         training = any(ctx.needs_input_grad)  # evaluation does not move the delayed-scaling history
-        if quantization.hardware:
-            inputs_2d = inputs.reshape(-1, inputs.shape[-1])
-            out = scaled_matmul(*quantization.codes(inputs_2d, "input", record=training),
-                                *quantization.codes(weight, "weight", record=training),
-                                out_dtype=inputs.dtype).view(*inputs.shape[:-1], weight.shape[0])
-            return out + bias if bias is not None else out
-        out = torch.matmul(quantization.quantize(inputs, "input", "fprop_input", record=training),
-                           quantization.quantize(weight, "weight", "fprop_weight", record=training).t())
+        out = quantization.gemm(inputs.reshape(-1, inputs.shape[-1]), "input", "fprop_input", weight, "weight",
+                                "fprop_weight", inputs.dtype, training, training)
+        out = out.view(*inputs.shape[:-1], weight.shape[0])
         return out + bias if bias is not None else out
 
     @staticmethod
@@ -144,36 +151,16 @@ class _QuantizedLinear(torch.autograd.Function):
         quantization = ctx.quantization
         grad_2d, inputs_2d = grad_out.reshape(-1, grad_out.shape[-1]), inputs.reshape(-1, inputs.shape[-1])
         grad_inputs = grad_weight = grad_bias = None
-        if quantization.hardware:
-            return _hardware_backward(ctx, quantization, grad_2d, inputs_2d, weight, inputs.shape)
         if ctx.needs_input_grad[0]:  # dgrad: contraction over the output features
-            grad_inputs = torch.matmul(quantization.quantize(grad_out, "grad_output", "dgrad_grad", record=True),
-                                       quantization.quantize(weight.t(), "weight", "dgrad_weight").t()).view_as(inputs)
+            grad_inputs = quantization.gemm(grad_2d, "grad_output", "dgrad_grad", weight.t(), "weight", "dgrad_weight",
+                                            grad_out.dtype, record_a=True).view_as(inputs)
         if ctx.needs_input_grad[1]:  # wgrad: contraction over the tokens
             grad_t, inputs_t = quantization.recipe.wgrad_layout(grad_2d, inputs_2d)
-            grad_weight = torch.matmul(quantization.quantize(grad_t, "grad_output", "wgrad_grad", record=True),
-                                       quantization.quantize(inputs_t, "input", "wgrad_input").t()).to(weight.dtype)
+            grad_weight = quantization.gemm(grad_t, "grad_output", "wgrad_grad", inputs_t, "input", "wgrad_input",
+                                            weight.dtype, record_a=True)
         if ctx.needs_input_grad[2]:  # False without a bias
             grad_bias = grad_2d.sum(0)
         return grad_inputs, grad_weight, grad_bias, None
-
-
-def _hardware_backward(ctx, quantization: LinearQuantization, grad_2d: torch.Tensor, inputs_2d: torch.Tensor,
-                       weight: torch.Tensor, input_shape: torch.Size) -> tuple:
-    """The backward GEMMs on FP8 codes (``fp8_gemm.scaled_matmul``), outputs in the run's dtype."""
-    grad_inputs = grad_weight = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        grad_inputs = scaled_matmul(*quantization.codes(grad_2d, "grad_output", record=True),
-                                    *quantization.codes(weight.t().contiguous(), "weight"),
-                                    out_dtype=grad_2d.dtype).view(input_shape)
-    if ctx.needs_input_grad[1]:
-        grad_t, inputs_t = quantization.recipe.wgrad_layout(grad_2d, inputs_2d)
-        grad_weight = scaled_matmul(*quantization.codes(grad_t.contiguous(), "grad_output", record=True),
-                                    *quantization.codes(inputs_t.contiguous(), "input"),
-                                    out_dtype=weight.dtype)
-    if ctx.needs_input_grad[2]:
-        grad_bias = grad_2d.sum(0)
-    return grad_inputs, grad_weight, grad_bias, None
 
 
 def hardware_gemm(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> bool:

@@ -54,13 +54,15 @@ import torch.nn.functional as F
 
 from meshlm.errors import ConfigError
 from meshlm.precision.formats.blockwise import quantize_fp8_blockwise
-from meshlm.precision.formats.fp8 import E4M3, E5M2, FP8Format, quantize_fp8, scale_from_amax
+from meshlm.precision.formats.fp8 import E4M3, E5M2, FP8Format, FP8Quantized, quantize_fp8, scale_from_amax
 from meshlm.precision.formats.hadamard import apply_blockwise, random_hadamard_matrix
 from meshlm.precision.formats.mxfp8 import quantize_mxfp8
 from meshlm.precision.formats.nvfp4 import quantize_nvfp4
 
 RECIPES = ("none", "fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "mxfp8", "nvfp4")
 PER_TENSOR_RECIPES = ("fp8_tensorwise", "fp8_delayed")
+FP8_CODE_RECIPES = ("fp8_tensorwise", "fp8_delayed", "fp8_blockwise")
+"""The recipes whose operands are FP8 codes with fp32 scales (the hardware FP8 GEMM's input)."""
 FP8_FORMATS = ("hybrid", "e4m3")
 HADAMARD_SIZE = 16
 BLOCK_SIZES = {"fp8_tensorwise": 1, "fp8_delayed": 1, "fp8_blockwise": 128, "mxfp8": 32, "nvfp4": 16}
@@ -128,14 +130,8 @@ class Recipe:
         ``tensor_amax``: the whole tensor's amax where ``tensor`` is a shard (per-tensor scales);
         ``scale``: a given per-tensor FP8 scale (fp8_delayed); ``noise_key``: keys NVFP4's
         stochastic rounding of gradients."""
-        if self.name in PER_TENSOR_RECIPES:
-            if scale is None:
-                amax = tensor.detach().float().abs().amax() if tensor_amax is None else tensor_amax
-                scale = scale_from_amax(amax, self.fp8_format_of(role))
-            return quantize_fp8(tensor, scale, self.fp8_format_of(role)).values
-        if self.name == "fp8_blockwise":
-            rows, cols = (128, 128) if role == "weight" else (1, 128)
-            return quantize_fp8_blockwise(tensor, rows, cols, E4M3, power_of_two=True).values
+        if self.name in FP8_CODE_RECIPES:
+            return self._fp8(tensor, role, tensor_amax, scale).values
         if self.name == "mxfp8":
             return quantize_mxfp8(tensor, E4M3).values
         rows = HADAMARD_SIZE if role == "weight" else 1  # nvfp4
@@ -149,18 +145,23 @@ class Recipe:
         """(FP8 codes, fp32 scales) of ``tensor [rows, contraction]`` for the hardware GEMM
         (``fp8_gemm.py``): what ``quantize`` dequantizes, before dequantization. Per-tensor recipes
         give a 0-dim scale, fp8_blockwise 1 x 128 tile or 128 x 128 block scales."""
-        if self.name in PER_TENSOR_RECIPES:
-            fmt = self.fp8_format_of(role)
-            if scale is None:
-                amax = tensor.detach().float().abs().amax() if tensor_amax is None else tensor_amax
-                scale = scale_from_amax(amax, fmt)
-            quantized = quantize_fp8(tensor, scale, fmt)
-            return quantized.codes, quantized.scales
+        if self.name not in FP8_CODE_RECIPES:
+            raise ValueError(f"precision.recipe={self.name} has no hardware FP8 GEMM (only the fp8_* recipes).")
+        quantized = self._fp8(tensor, role, tensor_amax, scale)
+        return quantized.codes, quantized.scales
+
+    def _fp8(self, tensor: torch.Tensor, role: str, tensor_amax: torch.Tensor | None,
+             scale: torch.Tensor | None) -> FP8Quantized:
+        """An FP8 recipe's quantization of ``tensor`` (per-tensor: from ``scale``, else from
+        ``tensor_amax`` or the tensor's own amax; fp8_blockwise: tiles or 128 x 128 blocks)."""
         if self.name == "fp8_blockwise":
             rows, cols = (128, 128) if role == "weight" else (1, 128)
-            quantized = quantize_fp8_blockwise(tensor, rows, cols, E4M3, power_of_two=True)
-            return quantized.codes, quantized.scales
-        raise ValueError(f"precision.recipe={self.name} has no hardware FP8 GEMM (only the fp8_* recipes).")
+            return quantize_fp8_blockwise(tensor, rows, cols, E4M3, power_of_two=True)
+        fmt = self.fp8_format_of(role)
+        if scale is None:
+            amax = tensor.detach().float().abs().amax() if tensor_amax is None else tensor_amax
+            scale = scale_from_amax(amax, fmt)
+        return quantize_fp8(tensor, scale, fmt)
 
     def hardware_scalings(self) -> tuple[str, str]:
         """The ``fp8_gemm.py`` scale layouts of (fprop and dgrad, wgrad) under this recipe."""
