@@ -169,6 +169,9 @@ def result_of(run: TrainRun, context: ParallelContext | None = None) -> dict:
     """Losses, grad norms and the single-process form of the parameters (gathered over TP)."""
     if getattr(run.optimizer, "zero_stage", 0) == 3:  # the parameters hold values only while gathered
         run.optimizer.gather_all()
+    # ZeRO-1/2: the step's parameter all-gathers overlap the next forward; with no next forward they
+    # may still be running (a loaded machine read a stale embedding bucket) -- wait, as a checkpoint does
+    getattr(run.optimizer, "wait_for_parameters", lambda: None)()
     params = dict(run.model.named_parameters())
     if context is not None and context.tp_size > 1:
         params = {name: value for name, value in gather_full_state_dict(run.model, context).items() if name in params}
