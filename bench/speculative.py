@@ -36,7 +36,7 @@ from meshlm.config import load_run_config
 from meshlm.data.demo_corpus import build_demo_corpus
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.demo import PROMPTS
-from meshlm.inference.cli import resolve_model_dir
+from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.inference.stats import GenerationStats

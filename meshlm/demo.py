@@ -62,7 +62,7 @@ def report_losses(run_dir: Path) -> None:
 def sample(run_dir: Path, max_new_tokens: int) -> list[tuple[str, str]]:
     from meshlm.checkpoint.model_files import load_model
     from meshlm.data.tokenizer import load_tokenizer
-    from meshlm.inference.cli import resolve_model_dir
+    from meshlm.checkpoint.locate import resolve_model_dir
     from meshlm.inference.generate import generate
     from meshlm.inference.sampling import SamplingConfig
 

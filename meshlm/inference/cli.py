@@ -27,22 +27,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
 import torch
 
-from meshlm.checkpoint.files import CONFIG_FILE
+from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.model_files import load_model
 from meshlm.data.tokenizer import Tokenizer, find_tokenizer_file, load_tokenizer
-from meshlm.errors import CheckpointError, ConfigError
+from meshlm.errors import ConfigError
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.inference.speculative import SPECULATIVE_METHODS
 from meshlm.inference.stats import GenerationStats
 
-STEP_FOLDER = re.compile(r"step_(\d+)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,29 +76,6 @@ def parse_token_ids(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integer token ids") from None
-
-
-def resolve_model_dir(path: str | Path) -> Path:
-    """``path`` if it holds a model, else its newest ``step_N`` (or ``checkpoints/step_N``) folder.
-
-    Step folders without a ``config.json`` (a save that was interrupted) are passed over.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such model or checkpoint directory.")
-    if (path / CONFIG_FILE).is_file():
-        return path
-    steps = [(int(match.group(1)), folder)
-             for parent in (path, path / "checkpoints") if parent.is_dir()
-             for folder in parent.iterdir()
-             if folder.is_dir() and (match := STEP_FOLDER.fullmatch(folder.name))]
-    complete = [(step, folder) for step, folder in steps if (folder / CONFIG_FILE).is_file()]
-    if complete:
-        return max(complete, key=lambda item: item[0])[1]
-    if steps:
-        return max(steps, key=lambda item: item[0])[1]  # load_model names what is missing
-    raise CheckpointError(f"{path}: neither a model directory (no {CONFIG_FILE}) nor a run holding "
-                          "step_N or checkpoints/step_N folders.")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:

@@ -8,7 +8,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from meshlm.checkpoint.model_files import load_model, save_model
 from meshlm.cli import main
 from meshlm.data.tokenizer import load_tokenizer
-from meshlm.inference.cli import resolve_model_dir
+from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.models.config import ModelConfig

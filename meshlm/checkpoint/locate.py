@@ -1,0 +1,42 @@
+"""Where a command finds a model: one resolver for "a model folder, a checkpoint or a run directory".
+
+Every command that reads a model (``generate``, ``checkpoint``, ``convert meshlm-to-hf``,
+``upcycle``, ``eval``) takes any of the three and resolves it here, so a run directory works
+everywhere the README says it does.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from meshlm.checkpoint.files import CONFIG_FILE
+from meshlm.errors import CheckpointError
+
+STEP_FOLDER = re.compile(r"step_(\d+)")
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """``path`` if it holds a model, else its newest ``step_N`` (or ``checkpoints/step_N``) folder.
+
+    Step folders without a ``config.json`` (a save that was interrupted) are passed over.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such model or checkpoint directory.")
+    if (path / CONFIG_FILE).is_file():
+        return path
+    steps = [(int(match.group(1)), folder)
+             for parent in (path, path / "checkpoints") if parent.is_dir()
+             for folder in parent.iterdir()
+             if folder.is_dir() and (match := STEP_FOLDER.fullmatch(folder.name))]
+    complete = [(step, folder) for step, folder in steps if (folder / CONFIG_FILE).is_file()]
+    if complete:
+        return max(complete, key=lambda item: item[0])[1]
+    if steps:
+        return max(steps, key=lambda item: item[0])[1]  # load_model names what is missing
+    raise CheckpointError(f"{path}: neither a model directory (no {CONFIG_FILE}) nor a run holding "
+                          "step_N or checkpoints/step_N folders.")
+
+
+__all__ = ["STEP_FOLDER", "resolve_model_dir"]
