@@ -35,18 +35,13 @@ Data and pipeline parallelism quantize each micro-batch's tensors as one process
 (``fp8_gemm.py``) instead of multiplying dequantized tensors: the same quantization, the GEMM
 accumulated in fp32 on the codes.
 
-``apply_recipe`` puts the recipe on the blocks' linear layers: an ``nn.Linear`` becomes a
-``QuantizedLinear`` (class swap: same parameters, same state dict) and a tensor-parallel linear
-gets the ``quantization`` attribute its forward reads -- except in the first and last
-``high_precision_layers`` blocks and, when that is positive, in the MTP depths (what the NVFP4
-recipe keeps in bf16). The embedding, the output head, norms, the attention core, the SSD scan,
-MoE routers and the experts' grouped weights stay in high precision (the experts' grouped GEMMs
-are not quantized yet).
+``model_recipe.apply_recipe`` puts a recipe on a model's layers (an ``nn.Linear`` becomes a
+``QuantizedLinear``: class swap, same parameters, same state dict); the experts' grouped GEMMs
+are ``quantized_experts.py``.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,7 +50,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.errors import ConfigError
-from meshlm.models.block import Block
 from meshlm.precision.delayed_scaling import DelayedScaling
 from meshlm.precision.formats.hashed_noise import noise_key
 from meshlm.precision.fp8_gemm import hardware_fp8_supported, scaled_matmul
@@ -204,106 +198,4 @@ class QuantizedLinear(nn.Linear):
         return self.quantization.linear(inputs, self.weight, self.bias)
 
 
-# --- putting a recipe on a model ---------------------------------------------------------------------
-
-def is_quantized_block(layer_index: int, num_blocks: int, high_precision_layers: int) -> bool:
-    """Whether a recipe quantizes block ``layer_index`` of a model with ``num_blocks`` main blocks:
-    not the first or last ``high_precision_layers``, nor (when that is positive) an MTP block
-    (index >= num_blocks)."""
-    keep = high_precision_layers
-    if layer_index >= num_blocks:
-        return keep == 0
-    return keep <= layer_index < num_blocks - keep
-
-
-def quantized_blocks(model: nn.Module, num_blocks: int, high_precision_layers: int) -> list[Block]:
-    """The blocks of ``model`` (all of them, a pipeline stage's, MTP depths included) that
-    ``is_quantized_block`` chooses."""
-    return [module for module in model.modules()
-            if isinstance(module, Block) and is_quantized_block(module.layer_index, num_blocks, high_precision_layers)]
-
-
-def _check_cut(recipe: Recipe, layer: str, what: str, sizes: list[int], fix: str) -> None:
-    """ConfigError unless every shard size in ``sizes`` is a multiple of the recipe's block size."""
-    block = recipe.block_size
-    if block > 1 and any(size % block for size in sizes):
-        raise ConfigError(f"precision.recipe={recipe.name} scales blocks of {block} elements, but this layout cuts "
-                          f"{layer}'s {what} into shards of {sizes}, not multiples of {block}, so a block would "
-                          f"straddle two ranks; {fix}, or use precision.recipe=fp8_tensorwise or fp8_delayed "
-                          "(per-tensor scales fit any layout).")
-
-
-def _groups_of(module: nn.Module, layer: str, recipe: Recipe, context) -> dict:
-    """The groups each tensor of ``module`` is sharded over (module docstring), after checking its cuts."""
-    tp = getattr(context, "tp_group", None) if context is not None else None
-    cp = getattr(context, "cp_group", None) if context is not None else None
-    tp_size = getattr(context, "tp_size", 1) if context is not None else 1
-    fix = "use a smaller parallel.tp"
-    layer = "block " + layer.replace(".", " ", 1) if layer[:1].isdigit() else layer  # "block 3 mixer.in_proj"
-    kind = getattr(module, "tensor_parallel", None)  # parallel/tensor/layers.py's layers say how they are cut
-    if kind == "column":
-        sizes = [size // tp_size for size in module.partition_sizes]
-        _check_cut(recipe, layer, "output features (per partition, per rank)", sizes, fix)
-        return {"input": (cp,), "weight": (tp,), "grad_output": (tp, cp)}
-    if kind == "row":
-        _check_cut(recipe, layer, "input features (per rank)", [module.in_features], fix)
-        return {"input": (tp, cp), "weight": (tp,), "grad_output": (cp,)}
-    return {"input": (cp,), "weight": (), "grad_output": (cp,)}
-
-
-def check_sequence_cut(recipe: Recipe, context, seq_len: int) -> None:
-    """Under context parallelism a rank's tokens are two chunks of seq_len / (2 cp): the weight
-    gradient's blocks along the tokens must not straddle chunks."""
-    cp_size = getattr(context, "cp_size", 1) if context is not None else 1
-    if cp_size > 1:
-        _check_cut(recipe, "every linear layer", "tokens (context-parallel chunks of the sequence)",
-                   [seq_len // (2 * cp_size)], f"use a train.seq_len that is a multiple of {2 * cp_size * recipe.block_size}")
-
-
-def layer_key(name: str) -> int:
-    """A stable 32-bit number for a layer's global name (the same in every layout and process)."""
-    return zlib.crc32(name.encode())
-
-
-def apply_recipe(model: nn.Module, recipe: Recipe, num_blocks: int, high_precision_layers: int = 0,
-                 context=None, seq_len: int | None = None, reduce_max: Callable | None = None) -> int:
-    """Put ``recipe`` on the linear layers of the chosen blocks in place (module docstring); returns
-    how many layers now run under it. ``context``: the run's ``ParallelContext`` (None: one process);
-    ``seq_len``: the training sequence length (checked against the CP chunks); ``reduce_max``: the
-    collective for sharded amaxes (``LinearQuantization.reduce_max``)."""
-    if seq_len is not None:
-        check_sequence_cut(recipe, context, seq_len)
-    count = 0
-    for block in quantized_blocks(model, num_blocks, high_precision_layers):
-        for name, module in block.named_modules():
-            kind = getattr(module, "tensor_parallel", None)
-            if kind == "replicated rows":
-                raise ConfigError(f"precision.recipe={recipe.name} cannot quantize block {block.layer_index} {name} "
-                                  f"exactly: with fewer "
-                                  f"key/value heads than parallel.tp ranks its output gradient is summed across "
-                                  "ranks after the GEMM; use parallel.tp <= model.num_kv_heads, or precision.recipe=none.")
-            if type(module) is nn.Linear:
-                module.__class__ = QuantizedLinear
-            elif kind not in ("column", "row"):
-                continue
-            quantize_layer(module, recipe, f"{block.layer_index}.{name}", context, reduce_max)
-            count += 1
-    return count
-
-
-def quantize_layer(module: nn.Module, recipe: Recipe, name: str, context=None, reduce_max: Callable | None = None) -> None:
-    """Give one linear layer (``QuantizedLinear``, column- or row-parallel) its ``quantization``:
-    ``name`` is its global name (keys its stochastic rounding), ``context`` the run's (None: one
-    process), ``reduce_max`` the collective for sharded amaxes (needed where a group has > 1 rank)."""
-    groups = _groups_of(module, name, recipe, context)
-    if reduce_max is None and recipe.per_tensor and any(group is not None and group.size > 1
-                                                        for members in groups.values() for group in members):
-        raise ValueError(f"{name} is sharded over a group of several ranks: pass reduce_max (the run's all-reduce "
-                         "with op='max', meshlm.parallel.collectives.all_reduce_) to reduce its amaxes.")
-    delayed = DelayedScaling(recipe.amax_history, module.weight.device) if recipe.name == "fp8_delayed" else None
-    module.quantization = LinearQuantization(recipe, layer_key(name), groups, delayed,
-                                             hardware_gemm(recipe, module.weight.device, module.weight.dtype), reduce_max)
-
-
-__all__ = ["LinearQuantization", "QuantizedLinear", "apply_recipe", "check_sequence_cut", "is_quantized_block",
-           "layer_key", "quantize_layer", "quantized_blocks", "quantized_linear"]
+__all__ = ["LinearQuantization", "QuantizedLinear", "ROLES", "USES", "hardware_gemm", "quantized_linear"]

@@ -82,7 +82,7 @@ from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.tensor.sharding import partial_grad_names, tensor_parallel_names
 from meshlm.precision.device_defaults import configure_tf32, resolve_precision
 from meshlm.precision.mixed_precision import MixedPrecision
-from meshlm.precision.quantized_linear import apply_recipe
+from meshlm.precision.model_recipe import apply_recipe
 from meshlm.precision.delayed_scaling import begin_step as begin_delayed_scaling
 from meshlm.precision.delayed_scaling import finish_step as finish_delayed_scaling
 from meshlm.precision.recipes import build_recipe

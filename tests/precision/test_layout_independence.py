@@ -39,7 +39,8 @@ from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from meshlm.parallel.tensor.sharding import gather_full_tensor, reduce_partial_tp_grads
 from meshlm.precision.delayed_scaling import begin_step, finish_step
-from meshlm.precision.quantized_linear import QuantizedLinear, apply_recipe, quantize_layer
+from meshlm.precision.model_recipe import apply_recipe, quantize_layer
+from meshlm.precision.quantized_linear import QuantizedLinear
 from meshlm.precision.recipes import RECIPES, Recipe
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parallel_checks import seeded
@@ -265,7 +266,7 @@ def test_blocks_straddling_ranks_are_refused():
 
 def test_context_parallel_chunks_must_hold_whole_blocks():
     from types import SimpleNamespace
-    from meshlm.precision.quantized_linear import check_sequence_cut
+    from meshlm.precision.model_recipe import check_sequence_cut
     check_sequence_cut(Recipe("nvfp4"), SimpleNamespace(cp_size=2), seq_len=64)  # chunks of 16
     check_sequence_cut(Recipe("fp8_tensorwise"), SimpleNamespace(cp_size=2), seq_len=36)
     with pytest.raises(ConfigError, match=r"cuts every linear layer's tokens .* into shards of \[16\], not multiples "

@@ -21,7 +21,8 @@ from meshlm.models.language_model import LanguageModel
 from meshlm.precision.formats.blockwise import quantize_fp8_blockwise
 from meshlm.precision.formats.fp8 import E4M3, E5M2, quantize_fp8_tensorwise
 from meshlm.precision.formats.mxfp8 import quantize_mxfp8
-from meshlm.precision.quantized_linear import QuantizedLinear, apply_recipe, is_quantized_block, quantized_linear
+from meshlm.precision.model_recipe import apply_recipe, is_quantized_block
+from meshlm.precision.quantized_linear import QuantizedLinear, quantized_linear
 from meshlm.precision.recipes import RECIPES, Recipe, build_recipe
 
 TOKENS, IN_FEATURES, OUT_FEATURES = 40, 64, 96
@@ -127,9 +128,10 @@ def test_apply_recipe_keeps_the_ends_and_mtp_in_high_precision():
     count = apply_recipe(model, Recipe("fp8_tensorwise"), config.num_blocks, high_precision_layers=1)
     assert list(model.state_dict()) == names_before
     quantized = {name for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
-    # blocks 1..4 of 0..5: attention q/k/v/o, SwiGLU MLP gate/up/down (twice), MoE latent in/out;
-    # not the experts, the router or the MTP depth
-    assert count == len(quantized) == 4 + 3 + 2 + 3
+    # blocks 1..4 of 0..5: attention q/k/v/o, SwiGLU MLP gate/up/down (twice), MoE latent in/out,
+    # and the experts' three stacked weights (quantized_experts.py); not the router or the MTP depth
+    assert len(quantized) == 4 + 3 + 2 + 3 and count == len(quantized) + 3
+    assert set(model.blocks[3].mixer.experts.quantizations) == {"gate_weight", "up_weight", "down_weight"}
     assert all(name.startswith(("blocks.1.", "blocks.2.", "blocks.3.", "blocks.4.")) for name in quantized)
     assert [is_quantized_block(index, 6, 1) for index in range(8)] == [False, True, True, True, True, False,
                                                                        False, False]

@@ -57,9 +57,9 @@ with the single-process run of the same config and data:
   other entries are not compared: a gradient's amax moved by up to 16% at step 1 (measured,
   block 0 q_proj), downstream of an E5M2 element that flipped a step.
   Under EP the step-1 loss agrees to 1e-6 (measured: exactly, under every recipe and without):
-  the attention and MLP linears are unsharded there, and the experts' grouped GEMMs are not
-  quantized (recipes quantize only the attention / Mamba / MLP linears of the blocks), so EP
-  adds no quantized operand of its own.
+  the attention and MLP linears are unsharded there, and EP folded over the data-parallel ranks
+  quantizes each expert's rows of each micro-batch as one operand, as one process does
+  (``meshlm/precision/quantized_experts.py``).
 
 Every layout first shows that its ranks run the single process's layers under the recipe (under
 pp each rank its stage's): the recipes move these tiny models' losses by only ~1e-5 to 1e-4, so

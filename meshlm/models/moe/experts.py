@@ -18,7 +18,9 @@ the rows times W[e]^T. Two implementations compute it:
   do one ordinary matmul per segment.
 
 Both give the same numbers; an expert with zero rows simply contributes an empty segment. The
-experts carry no biases, like the Mixtral, Qwen3-MoE and Nemotron-H experts.
+experts carry no biases, like the Mixtral, Qwen3-MoE and Nemotron-H experts. Under a low-precision
+recipe each stacked weight carries a quantization (``meshlm/precision/quantized_experts.py``)
+that runs the three grouped GEMMs on quantized operands, each expert scaled on its own.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class GroupedExperts(nn.Module):
         self.activation = config.mlp_activation
         self.use_grouped_mm: bool | None = None
         """None: grouped kernel when supported; True/False force one implementation (tests)."""
+        self.quantizations: dict | None = None
+        """{weight name: its low-precision quantization}, set by ``meshlm/precision/model_recipe.py``
+        (``quantized_experts.py``); None: plain grouped GEMMs."""
         self.gate_weight = (nn.Parameter(torch.empty(num_experts, ffn_size, model_size))
                             if is_gated(config.mlp_activation) else None)
         self.up_weight = nn.Parameter(torch.empty(num_experts, ffn_size, model_size))
@@ -81,13 +86,19 @@ class GroupedExperts(nn.Module):
         return {"gate_weight": normal(config.init_std), "up_weight": normal(config.init_std),
                 "down_weight": normal(config.output_init_std)}
 
-    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        def linear(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
+                rows_per_source: torch.Tensor | None = None) -> torch.Tensor:
+        """``rows_per_source`` [E, sources] (expert parallelism): how many of each expert's rows came
+        from each source rank, in that order; a low-precision recipe quantizes them apart."""
+        def linear(inputs: torch.Tensor, name: str) -> torch.Tensor:
+            weight = getattr(self, name)
+            if self.quantizations is not None:
+                return self.quantizations[name].linear(inputs, weight, tokens_per_expert, rows_per_source)
             return grouped_linear(inputs, weight, tokens_per_expert, self.use_grouped_mm)
 
-        up = linear(tokens, self.up_weight)
-        gate = linear(tokens, self.gate_weight) if self.gate_weight is not None else None
-        return linear(activate(self.activation, up, gate), self.down_weight)
+        up = linear(tokens, "up_weight")
+        gate = linear(tokens, "gate_weight") if self.gate_weight is not None else None
+        return linear(activate(self.activation, up, gate), "down_weight")
 
     def extra_repr(self) -> str:
         num_experts, ffn_size, model_size = self.up_weight.shape

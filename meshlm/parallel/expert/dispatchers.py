@@ -69,6 +69,9 @@ class Dispatched:
     """The rows for this rank's experts (possibly still in flight)."""
     tokens_per_local_expert: torch.Tensor
     """[E/ep] rows each local expert processes."""
+    rows_per_source: torch.Tensor
+    """[E/ep, EP sources]: how many of each local expert's rows came from each EP rank, in that
+    order within the expert (a low-precision recipe quantizes them apart)."""
     by_local_expert: torch.Tensor | None = None
     """all-to-all: the order that turns received (source, expert) rows into (expert, source) rows."""
     input_splits: list[int] | None = None
@@ -127,7 +130,7 @@ class AllToAllDispatcher(TokenDispatcher):
         received_counts = all_to_all_along(sent_counts, 0, 0, self.ep_group)  # row i: from rank i
         input_splits, output_splits = sent_counts.sum(1).tolist(), received_counts.sum(1).tolist()
         pending = start_all_to_all_uneven(permute(source, plan), output_splits, input_splits, self.ep_group)
-        return Dispatched(plan, source.shape[0], pending, received_counts.sum(0),
+        return Dispatched(plan, source.shape[0], pending, received_counts.sum(0), received_counts.t(),
                           by_local_expert_order(received_counts), input_splits, output_splits)
 
     def returned_rows(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
@@ -152,7 +155,10 @@ class AllGatherDispatcher(TokenDispatcher):
         local_ids = source_ids - self.first_local_expert
         mine = (source_ids >= 0) & (local_ids >= 0) & (local_ids < self.num_local_experts)
         plan = plan_dispatch(local_ids, None, self.num_local_experts, kept=mine)
-        return Dispatched(plan, source.shape[0], PendingExchange(permute(source, plan)), plan.tokens_per_expert)
+        per_source = torch.stack([torch.bincount(ids[kept], minlength=self.num_local_experts) for ids, kept in
+                                  zip(local_ids.chunk(self.ep_size), mine.chunk(self.ep_size))], dim=1)
+        return Dispatched(plan, source.shape[0], PendingExchange(permute(source, plan)), plan.tokens_per_expert,
+                          per_source)
 
     def returned_rows(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         return expert_output

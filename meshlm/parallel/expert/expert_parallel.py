@@ -171,7 +171,7 @@ class ExpertParallelMoELayer(MoELayer):
         rows = None if self.overlap_shared_expert else dispatched.expert_rows()
         shared = self.shared_expert(x) if self.shared_expert is not None else None  # while the rows travel
         rows = dispatched.expert_rows() if rows is None else rows
-        expert_output = self.experts(rows, dispatched.tokens_per_local_expert)
+        expert_output = self.experts(rows, dispatched.tokens_per_local_expert, dispatched.rows_per_source)
         routed = self.dispatcher.combine(expert_output, dispatched, routing.weights)
         if self.latent_out_proj is not None:
             routed = self.latent_out_proj(routed)
@@ -230,6 +230,7 @@ def parallelize_expert_moe(layer: MoELayer, context) -> MoELayer:
     for name, ffn_dim in (("gate_weight", 1), ("up_weight", 1), ("down_weight", 2)):  # [E, F, d], [E, d, F]
         if getattr(experts, name) is not None:
             setattr(experts, name, shard_expert_weight(getattr(experts, name), ffn_dim, context, f"experts.{name}"))
+    experts.tensor_parallel = "expert grid"  # for a low-precision recipe (precision/model_recipe.py)
     if layer.shared_expert is not None and context.tp_size > 1:
         parallelize_mlp(layer.shared_expert, context)
     if context.tp_size > 1:  # applied to this rank's own tokens: a share of the gradient

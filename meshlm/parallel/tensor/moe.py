@@ -116,6 +116,7 @@ def parallelize_moe(layer: MoELayer, context) -> MoELayer:
     for name, ffn_dim in (("gate_weight", 1), ("up_weight", 1), ("down_weight", 2)):  # [E, F, d], [E, d, F]
         if getattr(experts, name) is not None:
             setattr(experts, name, shard_parameter(getattr(experts, name), ffn_dim, context, what=f"experts.{name}"))
+    experts.tensor_parallel = "ffn"  # how the experts are cut, for a low-precision recipe (precision/model_recipe.py)
     shared = layer.shared_expert
     if shared is not None:  # an MLP split on its width, fed the input the layer already gathered
         if shared.gate_proj is not None:
