@@ -16,6 +16,7 @@ import shutil
 import zlib
 from pathlib import Path
 
+from meshlm.data.tokenizer import tokenizer_format
 from meshlm.errors import CheckpointError
 
 # --- a model folder --------------------------------------------------------------------------------------
@@ -25,8 +26,12 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 METADATA_FILE = ".metadata"
 """A distributed checkpoint's index (torch.distributed.checkpoint); its weights are in shards."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken", "tokenizer_config.json",
+                   "special_tokens_map.json")
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILE_BY_FORMAT = {"huggingface": "tokenizer.json", "sentencepiece": "tokenizer.model",
+                            "tiktoken": "tokenizer.tiktoken"}
+"""The name a tokenizer gets in a model folder, by ``meshlm.data.tokenizer.tokenizer_format``."""
 
 # --- a run's checkpoints ---------------------------------------------------------------------------------
 CHECKPOINTS_DIR = "checkpoints"
@@ -100,11 +105,12 @@ def copy_tokenizer_files(source: Path, destination: Path) -> list[str]:
 
 
 def copy_tokenizer(tokenizer_file: Path, destination: Path) -> None:
-    """Copy the run's tokenizer as ``tokenizer.json`` (plus its special-token configs, if any)."""
+    """Copy the run's tokenizer under the name of its format in a model folder (``tokenizer.json``,
+    ``tokenizer.model`` for SentencePiece, ``tokenizer.tiktoken``), plus its special-token configs."""
     if not tokenizer_file.is_file():
         raise CheckpointError(f"{tokenizer_file}: the run's tokenizer file is missing; cannot copy it into "
                               "the checkpoint (set data.tokenizer to an existing tokenizer.json).")
-    shutil.copyfile(tokenizer_file, destination / "tokenizer.json")
+    shutil.copyfile(tokenizer_file, destination / TOKENIZER_FILE_BY_FORMAT[tokenizer_format(tokenizer_file)])
     for name in TOKENIZER_SIDE_FILES:
         if (tokenizer_file.parent / name).is_file():
             shutil.copyfile(tokenizer_file.parent / name, destination / name)
@@ -112,6 +118,6 @@ def copy_tokenizer(tokenizer_file: Path, destination: Path) -> None:
 
 __all__ = ["CHECKPOINTS_DIR", "COMPLETE_FILE", "CONFIG_FILE", "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE",
            "MOVE_AWAY_HINT", "OPTIMIZER_FILE", "PRECISION_FILE", "RNG_FILE", "RUN_CONFIG_FILE", "STATE_FILE",
-           "TOKENIZER_FILES", "TOKENIZER_SIDE_FILES", "TRAINING_FILE", "WEIGHTS_FILE", "copy_tokenizer",
-           "copy_tokenizer_files", "file_checksum", "fsync_directory", "read_json", "replace_directory",
-           "write_json_atomic"]
+           "TOKENIZER_FILES", "TOKENIZER_FILE_BY_FORMAT", "TOKENIZER_SIDE_FILES", "TRAINING_FILE", "WEIGHTS_FILE",
+           "copy_tokenizer", "copy_tokenizer_files", "file_checksum", "fsync_directory", "read_json",
+           "replace_directory", "write_json_atomic"]

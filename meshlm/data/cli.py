@@ -33,6 +33,8 @@ def run(args) -> int:
               f"dtype {store.dtype.name}, vocab size {store.vocab_size:,}, "
               f"document length min/mean/max {lengths.min() if len(lengths) else 0}/"
               f"{lengths.mean() if len(lengths) else 0:.1f}/{lengths.max() if len(lengths) else 0}")
+        tokenizer = store.recorded_tokenizer()
+        print(f"tokenizer: {tokenizer if tokenizer is not None else 'none recorded (set data.tokenizer to train)'}")
         return 0
     settings = DemoSettings(args.vocab_size, args.python_bytes, args.max_documents)
     result = build_demo_corpus(args.out, settings, workers=args.workers, show_progress=True)

@@ -19,15 +19,25 @@ header, so it can be memory-mapped as one array.
     tokens       uint64    T (the .bin holds exactly T tokens)
     offsets      int64[D + 1]   document d is tokens[offsets[d]:offsets[d + 1]]
 
+``PREFIX.meta.json`` (optional; stores written before it existed have none) says how the
+store was made, so that training can find the tokenizer from the data alone::
+
+    {"tokenizer": "../tokenizer.json",   # relative to the store's folder
+     "tokenizer_vocab_size": 4096, "append_eos": true, "text_key": "text",
+     "txt_documents": "paragraph", "num_documents": D, "num_tokens": T}
+
 ``TokenStoreWriter`` streams documents in (the .bin grows by appending, the offsets are
-appended to the .idx as each document ends), writes both under temporary names and renames
-them only when everything is on disk, so a crash never leaves a store that looks complete.
+appended to the .idx as each document ends), writes all files under temporary names and
+renames them only when everything is on disk, so a crash never leaves a store that looks
+complete; the sidecar repeats D and T, so one left from an earlier store of the same prefix is
+recognised.
 ``TokenStore`` checks the magic, version and both file sizes against the header before it
 maps anything, and names the file when they disagree.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from pathlib import Path
@@ -54,20 +64,30 @@ def store_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
     return Path(prefix + ".bin"), Path(prefix + ".idx")
 
 
+def metadata_path(prefix: str | os.PathLike) -> Path:
+    """``PREFIX.meta.json``: how the store was made (see the module docstring)."""
+    return Path(str(prefix) + ".meta.json")
+
+
 class TokenStoreWriter:
     """Append documents (arrays of token ids) to a new token store at ``prefix``.
 
     Use as a context manager: the store appears under its real name when the block ends
-    without an error; on an error the temporary files are removed.
+    without an error; on an error the temporary files are removed (and the folders this
+    writer created, when they are still empty). ``metadata`` goes to ``PREFIX.meta.json``;
+    without it, a sidecar left from an earlier store of this prefix is removed.
     """
 
-    def __init__(self, prefix: str | os.PathLike, vocab_size: int):
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int, metadata: dict | None = None):
         self.bin_path, self.idx_path = store_paths(prefix)
+        self.metadata_path, self.metadata = metadata_path(prefix), metadata
         self.vocab_size = int(vocab_size)
         self.dtype = dtype_for_vocab(self.vocab_size)
         self.num_documents = 0
         self.num_tokens = 0
-        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+        folder = self.bin_path.parent
+        self._created_folders = [path for path in (folder, *folder.parents) if not path.exists()]  # deepest first
+        folder.mkdir(parents=True, exist_ok=True)
         self._bin_temp = self.bin_path.with_name(self.bin_path.name + ".tmp")
         self._idx_temp = self.idx_path.with_name(self.idx_path.name + ".tmp")
         self._bin = open(self._bin_temp, "wb")
@@ -99,6 +119,13 @@ class TokenStoreWriter:
         self._idx.write(HEADER.pack(MAGIC, VERSION, DTYPE_CODES[self.dtype], self.vocab_size,
                                     self.num_documents, self.num_tokens))
         self._idx.close()
+        if self.metadata is None:
+            self.metadata_path.unlink(missing_ok=True)
+        else:
+            payload = {**self.metadata, "num_documents": self.num_documents, "num_tokens": self.num_tokens}
+            temporary = self.metadata_path.with_name(self.metadata_path.name + ".tmp")
+            temporary.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+            os.replace(temporary, self.metadata_path)
         os.replace(self._bin_temp, self.bin_path)
         os.replace(self._idx_temp, self.idx_path)
 
@@ -106,6 +133,11 @@ class TokenStoreWriter:
         for handle, temporary in ((self._bin, self._bin_temp), (self._idx, self._idx_temp)):
             handle.close()
             temporary.unlink(missing_ok=True)
+        for folder in self._created_folders:
+            try:
+                folder.rmdir()  # only when empty: another writer may have put files there meanwhile
+            except OSError:
+                break
 
     def __enter__(self) -> "TokenStoreWriter":
         return self
@@ -148,6 +180,32 @@ class TokenStore:
 
     def __len__(self) -> int:
         return self.num_documents
+
+    @property
+    def metadata(self) -> dict:
+        """``PREFIX.meta.json`` as a dict, ``{}`` for a store that has none."""
+        path = metadata_path(self.prefix)
+        try:
+            payload = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, json.JSONDecodeError) as error:
+            raise DataError(f"{path}: cannot read the token store's metadata ({error}); delete the file "
+                            "(the store stays readable) or re-run `meshlm preprocess`.") from error
+        if not isinstance(payload, dict):
+            raise DataError(f"{path}: expected a JSON object, found a {type(payload).__name__}; delete the file "
+                            "(the store stays readable) or re-run `meshlm preprocess`.")
+        counts = (payload.get("num_documents"), payload.get("num_tokens"))
+        if counts != (self.num_documents, self.num_tokens):
+            raise DataError(f"{path}: describes {counts[0]} documents and {counts[1]} tokens, but "
+                            f"{self.idx_path} holds {self.num_documents} and {self.num_tokens}; the metadata is "
+                            "from another store, so delete it or re-run `meshlm preprocess`.")
+        return payload
+
+    def recorded_tokenizer(self) -> Path | None:
+        """The tokenizer file the store was made with, as its metadata names it (None if unknown)."""
+        tokenizer = self.metadata.get("tokenizer")
+        return None if tokenizer is None else metadata_path(self.prefix).parent / tokenizer
 
     def fingerprint(self) -> str:
         """What identifies this store's contents for cache names: sizes, mtimes and header."""

@@ -13,8 +13,14 @@ bound on how far ahead; ``apply_async`` with a bounded queue gives the same orde
 bound.)
 
 With ``--append-eos`` every document ends with the tokenizer's end-of-sequence token, the
-document separator a packed training sample sees (Megatron's ``--append-eod``). Progress
-goes to stderr: a ``tqdm`` bar when tqdm is installed, otherwise one plain line.
+document separator a packed training sample sees (Megatron's ``--append-eod``). A ``.txt``
+file is cut into documents at blank lines (``--txt-documents paragraph``, the default) or
+is one document (``--txt-documents file``). Progress goes to stderr: a ``tqdm`` bar when
+tqdm is installed, otherwise one plain line.
+
+The store's ``PREFIX.meta.json`` records the tokenizer (its path relative to the store) and
+these settings, so a run trained from ``data.prefixes`` finds the tokenizer and copies it into
+its checkpoints without being told (``meshlm/training/data_loading.py``).
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from meshlm.data.indexed import TokenStoreWriter
-from meshlm.data.readers import expand_inputs, read_documents
-from meshlm.data.tokenizer import load_tokenizer
+from meshlm.data.readers import TXT_DOCUMENT_MODES, check_txt_documents, expand_inputs, read_documents
+from meshlm.data.tokenizer import find_tokenizer_file, load_tokenizer
 from meshlm.errors import DataError
 
 BATCH_DOCUMENTS = 512
@@ -57,7 +63,8 @@ class PreprocessResult:
 
 def preprocess(inputs: Iterable[str | os.PathLike], tokenizer_path: str | os.PathLike,
                out_prefix: str | os.PathLike, workers: int = 1, text_key: str = "text",
-               append_eos: bool = False, show_progress: bool = True) -> PreprocessResult:
+               append_eos: bool = False, show_progress: bool = True,
+               txt_documents: str = "paragraph") -> PreprocessResult:
     """Tokenize the documents of ``inputs`` into the token store ``out_prefix``."""
     files = expand_inputs(inputs)
     tokenizer = load_tokenizer(tokenizer_path)
@@ -66,11 +73,13 @@ def preprocess(inputs: Iterable[str | os.PathLike], tokenizer_path: str | os.Pat
                         "names none; add eos_token to its tokenizer_config.json or drop --append-eos.")
     if workers < 1:
         raise DataError(f"--workers {workers} must be at least 1.")
+    check_txt_documents(txt_documents)
+    metadata = store_metadata(tokenizer_path, out_prefix, tokenizer.vocab_size, append_eos, text_key, txt_documents)
     progress = Progress(sum(path.stat().st_size for path in files), enabled=show_progress)
-    batches = document_batches(files, text_key, progress.add_bytes)
+    batches = document_batches(files, text_key, progress.add_bytes, txt_documents=txt_documents)
     encoded = ordered_map(encode_batch, batches, workers, initialize_worker, (str(tokenizer_path), append_eos))
     try:
-        with TokenStoreWriter(out_prefix, tokenizer.vocab_size) as writer:
+        with TokenStoreWriter(out_prefix, tokenizer.vocab_size, metadata) as writer:
             for source, tokens, lengths in encoded:
                 writer.add_documents(tokens, lengths, source=source)
                 progress.add_counts(len(lengths), tokens.size)
@@ -79,14 +88,24 @@ def preprocess(inputs: Iterable[str | os.PathLike], tokenizer_path: str | os.Pat
     return PreprocessResult(str(out_prefix), writer.num_documents, writer.num_tokens)
 
 
+def store_metadata(tokenizer_path: str | os.PathLike, out_prefix: str | os.PathLike, vocab_size: int,
+                   append_eos: bool, text_key: str, txt_documents: str) -> dict:
+    """What ``PREFIX.meta.json`` records: the tokenizer file, relative to the store's folder
+    (as a blend file's paths are, so the two can move together), and the settings used."""
+    tokenizer_file = os.path.abspath(find_tokenizer_file(tokenizer_path))  # abspath: keep symlinks as named
+    store_folder = os.path.dirname(os.path.abspath(f"{out_prefix}.meta.json"))
+    return {"tokenizer": os.path.relpath(tokenizer_file, store_folder), "tokenizer_vocab_size": vocab_size,
+            "append_eos": append_eos, "text_key": text_key, "txt_documents": txt_documents}
+
+
 def document_batches(files: list[Path], text_key: str, on_bytes: Callable[[int], None],
-                     max_documents: int = BATCH_DOCUMENTS, max_characters: int = BATCH_CHARACTERS
-                     ) -> Iterator[Batch]:
+                     max_documents: int = BATCH_DOCUMENTS, max_characters: int = BATCH_CHARACTERS,
+                     txt_documents: str = "paragraph") -> Iterator[Batch]:
     """Documents grouped in batches of at most ``max_documents`` / about ``max_characters``."""
     for path in files:
         batch = Batch(str(path), 1, [])
         characters = 0
-        for text in read_documents(path, text_key, on_bytes):
+        for text in read_documents(path, text_key, on_bytes, txt_documents):
             batch.texts.append(text)
             characters += len(text)
             if len(batch.texts) >= max_documents or characters >= max_characters:
@@ -189,9 +208,14 @@ class Progress:
 # --- command line ----------------------------------------------------------------------------
 def add_arguments(parser) -> None:
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help=".jsonl, .txt (documents separated by blank lines) or .parquet files, or directories")
-    parser.add_argument("--tokenizer", required=True, help="tokenizer file or directory")
-    parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
+                        help=".jsonl, .txt (see --txt-documents) or .parquet files, or directories")
+    parser.add_argument("--tokenizer", required=True,
+                        help="tokenizer file or directory (recorded in PREFIX.meta.json, so training finds it)")
+    parser.add_argument("--out", required=True, metavar="PREFIX",
+                        help="writes PREFIX.bin, PREFIX.idx and PREFIX.meta.json")
+    parser.add_argument("--txt-documents", choices=TXT_DOCUMENT_MODES, default="paragraph",
+                        help="how a .txt file is cut into documents: 'paragraph' (the default: a new document "
+                             "after every blank line) or 'file' (the whole file is one document, e.g. source code)")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     parser.add_argument("--text-key", default="text", help="JSON key / Parquet column of the text")
     parser.add_argument("--append-eos", action="store_true", help="end every document with the EOS token")
@@ -200,7 +224,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     result = preprocess(args.input, args.tokenizer, args.out, workers=args.workers, text_key=args.text_key,
-                        append_eos=args.append_eos, show_progress=not args.no_progress)
-    print(f"wrote {result.prefix}.bin and {result.prefix}.idx: {result.num_documents:,} documents, "
+                        append_eos=args.append_eos, show_progress=not args.no_progress,
+                        txt_documents=args.txt_documents)
+    print(f"wrote {result.prefix}.bin, .idx and .meta.json: {result.num_documents:,} documents, "
           f"{result.num_tokens:,} tokens")
     return 0

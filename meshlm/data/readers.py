@@ -6,14 +6,20 @@ tokenizer trainer and the preprocessor pull documents through it. What a *docume
 
 - ``.jsonl``: one JSON object per line; the document is the string under ``text_key``
   (``"text"`` by default). Blank lines are skipped.
-- ``.txt``: documents are separated by one or more blank lines (a paragraph, a poem, a
-  function). We chose blocks over "one file, one document" because a block can be streamed
-  whatever the file's size; put each document in its own ``.jsonl`` line when blocks do
-  not fit your text (e.g. source code, which has blank lines inside a document).
+- ``.txt``: with ``txt_documents="paragraph"`` (the default, ``--txt-documents paragraph``)
+  documents are separated by one or more blank lines (a paragraph, a poem, a function). We
+  chose blocks as the default because a block can be streamed whatever the file's size. With
+  ``txt_documents="file"`` the whole file is one document (e.g. one source file, which has
+  blank lines inside it); that document is held in memory whole, so give very large texts
+  as ``.jsonl`` lines instead. Either way the trailing line break is dropped, and blank lines
+  alone are no document.
 - ``.parquet``: the string column ``text_key``, read in batches of rows with ``pyarrow``
   (an optional dependency: ``pip install pyarrow``).
 
-Errors name the file and the line (or row), and for a missing key the keys that do exist.
+Errors name the file and the line (or row), and for a missing key the keys that do exist. A
+file that holds no document (empty, or blank lines only), or only empty ones, is refused by
+name: it is almost always the wrong file or the wrong ``--text-key``, and tokenizing it would
+silently add nothing.
 Readers report how many bytes of the file they have consumed through ``on_bytes`` so a
 progress bar can move while one large file is being read.
 """
@@ -28,6 +34,8 @@ from typing import Callable, Iterable, Iterator
 from meshlm.errors import DataError
 
 SUPPORTED_SUFFIXES = (".jsonl", ".txt", ".parquet")
+TXT_DOCUMENT_MODES = ("paragraph", "file")
+"""How a ``.txt`` file is cut into documents: at blank lines, or not at all (see above)."""
 PARQUET_BATCH_ROWS = 1024
 
 ByteCounter = Callable[[int], None]
@@ -52,28 +60,56 @@ def expand_inputs(paths: Iterable[str | os.PathLike]) -> list[Path]:
             files.append(path)
     if not files:
         raise DataError("no input files given; pass --input FILE [FILE ...].")
+    for path in files:  # refused here, before any output is started
+        if path.stat().st_size == 0:
+            raise DataError(f"{path}: the file is empty (0 bytes), so it holds no documents; "
+                            "delete it or leave it out of --input.")
     return files
 
 
-def read_documents(path: str | os.PathLike, text_key: str = "text",
-                   on_bytes: ByteCounter | None = None) -> Iterator[str]:
+def read_documents(path: str | os.PathLike, text_key: str = "text", on_bytes: ByteCounter | None = None,
+                   txt_documents: str = "paragraph") -> Iterator[str]:
     """Yield the documents of one file, in file order (see the module docstring)."""
     path = Path(path)
     on_bytes = on_bytes or (lambda count: None)
+    check_txt_documents(txt_documents)
     if path.suffix == ".jsonl":
-        return _read_jsonl(path, text_key, on_bytes)
+        return _refuse_if_empty(path, _read_jsonl(path, text_key, on_bytes), f"under {text_key!r}")
     if path.suffix == ".txt":
-        return _read_txt(path, on_bytes)
+        read_txt = _read_txt_file if txt_documents == "file" else _read_txt_paragraphs
+        return _refuse_if_empty(path, read_txt(path, on_bytes), "")
     if path.suffix == ".parquet":
-        return _read_parquet(path, text_key, on_bytes)
+        return _refuse_if_empty(path, _read_parquet(path, text_key, on_bytes), f"in column {text_key!r}")
     raise DataError(f"{path}: unsupported input type {path.suffix!r}; use one of {', '.join(SUPPORTED_SUFFIXES)}.")
 
 
-def read_all_documents(paths: Iterable[Path], text_key: str = "text",
-                       on_bytes: ByteCounter | None = None) -> Iterator[str]:
+def check_txt_documents(txt_documents: str) -> None:
+    if txt_documents not in TXT_DOCUMENT_MODES:
+        raise DataError(f"--txt-documents {txt_documents!r} is not a way to split .txt files; "
+                        f"use one of {', '.join(TXT_DOCUMENT_MODES)}.")
+
+
+def read_all_documents(paths: Iterable[Path], text_key: str = "text", on_bytes: ByteCounter | None = None,
+                       txt_documents: str = "paragraph") -> Iterator[str]:
     """The documents of several files, one file after the other."""
     for path in paths:
-        yield from read_documents(path, text_key, on_bytes)
+        yield from read_documents(path, text_key, on_bytes, txt_documents)
+
+
+def _refuse_if_empty(path: Path, documents: Iterator[str], where: str) -> Iterator[str]:
+    """``documents``, passed through; at their end, a DataError if there was no text at all."""
+    count, any_text = 0, False
+    for text in documents:
+        count += 1
+        any_text = any_text or bool(text)
+        yield text
+    if count == 0:
+        raise DataError(f"{path}: no documents in this file (it holds only blank lines, or no rows); "
+                        "delete it or leave it out of --input.")
+    if not any_text:
+        what = "its one document is an empty string" if count == 1 else f"all {count} documents are empty strings"
+        raise DataError(f"{path}: {what}{' ' + where if where else ''}, so there is nothing to tokenize; "
+                        "check --text-key, or leave the file out of --input.")
 
 
 def _open_lines(path: Path, on_bytes: ByteCounter) -> Iterator[tuple[int, bytes]]:
@@ -110,14 +146,25 @@ def _read_jsonl(path: Path, text_key: str, on_bytes: ByteCounter) -> Iterator[st
         yield text
 
 
-def _read_txt(path: Path, on_bytes: ByteCounter) -> Iterator[str]:
-    block: list[str] = []
+def _text_lines(path: Path, on_bytes: ByteCounter) -> Iterator[str]:
     for line_number, raw in _open_lines(path, on_bytes):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as error:
             raise DataError(f"{path}, line {line_number}: not UTF-8 text ({error}); "
                             "re-encode the file as UTF-8.") from error
+        yield line
+
+
+def _read_txt_file(path: Path, on_bytes: ByteCounter) -> Iterator[str]:
+    text = "".join(_text_lines(path, on_bytes))
+    if text.strip():
+        yield text.rstrip("\r\n")
+
+
+def _read_txt_paragraphs(path: Path, on_bytes: ByteCounter) -> Iterator[str]:
+    block: list[str] = []
+    for line in _text_lines(path, on_bytes):
         if line.strip():
             block.append(line)
         elif block:

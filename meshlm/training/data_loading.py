@@ -14,12 +14,22 @@ The trainer needs two things from the data pipeline (``meshlm.data``):
 
 Both are ``BlendedDataset``s (``meshlm/data/blend.py``): the corpora come from a blend file
 (``data.blend``, as written by ``meshlm data demo``) or from ``data.prefixes`` with
-``data.weights`` (default: proportional to each store's size). The train and valid parts are
-disjoint document ranges of every store (``data.split``).
+``data.weights`` (default: proportional to each store's size); when both are set the prefixes
+win, with a warning (the configs set a blend by default, so a prefix given on the command line
+would otherwise replace it silently). The train and valid parts are disjoint document ranges
+of every store (``data.split``).
+
+The tokenizer (copied into every checkpoint, so that ``meshlm generate`` can take text) is
+``data.tokenizer``, else the blend file's, else the one the token stores were preprocessed
+with (their ``PREFIX.meta.json``); stores made with different tokenizers are refused, since
+the same id would mean different tokens.
 
 Before any step runs, the vocabulary is checked: every token store records the vocabulary
 size its ids lie below, and the tokenizer knows its own; the model's embedding must cover
-both, or the first batch would fail with an index error deep inside the embedding.
+both, or the first batch would fail with an index error deep inside the embedding. An
+embedding far larger than that (more than twice the ids, and more than padding them to a
+multiple of ``VOCAB_PADDING_MULTIPLE`` needs) is allowed with a warning: its extra rows are
+parameters and memory that no token ever trains.
 
 **Reading ahead** (``BatchPrefetcher``). Gathering a step's samples (index lookups, memory-mapped
 token slices, stacking) is host work that would otherwise sit between two steps with the device
@@ -38,6 +48,8 @@ import collections
 import queue
 import threading
 import time
+import warnings
+import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +57,13 @@ from pathlib import Path
 import torch
 
 from meshlm.data.blend import Blend, build_datasets, load_blend
-from meshlm.data.indexed import TokenStore
+from meshlm.data.indexed import TokenStore, metadata_path
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError, DataError
+
+
+VOCAB_PADDING_MULTIPLE = 128
+"""Padding the vocabulary up to a multiple of this (for fast matmuls, Megatron-style) never warns."""
 
 
 @dataclass
@@ -63,6 +79,9 @@ class TrainingData:
 def resolve_blend(data) -> Blend:
     """The corpora, weights and tokenizer named by a ``DataConfig``."""
     if data.prefixes:
+        if data.blend:
+            warnings.warn(f"data.prefixes and data.blend={data.blend} are both set: training reads data.prefixes "
+                          "and ignores the blend file; set data.blend=null to silence this.", stacklevel=2)
         sizes = [TokenStore(prefix).num_tokens for prefix in data.prefixes]
         weights = data.weights if data.weights is not None else [max(size, 1) for size in sizes]
         blend = Blend(prefixes=list(data.prefixes), weights=list(weights), tokenizer=None)
@@ -75,11 +94,39 @@ def resolve_blend(data) -> Blend:
         raise ConfigError("the run has no data: set data.blend to a blend file or data.prefixes to token stores.")
     if data.tokenizer is not None:
         blend.tokenizer = data.tokenizer
+    elif blend.tokenizer is None:
+        blend.tokenizer = tokenizer_of_stores(blend.prefixes)
     return blend
 
 
+def tokenizer_of_stores(prefixes: list[str]) -> str | None:
+    """The tokenizer file the token stores' metadata names (``meshlm preprocess`` records it);
+    None when no store names one, with a warning when the one named is gone."""
+    named: dict[str, list[str]] = {}  # tokenizer file -> the stores made with it
+    for prefix in prefixes:
+        tokenizer = TokenStore(prefix).recorded_tokenizer()
+        if tokenizer is None:
+            continue
+        if not tokenizer.is_file():
+            warnings.warn(f"{metadata_path(prefix)} names the tokenizer {tokenizer}, which no longer exists, so this "
+                          "run's checkpoints carry no tokenizer; set data.tokenizer to the tokenizer file.",
+                          stacklevel=3)
+            continue
+        named.setdefault(str(tokenizer), []).append(prefix)
+    by_content: dict[int, str] = {}  # the same file copied elsewhere is the same tokenizer
+    for tokenizer in named:
+        by_content.setdefault(zlib.crc32(Path(tokenizer).read_bytes()), tokenizer)
+    if len(by_content) > 1:
+        first, second = list(by_content.values())[:2]
+        raise DataError(f"data.prefixes: {named[first][0]} was preprocessed with the tokenizer {first} and "
+                        f"{named[second][0]} with {second}, which differ, so their token ids mean different things; "
+                        "preprocess every store with one tokenizer (or set data.tokenizer if they agree).")
+    return next(iter(by_content.values()), None)
+
+
 def check_vocabulary(blend: Blend, vocab_size: int) -> None:
-    """Raise ConfigError when token ids of the data or the tokenizer fall outside the model's vocabulary."""
+    """Raise ConfigError when token ids of the data or the tokenizer fall outside the model's
+    vocabulary; warn when the vocabulary is far larger than they need (module docstring)."""
     sources = [(f"{TokenStore(prefix).idx_path} (token store)", TokenStore(prefix).vocab_size)
                for prefix in blend.prefixes]
     if blend.tokenizer is not None:
@@ -88,6 +135,12 @@ def check_vocabulary(blend: Blend, vocab_size: int) -> None:
         if needed > vocab_size:
             raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of {source}, which "
                               f"has {needed} ids; set model.vocab_size={needed} (or a larger padded size).")
+    source, needed = max(sources, key=lambda pair: pair[1])
+    padded = -(-needed // VOCAB_PADDING_MULTIPLE) * VOCAB_PADDING_MULTIPLE
+    if vocab_size > max(2 * needed, padded):
+        warnings.warn(f"model.vocab_size={vocab_size} is more than twice the {needed} ids of {source}: the other "
+                      f"{vocab_size - needed} embedding rows are never trained; set model.vocab_size={padded} "
+                      f"(padded to a multiple of {VOCAB_PADDING_MULTIPLE}) unless that is intended.", stacklevel=3)
 
 
 def build_training_data(config) -> TrainingData:
@@ -186,5 +239,5 @@ class BatchPrefetcher:
                 future.set_exception(error)
 
 
-__all__ = ["BatchPrefetcher", "BatchRead", "TrainingData", "build_training_data", "check_vocabulary", "read_batch",
-           "resolve_blend"]
+__all__ = ["BatchPrefetcher", "BatchRead", "TrainingData", "VOCAB_PADDING_MULTIPLE", "build_training_data",
+           "check_vocabulary", "read_batch", "resolve_blend", "tokenizer_of_stores"]

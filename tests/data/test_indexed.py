@@ -89,3 +89,29 @@ def test_corrupt_offsets_and_missing_files_name_the_file(tmp_path):
         TokenStore(tmp_path / "corpus")
     with pytest.raises(DataError, match=r"absent\.idx: cannot read"):
         TokenStore(tmp_path / "absent")
+
+
+def test_metadata_sidecar_is_written_with_the_store_and_a_stale_one_is_refused(tmp_path):
+    assert write_store(tmp_path / "old").metadata == {}  # a store without a sidecar (older meshlm) still reads
+    assert TokenStore(tmp_path / "old").recorded_tokenizer() is None
+    with TokenStoreWriter(tmp_path / "corpus", 10, metadata={"tokenizer": "../tok/tokenizer.json"}) as writer:
+        writer.add_document([1, 2, 3])
+    store = TokenStore(tmp_path / "corpus")
+    assert store.metadata == {"tokenizer": "../tok/tokenizer.json", "num_documents": 1, "num_tokens": 3}
+    assert store.recorded_tokenizer() == tmp_path / "../tok/tokenizer.json"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "corpus.bin", "corpus.idx", "corpus.meta.json", "old.bin", "old.idx"]  # no temporary left
+    stale = (tmp_path / "corpus.meta.json").read_text()
+    write_store(tmp_path / "corpus")  # rewritten without metadata: the old sidecar goes with the old store
+    assert not (tmp_path / "corpus.meta.json").exists() and TokenStore(tmp_path / "corpus").metadata == {}
+    (tmp_path / "corpus.meta.json").write_text(stale)  # a sidecar of another store of this prefix
+    with pytest.raises(DataError, match=r"corpus\.meta\.json: describes 1 documents and 3 tokens, but .*corpus\.idx "
+                                        r"holds 4 and 9; .*delete it or re-run `meshlm preprocess`"):
+        TokenStore(tmp_path / "corpus").metadata
+
+
+def test_a_failed_store_removes_the_folders_it_created(tmp_path):
+    with pytest.raises(DataError, match="outside the vocabulary"):
+        with TokenStoreWriter(tmp_path / "new" / "deeper" / "corpus", 10) as writer:
+            writer.add_document([12])
+    assert list(tmp_path.iterdir()) == []

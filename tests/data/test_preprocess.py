@@ -105,3 +105,47 @@ def test_preprocess_command_with_plain_progress_line(tmp_path, tokenizer_path, w
     captured = capsys.readouterr()
     assert "20 documents" in captured.out and "\rpreprocess: 100.0%" in captured.err
     assert len(TokenStore(tmp_path / "out")) == 20
+
+
+def test_the_store_records_its_tokenizer_relative_to_itself(tmp_path, tokenizer_path, write_jsonl):
+    source = write_jsonl(tmp_path / "a.jsonl", ["one document", "two documents"])
+    preprocess([source], tokenizer_path.parent, tmp_path / "stores" / "out", append_eos=True,
+               show_progress=False)  # a tokenizer folder: the file in it is recorded
+    store = TokenStore(tmp_path / "stores" / "out")
+    assert store.recorded_tokenizer().resolve() == tokenizer_path.resolve()
+    assert not store.metadata["tokenizer"].startswith("/")  # relative, like a blend file's paths
+    assert {key: store.metadata[key] for key in ("tokenizer_vocab_size", "append_eos", "text_key", "txt_documents")} \
+        == {"tokenizer_vocab_size": load_tokenizer(tokenizer_path).vocab_size, "append_eos": True,
+            "text_key": "text", "txt_documents": "paragraph"}
+
+
+@pytest.mark.parametrize("mode, expected", [(None, ["first\nblock", "second block"]),
+                                            ("paragraph", ["first\nblock", "second block"]),
+                                            ("file", ["first\nblock\n\nsecond block"])])
+def test_txt_documents_flag_decides_where_txt_documents_end(tmp_path, tokenizer_path, mode, expected):
+    (tmp_path / "a.txt").write_text("first\nblock\n\nsecond block\n")
+    parser = argparse.ArgumentParser()
+    preprocess_module.add_arguments(parser)
+    assert "blank line" in parser.format_help()  # --help says what each mode does
+    flags = [] if mode is None else ["--txt-documents", mode]
+    args = parser.parse_args(["--input", str(tmp_path / "a.txt"), "--tokenizer", str(tokenizer_path), "--out",
+                              str(tmp_path / "out"), "--no-progress", *flags])
+    assert preprocess_module.run(args) == 0
+    store = TokenStore(tmp_path / "out")
+    assert [store.document(index).tolist() for index in range(len(store))] == expected_documents(
+        load_tokenizer(tokenizer_path), expected, False)
+    assert store.metadata["txt_documents"] == (mode or "paragraph")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_input_without_text_is_refused_and_leaves_no_output(tmp_path, tokenizer_path, write_jsonl, workers):
+    good = write_jsonl(tmp_path / "good.jsonl", ["fine"] * 3)
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n")
+    with pytest.raises(DataError, match=r"blank\.txt: no documents in this file"):
+        preprocess([good, blank], tokenizer_path, tmp_path / "new" / "out", workers=workers, show_progress=False)
+    assert not (tmp_path / "new").exists()  # no store, no temporary files, not even the folder
+    (tmp_path / "zero.jsonl").write_bytes(b"")
+    with pytest.raises(DataError, match=r"zero\.jsonl: the file is empty"):
+        preprocess([good, tmp_path / "zero.jsonl"], tokenizer_path, tmp_path / "new" / "out", show_progress=False)
+    assert not (tmp_path / "new").exists()

@@ -83,3 +83,49 @@ def test_expand_inputs_searches_directories_in_sorted_order_and_rejects_the_rest
     with pytest.raises(DataError, match=r"skip\.csv: unsupported input type '\.csv'"):
         expand_inputs([tmp_path / "b/skip.csv"])
     assert list(read_all_documents(expand_inputs([tmp_path / "b/2.txt", tmp_path / "b/2.txt"]))) == ["x", "x"]
+
+
+def test_txt_documents_file_keeps_the_whole_file_as_one_document(tmp_path):
+    path = tmp_path / "module.txt"
+    path.write_text("def one():\n    return 1\n\n\ndef two():\n    return 2\n")
+    assert list(read_documents(path)) == ["def one():\n    return 1", "def two():\n    return 2"]  # the default
+    assert list(read_documents(path, txt_documents="paragraph")) == list(read_documents(path))
+    whole = "def one():\n    return 1\n\n\ndef two():\n    return 2"
+    assert list(read_documents(path, txt_documents="file")) == [whole]
+    single = tmp_path / "single.txt"
+    single.write_text("one block\nno blank line\n")  # no blank line: both modes read the same document
+    assert list(read_documents(single, txt_documents="file")) == list(read_documents(single)) == [
+        "one block\nno blank line"]
+    assert list(read_all_documents([path, single], txt_documents="file")) == [whole, "one block\nno blank line"]
+    with pytest.raises(DataError, match="--txt-documents 'lines' is not a way.*paragraph, file"):
+        list(read_documents(path, txt_documents="lines"))
+
+
+@pytest.mark.parametrize("name, content, txt_documents, message", [
+    ("blank.txt", "\n  \n\n", "paragraph", r"blank\.txt: no documents in this file"),
+    ("blank.txt", "\n  \n\n", "file", r"blank\.txt: no documents in this file"),
+    ("blank.jsonl", "\n\n", "paragraph", r"blank\.jsonl: no documents in this file"),
+    ("empty_texts.jsonl", '{"text": ""}\n{"text": ""}\n', "paragraph",
+     r"empty_texts\.jsonl: all 2 documents are empty strings under 'text', so there is nothing to tokenize; "
+     r"check --text-key"),
+])
+def test_a_file_without_text_is_refused_by_name(tmp_path, name, content, txt_documents, message):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DataError, match=message):
+        list(read_documents(path, txt_documents=txt_documents))
+
+
+def test_empty_parquet_and_zero_byte_files_are_refused_by_name(tmp_path):
+    (tmp_path / "zero.jsonl").write_bytes(b"")
+    with pytest.raises(DataError, match=r"zero\.jsonl: the file is empty \(0 bytes\).*leave it out of --input"):
+        expand_inputs([tmp_path / "zero.jsonl"])
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "zero.txt").write_bytes(b"")
+    with pytest.raises(DataError, match=r"zero\.txt: the file is empty"):  # found in a directory too
+        expand_inputs([tmp_path / "folder"])
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as parquet
+    parquet.write_table(pyarrow.table({"text": pyarrow.array([], pyarrow.string())}), tmp_path / "none.parquet")
+    with pytest.raises(DataError, match=r"none\.parquet: no documents in this file"):
+        list(read_documents(tmp_path / "none.parquet"))

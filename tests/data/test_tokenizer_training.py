@@ -51,3 +51,14 @@ def test_tokenizer_train_command(tmp_path, write_jsonl, numbered_texts, capsys):
     assert tokenizer_training.run(args) == 0
     assert load_tokenizer(tmp_path / "t").eos_token_id == 1
     assert "tokenizer.json" in capsys.readouterr().out
+
+
+def test_an_input_without_text_is_refused_and_nothing_is_written(tmp_path, write_jsonl):
+    good = write_jsonl(tmp_path / "good.jsonl", ["some text"] * 5)
+    empty_texts = write_jsonl(tmp_path / "empty.jsonl", ["", ""])
+    with pytest.raises(DataError, match=r"empty\.jsonl: all 2 documents are empty strings under 'text'"):
+        train_tokenizer([good, empty_texts], vocab_size=300, out=tmp_path / "out" / "tokenizer.json")
+    (tmp_path / "zero.txt").write_bytes(b"")
+    with pytest.raises(DataError, match=r"zero\.txt: the file is empty \(0 bytes\)"):
+        train_tokenizer([good, tmp_path / "zero.txt"], vocab_size=300, out=tmp_path / "out" / "tokenizer.json")
+    assert not (tmp_path / "out").exists()
