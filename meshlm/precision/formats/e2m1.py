@@ -16,7 +16,7 @@ Two roundings, both saturating (a magnitude above 6 becomes 6, as ``cvt.satfinit
   (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4);
 - **stochastic**: between neighbours ``lo <= |x| <= hi`` round up with probability
   ``(|x| - lo) / (hi - lo)``, so ``E[round(x)] = x`` -- unbiased, which is why NVFP4 training uses
-  it for gradients ("Pretraining LLMs with NVFP4", 2025; REFERENCES.md "Precision"): rounding errors
+  it for gradients ("Pretraining LLMs with NVFP4", 2025; docs/references.md, "Precision"): rounding errors
   of many small updates average out instead of all pointing the same way. Each element's
   absolute error is larger than with nearest rounding; the error of their mean is smaller.
   The random numbers are given (``uniform``, e.g. hashed from the values: ``hashed_noise.py``)

@@ -17,7 +17,7 @@ becomes that value (``satfinite`` on NVIDIA hardware), never inf or NaN; NaN sta
 through ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, after clamping: PyTorch's E4M3 cast
 already saturates, its E5M2 cast does not (61440 -> inf).
 
-Two ways to choose the scale (Transformer Engine recipes; see REFERENCES.md "Precision"):
+Two ways to choose the scale (Transformer Engine recipes; see docs/references.md, "Precision"):
 
 - *current* (per-tensor) scaling, ``quantize_fp8_tensorwise``: the amax of this very tensor --
   exact, but it needs a full pass over the tensor before the cast;

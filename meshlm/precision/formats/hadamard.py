@@ -5,7 +5,7 @@ values make a 1 x 16 block's amax large, crushing that block's other values towa
 orthogonal ``Q`` applied to both operands along the reduction dim changes nothing in exact
 arithmetic -- ``(Q^T dY)^T (Q^T X) = dY^T Q Q^T X = dY^T X`` -- but it mixes every 16 values
 together, spreading an outlier over the block so its amax says less about any single value.
-("Pretraining LLMs with NVFP4", 2025; REFERENCES.md "Precision".)
+("Pretraining LLMs with NVFP4", 2025; docs/references.md, "Precision".)
 
 The matrix: Sylvester's Hadamard matrix, ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]]``,
 divided by ``sqrt(n)`` so that ``H H^T = I`` (for n = 16 every entry is +-1/4 and the identity

@@ -6,7 +6,7 @@ is a pure power of two: E8M0 has 8 exponent bits and no sign or mantissa, code `
 so the blocks are small enough to need no per-tensor scale at all.
 
 The exponent follows NVIDIA's MXFP8 training recipe (Mishra et al. 2025, "Recipes for
-pre-training LLMs with MXFP8"; REFERENCES.md "Precision"): ``scale = 2^ceil(log2(amax / 448))``,
+pre-training LLMs with MXFP8"; docs/references.md, "Precision"): ``scale = 2^ceil(log2(amax / 448))``,
 the smallest power of two that maps the block's amax into E4M3's range, so no element saturates.
 The OCP spec's own suggestion, ``2^(floor(log2 amax) - 8)``, can be up to 2x smaller and
 saturates blocks whose amax lies in (448, 512) x 2^k; we do not use it.

@@ -1,6 +1,6 @@
 """NVFP4: E2M1 values in blocks of 16, an E4M3 scale per block and an fp32 scale per tensor.
 
-"Pretraining LLMs with NVFP4" (NVIDIA, 2025; REFERENCES.md "Precision"). An element is
+"Pretraining LLMs with NVFP4" (NVIDIA, 2025; docs/references.md, "Precision"). An element is
 
     value = e2m1 x s_block x s_tensor.
 
