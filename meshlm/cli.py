@@ -3,7 +3,11 @@
 
 Errors a user can fix (bad config, missing file, corrupt checkpoint), and the findings of the
 collectives' checks (``meshlm/parallel/collective_log.py``), print one clear line and exit with
-status 2, without a traceback; anything else is a bug and keeps its traceback.
+status 2, without a traceback; anything else is a bug and keeps its traceback. Warnings raised
+from meshlm's own code print as one line too (``meshlm train: note: ...``).
+
+Only the module of the command being run is imported, so ``meshlm --help`` answers without
+loading torch.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
+from functools import partial
+from pathlib import Path
 
 from meshlm.errors import CheckpointError, ConfigError, DataError
 from meshlm.parallel.collective_log import CollectiveError, CollectiveMismatch
@@ -26,20 +33,31 @@ COMMANDS = {
     "preprocess": ("meshlm.data.preprocess", "tokenize text files into a token store (PREFIX.bin + PREFIX.idx)"),
     "data": ("meshlm.data.cli", "data utilities: build the demo corpus, inspect a token store"),
     "upcycle": ("meshlm.adapt.cli", "turn a dense model or checkpoint into an MoE model with the same outputs"),
+    "eval": ("meshlm.evaluation.cli", "perplexity, bits per byte and multiple-choice accuracy of a model or checkpoint"),
     "demo": ("meshlm.demo", "build the demo corpus, train a small hybrid model, plot and sample from it"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``meshlm`` parser, with the arguments of ``command`` only: its module is the one imported,
+    the others are listed by name and help line. So ``meshlm --help`` imports no command (nor
+    torch) and answers at once, and ``meshlm train --help`` shows train's arguments."""
     parser = argparse.ArgumentParser(prog="meshlm", description="Train and use meshlm language models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        module.add_arguments(command_parser)
-        command_parser.set_defaults(_run=module.run)
+        if name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(command_parser)
+            command_parser.set_defaults(_run=module.run)
     return parser
+
+
+def chosen_command(argv: list[str]) -> str | None:
+    """The sub-command ``argv`` names: its first word that is not an option (``meshlm`` itself has
+    no options but --help), or None."""
+    return next((word for word in argv if not word.startswith("-")), None)
 
 
 USER_ERRORS = (ConfigError, CheckpointError, DataError, FileNotFoundError, CollectiveError)
@@ -49,13 +67,29 @@ sentence already names the operation, the group, the ranks and the step."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args._run(args) or 0)
-    except USER_ERRORS as error:
-        if not _repeated_on_another_rank(error):
-            print(f"meshlm {args.command}: error: {error}", file=sys.stderr)
-        return 2
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(chosen_command(argv)).parse_args(argv)
+    with warnings.catch_warnings():  # restores warnings.showwarning on the way out
+        warnings.showwarning = partial(_show_notice, args.command, warnings.showwarning)
+        try:
+            return int(args._run(args) or 0)
+        except USER_ERRORS as error:
+            if not _repeated_on_another_rank(error):
+                print(f"meshlm {args.command}: error: {error}", file=sys.stderr)
+            return 2
+
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _show_notice(command: str, show_other, message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning raised from meshlm's code (a resumed run's changed settings, ...) is a notice for
+    the user: one line naming the command, ``meshlm train: note: ...``, not Python's
+    ``file:line: UserWarning`` and source line. Other libraries' warnings keep Python's format."""
+    if Path(filename).resolve().is_relative_to(PACKAGE_DIR):
+        print(f"meshlm {command}: note: {message}", file=sys.stderr if file is None else file)
+    else:
+        show_other(message, category, filename, lineno, file, line)
 
 
 def _repeated_on_another_rank(error: BaseException) -> bool:

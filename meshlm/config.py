@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import shlex
 import types
 import typing
 from dataclasses import dataclass, field
@@ -75,6 +76,23 @@ class TrainConfig:
     """With recompute='full': recompute every k-th block (1 = all blocks)."""
     tensorboard: bool = True
     """Write TensorBoard event files when the tensorboard package is installed."""
+    wandb: bool = False
+    """Mirror the run to Weights & Biases (``pip install meshlm[tracking]``): the resolved config,
+    every metrics.jsonl scalar under TensorBoard's names, and loss.png at the end; from global
+    rank 0 only. A resumed run continues the same W&B run (its id is kept in RUN_DIR/wandb_id).
+    WANDB_MODE=offline writes it under RUN_DIR/wandb for `wandb sync`. See meshlm/training/tracking.py."""
+    wandb_project: str = "meshlm"
+    """With wandb=true: the W&B project the run is logged to."""
+    wandb_run_name: str | None = None
+    """With wandb=true: the run's name in W&B (null: the run directory's name)."""
+    profile_steps: str | None = None
+    """Profile steps A to B (``"A:B"``, 1-based, inclusive, within train.steps) with torch.profiler:
+    each rank writes a Chrome trace to RUN_DIR/profile/rank{R}.json (open it in Perfetto or
+    chrome://tracing) and rank 0 prints the top operators by self time. See meshlm/training/profiling.py."""
+    compile: bool = False
+    """Run each block under torch.compile (inductor; on CPU it needs a C++ compiler). Compiled after
+    the model is parallelized, block by block, so parameter names and parallel hooks are unchanged.
+    Falls back to eager with a one-line notice where compiling fails. See meshlm/training/compile.py."""
     plot: bool = True
     """Write RUN_DIR/loss.png (train and validation curves) at the end, when matplotlib is installed."""
     progress: bool = True
@@ -135,13 +153,16 @@ class OptimConfig:
 class DataConfig:
     blend: str | None = "data/demo/blend.json"
     """A blend file written by `meshlm data demo` (prefixes, weights, tokenizer). Used when
-    `prefixes` is empty."""
+    `prefixes` is empty; when both are set, `prefixes` wins with a warning (data.blend=null
+    silences it)."""
     prefixes: list[str] = field(default_factory=list)
     """Token-store prefixes written by `meshlm preprocess` (PREFIX.bin / PREFIX.idx)."""
     weights: list[float] | None = None
     """Blend weights, one per prefix (None = proportional to size)."""
     tokenizer: str | None = None
-    """tokenizer.json used to build the data (copied into checkpoints for generation)."""
+    """The tokenizer file used to build the data (copied into checkpoints for generation). None:
+    the blend file's, else the one the token stores' PREFIX.meta.json names (`meshlm preprocess`
+    records it)."""
     split: str = "98,1,1"
     """Train/valid/test split of each dataset's documents, as relative weights."""
     cache_dir: str | None = None
@@ -289,6 +310,7 @@ class RunConfig:
             raise ConfigError(f"train.global_batch_size={train.global_batch_size} must be a multiple of "
                               f"train.micro_batch_size={train.micro_batch_size}.")
         _choice("train.recompute", train.recompute, RECOMPUTE)
+        validate_profile_steps(train.profile_steps, train.steps)
         _choice("train.on_nonfinite", train.on_nonfinite, ON_NONFINITE)
         if train.max_consecutive_skips < 0 or train.max_rollbacks < 0:
             raise ConfigError(f"train.max_consecutive_skips={train.max_consecutive_skips} and train.max_rollbacks="
@@ -316,6 +338,25 @@ class RunConfig:
         if self.data.weights is not None and len(self.data.weights) != len(self.data.prefixes):
             raise ConfigError(f"data.weights has {len(self.data.weights)} entries but data.prefixes has "
                               f"{len(self.data.prefixes)}; give one weight per prefix (or null).")
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+    """``"3:5"`` -> (3, 5); raises ValueError when the text is not two integers around a colon."""
+    first, _, last = str(text).partition(":")
+    return int(first), int(last)
+
+
+def validate_profile_steps(text: str | None, steps: int) -> None:
+    if text is None or text == "":
+        return
+    try:
+        first, last = parse_profile_steps(text)
+    except ValueError:
+        raise ConfigError(f"train.profile_steps={text!r} must look like A:B (first and last step to profile, "
+                          "e.g. train.profile_steps=5:7), or null for no profiling.") from None
+    if not 1 <= first <= last <= steps:
+        raise ConfigError(f"train.profile_steps={text!r} must satisfy 1 <= A <= B <= train.steps ({steps}); "
+                          f"pick steps the run will take, e.g. train.profile_steps={min(2, steps)}:{min(3, steps)}.")
 
 
 def validate_parallel(parallel: ParallelConfig) -> None:
@@ -370,16 +411,35 @@ def _unknown_key_error(key: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}'.{hint}")
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """YAML 1.1 reads ``3:5`` as the base-60 integer 185; config values keep it as the text "3:5"
+    (train.profile_steps=3:5). Everything else loads as with ``yaml.safe_load``."""
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        return text if ":" in text else super().construct_yaml_int(node)
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
+
+
 def parse_override(text: str) -> tuple[str, object]:
     """``train.steps=200`` -> ("train.steps", 200); the value is parsed as YAML."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value (e.g. train.steps=200).")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=ConfigLoader) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
+
+
+def format_override(key: str, value) -> str:
+    """The inverse of ``parse_override``: ``model.pattern='*E'``, as a shell passes it on unchanged."""
+    plain = isinstance(value, str) and parse_override(f"{key}={value}")[1] == value
+    text = value if plain else yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+    return f"{key}={shlex.quote(text)}"
 
 
 def _coerce(key: str, value, annotation):
@@ -441,7 +501,7 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist (configs/ has examples such as configs/tiny.yaml).")
         try:
-            values = yaml.safe_load(path.read_text()) or {}
+            values = yaml.load(path.read_text(), Loader=ConfigLoader) or {}
         except yaml.YAMLError as error:
             raise ConfigError(f"{path} is not valid YAML: {error}") from error
     for text in overrides:

@@ -19,7 +19,7 @@ def test_a_collective_mismatch_is_printed_once_as_one_line(monkeypatch, capsys):
 
     message = "collective check after step 3: ranks 0 and 1 diverge on group dp (ranks [0, 1]) at its call #0"
 
-    def mismatched(config):
+    def mismatched(config, **options):
         raise CollectiveMismatch(message)
 
     monkeypatch.setattr("meshlm.training.trainer.train", mismatched)
@@ -29,3 +29,40 @@ def test_a_collective_mismatch_is_printed_once_as_one_line(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     assert main(["train", "train.steps=1"]) == 2
     assert capsys.readouterr().err == f"meshlm train: error: {message}\n"
+
+
+def test_help_lists_the_commands_without_importing_torch():
+    """``meshlm --help`` imports no command module (nor torch), so it answers at once."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom meshlm.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+              "print('torch imported' if 'torch' in sys.modules else 'torch not imported')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[-1] == "torch not imported"
+    assert "upcycle" in done.stdout and "turn a dense model" in done.stdout
+
+
+def test_a_command_s_help_shows_its_arguments(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--help"])
+    assert exited.value.code == 0
+    assert "--list-keys" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["checkpoint", "inspect", "--help"])
+    assert "--no-verify" in capsys.readouterr().out
+
+
+def test_meshlm_warnings_are_one_line_notes_and_other_libraries_keep_python_s_form(capsys):
+    from meshlm.cli import PACKAGE_DIR, _show_notice
+
+    shown = []
+    _show_notice("train", lambda *args: shown.append(args), UserWarning("a changed setting"), UserWarning,
+                 str(PACKAGE_DIR / "training" / "trainer.py"), 204)
+    assert capsys.readouterr().err == "meshlm train: note: a changed setting\n" and not shown
+    _show_notice("train", lambda *args: shown.append(args), UserWarning("deprecated"), UserWarning,
+                 "/usr/lib/python3/site-packages/torch/nn/modules/module.py", 7)
+    assert capsys.readouterr().err == "" and shown[0][1:4] == (UserWarning, "/usr/lib/python3/site-packages/torch/nn/"
+                                                                            "modules/module.py", 7)

@@ -15,7 +15,8 @@ Layers (lowest first): a module may import from its own top-level package and fr
 layer, never from its own layer's other packages or from a higher one. The order is the design
 of ``meshlm/`` (see README "Layout"): errors at the bottom; optional kernels; single-device math, the optimizer
 rule and data; then parallelism, precision and the run config; checkpoints; then the things a
-user runs (training, generation, conversion, adaptation); the command line on top.
+user runs (training, generation, conversion, adaptation); evaluation, which scores and
+generates with what those load; the command line on top.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ LAYERS = (
     ("parallel", "precision", "config"),
     ("checkpoint",),
     ("hf", "training", "inference", "adapt"),
+    ("evaluation",),
     ("demo", "cli"),
     ("__main__",),
 )

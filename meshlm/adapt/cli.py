@@ -5,14 +5,19 @@
     meshlm upcycle models/dense models/moe-fine --experts 16 --top-k 4 --granularity 2 \
         --set moe_aux_loss_coeff=0.01 moe_bias_update_rate=0.001
 
-CKPT is a model folder (``save_model``, ``meshlm convert``) or a training checkpoint's step
-folder; OUT gets ``config.json`` + ``model.safetensors`` (and the tokenizer files), written to a
-temporary folder beside it and renamed into place, so OUT is either complete or absent. The
-dense weights are read one tensor at a time (by slice from model.safetensors, by chunk from a
-checkpoint) and each MoE tensor is written as soon as it is made: neither model is ever held.
-``--set moe_*=VALUE`` pairs set other MoE fields (router, balancing; see ``meshlm train --list-keys``).
-The command prints the ``meshlm train`` overrides that describe the new model, for a run
-started with ``train.init_from=OUT``. See meshlm/adapt/upcycle.py for the construction.
+CKPT is a model folder (``save_model``, ``meshlm convert``), a training checkpoint's step
+folder or a run directory (its newest checkpoint; ``meshlm/checkpoint/locate.py``). OUT gets
+``config.json`` + ``model.safetensors`` (and the tokenizer files), written to a temporary folder
+beside it and renamed into place, so OUT is either complete or absent. The dense weights are
+read one tensor at a time (by slice from model.safetensors, by chunk from a checkpoint) and each
+MoE tensor is written as soon as it is made: neither model is ever held.
+
+``--set moe_*=VALUE`` pairs set other MoE fields (router, balancing; see ``meshlm train
+--list-keys``). Unless they choose the balancing, the new model trains with a load-balancing
+loss and a router z-loss (``BALANCING_DEFAULTS`` in meshlm/adapt/upcycle.py), without which the
+router of the copied experts collapses onto a few of them. The command prints the ``meshlm
+train`` overrides that describe the new model, for a run started with ``train.init_from=OUT``.
+See meshlm/adapt/upcycle.py for the construction.
 """
 
 from __future__ import annotations
@@ -28,17 +33,22 @@ from pathlib import Path
 import torch
 
 from meshlm.checkpoint.files import copy_tokenizer_files
+from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.materialize import read_tensor
 from meshlm.checkpoint.model_files import (check_stored_tensors, read_model_config, source_file, weights_source,
                                            write_model_folder)
-from meshlm.config import parse_override
+from meshlm.config import format_override, parse_override
 from meshlm.errors import CheckpointError
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 
+BALANCING_FIELDS = ("moe_aux_loss_coeff", "moe_bias_update_rate", "moe_z_loss_coeff")
+"""The router-balancing settings the command reports."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CKPT", help="dense meshlm model folder or training checkpoint")
+    parser.add_argument("checkpoint", metavar="CKPT",
+                        help="dense meshlm model folder, training checkpoint or run directory")
     parser.add_argument("out", metavar="OUT", help="MoE model folder to write (must not exist)")
     parser.add_argument("--experts", type=int, required=True, help="routed experts per MoE block (E)")
     parser.add_argument("--top-k", type=int, required=True, help="experts per token (K)")
@@ -54,9 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from meshlm.adapt.upcycle import changed_fields, down_projection_scale, is_exact, upcycle_plan
 
-    out, source_dir = Path(args.out), Path(args.checkpoint)
+    out = Path(args.out)
     if out.exists():
         raise CheckpointError(f"{out} already exists; choose a new OUT folder or remove it.")
+    source_dir = resolve_model_dir(args.checkpoint)
     overrides = model_overrides(args.overrides)
     dense = read_model_config(source_dir)
     source = weights_source(source_dir)
@@ -69,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
           f"{config.moe_ffn_hidden_size}, top-{config.moe_top_k}, down projections x"
           f"{down_projection_scale(config, args.granularity):g}; {parameter_count(config):,} parameters "
           f"(dense {parameter_count(dense):,}); outputs {exactness} at step 0")
-    settings = " ".join(f"model.{key}={value!r}" if isinstance(value, str) else f"model.{key}={value}"
+    balancing = ", ".join(f"{name}={getattr(config, name):g}" for name in BALANCING_FIELDS if getattr(config, name))
+    print(f"router balancing: {balancing or 'none'} (choose with --set moe_aux_loss_coeff=... moe_z_loss_coeff=...; "
+          "without balancing the router collapses onto a few experts)")
+    settings = " ".join(format_override(f"model.{key}", value)
                         for key, value in changed_fields(dense, config).items())
     print(f"train it with: meshlm train CONFIG train.init_from={out} {settings}")
     return 0

@@ -77,6 +77,23 @@ ROUTING_DEFAULTS = dict(moe_score_function="softmax", moe_softmax_before_topk=Tr
                         moe_routed_scaling_factor=1.0)
 """Upcycling's router unless overridden: the exact case (see the module docstring)."""
 
+BALANCING_DEFAULTS = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+"""Router balancing unless chosen: Switch Transformer's load-balancing coefficient (Fedus et al.
+2022) and ST-MoE's router z-loss (Zoph et al. 2022). The upcycled experts start as copies, so
+nothing but a balancing term keeps training from sending every token to the few groups that
+pull ahead (router collapse). Choosing ``moe_aux_loss_coeff`` or aux-loss-free balancing
+(``moe_bias_update_rate``) replaces the first; ``moe_z_loss_coeff`` the second; a nonzero value
+the dense config already carries is kept."""
+
+
+def balancing_defaults(dense: ModelConfig, moe_overrides: dict) -> dict:
+    """The entries of ``BALANCING_DEFAULTS`` that neither the overrides nor the dense config set."""
+    chosen = set(moe_overrides)
+    if "moe_bias_update_rate" in chosen or dense.moe_bias_update_rate:
+        chosen.add("moe_aux_loss_coeff")  # aux-loss-free balancing was chosen instead
+    return {name: value for name, value in BALANCING_DEFAULTS.items()
+            if name not in chosen and not getattr(dense, name)}
+
 
 def upcycled_config(dense: ModelConfig, num_experts: int, top_k: int, granularity: int = 1,
                     **moe_overrides) -> ModelConfig:
@@ -100,6 +117,7 @@ def upcycled_config(dense: ModelConfig, num_experts: int, top_k: int, granularit
         raise ConfigError(f"upcycle overrides must be moe_* model fields; got {', '.join(unknown)}.")
     values = dense.to_dict()
     values.update(ROUTING_DEFAULTS)
+    values.update(balancing_defaults(dense, moe_overrides))
     values.update(pattern=dense.pattern.replace("-", "E"), moe_num_experts=num_experts, moe_top_k=top_k,
                   moe_ffn_hidden_size=ffn // granularity, moe_shared_expert_ffn_hidden_size=0,
                   moe_latent_size=None, moe_capacity_factor=None)
@@ -237,5 +255,6 @@ def changed_fields(dense: ModelConfig, moe: ModelConfig) -> dict:
             if field.init and before[field.name] != after[field.name]}
 
 
-__all__ = ["ROUTING_DEFAULTS", "changed_fields", "down_projection_scale", "expert_plan", "expert_weight", "is_exact",
-           "router_weights", "upcycle_model", "upcycle_plan", "upcycled_config", "visit_weight_at_equal_logits"]
+__all__ = ["BALANCING_DEFAULTS", "ROUTING_DEFAULTS", "balancing_defaults", "changed_fields", "down_projection_scale",
+           "expert_plan", "expert_weight", "is_exact", "router_weights", "upcycle_model", "upcycle_plan",
+           "upcycled_config", "visit_weight_at_equal_logits"]

@@ -26,9 +26,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from meshlm.checkpoint.files import (CHECKPOINTS_DIR, COMPLETE_FILE, METADATA_FILE, MOVE_AWAY_HINT, STATE_FILE,
                                      WEIGHTS_FILE, file_checksum)
+from meshlm.checkpoint.locate import STEP_FOLDER as STEP_DIR
 from meshlm.errors import CheckpointError
-
-STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def checkpoint_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:

@@ -1,8 +1,8 @@
 """Where a command finds a model: one resolver for "a model folder, a checkpoint or a run directory".
 
-Every command that reads a model (``generate``, ``checkpoint``, ``convert meshlm-to-hf``,
-``upcycle``, ``eval``) takes any of the three and resolves it here, so a run directory works
-everywhere the README says it does.
+Every command that reads a model (``generate``, ``checkpoint inspect|consolidate``, ``convert
+meshlm-to-hf``, ``upcycle``, ``eval``) and ``train.init_from`` take any of the three and resolve
+it here, so a run directory works everywhere the README says it does.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def resolve_model_dir(path: str | Path) -> Path:
     """
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: no such model or checkpoint directory.")
+        raise CheckpointError(f"{path}: no such model, checkpoint or run directory.")
     if (path / CONFIG_FILE).is_file():
         return path
     steps = [(int(match.group(1)), folder)

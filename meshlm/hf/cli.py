@@ -4,7 +4,8 @@
     meshlm convert meshlm-to-hf CKPT HF_DIR [--architecture NAME] [--quantize fp8] [--overwrite]
 
 HF_DIR holds config.json and model.safetensors (or a sharded index); CKPT is a meshlm model
-folder or a training checkpoint (the same two files). Both directions go one tensor at a time,
+folder, a training checkpoint or a run directory (its newest checkpoint;
+``meshlm/checkpoint/locate.py``). Both directions go one tensor at a time,
 so a model larger than the host's memory converts. Tokenizer files are copied across. An
 existing, non-empty output folder is refused unless --overwrite is given. ``--quantize fp8``
 writes the decoder blocks' linear weights in block-wise FP8 with 128 x 128 block scales, the
@@ -19,6 +20,7 @@ import json
 
 import torch
 
+from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.hf.convert import ARCHITECTURES, hf_to_meshlm, meshlm_to_hf
 from meshlm.hf.fp8_export import QUANTIZE_CHOICES, describe_fp8_export
 from meshlm.models.language_model import LanguageModel
@@ -33,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_meshlm.add_argument("out", metavar="OUT", help="meshlm model folder to write")
     to_hf = directions.add_parser("meshlm-to-hf", help="meshlm model or checkpoint -> Hugging Face folder",
                                   description="Convert a meshlm model or checkpoint into a Hugging Face folder.")
-    to_hf.add_argument("checkpoint", metavar="CKPT", help="meshlm model folder or training checkpoint")
+    to_hf.add_argument("checkpoint", metavar="CKPT", help="meshlm model folder, training checkpoint or run directory")
     to_hf.add_argument("out", metavar="HF_DIR", help="Hugging Face folder to write")
     to_hf.add_argument("--architecture", choices=sorted(ARCHITECTURES), metavar="NAME",
                        help="HF architecture to write (default: chosen from the model's shape); one of "
@@ -55,9 +57,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote meshlm model {out} from {extra['architecture']} {args.hf_dir}: pattern "
               f"{config.pattern!r}, {model.num_parameters():,} parameters")
     else:
-        out, architecture = meshlm_to_hf(args.checkpoint, args.out, args.architecture, overwrite=args.overwrite,
+        source = resolve_model_dir(args.checkpoint)  # a run directory: its newest checkpoint
+        out, architecture = meshlm_to_hf(source, args.out, args.architecture, overwrite=args.overwrite,
                                          quantize=args.quantize)
-        print(f"wrote {architecture.name} folder {out} from {args.checkpoint}")
+        print(f"wrote {architecture.name} folder {out} from {source}")
         if args.quantize:
             print(describe_fp8_export(json.loads((out / "config.json").read_text())))
     return 0

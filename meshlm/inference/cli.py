@@ -8,7 +8,8 @@ folder of checkpoints, in which case the ``step_N`` folder with the highest N is
 prompts need a tokenizer: ``tokenizer.json`` beside the model, or ``--tokenizer PATH``. The
 tokenizer also supplies the eos token (``--eos-id`` overrides it) and the true vocabulary
 size, so a model whose vocabulary was padded never emits an id the tokenizer cannot decode.
-Output is one line per prompt: the generated text (or ids without a tokenizer), or with
+Each prompt gets at most ``--max-new-tokens`` new tokens (default 128) and stops early at its
+eos token. Output is one line per prompt: the generated text (or ids without a tokenizer), or with
 ``--json`` an object ``{"ids": [...], "text": "..."}`` holding the new tokens only.
 
     meshlm generate runs/x --prompt-ids 1,2,3 --max-new-tokens 256 --greedy --prefill-chunk 4096 --stats
@@ -41,6 +42,8 @@ from meshlm.inference.sampling import SamplingConfig
 from meshlm.inference.speculative import SPECULATIVE_METHODS
 from meshlm.inference.stats import GenerationStats
 
+DEFAULT_MAX_NEW_TOKENS = 128
+"""New tokens per prompt when ``--max-new-tokens`` is not given (generation also stops at eos)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument("--prompt", action="append", metavar="TEXT", help="a text prompt (repeatable)")
     prompts.add_argument("--prompt-ids", action="append", type=parse_token_ids, metavar="ID,ID,...",
                          help="a prompt given as comma-separated token ids (repeatable)")
-    parser.add_argument("--max-new-tokens", type=int, required=True, metavar="N")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                        help=f"stop each prompt after N new tokens, or at its eos (default {DEFAULT_MAX_NEW_TOKENS})")
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
     parser.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
     parser.add_argument("--top-k", type=int, help="sample among the K most likely tokens (default: all)")

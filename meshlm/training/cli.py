@@ -50,13 +50,13 @@ def run(args) -> int:
     if config_path is None and not overrides:
         raise ConfigError("give a config file, e.g. `meshlm train configs/tiny.yaml` "
                           "(`meshlm train --list-keys` lists every key).")
-    from meshlm.config import load_run_config
+    from meshlm.config import load_run_config, parse_override
     from meshlm.training.fault_tolerance import CollectiveFailure, NonFiniteTrainingStop, exit_after_collective_failure
     from meshlm.training.trainer import train
 
     config = load_run_config(config_path, overrides)
     try:
-        result = train(config)
+        result = train(config, command_line_keys=[parse_override(text)[0] for text in overrides])
     except CollectiveFailure as failure:  # a peer died or hung: leave now, torchrun may restart the job
         exit_after_collective_failure(failure)
     except NonFiniteTrainingStop as stop:  # every rank stops alike; rank 0 says why
@@ -67,6 +67,9 @@ def run(args) -> int:
         leave_process_group()
     if int(os.environ.get("RANK", "0")) != 0 or result.stopped_by is not None:
         return 0  # global rank 0 alone prints; a stopped run has printed its line already
+    if result.already_complete is not None:
+        print(f"meshlm train: {result.already_complete}")
+        return 0
     summary = f"step {result.step}/{config.train.steps}"
     if result.losses:
         summary += f", last loss {result.losses[max(result.losses)]:.4f}"
@@ -98,10 +101,19 @@ def field_docstrings(cls) -> dict[str, str]:
     return docs
 
 
+ABBREVIATIONS = {"al.", "e.g.", "i.e.", "etc.", "cf.", "vs.", "approx.", "resp.", "fig.", "eq.", "sec.", "no."}
+"""Words ending in a period that do not end a sentence ("Su et al. 2021", "e.g. Llama")."""
+
+
 def first_sentence(text: str) -> str:
-    flat = " ".join(text.split())
-    end = flat.find(". ")
-    return flat if end < 0 else flat[:end + 1]
+    """The docstring's first sentence: up to the first word that ends in '.', '!' or '?' and is not
+    an abbreviation. A decimal point is inside a word ("0.5"), so it never ends one."""
+    words = " ".join(text.split()).split(" ")
+    for index, word in enumerate(words[:-1]):
+        bare = word.rstrip("\"')]").lstrip("(\"'`")
+        if bare.endswith((".", "!", "?")) and bare.lower() not in ABBREVIATIONS:
+            return " ".join(words[:index + 1])
+    return " ".join(words)
 
 
 def key_descriptions() -> list[str]:
@@ -121,4 +133,4 @@ def key_descriptions() -> list[str]:
     return lines
 
 
-__all__ = ["add_arguments", "field_docstrings", "key_descriptions", "run"]
+__all__ = ["ABBREVIATIONS", "add_arguments", "field_docstrings", "first_sentence", "key_descriptions", "run"]

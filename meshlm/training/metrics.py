@@ -21,7 +21,8 @@ MoE runs add the expert load: ``moe_max_load`` / ``moe_min_load`` (busiest and i
 the mean, over all MoE blocks) and ``moe_max_load_per_layer`` (max/mean per block); then
 ``{"step": N, "val_loss": ...}`` after each evaluation. On resume the lines past the resumed
 step are dropped, so the file always describes one consistent history. TensorBoard gets the
-same scalars when the ``tensorboard`` package is installed (it is optional).
+same scalars when the ``tensorboard`` package is installed (it is optional), and so does a
+Weights & Biases run with ``train.wandb=true`` (``meshlm/training/tracking.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import TextIO
 
 import torch
+
+from meshlm.training.tracking import scalar_items
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -235,7 +238,7 @@ def _is_terminal(stream: TextIO) -> bool:
         return False
 
 
-# --- metrics.jsonl and TensorBoard -------------------------------------------------------------------
+# --- metrics.jsonl, TensorBoard and W&B -------------------------------------------------------------------
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """Every JSON object of a metrics.jsonl file (a torn last line, from a crash, is skipped)."""
     path = Path(path)
@@ -273,14 +276,15 @@ class SilentLog:
     def message(self, text: str) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, plot: Path | None = None) -> None:
         pass
 
 
 class MetricsLog:
-    """Appends records to RUN_DIR/metrics.jsonl and mirrors their numbers to TensorBoard."""
+    """Appends records to RUN_DIR/metrics.jsonl and mirrors their numbers to TensorBoard and to a
+    tracker (``tracking.WandbTracker``), when given one."""
 
-    def __init__(self, run_dir: Path, resume_step: int, tensorboard: bool):
+    def __init__(self, run_dir: Path, resume_step: int, tensorboard: bool, tracker=None):
         self.path = Path(run_dir) / METRICS_FILE
         if resume_step > 0:
             truncate_metrics(self.path, resume_step)
@@ -288,6 +292,8 @@ class MetricsLog:
             self.path.unlink(missing_ok=True)  # a fresh run (no checkpoint) starts a fresh history
         self.file = self.path.open("a")
         self.writer = _tensorboard_writer(Path(run_dir) / TENSORBOARD_DIR, resume_step) if tensorboard else None
+        self.tracker = tracker
+        self.last_step = resume_step
 
     @property
     def tensorboard_enabled(self) -> bool:
@@ -296,23 +302,24 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.writer is not None and "step" in record and record.get("event") is None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(_tensorboard_tag(key), value, record["step"])
+        if "step" not in record or record.get("event") is not None:
+            return  # the start header and events (rollback, stopped) carry no curves
+        self.last_step = record["step"]
+        if self.writer is not None:
+            for tag, value in scalar_items(record).items():
+                self.writer.add_scalar(tag, value, record["step"])
+        if self.tracker is not None:
+            self.tracker.log(record)
 
-    def close(self) -> None:
+    def close(self, plot: Path | None = None) -> None:
+        """Close the files and the tracker; ``plot`` (RUN_DIR/loss.png, if drawn) goes to the tracker last."""
         self.file.close()
         if self.writer is not None:
             self.writer.close()
-
-
-def _tensorboard_tag(key: str) -> str:
-    if key.startswith("val_"):
-        return f"valid/{key[4:]}"
-    if key.startswith("loss_"):
-        return f"loss/{key[5:]}"
-    return f"train/{key}"
+        if self.tracker is not None:
+            if plot is not None:
+                self.tracker.log_image("plots/loss", plot, self.last_step)
+            self.tracker.close()
 
 
 def _tensorboard_writer(log_dir: Path, resume_step: int):

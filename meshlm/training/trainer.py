@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,14 +88,20 @@ from meshlm.precision.delayed_scaling import begin_step as begin_delayed_scaling
 from meshlm.precision.delayed_scaling import finish_step as finish_delayed_scaling
 from meshlm.precision.recipes import build_recipe
 from meshlm.training.build import build_model
+from meshlm.training.compile import compile_blocks
 from meshlm.training.cpu_allocator import keep_freed_memory
 from meshlm.training.data_loading import BatchPrefetcher, build_training_data, read_batch
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
+from meshlm.training.memory_estimate import (available_memory, estimate_training_memory, format_bytes,
+                                             memory_warning)
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary, format_count,
                                      peak_flops)
 from meshlm.training.plots import plot_losses
+from meshlm.training.preflight import finished_run, startup_warnings
+from meshlm.training.profiling import StepProfiler
 from meshlm.training.schedules import learning_rate
 from meshlm.training.stop_requests import StopRequests
+from meshlm.training.tracking import WandbTracker, check_wandb_installed
 
 
 @dataclass
@@ -112,6 +119,9 @@ class TrainResult:
     """Rollbacks to the last checkpoint this call made (train.on_nonfinite='rollback')."""
     stopped_by: str | None = None
     """Why the run stopped early and saved: 'SIGTERM', 'SIGINT' or 'time limit' (stop_requests.py); None if not."""
+    already_complete: str | None = None
+    """When RUN_DIR's checkpoint was already at or past train.steps: the sentence saying so (nothing was
+    trained; see meshlm/training/preflight.py). None otherwise."""
 
 
 @dataclass
@@ -156,6 +166,7 @@ class Trainer:
 
     def __init__(self, config):
         config.validate()
+        check_wandb_installed(config.train.wandb)  # train.wandb=true without wandb: refused before any work
         self.stop_requests = StopRequests(config.train.time_limit_minutes)  # the time limit counts from here
         self.device = resolve_device(config.train.device)
         self.requested_dtype = config.precision.dtype  # 'auto' -> bf16 on CUDA, fp32 on CPU, from here on
@@ -171,6 +182,12 @@ class Trainer:
         self.recipe = build_recipe(config.precision, train.seed)  # low-precision GEMMs (None: plain dtype)
         self.context = build_parallel_context(config.parallel, config.model, self.device, train.seq_len,
                                               self.micro_batches_per_step)
+        self.memory = estimate_training_memory(config, self.context)  # before anything is allocated
+        self.memory_available = available_memory(self.device)
+        if self.context.is_logging_rank:
+            too_big = memory_warning(self.memory, self.memory_available, self.device, config)
+            for message in startup_warnings(config) + ([too_big] if too_big else []):
+                warnings.warn(message, stacklevel=2)
         seed_everything(train.seed)
         self.data = self.build_data()
         self.batches = BatchPrefetcher(self.data.train, train.micro_batch_size, pin_memory=self.device.type == "cuda",
@@ -206,6 +223,7 @@ class Trainer:
         self.last_saved_step = self.state.step if checkpoint_dir is not None else None
         self.last_eval_step: int | None = None
         self.skips = SkipStreak.from_config(train)
+        self.compile_pending = train.compile  # in run(), once the progress line can print a fallback notice
 
     def training_parts(self) -> TrainingParts:
         """What a checkpoint saves and restores (see ``meshlm/checkpoint/global_state.py``)."""
@@ -217,7 +235,11 @@ class Trainer:
             return build_training_data(self.config)
         data = build_training_data(self.config) if self.context.rank == 0 else None
         barrier(self.context.world_group)
-        return data if data is not None else build_training_data(self.config)
+        if data is not None:
+            return data
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # rank 0 has given the data's warnings (prefixes over blend, vocabulary)
+            return build_training_data(self.config)
 
     # --- one optimizer step ---------------------------------------------------------------------------
     def micro_batch_starts(self, consumed_samples: int) -> list[int]:
@@ -441,10 +463,16 @@ class Trainer:
         train = self.config.train
         if self.context.is_logging_rank:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.metrics = MetricsLog(self.run_dir, self.state.step, train.tensorboard)
+            tracker = (WandbTracker(self.run_dir, self.config.to_dict(), train.wandb_project, train.wandb_run_name,
+                                    resume=self.resumed_from is not None) if train.wandb else None)
+            self.metrics = MetricsLog(self.run_dir, self.state.step, train.tensorboard, tracker=tracker)
             self.progress = ProgressLine(train.steps, train.progress)
+            if tracker is not None:
+                self.progress.message(tracker.description())
         else:
             self.metrics = self.progress = SilentLog()
+        self.profiler = StepProfiler(train.profile_steps, self.run_dir, self.context.rank, self.device,
+                                     self.progress.message)
         device_peak, source = (peak_flops(self.device, self.config.precision.dtype) if self.context.is_logging_rank
                                else (0.0, "not measured on this rank"))
         peak = device_peak * self.context.world_size  # MFU of the whole run: every device's peak
@@ -470,17 +498,24 @@ class Trainer:
                             "num_parameters": num_parameters, "flops_per_token": flops_per_token,
                             "peak_flops": peak, "peak_flops_source": source,
                             "tokens_per_step": train.global_batch_size * train.seq_len,
+                            "memory_estimate": self.memory.total, "memory_available": self.memory_available,
                             "tensorboard": self.metrics.tensorboard_enabled})
         where = f"resuming from {self.resumed_from}" if self.resumed_from else "starting"
         dtype = self.config.precision.dtype + (" from precision.dtype=auto" if self.requested_dtype == "auto" else "")
+        available = "" if self.memory_available is None else f" of {format_bytes(self.memory_available)} available"
         self.progress.message(f"meshlm train: {where} at step {self.state.step}/{train.steps}; "
                               f"{format_count(num_parameters)} parameters on {placement} "
-                              f"({dtype}); peak {format_count(peak)}FLOP/s ({source})")
+                              f"({dtype}); peak {format_count(peak)}FLOP/s ({source}); "
+                              f"memory estimate {format_bytes(self.memory.total)} per process{available}")
 
     def run(self) -> TrainResult:
         train = self.config.train
         result = TrainResult(run_dir=self.run_dir, step=self.state.step)
+        plot = None
         self.open_logs()
+        if self.compile_pending:  # the parallelized, hooked blocks (meshlm/training/compile.py)
+            compile_blocks(self.model, self.device, self.progress.message)
+            self.compile_pending = False
         self.stop_requests.listen()  # SIGTERM and SIGINT now stop the run after the current step
         try:
             if self.state.step == 0:  # the starting point of the validation curve
@@ -489,7 +524,8 @@ class Trainer:
                     result.val_losses[0] = val_loss
             while self.state.step < train.steps and result.stopped_by is None:
                 started = time.perf_counter()
-                step_result = self.train_step()
+                with self.profiler.step(self.state.step + 1):  # train.profile_steps
+                    step_result = self.train_step()
                 self.throughput.add(train.global_batch_size * train.seq_len, time.perf_counter() - started)
                 result.losses[self.state.step] = step_result.loss
                 self.after_step(step_result, result)
@@ -497,13 +533,16 @@ class Trainer:
             if self.zero_stage == 3:  # leave the model whole (its units gathered) for whoever reads it next
                 self.optimizer.gather_all()
             compare_collectives(self.context, f"at the end of the run (step {self.state.step})")
+            if train.plot and result.losses and self.context.is_logging_rank:
+                plot = plot_losses(self.run_dir)
+                if plot is None:
+                    self.progress.message("meshlm train: matplotlib is not installed, so no loss.png was drawn "
+                                          "(pip install matplotlib).")
         finally:
             self.batches.close()
             self.stop_requests.close()
-            self.metrics.close()
-        if train.plot and result.losses and self.context.is_logging_rank and plot_losses(self.run_dir) is None:
-            self.progress.message("meshlm train: matplotlib is not installed, so no loss.png was drawn "
-                                  "(pip install matplotlib).")
+            self.profiler.stop()  # a run that stopped inside train.profile_steps still writes its trace
+            self.metrics.close(plot)  # loss.png goes to W&B last
         result.step, result.skipped_steps, result.rollbacks = self.state.step, self.state.skipped_steps, \
             self.skips.rollbacks
         return result
@@ -538,9 +577,14 @@ def reduce_max(tensor: torch.Tensor, group) -> None:
     all_reduce_(tensor, group, op="max")
 
 
-def train(config) -> TrainResult:
+def train(config, command_line_keys=()) -> TrainResult:
     """Train (or resume) the run described by ``config``; see the module docstring. A collective that
-    fails because a peer died or hung raises ``CollectiveFailure`` naming it (fault_tolerance.py)."""
+    fails because a peer died or hung raises ``CollectiveFailure`` naming it (fault_tolerance.py).
+    A run already at train.steps trains nothing and says so (``TrainResult.already_complete``), or
+    raises ConfigError when ``command_line_keys`` or a changed config would be ignored (preflight.py)."""
+    finished = finished_run(config, command_line_keys)
+    if finished is not None:
+        return TrainResult(run_dir=Path(config.train.run_dir), step=finished.step, already_complete=finished.message())
     with explain_collective_failures(config.parallel.timeout_s):
         return Trainer(config).run()
 

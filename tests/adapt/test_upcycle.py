@@ -1,6 +1,7 @@
 """Upcycling: the MoE model's outputs equal the dense model's at step 0 (fp32), routing is spread,
 the scale of the approximate routers is right, and ``meshlm upcycle`` writes a loadable folder --
-one tensor at a time, so an MoE model larger than the process's memory cap is written."""
+one tensor at a time, so an MoE model larger than the process's memory cap is written -- that
+trains with router balancing unless the user chose it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from meshlm.adapt.upcycle import down_projection_scale, is_exact, upcycle_model, upcycled_config
-from meshlm.checkpoint.model_files import load_model, save_model
+from meshlm.checkpoint.model_files import load_model, read_model_config, save_model
 from meshlm.cli import main
+from meshlm.config import load_run_config
 from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
@@ -139,6 +141,32 @@ def test_cli_writes_a_folder_that_loads_and_refuses_an_existing_one(tmp_path, ca
         assert relative_error(loaded.eval()(tokens()).logits, dense(tokens()).logits) <= TOLERANCE
     code = main(["upcycle", str(tmp_path / "dense"), str(tmp_path / "moe"), "--experts", "8", "--top-k", "2"])
     assert code == 2 and "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chosen, expected", [
+    ([], dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_bias_update_rate=0.0)),
+    (["moe_aux_loss_coeff=0.02"], dict(moe_aux_loss_coeff=0.02, moe_z_loss_coeff=0.001)),
+    (["moe_bias_update_rate=0.001"], dict(moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.001, moe_bias_update_rate=0.001)),
+    (["moe_aux_loss_coeff=0", "moe_z_loss_coeff=0"], dict(moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)),
+], ids=["defaults", "aux-chosen", "aux-loss-free", "both-off"])
+def test_the_printed_command_trains_with_router_balancing(tmp_path, capsys, chosen, expected):
+    """Without a balancing loss the copied experts' router collapses: upcycle sets Switch's 0.01 and
+    ST-MoE's 0.001 z-loss unless --set chose the balancing, and its train command, applied to the
+    dense config, describes exactly the folder's model (so train.init_from accepts it)."""
+    save_model(dense_model(**DENSE), tmp_path / "dense")
+    arguments = ["--set", *chosen] if chosen else []
+    assert main(["upcycle", str(tmp_path / "dense"), str(tmp_path / "moe"), "--experts", "4", "--top-k", "2",
+                 *arguments]) == 0
+    printed = capsys.readouterr().out
+    written = read_model_config(tmp_path / "moe")
+    assert {name: getattr(written, name) for name in expected} == expected
+    command = next(line for line in printed.splitlines() if line.startswith("train it with:"))
+    for name, value in expected.items():
+        assert (f"model.{name}={value:g}" in command) == (value != 0.0), name
+    overrides = [word for word in command.split()[5:] if word.startswith("model.")]
+    dense_run = [f"model.{key}={value}" for key, value in DENSE.items()]
+    assert load_run_config(None, [*dense_run, *overrides]).model == written
+    assert "router balancing: " + ("none" if not any(expected.values()) else "moe_") in printed
 
 
 def test_upcycling_writes_a_model_larger_than_the_memory_cap(tmp_path):

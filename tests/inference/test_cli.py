@@ -169,3 +169,11 @@ def test_speculative_needs_mtp_depths_and_greedy_decoding(capsys, model_dir):
     assert code == 2 and "model.mtp_depth=0" in err
     code, _, err = run_cli(capsys, model_dir, "--prompt-ids", "1,2", "--max-new-tokens", 4, "--prefill-chunk", 0)
     assert code == 2 and "prefill_chunk=0" in err
+
+
+def test_max_new_tokens_defaults_to_128(capsys, tmp_path):
+    directory = save_model(tiny_model(), tmp_path / "bare")  # no tokenizer, so no eos: all 128 tokens
+    code, out, _ = run_cli(capsys, directory, "--prompt-ids", "5,6", "--greedy", "--json")
+    assert code == 0
+    assert [json.loads(out)["ids"]] == expected_ids(directory, [[5, 6]], 128, SamplingConfig(greedy=True))
+    assert len(json.loads(out)["ids"]) == 128

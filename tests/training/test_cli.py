@@ -21,7 +21,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def config_file(make_config, tmp_path) -> Path:
     """The tiny test run written as a YAML file, the way a user would keep it."""
     path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(make_config("train.steps=2", "train.eval_every=0").to_dict()))
+    config = make_config("train.steps=2", "train.eval_every=0", "optim.warmup_steps=1")  # no warmup warning
+    path.write_text(yaml.safe_dump(config.to_dict()))
     return path
 
 
@@ -92,5 +93,6 @@ def test_python_dash_m_under_a_torchrun_environment(config_file, tmp_path):
     assert "\r" not in finished.stderr
     # a layout that does not fit the world is refused before the process group is joined (the
     # second rank never starts, so joining would hang)
-    refused = run_module(["train", str(config_file), f"train.run_dir={run_dir}", "parallel.tp=3"], world_size="2")
+    refused = run_module(["train", str(config_file), f"train.run_dir={tmp_path / 'new-run'}", "parallel.tp=3"],
+                         world_size="2")  # a new run: a finished one refuses any new setting first (preflight.py)
     assert refused.returncode == 2 and "world of 2 processes is not divisible by tp*pp*cp" in refused.stderr

@@ -1,0 +1,274 @@
+"""How much memory one training process needs, estimated at start-up before anything is allocated.
+
+A run that does not fit is better told so in its first second than after minutes of swapping or
+an out-of-memory error deep in the first backward. The trainer estimates the peak of one process
+and warns when it exceeds what the device has available (``memory_warning``); the estimate is
+also printed in the start-up line. It is a simple, documented bound, accurate to a factor of
+about two, not a planner: it counts the big tensors and nothing else.
+
+**Parameter state**, from the parameter count of the single-process model (built on ``meta``,
+no storage) cut by the layout: block parameters / (tp * pp), routed experts / (ep * etp * pp),
+embedding and output head / tp (both counted, as if on one stage). Bytes per parameter with
+AdamW (see ``meshlm/precision/mixed_precision.py``):
+
+    fp32:       4 weight + 4 grad               + 8 Adam moments (the weights are the masters)
+    bf16/fp16:  2 weight + 4 grad (+2 transient) + 4 fp32 master + 8 Adam moments
+
+ZeRO (``parallel.zero_stage``, Rajbhandari et al. 2020) divides by the data-parallel size (dp * cp;
+the expert-data-parallel size for experts): stage 1 the masters and moments, stage 2 also the
+gradients, stage 3 also the weights. An fp32 run under ZeRO keeps its full weights and a master shard.
+
+**Activations** of one micro-batch (backward follows each micro-batch's forward, so gradient
+accumulation does not add up), as the tensors each block saves for backward. Per token, in
+elements of the run's dtype, with h hidden, F the MLP width, q/kv the query and key/value widths
+(heads * head_dim), d the Mamba inner width, GN its B/C width, k the MoE top-k, w the expert width:
+
+    every block                     3h             its input, the norm's output, the residual sum
+    attention   *                   3q + 2kv       q, k, v, the attention output, o_proj's input
+    MLP         -                   4F (gated) / 2F
+    MoE         E                   k * (3w + 4F or 2F) + the shared expert's MLP + 2 * latent
+    Mamba-2     M                   1.5d + 6GN, plus 4d in fp32 (the SSD output and gated norm)
+
+(measured on CPU with torch 2.13, within ~10% of each kind's saved tensors). The attention
+score matrix [heads, seq, seq] is not stored: the SDPA kernels (flash on CPU and CUDA,
+memory-efficient) never materialise it; only ``model.attention_dropout > 0`` takes the explicit
+softmax path, which saves about 5 + 2 * dtype bytes per score. The output head fuses the
+projection with the loss (``meshlm/models/losses.py``): two fp32 [chunk, vocab] buffers, the
+hidden-state gradient and an fp32 weight gradient, instead of [tokens, vocab] logits; under
+tensor parallelism the vocab-parallel loss holds about three fp32 [tokens, vocab / tp]
+tensors. Each MTP depth adds its blocks, 4h and another head. The peak is at the start of the
+backward, and backward frees each block's tensors about as fast as it makes that block's
+gradients, so no working space is added, except the block being recomputed (with
+``train.recompute=full``) and the scores' temporaries in one layer (with attention dropout).
+
+Layout: a rank holds seq_len / cp tokens of each sequence; inner widths (q, kv, F, d, experts)
+are split by tp (etp), the h-sized tensors too only with sequence parallelism. Recomputation
+(``train.recompute``) keeps only the input (h) of a fully recomputed block, and drops the
+attention core's tensors (and score matrix) with 'selective'. Under pipeline parallelism the
+first stage holds min(pp, micro-batches) micro-batches of its blocks in flight (1F1B), about the
+whole model's layers of one micro-batch (Korthikanti et al. 2022, §4.2.3), times
+1 + (pp - 1) / (pp * vp) with the interleaved schedule.
+
+Not counted: the CUDA context and allocator fragmentation, communication buffers, data batches,
+the low-precision recipes' caches, and an imbalanced MoE routing (experts are assumed to get
+their mean share of tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from meshlm.models.language_model import LanguageModel
+from meshlm.models.losses import default_tokens_per_chunk
+from meshlm.models.mlp import is_gated
+from meshlm.models.pattern import parse_pattern
+from meshlm.parallel.mesh import ParallelContext
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak bytes of one training process, by what holds them."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    """fp32 master weights (when the model is in bf16/fp16, or sharded by ZeRO) and Adam's moments."""
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    def describe(self) -> str:
+        parts = {"weights": self.weights, "gradients": self.gradients, "optimizer state": self.optimizer,
+                 "activations": self.activations}
+        listed = ", ".join(f"{name} {format_bytes(size)}" for name, size in parts.items())
+        return f"{format_bytes(self.total)} ({listed})"
+
+
+def format_bytes(num_bytes: float) -> str:
+    """``1.5 GiB``, ``320 MiB``: three significant digits in the largest unit that keeps the number >= 1."""
+    for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.3g} {unit}"
+    return f"{int(num_bytes)} bytes"
+
+
+# --- parameter state -----------------------------------------------------------------------------------
+def parameter_counts(model_config) -> dict[str, int]:
+    """Parameters of the single-process model by group: 'vocab' (embedding and head), 'experts'
+    (routed experts), 'blocks' (everything else); counted on ``meta``, no storage allocated."""
+    with torch.device("meta"):
+        model = LanguageModel(model_config, seed=0)
+    counts = {"vocab": 0, "experts": 0, "blocks": 0}
+    for name, param in model.named_parameters():
+        group = ("vocab" if name in ("embedding.weight", "output.weight") else
+                 "experts" if ".experts." in name else "blocks")
+        counts[group] += param.numel()
+    return counts
+
+
+def parameter_state_bytes(config, layout, zero_stage: int) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes of this rank's parameters; see the module docstring."""
+    counts = parameter_counts(config.model)
+    local = {"vocab": counts["vocab"] / layout.tp_size,
+             "blocks": counts["blocks"] / (layout.tp_size * layout.pp_size),
+             "experts": counts["experts"] / (layout.ep_size * layout.etp_size * layout.pp_size)}
+    dtype = config.precision.dtype
+    low_precision = dtype != "fp32"
+    grad_bytes = 2 if zero_stage >= 2 and low_precision and not config.parallel.reduce_grads_in_fp32 else 4
+    weights = gradients = optimizer = 0.0
+    for group, count in local.items():
+        shards = layout.edp_size if group == "experts" else layout.dp_cp_size
+        zero = {stage: shards if zero_stage >= stage else 1 for stage in (1, 2, 3)}
+        weights += count * DTYPE_BYTES[dtype] / zero[3]
+        gradients += count * grad_bytes / zero[2] + (count * 2 if low_precision and zero_stage < 2 else 0)
+        masters = 4 if low_precision or zero_stage >= 1 else 0  # fp32 without ZeRO: the weights are the masters
+        optimizer += count * (masters + 8) / zero[1]
+    return int(weights), int(gradients), int(optimizer)
+
+
+# --- activations ---------------------------------------------------------------------------------------
+def mlp_elements(width: int, activation: str) -> int:
+    """Elements per token an MLP of inner ``width`` saves: gate, up, silu(gate) and their product
+    (SwiGLU), or the projection and the activation's output."""
+    return (4 if is_gated(activation) else 2) * width
+
+
+def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout) -> float:
+    """Bytes one block of ``kind`` saves for backward over a micro-batch of ``seq`` tokens per sequence
+    (this rank's share); see the module docstring."""
+    model, train = config.model, config.train
+    dtype_bytes, tp, h = DTYPE_BYTES[config.precision.dtype], layout.tp_size, model.hidden_size
+    tokens = micro_batch * seq
+    residual = 3 * h / (tp if layout.sequence_parallel else 1)
+    if kind == "*":
+        selective = train.recompute == "selective"
+        query = model.num_attention_heads * model.resolved_head_dim
+        key_value = model.resolved_num_kv_heads * model.resolved_head_dim
+        elements = residual + ((2 if selective else 3) * query + 2 * key_value) / tp
+        scores = 0.0
+        if model.attention_dropout > 0 and not selective:  # the explicit softmax keeps [heads, seq, seq]
+            scores = micro_batch * model.num_attention_heads / tp * seq * seq * (5 + 2 * dtype_bytes)
+        return elements * tokens * dtype_bytes + scores
+    if kind == "-":
+        return (residual + mlp_elements(model.resolved_ffn_hidden_size, model.mlp_activation) / tp) \
+            * tokens * dtype_bytes
+    if kind == "E":
+        expert_width = model.moe_latent_size or h
+        routed = model.moe_top_k * (3 * expert_width + mlp_elements(model.resolved_moe_ffn_hidden_size,
+                                                                    model.mlp_activation)) / layout.etp_size
+        shared = mlp_elements(model.moe_shared_expert_ffn_hidden_size, model.mlp_activation) / tp
+        latent = 2 * (model.moe_latent_size or 0)
+        return (residual + routed + shared + latent) * tokens * dtype_bytes
+    if kind == "M":
+        inner, groups = model.mamba_inner_size, model.mamba_num_groups * model.mamba_state_size
+        in_run_dtype = residual + (1.5 * inner + 6 * groups) / tp
+        return (in_run_dtype * dtype_bytes + 4 * inner / tp * 4) * tokens
+    raise ValueError(f"unknown block kind {kind!r}")
+
+
+def head_bytes(config, tokens: int, layout) -> float:
+    """The output head and loss: fused chunks in one process, vocab-parallel logits under TP."""
+    model, dtype_bytes = config.model, DTYPE_BYTES[config.precision.dtype]
+    vocab, h = model.vocab_size, model.hidden_size
+    hidden_terms = 4 * h * tokens * dtype_bytes  # the last block's output, the final norm, the hidden gradient
+    if layout.tp_size > 1:
+        return hidden_terms + 3 * tokens * vocab / layout.tp_size * 4
+    chunk = min(tokens, default_tokens_per_chunk(vocab))
+    return hidden_terms + 2 * chunk * vocab * 4 + vocab * h * 4
+
+
+def activation_bytes(config, layout) -> int:
+    """Bytes the activations of the micro-batches in flight take on this rank at the start of a backward."""
+    model, train = config.model, config.train
+    seq, micro_batch = math.ceil(train.seq_len / layout.cp_size), train.micro_batch_size
+    kinds = list(model.block_kinds)
+    per_block = [block_activation_bytes(kind, config, micro_batch, seq, layout) for kind in kinds]
+    kept = list(per_block)
+    if train.recompute == "full":  # a recomputed block keeps only its input
+        input_bytes = micro_batch * seq * model.hidden_size * DTYPE_BYTES[config.precision.dtype]
+        kept = [input_bytes if index % train.recompute_every == 0 else block_bytes
+                for index, block_bytes in enumerate(per_block)]
+    mtp_kinds = parse_pattern(model.mtp_pattern, "model.mtp_pattern").kinds if model.mtp_depth else ()
+    mtp = model.mtp_depth * (sum(block_activation_bytes(kind, config, micro_batch, seq, layout) for kind in mtp_kinds)
+                             + 4 * micro_batch * seq * model.hidden_size * DTYPE_BYTES[config.precision.dtype]
+                             + head_bytes(config, micro_batch * seq, layout))
+    # 1F1B: the first stage holds min(pp, micro-batches) micro-batches of its 1/pp of the blocks
+    micro_batches_per_rank = train.global_batch_size // (train.micro_batch_size * layout.dp_size)
+    in_flight = min(layout.pp_size, micro_batches_per_rank) / layout.pp_size
+    if layout.vp_size > 1:
+        in_flight *= 1 + (layout.pp_size - 1) / (layout.pp_size * layout.vp_size)
+    stages = in_flight * (sum(kept) + mtp) + head_bytes(config, micro_batch * seq, layout)
+    recomputing = max(per_block, default=0) if train.recompute == "full" else 0  # the block rerun in backward
+    return int(stages + recomputing + score_transient_bytes(config, micro_batch, seq, layout))
+
+
+def score_transient_bytes(config, micro_batch: int, seq: int, layout) -> float:
+    """With attention dropout, the layer being computed also holds the dropout mask's int64 hashes
+    and fp32 copies of its scores (masked, softmaxed) for a moment: about 28 bytes per score of one
+    layer (measured on CPU)."""
+    model = config.model
+    if model.attention_dropout == 0 or "*" not in model.block_kinds:
+        return 0.0
+    return micro_batch * model.num_attention_heads / layout.tp_size * seq * seq * 28
+
+
+# --- the estimate and the warning ----------------------------------------------------------------------
+def estimate_training_memory(config, layout=None) -> MemoryEstimate:
+    """The peak memory of one process of the run ``config`` (a validated RunConfig whose
+    precision.dtype is resolved) at ``layout`` (a ParallelContext; None: a single process)."""
+    layout = layout if layout is not None else ParallelContext()
+    zero_stage = config.parallel.sharding_stage if layout.distributed else 0
+    weights, gradients, optimizer = parameter_state_bytes(config, layout, zero_stage)
+    return MemoryEstimate(weights, gradients, optimizer, activation_bytes(config, layout))
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes this process may still use: free memory on a CUDA device; on the CPU the host's
+    available memory (psutil, else /proc/meminfo's MemAvailable) shared by the node's processes
+    (LOCAL_WORLD_SIZE under torchrun); None where it cannot be known."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        import psutil
+        available = psutil.virtual_memory().available
+    except ImportError:
+        available = meminfo_available()
+    if available is None:
+        return None
+    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def meminfo_available(path: Path = Path("/proc/meminfo")) -> int | None:
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def memory_warning(estimate: MemoryEstimate, available: int | None, device: torch.device, config) -> str | None:
+    """One sentence when ``estimate`` exceeds ``available`` bytes: the numbers and what lowers them."""
+    if available is None or estimate.total <= available:
+        return None
+    train = config.train
+    return (f"the estimated peak memory of this process, {estimate.describe()}, exceeds the {format_bytes(available)} "
+            f"available on {device}; lower train.micro_batch_size ({train.micro_batch_size}) or train.seq_len "
+            f"({train.seq_len}), set train.recompute=full, or spread the run with parallel.tp, parallel.pp, "
+            f"parallel.cp (activations) or parallel.zero_stage (optimizer state and gradients).")
+
+
+__all__ = ["MemoryEstimate", "activation_bytes", "available_memory", "estimate_training_memory", "format_bytes",
+           "memory_warning", "parameter_counts", "parameter_state_bytes"]

@@ -1,0 +1,65 @@
+"""train.compile (meshlm/training/compile.py): compiled blocks train like eager ones; no compiler -> eager, said once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshlm.training.compile import CompiledForward
+from meshlm.training.trainer import Trainer
+
+
+def test_compiled_blocks_give_the_eager_losses(make_config, tmp_path, capsys):
+    """Inductor on CPU: the first step compiles the two block kinds (~30 s on a 2-core machine)."""
+    settings = ("train.steps=3", "train.eval_every=0", "train.save_every=0")
+    eager = Trainer(make_config(*settings, f"train.run_dir={tmp_path / 'eager'}"))
+    compiled = Trainer(make_config(*settings, "train.compile=true", f"train.run_dir={tmp_path / 'compiled'}"))
+    eager_losses, compiled_losses = eager.run().losses, compiled.run().losses
+    assert "running eagerly" not in capsys.readouterr().err
+    blocks = compiled.model.blocks
+    assert all(isinstance(block.forward, CompiledForward) and block.forward.fallback.reason is None for block in blocks)
+    assert list(compiled.model.state_dict()) == list(eager.model.state_dict())  # checkpoints are unchanged
+    assert sorted(compiled_losses) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert compiled_losses[step] == pytest.approx(eager_losses[step], rel=1e-4)
+
+
+def test_without_a_cpp_compiler_the_run_goes_on_eagerly(make_config, tmp_path, capsys, monkeypatch):
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpp_builder import cpp_compiler_search
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("meshlm-no-such-compiler",))
+    cpp_compiler_search.cache_clear()
+    try:
+        settings = ("train.steps=3", "train.eval_every=0", "train.save_every=0")
+        fallback = Trainer(make_config(*settings, "train.compile=true", f"train.run_dir={tmp_path / 'fallback'}"))
+        losses = fallback.run().losses
+    finally:
+        cpp_compiler_search.cache_clear()  # the real compiler is found again by the next test
+    notices = [line for line in capsys.readouterr().err.splitlines() if "train.compile" in line]
+    assert notices == ["meshlm train: train.compile=true but Inductor needs a C++ compiler for CPU code and none "
+                       "was found (install g++, or set CXX); running eagerly."]
+    assert not any(isinstance(block.forward, CompiledForward) for block in fallback.model.blocks)
+    eager = Trainer(make_config(*settings, f"train.run_dir={tmp_path / 'eager'}")).run().losses
+    assert losses == eager and torch.isfinite(torch.tensor(list(losses.values()))).all()
+
+
+def test_a_block_that_fails_to_compile_runs_eagerly_with_one_notice():
+    from meshlm.models.config import ModelConfig
+    from meshlm.models.language_model import LanguageModel
+    from meshlm.training.compile import EagerFallback
+
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("no kernel for this op\n(details)")
+
+    model = LanguageModel(ModelConfig(vocab_size=64, hidden_size=32, pattern="*-", num_attention_heads=4), seed=0)
+    input_ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids, input_ids).loss
+    notices = []
+    fallback = EagerFallback(notices.append)
+    for block in model.blocks:
+        block.forward = CompiledForward(block.forward, fallback, backend=failing_backend)
+    assert torch.equal(model(input_ids, input_ids).loss, expected)
+    assert torch.equal(model(input_ids, input_ids).loss, expected)  # later calls go straight to eager
+    assert notices == ["meshlm train: train.compile=true but failing_backend failed to compile a block "
+                       "(RuntimeError: no kernel for this op); running eagerly."]

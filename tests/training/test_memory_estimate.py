@@ -1,0 +1,80 @@
+"""The start-up memory estimate (meshlm/training/memory_estimate.py): close to the measured peak of
+a real step, and a warning that names the numbers and the settings when it does not fit."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm.parallel.mesh import ParallelContext
+from meshlm.precision.device_defaults import resolve_precision
+from meshlm.training.memory_estimate import estimate_training_memory, memory_warning
+from meshlm.training.metrics import read_metrics
+from meshlm.training.trainer import Trainer, train
+from tests.helpers.memory import peak_allocated_bytes
+
+CPU = torch.device("cpu")
+
+
+def resolved(config):
+    """The config as the trainer holds it (precision.dtype 'auto' resolved for the CPU)."""
+    return dataclasses.replace(config, precision=resolve_precision(config.precision, CPU))
+
+
+@pytest.mark.parametrize("settings", [
+    ("model.pattern=M-*E", "model.moe_num_experts=4", "model.moe_aux_loss_coeff=0.01", "train.seq_len=128"),
+    ("model.pattern=*-*-", "train.seq_len=256", "precision.dtype=bf16", "train.recompute=full"),  # activations dominate
+    ("model.pattern=*-", "model.hidden_size=128", "train.seq_len=16"),  # parameter state dominates
+])
+def test_estimate_is_within_a_factor_of_two_of_the_measured_peak(make_config, settings):
+    config = make_config("model.hidden_size=64", "train.steps=1", "train.eval_every=0", "train.prefetch_batches=false",
+                         "optim.warmup_steps=0", *settings)
+    trainer = Trainer(config)
+    weights = sum(param.numel() * param.element_size() for param in trainer.model.parameters())
+    masters = sum(param.numel() * param.element_size() for param in trainer.master_parameters)
+    # The first step allocates the gradients and Adam's moments, on top of the weights (and masters)
+    measured = (weights + masters * trainer.precision.low_precision) + peak_allocated_bytes(trainer.train_step)
+    estimate = estimate_training_memory(resolved(config))
+    assert 0.5 < estimate.total / measured < 2, (estimate, measured)
+
+
+def test_a_huge_seq_len_warns_with_the_estimate_and_the_fix(make_config):
+    config = resolved(make_config("train.seq_len=100000"))  # nothing is built and no step runs
+    estimate = estimate_training_memory(config)
+    assert estimate.activations > 100 * estimate.weights
+    message = memory_warning(estimate, 256 * 2 ** 20, CPU, config)
+    assert message.startswith("the estimated peak memory of this process, ")
+    assert "exceeds the 256 MiB available on cpu" in message
+    for setting in ("train.micro_batch_size (2)", "train.seq_len (100000)", "train.recompute=full", "parallel.tp"):
+        assert setting in message
+    assert memory_warning(estimate, 64 * 2 ** 30, CPU, config) is None  # it fits: nothing to say
+    assert memory_warning(estimate, None, CPU, config) is None  # unknown: nothing to say
+
+
+def test_the_layout_and_recomputation_lower_the_estimate(make_config):
+    config = resolved(make_config("model.pattern=*-*-*-*-", "train.seq_len=4096", "train.micro_batch_size=4",
+                                  "train.global_batch_size=16"))
+    single = estimate_training_memory(config)
+    split = ParallelContext(world_size=8, tp_size=2, cp_size=2, dp_size=2, dp_cp_size=4, edp_size=4,
+                            sequence_parallel=True)
+    sharded = estimate_training_memory(dataclasses.replace(config, parallel=dataclasses.replace(
+        config.parallel, tp=2, cp=2, sp=True, zero_stage=1)), split)
+    assert sharded.activations < single.activations / 3  # tokens / cp, widths / tp (the vocab-parallel loss: more)
+    assert sharded.optimizer < single.optimizer / 2  # / tp, then ZeRO-1 over dp * cp
+    recomputed = estimate_training_memory(dataclasses.replace(config, train=dataclasses.replace(
+        config.train, recompute="full")))
+    assert recomputed.activations < single.activations / 2  # 8 block inputs and one block rerun, not 8 blocks
+
+
+def test_the_start_line_and_metrics_carry_the_estimate(make_config, capsys):
+    config = make_config("train.steps=1", "train.eval_every=0")
+    train(config)
+    log = capsys.readouterr().err  # the progress messages' stream
+    start = next(line for line in log.splitlines() if line.startswith("meshlm train: starting at step 0/1"))
+    assert "memory estimate " in start and " per process of " in start and " available" in start
+    record = read_metrics(Path(config.train.run_dir) / "metrics.jsonl")[0]
+    assert record["memory_estimate"] == estimate_training_memory(resolved(config)).total
+    assert record["memory_available"] > 0
