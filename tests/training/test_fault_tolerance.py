@@ -156,7 +156,7 @@ def test_skip_streak_and_config_checks(make_config):
 def test_the_command_exits_non_zero_with_the_reason(make_config, monkeypatch, capsys):
     import meshlm.training.trainer as trainer_module
 
-    def stopped(config):
+    def stopped(config, **options):
         raise NonFiniteTrainingStop("step 7: 3 steps in a row had a non-finite loss")
 
     monkeypatch.setattr(trainer_module, "train", stopped)
