@@ -466,6 +466,8 @@ def _coerce(key: str, value, annotation):
             return value
         if origin is list and isinstance(value, list):
             return value
+        if origin is dict and isinstance(value, dict):  # e.g. model.block_overrides (checked by its section)
+            return value
     names = " or ".join(getattr(typing.get_origin(o) or o, "__name__", str(o)) for o in options)
     raise ConfigError(f"{key}={value!r} has the wrong type; expected {names}.")
 

@@ -327,6 +327,13 @@ def common_unsupported(config: ModelConfig) -> list[str]:
         reasons.append(f"model.norm={config.norm!r} (HF models here use RMSNorm)")
     if config.mtp_depth:
         reasons.append(f"model.mtp_depth={config.mtp_depth} (multi-token-prediction heads are not exported yet)")
+    if config.block_overrides:
+        blocks = "; ".join(f"block {index} sets {', '.join(fields)}" for index, fields in config.block_overrides.items())
+        reasons.append(f"model.block_overrides ({blocks}: these formats have one size per field for all layers)")
+    replaced = [f"{index} ('{kind}')" for index, kind in enumerate(config.block_kinds) if kind in ("L", "0")]
+    if replaced:
+        reasons.append(f"linear/no-op blocks {', '.join(replaced)} in model.pattern (these formats have no "
+                       "replaced or removed layers)")
     return reasons
 
 

@@ -1,11 +1,17 @@
 """One residual block: ``h + dropout(mixer(norm(h)))``, the mixer chosen by a pattern symbol.
 
 The pattern (``meshlm/models/pattern.py``) names one block per symbol: ``*`` attention, ``-`` MLP,
-``M`` Mamba-2, ``E`` Mixture-of-Experts. Every block is pre-norm (the norm acts on the block's
+``M`` Mamba-2, ``E`` Mixture-of-Experts, ``L`` linear, ``0`` no-op. Every block is pre-norm (the norm acts on the block's
 input, the residual stream is never normalized in place), as in GPT-2 and Llama. The main stack
 (``language_model.py``) and every multi-token-prediction depth (``mtp.py``) are built from these.
 Full recomputation (``training.recompute=full``) keeps only the block input and reruns norm and
 mixer in backward.
+
+Each block is built from its own config, ``config.for_block(index)`` (``model.block_overrides``),
+so the sizes of a heterogeneous stack live in the modules themselves. The two replacement kinds
+of Puzzle (Bercovich et al. 2024) are blocks too: ``L`` is ``h + W norm(h)`` with one hidden x
+hidden matrix and no bias (the norm kept, as in Llama-Nemotron's linear replacements), and ``0``
+is ``h`` -- no norm, no mixer, no parameters, no cache.
 """
 
 from __future__ import annotations
@@ -22,6 +28,19 @@ from meshlm.models.mamba2 import Mamba2Mixer
 from meshlm.models.mlp import MLP
 from meshlm.models.moe.layer import MoELayer
 from meshlm.models.norms import make_norm
+from meshlm.models.pattern import LINEAR, NO_OP
+
+
+class LinearMixer(nn.Module):
+    """Puzzle's linear replacement of a mixer: y = x W^T, W [hidden, hidden], no bias. Named
+    ``out_proj`` because it writes into the residual stream (scaled init, ``models/init.py``)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, context=None) -> torch.Tensor:
+        return self.out_proj(x)
 
 
 def build_mixer(kind: str, config: ModelConfig, layer_index: int) -> nn.Module:
@@ -34,19 +53,22 @@ def build_mixer(kind: str, config: ModelConfig, layer_index: int) -> nn.Module:
         return Mamba2Mixer(config, layer_index)
     if kind == "E":
         return MoELayer(config)
+    if kind == LINEAR:
+        return LinearMixer(config.hidden_size)
     raise ValueError(f"unknown block kind {kind!r}")
 
 
 class Block(nn.Module):
-    """One pre-norm residual block: ``h + dropout(mixer(norm(h)))``."""
+    """One pre-norm residual block: ``h + dropout(mixer(norm(h)))``; a no-op block (``0``) is ``h``."""
 
     def __init__(self, kind: str, config: ModelConfig, layer_index: int):
         super().__init__()
         self.kind = kind
         self.layer_index = layer_index
         """The block's index in the whole model (MTP blocks count on after the main blocks), on any pipeline stage."""
-        self.norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
-        self.mixer = build_mixer(kind, config, layer_index)
+        config = config.for_block(layer_index)
+        self.norm = None if kind == NO_OP else make_norm(config.norm, config.hidden_size, config.norm_eps)
+        self.mixer = None if kind == NO_OP else build_mixer(kind, config, layer_index)
         self.dropout = HiddenDropout(config.hidden_dropout, dropout_site("block_output", layer_index))
         self.recompute = False
         """Full recomputation (set by training.recompute): keep only the block input for backward
@@ -56,6 +78,8 @@ class Block(nn.Module):
         return self.mixer(self.norm(hidden), context)
 
     def forward(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:
+        if self.mixer is None:  # a removed block
+            return hidden
         if self.recompute and torch.is_grad_enabled() and context.cache is None:
             # MoE losses come back from the first run only; the rerun in backward is discarded.
             mixed = torch.utils.checkpoint.checkpoint(self.norm_and_mix, hidden, context, use_reentrant=False)
@@ -67,4 +91,4 @@ class Block(nn.Module):
         return hidden + self.dropout(mixed, context)
 
 
-__all__ = ["Block", "build_mixer"]
+__all__ = ["Block", "LinearMixer", "build_mixer"]

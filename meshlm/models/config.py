@@ -11,6 +11,15 @@ A Llama-style model is ``"*-*-*-*-"`` (each Llama layer is an attention block fo
 MLP block, each with its own norm); a Nemotron-H-style hybrid is ``"M-M-M*-M-"``; a hybrid MoE
 is ``"ME*EME"``. Every field below is read by exactly one module, and ``validate()`` checks the
 whole config once, naming the field, the value and the fix.
+
+**Heterogeneous stacks** (Llama-Nemotron, built by Puzzle's NAS: Bercovich et al. 2024). Two more
+symbols replace a block by something cheaper: ``L``, a *linear replacement* ``h + W norm(h)`` with
+W one hidden x hidden matrix (Puzzle keeps the sub-block's norm, as Llama-Nemotron's
+``replace_with_linear`` does), and ``0``, a *no-op* (the block is removed: the identity). And
+``block_overrides`` gives single blocks their own sizes -- ``{3: {ffn_hidden_size: 128}, 5:
+{num_kv_heads: 1}}`` -- of the fields in ``BLOCK_OVERRIDE_FIELDS`` that apply to the block's kind.
+``for_block(i)`` is the one place they are resolved: the config block i is built, split and
+measured with (everything not overridden, and the head_dim of attention blocks, stays the model's).
 """
 
 from __future__ import annotations
@@ -32,6 +41,15 @@ AUX_LOSS_TYPES = ("micro_batch", "sequence", "global")
 DROP_POLICIES = ("probs", "position")
 
 
+BLOCK_OVERRIDE_FIELDS = {
+    "*": ("num_attention_heads", "num_kv_heads", "head_dim"),
+    "-": ("ffn_hidden_size",),
+    "M": ("mamba_num_heads",),
+    "E": ("moe_num_experts", "moe_ffn_hidden_size"),
+}
+"""The fields ``model.block_overrides`` may set for one block, by the block's pattern symbol
+(linear ``L`` and no-op ``0`` blocks have none)."""
+
 TRAINING_ONLY_FIELDS = ("hidden_dropout", "attention_dropout", "mamba_scan")
 """Fields that change neither the parameters nor the inference function: a checkpoint may be
 resumed with other values (and a checkpoint written before they existed has their defaults).
@@ -49,7 +67,13 @@ class ModelConfig:
     """Width of the residual stream (h in the papers)."""
     pattern: str = "*-*-"
     """Layer stack, one symbol per pre-norm residual block: M Mamba-2, * attention, - MLP,
-    E MoE; '|' marks a pipeline-stage boundary and is not a block."""
+    E MoE, L linear (h + W norm(h), W hidden x hidden), 0 no-op (identity); '|' marks a
+    pipeline-stage boundary and is not a block."""
+    block_overrides: dict[int, dict] = field(default_factory=dict)
+    """Per-block sizes, {block index: {field: value}}, e.g. {3: {ffn_hidden_size: 128}, 5:
+    {num_kv_heads: 1}}: attention blocks may set num_attention_heads, num_kv_heads, head_dim; MLP
+    blocks ffn_hidden_size; Mamba blocks mamba_num_heads; MoE blocks moe_num_experts,
+    moe_ffn_hidden_size. Empty: every block of a kind has the sizes below."""
 
     # --- attention ---------------------------------------------------------------------------
     num_attention_heads: int = 4
@@ -233,6 +257,19 @@ class ModelConfig:
         """d_inner = H * P, the width of x, z and the gated norm."""
         return self.resolved_mamba_num_heads * self.mamba_head_dim
 
+    def for_block(self, index: int) -> "ModelConfig":
+        """The config of block ``index``: this one with ``block_overrides[index]`` applied (this very
+        object when the block has none, and for MTP blocks, which count on after the main ones).
+        An attention block that changes its head count keeps the model's head_dim (as in
+        Llama-Nemotron) unless it sets head_dim too."""
+        overrides = self.block_overrides.get(index)
+        if not overrides:
+            return self
+        values = dict(overrides)
+        if self.block_kinds[index] == "*" and "head_dim" not in values:
+            values["head_dim"] = self.resolved_head_dim
+        return dataclasses.replace(self, block_overrides={}, **values)
+
     @property
     def output_init_std(self) -> float:
         return self.init_std / math.sqrt(2 * max(self.num_blocks, 1))
@@ -275,6 +312,42 @@ class ModelConfig:
                 raise ConfigError(f"model.{name}={value!r} must be a probability in [0, 1) (0 turns it off).")
         if self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} and model.init_std={self.init_std} must be > 0.")
+        self._validate_block_overrides()
+
+    def _validate_block_overrides(self) -> None:
+        """Keys become ints (JSON writes them as strings); every override names an existing block and
+        a field of its kind, and the block's resolved config must itself be valid."""
+        if not isinstance(self.block_overrides, dict):
+            raise ConfigError(f"model.block_overrides={self.block_overrides!r} must be a mapping from block index "
+                              "to field overrides, e.g. {3: {ffn_hidden_size: 128}}.")
+        every_field = sorted({name for names in BLOCK_OVERRIDE_FIELDS.values() for name in names})
+        resolved = {}
+        for key, overrides in self.block_overrides.items():
+            index = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.num_blocks:
+                raise ConfigError(f"model.block_overrides has block {key!r}, but model.pattern={self.pattern!r} has "
+                                  f"{self.num_blocks} blocks; use an index from 0 to {self.num_blocks - 1}.")
+            kind = self.block_kinds[index]
+            if not isinstance(overrides, dict):
+                raise ConfigError(f"model.block_overrides[{index}]={overrides!r} must be a mapping of fields, e.g. "
+                                  "{ffn_hidden_size: 128}.")
+            for name in overrides:
+                if name not in every_field:
+                    raise ConfigError(f"model.block_overrides[{index}].{name} cannot be set per block; the per-block "
+                                      f"fields are {', '.join(every_field)}.")
+                allowed = BLOCK_OVERRIDE_FIELDS.get(kind, ())
+                if name not in allowed:
+                    raise ConfigError(f"model.block_overrides[{index}].{name} does not apply to block {index}, a "
+                                      f"{BLOCK_KINDS[kind]} block ('{kind}'), which takes "
+                                      f"{', '.join(allowed) or 'no overrides'}.")
+            resolved[index] = dict(overrides)
+        self.block_overrides = dict(sorted(resolved.items()))
+        for index in self.block_overrides:
+            try:
+                self.for_block(index)
+            except ConfigError as error:
+                kind = self.block_kinds[index]
+                raise ConfigError(f"model.block_overrides[{index}] ({BLOCK_KINDS[kind]} block '{kind}'): {error}") from None
 
     def _validate_attention(self) -> None:
         heads, kv_heads = self.num_attention_heads, self.resolved_num_kv_heads
@@ -335,7 +408,9 @@ class ModelConfig:
 
     # --- (de)serialization --------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        values["block_overrides"] = {index: dict(fields) for index, fields in self.block_overrides.items()}
+        return values
 
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":
@@ -362,4 +437,4 @@ def _choice(config: ModelConfig, name: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"model.{name}={value!r} is not one of {', '.join(allowed)}.")
 
 
-__all__ = ["ModelConfig", "BLOCK_KINDS", "TRAINING_ONLY_FIELDS"]
+__all__ = ["ModelConfig", "BLOCK_KINDS", "BLOCK_OVERRIDE_FIELDS", "TRAINING_ONLY_FIELDS"]

@@ -46,8 +46,12 @@ Per block kind, for a sequence of T tokens (h hidden, a/k query/KV heads of widt
   fused kernels pass states with a sequential, elementwise scan over chunks instead, which is
   no matmul at all). (The reference ``ssd.py`` repeats B and C for every head and so computes
   the scores H / G times.)
+- linear ``L``: its one hidden x hidden matrix, 2 h^2 T; no-op ``0``: nothing.
 - the output head costs 2 h V per token (tied or not), and each multi-token-prediction depth
   adds its 2h -> h projection, its blocks and another pass through the head.
+
+Every block is measured with its own sizes, ``config.for_block(index)`` (``model.block_overrides``):
+a heterogeneous stack's FLOPs are the sum of its blocks', and pipeline stages are balanced by them.
 
 The SSD scan counts its padded last chunk, as our implementation computes it, so that
 FlopCounterMode agrees exactly; the conv's multiply-adds are elementwise ops, which
@@ -62,7 +66,7 @@ from dataclasses import dataclass
 from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
 from meshlm.models.mlp import is_gated
-from meshlm.models.pattern import parse_pattern
+from meshlm.models.pattern import LINEAR, NO_OP, parse_pattern
 
 BACKWARD_TO_FORWARD = 2
 """Backward matmul FLOPs per forward matmul FLOP (grad of input + grad of weight)."""
@@ -158,7 +162,8 @@ def mamba_terms(config: ModelConfig, seq_len: int) -> dict[str, int]:
 
 
 def block_flops(kind: str, config: ModelConfig, seq_len: int) -> BlockFlops:
-    """Forward matmul FLOPs of one block of ``kind`` ('*', '-', 'E' or 'M') over ``seq_len`` tokens."""
+    """Forward matmul FLOPs of one block of ``kind`` over ``seq_len`` tokens, sized by ``config``
+    (for block i of a model: ``config.for_block(i)``, as ``model_block_flops`` does)."""
     if not isinstance(seq_len, int) or seq_len <= 0:
         raise ConfigError(f"seq_len={seq_len!r} must be a positive integer (tokens per sequence).")
     if kind == "*":
@@ -169,9 +174,18 @@ def block_flops(kind: str, config: ModelConfig, seq_len: int) -> BlockFlops:
         terms = moe_terms(config, seq_len)
     elif kind == "M":
         terms = mamba_terms(config, seq_len)
+    elif kind == LINEAR:
+        terms = {"linear": linear_flops(config.hidden_size, config.hidden_size, seq_len)}
+    elif kind == NO_OP:
+        terms = {}
     else:
-        raise ConfigError(f"block kind {kind!r} is not one of M * - E.")
+        raise ConfigError(f"block kind {kind!r} is not one of M * - E L 0.")
     return BlockFlops(kind, seq_len, terms)
+
+
+def model_block_flops(config: ModelConfig, seq_len: int) -> list[BlockFlops]:
+    """Forward FLOPs of each block of the main stack, each with its own sizes (``config.for_block``)."""
+    return [block_flops(kind, config.for_block(index), seq_len) for index, kind in enumerate(config.block_kinds)]
 
 
 def head_flops(config: ModelConfig, seq_len: int) -> int:
@@ -188,8 +202,7 @@ def mtp_depth_flops(config: ModelConfig, seq_len: int) -> int:
 
 def model_flops_breakdown(config: ModelConfig, seq_len: int) -> dict[str, int]:
     """Forward FLOPs of one sequence by part: 'blocks.{i}', 'head', 'mtp.{k}'."""
-    parts = {f"blocks.{index}": block_flops(kind, config, seq_len).per_sequence
-             for index, kind in enumerate(config.block_kinds)}
+    parts = {f"blocks.{index}": flops.per_sequence for index, flops in enumerate(model_block_flops(config, seq_len))}
     parts["head"] = head_flops(config, seq_len)
     for depth in range(config.mtp_depth):
         parts[f"mtp.{depth}"] = mtp_depth_flops(config, seq_len)
@@ -210,5 +223,5 @@ def model_flops_per_token(config: ModelConfig, seq_len: int, include_backward: b
     return model_flops_per_sequence(config, seq_len, include_backward) / seq_len
 
 
-__all__ = ["BlockFlops", "block_flops", "model_flops_breakdown", "model_flops_per_sequence",
+__all__ = ["BlockFlops", "block_flops", "model_block_flops", "model_flops_breakdown", "model_flops_per_sequence",
            "model_flops_per_token", "ssd_scan_terms", "BACKWARD_TO_FORWARD"]

@@ -1,5 +1,8 @@
 """Parse a layer pattern string into block kinds and pipeline-stage boundaries.
 
+Symbols: ``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``E`` MoE, ``L`` linear (one hidden x hidden
+matrix in place of a mixer), ``0`` no-op (a removed block: the identity); ``|`` is not a block.
+
 ``"M-M*|-M-E"`` is eight blocks (M, -, M, *, -, M, -, E) with a pipeline-stage boundary after the
 fourth. Whitespace is ignored so long patterns can be written in readable groups.
 """
@@ -15,7 +18,13 @@ BLOCK_KINDS = {
     "*": "attention",
     "-": "mlp",
     "E": "moe",
+    "L": "linear",
+    "0": "no-op",
 }
+LINEAR = "L"
+"""Puzzle's "linear replacement" (Bercovich et al. 2024): h + W norm(h), W one hidden x hidden matrix."""
+NO_OP = "0"
+"""A removed block (Puzzle's "no-op"): h passes through unchanged; no parameters, no cache, no FLOPs."""
 STAGE_BOUNDARY = "|"
 
 
@@ -48,7 +57,7 @@ def parse_pattern(pattern: str, field_name: str = "pattern") -> ParsedPattern:
                               f"use {allowed}, and '|' for a pipeline-stage boundary.")
         kinds.append(symbol)
     if not kinds:
-        raise ConfigError(f"{field_name}={pattern!r} has no blocks; write at least one of M * - E.")
+        raise ConfigError(f"{field_name}={pattern!r} has no blocks; write at least one of M * - E L 0.")
     if len(stage_starts) > 1 and stage_starts[-1] == len(kinds):
         raise ConfigError(f"{field_name}={pattern!r} ends with '|', which would make an empty last stage.")
     return ParsedPattern(tuple(kinds), tuple(stage_starts))

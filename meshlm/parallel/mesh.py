@@ -159,34 +159,49 @@ def _divides(size: int, value: int, what: str, fix: str, size_name: str = "paral
         raise ConfigError(f"{what} = {value} is not divisible by {size_name}={size}; {fix}")
 
 
-def _check_tensor_parallel(tp: int, model, kinds: set) -> None:
-    if tp > 1 and "*" in kinds:
-        _divides(tp, model.num_attention_heads, "model.num_attention_heads", "each rank must hold whole heads.")
+def _check_tensor_parallel(tp: int, model, kind: str, where: str = "") -> None:
+    """The sizes of a ``kind`` block of config ``model`` split over tp; ``where`` names an overridden block."""
+    if tp > 1 and kind == "*":
+        _divides(tp, model.num_attention_heads, f"model.num_attention_heads{where}", "each rank must hold whole heads.")
         kv_heads = model.resolved_num_kv_heads
         if kv_heads % tp and tp % kv_heads:
-            raise ConfigError(f"model.num_kv_heads={kv_heads} and parallel.tp={tp}: KV heads are either split "
+            raise ConfigError(f"model.num_kv_heads{where}={kv_heads} and parallel.tp={tp}: KV heads are either split "
                               "(kv_heads divisible by tp) or replicated (tp divisible by kv_heads); neither holds.")
-    if tp > 1 and "-" in kinds:
-        _divides(tp, model.resolved_ffn_hidden_size, "model.ffn_hidden_size", "the MLP is split on its FFN width.")
-    if tp > 1 and "E" in kinds and model.moe_shared_expert_ffn_hidden_size:
+    if tp > 1 and kind == "-":
+        _divides(tp, model.resolved_ffn_hidden_size, f"model.ffn_hidden_size{where}",
+                 "the MLP is split on its FFN width.")
+    if tp > 1 and kind == "E" and model.moe_shared_expert_ffn_hidden_size:
         _divides(tp, model.moe_shared_expert_ffn_hidden_size, "model.moe_shared_expert_ffn_hidden_size",
                  "the shared expert is split on its FFN width.")
-    if tp > 1 and "M" in kinds:
-        _divides(tp, model.resolved_mamba_num_heads, "the number of Mamba heads (model.mamba_num_heads)",
+    if tp > 1 and kind == "M":
+        _divides(tp, model.resolved_mamba_num_heads, f"the number of Mamba heads (model.mamba_num_heads{where})",
                  "each rank must hold whole SSM heads.")
         _divides(tp, model.mamba_num_groups, "model.mamba_num_groups",
                  "each rank must hold whole B/C groups (and normalize them locally).")
 
 
-def _check_experts(parallel, model, kinds: set) -> None:
-    if "E" not in kinds:
+def _check_experts(parallel, model, kind: str, where: str = "") -> None:
+    if kind != "E":
         return
     etp = resolve_etp(parallel)
-    _divides(etp, model.resolved_moe_ffn_hidden_size, "model.moe_ffn_hidden_size",
+    _divides(etp, model.resolved_moe_ffn_hidden_size, f"model.moe_ffn_hidden_size{where}",
              "each expert is split on its FFN width over the expert tensor-parallel group.",
              "parallel.etp" if parallel.etp is not None else "parallel.etp (null: parallel.tp) = parallel.tp")
-    _divides(parallel.ep, model.moe_num_experts, "model.moe_num_experts", "each expert-parallel rank holds whole experts.",
-             "parallel.ep")
+    _divides(parallel.ep, model.moe_num_experts, f"model.moe_num_experts{where}",
+             "each expert-parallel rank holds whole experts.", "parallel.ep")
+
+
+def _check_block_sizes(parallel, model) -> None:
+    """Every block's sizes (its own under ``model.block_overrides``) split over tp, etp and ep."""
+    plain = {kind for index, kind in enumerate(model.block_kinds) if index not in model.block_overrides}
+    if model.mtp_depth:
+        plain |= set(model.mtp_pattern) - {"|", " "}
+    checks = [(model, kind, "") for kind in sorted(plain)]
+    checks += [(model.for_block(index), model.block_kinds[index], f" of block {index} (model.block_overrides)")
+               for index in model.block_overrides]
+    for config, kind, where in checks:
+        _check_tensor_parallel(parallel.tp, config, kind, where)
+        _check_experts(parallel, config, kind, where)
 
 
 def check_layout(parallel, model, world_size: int, seq_len: int | None = None,
@@ -195,9 +210,7 @@ def check_layout(parallel, model, world_size: int, seq_len: int | None = None,
     dp = resolve_dp(parallel, world_size)
     resolve_edp(parallel, dp)
     tp = parallel.tp
-    kinds = set(model.block_kinds) | (set(model.mtp_pattern) - {"|", " "} if model.mtp_depth else set())
-    _check_tensor_parallel(tp, model, kinds)
-    _check_experts(parallel, model, kinds)
+    _check_block_sizes(parallel, model)
     if parallel.sp and seq_len is not None and seq_len % tp:
         raise ConfigError(f"train.seq_len={seq_len} is not divisible by parallel.tp={tp}; sequence parallelism "
                           "gives every rank an equal slice of the sequence.")

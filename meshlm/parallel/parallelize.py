@@ -16,6 +16,12 @@ fills only the shards) or hold values (a test's way: the slices keep them):
       Mamba-2       by heads and groups (``tensor/mamba.py``)
       MoE           experts split on their FFN width (``tensor/moe.py``), or over the expert
                     grid when ep > 1, etp != tp or cp > 1 (``expert/expert_parallel.py``)
+      linear (L)    replicated: its one h x h matrix is small, and splitting it would add a
+                    collective per block; every rank applies it to the tokens it holds (under
+                    SP its rank's slice, so its gradient, like the norm's, is partial)
+      no-op (0)     nothing to split
+                    Every block is split by its own sizes (``model.block_overrides``): the
+                    modules were built from ``config.for_block(i)`` and carry them.
     final norm      replicated (SP: on the rank's tokens, then the sequence is all-gathered)
     head + loss     column-parallel over the padded vocabulary (``tensor/language_model.py``); the training loss is the
                     vocab-parallel cross-entropy; logits are gathered only when asked for
@@ -37,6 +43,7 @@ import torch
 from meshlm.errors import ConfigError
 from meshlm.models.dropout import HiddenDropout
 from meshlm.models.language_model import LanguageModel
+from meshlm.models.pattern import LINEAR, NO_OP
 from meshlm.parallel.expert.expert_parallel import needs_expert_parallel, parallelize_expert_moe, parallelize_experts
 from meshlm.parallel.tensor.attention import parallelize_attention
 from meshlm.parallel.tensor.language_model import TensorParallelLanguageModel
@@ -57,6 +64,11 @@ def parallelize_block(block, context) -> None:
         parallelize_mamba(block.mixer, context)
     elif block.kind == "E":
         parallelize_moe_block(block.mixer, context)
+    elif block.kind == NO_OP:
+        return
+    elif block.kind == LINEAR:
+        if context.sequence_parallel:
+            mark_partial_grad(block.mixer)
     else:
         raise ConfigError(f"block kind {block.kind!r} has no tensor-parallel version; use parallel.tp=1.")
     if context.sequence_parallel:

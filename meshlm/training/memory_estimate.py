@@ -142,10 +142,13 @@ def mlp_elements(width: int, activation: str) -> int:
     return (4 if is_gated(activation) else 2) * width
 
 
-def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout) -> float:
+def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout, block_model=None) -> float:
     """Bytes one block of ``kind`` saves for backward over a micro-batch of ``seq`` tokens per sequence
-    (this rank's share); see the module docstring."""
-    model, train = config.model, config.train
+    (this rank's share); see the module docstring. ``block_model``: the block's own model config
+    (``config.model.for_block(i)``); None: ``config.model``."""
+    model, train = config.model if block_model is None else block_model, config.train
+    if kind == "0":  # a no-op block saves nothing
+        return 0.0
     dtype_bytes, tp, h = DTYPE_BYTES[config.precision.dtype], layout.tp_size, model.hidden_size
     tokens = micro_batch * seq
     residual = 3 * h / (tp if layout.sequence_parallel else 1)
@@ -172,6 +175,8 @@ def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
         inner, groups = model.mamba_inner_size, model.mamba_num_groups * model.mamba_state_size
         in_run_dtype = residual + (1.5 * inner + 6 * groups) / tp
         return (in_run_dtype * dtype_bytes + 4 * inner / tp * 4) * tokens
+    if kind == "L":  # the residual terms and the replicated linear's input
+        return (residual + h / (tp if layout.sequence_parallel else 1)) * tokens * dtype_bytes
     raise ValueError(f"unknown block kind {kind!r}")
 
 
@@ -191,7 +196,8 @@ def activation_bytes(config, layout) -> int:
     model, train = config.model, config.train
     seq, micro_batch = math.ceil(train.seq_len / layout.cp_size), train.micro_batch_size
     kinds = list(model.block_kinds)
-    per_block = [block_activation_bytes(kind, config, micro_batch, seq, layout) for kind in kinds]
+    per_block = [block_activation_bytes(kind, config, micro_batch, seq, layout, model.for_block(index))
+                 for index, kind in enumerate(kinds)]
     kept = list(per_block)
     if train.recompute == "full":  # a recomputed block keeps only its input
         input_bytes = micro_batch * seq * model.hidden_size * DTYPE_BYTES[config.precision.dtype]

@@ -223,7 +223,8 @@ class PipelinedModel:
         """The stages' loss sums, term sums and expert counts added over the pipeline (one all-reduce)."""
         config, device = self.model.config, self.context.device
         names = stages.term_names
-        experts = [torch.zeros(config.moe_num_experts, dtype=torch.int64, device=device) for _ in stages.moe_blocks]
+        experts = [torch.zeros(config.for_block(index).moe_num_experts, dtype=torch.int64, device=device)
+                   for index in stages.moe_blocks]
         for position, index in enumerate(stages.moe_blocks):
             if index in stages.expert_counts:
                 experts[position] = stages.expert_counts[index].to(torch.int64)

@@ -7,7 +7,10 @@ virtual stage c * pp + r (with vp = 1: rank r holds stage r). Where the cuts go:
   must mark exactly pp * vp stages. A single process ignores the marks.
 * **equal FLOPs** otherwise: the cuts that minimize the largest stage's forward FLOPs, from the
   model's own accounting (``meshlm/models/flops.py``, at ``train.seq_len``), the output head and
-  the MTP depths counted on the last stage. (The embedding is a lookup: no FLOPs.)
+  the MTP depths counted on the last stage. (The embedding is a lookup: no FLOPs.) Each block
+  counts with its own sizes (``model.block_overrides``), so a heterogeneous stack -- narrow
+  FFNs, fewer KV heads, linear or no-op blocks -- is cut where the work, not the block count, is
+  even; a no-op block weighs nothing.
 
 Every virtual stage needs at least one block. The first virtual stage also embeds the tokens;
 the last one also runs the final norm, the output head, the loss and the MTP depths.
@@ -36,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.errors import ConfigError
-from meshlm.models.flops import block_flops, head_flops, mtp_depth_flops
+from meshlm.models.flops import head_flops, model_block_flops, mtp_depth_flops
 from meshlm.models.pattern import parse_pattern
 from meshlm.parallel.groups import Group, group_of
 from meshlm.parallel.pipeline.schedules import check_microbatches
@@ -102,7 +105,7 @@ def stage_starts(config, num_stages: int, seq_len: int) -> list[int]:
     if config.num_blocks < num_stages:
         raise ConfigError(f"model.pattern has {config.num_blocks} blocks, fewer than the parallel.pp * parallel.vp = "
                           f"{num_stages} pipeline stages; every stage needs a block (lower pp or vp).")
-    costs = [block_flops(kind, config, seq_len).per_sequence for kind in config.block_kinds]
+    costs = [flops.per_sequence for flops in model_block_flops(config, seq_len)]  # each block by its own sizes
     head = head_flops(config, seq_len) + config.mtp_depth * mtp_depth_flops(config, seq_len)
     return balanced_starts(costs, num_stages, head)
 
