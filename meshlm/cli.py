@@ -33,6 +33,7 @@ COMMANDS = {
     "preprocess": ("meshlm.data.preprocess", "tokenize text files into a token store (PREFIX.bin + PREFIX.idx)"),
     "data": ("meshlm.data.cli", "data utilities: build the demo corpus, inspect a token store"),
     "upcycle": ("meshlm.adapt.cli", "turn a dense model or checkpoint into an MoE model with the same outputs"),
+    "prune": ("meshlm.adapt.prune_cli", "prune a model to its most important units and blocks (Minitron)"),
     "eval": ("meshlm.evaluation.cli", "perplexity, bits per byte and multiple-choice accuracy of a model or checkpoint"),
     "demo": ("meshlm.demo", "build the demo corpus, train a small hybrid model, plot and sample from it"),
 }

@@ -23,6 +23,7 @@ import yaml
 
 from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
+from meshlm.models.losses import DISTILL_LOSSES
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -103,6 +104,31 @@ class TrainConfig:
     """A model folder (config.json + model.safetensors, e.g. from `meshlm upcycle` or a training
     checkpoint's step_N folder) whose weights start the run; the optimizer, step and data position
     start fresh. Its model config must equal the run's. Ignored when run_dir has a checkpoint."""
+    init_model_config: bool = False
+    """Take the model's shape from train.init_from's config.json instead of the `model` section
+    (which is then ignored, with a note naming the fields that differ), so a pruned, upcycled or
+    imported model trains without copying its shape into the YAML."""
+    distill_from: str | None = None
+    """Knowledge distillation (meshlm/training/distillation.py): a teacher -- a meshlm model folder, a
+    training checkpoint's step_N folder or a run directory (its newest checkpoint) -- that runs
+    forward-only (eval mode, no gradient, the run's dtype and layout) on every training batch; the
+    student (this run's model) learns to match it. Its vocabulary must equal the run's. Works at
+    tp, sp, dp, ep and ZeRO layouts; not yet with parallel.pp > 1 or parallel.cp > 1."""
+    distill_loss: str = "kl"
+    """With distill_from: 'kl' (= 'forward_kl', KL(teacher || student) of the token distributions,
+    Minitron's choice), 'reverse_kl' (KL(student || teacher)) or 'cosine' (1 - cosine similarity
+    of the two logit vectors), per token, averaged over the tokens the LM loss counts."""
+    distill_temperature: float = 1.0
+    """With distill_from: softmax temperature T of both models for the KL losses; the KL is
+    multiplied by T^2 (Hinton et al. 2015) so its gradient's scale does not depend on T."""
+    distill_weight: float = 1.0
+    """With distill_from: w in loss = (1 - w) * LM loss + w * distillation loss + the model's other
+    terms (MoE aux/z, MTP) at their coefficients; 1.0 (the default, as Minitron) is pure distillation."""
+    distill_blocks: bool = False
+    """With distill_from: block-wise local distillation (Puzzle) instead of the logits: student
+    block i gets the teacher's (detached) input to its block i and is trained to reproduce the
+    teacher block's output (mean squared error), all blocks independently in one step; the
+    distillation loss is the sum over blocks. Needs as many blocks and the same hidden size."""
     prefetch_batches: bool = True
     """Read the next step's micro-batches in a background thread while the current step computes
     (into pinned memory on CUDA, copied with non_blocking=True). The batches are the same either
@@ -318,6 +344,7 @@ class RunConfig:
         if not train.time_limit_minutes >= 0:  # also refuses nan
             raise ConfigError(f"train.time_limit_minutes={train.time_limit_minutes} must be >= 0; give the job's "
                               "wall-clock limit in minutes (a little below the scheduler's), or 0 for none.")
+        validate_distillation(train, self.parallel)
         _choice("optim.schedule", optim.schedule, SCHEDULES)
         _choice("precision.dtype", self.precision.dtype, DTYPES)
         _choice("precision.fp8_gemm", self.precision.fp8_gemm, FP8_GEMMS)
@@ -357,6 +384,26 @@ def validate_profile_steps(text: str | None, steps: int) -> None:
     if not 1 <= first <= last <= steps:
         raise ConfigError(f"train.profile_steps={text!r} must satisfy 1 <= A <= B <= train.steps ({steps}); "
                           f"pick steps the run will take, e.g. train.profile_steps={min(2, steps)}:{min(3, steps)}.")
+
+
+def validate_distillation(train: TrainConfig, parallel: ParallelConfig) -> None:
+    """The train.distill_* settings (the teacher itself is checked when the trainer loads it)."""
+    _choice("train.distill_loss", train.distill_loss, DISTILL_LOSSES)
+    if not train.distill_temperature > 0:
+        raise ConfigError(f"train.distill_temperature={train.distill_temperature} must be > 0 "
+                          "(1.0: the plain softmax).")
+    if not 0 <= train.distill_weight <= 1:
+        raise ConfigError(f"train.distill_weight={train.distill_weight} must lie in [0, 1] (1.0: pure distillation, "
+                          "0.0: the LM loss alone).")
+    if train.distill_from is None:
+        if train.distill_blocks:
+            raise ConfigError("train.distill_blocks=true needs a teacher; set train.distill_from=TEACHER "
+                              "(a model folder, checkpoint or run directory).")
+        return
+    for name in ("pp", "cp"):
+        if getattr(parallel, name) > 1:
+            raise ConfigError(f"train.distill_from does not support parallel.{name}={getattr(parallel, name)} yet; "
+                              f"distill with parallel.{name}=1 (tp, sp, dp, ep and ZeRO layouts work).")
 
 
 def validate_parallel(parallel: ParallelConfig) -> None:

@@ -44,6 +44,10 @@ from torch.autograd.function import once_differentiable
 IGNORE_INDEX = -100
 """Label value that contributes neither to the loss nor to the token count."""
 
+DISTILL_LOSSES = ("kl", "forward_kl", "reverse_kl", "cosine")
+"""Per-token distillation losses (``train.distill_loss``; computed by ``vocab_parallel_distillation``
+in meshlm/parallel/tensor/vocab_parallel.py): 'kl' is 'forward_kl', KL(teacher || student)."""
+
 CHUNK_ELEMENTS = 2 ** 22
 """Logits per chunk (16 MB in fp32): a few chunk-sized buffers instead of several full-size ones."""
 

@@ -19,11 +19,21 @@ equals the number it stands for (the 256 an imported Hugging Face model spells o
 training-only fields (dropout, the scan implementation) may differ. A true difference is named
 in the error with the ``model.key=value`` overrides that make the run match the folder. A run
 that already has a checkpoint in its ``run_dir`` resumes from it and ignores ``init_from``.
+
+With ``train.init_model_config=true`` the run takes its model from the folder instead
+(``model_from_init_folder``): the YAML's ``model`` section is ignored -- a one-line note names
+the fields in which it differs -- except for the training-only fields (dropout, the scan), which
+stay the run's. So a pruned, upcycled or imported model trains without its shape in the YAML:
+
+    meshlm train configs/tiny.yaml train.init_from=models/pruned train.init_model_config=true
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import warnings
 from pathlib import Path
 
 from meshlm.checkpoint.locate import resolve_model_dir
@@ -55,6 +65,27 @@ def initial_weights_source(path: str | Path, model_config: ModelConfig):
                               f"{overrides} to the run (or copy the 'model' section of "
                               f"{directory / 'config.json'} into its config).")
     return weights_source(directory)
+
+
+def model_from_init_folder(config):
+    """``config`` (a RunConfig) with the model of ``train.init_from``'s folder when
+    ``train.init_model_config`` is set (the run's training-only fields kept), else ``config``."""
+    train = config.train
+    if not train.init_model_config:
+        return config
+    if train.init_from is None:
+        raise ConfigError("train.init_model_config=true takes the model from train.init_from, which is not set; "
+                          "set train.init_from=DIR (a model folder, checkpoint or run directory) or drop "
+                          "train.init_model_config.")
+    directory = resolve_model_dir(train.init_from)
+    values = read_model_config(directory).to_dict()
+    values.update({name: getattr(config.model, name) for name in TRAINING_ONLY_FIELDS})
+    model = ModelConfig.from_dict(values)
+    differing = differing_fields(resolved_model(config.model), resolved_model(model))
+    if differing and int(os.environ.get("RANK", "0")) == 0:
+        warnings.warn(f"train.init_model_config=true: the model is {directory / 'config.json'}'s, so the config's "
+                      f"{', '.join(f'model.{key}' for key in differing)} are ignored.", stacklevel=2)
+    return dataclasses.replace(config, model=model)
 
 
 def differing_fields(run: dict, folder: dict) -> list[str]:
@@ -89,4 +120,4 @@ def resolved_model(config: ModelConfig) -> dict:
 
 
 __all__ = ["DERIVATION_ONLY_FIELDS", "RESOLVED_FIELDS", "initial_weights_source", "matching_overrides",
-           "resolved_model"]
+           "model_from_init_folder", "resolved_model"]

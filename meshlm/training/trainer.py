@@ -91,7 +91,9 @@ from meshlm.training.build import build_model
 from meshlm.training.compile import compile_blocks
 from meshlm.training.cpu_allocator import keep_freed_memory
 from meshlm.training.data_loading import BatchPrefetcher, build_training_data, read_batch
+from meshlm.training.distillation import Distillation
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
+from meshlm.training.initial_weights import model_from_init_folder
 from meshlm.training.memory_estimate import (available_memory, estimate_training_memory, format_bytes,
                                              memory_warning)
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary, format_count,
@@ -165,6 +167,7 @@ class Trainer:
     """Builds everything a run needs from a ``RunConfig`` (resuming when RUN_DIR has a checkpoint)."""
 
     def __init__(self, config):
+        config = model_from_init_folder(config)  # train.init_model_config (train() has applied it: no second note)
         config.validate()
         check_wandb_installed(config.train.wandb)  # train.wandb=true without wandb: refused before any work
         self.stop_requests = StopRequests(config.train.time_limit_minutes)  # the time limit counts from here
@@ -207,6 +210,8 @@ class Trainer:
         self.precision = MixedPrecision(self.model, config.precision,
                                         sharded_masters=self.zero_stage >= 1)  # ZeRO: no full fp32 copy
         self.master_parameters = [param for _, param in self.precision.master_parameters()]
+        # train.distill_from: the teacher's shards beside the student's, forward-only (distillation.py)
+        self.distillation = Distillation.build(config, self.context, self.device, self.precision.dtype)
         self.reducer = None
         if self.context.distributed:
             self.reducer, self.optimizer = build_data_parallel(self.precision, config.optim, config.parallel,
@@ -267,9 +272,13 @@ class Trainer:
 
     def forward_micro_batch(self, batch: dict[str, torch.Tensor]):
         """The model's output on one micro-batch (loss only, no logits); under CP its losses are
-        this rank's share, which summed over the CP group give the micro-batch's losses."""
-        output = self.model(batch["input_ids"], batch["labels"], position_ids=batch.get("position_ids"),
-                            return_logits=False, dropout_key=batch.get("dropout_key"))
+        this rank's share, which summed over the CP group give the micro-batch's losses. With
+        train.distill_from, training micro-batches also run the teacher (``distillation.py``)."""
+        if self.distillation is not None and self.model.training:
+            output = self.distillation.forward(self.model, batch)
+        else:
+            output = self.model(batch["input_ids"], batch["labels"], position_ids=batch.get("position_ids"),
+                                return_logits=False, dropout_key=batch.get("dropout_key"))
         return share_losses(output, batch, self.context, self.config.model.mtp_loss_coeff)
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict, list]:
@@ -582,6 +591,7 @@ def train(config, command_line_keys=()) -> TrainResult:
     fails because a peer died or hung raises ``CollectiveFailure`` naming it (fault_tolerance.py).
     A run already at train.steps trains nothing and says so (``TrainResult.already_complete``), or
     raises ConfigError when ``command_line_keys`` or a changed config would be ignored (preflight.py)."""
+    config = model_from_init_folder(config)  # train.init_model_config: the model is init_from's
     finished = finished_run(config, command_line_keys)
     if finished is not None:
         return TrainResult(run_dir=Path(config.train.run_dir), step=finished.step, already_complete=finished.message())

@@ -23,6 +23,24 @@ instead of gathering [tokens, V] numbers:
 The gradient needs no communication: d loss / d z_j = softmax_j - [j = y], and this rank has
 softmax_j = exp(z_j - m) / S for its own j. Padded vocabulary entries get logit -inf, so they
 take no probability and no gradient, and generation never samples them.
+
+**Distillation** (``meshlm/training/distillation.py``) compares the student's sharded logits with
+the teacher's, sharded alike, per token. With s = z_student / T and t = z_teacher / T, the
+log-softmaxes need each model's max and sum-exp over the vocabulary -- all-reduces of a scalar
+per token, as above -- and the KL itself is a sum over the vocabulary:
+
+    m_s, m_t   = max_j s_j, max_j t_j                         one all-reduce MAX (both)
+    S_s, S_t   = sum_j exp(s_j - m_s), sum_j exp(t_j - m_t)   one all-reduce SUM (both)
+    log q_j    = s_j - m_s - log S_s,  log p_j = t_j - m_t - log S_t      (this rank's j)
+    KL(p || q) = sum_j p_j (log p_j - log q_j)                a local sum, one all-reduce SUM
+
+times T^2 (Hinton et al. 2015: the gradient's scale then does not depend on T). (Folding the KL sum into
+the second all-reduce, as E_p[t - s] - Z_t + Z_s, would save one, but subtracts numbers of the
+logits' size to get a KL that is often 1e-2: in fp32 it lost five digits.) The gradient
+again needs no communication: d KL(p||q) / d s_j = q_j - p_j, d KL(q||p) / d s_j =
+q_j (log q_j - log p_j - KL(q||p)), both from this rank's own j and the reduced scalars.
+'cosine' is 1 - cos(z_student, z_teacher) per token: the dot product and both squared norms
+are sums over the vocabulary, one all-reduce. The teacher gets no gradient.
 """
 
 from __future__ import annotations
@@ -33,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.models.losses import IGNORE_INDEX
+from meshlm.models.losses import DISTILL_LOSSES, IGNORE_INDEX
 from meshlm.parallel.collectives import all_reduce_, gather_along, reduce_from_group, reduce_scatter_along
 from meshlm.parallel.tensor.layers import ColumnParallelLinear
 from meshlm.parallel.tensor.sharding import mark_shard, shard_parameter
@@ -156,11 +174,103 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tenso
     return losses.sum() / (labels != IGNORE_INDEX).sum()
 
 
+class _VocabParallelDistillation(torch.autograd.Function):
+    """Per-token distillation loss of vocab-sharded student logits [n, V'/t] against the
+    teacher's [n, V'/t] (see the module docstring); the gradient goes to the student only."""
+
+    @staticmethod
+    def forward(ctx, student_local, teacher_local, labels, vocab_size, context, kind, temperature):
+        compute_dtype = torch.promote_types(student_local.dtype, torch.float32)  # fp32, or fp64 in gradchecks
+        student, teacher = student_local.to(compute_dtype), teacher_local.to(compute_dtype)
+        start, _ = vocab_range(student.shape[-1], context)
+        padding = torch.arange(start, start + student.shape[-1], device=student.device) >= vocab_size
+        valid = labels != IGNORE_INDEX
+        ctx.kind, ctx.temperature, ctx.logits_dtype = kind, temperature, student_local.dtype
+        if kind == "cosine":
+            losses, saved = _cosine_forward(student.masked_fill(padding, 0.0), teacher.masked_fill(padding, 0.0),
+                                            context)
+        else:
+            losses, saved = _kl_forward(student / temperature, teacher / temperature, padding, context,
+                                        reverse=kind == "reverse_kl")
+            losses = losses * temperature ** 2
+        ctx.save_for_backward(*saved, valid)
+        return losses.masked_fill(~valid, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        *saved, valid = ctx.saved_tensors
+        grad_losses = grad_losses.masked_fill(~valid, 0.0)[:, None]
+        if ctx.kind == "cosine":
+            student, teacher, dot, student_norm, teacher_norm = saved
+            grad = (teacher / (student_norm * teacher_norm)[:, None]
+                    - student * (dot / (student_norm ** 3 * teacher_norm))[:, None]).neg_()
+        elif ctx.kind == "reverse_kl":
+            student_probs, log_ratio, kl = saved  # log_ratio: log q - log p
+            grad = student_probs * (log_ratio - kl[:, None]) * ctx.temperature
+        else:
+            student_probs, teacher_probs = saved
+            grad = (student_probs - teacher_probs) * ctx.temperature
+        return (grad * grad_losses).to(ctx.logits_dtype), None, None, None, None, None, None
+
+
+def _kl_forward(student, teacher, padding, context, reverse: bool) -> tuple[torch.Tensor, tuple]:
+    """KL per token of temperature-scaled logits s, t (the module docstring's pieces), and what
+    the backward needs."""
+    student, teacher = student.masked_fill(padding, float("-inf")), teacher.masked_fill(padding, float("-inf"))
+    maxima = torch.stack((student.max(dim=-1).values, teacher.max(dim=-1).values))
+    _all_reduce(maxima, context, "max")
+    student_exp, teacher_exp = (student - maxima[0, :, None]).exp(), (teacher - maxima[1, :, None]).exp()
+    sums = torch.stack((student_exp.sum(dim=-1), teacher_exp.sum(dim=-1)))
+    _all_reduce(sums, context, "sum")
+    log_normalizers = maxima + sums.log()  # Z_s, Z_t
+    # log q_j - log p_j, 0 on padding (where both are -inf and both probabilities 0)
+    log_ratio = ((student - log_normalizers[0, :, None]) - (teacher - log_normalizers[1, :, None])).masked_fill(
+        padding, 0.0)
+    student_probs = student_exp.div_(sums[0, :, None])
+    if reverse:  # KL(q || p) = sum_j q_j (log q_j - log p_j)
+        kl = (student_probs * log_ratio).sum(dim=-1)
+        _all_reduce(kl, context, "sum")
+        return kl, (student_probs, log_ratio, kl)
+    teacher_probs = teacher_exp.div_(sums[1, :, None])  # KL(p || q) = sum_j p_j (log p_j - log q_j)
+    kl = -(teacher_probs * log_ratio).sum(dim=-1)
+    _all_reduce(kl, context, "sum")
+    return kl, (student_probs, teacher_probs)
+
+
+def _cosine_forward(student, teacher, context) -> tuple[torch.Tensor, tuple]:
+    """1 - cos(z_student, z_teacher) per token (padding already zero), and what the backward needs."""
+    sums = torch.stack(((student * teacher).sum(-1), student.square().sum(-1), teacher.square().sum(-1)))
+    _all_reduce(sums, context, "sum")
+    dot, student_norm, teacher_norm = sums[0], sums[1].sqrt().clamp_min(1e-8), sums[2].sqrt().clamp_min(1e-8)
+    return 1.0 - dot / (student_norm * teacher_norm), (student, teacher, dot, student_norm, teacher_norm)
+
+
+def vocab_parallel_distillation(student_local: torch.Tensor, teacher_local: torch.Tensor, labels: torch.Tensor,
+                                context, vocab_size: int, kind: str = "kl", temperature: float = 1.0,
+                                reduction: str = "mean") -> torch.Tensor:
+    """Distillation loss of this rank's student logits [..., V'/t] against the teacher's (same
+    shape), without gathering either: 'kl'/'forward_kl' = T^2 KL(teacher || student), 'reverse_kl'
+    = T^2 KL(student || teacher) of the softmaxes at temperature T, 'cosine' = 1 - cosine
+    similarity of the raw logit vectors (T has no effect). Tokens whose label is IGNORE_INDEX are
+    skipped: 'mean' is over the others (as the LM loss), 'sum' sums, 'none' gives per-token
+    losses. The value is the same on every rank of the TP group; the teacher gets no gradient."""
+    if kind not in DISTILL_LOSSES:
+        raise ValueError(f"distillation loss {kind!r} is not one of {', '.join(DISTILL_LOSSES)}.")
+    kind = "forward_kl" if kind == "kl" else kind
+    losses = _VocabParallelDistillation.apply(student_local.flatten(0, -2), teacher_local.detach().flatten(0, -2),
+                                              labels.flatten(), vocab_size, context, kind, float(temperature))
+    if reduction == "none":
+        return losses.view(labels.shape)
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (labels != IGNORE_INDEX).sum()
+
+
 def gather_vocab_logits(local_logits: torch.Tensor, context, vocab_size: int) -> torch.Tensor:
     """Full logits [..., vocab_size] from every rank's vocabulary slice, padding dropped (for
     evaluation and generation; the loss never needs them)."""
     return gather_along(local_logits, dim=-1, group=context.tp_group)[..., :vocab_size]
 
 
-__all__ = ["padded_vocab_size", "VocabParallelEmbedding", "vocab_parallel_head", "vocab_parallel_cross_entropy",
-           "gather_vocab_logits", "IGNORE_INDEX"]
+__all__ = ["padded_vocab_size", "VocabParallelEmbedding", "vocab_parallel_head",
+           "vocab_parallel_cross_entropy", "vocab_parallel_distillation", "gather_vocab_logits", "IGNORE_INDEX"]

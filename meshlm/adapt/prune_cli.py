@@ -1,0 +1,250 @@
+"""``meshlm prune``: a trained model -> a smaller model of its most important units (Minitron).
+
+    meshlm prune CKPT OUT --calibration DATA [--samples 512] [--seq-len N]
+                 (--target-params N | --hidden H --ffn F --heads A --kv-heads K --mamba-heads M --experts E)
+                 [--drop-blocks K] [--depth-metric loss|cosine]
+    meshlm prune runs/big models/small --calibration data/demo/blend.json --target-params 60M
+    meshlm prune models/8b models/6b --calibration data/web_text_document --ffn 9216 --heads 24 --drop-blocks 4
+
+CKPT is a model folder, a training checkpoint's step folder or a run directory (its newest
+checkpoint). ``--calibration`` takes what training takes: one blend file (``.json``/``.yaml``)
+or token-store prefixes (weighted by size); ``--samples`` sequences of ``--seq-len`` tokens
+(default: the run's ``train.seq_len`` when CKPT records it) are drawn from all of their
+documents. The activations on them rank every embedding channel, attention head, MLP neuron,
+Mamba head, expert and block (``meshlm/adapt/importance.py``); the top units of every block are
+kept, uniformly (``meshlm/adapt/prune.py``).
+
+Sizes: any of ``--hidden --ffn --heads --kv-heads --mamba-heads --experts`` (each at most the
+model's; the rest stay), or ``--target-params N`` (``60M``, ``1.5B`` work), which searches the
+widths not given for the one that keeps most importance within N parameters. ``--drop-blocks K``
+removes the K blocks whose skipping costs least (``--depth-metric``: the loss increase, default,
+or the cosine distance between a block's input and output). Query heads follow their KV head: ``--kv-heads K``
+alone keeps K whole GQA groups; ``--heads A`` alone keeps the KV heads (with plain multi-head
+attention the KV heads follow). Per-block sizes are not offered: every block of a kind gets the
+same size.
+
+OUT gets ``config.json`` (the pruned model; a ``pruning`` section records what was done) +
+``model.safetensors`` + the tokenizer, written to a temporary sibling and renamed. The command
+prints the ``meshlm train`` command that distills the pruned model from CKPT.
+
+Under ``torchrun`` the calibration samples are split over the processes (data parallelism) and
+the scores summed, rank 0 writes OUT; each process holds the whole model (tensor and pipeline
+layouts are not offered here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+import torch
+
+from meshlm.errors import CheckpointError, ConfigError, DataError
+
+SIZE_FLAGS = {"hidden": "hidden_size", "ffn": "ffn_hidden_size", "heads": "num_attention_heads",
+              "kv_heads": "num_kv_heads", "mamba_heads": "mamba_num_heads", "experts": "moe_num_experts"}
+"""argparse destination -> ModelConfig width field."""
+DEFAULT_SEQ_LEN = 1024
+"""Calibration length when CKPT records neither a training seq_len nor a maximum position."""
+SUFFIXES = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "G": 10 ** 9}
+
+
+def parameter_budget(text: str) -> int:
+    """``60M`` / ``1.5B`` / ``123456`` -> a parameter count."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMBG]?)\s*", text.upper())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count such as 60M, 1.5B or 123456")
+    return int(float(match.group(1)) * SUFFIXES[match.group(2)])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT", help="meshlm model folder, training checkpoint or run directory")
+    parser.add_argument("out", metavar="OUT", help="pruned model folder to write (must not exist)")
+    parser.add_argument("--calibration", nargs="+", required=True, metavar="DATA",
+                        help="a blend file (.json/.yaml) or token-store prefixes, as training reads them")
+    parser.add_argument("--samples", type=int, default=512, help="calibration sequences (default 512)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per calibration sequence (default: the run's train.seq_len, else 1024)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the calibration sample order")
+    parser.add_argument("--target-params", type=parameter_budget, metavar="N",
+                        help="parameter budget (e.g. 60M): search the widths not given to meet it")
+    for flag, field in SIZE_FLAGS.items():
+        parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, metavar="N",
+                            help=f"new model.{field} (at most the model's)")
+    parser.add_argument("--drop-blocks", type=int, default=0, metavar="K", help="remove the K least important blocks")
+    parser.add_argument("--depth-metric", choices=("loss", "cosine"), default="loss",
+                        help="block importance: loss increase when skipped (default) or input/output cosine distance")
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    requested = {field: getattr(args, flag) for flag, field in SIZE_FLAGS.items()}
+    check_arguments(args, out, requested)
+    rank, world, device = join_processes(args.device)
+    if args.samples < world:
+        raise ConfigError(f"--samples {args.samples} is fewer than the {world} processes; give each at least one.")
+    try:
+        prune(args, out, requested, rank, world, device)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+    return 0
+
+
+def prune(args, out: Path, requested: dict, rank: int, world: int, device: torch.device) -> None:
+    from meshlm.adapt.importance import collect_importance
+    from meshlm.adapt.prune import (check_drop_blocks, check_prunable, kept_blocks, prune_plan, resolve_widths,
+                                    search_widths)
+    from meshlm.checkpoint.locate import resolve_model_dir
+    from meshlm.checkpoint.model_files import read_model_config, load_model
+
+    source_dir = resolve_model_dir(args.checkpoint)
+    config = read_model_config(source_dir)
+    check_prunable(config)  # the sizes are refused before the model is read or any forward runs
+    check_drop_blocks(config.num_blocks, args.drop_blocks)
+    widths = resolve_widths(config, requested) if args.target_params is None else None
+    model = load_model(source_dir, map_location=device)
+    seq_len = args.seq_len or trained_seq_len(source_dir)
+    dataset = calibration_dataset(args.calibration, seq_len, args.samples, args.seed, config.vocab_size)
+    importance = collect_importance(model, calibration_batches(dataset, args.batch_size, rank, world, device),
+                                    depth_metric=args.depth_metric if args.drop_blocks else "cosine",
+                                    reduce=all_reduce_sum(device) if world > 1 else None)
+    if args.target_params is not None:
+        widths, _ = search_widths(config, importance, args.target_params, requested, args.drop_blocks)
+    state = {name: value.detach() for name, value in model.state_dict().items()}
+    stored = {name: (tuple(value.shape), value.dtype) for name, value in state.items()}
+    new_config, plan = prune_plan(config, stored, lambda name: state[name].cpu(), importance, widths,
+                                  args.drop_blocks)
+    if rank == 0:
+        dropped = sorted(set(range(config.num_blocks)) - set(kept_blocks(importance, config.num_blocks,
+                                                                         args.drop_blocks)))
+        record = {"pruning": {"source": str(source_dir), "samples": importance.samples, "seq_len": seq_len,
+                              "dropped_blocks": dropped, "depth_metric": args.depth_metric if dropped else None}}
+        write_atomically(new_config, plan, out, source_dir, record)
+        report(args, config, new_config, dropped, importance, out, source_dir)
+
+
+def write_atomically(config, plan: dict, out: Path, source_dir: Path, extra_config: dict) -> None:
+    """The model folder (with the source's tokenizer) written into a temporary sibling, then renamed."""
+    from meshlm.checkpoint.model_files import write_model_folder
+
+    temporary = out.with_name(f"{out.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        write_model_folder(temporary, config, plan, extra_config=extra_config, tokenizer_dir=source_dir)
+        os.replace(temporary, out)
+    finally:
+        if temporary.exists():
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+def check_arguments(args, out: Path, requested: dict) -> None:
+    if out.exists():
+        raise CheckpointError(f"{out} already exists; choose a new OUT folder or remove it.")
+    if args.target_params is None and args.drop_blocks == 0 and all(value is None for value in requested.values()):
+        raise ConfigError("say how to prune: --target-params N, or at least one of --hidden --ffn --heads --kv-heads "
+                          "--mamba-heads --experts --drop-blocks.")
+    for flag in ("samples", "batch_size", "seq_len", "target_params"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value} must be a positive integer.")
+
+
+def trained_seq_len(directory: Path) -> int:
+    """The run's ``train.seq_len`` recorded in a checkpoint's config.json, else a converted Hugging
+    Face model's ``max_position_embeddings``, else ``DEFAULT_SEQ_LEN`` (as ``meshlm eval`` chooses)."""
+    import json
+
+    try:
+        payload = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return DEFAULT_SEQ_LEN
+    seq_len = (payload.get("run") or {}).get("train", {}).get("seq_len")
+    seq_len = seq_len or (payload.get("hf") or {}).get("max_position_embeddings")
+    return int(seq_len) if seq_len else DEFAULT_SEQ_LEN
+
+
+def calibration_dataset(specs: list[str], seq_len: int, samples: int, seed: int, vocab_size: int):
+    """``samples`` sequences of ``seq_len`` tokens from a blend file or token-store prefixes (weighted
+    by size, as ``data.prefixes`` without ``data.weights``), from all their documents, in the
+    blended, shuffled order training uses."""
+    from meshlm.data.blend import Blend, BlendedDataset, load_blend
+    from meshlm.data.indexed import TokenStore
+
+    is_blend = len(specs) == 1 and specs[0].endswith((".json", ".yaml", ".yml"))
+    if is_blend and not Path(specs[0]).is_file():
+        raise DataError(f"--calibration {specs[0]}: no such blend file; give a blend file or token-store prefixes.")
+    if is_blend:
+        blend = load_blend(specs[0])
+    else:
+        blend = Blend(prefixes=list(specs), weights=[max(TokenStore(prefix).num_tokens, 1) for prefix in specs])
+    for prefix in blend.prefixes:
+        store = TokenStore(prefix)
+        if store.vocab_size > vocab_size:
+            raise DataError(f"--calibration: {store.idx_path} holds token ids up to {store.vocab_size - 1}, beyond the "
+                            f"model's vocabulary of {vocab_size}; calibrate on data made with the model's tokenizer.")
+    return BlendedDataset(blend, seq_len, samples, seed=seed, split="1", split_name="train")
+
+
+def read_batch(dataset, start: int, size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    samples = [dataset[index] for index in range(start, start + size)]
+    return {key: torch.stack([sample[key] for sample in samples]).to(device) for key in ("input_ids", "labels")}
+
+
+def calibration_batches(dataset, batch_size: int, rank: int, world: int, device: torch.device):
+    """This process's share of the samples (contiguous), ``batch_size`` at a time, on ``device``."""
+    share = -(-len(dataset) // world)
+    start, stop = rank * share, min(len(dataset), (rank + 1) * share)
+    for first in range(start, stop, batch_size):
+        yield read_batch(dataset, first, min(batch_size, stop - first), device)
+
+
+def join_processes(device_name: str | None) -> tuple[int, int, torch.device]:
+    """(rank, world size, device): one process, or the torchrun group (gloo on CPU, nccl on CUDA)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device_name is None:
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if world == 1:
+        return 0, 1, device
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world, device
+
+
+def all_reduce_sum(device: torch.device):
+    import torch.distributed as dist
+
+    def reduce(tensor: torch.Tensor) -> None:
+        on_device = tensor.to(device)
+        dist.all_reduce(on_device)
+        tensor.copy_(on_device.cpu())
+    return reduce
+
+
+def report(args, config, new_config, dropped, importance, out: Path, source_dir: Path) -> None:
+    from meshlm.adapt.cli import parameter_count
+
+    shape = (f"hidden {new_config.hidden_size}, pattern {new_config.pattern!r}"
+             + (f", heads {new_config.num_attention_heads}/{new_config.num_kv_heads} kv" if "*" in new_config.block_kinds else "")
+             + (f", ffn {new_config.resolved_ffn_hidden_size}" if "-" in new_config.block_kinds else "")
+             + (f", mamba heads {new_config.resolved_mamba_num_heads}" if "M" in new_config.block_kinds else "")
+             + (f", experts {new_config.moe_num_experts}" if "E" in new_config.block_kinds else ""))
+    print(f"wrote {out}: {shape}; {parameter_count(new_config):,} parameters (from {parameter_count(config):,}"
+          + (f", budget {args.target_params:,}" if args.target_params else "") + f"); importance from "
+          f"{importance.samples} calibration samples" + (f"; dropped blocks {dropped}" if dropped else ""))
+    print(f"distill it with: meshlm train CONFIG train.init_from={out} train.init_model_config=true "
+          f"train.distill_from={source_dir} train.distill_loss=kl train.distill_temperature=1.0 "
+          "train.distill_weight=1.0")
+
+
+__all__ = ["add_arguments", "calibration_dataset", "parameter_budget", "run"]

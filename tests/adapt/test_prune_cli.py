@@ -1,0 +1,130 @@
+"""``meshlm prune`` end to end: calibration from a blend file or token-store prefixes, an atomic
+folder with the tokenizer, a pruned model that generates, converts to Hugging Face and back, and
+trains with ``train.init_model_config=true`` (the YAML's model ignored, with a note); the printed
+distillation command; refusals that name the flag and leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tokenizers
+import torch
+
+from meshlm.checkpoint.model_files import load_model, read_model_config, save_model
+from meshlm.cli import main
+from meshlm.data.indexed import TokenStoreWriter
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
+
+LLAMA = dict(vocab_size=64, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2, head_dim=8,
+             ffn_hidden_size=64)
+
+
+def write_corpus(directory: Path) -> Path:
+    """Token store ``corpus`` + ``tokenizer.json`` + ``blend.json``; returns the blend file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    with TokenStoreWriter(directory / "corpus", vocab_size=64) as writer:
+        for _ in range(40):
+            start, length = rng.integers(0, 63), rng.integers(20, 60)
+            writer.add_document(np.append((start + 3 * np.arange(length)) % 63, 63))
+    vocab = {f"t{index}": index for index in range(63)} | {"<|endoftext|>": 63}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    blend = directory / "blend.json"
+    blend.write_text(json.dumps({"tokenizer": "tokenizer.json", "datasets": [{"prefix": "corpus", "weight": 1}]}))
+    return blend
+
+
+@pytest.fixture
+def source(tmp_path) -> Path:
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(**LLAMA))
+    blend = write_corpus(tmp_path / "data")
+    return save_model(model, tmp_path / "big", tokenizer_dir=blend.parent)
+
+
+def logits(directory: Path) -> torch.Tensor:
+    ids = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        return load_model(directory).eval()(ids).logits
+
+
+def test_prune_writes_a_model_that_generates_and_converts_to_hf_and_back(tmp_path, source, capsys):
+    out = tmp_path / "small"
+    code = main(["prune", str(source), str(out), "--calibration", str(tmp_path / "data" / "blend.json"),
+                 "--samples", "8", "--seq-len", "16", "--batch-size", "4", "--hidden", "24", "--ffn", "32",
+                 "--kv-heads", "1", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["big", "data", "small"]  # no temporary folder left
+    assert (out / "tokenizer.json").is_file()
+    config = read_model_config(out)
+    assert (config.hidden_size, config.ffn_hidden_size, config.num_attention_heads, config.num_kv_heads,
+            config.head_dim) == (24, 32, 2, 1, 8)
+    assert json.loads((out / "config.json").read_text())["pruning"]["samples"] == 8
+    assert (f"meshlm train CONFIG train.init_from={out} train.init_model_config=true train.distill_from={source} "
+            "train.distill_loss=kl train.distill_temperature=1.0 train.distill_weight=1.0") in printed
+
+    assert main(["generate", str(out), "--prompt", "t1 t4 t7", "--max-new-tokens", "4", "--greedy",
+                 "--device", "cpu"]) == 0
+    assert main(["convert", "meshlm-to-hf", str(out), str(tmp_path / "hf")]) == 0
+    assert main(["convert", "hf-to-meshlm", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    assert torch.allclose(logits(tmp_path / "back"), logits(out), atol=1e-5)
+
+
+def test_prefixes_and_a_budget_with_depth_pruning(tmp_path, source, capsys):
+    out = tmp_path / "small"
+    budget = LanguageModel(ModelConfig(**LLAMA)).num_parameters() // 2
+    assert main(["prune", str(source), str(out), "--calibration", str(tmp_path / "data" / "corpus"),
+                 "--samples", "6", "--seq-len", "16", "--target-params", str(budget), "--drop-blocks", "1",
+                 "--device", "cpu"]) == 0
+    pruned = load_model(out)
+    assert pruned.config.num_blocks == 3 and pruned.num_parameters() <= budget
+    assert f"budget {budget:,}" in capsys.readouterr().out
+
+
+def test_init_model_config_trains_the_pruned_model_and_notes_the_ignored_model(tmp_path, source, capsys):
+    out = tmp_path / "small"
+    blend = tmp_path / "data" / "blend.json"
+    assert main(["prune", str(source), str(out), "--calibration", str(blend), "--samples", "4", "--seq-len", "16",
+                 "--ffn", "32", "--device", "cpu"]) == 0
+    run = ["model.vocab_size=64", "model.hidden_size=48", "model.pattern=*-", "model.num_attention_heads=4",
+           "train.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=2", "train.steps=2",
+           "train.eval_every=0", "train.save_every=2", "train.progress=false", "train.tensorboard=false",
+           "train.plot=false", "train.device=cpu", f"train.run_dir={tmp_path / 'run'}", f"data.blend={blend}",
+           f"train.init_from={out}", "train.init_model_config=true"]
+    assert main(["train", *run]) == 0
+    notes = capsys.readouterr().err
+    assert "train.init_model_config=true" in notes and "model.hidden_size" in notes and "model.pattern" in notes
+    trained = load_model(tmp_path / "run" / "checkpoints" / "step_2")
+    assert trained.config.to_dict() == read_model_config(out).to_dict()
+
+
+def test_init_model_config_without_init_from_is_refused(tmp_path, capsys):
+    assert main(["train", "train.init_model_config=true", "train.device=cpu", f"train.run_dir={tmp_path}"]) == 2
+    assert "train.init_model_config=true takes the model from train.init_from" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments, words", [
+    (["--heads", "3"], "--heads 3 must be a multiple of --kv-heads 2"),
+    (["--ffn", "128"], "--ffn 128 must lie in [1, 64]"),
+    (["--drop-blocks", "4"], "--drop-blocks 4 must lie in [0, 3]"),
+    (["--mamba-heads", "2"], "the model has no 'M' blocks"),
+    ([], "say how to prune"),
+])
+def test_refusals_name_the_flag_and_write_nothing(tmp_path, source, capsys, arguments, words):
+    code = main(["prune", str(source), str(tmp_path / "small"), "--calibration", str(tmp_path / "data" / "blend.json"),
+                 "--device", "cpu", *arguments])
+    assert code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "small").exists()
+
+
+def test_an_existing_out_is_refused(tmp_path, source, capsys):
+    (tmp_path / "small").mkdir()
+    assert main(["prune", str(source), str(tmp_path / "small"), "--calibration", "x.json", "--ffn", "8"]) == 2
+    assert "already exists" in capsys.readouterr().err
