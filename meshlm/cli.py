@@ -29,11 +29,12 @@ COMMANDS = {
     "convert": ("meshlm.hf.cli", "convert between Hugging Face and meshlm checkpoints"),
     "generate": ("meshlm.inference.cli", "generate text from a meshlm model or checkpoint"),
     "train": ("meshlm.training.cli", "train (or resume) a model from a YAML config and dotted overrides"),
-    "tokenizer": ("meshlm.data.tokenizer_training", "train a byte-level BPE tokenizer"),
+    "tokenizer": ("meshlm.data.tokenizer_training", "train or extend a byte-level BPE tokenizer"),
     "preprocess": ("meshlm.data.preprocess", "tokenize text files into a token store (PREFIX.bin + PREFIX.idx)"),
     "data": ("meshlm.data.cli", "data utilities: build the demo corpus, inspect a token store"),
     "upcycle": ("meshlm.adapt.cli", "turn a dense model or checkpoint into an MoE model with the same outputs"),
     "prune": ("meshlm.adapt.prune_cli", "prune a model to its most important units and blocks (Minitron)"),
+    "adapt-vocab": ("meshlm.adapt.vocab_cli", "resize a model's embedding and head to an extended tokenizer (new rows: mean of their pieces)"),
     "eval": ("meshlm.evaluation.cli", "perplexity, bits per byte and multiple-choice accuracy of a model or checkpoint"),
     "demo": ("meshlm.demo", "build the demo corpus, train a small hybrid model, plot and sample from it"),
 }

@@ -80,7 +80,7 @@ def write_tokenizer_config(directory: Path) -> Path:
     return path
 
 
-# --- command line: `meshlm tokenizer train` ---------------------------------------------------
+# --- command line: `meshlm tokenizer train` (and `extend`, tokenizer_extension.py) -------------
 def add_arguments(parser) -> None:
     actions = parser.add_subparsers(dest="tokenizer_action", metavar="ACTION")
     actions.required = True
@@ -92,9 +92,16 @@ def add_arguments(parser) -> None:
     train.add_argument("--out", required=True, help="tokenizer.json to write (tokenizer_config.json goes beside it)")
     train.add_argument("--text-key", default="text", help="JSON key / Parquet column of the text")
     train.add_argument("--min-frequency", type=int, default=2, help="merge only pairs seen this often")
+    from meshlm.data.tokenizer_extension import add_extend_arguments
+
+    add_extend_arguments(actions)  # `meshlm tokenizer extend`
 
 
 def run(args) -> int:
+    if args.tokenizer_action == "extend":
+        from meshlm.data.tokenizer_extension import run_extend
+
+        return run_extend(args)
     out = train_tokenizer(args.input, args.vocab_size, args.out, args.text_key, args.min_frequency)
     vocab_size = Tokenizer.from_file(str(out)).get_vocab_size(with_added_tokens=True)
     print(f"wrote {out} ({vocab_size} tokens) and {out.parent / CONFIG_FILE}")
