@@ -10,7 +10,14 @@ model described by the usual config fields: ``hidden_size`` (embedding channels,
 embedding, every norm, every projection's hidden side and the output head), query and KV heads of
 attention, ``ffn_hidden_size`` (MLP neurons), Mamba heads, routed experts. In each block the
 top-scoring units survive, in their original order, so a model pruned to its own shape is the
-original, tensor for tensor. (Per-block sizes, Puzzle-style, are not done here.)
+original, tensor for tensor.
+
+**Per-block sizes** (``BlockSizes``). What survives is chosen block by block, so each block may
+also keep its own number of units: ``prune_blocks.py`` (``meshlm prune --per-block``) spreads a
+total over the blocks of a kind by importance, and the pruned config writes the blocks whose sizes
+differ from the model's as ``model.block_overrides``. A model that already has overrides is cut
+block by block with its own sizes (head_dim, KV heads, Mamba groups of each block); a uniform
+size for an axis that some block overrides is refused (it might not fit that block).
 
 **Grouped units.** Some units only exist in groups, and a group is kept or cut consistently:
 
@@ -69,6 +76,13 @@ FLAGS = {"hidden_size": "--hidden", "ffn_hidden_size": "--ffn", "num_attention_h
 """The width fields and the ``meshlm prune`` flag that sets each."""
 KIND_OF = {"ffn_hidden_size": "-", "num_attention_heads": "*", "num_kv_heads": "*", "mamba_num_heads": "M",
            "moe_num_experts": "E"}
+AXES = {"num_attention_heads": ("num_attention_heads", "num_kv_heads"),
+        "num_kv_heads": ("num_attention_heads", "num_kv_heads"),
+        "ffn_hidden_size": ("ffn_hidden_size",), "mamba_num_heads": ("mamba_num_heads",),
+        "moe_num_experts": ("moe_num_experts",)}
+"""The per-block fields a width field's pruning changes (query and KV heads move together)."""
+BlockSizes = dict[int, dict[str, int]]
+"""Original block index -> that block's new sizes: the ``BLOCK_OVERRIDE_FIELDS`` of its kind."""
 
 
 @dataclass(frozen=True)
@@ -89,18 +103,16 @@ def original_widths(config: ModelConfig) -> Widths:
 
 
 def check_prunable(config: ModelConfig) -> None:
-    if config.block_overrides:
-        raise ConfigError("the model has model.block_overrides (per-block sizes); meshlm prune keeps every block of "
-                          "a kind the same size, so prune a model without block_overrides.")
     if config.mtp_depth:
         raise ConfigError(f"the model has model.mtp_depth={config.mtp_depth}; meshlm prune does not cut "
                           "multi-token-prediction blocks yet, so prune a model without MTP.")
 
 
-def resolve_widths(config: ModelConfig, requested: dict[str, int | None]) -> Widths:
+def resolve_widths(config: ModelConfig, requested: dict[str, int | None], per_block: bool = False) -> Widths:
     """The new sizes from the requested ones ({field: value or None to keep}), checked: a ConfigError
     names the flag, the value and the fix. Query heads default to whole GQA groups (the KV heads
-    times the group size); with plain multi-head attention the KV heads follow the query heads."""
+    times the group size); with plain multi-head attention the KV heads follow the query heads.
+    Uniform sizes (``per_block`` False) must not touch an axis that ``model.block_overrides`` sets."""
     check_prunable(config)
     old = original_widths(config)
     values = dataclasses.asdict(old)
@@ -129,7 +141,21 @@ def resolve_widths(config: ModelConfig, requested: dict[str, int | None]) -> Wid
                           f"{config.mamba_num_groups} (every B/C group keeps the same number of heads).")
     if "E" in config.block_kinds:
         check_experts(config, new.moe_num_experts)
+    if not per_block:
+        check_overrides_untouched(config, old, new)
     return new
+
+
+def check_overrides_untouched(config: ModelConfig, old: Widths, new: Widths) -> None:
+    for name, axis in AXES.items():
+        if getattr(new, name) == getattr(old, name):
+            continue
+        for index, overrides in config.block_overrides.items():
+            touched = sorted(set(overrides) & set(axis))
+            if touched:
+                raise ConfigError(f"{FLAGS[name]} {getattr(new, name)}: block {index} has its own {touched[0]} "
+                                  f"(model.block_overrides), so one size for every block might not fit it; add "
+                                  f"--per-block, or leave {FLAGS[name]} out.")
 
 
 def check_heads(new: Widths, group: int) -> None:
@@ -178,10 +204,12 @@ def select_heads(scores: torch.Tensor, kv_heads: int, old_kv_heads: int, heads: 
 
 @dataclass
 class Selection:
-    """What survives, by original index: embedding channels, blocks, and per kept block its units."""
+    """What survives, by original index: embedding channels, blocks, and per kept block its units
+    (and its new sizes)."""
 
     hidden: torch.Tensor
     blocks: list[int]
+    sizes: BlockSizes
     heads: dict[int, torch.Tensor]
     kv_heads: dict[int, torch.Tensor]
     neurons: dict[int, torch.Tensor]
@@ -189,21 +217,51 @@ class Selection:
     experts: dict[int, torch.Tensor]
 
 
-def select(config: ModelConfig, importance: Importance, widths: Widths, drop_blocks: int = 0) -> Selection:
-    blocks = kept_blocks(importance, config.num_blocks, drop_blocks)
-    selection = Selection(top_per_group(importance.hidden, widths.hidden_size), blocks, {}, {}, {}, {}, {})
+def block_sizes(config: ModelConfig, index: int) -> dict[str, int]:
+    """Block ``index``'s resolved sizes (its ``block_overrides`` applied), the fields of its kind."""
+    block, kind = config.for_block(index), config.block_kinds[index]
+    if kind == "*":
+        return {"num_attention_heads": block.num_attention_heads, "num_kv_heads": block.resolved_num_kv_heads,
+                "head_dim": block.resolved_head_dim}
+    if kind == "-":
+        return {"ffn_hidden_size": block.resolved_ffn_hidden_size}
+    if kind == "M":
+        return {"mamba_num_heads": block.resolved_mamba_num_heads}
+    if kind == "E":
+        return {"moe_num_experts": block.moe_num_experts, "moe_ffn_hidden_size": block.resolved_moe_ffn_hidden_size}
+    return {}
+
+
+def uniform_sizes(config: ModelConfig, widths: Widths, blocks: list[int]) -> BlockSizes:
+    """Every kept block at ``widths`` on the axes they change; the axes they keep stay each block's own."""
+    old, sizes = original_widths(config), {}
     for index in blocks:
-        kind = config.block_kinds[index]
+        sizes[index] = block_sizes(config, index)
+        for name in sizes[index]:
+            if name in AXES and getattr(widths, name) != getattr(old, name):
+                sizes[index][name] = getattr(widths, name)
+    return sizes
+
+
+def select(config: ModelConfig, importance: Importance, widths: Widths, drop_blocks: int = 0,
+           sizes: BlockSizes | None = None) -> Selection:
+    """The surviving units: ``sizes`` per block (default: ``widths`` for every block)."""
+    blocks = kept_blocks(importance, config.num_blocks, drop_blocks)
+    sizes = uniform_sizes(config, widths, blocks) if sizes is None else sizes
+    selection = Selection(top_per_group(importance.hidden, widths.hidden_size), blocks, sizes, {}, {}, {}, {}, {})
+    for index in blocks:
+        kind, size = config.block_kinds[index], sizes[index]
         if kind == "*":
             selection.heads[index], selection.kv_heads[index] = select_heads(
-                importance.heads[index], widths.num_kv_heads, config.resolved_num_kv_heads, widths.num_attention_heads)
+                importance.heads[index], size["num_kv_heads"], config.for_block(index).resolved_num_kv_heads,
+                size["num_attention_heads"])
         elif kind == "-":
-            selection.neurons[index] = top_per_group(importance.neurons[index], widths.ffn_hidden_size)
+            selection.neurons[index] = top_per_group(importance.neurons[index], size["ffn_hidden_size"])
         elif kind == "M":
-            selection.mamba_heads[index] = top_per_group(importance.mamba_heads[index], widths.mamba_num_heads,
+            selection.mamba_heads[index] = top_per_group(importance.mamba_heads[index], size["mamba_num_heads"],
                                                          config.mamba_num_groups)
         elif kind == "E":
-            selection.experts[index] = top_per_group(importance.experts[index], widths.moe_num_experts,
+            selection.experts[index] = top_per_group(importance.experts[index], size["moe_num_experts"],
                                                      config.moe_router_num_groups or 1)
     return selection
 
@@ -226,11 +284,13 @@ def check_drop_blocks(num_blocks: int, drop_blocks: int) -> None:
 
 
 # --- the pruned config ----------------------------------------------------------------------------
-def pruned_config(config: ModelConfig, widths: Widths, blocks: list[int]) -> ModelConfig:
+def pruned_config(config: ModelConfig, widths: Widths, blocks: list[int], sizes: BlockSizes | None = None) -> ModelConfig:
     """The model of the kept blocks at the new widths; every size spelled out (a derived size such as
-    head_dim = hidden / heads must not move when hidden or heads do)."""
+    head_dim = hidden / heads must not move when hidden or heads do). A block whose ``sizes`` differ
+    from these gets a ``block_overrides`` entry of the fields that differ (under its new index)."""
+    sizes = uniform_sizes(config, widths, blocks) if sizes is None else sizes
     values = config.to_dict()
-    values.update(hidden_size=widths.hidden_size, pattern=shrunk_pattern(config.pattern, blocks))
+    values.update(hidden_size=widths.hidden_size, pattern=shrunk_pattern(config.pattern, blocks), block_overrides={})
     kinds = set(config.block_kinds)
     if "*" in kinds:
         values.update(num_attention_heads=widths.num_attention_heads, num_kv_heads=widths.num_kv_heads,
@@ -241,7 +301,14 @@ def pruned_config(config: ModelConfig, widths: Widths, blocks: list[int]) -> Mod
         values.update(mamba_num_heads=widths.mamba_num_heads)
     if "E" in kinds:
         values.update(moe_num_experts=widths.moe_num_experts, moe_ffn_hidden_size=config.resolved_moe_ffn_hidden_size)
-    return ModelConfig.from_dict(values)
+    plain = ModelConfig.from_dict(values)
+    overrides = {}
+    for new_index, index in enumerate(blocks):
+        default = block_sizes(plain, new_index)
+        differing = {name: value for name, value in sizes[index].items() if value != default[name]}
+        if differing:
+            overrides[new_index] = differing
+    return ModelConfig.from_dict({**values, "block_overrides": overrides}) if overrides else plain
 
 
 def shrunk_pattern(pattern: str, kept: list[int]) -> str:
@@ -293,7 +360,7 @@ def tensor_indices(config: ModelConfig, name: str, selection: Selection) -> dict
 
 
 def attention_indices(config, rest, index, selection):
-    width = config.resolved_head_dim
+    width = config.for_block(index).resolved_head_dim
     queries = heads_to_rows(selection.heads[index], width)
     kv = heads_to_rows(selection.kv_heads[index], width)
     rows = {"q_proj": queries, "k_proj": kv, "v_proj": kv}
@@ -318,7 +385,7 @@ def mlp_indices(config, rest, index, selection, dense=True):
 
 def mamba_indices(config, rest, index, selection):
     heads, width = selection.mamba_heads[index], config.mamba_head_dim
-    inner = config.mamba_inner_size
+    inner = config.for_block(index).mamba_inner_size
     bc = 2 * config.mamba_num_groups * config.mamba_state_size   # B and C: never cut
     channels = heads_to_rows(heads, width)
     projection = torch.cat([channels, inner + channels, 2 * inner + torch.arange(bc), 2 * inner + bc + heads])
@@ -355,11 +422,11 @@ def cut(tensor: torch.Tensor, indices: dict[int, torch.Tensor]) -> torch.Tensor:
 
 
 def prune_plan(config: ModelConfig, stored: dict[str, tuple], read, importance: Importance, widths: Widths,
-               drop_blocks: int = 0) -> tuple[ModelConfig, dict[str, PlannedTensor]]:
+               drop_blocks: int = 0, sizes: BlockSizes | None = None) -> tuple[ModelConfig, dict[str, PlannedTensor]]:
     """(pruned config, plan of its tensors, each cut from ``read(name)`` when written) for the model
-    whose tensors are ``stored`` ({name: (shape, dtype)})."""
-    selection = select(config, importance, widths, drop_blocks)
-    new_config = pruned_config(config, widths, selection.blocks)
+    whose tensors are ``stored`` ({name: (shape, dtype)}); ``sizes``: per-block sizes (default uniform)."""
+    selection = select(config, importance, widths, drop_blocks, sizes)
+    new_config = pruned_config(config, widths, selection.blocks, selection.sizes)
     renamed = {old: new for new, old in enumerate(selection.blocks)}
     shapes = expected_shapes(new_config)
     plan = {}
@@ -387,11 +454,12 @@ def _cut_read(read, name: str, indices: dict[int, torch.Tensor]) -> torch.Tensor
 
 
 @torch.no_grad()
-def prune_model(model: LanguageModel, importance: Importance, widths: Widths, drop_blocks: int = 0) -> LanguageModel:
+def prune_model(model: LanguageModel, importance: Importance, widths: Widths, drop_blocks: int = 0,
+                sizes: BlockSizes | None = None) -> LanguageModel:
     """The pruned model, in memory (same dtypes as ``model``)."""
     state = {name: value.detach() for name, value in model.state_dict().items()}
     stored = {name: (tuple(value.shape), value.dtype) for name, value in state.items()}
-    config, plan = prune_plan(model.config, stored, state.__getitem__, importance, widths, drop_blocks)
+    config, plan = prune_plan(model.config, stored, state.__getitem__, importance, widths, drop_blocks, sizes)
     with torch.device("meta"):
         pruned = LanguageModel(config)
     load_state_checked(pruned, {name: entry.produce() for name, entry in plan.items()}, "the pruned state")
@@ -427,6 +495,8 @@ class ParameterCounter:
 
     def __call__(self, config: ModelConfig) -> int:
         """The parameters of ``config`` (the counter's own config, or a pruned one of it)."""
+        if config.block_overrides:
+            raise ValueError("ParameterCounter counts uniform models; this one has model.block_overrides")
         return self.count(original_widths(config), config.block_kinds)
 
 
@@ -444,6 +514,9 @@ def search_widths(config: ModelConfig, importance: Importance, budget: int, fixe
                   drop_blocks: int = 0) -> tuple[Widths, int]:
     """The widths (and their parameter count) that keep most importance within ``budget``
     parameters; ``fixed`` sizes ({field: value}, as the flags give them) are not searched."""
+    if config.block_overrides:
+        raise ConfigError("--target-params: the model has model.block_overrides (per-block sizes), which the width "
+                          "search does not count; give the sizes (--hidden, --ffn, ...) instead.")
     base = resolve_widths(config, fixed)
     blocks = kept_blocks(importance, config.num_blocks, drop_blocks)
     kinds = {config.block_kinds[index] for index in blocks}
@@ -509,6 +582,7 @@ def mean(values) -> float:
     return sum(values) / len(values) if values else 1.0
 
 
-__all__ = ["FLAGS", "ParameterCounter", "Selection", "Widths", "check_drop_blocks", "check_prunable", "kept_blocks", "original_widths",
-           "prune_model", "prune_plan", "pruned_config", "resolve_widths", "search_widths", "select",
-           "select_heads", "shrunk_pattern", "top_per_group"]
+__all__ = ["FLAGS", "BlockSizes", "ParameterCounter", "Selection", "Widths", "block_sizes", "check_drop_blocks",
+           "check_prunable", "kept_blocks", "original_widths", "prune_model", "prune_plan", "pruned_config",
+           "resolve_widths", "search_widths", "select", "select_heads", "shrunk_pattern", "top_per_group",
+           "uniform_sizes"]

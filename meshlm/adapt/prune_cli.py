@@ -2,9 +2,10 @@
 
     meshlm prune CKPT OUT --calibration DATA [--samples 512] [--seq-len N]
                  (--target-params N | --hidden H --ffn F --heads A --kv-heads K --mamba-heads M --experts E)
-                 [--drop-blocks K] [--depth-metric loss|cosine]
+                 [--per-block] [--drop-blocks K] [--depth-metric loss|cosine]
     meshlm prune runs/big models/small --calibration data/demo/blend.json --target-params 60M
     meshlm prune models/8b models/6b --calibration data/web_text_document --ffn 9216 --heads 24 --drop-blocks 4
+    meshlm prune models/8b models/6b-puzzle --calibration data/web_text_document --ffn 9216 --kv-heads 4 --per-block
 
 CKPT is a model folder, a training checkpoint's step folder or a run directory (its newest
 checkpoint). ``--calibration`` takes what training takes: one blend file (``.json``/``.yaml``)
@@ -12,7 +13,8 @@ or token-store prefixes (weighted by size); ``--samples`` sequences of ``--seq-l
 (default: the run's ``train.seq_len`` when CKPT records it) are drawn from all of their
 documents. The activations on them rank every embedding channel, attention head, MLP neuron,
 Mamba head, expert and block (``meshlm/adapt/importance.py``); the top units of every block are
-kept, uniformly (``meshlm/adapt/prune.py``).
+kept, uniformly (``meshlm/adapt/prune.py``), or with ``--per-block`` in numbers that differ
+from block to block (``meshlm/adapt/prune_blocks.py``).
 
 Sizes: any of ``--hidden --ffn --heads --kv-heads --mamba-heads --experts`` (each at most the
 model's; the rest stay), or ``--target-params N`` (``60M``, ``1.5B`` work), which searches the
@@ -20,8 +22,17 @@ widths not given for the one that keeps most importance within N parameters. ``-
 removes the K blocks whose skipping costs least (``--depth-metric``: the loss increase, default,
 or the cosine distance between a block's input and output). Query heads follow their KV head: ``--kv-heads K``
 alone keeps K whole GQA groups; ``--heads A`` alone keeps the KV heads (with plain multi-head
-attention the KV heads follow). Per-block sizes are not offered: every block of a kind gets the
-same size.
+attention the KV heads follow).
+
+``--per-block``: the sizes given are averages. ``--ffn F`` keeps F x (number of MLP blocks)
+neurons in all, the best over all MLP blocks by their score relative to their block's mean score,
+so each block gets its own width (at least 1/8 of it); ``--kv-heads`` spreads GQA groups (at
+least one per block, each with ``--heads / --kv-heads`` query heads), ``--mamba-heads`` Mamba
+heads (whole rows over the B/C groups) and ``--experts`` experts (at least ``moe_top_k``) the same
+way. ``--hidden`` stays uniform (every block shares it). The blocks whose sizes differ from the
+averages are written as ``model.block_overrides`` (such a model does not export to Hugging Face).
+Not with ``--target-params``. A CKPT that already has ``block_overrides`` is pruned uniformly only
+on the axes they leave alone; with ``--per-block`` on any.
 
 OUT gets ``config.json`` (the pruned model; a ``pruning`` section records what was done) +
 ``model.safetensors`` + the tokenizer, written to a temporary sibling and renamed. The command
@@ -76,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, field in SIZE_FLAGS.items():
         parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, metavar="N",
                             help=f"new model.{field} (at most the model's)")
+    parser.add_argument("--per-block", action="store_true",
+                        help="the sizes are averages: spread the units over the blocks by importance "
+                             "(model.block_overrides)")
     parser.add_argument("--drop-blocks", type=int, default=0, metavar="K", help="remove the K least important blocks")
     parser.add_argument("--depth-metric", choices=("loss", "cosine"), default="loss",
                         help="block importance: loss increase when skipped (default) or input/output cosine distance")
@@ -102,6 +116,7 @@ def prune(args, out: Path, requested: dict, rank: int, world: int, device: torch
     from meshlm.adapt.importance import collect_importance
     from meshlm.adapt.prune import (check_drop_blocks, check_prunable, kept_blocks, prune_plan, resolve_widths,
                                     search_widths)
+    from meshlm.adapt.prune_blocks import check_per_block, per_block_sizes
     from meshlm.checkpoint.locate import resolve_model_dir
     from meshlm.checkpoint.model_files import read_model_config, load_model
 
@@ -109,7 +124,9 @@ def prune(args, out: Path, requested: dict, rank: int, world: int, device: torch
     config = read_model_config(source_dir)
     check_prunable(config)  # the sizes are refused before the model is read or any forward runs
     check_drop_blocks(config.num_blocks, args.drop_blocks)
-    widths = resolve_widths(config, requested) if args.target_params is None else None
+    widths = resolve_widths(config, requested, args.per_block) if args.target_params is None else None
+    if args.per_block:
+        check_per_block(config, widths)
     model = load_model(source_dir, map_location=device)
     seq_len = args.seq_len or trained_seq_len(source_dir)
     dataset = calibration_dataset(args.calibration, seq_len, args.samples, args.seed, config.vocab_size)
@@ -118,15 +135,17 @@ def prune(args, out: Path, requested: dict, rank: int, world: int, device: torch
                                     reduce=all_reduce_sum(device) if world > 1 else None)
     if args.target_params is not None:
         widths, _ = search_widths(config, importance, args.target_params, requested, args.drop_blocks)
+    blocks = kept_blocks(importance, config.num_blocks, args.drop_blocks)
+    sizes = per_block_sizes(config, importance, widths, blocks) if args.per_block else None
     state = {name: value.detach() for name, value in model.state_dict().items()}
     stored = {name: (tuple(value.shape), value.dtype) for name, value in state.items()}
     new_config, plan = prune_plan(config, stored, lambda name: state[name].cpu(), importance, widths,
-                                  args.drop_blocks)
+                                  args.drop_blocks, sizes)
     if rank == 0:
-        dropped = sorted(set(range(config.num_blocks)) - set(kept_blocks(importance, config.num_blocks,
-                                                                         args.drop_blocks)))
+        dropped = sorted(set(range(config.num_blocks)) - set(blocks))
         record = {"pruning": {"source": str(source_dir), "samples": importance.samples, "seq_len": seq_len,
-                              "dropped_blocks": dropped, "depth_metric": args.depth_metric if dropped else None}}
+                              "dropped_blocks": dropped, "depth_metric": args.depth_metric if dropped else None,
+                              "per_block": args.per_block}}
         write_atomically(new_config, plan, out, source_dir, record)
         report(args, config, new_config, dropped, importance, out, source_dir)
 
@@ -150,6 +169,9 @@ def check_arguments(args, out: Path, requested: dict) -> None:
     if args.target_params is None and args.drop_blocks == 0 and all(value is None for value in requested.values()):
         raise ConfigError("say how to prune: --target-params N, or at least one of --hidden --ffn --heads --kv-heads "
                           "--mamba-heads --experts --drop-blocks.")
+    if args.per_block and args.target_params is not None:
+        raise ConfigError("--per-block does not work with --target-params yet; give the sizes (--ffn, --kv-heads, "
+                          "...) as averages instead.")
     for flag in ("samples", "batch_size", "seq_len", "target_params"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -238,7 +260,8 @@ def report(args, config, new_config, dropped, importance, out: Path, source_dir:
              + (f", heads {new_config.num_attention_heads}/{new_config.num_kv_heads} kv" if "*" in new_config.block_kinds else "")
              + (f", ffn {new_config.resolved_ffn_hidden_size}" if "-" in new_config.block_kinds else "")
              + (f", mamba heads {new_config.resolved_mamba_num_heads}" if "M" in new_config.block_kinds else "")
-             + (f", experts {new_config.moe_num_experts}" if "E" in new_config.block_kinds else ""))
+             + (f", experts {new_config.moe_num_experts}" if "E" in new_config.block_kinds else "")
+             + (f", own sizes in blocks {sorted(new_config.block_overrides)}" if new_config.block_overrides else ""))
     print(f"wrote {out}: {shape}; {parameter_count(new_config):,} parameters (from {parameter_count(config):,}"
           + (f", budget {args.target_params:,}" if args.target_params else "") + f"); importance from "
           f"{importance.samples} calibration samples" + (f"; dropped blocks {dropped}" if dropped else ""))

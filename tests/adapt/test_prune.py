@@ -10,6 +10,7 @@ import torch
 
 from meshlm.adapt.importance import Importance, collect_importance
 from meshlm.adapt.prune import ParameterCounter, original_widths, prune_model, resolve_widths, search_widths
+from meshlm.adapt.prune_blocks import per_block_sizes
 from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
@@ -180,3 +181,79 @@ def test_impossible_sizes_are_refused_naming_the_flag(requested, words):
 def test_a_flag_for_a_missing_block_kind_is_refused():
     with pytest.raises(ConfigError, match="--mamba-heads 2: the model has no 'M' blocks"):
         resolve_widths(ModelConfig(vocab_size=64, hidden_size=32, pattern="*-"), dict(mamba_num_heads=2))
+
+
+def per_block_pruned(model, importance, requested):
+    widths = resolve_widths(model.config, requested, per_block=True)
+    sizes = per_block_sizes(model.config, importance, widths, list(range(model.config.num_blocks)))
+    return prune_model(model, importance, widths, sizes=sizes), sizes
+
+
+def test_per_block_gives_a_block_with_flat_scores_more_units_and_meets_the_total():
+    """Block 1's neurons (and block 0's KV groups) all matter alike; block 3's (block 2's) matter in
+    a few. Normalised by each block's mean, the flat block keeps more; the totals are exact."""
+    model = model_of(vocab_size=64, hidden_size=32, pattern="*-*-", num_attention_heads=8, num_kv_heads=4,
+                     head_dim=8, ffn_hidden_size=64)
+    peaked = torch.cat([torch.full((8,), 100.0), torch.full((56,), 0.01)])
+    importance = Importance(hidden=torch.ones(32), neurons={1: torch.ones(64), 3: peaked},
+                            heads={0: torch.ones(8), 2: torch.tensor([0.1, 0.1, 9, 9, 0.1, 0.1, 0.2, 0.2])})
+    pruned, sizes = per_block_pruned(model, importance, dict(ffn_hidden_size=32, num_kv_heads=2))
+    assert (sizes[1]["ffn_hidden_size"], sizes[3]["ffn_hidden_size"]) == (56, 8)  # 64 = 2 x 32; block 3 at 1/8
+    assert (sizes[0]["num_kv_heads"], sizes[2]["num_kv_heads"]) == (3, 1)         # 4 = 2 x 2; one group at least
+    config = pruned.config
+    assert (config.ffn_hidden_size, config.num_kv_heads, config.num_attention_heads) == (32, 2, 4)
+    assert config.block_overrides == {0: {"num_attention_heads": 6, "num_kv_heads": 3},
+                                      1: {"ffn_hidden_size": 56},
+                                      2: {"num_attention_heads": 2, "num_kv_heads": 1},
+                                      3: {"ffn_hidden_size": 8}}
+    assert torch.equal(pruned.blocks[3].mixer.up_proj.weight, model.blocks[3].mixer.up_proj.weight[:8])
+    assert torch.equal(pruned.blocks[2].mixer.k_proj.weight, model.blocks[2].mixer.k_proj.weight[8:16])  # group 1
+    assert tuple(pruned.blocks[0].mixer.q_proj.weight.shape) == (6 * 8, 32)
+    assert ModelConfig.from_dict(config.to_dict()) == config
+    with torch.no_grad():
+        assert pruned(tokens()).logits.isfinite().all()
+    with pytest.raises(ConfigError, match="give --ffn at least 8"):
+        per_block_pruned(model, importance, dict(ffn_hidden_size=4))
+
+
+HYBRID_TWICE = dict(HYBRID, pattern="M*-EM*-E")
+
+
+def test_per_block_with_equal_scores_is_the_uniform_model():
+    model = model_of(**HYBRID_TWICE)
+    blocks = range(8)
+    importance = Importance(hidden=torch.arange(32.), heads={i: torch.ones(4) for i in blocks if i % 4 == 1},
+                            neurons={i: torch.ones(128) for i in blocks if i % 4 == 2},
+                            mamba_heads={i: torch.ones(8) for i in blocks if i % 4 == 0},
+                            experts={i: torch.full((4,), 0.25) for i in blocks if i % 4 == 3})
+    requested = dict(hidden_size=24, ffn_hidden_size=64, num_kv_heads=1, mamba_num_heads=4, moe_num_experts=2)
+    per_block, _ = per_block_pruned(model, importance, requested)
+    uniform = prune_model(model, importance, resolve_widths(model.config, requested))
+    assert per_block.config == uniform.config and not per_block.config.block_overrides
+    for name, value in uniform.state_dict().items():
+        assert torch.equal(per_block.state_dict()[name], value), name
+
+
+def test_a_model_with_block_overrides_is_pruned_again():
+    model = model_of(**HYBRID_TWICE)
+    importance = collect_importance(model, batches())
+    first, sizes = per_block_pruned(model, importance, dict(ffn_hidden_size=64, num_kv_heads=1, mamba_num_heads=4,
+                                                            moe_num_experts=2))
+    assert sum(sizes[i]["ffn_hidden_size"] for i in (2, 6)) == 128 and sum(sizes[i]["mamba_num_heads"]
+                                                                           for i in (0, 4)) == 8
+    assert all(sizes[i]["moe_num_experts"] >= 2 for i in (3, 7))
+    for index, size in sizes.items():   # the written model's blocks have the chosen sizes
+        block = first.config.for_block(index)
+        assert all(getattr(block, name) == value for name, value in size.items()), (index, size)
+    again = collect_importance(first, batches())
+    narrow = prune_model(first, again, resolve_widths(first.config, dict(hidden_size=16)))
+    assert narrow.config.block_overrides == first.config.block_overrides
+    assert first.config.block_overrides  # random scores: the two MLP blocks differ
+    with pytest.raises(ConfigError, match="has its own ffn_hidden_size .* add --per-block"):
+        resolve_widths(first.config, dict(ffn_hidden_size=32))
+    second, _ = per_block_pruned(first, again, dict(ffn_hidden_size=32))
+    assert sum(second.config.for_block(i).resolved_ffn_hidden_size for i in (2, 6)) == 64
+    with torch.no_grad():
+        assert narrow(tokens()).logits.isfinite().all() and second(tokens()).logits.isfinite().all()
+    with pytest.raises(ConfigError, match="--target-params"):
+        search_widths(first.config, again, 10_000, {})

@@ -1,7 +1,8 @@
 """``meshlm prune`` end to end: calibration from a blend file or token-store prefixes, an atomic
 folder with the tokenizer, a pruned model that generates, converts to Hugging Face and back, and
 trains with ``train.init_model_config=true`` (the YAML's model ignored, with a note); the printed
-distillation command; refusals that name the flag and leave nothing behind."""
+distillation command; ``--per-block`` writes per-block sizes that total the averages and
+generates; refusals that name the flag and leave nothing behind."""
 
 from __future__ import annotations
 
@@ -88,6 +89,23 @@ def test_prefixes_and_a_budget_with_depth_pruning(tmp_path, source, capsys):
     assert f"budget {budget:,}" in capsys.readouterr().out
 
 
+def test_per_block_writes_block_overrides_that_total_the_averages_and_generates(tmp_path, source, capsys):
+    out = tmp_path / "small"
+    assert main(["prune", str(source), str(out), "--calibration", str(tmp_path / "data" / "blend.json"),
+                 "--samples", "8", "--seq-len", "16", "--ffn", "32", "--kv-heads", "1", "--per-block",
+                 "--device", "cpu"]) == 0
+    config = read_model_config(out)
+    assert (config.ffn_hidden_size, config.num_kv_heads, config.num_attention_heads) == (32, 1, 2)
+    assert sum(config.for_block(index).resolved_ffn_hidden_size for index in (1, 3)) == 2 * 32
+    assert sum(config.for_block(index).resolved_num_kv_heads for index in (0, 2)) == 2 * 1
+    assert json.loads((out / "config.json").read_text())["pruning"]["per_block"] is True
+    model = load_model(out)
+    for index in (1, 3):
+        assert model.blocks[index].mixer.up_proj.weight.shape[0] == config.for_block(index).resolved_ffn_hidden_size
+    assert main(["generate", str(out), "--prompt", "t1 t4 t7", "--max-new-tokens", "4", "--greedy",
+                 "--device", "cpu"]) == 0
+
+
 def test_init_model_config_trains_the_pruned_model_and_notes_the_ignored_model(tmp_path, source, capsys):
     out = tmp_path / "small"
     blend = tmp_path / "data" / "blend.json"
@@ -116,6 +134,8 @@ def test_init_model_config_without_init_from_is_refused(tmp_path, capsys):
     (["--drop-blocks", "4"], "--drop-blocks 4 must lie in [0, 3]"),
     (["--mamba-heads", "2"], "the model has no 'M' blocks"),
     ([], "say how to prune"),
+    (["--per-block", "--target-params", "1000"], "--per-block does not work with --target-params"),
+    (["--per-block", "--ffn", "4"], "give --ffn at least 8"),
 ])
 def test_refusals_name_the_flag_and_write_nothing(tmp_path, source, capsys, arguments, words):
     code = main(["prune", str(source), str(tmp_path / "small"), "--calibration", str(tmp_path / "data" / "blend.json"),
