@@ -244,11 +244,17 @@ def join_processes(device_name: str | None) -> tuple[int, int, torch.device]:
 
 
 def all_reduce_sum(device: torch.device):
+    """Sum a score tensor over every process, through the project's one collective layer."""
     import torch.distributed as dist
+
+    from meshlm.parallel.groups import group_of
+    from meshlm.parallel.plain_collectives import all_reduce_
+
+    world = group_of(dist.group.WORLD, "calibration", device)
 
     def reduce(tensor: torch.Tensor) -> None:
         on_device = tensor.to(device)
-        dist.all_reduce(on_device)
+        all_reduce_(on_device, world)
         tensor.copy_(on_device.cpu())
     return reduce
 
