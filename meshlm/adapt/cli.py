@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import secrets
-import shutil
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from meshlm.checkpoint.files import copy_tokenizer_files
+from meshlm.checkpoint.files import copy_tokenizer_files, folder_written_atomically
 from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.materialize import read_tensor
 from meshlm.checkpoint.model_files import (check_stored_tensors, read_model_config, source_file, weights_source,
@@ -74,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     check_stored_tensors(dense, source.layout, str(source_file(source_dir)))
     config, plan = upcycle_plan(dense, source.layout, partial(read_tensor, source), args.experts, args.top_k,
                                 args.granularity, args.router_init_std, args.seed, **overrides)
-    write_atomically(config, plan, out, source_dir)
+    with folder_written_atomically(out) as temporary:  # tensor by tensor, with the source's tokenizer
+        write_model_folder(temporary, config, plan)
+        copy_tokenizer_files(source_dir, temporary)
     exactness = "equal to the dense model's" if is_exact(config) else "close to the dense model's"
     print(f"wrote {out}: pattern {config.pattern!r}, {config.moe_num_experts} experts of width "
           f"{config.moe_ffn_hidden_size}, top-{config.moe_top_k}, down projections x"
@@ -109,17 +108,5 @@ def model_overrides(texts: list[str]) -> dict:
     return values
 
 
-def write_atomically(config: ModelConfig, plan: dict, out: Path, source: Path) -> None:
-    """Write the model folder into a temporary sibling of ``out`` (with the source's tokenizer),
-    tensor by tensor, then rename it."""
-    temporary = out.with_name(f"{out.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        write_model_folder(temporary, config, plan)
-        copy_tokenizer_files(source, temporary)
-        os.replace(temporary, out)
-    finally:
-        if temporary.exists():
-            shutil.rmtree(temporary, ignore_errors=True)
 
-
-__all__ = ["add_arguments", "model_overrides", "parameter_count", "run", "write_atomically"]
+__all__ = ["add_arguments", "model_overrides", "parameter_count", "run"]

@@ -48,8 +48,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import secrets
-import shutil
 from pathlib import Path
 
 import torch
@@ -146,21 +144,13 @@ def prune(args, out: Path, requested: dict, rank: int, world: int, device: torch
         record = {"pruning": {"source": str(source_dir), "samples": importance.samples, "seq_len": seq_len,
                               "dropped_blocks": dropped, "depth_metric": args.depth_metric if dropped else None,
                               "per_block": args.per_block}}
-        write_atomically(new_config, plan, out, source_dir, record)
+        from meshlm.checkpoint.files import folder_written_atomically
+        from meshlm.checkpoint.model_files import write_model_folder
+
+        with folder_written_atomically(out) as temporary:  # with the source's tokenizer
+            write_model_folder(temporary, new_config, plan, extra_config=record, tokenizer_dir=source_dir)
         report(args, config, new_config, dropped, importance, out, source_dir)
 
-
-def write_atomically(config, plan: dict, out: Path, source_dir: Path, extra_config: dict) -> None:
-    """The model folder (with the source's tokenizer) written into a temporary sibling, then renamed."""
-    from meshlm.checkpoint.model_files import write_model_folder
-
-    temporary = out.with_name(f"{out.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        write_model_folder(temporary, config, plan, extra_config=extra_config, tokenizer_dir=source_dir)
-        os.replace(temporary, out)
-    finally:
-        if temporary.exists():
-            shutil.rmtree(temporary, ignore_errors=True)
 
 
 def check_arguments(args, out: Path, requested: dict) -> None:

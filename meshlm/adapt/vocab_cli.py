@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
-import shutil
 from functools import partial
 from pathlib import Path
 
 import tokenizers
 
-from meshlm.checkpoint.files import copy_tokenizer
+from meshlm.checkpoint.files import copy_tokenizer, folder_written_atomically
 from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.materialize import read_tensor
 from meshlm.checkpoint.model_files import (check_stored_tensors, read_model_config, source_file, weights_source,
@@ -69,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     check_stored_tensors(config, source.layout, str(source_file(source_dir)))
     adapted, plan = vocab_plan(config, source.layout, partial(read_tensor, source), pieces, base_size,
                                args.pad_to_multiple)
-    write_atomically(adapted, plan, out, new_file)
+    with folder_written_atomically(out) as temporary:  # the model folder with the new tokenizer
+        write_model_folder(temporary, adapted, plan)
+        copy_tokenizer(new_file, temporary)
     grown = adapted.vocab_size - config.vocab_size
     rows = f"grown by {grown} rows" if grown else "spare rows reused, vocab_size kept"
     print(f"wrote {out}: {len(pieces)} new tokens (ids {base_size}..{base_size + len(pieces) - 1}) on a model of "
@@ -103,17 +103,6 @@ def backend_of(file: Path) -> tokenizers.Tokenizer:
     return load_tokenizer(file).backend  # DataError naming the file when it does not parse
 
 
-def write_atomically(config, plan: dict, out: Path, tokenizer_file: Path) -> None:
-    """Write the model folder (with the new tokenizer) into a temporary sibling of ``out``, then rename it."""
-    temporary = out.with_name(f"{out.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        write_model_folder(temporary, config, plan)
-        copy_tokenizer(tokenizer_file, temporary)
-        os.replace(temporary, out)
-    finally:
-        if temporary.exists():
-            shutil.rmtree(temporary, ignore_errors=True)
-
 
 def print_dapt_commands(out: Path, vocab_size: int) -> None:
     """The domain-adaptive pretraining steps (ChipNeMo): retokenize, then train on a domain/general blend."""
@@ -130,4 +119,4 @@ def print_dapt_commands(out: Path, vocab_size: int) -> None:
     print(f"  meshlm train CONFIG {settings}")
 
 
-__all__ = ["add_arguments", "base_tokenizer_file", "print_dapt_commands", "run", "write_atomically"]
+__all__ = ["add_arguments", "base_tokenizer_file", "print_dapt_commands", "run"]

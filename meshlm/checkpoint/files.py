@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from meshlm.data.tokenizer import tokenizer_format
@@ -95,6 +98,19 @@ def replace_directory(source: Path, destination: Path) -> None:
     shutil.rmtree(old)
 
 
+@contextmanager
+def folder_written_atomically(out: Path) -> Iterator[Path]:
+    """A temporary sibling of ``out`` to write a folder into; renamed to ``out`` when the block ends
+    without an error, removed otherwise, so ``out`` is either complete or absent."""
+    temporary = out.with_name(f"{out.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        yield temporary
+        os.replace(temporary, out)
+    finally:
+        if temporary.exists():
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
 def copy_tokenizer_files(source: Path, destination: Path) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES:
@@ -119,5 +135,5 @@ def copy_tokenizer(tokenizer_file: Path, destination: Path) -> None:
 __all__ = ["CHECKPOINTS_DIR", "COMPLETE_FILE", "CONFIG_FILE", "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE",
            "MOVE_AWAY_HINT", "OPTIMIZER_FILE", "PRECISION_FILE", "RNG_FILE", "RUN_CONFIG_FILE", "STATE_FILE",
            "TOKENIZER_FILES", "TOKENIZER_FILE_BY_FORMAT", "TOKENIZER_SIDE_FILES", "TRAINING_FILE", "WEIGHTS_FILE",
-           "copy_tokenizer", "copy_tokenizer_files", "file_checksum", "fsync_directory", "read_json",
+           "copy_tokenizer", "copy_tokenizer_files", "file_checksum", "folder_written_atomically", "fsync_directory", "read_json",
            "replace_directory", "write_json_atomic"]
