@@ -10,7 +10,6 @@ meshlm`` stays free of torch.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -24,19 +23,13 @@ from meshlm.data.tokenizer import Tokenizer
 from meshlm.inference.generate import generate as generate_ids
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.training.metrics import read_metrics
+from tests.helpers.counting_corpus import write_corpus
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 40
 COUNTING = [0, 3, 6, 9]
 NEXT = [12, 15, 18, 21, 24]
 
-
-def write_corpus(directory: Path) -> Path:
-    """The counting corpus of tests/training/conftest.py (loaded by path: test files cannot import each other)."""
-    spec = importlib.util.spec_from_file_location("training_conftest", TESTS / "training" / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_corpus(directory)
 
 
 def tiny_overrides(blend: Path, run_dir: Path, steps: int = STEPS) -> list[str]:

@@ -9,43 +9,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-import tokenizers
 import torch
 
 from meshlm.checkpoint.model_files import load_model, read_model_config, save_model
 from meshlm.cli import main
-from meshlm.data.indexed import TokenStoreWriter
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
+from tests.helpers.counting_corpus import write_corpus
 
 LLAMA = dict(vocab_size=64, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2, head_dim=8,
              ffn_hidden_size=64)
 
-
-def write_corpus(directory: Path) -> Path:
-    """Token store ``corpus`` + ``tokenizer.json`` + ``blend.json``; returns the blend file."""
-    directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    with TokenStoreWriter(directory / "corpus", vocab_size=64) as writer:
-        for _ in range(40):
-            start, length = rng.integers(0, 63), rng.integers(20, 60)
-            writer.add_document(np.append((start + 3 * np.arange(length)) % 63, 63))
-    vocab = {f"t{index}": index for index in range(63)} | {"<|endoftext|>": 63}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    blend = directory / "blend.json"
-    blend.write_text(json.dumps({"tokenizer": "tokenizer.json", "datasets": [{"prefix": "corpus", "weight": 1}]}))
-    return blend
 
 
 @pytest.fixture
 def source(tmp_path) -> Path:
     torch.manual_seed(0)
     model = LanguageModel(ModelConfig(**LLAMA))
-    blend = write_corpus(tmp_path / "data")
+    blend = write_corpus(tmp_path / "data", num_documents=40, max_length=60)
     return save_model(model, tmp_path / "big", tokenizer_dir=blend.parent)
 
 

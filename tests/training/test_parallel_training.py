@@ -32,6 +32,7 @@ from meshlm.config import load_run_config
 from meshlm.errors import ConfigError
 from meshlm.parallel.pipeline.state import gather_pipeline_state_dict
 from meshlm.training.metrics import read_metrics
+from tests.helpers.counting_corpus import write_corpus as write_tiny_corpus  # the name the trainer tests call it by
 from meshlm.training.trainer import Trainer
 from tests.helpers.distributed import run_distributed
 from tests.helpers.tiny_training import counting_collectives, relative_error
@@ -55,15 +56,6 @@ LAYOUTS = {
 CHECKPOINTED = ("dense", "tp2xdp2 sp dist-opt")
 """The run whose step-3 and step-5 checkpoints the load and resume tests use."""
 
-
-def write_tiny_corpus(directory: Path) -> Path:
-    """The trainer tests' corpus (tests/training/conftest.py), loaded by path: test files cannot import it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("trainer_conftest", Path(__file__).parent / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_corpus(directory)
 
 
 def run_config(blend: Path, run_dir: Path, *overrides: str):
