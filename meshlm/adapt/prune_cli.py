@@ -57,8 +57,6 @@ from meshlm.errors import CheckpointError, ConfigError, DataError
 SIZE_FLAGS = {"hidden": "hidden_size", "ffn": "ffn_hidden_size", "heads": "num_attention_heads",
               "kv_heads": "num_kv_heads", "mamba_heads": "mamba_num_heads", "experts": "moe_num_experts"}
 """argparse destination -> ModelConfig width field."""
-DEFAULT_SEQ_LEN = 1024
-"""Calibration length when CKPT records neither a training seq_len nor a maximum position."""
 SUFFIXES = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "G": 10 ** 9}
 
 
@@ -116,7 +114,7 @@ def prune(args, out: Path, requested: dict, rank: int, world: int, device: torch
                                     search_widths)
     from meshlm.adapt.prune_blocks import check_per_block, per_block_sizes
     from meshlm.checkpoint.locate import resolve_model_dir
-    from meshlm.checkpoint.model_files import read_model_config, load_model
+    from meshlm.checkpoint.model_files import load_model, read_model_config, trained_seq_len
 
     source_dir = resolve_model_dir(args.checkpoint)
     config = read_model_config(source_dir)
@@ -167,19 +165,6 @@ def check_arguments(args, out: Path, requested: dict) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {value} must be a positive integer.")
 
-
-def trained_seq_len(directory: Path) -> int:
-    """The run's ``train.seq_len`` recorded in a checkpoint's config.json, else a converted Hugging
-    Face model's ``max_position_embeddings``, else ``DEFAULT_SEQ_LEN`` (as ``meshlm eval`` chooses)."""
-    import json
-
-    try:
-        payload = json.loads((directory / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return DEFAULT_SEQ_LEN
-    seq_len = (payload.get("run") or {}).get("train", {}).get("seq_len")
-    seq_len = seq_len or (payload.get("hf") or {}).get("max_position_embeddings")
-    return int(seq_len) if seq_len else DEFAULT_SEQ_LEN
 
 
 def calibration_dataset(specs: list[str], seq_len: int, samples: int, seed: int, vocab_size: int):

@@ -62,6 +62,23 @@ def save_model(model: LanguageModel, directory: str | os.PathLike, extra_config:
     return write_model_folder(directory, model.config, state, extra_config, tokenizer_dir)
 
 
+DEFAULT_SEQ_LEN = 1024
+"""``trained_seq_len``'s answer for a model folder that records no sequence length."""
+
+
+def trained_seq_len(directory: str | os.PathLike) -> int:
+    """The sequence length a model folder's model was trained with: the run's ``train.seq_len``
+    recorded in its config.json, else a converted Hugging Face model's ``max_position_embeddings``,
+    else ``DEFAULT_SEQ_LEN`` (the default window of ``meshlm eval`` and of ``meshlm prune``'s calibration)."""
+    try:
+        payload = json.loads((Path(directory) / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return DEFAULT_SEQ_LEN
+    seq_len = (payload.get("run") or {}).get("train", {}).get("seq_len")
+    seq_len = seq_len or (payload.get("hf") or {}).get("max_position_embeddings")
+    return int(seq_len) if seq_len else DEFAULT_SEQ_LEN
+
+
 def read_model_config(directory: str | os.PathLike) -> ModelConfig:
     directory = Path(directory)
     config_path = directory / CONFIG_FILE
@@ -161,5 +178,5 @@ def load_state_checked(model: LanguageModel, state: dict[str, torch.Tensor], sou
     model.load_state_dict(state, strict=False, assign=True)
 
 
-__all__ = ["check_stored_tensors", "expected_shapes", "load_model", "load_state_checked", "read_model_config",
-           "save_model", "source_file", "weights_source", "write_model_folder"]
+__all__ = ["DEFAULT_SEQ_LEN", "check_stored_tensors", "expected_shapes", "load_model", "load_state_checked",
+           "read_model_config", "save_model", "source_file", "trained_seq_len", "weights_source", "write_model_folder"]

@@ -13,22 +13,21 @@ evaluated with tensor and data parallelism.
 
 The default window length is the one the model was trained with: a training checkpoint records
 its run's ``train.seq_len`` in ``config.json``; a converted Hugging Face model its
-``max_position_embeddings``; otherwise ``DEFAULT_SEQ_LEN``.
+``max_position_embeddings``; otherwise 1024 (``checkpoint.model_files.trained_seq_len``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from meshlm.checkpoint.files import CONFIG_FILE
 from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.materialize import materialize
-from meshlm.checkpoint.model_files import check_stored_tensors, read_model_config, source_file, weights_source
+from meshlm.checkpoint.model_files import (check_stored_tensors, read_model_config, source_file, trained_seq_len,
+                                           weights_source)
 from meshlm.config import ParallelConfig
 from meshlm.data.tokenizer import Tokenizer
 from meshlm.errors import ConfigError
@@ -38,7 +37,6 @@ from meshlm.models.language_model import LanguageModel
 from meshlm.parallel.mesh import ParallelContext, build_parallel_context
 from meshlm.parallel.parallelize import parallelize_model
 
-DEFAULT_SEQ_LEN = 1024
 """Window length when the model folder records neither a training seq_len nor a maximum position."""
 
 
@@ -78,16 +76,6 @@ def default_device() -> torch.device:
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
-
-def trained_seq_len(model_dir: Path) -> int:
-    """The run's ``train.seq_len``, else the Hugging Face ``max_position_embeddings``, else the default."""
-    try:
-        payload = json.loads((model_dir / CONFIG_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return DEFAULT_SEQ_LEN
-    seq_len = (payload.get("run") or {}).get("train", {}).get("seq_len")
-    seq_len = seq_len or (payload.get("hf") or {}).get("max_position_embeddings")
-    return int(seq_len) if seq_len else DEFAULT_SEQ_LEN
 
 
 def evaluation_context(config: ModelConfig, device: torch.device, tp: int) -> ParallelContext:
@@ -129,5 +117,5 @@ def load_for_evaluation(checkpoint: str | os.PathLike, tokenizer: str | None = N
                            directory=model_dir, context=context, default_seq_len=trained_seq_len(model_dir))
 
 
-__all__ = ["DEFAULT_SEQ_LEN", "EvaluationModel", "default_device", "evaluation_context", "load_for_evaluation",
-           "load_for_layout", "trained_seq_len"]
+__all__ = ["EvaluationModel", "default_device", "evaluation_context", "load_for_evaluation",
+           "load_for_layout"]
