@@ -213,8 +213,12 @@ def join_processes(device_name: str | None) -> tuple[int, int, torch.device]:
     if world == 1:
         return 0, 1, device
     import torch.distributed as dist
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+    from meshlm.config import ParallelConfig
+    from meshlm.parallel.mesh import join_process_group
+
+    if not dist.is_initialized():  # the trainer's join: torchrun restarts and the collective timeout included
+        join_process_group("nccl" if device.type == "cuda" else "gloo", ParallelConfig().timeout_s)
     return dist.get_rank(), world, device
 
 
