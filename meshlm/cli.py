@@ -36,6 +36,7 @@ COMMANDS = {
     "prune": ("meshlm.adapt.prune_cli", "prune a model to its most important units and blocks (Minitron)"),
     "adapt-vocab": ("meshlm.adapt.vocab_cli", "resize a model's embedding and head to an extended tokenizer (new rows: mean of their pieces)"),
     "eval": ("meshlm.evaluation.cli", "perplexity, bits per byte and multiple-choice accuracy of a model or checkpoint"),
+    "plan": ("meshlm.planning.cli", "predict memory per GPU and step time of the parallel layouts of a run on N GPUs"),
     "demo": ("meshlm.demo", "build the demo corpus, train a small hybrid model, plot and sample from it"),
 }
 

@@ -113,7 +113,7 @@ class TrainConfig:
     training checkpoint's step_N folder or a run directory (its newest checkpoint) -- that runs
     forward-only (eval mode, no gradient, the run's dtype and layout) on every training batch; the
     student (this run's model) learns to match it. Its vocabulary must equal the run's. Works at
-    tp, sp, dp, ep and ZeRO layouts; not yet with parallel.pp > 1 or parallel.cp > 1."""
+    every layout (tp, sp, dp, ep, ZeRO, pp with vp, cp); under pp the teacher has stages of its own."""
     distill_loss: str = "kl"
     """With distill_from: 'kl' (= 'forward_kl', KL(teacher || student) of the token distributions,
     Minitron's choice), 'reverse_kl' (KL(student || teacher)) or 'cosine' (1 - cosine similarity
@@ -193,6 +193,11 @@ class DataConfig:
     """Train/valid/test split of each dataset's documents, as relative weights."""
     cache_dir: str | None = None
     """Where index caches go (default: beside the data)."""
+    document_boundaries: bool = False
+    """Keep the documents packed into one sample apart: attention only within a document, RoPE
+    positions and Mamba-2's conv and SSM state restarting at each boundary, and no label that
+    predicts a document's first token from the previous one's last (``meshlm/data/gpt_dataset.py``).
+    Off for pretraining (documents separated by EOS only, as GPT-2/3); SFT data will turn it on."""
 
 
 @dataclass
@@ -306,6 +311,35 @@ class ParallelConfig:
     opposite orders (either can hang NCCL), stops the run with one message naming the step, the
     two ranks and the first diverging call (meshlm/parallel/collective_checks.py). Costs one
     small all-gather per step; meant for tests and for debugging a new layout."""
+    dp_sync: str = "every_step"
+    """How DP replicas stay together (meshlm/parallel/data/low_communication.py): 'every_step'
+    (gradients summed over DP every step), or -- across slow links -- each replica (a whole
+    TP x PP x CP model group) takes inner steps on its own data with no DP communication and
+    they are reconciled every sync_every steps: 'local_sgd' (parameters averaged), 'diloco'
+    (outer optimizer on the averaged parameter change; Douillard et al. 2023) or 'palsgd'
+    (DiLoCo plus random communication-free pulls toward the last global copy)."""
+    sync_every: int = 32
+    """H: the replicas are reconciled every H optimizer steps (dp_sync other than every_step)."""
+    outer_optimizer: str = "nesterov"
+    """DiLoCo/PALSGD outer optimizer on the global copy: 'nesterov' (SGD with Nesterov momentum,
+    as published) or 'sgd' (heavy-ball momentum)."""
+    outer_lr: float = 0.7
+    """Outer learning rate (DiLoCo's 0.7; PALSGD's authors use 0.1). 1.0 with outer_momentum=0 is local SGD."""
+    outer_momentum: float = 0.9
+    """Outer momentum (DiLoCo's 0.9); 0 for none."""
+    outer_sync_dtype: str = "fp32"
+    """dtype of the outer step's messages (the replicas' parameter changes and the updates):
+    'fp32' or 'bf16' (half the bytes). local_sgd averages the parameters themselves, in fp32."""
+    palsgd_p: float = 0.2
+    """PALSGD: probability that an inner step is a pseudo-synchronization (the authors' 0.2)."""
+    palsgd_eta: float = 1.0
+    """PALSGD: strength eta of the pull theta <- theta - (lr / p) eta (theta - theta_global)."""
+    palsgd_warmup: int = 32
+    """PALSGD: the first steps are ordinary DDP steps (the authors' 32)."""
+    simulate_link: str | None = None
+    """Testing aid: 'BANDWIDTH,LATENCY' (e.g. '1Gbps,5ms') delays every DP collective by its
+    bytes / bandwidth + latency (meshlm/parallel/simulated_link.py), so the wall-clock effect
+    of dp_sync is measurable on one machine. null: no delay."""
 
     @property
     def sharding_stage(self) -> int:
@@ -344,7 +378,7 @@ class RunConfig:
         if not train.time_limit_minutes >= 0:  # also refuses nan
             raise ConfigError(f"train.time_limit_minutes={train.time_limit_minutes} must be >= 0; give the job's "
                               "wall-clock limit in minutes (a little below the scheduler's), or 0 for none.")
-        validate_distillation(train, self.parallel)
+        validate_distillation(train)
         _choice("optim.schedule", optim.schedule, SCHEDULES)
         _choice("precision.dtype", self.precision.dtype, DTYPES)
         _choice("precision.fp8_gemm", self.precision.fp8_gemm, FP8_GEMMS)
@@ -386,7 +420,7 @@ def validate_profile_steps(text: str | None, steps: int) -> None:
                           f"pick steps the run will take, e.g. train.profile_steps={min(2, steps)}:{min(3, steps)}.")
 
 
-def validate_distillation(train: TrainConfig, parallel: ParallelConfig) -> None:
+def validate_distillation(train: TrainConfig) -> None:
     """The train.distill_* settings (the teacher itself is checked when the trainer loads it)."""
     _choice("train.distill_loss", train.distill_loss, DISTILL_LOSSES)
     if not train.distill_temperature > 0:
@@ -395,15 +429,9 @@ def validate_distillation(train: TrainConfig, parallel: ParallelConfig) -> None:
     if not 0 <= train.distill_weight <= 1:
         raise ConfigError(f"train.distill_weight={train.distill_weight} must lie in [0, 1] (1.0: pure distillation, "
                           "0.0: the LM loss alone).")
-    if train.distill_from is None:
-        if train.distill_blocks:
-            raise ConfigError("train.distill_blocks=true needs a teacher; set train.distill_from=TEACHER "
-                              "(a model folder, checkpoint or run directory).")
-        return
-    for name in ("pp", "cp"):
-        if getattr(parallel, name) > 1:
-            raise ConfigError(f"train.distill_from does not support parallel.{name}={getattr(parallel, name)} yet; "
-                              f"distill with parallel.{name}=1 (tp, sp, dp, ep and ZeRO layouts work).")
+    if train.distill_from is None and train.distill_blocks:
+        raise ConfigError("train.distill_blocks=true needs a teacher; set train.distill_from=TEACHER "
+                          "(a model folder, checkpoint or run directory).")
 
 
 def validate_parallel(parallel: ParallelConfig) -> None:

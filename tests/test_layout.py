@@ -35,6 +35,7 @@ LAYERS = (
     ("parallel", "precision", "config"),
     ("checkpoint",),
     ("hf", "training", "inference", "adapt"),
+    ("planning",),
     ("evaluation",),
     ("demo", "cli"),
     ("__main__",),

@@ -26,7 +26,11 @@ under both.
 
 **Several processes.** Every score is a sum over samples until ``finish`` (square roots,
 normalization), so data-parallel ranks each score their share of the samples and the sums are
-added (``reduce``, an all-reduce) before it.
+added (``reduce``, an all-reduce) before it. Under tensor parallelism (without sequence
+parallelism) a rank holds a contiguous slice of every block's query heads, MLP neurons and
+Mamba heads (``meshlm/parallel/tensor/``): their sums are concatenated over the TP group
+(``gather``, an all-gather in rank order); the norms' outputs, the blocks' inputs and outputs,
+the routing counts and the loss are the same on every TP rank, so the other sums are too.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from meshlm.models.context import SequenceContext
 from meshlm.models.language_model import LanguageModel
 
 DEPTH_METRICS = ("loss", "cosine")
+SHARDED_UNITS = ("heads", "neurons", "mamba_heads")
+"""The units a tensor-parallel rank scores a contiguous slice of (its own heads, neurons)."""
 
 
 @dataclass
@@ -159,10 +165,12 @@ def forward_loss(model: LanguageModel, input_ids: torch.Tensor, labels: torch.Te
 @torch.no_grad()
 def collect_importance(model: LanguageModel, batches: Iterable[dict[str, torch.Tensor]],
                        depth_metric: str | None = "cosine",
-                       reduce: Callable[[torch.Tensor], None] | None = None) -> Importance:
+                       reduce: Callable[[torch.Tensor], None] | None = None,
+                       gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Importance:
     """Scores of ``model``'s units on ``batches`` ({"input_ids", "labels"} [b, t], on the model's
     device); ``depth_metric`` None skips the depth scores' extra forwards for "loss". ``reduce``
-    sums a CPU tensor in place over the processes that share the samples (None: one process)."""
+    sums a CPU tensor in place over the processes that share the samples (None: one process);
+    ``gather`` concatenates a CPU tensor over the tensor-parallel group (None: no TP)."""
     if depth_metric is not None and depth_metric not in DEPTH_METRICS:
         raise ValueError(f"depth metric {depth_metric!r} is not one of {DEPTH_METRICS}")
     model.eval()
@@ -185,6 +193,10 @@ def collect_importance(model: LanguageModel, batches: Iterable[dict[str, torch.T
     if reduce is not None:
         for tensor in (totals, recorder.block_cosine, loss_increase, *(recorder.sums[key] for key in keys)):
             reduce(tensor)
+    if gather is not None:
+        for key in keys:
+            if key[0] in SHARDED_UNITS:
+                recorder.sums[key] = gather(recorder.sums[key])
     return finish(recorder.sums, totals, recorder.block_cosine, loss_increase, depth_metric)
 
 
@@ -219,4 +231,4 @@ def finish(sums: dict[tuple, torch.Tensor], totals: torch.Tensor, block_cosine: 
     return importance
 
 
-__all__ = ["DEPTH_METRICS", "Importance", "ImportanceRecorder", "collect_importance", "forward_loss"]
+__all__ = ["DEPTH_METRICS", "SHARDED_UNITS", "Importance", "ImportanceRecorder", "collect_importance", "forward_loss"]

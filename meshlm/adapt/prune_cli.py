@@ -38,9 +38,17 @@ OUT gets ``config.json`` (the pruned model; a ``pruning`` section records what w
 ``model.safetensors`` + the tokenizer, written to a temporary sibling and renamed. The command
 prints the ``meshlm train`` command that distills the pruned model from CKPT.
 
-Under ``torchrun`` the calibration samples are split over the processes (data parallelism) and
-the scores summed, rank 0 writes OUT; each process holds the whole model (tensor and pipeline
-layouts are not offered here).
+Under ``torchrun`` the calibration forward runs in the layout of ``meshlm eval``: ``--tp N``
+groups of N adjacent processes each hold one tensor-parallel copy of the model (built on meta,
+each rank reading only its slices, as training does), and the copies split the calibration
+samples (data parallelism). Each rank scores the heads and neurons of its slice; the scores are
+concatenated over the TP group and summed over the copies (``meshlm/adapt/importance.py``), so
+every layout selects the same units as one process. The pruned tensors are then cut from the
+source's files one tensor at a time, and rank 0 writes OUT. Pipeline, context and expert
+parallelism are training layouts and are not offered here: a model that fits in a few GPUs'
+memory is pruned with tensor and data parallelism.
+
+    torchrun --nproc_per_node 4 -m meshlm prune runs/big models/small --calibration data/blend.json --ffn 2048 --tp 2
 """
 
 from __future__ import annotations
@@ -89,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drop-blocks", type=int, default=0, metavar="K", help="remove the K least important blocks")
     parser.add_argument("--depth-metric", choices=("loss", "cosine"), default="loss",
                         help="block importance: loss increase when skipped (default) or input/output cosine distance")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="under torchrun: tensor-parallel ranks per copy of the model (default 1)")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
 
 
@@ -96,25 +106,25 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     requested = {field: getattr(args, flag) for flag, field in SIZE_FLAGS.items()}
     check_arguments(args, out, requested)
-    rank, world, device = join_processes(args.device)
-    if args.samples < world:
-        raise ConfigError(f"--samples {args.samples} is fewer than the {world} processes; give each at least one.")
+    import torch.distributed as dist
+
+    joined_here = not dist.is_initialized()  # under torchrun: calibration_context joins it
     try:
-        prune(args, out, requested, rank, world, device)
+        prune(args, out, requested, process_device(args.device))
     finally:
-        if world > 1:
-            import torch.distributed as dist
+        if joined_here and dist.is_initialized():
             dist.destroy_process_group()
     return 0
 
 
-def prune(args, out: Path, requested: dict, rank: int, world: int, device: torch.device) -> None:
+def prune(args, out: Path, requested: dict, device: torch.device) -> None:
     from meshlm.adapt.importance import collect_importance
     from meshlm.adapt.prune import (check_drop_blocks, check_prunable, kept_blocks, prune_plan, resolve_widths,
                                     search_widths)
     from meshlm.adapt.prune_blocks import check_per_block, per_block_sizes
     from meshlm.checkpoint.locate import resolve_model_dir
-    from meshlm.checkpoint.model_files import load_model, read_model_config, trained_seq_len
+    from meshlm.checkpoint.materialize import read_tensor
+    from meshlm.checkpoint.model_files import read_model_config, trained_seq_len, weights_source
 
     source_dir = resolve_model_dir(args.checkpoint)
     config = read_model_config(source_dir)
@@ -123,21 +133,26 @@ def prune(args, out: Path, requested: dict, rank: int, world: int, device: torch
     widths = resolve_widths(config, requested, args.per_block) if args.target_params is None else None
     if args.per_block:
         check_per_block(config, widths)
-    model = load_model(source_dir, map_location=device)
+    context = calibration_context(config, device, args.tp)  # joins the torchrun group (dp x tp)
+    if args.samples < context.dp_size:
+        raise ConfigError(f"--samples {args.samples} is fewer than the {context.dp_size} copies of the model; give "
+                          "each at least one.")
+    model = calibration_model(source_dir, context)  # this rank's tensor-parallel slices
     seq_len = args.seq_len or trained_seq_len(source_dir)
     dataset = calibration_dataset(args.calibration, seq_len, args.samples, args.seed, config.vocab_size)
-    importance = collect_importance(model, calibration_batches(dataset, args.batch_size, rank, world, device),
-                                    depth_metric=args.depth_metric if args.drop_blocks else "cosine",
-                                    reduce=all_reduce_sum(device) if world > 1 else None)
+    batches = calibration_batches(dataset, args.batch_size, context.dp_rank, context.dp_size, device)
+    importance = collect_importance(model, batches, depth_metric=args.depth_metric if args.drop_blocks else "cosine",
+                                    reduce=summed_over(context.dp_group) if context.dp_size > 1 else None,
+                                    gather=gathered_over(context.tp_group) if context.tp_size > 1 else None)
+    del model
     if args.target_params is not None:
         widths, _ = search_widths(config, importance, args.target_params, requested, args.drop_blocks)
     blocks = kept_blocks(importance, config.num_blocks, args.drop_blocks)
     sizes = per_block_sizes(config, importance, widths, blocks) if args.per_block else None
-    state = {name: value.detach() for name, value in model.state_dict().items()}
-    stored = {name: (tuple(value.shape), value.dtype) for name, value in state.items()}
-    new_config, plan = prune_plan(config, stored, lambda name: state[name].cpu(), importance, widths,
-                                  args.drop_blocks, sizes)
-    if rank == 0:
+    source = weights_source(source_dir)  # the kept rows and columns, cut from the files one tensor at a time
+    new_config, plan = prune_plan(config, dict(source.layout), lambda name: read_tensor(source, name), importance,
+                                  widths, args.drop_blocks, sizes)
+    if context.rank == 0:
         dropped = sorted(set(range(config.num_blocks)) - set(blocks))
         record = {"pruning": {"source": str(source_dir), "samples": importance.samples, "seq_len": seq_len,
                               "dropped_blocks": dropped, "depth_metric": args.depth_metric if dropped else None,
@@ -160,7 +175,7 @@ def check_arguments(args, out: Path, requested: dict) -> None:
     if args.per_block and args.target_params is not None:
         raise ConfigError("--per-block does not work with --target-params yet; give the sizes (--ffn, --kv-heads, "
                           "...) as averages instead.")
-    for flag in ("samples", "batch_size", "seq_len", "target_params"):
+    for flag in ("samples", "batch_size", "seq_len", "target_params", "tp"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {value} must be a positive integer.")
@@ -202,40 +217,71 @@ def calibration_batches(dataset, batch_size: int, rank: int, world: int, device:
         yield read_batch(dataset, first, min(batch_size, stop - first), device)
 
 
-def join_processes(device_name: str | None) -> tuple[int, int, torch.device]:
-    """(rank, world size, device): one process, or the torchrun group (gloo on CPU, nccl on CUDA)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def process_device(device_name: str | None) -> torch.device:
+    """``--device``, else cuda if available, else cpu; a bare 'cuda' is this process's GPU (LOCAL_RANK)."""
     if device_name is None:
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device_name)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if world == 1:
-        return 0, 1, device
+    return device
+
+
+def calibration_context(config, device: torch.device, tp: int):
+    """One process: no groups. Under torchrun: data-parallel copies of ``tp`` tensor-parallel ranks
+    (the layout of ``meshlm eval --tp``), the process group joined here."""
     import torch.distributed as dist
 
     from meshlm.config import ParallelConfig
-    from meshlm.parallel.mesh import join_process_group
+    from meshlm.parallel.mesh import ParallelContext, build_parallel_context
 
-    if not dist.is_initialized():  # the trainer's join: torchrun restarts and the collective timeout included
-        join_process_group("nccl" if device.type == "cuda" else "gloo", ParallelConfig().timeout_s)
-    return dist.get_rank(), world, device
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world % tp:
+        raise ConfigError(f"--tp {tp} does not divide the {world} processes started; launch a multiple of {tp} "
+                          "processes with torchrun (--nproc_per_node), or lower --tp.")
+    if world == 1:
+        return ParallelContext(device=device)
+    return build_parallel_context(ParallelConfig(tp=tp), config, device)
 
 
-def all_reduce_sum(device: torch.device):
-    """Sum a score tensor over every process, through the project's one collective layer."""
-    import torch.distributed as dist
+def calibration_model(source_dir: Path, context):
+    """This rank's tensor-parallel slices of the model in ``source_dir`` (all of it in one process):
+    built on meta, cut by ``parallelize_model``, then filled from the files one tensor at a time in
+    their stored dtypes (as training and ``meshlm eval`` build theirs), in eval mode."""
+    from meshlm.checkpoint.materialize import materialize
+    from meshlm.checkpoint.model_files import check_stored_tensors, read_model_config, source_file, weights_source
+    from meshlm.models.language_model import LanguageModel
+    from meshlm.parallel.parallelize import parallelize_model
 
-    from meshlm.parallel.groups import group_of
-    from meshlm.parallel.plain_collectives import all_reduce_
+    config, source = read_model_config(source_dir), weights_source(source_dir)
+    check_stored_tensors(config, source.layout, str(source_file(source_dir)))
+    with torch.device("meta"):
+        model = parallelize_model(LanguageModel(config), context)
+    dtypes = {name: dtype for name, (_, dtype) in source.layout.items()}
+    return materialize(model, context, source, context.device, dtype=dtypes).eval()
 
-    world = group_of(dist.group.WORLD, "calibration", device)
+
+def summed_over(group):
+    """Sum a CPU score tensor in place over ``group``'s ranks (the model's copies)."""
+    from meshlm.parallel.collectives import all_reduce_
 
     def reduce(tensor: torch.Tensor) -> None:
-        on_device = tensor.to(device)
-        all_reduce_(on_device, world)
+        on_device = tensor.to(group.device)
+        all_reduce_(on_device, group)
         tensor.copy_(on_device.cpu())
     return reduce
+
+
+def gathered_over(group):
+    """A CPU score tensor -> every rank's of ``group`` concatenated in rank order (a TP group's slices)."""
+    from meshlm.parallel.collectives import all_gather_into_
+
+    def gather(tensor: torch.Tensor) -> torch.Tensor:
+        on_device = tensor.to(group.device)
+        gathered = on_device.new_empty((group.size * on_device.shape[0], *on_device.shape[1:]))
+        all_gather_into_(gathered, on_device, group)
+        return gathered.cpu()
+    return gather
 
 
 def report(args, config, new_config, dropped, importance, out: Path, source_dir: Path) -> None:

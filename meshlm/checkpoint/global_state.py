@@ -8,6 +8,11 @@ The checkpoint keys, each a tensor of the single-process model's shape:
     optim/NAME/exp_avg_sq       AdamW second moment (fp32)
     recipe/LAYER/amax_history   a low-precision recipe's per-layer state (fp8_delayed's amax
                                 history, replicated over the ranks that hold the layer)
+    outer/global/NAME           parallel.dp_sync (diloco, palsgd): the global copy (fp32)
+    outer/momentum/NAME         the outer optimizer's momentum (fp32, sharded over DP)
+    replicaR/KEY                parallel.dp_sync: DP replica R >= 1's own model/, master/, optim/
+                                and recipe/ entries (replicas differ between syncs; replica 0
+                                keeps the plain keys, so every tool reads its model)
 
 ``training_tensors`` lists, for each key, the chunks this rank holds (views into the live
 tensors, from ``meshlm/checkpoint/sharding.py``) wherever they live:
@@ -26,6 +31,7 @@ rate group settings, the loss scaler) are plain JSON from ``optimizer_scalars``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +65,8 @@ class TrainingParts:
     """``MixedPrecision``: its masters (bf16/fp16) and loss scaler."""
     context: object = None
     """``ParallelContext`` (None: one process)."""
+    dp_sync: object = None
+    """``LowCommunicationSync`` (parallel.dp_sync other than every_step), else None."""
 
 
 def optimizers_of(optimizer) -> list:
@@ -173,14 +181,44 @@ def training_tensors(parts: TrainingParts, for_loading: bool = False) -> dict[st
         getattr(optimizer, "wait_for_parameters", lambda: None)()
     tensors = {**model_tensors(parts), **master_tensors(parts), **moment_tensors(parts, for_loading),
                **recipe_tensors(parts)}
+    if parts.dp_sync is not None:  # replicas differ between syncs: each keeps its own entries
+        tensors = {replica_key(key, parts.context.dp_rank): value for key, value in tensors.items()}
+        tensors.update(outer_tensors(parts))
     if for_loading:
         return tensors
     return {key: value for key, value in tensors.items() if not is_stage_copy(parameter_name(key), parts.context)}
 
 
+def replica_key(key: str, replica: int) -> str:
+    """A DP replica's key: the plain key for replica 0, ``replicaR/KEY`` for the others."""
+    return key if replica == 0 else f"replica{replica}/{key}"
+
+
+def split_replica(key: str) -> tuple[str, str]:
+    """``replica3/model/x`` -> ('replica3/', 'model/x'); a plain key -> ('', key)."""
+    match = re.match(r"(replica\d+/)(.*)", key)
+    return (match.group(1), match.group(2)) if match else ("", key)
+
+
+def outer_tensors(parts: TrainingParts) -> dict[str, GlobalTensor]:
+    """``outer/global/NAME`` (the whole global copy, like a replicated parameter) and
+    ``outer/momentum/NAME`` (this rank's flat DP slice of the momentum, like a ZeRO-1 segment)."""
+    tensors, params = {}, dict(parts.model.named_parameters())
+    for name, _, view in parts.dp_sync.global_views():
+        shape, chunks = tensor_chunks(params[name], view, parts.context)
+        _add(tensors, f"outer/global/{name}", shape, torch.float32, chunks)
+    for name, _, first, flat in parts.dp_sync.momentum_segments():
+        shape, chunks = flat_chunks(params[name], flat, first, parts.context)
+        _add(tensors, f"outer/momentum/{name}", shape, torch.float32, chunks)
+    return tensors
+
+
 def parameter_name(key: str) -> str:
-    """``model/NAME``, ``master/NAME``, ``optim/NAME/exp_avg``, ``recipe/NAME/amax_history`` -> NAME."""
-    kind, rest = key.split("/", 1)
+    """``model/NAME``, ``master/NAME``, ``optim/NAME/exp_avg``, ``recipe/NAME/amax_history``,
+    ``outer/global/NAME``, and any of them under ``replicaR/`` -> NAME."""
+    kind, rest = split_replica(key)[1].split("/", 1)
+    if kind == "outer":
+        return rest.split("/", 1)[1]
     return rest.rsplit("/", 1)[0] if kind in ("optim", "recipe") else rest
 
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshlm.checkpoint.files import COMPLETE_FILE, CONFIG_FILE, METADATA_FILE, STATE_FILE, TRAINING_FILE, read_json
 from meshlm.checkpoint.folders import check_folder, is_single_process_format, read_metadata, verify_files
-from meshlm.checkpoint.global_state import (MOMENTS, TrainingParts, finish_loading, layout_of,
+from meshlm.checkpoint.global_state import (MOMENTS, TrainingParts, finish_loading, layout_of, split_replica,
                                             restore_optimizer_scalars, training_tensors)
 from meshlm.checkpoint.planners import ChunkLoadPlanner, read_items_by_file
 from meshlm.checkpoint.sharding import box_view
@@ -63,17 +63,25 @@ def plan_sources(parts: TrainingParts, stored: dict[str, tuple]) -> tuple[dict, 
     param_names = {name for name, _ in parts.model.named_parameters()}
     requests, sources = {}, {}
     for key, tensor in tensors.items():
-        kind, name = key.split("/", 1)
+        prefix, plain = split_replica(key)
+        kind, name = plain.split("/", 1)
         if kind == "model" and name in param_names:
             if low_precision:
                 continue  # recomputed from the masters
-            sources[key] = f"master/{name}" if f"master/{name}" in stored else key
+            source = f"master/{name}" if f"master/{name}" in stored else plain
         elif kind == "master":
-            sources[key] = key if key in stored else f"model/{name}"
-        elif kind == "recipe" and key not in stored:
+            source = plain if plain in stored else f"model/{name}"
+        elif kind == "recipe" and plain not in stored:
             continue  # a checkpoint of a run without this recipe state: start from empty histories
+        elif kind == "outer" and plain not in stored:
+            if not plain.startswith("outer/global/"):
+                continue  # no outer momentum saved (another dp_sync, or none): it starts at zero
+            param = name.split("/", 1)[1]  # no global copy saved: replica 0's parameters are it
+            source = f"master/{param}" if f"master/{param}" in stored else f"model/{param}"
         else:
-            sources[key] = key
+            source = plain
+        # a replica without entries of its own (saved by fewer replicas, or every_step) starts as replica 0
+        sources[key] = prefix + source if prefix + source in stored else source
         requests[key] = tensor
     return requests, sources
 

@@ -96,7 +96,8 @@ class BlendedDataset(torch.utils.data.Dataset):
 
     def __init__(self, blend: Blend, seq_len: int, num_samples: int, seed: int = 1234,
                  split: str | list[float] = "1", split_name: str = "train",
-                 shuffle: bool = True, cache_dir: str | os.PathLike | None = None):
+                 shuffle: bool = True, cache_dir: str | os.PathLike | None = None,
+                 document_boundaries: bool = False):
         if num_samples < 1:
             raise DataError(f"num_samples={num_samples} for the {split_name} blend must be at least 1.")
         weights = normalize_weights(blend.weights)
@@ -111,7 +112,8 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.blend_sample_index = indices["blend_sample_index"]
         counts = np.bincount(self.blend_index, minlength=len(weights))
         # a corpus whose weight is too small to be drawn even once in num_samples is not opened
-        self.datasets = [GPTDataset(prefix, seq_len, int(count), seed, split, split_name, shuffle, cache_dir)
+        self.datasets = [GPTDataset(prefix, seq_len, int(count), seed, split, split_name, shuffle, cache_dir,
+                                    document_boundaries)
                          if count else None for prefix, count in zip(blend.prefixes, counts)]
         self.num_samples = num_samples
 
@@ -130,12 +132,15 @@ class BlendedDataset(torch.utils.data.Dataset):
 
 def build_datasets(blend: Blend | str | os.PathLike, seq_len: int, num_samples: dict[str, int],
                    seed: int = 1234, split: str | list[float] = "98,1,1",
-                   cache_dir: str | os.PathLike | None = None) -> dict[str, BlendedDataset]:
+                   cache_dir: str | os.PathLike | None = None,
+                   document_boundaries: bool = False) -> dict[str, BlendedDataset]:
     """One ``BlendedDataset`` per split named in ``num_samples`` (e.g. ``{"train": 10000,
-    "valid": 100}``); ``blend`` is a ``Blend`` or the path of a blend file."""
+    "valid": 100}``); ``blend`` is a ``Blend`` or the path of a blend file. ``document_boundaries``:
+    samples carry ``document_ids`` and ignore the labels at boundaries (``gpt_dataset.py``)."""
     blend = blend if isinstance(blend, Blend) else load_blend(blend)
     unknown = set(num_samples) - set(SPLIT_NAMES)
     if unknown:
         raise DataError(f"num_samples names unknown splits {sorted(unknown)}; use {', '.join(SPLIT_NAMES)}.")
-    return {name: BlendedDataset(blend, seq_len, count, seed, split, name, cache_dir=cache_dir)
+    return {name: BlendedDataset(blend, seq_len, count, seed, split, name, cache_dir=cache_dir,
+                                 document_boundaries=document_boundaries)
             for name, count in num_samples.items()}

@@ -9,6 +9,16 @@ position). Consecutive samples share one token, so every token of the stream is 
 exactly once. A window may span several documents; the EOS token that preprocessing appends
 (``--append-eos``) tells the model where one ends.
 
+**Document boundaries** (``document_boundaries=True``, ``data.document_boundaries``). The model can
+instead keep the documents of a window apart: each sample then also carries ``document_ids``
+[seq_len], the index (0, 1, 2, ...) of the document each input token belongs to, counted from the
+window's first document. The model restricts attention to each document, restarts RoPE positions
+and Mamba-2's conv and SSM state at every boundary (``meshlm/models/context.py``), and the label
+rule at a boundary is: a token is never trained to predict the next document's first token --
+``labels[t]`` is ignored (``IGNORE_INDEX``) where token t and token t + 1 lie in different
+documents (so is the window's last label when token seq_len starts a new document). A window's
+first document may begin mid-document; its positions then start at 0 where the window does.
+
 Three index arrays turn "sample i" into tokens on disk, built once with numpy and cached:
 
 - ``document_index``: the order of documents in the stream. Each *epoch* is the split's
@@ -47,6 +57,11 @@ import torch
 
 from meshlm.data.indexed import TokenStore
 from meshlm.errors import DataError
+
+IGNORE_INDEX = -100
+"""The label the loss skips: torch's ``cross_entropy`` default, the value of
+``meshlm.models.losses.IGNORE_INDEX`` (data sits beside models, so it cannot import it; a test
+checks the two agree)."""
 
 SPLIT_NAMES = ("train", "valid", "test")
 INDEX_FORMAT_VERSION = 2
@@ -119,7 +134,9 @@ def build_indices(document_lengths: np.ndarray, documents: np.ndarray, seq_len: 
 class GPTDataset(torch.utils.data.Dataset):
     """``num_samples`` samples of ``seq_len`` tokens from one split of the token store ``prefix``.
 
-    ``dataset[i]`` is ``{"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}``.
+    ``dataset[i]`` is ``{"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}``, plus
+    ``"document_ids"`` LongTensor[seq_len] with ``document_boundaries`` (module docstring: the
+    documents are kept apart, and the labels at boundaries are ignored).
     ``num_samples=None`` means one epoch's worth; ``shuffle=False`` keeps documents and samples
     in store order. ``indices_were_built`` tells whether this instance built its indices (True)
     or loaded them from the cache (False).
@@ -127,8 +144,10 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __init__(self, prefix: str | os.PathLike | TokenStore, seq_len: int, num_samples: int | None = None,
                  seed: int = 1234, split: str | list[float] = "1", split_name: str = "train",
-                 shuffle: bool = True, cache_dir: str | os.PathLike | None = None):
+                 shuffle: bool = True, cache_dir: str | os.PathLike | None = None,
+                 document_boundaries: bool = False):
         self.store = prefix if isinstance(prefix, TokenStore) else TokenStore(prefix)
+        self.document_boundaries = document_boundaries
         if seq_len < 1:
             raise DataError(f"seq_len={seq_len} must be at least 1.")
         self.seq_len = seq_len
@@ -163,11 +182,22 @@ class GPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} is outside this dataset's {self.num_samples} samples.")
-        tokens = torch.from_numpy(self.stream_sample(int(self.shuffle_index[index])).astype(np.int64))
-        return {"input_ids": tokens[:-1], "labels": tokens[1:]}
+        pieces = self.stream_pieces(int(self.shuffle_index[index]))
+        tokens = torch.from_numpy(np.concatenate(pieces).astype(np.int64))
+        sample = {"input_ids": tokens[:-1], "labels": tokens[1:]}
+        if self.document_boundaries:
+            lengths = torch.tensor([len(piece) for piece in pieces])
+            documents = torch.repeat_interleave(torch.arange(len(pieces)), lengths)  # of the seq_len + 1 tokens
+            sample["labels"] = sample["labels"].masked_fill(documents[:-1] != documents[1:], IGNORE_INDEX)
+            sample["document_ids"] = documents[:-1]
+        return sample
 
     def stream_sample(self, k: int) -> np.ndarray:
         """The ``seq_len + 1`` tokens of sample ``k`` in stream (unshuffled) order."""
+        return np.concatenate(self.stream_pieces(k))
+
+    def stream_pieces(self, k: int) -> list[np.ndarray]:
+        """``stream_sample(k)`` as one piece per document it touches (a piece may be empty)."""
         position, offset = (int(value) for value in self.sample_index[k])
         pieces, needed = [], self.seq_len + 1
         while needed > 0:
@@ -175,7 +205,7 @@ class GPTDataset(torch.utils.data.Dataset):
             pieces.append(piece)
             needed -= len(piece)
             position, offset = position + 1, 0
-        return np.concatenate(pieces)
+        return pieces
 
     def from_sample(self, start: int) -> torch.utils.data.Dataset:
         """The samples ``start, start + 1, ...``: resume the global order at ``start``."""

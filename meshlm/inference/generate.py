@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from meshlm.errors import ConfigError
+from meshlm.inference.decode_step import DecodeStep
 from meshlm.inference.prefill import hidden_states, prefill
 from meshlm.inference.sampling import SamplingConfig, restrict_vocab, sample_next
 from meshlm.inference.speculative import check_speculative, speculative_generate
@@ -64,7 +65,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
              eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
              valid_vocab_size: int | None = None, prefill_chunk: int | None = None,
              speculative: str | None = None, draft_tokens: int | None = None,
-             stats: GenerationStats | None = None) -> list[list[int]]:
+             stats: GenerationStats | None = None, compile: bool = False) -> list[list[int]]:
     """The new tokens of each prompt: at most ``max_new_tokens``, ending at eos if one is drawn.
 
     ``eos_token_id`` may be one id or several (Hugging Face configs list several end tokens).
@@ -72,7 +73,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     when drawn, is included as the last token of its row. ``prefill_chunk``: run the prompts
     this many tokens per forward (None: all at once). ``speculative="mtp"``: draft with the
     model's MTP depths and verify (greedy only; prompts decoded one at a time), ``draft_tokens``
-    a step (default: one per depth). ``stats``, if given, is added to.
+    a step (default: one per depth). ``stats``, if given, is added to. ``compile``: decode with
+    the compiled step (``decode_step.py``; plain decoding only), whose compile time ``stats`` keeps
+    apart from the decode time.
     """
     vocab_size = model.config.vocab_size
     check_prompts(prompts, vocab_size)
@@ -84,6 +87,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be a number of tokens >= 1, or None to "
                           "prefill each prompt in one forward.")
+    if speculative is not None and compile:
+        raise ConfigError("compiling the decode step applies to plain decoding, not speculative decoding; "
+                          "drop --compile or --speculative.")
     if speculative is not None:
         check_speculative(model, speculative, sampling, draft_tokens)
     elif draft_tokens is not None:
@@ -103,15 +109,16 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
                                                            valid_vocab_size, prefill_chunk, stats, draft_tokens)
             else:
                 _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id,
-                        valid_vocab_size, prefill_chunk, stats, new_tokens)
+                        valid_vocab_size, prefill_chunk, stats, new_tokens, compile)
     finally:
         model.train(was_training)
     return new_tokens
 
 
 def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, valid_vocab_size,
-            prefill_chunk, stats: GenerationStats, new_tokens: list[list[int]]) -> None:
-    """Prefill the padded batch, then decode one token per step, appending into ``new_tokens``."""
+            prefill_chunk, stats: GenerationStats, new_tokens: list[list[int]], compile: bool = False) -> None:
+    """Prefill the padded batch, then decode one token per step, appending into ``new_tokens``
+    (with ``compile``, by the compiled ``DecodeStep`` where the model and cache allow it)."""
     device = next(model.parameters()).device
     generator = sampling.make_generator(device)
     input_ids, token_mask = left_pad(prompts, pad_token_id, device)
@@ -122,6 +129,7 @@ def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id
     stats.saw_cache_bytes(cache.nbytes)
     eos_ids = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)
     rows = list(range(len(prompts)))  # the prompt each batch row belongs to
+    compiled_step = DecodeStep(model, compile=True) if compile else None
     with stats.timing("decode", device):
         for step in range(max_new_tokens):
             next_ids = sample_next(restrict_vocab(logits, valid_vocab_size), sampling, generator)
@@ -137,5 +145,11 @@ def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id
             if not rows or step == max_new_tokens - 1:
                 break
             # the new column holds no padding (no mask): nothing in a step looks at all cached tokens
-            logits = model.head_logits(hidden_states(model, next_ids[:, None], cache))[:, -1]
+            if compiled_step is not None and compiled_step.supports(cache):
+                logits = compiled_step(next_ids, cache)
+            else:
+                logits = model.head_logits(hidden_states(model, next_ids[:, None], cache))[:, -1]
+    if compiled_step is not None:  # the first compiled step paid for compiling: count that apart
+        stats.compile_seconds += compiled_step.compile_seconds
+        stats.decode_seconds -= compiled_step.compile_seconds
     stats.saw_cache_bytes(cache.nbytes)

@@ -4,6 +4,8 @@
   run them into the caches -- with speculative decoding, into the MTP depths' caches too;
 - **decode** tokens/s: the generated tokens over the time after the prefill (the first token,
   drawn from the prefill's logits, included);
+- **compile seconds** (``--compile`` only): the first decode step's time spent compiling the
+  decode step, kept out of the decode tokens/s;
 - **cache bytes**: the most the caches held: KV capacity, Mamba conv and SSM states, and with
   speculative decoding the depths' caches and the states kept for rolling back;
 - with speculative decoding: tokens drafted and accepted, the acceptance rate (accepted /
@@ -41,6 +43,8 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_forwards: int = 0
+    compile_seconds: float = 0.0
+    """Time the compiled decode step spent compiling (``generate(compile=True)``), not in ``decode_seconds``."""
 
     @contextmanager
     def timing(self, phase: str, device: torch.device):
@@ -64,6 +68,8 @@ class GenerationStats:
             "decode_tokens_per_s": rate(self.decode_tokens, self.decode_seconds),
             "cache_bytes": self.cache_bytes,
         }
+        if self.compile_seconds:
+            report["compile_seconds"] = round(self.compile_seconds, 2)
         if self.verify_forwards:
             report.update({
                 "drafted_tokens": self.drafted_tokens,

@@ -79,6 +79,16 @@ class AttentionCache:
         self.length = needed
         return self.keys, self.values
 
+    def reserve(self, num_tokens: int) -> int:
+        """Count ``num_tokens`` more tokens as held, growing the buffers if they lack room, and
+        return where they start: the caller writes their keys and values there itself (the compiled
+        decode step does, ``meshlm/inference/decode_step.py``). Only after a first ``append``."""
+        start, needed = self.length, self.length + num_tokens
+        self.key_buffer = grown(self.key_buffer, self.key_buffer, 2, start, needed, self.capacity_hint)
+        self.value_buffer = grown(self.value_buffer, self.value_buffer, 2, start, needed, self.capacity_hint)
+        self.length = needed
+        return start
+
     def forget_latest(self, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens: only the count shrinks, the next append overwrites them."""
         if not 0 <= num_tokens <= self.length:

@@ -112,16 +112,20 @@ class LanguageModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 token_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 cache: InferenceCache | None = None, return_logits: bool = True,
-                dropout_key: DropoutKey | None = None) -> LMOutput:
+                dropout_key: DropoutKey | None = None, document_ids: torch.Tensor | None = None,
+                document_positions: torch.Tensor | None = None) -> LMOutput:
         """Logits for ``input_ids`` [batch, seq]; with ``labels`` [batch, seq] also the loss.
 
         ``labels[b, t]`` is the token that should follow position t (IGNORE_INDEX to skip it).
         ``dropout_key`` fixes the dropout masks in training mode (drawn from torch's generator
-        when None and the model has dropout).
+        when None and the model has dropout). ``document_ids`` [batch, seq]: the row packs several
+        documents, kept apart as if each were run on its own (``SequenceContext``; the labels at
+        boundaries are the data's business: ``meshlm/data/gpt_dataset.py`` ignores them).
         """
         if dropout_key is None and self.training and (self.config.hidden_dropout or self.config.attention_dropout):
             dropout_key = DropoutKey.draw(input_ids.shape[0], input_ids.device)
-        context = SequenceContext.for_tokens(input_ids, token_mask, cache, position_ids, dropout_key)
+        context = SequenceContext.for_tokens(input_ids, token_mask, cache, position_ids, dropout_key,
+                                             document_ids, document_positions)
         hidden = self.run_blocks(self.embed(input_ids, context), context)
         return self.finish(hidden, input_ids, labels, context, token_mask=token_mask, return_logits=return_logits)
 
@@ -145,7 +149,8 @@ class LanguageModel(nn.Module):
             total = self.add_moe_losses(total, output.losses)
         if self.mtp is not None:
             mtp_context = SequenceContext(position_ids=context.position_ids, token_mask=token_mask,
-                                          dropout_key=context.dropout_key)
+                                          dropout_key=context.dropout_key, document_ids=context.document_ids,
+                                          document_positions=context.document_positions)
             per_depth = self.mtp(hidden, input_ids, labels, self, mtp_context, fused_loss=fused_loss)
             for depth, depth_loss in enumerate(per_depth, start=1):
                 output.losses[f"mtp_{depth}"] = depth_loss

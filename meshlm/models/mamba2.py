@@ -34,8 +34,9 @@ matmuls, a hand-written backward that recomputes instead of saving) or the refer
 ``ssd.ssd_chunked_scan``; both compute the same function.
 
 Generation keeps a ``MambaCache``: the last K-1 conv inputs and the fp32 SSM state. A single
-new token takes the recurrent step; a prompt (or a continuation of one) takes the chunked scan
-starting from the stored state, with the conv fed by the stored window. Left padding
+new token takes the recurrent step (``mamba_decode.py``: fixed shapes, few ops, compilable); a
+prompt (or a continuation of one) takes the chunked scan starting from the stored state, with
+the conv fed by the stored window. Left padding
 (``context.token_mask`` False) is zeroed before in_proj and after the conv, so padded
 positions add nothing to the conv window or the SSM state. For speculative decoding a cache can
 also roll back (``MambaCache.enable_rollback``): it then keeps the SSM state after each of its
@@ -56,6 +57,7 @@ from torch import nn
 from meshlm.models.cache import MambaCache
 from meshlm.models.causal_conv import causal_conv_silu
 from meshlm.models.init import constant, initialize_own_tensors
+from meshlm.models.mamba_decode import decodes_one_token, mamba_decode_step
 from meshlm.models.norms import GatedRMSNorm
 from meshlm.models.ssd import ssd_chunked_scan, ssd_recurrent_step
 from meshlm.models.ssd_fast import ssd_chunked_scan_fast
@@ -141,19 +143,25 @@ class Mamba2Mixer(nn.Module):
         new_window = torch.cat((window, channels_first), dim=-1)[:, :, -window.shape[-1]:].clone()
         return out, new_window
 
-    def conv_from_start(self, xBC: torch.Tensor) -> torch.Tensor:
+    def conv_from_start(self, xBC: torch.Tensor, document_positions: torch.Tensor | None = None) -> torch.Tensor:
         """silu(depthwise causal conv) of a whole sequence xBC [b, t, conv_dim] from a zero window
-        (``causal_conv.causal_conv_silu``); context parallelism continues from the previous chunk instead."""
-        return causal_conv_silu(xBC, self.conv1d.weight, self.conv1d.bias)
+        (``causal_conv.causal_conv_silu``); context parallelism continues from the previous chunk instead.
+        With packed documents (``document_positions``) the window restarts at each document."""
+        return causal_conv_silu(xBC, self.conv1d.weight, self.conv1d.bias, document_positions=document_positions)
 
     def time_step(self, dt_raw: torch.Tensor) -> torch.Tensor:
         """dt = softplus(dt_raw + dt_bias), clamped below; fp32 [b, t, heads]."""
         dt = F.softplus(dt_raw.float() + self.dt_bias.float())
         return dt.clamp(min=self.dt_clamp_min)
 
-    def scan(self, x, dt, B, C, state: MambaCache | None) -> torch.Tensor:
-        """The SSM over x [b, t, H, P] (fp32 result), updating the cached state when there is one."""
+    def scan(self, x, dt, B, C, state: MambaCache | None, document_ids: torch.Tensor | None = None,
+             document_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The SSM over x [b, t, H, P] (fp32 result), updating the cached state when there is one.
+        With packed documents (``document_ids``, training only) the state restarts at each one
+        (``document_positions``, the tokens' positions in them, serve context parallelism's scan)."""
         A = -torch.exp(self.A_log.float())
+        if document_ids is not None:
+            return self.chunked_scan(x, dt, A, B, C, self.chunk_size, document_ids=document_ids)[0]
         initial_state = None if state is None else state.ssm_state
         if state is not None and state.rollback_window:
             y, final_state = self.scan_keeping_states(x, dt, A, B, C, state)
@@ -188,11 +196,20 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, context) -> torch.Tensor:
         token_mask = context.token_mask
         state = None if context.cache is None else context.cache.state_for(self.layer_index, MambaCache)
+        if state is not None and decodes_one_token(hidden, token_mask, state):  # generation's hot path
+            out, state.conv_state, state.ssm_state = mamba_decode_step(self, hidden[:, 0], state.conv_state,
+                                                                       state.ssm_state)
+            return out[:, None]
 
         z, xBC, dt_raw = self.split_projection(self.in_proj(zero_padding(hidden, token_mask)))
         # xBC holds the whole sequence, also when in_proj gathers a sequence-parallel slice
+        # packed documents: passed only when present, so a subclass's conv/scan without them still fits
+        documents, positions = {}, {}
+        if context.document_ids is not None:
+            positions = {"document_positions": context.document_positions}
+            documents = {"document_ids": context.document_ids, **positions}
         if state is None:  # training: no window to continue
-            xBC = self.conv_from_start(xBC)
+            xBC = self.conv_from_start(xBC, **positions)
         else:
             xBC, state.conv_state = self.causal_conv(xBC, state.conv_state)
         xBC = zero_padding(xBC, token_mask)
@@ -201,7 +218,7 @@ class Mamba2Mixer(nn.Module):
         x = x.unflatten(-1, (self.num_heads, self.head_dim))
         y = self.scan(x, self.time_step(dt_raw),
                       B.unflatten(-1, (self.num_groups, self.state_size)),
-                      C.unflatten(-1, (self.num_groups, self.state_size)), state)
+                      C.unflatten(-1, (self.num_groups, self.state_size)), state, **documents)
         y = y + self.D.float()[:, None] * x.float()
         out = self.norm(y.flatten(-2), z)
         return self.out_proj(out.to(hidden.dtype))

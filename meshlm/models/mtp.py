@@ -14,6 +14,10 @@ ignored), so the causal blocks inside each depth see ordinary sequences. The mod
 ``mtp_loss_coeff * mean_k loss_k`` to its loss. At inference the depths serve as a draft model
 for self-speculative decoding (``meshlm/inference/speculative.py``: ``meshlm generate
 --speculative mtp``), each depth with a cache of its own blocks' states.
+
+With packed documents kept apart (``context.document_ids``) no depth looks or predicts across a
+boundary: where token t+k lies in another document than t, depth k sees the fill token 0 and has
+no target there, exactly as at the end of a document run on its own.
 """
 
 from __future__ import annotations
@@ -67,9 +71,13 @@ class MultiTokenPrediction(nn.Module):
         ``fused_loss`` through ``model.head_loss`` (no full logits)."""
         losses = []
         for k, depth in enumerate(self.depths, start=1):
-            future_ids = self.shift(input_ids, k, fill=0)
+            future_ids, future_labels = self.shift(input_ids, k, fill=0), self.shift(labels, k, fill=IGNORE_INDEX)
+            if context.document_ids is not None:  # nothing from the next document (module docstring)
+                other_document = self.shift(context.document_ids, k, fill=0) != context.document_ids
+                future_ids = future_ids.masked_fill(other_document, 0)
+                future_labels = future_labels.masked_fill(other_document, IGNORE_INDEX)
             hidden = depth(hidden, model.embed(future_ids), context)
-            normed, future_labels = depth.final_norm(hidden), self.shift(labels, k, fill=IGNORE_INDEX)
+            normed = depth.final_norm(hidden)
             if fused_loss:
                 losses.append(model.head_loss(normed, future_labels, normed=True))
             else:

@@ -43,6 +43,17 @@ gives the causal zeros. It builds the decay matrices of steps 1 and 3; steps 2 a
 decays from a chunk's start or to its end, where a difference of cumulative sums within one
 chunk is short and safe.
 
+**Packed documents** (``document_ids`` [b, t], Mamba-2's ``seq_idx``): the state restarts at
+each document's first token, as if every document were its own sequence. Since the scan is
+linear in its decays, that is the same as setting to zero the decay between any two positions
+of different documents, which SSD does with a 0/1 factor in each of the four steps (as the
+``seq_idx`` path of ``mamba_ssm``): (1) the intra-chunk decay mask keeps l, s of one document;
+(2) a position enters its chunk's state only if it shares the chunk's last token's document;
+(3) a state passes from slot k to slot z only if both belong to the same document (slot 0, the
+initial state, continues the row's first document; slot z >= 1 belongs to chunk z-1's last
+token); (4) a position reads its chunk's start state only if it belongs to that state's document.
+The factors are constants, so the same masks give the exact gradients.
+
 Everything here runs in fp32 and is a pure function of its inputs; the D skip connection
 (y += D x) is the caller's business.
 """
@@ -91,15 +102,51 @@ def split_into_chunks(tensor: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return tensor.unflatten(1, (-1, chunk_size))
 
 
+class DocumentMasks:
+    """The 0/1 factors of the four SSD steps for packed documents (module docstring), from
+    ``document_ids`` [b, t] cut into chunks (the padding of the last chunk continues its document)."""
+
+    def __init__(self, document_ids: torch.Tensor, chunk_size: int):
+        pad = -document_ids.shape[1] % chunk_size
+        if pad:
+            document_ids = torch.cat((document_ids, document_ids[:, -1:].expand(-1, pad)), dim=1)
+        self.chunked = document_ids.unflatten(1, (-1, chunk_size))  # [b, c, l]
+        # slot 0: the initial state (the row's first document); slot z: after chunk z-1
+        self.slots = torch.cat((self.chunked[:, :1, 0], self.chunked[:, :, -1]), dim=1)  # [b, c+1]
+
+    def within_chunk(self) -> torch.Tensor:
+        """(1) [b, 1, c, l, s]: l and s in the same document."""
+        return (self.chunked[..., :, None] == self.chunked[..., None, :])[:, None]
+
+    def to_chunk_end(self) -> torch.Tensor:
+        """(2) [b, 1, c, l]: l in the document of its chunk's last token."""
+        return (self.chunked == self.chunked[..., -1:])[:, None]
+
+    def between_slots(self) -> torch.Tensor:
+        """(3) [b, 1, z, k]: slots z and k in the same document."""
+        return (self.slots[:, :, None] == self.slots[:, None, :])[:, None]
+
+    def from_chunk_start(self) -> torch.Tensor:
+        """(4) [b, 1, c, l]: l in the document of the state entering its chunk."""
+        return (self.chunked == self.slots[:, :-1, None])[:, None]
+
+    def slot_continues(self) -> torch.Tensor:
+        """[b, 1, c]: whether the state after chunk c continues the one before it."""
+        return (self.slots[:, 1:] == self.slots[:, :-1])[:, None]
+
+
 def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                      C: torch.Tensor, chunk_size: int,
-                     initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     initial_state: torch.Tensor | None = None,
+                     document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the SSM over a whole sequence with the four SSD steps (see the module docstring).
 
     x [b, t, heads, head_dim]; dt [b, t, heads] (positive, already softplus'ed and clamped);
     A [heads] (negative); B, C [b, t, groups, state]; initial_state [b, heads, head_dim, state]
     or None (zeros). Returns y [b, t, heads, head_dim] without the D skip, and the state after
-    the last token [b, heads, head_dim, state], both fp32.
+    the last token [b, heads, head_dim, state], both fp32. ``document_ids`` [b, t] (packed
+    documents): the state restarts at every document's first token; the initial state continues
+    the first document, and the final state is that of the last.
 
     Index letters in the einsums: b batch, c/z chunk, l/s position in a chunk (target/source),
     h head, p head channel, n state channel.
@@ -117,13 +164,19 @@ def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
     log_decay = log_decay.permute(0, 3, 1, 2)
     decay_cumsum = log_decay.cumsum(dim=-1)  # [b, h, c, l]: sum of a from chunk start to l
 
+    documents = None if document_ids is None else DocumentMasks(document_ids, chunk_size)
+
     # 1. Diagonal blocks: masked attention inside each chunk (two [Q x Q] batched matmuls).
     decay_mask = torch.exp(segment_sum(log_decay))  # [b, h, c, l, s]
+    if documents is not None:
+        decay_mask = decay_mask * documents.within_chunk()
     scores = torch.einsum("bclhn,bcshn->bhcls", C, B)
     y_diag = torch.einsum("bhcls,bcshp->bclhp", scores * decay_mask, x_dt)
 
     # 2. Chunk states: each chunk's inputs decayed to the chunk's end, summed into [P x N].
     decay_to_chunk_end = torch.exp(decay_cumsum[..., -1:] - decay_cumsum)  # [b, h, c, l]
+    if documents is not None:
+        decay_to_chunk_end = decay_to_chunk_end * documents.to_chunk_end()
     B_decayed = B * decay_to_chunk_end.permute(0, 2, 3, 1)[..., None]
     chunk_states = torch.einsum("bclhn,bclhp->bchpn", B_decayed, x_dt)
 
@@ -134,11 +187,16 @@ def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
     states = torch.cat((initial_state.float()[:, None], chunk_states), dim=1)  # [b, c+1, h, p, n]
     chunk_log_decay = F.pad(decay_cumsum[..., -1], (1, 0))  # [b, h, c+1]: total decay per chunk
     chunk_decay = torch.exp(segment_sum(chunk_log_decay))  # [b, h, z, c]
+    if documents is not None:
+        chunk_decay = chunk_decay * documents.between_slots()
     start_states = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)
     start_states, final_state = start_states[:, :-1], start_states[:, -1]
 
     # 4. State to output: read each chunk's start state with C, decayed to the position.
-    decay_from_chunk_start = torch.exp(decay_cumsum).permute(0, 2, 3, 1)[..., None]  # [b, c, l, h, 1]
+    decay_from_chunk_start = torch.exp(decay_cumsum)
+    if documents is not None:
+        decay_from_chunk_start = decay_from_chunk_start * documents.from_chunk_start()
+    decay_from_chunk_start = decay_from_chunk_start.permute(0, 2, 3, 1)[..., None]  # [b, c, l, h, 1]
     y_off = torch.einsum("bclhn,bchpn->bclhp", C, start_states) * decay_from_chunk_start
 
     y = (y_diag + y_off).flatten(1, 2)[:, :seq_len]
@@ -162,4 +220,4 @@ def ssd_recurrent_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A
     return y, new_state
 
 
-__all__ = ["ssd_chunked_scan", "ssd_recurrent_step", "segment_sum", "expand_groups", "split_into_chunks"]
+__all__ = ["DocumentMasks", "ssd_chunked_scan", "ssd_recurrent_step", "segment_sum", "expand_groups", "split_into_chunks"]

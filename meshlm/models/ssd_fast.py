@@ -40,6 +40,12 @@ notation of ``ssd.py``) the way the fused kernels of ``mamba_ssm`` do, in PyTorc
 
 The result equals ``ssd_chunked_scan`` up to rounding in fp32 (tests/models/test_ssd_fast.py:
 1e-5 relative, values and gradients) and within bf16 rounding in bf16.
+
+**Packed documents** (``document_ids``): the four 0/1 factors of ``ssd.DocumentMasks`` multiply
+the decay mask L, the weights w, the chunk decay matrix and exp(cs_l) of the off-diagonal read,
+in forward and backward alike (they are constants); the recurrence's gradient of L_c takes the
+factor of chunk c's link too. The Triton diagonal-block kernels take no masks, so they are not
+selected when documents are given (``use_triton`` None or True): the PyTorch path runs instead.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ import torch.nn.functional as F
 
 from meshlm.errors import ConfigError
 from meshlm.kernels import SSD_MIN_LOG_DECAY, triton_installed
-from meshlm.models.ssd import split_into_chunks, segment_sum
+from meshlm.models.ssd import DocumentMasks, split_into_chunks, segment_sum
 
 
 def _per_head_view(tensor: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -77,7 +83,8 @@ class _Pieces:
     chunk's start; B, C [b, g, c, l, n] (run dtype); the grouped views split h into [g, j].
     """
 
-    def __init__(self, x, dt, A, B, C, chunk_size: int):
+    def __init__(self, x, dt, A, B, C, chunk_size: int, document_ids: torch.Tensor | None = None):
+        self.documents = None if document_ids is None else DocumentMasks(document_ids, chunk_size)
         self.batch, self.seq_len, self.heads, self.head_dim = x.shape
         self.groups, self.state_size = B.shape[2], B.shape[3]
         if self.heads % self.groups:
@@ -112,7 +119,8 @@ class _Pieces:
         exp is several times slower on results that underflow (a decay below e^-80 is 1.8e-35
         instead of smaller, far below fp32's resolution of the sums it enters).
         """
-        return segment_sum(self.log_decay, above=0.0).clamp_(min=SSD_MIN_LOG_DECAY).exp_()
+        mask = segment_sum(self.log_decay, above=0.0).clamp_(min=SSD_MIN_LOG_DECAY).exp_()
+        return mask if self.documents is None else mask.mul_(self.documents.within_chunk())
 
     def causal_scores(self) -> torch.Tensor:
         """C_l . B_s [b, g, c, l, s] on and below the diagonal, 0 above (once per group, run dtype)."""
@@ -130,7 +138,18 @@ class _Pieces:
 
     def decay_to_end(self) -> torch.Tensor:
         """w [b, h, c, l] = exp(cs_end - cs_l): position l's decay to the end of its chunk."""
-        return torch.exp(self.cs[..., -1:] - self.cs)
+        weights = torch.exp(self.cs[..., -1:] - self.cs)
+        return weights if self.documents is None else weights.mul_(self.documents.to_chunk_end())
+
+    def decay_from_start(self) -> torch.Tensor:
+        """exp(cs_l) [b, h, c, l]: the decay of the state entering a chunk to position l."""
+        decays = self.cs.exp()
+        return decays if self.documents is None else decays.mul_(self.documents.from_chunk_start())
+
+    def chunk_decay_matrix(self) -> torch.Tensor:
+        """``_chunk_decay_matrix`` of this scan's chunks, zero between slots of different documents."""
+        decay = _chunk_decay_matrix(self.chunk_log_decays())
+        return decay if self.documents is None else decay.mul_(self.documents.between_slots())
 
     def chunk_log_decays(self) -> torch.Tensor:
         """[b, h, c]: the total log-decay of every chunk."""
@@ -185,8 +204,8 @@ def _diagonal_backward(pieces: _Pieces, dy: torch.Tensor) -> tuple[torch.Tensor,
 
 class _ChunkedScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, initial_state, chunk_size, use_kernels):
-        pieces = _Pieces(x, dt, A, B, C, chunk_size)
+    def forward(ctx, x, dt, A, B, C, initial_state, chunk_size, use_kernels, document_ids):
+        pieces = _Pieces(x, dt, A, B, C, chunk_size, document_ids)
         compute = pieces.compute
         batch, heads, head_dim, state_size = pieces.batch, pieces.heads, pieces.head_dim, pieces.state_size
 
@@ -199,19 +218,19 @@ class _ChunkedScan(torch.autograd.Function):
         if initial_state is None:
             initial_state = chunk_states.new_zeros(batch, heads, head_dim, state_size)
         slots = torch.cat((initial_state.to(compute)[:, :, None], chunk_states), dim=2)  # [b, h, c+1, p, n]
-        decay = _chunk_decay_matrix(pieces.chunk_log_decays())
+        decay = pieces.chunk_decay_matrix()
         entering = torch.matmul(decay, slots.flatten(-2)).view_as(slots)  # state entering each slot
         start_states, final_state = entering[:, :, :-1], entering[:, :, -1]
 
-        y += pieces.read_states(start_states) * pieces.cs.exp()[..., None]  # off-diagonal blocks
-        ctx.save_for_backward(x, dt, A, B, C, start_states.contiguous())
+        y += pieces.read_states(start_states) * pieces.decay_from_start()[..., None]  # off-diagonal blocks
+        ctx.save_for_backward(x, dt, A, B, C, start_states.contiguous(), document_ids)
         ctx.chunk_size, ctx.use_kernels = chunk_size, use_kernels
         return _from_per_head_chunks(y, pieces.seq_len).contiguous(), final_state.contiguous()
 
     @staticmethod
     def backward(ctx, grad_y, grad_final):
-        x, dt, A, B, C, start_states = ctx.saved_tensors
-        pieces = _Pieces(x, dt, A, B, C, ctx.chunk_size)
+        x, dt, A, B, C, start_states, document_ids = ctx.saved_tensors
+        pieces = _Pieces(x, dt, A, B, C, ctx.chunk_size, document_ids)
         dtype, compute = pieces.dtype, pieces.compute
         if grad_y is None:
             grad_y = x.new_zeros(x.shape, dtype=compute)
@@ -229,7 +248,7 @@ class _ChunkedScan(torch.autograd.Function):
             grad_cs = torch.zeros_like(pieces.cs)
 
         # Off-diagonal blocks y_off = exp(cs_l) C_l H_c^T.
-        dy_decayed = dy * pieces.cs.exp()[..., None]
+        dy_decayed = dy * pieces.decay_from_start()[..., None]
         grad_start = pieces.by_head(torch.einsum("bgjclp,bgcln->bgjcpn", pieces.grouped(dy_decayed), pieces.C.to(compute)))
         grad_C += torch.einsum("bgjclp,bgjcpn->bgcln", pieces.grouped(dy_decayed), pieces.grouped(start_states))
         grad_cs += (dy_decayed * pieces.read_states(start_states)).sum(-1)
@@ -239,10 +258,12 @@ class _ChunkedScan(torch.autograd.Function):
         if grad_final is None:
             grad_final = torch.zeros_like(start_states[:, :, 0])
         grad_slots = torch.cat((grad_start, grad_final.to(compute)[:, :, None]), dim=2)
-        decay = _chunk_decay_matrix(chunk_log_decays)
+        decay = pieces.chunk_decay_matrix()
         total = torch.matmul(decay.transpose(-1, -2), grad_slots.flatten(-2)).view_as(grad_slots)
         grad_initial, grad_chunk_states = total[:, :, 0], total[:, :, 1:]
         grad_chunk_log = (grad_chunk_states * start_states).sum((-1, -2)) * chunk_log_decays.exp()
+        if pieces.documents is not None:  # no link, no gradient: H_{c+1} = r_c exp(L_c) H_c + st_c
+            grad_chunk_log = grad_chunk_log * pieces.documents.slot_continues()
 
         # Chunk states st = (w o u)^T B, w_l = exp(cs_end - cs_l).
         weights = pieces.decay_to_end()
@@ -268,12 +289,13 @@ class _ChunkedScan(torch.autograd.Function):
                 _from_per_head_chunks(grad_B, seq_len).to(B.dtype),
                 _from_per_head_chunks(grad_C, seq_len).to(C.dtype),
                 grad_initial if ctx.needs_input_grad[5] else None,
-                None, None)
+                None, None, None)
 
 
 def ssd_chunked_scan_fast(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                           chunk_size: int, initial_state: torch.Tensor | None = None,
-                          use_triton: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          use_triton: bool | None = False,
+                          document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``ssd.ssd_chunked_scan`` with the same arguments and results, computed as the module docstring says.
 
     x [b, t, heads, head_dim] and B, C [b, t, groups, state] in the run dtype (their matmuls run
@@ -283,9 +305,12 @@ def ssd_chunked_scan_fast(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     ``use_triton``: compute the diagonal blocks with the Triton kernels of
     ``meshlm/kernels/ssd_diagonal.py`` (True; on CPU tensors they need ``TRITON_INTERPRET=1``), with
     PyTorch (False), or with the kernels where they apply -- CUDA tensors, Triton installed, shapes
-    the kernels take -- and PyTorch elsewhere (None).
+    the kernels take -- and PyTorch elsewhere (None). ``document_ids`` [b, t] (packed documents,
+    ``ssd.ssd_chunked_scan``): the state restarts at each document; always the PyTorch path.
     """
     B, C = B.to(x.dtype), C.to(x.dtype)
+    if document_ids is not None:  # the kernels take no document masks (module docstring)
+        return _ChunkedScan.apply(x, dt, A, B, C, initial_state, chunk_size, False, document_ids)
     shapes = (chunk_size, x.shape[-1], B.shape[-1], x.dtype)
     if use_triton is None:
         use_triton = x.is_cuda and triton_installed() and _triton_kernels().supported(*shapes)
@@ -294,7 +319,7 @@ def ssd_chunked_scan_fast(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
                           f"{_triton_kernels().BLOCK} (or 16), model.mamba_head_dim and model.mamba_state_size "
                           f"powers of two >= 16 and a float16/bfloat16/float32 run; got chunk {chunk_size}, "
                           f"head dim {x.shape[-1]}, state {B.shape[-1]}, {x.dtype}. Use model.mamba_scan=auto.")
-    return _ChunkedScan.apply(x, dt, A, B, C, initial_state, chunk_size, use_triton)
+    return _ChunkedScan.apply(x, dt, A, B, C, initial_state, chunk_size, use_triton, None)
 
 
 __all__ = ["ssd_chunked_scan_fast"]

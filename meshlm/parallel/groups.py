@@ -45,6 +45,9 @@ class Group:
     """The device of every tensor a collective over this group moves (the run's device)."""
     log: object | None = field(default=None, repr=False)
     """The run's ``CollectiveLog`` (``parallel.check_collectives``), else None."""
+    link: object | None = field(default=None, repr=False)
+    """A ``SimulatedLink`` (``parallel.simulate_link``, a testing aid) every collective over this
+    group waits out, else None (``meshlm/parallel/simulated_link.py``)."""
 
     @property
     def size(self) -> int:

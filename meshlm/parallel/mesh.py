@@ -33,6 +33,7 @@ numbers, before any collective runs.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -42,8 +43,10 @@ import torch.distributed as dist
 
 from meshlm.errors import ConfigError
 from meshlm.parallel.collective_log import CollectiveLog
+from meshlm.parallel.data.low_communication import check_dp_sync
 from meshlm.parallel.groups import Group, group_of
 from meshlm.parallel.pipeline.stages import check_pipeline_layout
+from meshlm.parallel.simulated_link import parse_link
 
 
 @dataclass
@@ -99,6 +102,10 @@ class ParallelContext:
     """The run's device: every tensor a collective over the groups below moves must live here."""
     world_group: Group | None = None
     """Every rank (the global gradient norm, barriers, the collective checks); None in one process."""
+    replica_group: Group | None = None
+    """Under ``parallel.dp_sync`` (other than every_step): the ranks of this rank's DP replica --
+    every rank with its dp coordinate (pp x cp x tp) -- where the replica's gradient norm is
+    reduced; None otherwise, or when a replica is one rank."""
     collective_log: CollectiveLog | None = field(default=None, repr=False)
     """This rank's record of its collectives under ``parallel.check_collectives`` (every group
     above holds it too; ``meshlm/parallel/collective_checks.py`` compares the ranks'), else None."""
@@ -209,6 +216,7 @@ def check_layout(parallel, model, world_size: int, seq_len: int | None = None,
     """Validate the layout against the world and the model; return the data-parallel size."""
     dp = resolve_dp(parallel, world_size)
     resolve_edp(parallel, dp)
+    check_dp_sync(parallel)
     tp = parallel.tp
     _check_block_sizes(parallel, model)
     if parallel.sp and seq_len is not None and seq_len % tp:
@@ -303,6 +311,14 @@ def build_parallel_context(parallel, model, device: torch.device, seq_len: int |
     log = CollectiveLog() if parallel.check_collectives else None
     dense = {name: _group(mesh, name, device, log) for name in ("pp", "dp", "cp", "tp")}
     experts = {name: _group(expert_mesh, name, device, log) for name in ("edp", "ep", "etp")}
+    dp_cp_group = group_of(dp_cp.get_group(), "dp_cp", device, log) if dp_cp is not None else None
+    replica_group = None  # parallel.dp_sync: each replica's own "world" (its gradient norm)
+    if parallel.dp_sync != "every_step" and dp > 1 and world_size > dp:
+        replica_group = group_of(mesh["pp", "cp", "tp"]._flatten("replica").get_group(), "replica", device, log)
+    link = parse_link(parallel.simulate_link)  # a testing aid: the DP groups' collectives wait it out
+    if link is not None:
+        dense["dp"], experts["edp"], dp_cp_group = (dataclasses.replace(group, link=link) if group is not None
+                                                    else None for group in (dense["dp"], experts["edp"], dp_cp_group))
     return ParallelContext(
         rank=rank, world_size=world_size,
         tp_size=tp, tp_rank=mesh.get_local_rank("tp"), tp_group=dense["tp"],
@@ -312,9 +328,10 @@ def build_parallel_context(parallel, model, device: torch.device, seq_len: int |
         vp_size=parallel.vp,
         cp_size=cp, cp_rank=mesh.get_local_rank("cp"), cp_group=dense["cp"], cp_ranks=_ranks(dense["cp"]),
         dp_cp_size=dp * cp, dp_cp_rank=dp_cp.get_local_rank() if dp_cp is not None else 0,
-        dp_cp_group=group_of(dp_cp.get_group(), "dp_cp", device, log) if dp_cp is not None else None,
+        dp_cp_group=dp_cp_group,
         ep_size=ep, ep_rank=expert_mesh.get_local_rank("ep"), ep_group=experts["ep"],
         etp_size=etp, etp_rank=expert_mesh.get_local_rank("etp"), etp_group=experts["etp"],
         edp_size=edp, edp_rank=expert_mesh.get_local_rank("edp"), edp_group=experts["edp"],
         moe_dispatcher=parallel.moe_dispatcher, expert_mesh=expert_mesh, device=device,
-        world_group=group_of(dist.group.WORLD, "world", device, log), collective_log=log)
+        world_group=group_of(dist.group.WORLD, "world", device, log), replica_group=replica_group,
+        collective_log=log)

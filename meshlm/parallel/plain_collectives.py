@@ -26,12 +26,14 @@ device another part of the program left current.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
 
 from meshlm.parallel.collective_log import Call, WrongDevice
 from meshlm.parallel.groups import Group, on_device
+from meshlm.parallel.simulated_link import delayed
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -60,6 +62,13 @@ def _checked(op: str, group: Group, tensors: dict[str, torch.Tensor], shapes=Non
         group.log.record(Call(group.name, group.ranks, op, shapes, tuple(_dtype(t) for t in tensors.values())))
 
 
+def _over_link(group: Group, op: str, tensor: torch.Tensor, issued: float, work, async_op: bool):
+    """The collective's result, held back by the group's simulated link (``parallel.simulate_link``)."""
+    if group.link is None:
+        return work
+    return delayed(group.link, op, tensor.numel() * tensor.element_size(), group.size, issued, work, async_op)
+
+
 def _quiet(group: Group | None) -> bool:
     return group is None or group.size == 1
 
@@ -72,7 +81,9 @@ def all_reduce_(tensor: torch.Tensor, group: Group | None, op: str = "sum", asyn
     if _quiet(group):
         return None
     _checked("all_reduce" if op == "sum" else f"all_reduce({op})", group, {"reduced": tensor})
-    return dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group.process_group, async_op=async_op)
+    issued = time.perf_counter()
+    work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group.process_group, async_op=async_op)
+    return _over_link(group, "all_reduce", tensor, issued, work, async_op)
 
 
 def all_gather_into_(output: torch.Tensor, input: torch.Tensor, group: Group | None, async_op: bool = False):
@@ -83,7 +94,9 @@ def all_gather_into_(output: torch.Tensor, input: torch.Tensor, group: Group | N
     _checked("all_gather", group, {"output": output, "input": input})
     # torch 2.13 renamed the single-tensor all-gather (the old name warns); older torch has only the old one.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, input, group=group.process_group, async_op=async_op)
+    issued = time.perf_counter()
+    work = gather(output, input, group=group.process_group, async_op=async_op)
+    return _over_link(group, "all_gather", output, issued, work, async_op)
 
 
 def reduce_scatter_into_(output: torch.Tensor, input: torch.Tensor, group: Group | None, async_op: bool = False):
@@ -93,7 +106,9 @@ def reduce_scatter_into_(output: torch.Tensor, input: torch.Tensor, group: Group
         return None
     _checked("reduce_scatter", group, {"output": output, "input": input})
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return scatter(output, input, group=group.process_group, async_op=async_op)
+    issued = time.perf_counter()
+    work = scatter(output, input, group=group.process_group, async_op=async_op)
+    return _over_link(group, "reduce_scatter", input, issued, work, async_op)
 
 
 def all_to_all_(output: torch.Tensor, input: torch.Tensor, group: Group | None, output_splits: list[int] | None = None,
@@ -107,8 +122,10 @@ def all_to_all_(output: torch.Tensor, input: torch.Tensor, group: Group | None, 
     uneven = output_splits is not None or input_splits is not None
     shapes = [(None, *output.shape[1:]), (None, *input.shape[1:])] if uneven else None
     _checked("all_to_all(uneven)" if uneven else "all_to_all", group, {"output": output, "input": input}, shapes)
-    return dist.all_to_all_single(output, input, output_splits, input_splits, group=group.process_group,
+    issued = time.perf_counter()
+    work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group.process_group,
                                   async_op=async_op)
+    return _over_link(group, "all_to_all", input, issued, work, async_op)
 
 
 def barrier(group: Group | None) -> None:

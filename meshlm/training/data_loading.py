@@ -3,7 +3,8 @@
 The trainer needs two things from the data pipeline (``meshlm.data``):
 
 - a **train** dataset whose item ``i`` is sample ``i`` of one fixed global order, a dict
-  ``{"input_ids", "labels"}`` of ``seq_len`` tokens each. Step ``s`` reads samples
+  ``{"input_ids", "labels"}`` of ``seq_len`` tokens each (and ``"document_ids"`` with
+  ``data.document_boundaries``: the model then keeps the packed documents apart). Step ``s`` reads samples
   ``[s * global_batch_size, (s + 1) * global_batch_size)``, so "samples consumed" in a
   checkpoint says exactly where a resumed run continues. With data parallelism the step's
   ``global_batch_size / micro_batch_size`` micro-batches are split into contiguous shares, DP
@@ -152,17 +153,18 @@ def build_training_data(config) -> TrainingData:
     if train.eval_every > 0:
         num_samples["valid"] = train.eval_batches * train.micro_batch_size
     datasets = build_datasets(blend, train.seq_len, num_samples, seed=train.seed, split=data.split,
-                              cache_dir=data.cache_dir)
+                              cache_dir=data.cache_dir, document_boundaries=data.document_boundaries)
     return TrainingData(train=datasets["train"], valid=datasets.get("valid"),
                         tokenizer_file=Path(blend.tokenizer) if blend.tokenizer is not None else None)
 
 
 def read_batch(dataset: torch.utils.data.Dataset, start: int, size: int,
                device: torch.device) -> dict[str, torch.Tensor]:
-    """Samples ``start .. start + size - 1`` of ``dataset``, stacked into [size, seq_len] tensors."""
+    """Samples ``start .. start + size - 1`` of ``dataset``, stacked into [size, seq_len] tensors:
+    ``input_ids``, ``labels`` and, with ``data.document_boundaries``, ``document_ids``."""
     samples = [dataset[index] for index in range(start, start + size)]
-    return {key: torch.stack([sample[key] for sample in samples]).to(device, non_blocking=True)
-            for key in ("input_ids", "labels")}
+    keys = [key for key in ("input_ids", "labels", "document_ids") if key in samples[0]]
+    return {key: torch.stack([sample[key] for sample in samples]).to(device, non_blocking=True) for key in keys}
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,13 @@ process groups, then only its shards read from the folder by slice (``materializ
 vocabulary and the loss never gathers them: ``vocab_parallel_distillation``
 (``meshlm/parallel/tensor/vocab_parallel.py``) reduces the softmax maxima and sums over the TP
 group and gets the gradient locally. Each DP rank runs the teacher on its own micro-batches.
-So the run equals the single-process run at every tp/sp/dp/ep/ZeRO layout. Pipeline and context
-parallelism are refused for now (the teacher would need its own stages and ring attention).
+Under CP the teacher runs on the same chunks (ring attention, as the student): the per-token
+terms are local to the chunk, so each rank's share is its sum over its labelled tokens divided by
+the whole sequences' count (as ``share_losses`` does for the LM loss), and the block-wise error
+1/cp of its local mean. Under PP the teacher has stages of its own beside the student's and runs
+a forward-only pipeline pass before each step's schedule (``distillation_pipeline.py``, which
+also says what that holds in memory). So the run equals the single-process run at every
+tp/sp/dp/ep/ZeRO/pp (vp)/cp layout.
 
 **Memory.** The teacher's weights (its shards, in the run's dtype) stay resident, plus one
 micro-batch's fp32 logits of each model ([tokens, vocab / tp]) and the two [tokens, vocab / tp]
@@ -59,10 +64,14 @@ from meshlm.checkpoint.model_files import read_model_config, weights_source
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.models.context import SequenceContext
 from meshlm.models.language_model import LanguageModel, LMOutput
+from meshlm.models.losses import IGNORE_INDEX
 from meshlm.models.moe.layer import set_load_balancing_sum
 from meshlm.parallel.collectives import reduce_from_group, summing_over
+from meshlm.parallel.context.context_parallel import (apply_context_parallel, check_context_parallel_model,
+                                                      share_losses)
 from meshlm.parallel.mesh import check_layout
 from meshlm.parallel.parallelize import parallelize_model
+from meshlm.parallel.pipeline.stages import keep_stage_modules, rank_chunks
 from meshlm.parallel.tensor.vocab_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_distillation,
@@ -94,25 +103,34 @@ def teacher_config(path: str, student_config, block_wise: bool):
 
 
 @torch.no_grad()
-def build_teacher(config, context, device: torch.device, dtype: torch.dtype) -> LanguageModel:
-    """This rank's shards of the teacher ``config.train.distill_from``, as ``build_model`` builds
-    the student (meta -> parallelize -> materialize from the folder), in eval mode, frozen, in ``dtype``."""
+def build_teacher(config, context, device: torch.device, dtype: torch.dtype):
+    """(teacher, its chunks): this rank's shards of the teacher ``config.train.distill_from``, as
+    ``build_model`` builds the student (meta -> parallelize -> CP -> pipeline stages -> materialize
+    from the folder), in eval mode, frozen, in ``dtype``; the chunks (``stages.ModelChunk``) this
+    rank runs under pp > 1, else None."""
     train = config.train
     directory, model_config = teacher_config(train.distill_from, config.model, train.distill_blocks)
     try:
         check_layout(config.parallel, model_config, context.world_size, train.seq_len)
+        check_context_parallel_model(model_config, config.parallel.cp, train.seq_len)
     except ConfigError as error:
         raise ConfigError(f"train.distill_from={train.distill_from}: the teacher does not fit the layout: "
                           f"{error}") from error
     with torch.device("meta"):
         teacher = LanguageModel(model_config, seed=train.seed)
     teacher = parallelize_model(teacher, context, config.parallel.vocab_pad_multiple)
+    apply_context_parallel(teacher, context)  # ring attention, Mamba state hand-off (cp > 1)
     set_load_balancing_sum(teacher, summing_over(context.dp_cp_group))
+    chunks = None
+    if context.pp_size > 1:  # teacher stage k on the rank of student stage k; block-wise: block i beside block i
+        cut_by = config.model if train.distill_blocks else model_config
+        chunks = rank_chunks(cut_by, context.pp_size, context.vp_size, context.pp_rank, train.seq_len)
+        keep_stage_modules(teacher, chunks, context.pp_rank, context.pp_size)
     materialize(teacher, context, weights_source(directory), device)
     for param in teacher.parameters():
         param.requires_grad_(False)
         param.data = param.data.to(dtype)
-    return teacher.eval()
+    return teacher.eval(), chunks
 
 
 def local_logits(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -125,8 +143,8 @@ def local_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 class Distillation:
     """The teacher and the loss of one student micro-batch (see the module docstring)."""
 
-    def __init__(self, teacher: LanguageModel, train, context):
-        self.teacher, self.context = teacher, context
+    def __init__(self, teacher: LanguageModel, train, context, teacher_chunks=None):
+        self.teacher, self.context, self.teacher_chunks = teacher, context, teacher_chunks
         self.kind, self.temperature = train.distill_loss, train.distill_temperature
         self.weight, self.block_wise = train.distill_weight, train.distill_blocks
 
@@ -135,74 +153,120 @@ class Distillation:
         """None when the run does not distill (``train.distill_from`` unset)."""
         if config.train.distill_from is None:
             return None
-        return cls(build_teacher(config, context, device, dtype), config.train, context)
+        teacher, chunks = build_teacher(config, context, device, dtype)
+        return cls(teacher, config.train, context, chunks)
+
+    def term_names(self, num_blocks: int) -> list[str]:
+        """The loss terms distillation adds to the model's ('lm', MoE, MTP)."""
+        return ["distill"] + ([f"distill_block_{index}" for index in range(num_blocks)] if self.block_wise else [])
 
     def forward(self, model, batch: dict[str, torch.Tensor]) -> LMOutput:
         """The student's output on ``batch`` with the total loss and its terms ('lm', 'distill',
-        and the model's MoE / MTP terms), as ``model(...)`` returns it."""
+        and the model's MoE / MTP terms), as ``model(...)`` returns it; under CP this rank's
+        share of each (``share_losses``): summed over the CP group they give the micro-batch's."""
         if self.block_wise:
-            return self.block_wise_forward(model, batch)
-        input_ids, labels = batch["input_ids"], batch["labels"]
+            with torch.no_grad():
+                teacher_states = self.teacher_states(batch)
+            errors = self.block_errors(model, range(len(model.blocks)), teacher_states, batch)
+            output = model(batch["input_ids"], batch["labels"], position_ids=batch.get("position_ids"),
+                           return_logits=False, dropout_key=batch.get("dropout_key"),
+                           document_ids=batch.get("document_ids"),
+                           document_positions=batch.get("document_positions"))
+            output = share_losses(output, batch, self.context, model.config.mtp_loss_coeff)
+            return self.add_block_errors(output.loss, output.losses, errors, output)
         with torch.no_grad():
-            teacher_logits = local_logits(self.teacher, self.teacher_states(batch)[-1])
+            teacher_hidden = self.teacher_states(batch)[-1]  # the other states are freed here
         context = self.sequence_context(batch, dropout=True)
-        hidden = model.run_blocks(model.embed(input_ids, context), context)
+        hidden = model.run_blocks(model.embed(batch["input_ids"], context), context)
+        return self.head_output(model, hidden, batch, context, teacher_hidden)
+
+    def head_output(self, model, hidden: torch.Tensor, batch: dict[str, torch.Tensor], context: SequenceContext,
+                    teacher_hidden: torch.Tensor) -> LMOutput:
+        """Logit distillation from the student's and the teacher's last hidden states: what
+        ``model.finish`` is to the plain LM loss (also the last pipeline stage's head), this rank's share."""
+        input_ids, labels, vocab = batch["input_ids"], batch["labels"], model.config.vocab_size
+        with torch.no_grad():
+            teacher_logits = local_logits(self.teacher, teacher_hidden)
         logits = local_logits(model, hidden)
-        vocab = model.config.vocab_size
         distill = vocab_parallel_distillation(logits, teacher_logits, labels, self.context, vocab, self.kind,
-                                              self.temperature)
+                                              self.temperature, reduction="sum") / labelled_targets(batch)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.weight < 1):  # w = 1: logged only
             lm = vocab_parallel_cross_entropy(logits, labels, self.context, vocab)
-        output = LMOutput(logits=None, losses={"lm": lm, "distill": distill})
-        total = (1 - self.weight) * lm + self.weight * distill
+        output = LMOutput(logits=None, losses={"lm": lm})
+        total = lm
         if context.moe_losses:
             output.tokens_per_expert = [losses.tokens_per_expert for losses in context.moe_losses]
             output.losses.update(model.moe_loss_terms(context))
             total = model.add_moe_losses(total, output.losses)
         if model.mtp is not None:
-            mtp_context = SequenceContext(position_ids=context.position_ids, dropout_key=context.dropout_key)
+            mtp_context = SequenceContext(position_ids=context.position_ids, dropout_key=context.dropout_key,
+                                          document_ids=context.document_ids,
+                                          document_positions=context.document_positions)
             per_depth = model.mtp(hidden, input_ids, labels, model, mtp_context, fused_loss=True)
             output.losses.update({f"mtp_{depth}": loss for depth, loss in enumerate(per_depth, start=1)})
             output.losses["mtp"] = torch.stack(per_depth).mean()
             total = total + model.config.mtp_loss_coeff * output.losses["mtp"]
         output.loss = total
-        return output
-
-    def block_wise_forward(self, model, batch: dict[str, torch.Tensor]) -> LMOutput:
-        """Each student block on the teacher's input to that block, against the teacher's output."""
-        with torch.no_grad():
-            states = self.teacher_states(batch)
-        context = self.sequence_context(batch, dropout=True)
-        errors = [self.mean_squared_error(block(states[index].detach(), context), states[index + 1])
-                  for index, block in enumerate(model.blocks)]
-        distill = torch.stack(errors).sum()
-        output = model(batch["input_ids"], batch["labels"], position_ids=batch.get("position_ids"),
-                       return_logits=False, dropout_key=batch.get("dropout_key"))
+        output = share_losses(output, batch, self.context, model.config.mtp_loss_coeff)
         output.loss = output.loss + self.weight * (distill - output.losses["lm"])
         output.losses["distill"] = distill
-        output.losses.update({f"distill_block_{index}": error for index, error in enumerate(errors)})
         return output
 
-    def teacher_states(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The teacher's hidden state after the embedding and after each block (forward only)."""
+    def block_errors(self, model, blocks, teacher_states: list[torch.Tensor],
+                     batch: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Global block index -> this rank's share of the block's mean squared error: student block
+        ``blocks[j]`` on ``teacher_states[j]`` (the teacher's input to that block) against
+        ``teacher_states[j + 1]`` (its output)."""
+        context = self.sequence_context(batch, dropout=True)
+        return {index: self.mean_squared_error(model.blocks[index](teacher_states[j].detach(), context),
+                                               teacher_states[j + 1])
+                for j, index in enumerate(blocks)}
+
+    def add_block_errors(self, total, losses: dict, errors: dict[int, torch.Tensor], output=None):
+        """``total`` (None: nothing yet) plus w * the blocks' errors, minus w * the LM term where
+        ``losses`` has it; ``losses`` gains 'distill' and each block's term. Returns ``output``
+        with them, or (total, losses) without."""
+        distill = torch.stack(list(errors.values())).sum()
+        extra = self.weight * (distill - losses["lm"]) if "lm" in losses else self.weight * distill
+        total = extra if total is None else total + extra
+        losses = {**losses, "distill": distill, **{f"distill_block_{index}": error for index, error in errors.items()}}
+        if output is None:
+            return total, losses
+        output.loss, output.losses = total, losses
+        return output
+
+    def teacher_states(self, batch: dict[str, torch.Tensor], blocks=None, first_state=None) -> list[torch.Tensor]:
+        """The teacher's hidden state entering ``blocks`` (default: all; after the embedding, or
+        ``first_state``) and after each of them (forward only)."""
         context = self.sequence_context(batch, dropout=False)
-        states = [self.teacher.embed(batch["input_ids"], context)]
-        for block in self.teacher.blocks:
+        states = [self.teacher.embed(batch["input_ids"], context) if first_state is None else first_state]
+        for block in (self.teacher.blocks if blocks is None else (self.teacher.blocks[index] for index in blocks)):
             states.append(block(states[-1], context))
         return states
 
     def mean_squared_error(self, actual: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Mean over tokens and hidden units of the squared difference; under SP each rank holds a
-        slice of the sequence, so the sum is completed over TP (all-reduce forward, identity backward)."""
+        """Mean over tokens and hidden units of the squared difference: this rank's share. Under SP
+        each rank holds a slice of the sequence, so the sum is completed over TP (all-reduce forward,
+        identity backward); under CP each holds 1/cp of the tokens, and the CP group sums the shares."""
         squared = (actual.float() - target.float()).square().sum()
+        count = actual.numel() * self.context.cp_size
         if not self.context.sequence_parallel:
-            return squared / actual.numel()
-        return reduce_from_group(squared, self.context.tp_group) / (actual.numel() * self.context.tp_size)
+            return squared / count
+        return reduce_from_group(squared, self.context.tp_group) / (count * self.context.tp_size)
 
     @staticmethod
     def sequence_context(batch: dict[str, torch.Tensor], dropout: bool) -> SequenceContext:
         return SequenceContext.for_tokens(batch["input_ids"], position_ids=batch.get("position_ids"),
-                                          dropout_key=batch.get("dropout_key") if dropout else None)
+                                          dropout_key=batch.get("dropout_key") if dropout else None,
+                                          document_ids=batch.get("document_ids"),
+                                          document_positions=batch.get("document_positions"))
+
+
+def labelled_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The micro-batch's labelled next-token targets, over the whole sequences under CP (so that a
+    sum over this rank's tokens divided by it is this rank's share of the mean), at least 1."""
+    labels = batch.get("sequence_labels", batch["labels"])
+    return (labels != IGNORE_INDEX).sum().clamp_min(1)
 
 
 __all__ = ["Distillation", "build_teacher", "local_logits", "teacher_config"]

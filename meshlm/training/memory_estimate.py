@@ -193,6 +193,14 @@ def head_bytes(config, tokens: int, layout) -> float:
 
 def activation_bytes(config, layout) -> int:
     """Bytes the activations of the micro-batches in flight take on this rank at the start of a backward."""
+    return int(sum(activation_items(config, layout).values()))
+
+
+def activation_items(config, layout) -> dict[str, float]:
+    """``activation_bytes`` by what holds them: each block kind's saved tensors (times the
+    micro-batches in flight: ``blocks *``, ``blocks -``, ...), the MTP depths (``mtp``), the output
+    head and loss (``head``), the block being recomputed (``recompute``) and the attention scores'
+    temporaries (``scores``)."""
     model, train = config.model, config.train
     seq, micro_batch = math.ceil(train.seq_len / layout.cp_size), train.micro_batch_size
     kinds = list(model.block_kinds)
@@ -212,9 +220,14 @@ def activation_bytes(config, layout) -> int:
     in_flight = min(layout.pp_size, micro_batches_per_rank) / layout.pp_size
     if layout.vp_size > 1:
         in_flight *= 1 + (layout.pp_size - 1) / (layout.pp_size * layout.vp_size)
-    stages = in_flight * (sum(kept) + mtp) + head_bytes(config, micro_batch * seq, layout)
-    recomputing = max(per_block, default=0) if train.recompute == "full" else 0  # the block rerun in backward
-    return int(stages + recomputing + score_transient_bytes(config, micro_batch, seq, layout))
+    items = {f"blocks {kind}": 0.0 for kind in dict.fromkeys(kinds)}
+    for kind, block_bytes in zip(kinds, kept):
+        items[f"blocks {kind}"] += in_flight * block_bytes
+    items["mtp"] = in_flight * mtp
+    items["head"] = head_bytes(config, micro_batch * seq, layout)
+    items["recompute"] = max(per_block, default=0) if train.recompute == "full" else 0  # the block rerun in backward
+    items["scores"] = score_transient_bytes(config, micro_batch, seq, layout)
+    return items
 
 
 def score_transient_bytes(config, micro_batch: int, seq: int, layout) -> float:
@@ -276,5 +289,5 @@ def memory_warning(estimate: MemoryEstimate, available: int | None, device: torc
             f"parallel.cp (activations) or parallel.zero_stage (optimizer state and gradients).")
 
 
-__all__ = ["MemoryEstimate", "activation_bytes", "available_memory", "estimate_training_memory", "format_bytes",
+__all__ = ["MemoryEstimate", "activation_bytes", "activation_items", "available_memory", "estimate_training_memory", "format_bytes",
            "memory_warning", "parameter_counts", "parameter_state_bytes"]

@@ -67,17 +67,19 @@ import numpy as np
 import torch
 
 from meshlm.checkpoint.distributed import Checkpointer
-from meshlm.checkpoint.global_state import TrainingParts
+from meshlm.checkpoint.global_state import TrainingParts, optimizer_step_count, restore_optimizer_scalars
 from meshlm.checkpoint.training_checkpoint import TrainerState
 from meshlm.errors import ConfigError
 from meshlm.models.dropout import DropoutKey
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.moe.balancing import update_expert_biases
+from meshlm.models.moe.layer import set_load_balancing_sum
 from meshlm.optim.adamw import build_optimizer
 from meshlm.parallel.collective_checks import compare_collectives
-from meshlm.parallel.collectives import all_reduce_, barrier
+from meshlm.parallel.collectives import all_reduce_, barrier, summing_over
 from meshlm.parallel.context.context_parallel import check_context_parallel_model, share_losses, split_batch
 from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradients as finish_distributed_gradients
+from meshlm.parallel.data.low_communication import LowCommunicationSync, replica_context
 from meshlm.parallel.expert.expert_parallel import expert_parallel_names
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.tensor.sharding import partial_grad_names, tensor_parallel_names
@@ -92,6 +94,7 @@ from meshlm.training.compile import compile_blocks
 from meshlm.training.cpu_allocator import keep_freed_memory
 from meshlm.training.data_loading import BatchPrefetcher, build_training_data, read_batch
 from meshlm.training.distillation import Distillation
+from meshlm.training.distillation_pipeline import distilling_stages
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
 from meshlm.training.initial_weights import model_from_init_folder
 from meshlm.training.memory_estimate import (available_memory, estimate_training_memory, format_bytes,
@@ -136,6 +139,9 @@ class StepResult:
     lr: float
     skipped: bool
     tokens_per_expert: list[torch.Tensor]
+    pseudo_sync: bool = False
+    """PALSGD: logging rank's replica pulled toward the global copy instead of training (no data;
+    ``loss`` repeats the previous step's)."""
 
 
 def seed_everything(seed: int) -> None:
@@ -185,6 +191,9 @@ class Trainer:
         self.recipe = build_recipe(config.precision, train.seed)  # low-precision GEMMs (None: plain dtype)
         self.context = build_parallel_context(config.parallel, config.model, self.device, train.seq_len,
                                               self.micro_batches_per_step)
+        # parallel.dp_sync: each DP replica trains alone between syncs (low_communication.py)
+        local_replicas = config.parallel.dp_sync != "every_step" and self.context.dp_size > 1
+        self.replica = replica_context(self.context) if local_replicas else self.context
         self.memory = estimate_training_memory(config, self.context)  # before anything is allocated
         self.memory_available = available_memory(self.device)
         if self.context.is_logging_rank:
@@ -215,15 +224,27 @@ class Trainer:
         self.reducer = None
         if self.context.distributed:
             self.reducer, self.optimizer = build_data_parallel(self.precision, config.optim, config.parallel,
-                                                               self.context, model=self.model)
+                                                               self.replica, model=self.model)
         else:
             self.optimizer = build_optimizer(self.precision.master_parameters(), config.optim)
+        self.dp_sync = None
+        if local_replicas:
+            self.dp_sync = LowCommunicationSync(config.parallel, self.precision.master_parameters(), self.context,
+                                                train.seed)
+            self.sum_over_dp_cp = summing_over(self.replica.dp_cp_group)  # MoE balancing counts: this replica's
+            set_load_balancing_sum(self.model, self.sum_over_dp_cp)
         self.sharded_names = tensor_parallel_names(self.model)
         self.partial_names = partial_grad_names(self.model)
         self.expert_names = expert_parallel_names(self.model)
         self.state = TrainerState()
         if checkpoint_dir is not None:  # saved at any layout; loaded in place, the RNG states last
             self.state = self.checkpoints.load(checkpoint_dir, self.training_parts())
+        if checkpoint_dir is not None and self.dp_sync is not None:  # PALSGD: replicas stepped AdamW unequally
+            shift = (self.dp_sync.pseudo_syncs(0, self.state.step)
+                     - self.dp_sync.pseudo_syncs(self.context.dp_rank, self.state.step))
+            if shift:  # the saved count is replica 0's
+                restore_optimizer_scalars(self.optimizer, [{"step": optimizer_step_count(self.optimizer) + shift,
+                                                            "groups": []}])
         self.resumed_from = checkpoint_dir
         self.last_saved_step = self.state.step if checkpoint_dir is not None else None
         self.last_eval_step: int | None = None
@@ -232,7 +253,7 @@ class Trainer:
 
     def training_parts(self) -> TrainingParts:
         """What a checkpoint saves and restores (see ``meshlm/checkpoint/global_state.py``)."""
-        return TrainingParts(self.model, self.optimizer, self.precision, self.context)
+        return TrainingParts(self.model, self.optimizer, self.precision, self.context, self.dp_sync)
 
     def build_data(self):
         """The datasets; rank 0 builds (and caches) the sample indices first, the others then read them."""
@@ -275,10 +296,10 @@ class Trainer:
         this rank's share, which summed over the CP group give the micro-batch's losses. With
         train.distill_from, training micro-batches also run the teacher (``distillation.py``)."""
         if self.distillation is not None and self.model.training:
-            output = self.distillation.forward(self.model, batch)
-        else:
-            output = self.model(batch["input_ids"], batch["labels"], position_ids=batch.get("position_ids"),
-                                return_logits=False, dropout_key=batch.get("dropout_key"))
+            return self.distillation.forward(self.model, batch)  # already this rank's share under CP
+        output = self.model(batch["input_ids"], batch["labels"], position_ids=batch.get("position_ids"),
+                            return_logits=False, dropout_key=batch.get("dropout_key"),
+                            document_ids=batch.get("document_ids"), document_positions=batch.get("document_positions"))
         return share_losses(output, batch, self.context, self.config.model.mtp_loss_coeff)
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict, list]:
@@ -290,8 +311,10 @@ class Trainer:
         exactly this loop.
         """
         if self.pipeline is not None:  # the 1F1B / interleaved schedule (meshlm/parallel/pipeline/)
+            stages = {} if self.distillation is None else {  # the teacher's pipeline pass runs first
+                "make_stages": distilling_stages(self.distillation, micro_batches)}
             return self.pipeline.forward_backward(micro_batches, self.micro_batches_per_step, self.precision,
-                                                  self.reducer)
+                                                  self.reducer, **stages)
         loss_sum, term_sums, expert_counts = torch.zeros((), device=self.device), {}, []
         if self.reducer is not None:
             self.reducer.zero_grad()
@@ -317,8 +340,11 @@ class Trainer:
         element once. The skip decision comes from that norm alone, the same on every rank.
         """
         clip = self.config.train.grad_clip
+        if self.dp_sync is not None:  # the replica's own mean gradient (or, in PALSGD's warm-up, DDP's)
+            self.reducer.finish()
+            self.dp_sync.finish_replica_gradients(self.reducer.buffer, self.state.step)
         if self.reducer is not None:
-            norm, skip = finish_distributed_gradients(self.reducer, self.optimizer, self.precision, self.context, clip,
+            norm, skip = finish_distributed_gradients(self.reducer, self.optimizer, self.precision, self.replica, clip,
                                                       self.sharded_names, self.partial_names, self.expert_names)
             return float(norm), skip
         found_nonfinite = self.precision.gradients_to_master()
@@ -337,6 +363,11 @@ class Trainer:
         self.precision.master_to_model()
 
     def train_step(self) -> StepResult:
+        if self.dp_sync is not None:
+            if self.dp_sync.starts_local_phase(self.state.step):
+                self.dp_sync.take_global_copy()
+            if self.dp_sync.is_pseudo_sync(self.state.step):
+                return self.pseudo_sync_step()
         micro_batches = self.next_micro_batches()
         if self.recipe is not None:  # keys stochastic rounding; delayed scaling's histories
             self.recipe.step = self.state.step
@@ -344,14 +375,18 @@ class Trainer:
         loss_sum, term_sums, expert_counts = self.forward_backward(micro_batches)
         if self.recipe is not None:
             context = self.context
-            finish_delayed_scaling(self.model, (context.tp_group, context.cp_group, context.dp_group), reduce_max)
+            finish_delayed_scaling(self.model, (context.tp_group, context.cp_group, self.replica.dp_group),
+                                   reduce_max)
         grad_norm, skipped = self.finish_gradients()
         lr = learning_rate(self.state.step, self.config.optim, self.config.train.steps)
+        if self.dp_sync is not None:
+            lr = self.dp_sync.inner_lr(lr, self.state.step)  # PALSGD: 1 / (1 - p)
         if not skipped:
             self.optimizer_step(lr)
         update_expert_biases(self.model, self.sum_over_dp_cp)  # aux-loss-free balancing (MoE), if on
         self.precision.update_scale(skipped)
         self.optimizer.zero_grad(set_to_none=True)
+        self.maybe_outer_step()
 
         loss_sum, term_sums, expert_counts = self.sum_over_data_parallel(loss_sum, term_sums, expert_counts)
         count = self.micro_batches_per_step
@@ -365,9 +400,38 @@ class Trainer:
                                                              term_sums.items()},
                           grad_norm=grad_norm, lr=lr, skipped=skipped, tokens_per_expert=expert_counts)
 
+    def pseudo_sync_step(self) -> StepResult:
+        """PALSGD: this replica's step is a pull toward its last global copy -- no data, forward,
+        backward or communication (the step's samples are passed over) -- then, if due, the outer step."""
+        train = self.config.train
+        lr = learning_rate(self.state.step, self.config.optim, train.steps)
+        self.dp_sync.pull_toward_global(lr)
+        self.precision.master_to_model()
+        if self.state.step + 1 < train.steps:
+            self.batches.prefetch(self.micro_batch_starts(self.state.consumed_samples + train.global_batch_size))
+        self.maybe_outer_step()
+        self.state.step += 1
+        self.state.consumed_samples += train.global_batch_size
+        self.state.lr = lr
+        compare_collectives(self.context, f"after step {self.state.step}")
+        return StepResult(loss=self.state.last_loss, losses={}, grad_norm=0.0, lr=lr, skipped=False,
+                          tokens_per_expert=[], pseudo_sync=True)
+
+    def maybe_outer_step(self) -> None:
+        """parallel.dp_sync: reconcile the replicas every sync_every-th step, and at the last step
+        (so a run ends with one model); a collective over DP."""
+        step, sync = self.state.step, self.dp_sync
+        last = step + 1 == self.config.train.steps
+        if sync is not None and sync.replicas_independent(step) and (sync.is_outer_step(step) or last):
+            sync.outer_step()
+            self.precision.master_to_model()
+
     def sum_over_data_parallel(self, loss_sum: torch.Tensor, term_sums: dict, expert_counts: list):
         """The step's sums over every DP rank's micro-batches (and CP rank's loss shares), in one
-        all-reduce (for logging)."""
+        all-reduce (for logging). Replicas training alone (parallel.dp_sync) log their own: the
+        logging rank's replica's sums over its CP group, scaled to a whole step's count."""
+        if self.dp_sync is not None and self.dp_sync.replicas_independent(self.state.step):
+            return self.sum_over_replica(loss_sum, term_sums, expert_counts)
         if self.context.dp_cp_size == 1:
             return loss_sum, term_sums, expert_counts
         names = sorted(term_sums)
@@ -380,6 +444,17 @@ class Trainer:
         terms = {name: value[0] for name, value in zip(names, values[1:1 + len(names)])}
         counts = [value.view_as(count).to(count.dtype) for value, count in zip(values[1 + len(names):], expert_counts)]
         return values[0][0], terms, counts
+
+    def sum_over_replica(self, loss_sum: torch.Tensor, term_sums: dict, expert_counts: list):
+        dp = self.context.dp_size
+        loss_sum = loss_sum.clone()
+        all_reduce_(loss_sum, self.context.cp_group)
+        terms = {}
+        for name, value in term_sums.items():
+            value = torch.as_tensor(value, device=self.device).float().clone()
+            all_reduce_(value, self.context.cp_group)
+            terms[name] = value * dp
+        return loss_sum * dp, terms, expert_counts
 
     # --- evaluation and checkpoints -----------------------------------------------------------------------
     @torch.no_grad()

@@ -130,3 +130,61 @@ def test_an_existing_out_is_refused(tmp_path, source, capsys):
     (tmp_path / "small").mkdir()
     assert main(["prune", str(source), str(tmp_path / "small"), "--calibration", "x.json", "--ffn", "8"]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+# --- under torchrun: tensor- and data-parallel calibration -----------------------------------------------
+
+HYBRID = dict(vocab_size=64, hidden_size=32, pattern="M*-E", num_attention_heads=4, num_kv_heads=2, head_dim=8,
+              ffn_hidden_size=64, mamba_head_dim=8, mamba_state_size=8, mamba_num_groups=2, mamba_chunk_size=8,
+              moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16)
+"""Every kind of unit: Mamba heads, attention heads, MLP neurons, experts."""
+PRUNE_HYBRID = ["--samples", "6", "--seq-len", "16", "--batch-size", "2", "--hidden", "24", "--ffn", "32",
+                "--kv-heads", "1", "--mamba-heads", "4", "--experts", "2", "--drop-blocks", "1", "--device", "cpu"]
+
+
+def prune_and_score(source: str, blend: str, out: str, tp: int) -> dict:
+    """On every rank (or in one process): ``meshlm prune --tp tp`` into ``out``, then the importance
+    scores of the same layout and samples (the CLI's own pieces), as plain tensors."""
+    from meshlm.adapt.importance import collect_importance
+    from meshlm.adapt.prune_cli import (calibration_batches, calibration_context, calibration_dataset,
+                                        calibration_model, gathered_over, summed_over)
+
+    torch.set_num_threads(1)
+    assert main(["prune", source, out, "--calibration", blend, *PRUNE_HYBRID, "--tp", str(tp)]) == 0
+    config = read_model_config(Path(source))
+    context = calibration_context(config, torch.device("cpu"), tp)
+    dataset = calibration_dataset([blend], 16, 6, 1234, config.vocab_size)
+    importance = collect_importance(
+        calibration_model(Path(source), context), calibration_batches(dataset, 2, context.dp_rank, context.dp_size,
+                                                                   torch.device("cpu")),
+        depth_metric="loss", reduce=summed_over(context.dp_group) if context.dp_size > 1 else None,
+        gather=gathered_over(context.tp_group) if context.tp_size > 1 else None)
+    scores = {"hidden": importance.hidden, "blocks": importance.blocks}
+    for kind in ("heads", "neurons", "mamba_heads", "experts"):
+        scores.update({f"{kind} {block}": value for block, value in getattr(importance, kind).items()})
+    return scores
+
+
+def test_tp2_and_dp2_calibration_prunes_exactly_as_one_process(tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.helpers.distributed import run_distributed
+
+    torch.manual_seed(0)
+    blend = write_corpus(tmp_path / "data", num_documents=40, max_length=60)
+    source = save_model(LanguageModel(ModelConfig(**HYBRID)), tmp_path / "big", tokenizer_dir=blend.parent)
+    single = prune_and_score(str(source), str(blend), str(tmp_path / "single"), 1)
+    for layout, tp in (("tp2", 2), ("dp2", 1)):
+        by_rank = run_distributed(prune_and_score, 2, str(source), str(blend), str(tmp_path / layout), tp,
+                                  timeout_s=120)
+        for rank, scores in enumerate(by_rank):
+            assert set(scores) == set(single), (layout, rank)
+            for name, value in single.items():  # float sums in another order: equal to fp32 rounding
+                atol = 2e-6 if name == "blocks" else 1e-7  # loss increases: differences of two losses of ~4
+                assert torch.allclose(scores[name], value, rtol=1e-5, atol=atol), (layout, rank, name)
+        expected, actual = load_file(tmp_path / "single" / "model.safetensors"), load_file(
+            tmp_path / layout / "model.safetensors")
+        assert set(actual) == set(expected), layout
+        for name, value in expected.items():  # the same units kept: the same values, bit for bit
+            assert torch.equal(actual[name], value), (layout, name)
+        assert read_model_config(tmp_path / layout).to_dict() == read_model_config(tmp_path / "single").to_dict()

@@ -132,3 +132,29 @@ def test_unusable_splits_and_settings_are_data_errors(tmp_path):
         GPTDataset(tmp_path / "c", 2, split="a,b")
     with pytest.raises(DataError, match="split_name='dev'"):
         GPTDataset(tmp_path / "c", 2, split_name="dev")
+
+
+def test_document_boundaries_mark_documents_and_ignore_labels_across_them(tmp_path):
+    stream = write_counting_store(tmp_path / "c", LENGTHS)
+    starts = np.cumsum([0] + LENGTHS)  # token value v lies in document searchsorted(starts, v, 'right') - 1
+    plain = GPTDataset(tmp_path / "c", SEQ_LEN, shuffle=False)
+    kept_apart = GPTDataset(tmp_path / "c", SEQ_LEN, shuffle=False, document_boundaries=True)
+    assert "document_ids" not in plain[0]
+    for index in range(len(kept_apart)):
+        sample, reference = kept_apart[index], plain[index]
+        assert torch.equal(sample["input_ids"], reference["input_ids"])
+        inputs, next_tokens = sample["input_ids"].numpy(), reference["labels"].numpy()
+        document_of = lambda tokens: np.searchsorted(starts, tokens, side="right") - 1  # noqa: E731
+        same = document_of(inputs) == document_of(next_tokens)
+        assert np.array_equal(sample["labels"].numpy(), np.where(same, next_tokens, -100))
+        ids = sample["document_ids"].numpy()
+        assert ids[0] == 0 and np.all(np.diff(ids) >= 0)
+        assert np.array_equal(np.diff(ids) > 0, np.diff(document_of(inputs)) > 0)
+    assert len(stream)
+
+
+def test_ignored_label_is_the_losses():
+    from meshlm.data.gpt_dataset import IGNORE_INDEX
+    from meshlm.models.losses import IGNORE_INDEX as LOSS_IGNORE_INDEX
+
+    assert IGNORE_INDEX == LOSS_IGNORE_INDEX == -100

@@ -177,3 +177,18 @@ def test_max_new_tokens_defaults_to_128(capsys, tmp_path):
     assert code == 0
     assert [json.loads(out)["ids"]] == expected_ids(directory, [[5, 6]], 128, SamplingConfig(greedy=True))
     assert len(json.loads(out)["ids"]) == 128
+
+
+def test_compile_flag_gives_the_same_tokens_and_reports_compile_seconds(capsys, monkeypatch, model_dir):
+    import functools
+
+    import meshlm.inference.generate as generate_module
+
+    monkeypatch.setattr(generate_module, "DecodeStep",  # aot_eager: the graph without Inductor's code generation
+                        functools.partial(generate_module.DecodeStep, backend="aot_eager"))
+    torch._dynamo.reset()
+    prompt_args = ("--prompt-ids", "1,2,3", "--prompt-ids", "40,41", "--max-new-tokens", 6, "--greedy", "--json")
+    code, plain, _ = run_cli(capsys, model_dir, *prompt_args)
+    code, out, err = run_cli(capsys, model_dir, *prompt_args, "--compile", "--stats")
+    assert code == 0 and out == plain
+    assert json.loads(err)["compile_seconds"] >= 0

@@ -172,3 +172,21 @@ def test_decode_steps_hand_attention_a_key_mask_only_when_a_prompt_was_padded():
     key_masks.clear()
     generate(model, [PROMPTS[0], PROMPTS[0]], 3, GREEDY)  # no padding
     assert key_masks == [None, None, None]
+
+
+def test_compiled_decoding_gives_the_same_tokens_and_times_compiling_apart(monkeypatch):
+    import functools
+
+    import meshlm.inference.generate as generate_module
+
+    # aot_eager: Dynamo's graph and the custom op, without Inductor's minutes of code generation
+    monkeypatch.setattr(generate_module, "DecodeStep",
+                        functools.partial(generate_module.DecodeStep, backend="aot_eager"))
+    torch._dynamo.reset()
+    model = tiny_model("M*-M-")
+    stats = GenerationStats()
+    compiled = generate(model, PROMPTS, 6, GREEDY, eos_token_id=7, compile=True, stats=stats)
+    assert compiled == generate(model, PROMPTS, 6, GREEDY, eos_token_id=7)
+    assert stats.compile_seconds > 0 and stats.summary()["compile_seconds"] >= 0
+    with pytest.raises(ConfigError, match="drop --compile or --speculative"):
+        generate(tiny_model("M*-"), PROMPTS[:1], 4, GREEDY, speculative="mtp", compile=True)

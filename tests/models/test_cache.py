@@ -152,3 +152,12 @@ def test_mamba_rollback_refuses_more_than_its_window():
         run(model, [7, 1], fresh)
         with pytest.raises(RuntimeError, match="at most 0 tokens"):
             fresh.truncate(1)  # no rollback window: nothing kept to undo with
+
+
+def test_reserve_counts_tokens_written_by_the_caller_and_grows_like_append():
+    cache = AttentionCache(capacity_hint=3)
+    cache.append(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))
+    assert cache.reserve(1) == 2 and cache.length == 3 and cache.key_buffer.shape[2] == 3
+    cache.key_buffer[:, :, 2] = 1.0  # the caller writes the reserved slot (the compiled decode step does)
+    assert cache.reserve(2) == 3 and cache.key_buffer.shape[2] == 6  # doubled, the held keys kept
+    assert cache.keys.shape[2] == 5 and torch.equal(cache.key_buffer[:, :, 2], torch.ones(1, 2, 4))

@@ -230,7 +230,6 @@ def test_bad_distillation_settings_are_refused_in_one_sentence(make_config, tmp_
         assert message in str(refused.value) and str(refused.value).count(". ") <= 1, str(refused.value)
     config_refusals = {
         "train.distill_loss='kld' is not one of kl, forward_kl, reverse_kl, cosine.": ["train.distill_loss=kld"],
-        "train.distill_from does not support parallel.pp=2 yet": ["parallel.pp=2"],
         "train.distill_temperature=0.0 must be > 0": ["train.distill_temperature=0"],
         "train.distill_weight=1.5 must lie in [0, 1]": ["train.distill_weight=1.5"],
     }

@@ -47,6 +47,7 @@ import torch
 
 from meshlm.errors import ConfigError
 from meshlm.models.attention import SelfAttention
+from meshlm.models.context import positions_in_documents
 from meshlm.models.losses import IGNORE_INDEX
 from meshlm.models.mamba2 import Mamba2Mixer
 from meshlm.models.mtp import shift_left
@@ -87,21 +88,32 @@ def slice_sequence(tensor: torch.Tensor, context, dim: int = 1) -> torch.Tensor:
 def split_batch(batch: dict[str, torch.Tensor], context) -> dict[str, torch.Tensor]:
     """A micro-batch as this CP rank runs it: its chunks of ``input_ids`` and ``labels``, the
     global ``position_ids`` of those tokens, and the whole sequences' labels (``sequence_labels``,
-    for the loss shares of ``share_losses``). Identity at cp = 1."""
+    for the loss shares of ``share_losses``). With packed documents also this rank's
+    ``document_ids``, their ``document_positions`` (counted on the whole row) and the whole rows'
+    ``sequence_document_ids``. Identity at cp = 1."""
     if context.cp_size == 1:
         return batch
     input_ids, labels = batch["input_ids"], batch["labels"]
     positions = local_token_positions(input_ids.shape[1], context.cp_rank, context.cp_size,
                                       device=input_ids.device)
-    return {**batch, "input_ids": input_ids.index_select(1, positions), "labels": labels.index_select(1, positions),
-            "position_ids": positions.expand(input_ids.shape[0], -1), "sequence_labels": labels}
+    local = {**batch, "input_ids": input_ids.index_select(1, positions), "labels": labels.index_select(1, positions),
+             "position_ids": positions.expand(input_ids.shape[0], -1), "sequence_labels": labels}
+    if "document_ids" in batch:  # packed documents: positions inside them counted on the whole row
+        document_ids = batch["document_ids"]
+        local.update(document_ids=document_ids.index_select(1, positions), sequence_document_ids=document_ids,
+                     document_positions=positions_in_documents(document_ids).index_select(1, positions))
+    return local
 
 
-def target_share(sequence_labels: torch.Tensor, steps_ahead: int, context) -> float:
+def target_share(sequence_labels: torch.Tensor, steps_ahead: int, context,
+                 sequence_document_ids: torch.Tensor | None = None) -> float:
     """The fraction of the whole sequences' labelled targets ``steps_ahead`` tokens further on
-    (0: the next-token labels; k: multi-token prediction depth k) that sit at this rank's positions."""
+    (0: the next-token labels; k: multi-token prediction depth k) that sit at this rank's positions.
+    With packed documents, a target in another document is none (multi-token prediction skips it)."""
     targets = shift_left(sequence_labels, steps_ahead, fill=IGNORE_INDEX) if steps_ahead else sequence_labels
     labelled = targets != IGNORE_INDEX
+    if steps_ahead and sequence_document_ids is not None:
+        labelled &= shift_left(sequence_document_ids, steps_ahead, fill=0) == sequence_document_ids
     return float(slice_sequence(labelled, context).sum()) / max(int(labelled.sum()), 1)
 
 
@@ -122,7 +134,8 @@ def share_losses(output, batch: dict[str, torch.Tensor], context, mtp_loss_coeff
     uniform, losses = 1.0 / context.cp_size, output.losses
     depths = sorted(int(name[4:]) for name in losses if name.startswith("mtp_"))
     weights = {"lm": target_share(batch["sequence_labels"], 0, context)}
-    weights.update({f"mtp_{k}": target_share(batch["sequence_labels"], k, context) for k in depths})
+    weights.update({f"mtp_{k}": target_share(batch["sequence_labels"], k, context, batch.get("sequence_document_ids"))
+                    for k in depths})
     shares = {name: value * weights.get(name, uniform) for name, value in losses.items()}
     loss = output.loss * uniform + (shares["lm"] - losses["lm"] * uniform)  # the rest is uniform
     if depths:

@@ -32,6 +32,15 @@ backward is autograd's. The result equals the single-process mixer up to fp32 su
 
 Under tensor parallelism each rank holds its own heads and B/C groups and does the same on them;
 under sequence parallelism ``in_proj`` has gathered the CP-local sequence, so nothing changes.
+
+**Packed documents** (``data.document_boundaries``): the state must not cross a document
+boundary, here either. Everything needed is local, from each token's position inside its document
+(computed on the whole row before the batch was cut into chunks, so it counts tokens on other
+ranks too): the conv masks its taps by it (``causal_conv``); each chunk is scanned from zero with
+its document ids; a state passes *through* chunk c -- h0_{c+1} = exp(L_c) h0_c + S_c -- only if
+no document starts inside it, i.e. its last token's document began before the chunk (position >=
+chunk length; otherwise L_c is sent as -inf, so exp(L_c) = 0); and token t (t from the chunk's
+start) reads the start state h0 only if its document began before the chunk (position > t).
 """
 
 from __future__ import annotations
@@ -74,13 +83,17 @@ def previous_windows(chunks: torch.Tensor, width: int, context, layout=paired_ch
 
 
 def context_parallel_conv(xBC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, context,
-                          layout=paired_chunks) -> torch.Tensor:
+                          layout=paired_chunks, document_positions: torch.Tensor | None = None) -> torch.Tensor:
     """silu(depthwise causal conv) of this rank's two chunks xBC [b, 2c, ch], each continuing from
-    the window of the chunk before it; equal to the single-process conv at these positions."""
+    the window of the chunk before it; equal to the single-process conv at these positions.
+    ``document_positions`` [b, 2c]: positions inside packed documents (the window restarts at each)."""
     batch, length, channels = xBC.shape
     chunks = xBC.view(batch, 2, length // 2, channels)
     windows = previous_windows(chunks, weight.shape[-1] - 1, context, layout)  # [b, 2, K-1, ch]
-    out = causal_conv_silu(chunks.flatten(0, 1), weight, bias, windows.flatten(0, 1))  # [2b, c, ch]
+    if document_positions is not None:
+        document_positions = document_positions.reshape(batch * 2, length // 2)
+    out = causal_conv_silu(chunks.flatten(0, 1), weight, bias, windows.flatten(0, 1),
+                           document_positions=document_positions)  # [2b, c, ch]
     return out.view(batch, length, channels)
 
 
@@ -106,18 +119,30 @@ def start_states(final_states: torch.Tensor, log_decays: torch.Tensor, context, 
 
 
 def context_parallel_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                          chunk_size: int, context, layout=paired_chunks, chunked_scan=ssd_chunked_scan) -> torch.Tensor:
+                          chunk_size: int, context, layout=paired_chunks, chunked_scan=ssd_chunked_scan,
+                          document_ids: torch.Tensor | None = None,
+                          document_positions: torch.Tensor | None = None) -> torch.Tensor:
     """The SSM over this rank's two chunks (x [b, 2c, h, p], dt [b, 2c, h], B, C [b, 2c, g, n]),
     exact: each chunk scanned from zero by ``chunked_scan`` (the mixer's), then corrected by its
-    true start state (module docstring). Returns y [b, 2c, h, p] fp32 without the D skip."""
+    true start state (module docstring). Returns y [b, 2c, h, p] fp32 without the D skip. Packed
+    documents: ``document_ids`` and ``document_positions`` [b, 2c] of these tokens (both or neither)."""
     batch, length, heads, head_dim = x.shape
     as_chunks = lambda tensor: tensor.reshape(batch * 2, length // 2, *tensor.shape[2:])  # noqa: E731
-    y, final_states = chunked_scan(as_chunks(x), as_chunks(dt), A, as_chunks(B), as_chunks(C), chunk_size)
+    documents = {} if document_ids is None else {"document_ids": as_chunks(document_ids)}
+    y, final_states = chunked_scan(as_chunks(x), as_chunks(dt), A, as_chunks(B), as_chunks(C), chunk_size,
+                                   **documents)
     log_decay = (dt.float() * A.float()).view(batch, 2, length // 2, heads)  # a_t = dt_t A
     decay_cumsum = log_decay.cumsum(dim=2)  # a_1 + ... + a_t from each chunk's start
-    entering = start_states(final_states.view(batch, 2, heads, head_dim, -1), decay_cumsum[:, :, -1], context, layout)
+    from_start_decay = torch.exp(decay_cumsum)
+    chunk_log_decays = decay_cumsum[:, :, -1]
+    if document_positions is not None:  # (module docstring) no state through or into another document
+        positions = document_positions.view(batch, 2, length // 2)
+        begun_before = positions > torch.arange(length // 2, device=positions.device)  # [b, 2, c]
+        chunk_log_decays = chunk_log_decays.masked_fill(~begun_before[:, :, -1:], float("-inf"))
+        from_start_decay = from_start_decay * begun_before[..., None]
+    entering = start_states(final_states.view(batch, 2, heads, head_dim, -1), chunk_log_decays, context, layout)
     C_heads = expand_groups(C.float(), heads, group_dim=2).view(batch, 2, length // 2, heads, -1)
-    from_start = torch.einsum("bzthn,bzhpn->bzthp", C_heads, entering) * torch.exp(decay_cumsum).unsqueeze(-1)
+    from_start = torch.einsum("bzthn,bzhpn->bzthp", C_heads, entering) * from_start_decay.unsqueeze(-1)
     return y.reshape(batch, length, heads, head_dim) + from_start.reshape(batch, length, heads, head_dim)
 
 
@@ -129,16 +154,17 @@ class ContextParallelMamba2Mixer(Mamba2Mixer):
     cp_context = None
     chunk_layout = staticmethod(paired_chunks)
 
-    def conv_from_start(self, xBC: torch.Tensor) -> torch.Tensor:
-        return context_parallel_conv(xBC, self.conv1d.weight, self.conv1d.bias, self.cp_context, self.chunk_layout)
+    def conv_from_start(self, xBC: torch.Tensor, document_positions: torch.Tensor | None = None) -> torch.Tensor:
+        return context_parallel_conv(xBC, self.conv1d.weight, self.conv1d.bias, self.cp_context, self.chunk_layout,
+                                     document_positions)
 
-    def scan(self, x, dt, B, C, state) -> torch.Tensor:
+    def scan(self, x, dt, B, C, state, document_ids=None, document_positions=None) -> torch.Tensor:
         if state is not None:
             raise ValueError("context parallelism runs training forwards only: no Mamba cache (generate with a "
                              "single-process or tensor-parallel model).")
         A = -torch.exp(self.A_log.float())
         return context_parallel_scan(x, dt, A, B, C, self.chunk_size, self.cp_context, self.chunk_layout,
-                                     self.chunked_scan)
+                                     self.chunked_scan, document_ids, document_positions)
 
 
 def make_context_parallel_mamba(mixer: Mamba2Mixer, context, layout=paired_chunks) -> None:

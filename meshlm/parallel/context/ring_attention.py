@@ -52,6 +52,14 @@ only inside one block's kernel call are they repeated per query head (see
 ``block_attention.py``). Tensor parallelism splits heads, so each TP rank rings its own heads
 over its CP group; sequence parallelism has gathered the CP-local sequence before q/k/v are
 computed, so nothing changes. The output and gradients come back in the inputs' dtype.
+
+**Packed documents** (``document_ids``, ``data.document_boundaries``): a query attends only to
+keys of its own document. Documents are contiguous, so within a chunk pair the allowed keys of
+one query document are a contiguous run of the key chunk: each block splits, per sequence of the
+batch, into one sub-block per document the two chunks share -- whole when the key chunk is
+earlier, causal on the diagonal -- computed and merged exactly like whole blocks (a query row
+always has its own key, so no row ends empty). Each rank learns every chunk's document ids with
+one small all-gather of the (integer) ids per attention call; nothing of size [s x s] is built.
 """
 
 from __future__ import annotations
@@ -60,9 +68,9 @@ import math
 
 import torch
 
-from meshlm.parallel.collectives import send_and_receive
+from meshlm.parallel.collectives import all_gather_into_, send_and_receive
 from meshlm.parallel.context.block_attention import accumulation_dtype, block_backward, block_forward
-from meshlm.parallel.context.chunks import paired_chunks
+from meshlm.parallel.context.chunks import chunk_owner, paired_chunks
 
 KV_TAG, GRAD_TAG = 0, 1
 """Point-to-point tags: the K/V blocks and their gradient accumulators travel separately."""
@@ -118,7 +126,7 @@ def _wait(requests) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, context, layout):
+    def forward(ctx, query, key, value, context, layout, chunk_documents):
         ring = Ring(context, layout)
         scale, slot = 1.0 / math.sqrt(query.shape[-1]), query.shape[2] // 2
         wide = accumulation_dtype(query.dtype)
@@ -127,15 +135,15 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack((key, value)).contiguous()
         for step in range(ring.size):
             incoming, requests = ring.start_pass(kv, KV_TAG) if step < ring.size - 1 else (None, [])
-            for rows, cols, causal in _block_slices(ring, step, slot):
-                block_out, block_lse = block_forward(query[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
+            for batch, rows, cols, causal in _block_slices(ring, step, slot, chunk_documents):
+                block_out, block_lse = block_forward(query[batch, :, rows], kv[0][batch, :, cols], kv[1][batch, :, cols],
                                                      causal, scale)
-                merge_into(out, lse, rows, block_out, block_lse)
+                merge_into(out[batch], lse[batch], rows, block_out, block_lse)
             _wait(requests)
             kv = incoming
         output = out.to(query.dtype)  # the same tensor when the run is fp32 or fp64
         ctx.save_for_backward(query, key, value, output, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.scale, ctx.chunk_documents = ring, scale, chunk_documents
         return output
 
     @staticmethod
@@ -147,36 +155,80 @@ class _RingAttention(torch.autograd.Function):
         grad_kv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)  # dK/dV of the block held
         for step in range(ring.size):
             incoming, requests = ring.start_pass(kv, KV_TAG) if step < ring.size - 1 else (None, [])
-            for rows, cols, causal in _block_slices(ring, step, slot):
-                dq, dk, dv = block_backward(grad_output[..., rows, :], query[..., rows, :], kv[0][..., cols, :],
-                                            kv[1][..., cols, :], output[..., rows, :], lse[..., rows], causal, scale)
-                grad_query[..., rows, :] += dq
-                grad_kv[0][..., cols, :] += dk
-                grad_kv[1][..., cols, :] += dv
+            for batch, rows, cols, causal in _block_slices(ring, step, slot, ctx.chunk_documents):
+                dq, dk, dv = block_backward(grad_output[batch, :, rows], query[batch, :, rows], kv[0][batch, :, cols],
+                                            kv[1][batch, :, cols], output[batch, :, rows], lse[batch, :, rows],
+                                            causal, scale)
+                grad_query[batch, :, rows] += dq
+                grad_kv[0][batch, :, cols] += dk
+                grad_kv[1][batch, :, cols] += dv
             outgoing = grad_kv  # on with its block; home, complete, after cp hops
             grad_kv, grad_requests = ring.start_pass(outgoing, GRAD_TAG)
             _wait(requests)
             _wait(grad_requests)
             kv = incoming
-        return (grad_query.to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype), None, None)
+        return (grad_query.to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype), None, None, None)
 
 
-def _block_slices(ring: Ring, step: int, slot: int) -> list[tuple[slice, slice, bool]]:
-    """(query rows, key rows, causal) of the blocks this rank computes at ``step``; ``slot`` tokens a chunk."""
-    return [(slice(q_slot * slot, (q_slot + 1) * slot), slice(k_slot * slot, (k_slot + 1) * slot), causal)
-            for q_slot, k_slot, causal in attention_blocks(ring.chunks(0), ring.chunks(step))]
+EVERY_SEQUENCE = slice(None)
+
+
+def _block_slices(ring: Ring, step: int, slot: int,
+                  chunk_documents: dict[int, list[list[int]]] | None) -> list[tuple[slice, slice, slice, bool]]:
+    """(sequences of the batch, query rows, key rows, causal) of the blocks this rank computes at
+    ``step``; ``slot`` tokens a chunk. With packed documents, the per-document sub-blocks."""
+    blocks = []
+    query_chunks, key_chunks = ring.chunks(0), ring.chunks(step)
+    for q_slot, k_slot, causal in attention_blocks(query_chunks, key_chunks):
+        q_start, k_start = q_slot * slot, k_slot * slot
+        if chunk_documents is None:
+            blocks.append((EVERY_SEQUENCE, slice(q_start, q_start + slot), slice(k_start, k_start + slot), causal))
+            continue
+        per_sequence = zip(chunk_documents[query_chunks[q_slot]], chunk_documents[key_chunks[k_slot]])
+        for sequence, (query_ids, key_ids) in enumerate(per_sequence):
+            key_spans = _document_spans(key_ids)
+            for document, (q_first, q_stop) in _document_spans(query_ids).items():
+                if document in key_spans:
+                    k_first, k_stop = key_spans[document]
+                    blocks.append((slice(sequence, sequence + 1), slice(q_start + q_first, q_start + q_stop),
+                                   slice(k_start + k_first, k_start + k_stop), causal))
+    return blocks
+
+
+def _document_spans(ids: list[int]) -> dict[int, tuple[int, int]]:
+    """document id -> (first, stop) of its run in a chunk's (non-decreasing) ids."""
+    spans = {}
+    for index, document in enumerate(ids):
+        first = spans.get(document, (index, index))[0]
+        spans[document] = (first, index + 1)
+    return spans
+
+
+def chunk_document_ids(document_ids: torch.Tensor, context, layout=paired_chunks) -> dict[int, list[list[int]]]:
+    """Every chunk's document ids (global chunk index -> per sequence a list), from this rank's
+    ids [b, 2c]: one all-gather of the integers over the CP group."""
+    gathered = document_ids.new_empty((context.cp_size, *document_ids.shape))
+    all_gather_into_(gathered.flatten(0, 1), document_ids.contiguous(), context.cp_group)
+    slot = document_ids.shape[1] // 2
+    by_chunk = {}
+    for chunk in range(2 * context.cp_size):
+        owner, position = chunk_owner(chunk, context.cp_size, layout)
+        by_chunk[chunk] = gathered[owner, :, position * slot:(position + 1) * slot].tolist()
+    return by_chunk
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context,
-                   layout=paired_chunks) -> torch.Tensor:
+                   layout=paired_chunks, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries [b, heads, 2c, d] over the whole sequence, whose
     keys/values [b, kv_heads, 2c, d] are spread over the CP group as ``layout`` says (each rank's
     two chunks of c tokens, concatenated). Returns [b, heads, 2c, d], equal to the rows of full
-    causal attention at this rank's positions. Collective over the CP group."""
+    causal attention at this rank's positions. Collective over the CP group. ``document_ids``
+    [b, 2c] (this rank's tokens' packed documents): attend within each document only."""
     if query.shape[2] % 2 or key.shape[2] != query.shape[2]:
         raise ValueError(f"ring attention needs two equal chunks of queries and keys per rank, got "
                          f"{query.shape[2]} queries and {key.shape[2]} keys")
-    return _RingAttention.apply(query, key, value, context, layout)
+    chunk_documents = None if document_ids is None else chunk_document_ids(document_ids, context, layout)
+    return _RingAttention.apply(query, key, value, context, layout, chunk_documents)
 
 
 class RingAttentionCore:
@@ -186,11 +238,11 @@ class RingAttentionCore:
     def __init__(self, context, layout=paired_chunks):
         self.context, self.layout = context, layout
 
-    def __call__(self, query, key, value, key_mask=None):
+    def __call__(self, query, key, value, key_mask=None, document_ids=None):
         if key_mask is not None or key.shape[2] != query.shape[2]:
             raise ValueError("context parallelism runs training forwards only: no padding mask and no KV cache "
                              "(generate with a single-process or tensor-parallel model).")
-        return ring_attention(query, key, value, self.context, self.layout)
+        return ring_attention(query, key, value, self.context, self.layout, document_ids)
 
 
-__all__ = ["Ring", "RingAttentionCore", "attention_blocks", "merge_into", "ring_attention"]
+__all__ = ["Ring", "RingAttentionCore", "attention_blocks", "chunk_document_ids", "merge_into", "ring_attention"]

@@ -86,7 +86,8 @@ class LanguageModelStages:
         chunk, batch = self.chunks[action.chunk], self.microbatches[action.microbatch]
         input_ids = batch["input_ids"]
         context = SequenceContext.for_tokens(input_ids, position_ids=batch.get("position_ids"),
-                                             dropout_key=batch.get("dropout_key"))
+                                             dropout_key=batch.get("dropout_key"), document_ids=batch.get("document_ids"),
+                                             document_positions=batch.get("document_positions"))
         if chunk.is_first:
             hidden = self.model.embed(input_ids, context)
         else:
@@ -94,21 +95,31 @@ class LanguageModelStages:
         stage_input = hidden
         for index in chunk.blocks:
             hidden = self.model.blocks[index](hidden, context)
-        if chunk.is_last:
-            output = self.model.finish(hidden, input_ids, batch["labels"], context, return_logits=False)
-            output = share_losses(output, batch, self.context, self.model.config.mtp_loss_coeff)  # CP: our share
-            total, terms, counts = output.loss, output.losses, output.tokens_per_expert
-        else:
-            terms = self.model.moe_loss_terms(context) if context.moe_losses else {}
-            if terms and self.context.cp_size > 1:  # as share_losses does: 1/cp of each MoE term
-                terms = {name: value / self.context.cp_size for name, value in terms.items()}
-            total = self.model.add_moe_losses(0.0, terms) if terms else None
-            counts = [losses.tokens_per_expert for losses in context.moe_losses]
+        total, terms, counts = self.losses(action, hidden, batch, context)
         self._accumulate(chunk, total, terms, counts)
         if torch.is_grad_enabled():
             scaled = self.scale_loss(total / self.loss_divisor) if total is not None else None
             self.saved[(action.microbatch, action.chunk)] = (stage_input, hidden, scaled)
         return None if chunk.is_last else hidden
+
+    def losses(self, action, hidden: torch.Tensor, batch: dict, context: SequenceContext):
+        """(total loss or None, its terms, per-expert counts) of one chunk's forward of one micro-batch:
+        the last virtual stage's head and losses (``finish``), another stage's MoE terms. A subclass
+        adds terms of its own (``meshlm/training/distillation_pipeline.py``)."""
+        if self.chunks[action.chunk].is_last:
+            output = self.finish(action, hidden, batch, context)
+            return output.loss, output.losses, output.tokens_per_expert
+        terms = self.model.moe_loss_terms(context) if context.moe_losses else {}
+        if terms and self.context.cp_size > 1:  # as share_losses does: 1/cp of each MoE term
+            terms = {name: value / self.context.cp_size for name, value in terms.items()}
+        total = self.model.add_moe_losses(0.0, terms) if terms else None
+        return total, terms, [losses.tokens_per_expert for losses in context.moe_losses]
+
+    def finish(self, action, hidden: torch.Tensor, batch: dict, context: SequenceContext):
+        """The last virtual stage's output (head, losses) for the last block's ``hidden``; under CP
+        this rank's share of the losses."""
+        output = self.model.finish(hidden, batch["input_ids"], batch["labels"], context, return_logits=False)
+        return share_losses(output, batch, self.context, self.model.config.mtp_loss_coeff)
 
     def backward(self, action, grad: torch.Tensor | None) -> torch.Tensor | None:
         chunk = self.chunks[action.chunk]
@@ -155,12 +166,14 @@ class PipelinedModel:
         return cls(model, context, chunks, build_embedding_group(context, model.config))
 
     # --- one training step ----------------------------------------------------------------------
-    def forward_backward(self, microbatches: list[dict], loss_divisor: int, precision, reducer):
+    def forward_backward(self, microbatches: list[dict], loss_divisor: int, precision, reducer,
+                         make_stages=LanguageModelStages):
         """Run the step's schedule; returns (loss sum, term sums, per-expert counts) of the whole
-        pipeline for this DP rank's micro-batches, like the trainer's loop without pipelining."""
+        pipeline for this DP rank's micro-batches, like the trainer's loop without pipelining.
+        ``make_stages``: ``LanguageModelStages`` or a subclass with losses of its own (distillation)."""
         schedule = build_schedule(self.context.pp_size, self.context.vp_size, len(microbatches))
-        stages = LanguageModelStages(self.model, self.chunks, microbatches, loss_divisor, self.context,
-                                     precision.scale_loss, self._final_backward_sync(schedule, reducer))
+        stages = make_stages(self.model, self.chunks, microbatches, loss_divisor, self.context,
+                             precision.scale_loss, self._final_backward_sync(schedule, reducer))
         reducer.zero_grad()
         with reducer.no_sync():
             self.last_records = self._executor(schedule).run(stages, *self._message_layout(microbatches, precision))

@@ -1,0 +1,177 @@
+"""DDP vs local SGD vs DiLoCo vs PALSGD on the demo corpus, dp4 over a simulated slow link.
+
+    python -m bench.local_sgd [--steps 128] [--sync-every 8 32] [--link 1Gbps,5ms] [--eval-every 32]
+                              [--target-loss L] [--out FILE] [--plot bench/local_sgd.png]
+
+Each method trains the same small demo-style hybrid (``configs/demo.yaml`` narrowed: hidden 128,
+pattern ``M-*E-M-*``) for ``--steps`` steps in 4 spawned gloo processes (``parallel.dp=4``) on the
+demo blend, with ``parallel.simulate_link`` holding every DP collective back by bytes/bandwidth +
+latency (``meshlm/parallel/simulated_link.py``), the same data order, seed, batch and schedule:
+
+- ``ddp``: ``parallel.dp_sync=every_step`` (one gradient all-reduce a step);
+- ``local_sgd``, ``diloco``, ``palsgd`` at each H of ``--sync-every``, with the published outer
+  settings (DiLoCo: Nesterov, outer lr 0.7, momentum 0.9; PALSGD: p 0.2, eta 1, warm-up 32 DDP
+  steps, outer lr 0.1 as its authors use).
+
+Reported per run: the validation loss at every ``--eval-every`` steps (every H divides it, so
+the evaluated model is the synced one) against the wall-clock seconds of training up to that
+step (evaluations excluded), the bytes the DP groups moved (ring bytes per rank), the final loss
+relative to DDP's at equal steps (and so equal tokens), and the seconds to reach the target loss
+(default: DDP's final validation loss x 1.03; linear interpolation between evaluations; null if
+not reached). Targets (issue 20): PALSGD and DiLoCo within 3% of DDP's final validation loss and
+faster than DDP to the target. A table goes to stderr, one JSON object to stdout (and ``--out``),
+and the loss-vs-time plot to ``--plot``.
+
+The machine's two cores are shared by the four ranks, so compute is slow and the link's share of
+a step is smaller than on real hardware; the wall-clock figures are for this machine only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO / "configs" / "demo.yaml"
+DEMO_DATA = REPO / "data" / "demo"
+MODEL = ["model.hidden_size=128", "model.num_attention_heads=4", "model.ffn_hidden_size=384",
+         "model.moe_ffn_hidden_size=192", "model.pattern=M-*E-M-*"]
+METHODS = {
+    "local_sgd": ["parallel.dp_sync=local_sgd"],
+    "diloco": ["parallel.dp_sync=diloco", "parallel.outer_lr=0.7", "parallel.outer_momentum=0.9"],
+    "palsgd": ["parallel.dp_sync=palsgd", "parallel.outer_lr=0.1", "parallel.outer_momentum=0.9",
+               "parallel.palsgd_p=0.2", "parallel.palsgd_eta=1.0", "parallel.palsgd_warmup=32"],
+}
+
+
+def run_overrides(args, run_dir: Path) -> list[str]:
+    return [*MODEL, f"data.blend={DEMO_DATA / 'blend.json'}", f"train.run_dir={run_dir}", f"train.steps={args.steps}",
+            "train.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=16",
+            f"train.eval_every={args.eval_every}", "train.eval_batches=4", "train.save_every=0",
+            "train.progress=false", "train.tensorboard=false", "train.plot=false", "train.device=cpu",
+            "parallel.dp=4", f"parallel.simulate_link={args.link}"]
+
+
+def timed_run(overrides: list[str]) -> dict:
+    """In each spawned rank: train, timing each evaluated step's training time (evaluations
+    excluded) and counting the DP groups' bytes."""
+    import torch
+
+    from meshlm.config import load_run_config
+    from meshlm.parallel.comm_log import record_communication
+    from meshlm.training.trainer import Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(load_run_config(DEMO_CONFIG, overrides))
+    start, evaluating, curve = time.perf_counter(), [0.0], {}
+    evaluate = trainer.maybe_evaluate
+
+    def timed_evaluate(final: bool):
+        began = time.perf_counter()
+        value = evaluate(final)
+        if value is not None:
+            curve[trainer.state.step] = (began - start - evaluating[0], value)
+        evaluating[0] += time.perf_counter() - began
+        return value
+
+    trainer.maybe_evaluate = timed_evaluate
+    context = trainer.context
+    with record_communication({"dp": context.dp_group, "dp_cp": context.dp_cp_group}) as log:
+        trainer.run()
+    dp_bytes = sum(count.ring_bytes_sent for (_, label), count in log.counts.items() if label in ("dp", "dp_cp"))
+    return {"curve": curve, "train_seconds": time.perf_counter() - start - evaluating[0], "dp_bytes": dp_bytes}
+
+
+def seconds_to(curve: dict, target: float) -> float | None:
+    """First time the validation loss is <= target, interpolated between evaluations."""
+    points = [(0.0, float("inf"))] + [curve[step] for step in sorted(curve)]
+    for (t0, l0), (t1, l1) in zip(points, points[1:]):
+        if l1 <= target:
+            if l0 == float("inf"):
+                return t1
+            return t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
+    return None
+
+
+def plot(runs: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for name, run in runs.items():
+        points = [run["curve"][step] for step in sorted(run["curve"])]
+        axis.plot([t for t, _ in points], [loss for _, loss in points], marker="o", label=name,
+                  linewidth=2.5 if name == "ddp" else 1.2)
+    axis.set_xlabel("training wall-clock seconds (evaluations excluded)")
+    axis.set_ylabel("validation loss")
+    axis.set_title("dp4 over a simulated slow link")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--sync-every", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--link", default="1Gbps,5ms")
+    parser.add_argument("--eval-every", type=int, default=32)
+    parser.add_argument("--target-loss", type=float, default=None)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--plot", default=str(REPO / "bench" / "local_sgd.png"))
+    args = parser.parse_args(argv)
+    if any(args.eval_every % every for every in args.sync_every):
+        parser.error("--eval-every must be a multiple of every --sync-every (evaluations then see synced models).")
+
+    from meshlm.data.demo_corpus import build_demo_corpus
+    from tests.helpers.distributed import run_distributed
+
+    build_demo_corpus(str(DEMO_DATA), workers=2, show_progress=False)
+    plan = [("ddp", [])] + [(f"{method} H={every}", [*METHODS[method], f"parallel.sync_every={every}"])
+                            for every in args.sync_every for method in args.methods]
+    runs = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for name, extra in plan:
+            overrides = [*run_overrides(args, Path(workdir) / name.replace(" ", "_")), *extra]
+            runs[name] = run_distributed(timed_run, 4, overrides, timeout_s=3600)[0]  # rank 0: replica 0
+            final = runs[name]["curve"][max(runs[name]["curve"])]
+            print(f"{name:<16} final val {final[1]:.4f} after {runs[name]['train_seconds']:.1f} s, "
+                  f"{runs[name]['dp_bytes'] / 1e6:.1f} MB over DP", file=sys.stderr, flush=True)
+    ddp_final = runs["ddp"]["curve"][max(runs["ddp"]["curve"])][1]
+    target = args.target_loss if args.target_loss is not None else ddp_final * 1.03
+    ddp_time = seconds_to(runs["ddp"]["curve"], target)
+    table = {}
+    for name, run in runs.items():
+        final = run["curve"][max(run["curve"])][1]
+        reach = seconds_to(run["curve"], target)
+        table[name] = {"final_val_loss": final, "vs_ddp_loss": final / ddp_final - 1,
+                       "train_seconds": run["train_seconds"], "seconds_to_target": reach,
+                       "speedup_to_target": (ddp_time / reach) if reach and ddp_time else None,
+                       "dp_megabytes": run["dp_bytes"] / 1e6,
+                       "val_curve": {step: loss for step, (_, loss) in sorted(run["curve"].items())}}
+    print(f"\n{'run':<16}{'val loss':>10}{'vs DDP':>9}{'train s':>9}{'s to target':>13}{'DP MB':>9}",
+          file=sys.stderr)
+    for name, row in table.items():
+        reach = "-" if row["seconds_to_target"] is None else f"{row['seconds_to_target']:.1f}"
+        print(f"{name:<16}{row['final_val_loss']:>10.4f}{row['vs_ddp_loss']:>+9.2%}{row['train_seconds']:>9.1f}"
+              f"{reach:>13}{row['dp_megabytes']:>9.1f}", file=sys.stderr)
+    result = {"steps": args.steps, "link": args.link, "target_loss": target, "runs": table}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    plot(runs, Path(args.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""What one GPU (or this CPU) can do: the editable table the planner's predictions rest on.
+
+Every number is per GPU and is an assumption, written once here and used for every model and
+layout (the published-table benchmark holds them fixed across rows). Edit a row, or add one,
+to plan for another machine.
+
+- ``peak_tflops``: the dense bf16 tensor-core peak (the MFU denominator).
+- ``achievable``: the fraction of that peak a training step reaches per *op class*, counting the
+  class's model FLOPs (``meshlm/models/flops.py``) over the time of its kernels and of the
+  memory-bound work around them (norms, activations, dropout, rotary, softmax): 'matmul'
+  (projections, MLPs, experts, the head), 'attention' (the scores and the weighted sum, a fused
+  flash kernel), 'ssd' (the Mamba-2 scan's matmuls and the causal convolution).
+- links, alpha-beta: a message of n bytes takes ``latency_s + n / bandwidth`` on a link;
+  'intra' is the node's fabric (NVLink: bus bandwidth of one GPU, one direction), 'inter' the
+  network between nodes (InfiniBand: one NIC per GPU). A group whose ranks all sit in one node
+  uses 'intra'.
+- ``hbm_gbps``: memory bandwidth (the optimizer step is memory-bound).
+- ``overhead_s``: fixed host time per block per micro-batch, forward and backward together
+  (kernel launches and Python); it matters only for tiny models.
+- ``fragmentation``: the share of the allocator's pool lost to fragmentation, added to the peak.
+
+The CPU row is measured, not looked up: ``calibrate_cpu`` times a matmul the size of the model's
+projections with the threads one process gets, and gloo's point-to-point latency and bandwidth
+are written as constants measured once on a 2-core host (shared-memory loopback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: float
+    memory_gib: float
+    achievable: dict = field(default_factory=dict)
+    intra_gbps: float = 450.0
+    intra_latency_s: float = 5e-6
+    inter_gbps: float = 50.0
+    inter_latency_s: float = 10e-6
+    hbm_gbps: float = 3350.0
+    overhead_s: float = 30e-6
+    fragmentation: float = 0.05
+    comm_buffer_mib_per_group: float = 64.0
+    """Workspace each communicator keeps (NCCL channels' buffers), per process group a rank joins."""
+    gpus_per_node: int = 8
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * 2 ** 30)
+
+    def rate(self, op_class: str) -> float:
+        """Achievable FLOP/s of ``op_class``."""
+        return self.peak_tflops * 1e12 * self.achievable[op_class]
+
+
+# Achievable fractions: one set per GPU generation, chosen once (see bench/plan_vs_published.py).
+GPUS = {
+    "a100-80gb": Hardware("a100-80gb", 312.0, 80.0, {"matmul": 0.58, "attention": 0.40, "ssd": 0.25},
+                          intra_gbps=300.0, inter_gbps=25.0, hbm_gbps=2039.0),
+    "h100": Hardware("h100", 989.0, 80.0, {"matmul": 0.56, "attention": 0.40, "ssd": 0.25},
+                     intra_gbps=450.0, inter_gbps=50.0, hbm_gbps=3350.0),
+    "h200": Hardware("h200", 989.0, 141.0, {"matmul": 0.58, "attention": 0.42, "ssd": 0.26},
+                     intra_gbps=450.0, inter_gbps=50.0, hbm_gbps=4800.0),
+    "b200": Hardware("b200", 2250.0, 180.0, {"matmul": 0.55, "attention": 0.40, "ssd": 0.25},
+                     intra_gbps=900.0, inter_gbps=50.0, hbm_gbps=8000.0),
+}
+
+CPU_LINK = {"latency_s": 1.2e-3, "gbps": 2.0}
+"""gloo over shared memory on one host, per message: latency (a collective between 2 processes on
+2 shared cores costs milliseconds: both must be scheduled) and bandwidth; fitted once to
+``bench/plan_vs_measured.py``'s tp2 layout."""
+
+
+def calibrate_cpu(hidden_size: int = 256, tokens: int = 1024, processes: int = 1, repeats: int = 5) -> Hardware:
+    """This CPU as a ``Hardware`` row: the fp32 matmul rate of one of ``processes`` ranks sharing
+    the cores, timed on a [tokens x h] by [h x 4h] product (median of ``repeats``)."""
+    import torch
+
+    threads = max(1, (os.cpu_count() or 1) // processes)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        left, right = torch.randn(tokens, hidden_size), torch.randn(hidden_size, 4 * hidden_size)
+        left @ right  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            left @ right
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    times.sort()
+    flops_per_s = 2 * tokens * hidden_size * 4 * hidden_size / times[len(times) // 2]
+    cores_share = min(1.0, (os.cpu_count() or 1) / processes / threads)
+    peak_tflops = flops_per_s * cores_share / 1e12
+    return Hardware("cpu", peak_tflops, memory_gib=available_host_gib() / processes,
+                    achievable={"matmul": 0.6, "attention": 0.3, "ssd": 0.2},
+                    intra_gbps=CPU_LINK["gbps"], intra_latency_s=CPU_LINK["latency_s"],
+                    inter_gbps=CPU_LINK["gbps"], inter_latency_s=CPU_LINK["latency_s"],
+                    hbm_gbps=10.0, overhead_s=1.5e-3, fragmentation=0.0, comm_buffer_mib_per_group=0.0,
+                    gpus_per_node=max(processes, 1))
+
+
+def available_host_gib() -> float:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2 ** 20
+    except OSError:
+        pass
+    return 16.0
+
+
+def hardware_named(name: str, gpus_per_node: int | None = None, processes: int = 1, hidden_size: int = 256) -> Hardware:
+    """The row for ``--gpu NAME`` (cpu: calibrated now), with ``--nodes-of`` applied."""
+    if name == "cpu":
+        found = calibrate_cpu(hidden_size, processes=processes)
+    elif name in GPUS:
+        found = GPUS[name]
+    else:
+        from meshlm.errors import ConfigError
+        raise ConfigError(f"--gpu {name!r} is not one of {', '.join([*GPUS, 'cpu'])}; add a row to "
+                          "meshlm/planning/hardware.py for another GPU.")
+    return dataclasses.replace(found, gpus_per_node=gpus_per_node) if gpus_per_node else found
+
+
+__all__ = ["CPU_LINK", "GPUS", "Hardware", "calibrate_cpu", "hardware_named"]

@@ -1,0 +1,174 @@
+"""How long one training step takes under a layout: compute, communication, the pipeline bubble.
+
+**Compute** comes from the model's own FLOP accounting (``meshlm/models/flops.py``), block by
+block with each block's sizes, split into op classes (matmul, attention core, SSD scan) and
+divided by the GPU's achievable rate for that class (``hardware.py``). A pipeline stage's
+share is the blocks ``stage_starts`` gives it (cut by FLOPs, as the trainer cuts), the head and
+MTP depths on the last stage; tensor parallelism divides the work by tp, context parallelism
+the tokens by cp. Backward is twice the forward; recomputation adds the recomputed forward
+('full': the whole block; 'selective': the attention core), which is work the GPU does but
+not model FLOPs -- it counts in the *hardware* FLOP rate, as PTD-P reports it.
+
+**Communication**, alpha-beta per message (latency + bytes / bandwidth, the node's fabric when
+the group fits in a node, else the network), with the byte counts ``bench/communication.py``
+measures:
+
+- TP: per block and micro-batch one all-reduce of b*s*h forward and one backward (with SP an
+  all-gather plus a reduce-scatter of the same bytes), ring cost 2(t-1)/t of the message; again
+  in forward when the block is recomputed. Not overlapped.
+- PP: per micro-batch and stage boundary, the b*s*h activation forward and its gradient
+  backward, times vp with interleaving; on the critical path.
+- DP: the gradients (fp32, all-reduce or reduce-scatter + all-gather, the same ring bytes) once
+  per step, overlapped with the last micro-batch's backward; only what sticks out counts.
+- CP: ring attention passes each K/V chunk around the ring (cp-1 hops) forward and twice the
+  bytes backward, overlapped with the attention core it feeds.
+- EP: an all-to-all of the routed tokens to their experts and one back, forward and backward.
+
+**Pipeline bubble** (Narayanan et al. 2021): with m micro-batches per pipeline and p stages,
+the step is (m + (p-1)/v) times the slowest stage's time per micro-batch (1F1B; interleaved
+with v chunks per rank).
+
+Not modeled: kernel-level overlap of TP communication with GEMMs, stragglers, data loading,
+imbalanced expert routing.
+"""
+
+from __future__ import annotations
+
+from meshlm.models.flops import BACKWARD_TO_FORWARD, block_flops, head_flops, mtp_depth_flops
+from meshlm.parallel.pipeline.stages import stage_starts
+from meshlm.training.memory_estimate import DTYPE_BYTES
+
+ATTENTION_TERMS = {"scores", "attend"}
+
+
+def op_class(term: str) -> str:
+    if term in ATTENTION_TERMS:
+        return "attention"
+    if term.startswith("ssd") or term == "conv":
+        return "ssd"
+    return "matmul"
+
+
+def block_times(config, layout, hardware, seq: int) -> list[dict]:
+    """Per block of the main stack, for one sequence on one rank: forward seconds, the forward
+    seconds recomputation adds, and its forward model FLOPs (this rank's share)."""
+    model, recompute = config.model, config.train.recompute
+    rows = []
+    for index, kind in enumerate(model.block_kinds):
+        terms = block_flops(kind, model.for_block(index), config.train.seq_len).terms
+        share = {}
+        for term, flops in terms.items():
+            # CP: this rank has seq / cp of the tokens; its attention covers them against all keys
+            share[term] = flops / layout.cp / layout.tp
+        forward = sum(flops / hardware.rate(op_class(term)) for term, flops in share.items())
+        attention = sum(flops / hardware.rate("attention") for term, flops in share.items() if term in ATTENTION_TERMS)
+        extra = forward if recompute == "full" else attention if recompute == "selective" else 0.0
+        rows.append({"kind": kind, "forward_s": forward, "recompute_s": extra, "flops": sum(share.values()),
+                     "attention_s": attention})
+    return rows
+
+
+def ring_seconds(message_bytes: float, ranks: int, hardware, intra: bool, factor: float = 2.0) -> float:
+    """A ring collective over ``ranks``: ``factor`` (2 for all-reduce, 1 for all-gather or
+    reduce-scatter) x (ranks-1)/ranks of the message on the wire, in 2(ranks-1) latency steps."""
+    if ranks <= 1:
+        return 0.0
+    bandwidth = (hardware.intra_gbps if intra else hardware.inter_gbps) * 1e9
+    latency = hardware.intra_latency_s if intra else hardware.inter_latency_s
+    return factor * (ranks - 1) / ranks * message_bytes / bandwidth + factor * (ranks - 1) * latency
+
+
+def p2p_seconds(message_bytes: float, hardware, intra: bool) -> float:
+    bandwidth = (hardware.intra_gbps if intra else hardware.inter_gbps) * 1e9
+    return (hardware.intra_latency_s if intra else hardware.inter_latency_s) + message_bytes / bandwidth
+
+
+def step_time(config, layout, hardware, parameter_count: int) -> dict:
+    """Seconds of one step and its parts, plus FLOP counts (see the module docstring).
+    ``parameter_count``: this rank's parameters (the DP gradient volume)."""
+    model, train = config.model, config.train
+    dtype_bytes = DTYPE_BYTES[config.precision.dtype]
+    micro_batch, seq = train.micro_batch_size, train.seq_len
+    micro_batches = train.global_batch_size // (micro_batch * layout.dp)
+    per_node = hardware.gpus_per_node
+    blocks = block_times(config, layout, hardware, seq)
+    num_stages = layout.pp * layout.vp
+    starts = (stage_starts(model, num_stages, seq) if num_stages > 1 else [0]) + [model.num_blocks]
+    head = (head_flops(model, seq) + model.mtp_depth * mtp_depth_flops(model, seq)) / layout.cp / layout.tp
+    head_s = head / hardware.rate("matmul")
+    tokens_local = micro_batch * seq / layout.cp
+    activation_bytes = tokens_local * model.hidden_size * dtype_bytes
+    tp_intra = layout.tp <= per_node
+    tp_block_s = ring_seconds(activation_bytes, layout.tp, hardware, tp_intra)
+    moe_blocks = [index for index, kind in enumerate(model.block_kinds) if kind == "E"]
+    ep_intra = layout.ep * layout.tp <= per_node
+
+    def stage_seconds(stage: int) -> float:
+        """Forward + backward (+ recompute) of one micro-batch on virtual stage ``stage``."""
+        indices = range(starts[stage], starts[stage + 1])
+        seconds = 0.0
+        for index in indices:
+            row = blocks[index]
+            if row["kind"] == "0":
+                continue
+            compute = micro_batch * (row["forward_s"] * (1 + BACKWARD_TO_FORWARD) + row["recompute_s"])
+            tp_comm = (2 + (train.recompute == "full")) * tp_block_s if row["kind"] != "L" else 0.0
+            cp_comm = 0.0
+            if row["kind"] == "*" and layout.cp > 1:  # K and V chunks around the ring, hidden behind attention
+                kv = tokens_local * 2 * model.resolved_num_kv_heads * model.resolved_head_dim / layout.tp * dtype_bytes
+                ring = 3 * (layout.cp - 1) * p2p_seconds(kv, hardware, layout.cp * layout.tp <= per_node)
+                cp_comm = max(0.0, ring - micro_batch * row["attention_s"] * (1 + BACKWARD_TO_FORWARD))
+            ep_comm = 0.0
+            if index in moe_blocks and layout.ep > 1:
+                routed = tokens_local * model.moe_top_k * model.hidden_size * dtype_bytes
+                ep_comm = 4 * ring_seconds(routed, layout.ep, hardware, ep_intra, factor=1.0)
+            seconds += compute + tp_comm + cp_comm + ep_comm + hardware.overhead_s
+        if stage == num_stages - 1:
+            seconds += micro_batch * head_s * (1 + BACKWARD_TO_FORWARD) + 2 * hardware.overhead_s
+        return seconds
+
+    per_stage = [stage_seconds(stage) for stage in range(num_stages)]
+    per_rank = [sum(per_stage[chunk * layout.pp + rank] for chunk in range(layout.vp)) for rank in range(layout.pp)]
+    slowest = max(per_rank)
+    pp_intra = layout.world_size <= per_node
+    p2p = 0.0
+    if layout.pp > 1:
+        message = activation_bytes / (layout.tp if layout.sp else 1)
+        p2p = 2 * layout.vp * p2p_seconds(message, hardware, pp_intra)
+    bubble_fraction = (layout.pp - 1) / (layout.vp * micro_batches) if layout.pp > 1 else 0.0
+    pipeline_s = (micro_batches + (layout.pp - 1) / layout.vp) * (slowest + p2p)
+    # DP: the gradients once per step, behind the last micro-batch's backward
+    shards = layout.dp * layout.cp
+    dp_intra = layout.world_size <= per_node or layout.tp * shards <= per_node
+    dp_s = ring_seconds(parameter_count * 4, shards, hardware, dp_intra)
+    last_backward = slowest * BACKWARD_TO_FORWARD / (1 + BACKWARD_TO_FORWARD)
+    dp_exposed = max(0.0, dp_s - last_backward) if config.parallel.overlap_grad_reduce else dp_s
+    optimizer_bytes = parameter_count * (16 + 2 * dtype_bytes) / (shards if layout.zero else 1)
+    optimizer_s = optimizer_bytes / (hardware.hbm_gbps * 1e9)
+    total = pipeline_s + dp_exposed + optimizer_s
+    return {"step_time_s": total, "pipeline_s": pipeline_s, "bubble_fraction": bubble_fraction,
+            "bubble_s": (layout.pp - 1) / layout.vp * (slowest + p2p), "pp_p2p_s": p2p * micro_batches,
+            "dp_comm_s": dp_s, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer_s,
+            "tp_comm_s": micro_batches * tp_block_s * sum(kind not in "0L" for kind in model.block_kinds) * 2 / layout.pp}
+
+
+def step_flops(config, layout) -> dict:
+    """Model FLOPs of one step (forward + backward, no recomputation) and hardware FLOPs (with
+    the recomputed forward), over the whole run."""
+    from meshlm.models.flops import model_flops_per_sequence
+
+    model, train = config.model, config.train
+    sequences = train.global_batch_size
+    model_flops = model_flops_per_sequence(model, train.seq_len) * sequences
+    recomputed = 0.0
+    for index, kind in enumerate(model.block_kinds):
+        terms = block_flops(kind, model.for_block(index), train.seq_len).terms
+        if train.recompute == "full":
+            recomputed += sum(terms.values())
+        elif train.recompute == "selective":
+            recomputed += sum(flops for term, flops in terms.items() if term in ATTENTION_TERMS)
+    return {"model_flops": model_flops, "hardware_flops": model_flops + recomputed * sequences}
+
+
+__all__ = ["block_times", "op_class", "p2p_seconds", "ring_seconds", "step_flops", "step_time"]
+

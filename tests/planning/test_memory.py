@@ -1,0 +1,62 @@
+"""The planner's parameter state (meshlm/planning/memory.py) equals, to the byte, what a real
+Trainer holds after one step in real gloo processes: weights, gradient buffers and optimizer
+state, on ZeRO stages 0-3 and tp / pp / ep / cp layouts, in fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshlm.config import load_run_config
+from meshlm.planning.hardware import GPUS
+from meshlm.planning.layouts import Layout
+from meshlm.planning.memory import memory_items, parameter_state
+from tests.helpers.counting_corpus import write_corpus
+from tests.helpers.distributed import run_distributed
+
+BASE = ["model.vocab_size=64", "model.hidden_size=32", "model.num_attention_heads=4", "train.seq_len=16",
+        "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=1", "train.eval_every=0",
+        "train.save_every=0", "train.progress=false", "train.tensorboard=false", "train.plot=false",
+        "train.device=cpu", "optim.warmup_steps=0", "train.prefetch_batches=false", "data.split=90,10,0"]
+
+
+def measured_and_predicted(overrides: list[str]):
+    from meshlm.training.trainer import Trainer
+    from tests.helpers.persistent_memory import persistent_bytes
+
+    trainer = Trainer(load_run_config(None, overrides))
+    trainer.train_step()
+    config, parallel, context = trainer.config, trainer.config.parallel, trainer.context
+    layout = Layout(parallel.tp, parallel.sp, parallel.pp, parallel.vp, context.dp_size, parallel.cp, parallel.ep,
+                    parallel.sharding_stage if context.distributed else 0, config.train.recompute)
+    return persistent_bytes(trainer), parameter_state(config, layout, context.pp_rank)
+
+
+CASES = [
+    ["model.pattern=*-*-", "parallel.dp=2"],
+    ["model.pattern=*-*-", "parallel.dp=2", "parallel.zero_stage=1", "precision.dtype=bf16"],
+    ["model.pattern=*-*-", "parallel.tp=2", "parallel.sp=true"],
+    ["model.pattern=*-*-", "parallel.pp=2"],
+    ["model.pattern=*E*E", "model.moe_num_experts=4", "parallel.ep=2", "parallel.dp=2", "parallel.zero_stage=1"],
+    ["model.pattern=*-*-", "parallel.cp=2", "parallel.zero_stage=2"],
+    ["model.pattern=*-*-", "parallel.dp=2", "parallel.zero_stage=3", "precision.dtype=bf16"],
+]
+
+
+@pytest.mark.parametrize("layout", CASES, ids=[" ".join(case[1:]) for case in CASES])
+def test_parameter_state_is_exact_on_every_rank(layout, tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan")
+    blend = write_corpus(root / "corpus")
+    overrides = [*BASE, f"train.run_dir={root / 'run'}", f"data.blend={blend}", *layout]
+    for rank, (measured, predicted) in enumerate(run_distributed(measured_and_predicted, 2, overrides)):
+        assert measured == predicted, (rank, measured, predicted)
+
+
+def test_single_process_state_and_items():
+    config = load_run_config(None, ["model.pattern=*-M-E", "model.hidden_size=64", "model.mtp_depth=1",
+                                    "precision.dtype=fp32"])
+    state = parameter_state(config, Layout())
+    assert state["weights"] == state["gradients"]  # one process: N fp32 weights, N fp32 .grad of the masters
+    assert state["optimizer"] > 2 * state["weights"]  # Adam's two moments and a step per tensor
+    items = memory_items(config, Layout(), GPUS["h100"])
+    assert items["activations mtp"] > 0 and items["activations blocks M"] > 0 and items["activations blocks E"] > 0
+    assert items["fragmentation margin"] > 0
