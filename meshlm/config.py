@@ -330,6 +330,11 @@ class ParallelConfig:
     outer_sync_dtype: str = "fp32"
     """dtype of the outer step's messages (the replicas' parameter changes and the updates):
     'fp32' or 'bf16' (half the bytes). local_sgd averages the parameters themselves, in fp32."""
+    outer_overlap: bool = False
+    """Overlap the outer step's communication with the next inner step (Streaming DiLoCo's
+    one-step-stale sync): the replicas' changes are all-reduced in the background while step
+    H+1 runs, and after it each replica loads the new global copy plus its own progress since
+    the sync. Costs two more fp32 copies of the parameters (and an unsharded outer momentum)."""
     palsgd_p: float = 0.2
     """PALSGD: probability that an inner step is a pseudo-synchronization (the authors' 0.2)."""
     palsgd_eta: float = 1.0

@@ -10,6 +10,9 @@ The checkpoint keys, each a tensor of the single-process model's shape:
                                 history, replicated over the ranks that hold the layer)
     outer/global/NAME           parallel.dp_sync (diloco, palsgd): the global copy (fp32)
     outer/momentum/NAME         the outer optimizer's momentum (fp32, sharded over DP)
+    outer/pending/NAME, outer/pending_flag, replicaR/outer/anchor/NAME
+                                parallel.outer_overlap: a sync still to apply (its reduced
+                                message, the same on every replica) and each replica's anchor
     replicaR/KEY                parallel.dp_sync: DP replica R >= 1's own model/, master/, optim/
                                 and recipe/ entries (replicas differ between syncs; replica 0
                                 keeps the plain keys, so every tool reads its model)
@@ -210,6 +213,14 @@ def outer_tensors(parts: TrainingParts) -> dict[str, GlobalTensor]:
     for name, _, first, flat in parts.dp_sync.momentum_segments():
         shape, chunks = flat_chunks(params[name], flat, first, parts.context)
         _add(tensors, f"outer/momentum/{name}", shape, torch.float32, chunks)
+    for kind, name, _, view in parts.dp_sync.overlap_views():  # parallel.outer_overlap: a sync in flight
+        shape, chunks = tensor_chunks(params[name], view, parts.context)
+        key = f"outer/{kind}/{name}" if kind == "pending" else replica_key(f"outer/{kind}/{name}",
+                                                                             parts.context.dp_rank)
+        _add(tensors, key, shape, view.dtype, chunks)
+    if parts.dp_sync.overlap:
+        flag = parts.dp_sync.pending_flag
+        _add(tensors, "outer/pending_flag", tuple(flag.shape), flag.dtype, [((0,), flag)])
     return tensors
 
 
@@ -218,7 +229,7 @@ def parameter_name(key: str) -> str:
     ``outer/global/NAME``, and any of them under ``replicaR/`` -> NAME."""
     kind, rest = split_replica(key)[1].split("/", 1)
     if kind == "outer":
-        return rest.split("/", 1)[1]
+        return rest.split("/", 1)[1] if "/" in rest else rest  # outer/pending_flag names no parameter
     return rest.rsplit("/", 1)[0] if kind in ("optim", "recipe") else rest
 
 

@@ -421,9 +421,17 @@ class Trainer:
         """parallel.dp_sync: reconcile the replicas every sync_every-th step, and at the last step
         (so a run ends with one model); a collective over DP."""
         step, sync = self.state.step, self.dp_sync
+        if sync is None:
+            return
+        changed = sync.finish_overlapped_outer_step()  # parallel.outer_overlap: the sync of the step before
         last = step + 1 == self.config.train.steps
-        if sync is not None and sync.replicas_independent(step) and (sync.is_outer_step(step) or last):
-            sync.outer_step()
+        if sync.replicas_independent(step) and (sync.is_outer_step(step) or last):
+            if sync.overlap and not last:
+                sync.start_overlapped_outer_step()  # applied after the next step
+            else:
+                sync.outer_step()
+                changed = True
+        if changed:
             self.precision.master_to_model()
 
     def sum_over_data_parallel(self, loss_sum: torch.Tensor, term_sums: dict, expert_counts: list):

@@ -34,6 +34,16 @@ The global copy is kept whole on every replica (4 bytes per parameter): the delt
 against it, and PALSGD's pull reads it at any step without communication. Local SGD needs no
 copy: it averages the parameters themselves (in fp32).
 
+Overlap (``parallel.outer_overlap``, Streaming DiLoCo's one-step-stale sync, Douillard et al.
+2025): at the sync step the replicas' messages -- changes for DiLoCo/PALSGD, parameters for
+local SGD -- go into one asynchronous all-reduce, and the next inner step runs meanwhile; after
+it, each replica applies the outer step to the global copy (every rank the whole of it, so the
+outer momentum is not sharded in this mode) and loads the new global copy *plus its own progress
+since the sync* (theta_now - theta_at_sync). The last step of a run syncs without overlap, so a
+run still ends with one model. A checkpoint written while a sync is pending waits for the
+all-reduce (its result does not depend on when it is read) and stores the reduced message and
+each replica's anchor theta_at_sync, so a resume applies the same sync after the same step.
+
 The parameters reconciled are the fp32 values the inner optimizer updates (the model's own
 parameters in fp32, ``MixedPrecision``'s masters otherwise), of this rank's TP/PP/CP shard: the
 ranks of one DP group hold the same shard, so each DP group syncs independently.
@@ -132,6 +142,7 @@ class LowCommunicationSync:
         self.sync_dtype = SYNC_DTYPES[parallel.outer_sync_dtype]
         self.probability, self.eta = parallel.palsgd_p, parallel.palsgd_eta
         self.warmup = parallel.palsgd_warmup if self.mode == "palsgd" else 0
+        self.overlap = bool(getattr(parallel, "outer_overlap", False))
         self.seed = seed
         self.group, self.dp_size, self.dp_rank = context.dp_group, context.dp_size, context.dp_rank
         pairs = [(name, param) for name, param in parameters if param.requires_grad]
@@ -146,8 +157,16 @@ class LowCommunicationSync:
         device = self.params[0].device if self.params else context.device
         keeps_copy = self.mode in ("diloco", "palsgd")
         self.global_copy = self.flat_parameters() if keeps_copy else None
-        self.momentum = (torch.zeros(self.shard_size, dtype=torch.float32, device=device)
+        momentum_size = self.padded if self.overlap else self.shard_size  # overlap: every rank the whole step
+        self.momentum = (torch.zeros(momentum_size, dtype=torch.float32, device=device)
                          if keeps_copy and self.outer_momentum > 0 else None)
+        self.pending = None
+        """Overlap: the all-reduce in flight (its work handle, or None once settled), else None."""
+        if self.overlap:
+            message_dtype = self.sync_dtype if keeps_copy else torch.float32
+            self.message = torch.zeros(self.padded, dtype=message_dtype, device=device)
+            self.anchor = torch.zeros(self.padded, dtype=torch.float32, device=device)
+            self.pending_flag = torch.zeros(1, dtype=torch.float32, device=device)
 
     # --- which step is what -------------------------------------------------------------------------
     def replicas_independent(self, step: int) -> bool:
@@ -220,7 +239,11 @@ class LowCommunicationSync:
     # --- the outer step -----------------------------------------------------------------------------------
     @torch.no_grad()
     def outer_step(self) -> None:
-        """Reconcile the replicas over DP (a collective: every rank of the DP group calls it)."""
+        """Reconcile the replicas over DP now (a collective: every rank of the DP group calls it)."""
+        if self.overlap:  # the overlapped step applied at once: no progress since the sync
+            self.start_overlapped_outer_step()
+            self.finish_overlapped_outer_step()
+            return
         if self.mode == "local_sgd":
             flat = self.flat_parameters()
             all_reduce_(flat, self.group)
@@ -234,6 +257,42 @@ class LowCommunicationSync:
         all_gather_into_(gathered, update.to(self.sync_dtype), self.group)
         self.global_copy.sub_(gathered.float())
         self.load_into_parameters(self.global_copy)
+
+    # --- the overlapped outer step ------------------------------------------------------------------------
+    def start_overlapped_outer_step(self) -> None:
+        """Launch the sync's all-reduce and return at once (a collective: every DP rank calls it)."""
+        self.finish_overlapped_outer_step()  # at most one in flight
+        self.anchor.copy_(self.flat_parameters())
+        if self.mode == "local_sgd":
+            self.message.copy_(self.anchor)
+        else:
+            self.message.copy_(self.global_copy - self.anchor)
+        self.pending = all_reduce_(self.message, self.group, async_op=True)
+        self.pending_flag.fill_(1.0)
+
+    def settle(self) -> None:
+        """Wait for the all-reduce in flight, if any (the sync itself is applied later)."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+    @torch.no_grad()
+    def finish_overlapped_outer_step(self) -> bool:
+        """Apply a pending sync: the outer step on the reduced message, then every replica loads
+        the new global copy plus its own progress since the sync. Whether there was one."""
+        if not self.overlap or not self.pending_flag.item():
+            return False
+        self.settle()
+        mean = self.message.float().div_(self.dp_size)
+        if self.mode == "local_sgd":
+            target = mean
+        else:
+            self.global_copy.sub_(self.outer_update(mean))
+            target = self.global_copy
+        progress = self.flat_parameters().sub_(self.anchor)
+        self.load_into_parameters(target + progress)
+        self.pending_flag.zero_()
+        return True
 
     def outer_update(self, outer_grad: torch.Tensor) -> torch.Tensor:
         """What the outer optimizer subtracts from this rank's slice of the global copy: lr x g
@@ -252,6 +311,9 @@ class LowCommunicationSync:
         that overlaps this rank's slice [dp_rank * shard, (dp_rank + 1) * shard) of the flat vector."""
         if self.momentum is None:
             return []
+        if self.overlap:  # whole on every rank (replicated, like the global copy)
+            return [(name, param, 0, self.momentum[start:stop])
+                    for name, param, start, stop in zip(self.names, self.params, self.offsets, self.offsets[1:])]
         begin, end = self.dp_rank * self.shard_size, (self.dp_rank + 1) * self.shard_size
         segments = []
         for name, param, start, stop in zip(self.names, self.params, self.offsets, self.offsets[1:]):
@@ -259,6 +321,18 @@ class LowCommunicationSync:
             if low < high:
                 segments.append((name, param, low - start, self.momentum[low - begin:high - begin]))
         return segments
+
+    def overlap_views(self):
+        """Overlap: (kind, name, parameter, view) of the reduced message ('pending', the same on every
+        replica) and of this replica's anchor ('anchor'), for checkpoints; settles the all-reduce first."""
+        if not self.overlap:
+            return []
+        self.settle()
+        views = []
+        for kind, flat in (("pending", self.message), ("anchor", self.anchor)):
+            views += [(kind, name, param, flat[start:stop].view_as(param))
+                      for name, param, start, stop in zip(self.names, self.params, self.offsets, self.offsets[1:])]
+        return views
 
     def global_views(self):
         """(name, parameter, view of the global copy shaped like it) for every parameter."""

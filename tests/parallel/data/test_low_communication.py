@@ -173,9 +173,12 @@ def test_outer_steps_match_hand_computations():
 
 
 # --- the trainer ----------------------------------------------------------------------------------------------------
-def reference_replicas(blend: Path, run_dir: Path, overrides: list[str], dp: int, mode: str) -> dict:
+def reference_replicas(blend: Path, run_dir: Path, overrides: list[str], dp: int, mode: str,
+                       overlap: bool = False) -> dict:
     """One process, the replicas one after the other: each its own model and AdamW on its own
-    micro-batches, then every sync_every-th step (and the last) the outer step by hand."""
+    micro-batches, then every sync_every-th step (and the last) the outer step by hand; with
+    ``overlap``, a sync's outer step is applied after the next step, each replica keeping its
+    progress since the sync (the last step syncs at once)."""
     config = HELPERS.run_config(blend, run_dir, *overrides)
     train, parallel = config.train, config.parallel
     dataset = build_training_data(config).train
@@ -184,7 +187,22 @@ def reference_replicas(blend: Path, run_dir: Path, overrides: list[str], dp: int
     global_copy = [param.detach().clone() for param in models[0].parameters()]
     momentum = [torch.zeros_like(value) for value in global_copy]
     per_replica = train.global_batch_size // train.micro_batch_size // dp
-    losses = {}
+    losses, pending = {}, None
+
+    @torch.no_grad()
+    def apply_sync(anchors: list[list[torch.Tensor]]) -> None:
+        replicas = [list(model.parameters()) for model in models]
+        for index, value in enumerate(global_copy):
+            mean = sum(anchor[index] for anchor in anchors) / dp
+            if mode == "local_sgd":
+                value.copy_(mean)
+            else:
+                delta = value - mean
+                momentum[index].mul_(parallel.outer_momentum).add_(delta)
+                value.sub_(parallel.outer_lr * (delta + parallel.outer_momentum * momentum[index]))
+            for params, anchor in zip(replicas, anchors):
+                params[index].copy_(value + (params[index] - anchor[index]))
+
     for step in range(train.steps):
         lr = learning_rate(step, config.optim, train.steps)
         for replica, (model, optimizer) in enumerate(zip(models, optimizers)):
@@ -202,20 +220,15 @@ def reference_replicas(blend: Path, run_dir: Path, overrides: list[str], dp: int
             optimizer.step()
             if replica == 0:
                 losses[step + 1] = total / per_replica
+        if pending is not None:  # overlap: the sync of the step before
+            apply_sync(pending)
+            pending = None
         if (step + 1) % parallel.sync_every == 0 or step + 1 == train.steps:
-            with torch.no_grad():
-                replicas = [list(model.parameters()) for model in models]
-                for index, value in enumerate(global_copy):
-                    mean = sum(params[index] for params in replicas) / dp
-                    if mode == "local_sgd":
-                        value.copy_(mean)
-                        continue
-                    delta = value - mean
-                    momentum[index].mul_(parallel.outer_momentum).add_(delta)
-                    value.sub_(parallel.outer_lr * (delta + parallel.outer_momentum * momentum[index]))
-                for params in replicas:
-                    for param, value in zip(params, global_copy):
-                        param.copy_(value)
+            anchors = [[param.detach().clone() for param in model.parameters()] for model in models]
+            if overlap and step + 1 < train.steps:
+                pending = anchors
+            else:
+                apply_sync(anchors)
     return {"losses": losses, "params": {name: param.detach().clone() for name, param in models[0].named_parameters()}}
 
 
@@ -258,6 +271,18 @@ def test_diloco_at_tp2_dp2_equals_the_replicas_run_one_after_the_other(corpus, t
             assert relative_error(actual["params"][name], value) <= 1e-5, (rank, name)
 
 
+def test_overlapped_diloco_equals_the_one_step_stale_reference(corpus, tmp_path):
+    overrides = [*DENSE, *DILOCO, "parallel.outer_overlap=true"]
+    expected = reference_replicas(corpus, tmp_path / "reference", overrides, dp=2, mode="diloco", overlap=True)
+    plain = reference_replicas(corpus, tmp_path / "plain", overrides, dp=2, mode="diloco")
+    runs = run_distributed(trainer_runs, 2, str(corpus), str(tmp_path), [("overlap", [*overrides, "parallel.dp=2"])])
+    for rank, results in enumerate(runs):
+        for name, value in expected["params"].items():
+            assert relative_error(results["overlap"]["params"][name], value) <= 1e-5, (rank, name)
+    # the stale sync is a different algorithm: the reference tells them apart
+    assert max(relative_error(plain["params"][name], value) for name, value in expected["params"].items()) > 1e-3
+
+
 def test_local_sgd_and_dp_bytes_are_one_outer_step_per_h(corpus, tmp_path):
     local = [*DENSE, "parallel.dp_sync=local_sgd", "parallel.sync_every=2", "train.eval_every=0"]
     expected = reference_replicas(corpus, tmp_path / "reference", local, dp=2, mode="local_sgd")
@@ -286,18 +311,24 @@ def test_local_sgd_and_dp_bytes_are_one_outer_step_per_h(corpus, tmp_path):
     assert outer_steps == steps // every + 1  # one per H steps, plus the closing sync
 
 
-@pytest.mark.parametrize("mode", [["parallel.dp_sync=diloco", "parallel.outer_sync_dtype=bf16"],
-                                  ["parallel.dp_sync=palsgd", "parallel.palsgd_warmup=1", "parallel.palsgd_p=0.4"]],
-                         ids=["diloco-bf16", "palsgd"])
-def test_resume_between_syncs_is_bitwise(corpus, tmp_path, mode):
-    overrides = [*DENSE, *mode, "parallel.sync_every=2", "parallel.dp=2", "train.eval_every=0", "train.save_every=3"]
+@pytest.mark.parametrize("mode, saved", [(["parallel.dp_sync=diloco", "parallel.outer_sync_dtype=bf16"], 3),
+                                         (["parallel.dp_sync=palsgd", "parallel.palsgd_warmup=1",
+                                           "parallel.palsgd_p=0.4"], 3),
+                                         (["parallel.dp_sync=diloco", "parallel.outer_overlap=true"], 2)],
+                         ids=["diloco-bf16", "palsgd", "diloco-overlap-pending"])
+def test_resume_between_syncs_is_bitwise(corpus, tmp_path, mode, saved):
+    """Saved between two syncs (replicas differ); with overlap, while a sync is still pending."""
+    overrides = [*DENSE, *mode, "parallel.sync_every=2", "parallel.dp=2", "train.eval_every=0",
+                 f"train.save_every={saved}"]
     first = run_distributed(trainer_runs, 2, str(corpus), str(tmp_path), [("whole", overrides)])
     resumed_dir = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "whole" / "checkpoints" / "step_3", resumed_dir / "checkpoints" / "step_3")
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / f"step_{saved}",
+                    resumed_dir / "checkpoints" / f"step_{saved}")
     second = run_distributed(trainer_runs, 2, str(corpus), str(tmp_path), [("resumed", overrides)])
+    later = list(range(saved + 1, 6))
     for rank in range(2):
         whole, resumed = first[rank]["whole"], second[rank]["resumed"]
-        assert sorted(resumed["losses"]) == [4, 5]
-        assert [resumed["losses"][step] for step in (4, 5)] == [whole["losses"][step] for step in (4, 5)]
+        assert sorted(resumed["losses"]) == later
+        assert [resumed["losses"][step] for step in later] == [whole["losses"][step] for step in later]
         for name, value in whole["params"].items():
             assert torch.equal(resumed["params"][name], value), (rank, name)
