@@ -42,10 +42,12 @@ MODEL = ["model.hidden_size=128", "model.num_attention_heads=4", "model.ffn_hidd
          "model.moe_ffn_hidden_size=192", "model.pattern=M-*E-M-*"]
 METHODS = {
     "local_sgd": ["parallel.dp_sync=local_sgd"],
-    "diloco": ["parallel.dp_sync=diloco", "parallel.outer_lr=0.7", "parallel.outer_momentum=0.9"],
-    "palsgd": ["parallel.dp_sync=palsgd", "parallel.outer_lr=0.1", "parallel.outer_momentum=0.9",
-               "parallel.palsgd_p=0.2", "parallel.palsgd_eta=1.0", "parallel.palsgd_warmup=32"],
+    "diloco": ["parallel.dp_sync=diloco"],
+    "palsgd": ["parallel.dp_sync=palsgd", "parallel.palsgd_p=0.2", "parallel.palsgd_eta=1.0",
+               "parallel.palsgd_warmup=32"],
 }
+OUTER_DEFAULTS = {"diloco": "0.7,0.9", "palsgd": "0.1,0.9"}
+"""Outer (lr, Nesterov momentum): DiLoCo's published pair, and the PALSGD authors'."""
 
 
 def run_overrides(args, run_dir: Path) -> list[str]:
@@ -126,6 +128,8 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-every", type=int, default=32)
     parser.add_argument("--target-loss", type=float, default=None)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--diloco-outer", default=OUTER_DEFAULTS["diloco"], metavar="LR,MOMENTUM")
+    parser.add_argument("--palsgd-outer", default=OUTER_DEFAULTS["palsgd"], metavar="LR,MOMENTUM")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=str(REPO / "bench" / "local_sgd.png"))
     args = parser.parse_args(argv)
@@ -136,7 +140,11 @@ def main(argv=None) -> int:
     from tests.helpers.distributed import run_distributed
 
     build_demo_corpus(str(DEMO_DATA), workers=2, show_progress=False)
-    plan = [("ddp", [])] + [(f"{method} H={every}", [*METHODS[method], f"parallel.sync_every={every}"])
+    outer = {method: getattr(args, f"{method}_outer").split(",") for method in OUTER_DEFAULTS}
+    settings = {method: [*overrides, *([f"parallel.outer_lr={outer[method][0]}",
+                                        f"parallel.outer_momentum={outer[method][1]}"] if method in outer else [])]
+                for method, overrides in METHODS.items()}
+    plan = [("ddp", [])] + [(f"{method} H={every}", [*settings[method], f"parallel.sync_every={every}"])
                             for every in args.sync_every for method in args.methods]
     runs = {}
     with tempfile.TemporaryDirectory() as workdir:
@@ -164,7 +172,7 @@ def main(argv=None) -> int:
         reach = "-" if row["seconds_to_target"] is None else f"{row['seconds_to_target']:.1f}"
         print(f"{name:<16}{row['final_val_loss']:>10.4f}{row['vs_ddp_loss']:>+9.2%}{row['train_seconds']:>9.1f}"
               f"{reach:>13}{row['dp_megabytes']:>9.1f}", file=sys.stderr)
-    result = {"steps": args.steps, "link": args.link, "target_loss": target, "runs": table}
+    result = {"steps": args.steps, "link": args.link, "target_loss": target, "outer": outer, "runs": table}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -54,7 +54,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             module = importlib.import_module(module_name)
             module.add_arguments(command_parser)
             command_parser.set_defaults(_run=module.run)
+            if name == "train":  # --plan: the planner is above training in the layer order, so it is handed in here
+                command_parser.set_defaults(_run=partial(module.run, plan=plan_before_training))
     return parser
+
+
+def plan_before_training(config) -> dict | None:
+    """``meshlm train --plan``: print the planner's prediction for the configured layout (rank 0) and
+    return it as plain data for the trainer (meshlm/planning/configured.py)."""
+    from meshlm.planning.configured import print_configured_prediction
+
+    return print_configured_prediction(config)
 
 
 def chosen_command(argv: list[str]) -> str | None:

@@ -197,7 +197,8 @@ class DataConfig:
     """Keep the documents packed into one sample apart: attention only within a document, RoPE
     positions and Mamba-2's conv and SSM state restarting at each boundary, and no label that
     predicts a document's first token from the previous one's last (``meshlm/data/gpt_dataset.py``).
-    Off for pretraining (documents separated by EOS only, as GPT-2/3); SFT data will turn it on."""
+    Off for pretraining (documents separated by EOS only, as GPT-2/3); a chat store (`meshlm
+    preprocess --chat`) turns it on, with a note (meshlm/training/data_loading.py)."""
 
 
 @dataclass

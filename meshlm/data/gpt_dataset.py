@@ -19,6 +19,11 @@ rule at a boundary is: a token is never trained to predict the next document's f
 documents (so is the window's last label when token seq_len starts a new document). A window's
 first document may begin mid-document; its positions then start at 0 where the window does.
 
+**Loss masks** (chat stores, ``meshlm preprocess --chat``: ``TokenStore.loss_mask``). Only the
+tokens the mask marks (an assistant's reply and its end-of-turn token) are learned: since
+``labels[t]`` is token t + 1, it is kept only where token t + 1 is marked, and is ``IGNORE_INDEX``
+elsewhere. The inputs are unchanged: the model still reads the whole conversation.
+
 Three index arrays turn "sample i" into tokens on disk, built once with numpy and cached:
 
 - ``document_index``: the order of documents in the stream. Each *epoch* is the split's
@@ -182,9 +187,13 @@ class GPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} is outside this dataset's {self.num_samples} samples.")
-        pieces = self.stream_pieces(int(self.shuffle_index[index]))
+        spans = self.stream_spans(int(self.shuffle_index[index]))
+        pieces = [self.store.tokens[start:stop] for start, stop in spans]
         tokens = torch.from_numpy(np.concatenate(pieces).astype(np.int64))
         sample = {"input_ids": tokens[:-1], "labels": tokens[1:]}
+        if self.store.loss_mask is not None:
+            trained = np.concatenate([self.store.loss_mask[start:stop] for start, stop in spans])
+            sample["labels"] = sample["labels"].masked_fill(torch.from_numpy(trained[1:] == 0), IGNORE_INDEX)
         if self.document_boundaries:
             lengths = torch.tensor([len(piece) for piece in pieces])
             documents = torch.repeat_interleave(torch.arange(len(pieces)), lengths)  # of the seq_len + 1 tokens
@@ -198,14 +207,21 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def stream_pieces(self, k: int) -> list[np.ndarray]:
         """``stream_sample(k)`` as one piece per document it touches (a piece may be empty)."""
+        return [self.store.tokens[start:stop] for start, stop in self.stream_spans(k)]
+
+    def stream_spans(self, k: int) -> list[tuple[int, int]]:
+        """The pieces of ``stream_pieces(k)`` as [start, stop) positions in the store's token array."""
         position, offset = (int(value) for value in self.sample_index[k])
-        pieces, needed = [], self.seq_len + 1
+        spans, needed = [], self.seq_len + 1
+        offsets = self.store.offsets
         while needed > 0:
-            piece = self.store.document(int(self.document_index[position]))[offset:offset + needed]
-            pieces.append(piece)
-            needed -= len(piece)
+            document = int(self.document_index[position])
+            start = int(offsets[document]) + offset
+            stop = min(start + needed, int(offsets[document + 1]))
+            spans.append((start, stop))
+            needed -= stop - start
             position, offset = position + 1, 0
-        return pieces
+        return spans
 
     def from_sample(self, start: int) -> torch.utils.data.Dataset:
         """The samples ``start, start + 1, ...``: resume the global order at ``start``."""

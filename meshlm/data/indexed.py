@@ -26,6 +26,11 @@ store was made, so that training can find the tokenizer from the data alone::
      "tokenizer_vocab_size": 4096, "append_eos": true, "text_key": "text",
      "txt_documents": "paragraph", "num_documents": D, "num_tokens": T}
 
+``PREFIX.mask.bin`` (chat stores only, ``meshlm preprocess --chat``) is the *loss mask*: one
+``uint8`` per token of the .bin, 1 where the token is one the loss trains on (an assistant's
+reply) and 0 elsewhere, under the same offsets; the metadata then says ``"chat": true``.
+``TokenStore.loss_mask`` is it, memory-mapped, or None for a store without one.
+
 ``TokenStoreWriter`` streams documents in (the .bin grows by appending, the offsets are
 appended to the .idx as each document ends), writes all files under temporary names and
 renames them only when everything is on disk, so a crash never leaves a store that looks
@@ -64,6 +69,11 @@ def store_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
     return Path(prefix + ".bin"), Path(prefix + ".idx")
 
 
+def mask_path(prefix: str | os.PathLike) -> Path:
+    """``PREFIX.mask.bin``: the loss mask of a chat store (see the module docstring)."""
+    return Path(str(prefix) + ".mask.bin")
+
+
 def metadata_path(prefix: str | os.PathLike) -> Path:
     """``PREFIX.meta.json``: how the store was made (see the module docstring)."""
     return Path(str(prefix) + ".meta.json")
@@ -75,10 +85,13 @@ class TokenStoreWriter:
     Use as a context manager: the store appears under its real name when the block ends
     without an error; on an error the temporary files are removed (and the folders this
     writer created, when they are still empty). ``metadata`` goes to ``PREFIX.meta.json``;
-    without it, a sidecar left from an earlier store of this prefix is removed.
+    without it, a sidecar left from an earlier store of this prefix is removed. With
+    ``loss_mask`` every document comes with its mask, written to ``PREFIX.mask.bin``; without
+    it, a mask left from an earlier store of this prefix is removed.
     """
 
-    def __init__(self, prefix: str | os.PathLike, vocab_size: int, metadata: dict | None = None):
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int, metadata: dict | None = None,
+                 loss_mask: bool = False):
         self.bin_path, self.idx_path = store_paths(prefix)
         self.metadata_path, self.metadata = metadata_path(prefix), metadata
         self.vocab_size = int(vocab_size)
@@ -94,10 +107,20 @@ class TokenStoreWriter:
         self._idx = open(self._idx_temp, "wb")
         self._idx.write(b"\0" * HEADER.size)  # the real header is written by close()
         self._idx.write(np.zeros(1, np.int64).tobytes())
+        self.mask_path = mask_path(prefix)
+        self._mask_temp = self.mask_path.with_name(self.mask_path.name + ".tmp")
+        self._mask = open(self._mask_temp, "wb") if loss_mask else None
 
-    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray, source: str = "") -> None:
-        """Append ``len(lengths)`` documents whose tokens are ``tokens``, back to back."""
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray, source: str = "",
+                      loss_mask: np.ndarray | None = None) -> None:
+        """Append ``len(lengths)`` documents whose tokens are ``tokens``, back to back (and their
+        ``loss_mask``, 0/1 per token, when this writer was made with ``loss_mask=True``)."""
         tokens = np.asarray(tokens)
+        if (self._mask is None) != (loss_mask is None) or (loss_mask is not None and len(loss_mask) != tokens.size):
+            raise ValueError(f"{self.bin_path}: a loss mask of one entry per token goes with every document "
+                             "exactly when the writer was made with loss_mask=True.")
+        if loss_mask is not None:
+            self._mask.write(np.asarray(loss_mask).astype(np.uint8).tobytes())
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             bad = int(tokens.max() if tokens.max() >= self.vocab_size else tokens.min())
             raise DataError(f"{self.bin_path}: token id {bad}{' from ' + source if source else ''} is outside "
@@ -108,9 +131,9 @@ class TokenStoreWriter:
         self.num_tokens += int(tokens.size)
         self.num_documents += len(lengths)
 
-    def add_document(self, tokens, source: str = "") -> None:
+    def add_document(self, tokens, source: str = "", loss_mask=None) -> None:
         tokens = np.asarray(tokens)
-        self.add_documents(tokens, np.array([tokens.size]), source)
+        self.add_documents(tokens, np.array([tokens.size]), source, loss_mask)
 
     def close(self) -> None:
         """Write the header and move both files to their real names."""
@@ -126,6 +149,11 @@ class TokenStoreWriter:
             temporary = self.metadata_path.with_name(self.metadata_path.name + ".tmp")
             temporary.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
             os.replace(temporary, self.metadata_path)
+        if self._mask is None:
+            self.mask_path.unlink(missing_ok=True)
+        else:
+            self._mask.close()
+            os.replace(self._mask_temp, self.mask_path)
         os.replace(self._bin_temp, self.bin_path)
         os.replace(self._idx_temp, self.idx_path)
 
@@ -133,6 +161,9 @@ class TokenStoreWriter:
         for handle, temporary in ((self._bin, self._bin_temp), (self._idx, self._idx_temp)):
             handle.close()
             temporary.unlink(missing_ok=True)
+        if self._mask is not None:
+            self._mask.close()
+            self._mask_temp.unlink(missing_ok=True)
         for folder in self._created_folders:
             try:
                 folder.rmdir()  # only when empty: another writer may have put files there meanwhile
@@ -169,6 +200,12 @@ class TokenStore:
                             "re-run `meshlm preprocess`.")
         self.tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if self.num_tokens
                        else np.zeros(0, self.dtype))
+        self.loss_mask = None
+        """1 where the loss trains on the token (``PREFIX.mask.bin``, chat stores), or None."""
+        if mask_path(prefix).is_file():
+            check_size(mask_path(prefix), self.num_tokens, f"{self.num_tokens} tokens")
+            self.loss_mask = (np.memmap(mask_path(prefix), dtype=np.uint8, mode="r") if self.num_tokens
+                              else np.zeros(0, np.uint8))
 
     @property
     def document_lengths(self) -> np.ndarray:

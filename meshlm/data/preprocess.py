@@ -18,6 +18,9 @@ file is cut into documents at blank lines (``--txt-documents paragraph``, the de
 is one document (``--txt-documents file``). Progress goes to stderr: a ``tqdm`` bar when
 tqdm is installed, otherwise one plain line.
 
+With ``--chat`` the input is conversations (JSONL ``messages``), rendered by a chat template
+and stored with a loss mask: ``meshlm/data/chat_preprocess.py``.
+
 The store's ``PREFIX.meta.json`` records the tokenizer (its path relative to the store) and
 these settings, so a run trained from ``data.prefixes`` finds the tokenizer and copies it into
 its checkpoints without being told (``meshlm/training/data_loading.py``).
@@ -220,9 +223,21 @@ def add_arguments(parser) -> None:
     parser.add_argument("--text-key", default="text", help="JSON key / Parquet column of the text")
     parser.add_argument("--append-eos", action="store_true", help="end every document with the EOS token")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--chat", action="store_true",
+                        help="the input is chat JSONL ({\"messages\": [...]} per line): render it with the chat "
+                             "template and store a loss mask (PREFIX.mask.bin) that trains on assistant turns only")
+    parser.add_argument("--max-vocab-size", type=int, metavar="N",
+                        help="with --chat: refuse to add chat tokens to the tokenizer beyond N ids (the model's "
+                             "vocab_size)")
 
 
 def run(args) -> int:
+    if args.chat:
+        from meshlm.data.chat_preprocess import chat_tokenizer_folder, preprocess_chat
+        result = preprocess_chat(args.input, args.tokenizer, args.out, max_vocab_size=args.max_vocab_size)
+        print(f"wrote {result.prefix}.bin, .idx, .mask.bin, .meta.json and {chat_tokenizer_folder(result.prefix)}/: "
+              f"{result.num_documents:,} conversations, {result.num_tokens:,} tokens")
+        return 0
     result = preprocess(args.input, args.tokenizer, args.out, workers=args.workers, text_key=args.text_key,
                         append_eos=args.append_eos, show_progress=not args.no_progress,
                         txt_documents=args.txt_documents)

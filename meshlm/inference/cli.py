@@ -12,6 +12,11 @@ Each prompt gets at most ``--max-new-tokens`` new tokens (default 128) and stops
 eos token. Output is one line per prompt: the generated text (or ids without a tokenizer), or with
 ``--json`` an object ``{"ids": [...], "text": "..."}`` holding the new tokens only.
 
+    meshlm generate runs/sft --chat --prompt "What is 2+2?" [--system "Be brief."]
+
+``--chat`` renders each prompt as a user turn with the checkpoint tokenizer's chat template,
+stops at the end of the assistant's turn and prints only the reply (``meshlm/inference/chat.py``).
+
     meshlm generate runs/x --prompt-ids 1,2,3 --max-new-tokens 256 --greedy --prefill-chunk 4096 --stats
     meshlm generate runs/demo-mtp --prompt "ROMEO:" --max-new-tokens 128 --greedy --speculative mtp --stats
 
@@ -40,6 +45,7 @@ from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.model_files import load_model
 from meshlm.data.tokenizer import Tokenizer, find_tokenizer_file, load_tokenizer
 from meshlm.errors import ConfigError
+from meshlm.inference.chat import chat_prompt, reply_ids
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.inference.speculative import SPECULATIVE_METHODS
@@ -77,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="decode with the per-token step compiled by torch.compile (Inductor): faster steps "
                              "after a first one that compiles for tens of seconds; plain decoding only")
+    parser.add_argument("--chat", action="store_true",
+                        help="render each --prompt as a user turn with the chat template; print only the reply")
+    parser.add_argument("--system", metavar="TEXT", help="with --chat: a system turn before the prompt")
     parser.add_argument("--stats", action="store_true",
                         help="print prefill/decode tokens/s, cache bytes (and drafts accepted) as JSON on stderr")
 
@@ -136,12 +145,18 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(model_dir, map_location=device)
     prompts = args.prompt_ids if args.prompt is None else [tokenizer.encode(text) for text in args.prompt]
     eos_token_id = choose_eos(args.eos_id, tokenizer, model_dir)
+    if args.chat:
+        if args.prompt is None:
+            raise ConfigError("--chat renders text prompts as user turns; give them with --prompt, not --prompt-ids.")
+        prompts, stop_ids = zip(*(chat_prompt(tokenizer, text, args.system) for text in args.prompt))
+        prompts, eos_token_id = list(prompts), stop_ids[0] if args.eos_id is None else args.eos_id
     valid_vocab_size = min(tokenizer.vocab_size, model.config.vocab_size) if tokenizer else None
     settings = dict(eos_token_id=eos_token_id, valid_vocab_size=valid_vocab_size, prefill_chunk=args.prefill_chunk)
     stats = GenerationStats() if args.stats else None
     results = generate(model, prompts, args.max_new_tokens, sampling, speculative=args.speculative,
                        draft_tokens=args.draft_tokens, stats=stats, compile=args.compile, **settings)
     for ids in results:
+        ids = reply_ids(ids, eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]) if args.chat else ids
         text = tokenizer.decode(ids) if tokenizer else None
         if args.json:
             print(json.dumps({"ids": ids} if text is None else {"ids": ids, "text": text}))

@@ -4,6 +4,8 @@
     meshlm train configs/hybrid-tiny.yaml train.steps=2000 optim.lr=1e-3 train.run_dir=runs/h
     python -m meshlm train configs/tiny.yaml          (the same)
     meshlm train --list-keys                          every key, its default and what it means
+    meshlm train configs/tiny.yaml --plan             first print `meshlm plan`'s prediction for this
+                                                      layout; the trainer logs measured beside it
 
     torchrun --nproc_per_node 4 -m meshlm train configs/tiny.yaml parallel.tp=2 parallel.dp=2 parallel.sp=true
                                   tensor (+ sequence) parallel over pairs of ranks, data parallel
@@ -38,9 +40,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
                         help="override config values, e.g. train.steps=200 model.pattern='M*-E'")
     parser.add_argument("--list-keys", action="store_true", help="print every config key with its default and meaning")
+    parser.add_argument("--plan", action="store_true",
+                        help="first print `meshlm plan`'s prediction for this run's layout; the trainer then logs "
+                             "its measured peak memory and step time beside it (metrics.jsonl: event plan_check)")
 
 
-def run(args) -> int:
+def run(args, plan=None) -> int:
+    """``plan``: how ``--plan`` gets its prediction, ``plan(config) -> dict | None`` (plain data:
+    ``memory_bytes_per_gpu``, ``step_time_s``). The planner sits above training in the package's
+    layers, so the ``meshlm`` command hands it in (meshlm/cli.py; meshlm/planning/configured.py)."""
     if args.list_keys:
         print("\n".join(key_descriptions()))
         return 0
@@ -55,8 +63,13 @@ def run(args) -> int:
     from meshlm.training.trainer import train
 
     config = load_run_config(config_path, overrides)
+    if getattr(args, "plan", False) and plan is None:
+        raise ConfigError("--plan needs the planner, which the `meshlm` command hands in: run "
+                          "`meshlm train CONFIG --plan` (or python -m meshlm train ...).")
+    predicted = plan(config) if getattr(args, "plan", False) else None
     try:
-        result = train(config, command_line_keys=[parse_override(text)[0] for text in overrides])
+        result = train(config, command_line_keys=[parse_override(text)[0] for text in overrides],
+                       predicted=predicted)
     except CollectiveFailure as failure:  # a peer died or hung: leave now, torchrun may restart the job
         exit_after_collective_failure(failure)
     except NonFiniteTrainingStop as stop:  # every rank stops alike; rank 0 says why

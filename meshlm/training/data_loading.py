@@ -25,6 +25,12 @@ The tokenizer (copied into every checkpoint, so that ``meshlm generate`` can tak
 with (their ``PREFIX.meta.json``); stores made with different tokenizers are refused, since
 the same id would mean different tokens.
 
+**Chat stores** (``meshlm preprocess --chat``) carry a loss mask, so the loss counts the
+assistant's tokens only (``meshlm/data/gpt_dataset.py``). Their conversations must not see each
+other, so a run that reads one keeps documents apart even when ``data.document_boundaries`` is
+false: it is turned on, with a one-line note (a conversation attending to the one packed before
+it would learn from text it will never have at inference).
+
 Before any step runs, the vocabulary is checked: every token store records the vocabulary
 size its ids lie below, and the tokenizer knows its own; the model's embedding must cover
 both, or the first batch would fail with an index error deep inside the embedding. An
@@ -152,8 +158,14 @@ def build_training_data(config) -> TrainingData:
     num_samples = {"train": train.steps * train.global_batch_size}
     if train.eval_every > 0:
         num_samples["valid"] = train.eval_batches * train.micro_batch_size
+    document_boundaries = data.document_boundaries
+    chat_stores = [prefix for prefix in blend.prefixes if TokenStore(prefix).loss_mask is not None]
+    if chat_stores and not document_boundaries:
+        print(f"note: {chat_stores[0]} is a chat store (loss mask), so data.document_boundaries is turned on: "
+              "each conversation is kept apart from those packed beside it.", flush=True)
+        document_boundaries = True
     datasets = build_datasets(blend, train.seq_len, num_samples, seed=train.seed, split=data.split,
-                              cache_dir=data.cache_dir, document_boundaries=data.document_boundaries)
+                              cache_dir=data.cache_dir, document_boundaries=document_boundaries)
     return TrainingData(train=datasets["train"], valid=datasets.get("valid"),
                         tokenizer_file=Path(blend.tokenizer) if blend.tokenizer is not None else None)
 

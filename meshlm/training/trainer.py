@@ -101,6 +101,7 @@ from meshlm.training.memory_estimate import (available_memory, estimate_training
                                              memory_warning)
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary, format_count,
                                      peak_flops)
+from meshlm.training.plan_check import PlanCheck, describe as describe_plan_check
 from meshlm.training.plots import plot_losses
 from meshlm.training.preflight import finished_run, startup_warnings
 from meshlm.training.profiling import StepProfiler
@@ -170,9 +171,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Trainer:
-    """Builds everything a run needs from a ``RunConfig`` (resuming when RUN_DIR has a checkpoint)."""
+    """Builds everything a run needs from a ``RunConfig`` (resuming when RUN_DIR has a checkpoint).
+    ``predicted``: a plan's ``memory_bytes_per_gpu`` and ``step_time_s`` for this layout, which rank 0
+    reports its measurements beside (``meshlm train --plan``; plan_check.py)."""
 
-    def __init__(self, config):
+    def __init__(self, config, predicted: dict | None = None):
         config = model_from_init_folder(config)  # train.init_model_config (train() has applied it: no second note)
         config.validate()
         check_wandb_installed(config.train.wandb)  # train.wandb=true without wandb: refused before any work
@@ -194,6 +197,8 @@ class Trainer:
         # parallel.dp_sync: each DP replica trains alone between syncs (low_communication.py)
         local_replicas = config.parallel.dp_sync != "every_step" and self.context.dp_size > 1
         self.replica = replica_context(self.context) if local_replicas else self.context
+        self.plan_check = (PlanCheck(predicted, self.device) if predicted and self.context.is_logging_rank
+                           else None)  # before the model: its memory is part of what is measured
         self.memory = estimate_training_memory(config, self.context)  # before anything is allocated
         self.memory_available = available_memory(self.device)
         if self.context.is_logging_rank:
@@ -618,7 +623,10 @@ class Trainer:
                 started = time.perf_counter()
                 with self.profiler.step(self.state.step + 1):  # train.profile_steps
                     step_result = self.train_step()
-                self.throughput.add(train.global_batch_size * train.seq_len, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                self.throughput.add(train.global_batch_size * train.seq_len, seconds)
+                if self.plan_check is not None:
+                    self.plan_check.add(seconds)
                 result.losses[self.state.step] = step_result.loss
                 self.after_step(step_result, result)
             self.checkpoints.wait()  # an asynchronous save still in flight
@@ -652,6 +660,10 @@ class Trainer:
         if logged:
             self.metrics.write(record)
             self.throughput.reset()
+            check = self.plan_check.record(step, final) if self.plan_check is not None else None
+            if check is not None:  # measured memory and step time beside the plan's, once
+                self.metrics.write(check)
+                self.progress.message(describe_plan_check(check))
         if action is not None:
             self.after_nonfinite_streak(action)
         result.stopped_by = self.stop_requests.agreed_reason(self.context.world_group)
@@ -669,17 +681,19 @@ def reduce_max(tensor: torch.Tensor, group) -> None:
     all_reduce_(tensor, group, op="max")
 
 
-def train(config, command_line_keys=()) -> TrainResult:
+def train(config, command_line_keys=(), predicted: dict | None = None) -> TrainResult:
     """Train (or resume) the run described by ``config``; see the module docstring. A collective that
     fails because a peer died or hung raises ``CollectiveFailure`` naming it (fault_tolerance.py).
     A run already at train.steps trains nothing and says so (``TrainResult.already_complete``), or
-    raises ConfigError when ``command_line_keys`` or a changed config would be ignored (preflight.py)."""
+    raises ConfigError when ``command_line_keys`` or a changed config would be ignored (preflight.py).
+    ``predicted``: plain data from a plan (``memory_bytes_per_gpu``, ``step_time_s``) that rank 0 logs
+    its measurements beside (meshlm/training/plan_check.py)."""
     config = model_from_init_folder(config)  # train.init_model_config: the model is init_from's
     finished = finished_run(config, command_line_keys)
     if finished is not None:
         return TrainResult(run_dir=Path(config.train.run_dir), step=finished.step, already_complete=finished.message())
     with explain_collective_failures(config.parallel.timeout_s):
-        return Trainer(config).run()
+        return Trainer(config, predicted).run()
 
 
 __all__ = ["StepResult", "TrainResult", "Trainer", "seed_everything", "train"]

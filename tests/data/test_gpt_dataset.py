@@ -158,3 +158,20 @@ def test_ignored_label_is_the_losses():
     from meshlm.models.losses import IGNORE_INDEX as LOSS_IGNORE_INDEX
 
     assert IGNORE_INDEX == LOSS_IGNORE_INDEX == -100
+
+
+def test_loss_mask_keeps_only_trained_targets_within_documents(tmp_path):
+    """Chat stores: labels[t] = token t + 1 only where t + 1 is trained and in the same document."""
+    documents = [([1, 2, 3, 4], [0, 0, 1, 1]), ([5, 6, 7], [1, 1, 1]), ([8, 9, 10, 11, 12], [0, 0, 0, 1, 1])]
+    with TokenStoreWriter(tmp_path / "chat", vocab_size=16, loss_mask=True) as writer:
+        for tokens, mask in documents:
+            writer.add_document(tokens, loss_mask=mask)
+    whole = GPTDataset(tmp_path / "chat", seq_len=11, shuffle=False, document_boundaries=True)[0]
+    assert whole["input_ids"].tolist() == list(range(1, 12))
+    # t=3 -> 5 is trained but starts document B, so the boundary rule drops it
+    assert whole["labels"].tolist() == [-100, 3, 4, -100, 6, 7, -100, -100, -100, 11, 12]
+    assert whole["document_ids"].tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
+    windows = GPTDataset(tmp_path / "chat", seq_len=5, shuffle=False, document_boundaries=True)
+    assert windows[1]["input_ids"].tolist() == [6, 7, 8, 9, 10]
+    assert windows[1]["labels"].tolist() == [7, -100, -100, -100, 11]
+    assert windows[1]["document_ids"].tolist() == [0, 0, 1, 1, 1]

@@ -1,0 +1,128 @@
+"""``meshlm preprocess --chat``: conversations (JSONL ``messages``) into a token store with a loss mask.
+
+    meshlm preprocess --chat --input chats.jsonl --tokenizer tokenizer.json --out data/sft \\
+        [--max-vocab-size 4096]
+
+Each line of the input is one conversation, ``{"messages": [{"role": "user", "content": ...},
+{"role": "assistant", "content": ...}, ...]}`` (``meshlm/data/chat.py`` describes the roles,
+tool calls and templates). Each conversation becomes one document of the store, rendered by the
+chat template and tokenized with its loss mask (1 on the assistant's reply tokens), which is
+written to ``PREFIX.mask.bin`` beside ``PREFIX.bin`` (``meshlm/data/indexed.py``). Bad input --
+a line that is not JSON, no ``messages``, an unknown role, no assistant turn -- is refused with
+the file and the line.
+
+**The tokenizer written beside the store** (``PREFIX.tokenizer/``): a copy of ``--tokenizer``
+and its ``tokenizer_config.json`` / ``special_tokens_map.json``. With meshlm's default template,
+the markers it lacks (``<|user|>``, ``<|end|>``, ...) are added to the copy as special tokens,
+with ids after its whole vocabulary (so no old id changes meaning); ``--max-vocab-size`` (the
+model's ``vocab_size``) refuses additions that would not fit the model. Adding tokens needs a
+Hugging Face ``tokenizer.json``; a SentencePiece or tiktoken tokenizer must already have them
+(or bring its own ``chat_template``). ``PREFIX.meta.json`` names this copy, so training copies
+it, template and all, into its checkpoints, and ``meshlm generate --chat`` renders prompts the
+same way; it also records ``"chat": true`` and which template was used.
+
+Conversations are few and short next to a pretraining corpus, so this runs in one process
+(``--workers`` does not apply).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import tokenizers
+
+from meshlm.data.chat import (ChatTemplate, check_messages, encode_segments, load_chat_template,
+                              missing_special_tokens)
+from meshlm.data.indexed import TokenStoreWriter
+from meshlm.data.readers import expand_inputs
+from meshlm.data.tokenizer import (SPECIAL_TOKEN_CONFIG_FILES, find_tokenizer_file, load_tokenizer,
+                                   tokenizer_format)
+from meshlm.errors import DataError
+
+
+@dataclass
+class ChatPreprocessResult:
+    prefix: str
+    num_documents: int
+    """Conversations stored, one document each."""
+    num_tokens: int
+
+
+def chat_tokenizer_folder(out_prefix: str | os.PathLike) -> Path:
+    """``PREFIX.tokenizer/``: where the store's tokenizer (with the chat tokens) is written."""
+    return Path(f"{out_prefix}.tokenizer")
+
+
+def write_chat_tokenizer(tokenizer_path: str | os.PathLike, folder: Path, template: ChatTemplate,
+                         max_vocab_size: int | None = None) -> Path:
+    """Copy the tokenizer into ``folder``, adding the template's missing special tokens; the file."""
+    source = find_tokenizer_file(tokenizer_path)
+    tokenizer = load_tokenizer(source)
+    missing = missing_special_tokens(tokenizer, template)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in SPECIAL_TOKEN_CONFIG_FILES:
+        if (source.parent / name).is_file():
+            shutil.copyfile(source.parent / name, folder / name)
+    target = folder / ("tokenizer.json" if tokenizer_format(source) == "huggingface" else source.name)
+    if not missing:
+        shutil.copyfile(source, target)
+        return target
+    if tokenizer_format(source) != "huggingface":
+        raise DataError(f"{source}: this {tokenizer_format(source)} tokenizer lacks the chat tokens "
+                        f"{', '.join(missing)} of meshlm's default template, and only a Hugging Face tokenizer.json "
+                        "can have tokens added; use a tokenizer.json, or add a chat_template to tokenizer_config.json.")
+    if max_vocab_size is not None and tokenizer.vocab_size + len(missing) > max_vocab_size:
+        raise DataError(f"{source}: adding the chat tokens {', '.join(missing)} would give "
+                        f"{tokenizer.vocab_size + len(missing)} ids, more than --max-vocab-size {max_vocab_size}; "
+                        "raise the model's vocab_size or use a tokenizer that already has these tokens.")
+    backend = tokenizers.Tokenizer.from_file(str(source))
+    backend.add_special_tokens([tokenizers.AddedToken(token, special=True, normalized=False) for token in missing])
+    backend.save(str(target))
+    return target
+
+
+def read_conversations(files: list[Path], messages_key: str = "messages") -> Iterator[tuple[str, list]]:
+    """("FILE, line N", messages) for every non-blank line of the JSONL ``files``, checked."""
+    for path in files:
+        if path.suffix != ".jsonl":
+            raise DataError(f"{path}: chat data must be .jsonl, one {{\"{messages_key}\": [...]}} object per line.")
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}, line {number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise DataError(f"{where}: not valid JSON ({error.msg}).") from error
+                if not isinstance(record, dict) or messages_key not in record:
+                    raise DataError(f"{where}: no {messages_key!r} key; each line must be "
+                                    f"{{\"{messages_key}\": [{{\"role\": ..., \"content\": ...}}, ...]}}.")
+                check_messages(record[messages_key], where)
+                yield where, record[messages_key]
+
+
+def preprocess_chat(inputs, tokenizer_path: str | os.PathLike, out_prefix: str | os.PathLike,
+                    max_vocab_size: int | None = None, messages_key: str = "messages") -> ChatPreprocessResult:
+    """Render, tokenize and mask every conversation of ``inputs`` into the chat store ``out_prefix``."""
+    files = expand_inputs(inputs)
+    template = load_chat_template(find_tokenizer_file(tokenizer_path))
+    tokenizer_file = write_chat_tokenizer(tokenizer_path, chat_tokenizer_folder(out_prefix), template, max_vocab_size)
+    tokenizer = load_tokenizer(tokenizer_file)
+    store_folder = os.path.dirname(os.path.abspath(f"{out_prefix}.meta.json"))  # paths relative to it, as preprocess
+    metadata = {"tokenizer": os.path.relpath(os.path.abspath(tokenizer_file), store_folder),
+                "tokenizer_vocab_size": tokenizer.vocab_size, "append_eos": False, "text_key": messages_key,
+                "chat": True, "chat_template": "meshlm default" if template.is_default else "tokenizer"}
+    with TokenStoreWriter(out_prefix, tokenizer.vocab_size, metadata, loss_mask=True) as writer:
+        for where, messages in read_conversations(files, messages_key):
+            ids, mask = encode_segments(tokenizer, template.segments(messages))
+            writer.add_document(ids, source=where, loss_mask=mask)
+    return ChatPreprocessResult(str(out_prefix), writer.num_documents, writer.num_tokens)
+
+
+__all__ = ["ChatPreprocessResult", "chat_tokenizer_folder", "preprocess_chat", "read_conversations", "write_chat_tokenizer"]
