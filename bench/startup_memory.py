@@ -30,10 +30,12 @@ LAYOUTS = {"tp1": dict(tp=1, pp=1), "tp2": dict(tp=2, pp=1), "tp4": dict(tp=4, p
 
 
 def peak_resident_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status (this benchmark needs Linux)")
+    from meshlm.training.plan_check import resident_bytes
+
+    peak = resident_bytes("VmHWM")
+    if peak is None:
+        raise RuntimeError("no VmHWM in /proc/self/status (this benchmark needs Linux)")
+    return peak
 
 
 def overrides(args, blend: Path, run_dir: Path, tp: int, pp: int) -> list[str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from meshlm.errors import ConfigError
+from meshlm.errors import ConfigError, check_choice
 from meshlm.models.config import ModelConfig
 from meshlm.models.losses import DISTILL_LOSSES
 
@@ -375,9 +375,9 @@ class RunConfig:
         if train.global_batch_size % train.micro_batch_size:
             raise ConfigError(f"train.global_batch_size={train.global_batch_size} must be a multiple of "
                               f"train.micro_batch_size={train.micro_batch_size}.")
-        _choice("train.recompute", train.recompute, RECOMPUTE)
+        check_choice("train.recompute", train.recompute, RECOMPUTE)
         validate_profile_steps(train.profile_steps, train.steps)
-        _choice("train.on_nonfinite", train.on_nonfinite, ON_NONFINITE)
+        check_choice("train.on_nonfinite", train.on_nonfinite, ON_NONFINITE)
         if train.max_consecutive_skips < 0 or train.max_rollbacks < 0:
             raise ConfigError(f"train.max_consecutive_skips={train.max_consecutive_skips} and train.max_rollbacks="
                               f"{train.max_rollbacks} must be >= 0 (0 skips: never roll back or stop).")
@@ -385,9 +385,9 @@ class RunConfig:
             raise ConfigError(f"train.time_limit_minutes={train.time_limit_minutes} must be >= 0; give the job's "
                               "wall-clock limit in minutes (a little below the scheduler's), or 0 for none.")
         validate_distillation(train)
-        _choice("optim.schedule", optim.schedule, SCHEDULES)
-        _choice("precision.dtype", self.precision.dtype, DTYPES)
-        _choice("precision.fp8_gemm", self.precision.fp8_gemm, FP8_GEMMS)
+        check_choice("optim.schedule", optim.schedule, SCHEDULES)
+        check_choice("precision.dtype", self.precision.dtype, DTYPES)
+        check_choice("precision.fp8_gemm", self.precision.fp8_gemm, FP8_GEMMS)
         if not isinstance(self.precision.amax_history, int) or self.precision.amax_history < 1:
             raise ConfigError(f"precision.amax_history={self.precision.amax_history!r} must be an integer >= 1 "
                               "(the number of past steps whose amaxes set an fp8_delayed scale).")
@@ -428,7 +428,7 @@ def validate_profile_steps(text: str | None, steps: int) -> None:
 
 def validate_distillation(train: TrainConfig) -> None:
     """The train.distill_* settings (the teacher itself is checked when the trainer loads it)."""
-    _choice("train.distill_loss", train.distill_loss, DISTILL_LOSSES)
+    check_choice("train.distill_loss", train.distill_loss, DISTILL_LOSSES)
     if not train.distill_temperature > 0:
         raise ConfigError(f"train.distill_temperature={train.distill_temperature} must be > 0 "
                           "(1.0: the plain softmax).")
@@ -456,8 +456,8 @@ def validate_parallel(parallel: ParallelConfig) -> None:
     if parallel.sp and parallel.tp == 1:
         raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards along the "
                           "tensor-parallel group); set parallel.tp or parallel.sp=false.")
-    _choice("parallel.backend", parallel.backend, ("auto", "nccl", "gloo"))
-    _choice("parallel.moe_dispatcher", parallel.moe_dispatcher, ("all_to_all", "all_gather"))
+    check_choice("parallel.backend", parallel.backend, ("auto", "nccl", "gloo"))
+    check_choice("parallel.moe_dispatcher", parallel.moe_dispatcher, ("all_to_all", "all_gather"))
     if parallel.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={parallel.zero_stage!r} must be 0, 1, 2 or 3.")
     if not parallel.reduce_grads_in_fp32 and parallel.sharding_stage < 2:
@@ -475,11 +475,6 @@ def section_to_dict(section) -> dict:
     if isinstance(section, ModelConfig):
         return section.to_dict()
     return dataclasses.asdict(section)
-
-
-def _choice(key: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}.")
 
 
 def known_keys() -> list[str]:

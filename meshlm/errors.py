@@ -22,4 +22,10 @@ class CheckpointError(RuntimeError):
     """A model directory or checkpoint is missing, corrupt or does not match; the message names the file."""
 
 
-__all__ = ["CheckpointError", "ConfigError", "DataError"]
+def check_choice(key: str, value, allowed) -> None:
+    """Refuse a setting ``key`` whose ``value`` is not one of ``allowed``, listing them."""
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}.")
+
+
+__all__ = ["CheckpointError", "ConfigError", "DataError", "check_choice"]

@@ -28,7 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from meshlm.errors import ConfigError
+from meshlm.errors import ConfigError, check_choice
 from meshlm.kernels import triton_installed
 from meshlm.models.pattern import BLOCK_KINDS, parse_pattern
 
@@ -432,9 +432,7 @@ def _positive(config: ModelConfig, *names: str) -> None:
 
 
 def _choice(config: ModelConfig, name: str, allowed: tuple[str, ...]) -> None:
-    value = getattr(config, name)
-    if value not in allowed:
-        raise ConfigError(f"model.{name}={value!r} is not one of {', '.join(allowed)}.")
+    check_choice(f"model.{name}", getattr(config, name), allowed)
 
 
 __all__ = ["ModelConfig", "BLOCK_KINDS", "BLOCK_OVERRIDE_FIELDS", "TRAINING_ONLY_FIELDS"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 
-from meshlm.errors import ConfigError
 from meshlm.planning.layouts import Layout
 
 CUDA_ROWS = (("H200", "h200"), ("GH200", "h200"), ("H100", "h100"), ("B200", "b200"), ("A100", "a100-80gb"))
@@ -57,14 +56,9 @@ def run_hardware(config, processes: int):
     import torch
 
     from meshlm.planning.hardware import hardware_named
+    from meshlm.precision.device_defaults import parse_device
 
-    name = config.train.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError as error:
-        raise ConfigError(f"train.device={name!r} is not a torch device; use auto, cpu, cuda or cuda:N.") from error
+    device = parse_device(config.train.device)  # the trainer's own reading of train.device
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
     if device.type != "cuda" or not torch.cuda.is_available():
         return hardware_named("cpu", per_node or processes, processes=processes,

@@ -23,6 +23,19 @@ import dataclasses
 
 import torch
 
+from meshlm.errors import ConfigError
+
+
+def parse_device(name: str) -> torch.device:
+    """``train.device`` as a torch device: 'auto' is cuda where CUDA is available, else cpu; a name
+    torch does not know is refused naming the field."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return torch.device(name)
+    except RuntimeError as error:
+        raise ConfigError(f"train.device={name!r} is not a torch device; use auto, cpu, cuda or cuda:N.") from error
+
 
 def resolve_dtype(name: str, device: torch.device) -> str:
     """``precision.dtype`` as the run will use it: 'auto' becomes 'bf16' on CUDA, 'fp32' elsewhere."""

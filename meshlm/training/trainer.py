@@ -83,7 +83,7 @@ from meshlm.parallel.data.low_communication import LowCommunicationSync, replica
 from meshlm.parallel.expert.expert_parallel import expert_parallel_names
 from meshlm.parallel.mesh import build_parallel_context
 from meshlm.parallel.tensor.sharding import partial_grad_names, tensor_parallel_names
-from meshlm.precision.device_defaults import configure_tf32, resolve_precision
+from meshlm.precision.device_defaults import configure_tf32, parse_device, resolve_precision
 from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.precision.model_recipe import apply_recipe
 from meshlm.precision.delayed_scaling import begin_step as begin_delayed_scaling
@@ -155,12 +155,7 @@ def seed_everything(seed: int) -> None:
 
 def resolve_device(name: str) -> torch.device:
     """The run's device; under torchrun with CUDA, each process takes the GPU of its LOCAL_RANK."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError as error:
-        raise ConfigError(f"train.device={name!r} is not a torch device; use auto, cpu, cuda or cuda:N.") from error
+    device = parse_device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"train.device={name!r} but CUDA is not available here; use train.device=cpu.")
     if device.type == "cuda" and device.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -442,32 +437,22 @@ class Trainer:
     def sum_over_data_parallel(self, loss_sum: torch.Tensor, term_sums: dict, expert_counts: list):
         """The step's sums over every DP rank's micro-batches (and CP rank's loss shares), in one
         all-reduce (for logging). Replicas training alone (parallel.dp_sync) log their own: the
-        logging rank's replica's sums over its CP group, scaled to a whole step's count."""
+        logging rank's replica's sums over its CP group, the losses scaled by dp to a whole step's count."""
+        group, scale = self.context.dp_cp_group, 1
         if self.dp_sync is not None and self.dp_sync.replicas_independent(self.state.step):
-            return self.sum_over_replica(loss_sum, term_sums, expert_counts)
-        if self.context.dp_cp_size == 1:
+            group, scale = self.replica.dp_cp_group, self.context.dp_size
+        if group is None and scale == 1:
             return loss_sum, term_sums, expert_counts
         names = sorted(term_sums)
         pieces = [loss_sum.reshape(1).float()]
         pieces += [torch.as_tensor(term_sums[name], device=self.device).reshape(1).float() for name in names]
         pieces += [count.reshape(-1).float() for count in expert_counts]
         flat = torch.cat(pieces)
-        all_reduce_(flat, self.context.dp_cp_group)
+        all_reduce_(flat, group)
         values = flat.split([piece.numel() for piece in pieces])
-        terms = {name: value[0] for name, value in zip(names, values[1:1 + len(names)])}
+        terms = {name: value[0] * scale for name, value in zip(names, values[1:1 + len(names)])}
         counts = [value.view_as(count).to(count.dtype) for value, count in zip(values[1 + len(names):], expert_counts)]
-        return values[0][0], terms, counts
-
-    def sum_over_replica(self, loss_sum: torch.Tensor, term_sums: dict, expert_counts: list):
-        dp = self.context.dp_size
-        loss_sum = loss_sum.clone()
-        all_reduce_(loss_sum, self.context.cp_group)
-        terms = {}
-        for name, value in term_sums.items():
-            value = torch.as_tensor(value, device=self.device).float().clone()
-            all_reduce_(value, self.context.cp_group)
-            terms[name] = value * dp
-        return loss_sum * dp, terms, expert_counts
+        return values[0][0] * scale, terms, counts
 
     # --- evaluation and checkpoints -----------------------------------------------------------------------
     @torch.no_grad()

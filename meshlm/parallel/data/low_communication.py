@@ -57,7 +57,7 @@ import math
 
 import torch
 
-from meshlm.errors import ConfigError
+from meshlm.errors import ConfigError, check_choice
 from meshlm.parallel.collectives import all_gather_into_, all_reduce_, reduce_scatter_into_
 from meshlm.parallel.simulated_link import parse_link
 
@@ -66,18 +66,13 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd")
 SYNC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def choose(key: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}.")
-
-
 def check_dp_sync(parallel) -> None:
     """parallel.dp_sync and its settings, refused at start-up with the field and the fix (called by
     ``meshlm.parallel.mesh.check_layout``)."""
     parse_link(parallel.simulate_link)  # refuses a malformed value
-    choose("parallel.dp_sync", parallel.dp_sync, DP_SYNC_MODES)
-    choose("parallel.outer_optimizer", parallel.outer_optimizer, OUTER_OPTIMIZERS)
-    choose("parallel.outer_sync_dtype", parallel.outer_sync_dtype, tuple(SYNC_DTYPES))
+    check_choice("parallel.dp_sync", parallel.dp_sync, DP_SYNC_MODES)
+    check_choice("parallel.outer_optimizer", parallel.outer_optimizer, OUTER_OPTIMIZERS)
+    check_choice("parallel.outer_sync_dtype", parallel.outer_sync_dtype, tuple(SYNC_DTYPES))
     if not isinstance(parallel.sync_every, int) or parallel.sync_every < 1:
         raise ConfigError(f"parallel.sync_every={parallel.sync_every!r} must be a positive integer (steps between "
                           "outer synchronizations).")
@@ -142,7 +137,7 @@ class LowCommunicationSync:
         self.sync_dtype = SYNC_DTYPES[parallel.outer_sync_dtype]
         self.probability, self.eta = parallel.palsgd_p, parallel.palsgd_eta
         self.warmup = parallel.palsgd_warmup if self.mode == "palsgd" else 0
-        self.overlap = bool(getattr(parallel, "outer_overlap", False))
+        self.overlap = parallel.outer_overlap
         self.seed = seed
         self.group, self.dp_size, self.dp_rank = context.dp_group, context.dp_size, context.dp_rank
         pairs = [(name, param) for name, param in parameters if param.requires_grad]
@@ -152,9 +147,11 @@ class LowCommunicationSync:
         for param in self.params:
             self.offsets.append(self.offsets[-1] + param.numel())
         self.numel = self.offsets[-1]
+        self.spans = list(zip(self.names, self.params, self.offsets, self.offsets[1:]))
+        """(name, parameter, start, end): where each parameter sits in the flat vector."""
         self.shard_size = math.ceil(self.numel / self.dp_size) if self.numel else 0
         self.padded = self.shard_size * self.dp_size
-        device = self.params[0].device if self.params else context.device
+        device = self.device = self.params[0].device if self.params else context.device
         keeps_copy = self.mode in ("diloco", "palsgd")
         self.global_copy = self.flat_parameters() if keeps_copy else None
         momentum_size = self.padded if self.overlap else self.shard_size  # overlap: every rank the whole step
@@ -213,27 +210,26 @@ class LowCommunicationSync:
     # --- the parameters as one flat vector ------------------------------------------------------------
     def flat_parameters(self) -> torch.Tensor:
         """This rank's parameters, concatenated (fp32) and zero-padded to a multiple of dp."""
-        device = self.params[0].device if self.params else None
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        for param, start, end in zip(self.params, self.offsets, self.offsets[1:]):
+        flat = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+        for _, param, start, end in self.spans:
             flat[start:end].copy_(param.detach().reshape(-1))
         return flat
 
     @torch.no_grad()
     def load_into_parameters(self, flat: torch.Tensor) -> None:
-        for param, start, end in zip(self.params, self.offsets, self.offsets[1:]):
+        for _, param, start, end in self.spans:
             param.copy_(flat[start:end].view_as(param))
 
     def take_global_copy(self) -> None:
         """global copy <- the parameters (PALSGD at the end of its warm-up, when they agree)."""
-        self.global_copy = self.flat_parameters()
+        self.global_copy.copy_(self.flat_parameters())
 
     # --- PALSGD's pull ---------------------------------------------------------------------------------
     @torch.no_grad()
     def pull_toward_global(self, lr: float) -> None:
         """theta <- theta - (lr / p) eta (theta - theta_global), parameter by parameter; no communication."""
         weight = lr / self.probability * self.eta
-        for param, start, end in zip(self.params, self.offsets, self.offsets[1:]):
+        for _, param, start, end in self.spans:
             param.lerp_(self.global_copy[start:end].view_as(param), weight)
 
     # --- the outer step -----------------------------------------------------------------------------------
@@ -312,11 +308,10 @@ class LowCommunicationSync:
         if self.momentum is None:
             return []
         if self.overlap:  # whole on every rank (replicated, like the global copy)
-            return [(name, param, 0, self.momentum[start:stop])
-                    for name, param, start, stop in zip(self.names, self.params, self.offsets, self.offsets[1:])]
+            return [(name, param, 0, self.momentum[start:stop]) for name, param, start, stop in self.spans]
         begin, end = self.dp_rank * self.shard_size, (self.dp_rank + 1) * self.shard_size
         segments = []
-        for name, param, start, stop in zip(self.names, self.params, self.offsets, self.offsets[1:]):
+        for name, param, start, stop in self.spans:
             low, high = max(start, begin), min(stop, end)
             if low < high:
                 segments.append((name, param, low - start, self.momentum[low - begin:high - begin]))
@@ -330,16 +325,15 @@ class LowCommunicationSync:
         self.settle()
         views = []
         for kind, flat in (("pending", self.message), ("anchor", self.anchor)):
-            views += [(kind, name, param, flat[start:stop].view_as(param))
-                      for name, param, start, stop in zip(self.names, self.params, self.offsets, self.offsets[1:])]
+            views += [(kind, name, param, flat[start:stop].view_as(param)) for name, param, start, stop in self.spans]
         return views
 
     def global_views(self):
         """(name, parameter, view of the global copy shaped like it) for every parameter."""
         if self.global_copy is None:
             return []
-        return [(name, param, self.global_copy[start:stop].view_as(param))
-                for name, param, start, stop in zip(self.names, self.params, self.offsets, self.offsets[1:])]
+        return [(name, param, self.global_copy[start:stop].view_as(param)) for name, param, start, stop in self.spans]
 
 
-__all__ = ["DP_SYNC_MODES", "LowCommunicationSync", "check_dp_sync", "replica_context", "OUTER_OPTIMIZERS", "SYNC_DTYPES", "uniform_draw"]
+__all__ = ["DP_SYNC_MODES", "LowCommunicationSync", "OUTER_OPTIMIZERS", "SYNC_DTYPES", "check_dp_sync",
+           "replica_context", "uniform_draw"]

@@ -160,6 +160,16 @@ def _all_reduce(tensor: torch.Tensor, context, op: str) -> None:
         all_reduce_(tensor, context.tp_group, op=op)
 
 
+def reduce_token_losses(losses: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Per-token losses [n] (0 where the label is IGNORE_INDEX) -> 'none' (shaped like ``labels``),
+    'sum', or 'mean' over the tokens with a label (as ``F.cross_entropy``)."""
+    if reduction == "none":
+        return losses.view(labels.shape)
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (labels != IGNORE_INDEX).sum()
+
+
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tensor, context, vocab_size: int,
                                  reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of this rank's logits [..., V'/t] against full ``labels`` [...] (IGNORE_INDEX
@@ -167,11 +177,7 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tenso
     ``F.cross_entropy``), 'sum' sums them, 'none' gives per-token losses (0 where ignored). The
     value is the same on every rank of the group."""
     losses = _VocabParallelCrossEntropy.apply(local_logits.flatten(0, -2), labels.flatten(), vocab_size, context)
-    if reduction == "none":
-        return losses.view(labels.shape)
-    if reduction == "sum":
-        return losses.sum()
-    return losses.sum() / (labels != IGNORE_INDEX).sum()
+    return reduce_token_losses(losses, labels, reduction)
 
 
 class _VocabParallelDistillation(torch.autograd.Function):
@@ -259,11 +265,7 @@ def vocab_parallel_distillation(student_local: torch.Tensor, teacher_local: torc
     kind = "forward_kl" if kind == "kl" else kind
     losses = _VocabParallelDistillation.apply(student_local.flatten(0, -2), teacher_local.detach().flatten(0, -2),
                                               labels.flatten(), vocab_size, context, kind, float(temperature))
-    if reduction == "none":
-        return losses.view(labels.shape)
-    if reduction == "sum":
-        return losses.sum()
-    return losses.sum() / (labels != IGNORE_INDEX).sum()
+    return reduce_token_losses(losses, labels, reduction)
 
 
 def gather_vocab_logits(local_logits: torch.Tensor, context, vocab_size: int) -> torch.Tensor:
