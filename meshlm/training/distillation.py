@@ -78,21 +78,30 @@ from meshlm.parallel.tensor.vocab_parallel import (
 )
 
 
-def teacher_config(path: str, student_config, block_wise: bool):
-    """The teacher folder's model config, refused (ConfigError, one sentence) when it cannot
-    teach this student: another vocabulary, or for block-wise distillation other blocks."""
+def frozen_model_config(setting: str, path: str, student_config):
+    """(folder, model config) of the frozen model named by ``setting`` (e.g. ``train.distill_from``)
+    at ``path``, refused (ConfigError, one sentence naming the setting) when it is missing, not a
+    meshlm model, or has another vocabulary than the run's model: its distribution is compared to
+    the run's token by token."""
     if not Path(path).exists():
-        raise ConfigError(f"train.distill_from={path} does not exist; give the teacher's meshlm model folder, "
-                          "training checkpoint (step_N) or run directory.")
+        raise ConfigError(f"{setting}={path} does not exist; give a meshlm model folder, training checkpoint "
+                          "(step_N) or run directory.")
     try:
         directory = resolve_model_dir(path)
         config = read_model_config(directory)
     except CheckpointError as error:
-        raise ConfigError(f"train.distill_from={path} is not a meshlm model: {error}") from error
+        raise ConfigError(f"{setting}={path} is not a meshlm model: {error}") from error
     if config.vocab_size != student_config.vocab_size:
-        raise ConfigError(f"train.distill_from={path} has a vocabulary of {config.vocab_size} tokens but the run's "
-                          f"model has {student_config.vocab_size}; distillation compares the two distributions "
-                          "token by token, so use a teacher with the student's tokenizer.")
+        raise ConfigError(f"{setting}={path} has a vocabulary of {config.vocab_size} tokens but the run's "
+                          f"model has {student_config.vocab_size}; its distribution is compared with the run's "
+                          "token by token, so use a model with the run's tokenizer.")
+    return directory, config
+
+
+def teacher_config(path: str, student_config, block_wise: bool):
+    """The teacher folder's model config, refused (ConfigError, one sentence) when it cannot
+    teach this student: another vocabulary, or for block-wise distillation other blocks."""
+    directory, config = frozen_model_config("train.distill_from", path, student_config)
     if block_wise and (config.num_blocks, config.hidden_size) != (student_config.num_blocks,
                                                                  student_config.hidden_size):
         raise ConfigError(f"train.distill_blocks=true pairs block i of student and teacher, but the teacher has "
@@ -103,34 +112,45 @@ def teacher_config(path: str, student_config, block_wise: bool):
 
 
 @torch.no_grad()
-def build_teacher(config, context, device: torch.device, dtype: torch.dtype):
-    """(teacher, its chunks): this rank's shards of the teacher ``config.train.distill_from``, as
-    ``build_model`` builds the student (meta -> parallelize -> CP -> pipeline stages -> materialize
-    from the folder), in eval mode, frozen, in ``dtype``; the chunks (``stages.ModelChunk``) this
-    rank runs under pp > 1, else None."""
+def build_frozen_model(setting: str, directory, model_config, config, context, device: torch.device,
+                       dtype: torch.dtype, cut_by=None):
+    """(model, its chunks): this rank's shards of the frozen model in ``directory`` (named by the
+    config key ``setting`` in errors), built as ``build_model`` builds the run's model (meta ->
+    parallelize -> CP -> pipeline stages -> materialize from the folder), in eval mode, frozen,
+    in ``dtype``; the chunks (``stages.ModelChunk``) this rank runs under pp > 1 (stages cut by
+    ``cut_by``, default its own config), else None. A teacher for distillation; the reference
+    model of preference optimization and RL."""
     train = config.train
-    directory, model_config = teacher_config(train.distill_from, config.model, train.distill_blocks)
     try:
         check_layout(config.parallel, model_config, context.world_size, train.seq_len)
         check_context_parallel_model(model_config, config.parallel.cp, train.seq_len)
     except ConfigError as error:
-        raise ConfigError(f"train.distill_from={train.distill_from}: the teacher does not fit the layout: "
-                          f"{error}") from error
+        raise ConfigError(f"{setting}: the model in {directory} does not fit the layout: {error}") from error
     with torch.device("meta"):
-        teacher = LanguageModel(model_config, seed=train.seed)
-    teacher = parallelize_model(teacher, context, config.parallel.vocab_pad_multiple)
-    apply_context_parallel(teacher, context)  # ring attention, Mamba state hand-off (cp > 1)
-    set_load_balancing_sum(teacher, summing_over(context.dp_cp_group))
+        model = LanguageModel(model_config, seed=train.seed)
+    model = parallelize_model(model, context, config.parallel.vocab_pad_multiple)
+    apply_context_parallel(model, context)  # ring attention, Mamba state hand-off (cp > 1)
+    set_load_balancing_sum(model, summing_over(context.dp_cp_group))
     chunks = None
-    if context.pp_size > 1:  # teacher stage k on the rank of student stage k; block-wise: block i beside block i
-        cut_by = config.model if train.distill_blocks else model_config
-        chunks = rank_chunks(cut_by, context.pp_size, context.vp_size, context.pp_rank, train.seq_len)
-        keep_stage_modules(teacher, chunks, context.pp_rank, context.pp_size)
-    materialize(teacher, context, weights_source(directory), device)
-    for param in teacher.parameters():
+    if context.pp_size > 1:  # its stage k on the rank of the run's stage k
+        chunks = rank_chunks(cut_by or model_config, context.pp_size, context.vp_size, context.pp_rank,
+                             train.seq_len)
+        keep_stage_modules(model, chunks, context.pp_rank, context.pp_size)
+    materialize(model, context, weights_source(directory), device)
+    for param in model.parameters():
         param.requires_grad_(False)
         param.data = param.data.to(dtype)
-    return teacher.eval(), chunks
+    return model.eval(), chunks
+
+
+def build_teacher(config, context, device: torch.device, dtype: torch.dtype):
+    """(teacher, its chunks): this rank's shards of the teacher ``config.train.distill_from``
+    (``build_frozen_model``); block-wise, its pipeline stages are cut as the student's, so that
+    teacher block i sits beside student block i."""
+    train = config.train
+    directory, model_config = teacher_config(train.distill_from, config.model, train.distill_blocks)
+    return build_frozen_model(f"train.distill_from={train.distill_from}", directory, model_config, config,
+                              context, device, dtype, cut_by=config.model if train.distill_blocks else None)
 
 
 def local_logits(model, hidden: torch.Tensor) -> torch.Tensor:
