@@ -49,6 +49,13 @@ first stage holds min(pp, micro-batches) micro-batches of its blocks in flight (
 whole model's layers of one micro-batch (Korthikanti et al. 2022, §4.2.3), times
 1 + (pp - 1) / (pp * vp) with the interleaved schedule.
 
+**Frozen models** (``frozen``): a distillation teacher (``train.distill_from``) keeps its shards
+resident in the run's dtype, cut by the layout as the run's model is (its parameter count read from
+its folder's config.json), plus one micro-batch's fp32 logits of each model and the two
+[tokens, vocab / tp] fp32 tensors the backward needs (the student's head is then not the fused
+loss: that term replaces ``head``'s chunks); block-wise (``train.distill_blocks``) the teacher's
+hidden state entering and leaving each block instead of the logits.
+
 Not counted: the CUDA context and allocator fragmentation, communication buffers, data batches,
 the low-precision recipes' caches, and an imbalanced MoE routing (experts are assumed to get
 their mean share of tokens).
@@ -63,6 +70,9 @@ from pathlib import Path
 
 import torch
 
+from meshlm.checkpoint.locate import resolve_model_dir
+from meshlm.checkpoint.model_files import read_model_config
+from meshlm.errors import CheckpointError
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.losses import default_tokens_per_chunk
 from meshlm.models.mlp import is_gated
@@ -81,14 +91,16 @@ class MemoryEstimate:
     optimizer: int
     """fp32 master weights (when the model is in bf16/fp16, or sharded by ZeRO) and Adam's moments."""
     activations: int
+    frozen: int = 0
+    """Frozen models beside the trained one (a distillation teacher): their weights and outputs."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + self.activations + self.frozen
 
     def describe(self) -> str:
         parts = {"weights": self.weights, "gradients": self.gradients, "optimizer state": self.optimizer,
-                 "activations": self.activations}
+                 "activations": self.activations, **({"frozen models": self.frozen} if self.frozen else {})}
         listed = ", ".join(f"{name} {format_bytes(size)}" for name, size in parts.items())
         return f"{format_bytes(self.total)} ({listed})"
 
@@ -115,12 +127,18 @@ def parameter_counts(model_config) -> dict[str, int]:
     return counts
 
 
+def local_parameter_counts(model_config, layout) -> dict[str, float]:
+    """``parameter_counts`` of one rank: blocks cut by tp * pp, routed experts by ep * etp * pp,
+    embedding and head by tp."""
+    counts = parameter_counts(model_config)
+    return {"vocab": counts["vocab"] / layout.tp_size,
+            "blocks": counts["blocks"] / (layout.tp_size * layout.pp_size),
+            "experts": counts["experts"] / (layout.ep_size * layout.etp_size * layout.pp_size)}
+
+
 def parameter_state_bytes(config, layout, zero_stage: int) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) bytes of this rank's parameters; see the module docstring."""
-    counts = parameter_counts(config.model)
-    local = {"vocab": counts["vocab"] / layout.tp_size,
-             "blocks": counts["blocks"] / (layout.tp_size * layout.pp_size),
-             "experts": counts["experts"] / (layout.ep_size * layout.etp_size * layout.pp_size)}
+    local = local_parameter_counts(config.model, layout)
     dtype = config.precision.dtype
     low_precision = dtype != "fp32"
     grad_bytes = 2 if zero_stage >= 2 and low_precision and not config.parallel.reduce_grads_in_fp32 else 4
@@ -247,7 +265,33 @@ def estimate_training_memory(config, layout=None) -> MemoryEstimate:
     layout = layout if layout is not None else ParallelContext()
     zero_stage = config.parallel.sharding_stage if layout.distributed else 0
     weights, gradients, optimizer = parameter_state_bytes(config, layout, zero_stage)
-    return MemoryEstimate(weights, gradients, optimizer, activation_bytes(config, layout))
+    frozen = frozen_items(config, layout)
+    activations = activation_items(config, layout)
+    if "teacher logits" in frozen:  # the student's head is the unfused vocab-parallel one, counted there
+        activations["head"] = 0.0
+    return MemoryEstimate(weights, gradients, optimizer, int(sum(activations.values())),
+                          int(sum(frozen.values())))
+
+
+def frozen_items(config, layout) -> dict[str, float]:
+    """Bytes of the frozen models beside the trained one (see the module docstring); empty without
+    them, or when the folder cannot be read (the trainer then refuses it with its own message)."""
+    train = config.train
+    if train.distill_from is None:
+        return {}
+    try:
+        teacher = read_model_config(resolve_model_dir(train.distill_from))
+    except (CheckpointError, OSError):
+        return {}
+    dtype_bytes = DTYPE_BYTES[config.precision.dtype]
+    tokens = train.micro_batch_size * math.ceil(train.seq_len / layout.cp_size)
+    items = {"teacher weights": sum(local_parameter_counts(teacher, layout).values()) * dtype_bytes}
+    if train.distill_blocks:  # h_{i-1} and h_i of each of this stage's blocks
+        blocks = teacher.num_blocks / layout.pp_size
+        items["teacher states"] = (blocks + 1) * tokens * teacher.hidden_size * dtype_bytes
+    else:  # fp32 logits of both models and the two backward tensors, [tokens, vocab / tp] each
+        items["teacher logits"] = 4 * tokens * teacher.vocab_size / layout.tp_size * 4
+    return items
 
 
 def available_memory(device: torch.device) -> int | None:

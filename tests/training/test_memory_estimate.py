@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshlm.checkpoint.model_files import save_model
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
 from meshlm.parallel.mesh import ParallelContext
 from meshlm.precision.device_defaults import resolve_precision
-from meshlm.training.memory_estimate import estimate_training_memory, memory_warning
+from meshlm.training.memory_estimate import estimate_training_memory, frozen_items, memory_warning
 from meshlm.training.metrics import read_metrics
 from meshlm.training.trainer import Trainer, train
 from tests.helpers.memory import peak_allocated_bytes
@@ -78,3 +81,22 @@ def test_the_start_line_and_metrics_carry_the_estimate(make_config, capsys):
     record = read_metrics(Path(config.train.run_dir) / "metrics.jsonl")[0]
     assert record["memory_estimate"] == estimate_training_memory(resolved(config)).total
     assert record["memory_available"] > 0
+
+
+def test_a_distillation_teacher_is_counted_as_resident_weights_and_logits(make_config, tmp_path):
+    teacher_dir = save_model(LanguageModel(ModelConfig(vocab_size=64, hidden_size=48, pattern="*-*-",
+                                                       num_attention_heads=4)), tmp_path / "teacher")
+    config = make_config("train.eval_every=0", "train.prefetch_batches=false", f"train.distill_from={teacher_dir}")
+    trainer = Trainer(config)
+    teacher_bytes = sum(param.numel() * param.element_size() for param in trainer.distillation.teacher.parameters())
+    items = frozen_items(resolved(config), ParallelContext())
+    assert items["teacher weights"] == teacher_bytes
+    tokens = config.train.micro_batch_size * config.train.seq_len
+    assert items["teacher logits"] == 4 * tokens * 64 * 4
+    plain = estimate_training_memory(resolved(make_config()))
+    estimate = estimate_training_memory(resolved(config))
+    assert estimate.frozen == int(sum(items.values())) and estimate.total > plain.total
+    assert "frozen models" in estimate.describe() and "frozen models" not in plain.describe()
+    # a folder that cannot be read adds nothing here: the trainer refuses it with its own message
+    missing = make_config(f"train.distill_from={tmp_path / 'missing'}")
+    assert frozen_items(resolved(missing), ParallelContext()) == {}
