@@ -31,7 +31,9 @@ least one per block, each with ``--heads / --kv-heads`` query heads), ``--mamba-
 heads (whole rows over the B/C groups) and ``--experts`` experts (at least ``moe_top_k``) the same
 way. ``--hidden`` stays uniform (every block shares it). The blocks whose sizes differ from the
 averages are written as ``model.block_overrides`` (such a model does not export to Hugging Face).
-Not with ``--target-params``. A CKPT that already has ``block_overrides`` is pruned uniformly only
+With ``--target-params`` the budget search picks the averages (as for a uniform model), which are
+then spread: a block's parameters grow linearly with its neurons, GQA groups, Mamba heads and
+experts, so the spread model has exactly the uniform model's parameter count. A CKPT that already has ``block_overrides`` is pruned uniformly only
 on the axes they leave alone; with ``--per-block`` on any.
 
 OUT gets ``config.json`` (the pruned model; a ``pruning`` section records what was done) +
@@ -131,7 +133,7 @@ def prune(args, out: Path, requested: dict, device: torch.device) -> None:
     check_prunable(config)  # the sizes are refused before the model is read or any forward runs
     check_drop_blocks(config.num_blocks, args.drop_blocks)
     widths = resolve_widths(config, requested, args.per_block) if args.target_params is None else None
-    if args.per_block:
+    if args.per_block and widths is not None:  # a budget's averages are checked once searched
         check_per_block(config, widths)
     context = calibration_context(config, device, args.tp)  # joins the torchrun group (dp x tp)
     if args.samples < context.dp_size:
@@ -147,6 +149,8 @@ def prune(args, out: Path, requested: dict, device: torch.device) -> None:
     del model
     if args.target_params is not None:
         widths, _ = search_widths(config, importance, args.target_params, requested, args.drop_blocks)
+        if args.per_block:  # the searched averages, spread over the blocks (the same parameter count)
+            check_per_block(config, widths)
     blocks = kept_blocks(importance, config.num_blocks, args.drop_blocks)
     sizes = per_block_sizes(config, importance, widths, blocks) if args.per_block else None
     source = weights_source(source_dir)  # the kept rows and columns, cut from the files one tensor at a time
@@ -172,9 +176,6 @@ def check_arguments(args, out: Path, requested: dict) -> None:
     if args.target_params is None and args.drop_blocks == 0 and all(value is None for value in requested.values()):
         raise ConfigError("say how to prune: --target-params N, or at least one of --hidden --ffn --heads --kv-heads "
                           "--mamba-heads --experts --drop-blocks.")
-    if args.per_block and args.target_params is not None:
-        raise ConfigError("--per-block does not work with --target-params yet; give the sizes (--ffn, --kv-heads, "
-                          "...) as averages instead.")
     for flag in ("samples", "batch_size", "seq_len", "target_params", "tp"):
         value = getattr(args, flag)
         if value is not None and value < 1:

@@ -88,6 +88,19 @@ def test_per_block_writes_block_overrides_that_total_the_averages_and_generates(
                  "--device", "cpu"]) == 0
 
 
+def test_per_block_with_a_budget_spreads_the_searched_averages_at_the_same_parameter_count(tmp_path, source, capsys):
+    budget = LanguageModel(ModelConfig(**LLAMA)).num_parameters() * 6 // 10
+    arguments = ["--calibration", str(tmp_path / "data" / "blend.json"), "--samples", "8", "--seq-len", "16",
+                 "--target-params", str(budget), "--device", "cpu"]
+    assert main(["prune", str(source), str(tmp_path / "uniform"), *arguments]) == 0
+    assert main(["prune", str(source), str(tmp_path / "spread"), *arguments, "--per-block"]) == 0
+    uniform, spread = read_model_config(tmp_path / "uniform"), read_model_config(tmp_path / "spread")
+    assert spread.block_overrides, "the calibration scores differ between blocks, so their sizes should too"
+    assert (spread.ffn_hidden_size, spread.num_kv_heads) == (uniform.ffn_hidden_size, uniform.num_kv_heads)
+    assert load_model(tmp_path / "spread").num_parameters() == load_model(tmp_path / "uniform").num_parameters()
+    assert load_model(tmp_path / "spread").num_parameters() <= budget
+
+
 def test_init_model_config_trains_the_pruned_model_and_notes_the_ignored_model(tmp_path, source, capsys):
     out = tmp_path / "small"
     blend = tmp_path / "data" / "blend.json"
@@ -116,7 +129,7 @@ def test_init_model_config_without_init_from_is_refused(tmp_path, capsys):
     (["--drop-blocks", "4"], "--drop-blocks 4 must lie in [0, 3]"),
     (["--mamba-heads", "2"], "the model has no 'M' blocks"),
     ([], "say how to prune"),
-    (["--per-block", "--target-params", "1000"], "--per-block does not work with --target-params"),
+    (["--per-block", "--target-params", "1000"], "--target-params 1000 is below the smallest model"),
     (["--per-block", "--ffn", "4"], "give --ffn at least 8"),
 ])
 def test_refusals_name_the_flag_and_write_nothing(tmp_path, source, capsys, arguments, words):
