@@ -46,11 +46,16 @@ each rank reading only its slices, as training does), and the copies split the c
 samples (data parallelism). Each rank scores the heads and neurons of its slice; the scores are
 concatenated over the TP group and summed over the copies (``meshlm/adapt/importance.py``), so
 every layout selects the same units as one process. The pruned tensors are then cut from the
-source's files one tensor at a time, and rank 0 writes OUT. Pipeline, context and expert
-parallelism are training layouts and are not offered here: a model that fits in a few GPUs'
-memory is pruned with tensor and data parallelism.
+source's files one tensor at a time, and rank 0 writes OUT. An MoE model's experts can also be
+split: ``--ep N`` gives each rank 1/N of every MoE block's experts (folded onto the copies, as
+training folds expert parallelism); the router is whole on every rank, so the routing counts
+each rank records are those of its own samples and sum over the copies as before. Under ``--ep``
+every rank must run as many forwards (the experts' all-to-alls), so ``--samples`` is a multiple
+of the number of copies. Pipeline and context parallelism are not offered: every rank here holds
+all blocks and whole sequences (a model too big for that is pruned at a larger ``--tp``/``--ep``).
 
     torchrun --nproc_per_node 4 -m meshlm prune runs/big models/small --calibration data/blend.json --ffn 2048 --tp 2
+    torchrun --nproc_per_node 4 -m meshlm prune runs/moe models/moe-small --calibration data/blend.json --experts 32 --ep 4
 """
 
 from __future__ import annotations
@@ -101,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="block importance: loss increase when skipped (default) or input/output cosine distance")
     parser.add_argument("--tp", type=int, default=1, metavar="N",
                         help="under torchrun: tensor-parallel ranks per copy of the model (default 1)")
+    parser.add_argument("--ep", type=int, default=1, metavar="N",
+                        help="under torchrun: expert-parallel ranks each MoE block's experts are split over "
+                             "(default 1)")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
 
 
@@ -135,10 +143,13 @@ def prune(args, out: Path, requested: dict, device: torch.device) -> None:
     widths = resolve_widths(config, requested, args.per_block) if args.target_params is None else None
     if args.per_block and widths is not None:  # a budget's averages are checked once searched
         check_per_block(config, widths)
-    context = calibration_context(config, device, args.tp)  # joins the torchrun group (dp x tp)
+    context = calibration_context(config, device, args.tp, args.ep)  # joins the torchrun group (dp x tp)
     if args.samples < context.dp_size:
         raise ConfigError(f"--samples {args.samples} is fewer than the {context.dp_size} copies of the model; give "
                           "each at least one.")
+    if args.ep > 1 and args.samples % context.dp_size:  # the experts' all-to-alls need equal forwards everywhere
+        raise ConfigError(f"--samples {args.samples} with --ep {args.ep} must be a multiple of the "
+                          f"{context.dp_size} copies of the model, so that every rank runs as many forwards.")
     model = calibration_model(source_dir, context)  # this rank's tensor-parallel slices
     seq_len = args.seq_len or trained_seq_len(source_dir)
     dataset = calibration_dataset(args.calibration, seq_len, args.samples, args.seed, config.vocab_size)
@@ -176,7 +187,7 @@ def check_arguments(args, out: Path, requested: dict) -> None:
     if args.target_params is None and args.drop_blocks == 0 and all(value is None for value in requested.values()):
         raise ConfigError("say how to prune: --target-params N, or at least one of --hidden --ffn --heads --kv-heads "
                           "--mamba-heads --experts --drop-blocks.")
-    for flag in ("samples", "batch_size", "seq_len", "target_params", "tp"):
+    for flag in ("samples", "batch_size", "seq_len", "target_params", "tp", "ep"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {value} must be a positive integer.")
@@ -228,21 +239,28 @@ def process_device(device_name: str | None) -> torch.device:
     return device
 
 
-def calibration_context(config, device: torch.device, tp: int):
+def calibration_context(config, device: torch.device, tp: int, ep: int = 1):
     """One process: no groups. Under torchrun: data-parallel copies of ``tp`` tensor-parallel ranks
-    (the layout of ``meshlm eval --tp``), the process group joined here."""
+    (the layout of ``meshlm eval --tp``), each MoE block's experts split over ``ep`` of the ranks
+    (folded onto the copies, as training folds them), the process group joined here."""
     import torch.distributed as dist
 
     from meshlm.config import ParallelConfig
     from meshlm.parallel.mesh import ParallelContext, build_parallel_context
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if world % tp:
-        raise ConfigError(f"--tp {tp} does not divide the {world} processes started; launch a multiple of {tp} "
-                          "processes with torchrun (--nproc_per_node), or lower --tp.")
+    for flag, size in (("--tp", tp), ("--ep", ep)):
+        if world % size:
+            raise ConfigError(f"{flag} {size} does not divide the {world} processes started; launch a multiple of "
+                              f"{size} processes with torchrun (--nproc_per_node), or lower {flag}.")
+    if ep > 1 and "E" not in config.block_kinds:
+        raise ConfigError(f"--ep {ep}: the model has no MoE blocks (model.pattern={config.pattern!r}); leave --ep out.")
     if world == 1:
         return ParallelContext(device=device)
-    return build_parallel_context(ParallelConfig(tp=tp), config, device)
+    try:
+        return build_parallel_context(ParallelConfig(tp=tp, ep=ep), config, device)
+    except ConfigError as error:
+        raise ConfigError(f"--tp {tp} --ep {ep} on {world} processes: {error}") from error
 
 
 def calibration_model(source_dir: Path, context):

@@ -131,6 +131,8 @@ def test_init_model_config_without_init_from_is_refused(tmp_path, capsys):
     ([], "say how to prune"),
     (["--per-block", "--target-params", "1000"], "--target-params 1000 is below the smallest model"),
     (["--per-block", "--ffn", "4"], "give --ffn at least 8"),
+    (["--ffn", "32", "--ep", "2"], "--ep 2 does not divide the 1 processes started"),
+    (["--ffn", "32", "--ep", "0"], "--ep 0 must be a positive integer"),
 ])
 def test_refusals_name_the_flag_and_write_nothing(tmp_path, source, capsys, arguments, words):
     code = main(["prune", str(source), str(tmp_path / "small"), "--calibration", str(tmp_path / "data" / "blend.json"),
@@ -155,7 +157,7 @@ PRUNE_HYBRID = ["--samples", "6", "--seq-len", "16", "--batch-size", "2", "--hid
                 "--kv-heads", "1", "--mamba-heads", "4", "--experts", "2", "--drop-blocks", "1", "--device", "cpu"]
 
 
-def prune_and_score(source: str, blend: str, out: str, tp: int) -> dict:
+def prune_and_score(source: str, blend: str, out: str, tp: int, ep: int = 1) -> dict:
     """On every rank (or in one process): ``meshlm prune --tp tp`` into ``out``, then the importance
     scores of the same layout and samples (the CLI's own pieces), as plain tensors."""
     from meshlm.adapt.importance import collect_importance
@@ -163,12 +165,14 @@ def prune_and_score(source: str, blend: str, out: str, tp: int) -> dict:
                                         calibration_model, gathered_over, summed_over)
 
     torch.set_num_threads(1)
-    assert main(["prune", source, out, "--calibration", blend, *PRUNE_HYBRID, "--tp", str(tp)]) == 0
+    assert main(["prune", source, out, "--calibration", blend, *PRUNE_HYBRID, "--tp", str(tp), "--ep", str(ep)]) == 0
     config = read_model_config(Path(source))
-    context = calibration_context(config, torch.device("cpu"), tp)
+    context = calibration_context(config, torch.device("cpu"), tp, ep)
     dataset = calibration_dataset([blend], 16, 6, 1234, config.vocab_size)
+    model = calibration_model(Path(source), context)
+    assert model.blocks[3].mixer.experts.up_weight.shape[0] == HYBRID["moe_num_experts"] // ep  # this rank's experts
     importance = collect_importance(
-        calibration_model(Path(source), context), calibration_batches(dataset, 2, context.dp_rank, context.dp_size,
+        model, calibration_batches(dataset, 2, context.dp_rank, context.dp_size,
                                                                    torch.device("cpu")),
         depth_metric="loss", reduce=summed_over(context.dp_group) if context.dp_size > 1 else None,
         gather=gathered_over(context.tp_group) if context.tp_size > 1 else None)
@@ -178,7 +182,7 @@ def prune_and_score(source: str, blend: str, out: str, tp: int) -> dict:
     return scores
 
 
-def test_tp2_and_dp2_calibration_prunes_exactly_as_one_process(tmp_path):
+def test_tp2_dp2_and_ep2_calibration_prunes_exactly_as_one_process(tmp_path):
     from safetensors.torch import load_file
 
     from tests.helpers.distributed import run_distributed
@@ -187,8 +191,8 @@ def test_tp2_and_dp2_calibration_prunes_exactly_as_one_process(tmp_path):
     blend = write_corpus(tmp_path / "data", num_documents=40, max_length=60)
     source = save_model(LanguageModel(ModelConfig(**HYBRID)), tmp_path / "big", tokenizer_dir=blend.parent)
     single = prune_and_score(str(source), str(blend), str(tmp_path / "single"), 1)
-    for layout, tp in (("tp2", 2), ("dp2", 1)):
-        by_rank = run_distributed(prune_and_score, 2, str(source), str(blend), str(tmp_path / layout), tp,
+    for layout, tp, ep in (("tp2", 2, 1), ("dp2", 1, 1), ("ep2", 1, 2)):
+        by_rank = run_distributed(prune_and_score, 2, str(source), str(blend), str(tmp_path / layout), tp, ep,
                                   timeout_s=120)
         for rank, scores in enumerate(by_rank):
             assert set(scores) == set(single), (layout, rank)
