@@ -28,6 +28,7 @@ COMMANDS = {
     "checkpoint": ("meshlm.checkpoint.cli", "inspect or consolidate a (sharded) training checkpoint"),
     "convert": ("meshlm.hf.cli", "convert between Hugging Face and meshlm checkpoints"),
     "generate": ("meshlm.inference.cli", "generate text from a meshlm model or checkpoint"),
+    "chat": ("meshlm.inference.chat_session", "chat with a fine-tuned model, turn by turn (/think, /no_think, /reset)"),
     "train": ("meshlm.training.cli", "train (or resume) a model from a YAML config and dotted overrides"),
     "tokenizer": ("meshlm.data.tokenizer_training", "train or extend a byte-level BPE tokenizer"),
     "preprocess": ("meshlm.data.preprocess", "tokenize text files into a token store (PREFIX.bin + PREFIX.idx)"),
@@ -36,7 +37,10 @@ COMMANDS = {
     "prune": ("meshlm.adapt.prune_cli", "prune a model to its most important units and blocks (Minitron)"),
     "adapt-vocab": ("meshlm.adapt.vocab_cli", "resize a model's embedding and head to an extended tokenizer (new rows: mean of their pieces)"),
     "eval": ("meshlm.evaluation.cli", "perplexity, bits per byte and multiple-choice accuracy of a model or checkpoint"),
+    "score": ("meshlm.evaluation.score_cli", "a reward model's scores of preference pairs or rated replies (pairwise accuracy, MSE)"),
     "plan": ("meshlm.planning.cli", "predict memory per GPU and step time of the parallel layouts of a run on N GPUs"),
+    "power": ("meshlm.planning.power_cli", "a job's power trace: swing (MW), ramp rates, spectrum, and the cost of a power floor"),
+    "rl": ("meshlm.rl.cli", "reinforcement learning with verifiable rewards (GRPO) from an SFT'ed model"),
     "demo": ("meshlm.demo", "build the demo corpus, train a small hybrid model, plot and sample from it"),
 }
 

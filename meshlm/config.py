@@ -30,6 +30,9 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 FP8_GEMMS = ("auto", "emulated", "hardware")
 RECOMPUTE = ("none", "selective", "full")
 ON_NONFINITE = ("rollback", "stop")
+OBJECTIVES = ("lm", "reward", "dpo")
+REWARD_LOSSES = ("bradley_terry", "mse")
+DPO_VARIANTS = ("dpo", "length_normalized", "rpo")
 
 
 @dataclass
@@ -129,6 +132,30 @@ class TrainConfig:
     block i gets the teacher's (detached) input to its block i and is trained to reproduce the
     teacher block's output (mean squared error), all blocks independently in one step; the
     distillation loss is the sum over blocks. Needs as many blocks and the same hidden size."""
+    objective: str = "lm"
+    """What the run trains (meshlm/training/preference.py): 'lm' (next-token prediction, pretraining
+    and SFT), 'reward' (a reward model: model.head=reward on a preference store of pairs (loss
+    train.reward_loss=bradley_terry) or of rated replies (mse); `meshlm preprocess --preference`), or
+    'dpo' (Direct Preference Optimization of an LM on a store of pairs against a frozen reference
+    model, train.reference_from). train.micro_batch_size and global_batch_size then count examples
+    (a pair is two rows). Layouts: tp (+sp), dp, ZeRO; pp, cp and ep are refused."""
+    reward_loss: str = "bradley_terry"
+    """With objective=reward: 'bradley_terry' (pairs: -log sigmoid(r_chosen - r_rejected) of the one
+    score a model with a single reward attribute gives) or 'mse' (rated replies: mean squared error of
+    each attribute's score against its rating, skipping missing ratings)."""
+    dpo_beta: float = 0.1
+    """With objective=dpo: beta of DPO (Rafailov et al. 2023), the strength of the implicit KL
+    penalty to the reference: loss = -log sigmoid(beta * ((logp_c - ref_c) - (logp_r - ref_r)))."""
+    dpo_variant: str = "dpo"
+    """With objective=dpo: 'dpo' (log-probabilities summed over the reply's tokens), 'length_normalized'
+    (averaged over them: SimPO's/ORPO's length normalization, with the reference kept) or 'rpo'
+    (DPO plus rpo_alpha times the chosen reply's mean token NLL; Pang et al. 2024, Nemotron-4 340B)."""
+    rpo_alpha: float = 1.0
+    """With dpo_variant=rpo: the weight of the chosen reply's NLL term."""
+    reference_from: str | None = None
+    """With objective=dpo: the frozen reference model (a model folder, step_N folder or run
+    directory), run forward-only in the run's layout and dtype; null means train.init_from (the
+    usual choice: the SFT model DPO starts from)."""
     prefetch_batches: bool = True
     """Read the next step's micro-batches in a background thread while the current step computes
     (into pinned memory on CUDA, copied with non_blocking=True). The batches are the same either
@@ -148,6 +175,27 @@ class TrainConfig:
     checkpoint to resume from)."""
     max_rollbacks: int = 3
     """With on_nonfinite='rollback': stop instead once this many rollbacks happened in one process."""
+    record_phases: bool = True
+    """Global rank 0 appends each step's phase timestamps (its waits on communication and on the
+    pipeline, the optimizer, checkpoint saves, evaluations, power-floor filler bursts) to
+    RUN_DIR/power_timeline.jsonl, which `meshlm power RUN_DIR` turns into the job's power trace.
+    A few microseconds per collective and a line per step. See meshlm/training/phase_timeline.py."""
+    power_floor: float = 0.0
+    """Hold the estimated power of each GPU at or above this fraction of its compute power
+    (0 = off; 0 < F < 1): while the host waits on a collective or the pipeline, a filler thread
+    runs GEMMs on spare tensors (a secondary CUDA stream on GPU, a thread on CPU), as many as the
+    floor needs; the model's numbers are unchanged. Costs energy; shrinks the job's power swing
+    to about (1 - F) of its peak. See meshlm/training/power_floor.py."""
+    power_ramp_seconds: float = 0.0
+    """With power_floor: ramp the filler's floor linearly over this many seconds at the start of
+    the run (0 -> F before the first step), at its end (F -> 0 after the last step) and around
+    checkpoint saves (held at F, fading to 0 over this time if the save lasts, back up before
+    training resumes), so the job's power never jumps by more than F of its peak at those moments."""
+    reward_fn: str | None = None
+    """`meshlm rl`: the reward as 'module:function' (the module importable, e.g. from the working
+    directory), called as ``fn(prompt: str, completion: str, **fields) -> float`` with the
+    environment record's fields (the arithmetic environment's: ``answer``); null: the environment's
+    own reward (arithmetic: 1.0 when the reply's last number is the answer, else 0.0). See meshlm/rl/."""
 
 
 @dataclass
@@ -354,6 +402,66 @@ class ParallelConfig:
 
 
 @dataclass
+class RLConfig:
+    """`meshlm rl`: reinforcement learning with verifiable rewards (GRPO; meshlm/rl/)."""
+
+    env: str = "arithmetic"
+    """Where prompts come from: 'arithmetic' (built-in: seeded questions such as "What is 17 + 25?",
+    scored by the final number of the reply)."""
+    group_size: int = 8
+    """G: completions sampled per prompt; advantages are normalized within each group (>= 2)."""
+    prompts_per_step: int = 4
+    """Prompts per step over all data-parallel ranks (a multiple of the DP size); the step trains on
+    prompts_per_step * group_size completions (`meshlm rl` sets train.global_batch_size to that count;
+    train.micro_batch_size completions go through each forward/backward)."""
+    max_new_tokens: int = 16
+    """Longest completion, in tokens (the end-of-turn token included); prompt plus completion must fit train.seq_len."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts; the log-probabilities of the loss use the same temperature."""
+    clip_epsilon: float = 0.2
+    """PPO/GRPO clip: the ratio pi/pi_old is clipped to [1 - clip_epsilon, 1 + clip_epsilon]."""
+    kl_coeff: float = 0.04
+    """beta of the k3 KL penalty to the frozen reference model (GRPO's 0.04); 0 builds no reference."""
+    epochs: int = 1
+    """mu: optimizer steps on each step's rollouts (1: the ratio is 1 and the clip inactive)."""
+    loss_averaging: str = "sequence"
+    """'sequence' (each completion's mean over its tokens, then the mean over completions: GRPO) or
+    'token' (the mean over all completion tokens of the step: DAPO, Yu et al. 2025)."""
+    reference_from: str | None = None
+    """The frozen reference model of the KL term (a model folder, checkpoint or run directory); null: train.init_from."""
+    eval_prompts: int = 64
+    """Held-out prompts (never trained on) answered greedily for the accuracy of each evaluation
+    (every train.eval_every steps, and `meshlm rl --eval-only`)."""
+    digits: int = 2
+    """Arithmetic environment: operands have 1 to this many digits."""
+    operations: str = "+-"
+    """Arithmetic environment: the operators drawn from, some of '+', '-', '*'."""
+
+
+def validate_rl(rl: RLConfig, train: TrainConfig) -> None:
+    """The rl section's values (the environment, reward function and layout are checked by `meshlm rl`)."""
+    for name in ("group_size", "prompts_per_step", "max_new_tokens", "epochs", "eval_prompts", "digits"):
+        value = getattr(rl, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"rl.{name}={value!r} must be a positive integer.")
+    if rl.group_size < 2:
+        raise ConfigError(f"rl.group_size={rl.group_size} must be >= 2: advantages compare the completions of a "
+                          "prompt with each other.")
+    if not rl.temperature > 0:
+        raise ConfigError(f"rl.temperature={rl.temperature} must be > 0 (rollouts are sampled).")
+    if not 0 < rl.clip_epsilon < 1:
+        raise ConfigError(f"rl.clip_epsilon={rl.clip_epsilon} must lie in (0, 1) (0.2 is usual).")
+    if not rl.kl_coeff >= 0:
+        raise ConfigError(f"rl.kl_coeff={rl.kl_coeff} must be >= 0 (0: no KL penalty and no reference model).")
+    check_choice("rl.loss_averaging", rl.loss_averaging, ("sequence", "token"))
+    if not rl.operations or set(rl.operations) - set("+-*"):
+        raise ConfigError(f"rl.operations={rl.operations!r} must be some of '+', '-', '*' (e.g. rl.operations='+-').")
+    if train.reward_fn is not None and (train.reward_fn.count(":") != 1 or not all(train.reward_fn.split(":"))):
+        raise ConfigError(f"train.reward_fn={train.reward_fn!r} must look like module:function "
+                          "(e.g. train.reward_fn=my_rewards:exact_answer).")
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -361,6 +469,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def to_dict(self) -> dict:
         return {name: section_to_dict(getattr(self, name)) for name in SECTIONS}
@@ -385,6 +494,8 @@ class RunConfig:
             raise ConfigError(f"train.time_limit_minutes={train.time_limit_minutes} must be >= 0; give the job's "
                               "wall-clock limit in minutes (a little below the scheduler's), or 0 for none.")
         validate_distillation(train)
+        validate_power_floor(train)
+        validate_objective(self)
         check_choice("optim.schedule", optim.schedule, SCHEDULES)
         check_choice("precision.dtype", self.precision.dtype, DTYPES)
         check_choice("precision.fp8_gemm", self.precision.fp8_gemm, FP8_GEMMS)
@@ -402,9 +513,23 @@ class RunConfig:
             raise ConfigError("optim.warmup_steps, train.eval_every, train.save_every and train.grad_clip "
                               "must be >= 0.")
         validate_parallel(self.parallel)
+        validate_rl(self.rl, train)
         if self.data.weights is not None and len(self.data.weights) != len(self.data.prefixes):
             raise ConfigError(f"data.weights has {len(self.data.weights)} entries but data.prefixes has "
                               f"{len(self.data.prefixes)}; give one weight per prefix (or null).")
+
+
+def validate_power_floor(train) -> None:
+    """train.power_floor in [0, 1), train.power_ramp_seconds >= 0 (meshlm/training/power_floor.py)."""
+    if not 0 <= train.power_floor < 1:  # also refuses nan
+        raise ConfigError(f"train.power_floor={train.power_floor} must lie in [0, 1): the fraction of a GPU's "
+                          "compute power to hold during communication waits (0 = off, e.g. 0.6).")
+    if not train.power_ramp_seconds >= 0:
+        raise ConfigError(f"train.power_ramp_seconds={train.power_ramp_seconds} must be >= 0 (seconds over which "
+                          "the power floor ramps at start, end and around checkpoints; 0 = no ramps).")
+    if train.power_ramp_seconds > 0 and train.power_floor == 0:
+        raise ConfigError(f"train.power_ramp_seconds={train.power_ramp_seconds} ramps the power floor, but "
+                          "train.power_floor is 0 (off); set train.power_floor (e.g. 0.6) or drop the ramps.")
 
 
 def parse_profile_steps(text: str) -> tuple[int, int]:
@@ -440,6 +565,41 @@ def validate_distillation(train: TrainConfig) -> None:
                           "(a model folder, checkpoint or run directory).")
 
 
+def validate_objective(config: RunConfig) -> None:
+    """train.objective and its settings against the model and layout (the data's kind and the
+    reference model are checked when the trainer opens them: meshlm/training/preference.py)."""
+    train, model, parallel = config.train, config.model, config.parallel
+    check_choice("train.objective", train.objective, OBJECTIVES)
+    check_choice("train.reward_loss", train.reward_loss, REWARD_LOSSES)
+    check_choice("train.dpo_variant", train.dpo_variant, DPO_VARIANTS)
+    if train.objective == "reward" and model.head != "reward":
+        raise ConfigError("train.objective=reward trains a reward head; set model.head=reward.")
+    if train.objective != "reward" and model.head == "reward":
+        raise ConfigError(f"model.head=reward has no next-token logits to train with train.objective="
+                          f"{train.objective}; set train.objective=reward.")
+    if train.objective == "lm":
+        return
+    if train.objective == "reward" and train.reward_loss == "bradley_terry" and len(model.reward_attributes) > 1:
+        raise ConfigError(f"train.reward_loss=bradley_terry compares one score per reply, but model.reward_attributes "
+                          f"has {len(model.reward_attributes)}; give one name, or use train.reward_loss=mse on rated "
+                          "replies.")
+    if not train.dpo_beta > 0 or not train.rpo_alpha >= 0:
+        raise ConfigError(f"train.dpo_beta={train.dpo_beta} must be > 0 and train.rpo_alpha={train.rpo_alpha} >= 0.")
+    if train.objective == "dpo" and (train.reference_from or train.init_from) is None:
+        raise ConfigError("train.objective=dpo needs a frozen reference model; set train.init_from (the SFT model, "
+                          "also the reference by default) or train.reference_from.")
+    unsupported = [(f"parallel.{name}={getattr(parallel, name)}", getattr(parallel, name) > 1)
+                   for name in ("pp", "cp", "ep")]
+    unsupported += [(f"model.mtp_depth={model.mtp_depth}", model.mtp_depth > 0),
+                    (f"precision.recipe={config.precision.recipe}", config.precision.recipe != "none"),
+                    (f"train.distill_from={train.distill_from}", train.distill_from is not None),
+                    (f"parallel.dp_sync={parallel.dp_sync}", parallel.dp_sync != "every_step")]
+    for setting, used in unsupported:
+        if used:
+            raise ConfigError(f"train.objective={train.objective} does not support {setting} yet; use tp (+sp), dp "
+                              "and ZeRO, plain bf16/fp16/fp32, without MTP or distillation.")
+
+
 def validate_parallel(parallel: ParallelConfig) -> None:
     """Checks that need no world size; the layout against the world and the model is checked by
     ``meshlm.parallel.mesh.check_layout`` before any collective runs."""
@@ -468,7 +628,7 @@ def validate_parallel(parallel: ParallelConfig) -> None:
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "optim": OptimConfig,
-            "data": DataConfig, "precision": PrecisionConfig, "parallel": ParallelConfig}
+            "data": DataConfig, "precision": PrecisionConfig, "parallel": ParallelConfig, "rl": RLConfig}
 
 
 def section_to_dict(section) -> dict:

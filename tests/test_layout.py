@@ -35,7 +35,7 @@ LAYERS = (
     ("parallel", "precision", "config"),
     ("checkpoint",),
     ("hf", "training", "inference", "adapt"),
-    ("planning",),
+    ("planning", "rl"),
     ("evaluation",),
     ("demo", "cli"),
     ("__main__",),

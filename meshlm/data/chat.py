@@ -37,6 +37,10 @@ reasoning) is refused by name, since its training text is not one fixed string.
 ``encode_segments`` tokenizes runs of equally flagged segments one run at a time and gives each
 token its run's flag; generation (``meshlm generate --chat``) tokenizes the prompt -- all of it
 untrained -- the same way, so the model sees at inference the tokens it was trained on.
+
+**The reasoning toggle** (``meshlm/data/reasoning.py``): a system turn ending with ``/think`` or
+``/no_think`` asks for a reply that opens with a ``<think>...</think>`` block, or for the answer
+alone; the block is part of the assistant's content, so it is rendered and trained like it.
 """
 
 from __future__ import annotations

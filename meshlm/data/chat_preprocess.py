@@ -15,7 +15,9 @@ the file and the line.
 and its ``tokenizer_config.json`` / ``special_tokens_map.json``. With meshlm's default template,
 the markers it lacks (``<|user|>``, ``<|end|>``, ...) are added to the copy as special tokens,
 with ids after its whole vocabulary (so no old id changes meaning); ``--max-vocab-size`` (the
-model's ``vocab_size``) refuses additions that would not fit the model. Adding tokens needs a
+model's ``vocab_size``) refuses additions that would not fit the model. When a reply opens with a
+think block, ``<think>`` and ``</think>`` are added the same way (the reasoning toggle,
+``meshlm/data/reasoning.py``); the input is read once first to find out. Adding tokens needs a
 Hugging Face ``tokenizer.json``; a SentencePiece or tiktoken tokenizer must already have them
 (or bring its own ``chat_template``). ``PREFIX.meta.json`` names this copy, so training copies
 it, template and all, into its checkpoints, and ``meshlm generate --chat`` renders prompts the
@@ -37,7 +39,8 @@ from typing import Iterator
 import tokenizers
 
 from meshlm.data.chat import (ChatTemplate, check_messages, encode_segments, load_chat_template,
-                              missing_special_tokens)
+                              missing_special_tokens, token_id)
+from meshlm.data.reasoning import REASONING_SPECIAL_TOKENS, check_think_blocks, has_think_block
 from meshlm.data.indexed import TokenStoreWriter
 from meshlm.data.readers import expand_inputs
 from meshlm.data.tokenizer import (SPECIAL_TOKEN_CONFIG_FILES, find_tokenizer_file, load_tokenizer,
@@ -59,11 +62,15 @@ def chat_tokenizer_folder(out_prefix: str | os.PathLike) -> Path:
 
 
 def write_chat_tokenizer(tokenizer_path: str | os.PathLike, folder: Path, template: ChatTemplate,
-                         max_vocab_size: int | None = None) -> Path:
-    """Copy the tokenizer into ``folder``, adding the template's missing special tokens; the file."""
+                         max_vocab_size: int | None = None, extra_tokens: tuple[str, ...] = ()) -> Path:
+    """Copy the tokenizer into ``folder``, adding the template's missing special tokens; the file.
+    ``extra_tokens`` (the think tags, ``meshlm/data/reasoning.py``) are added too when missing, if
+    the tokenizer is a tokenizer.json; other formats keep them as ordinary text."""
     source = find_tokenizer_file(tokenizer_path)
     tokenizer = load_tokenizer(source)
     missing = missing_special_tokens(tokenizer, template)
+    if tokenizer_format(source) == "huggingface":
+        missing += [token for token in extra_tokens if token not in missing and token_id(tokenizer, token) is None]
     folder.mkdir(parents=True, exist_ok=True)
     for name in SPECIAL_TOKEN_CONFIG_FILES:
         if (source.parent / name).is_file():
@@ -104,6 +111,7 @@ def read_conversations(files: list[Path], messages_key: str = "messages") -> Ite
                     raise DataError(f"{where}: no {messages_key!r} key; each line must be "
                                     f"{{\"{messages_key}\": [{{\"role\": ..., \"content\": ...}}, ...]}}.")
                 check_messages(record[messages_key], where)
+                check_think_blocks(record[messages_key], where)
                 yield where, record[messages_key]
 
 
@@ -112,7 +120,9 @@ def preprocess_chat(inputs, tokenizer_path: str | os.PathLike, out_prefix: str |
     """Render, tokenize and mask every conversation of ``inputs`` into the chat store ``out_prefix``."""
     files = expand_inputs(inputs)
     template = load_chat_template(find_tokenizer_file(tokenizer_path))
-    tokenizer_file = write_chat_tokenizer(tokenizer_path, chat_tokenizer_folder(out_prefix), template, max_vocab_size)
+    reasoning = any(has_think_block(messages) for _, messages in read_conversations(files, messages_key))
+    tokenizer_file = write_chat_tokenizer(tokenizer_path, chat_tokenizer_folder(out_prefix), template, max_vocab_size,
+                                          REASONING_SPECIAL_TOKENS if reasoning else ())
     tokenizer = load_tokenizer(tokenizer_file)
     store_folder = os.path.dirname(os.path.abspath(f"{out_prefix}.meta.json"))  # paths relative to it, as preprocess
     metadata = {"tokenizer": os.path.relpath(os.path.abspath(tokenizer_file), store_folder),

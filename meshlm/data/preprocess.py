@@ -19,7 +19,8 @@ is one document (``--txt-documents file``). Progress goes to stderr: a ``tqdm`` 
 tqdm is installed, otherwise one plain line.
 
 With ``--chat`` the input is conversations (JSONL ``messages``), rendered by a chat template
-and stored with a loss mask: ``meshlm/data/chat_preprocess.py``.
+and stored with a loss mask: ``meshlm/data/chat_preprocess.py``. With ``--preference`` it is
+preference pairs or rated replies for reward models and DPO: ``meshlm/data/preference.py``.
 
 The store's ``PREFIX.meta.json`` records the tokenizer (its path relative to the store) and
 these settings, so a run trained from ``data.prefixes`` finds the tokenizer and copies it into
@@ -226,12 +227,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="the input is chat JSONL ({\"messages\": [...]} per line): render it with the chat "
                              "template and store a loss mask (PREFIX.mask.bin) that trains on assistant turns only")
+    parser.add_argument("--preference", action="store_true",
+                        help="the input is preference JSONL (prompt/messages + chosen + rejected, or messages + "
+                             "scores per line) for reward models and DPO: meshlm/data/preference.py")
     parser.add_argument("--max-vocab-size", type=int, metavar="N",
-                        help="with --chat: refuse to add chat tokens to the tokenizer beyond N ids (the model's "
+                        help="with --chat or --preference: refuse to add chat tokens to the tokenizer beyond N ids (the model's "
                              "vocab_size)")
 
 
 def run(args) -> int:
+    if args.preference:
+        from meshlm.data.preference import preprocess_preference
+        result = preprocess_preference(args.input, args.tokenizer, args.out, max_vocab_size=args.max_vocab_size)
+        print(f"wrote the preference store {result.prefix} ({result.kind}): {result.num_examples:,} examples, "
+              f"{result.num_tokens:,} tokens" + (f"; attributes {', '.join(result.attributes)}" if result.attributes
+                                                 else ""))
+        return 0
     if args.chat:
         from meshlm.data.chat_preprocess import chat_tokenizer_folder, preprocess_chat
         result = preprocess_chat(args.input, args.tokenizer, args.out, max_vocab_size=args.max_vocab_size)

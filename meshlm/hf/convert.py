@@ -66,6 +66,9 @@ def architecture_of(hf_config: dict, source: str = "config.json") -> Architectur
 def choose_architecture(config: ModelConfig, requested: str | None = None, original: str | None = None
                         ) -> Architecture:
     """The HF architecture to export ``config`` as (see the module docstring for the order)."""
+    if config.head == "reward":
+        raise ConfigError("this model has model.head=reward (a reward model), which no supported Hugging Face "
+                          "causal-LM architecture can hold; read it with `meshlm score` instead of exporting it.")
     if requested is not None:
         if requested not in ARCHITECTURES:
             raise ConfigError(f"--architecture {requested!r} is not one of {', '.join(ARCHITECTURES)}.")

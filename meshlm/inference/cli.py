@@ -16,6 +16,9 @@ eos token. Output is one line per prompt: the generated text (or ids without a t
 
 ``--chat`` renders each prompt as a user turn with the checkpoint tokenizer's chat template,
 stops at the end of the assistant's turn and prints only the reply (``meshlm/inference/chat.py``).
+``--reasoning on|off`` ends the system turn with ``/think`` or ``/no_think`` (the reasoning toggle,
+``meshlm/data/reasoning.py``); a reply's think block prints as ``<think>...</think>`` before the
+answer (with ``--json``: a ``"thinking"`` field, and ``"text"`` holds the answer).
 
     meshlm generate runs/x --prompt-ids 1,2,3 --max-new-tokens 256 --greedy --prefill-chunk 4096 --stats
     meshlm generate runs/demo-mtp --prompt "ROMEO:" --max-new-tokens 128 --greedy --speculative mtp --stats
@@ -45,7 +48,7 @@ from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.model_files import load_model
 from meshlm.data.tokenizer import Tokenizer, find_tokenizer_file, load_tokenizer
 from meshlm.errors import ConfigError
-from meshlm.inference.chat import chat_prompt, reply_ids
+from meshlm.inference.chat import chat_prompt, reply_ids, reply_record, show_reply
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.inference.speculative import SPECULATIVE_METHODS
@@ -86,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="render each --prompt as a user turn with the chat template; print only the reply")
     parser.add_argument("--system", metavar="TEXT", help="with --chat: a system turn before the prompt")
+    parser.add_argument("--reasoning", choices=("on", "off"),
+                        help="with --chat: end the system turn with /think (on) or /no_think (off), the toggle "
+                             "a reasoning model was fine-tuned with; a think block is printed marked")
     parser.add_argument("--stats", action="store_true",
                         help="print prefill/decode tokens/s, cache bytes (and drafts accepted) as JSON on stderr")
 
@@ -135,6 +141,9 @@ def choose_eos(explicit: int | None, tokenizer: Tokenizer | None, model_dir: Pat
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.reasoning is not None and not args.chat:
+        raise ConfigError("--reasoning writes the /think or /no_think switch into a chat system turn; add --chat, "
+                          "or drop --reasoning.")
     sampling = sampling_from_args(args)
     model_dir = resolve_model_dir(args.checkpoint)
     tokenizer = find_tokenizer(args.tokenizer, model_dir, Path(args.checkpoint))
@@ -148,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chat:
         if args.prompt is None:
             raise ConfigError("--chat renders text prompts as user turns; give them with --prompt, not --prompt-ids.")
-        prompts, stop_ids = zip(*(chat_prompt(tokenizer, text, args.system) for text in args.prompt))
+        prompts, stop_ids = zip(*(chat_prompt(tokenizer, text, args.system, args.reasoning) for text in args.prompt))
         prompts, eos_token_id = list(prompts), stop_ids[0] if args.eos_id is None else args.eos_id
     valid_vocab_size = min(tokenizer.vocab_size, model.config.vocab_size) if tokenizer else None
     settings = dict(eos_token_id=eos_token_id, valid_vocab_size=valid_vocab_size, prefill_chunk=args.prefill_chunk)
@@ -156,7 +165,11 @@ def run(args: argparse.Namespace) -> int:
     results = generate(model, prompts, args.max_new_tokens, sampling, speculative=args.speculative,
                        draft_tokens=args.draft_tokens, stats=stats, compile=args.compile, **settings)
     for ids in results:
-        ids = reply_ids(ids, eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]) if args.chat else ids
+        if args.chat:  # the reply only; a think block split from the answer (meshlm/inference/chat.py)
+            record = reply_record(tokenizer, reply_ids(ids, eos_token_id if isinstance(eos_token_id, list)
+                                                       else [eos_token_id]))
+            print(json.dumps(record) if args.json else show_reply(record))
+            continue
         text = tokenizer.decode(ids) if tokenizer else None
         if args.json:
             print(json.dumps({"ids": ids} if text is None else {"ids": ids, "text": text}))

@@ -39,6 +39,7 @@ MAMBA_SCANS = ("auto", "pytorch", "triton", "reference")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("micro_batch", "sequence", "global")
 DROP_POLICIES = ("probs", "position")
+HEADS = ("lm", "reward")
 
 
 BLOCK_OVERRIDE_FIELDS = {
@@ -110,6 +111,16 @@ class ModelConfig:
     """Epsilon of every norm (block, final, QK-norm, Mamba's gated norm)."""
     tie_embeddings: bool = False
     """Share the input embedding matrix with the output head."""
+    head: str = "lm"
+    """'lm' (next-token logits over the vocabulary) or 'reward' (a reward model, as Nemotron-4
+    340B-Reward: the LM head is replaced by one linear map hidden -> len(reward_attributes), read
+    after the final norm at each sequence's last token; trained with train.objective=reward and
+    read by `meshlm score`; it has no logits, so it cannot generate or be exported to Hugging
+    Face). See meshlm/models/reward_head.py."""
+    reward_attributes: list[str] = field(default_factory=lambda: ["reward"])
+    """With head='reward': the names of the scores the head outputs, one per attribute (e.g.
+    HelpSteer's [helpfulness, correctness, coherence, complexity, verbosity]); the default is one
+    scalar 'reward'."""
     init_std: float = 0.02
     """Std of the normal init of linear and embedding weights. Output projections of each
     block (attention o_proj, MLP/expert down_proj, Mamba out_proj) use
@@ -306,6 +317,7 @@ class ModelConfig:
                               "must be >= 0 (0 means no shared expert).")
         if self.mtp_depth < 0:
             raise ConfigError(f"model.mtp_depth={self.mtp_depth} must be >= 0 (0 turns MTP off).")
+        self._validate_head()
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
@@ -313,6 +325,19 @@ class ModelConfig:
         if self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} and model.init_std={self.init_std} must be > 0.")
         self._validate_block_overrides()
+
+    def _validate_head(self) -> None:
+        _choice(self, "head", HEADS)
+        attributes = self.reward_attributes
+        if (not isinstance(attributes, (list, tuple)) or not attributes
+                or not all(isinstance(name, str) and name for name in attributes)
+                or len(set(attributes)) != len(attributes)):
+            raise ConfigError(f"model.reward_attributes={attributes!r} must be a non-empty list of distinct names, "
+                              "e.g. [reward] or [helpfulness, correctness].")
+        self.reward_attributes = list(attributes)
+        if self.head == "reward" and self.mtp_depth:
+            raise ConfigError(f"model.head=reward has no next-token logits, so model.mtp_depth={self.mtp_depth} has "
+                              "nothing to predict; set model.mtp_depth=0.")
 
     def _validate_block_overrides(self) -> None:
         """Keys become ints (JSON writes them as strings); every override names an existing block and

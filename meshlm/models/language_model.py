@@ -10,6 +10,9 @@ from the tokens' global coordinates (``meshlm/models/dropout.py``), so a paralle
 same elements as a single process; the trainer passes the key (seed, step, sample indices), a
 bare training-mode forward draws one.
 
+A reward model (``model.head=reward``) has no output head and no logits: ``reward_head`` maps the
+normed last token of each sequence to its scores (``meshlm/models/reward_head.py``).
+
 When the caller wants only the loss (``return_logits=False``, as the trainer does), Head and CE
 are fused (``head_loss``, meshlm/models/losses.py): the logits are computed a chunk of tokens at
 a time and never held in full, which saves memory and time.
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.errors import ConfigError
 from meshlm.models.block import Block
 from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
@@ -37,6 +41,7 @@ from meshlm.models.init import draw_seed, initialize_weights
 from meshlm.models.losses import language_model_loss, linear_cross_entropy
 from meshlm.models.mtp import MultiTokenPrediction
 from meshlm.models.norms import make_norm
+from meshlm.models.reward_head import build_reward_head
 
 
 @dataclass
@@ -73,7 +78,11 @@ class LanguageModel(nn.Module):
         self.embedding_dropout = HiddenDropout(config.hidden_dropout, dropout_site("embedding"))
         self.blocks = nn.ModuleList(Block(kind, config, index) for index, kind in enumerate(config.block_kinds))
         self.final_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
-        self.output = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.output = (None if config.tie_embeddings or config.head == "reward"
+                       else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.reward_head = None  # model.head=reward: scores at the last token instead of logits (reward_head.py)
+        if config.head == "reward":
+            self.reward_head = build_reward_head(config.hidden_size, len(config.reward_attributes))
         self.mtp = None
         if config.mtp_depth:
             self.mtp = MultiTokenPrediction(config)
@@ -91,6 +100,9 @@ class LanguageModel(nn.Module):
         return hidden
 
     def output_weight(self) -> torch.Tensor:
+        if self.reward_head is not None:  # every path to logits comes here: generation, evaluation, LM losses
+            raise ConfigError("this model has model.head=reward, which gives scores, not next-token logits, so it "
+                              "cannot generate or compute a language-model loss; read it with `meshlm score`.")
         return self.embedding.weight if self.output is None else self.output.weight
 
     def head_logits(self, hidden: torch.Tensor, normed: bool = False) -> torch.Tensor:

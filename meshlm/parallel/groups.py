@@ -48,6 +48,9 @@ class Group:
     link: object | None = field(default=None, repr=False)
     """A ``SimulatedLink`` (``parallel.simulate_link``, a testing aid) every collective over this
     group waits out, else None (``meshlm/parallel/simulated_link.py``)."""
+    waits: object | None = field(default=None, repr=False)
+    """The run's ``CommunicationWaits``: every wait on a collective over this group is recorded as
+    a window (the power timeline, the power floor), else None (``communication_waits.py``)."""
 
     @property
     def size(self) -> int:

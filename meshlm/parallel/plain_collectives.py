@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.parallel.collective_log import Call, WrongDevice
+from meshlm.parallel.communication_waits import watched
 from meshlm.parallel.groups import Group, on_device
 from meshlm.parallel.simulated_link import delayed
 
@@ -63,10 +64,19 @@ def _checked(op: str, group: Group, tensors: dict[str, torch.Tensor], shapes=Non
 
 
 def _over_link(group: Group, op: str, tensor: torch.Tensor, issued: float, work, async_op: bool):
-    """The collective's result, held back by the group's simulated link (``parallel.simulate_link``)."""
-    if group.link is None:
-        return work
-    return delayed(group.link, op, tensor.numel() * tensor.element_size(), group.size, issued, work, async_op)
+    """The collective's result, held back by the group's simulated link (``parallel.simulate_link``);
+    an asynchronous handle's ``wait()`` counted as a wait (``Group.waits``)."""
+    if group.link is not None:
+        work = delayed(group.link, op, tensor.numel() * tensor.element_size(), group.size, issued, work, async_op)
+    return watched(work, group.waits, group.name) if async_op else work
+
+
+def _waiting(group: Group, async_op: bool = False):
+    """A synchronous call counted as a wait on its group from issue to return (``Group.waits``:
+    the power timeline and the power floor; ``communication_waits.py``)."""
+    if group.waits is None or async_op:
+        return contextlib.nullcontext()
+    return group.waits.waiting(group.name)
 
 
 def _quiet(group: Group | None) -> bool:
@@ -82,8 +92,9 @@ def all_reduce_(tensor: torch.Tensor, group: Group | None, op: str = "sum", asyn
         return None
     _checked("all_reduce" if op == "sum" else f"all_reduce({op})", group, {"reduced": tensor})
     issued = time.perf_counter()
-    work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group.process_group, async_op=async_op)
-    return _over_link(group, "all_reduce", tensor, issued, work, async_op)
+    with _waiting(group, async_op):
+        work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group.process_group, async_op=async_op)
+        return _over_link(group, "all_reduce", tensor, issued, work, async_op)
 
 
 def all_gather_into_(output: torch.Tensor, input: torch.Tensor, group: Group | None, async_op: bool = False):
@@ -95,8 +106,9 @@ def all_gather_into_(output: torch.Tensor, input: torch.Tensor, group: Group | N
     # torch 2.13 renamed the single-tensor all-gather (the old name warns); older torch has only the old one.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     issued = time.perf_counter()
-    work = gather(output, input, group=group.process_group, async_op=async_op)
-    return _over_link(group, "all_gather", output, issued, work, async_op)
+    with _waiting(group, async_op):
+        work = gather(output, input, group=group.process_group, async_op=async_op)
+        return _over_link(group, "all_gather", output, issued, work, async_op)
 
 
 def reduce_scatter_into_(output: torch.Tensor, input: torch.Tensor, group: Group | None, async_op: bool = False):
@@ -107,8 +119,9 @@ def reduce_scatter_into_(output: torch.Tensor, input: torch.Tensor, group: Group
     _checked("reduce_scatter", group, {"output": output, "input": input})
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     issued = time.perf_counter()
-    work = scatter(output, input, group=group.process_group, async_op=async_op)
-    return _over_link(group, "reduce_scatter", input, issued, work, async_op)
+    with _waiting(group, async_op):
+        work = scatter(output, input, group=group.process_group, async_op=async_op)
+        return _over_link(group, "reduce_scatter", input, issued, work, async_op)
 
 
 def all_to_all_(output: torch.Tensor, input: torch.Tensor, group: Group | None, output_splits: list[int] | None = None,
@@ -123,9 +136,10 @@ def all_to_all_(output: torch.Tensor, input: torch.Tensor, group: Group | None, 
     shapes = [(None, *output.shape[1:]), (None, *input.shape[1:])] if uneven else None
     _checked("all_to_all(uneven)" if uneven else "all_to_all", group, {"output": output, "input": input}, shapes)
     issued = time.perf_counter()
-    work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group.process_group,
-                                  async_op=async_op)
-    return _over_link(group, "all_to_all", input, issued, work, async_op)
+    with _waiting(group, async_op):
+        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group.process_group,
+                                      async_op=async_op)
+        return _over_link(group, "all_to_all", input, issued, work, async_op)
 
 
 def barrier(group: Group | None) -> None:
@@ -134,7 +148,8 @@ def barrier(group: Group | None) -> None:
         return
     _checked("barrier", group, {})
     device_ids = [group.device.index] if group.device.type == "cuda" and group.device.index is not None else None
-    dist.barrier(group=group.process_group, device_ids=device_ids)
+    with _waiting(group):
+        dist.barrier(group=group.process_group, device_ids=device_ids)
 
 
 def send_and_receive(sends: list[tuple[torch.Tensor, int, int]], receives: list[tuple[torch.Tensor, int, int]],
@@ -153,7 +168,8 @@ def send_and_receive(sends: list[tuple[torch.Tensor, int, int]], receives: list[
                               (_dtype(tensor),), peer, tag))
     operations = [dist.P2POp(function, tensor, peer, group.process_group, tag)
                   for _, function, tensor, peer, tag in messages]
-    return dist.batch_isend_irecv(operations) if operations else []
+    works = dist.batch_isend_irecv(operations) if operations else []
+    return [watched(work, group.waits, group.name) for work in works]  # each wait() counted (Group.waits)
 
 
 # --- Python objects (through the CPU on gloo, the current GPU on NCCL) ---------------------------------------
@@ -169,7 +185,7 @@ def all_gather_objects(obj, group: Group | None) -> list:
         return [obj]
     _checked("all_gather_object", group, {})
     everyone = [None] * group.size
-    with _object_device(group):
+    with _object_device(group), _waiting(group):
         dist.all_gather_object(everyone, obj, group=group.process_group)
     return everyone
 
@@ -179,7 +195,7 @@ def broadcast_objects(objects: list, group: Group | None, source: int = 0) -> li
     if _quiet(group):
         return objects
     _checked("broadcast_object", group, {}, shapes=[(len(objects),)])
-    with _object_device(group):
+    with _object_device(group), _waiting(group):
         dist.broadcast_object_list(objects, group=group.process_group, group_src=source)
     return objects
 
@@ -190,7 +206,7 @@ def gather_objects(obj, group: Group | None, destination: int = 0) -> list | Non
         return [obj]
     _checked("gather_object", group, {})
     gathered = [None] * group.size if group.rank == destination else None
-    with _object_device(group):
+    with _object_device(group), _waiting(group):
         dist.gather_object(obj, gathered, group=group.process_group, group_dst=destination)
     return gathered
 

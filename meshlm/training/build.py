@@ -58,7 +58,7 @@ def build_model(config, context, device: torch.device, init_from: str | None = N
     if context.pp_size > 1:
         pipeline = PipelinedModel.build(model, context, train.seq_len)
     source = (InitialValues(config.model, train.seed) if init_from is None
-              else initial_weights_source(init_from, config.model))
+              else initial_weights_source(init_from, config.model, seed=train.seed))
     materialize(model, context, source, device)
     return BuiltModel(model.train(), pipeline, num_parameters, sum_over_dp_cp)
 

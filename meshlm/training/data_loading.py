@@ -31,6 +31,10 @@ other, so a run that reads one keeps documents apart even when ``data.document_b
 false: it is turned on, with a one-line note (a conversation attending to the one packed before
 it would learn from text it will never have at inference).
 
+**Preference stores** (``meshlm preprocess --preference``) hold chosen/rejected pairs or rated
+replies; ``train.objective=reward`` and ``dpo`` read them as padded rows, one example per sample,
+never packed (``meshlm/training/preference_data.py``).
+
 Before any step runs, the vocabulary is checked: every token store records the vocabulary
 size its ids lie below, and the tokenizer knows its own; the model's embedding must cover
 both, or the first batch would fail with an index error deep inside the embedding. An
@@ -65,8 +69,10 @@ import torch
 
 from meshlm.data.blend import Blend, build_datasets, load_blend
 from meshlm.data.indexed import TokenStore, metadata_path
+from meshlm.data.preference import preference_kind
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError, DataError
+from meshlm.training.preference_data import build_preference_data
 
 
 VOCAB_PADDING_MULTIPLE = 128
@@ -155,6 +161,10 @@ def build_training_data(config) -> TrainingData:
     data, train = config.data, config.train
     blend = resolve_blend(data)
     check_vocabulary(blend, config.model.vocab_size)
+    tokenizer_file = Path(blend.tokenizer) if blend.tokenizer is not None else None
+    if train.objective != "lm" or any(preference_kind(prefix) for prefix in blend.prefixes):
+        datasets = build_preference_data(config, blend.prefixes)  # reward models, DPO (preference_data.py)
+        return TrainingData(train=datasets["train"], valid=datasets.get("valid"), tokenizer_file=tokenizer_file)
     num_samples = {"train": train.steps * train.global_batch_size}
     if train.eval_every > 0:
         num_samples["valid"] = train.eval_batches * train.micro_batch_size
@@ -173,7 +183,10 @@ def build_training_data(config) -> TrainingData:
 def read_batch(dataset: torch.utils.data.Dataset, start: int, size: int,
                device: torch.device) -> dict[str, torch.Tensor]:
     """Samples ``start .. start + size - 1`` of ``dataset``, stacked into [size, seq_len] tensors:
-    ``input_ids``, ``labels`` and, with ``data.document_boundaries``, ``document_ids``."""
+    ``input_ids``, ``labels`` and, with ``data.document_boundaries``, ``document_ids``. A dataset
+    with rows of its own (preference pairs: meshlm/data/preference.py) reads them itself."""
+    if hasattr(dataset, "read_batch"):
+        return dataset.read_batch(start, size, device)
     samples = [dataset[index] for index in range(start, start + size)]
     keys = [key for key in ("input_ids", "labels", "document_ids") if key in samples[0]]
     return {key: torch.stack([sample[key] for sample in samples]).to(device, non_blocking=True) for key in keys}

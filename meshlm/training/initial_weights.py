@@ -41,6 +41,7 @@ from meshlm.checkpoint.model_files import read_model_config, weights_source
 from meshlm.config import format_override
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.models.config import TRAINING_ONLY_FIELDS, ModelConfig
+from meshlm.training.reward_init import HEAD_FIELDS, RewardHeadSource, starts_from_language_model
 
 RESOLVED_FIELDS = ("num_kv_heads", "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "mamba_num_heads")
 """Fields where None stands for a size derived from the others (``ModelConfig.resolved_*``)."""
@@ -48,12 +49,17 @@ DERIVATION_ONLY_FIELDS = ("mamba_expand",)
 """Fields read only to derive one of ``RESOLVED_FIELDS`` (mamba_expand gives mamba_num_heads)."""
 
 
-def initial_weights_source(path: str | Path, model_config: ModelConfig):
+def initial_weights_source(path: str | Path, model_config: ModelConfig, seed: int = 0):
     """Where the run's weights come from when it starts from ``path`` (checked first: the folder's
     model must be ``model_config``'s): its ``model.safetensors``, read by slice, or a training
-    checkpoint's shards, read by chunk (``meshlm/checkpoint/materialize.py``)."""
+    checkpoint's shards, read by chunk (``meshlm/checkpoint/materialize.py``). A reward model may
+    start from a language model's folder: its new head then takes its initial value from ``seed``
+    (``reward_init.py``)."""
     directory = resolve_model_dir(path)
     saved = read_model_config(directory)  # CheckpointError when it is not a meshlm model folder
+    new_head = starts_from_language_model(model_config, saved)
+    if new_head:  # compare the backbones: the head is the one thing that may differ
+        saved = dataclasses.replace(saved, **{name: getattr(model_config, name) for name in HEAD_FIELDS})
     run, folder = resolved_model(model_config), resolved_model(saved)
     differing = differing_fields(run, folder)
     if differing:
@@ -64,6 +70,8 @@ def initial_weights_source(path: str | Path, model_config: ModelConfig):
         raise CheckpointError(f"train.init_from={path} holds a different model ({differences}); add "
                               f"{overrides} to the run (or copy the 'model' section of "
                               f"{directory / 'config.json'} into its config).")
+    if new_head:
+        return RewardHeadSource(weights_source(directory), model_config, seed)
     return weights_source(directory)
 
 
@@ -80,6 +88,8 @@ def model_from_init_folder(config):
     directory = resolve_model_dir(train.init_from)
     values = read_model_config(directory).to_dict()
     values.update({name: getattr(config.model, name) for name in TRAINING_ONLY_FIELDS})
+    if starts_from_language_model(config.model, read_model_config(directory)):  # a reward model keeps its head
+        values.update({name: getattr(config.model, name) for name in HEAD_FIELDS})
     model = ModelConfig.from_dict(values)
     differing = differing_fields(resolved_model(config.model), resolved_model(model))
     if differing and int(os.environ.get("RANK", "0")) == 0:

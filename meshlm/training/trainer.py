@@ -101,8 +101,10 @@ from meshlm.training.memory_estimate import (available_memory, estimate_training
                                              memory_warning)
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary, format_count,
                                      peak_flops)
+from meshlm.training.phase_timeline import power_recording
 from meshlm.training.plan_check import PlanCheck, describe as describe_plan_check
 from meshlm.training.plots import plot_losses
+from meshlm.training.preference import LOGGED_AS_IS, PreferenceObjective
 from meshlm.training.preflight import finished_run, startup_warnings
 from meshlm.training.profiling import StepProfiler
 from meshlm.training.schedules import learning_rate
@@ -189,6 +191,8 @@ class Trainer:
         self.recipe = build_recipe(config.precision, train.seed)  # low-precision GEMMs (None: plain dtype)
         self.context = build_parallel_context(config.parallel, config.model, self.device, train.seq_len,
                                               self.micro_batches_per_step)
+        # waits on collectives watched: RUN_DIR/power_timeline.jsonl, train.power_floor (phase_timeline.py)
+        self.context, self.phases = power_recording(train, self.context, self.device)
         # parallel.dp_sync: each DP replica trains alone between syncs (low_communication.py)
         local_replicas = config.parallel.dp_sync != "every_step" and self.context.dp_size > 1
         self.replica = replica_context(self.context) if local_replicas else self.context
@@ -202,6 +206,7 @@ class Trainer:
                 warnings.warn(message, stacklevel=2)
         seed_everything(train.seed)
         self.data = self.build_data()
+        self.rows_per_sample = getattr(self.data.train, "rows_per_example", 1)  # a preference pair is 2 rows
         self.batches = BatchPrefetcher(self.data.train, train.micro_batch_size, pin_memory=self.device.type == "cuda",
                                        background=train.prefetch_batches)
         self.checkpoints = Checkpointer(self.run_dir, config, self.context, tokenizer_file=self.data.tokenizer_file)
@@ -221,6 +226,8 @@ class Trainer:
         self.master_parameters = [param for _, param in self.precision.master_parameters()]
         # train.distill_from: the teacher's shards beside the student's, forward-only (distillation.py)
         self.distillation = Distillation.build(config, self.context, self.device, self.precision.dtype)
+        # train.objective=reward|dpo: the preference losses (and DPO's frozen reference; preference.py)
+        self.preference = PreferenceObjective.build(config, self.context, self.device, self.precision.dtype)
         self.reducer = None
         if self.context.distributed:
             self.reducer, self.optimizer = build_data_parallel(self.precision, config.optim, config.parallel,
@@ -294,7 +301,10 @@ class Trainer:
     def forward_micro_batch(self, batch: dict[str, torch.Tensor]):
         """The model's output on one micro-batch (loss only, no logits); under CP its losses are
         this rank's share, which summed over the CP group give the micro-batch's losses. With
-        train.distill_from, training micro-batches also run the teacher (``distillation.py``)."""
+        train.distill_from, training micro-batches also run the teacher (``distillation.py``); with
+        train.objective=reward|dpo the rows are preference pairs or rated replies (``preference.py``)."""
+        if self.preference is not None:  # reward model or DPO on preference rows
+            return self.preference.forward(self.model, batch)
         if self.distillation is not None and self.model.training:
             return self.distillation.forward(self.model, batch)  # already this rank's share under CP
         output = self.model(batch["input_ids"], batch["labels"], position_ids=batch.get("position_ids"),
@@ -382,7 +392,8 @@ class Trainer:
         if self.dp_sync is not None:
             lr = self.dp_sync.inner_lr(lr, self.state.step)  # PALSGD: 1 / (1 - p)
         if not skipped:
-            self.optimizer_step(lr)
+            with self.phases.phase("optimizer"):
+                self.optimizer_step(lr)
         update_expert_biases(self.model, self.sum_over_dp_cp)  # aux-loss-free balancing (MoE), if on
         self.precision.update_scale(skipped)
         self.optimizer.zero_grad(set_to_none=True)
@@ -463,7 +474,9 @@ class Trainer:
         total = 0.0
         batches_read = [split_batch(read_batch(self.data.valid, index * size, size, self.device), self.context)
                         for index in range(batches)]
-        if self.pipeline is not None:  # a forward-only schedule; every rank gets the sum
+        if self.preference is not None:  # the objective's loss; its accuracy etc. in preference.validation
+            total = self.preference.evaluate(self.model, batches_read, self.precision)
+        elif self.pipeline is not None:  # a forward-only schedule; every rank gets the sum
             total = self.pipeline.evaluate(batches_read, self.precision)
         else:
             for batch in batches_read:
@@ -487,12 +500,14 @@ class Trainer:
         every, step = self.config.train.eval_every, self.state.step
         if every <= 0 or self.last_eval_step == step or not (step % every == 0 or final):
             return None
-        val_loss = self.evaluate()
+        with self.phases.pause("evaluation", step):
+            val_loss = self.evaluate()
         self.last_eval_step = step
         self.state.last_val_loss = val_loss
         if self.state.best_val_loss is None or val_loss < self.state.best_val_loss:
             self.state.best_val_loss = val_loss
-        self.metrics.write({"step": step, "val_loss": val_loss})
+        self.metrics.write({"step": step, "val_loss": val_loss,
+                            **(self.preference.validation if self.preference is not None else {})})
         self.progress.message(f"step {step}: validation loss {val_loss:.4f}")
         return val_loss
 
@@ -501,14 +516,16 @@ class Trainer:
         if self.last_saved_step == step or not ((every and step % every == 0) or final):
             return
         background = self.config.train.async_save
-        path = self.checkpoints.save(self.state, self.training_parts(), async_save=background)
+        with self.phases.pause("checkpoint", step):  # held at train.power_floor, if any
+            path = self.checkpoints.save(self.state, self.training_parts(), async_save=background)
         self.last_saved_step = step
         self.progress.message(f"step {step}: {'saving' if background else 'saved'} {path}")
 
     def save_and_stop(self, reason: str) -> None:
         """Every rank agreed to stop after this step (a signal or the time limit; stop_requests.py):
         save it synchronously (after any asynchronous save in flight) and say where to resume."""
-        path = self.checkpoints.save(self.state, self.training_parts())
+        with self.phases.pause("checkpoint", self.state.step):
+            path = self.checkpoints.save(self.state, self.training_parts())
         self.last_saved_step = self.state.step
         self.metrics.write({"event": "stopped", "step": self.state.step, "reason": reason, "checkpoint": str(path)})
         self.progress.message(self.stop_requests.message(reason, self.state.step, self.config.train.steps, path))
@@ -537,7 +554,8 @@ class Trainer:
                   "tokens_per_s": tokens_per_s, "mfu": self.throughput.mfu(tokens_per_s),
                   "loss_scale": self.precision.loss_scale, "skipped_steps": self.state.skipped_steps,
                   "samples": self.state.consumed_samples}
-        record.update({f"loss_{name}": value for name, value in result.losses.items()})
+        record.update({name if name in LOGGED_AS_IS else f"loss_{name}": value  # accuracies, margins: as named
+                       for name, value in result.losses.items()})
         record.update(expert_load_summary(result.tokens_per_expert))
         return record
 
@@ -579,7 +597,7 @@ class Trainer:
                             "ep": layout.ep_size, "etp": layout.etp_size, "edp": layout.edp_size,
                             "num_parameters": num_parameters, "flops_per_token": flops_per_token,
                             "peak_flops": peak, "peak_flops_source": source,
-                            "tokens_per_step": train.global_batch_size * train.seq_len,
+                            "tokens_per_step": train.global_batch_size * self.rows_per_sample * train.seq_len,
                             "memory_estimate": self.memory.total, "memory_available": self.memory_available,
                             "tensorboard": self.metrics.tensorboard_enabled})
         where = f"resuming from {self.resumed_from}" if self.resumed_from else "starting"
@@ -600,21 +618,25 @@ class Trainer:
             self.compile_pending = False
         self.stop_requests.listen()  # SIGTERM and SIGINT now stop the run after the current step
         try:
+            self.phases.start({"step": self.state.step, "device": str(self.device), "world_size":
+                               self.context.world_size, "power_floor": train.power_floor,
+                               "power_ramp_seconds": train.power_ramp_seconds})  # the floor ramps up here
             if self.state.step == 0:  # the starting point of the validation curve
                 val_loss = self.maybe_evaluate(final=False)
                 if val_loss is not None:
                     result.val_losses[0] = val_loss
             while self.state.step < train.steps and result.stopped_by is None:
                 started = time.perf_counter()
-                with self.profiler.step(self.state.step + 1):  # train.profile_steps
+                with self.phases.interval(step=self.state.step + 1), self.profiler.step(self.state.step + 1):
                     step_result = self.train_step()
                 seconds = time.perf_counter() - started
-                self.throughput.add(train.global_batch_size * train.seq_len, seconds)
+                self.throughput.add(train.global_batch_size * self.rows_per_sample * train.seq_len, seconds)
                 if self.plan_check is not None:
                     self.plan_check.add(seconds)
                 result.losses[self.state.step] = step_result.loss
                 self.after_step(step_result, result)
             self.checkpoints.wait()  # an asynchronous save still in flight
+            self.phases.finish()  # train.power_floor ramps down
             if self.zero_stage == 3:  # leave the model whole (its units gathered) for whoever reads it next
                 self.optimizer.gather_all()
             compare_collectives(self.context, f"at the end of the run (step {self.state.step})")
@@ -625,6 +647,7 @@ class Trainer:
                                           "(pip install matplotlib).")
         finally:
             self.batches.close()
+            self.phases.close()
             self.stop_requests.close()
             self.profiler.stop()  # a run that stopped inside train.profile_steps still writes its trace
             self.metrics.close(plot)  # loss.png goes to W&B last

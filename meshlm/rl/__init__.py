@@ -1,0 +1,1 @@
+"""Reinforcement learning with verifiable rewards (GRPO): ``meshlm rl``. See loop.py."""

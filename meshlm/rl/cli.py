@@ -1,0 +1,82 @@
+"""``meshlm rl``: GRPO on an environment's prompts, from an SFT'ed model.
+
+    meshlm rl CONFIG.yaml train.init_from=runs/sft/checkpoints/step_200 [--env arithmetic]
+    meshlm rl CONFIG.yaml train.init_from=... --eval-only       held-out accuracy, as one JSON line
+    torchrun --nproc_per_node 2 -m meshlm rl CONFIG.yaml ...    data parallel (the same run)
+
+The config is a training config (``meshlm train --list-keys``) whose ``rl`` section sets the
+group size, prompts per step, sampling, clip, KL and environment (``meshlm/config.py``
+``RLConfig``), with ``train.reward_fn=module:function`` for a reward of your own. The model,
+optimizer, checkpoints (re-running resumes), metrics.jsonl and progress line are the trainer's;
+``meshlm/rl/loop.py`` says what a step does. A bad setting exits with status 2 and one sentence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from meshlm.errors import ConfigError
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", nargs="?", metavar="CONFIG.yaml", help="the run's YAML config")
+    parser.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
+                        help="override config values, e.g. rl.group_size=8 train.init_from=runs/sft")
+    parser.add_argument("--env", help="the prompt environment (sets rl.env): arithmetic")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="print the held-out accuracy of the run's newest checkpoint (else train.init_from) "
+                             "as JSON and exit, training nothing")
+
+
+def load_rl_config(config_path, overrides: list[str]):
+    """The run config with train.global_batch_size = rl.prompts_per_step * rl.group_size (a step's
+    completions; a value given for it is replaced), so it is validated as the trainer will use it."""
+    from meshlm.config import load_run_config
+
+    sizes = load_run_config(config_path, [*overrides, "train.micro_batch_size=1", "train.global_batch_size=1"]).rl
+    return load_run_config(config_path, [*overrides,
+                                         f"train.global_batch_size={sizes.prompts_per_step * sizes.group_size}"])
+
+
+def run(args) -> int:
+    from meshlm.config import parse_override
+    from meshlm.rl.loop import evaluate_only, run_rl
+    from meshlm.training.cli import leave_process_group
+    from meshlm.training.fault_tolerance import CollectiveFailure, exit_after_collective_failure
+
+    config_path, overrides = args.config, list(args.overrides)
+    if config_path is not None and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
+        config_path, overrides = None, [config_path, *overrides]  # only overrides, no file
+    if config_path is None and not overrides:
+        raise ConfigError("give a config file or overrides, e.g. `meshlm rl configs/tiny.yaml "
+                          "train.init_from=runs/sft --env arithmetic`.")
+    if args.env is not None:
+        overrides.append(f"rl.env={args.env}")
+    config = load_rl_config(config_path, overrides)
+    logging_rank = int(os.environ.get("RANK", "0")) == 0
+    try:
+        if args.eval_only:
+            report = evaluate_only(config)
+            if logging_rank:
+                print(json.dumps(report))
+            return 0
+        result, accuracies = run_rl(config, command_line_keys=[parse_override(text)[0] for text in overrides])
+    except CollectiveFailure as failure:
+        exit_after_collective_failure(failure)
+    finally:
+        leave_process_group()
+    if not logging_rank or result.stopped_by is not None:
+        return 0
+    if result.already_complete is not None:
+        print(f"meshlm rl: {result.already_complete}")
+        return 0
+    summary = f"step {result.step}/{config.train.steps}"
+    if accuracies:
+        summary += f", held-out accuracy {accuracies[max(accuracies)]:.1%}"
+    print(f"meshlm rl: done: {summary}; run directory {result.run_dir}", file=sys.stdout)
+    return 0
+
+
+__all__ = ["add_arguments", "load_rl_config", "run"]
