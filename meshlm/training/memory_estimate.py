@@ -54,7 +54,11 @@ resident in the run's dtype, cut by the layout as the run's model is (its parame
 its folder's config.json), plus one micro-batch's fp32 logits of each model and the two
 [tokens, vocab / tp] fp32 tensors the backward needs (the student's head is then not the fused
 loss: that term replaces ``head``'s chunks); block-wise (``train.distill_blocks``) the teacher's
-hidden state entering and leaving each block instead of the logits.
+hidden state entering and leaving each block instead of the logits. A reference model (DPO's
+``train.reference_from``, default ``train.init_from``) keeps its shards resident the same way; it runs under no_grad, one row at a
+time of its output kept (its per-token log-probabilities), so only its weights are counted.
+Preference objectives run two rows per pair (``train.objective=dpo``, or ``reward`` with the
+Bradley-Terry loss): the activations are those of twice the micro-batch.
 
 Not counted: the CUDA context and allocator fragmentation, communication buffers, data batches,
 the low-precision recipes' caches, and an imbalanced MoE routing (experts are assumed to get
@@ -220,7 +224,7 @@ def activation_items(config, layout) -> dict[str, float]:
     head and loss (``head``), the block being recomputed (``recompute``) and the attention scores'
     temporaries (``scores``)."""
     model, train = config.model, config.train
-    seq, micro_batch = math.ceil(train.seq_len / layout.cp_size), train.micro_batch_size
+    seq, micro_batch = math.ceil(train.seq_len / layout.cp_size), train.micro_batch_size * rows_per_example(train)
     kinds = list(model.block_kinds)
     per_block = [block_activation_bytes(kind, config, micro_batch, seq, layout, model.for_block(index))
                  for index, kind in enumerate(kinds)]
@@ -246,6 +250,12 @@ def activation_items(config, layout) -> dict[str, float]:
     items["recompute"] = max(per_block, default=0) if train.recompute == "full" else 0  # the block rerun in backward
     items["scores"] = score_transient_bytes(config, micro_batch, seq, layout)
     return items
+
+
+def rows_per_example(train) -> int:
+    """Rows of one training example: 2 for a preference pair (DPO, Bradley-Terry), else 1."""
+    pairs = train.objective == "dpo" or (train.objective == "reward" and train.reward_loss == "bradley_terry")
+    return 2 if pairs else 1
 
 
 def score_transient_bytes(config, micro_batch: int, seq: int, layout) -> float:
@@ -276,22 +286,39 @@ def estimate_training_memory(config, layout=None) -> MemoryEstimate:
 def frozen_items(config, layout) -> dict[str, float]:
     """Bytes of the frozen models beside the trained one (see the module docstring); empty without
     them, or when the folder cannot be read (the trainer then refuses it with its own message)."""
-    train = config.train
-    if train.distill_from is None:
-        return {}
-    try:
-        teacher = read_model_config(resolve_model_dir(train.distill_from))
-    except (CheckpointError, OSError):
-        return {}
+    train, items = config.train, {}
     dtype_bytes = DTYPE_BYTES[config.precision.dtype]
+    reference = reference_path(config)
+    reference_config = readable_model_config(reference) if reference is not None else None
+    if reference_config is not None:
+        items["reference weights"] = sum(local_parameter_counts(reference_config, layout).values()) * dtype_bytes
+    teacher = readable_model_config(train.distill_from) if train.distill_from is not None else None
+    if teacher is None:
+        return items
     tokens = train.micro_batch_size * math.ceil(train.seq_len / layout.cp_size)
-    items = {"teacher weights": sum(local_parameter_counts(teacher, layout).values()) * dtype_bytes}
+    items["teacher weights"] = sum(local_parameter_counts(teacher, layout).values()) * dtype_bytes
     if train.distill_blocks:  # h_{i-1} and h_i of each of this stage's blocks
         blocks = teacher.num_blocks / layout.pp_size
         items["teacher states"] = (blocks + 1) * tokens * teacher.hidden_size * dtype_bytes
     else:  # fp32 logits of both models and the two backward tensors, [tokens, vocab / tp] each
         items["teacher logits"] = 4 * tokens * teacher.vocab_size / layout.tp_size * 4
     return items
+
+
+def reference_path(config) -> str | None:
+    """The frozen reference model's folder of a DPO run (``train.reference_from``, else
+    ``train.init_from``); None without one."""
+    train = config.train
+    return (train.reference_from or train.init_from) if train.objective == "dpo" else None
+
+
+def readable_model_config(path: str):
+    """The model config of the folder ``path`` names, or None when it cannot be read (the trainer
+    refuses it later with its own message)."""
+    try:
+        return read_model_config(resolve_model_dir(path))
+    except (CheckpointError, OSError):
+        return None
 
 
 def available_memory(device: torch.device) -> int | None:

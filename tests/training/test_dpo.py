@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -169,3 +170,19 @@ def test_a_missing_or_unusable_reference_is_refused(setup, tmp_path):
         dpo_config(setup, tmp_path / "e", "parallel.ep=2")
     with pytest.raises(ConfigError, match="train.dpo_beta=0.0 must be > 0"):
         dpo_config(setup, tmp_path / "f", "train.dpo_beta=0")
+
+
+def test_the_memory_estimate_counts_the_reference_and_two_rows_per_pair(setup, tmp_path):
+    from meshlm.parallel.mesh import ParallelContext
+    from meshlm.precision.device_defaults import resolve_precision
+    from meshlm.training.memory_estimate import activation_items, frozen_items
+
+    config = dpo_config(setup, tmp_path / "run", f"train.reference_from={setup['other']}", "train.eval_every=0")
+    trainer = Trainer(config)
+    resolved = dataclasses.replace(config, precision=resolve_precision(config.precision, torch.device("cpu")))
+    reference_bytes = sum(param.numel() * param.element_size() for param in trainer.preference.reference.parameters())
+    assert frozen_items(resolved, ParallelContext()) == {"reference weights": reference_bytes}
+    as_lm = dataclasses.replace(resolved, train=dataclasses.replace(resolved.train, objective="lm"))
+    pairs, rows = activation_items(resolved, ParallelContext()), activation_items(as_lm, ParallelContext())
+    assert pairs["blocks *"] == 2 * rows["blocks *"]  # a micro-batch of B pairs is 2B rows
+    assert trainer.memory.frozen == reference_bytes
