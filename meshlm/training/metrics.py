@@ -188,13 +188,20 @@ def format_duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
+PROGRESS_EXTRAS = (("reward_accuracy", "acc {:.2f}"), ("reward_margin", "margin {:.3f}"),
+                   ("score_margin", "margin {:.3f}"))
+"""Measurements some objectives log beside the loss (preference pairs: the share ranked right and
+the mean margin), shown after it on the progress line when the record has them."""
+
+
 def progress_text(record: dict, total_steps: int, eta_seconds: float) -> str:
     """``step 12/100 | loss 4.123 | lr 2.9e-04 | 5.1k tok/s | MFU 41.2% | ETA 1m23s``."""
-    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.3f}", f"lr {record['lr']:.1e}",
+    extras = [form.format(record[key]) for key, form in PROGRESS_EXTRAS if key in record]
+    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.3f}", *extras, f"lr {record['lr']:.1e}",
              f"{format_count(record['tokens_per_s'])} tok/s", f"MFU {100 * record['mfu']:.1f}%",
              f"ETA {format_duration(eta_seconds)}"]
     if record.get("skipped_steps"):
-        parts.insert(3, f"skipped {record['skipped_steps']}")
+        parts.insert(3 + len(extras), f"skipped {record['skipped_steps']}")
     return " | ".join(parts)
 
 

@@ -64,6 +64,9 @@ def test_formatting():
     assert [format_duration(s) for s in (7, 83, 4000, float("inf"))] == ["7s", "1m23s", "1h06m", "?"]
     record = {"step": 12, "loss": 4.1234, "lr": 2.9e-4, "tokens_per_s": 5100, "mfu": 0.412}
     assert progress_text(record, 100, 83) == "step 12/100 | loss 4.123 | lr 2.9e-04 | 5.1k tok/s | MFU 41.2% | ETA 1m23s"
+    pairs = {**record, "reward_accuracy": 0.8125, "reward_margin": 0.4321, "skipped_steps": 1}
+    assert progress_text(pairs, 100, 83) == ("step 12/100 | loss 4.123 | acc 0.81 | margin 0.432 | lr 2.9e-04 | "
+                                             "skipped 1 | 5.1k tok/s | MFU 41.2% | ETA 1m23s")
 
 
 class FakeTerminal(io.StringIO):
