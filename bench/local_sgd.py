@@ -1,7 +1,8 @@
 """DDP vs local SGD vs DiLoCo vs PALSGD on the demo corpus, dp4 over a simulated slow link.
 
-    python -m bench.local_sgd [--steps 128] [--sync-every 8 32] [--link 1Gbps,5ms] [--eval-every 32]
-                              [--target-loss L] [--out FILE] [--plot bench/local_sgd.png]
+    python -m bench.local_sgd [--steps 128] [--global-batch 16] [--sync-every 8 32] [--link 1Gbps,5ms] [--eval-every 32]
+                              [--target-loss L] [--local-overrides KEY=VALUE ...] [--out FILE]
+                              [--plot bench/local_sgd.png]
 
 Each method trains the same small demo-style hybrid (``configs/demo.yaml`` narrowed: hidden 128,
 pattern ``M-*E-M-*``) for ``--steps`` steps in 4 spawned gloo processes (``parallel.dp=4``) on the
@@ -52,7 +53,7 @@ OUTER_DEFAULTS = {"diloco": "0.7,0.9", "palsgd": "0.1,0.9"}
 
 def run_overrides(args, run_dir: Path) -> list[str]:
     return [*MODEL, f"data.blend={DEMO_DATA / 'blend.json'}", f"train.run_dir={run_dir}", f"train.steps={args.steps}",
-            "train.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=16",
+            "train.seq_len=128", "train.micro_batch_size=4", f"train.global_batch_size={args.global_batch}",
             f"train.eval_every={args.eval_every}", "train.eval_batches=4", "train.save_every=0",
             "train.progress=false", "train.tensorboard=false", "train.plot=false", "train.device=cpu",
             "parallel.dp=4", f"parallel.simulate_link={args.link}"]
@@ -130,6 +131,11 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--diloco-outer", default=OUTER_DEFAULTS["diloco"], metavar="LR,MOMENTUM")
     parser.add_argument("--palsgd-outer", default=OUTER_DEFAULTS["palsgd"], metavar="LR,MOMENTUM")
+    parser.add_argument("--global-batch", type=int, default=16,
+                        help="sequences per step over the 4 replicas (a multiple of 16: micro-batches of 4)")
+    parser.add_argument("--local-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="dotted overrides for the low-communication runs only (e.g. optim.lr=2e-3: their "
+                             "inner learning rate), DDP keeps the demo's settings")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=str(REPO / "bench" / "local_sgd.png"))
     args = parser.parse_args(argv)
@@ -144,7 +150,8 @@ def main(argv=None) -> int:
     settings = {method: [*overrides, *([f"parallel.outer_lr={outer[method][0]}",
                                         f"parallel.outer_momentum={outer[method][1]}"] if method in outer else [])]
                 for method, overrides in METHODS.items()}
-    plan = [("ddp", [])] + [(f"{method} H={every}", [*settings[method], f"parallel.sync_every={every}"])
+    plan = [("ddp", [])] + [(f"{method} H={every}", [*settings[method], f"parallel.sync_every={every}",
+                                                     *args.local_overrides])
                             for every in args.sync_every for method in args.methods]
     runs = {}
     with tempfile.TemporaryDirectory() as workdir:
@@ -172,7 +179,8 @@ def main(argv=None) -> int:
         reach = "-" if row["seconds_to_target"] is None else f"{row['seconds_to_target']:.1f}"
         print(f"{name:<16}{row['final_val_loss']:>10.4f}{row['vs_ddp_loss']:>+9.2%}{row['train_seconds']:>9.1f}"
               f"{reach:>13}{row['dp_megabytes']:>9.1f}", file=sys.stderr)
-    result = {"steps": args.steps, "link": args.link, "target_loss": target, "outer": outer, "runs": table}
+    result = {"steps": args.steps, "global_batch": args.global_batch, "link": args.link, "target_loss": target,
+              "outer": outer, "local_overrides": args.local_overrides, "runs": table}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
