@@ -20,16 +20,25 @@ gradients, stage 3 also the weights. An fp32 run under ZeRO keeps its full weigh
 
 **Activations** of one micro-batch (backward follows each micro-batch's forward, so gradient
 accumulation does not add up), as the tensors each block saves for backward. Per token, in
-elements of the run's dtype, with h hidden, F the MLP width, q/kv the query and key/value widths
-(heads * head_dim), d the Mamba inner width, GN its B/C width, k the MoE top-k, w the expert width:
+bytes, with d the run's dtype bytes (4 fp32, 2 bf16/fp16), h hidden, F the MLP width, q/kv the
+query and key/value widths (heads * head_dim), a the attention heads, hd the head dim, D the
+Mamba inner width, GN its B/C width, H its heads, N its state size, c its chunk, E the experts,
+k the top-k, w the expert width:
 
-    every block                     3h             its input, the norm's output, the residual sum
-    attention   *                   3q + 2kv       q, k, v, the attention output, o_proj's input
-    MLP         -                   4F (gated) / 2F
-    MoE         E                   k * (3w + 4F or 2F) + the shared expert's MLP + 2 * latent
-    Mamba-2     M                   1.5d + 6GN, plus 4d in fp32 (the SSD output and gated norm)
+    every block (its pre-norm)  8h + 4 + d*h     input in fp32, normalized fp32, 1/rms; output in dtype
+    attention   *               8hd + d(2q + 2kv) + 4a   RoPE cos/sin, q, k, v, output; LSE (not with
+                                                          selective recompute)
+    MLP         -               d * (4F gated / 2F)       gate, up, act(gate), product (or proj, act)
+    MoE         E               (norm output in fp32: 12h + 4) + 16E + 4 (router) + k(20 + d*w + d*MLP
+                                + 8w) (indices, weights, dispatched rows, experts, fp32 combine)
+                                + shared expert's input and MLP + 2 d * latent
+    Mamba-2     M               d(2D + 2GN + H) + d(D + 2GN) + 12H + 4DN/c + 4D + d*D (+ 4D under
+                                bf16: the scan's fp32 x): in_proj output, conv output, dt terms,
+                                chunk states, gated norm (fp32) and out_proj's input
 
-(measured on CPU with torch 2.13, within ~10% of each kind's saved tensors). The attention
+(read off the tensors autograd saves with torch 2.13 on CPU and the PyTorch SSD path; equal to
+them within 1% per block kind in fp32 and bf16, at every recompute setting, in one process and
+at tp2 with SP: ``tests/training/test_activation_estimate.py``). The attention
 score matrix [heads, seq, seq] is not stored: the SDPA kernels (flash on CPU and CUDA,
 memory-efficient) never materialise it; only ``model.attention_dropout > 0`` takes the explicit
 softmax path, which saves about 5 + 2 * dtype bytes per score. The output head fuses the
@@ -41,10 +50,12 @@ backward, and backward frees each block's tensors about as fast as it makes that
 gradients, so no working space is added, except the block being recomputed (with
 ``train.recompute=full``) and the scores' temporaries in one layer (with attention dropout).
 
-Layout: a rank holds seq_len / cp tokens of each sequence; inner widths (q, kv, F, d, experts)
-are split by tp (etp), the h-sized tensors too only with sequence parallelism. Recomputation
-(``train.recompute``) keeps only the input (h) of a fully recomputed block, and drops the
-attention core's tensors (and score matrix) with 'selective'. Under pipeline parallelism the
+Layout: a rank holds seq_len / cp tokens of each sequence; inner widths (q, kv, F, D, experts)
+are split by tp (etp); with sequence parallelism the norm's own tensors are split by tp too, but
+not its output, which the column-parallel linear saves gathered (the whole sequence). Recomputation
+(``train.recompute``) keeps only the input (h) of a fully recomputed block; 'selective' reruns the
+attention core, which then keeps only its inputs (q, k, v) and its output (o_proj's input): it
+drops the softmax statistics (LSE) and, with attention dropout, the score matrix. Under pipeline parallelism the
 first stage holds min(pp, micro-batches) micro-batches of its blocks in flight (1F1B), about the
 whole model's layers of one micro-batch (Korthikanti et al. 2022, §4.2.3), times
 1 + (pp - 1) / (pp * vp) with the interleaved schedule.
@@ -164,6 +175,15 @@ def mlp_elements(width: int, activation: str) -> int:
     return (4 if is_gated(activation) else 2) * width
 
 
+def norm_bytes(h: int, dtype_bytes: int, sequence_shards: int = 1, output_bytes: int | None = None) -> float:
+    """Bytes per token a block's pre-norm saves: the input in fp32 (a copy under bf16/fp16), the
+    normalized fp32 product and 1/rms, on this rank's sequence shard (``sequence_shards``: tp
+    with sequence parallelism); and the output the next linear reads, whole-sequence (under SP
+    the gathered input of the column-parallel linear), ``output_bytes`` per element (default: the
+    run's dtype)."""
+    return (8 * h + 4) / sequence_shards + (dtype_bytes if output_bytes is None else output_bytes) * h
+
+
 def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout, block_model=None) -> float:
     """Bytes one block of ``kind`` saves for backward over a micro-batch of ``seq`` tokens per sequence
     (this rank's share); see the module docstring. ``block_model``: the block's own model config
@@ -173,32 +193,49 @@ def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
         return 0.0
     dtype_bytes, tp, h = DTYPE_BYTES[config.precision.dtype], layout.tp_size, model.hidden_size
     tokens = micro_batch * seq
-    residual = 3 * h / (tp if layout.sequence_parallel else 1)
+    sequence_shards = tp if layout.sequence_parallel else 1
+    residual = norm_bytes(h, dtype_bytes, sequence_shards)
     if kind == "*":
         selective = train.recompute == "selective"
         query = model.num_attention_heads * model.resolved_head_dim
         key_value = model.resolved_num_kv_heads * model.resolved_head_dim
-        elements = residual + ((2 if selective else 3) * query + 2 * key_value) / tp
+        rope = 8 * model.resolved_head_dim if model.position_embedding == "rope" else 0  # cos, sin
+        core = (2 * query + 2 * key_value) * dtype_bytes + (0 if selective else 4 * model.num_attention_heads)
         scores = 0.0
         if model.attention_dropout > 0 and not selective:  # the explicit softmax keeps [heads, seq, seq]
             scores = micro_batch * model.num_attention_heads / tp * seq * seq * (5 + 2 * dtype_bytes)
-        return elements * tokens * dtype_bytes + scores
+        return (residual + rope + core / tp) * tokens + scores
     if kind == "-":
-        return (residual + mlp_elements(model.resolved_ffn_hidden_size, model.mlp_activation) / tp) \
-            * tokens * dtype_bytes
+        mlp = mlp_elements(model.resolved_ffn_hidden_size, model.mlp_activation) * dtype_bytes
+        return (residual + mlp / tp) * tokens
     if kind == "E":
+        experts, top_k = model.moe_num_experts, model.moe_top_k
         expert_width = model.moe_latent_size or h
-        routed = model.moe_top_k * (3 * expert_width + mlp_elements(model.resolved_moe_ffn_hidden_size,
-                                                                    model.mlp_activation)) / layout.etp_size
-        shared = mlp_elements(model.moe_shared_expert_ffn_hidden_size, model.mlp_activation) / tp
-        latent = 2 * (model.moe_latent_size or 0)
-        return (residual + routed + shared + latent) * tokens * dtype_bytes
+        router = 16 * experts + 4  # fp32 probabilities, int64 ranks, fp32 logits, logsumexp
+        norm = norm_bytes(h, dtype_bytes, sequence_shards, output_bytes=4)  # the router reads it in fp32
+        routed = top_k * (8 + 8 + 4 + expert_width * dtype_bytes  # indices, weights, the dispatched rows
+                          + mlp_elements(model.resolved_moe_ffn_hidden_size, model.mlp_activation) * dtype_bytes
+                          / layout.etp_size
+                          + 8 * expert_width)  # the experts' outputs and their weighted sum, in fp32
+        shared_width = model.moe_shared_expert_ffn_hidden_size
+        shared = (h * dtype_bytes + mlp_elements(shared_width, model.mlp_activation) * dtype_bytes / tp
+                  if shared_width else 0.0)
+        latent = 2 * (model.moe_latent_size or 0) * dtype_bytes
+        return (norm + router + routed + shared + latent) * tokens
     if kind == "M":
         inner, groups = model.mamba_inner_size, model.mamba_num_groups * model.mamba_state_size
-        in_run_dtype = residual + (1.5 * inner + 6 * groups) / tp
-        return (in_run_dtype * dtype_bytes + 4 * inner / tp * 4) * tokens
-    if kind == "L":  # the residual terms and the replicated linear's input
-        return (residual + h / (tp if layout.sequence_parallel else 1)) * tokens * dtype_bytes
+        heads = model.resolved_mamba_num_heads
+        projected = (2 * inner + 2 * groups + heads) * dtype_bytes  # in_proj's output (z, xBC, dt)
+        convolved = (inner + 2 * groups) * dtype_bytes
+        step_sizes = 3 * heads * 4  # dt + bias, softplus, clamp, in fp32
+        chunk_states = 4 * inner * model.mamba_state_size / model.mamba_chunk_size
+        fp32_x = 4 * inner if dtype_bytes != 4 else 0  # the scan reads x in fp32
+        gated_norm = 4 * inner + inner * dtype_bytes  # its fp32 output, out_proj's input
+        mamba = projected + convolved + step_sizes + chunk_states + fp32_x + gated_norm
+        return (residual + mamba / tp) * tokens
+    if kind == "L":  # the norm's terms and the replicated linear's input
+        return (norm_bytes(h, dtype_bytes, sequence_shards, output_bytes=0) + h * dtype_bytes / sequence_shards) \
+            * tokens
     raise ValueError(f"unknown block kind {kind!r}")
 
 
