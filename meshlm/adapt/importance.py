@@ -30,7 +30,9 @@ added (``reduce``, an all-reduce) before it. Under tensor parallelism (without s
 parallelism) a rank holds a contiguous slice of every block's query heads, MLP neurons and
 Mamba heads (``meshlm/parallel/tensor/``): their sums are concatenated over the TP group
 (``gather``, an all-gather in rank order); the norms' outputs, the blocks' inputs and outputs,
-the routing counts and the loss are the same on every TP rank, so the other sums are too.
+the routing counts and the loss are the same on every TP rank, so the other sums are too. Under
+pipeline parallelism each stage scores its own blocks and the stages' scores are combined
+(``meshlm/adapt/importance_pipeline.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from meshlm.adapt.importance_pipeline import stage_blocks
 from meshlm.models.context import SequenceContext
 from meshlm.models.language_model import LanguageModel
 
@@ -93,8 +96,13 @@ class ImportanceRecorder:
         per_head = activation.detach().float().unflatten(-1, (heads, -1)).norm(dim=-1)
         self.add_channels(key, per_head)
 
-    def end_batch(self) -> None:
-        """L2 over samples: add each sample's squared value into the sums."""
+    def end_batch(self, batch_size: int = 0, stages=None) -> None:
+        """L2 over samples: add each sample's squared value into the sums. Under pipeline
+        parallelism (``stages``) the embedding channels' per-sample values are first summed over
+        the stages, whose norms each saw a part of the model."""
+        if stages is not None:
+            self.batch[("hidden",)] = stages.sum_per_sample(self.batch.get(("hidden",)), batch_size,
+                                                            self.model.config.hidden_size)
         for key, value in self.batch.items():
             squared = value.square().sum(dim=0).double().cpu()
             self.sums[key] = self.sums[key] + squared if key in self.sums else squared
@@ -104,8 +112,9 @@ class ImportanceRecorder:
     def __enter__(self) -> "ImportanceRecorder":
         model = self.model
         hook = self.handles.append
-        hook(model.final_norm.register_forward_hook(self._norm_hook))
-        for index, block in enumerate(model.blocks):
+        if model.final_norm is not None:  # under pipeline parallelism: the last stage's
+            hook(model.final_norm.register_forward_hook(self._norm_hook))
+        for index, block in stage_blocks(model):
             hook(block.register_forward_hook(partial_hook(self._block_hook, index)))
             if block.norm is not None:
                 hook(block.norm.register_forward_hook(self._norm_hook))
@@ -152,8 +161,11 @@ def partial_hook(function, *bound):
 
 
 def forward_loss(model: LanguageModel, input_ids: torch.Tensor, labels: torch.Tensor,
-                 skip: int | None = None) -> torch.Tensor:
-    """The mean language-model loss of one batch, with block ``skip`` replaced by the identity."""
+                 skip: int | None = None, stages=None) -> torch.Tensor:
+    """The mean language-model loss of one batch, with block ``skip`` replaced by the identity
+    (under pipeline parallelism, ``stages``: on the last stage; 0 on the others)."""
+    if stages is not None:
+        return stages.forward_loss(model, input_ids, labels, skip)
     context = SequenceContext.for_tokens(input_ids)
     hidden = model.embed(input_ids, context)
     for index, block in enumerate(model.blocks):
@@ -166,11 +178,14 @@ def forward_loss(model: LanguageModel, input_ids: torch.Tensor, labels: torch.Te
 def collect_importance(model: LanguageModel, batches: Iterable[dict[str, torch.Tensor]],
                        depth_metric: str | None = "cosine",
                        reduce: Callable[[torch.Tensor], None] | None = None,
-                       gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Importance:
+                       gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       stages=None) -> Importance:
     """Scores of ``model``'s units on ``batches`` ({"input_ids", "labels"} [b, t], on the model's
     device); ``depth_metric`` None skips the depth scores' extra forwards for "loss". ``reduce``
     sums a CPU tensor in place over the processes that share the samples (None: one process);
-    ``gather`` concatenates a CPU tensor over the tensor-parallel group (None: no TP)."""
+    ``gather`` concatenates a CPU tensor over the tensor-parallel group (None: no TP); ``stages``
+    (``importance_pipeline.PipelineStages``) passes the forward from stage to stage and combines
+    the stages' scores (None: no pipeline)."""
     if depth_metric is not None and depth_metric not in DEPTH_METRICS:
         raise ValueError(f"depth metric {depth_metric!r} is not one of {DEPTH_METRICS}")
     model.eval()
@@ -179,16 +194,20 @@ def collect_importance(model: LanguageModel, batches: Iterable[dict[str, torch.T
     with recorder:
         for batch in batches:
             input_ids, labels = batch["input_ids"], batch["labels"]
-            full = forward_loss(model, input_ids, labels)
-            recorder.end_batch()
+            full = forward_loss(model, input_ids, labels, stages=stages)
+            recorder.end_batch(input_ids.shape[0], stages)
             recorder.tokens += input_ids.numel()
             recorder.samples += input_ids.shape[0]
             if depth_metric == "loss":
                 with without_hooks(recorder):
                     for index in range(model.config.num_blocks):
-                        skipped = forward_loss(model, input_ids, labels, skip=index)
+                        skipped = forward_loss(model, input_ids, labels, skip=index, stages=stages)
                         loss_increase[index] += float(skipped - full) * input_ids.shape[0]
     totals = torch.tensor([recorder.tokens, recorder.samples], dtype=torch.float64)
+    if stages is not None:  # each block's scores from the stage that runs it, on every rank
+        stages.sum_(recorder.block_cosine)
+        stages.sum_(loss_increase)
+        recorder.sums = stages.merged(recorder.sums)
     keys = sorted(recorder.sums, key=str)
     if reduce is not None:
         for tensor in (totals, recorder.block_cosine, loss_increase, *(recorder.sums[key] for key in keys)):

@@ -51,11 +51,14 @@ split: ``--ep N`` gives each rank 1/N of every MoE block's experts (folded onto 
 training folds expert parallelism); the router is whole on every rank, so the routing counts
 each rank records are those of its own samples and sum over the copies as before. Under ``--ep``
 every rank must run as many forwards (the experts' all-to-alls), so ``--samples`` is a multiple
-of the number of copies. Pipeline and context parallelism are not offered: every rank here holds
-all blocks and whole sequences (a model too big for that is pruned at a larger ``--tp``/``--ep``).
+of the number of copies. ``--pp N`` cuts each copy into N pipeline stages as training cuts them
+(blocks balanced by FLOPs); the forward passes from stage to stage and each stage scores its own
+blocks (``meshlm/adapt/importance_pipeline.py``). Context parallelism is not offered: each rank
+reads whole calibration sequences (``--seq-len`` is a calibration choice, not the training one).
 
     torchrun --nproc_per_node 4 -m meshlm prune runs/big models/small --calibration data/blend.json --ffn 2048 --tp 2
     torchrun --nproc_per_node 4 -m meshlm prune runs/moe models/moe-small --calibration data/blend.json --experts 32 --ep 4
+    torchrun --nproc_per_node 8 -m meshlm prune runs/big models/small --calibration data/blend.json --ffn 2048 --tp 4 --pp 2
 """
 
 from __future__ import annotations
@@ -106,6 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="block importance: loss increase when skipped (default) or input/output cosine distance")
     parser.add_argument("--tp", type=int, default=1, metavar="N",
                         help="under torchrun: tensor-parallel ranks per copy of the model (default 1)")
+    parser.add_argument("--pp", type=int, default=1, metavar="N",
+                        help="under torchrun: pipeline stages each copy of the model is cut into (default 1)")
     parser.add_argument("--ep", type=int, default=1, metavar="N",
                         help="under torchrun: expert-parallel ranks each MoE block's experts are split over "
                              "(default 1)")
@@ -143,20 +148,21 @@ def prune(args, out: Path, requested: dict, device: torch.device) -> None:
     widths = resolve_widths(config, requested, args.per_block) if args.target_params is None else None
     if args.per_block and widths is not None:  # a budget's averages are checked once searched
         check_per_block(config, widths)
-    context = calibration_context(config, device, args.tp, args.ep)  # joins the torchrun group (dp x tp)
+    seq_len = args.seq_len or trained_seq_len(source_dir)
+    context = calibration_context(config, device, args.tp, args.ep, args.pp, seq_len)  # joins the torchrun group
     if args.samples < context.dp_size:
         raise ConfigError(f"--samples {args.samples} is fewer than the {context.dp_size} copies of the model; give "
                           "each at least one.")
     if args.ep > 1 and args.samples % context.dp_size:  # the experts' all-to-alls need equal forwards everywhere
         raise ConfigError(f"--samples {args.samples} with --ep {args.ep} must be a multiple of the "
                           f"{context.dp_size} copies of the model, so that every rank runs as many forwards.")
-    model = calibration_model(source_dir, context)  # this rank's tensor-parallel slices
-    seq_len = args.seq_len or trained_seq_len(source_dir)
+    model = calibration_model(source_dir, context, seq_len)  # this rank's slices (and stage)
     dataset = calibration_dataset(args.calibration, seq_len, args.samples, args.seed, config.vocab_size)
     batches = calibration_batches(dataset, args.batch_size, context.dp_rank, context.dp_size, device)
     importance = collect_importance(model, batches, depth_metric=args.depth_metric if args.drop_blocks else "cosine",
                                     reduce=summed_over(context.dp_group) if context.dp_size > 1 else None,
-                                    gather=gathered_over(context.tp_group) if context.tp_size > 1 else None)
+                                    gather=gathered_over(context.tp_group) if context.tp_size > 1 else None,
+                                    stages=pipeline_stages(context, source_dir))
     del model
     if args.target_params is not None:
         widths, _ = search_widths(config, importance, args.target_params, requested, args.drop_blocks)
@@ -187,7 +193,7 @@ def check_arguments(args, out: Path, requested: dict) -> None:
     if args.target_params is None and args.drop_blocks == 0 and all(value is None for value in requested.values()):
         raise ConfigError("say how to prune: --target-params N, or at least one of --hidden --ffn --heads --kv-heads "
                           "--mamba-heads --experts --drop-blocks.")
-    for flag in ("samples", "batch_size", "seq_len", "target_params", "tp", "ep"):
+    for flag in ("samples", "batch_size", "seq_len", "target_params", "tp", "pp", "ep"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {value} must be a positive integer.")
@@ -239,17 +245,18 @@ def process_device(device_name: str | None) -> torch.device:
     return device
 
 
-def calibration_context(config, device: torch.device, tp: int, ep: int = 1):
-    """One process: no groups. Under torchrun: data-parallel copies of ``tp`` tensor-parallel ranks
-    (the layout of ``meshlm eval --tp``), each MoE block's experts split over ``ep`` of the ranks
-    (folded onto the copies, as training folds them), the process group joined here."""
+def calibration_context(config, device: torch.device, tp: int, ep: int = 1, pp: int = 1, seq_len: int | None = None):
+    """One process: no groups. Under torchrun: data-parallel copies of ``pp`` pipeline stages of
+    ``tp`` tensor-parallel ranks (the layout of ``meshlm eval --tp``), each MoE block's experts
+    split over ``ep`` of the ranks (folded onto the copies, as training folds them), the process
+    group joined here."""
     import torch.distributed as dist
 
     from meshlm.config import ParallelConfig
     from meshlm.parallel.mesh import ParallelContext, build_parallel_context
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    for flag, size in (("--tp", tp), ("--ep", ep)):
+    for flag, size in (("--tp", tp), ("--ep", ep), ("--pp", pp), ("--tp x --pp", tp * pp)):
         if world % size:
             raise ConfigError(f"{flag} {size} does not divide the {world} processes started; launch a multiple of "
                               f"{size} processes with torchrun (--nproc_per_node), or lower {flag}.")
@@ -258,26 +265,43 @@ def calibration_context(config, device: torch.device, tp: int, ep: int = 1):
     if world == 1:
         return ParallelContext(device=device)
     try:
-        return build_parallel_context(ParallelConfig(tp=tp, ep=ep), config, device)
+        return build_parallel_context(ParallelConfig(tp=tp, ep=ep, pp=pp), config, device, seq_len)
     except ConfigError as error:
-        raise ConfigError(f"--tp {tp} --ep {ep} on {world} processes: {error}") from error
+        raise ConfigError(f"--tp {tp} --pp {pp} --ep {ep} on {world} processes: {error}") from error
 
 
-def calibration_model(source_dir: Path, context):
-    """This rank's tensor-parallel slices of the model in ``source_dir`` (all of it in one process):
-    built on meta, cut by ``parallelize_model``, then filled from the files one tensor at a time in
-    their stored dtypes (as training and ``meshlm eval`` build theirs), in eval mode."""
+def calibration_model(source_dir: Path, context, seq_len: int = 1024):
+    """This rank's tensor-parallel slices of the model in ``source_dir`` (all of it in one process),
+    of its pipeline stage's blocks under pp > 1 (cut as training cuts them, by FLOPs at
+    ``seq_len``): built on meta, cut by ``parallelize_model``, then filled from the files one
+    tensor at a time in their stored dtypes (as training and ``meshlm eval`` build theirs), in
+    eval mode."""
     from meshlm.checkpoint.materialize import materialize
     from meshlm.checkpoint.model_files import check_stored_tensors, read_model_config, source_file, weights_source
     from meshlm.models.language_model import LanguageModel
     from meshlm.parallel.parallelize import parallelize_model
+    from meshlm.parallel.pipeline.stages import keep_stage_modules, rank_chunks
 
     config, source = read_model_config(source_dir), weights_source(source_dir)
     check_stored_tensors(config, source.layout, str(source_file(source_dir)))
     with torch.device("meta"):
         model = parallelize_model(LanguageModel(config), context)
+    if context.pp_size > 1:
+        chunks = rank_chunks(config, context.pp_size, 1, context.pp_rank, seq_len)
+        keep_stage_modules(model, chunks, context.pp_rank, context.pp_size)
     dtypes = {name: dtype for name, (_, dtype) in source.layout.items()}
     return materialize(model, context, source, context.device, dtype=dtypes).eval()
+
+
+def pipeline_stages(context, source_dir: Path):
+    """The forward-only pipeline of a pp > 1 calibration (``importance_pipeline.py``; the hidden
+    state travels in the stored embedding's dtype), else None."""
+    if context.pp_size == 1:
+        return None
+    from meshlm.adapt.importance_pipeline import PipelineStages
+    from meshlm.checkpoint.model_files import weights_source
+
+    return PipelineStages(context, dict(weights_source(source_dir).layout)["embedding.weight"][1])
 
 
 def summed_over(group):
