@@ -96,10 +96,13 @@ class ImportanceRecorder:
         per_head = activation.detach().float().unflatten(-1, (heads, -1)).norm(dim=-1)
         self.add_channels(key, per_head)
 
-    def end_batch(self, batch_size: int = 0, stages=None) -> None:
-        """L2 over samples: add each sample's squared value into the sums. Under pipeline
-        parallelism (``stages``) the embedding channels' per-sample values are first summed over
-        the stages, whose norms each saw a part of the model."""
+    def end_batch(self, batch_size: int = 0, stages=None, sequence=None) -> None:
+        """L2 over samples: add each sample's squared value into the sums. Under context
+        parallelism (``sequence``) each per-sample mean is first taken over the whole sequence;
+        under pipeline parallelism (``stages``) the embedding channels' per-sample values are
+        then summed over the stages, whose norms each saw a part of the model."""
+        if sequence is not None:
+            self.batch = {key: sequence.average(value) for key, value in sorted(self.batch.items(), key=str)}
         if stages is not None:
             self.batch[("hidden",)] = stages.sum_per_sample(self.batch.get(("hidden",)), batch_size,
                                                             self.model.config.hidden_size)
@@ -161,17 +164,21 @@ def partial_hook(function, *bound):
 
 
 def forward_loss(model: LanguageModel, input_ids: torch.Tensor, labels: torch.Tensor,
-                 skip: int | None = None, stages=None) -> torch.Tensor:
+                 skip: int | None = None, stages=None, sequence=None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The mean language-model loss of one batch, with block ``skip`` replaced by the identity
-    (under pipeline parallelism, ``stages``: on the last stage; 0 on the others)."""
+    (under pipeline parallelism, ``stages``: on the last stage, 0 on the others; under context
+    parallelism, ``sequence``: this rank's chunks at ``position_ids``, the whole sequences' mean)."""
     if stages is not None:
-        return stages.forward_loss(model, input_ids, labels, skip)
-    context = SequenceContext.for_tokens(input_ids)
-    hidden = model.embed(input_ids, context)
-    for index, block in enumerate(model.blocks):
-        if index != skip:
-            hidden = block(hidden, context)
-    return model.head_loss(hidden, labels).float()
+        loss = stages.forward_loss(model, input_ids, labels, skip, position_ids)
+    else:
+        context = SequenceContext.for_tokens(input_ids, position_ids=position_ids)
+        hidden = model.embed(input_ids, context)
+        for index, block in enumerate(model.blocks):
+            if index != skip:
+                hidden = block(hidden, context)
+        loss = model.head_loss(hidden, labels).float()
+    return sequence.mean_loss(loss, labels) if sequence is not None else loss
 
 
 @torch.no_grad()
@@ -179,13 +186,15 @@ def collect_importance(model: LanguageModel, batches: Iterable[dict[str, torch.T
                        depth_metric: str | None = "cosine",
                        reduce: Callable[[torch.Tensor], None] | None = None,
                        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                       stages=None) -> Importance:
+                       stages=None, sequence=None) -> Importance:
     """Scores of ``model``'s units on ``batches`` ({"input_ids", "labels"} [b, t], on the model's
     device); ``depth_metric`` None skips the depth scores' extra forwards for "loss". ``reduce``
     sums a CPU tensor in place over the processes that share the samples (None: one process);
     ``gather`` concatenates a CPU tensor over the tensor-parallel group (None: no TP); ``stages``
     (``importance_pipeline.PipelineStages``) passes the forward from stage to stage and combines
-    the stages' scores (None: no pipeline)."""
+    the stages' scores (None: no pipeline); ``sequence`` (``importance_sequence.SequenceShards``)
+    combines the context-parallel ranks' chunks of each sequence (batches then carry their
+    ``position_ids``; None: whole sequences)."""
     if depth_metric is not None and depth_metric not in DEPTH_METRICS:
         raise ValueError(f"depth metric {depth_metric!r} is not one of {DEPTH_METRICS}")
     model.eval()
@@ -194,15 +203,22 @@ def collect_importance(model: LanguageModel, batches: Iterable[dict[str, torch.T
     with recorder:
         for batch in batches:
             input_ids, labels = batch["input_ids"], batch["labels"]
-            full = forward_loss(model, input_ids, labels, stages=stages)
-            recorder.end_batch(input_ids.shape[0], stages)
+            shards = dict(stages=stages, sequence=sequence, position_ids=batch.get("position_ids"))
+            full = forward_loss(model, input_ids, labels, **shards)
+            recorder.end_batch(input_ids.shape[0], stages, sequence)
             recorder.tokens += input_ids.numel()
             recorder.samples += input_ids.shape[0]
             if depth_metric == "loss":
                 with without_hooks(recorder):
                     for index in range(model.config.num_blocks):
-                        skipped = forward_loss(model, input_ids, labels, skip=index, stages=stages)
+                        skipped = forward_loss(model, input_ids, labels, skip=index, **shards)
                         loss_increase[index] += float(skipped - full) * input_ids.shape[0]
+    if sequence is not None:  # sums over tokens: every rank counted its chunks'
+        tokens = torch.tensor([float(recorder.tokens)], dtype=torch.float64)
+        experts = [value for key, value in sorted(recorder.sums.items(), key=str) if key[0] == "experts"]
+        for tensor in (tokens, recorder.block_cosine, *experts):
+            sequence.sum_(tensor)
+        recorder.tokens = int(tokens.item())
     totals = torch.tensor([recorder.tokens, recorder.samples], dtype=torch.float64)
     if stages is not None:  # each block's scores from the stage that runs it, on every rank
         stages.sum_(recorder.block_cosine)

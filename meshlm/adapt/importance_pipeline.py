@@ -41,11 +41,11 @@ class PipelineStages:
         self.rank, self.size = context.pp_rank, context.pp_size
         self.first, self.last = self.rank == 0, self.rank == self.size - 1
 
-    def forward_loss(self, model, input_ids: torch.Tensor, labels: torch.Tensor,
-                     skip: int | None = None) -> torch.Tensor:
+    def forward_loss(self, model, input_ids: torch.Tensor, labels: torch.Tensor, skip: int | None = None,
+                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The batch's mean LM loss on the last stage (block ``skip`` replaced by the identity); 0
         on the other stages, which pass the hidden state on."""
-        context = SequenceContext.for_tokens(input_ids)
+        context = SequenceContext.for_tokens(input_ids, position_ids=position_ids)
         shape, dtype = (*input_ids.shape, model.config.hidden_size), self.hidden_dtype  # the embedding's dtype
         links = PointToPoint(self.group, shape, dtype, input_ids.device, num_virtual_stages=self.size)
         if self.first:

@@ -53,8 +53,9 @@ each rank records are those of its own samples and sum over the copies as before
 every rank must run as many forwards (the experts' all-to-alls), so ``--samples`` is a multiple
 of the number of copies. ``--pp N`` cuts each copy into N pipeline stages as training cuts them
 (blocks balanced by FLOPs); the forward passes from stage to stage and each stage scores its own
-blocks (``meshlm/adapt/importance_pipeline.py``). Context parallelism is not offered: each rank
-reads whole calibration sequences (``--seq-len`` is a calibration choice, not the training one).
+blocks (``meshlm/adapt/importance_pipeline.py``). ``--cp N`` splits each calibration sequence over N
+ranks as training does (ring attention, Mamba's state hand-off), and the per-sample means are
+taken over the whole sequence before they are squared (``meshlm/adapt/importance_sequence.py``).
 
     torchrun --nproc_per_node 4 -m meshlm prune runs/big models/small --calibration data/blend.json --ffn 2048 --tp 2
     torchrun --nproc_per_node 4 -m meshlm prune runs/moe models/moe-small --calibration data/blend.json --experts 32 --ep 4
@@ -111,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="under torchrun: tensor-parallel ranks per copy of the model (default 1)")
     parser.add_argument("--pp", type=int, default=1, metavar="N",
                         help="under torchrun: pipeline stages each copy of the model is cut into (default 1)")
+    parser.add_argument("--cp", type=int, default=1, metavar="N",
+                        help="under torchrun: context-parallel ranks each calibration sequence is split over "
+                             "(default 1)")
     parser.add_argument("--ep", type=int, default=1, metavar="N",
                         help="under torchrun: expert-parallel ranks each MoE block's experts are split over "
                              "(default 1)")
@@ -149,7 +153,7 @@ def prune(args, out: Path, requested: dict, device: torch.device) -> None:
     if args.per_block and widths is not None:  # a budget's averages are checked once searched
         check_per_block(config, widths)
     seq_len = args.seq_len or trained_seq_len(source_dir)
-    context = calibration_context(config, device, args.tp, args.ep, args.pp, seq_len)  # joins the torchrun group
+    context = calibration_context(config, device, args.tp, args.ep, args.pp, seq_len, args.cp)  # joins torchrun's
     if args.samples < context.dp_size:
         raise ConfigError(f"--samples {args.samples} is fewer than the {context.dp_size} copies of the model; give "
                           "each at least one.")
@@ -158,11 +162,11 @@ def prune(args, out: Path, requested: dict, device: torch.device) -> None:
                           f"{context.dp_size} copies of the model, so that every rank runs as many forwards.")
     model = calibration_model(source_dir, context, seq_len)  # this rank's slices (and stage)
     dataset = calibration_dataset(args.calibration, seq_len, args.samples, args.seed, config.vocab_size)
-    batches = calibration_batches(dataset, args.batch_size, context.dp_rank, context.dp_size, device)
+    batches = calibration_batches(dataset, args.batch_size, context.dp_rank, context.dp_size, device, context)
     importance = collect_importance(model, batches, depth_metric=args.depth_metric if args.drop_blocks else "cosine",
                                     reduce=summed_over(context.dp_group) if context.dp_size > 1 else None,
                                     gather=gathered_over(context.tp_group) if context.tp_size > 1 else None,
-                                    stages=pipeline_stages(context, source_dir))
+                                    stages=pipeline_stages(context, source_dir), sequence=sequence_shards(context))
     del model
     if args.target_params is not None:
         widths, _ = search_widths(config, importance, args.target_params, requested, args.drop_blocks)
@@ -193,7 +197,7 @@ def check_arguments(args, out: Path, requested: dict) -> None:
     if args.target_params is None and args.drop_blocks == 0 and all(value is None for value in requested.values()):
         raise ConfigError("say how to prune: --target-params N, or at least one of --hidden --ffn --heads --kv-heads "
                           "--mamba-heads --experts --drop-blocks.")
-    for flag in ("samples", "batch_size", "seq_len", "target_params", "tp", "pp", "ep"):
+    for flag in ("samples", "batch_size", "seq_len", "target_params", "tp", "pp", "cp", "ep"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {value} must be a positive integer.")
@@ -227,12 +231,17 @@ def read_batch(dataset, start: int, size: int, device: torch.device) -> dict[str
     return {key: torch.stack([sample[key] for sample in samples]).to(device) for key in ("input_ids", "labels")}
 
 
-def calibration_batches(dataset, batch_size: int, rank: int, world: int, device: torch.device):
-    """This process's share of the samples (contiguous), ``batch_size`` at a time, on ``device``."""
+def calibration_batches(dataset, batch_size: int, rank: int, world: int, device: torch.device, context=None):
+    """This process's share of the samples (contiguous), ``batch_size`` at a time, on ``device``;
+    under context parallelism (``context.cp_size > 1``) this rank's chunks of them, with their
+    ``position_ids``."""
+    from meshlm.parallel.context.context_parallel import split_batch
+
     share = -(-len(dataset) // world)
     start, stop = rank * share, min(len(dataset), (rank + 1) * share)
     for first in range(start, stop, batch_size):
-        yield read_batch(dataset, first, min(batch_size, stop - first), device)
+        batch = read_batch(dataset, first, min(batch_size, stop - first), device)
+        yield split_batch(batch, context) if context is not None else batch
 
 
 def process_device(device_name: str | None) -> torch.device:
@@ -245,18 +254,19 @@ def process_device(device_name: str | None) -> torch.device:
     return device
 
 
-def calibration_context(config, device: torch.device, tp: int, ep: int = 1, pp: int = 1, seq_len: int | None = None):
+def calibration_context(config, device: torch.device, tp: int, ep: int = 1, pp: int = 1, seq_len: int | None = None,
+                        cp: int = 1):
     """One process: no groups. Under torchrun: data-parallel copies of ``pp`` pipeline stages of
-    ``tp`` tensor-parallel ranks (the layout of ``meshlm eval --tp``), each MoE block's experts
-    split over ``ep`` of the ranks (folded onto the copies, as training folds them), the process
-    group joined here."""
+    ``cp`` x ``tp`` ranks (the sequences split over cp, the weights over tp: the layout of
+    ``meshlm eval --tp``), each MoE block's experts split over ``ep`` of the ranks (folded onto
+    the copies, as training folds them), the process group joined here."""
     import torch.distributed as dist
 
     from meshlm.config import ParallelConfig
     from meshlm.parallel.mesh import ParallelContext, build_parallel_context
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    for flag, size in (("--tp", tp), ("--ep", ep), ("--pp", pp), ("--tp x --pp", tp * pp)):
+    for flag, size in (("--tp", tp), ("--ep", ep), ("--pp", pp), ("--cp", cp), ("--tp x --pp x --cp", tp * pp * cp)):
         if world % size:
             raise ConfigError(f"{flag} {size} does not divide the {world} processes started; launch a multiple of "
                               f"{size} processes with torchrun (--nproc_per_node), or lower {flag}.")
@@ -265,9 +275,10 @@ def calibration_context(config, device: torch.device, tp: int, ep: int = 1, pp: 
     if world == 1:
         return ParallelContext(device=device)
     try:
-        return build_parallel_context(ParallelConfig(tp=tp, ep=ep, pp=pp), config, device, seq_len)
+        return build_parallel_context(ParallelConfig(tp=tp, ep=ep, pp=pp, cp=cp), config, device, seq_len)
     except ConfigError as error:
-        raise ConfigError(f"--tp {tp} --pp {pp} --ep {ep} on {world} processes: {error}") from error
+        raise ConfigError(f"--tp {tp} --pp {pp} --cp {cp} --ep {ep} on {world} processes (--seq-len {seq_len}): "
+                          f"{error}") from error
 
 
 def calibration_model(source_dir: Path, context, seq_len: int = 1024):
@@ -279,6 +290,7 @@ def calibration_model(source_dir: Path, context, seq_len: int = 1024):
     from meshlm.checkpoint.materialize import materialize
     from meshlm.checkpoint.model_files import check_stored_tensors, read_model_config, source_file, weights_source
     from meshlm.models.language_model import LanguageModel
+    from meshlm.parallel.context.context_parallel import apply_context_parallel
     from meshlm.parallel.parallelize import parallelize_model
     from meshlm.parallel.pipeline.stages import keep_stage_modules, rank_chunks
 
@@ -286,6 +298,7 @@ def calibration_model(source_dir: Path, context, seq_len: int = 1024):
     check_stored_tensors(config, source.layout, str(source_file(source_dir)))
     with torch.device("meta"):
         model = parallelize_model(LanguageModel(config), context)
+    apply_context_parallel(model, context)  # ring attention, Mamba state hand-off (cp > 1)
     if context.pp_size > 1:
         chunks = rank_chunks(config, context.pp_size, 1, context.pp_rank, seq_len)
         keep_stage_modules(model, chunks, context.pp_rank, context.pp_size)
@@ -302,6 +315,15 @@ def pipeline_stages(context, source_dir: Path):
     from meshlm.checkpoint.model_files import weights_source
 
     return PipelineStages(context, dict(weights_source(source_dir).layout)["embedding.weight"][1])
+
+
+def sequence_shards(context):
+    """How a cp > 1 calibration combines each sequence's chunks (``importance_sequence.py``), else None."""
+    if context.cp_size == 1:
+        return None
+    from meshlm.adapt.importance_sequence import SequenceShards
+
+    return SequenceShards(context)
 
 
 def summed_over(group):

@@ -157,37 +157,39 @@ PRUNE_HYBRID = ["--samples", "6", "--seq-len", "16", "--batch-size", "2", "--hid
                 "--kv-heads", "1", "--mamba-heads", "4", "--experts", "2", "--drop-blocks", "1", "--device", "cpu"]
 
 
-def prune_and_score(source: str, blend: str, out: str, tp: int, ep: int = 1, pp: int = 1) -> dict:
+def prune_and_score(source: str, blend: str, out: str, tp: int, ep: int = 1, pp: int = 1, cp: int = 1) -> dict:
     """On every rank (or in one process): ``meshlm prune --tp tp`` into ``out``, then the importance
     scores of the same layout and samples (the CLI's own pieces), as plain tensors."""
     from meshlm.adapt.importance import collect_importance
     from meshlm.adapt.prune_cli import (calibration_batches, calibration_context, calibration_dataset,
-                                        calibration_model, gathered_over, pipeline_stages, summed_over)
+                                        calibration_model, gathered_over, pipeline_stages, sequence_shards,
+                                        summed_over)
 
     torch.set_num_threads(1)
     assert main(["prune", source, out, "--calibration", blend, *PRUNE_HYBRID, "--tp", str(tp), "--ep", str(ep),
-                 "--pp", str(pp)]) == 0
+                 "--pp", str(pp), "--cp", str(cp)]) == 0
     config = read_model_config(Path(source))
-    context = calibration_context(config, torch.device("cpu"), tp, ep, pp, 16)
+    context = calibration_context(config, torch.device("cpu"), tp, ep, pp, 16, cp)
     dataset = calibration_dataset([blend], 16, 6, 1234, config.vocab_size)
     model = calibration_model(Path(source), context, 16)
     if pp == 1:
         assert model.blocks[3].mixer.experts.up_weight.shape[0] == HYBRID["moe_num_experts"] // ep  # this rank's
     else:
         assert 0 < len(model.blocks) < 4  # this stage's blocks only
+    batches = list(calibration_batches(dataset, 2, context.dp_rank, context.dp_size, torch.device("cpu"), context))
+    assert batches[0]["input_ids"].shape[1] == 16 // cp  # this rank's chunks of each sequence
     importance = collect_importance(
-        model, calibration_batches(dataset, 2, context.dp_rank, context.dp_size,
-                                                                   torch.device("cpu")),
+        model, batches,
         depth_metric="loss", reduce=summed_over(context.dp_group) if context.dp_size > 1 else None,
         gather=gathered_over(context.tp_group) if context.tp_size > 1 else None,
-        stages=pipeline_stages(context, Path(source)))
+        stages=pipeline_stages(context, Path(source)), sequence=sequence_shards(context))
     scores = {"hidden": importance.hidden, "blocks": importance.blocks}
     for kind in ("heads", "neurons", "mamba_heads", "experts"):
         scores.update({f"{kind} {block}": value for block, value in getattr(importance, kind).items()})
     return scores
 
 
-def test_tp2_dp2_ep2_and_pp2_calibration_prunes_exactly_as_one_process(tmp_path):
+def test_tp2_dp2_ep2_pp2_and_cp2_calibration_prunes_exactly_as_one_process(tmp_path):
     from safetensors.torch import load_file
 
     from tests.helpers.distributed import run_distributed
@@ -196,8 +198,9 @@ def test_tp2_dp2_ep2_and_pp2_calibration_prunes_exactly_as_one_process(tmp_path)
     blend = write_corpus(tmp_path / "data", num_documents=40, max_length=60)
     source = save_model(LanguageModel(ModelConfig(**HYBRID)), tmp_path / "big", tokenizer_dir=blend.parent)
     single = prune_and_score(str(source), str(blend), str(tmp_path / "single"), 1)
-    for layout, tp, ep, pp in (("tp2", 2, 1, 1), ("dp2", 1, 1, 1), ("ep2", 1, 2, 1), ("pp2", 1, 1, 2)):
-        by_rank = run_distributed(prune_and_score, 2, str(source), str(blend), str(tmp_path / layout), tp, ep, pp,
+    layouts = (("tp2", 2, 1, 1, 1), ("dp2", 1, 1, 1, 1), ("ep2", 1, 2, 1, 1), ("pp2", 1, 1, 2, 1), ("cp2", 1, 1, 1, 2))
+    for layout, tp, ep, pp, cp in layouts:
+        by_rank = run_distributed(prune_and_score, 2, str(source), str(blend), str(tmp_path / layout), tp, ep, pp, cp,
                                   timeout_s=120)
         for rank, scores in enumerate(by_rank):
             assert set(scores) == set(single), (layout, rank)
