@@ -63,8 +63,9 @@ TRANSPORT_ERROR_MARKERS = ("gloo", "nccl", "timed out", "connection reset", "con
 """Words of the backends' errors for a peer that went away; other RuntimeErrors are not ours."""
 MESHLM_ROOT = str(Path(__file__).resolve().parents[1])
 C10D_FILE = "distributed_c10d.py"
-COLLECTIVES_FILES = ("plain_collectives.py", "collectives.py")
-"""meshlm's collectives: the line that called them is the one to report."""
+COLLECTIVES_FILES = ("plain_collectives.py", "collectives.py", "communication_waits.py")
+"""meshlm's collectives (and the wrapper that times their waits, ``Group.waits``): the line that
+called them is the one to report."""
 
 
 class CollectiveFailure(RuntimeError):
