@@ -52,9 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--init", metavar="DIR", help="skip pretraining: start SFT from this model folder")
     parser.add_argument("--pretrain-steps", type=int, default=400)
-    parser.add_argument("--sft-steps", type=int, default=40)
-    parser.add_argument("--rl-steps", type=int, default=100)
-    parser.add_argument("--rl-lr", type=float, default=5e-4)
+    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--rl-steps", type=int, default=40)
+    parser.add_argument("--rl-lr", type=float, default=2e-5)
     parser.add_argument("--digits", type=int, default=1, help="operands of 1 to D digits (rl.digits)")
     parser.add_argument("--operations", default="+-", help="rl.operations")
     parser.add_argument("--held-out", type=int, default=48, help="held-out prompts (rl.eval_prompts)")
@@ -178,8 +178,8 @@ def main(argv=None) -> dict:
         meshlm("rl", *common, f"train.init_from={sft}", "data.blend=null", f"train.run_dir={work / 'rl-run'}",
                f"train.steps={args.rl_steps}", "train.micro_batch_size=32", "train.log_every=1",
                f"train.eval_every={args.rl_steps}", f"train.save_every={args.rl_steps}", f"optim.lr={args.rl_lr}",
-               f"optim.min_lr={args.rl_lr}", "optim.schedule=constant", "optim.warmup_steps=10", "optim.weight_decay=0.0",
-               "rl.group_size=8", "rl.prompts_per_step=8", "rl.temperature=1.0", "rl.kl_coeff=0.04", "rl.epochs=2")
+               f"optim.min_lr={args.rl_lr}", "optim.schedule=constant", "optim.warmup_steps=5", "optim.weight_decay=0.0",
+               "rl.group_size=8", "rl.prompts_per_step=16", "rl.temperature=1.0", "rl.kl_coeff=0.04", "rl.epochs=2")
         rl_model = work / "rl-run" / "checkpoints" / f"step_{args.rl_steps}"
         seconds["rl"] = time.perf_counter() - clock
         after_rl = accuracy(args, rl_model, tokenizer, work, "rl")
