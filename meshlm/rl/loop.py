@@ -156,6 +156,9 @@ class GRPOTrainer(Trainer):
         self.eval_accuracies: dict[int, float] = {}
         self.step_stats: dict[str, float] = {}
 
+    def frozen_reference(self) -> str | None:
+        return self.reference_source[1] if self.reference_source is not None else None
+
     def build_data(self) -> TrainingData:
         """No dataset: the environment is the data. The tokenizer is copied into every checkpoint."""
         return TrainingData(train=[], valid=None, tokenizer_file=self.tokenizer_file)

@@ -66,8 +66,9 @@ its folder's config.json), plus one micro-batch's fp32 logits of each model and 
 [tokens, vocab / tp] fp32 tensors the backward needs (the student's head is then not the fused
 loss: that term replaces ``head``'s chunks); block-wise (``train.distill_blocks``) the teacher's
 hidden state entering and leaving each block instead of the logits. A reference model (DPO's
-``train.reference_from``, default ``train.init_from``) keeps its shards resident the same way; it runs under no_grad, one row at a
-time of its output kept (its per-token log-probabilities), so only its weights are counted.
+``train.reference_from``, default ``train.init_from``; RL's KL reference) keeps its shards resident
+the same way; it runs under no_grad, keeping only its per-token log-probabilities, so only its
+weights are counted.
 Preference objectives run two rows per pair (``train.objective=dpo``, or ``reward`` with the
 Bradley-Terry loss): the activations are those of twice the micro-batch.
 
@@ -306,13 +307,15 @@ def score_transient_bytes(config, micro_batch: int, seq: int, layout) -> float:
 
 
 # --- the estimate and the warning ----------------------------------------------------------------------
-def estimate_training_memory(config, layout=None) -> MemoryEstimate:
+def estimate_training_memory(config, layout=None, reference: str | None = None) -> MemoryEstimate:
     """The peak memory of one process of the run ``config`` (a validated RunConfig whose
-    precision.dtype is resolved) at ``layout`` (a ParallelContext; None: a single process)."""
+    precision.dtype is resolved) at ``layout`` (a ParallelContext; None: a single process);
+    ``reference``: the folder of a frozen reference model the run keeps beside its own (default:
+    DPO's, ``reference_path``; RL's KL reference is handed in by ``meshlm rl``)."""
     layout = layout if layout is not None else ParallelContext()
     zero_stage = config.parallel.sharding_stage if layout.distributed else 0
     weights, gradients, optimizer = parameter_state_bytes(config, layout, zero_stage)
-    frozen = frozen_items(config, layout)
+    frozen = frozen_items(config, layout, reference)
     activations = activation_items(config, layout)
     if "teacher logits" in frozen:  # the student's head is the unfused vocab-parallel one, counted there
         activations["head"] = 0.0
@@ -320,12 +323,12 @@ def estimate_training_memory(config, layout=None) -> MemoryEstimate:
                           int(sum(frozen.values())))
 
 
-def frozen_items(config, layout) -> dict[str, float]:
+def frozen_items(config, layout, reference: str | None = None) -> dict[str, float]:
     """Bytes of the frozen models beside the trained one (see the module docstring); empty without
     them, or when the folder cannot be read (the trainer then refuses it with its own message)."""
     train, items = config.train, {}
     dtype_bytes = DTYPE_BYTES[config.precision.dtype]
-    reference = reference_path(config)
+    reference = reference or reference_path(config)
     reference_config = readable_model_config(reference) if reference is not None else None
     if reference_config is not None:
         items["reference weights"] = sum(local_parameter_counts(reference_config, layout).values()) * dtype_bytes

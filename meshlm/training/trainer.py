@@ -198,7 +198,7 @@ class Trainer:
         self.replica = replica_context(self.context) if local_replicas else self.context
         self.plan_check = (PlanCheck(predicted, self.device) if predicted and self.context.is_logging_rank
                            else None)  # before the model: its memory is part of what is measured
-        self.memory = estimate_training_memory(config, self.context)  # before anything is allocated
+        self.memory = estimate_training_memory(config, self.context, self.frozen_reference())  # before allocating
         self.memory_available = available_memory(self.device)
         if self.context.is_logging_rank:
             too_big = memory_warning(self.memory, self.memory_available, self.device, config)
@@ -257,6 +257,11 @@ class Trainer:
         self.last_eval_step: int | None = None
         self.skips = SkipStreak.from_config(train)
         self.compile_pending = train.compile  # in run(), once the progress line can print a fallback notice
+
+    def frozen_reference(self) -> str | None:
+        """The folder of a frozen reference model a subclass keeps beside the trained one (RL's KL
+        reference), for the memory estimate; DPO's is found from the config."""
+        return None
 
     def training_parts(self) -> TrainingParts:
         """What a checkpoint saves and restores (see ``meshlm/checkpoint/global_state.py``)."""

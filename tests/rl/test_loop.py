@@ -146,3 +146,9 @@ def test_the_progress_line_shows_reward_accuracy_and_length():
               "accuracy": 0.5, "completion_length": 4.25}
     text = rl_progress_text(record, 10, 12.0)
     assert text.startswith("step 3/10 | loss -0.010 | reward 0.625 | acc 50.0% | len 4.2 | lr 1.0e-03")
+
+
+def test_the_memory_estimate_counts_the_kl_reference(make_rl_config):
+    with_reference, without = GRPOTrainer(make_rl_config()), GRPOTrainer(make_rl_config("rl.kl_coeff=0"))
+    reference_bytes = sum(param.numel() * param.element_size() for param in with_reference.reference.parameters())
+    assert with_reference.memory.frozen == reference_bytes and without.memory.frozen == 0
