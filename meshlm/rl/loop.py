@@ -133,6 +133,8 @@ def reference_source(config) -> tuple[str, str]:
 class GRPOTrainer(Trainer):
     """A ``Trainer`` whose step is GRPO on the environment ``config.rl.env`` (module docstring)."""
 
+    command = "meshlm rl"
+
     def __init__(self, config, predicted: dict | None = None):
         config = model_from_init_folder(config)
         config.validate()

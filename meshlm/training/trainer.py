@@ -172,6 +172,9 @@ class Trainer:
     ``predicted``: a plan's ``memory_bytes_per_gpu`` and ``step_time_s`` for this layout, which rank 0
     reports its measurements beside (``meshlm train --plan``; plan_check.py)."""
 
+    command = "meshlm train"
+    """How the run's own lines name it (a subclass's command, e.g. ``meshlm rl``)."""
+
     def __init__(self, config, predicted: dict | None = None):
         config = model_from_init_folder(config)  # train.init_model_config (train() has applied it: no second note)
         config.validate()
@@ -608,7 +611,7 @@ class Trainer:
         where = f"resuming from {self.resumed_from}" if self.resumed_from else "starting"
         dtype = self.config.precision.dtype + (" from precision.dtype=auto" if self.requested_dtype == "auto" else "")
         available = "" if self.memory_available is None else f" of {format_bytes(self.memory_available)} available"
-        self.progress.message(f"meshlm train: {where} at step {self.state.step}/{train.steps}; "
+        self.progress.message(f"{self.command}: {where} at step {self.state.step}/{train.steps}; "
                               f"{format_count(num_parameters)} parameters on {placement} "
                               f"({dtype}); peak {format_count(peak)}FLOP/s ({source}); "
                               f"memory estimate {format_bytes(self.memory.total)} per process{available}")
@@ -648,7 +651,7 @@ class Trainer:
             if train.plot and result.losses and self.context.is_logging_rank:
                 plot = plot_losses(self.run_dir)
                 if plot is None:
-                    self.progress.message("meshlm train: matplotlib is not installed, so no loss.png was drawn "
+                    self.progress.message(f"{self.command}: matplotlib is not installed, so no loss.png was drawn "
                                           "(pip install matplotlib).")
         finally:
             self.batches.close()
