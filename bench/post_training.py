@@ -36,7 +36,6 @@ import io
 import json
 import random
 import shutil
-import string
 import sys
 import tempfile
 import time
@@ -44,8 +43,6 @@ from pathlib import Path
 
 import torch
 
-CHARACTERS = string.digits + string.ascii_lowercase + "W \n+-*?=."
-SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|tool_call|>", "<|end|>"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,21 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temporary folder)")
     parser.add_argument("--out", metavar="FILE", help="also write the JSON here")
     return parser.parse_args(argv)
-
-
-def write_tokenizer(directory: Path) -> Path:
-    """A character-level Hugging Face tokenizer with the chat markers; eos <|endoftext|>."""
-    import tokenizers
-
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab = {character: index for index, character in enumerate(CHARACTERS)} | {"<unk>": len(CHARACTERS)}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tokenizer.decoder = tokenizers.decoders.Fuse()
-    tokenizer.add_special_tokens([tokenizers.AddedToken(token, special=True, normalized=False)
-                                  for token in SPECIAL_TOKENS])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    return directory / "tokenizer.json"
 
 
 def common_overrides(args) -> list[str]:
@@ -138,13 +120,15 @@ def accuracy(args, model_dir: Path, tokenizer: Path, work: Path, name: str) -> d
 
 
 def main(argv=None) -> dict:
+    from tests.helpers.chat_tokenizers import write_char_tokenizer
+
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="meshlm_post_training_"))
     work.mkdir(parents=True, exist_ok=True)
     started, seconds = time.perf_counter(), {}
     try:
-        tokenizer = write_tokenizer(work / "tokenizer")
+        tokenizer = write_char_tokenizer(work / "tokenizer")
         facts, chats = write_data(args, work)
         common = common_overrides(args)
         clock = time.perf_counter()

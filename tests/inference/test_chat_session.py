@@ -8,36 +8,25 @@ import sys
 
 import pytest
 import torch
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from meshlm.checkpoint.model_files import load_model, save_model
 from meshlm.cli import main
-from meshlm.data.chat import ChatTemplate, token_id
-from meshlm.data.chat_preprocess import write_chat_tokenizer
-from meshlm.data.reasoning import REASONING_SPECIAL_TOKENS
+from meshlm.data.chat import token_id
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.inference.chat import conversation_prompt, reply_ids
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
+from tests.helpers.chat_tokenizers import write_reasoning_chat_tokenizer
 
-SENTENCES = ["the cat sat on the mat.", "a dog sat on a log.", "the cat and the dog are friends."] * 4
 MAX_NEW = 4
 
 
 @pytest.fixture(scope="module")
 def chat_tokenizer_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("session_tokenizer")
-    backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(SENTENCES, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    backend.save(str(folder / "base.json"))
-    write_chat_tokenizer(folder / "base.json", folder / "chat", ChatTemplate(), extra_tokens=REASONING_SPECIAL_TOKENS)
-    return folder / "chat"
+    """A 300-token BPE plus the template markers and the think tags, as `meshlm preprocess --chat` writes it."""
+    return write_reasoning_chat_tokenizer(tmp_path_factory.mktemp("session_tokenizer"))
 
 
 @pytest.fixture(scope="module")

@@ -7,35 +7,18 @@ per token, plus the chat markers of meshlm's default template (``<|user|>``, ``<
 
 from __future__ import annotations
 
-import json
-import string
 from pathlib import Path
 
 import pytest
-import tokenizers
 import torch
 
 from meshlm.checkpoint.model_files import save_model
 from meshlm.config import load_run_config
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
+from tests.helpers.chat_tokenizers import write_char_tokenizer
 
-CHARACTERS = string.digits + string.ascii_lowercase + "W \n+-*?=."
-SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|tool_call|>", "<|end|>"]
 MODEL = dict(vocab_size=64, hidden_size=32, pattern="*-*-", num_attention_heads=4, ffn_hidden_size=64)
-
-
-def write_char_tokenizer(directory: Path) -> Path:
-    """tokenizer.json + tokenizer_config.json (eos <|endoftext|>) in ``directory``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab = {character: index for index, character in enumerate(CHARACTERS)} | {"<unk>": len(CHARACTERS)}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tokenizer.decoder = tokenizers.decoders.Fuse()
-    tokenizer.add_special_tokens([tokenizers.AddedToken(token, special=True, normalized=False)
-                                  for token in SPECIAL_TOKENS])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    return directory / "tokenizer.json"
 
 
 @pytest.fixture(scope="session")
