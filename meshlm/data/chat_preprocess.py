@@ -29,7 +29,6 @@ Conversations are few and short next to a pretraining corpus, so this runs in on
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ import tokenizers
 
 from meshlm.data.chat import (ChatTemplate, check_messages, encode_segments, load_chat_template,
                               missing_special_tokens, token_id)
+from meshlm.data.jsonl import json_lines
 from meshlm.data.reasoning import REASONING_SPECIAL_TOKENS, check_think_blocks, has_think_block
 from meshlm.data.indexed import TokenStoreWriter
 from meshlm.data.readers import expand_inputs
@@ -95,24 +95,13 @@ def write_chat_tokenizer(tokenizer_path: str | os.PathLike, folder: Path, templa
 
 def read_conversations(files: list[Path], messages_key: str = "messages") -> Iterator[tuple[str, list]]:
     """("FILE, line N", messages) for every non-blank line of the JSONL ``files``, checked."""
-    for path in files:
-        if path.suffix != ".jsonl":
-            raise DataError(f"{path}: chat data must be .jsonl, one {{\"{messages_key}\": [...]}} object per line.")
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}, line {number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise DataError(f"{where}: not valid JSON ({error.msg}).") from error
-                if not isinstance(record, dict) or messages_key not in record:
-                    raise DataError(f"{where}: no {messages_key!r} key; each line must be "
-                                    f"{{\"{messages_key}\": [{{\"role\": ..., \"content\": ...}}, ...]}}.")
-                check_messages(record[messages_key], where)
-                check_think_blocks(record[messages_key], where)
-                yield where, record[messages_key]
+    for where, record in json_lines(files, "chat data", f"{{\"{messages_key}\": [...]}}"):
+        if not isinstance(record, dict) or messages_key not in record:
+            raise DataError(f"{where}: no {messages_key!r} key; each line must be "
+                            f"{{\"{messages_key}\": [{{\"role\": ..., \"content\": ...}}, ...]}}.")
+        check_messages(record[messages_key], where)
+        check_think_blocks(record[messages_key], where)
+        yield where, record[messages_key]
 
 
 def preprocess_chat(inputs, tokenizer_path: str | os.PathLike, out_prefix: str | os.PathLike,

@@ -42,7 +42,6 @@ The data split (``data.split``) is by examples, in store order, as for token sto
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from meshlm.data.chat import ChatTemplate, Segment, check_messages, encode_segme
 from meshlm.data.chat_preprocess import chat_tokenizer_folder, write_chat_tokenizer
 from meshlm.data.gpt_dataset import IGNORE_INDEX, SPLIT_NAMES, split_document_range
 from meshlm.data.indexed import TokenStore, TokenStoreWriter, metadata_path
+from meshlm.data.jsonl import json_lines
 from meshlm.data.readers import expand_inputs
 from meshlm.data.tokenizer import find_tokenizer_file, load_tokenizer
 from meshlm.errors import DataError
@@ -96,21 +96,13 @@ def context_messages(record: dict, where: str) -> list[dict]:
 def read_examples(files: list[Path]) -> Iterator[tuple[str, str, dict]]:
     """("FILE, line N", kind, example) for every non-blank line: kind 'pairs' with
     {"chosen": messages, "rejected": messages}, or 'scores' with {"messages", "scores"}; checked."""
-    for path in files:
-        if path.suffix != ".jsonl":
-            raise DataError(f"{path}: preference data must be .jsonl, one {{\"prompt\" or \"messages\", \"chosen\", "
-                            "\"rejected\"}} or {\"messages\", \"scores\"} object per line.")
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if line.strip():
-                    yield parse_example(line, f"{path}, line {number}")
+    line_format = '{"prompt" or "messages", "chosen", "rejected"} or {"messages", "scores"}'
+    for where, record in json_lines(files, "preference data", line_format):
+        yield parse_example(record, where)
 
 
-def parse_example(line: str, where: str) -> tuple[str, str, dict]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise DataError(f"{where}: not valid JSON ({error.msg}).") from error
+def parse_example(record, where: str) -> tuple[str, str, dict]:
+    """(where, kind, example) of one parsed line, checked."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: each line must be a JSON object.")
     if "scores" in record:

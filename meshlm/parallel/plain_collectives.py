@@ -71,6 +71,14 @@ def _over_link(group: Group, op: str, tensor: torch.Tensor, issued: float, work,
     return watched(work, group.waits, group.name) if async_op else work
 
 
+def _issued(group: Group, op: str, tensor: torch.Tensor, async_op: bool, start):
+    """``start()`` (the torch.distributed call), counted as a wait while it blocks and held back by
+    the group's simulated link; ``tensor`` is the one whose bytes the link carries."""
+    issued = time.perf_counter()
+    with _waiting(group, async_op):
+        return _over_link(group, op, tensor, issued, start(), async_op)
+
+
 def _waiting(group: Group, async_op: bool = False):
     """A synchronous call counted as a wait on its group from issue to return (``Group.waits``:
     the power timeline and the power floor; ``communication_waits.py``)."""
@@ -91,10 +99,8 @@ def all_reduce_(tensor: torch.Tensor, group: Group | None, op: str = "sum", asyn
     if _quiet(group):
         return None
     _checked("all_reduce" if op == "sum" else f"all_reduce({op})", group, {"reduced": tensor})
-    issued = time.perf_counter()
-    with _waiting(group, async_op):
-        work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group.process_group, async_op=async_op)
-        return _over_link(group, "all_reduce", tensor, issued, work, async_op)
+    return _issued(group, "all_reduce", tensor, async_op,
+                   lambda: dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group.process_group, async_op=async_op))
 
 
 def all_gather_into_(output: torch.Tensor, input: torch.Tensor, group: Group | None, async_op: bool = False):
@@ -105,10 +111,8 @@ def all_gather_into_(output: torch.Tensor, input: torch.Tensor, group: Group | N
     _checked("all_gather", group, {"output": output, "input": input})
     # torch 2.13 renamed the single-tensor all-gather (the old name warns); older torch has only the old one.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    issued = time.perf_counter()
-    with _waiting(group, async_op):
-        work = gather(output, input, group=group.process_group, async_op=async_op)
-        return _over_link(group, "all_gather", output, issued, work, async_op)
+    return _issued(group, "all_gather", output, async_op,
+                   lambda: gather(output, input, group=group.process_group, async_op=async_op))
 
 
 def reduce_scatter_into_(output: torch.Tensor, input: torch.Tensor, group: Group | None, async_op: bool = False):
@@ -118,10 +122,8 @@ def reduce_scatter_into_(output: torch.Tensor, input: torch.Tensor, group: Group
         return None
     _checked("reduce_scatter", group, {"output": output, "input": input})
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    issued = time.perf_counter()
-    with _waiting(group, async_op):
-        work = scatter(output, input, group=group.process_group, async_op=async_op)
-        return _over_link(group, "reduce_scatter", input, issued, work, async_op)
+    return _issued(group, "reduce_scatter", input, async_op,
+                   lambda: scatter(output, input, group=group.process_group, async_op=async_op))
 
 
 def all_to_all_(output: torch.Tensor, input: torch.Tensor, group: Group | None, output_splits: list[int] | None = None,
@@ -135,11 +137,9 @@ def all_to_all_(output: torch.Tensor, input: torch.Tensor, group: Group | None, 
     uneven = output_splits is not None or input_splits is not None
     shapes = [(None, *output.shape[1:]), (None, *input.shape[1:])] if uneven else None
     _checked("all_to_all(uneven)" if uneven else "all_to_all", group, {"output": output, "input": input}, shapes)
-    issued = time.perf_counter()
-    with _waiting(group, async_op):
-        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group.process_group,
-                                      async_op=async_op)
-        return _over_link(group, "all_to_all", input, issued, work, async_op)
+    return _issued(group, "all_to_all", input, async_op,
+                   lambda: dist.all_to_all_single(output, input, output_splits, input_splits,
+                                                  group=group.process_group, async_op=async_op))
 
 
 def barrier(group: Group | None) -> None:

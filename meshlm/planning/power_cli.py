@@ -86,7 +86,8 @@ def run_intervals(args):
     """(intervals, GPU count, GPU row, notes) from RUN_DIR/power_timeline.jsonl."""
     from meshlm.planning.configured import gpu_row
     from meshlm.planning.power_trace import intervals_from_timeline
-    from meshlm.training.phase_timeline import TIMELINE_FILE, read_timeline
+    from meshlm.training.metrics import read_metrics
+    from meshlm.training.phase_timeline import TIMELINE_FILE
 
     if len(args.inputs) != 1:
         raise ConfigError("meshlm power needs one RUN_DIR, or --plan CONFIG.yaml --gpus N; got "
@@ -99,7 +100,7 @@ def run_intervals(args):
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: the run recorded no phase timeline; train it with "
                           "train.record_phases=true (the default), or use --plan CONFIG.yaml --gpus N.")
-    records = read_timeline(path)
+    records = read_metrics(path)  # JSONL, a torn line skipped, as metrics.jsonl
     headers = [record for record in records if record.get("event") == "start"]
     intervals = intervals_from_timeline(records)
     if not intervals:

@@ -160,16 +160,4 @@ def power_recording(train, context, device) -> tuple[object, PhaseTimeline]:
     return watch_groups(context, waits), PhaseTimeline(train.run_dir, record, waits, floor, device)
 
 
-def read_timeline(path) -> list[dict]:
-    """The records of a power_timeline.jsonl (a torn or unreadable line skipped)."""
-    records = []
-    with open(path, encoding="utf-8") as file:
-        for line in file:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
-
-
-__all__ = ["MERGE_GAP_S", "TIMELINE_FILE", "PhaseTimeline", "merged", "power_recording", "read_timeline"]
+__all__ = ["MERGE_GAP_S", "TIMELINE_FILE", "PhaseTimeline", "merged", "power_recording"]

@@ -16,19 +16,7 @@ from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
-from tests.helpers.chat_tokenizers import write_reasoning_chat_tokenizer
 
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer_dir(tmp_path_factory):
-    """A 300-token BPE plus the template markers and the think tags, as `meshlm preprocess --chat` writes it."""
-    return write_reasoning_chat_tokenizer(tmp_path_factory.mktemp("reasoning_tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(chat_tokenizer_dir):
-    return load_tokenizer(chat_tokenizer_dir / "tokenizer.json")
 
 
 def tiny_model() -> LanguageModel:

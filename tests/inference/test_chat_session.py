@@ -12,26 +12,13 @@ import torch
 from meshlm.checkpoint.model_files import load_model, save_model
 from meshlm.cli import main
 from meshlm.data.chat import token_id
-from meshlm.data.tokenizer import load_tokenizer
 from meshlm.inference.chat import conversation_prompt, reply_ids
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
-from tests.helpers.chat_tokenizers import write_reasoning_chat_tokenizer
 
 MAX_NEW = 4
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer_dir(tmp_path_factory):
-    """A 300-token BPE plus the template markers and the think tags, as `meshlm preprocess --chat` writes it."""
-    return write_reasoning_chat_tokenizer(tmp_path_factory.mktemp("session_tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(chat_tokenizer_dir):
-    return load_tokenizer(chat_tokenizer_dir / "tokenizer.json")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from meshlm.cli import main
-from meshlm.training.phase_timeline import TIMELINE_FILE, read_timeline
+from meshlm.training.metrics import read_metrics
+from meshlm.training.phase_timeline import TIMELINE_FILE
 from meshlm.training.trainer import Trainer
 from tests.helpers.counting_corpus import write_corpus
 from tests.helpers.distributed import run_distributed
@@ -39,7 +40,7 @@ def power_json(capsys, *arguments: str) -> dict:
 
 
 def test_power_of_a_real_run(run_dir, capsys):
-    records = read_timeline(run_dir / TIMELINE_FILE)
+    records = read_metrics(run_dir / TIMELINE_FILE)
     steps = [record for record in records if "step" in record and "pause" not in record and "start" in record]
     assert [record["step"] for record in steps] == [1, 2, 3, 4]
     assert [record["step"] for record in records if record.get("pause") == "checkpoint"] == [2, 4]

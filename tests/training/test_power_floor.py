@@ -20,7 +20,8 @@ import torch
 from meshlm.config import load_run_config
 from meshlm.errors import ConfigError
 from meshlm.parallel.communication_waits import CommunicationWaits
-from meshlm.training.phase_timeline import TIMELINE_FILE, read_timeline
+from meshlm.training.metrics import read_metrics
+from meshlm.training.phase_timeline import TIMELINE_FILE
 from meshlm.training.power_floor import PHASE_POWER_FRACTION, PowerFloor, filler_duty
 from meshlm.training.trainer import Trainer
 from tests.helpers.counting_corpus import write_corpus
@@ -79,7 +80,7 @@ def test_the_floor_changes_no_loss(runs):
 def test_pipeline_waits_are_filled_too(runs):
     """pp2: the stages wait on each other's messages (the bubble); the filler fills those waits."""
     root, _ = runs
-    waits, bursts = waits_and_bursts(read_timeline(root / "pp2 floor" / TIMELINE_FILE))
+    waits, bursts = waits_and_bursts(read_metrics(root / "pp2 floor" / TIMELINE_FILE))
     assert any(wait[0] == "pp" for wait in waits)
     in_pipeline_waits = [burst for burst in bursts if inside_a_wait(burst, [wait for wait in waits if wait[0] == "pp"])]
     assert in_pipeline_waits, "the filler never ran while a stage waited"
@@ -88,7 +89,7 @@ def test_pipeline_waits_are_filled_too(runs):
 
 def test_filler_bursts_lie_inside_pending_collective_windows(runs):
     root, _ = runs
-    records = read_timeline(root / "floor" / TIMELINE_FILE)
+    records = read_metrics(root / "floor" / TIMELINE_FILE)
     steps = [record for record in records if "step" in record and "start" in record and "pause" not in record]
     assert [record["step"] for record in steps] == [1, 2, 3, 4]
     waits, bursts = waits_and_bursts(records)
@@ -99,13 +100,13 @@ def test_filler_bursts_lie_inside_pending_collective_windows(runs):
             assert inside_a_wait(burst, waits), f"filler burst {burst} started outside every wait window"
         else:  # without ramps, only the final checkpoint save is held at the floor
             assert burst[4] == "checkpoint"
-    plain_waits, plain_bursts = waits_and_bursts(read_timeline(root / "plain" / TIMELINE_FILE))
+    plain_waits, plain_bursts = waits_and_bursts(read_metrics(root / "plain" / TIMELINE_FILE))
     assert plain_waits and not plain_bursts  # no floor, no filler
 
 
 def test_ramps_fill_only_ramps_checkpoints_and_waits(runs):
     root, _ = runs
-    records = read_timeline(root / "ramps" / TIMELINE_FILE)
+    records = read_metrics(root / "ramps" / TIMELINE_FILE)
     ramps = {record["ramp"]: record for record in records if "ramp" in record}
     assert set(ramps) == {"start", "end"}
     for record in ramps.values():
