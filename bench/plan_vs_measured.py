@@ -116,26 +116,6 @@ ACTIVATION_MODELS = {
 }
 
 
-def saved_by_kind(model, micro_batch: int, seq: int, dtype) -> dict[str, int]:
-    """Bytes each block kind saves for backward in one forward (distinct storages, no parameters)."""
-    import torch
-
-    from meshlm.models.context import SequenceContext
-    from tests.helpers.saved_tensors import SavedStorages
-
-    parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
-    context = SequenceContext.for_tokens(torch.zeros(micro_batch, seq, dtype=torch.long))
-    hidden = torch.randn(micro_batch, seq, model.config.hidden_size, dtype=dtype, requires_grad=True)
-    found: dict[str, int] = {}
-    keep = []  # the graph stays alive, so no storage is freed and reused between blocks
-    for kind, block in zip(model.config.block_kinds, model.blocks):
-        with SavedStorages(parameters) as saved:
-            hidden = block(hidden, context)
-        keep.append(hidden)
-        found[kind] = found.get(kind, 0) + saved.nbytes
-    return found
-
-
 def activation_rows(seq_len: int) -> list[dict]:
     """Predicted and measured saved bytes per block kind, for each model, dtype and recompute setting."""
     import dataclasses
@@ -148,6 +128,7 @@ def activation_rows(seq_len: int) -> list[dict]:
     from meshlm.planning.memory import planning_context
     from meshlm.training.memory_estimate import activation_items
     from meshlm.training.recompute import apply_recompute
+    from tests.helpers.saved_tensors import saved_bytes_by_block_kind
 
     rows = []
     for name, extra in ACTIVATION_MODELS.items():
@@ -164,7 +145,7 @@ def activation_rows(seq_len: int) -> list[dict]:
                 run = dataclasses.replace(run, train=dataclasses.replace(run.train, recompute=mode))
                 items = activation_items(run, planning_context(run, layout))
                 apply_recompute(model, mode)
-                measured = saved_by_kind(model, run.train.micro_batch_size, seq_len, dtype)
+                measured = saved_bytes_by_block_kind(model, run.train.micro_batch_size, seq_len, dtype)
                 predictions = {kind: int(items[f"blocks {kind}"]) for kind in measured}
                 predictions["all"], measured["all"] = sum(predictions.values()), sum(measured.values())
                 for kind, value in measured.items():

@@ -47,6 +47,27 @@ class SavedStorages:
         return set(self.storages)
 
 
+def saved_bytes_by_block_kind(model, micro_batch: int, seq: int, dtype: torch.dtype,
+                              sequence_shards: int = 1) -> dict[str, int]:
+    """Bytes each block kind of ``model`` saves for backward in one forward over random hidden
+    states of ``micro_batch`` x ``seq`` tokens (``seq / sequence_shards`` of them on this rank under
+    sequence parallelism); distinct storages, parameters not counted."""
+    from meshlm.models.context import SequenceContext
+
+    parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
+    context = SequenceContext.for_tokens(torch.zeros(micro_batch, seq, dtype=torch.long))
+    hidden = torch.randn(micro_batch, seq // sequence_shards, model.config.hidden_size, dtype=dtype,
+                         requires_grad=True)
+    found: dict[str, int] = {}
+    keep = []  # the graph stays alive: no storage is freed and reused between blocks
+    for kind, block in zip(model.config.block_kinds, model.blocks):
+        with SavedStorages(parameters) as saved:
+            hidden = block(hidden, context)
+        keep.append(hidden)
+        found[kind] = found.get(kind, 0) + saved.nbytes
+    return found
+
+
 class LargestTensor(TorchDispatchMode):
     """Records the elements (``numel``) and bytes (``bytes``) of the biggest tensor an op returns while active."""
 

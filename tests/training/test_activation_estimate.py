@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from meshlm.config import ParallelConfig, load_run_config
-from meshlm.models.context import SequenceContext
 from meshlm.models.language_model import LanguageModel
 from meshlm.parallel.mesh import ParallelContext, build_parallel_context
 from meshlm.parallel.parallelize import parallelize_model
 from meshlm.training.memory_estimate import activation_items
 from meshlm.training.recompute import apply_recompute
 from tests.helpers.distributed import run_distributed
-from tests.helpers.saved_tensors import SavedStorages
+from tests.helpers.saved_tensors import saved_bytes_by_block_kind
 
 MODELS = {
     "dense": ["model.pattern=*-*-", "model.num_kv_heads=2"],
@@ -39,29 +38,13 @@ def run_config(model: str, dtype: str, recompute: str, *parallel: str):
                                   f"train.recompute={recompute}", *MODELS[model], *parallel])
 
 
-def saved_by_kind(model, context: ParallelContext, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes each block kind saves for backward in one forward of this rank's share (no parameters)."""
-    parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
-    tokens = torch.zeros(MICRO_BATCH, SEQ, dtype=torch.long)
-    sequence = SEQ // context.tp_size if context.sequence_parallel else SEQ
-    hidden = torch.randn(MICRO_BATCH, sequence, model.config.hidden_size, dtype=dtype, requires_grad=True)
-    sequence_context = SequenceContext.for_tokens(tokens)
-    found: dict[str, int] = {}
-    keep = []  # the graph stays alive: no storage is freed and reused between blocks
-    for kind, block in zip(model.config.block_kinds, model.blocks):
-        with SavedStorages(parameters) as saved:
-            hidden = block(hidden, sequence_context)
-        keep.append(hidden)
-        found[kind] = found.get(kind, 0) + saved.nbytes
-    return found
-
-
 def errors(config, context: ParallelContext) -> dict[str, float]:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[config.precision.dtype]
     torch.manual_seed(0)
     model = parallelize_model(LanguageModel(config.model, seed=0), context).to(dtype)
     apply_recompute(model, config.train.recompute)
-    measured = saved_by_kind(model, context, dtype)
+    measured = saved_bytes_by_block_kind(model, MICRO_BATCH, SEQ, dtype,
+                                         context.tp_size if context.sequence_parallel else 1)
     items = activation_items(config, context)
     return {kind: items[f"blocks {kind}"] / value - 1 for kind, value in measured.items()}
 
