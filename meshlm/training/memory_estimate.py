@@ -88,12 +88,14 @@ import torch
 
 from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.model_files import read_model_config
+from meshlm.data.preference import PAIRS
 from meshlm.errors import CheckpointError
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.losses import default_tokens_per_chunk
 from meshlm.models.mlp import is_gated
 from meshlm.models.pattern import parse_pattern
 from meshlm.parallel.mesh import ParallelContext
+from meshlm.training.preference_data import needed_kind
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -292,8 +294,7 @@ def activation_items(config, layout) -> dict[str, float]:
 
 def rows_per_example(train) -> int:
     """Rows of one training example: 2 for a preference pair (DPO, Bradley-Terry), else 1."""
-    pairs = train.objective == "dpo" or (train.objective == "reward" and train.reward_loss == "bradley_terry")
-    return 2 if pairs else 1
+    return 2 if needed_kind(train) == PAIRS else 1
 
 
 def score_transient_bytes(config, micro_batch: int, seq: int, layout) -> float:

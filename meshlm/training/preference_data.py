@@ -19,6 +19,14 @@ from meshlm.data.preference import PAIRS, SCORES, build_preference_datasets, pre
 from meshlm.errors import ConfigError
 
 
+def needed_kind(train) -> str | None:
+    """The store kind ``train.objective`` reads: rated replies for an MSE reward model, pairs for a
+    Bradley-Terry one and for DPO (two rows per example), None for language modelling."""
+    if train.objective == "lm":
+        return None
+    return SCORES if train.objective == "reward" and train.reward_loss == "mse" else PAIRS
+
+
 def check_store_kind(config, prefixes: list[str]) -> str:
     """The stores' kind ('pairs' or 'scores'), refused (ConfigError) when it does not suit the run."""
     train, kinds = config.train, {prefix: preference_kind(prefix) for prefix in prefixes}
@@ -31,7 +39,7 @@ def check_store_kind(config, prefixes: list[str]) -> str:
         raise ConfigError(f"train.objective={train.objective} reads preference stores, but {plain[0]} is a plain token "
                           "store; write one with `meshlm preprocess --preference` and list it in data.prefixes.")
     kind = next(iter(kinds.values()))
-    needed = SCORES if train.objective == "reward" and train.reward_loss == "mse" else PAIRS
+    needed = needed_kind(train)
     if kind != needed or len(set(kinds.values())) > 1:
         wrong = next(prefix for prefix, found in kinds.items() if found != needed)
         setting = "train.reward_loss=mse" if needed == SCORES else (
