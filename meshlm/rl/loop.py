@@ -11,7 +11,7 @@ trainer's. What changes is one step (GRPO, Shao et al. 2024; the math is ``grpo.
     records  = prompts [s*P, (s+1)*P) of the environment; DP rank d takes its contiguous P/dp
     for each record: G completions sampled by the policy itself      (rollouts.py; eval mode)
     rewards  -> advantages, normalized within each group             (a group lives on one rank)
-    old_logp = log pi(completion tokens) before any update; ref_logp from the frozen reference
+    old_logp = log pi(completion tokens) before any update (the first pass's, detached); ref_logp from the reference
     repeat rl.epochs times:                                          (mu)
         for each micro-batch of train.micro_batch_size completions:
             backward(-clipped surrogate + beta * k3 KL), weighted so the sum over micro-batches
@@ -194,7 +194,8 @@ class GRPOTrainer(Trainer):
         return rollouts
 
     def micro_batches(self, rollouts: Rollouts, advantages: torch.Tensor) -> list[dict]:
-        """The rollouts as micro-batches of train.micro_batch_size rows, with old and reference log-probs."""
+        """The rollouts as micro-batches of train.micro_batch_size rows, with the reference's log-probs
+        (the old policy's are those of the first pass, ``policy_gradient_pass``)."""
         size, seq_len = self.config.train.micro_batch_size, self.config.train.seq_len
         longest = max(len(p) + len(c) for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids))
         if longest > seq_len:
@@ -207,7 +208,6 @@ class GRPOTrainer(Trainer):
                                      self.device)
             batch = {"input_ids": input_ids, "labels": labels, "advantages": advantages[rows].to(self.device)}
             with torch.no_grad(), self.precision.autocast():
-                batch["old_log_probs"] = self.log_probs(self.model, batch)
                 batch["reference_log_probs"] = (None if self.reference is None
                                                 else self.log_probs(self.reference, batch))
             batches.append(batch)
@@ -262,7 +262,9 @@ class GRPOTrainer(Trainer):
 
     def policy_gradient_pass(self, batches: list[dict], weights: list[TokenWeights]) -> torch.Tensor:
         """One pass of the GRPO loss over the micro-batches, accumulating gradients (the DP reduction
-        starts in the last backward); returns this rank's (loss, surrogate, kl, clip fraction) sums."""
+        starts in the last backward); returns this rank's (loss, surrogate, kl, clip fraction) sums.
+        The first pass runs the policy that sampled, so its log-probabilities, detached, are the old
+        policy's of every pass (no separate forward)."""
         rl = self.config.rl
         totals = torch.zeros(4, dtype=torch.float64, device=self.device)
         if self.reducer is not None:
@@ -271,9 +273,10 @@ class GRPOTrainer(Trainer):
             last = index == len(batches) - 1
             quiet = self.reducer.no_sync() if self.reducer is not None and not last else contextlib.nullcontext()
             with quiet, self.precision.autocast():
-                terms = grpo_loss(self.log_probs(self.model, batch), batch["old_log_probs"],
-                                  batch["reference_log_probs"], batch["advantages"], weight, rl.clip_epsilon,
-                                  rl.kl_coeff)
+                current = self.log_probs(self.model, batch)
+                old = batch.setdefault("old_log_probs", current.detach())
+                terms = grpo_loss(current, old, batch["reference_log_probs"], batch["advantages"], weight,
+                                  rl.clip_epsilon, rl.kl_coeff)
                 self.precision.scale_loss(terms.loss).backward()
             totals += torch.stack([terms.loss.detach(), terms.surrogate, terms.kl, terms.clip_fraction]).double()
         return totals
