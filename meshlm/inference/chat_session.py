@@ -49,7 +49,7 @@ from meshlm.data.reasoning import NO_THINK, THINK, with_reasoning
 from meshlm.data.tokenizer import Tokenizer
 from meshlm.errors import ConfigError
 from meshlm.inference.chat import conversation_prompt, reply_ids, reply_record, show_reply, stop_ids
-from meshlm.inference.cli import find_tokenizer, sampling_from_args
+from meshlm.inference.cli import add_sampling_arguments, find_tokenizer, sampling_from_args
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 
@@ -72,10 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, metavar="N",
                         help="tokens the prompt and reply may fill; older turns are dropped beyond it "
                              "(default: the model's training sequence length)")
-    parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    parser.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
-    parser.add_argument("--top-k", type=int, help="sample among the K most likely tokens (default: all)")
-    parser.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1.0: off)")
+    add_sampling_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0; +1 each turn)")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory holding one")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")

@@ -67,10 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="a prompt given as comma-separated token ids (repeatable)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
                         help=f"stop each prompt after N new tokens, or at its eos (default {DEFAULT_MAX_NEW_TOKENS})")
-    parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    parser.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
-    parser.add_argument("--top-k", type=int, help="sample among the K most likely tokens (default: all)")
-    parser.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1.0: off)")
+    add_sampling_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory holding one")
     parser.add_argument("--eos-id", type=int, help="stop a prompt at this token id (default: the tokenizer's eos)")
@@ -101,6 +98,14 @@ def parse_token_ids(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integer token ids") from None
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """--greedy, --temperature, --top-k, --top-p (read back by ``sampling_from_args``)."""
+    parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
+    parser.add_argument("--top-k", type=int, help="sample among the K most likely tokens (default: all)")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1.0: off)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
