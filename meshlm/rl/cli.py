@@ -43,12 +43,10 @@ def load_rl_config(config_path, overrides: list[str]):
 def run(args) -> int:
     from meshlm.config import parse_override
     from meshlm.rl.loop import evaluate_only, run_rl
-    from meshlm.training.cli import leave_process_group
+    from meshlm.training.cli import config_and_overrides, leave_process_group
     from meshlm.training.fault_tolerance import CollectiveFailure, exit_after_collective_failure
 
-    config_path, overrides = args.config, list(args.overrides)
-    if config_path is not None and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
-        config_path, overrides = None, [config_path, *overrides]  # only overrides, no file
+    config_path, overrides = config_and_overrides(args)
     if config_path is None and not overrides:
         raise ConfigError("give a config file or overrides, e.g. `meshlm rl configs/tiny.yaml "
                           "train.init_from=runs/sft --env arithmetic`.")

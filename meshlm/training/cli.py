@@ -52,9 +52,7 @@ def run(args, plan=None) -> int:
     if args.list_keys:
         print("\n".join(key_descriptions()))
         return 0
-    config_path, overrides = args.config, list(args.overrides)
-    if config_path is not None and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
-        config_path, overrides = None, [config_path, *overrides]  # only overrides, no file
+    config_path, overrides = config_and_overrides(args)
     if config_path is None and not overrides:
         raise ConfigError("give a config file, e.g. `meshlm train configs/tiny.yaml` "
                           "(`meshlm train --list-keys` lists every key).")
@@ -90,6 +88,15 @@ def run(args, plan=None) -> int:
         summary += f", last validation loss {result.val_losses[max(result.val_losses)]:.4f}"
     print(f"meshlm train: done: {summary}; run directory {result.run_dir}")
     return 0
+
+
+def config_and_overrides(args) -> tuple[str | None, list[str]]:
+    """(CONFIG.yaml or None, the dotted overrides) from the positional arguments: a first argument
+    that is an override rather than a YAML file starts the overrides (no file)."""
+    config_path, overrides = args.config, list(args.overrides)
+    if config_path is not None and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
+        config_path, overrides = None, [config_path, *overrides]
+    return config_path, overrides
 
 
 def leave_process_group() -> None:
@@ -146,4 +153,4 @@ def key_descriptions() -> list[str]:
     return lines
 
 
-__all__ = ["ABBREVIATIONS", "add_arguments", "field_docstrings", "first_sentence", "key_descriptions", "run"]
+__all__ = ["ABBREVIATIONS", "add_arguments", "config_and_overrides", "field_docstrings", "first_sentence", "key_descriptions", "leave_process_group", "run"]
