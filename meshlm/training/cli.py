@@ -153,4 +153,5 @@ def key_descriptions() -> list[str]:
     return lines
 
 
-__all__ = ["ABBREVIATIONS", "add_arguments", "config_and_overrides", "field_docstrings", "first_sentence", "key_descriptions", "leave_process_group", "run"]
+__all__ = ["ABBREVIATIONS", "add_arguments", "config_and_overrides", "field_docstrings", "first_sentence",
+           "key_descriptions", "leave_process_group", "run"]
