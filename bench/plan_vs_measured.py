@@ -7,8 +7,11 @@ spawned gloo processes (``tests/helpers/distributed.py``). On each rank, after o
 the persistent bytes (``tests/helpers/persistent_memory.py``: weights, gradient buffers,
 optimizer state) against the planner's parameter state, and the median of ``--steps`` steps' wall time is the measured step
 time. The prediction is the planner's for the same layout and micro-batch, with this CPU's
-rates calibrated once (``hardware.calibrate_cpu``, 2 processes sharing the cores). The worst
-rank's numbers are compared. Targets (issue 19): memory within 5%, step time within 25%.
+rates calibrated once per model as ``meshlm plan --gpu cpu`` does (``hardware.calibrate_cpu``: the
+model's block kinds, head and optimizer timed with the thread one of 2 ranks gets,
+``meshlm/planning/cpu_calibration.py``; gloo's latency and bandwidth are ``hardware.CPU_LINK``).
+The worst rank's numbers are compared. Targets (issue 19): memory within 5%, step time within
+25%. The step times are of this machine at the time: run it on a quiet machine.
 
 Activations (``--activations``, single process): the planner's per-block-kind activation items
 (``memory_estimate.activation_items``, which ``meshlm plan`` adds up) against the bytes autograd
@@ -62,15 +65,91 @@ def measure(overrides: list[str], steps: int) -> dict:
     return {"persistent_bytes": persistent, "step_s": statistics.median(times)}
 
 
+LINK_SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+"""Message bytes of the link measurement."""
+
+
+def link_costs(repeats: int = 7, rounds: int = 20) -> dict:
+    """Seconds one all-reduce and one one-way send cost a rank *inside a training-like loop* (a
+    millisecond of single-threaded matmuls between messages, as between a step's collectives):
+    the loop's time with the message minus without, per message, median of ``repeats``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    left, right = torch.randn(256, 128), torch.randn(128, 512)
+
+    def loop(message) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            for _ in range(6):
+                left @ right
+            if message is not None:
+                message()
+        return (time.perf_counter() - start) / rounds
+
+    def exchange(buffer):
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        else:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+
+    costs = {"all_reduce": {}, "p2p": {}}
+    for size in LINK_SIZES:
+        buffer = torch.randn(size // 4)
+        for name, message, per_loop in (("all_reduce", lambda: dist.all_reduce(buffer), 1),
+                                        ("p2p", lambda: exchange(buffer), 2)):
+            loop(message)
+            with_message = statistics.median(loop(message) for _ in range(repeats))
+            without = statistics.median(loop(None) for _ in range(repeats))
+            costs[name][size] = max(0.0, with_message - without) / per_loop
+    return costs
+
+
+def fit_link(costs: dict) -> dict:
+    """Alpha-beta through the measured costs (least squares): a one-way message of n bytes takes
+    latency + n / bandwidth; a 2-rank ring all-reduce is two such steps of n/2 bytes each way,
+    i.e. 2 latency + n / bandwidth."""
+    def line(points):
+        count = len(points)
+        mean_x = sum(x for x, _ in points) / count
+        mean_y = sum(y for _, y in points) / count
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+        return mean_y - slope * mean_x, slope
+
+    p2p_intercept, p2p_slope = line(list(costs["p2p"].items()))
+    reduce_intercept, reduce_slope = line(list(costs["all_reduce"].items()))
+    return {"p2p_latency_s": p2p_intercept, "p2p_gbps": 1e-9 / p2p_slope,
+            "all_reduce_latency_s": reduce_intercept / 2, "all_reduce_gbps": 1e-9 / reduce_slope}
+
+
+def print_link() -> None:
+    costs = run_distributed(link_costs, 2)[0]
+    print(f"{'bytes':>9} {'all-reduce ms':>14} {'send ms':>8}")
+    for size in LINK_SIZES:
+        print(f"{size:>9} {costs['all_reduce'][size] * 1e3:>14.3f} {costs['p2p'][size] * 1e3:>8.3f}")
+    fitted = fit_link(costs)
+    print("alpha-beta: " + ", ".join(f"{key} {value * 1e3:.3f} ms" if key.endswith("_s") else f"{key} {value:.2f}"
+                                    for key, value in fitted.items()))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--activations", action="store_true", help="only the single-process activation check")
+    parser.add_argument("--link", action="store_true", help="only measure gloo's per-message cost between 2 "
+                        "processes in a training-like loop (what hardware.CPU_LINK holds)")
     args = parser.parse_args(argv)
     if args.activations:
         return print_activations(args.seq_len)
+    if args.link:
+        return print_link()
     from meshlm.config import load_run_config
     from meshlm.planning.hardware import calibrate_cpu
     from meshlm.planning.layouts import Layout
@@ -84,15 +163,19 @@ def main(argv: list[str] | None = None) -> None:
             "train.global_batch_size=8", "train.steps=100", "train.eval_every=0", "train.save_every=0",
             "train.progress=false", "train.tensorboard=false", "train.plot=false", "train.device=cpu",
             "optim.warmup_steps=0", "train.prefetch_batches=false", f"data.blend={blend}", "data.split=98,2,0"]
-    hardware = calibrate_cpu(args.hidden, tokens=2 * args.seq_len, processes=2)
-    print(f"cpu: {hardware.peak_tflops * 1e3:.1f} GFLOP/s per process (calibrated), achievable {hardware.achievable}, "
-          f"gloo {hardware.intra_gbps} GB/s + {hardware.intra_latency_s * 1e6:.0f} us, "
-          f"{hardware.overhead_s * 1e3:.1f} ms per block and micro-batch")
+    calibrated = {}  # one calibration per model (the MoE layout's model differs)
     print(f"{'layout':<12} {'pred MiB':>9} {'meas MiB':>9} {'error':>7} {'pred s':>8} {'meas s':>8} {'error':>7}")
     for name, extra in LAYOUTS.items():
         overrides = [*base, f"train.run_dir={root / name.replace(' ', '_')}", *extra]
-        measured = run_distributed(measure, 2, overrides, args.steps)
         config = load_run_config(None, overrides)
+        if repr(config.model) not in calibrated:
+            calibrated[repr(config.model)] = hardware = calibrate_cpu(config, processes=2)
+            rates = ", ".join(f"{kind} {rate / 1e9:.1f}" for kind, rate in hardware.block_rates.items())
+            print(f"cpu ({config.model.pattern}): matmul peak {hardware.peak_tflops * 1e3:.1f} GFLOP/s per process, "
+                  f"fwd+bwd GFLOP/s by block kind: {rates}; optimizer {hardware.hbm_gbps:.1f} GB/s; "
+                  f"gloo {hardware.intra_gbps} GB/s + {hardware.intra_latency_s * 1e6:.0f} us")
+        hardware = calibrated[repr(config.model)]
+        measured = run_distributed(measure, 2, overrides, args.steps)
         parallel = config.parallel
         dp = 2 // (parallel.tp * parallel.pp * parallel.cp)
         layout = Layout(parallel.tp, parallel.sp, parallel.pp, parallel.vp, dp, parallel.cp, parallel.ep,

@@ -49,7 +49,7 @@ def run(args) -> int:
         raise ConfigError(f"--gpus {args.gpus} must be a positive integer.")
     config = planned_config(args)
     nodes_of = args.nodes_of or (args.gpus if args.gpu == "cpu" else None)
-    hardware = hardware_named(args.gpu, nodes_of, processes=args.gpus, hidden_size=config.model.hidden_size)
+    hardware = hardware_named(args.gpu, nodes_of, processes=args.gpus, config=config)
     if args.layout is not None:
         layout = parse_layout(args.layout)
         if layout.world_size != args.gpus:
@@ -73,6 +73,10 @@ def run(args) -> int:
 def describe_plan(predictions: list[dict], rest: list[dict], hardware, gpus: int) -> str:
     lines = [f"meshlm plan: {gpus} x {hardware.name} ({hardware.peak_tflops:.4g} TFLOP/s peak, "
              f"{hardware.memory_gib:.3g} GiB, {hardware.gpus_per_node} per node)"]
+    if hardware.block_rates:
+        lines.append("calibrated on this CPU, forward + backward per block kind: " + ", ".join(
+            f"{kind} {rate / 1e9:.3g} GFLOP/s + {hardware.block_fixed_s.get(kind, 0.0) * 1e3:.2g} ms"
+            for kind, rate in hardware.block_rates.items()) + f"; optimizer {hardware.hbm_gbps:.3g} GB/s")
     if predictions:
         lines.append(f"{'layout':<66} {'mb':>3} {'GiB/GPU':>8} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8} "
                      f"{'MFU':>6}")

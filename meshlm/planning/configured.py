@@ -62,7 +62,7 @@ def run_hardware(config, processes: int):
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
     if device.type != "cuda" or not torch.cuda.is_available():
         return hardware_named("cpu", per_node or processes, processes=processes,
-                              hidden_size=config.model.hidden_size), None
+                              config=config), None
     row, note = gpu_row(torch.cuda.get_device_name(device))
     return hardware_named(row, per_node), note
 

@@ -20,15 +20,17 @@ to plan for another machine.
 - ``fragmentation``: the share of the allocator's pool lost to fragmentation, added to the peak.
 
 The CPU row is measured, not looked up: ``calibrate_cpu`` times a matmul the size of the model's
-projections with the threads one process gets, and gloo's point-to-point latency and bandwidth
-are written as constants measured once on a 2-core host (shared-memory loopback).
+projections with the threads one process gets (the MFU denominator) and, given the config it
+plans, each of the model's block kinds, its head and the optimizer step
+(``cpu_calibration.py``: on a CPU the work around the matmuls is too large and too different per
+block kind for op-class fractions); gloo's point-to-point latency and bandwidth are written as
+constants measured once on a 2-core host (shared-memory loopback).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from dataclasses import dataclass, field
 
 
@@ -48,6 +50,15 @@ class Hardware:
     comm_buffer_mib_per_group: float = 64.0
     """Workspace each communicator keeps (NCCL channels' buffers), per process group a rank joins."""
     gpus_per_node: int = 8
+    overlaps_communication: bool = True
+    """Whether communication can run behind compute (a GPU's copy engines and NVLink/NIC DMA); on a
+    CPU the collectives' copies and reductions take the same cores as the compute, so they add."""
+    block_rates: dict = field(default_factory=dict)
+    """Measured FLOP/s per block kind (and ``'head'``), forward + backward model FLOPs over their
+    time; where a kind is present it replaces the op-class rates (the calibrated CPU row only)."""
+    block_fixed_s: dict = field(default_factory=dict)
+    """Measured fixed seconds per block kind (and ``'head'``) and micro-batch, forward + backward:
+    the part of the time that does not shrink with the work (the calibrated CPU row only)."""
 
     @property
     def memory_bytes(self) -> int:
@@ -76,34 +87,39 @@ CPU_LINK = {"latency_s": 1.2e-3, "gbps": 2.0}
 ``bench/plan_vs_measured.py``'s tp2 layout."""
 
 
-def calibrate_cpu(hidden_size: int = 256, tokens: int = 1024, processes: int = 1, repeats: int = 5) -> Hardware:
-    """This CPU as a ``Hardware`` row: the fp32 matmul rate of one of ``processes`` ranks sharing
-    the cores, timed on a [tokens x h] by [h x 4h] product (median of ``repeats``)."""
+def calibrate_cpu(config=None, processes: int = 1, hidden_size: int | None = None, tokens: int = 1024,
+                  repeats: int = 9) -> Hardware:
+    """This CPU as a ``Hardware`` row for one of ``processes`` ranks sharing the cores: the peak is
+    the best fp32 rate of a [tokens x h] by [h x 4h] matmul; with ``config``, the block kinds,
+    head and optimizer of its model are timed too (``cpu_calibration.measure``)."""
     import torch
 
+    from meshlm.planning import cpu_calibration
+
+    hidden_size = hidden_size or (config.model.hidden_size if config is not None else 256)
     threads = max(1, (os.cpu_count() or 1) // processes)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         left, right = torch.randn(tokens, hidden_size), torch.randn(hidden_size, 4 * hidden_size)
-        left @ right  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            left @ right
-            times.append(time.perf_counter() - start)
+        best = min(cpu_calibration.median_seconds(lambda: left @ right, 1) for _ in range(repeats))
     finally:
         torch.set_num_threads(previous)
-    times.sort()
-    flops_per_s = 2 * tokens * hidden_size * 4 * hidden_size / times[len(times) // 2]
+    flops_per_s = 2 * tokens * hidden_size * 4 * hidden_size / best
     cores_share = min(1.0, (os.cpu_count() or 1) / processes / threads)
     peak_tflops = flops_per_s * cores_share / 1e12
+    measured = {"block_rates": {}, "block_fixed_s": {}, "optimizer_bytes_per_s": 10e9}
+    if config is not None:
+        measured = cpu_calibration.measure(config, processes)
     return Hardware("cpu", peak_tflops, memory_gib=available_host_gib() / processes,
                     achievable={"matmul": 0.6, "attention": 0.3, "ssd": 0.2},
                     intra_gbps=CPU_LINK["gbps"], intra_latency_s=CPU_LINK["latency_s"],
                     inter_gbps=CPU_LINK["gbps"], inter_latency_s=CPU_LINK["latency_s"],
-                    hbm_gbps=10.0, overhead_s=1.5e-3, fragmentation=0.0, comm_buffer_mib_per_group=0.0,
-                    gpus_per_node=max(processes, 1))
+                    hbm_gbps=measured["optimizer_bytes_per_s"] * cores_share / 1e9,
+                    overhead_s=0.0 if measured["block_rates"] else 1.5e-3, fragmentation=0.0,
+                    comm_buffer_mib_per_group=0.0, gpus_per_node=max(processes, 1), overlaps_communication=False,
+                    block_rates={kind: rate * cores_share for kind, rate in measured["block_rates"].items()},
+                    block_fixed_s=measured["block_fixed_s"])
 
 
 def available_host_gib() -> float:
@@ -116,10 +132,11 @@ def available_host_gib() -> float:
     return 16.0
 
 
-def hardware_named(name: str, gpus_per_node: int | None = None, processes: int = 1, hidden_size: int = 256) -> Hardware:
-    """The row for ``--gpu NAME`` (cpu: calibrated now), with ``--nodes-of`` applied."""
+def hardware_named(name: str, gpus_per_node: int | None = None, processes: int = 1, config=None) -> Hardware:
+    """The row for ``--gpu NAME`` (cpu: calibrated now, on ``config``'s model when given), with
+    ``--nodes-of`` applied."""
     if name == "cpu":
-        found = calibrate_cpu(hidden_size, processes=processes)
+        found = calibrate_cpu(config, processes=processes)
     elif name in GPUS:
         found = GPUS[name]
     else:

@@ -131,7 +131,7 @@ def plan_intervals(args):
     config = load_run_config(args.plan, list(args.inputs))
     gpu = args.gpu or "h100"
     hardware = hardware_named(gpu, None if gpu != "cpu" else args.gpus, processes=args.gpus,
-                              hidden_size=config.model.hidden_size)
+                              config=config)
     layout = parse_layout(args.layout) if args.layout else configured_layout(config, args.gpus)
     if layout.world_size != args.gpus:
         raise ConfigError(f"the layout {layout.describe()} uses tp*pp*cp*dp = {layout.world_size} GPUs but --gpus is "

@@ -2,7 +2,8 @@
 
 **Compute** comes from the model's own FLOP accounting (``meshlm/models/flops.py``), block by
 block with each block's sizes, split into op classes (matmul, attention core, SSD scan) and
-divided by the GPU's achievable rate for that class (``hardware.py``). A pipeline stage's
+divided by the GPU's achievable rate for that class (``hardware.py``; on the calibrated CPU row,
+by the rate measured for the block's kind). A pipeline stage's
 share is the blocks ``stage_starts`` gives it (cut by FLOPs, as the trainer cuts), the head and
 MTP depths on the last stage; tensor parallelism divides the work by tp, context parallelism
 the tokens by cp. Backward is twice the forward; recomputation adds the recomputed forward
@@ -22,6 +23,8 @@ measures:
   per step, overlapped with the last micro-batch's backward; only what sticks out counts.
 - CP: ring attention passes each K/V chunk around the ring (cp-1 hops) forward and twice the
   bytes backward, overlapped with the attention core it feeds.
+- Where the hardware cannot overlap (``Hardware.overlaps_communication``: the CPU, whose cores do
+  the collectives' copies), DP and CP communication adds in full.
 - EP: an all-to-all of the routed tokens to their experts and one back, forward and backward.
 
 **Pipeline bubble** (Narayanan et al. 2021): with m micro-batches per pipeline and p stages,
@@ -60,11 +63,14 @@ def block_times(config, layout, hardware, seq: int) -> list[dict]:
         for term, flops in terms.items():
             # CP: this rank has seq / cp of the tokens; its attention covers them against all keys
             share[term] = flops / layout.cp / layout.tp
-        forward = sum(flops / hardware.rate(op_class(term)) for term, flops in share.items())
+        if kind in hardware.block_rates:  # measured on this CPU: forward's share of its fwd+bwd time
+            forward = sum(share.values()) / hardware.block_rates[kind]
+        else:
+            forward = sum(flops / hardware.rate(op_class(term)) for term, flops in share.items())
         attention = sum(flops / hardware.rate("attention") for term, flops in share.items() if term in ATTENTION_TERMS)
         extra = forward if recompute == "full" else attention if recompute == "selective" else 0.0
         rows.append({"kind": kind, "forward_s": forward, "recompute_s": extra, "flops": sum(share.values()),
-                     "attention_s": attention})
+                     "attention_s": attention, "fixed_s": hardware.block_fixed_s.get(kind, 0.0)})
     return rows
 
 
@@ -95,7 +101,7 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
     num_stages = layout.pp * layout.vp
     starts = (stage_starts(model, num_stages, seq) if num_stages > 1 else [0]) + [model.num_blocks]
     head = (head_flops(model, seq) + model.mtp_depth * mtp_depth_flops(model, seq)) / layout.cp / layout.tp
-    head_s = head / hardware.rate("matmul")
+    head_s = head / hardware.block_rates.get("head", hardware.rate("matmul"))
     tokens_local = micro_batch * seq / layout.cp
     activation_bytes = tokens_local * model.hidden_size * dtype_bytes
     tp_intra = layout.tp <= per_node
@@ -117,14 +123,16 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
             if row["kind"] == "*" and layout.cp > 1:  # K and V chunks around the ring, hidden behind attention
                 kv = tokens_local * 2 * model.resolved_num_kv_heads * model.resolved_head_dim / layout.tp * dtype_bytes
                 ring = 3 * (layout.cp - 1) * p2p_seconds(kv, hardware, layout.cp * layout.tp <= per_node)
-                cp_comm = max(0.0, ring - micro_batch * row["attention_s"] * (1 + BACKWARD_TO_FORWARD))
+                hidden_behind = micro_batch * row["attention_s"] * (1 + BACKWARD_TO_FORWARD)
+                cp_comm = max(0.0, ring - hidden_behind) if hardware.overlaps_communication else ring
             ep_comm = 0.0
             if index in moe_blocks and layout.ep > 1:
                 routed = tokens_local * model.moe_top_k * model.hidden_size * dtype_bytes
                 ep_comm = 4 * ring_seconds(routed, layout.ep, hardware, ep_intra, factor=1.0)
-            seconds += compute + tp_comm + cp_comm + ep_comm + hardware.overhead_s
+            seconds += compute + row["fixed_s"] + tp_comm + cp_comm + ep_comm + hardware.overhead_s
         if stage == num_stages - 1:
-            seconds += micro_batch * head_s * (1 + BACKWARD_TO_FORWARD) + 2 * hardware.overhead_s
+            seconds += (micro_batch * head_s * (1 + BACKWARD_TO_FORWARD) + hardware.block_fixed_s.get("head", 0.0)
+                        + 2 * hardware.overhead_s)
         return seconds
 
     per_stage = [stage_seconds(stage) for stage in range(num_stages)]
@@ -142,7 +150,8 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
     dp_intra = layout.world_size <= per_node or layout.tp * shards <= per_node
     dp_s = ring_seconds(parameter_count * 4, shards, hardware, dp_intra)
     last_backward = slowest * BACKWARD_TO_FORWARD / (1 + BACKWARD_TO_FORWARD)
-    dp_exposed = max(0.0, dp_s - last_backward) if config.parallel.overlap_grad_reduce else dp_s
+    overlapped = config.parallel.overlap_grad_reduce and hardware.overlaps_communication
+    dp_exposed = max(0.0, dp_s - last_backward) if overlapped else dp_s
     optimizer_bytes = parameter_count * (16 + 2 * dtype_bytes) / (shards if layout.zero else 1)
     optimizer_s = optimizer_bytes / (hardware.hbm_gbps * 1e9)
     total = pipeline_s + dp_exposed + optimizer_s
