@@ -61,6 +61,7 @@ def measure(overrides: list[str], steps: int) -> dict:
     for _ in range(steps):
         start = time.perf_counter()
         trainer.train_step()
+        trainer.stop_requests.agreed_reason(trainer.context.world_group)  # the training loop's per-step vote
         times.append(time.perf_counter() - start)
     return {"persistent_bytes": persistent, "step_s": statistics.median(times)}
 
@@ -70,7 +71,8 @@ LINK_SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 
 
 def link_costs(repeats: int = 7, rounds: int = 20) -> dict:
-    """Seconds one all-reduce and one one-way send cost a rank *inside a training-like loop* (a
+    """Seconds one all-reduce, all-gather, reduce-scatter (of a buffer of the size, between 2
+    ranks) and one one-way send cost a rank *inside a training-like loop* (a
     millisecond of single-threaded matmuls between messages, as between a step's collectives):
     the loop's time with the message minus without, per message, median of ``repeats``."""
     import torch
@@ -98,10 +100,14 @@ def link_costs(repeats: int = 7, rounds: int = 20) -> dict:
             dist.recv(buffer, 0)
             dist.send(buffer, 0)
 
-    costs = {"all_reduce": {}, "p2p": {}}
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    costs = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}, "p2p": {}}
     for size in LINK_SIZES:
-        buffer = torch.randn(size // 4)
+        buffer, half = torch.randn(size // 4), torch.randn(size // 8)
         for name, message, per_loop in (("all_reduce", lambda: dist.all_reduce(buffer), 1),
+                                        ("all_gather", lambda: gather(buffer, half), 1),
+                                        ("reduce_scatter", lambda: scatter(half, buffer), 1),
                                         ("p2p", lambda: exchange(buffer), 2)):
             loop(message)
             with_message = statistics.median(loop(message) for _ in range(repeats))
@@ -129,9 +135,10 @@ def fit_link(costs: dict) -> dict:
 
 def print_link() -> None:
     costs = run_distributed(link_costs, 2)[0]
-    print(f"{'bytes':>9} {'all-reduce ms':>14} {'send ms':>8}")
+    print(f"{'bytes':>9} {'all-reduce ms':>14} {'all-gather ms':>14} {'reduce-scatter ms':>18} {'send ms':>8}")
     for size in LINK_SIZES:
-        print(f"{size:>9} {costs['all_reduce'][size] * 1e3:>14.3f} {costs['p2p'][size] * 1e3:>8.3f}")
+        print(f"{size:>9} {costs['all_reduce'][size] * 1e3:>14.3f} {costs['all_gather'][size] * 1e3:>14.3f} "
+              f"{costs['reduce_scatter'][size] * 1e3:>18.3f} {costs['p2p'][size] * 1e3:>8.3f}")
     fitted = fit_link(costs)
     print("alpha-beta: " + ", ".join(f"{key} {value * 1e3:.3f} ms" if key.endswith("_s") else f"{key} {value:.2f}"
                                     for key, value in fitted.items()))

@@ -53,6 +53,11 @@ class Hardware:
     overlaps_communication: bool = True
     """Whether communication can run behind compute (a GPU's copy engines and NVLink/NIC DMA); on a
     CPU the collectives' copies and reductions take the same cores as the compute, so they add."""
+    reduce_scatter_factor: float = 1.0
+    """A reduce-scatter's ring traffic and latency steps relative to an all-gather's: 1 for NCCL's
+    ring; 2 on the CPU, where gloo's reduce-scatter costs as much as an all-reduce (measured by
+    ``bench/plan_vs_measured.py --link``: 2.2-2.6 ms against 1.6-1.7 ms for an all-gather of
+    4 KiB-128 KiB between 2 processes)."""
     block_rates: dict = field(default_factory=dict)
     """Measured FLOP/s per block kind (and ``'head'``), forward + backward model FLOPs over their
     time; where a kind is present it replaces the op-class rates (the calibrated CPU row only)."""
@@ -118,6 +123,7 @@ def calibrate_cpu(config=None, processes: int = 1, hidden_size: int | None = Non
                     hbm_gbps=measured["optimizer_bytes_per_s"] * cores_share / 1e9,
                     overhead_s=0.0 if measured["block_rates"] else 1.5e-3, fragmentation=0.0,
                     comm_buffer_mib_per_group=0.0, gpus_per_node=max(processes, 1), overlaps_communication=False,
+                    reduce_scatter_factor=2.0,
                     block_rates={kind: rate * cores_share for kind, rate in measured["block_rates"].items()},
                     block_fixed_s=measured["block_fixed_s"])
 

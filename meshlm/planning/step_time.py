@@ -16,7 +16,9 @@ measures:
 
 - TP: per block and micro-batch one all-reduce of b*s*h forward and one backward (with SP an
   all-gather plus a reduce-scatter of the same bytes), ring cost 2(t-1)/t of the message; again
-  in forward when the block is recomputed. Not overlapped.
+  in forward when the block is recomputed. Not overlapped. A reduce-scatter moves what an
+  all-gather does, (t-1)/t of the message, except where the backend reduces the whole buffer
+  (``Hardware.reduce_scatter_factor``: gloo's costs an all-reduce).
 - PP: per micro-batch and stage boundary, the b*s*h activation forward and its gradient
   backward, times vp with interleaving; on the critical path.
 - DP: the gradients (fp32, all-reduce or reduce-scatter + all-gather, the same ring bytes) once
@@ -30,6 +32,8 @@ measures:
 **Pipeline bubble** (Narayanan et al. 2021): with m micro-batches per pipeline and p stages,
 the step is (m + (p-1)/v) times the slowest stage's time per micro-batch (1F1B; interleaved
 with v chunks per rank).
+
+**Per step**, a few latency-bound all-reduces of scalars (gradient norm, logged sums, stop vote).
 
 Not modeled: kernel-level overlap of TP communication with GEMMs, stragglers, data loading,
 imbalanced expert routing.
@@ -105,7 +109,12 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
     tokens_local = micro_batch * seq / layout.cp
     activation_bytes = tokens_local * model.hidden_size * dtype_bytes
     tp_intra = layout.tp <= per_node
-    tp_block_s = ring_seconds(activation_bytes, layout.tp, hardware, tp_intra)
+    if layout.sp:  # an all-gather before the block's first matmul, a reduce-scatter after its last
+        tp_block_s = (ring_seconds(activation_bytes, layout.tp, hardware, tp_intra, factor=1.0)
+                      + ring_seconds(activation_bytes, layout.tp, hardware, tp_intra,
+                                     factor=hardware.reduce_scatter_factor))
+    else:
+        tp_block_s = ring_seconds(activation_bytes, layout.tp, hardware, tp_intra)
     moe_blocks = [index for index, kind in enumerate(model.block_kinds) if kind == "E"]
     ep_intra = layout.ep * layout.tp <= per_node
 
@@ -148,17 +157,40 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
     # DP: the gradients once per step, behind the last micro-batch's backward
     shards = layout.dp * layout.cp
     dp_intra = layout.world_size <= per_node or layout.tp * shards <= per_node
-    dp_s = ring_seconds(parameter_count * 4, shards, hardware, dp_intra)
+    if layout.zero:  # a reduce-scatter of the gradients, an all-gather of the updated parameters
+        dp_s = (ring_seconds(parameter_count * 4, shards, hardware, dp_intra, factor=hardware.reduce_scatter_factor)
+                + ring_seconds(parameter_count * 4, shards, hardware, dp_intra, factor=1.0))
+    else:
+        dp_s = ring_seconds(parameter_count * 4, shards, hardware, dp_intra)
     last_backward = slowest * BACKWARD_TO_FORWARD / (1 + BACKWARD_TO_FORWARD)
     overlapped = config.parallel.overlap_grad_reduce and hardware.overlaps_communication
     dp_exposed = max(0.0, dp_s - last_backward) if overlapped else dp_s
     optimizer_bytes = parameter_count * (16 + 2 * dtype_bytes) / (shards if layout.zero else 1)
     optimizer_s = optimizer_bytes / (hardware.hbm_gbps * 1e9)
-    total = pipeline_s + dp_exposed + optimizer_s
+    scalars_s = step_scalar_seconds(config, layout, hardware)
+    total = pipeline_s + dp_exposed + optimizer_s + scalars_s
     return {"step_time_s": total, "pipeline_s": pipeline_s, "bubble_fraction": bubble_fraction,
             "bubble_s": (layout.pp - 1) / layout.vp * (slowest + p2p), "pp_p2p_s": p2p * micro_batches,
-            "dp_comm_s": dp_s, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer_s,
+            "dp_comm_s": dp_s, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer_s, "step_scalars_s": scalars_s,
             "tp_comm_s": micro_batches * tp_block_s * sum(kind not in "0L" for kind in model.block_kinds) * 2 / layout.pp}
+
+
+def step_scalar_seconds(config, layout, hardware) -> float:
+    """The trainer's latency-bound all-reduces of a few numbers, once per step: the gradient norm
+    over all ranks (when no rank holds the whole gradient: tp, pp, ep or ZeRO), the logged sums
+    over DP x CP, and the stop vote (signals, time limit) over all ranks. Microseconds on a GPU's
+    fabric, milliseconds through gloo."""
+    if layout.world_size == 1:
+        return 0.0
+    intra = layout.world_size <= hardware.gpus_per_node
+    scalar = ring_seconds(16, layout.world_size, hardware, intra)
+    whole_gradient_everywhere = layout.tp == 1 and layout.pp == 1 and layout.ep == 1 and not layout.zero
+    seconds = scalar  # the stop vote
+    if config.train.grad_clip > 0 and not whole_gradient_everywhere:
+        seconds += scalar
+    if layout.dp * layout.cp > 1:
+        seconds += ring_seconds(16, layout.dp * layout.cp, hardware, intra)
+    return seconds
 
 
 def step_flops(config, layout) -> dict:
@@ -179,5 +211,6 @@ def step_flops(config, layout) -> dict:
     return {"model_flops": model_flops, "hardware_flops": model_flops + recomputed * sequences}
 
 
-__all__ = ["block_times", "op_class", "p2p_seconds", "ring_seconds", "step_flops", "step_time"]
+__all__ = ["block_times", "op_class", "p2p_seconds", "ring_seconds", "step_flops", "step_scalar_seconds",
+           "step_time"]
 
