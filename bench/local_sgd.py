@@ -1,8 +1,10 @@
 """DDP vs local SGD vs DiLoCo vs PALSGD on the demo corpus, dp4 over a simulated slow link.
 
-    python -m bench.local_sgd [--steps 128] [--global-batch 16] [--sync-every 8 32] [--link 1Gbps,5ms] [--eval-every 32]
-                              [--target-loss L] [--local-overrides KEY=VALUE ...] [--out FILE]
-                              [--plot bench/local_sgd.png]
+    python -m bench.local_sgd [--init-steps 32] [--warmup 32] [--steps 64] [--global-batch 64]
+                              [--sync-every 8 32] [--link 1Gbps,5ms] [--eval-every 32]
+                              [--methods local_sgd diloco palsgd] [--diloco-outer 0.7,0.9]
+                              [--palsgd-outer 0.7,0.9] [--target-loss L] [--local-overrides KEY=VALUE ...]
+                              [--out FILE] [--plot bench/local_sgd.png]
 
 Each method trains the same small demo-style hybrid (``configs/demo.yaml`` narrowed: hidden 128,
 pattern ``M-*E-M-*``) for ``--steps`` steps in 4 spawned gloo processes (``parallel.dp=4``) on the
@@ -10,9 +12,32 @@ demo blend, with ``parallel.simulate_link`` holding every DP collective back by 
 latency (``meshlm/parallel/simulated_link.py``), the same data order, seed, batch and schedule:
 
 - ``ddp``: ``parallel.dp_sync=every_step`` (one gradient all-reduce a step);
-- ``local_sgd``, ``diloco``, ``palsgd`` at each H of ``--sync-every``, with the published outer
-  settings (DiLoCo: Nesterov, outer lr 0.7, momentum 0.9; PALSGD: p 0.2, eta 1, warm-up 32 DDP
-  steps, outer lr 0.1 as its authors use).
+- ``local_sgd``, ``diloco``, ``palsgd`` at each H of ``--sync-every``; DiLoCo with its published
+  outer optimizer (Nesterov, lr 0.7, momentum 0.9), PALSGD with p 0.2 and eta 1 as its authors
+  use and, by default, the same outer pair as DiLoCo (``--palsgd-outer 0.1,0.9`` is the authors':
+  over a few outer steps their lr 0.1 barely moves the global copy the pulls hold the replicas to).
+
+The protocol has two DDP phases, both from the papers:
+
+1. ``--init-steps N`` (default 32): DiLoCo's main experiments start from a model pre-trained with
+   ordinary data parallelism (Douillard et al. 2023; from scratch is slightly worse). One DDP run
+   of N steps (the demo's warm-up, then the peak learning rate held: a checkpoint from the middle
+   of a pre-training run) writes the model that *every* run -- DDP included -- starts from with
+   ``train.init_from``: fresh AdamW, the demo's schedule (25 warm-up steps, cosine to 3e-4 over
+   ``--steps``). That run is seeded apart (``INIT_SEED``), so it reads other samples than the
+   continued runs, whose data and validation batches are those of a run without it. All figures
+   (steps, tokens, seconds, bytes) are for the continued runs only.
+2. ``--warmup W`` (default 32): each low-communication run starts with W DDP steps
+   (``parallel.local_warmup`` for local SGD and DiLoCo -- post-local SGD, Lin et al. 2020 --
+   ``parallel.palsgd_warmup`` for PALSGD, its authors' 32); their time and bytes are counted.
+   This is the lever: the continued run's fresh AdamW under a warming learning rate is where
+   replicas that train alone drift apart most. Measured (global batch 64, 64 continued steps,
+   H=8, DDP 5.388): without it DiLoCo is +3.6% and PALSGD +4.6% from DDP, with W=16 +1.9% and
+   +2.4% (34% of DDP's bytes), with W=32 +0.35% and +0.9% (local SGD +1.2%; 56% of the bytes).
+
+``--global-batch`` (default 64: 16 sequences per replica a step) is the other lever: with 4 a
+replica (16) the replicas' AdamW steps are so noisy that averaging them cancels much of their
+progress (W=32 over 128 continued steps: DiLoCo +4.5%, PALSGD +6.5%).
 
 Reported per run: the validation loss at every ``--eval-every`` steps (every H divides it, so
 the evaluated model is the synced one) against the wall-clock seconds of training up to that
@@ -24,7 +49,10 @@ faster than DDP to the target. A table goes to stderr, one JSON object to stdout
 and the loss-vs-time plot to ``--plot``.
 
 The machine's two cores are shared by the four ranks, so compute is slow and the link's share of
-a step is smaller than on real hardware; the wall-clock figures are for this machine only.
+a step is small: at a global batch of 64 a DDP step is about 1.1-1.5 s of compute against
+some 0.07 s on the 1 Gbps link, so no method can be much faster per step here, and with the DDP
+warm-up none reaches the target sooner than DDP (at 16 the local steps are 20-35% faster, but
+the loss gap is over 3%). The wall-clock figures are for this machine only.
 """
 
 from __future__ import annotations
@@ -44,19 +72,30 @@ MODEL = ["model.hidden_size=128", "model.num_attention_heads=4", "model.ffn_hidd
 METHODS = {
     "local_sgd": ["parallel.dp_sync=local_sgd"],
     "diloco": ["parallel.dp_sync=diloco"],
-    "palsgd": ["parallel.dp_sync=palsgd", "parallel.palsgd_p=0.2", "parallel.palsgd_eta=1.0",
-               "parallel.palsgd_warmup=32"],
+    "palsgd": ["parallel.dp_sync=palsgd", "parallel.palsgd_p=0.2", "parallel.palsgd_eta=1.0"],
 }
-OUTER_DEFAULTS = {"diloco": "0.7,0.9", "palsgd": "0.1,0.9"}
-"""Outer (lr, Nesterov momentum): DiLoCo's published pair, and the PALSGD authors'."""
+INIT_SEED = 4321
+"""train.seed of the ``--init-steps`` run (the continued runs keep the default 1234)."""
+OUTER_DEFAULTS = {"diloco": "0.7,0.9", "palsgd": "0.7,0.9"}
+"""Outer (lr, Nesterov momentum): DiLoCo's published pair for both (the PALSGD authors' is 0.1,0.9)."""
 
 
-def run_overrides(args, run_dir: Path) -> list[str]:
-    return [*MODEL, f"data.blend={DEMO_DATA / 'blend.json'}", f"train.run_dir={run_dir}", f"train.steps={args.steps}",
+def run_overrides(args, run_dir: Path, steps: int, eval_every: int) -> list[str]:
+    return [*MODEL, f"data.blend={DEMO_DATA / 'blend.json'}", f"train.run_dir={run_dir}", f"train.steps={steps}",
             "train.seq_len=128", "train.micro_batch_size=4", f"train.global_batch_size={args.global_batch}",
-            f"train.eval_every={args.eval_every}", "train.eval_batches=4", "train.save_every=0",
+            f"train.eval_every={eval_every}", "train.eval_batches=4", "train.save_every=0",
             "train.progress=false", "train.tensorboard=false", "train.plot=false", "train.device=cpu",
             "parallel.dp=4", f"parallel.simulate_link={args.link}"]
+
+
+def init_overrides(args, run_dir: Path) -> list[str]:
+    """The shared starting point (``--init-steps``): one DDP run of that many steps at the peak
+    learning rate (warm-up, then constant: a checkpoint from the middle of a pre-training run, as
+    DiLoCo's), seeded with ``INIT_SEED`` so that its data are other samples than the ones the
+    continued runs read (``train.init_from`` restarts the data position at 0; the validation
+    batches, drawn with the continued runs' seed, are the same as without ``--init-steps``)."""
+    return [*run_overrides(args, run_dir, args.init_steps, 0), "optim.schedule=constant",
+            f"train.seed={INIT_SEED}"]
 
 
 def timed_run(overrides: list[str]) -> dict:
@@ -123,7 +162,7 @@ def plot(runs: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--sync-every", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--link", default="1Gbps,5ms")
     parser.add_argument("--eval-every", type=int, default=32)
@@ -131,11 +170,17 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--diloco-outer", default=OUTER_DEFAULTS["diloco"], metavar="LR,MOMENTUM")
     parser.add_argument("--palsgd-outer", default=OUTER_DEFAULTS["palsgd"], metavar="LR,MOMENTUM")
-    parser.add_argument("--global-batch", type=int, default=16,
+    parser.add_argument("--global-batch", type=int, default=64,
                         help="sequences per step over the 4 replicas (a multiple of 16: micro-batches of 4)")
     parser.add_argument("--local-overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="dotted overrides for the low-communication runs only (e.g. optim.lr=2e-3: their "
                              "inner learning rate), DDP keeps the demo's settings")
+    parser.add_argument("--init-steps", type=int, default=32,
+                        help="start every run (DDP included) from the model of one DDP run of this many steps "
+                             "(train.init_from); the figures are then for the continued --steps only")
+    parser.add_argument("--warmup", type=int, default=32,
+                        help="DDP steps at the start of every low-communication run (parallel.palsgd_warmup, "
+                             "parallel.local_warmup): the PALSGD authors' 32; 0 for none")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=str(REPO / "bench" / "local_sgd.png"))
     args = parser.parse_args(argv)
@@ -150,13 +195,23 @@ def main(argv=None) -> int:
     settings = {method: [*overrides, *([f"parallel.outer_lr={outer[method][0]}",
                                         f"parallel.outer_momentum={outer[method][1]}"] if method in outer else [])]
                 for method, overrides in METHODS.items()}
+    for method in METHODS:
+        settings[method].append(f"parallel.{'palsgd' if method == 'palsgd' else 'local'}_warmup={args.warmup}")
     plan = [("ddp", [])] + [(f"{method} H={every}", [*settings[method], f"parallel.sync_every={every}",
                                                      *args.local_overrides])
                             for every in args.sync_every for method in args.methods]
-    runs = {}
+    runs, init = {}, None
     with tempfile.TemporaryDirectory() as workdir:
+        if args.init_steps:
+            init_dir = Path(workdir) / "init"
+            init = run_distributed(timed_run, 4, init_overrides(args, init_dir), timeout_s=3600)[0]
+            init = {"steps": args.init_steps, "train_seconds": init["train_seconds"],
+                    "dp_megabytes": init["dp_bytes"] / 1e6}
+            print(f"init (DDP, {args.init_steps} steps): {init['train_seconds']:.1f} s", file=sys.stderr, flush=True)
+            plan = [(name, [*extra, f"train.init_from={init_dir}"]) for name, extra in plan]
         for name, extra in plan:
-            overrides = [*run_overrides(args, Path(workdir) / name.replace(" ", "_")), *extra]
+            overrides = [*run_overrides(args, Path(workdir) / name.replace(" ", "_"), args.steps, args.eval_every),
+                         *extra]
             runs[name] = run_distributed(timed_run, 4, overrides, timeout_s=3600)[0]  # rank 0: replica 0
             final = runs[name]["curve"][max(runs[name]["curve"])]
             print(f"{name:<16} final val {final[1]:.4f} after {runs[name]['train_seconds']:.1f} s, "
@@ -180,7 +235,8 @@ def main(argv=None) -> int:
         print(f"{name:<16}{row['final_val_loss']:>10.4f}{row['vs_ddp_loss']:>+9.2%}{row['train_seconds']:>9.1f}"
               f"{reach:>13}{row['dp_megabytes']:>9.1f}", file=sys.stderr)
     result = {"steps": args.steps, "global_batch": args.global_batch, "link": args.link, "target_loss": target,
-              "outer": outer, "local_overrides": args.local_overrides, "runs": table}
+              "init": init, "start_val_loss": runs["ddp"]["curve"][0][1], "warmup": args.warmup, "outer": outer,
+              "local_overrides": args.local_overrides, "runs": table}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -390,6 +390,9 @@ class ParallelConfig:
     """PALSGD: strength eta of the pull theta <- theta - (lr / p) eta (theta - theta_global)."""
     palsgd_warmup: int = 32
     """PALSGD: the first steps are ordinary DDP steps (the authors' 32)."""
+    local_warmup: int = 0
+    """local_sgd and diloco: the first steps are ordinary DDP steps, the replicas training alone
+    only after them (post-local SGD, Lin et al. 2020); PALSGD's is palsgd_warmup. 0: none."""
     simulate_link: str | None = None
     """Testing aid: 'BANDWIDTH,LATENCY' (e.g. '1Gbps,5ms') delays every DP collective by its
     bytes / bandwidth + latency (meshlm/parallel/simulated_link.py), so the wall-clock effect

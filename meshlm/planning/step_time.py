@@ -41,6 +41,8 @@ imbalanced expert routing.
 
 from __future__ import annotations
 
+import math
+
 from meshlm.models.flops import BACKWARD_TO_FORWARD, block_flops, head_flops, mtp_depth_flops
 from meshlm.parallel.pipeline.stages import stage_starts
 from meshlm.training.memory_estimate import DTYPE_BYTES
@@ -183,14 +185,16 @@ def step_scalar_seconds(config, layout, hardware) -> float:
     if layout.world_size == 1:
         return 0.0
     intra = layout.world_size <= hardware.gpus_per_node
-    scalar = ring_seconds(16, layout.world_size, hardware, intra)
+    latency = hardware.intra_latency_s if intra else hardware.inter_latency_s
+
+    def tree(ranks: int) -> float:  # a few bytes: up a tree and back down, 2 log2(ranks) hops (NCCL's tree)
+        return 2 * math.ceil(math.log2(ranks)) * latency if ranks > 1 else 0.0
+
     whole_gradient_everywhere = layout.tp == 1 and layout.pp == 1 and layout.ep == 1 and not layout.zero
-    seconds = scalar  # the stop vote
+    seconds = tree(layout.world_size)  # the stop vote
     if config.train.grad_clip > 0 and not whole_gradient_everywhere:
-        seconds += scalar
-    if layout.dp * layout.cp > 1:
-        seconds += ring_seconds(16, layout.dp * layout.cp, hardware, intra)
-    return seconds
+        seconds += tree(layout.world_size)
+    return seconds + tree(layout.dp * layout.cp)
 
 
 def step_flops(config, layout) -> dict:

@@ -2,13 +2,17 @@
 
     meshlm rl CONFIG.yaml train.init_from=runs/sft/checkpoints/step_200 [--env arithmetic]
     meshlm rl CONFIG.yaml train.init_from=... --eval-only       held-out accuracy, as one JSON line
+    meshlm rl CONFIG.yaml train.init_from=... --eval-only --pass-at 8
+                                                  also the sampled pass@1 and pass@8 (RL's headroom)
     torchrun --nproc_per_node 2 -m meshlm rl CONFIG.yaml ...    data parallel (the same run)
 
 The config is a training config (``meshlm train --list-keys``) whose ``rl`` section sets the
 group size, prompts per step, sampling, clip, KL and environment (``meshlm/config.py``
 ``RLConfig``), with ``train.reward_fn=module:function`` for a reward of your own. The model,
 optimizer, checkpoints (re-running resumes), metrics.jsonl and progress line are the trainer's;
-``meshlm/rl/loop.py`` says what a step does. A bad setting exits with status 2 and one sentence.
+``meshlm/rl/loop.py`` says what a step does. A bad setting exits with status 2 and one sentence;
+too many non-finite steps in a row with train.on_nonfinite=stop exit with status 1 after one
+line on stderr, as ``meshlm train`` does.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-only", action="store_true",
                         help="print the held-out accuracy of the run's newest checkpoint (else train.init_from) "
                              "as JSON and exit, training nothing")
+    parser.add_argument("--pass-at", type=int, default=0, metavar="K",
+                        help="with --eval-only: also sample K completions of each held-out prompt at rl.temperature "
+                             "and report the sampled pass@1 and pass@K (the headroom RL can use)")
 
 
 def load_rl_config(config_path, overrides: list[str]):
@@ -43,8 +50,8 @@ def load_rl_config(config_path, overrides: list[str]):
 def run(args) -> int:
     from meshlm.config import parse_override
     from meshlm.rl.loop import evaluate_only, run_rl
-    from meshlm.training.cli import config_and_overrides, leave_process_group
-    from meshlm.training.fault_tolerance import CollectiveFailure, exit_after_collective_failure
+    from meshlm.training.cli import config_and_overrides, leave_process_group, report_nonfinite_stop
+    from meshlm.training.fault_tolerance import CollectiveFailure, NonFiniteTrainingStop, exit_after_collective_failure
 
     config_path, overrides = config_and_overrides(args)
     if config_path is None and not overrides:
@@ -52,17 +59,22 @@ def run(args) -> int:
                           "train.init_from=runs/sft --env arithmetic`.")
     if args.env is not None:
         overrides.append(f"rl.env={args.env}")
+    pass_at = getattr(args, "pass_at", 0)
+    if pass_at < 0 or (pass_at and not args.eval_only):
+        raise ConfigError(f"--pass-at {pass_at}: give a number of samples >= 1, together with --eval-only.")
     config = load_rl_config(config_path, overrides)
     logging_rank = int(os.environ.get("RANK", "0")) == 0
     try:
         if args.eval_only:
-            report = evaluate_only(config)
+            report = evaluate_only(config, samples=pass_at)
             if logging_rank:
                 print(json.dumps(report))
             return 0
         result, accuracies = run_rl(config, command_line_keys=[parse_override(text)[0] for text in overrides])
     except CollectiveFailure as failure:
         exit_after_collective_failure(failure)
+    except NonFiniteTrainingStop as stop:
+        return report_nonfinite_stop("meshlm rl", stop)
     finally:
         leave_process_group()
     if not logging_rank or result.stopped_by is not None:

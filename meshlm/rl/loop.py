@@ -31,7 +31,8 @@ in each process.
 
 **Evaluation.** Every ``train.eval_every`` steps (and at the start and end), each rank answers its
 share of the environment's held-out prompts greedily and the accuracy is logged
-(``eval_accuracy`` in metrics.jsonl); ``meshlm rl --eval-only`` does only that.
+(``eval_accuracy`` in metrics.jsonl); ``meshlm rl --eval-only`` does only that, and with
+``--pass-at K`` also samples K completions per held-out prompt (``held_out_pass_at_k``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 from meshlm.checkpoint.folders import latest_checkpoint
 from meshlm.data.tokenizer import find_tokenizer_file, load_tokenizer
 from meshlm.errors import ConfigError
-from meshlm.inference.chat import chat_prompt
+from meshlm.inference.chat import chat_prompt, reply_ids
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.parallel.collective_checks import compare_collectives
@@ -56,7 +57,7 @@ from meshlm.rl.environments import build_environment
 from meshlm.rl.grpo import TokenWeights, group_advantages, grpo_loss
 from meshlm.rl.progress import RLProgressLine
 from meshlm.rl.reward_functions import load_reward_fn, score
-from meshlm.rl.rollouts import Rollouts, pack, sample_groups, score_rollouts, token_log_probs
+from meshlm.rl.rollouts import Rollouts, group_seed, pack, sample_groups, score_rollouts, token_log_probs
 from meshlm.training.data_loading import TrainingData
 from meshlm.training.distillation import build_frozen_model, frozen_model_config
 from meshlm.training.fault_tolerance import explain_collective_failures
@@ -64,6 +65,13 @@ from meshlm.training.initial_weights import model_from_init_folder
 from meshlm.training.preflight import finished_run
 from meshlm.training.schedules import learning_rate
 from meshlm.training.trainer import StepResult, Trainer, TrainResult
+
+
+HELD_OUT_SAMPLING_STEP = 2 ** 62
+"""The 'step' that seeds the held-out prompts' sampled completions (``held_out_pass_at_k``): one no
+run reaches, so they never share a seed with a training group."""
+HELD_OUT_SAMPLING_BATCH = 16
+"""Held-out prompts whose samples share one ``generate`` call (and one generator) in ``held_out_pass_at_k``."""
 
 
 def check_rl_layout(config) -> int:
@@ -309,6 +317,36 @@ class GRPOTrainer(Trainer):
         compare_collectives(self.context, f"in the evaluation after step {self.state.step}")
         return int(total_correct), len(records)
 
+    @torch.no_grad()
+    def held_out_pass_at_k(self, samples: int) -> tuple[int, int, int]:
+        """(correct samples, prompts with at least one correct sample, prompts): ``samples``
+        completions of each held-out prompt drawn at rl.temperature -- the mean is the sampled
+        pass@1 and the second count pass@k with k = ``samples`` (Chen et al. 2021, §2.1, with n = k).
+        pass@k well above greedy accuracy is the headroom GRPO can turn into pass@1 (DeepSeek-R1
+        2025, §2.2: RL sharpens what the model already sometimes gets right). Each rank samples its
+        share in batches of HELD_OUT_SAMPLING_BATCH prompts, each batch one generator seeded by
+        (train.seed, HELD_OUT_SAMPLING_STEP, its first prompt's index): the figures are reproducible
+        for a given DP size, and differ between sizes only by sampling noise."""
+        records = self.environment.held_out
+        share = math.ceil(len(records) / self.dp)
+        first, end = self.context.dp_rank * share, min((self.context.dp_rank + 1) * share, len(records))
+        rl = self.config.rl
+        correct = solved = 0
+        for start in range(first, end, HELD_OUT_SAMPLING_BATCH):
+            chunk = records[start:min(start + HELD_OUT_SAMPLING_BATCH, end)]
+            prompts = [self.encode_prompt(record["prompt"]) for record in chunk for _ in range(samples)]
+            sampling = SamplingConfig(temperature=rl.temperature,
+                                      seed=group_seed(self.config.train.seed, HELD_OUT_SAMPLING_STEP, start))
+            replies = generate(self.model, prompts, rl.max_new_tokens, sampling, eos_token_id=self.stop_ids,
+                               pad_token_id=self.pad_token_id, valid_vocab_size=self.valid_vocab_size)
+            hits = torch.tensor([bool(self.environment.is_correct(chunk[row // samples],
+                                                                  self.tokenizer.decode(reply_ids(ids, self.stop_ids))))
+                                 for row, ids in enumerate(replies)]).view(len(chunk), samples)
+            correct, solved = correct + int(hits.sum()), solved + int(hits.any(dim=-1).sum())
+        total_correct, total_solved = self.sum_over_dp([correct, solved])
+        compare_collectives(self.context, f"in the sampled evaluation after step {self.state.step}")
+        return int(total_correct), int(total_solved), len(records)
+
     def maybe_evaluate(self, final: bool) -> None:
         """Held-out accuracy every train.eval_every steps (and at the start and the end)."""
         every, step = self.config.train.eval_every, self.state.step
@@ -334,16 +372,22 @@ def run_rl(config, command_line_keys=()) -> tuple[TrainResult, dict[int, float]]
         return trainer.run(), trainer.eval_accuracies
 
 
-def evaluate_only(config) -> dict:
-    """Held-out accuracy of the run's newest checkpoint, else of train.init_from (nothing trained)."""
+def evaluate_only(config, samples: int = 0) -> dict:
+    """Held-out accuracy of the run's newest checkpoint, else of train.init_from (nothing trained);
+    with ``samples`` > 0 also the sampled pass@1 and pass@k, k = ``samples`` (``held_out_pass_at_k``)."""
     with explain_collective_failures(config.parallel.timeout_s):
         trainer = GRPOTrainer(config)
         try:
             correct, total = trainer.held_out_accuracy()
+            report = {"step": trainer.state.step, "accuracy": correct / total, "correct": correct, "prompts": total,
+                      "source": str(trainer.resumed_from or config.train.init_from)}
+            if samples > 0:
+                sampled, solved, _ = trainer.held_out_pass_at_k(samples)
+                report.update({"samples": samples, "temperature": config.rl.temperature,
+                               "sampled_pass_at_1": sampled / (samples * total), f"pass_at_{samples}": solved / total})
         finally:
             trainer.batches.close()
-    return {"step": trainer.state.step, "accuracy": correct / total, "correct": correct, "prompts": total,
-            "source": str(trainer.resumed_from or config.train.init_from)}
+    return report
 
 
-__all__ = ["GRPOTrainer", "check_rl_layout", "evaluate_only", "rl_run_config", "run_rl"]
+__all__ = ["HELD_OUT_SAMPLING_BATCH", "HELD_OUT_SAMPLING_STEP", "GRPOTrainer", "check_rl_layout", "evaluate_only", "rl_run_config", "run_rl"]

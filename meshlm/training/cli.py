@@ -70,10 +70,8 @@ def run(args, plan=None) -> int:
                        predicted=predicted)
     except CollectiveFailure as failure:  # a peer died or hung: leave now, torchrun may restart the job
         exit_after_collective_failure(failure)
-    except NonFiniteTrainingStop as stop:  # every rank stops alike; rank 0 says why
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"meshlm train: stopped: {stop}", file=sys.stderr)
-        return 1
+    except NonFiniteTrainingStop as stop:
+        return report_nonfinite_stop("meshlm train", stop)
     finally:
         leave_process_group()
     if int(os.environ.get("RANK", "0")) != 0 or result.stopped_by is not None:
@@ -88,6 +86,15 @@ def run(args, plan=None) -> int:
         summary += f", last validation loss {result.val_losses[max(result.val_losses)]:.4f}"
     print(f"meshlm train: done: {summary}; run directory {result.run_dir}")
     return 0
+
+
+def report_nonfinite_stop(command: str, stop: Exception) -> int:
+    """The exit status (1) of a run that train.on_nonfinite=stop ended: every rank raised the same
+    ``NonFiniteTrainingStop`` at the same step (fault_tolerance.py), so every rank exits alike and
+    global rank 0 alone prints why to stderr. Shared by ``meshlm train`` and ``meshlm rl``."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{command}: stopped: {stop}", file=sys.stderr)
+    return 1
 
 
 def config_and_overrides(args) -> tuple[str | None, list[str]]:

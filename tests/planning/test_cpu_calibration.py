@@ -11,7 +11,7 @@ from meshlm.models.flops import block_flops, head_flops
 from meshlm.planning.cpu_calibration import calibration_shapes, fit_fixed_and_rate, measure
 from meshlm.planning.hardware import GPUS
 from meshlm.planning.layouts import Layout
-from meshlm.planning.step_time import step_time
+from meshlm.planning.step_time import step_scalar_seconds, step_time
 
 MODEL = ["model.vocab_size=64", "model.hidden_size=32", "model.num_attention_heads=2", "model.pattern=*-ME",
          "model.moe_num_experts=4", "model.mamba_state_size=8", "model.mamba_head_dim=8", "model.mamba_chunk_size=8",
@@ -60,3 +60,18 @@ def test_step_time_divides_each_blocks_share_by_its_kinds_rate_and_adds_the_fixe
         # the same with the link's latency and bandwidth: tp and cp add their messages on top
         linked = step_time(config, layout, hardware, parameter_count=0)["pipeline_s"]
         assert linked == pytest.approx(computed, rel=1e-9) if layout.world_size == 1 else linked > computed
+
+
+def test_the_steps_scalar_all_reduces_are_counted_where_the_trainer_issues_them():
+    config = load_run_config(None, MODEL)
+    hardware = dataclasses.replace(GPUS["h100"], intra_latency_s=1e-3)
+    hop = 2 * 1e-3  # a 2-rank tree: up one hop and back down
+    assert step_scalar_seconds(config, Layout(), hardware) == 0.0
+    assert step_scalar_seconds(config, Layout(dp=2), hardware) == pytest.approx(2 * hop)  # vote, logged sums
+    assert step_scalar_seconds(config, Layout(dp=2, zero=1), hardware) == pytest.approx(3 * hop)  # + the norm
+    assert step_scalar_seconds(config, Layout(tp=2, dp=1), hardware) == pytest.approx(2 * hop)  # vote, norm
+    unclipped = dataclasses.replace(config, train=dataclasses.replace(config.train, grad_clip=0.0))
+    assert step_scalar_seconds(unclipped, Layout(tp=2, dp=1), hardware) == pytest.approx(hop)
+    # 64 ranks: log2(64) = 6 hops each way, not a ring's 63
+    one_node = dataclasses.replace(hardware, gpus_per_node=64)
+    assert step_scalar_seconds(config, Layout(dp=64), one_node) == pytest.approx(2 * 12 * 1e-3)

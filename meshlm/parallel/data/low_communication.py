@@ -21,6 +21,10 @@ step:
   after the warm-up, the DiLoCo outer step. The draw of step s on replica r is a fixed function of
   (train.seed, r, s) -- no generator state to save, the same draws after a resume.
 
+Local SGD and DiLoCo may start the same way: ``parallel.local_warmup`` ordinary DDP steps first
+(post-local SGD, Lin et al. 2020: the replicas' early steps, under a fresh optimizer and a
+warming learning rate, are the ones that drift apart most), the global copy taken at its end.
+
 The outer step in bytes. The deltas are reduce-scattered (each rank receives the DP sum of its
 1/dp slice), the owner applies the outer optimizer to its slice -- so the outer momentum is
 sharded over DP like ZeRO-1's optimizer state -- and the slices' *updates* are all-gathered, so
@@ -84,6 +88,11 @@ def check_dp_sync(parallel) -> None:
                           f"{parallel.palsgd_eta} > 0 (the authors' 0.2 and 1.0).")
     if not isinstance(parallel.palsgd_warmup, int) or parallel.palsgd_warmup < 0:
         raise ConfigError(f"parallel.palsgd_warmup={parallel.palsgd_warmup!r} must be an integer >= 0.")
+    if not isinstance(parallel.local_warmup, int) or parallel.local_warmup < 0:
+        raise ConfigError(f"parallel.local_warmup={parallel.local_warmup!r} must be an integer >= 0.")
+    if parallel.dp_sync == "palsgd" and parallel.local_warmup:
+        raise ConfigError(f"parallel.local_warmup={parallel.local_warmup} is for local_sgd and diloco; PALSGD's "
+                          "DDP warm-up is parallel.palsgd_warmup: set that instead (and local_warmup=0).")
     if parallel.dp_sync == "every_step":
         return
     if parallel.sharding_stage > 0:
@@ -136,7 +145,7 @@ class LowCommunicationSync:
         self.outer_momentum = parallel.outer_momentum
         self.sync_dtype = SYNC_DTYPES[parallel.outer_sync_dtype]
         self.probability, self.eta = parallel.palsgd_p, parallel.palsgd_eta
-        self.warmup = parallel.palsgd_warmup if self.mode == "palsgd" else 0
+        self.warmup = parallel.palsgd_warmup if self.mode == "palsgd" else parallel.local_warmup
         self.overlap = parallel.outer_overlap
         self.seed = seed
         self.group, self.dp_size, self.dp_rank = context.dp_group, context.dp_size, context.dp_rank
@@ -167,7 +176,8 @@ class LowCommunicationSync:
 
     # --- which step is what -------------------------------------------------------------------------
     def replicas_independent(self, step: int) -> bool:
-        """False during PALSGD's warm-up, whose steps reduce gradients over DP as every_step does."""
+        """False during the warm-up (palsgd_warmup, local_warmup), whose steps reduce gradients over
+        DP as every_step does."""
         return step >= self.warmup
 
     def is_pseudo_sync(self, step: int) -> bool:
@@ -192,7 +202,7 @@ class LowCommunicationSync:
     def finish_replica_gradients(self, buffer: torch.Tensor, step: int) -> None:
         """After the replica's backward (its CP sum done): each micro-batch loss was divided by the
         step's count over ALL replicas, so x dp makes ``buffer`` the replica's own mean gradient;
-        in PALSGD's warm-up the DP sum instead (an all-reduce: an ordinary DDP step)."""
+        in the warm-up the DP sum instead (an all-reduce: an ordinary DDP step)."""
         if self.replicas_independent(step):
             buffer.mul_(self.dp_size)
         else:
@@ -204,8 +214,9 @@ class LowCommunicationSync:
         return done > 0 and done % self.every == 0
 
     def starts_local_phase(self, step: int) -> bool:
-        """The first step after PALSGD's warm-up: the global copy is taken (the replicas agree)."""
-        return self.mode == "palsgd" and step == self.warmup
+        """The first step after the warm-up: DiLoCo's and PALSGD's global copy is taken (the
+        replicas agree; local SGD keeps none)."""
+        return self.global_copy is not None and step == self.warmup
 
     # --- the parameters as one flat vector ------------------------------------------------------------
     def flat_parameters(self) -> torch.Tensor:
@@ -221,7 +232,7 @@ class LowCommunicationSync:
             param.copy_(flat[start:end].view_as(param))
 
     def take_global_copy(self) -> None:
-        """global copy <- the parameters (PALSGD at the end of its warm-up, when they agree)."""
+        """global copy <- the parameters (at the end of the warm-up, when they agree)."""
         self.global_copy.copy_(self.flat_parameters())
 
     # --- PALSGD's pull ---------------------------------------------------------------------------------

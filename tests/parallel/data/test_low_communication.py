@@ -4,7 +4,8 @@ The algorithm pieces are checked in spawned gloo processes against hand computat
 with plain SGD at sync_every=1 is DDP; DiLoCo with outer lr 1 and no momentum is local SGD;
 the Nesterov outer step is torch's SGD on the global copy; bf16 messages keep the replicas'
 global copies identical). The trainer is checked end to end: DiLoCo at tp2 x dp2 equals one
-process that runs the two replicas' data one after the other with the same algorithm, the DP
+process that runs the two replicas' data one after the other with the same algorithm (also when
+the run starts from another model's weights, ``train.init_from``, as bench/local_sgd.py does), the DP
 bytes are the outer steps' alone (1/H of DDP's), and a run resumed from a checkpoint saved
 between two syncs continues bitwise (DiLoCo and PALSGD).
 """
@@ -20,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meshlm.checkpoint.model_files import save_model
 from meshlm.config import ParallelConfig
 from meshlm.errors import ConfigError
 from meshlm.models.language_model import LanguageModel
@@ -47,7 +49,9 @@ def test_refusals_name_the_field_and_the_fix():
     for changes, words in [({"zero_stage": 1}, "zero_stage=0"), ({"ep": 2}, "parallel.ep=1"),
                            ({"dp_sync": "local_sgd", "outer_sync_dtype": "bf16"}, "dp_sync=diloco"),
                            ({"dp_sync": "gossip"}, "parallel.dp_sync"), ({"sync_every": 0}, "sync_every"),
-                           ({"palsgd_p": 1.0}, "palsgd_p"), ({"simulate_link": "fast"}, "1Gbps,5ms")]:
+                           ({"palsgd_p": 1.0}, "palsgd_p"), ({"simulate_link": "fast"}, "1Gbps,5ms"),
+                           ({"local_warmup": -1}, "local_warmup"),
+                           ({"dp_sync": "palsgd", "local_warmup": 4}, "parallel.palsgd_warmup")]:
         with pytest.raises(ConfigError, match=words):
             check_dp_sync(dataclasses.replace(base, **changes))
     check_dp_sync(base)
@@ -174,15 +178,17 @@ def test_outer_steps_match_hand_computations():
 
 # --- the trainer ----------------------------------------------------------------------------------------------------
 def reference_replicas(blend: Path, run_dir: Path, overrides: list[str], dp: int, mode: str,
-                       overlap: bool = False) -> dict:
+                       overlap: bool = False, model_seed: int | None = None, warmup: int = 0) -> dict:
     """One process, the replicas one after the other: each its own model and AdamW on its own
     micro-batches, then every sync_every-th step (and the last) the outer step by hand; with
     ``overlap``, a sync's outer step is applied after the next step, each replica keeping its
-    progress since the sync (the last step syncs at once)."""
+    progress since the sync (the last step syncs at once). ``model_seed``: the models' initial
+    values (default train.seed's). ``warmup``: the first steps are DDP steps (every replica steps
+    with the replicas' mean gradient), the global copy taken after them."""
     config = HELPERS.run_config(blend, run_dir, *overrides)
     train, parallel = config.train, config.parallel
     dataset = build_training_data(config).train
-    models = [LanguageModel(config.model, seed=train.seed) for _ in range(dp)]
+    models = [LanguageModel(config.model, seed=train.seed if model_seed is None else model_seed) for _ in range(dp)]
     optimizers = [build_optimizer(list(model.named_parameters()), config.optim) for model in models]
     global_copy = [param.detach().clone() for param in models[0].parameters()]
     momentum = [torch.zeros_like(value) for value in global_copy]
@@ -205,6 +211,9 @@ def reference_replicas(blend: Path, run_dir: Path, overrides: list[str], dp: int
 
     for step in range(train.steps):
         lr = learning_rate(step, config.optim, train.steps)
+        if step == warmup > 0:
+            global_copy = [param.detach().clone() for param in models[0].parameters()]
+        totals = []
         for replica, (model, optimizer) in enumerate(zip(models, optimizers)):
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
@@ -214,6 +223,14 @@ def reference_replicas(blend: Path, run_dir: Path, overrides: list[str], dp: int
                 loss = model(batch["input_ids"], batch["labels"], return_logits=False).loss
                 (loss / per_replica).backward()
                 total += loss.item()
+            totals.append(total)
+        if step < warmup:  # a DDP step: every replica gets the mean gradient
+            for params in zip(*(model.parameters() for model in models)):
+                mean = sum(param.grad for param in params) / dp
+                for param in params:
+                    param.grad = mean.clone()
+        for replica, (model, optimizer) in enumerate(zip(models, optimizers)):
+            total = totals[replica]
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), train.grad_clip)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -223,7 +240,7 @@ def reference_replicas(blend: Path, run_dir: Path, overrides: list[str], dp: int
         if pending is not None:  # overlap: the sync of the step before
             apply_sync(pending)
             pending = None
-        if (step + 1) % parallel.sync_every == 0 or step + 1 == train.steps:
+        if step >= warmup and ((step + 1 - warmup) % parallel.sync_every == 0 or step + 1 == train.steps):
             anchors = [[param.detach().clone() for param in model.parameters()] for model in models]
             if overlap and step + 1 < train.steps:
                 pending = anchors
@@ -269,6 +286,38 @@ def test_diloco_at_tp2_dp2_equals_the_replicas_run_one_after_the_other(corpus, t
             assert relative_error(list(actual["losses"].values()), list(expected["losses"].values())) <= 1e-5
         for name, value in expected["params"].items():
             assert relative_error(actual["params"][name], value) <= 1e-5, (rank, name)
+
+
+def test_diloco_from_init_from_starts_replicas_and_global_copy_from_the_folder(corpus, tmp_path):
+    """bench/local_sgd.py's protocol: every method continues from one DDP-trained model
+    (``train.init_from``). The folder's weights (seed 7) are not the run's own initial values (its
+    train.seed), so a replica or a global copy left at the latter would miss the reference."""
+    overrides = [*DENSE, *DILOCO, "parallel.outer_lr=0.5", "parallel.outer_momentum=0.5"]
+    config = HELPERS.run_config(corpus, tmp_path / "unused", *overrides)
+    save_model(LanguageModel(config.model, seed=7), tmp_path / "start")
+    expected = reference_replicas(corpus, tmp_path / "reference", overrides, dp=2, mode="diloco", model_seed=7)
+    unrelated = reference_replicas(corpus, tmp_path / "own-init", overrides, dp=2, mode="diloco")
+    runs = run_distributed(trainer_runs, 2, str(corpus), str(tmp_path),
+                           [("continued", [*overrides, "parallel.dp=2", f"train.init_from={tmp_path / 'start'}"])])
+    for rank, results in enumerate(runs):
+        for name, value in expected["params"].items():
+            assert relative_error(results["continued"]["params"][name], value) <= 1e-5, (rank, name)
+    assert max(relative_error(unrelated["params"][name], value) for name, value in expected["params"].items()) > 1e-2
+
+
+@pytest.mark.parametrize("mode", ["diloco", "local_sgd"])
+def test_local_warmup_takes_ddp_steps_first(corpus, tmp_path, mode):
+    """parallel.local_warmup=2 (post-local SGD): steps 1-2 are DDP steps, then the replicas train
+    alone from the agreed model (DiLoCo: the global copy taken then), syncing 2 steps later."""
+    overrides = [*DENSE, f"parallel.dp_sync={mode}", "parallel.sync_every=2", "train.eval_every=0",
+                 "parallel.local_warmup=2"]
+    expected = reference_replicas(corpus, tmp_path / "reference", overrides, dp=2, mode=mode, warmup=2)
+    cold = reference_replicas(corpus, tmp_path / "cold", overrides, dp=2, mode=mode)
+    runs = run_distributed(trainer_runs, 2, str(corpus), str(tmp_path), [("warm", [*overrides, "parallel.dp=2"])])
+    for rank, results in enumerate(runs):
+        for name, value in expected["params"].items():
+            assert relative_error(results["warm"]["params"][name], value) <= 1e-5, (rank, name)
+    assert max(relative_error(cold["params"][name], value) for name, value in expected["params"].items()) > 1e-3
 
 
 def test_overlapped_diloco_equals_the_one_step_stale_reference(corpus, tmp_path):
