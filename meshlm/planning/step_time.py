@@ -23,8 +23,9 @@ measures:
   backward, times vp with interleaving; on the critical path.
 - DP: the gradients (fp32, all-reduce or reduce-scatter + all-gather, the same ring bytes) once
   per step, overlapped with the last micro-batch's backward; only what sticks out counts.
-- CP: ring attention passes each K/V chunk around the ring (cp-1 hops) forward and twice the
-  bytes backward, overlapped with the attention core it feeds.
+- CP: ring attention passes each K/V chunk around the ring (cp-1 hops) forward and again
+  backward, where the chunk's fp32 dK/dV accumulator follows it home (cp hops), overlapped with
+  the attention core it feeds (``meshlm/parallel/context/ring_attention.py``).
 - Where the hardware cannot overlap (``Hardware.overlaps_communication``: the CPU, whose cores do
   the collectives' copies), DP and CP communication adds in full.
 - EP: an all-to-all of the routed tokens to their experts and one back, forward and backward.
@@ -132,8 +133,11 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
             tp_comm = (2 + (train.recompute == "full")) * tp_block_s if row["kind"] != "L" else 0.0
             cp_comm = 0.0
             if row["kind"] == "*" and layout.cp > 1:  # K and V chunks around the ring, hidden behind attention
-                kv = tokens_local * 2 * model.resolved_num_kv_heads * model.resolved_head_dim / layout.tp * dtype_bytes
-                ring = 3 * (layout.cp - 1) * p2p_seconds(kv, hardware, layout.cp * layout.tp <= per_node)
+                elements = tokens_local * 2 * model.resolved_num_kv_heads * model.resolved_head_dim / layout.tp
+                intra = layout.cp * layout.tp <= per_node
+                # K/V: cp-1 hops forward and again backward; their fp32 dK/dV accumulators: cp hops
+                ring = (2 * (layout.cp - 1) * p2p_seconds(elements * dtype_bytes, hardware, intra)
+                        + layout.cp * p2p_seconds(elements * 4, hardware, intra))
                 hidden_behind = micro_batch * row["attention_s"] * (1 + BACKWARD_TO_FORWARD)
                 cp_comm = max(0.0, ring - hidden_behind) if hardware.overlaps_communication else ring
             ep_comm = 0.0
