@@ -78,8 +78,12 @@ def link_costs(repeats: int = 7, rounds: int = 20) -> dict:
     import torch
     import torch.distributed as dist
 
+    from meshlm.parallel.groups import group_of
+    from meshlm.parallel.plain_collectives import all_gather_into_, all_reduce_, reduce_scatter_into_
+
     torch.set_num_threads(1)
     rank = dist.get_rank()
+    world = group_of(dist.group.WORLD, "world", torch.device("cpu"))  # the trainer's own collectives
     left, right = torch.randn(256, 128), torch.randn(128, 512)
 
     def loop(message) -> float:
@@ -100,14 +104,12 @@ def link_costs(repeats: int = 7, rounds: int = 20) -> dict:
             dist.recv(buffer, 0)
             dist.send(buffer, 0)
 
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     costs = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}, "p2p": {}}
     for size in LINK_SIZES:
         buffer, half = torch.randn(size // 4), torch.randn(size // 8)
-        for name, message, per_loop in (("all_reduce", lambda: dist.all_reduce(buffer), 1),
-                                        ("all_gather", lambda: gather(buffer, half), 1),
-                                        ("reduce_scatter", lambda: scatter(half, buffer), 1),
+        for name, message, per_loop in (("all_reduce", lambda: all_reduce_(buffer, world), 1),
+                                        ("all_gather", lambda: all_gather_into_(buffer, half, world), 1),
+                                        ("reduce_scatter", lambda: reduce_scatter_into_(half, buffer, world), 1),
                                         ("p2p", lambda: exchange(buffer), 2)):
             loop(message)
             with_message = statistics.median(loop(message) for _ in range(repeats))

@@ -226,7 +226,9 @@ def reinforcement_learning(args, work: Path, sft: Path) -> tuple[Path, list[dict
            f"optim.min_lr={args.rl_lr}", "optim.schedule=constant", "optim.warmup_steps=5", "optim.weight_decay=0.0",
            f"rl.group_size={args.group_size}", f"rl.prompts_per_step={args.rl_prompts}", f"rl.kl_coeff={args.kl}",
            f"rl.epochs={args.epochs}")
-    metrics = [json.loads(line) for line in (work / "rl-run" / "metrics.jsonl").read_text().splitlines()]
+    from meshlm.training.metrics import read_metrics
+
+    metrics = read_metrics(work / "rl-run" / "metrics.jsonl")
     return work / "rl-run" / "checkpoints" / f"step_{args.rl_steps}", [r for r in metrics if "reward_mean" in r]
 
 

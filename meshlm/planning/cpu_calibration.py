@@ -45,7 +45,13 @@ OPTIMIZER_STATE_BYTES = 16
 exp_avg_sq read and written (``step_time``'s optimizer term counts 16 + 2 x dtype bytes)."""
 
 
-def median_seconds(run, repeats: int, warmup: int = 2) -> float:
+def threads_per_rank(processes: int) -> int:
+    """The intra-op threads one of ``processes`` ranks sharing this host's cores gets."""
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
+def timings(run, repeats: int, warmup: int = 2) -> list[float]:
+    """Seconds of ``repeats`` calls of ``run`` after ``warmup`` untimed ones."""
     for _ in range(warmup):
         run()
     times = []
@@ -53,7 +59,11 @@ def median_seconds(run, repeats: int, warmup: int = 2) -> float:
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(run, repeats: int, warmup: int = 2) -> float:
+    return statistics.median(timings(run, repeats, warmup))
 
 
 def calibration_shapes(config) -> list[tuple[int, int]]:
@@ -97,7 +107,8 @@ def block_rates(config, repeats: int = 5) -> tuple[dict[str, float], dict[str, f
     modules = {}
     for index, kind in enumerate(model.block_kinds):
         if kind not in modules and kind != "0":
-            modules[kind] = (Block(kind, model.for_block(index), index).to(dtype), model.for_block(index))
+            block_config = model.for_block(index)
+            modules[kind] = (Block(kind, block_config, index).to(dtype), block_config)
     norm = make_norm(model.norm, model.hidden_size, model.norm_eps).to(dtype)
     head = torch.nn.Linear(model.hidden_size, model.vocab_size, bias=False, dtype=dtype)
     points = {kind: [] for kind in [*modules, "head"]}
@@ -143,9 +154,8 @@ def measure(config, processes: int = 1, repeats: int = 5) -> dict:
     float}`` timed with the threads one of ``processes`` ranks gets."""
     import torch
 
-    threads = max(1, (os.cpu_count() or 1) // processes)
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads_per_rank(processes))
     try:
         with torch.random.fork_rng():
             rates, fixed = block_rates(config, repeats)
@@ -154,4 +164,5 @@ def measure(config, processes: int = 1, repeats: int = 5) -> dict:
         torch.set_num_threads(previous)
 
 
-__all__ = ["MAX_TOKENS", "block_rates", "calibration_shapes", "fit_fixed_and_rate", "measure", "optimizer_bytes_per_s"]
+__all__ = ["MAX_TOKENS", "block_rates", "calibration_shapes", "fit_fixed_and_rate", "measure", "median_seconds",
+           "optimizer_bytes_per_s", "threads_per_rank", "timings"]

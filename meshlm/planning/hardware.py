@@ -102,12 +102,12 @@ def calibrate_cpu(config=None, processes: int = 1, hidden_size: int | None = Non
     from meshlm.planning import cpu_calibration
 
     hidden_size = hidden_size or (config.model.hidden_size if config is not None else 256)
-    threads = max(1, (os.cpu_count() or 1) // processes)
+    threads = cpu_calibration.threads_per_rank(processes)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         left, right = torch.randn(tokens, hidden_size), torch.randn(hidden_size, 4 * hidden_size)
-        best = min(cpu_calibration.median_seconds(lambda: left @ right, 1) for _ in range(repeats))
+        best = min(cpu_calibration.timings(lambda: left @ right, repeats, warmup=1))
     finally:
         torch.set_num_threads(previous)
     flops_per_s = 2 * tokens * hidden_size * 4 * hidden_size / best

@@ -91,6 +91,14 @@ def ring_seconds(message_bytes: float, ranks: int, hardware, intra: bool, factor
     return factor * (ranks - 1) / ranks * message_bytes / bandwidth + factor * (ranks - 1) * latency
 
 
+def scatter_and_gather_seconds(message_bytes: float, ranks: int, hardware, intra: bool) -> float:
+    """A reduce-scatter of the message and an all-gather of it (sequence parallelism around a
+    block; ZeRO's gradients and parameters): an all-reduce's traffic on NCCL's ring, more where
+    the backend's reduce-scatter reduces the whole buffer (``Hardware.reduce_scatter_factor``)."""
+    return (ring_seconds(message_bytes, ranks, hardware, intra, factor=hardware.reduce_scatter_factor)
+            + ring_seconds(message_bytes, ranks, hardware, intra, factor=1.0))
+
+
 def p2p_seconds(message_bytes: float, hardware, intra: bool) -> float:
     bandwidth = (hardware.intra_gbps if intra else hardware.inter_gbps) * 1e9
     return (hardware.intra_latency_s if intra else hardware.inter_latency_s) + message_bytes / bandwidth
@@ -112,12 +120,9 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
     tokens_local = micro_batch * seq / layout.cp
     activation_bytes = tokens_local * model.hidden_size * dtype_bytes
     tp_intra = layout.tp <= per_node
-    if layout.sp:  # an all-gather before the block's first matmul, a reduce-scatter after its last
-        tp_block_s = (ring_seconds(activation_bytes, layout.tp, hardware, tp_intra, factor=1.0)
-                      + ring_seconds(activation_bytes, layout.tp, hardware, tp_intra,
-                                     factor=hardware.reduce_scatter_factor))
-    else:
-        tp_block_s = ring_seconds(activation_bytes, layout.tp, hardware, tp_intra)
+    # SP: an all-gather before the block's first matmul and a reduce-scatter after its last
+    tp_collectives = scatter_and_gather_seconds if layout.sp else ring_seconds
+    tp_block_s = tp_collectives(activation_bytes, layout.tp, hardware, tp_intra)
     moe_blocks = [index for index, kind in enumerate(model.block_kinds) if kind == "E"]
     ep_intra = layout.ep * layout.tp <= per_node
 
@@ -163,11 +168,9 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
     # DP: the gradients once per step, behind the last micro-batch's backward
     shards = layout.dp * layout.cp
     dp_intra = layout.world_size <= per_node or layout.tp * shards <= per_node
-    if layout.zero:  # a reduce-scatter of the gradients, an all-gather of the updated parameters
-        dp_s = (ring_seconds(parameter_count * 4, shards, hardware, dp_intra, factor=hardware.reduce_scatter_factor)
-                + ring_seconds(parameter_count * 4, shards, hardware, dp_intra, factor=1.0))
-    else:
-        dp_s = ring_seconds(parameter_count * 4, shards, hardware, dp_intra)
+    # ZeRO: a reduce-scatter of the gradients and an all-gather of the updated parameters
+    dp_collectives = scatter_and_gather_seconds if layout.zero else ring_seconds
+    dp_s = dp_collectives(parameter_count * 4, shards, hardware, dp_intra)
     last_backward = slowest * BACKWARD_TO_FORWARD / (1 + BACKWARD_TO_FORWARD)
     overlapped = config.parallel.overlap_grad_reduce and hardware.overlaps_communication
     dp_exposed = max(0.0, dp_s - last_backward) if overlapped else dp_s
@@ -194,6 +197,7 @@ def step_scalar_seconds(config, layout, hardware) -> float:
     def tree(ranks: int) -> float:  # a few bytes: up a tree and back down, 2 log2(ranks) hops (NCCL's tree)
         return 2 * math.ceil(math.log2(ranks)) * latency if ranks > 1 else 0.0
 
+    # the layout-level reading of grad_norm.holds_whole_gradient, which decides the trainer's norm
     whole_gradient_everywhere = layout.tp == 1 and layout.pp == 1 and layout.ep == 1 and not layout.zero
     seconds = tree(layout.world_size)  # the stop vote
     if config.train.grad_clip > 0 and not whole_gradient_everywhere:
@@ -219,6 +223,6 @@ def step_flops(config, layout) -> dict:
     return {"model_flops": model_flops, "hardware_flops": model_flops + recomputed * sequences}
 
 
-__all__ = ["block_times", "op_class", "p2p_seconds", "ring_seconds", "step_flops", "step_scalar_seconds",
-           "step_time"]
+__all__ = ["block_times", "op_class", "p2p_seconds", "ring_seconds", "scatter_and_gather_seconds", "step_flops",
+           "step_scalar_seconds", "step_time"]
 

@@ -59,7 +59,7 @@ def run(args) -> int:
                           "train.init_from=runs/sft --env arithmetic`.")
     if args.env is not None:
         overrides.append(f"rl.env={args.env}")
-    pass_at = getattr(args, "pass_at", 0)
+    pass_at = args.pass_at
     if pass_at < 0 or (pass_at and not args.eval_only):
         raise ConfigError(f"--pass-at {pass_at}: give a number of samples >= 1, together with --eval-only.")
     config = load_rl_config(config_path, overrides)

@@ -299,11 +299,17 @@ class GRPOTrainer(Trainer):
             self.progress = RLProgressLine(self.config.train.steps, self.config.train.progress)
 
     @torch.no_grad()
+    def held_out_share(self) -> tuple[int, int]:
+        """[first, end) of the held-out prompts this DP rank answers: a contiguous share."""
+        count = len(self.environment.held_out)
+        share = math.ceil(count / self.dp)
+        return min(self.context.dp_rank * share, count), min((self.context.dp_rank + 1) * share, count)
+
     def held_out_accuracy(self) -> tuple[int, int]:
         """(correct, prompts): the held-out prompts answered greedily, each rank a contiguous share."""
         records = self.environment.held_out
-        share = math.ceil(len(records) / self.dp)
-        mine = records[self.context.dp_rank * share:(self.context.dp_rank + 1) * share]
+        first, end = self.held_out_share()
+        mine = records[first:end]
         correct = 0
         for start in range(0, len(mine), 64):
             chunk = mine[start:start + 64]
@@ -328,8 +334,7 @@ class GRPOTrainer(Trainer):
         (train.seed, HELD_OUT_SAMPLING_STEP, its first prompt's index): the figures are reproducible
         for a given DP size, and differ between sizes only by sampling noise."""
         records = self.environment.held_out
-        share = math.ceil(len(records) / self.dp)
-        first, end = self.context.dp_rank * share, min((self.context.dp_rank + 1) * share, len(records))
+        first, end = self.held_out_share()
         rl = self.config.rl
         correct = solved = 0
         for start in range(first, end, HELD_OUT_SAMPLING_BATCH):

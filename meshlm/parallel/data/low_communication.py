@@ -86,10 +86,10 @@ def check_dp_sync(parallel) -> None:
     if not 0 < parallel.palsgd_p < 1 or not parallel.palsgd_eta > 0:
         raise ConfigError(f"parallel.palsgd_p={parallel.palsgd_p} must be in (0, 1) and parallel.palsgd_eta="
                           f"{parallel.palsgd_eta} > 0 (the authors' 0.2 and 1.0).")
-    if not isinstance(parallel.palsgd_warmup, int) or parallel.palsgd_warmup < 0:
-        raise ConfigError(f"parallel.palsgd_warmup={parallel.palsgd_warmup!r} must be an integer >= 0.")
-    if not isinstance(parallel.local_warmup, int) or parallel.local_warmup < 0:
-        raise ConfigError(f"parallel.local_warmup={parallel.local_warmup!r} must be an integer >= 0.")
+    for name in ("palsgd_warmup", "local_warmup"):
+        value = getattr(parallel, name)
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(f"parallel.{name}={value!r} must be an integer >= 0.")
     if parallel.dp_sync == "palsgd" and parallel.local_warmup:
         raise ConfigError(f"parallel.local_warmup={parallel.local_warmup} is for local_sgd and diloco; PALSGD's "
                           "DDP warm-up is parallel.palsgd_warmup: set that instead (and local_warmup=0).")
