@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup test demo clean
+.PHONY: setup test test-gpu demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,20 @@ setup: $(VENV)/.installed
 
 test: setup
 	$(BIN)/python -m pytest tests
+
+# The CUDA tier (tests/gpu) with the machine's own python and torch: no virtual environment, no
+# installs (a GPU machine keeps the CUDA torch it has); meshlm imports from the checkout. Without
+# CUDA it stops, rather than pass with every test skipped (MESHLM_GPU_TESTS_ON_CPU=1: a CPU dry run).
+GPU_PYTHON ?= python3
+GPU_PYTEST_FLAGS ?= -x -q -rs
+
+test-gpu:
+	@$(GPU_PYTHON) -c "import os, sys, torch; cuda = torch.cuda.is_available(); \
+	print('test-gpu:', torch.cuda.get_device_name() if cuda else 'no CUDA device', '| torch', torch.__version__, \
+	      '| CUDA', torch.version.cuda); \
+	sys.exit(0 if cuda or os.environ.get('MESHLM_GPU_TESTS_ON_CPU') == '1' else \
+	         'test-gpu: torch sees no CUDA device here; run it on a GPU machine (or set MESHLM_GPU_TESTS_ON_CPU=1 for a CPU dry run).')"
+	$(GPU_PYTHON) -m pytest -m gpu tests/gpu $(GPU_PYTEST_FLAGS)
 
 demo: setup
 	$(BIN)/python -m meshlm demo

@@ -1,7 +1,7 @@
 """DDP vs local SGD vs DiLoCo vs PALSGD on the demo corpus, dp4 over a simulated slow link.
 
     python -m bench.local_sgd [--init-steps 32] [--warmup 32] [--steps 64] [--global-batch 64]
-                              [--sync-every 8 32] [--link 1Gbps,5ms] [--eval-every 32]
+                              [--sync-every 8 32] [--link 1Gbps,5ms] [--eval-every 8] [--device cpu|cuda]
                               [--methods local_sgd diloco palsgd] [--diloco-outer 0.7,0.9]
                               [--palsgd-outer 0.7,0.9] [--target-loss L] [--local-overrides KEY=VALUE ...]
                               [--out FILE] [--plot bench/local_sgd.png]
@@ -39,12 +39,12 @@ The protocol has two DDP phases, both from the papers:
 replica (16) the replicas' AdamW steps are so noisy that averaging them cancels much of their
 progress (W=32 over 128 continued steps: DiLoCo +4.5%, PALSGD +6.5%).
 
-Reported per run: the validation loss at every ``--eval-every`` steps (every H divides it, so
-the evaluated model is the synced one) against the wall-clock seconds of training up to that
-step (evaluations excluded), the bytes the DP groups moved (ring bytes per rank), the final loss
-relative to DDP's at equal steps (and so equal tokens), and the seconds to reach the target loss
-(default: DDP's final validation loss x 1.03; linear interpolation between evaluations; null if
-not reached). Targets (issue 20): PALSGD and DiLoCo within 3% of DDP's final validation loss and
+Reported per run: the validation loss at every ``--eval-every`` steps (DDP) or at the least
+common multiple of it and H (a low-communication run, so the evaluated model is the synced one)
+against the wall-clock seconds of training up to that step (evaluations excluded), the bytes
+the DP groups moved (ring bytes per rank), the final loss relative to DDP's at equal steps (and
+so equal tokens), and the seconds to reach the target loss (default: DDP's final validation
+loss x 1.03; linear interpolation between evaluations; null if not reached). Targets (issue 20): PALSGD and DiLoCo within 3% of DDP's final validation loss and
 faster than DDP to the target. A table goes to stderr, one JSON object to stdout (and ``--out``),
 and the loss-vs-time plot to ``--plot``.
 
@@ -59,6 +59,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 import tempfile
 import time
@@ -84,8 +86,9 @@ def run_overrides(args, run_dir: Path, steps: int, eval_every: int) -> list[str]
     return [*MODEL, f"data.blend={DEMO_DATA / 'blend.json'}", f"train.run_dir={run_dir}", f"train.steps={steps}",
             "train.seq_len=128", "train.micro_batch_size=4", f"train.global_batch_size={args.global_batch}",
             f"train.eval_every={eval_every}", "train.eval_batches=4", "train.save_every=0",
-            "train.progress=false", "train.tensorboard=false", "train.plot=false", "train.device=cpu",
-            "parallel.dp=4", f"parallel.simulate_link={args.link}"]
+            "train.progress=false", "train.tensorboard=false", "train.plot=false",
+            f"train.device={'cuda:0' if args.device == 'cuda' else 'cpu'}", "parallel.dp=4",
+            f"parallel.simulate_link={args.link}"]
 
 
 def init_overrides(args, run_dir: Path) -> list[str]:
@@ -128,6 +131,34 @@ def timed_run(overrides: list[str]) -> dict:
     return {"curve": curve, "train_seconds": time.perf_counter() - start - evaluating[0], "dp_bytes": dp_bytes}
 
 
+def median_run(repeats: list[dict]) -> dict:
+    """One run from its repeats: the median seconds at each evaluated step and in all. The losses
+    and bytes are the same in every repeat (same seed, data and layout; checked): only the
+    machine's timing varies."""
+    first = repeats[0]
+    for other in repeats[1:]:
+        if {step: loss for step, (_, loss) in other["curve"].items()} != \
+                {step: loss for step, (_, loss) in first["curve"].items()}:
+            raise RuntimeError("a repeat's validation losses differ from the first's: the runs are not reproducible")
+    curve = {step: (statistics.median(run["curve"][step][0] for run in repeats), loss)
+             for step, (_, loss) in first["curve"].items()}
+    return {"curve": curve, "train_seconds": statistics.median(run["train_seconds"] for run in repeats),
+            "train_seconds_each": [round(run["train_seconds"], 1) for run in repeats], "dp_bytes": first["dp_bytes"]}
+
+
+def same_warmup_time(curve: dict, common: int, common_seconds: float | None) -> dict:
+    """The curve with its first ``common`` steps timed as in every run (``common_seconds``: the
+    median over all runs of the time to step ``common``). Those steps are the same DDP steps in
+    every run -- the continued runs' start and the low-communication runs' warm-up, bitwise equal
+    losses -- so a difference in their time is the machine's, not the method's: they are rescaled
+    to the common time and every later step keeps its own measured duration."""
+    if not common:
+        return curve
+    own = curve[common][0]
+    return {step: (seconds * common_seconds / own if step <= common else seconds - own + common_seconds, loss)
+            for step, (seconds, loss) in curve.items()}
+
+
 def seconds_to(curve: dict, target: float) -> float | None:
     """First time the validation loss is <= target, interpolated between evaluations."""
     points = [(0.0, float("inf"))] + [curve[step] for step in sorted(curve)]
@@ -139,7 +170,8 @@ def seconds_to(curve: dict, target: float) -> float | None:
     return None
 
 
-def plot(runs: dict, path: Path) -> None:
+def plot(curves: dict, path: Path, link: str) -> None:
+    """Validation loss against training seconds, the common DDP steps timed alike (``same_warmup_time``)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -148,13 +180,13 @@ def plot(runs: dict, path: Path) -> None:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for name, run in runs.items():
-        points = [run["curve"][step] for step in sorted(run["curve"])]
+    for name, curve in curves.items():
+        points = [curve[step] for step in sorted(curve)]
         axis.plot([t for t, _ in points], [loss for _, loss in points], marker="o", label=name,
                   linewidth=2.5 if name == "ddp" else 1.2)
-    axis.set_xlabel("training wall-clock seconds (evaluations excluded)")
+    axis.set_xlabel("training wall-clock seconds (evaluations excluded; the common DDP steps timed alike)")
     axis.set_ylabel("validation loss")
-    axis.set_title("dp4 over a simulated slow link")
+    axis.set_title(f"dp4 over a simulated {link} link")
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -165,7 +197,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--sync-every", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--link", default="1Gbps,5ms")
-    parser.add_argument("--eval-every", type=int, default=32)
+    parser.add_argument("--eval-every", type=int, default=8,
+                        help="DDP's evaluation interval; a low-communication run evaluates at the least common "
+                             "multiple of it and its H (the synced model)")
     parser.add_argument("--target-loss", type=float, default=None)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--diloco-outer", default=OUTER_DEFAULTS["diloco"], metavar="LR,MOMENTUM")
@@ -181,11 +215,15 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=32,
                         help="DDP steps at the start of every low-communication run (parallel.palsgd_warmup, "
                              "parallel.local_warmup): the PALSGD authors' 32; 0 for none")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the 4 ranks share GPU 0 over gloo (compute there is ~100x faster, so the "
+                             "link's share of a step is a GPU cluster's, not this CPU's)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the whole plan this many times (methods interleaved) and report the median "
+                             "seconds: the losses are identical in every repeat, the machine's timing is not")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=str(REPO / "bench" / "local_sgd.png"))
     args = parser.parse_args(argv)
-    if any(args.eval_every % every for every in args.sync_every):
-        parser.error("--eval-every must be a multiple of every --sync-every (evaluations then see synced models).")
 
     from meshlm.data.demo_corpus import build_demo_corpus
     from tests.helpers.distributed import run_distributed
@@ -197,10 +235,10 @@ def main(argv=None) -> int:
                 for method, overrides in METHODS.items()}
     for method in METHODS:
         settings[method].append(f"parallel.{'palsgd' if method == 'palsgd' else 'local'}_warmup={args.warmup}")
-    plan = [("ddp", [])] + [(f"{method} H={every}", [*settings[method], f"parallel.sync_every={every}",
-                                                     *args.local_overrides])
-                            for every in args.sync_every for method in args.methods]
-    runs, init = {}, None
+    plan = [("ddp", [], args.eval_every)] + [
+        (f"{method} H={every}", [*settings[method], f"parallel.sync_every={every}", *args.local_overrides],
+         math.lcm(args.eval_every, every)) for every in args.sync_every for method in args.methods]
+    repeats, init = {}, None
     with tempfile.TemporaryDirectory() as workdir:
         if args.init_steps:
             init_dir = Path(workdir) / "init"
@@ -208,40 +246,54 @@ def main(argv=None) -> int:
             init = {"steps": args.init_steps, "train_seconds": init["train_seconds"],
                     "dp_megabytes": init["dp_bytes"] / 1e6}
             print(f"init (DDP, {args.init_steps} steps): {init['train_seconds']:.1f} s", file=sys.stderr, flush=True)
-            plan = [(name, [*extra, f"train.init_from={init_dir}"]) for name, extra in plan]
-        for name, extra in plan:
-            overrides = [*run_overrides(args, Path(workdir) / name.replace(" ", "_"), args.steps, args.eval_every),
-                         *extra]
-            runs[name] = run_distributed(timed_run, 4, overrides, timeout_s=3600)[0]  # rank 0: replica 0
-            final = runs[name]["curve"][max(runs[name]["curve"])]
-            print(f"{name:<16} final val {final[1]:.4f} after {runs[name]['train_seconds']:.1f} s, "
-                  f"{runs[name]['dp_bytes'] / 1e6:.1f} MB over DP", file=sys.stderr, flush=True)
+            plan = [(name, [*extra, f"train.init_from={init_dir}"], every) for name, extra, every in plan]
+        for repeat in range(args.repeats):  # the whole plan again, each time starting one method later
+            for name, extra, eval_every in plan[repeat % len(plan):] + plan[:repeat % len(plan)]:
+                run_dir = Path(workdir) / f"{name.replace(' ', '_')}_{repeat}"
+                run = run_distributed(timed_run, 4, [*run_overrides(args, run_dir, args.steps, eval_every), *extra],
+                                      timeout_s=3600)[0]  # rank 0: replica 0
+                repeats.setdefault(name, []).append(run)
+                final = run["curve"][max(run["curve"])]
+                print(f"{name:<16} final val {final[1]:.4f} after {run['train_seconds']:.1f} s, "
+                      f"{run['dp_bytes'] / 1e6:.1f} MB over DP (repeat {repeat + 1}/{args.repeats})",
+                      file=sys.stderr, flush=True)
+    runs = {name: median_run(each) for name, each in repeats.items()}
     ddp_final = runs["ddp"]["curve"][max(runs["ddp"]["curve"])][1]
     target = args.target_loss if args.target_loss is not None else ddp_final * 1.03
     ddp_time = seconds_to(runs["ddp"]["curve"], target)
+    common = args.warmup if args.warmup and all(args.warmup in run["curve"] for run in runs.values()) else 0
+    common_seconds = statistics.median(run["curve"][common][0] for run in runs.values()) if common else None
+    aligned = {name: same_warmup_time(run["curve"], common, common_seconds) for name, run in runs.items()}
+    ddp_aligned = seconds_to(aligned["ddp"], target)
     table = {}
     for name, run in runs.items():
         final = run["curve"][max(run["curve"])][1]
-        reach = seconds_to(run["curve"], target)
+        reach, reach_aligned = seconds_to(run["curve"], target), seconds_to(aligned[name], target)
         table[name] = {"final_val_loss": final, "vs_ddp_loss": final / ddp_final - 1,
                        "train_seconds": run["train_seconds"], "seconds_to_target": reach,
                        "speedup_to_target": (ddp_time / reach) if reach and ddp_time else None,
-                       "dp_megabytes": run["dp_bytes"] / 1e6,
+                       "seconds_to_target_same_warmup": reach_aligned,
+                       "speedup_to_target_same_warmup": (ddp_aligned / reach_aligned)
+                       if reach_aligned and ddp_aligned else None,
+                       "seconds_curve": {step: round(seconds, 2) for step, (seconds, _) in sorted(run["curve"].items())},
+                       "train_seconds_each": run["train_seconds_each"], "dp_megabytes": run["dp_bytes"] / 1e6,
                        "val_curve": {step: loss for step, (_, loss) in sorted(run["curve"].items())}}
-    print(f"\n{'run':<16}{'val loss':>10}{'vs DDP':>9}{'train s':>9}{'s to target':>13}{'DP MB':>9}",
-          file=sys.stderr)
+    print(f"\n{'run':<16}{'val loss':>10}{'vs DDP':>9}{'train s':>9}{'s to target':>13}{'same warm-up':>14}"
+          f"{'DP MB':>9}", file=sys.stderr)
     for name, row in table.items():
         reach = "-" if row["seconds_to_target"] is None else f"{row['seconds_to_target']:.1f}"
+        same = "-" if row["seconds_to_target_same_warmup"] is None else f"{row['seconds_to_target_same_warmup']:.1f}"
         print(f"{name:<16}{row['final_val_loss']:>10.4f}{row['vs_ddp_loss']:>+9.2%}{row['train_seconds']:>9.1f}"
-              f"{reach:>13}{row['dp_megabytes']:>9.1f}", file=sys.stderr)
+              f"{reach:>13}{same:>14}{row['dp_megabytes']:>9.1f}", file=sys.stderr)
     result = {"steps": args.steps, "global_batch": args.global_batch, "link": args.link, "target_loss": target,
+              "device": args.device, "repeats": args.repeats,
               "init": init, "start_val_loss": runs["ddp"]["curve"][0][1], "warmup": args.warmup, "outer": outer,
-              "local_overrides": args.local_overrides, "runs": table}
+              "local_overrides": args.local_overrides, "common_warmup_seconds": common_seconds, "runs": table}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
-    plot(runs, Path(args.plot))
+    plot(aligned, Path(args.plot), args.link)
     return 0
 
 

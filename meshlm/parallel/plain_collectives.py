@@ -166,10 +166,42 @@ def send_and_receive(sends: list[tuple[torch.Tensor, int, int]], receives: list[
     for kind, _, tensor, peer, tag in messages if group.log is not None else ():
         group.log.record(Call(f"{group.name} p2p", tuple(sorted((me, peer))), kind, (tuple(tensor.shape),),
                               (_dtype(tensor),), peer, tag))
-    operations = [dist.P2POp(function, tensor, peer, group.process_group, tag)
-                  for _, function, tensor, peer, tag in messages]
+    staged = _needs_host_staging(group, [tensor for _, _, tensor, _, _ in messages])
+    wire = [tensor.cpu() if staged else tensor for _, _, tensor, _, _ in messages]  # the bytes gloo reads/writes
+    operations = [dist.P2POp(function, on_wire, peer, group.process_group, tag)
+                  for (_, function, _, peer, tag), on_wire in zip(messages, wire)]
     works = dist.batch_isend_irecv(operations) if operations else []
+    if staged:  # gloo: one handle per operation, in the order given
+        works = [_StagedMessage(work, host, tensor if kind == "recv" else None)
+                 for work, host, (kind, _, tensor, _, _) in zip(works, wire, messages)]
     return [watched(work, group.waits, group.name) for work in works]  # each wait() counted (Group.waits)
+
+
+def _needs_host_staging(group: Group, tensors: list[torch.Tensor]) -> bool:
+    """gloo's send and receive hand the tensor's data pointer straight to its TCP transport, which
+    can only read and write host memory; its collectives copy CUDA tensors through the host
+    themselves, its point-to-point messages do not. So on gloo (several ranks sharing one GPU,
+    where NCCL refuses) a CUDA message goes through a host copy."""
+    return (any(tensor.is_cuda for tensor in tensors) and group.process_group is not None
+            and dist.get_backend(group.process_group) == "gloo")
+
+
+class _StagedMessage:
+    """A gloo message staged through a host tensor: it keeps the host copy alive until the
+    message has left, and a receive's ``wait()`` copies the received bytes into its CUDA tensor."""
+
+    def __init__(self, work, host: torch.Tensor, target: torch.Tensor | None):
+        self.work, self.host, self.target = work, host, target
+
+    def wait(self, *args, **kwargs):
+        result = self.work.wait(*args, **kwargs)
+        if self.target is not None:
+            self.target.copy_(self.host)
+            self.target = None
+        return result
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed() and self.target is None
 
 
 # --- Python objects (through the CPU on gloo, the current GPU on NCCL) ---------------------------------------

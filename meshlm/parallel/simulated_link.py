@@ -15,6 +15,12 @@ what remains of its delay after the real one returns; an asynchronous one return
 ``wait()`` does, so a reduction that overlaps computation costs only the part of the delay the
 computation did not cover -- as on a real link.
 
+The link is one wire per process, shared by every group that carries it: a message starts
+sending only when the ones issued before it have left (``busy_until``), so two gradient buckets
+in flight at once take twice one bucket's bytes/bandwidth, not one (the latency, a propagation
+delay, overlaps). Without the queue, a reduction split into k overlapping buckets would cross
+the link k times faster than the link allows.
+
 This is a testing aid for CPU runs (the real link's time is added to, not replaced; a GPU run
 has real links to measure): it makes the wall-clock effect of local SGD, DiLoCo and PALSGD
 visible on this machine, it does not model congestion, message splitting or topology.
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshlm.errors import ConfigError
 from meshlm.parallel.comm_log import RING_FACTOR
@@ -33,16 +39,29 @@ BITS_PER_SECOND = {"bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e
 SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 
-@dataclass(frozen=True)
+@dataclass
 class SimulatedLink:
     bandwidth_bits_per_s: float
     latency_s: float
+    busy_until: float = field(default=0.0, compare=False)
+    """``time.perf_counter()`` at which the last message issued has left this process's wire."""
+
+    def transfer_s(self, op: str, message_bytes: int, group_size: int) -> float:
+        """Seconds the wire is busy sending what one rank sends in a collective ``op`` on a
+        ``message_bytes`` tensor (the comm_log convention: the whole tensor, the gathered
+        output, the scattered input)."""
+        return RING_FACTOR[op](group_size) * message_bytes * 8 / self.bandwidth_bits_per_s
 
     def delay_s(self, op: str, message_bytes: int, group_size: int) -> float:
-        """Seconds a collective ``op`` on a ``message_bytes`` tensor (the comm_log convention:
-        the whole tensor, the gathered output, the scattered input) takes over this link."""
-        sent = RING_FACTOR[op](group_size) * message_bytes
-        return sent * 8 / self.bandwidth_bits_per_s + self.latency_s
+        """Seconds such a collective takes over an idle link: transfer + latency."""
+        return self.transfer_s(op, message_bytes, group_size) + self.latency_s
+
+    def deadline(self, op: str, message_bytes: int, group_size: int, issued: float) -> float:
+        """When a collective issued at ``issued`` completes: it starts sending once the wire is
+        free, occupies it for its transfer time, and arrives a latency later."""
+        start = max(issued, self.busy_until)
+        self.busy_until = start + self.transfer_s(op, message_bytes, group_size)
+        return self.busy_until + self.latency_s
 
 
 def parse_link(text: str | None) -> SimulatedLink | None:
@@ -86,7 +105,7 @@ def delayed(link: SimulatedLink | None, op: str, message_bytes: int, group_size:
     slept out (sync); unchanged without a link."""
     if link is None:
         return work
-    deadline = issued + link.delay_s(op, message_bytes, group_size)
+    deadline = link.deadline(op, message_bytes, group_size, issued)
     if async_op:
         return DelayedWork(work, deadline)
     sleep_until(deadline)

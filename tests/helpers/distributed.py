@@ -21,6 +21,11 @@ call gets a new process group, and a call needing more ranks spawns the missing 
 call that fails or times out kills the workers it used, and the next call starts fresh ones.
 ``fresh_processes=True`` (or ``MESHLM_TEST_FRESH_PROCESSES=1``) spawns new ones for one call.
 
+On a GPU (tests/gpu): ``cuda_device=0`` makes every rank's current CUDA device GPU 0 before it
+joins, so that several ranks share the one GPU (torch would otherwise pick GPU ``LOCAL_RANK``),
+and ``backend="nccl"`` joins with NCCL instead of gloo (NCCL refuses two ranks on one GPU, so
+the GPU tier's multi-rank tests keep gloo, which moves CUDA tensors through the host).
+
 Failures must be loud and quick, never a hung CI job:
 
 * a rank that raises sends its traceback; the parent gives the others a moment, kills those still
@@ -94,10 +99,13 @@ def _load_function(module_name: str, file: str, qualname: str):
     return function
 
 
-def _run_task(rank: int, world_size: int, folder: str, reference, payload: bytes, timeout_s: float) -> bytes:
+def _run_task(rank: int, world_size: int, folder: str, reference, payload: bytes, timeout_s: float,
+              backend: str = "gloo", cuda_device: int | None = None) -> bytes:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
+    if cuda_device is not None:
+        torch.cuda.set_device(cuda_device)
+    dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     function = _load_function(*reference)
     args, kwargs = pickle.loads(payload)
@@ -213,10 +221,11 @@ def import_test_file(path, module_name: str):
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, fresh_processes: bool = False,
-                    **kwargs) -> list:
+                    backend: str = "gloo", cuda_device: int | None = None, **kwargs) -> list:
     """Call ``fn(*args, **kwargs)`` in ``world_size`` gloo processes; return the results by rank.
     Raises ``DistributedRunError`` (with the failing ranks' tracebacks) or ``DistributedTimeout``
-    (after killing every process still running)."""
+    (after killing every process still running). ``backend`` and ``cuda_device``: see the module
+    docstring (the GPU tier's options; the defaults are plain gloo on CPU)."""
     reference = _function_reference(fn)
     payload = pickle.dumps((args, kwargs))
     if fresh_processes or os.environ.get("MESHLM_TEST_FRESH_PROCESSES") == "1":
@@ -227,7 +236,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, fresh_
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meshlm_dist_") as folder:
         for rank, worker in enumerate(workers):
-            worker.connection.send((rank, world_size, folder, reference, payload, timeout_s))
+            worker.connection.send((rank, world_size, folder, reference, payload, timeout_s, backend, cuda_device))
         results, failures, still_running = _collect(workers, timeout_s)
         if failures or still_running:
             _kill(workers)

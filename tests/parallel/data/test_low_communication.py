@@ -74,6 +74,16 @@ def test_simulated_link_is_alpha_beta_over_ring_bytes():
     assert parse_link(None) is None and parse_link("") is None
 
 
+def test_simulated_link_sends_one_message_at_a_time():
+    link = parse_link("1Gbps,5ms")
+    # two 1 MB all-reduces over 4 ranks issued together: the second leaves once the first has
+    # (12 ms each on the wire), both arrive a latency after leaving
+    assert link.deadline("all_reduce", 10 ** 6, 4, issued=100.0) == pytest.approx(100.0 + 0.012 + 0.005)
+    assert link.deadline("all_reduce", 10 ** 6, 4, issued=100.0) == pytest.approx(100.0 + 0.024 + 0.005)
+    # one issued after the wire has gone idle starts at once
+    assert link.deadline("all_gather", 10 ** 6, 2, issued=101.0) == pytest.approx(101.0 + 0.004 + 0.005)
+
+
 def linked_all_reduces(link_text: str) -> list[float]:
     """In each spawned rank: a synchronous and an asynchronous all-reduce of 1 MB over a group
     carrying the simulated link; seconds each took (the asynchronous one until ``wait()`` returns)."""

@@ -1,0 +1,237 @@
+"""The fused GPU paths against meshlm's PyTorch reference paths, on the GPU.
+
+- **FlashAttention through SDPA.** ``attention_core`` (causal, GQA: 4 query heads over 2 KV
+  heads) in bf16 with SDPA forced to its flash backend, against the explicit softmax of
+  ``attention_with_dropout`` (no dropout) in fp32 on the same bf16-rounded inputs: output and
+  input gradients. bf16 cannot match fp32 exactly, so the bound is relative to what bf16 costs
+  anyway: the flash error at most twice that of SDPA's math backend in bf16, plus 2e-3 of the
+  largest value.
+- **Ring attention's fused blocks** (``meshlm/parallel/context/block_attention.py``): on CUDA a
+  block goes to FlashAttention-2's aten ops (bf16) or the memory-efficient ones (fp32), called
+  by schema and never run on a GPU before this tier. Output, lse and the block backward against
+  the explicit-matmul reference in fp64, causal and not, GQA.
+- **Grouped GEMM for the experts** (``meshlm/models/moe/experts.py``): ``F.grouped_mm`` against
+  the per-expert loop, bf16, with an expert that gets no tokens; values and gradients, against
+  the loop in fp32 (same 2x-plus-slack bound). On CUDA the experts must pick the grouped kernel.
+- **Triton SSD kernels** (``meshlm/kernels/ssd_diagonal.py``): the chunked scan with the kernels
+  (``use_triton=True``) against the PyTorch scan and the fp32 einsum reference, in fp32 (1e-4)
+  and bf16 (the 2x-plus-slack bound against the fp32 reference); values and all gradients.
+- **TF32**: a trainer in fp32 on CUDA turns TF32 on (``precision.tf32`` default), off when told,
+  and leaves it alone in bf16; ``precision.dtype=auto`` is bf16 on CUDA.
+- **Mamba in bf16**: a hybrid model's loss, logits and gradients in bf16 with each SSD scan (auto
+  -- the Triton kernels on CUDA --, pytorch, reference) are finite and close to the fp32 model's:
+  loss within 5e-3 relative, logits within 5e-2 and every gradient within 0.1 of their largest
+  element (on the CPU, bf16 lands at 1e-5, 1.1e-2 and 3.1e-2: a wrong scan gradient is off by
+  the whole gradient).
+
+Tests whose subject exists only on CUDA (flash kernels, compiled Triton, TF32) skip in a CPU dry
+run; the others run there too, against the CPU kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from meshlm.models.attention import attention_core, attention_with_dropout
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
+from meshlm.models.moe.experts import GroupedExperts, grouped_linear, grouped_mm_supported
+from meshlm.models.ssd import ssd_chunked_scan
+from meshlm.models.ssd_fast import ssd_chunked_scan_fast
+from meshlm.parallel.context.block_attention import (CUDA_EFFICIENT, CUDA_FLASH, block_backward, block_forward,
+                                                     fused_kernel, reference_block_backward,
+                                                     reference_block_forward)
+from meshlm.training.trainer import Trainer
+from tests.gpu.devices import require_cuda
+from tests.gpu.support import HELPERS, HYBRID, on_device
+from tests.helpers.counting_corpus import write_corpus
+
+BF16_SLACK = 2e-3
+"""bf16 paths: error vs fp32 at most 2x the plain bf16 path's error, plus this times the largest
+expected |value| (at least 1): about one bf16 rounding (2^-9) of it."""
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.detach().double() - expected.detach().double()).abs().max())
+
+
+def seeded(*shape, device, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
+
+
+def values_and_grads(function, inputs: list[torch.Tensor], grad_out: torch.Tensor) -> list[torch.Tensor]:
+    """[output, d input for each input] of ``function(*inputs)`` given the output's gradient."""
+    leaves = [tensor.detach().clone().requires_grad_() for tensor in inputs]
+    out = function(*leaves)
+    out.backward(grad_out.to(out.dtype))
+    return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+
+# --- attention -----------------------------------------------------------------------------------------
+
+def test_flash_sdpa_matches_the_explicit_softmax(gpu_device):
+    require_cuda(gpu_device, "SDPA's CUDA flash backend")
+    inputs = [seeded(2, 4, 64, 16, device=gpu_device, seed=0, dtype=torch.bfloat16),
+              *(seeded(2, 2, 64, 16, device=gpu_device, seed=seed, dtype=torch.bfloat16) for seed in (1, 2))]
+    grad_out = seeded(2, 4, 64, 16, device=gpu_device, seed=3)
+    keep = torch.ones(2, 4, 64, 64, dtype=torch.bool, device=gpu_device)
+    reference = values_and_grads(lambda q, k, v: attention_with_dropout(q, k, v, None, keep, 0.0),
+                                 [tensor.float() for tensor in inputs], grad_out)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # raises if flash cannot take these inputs
+        flash = values_and_grads(attention_core, inputs, grad_out)
+    with sdpa_kernel(SDPBackend.MATH):
+        math = values_and_grads(attention_core, inputs, grad_out)
+    for name, got, plain, expected in zip(("out", "dq", "dk", "dv"), flash, math, reference):
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), name
+        slack = BF16_SLACK * max(1.0, float(expected.abs().max()))
+        assert max_error(got, expected) <= 2 * max_error(plain, expected) + slack, \
+            (name, max_error(got, expected), max_error(plain, expected), float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ring_attention_blocks_use_the_cuda_kernels_like_the_reference(gpu_device, dtype, causal):
+    query = seeded(1, 4, 32, 16, device=gpu_device, seed=4, dtype=dtype)
+    key, value = (seeded(1, 2, 32, 16, device=gpu_device, seed=seed, dtype=dtype) for seed in (5, 6))
+    grad_out = seeded(1, 4, 32, 16, device=gpu_device, seed=7, dtype=dtype)
+    if gpu_device.type == "cuda":
+        assert fused_kernel(query, key) is (CUDA_FLASH if dtype == torch.bfloat16 else CUDA_EFFICIENT)
+    wide = [tensor.double() for tensor in (query, key, value, grad_out)]
+    expected_out, expected_lse = reference_block_forward(*wide[:3], causal, scale=0.25)
+    expected_grads = reference_block_backward(wide[3], *wide[:3], expected_out, expected_lse, causal, scale=0.25)
+    out, lse = block_forward(query, key, value, causal, scale=0.25)
+    grads = block_backward(grad_out, query, key, value, out, lse, causal, scale=0.25)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: outputs ~1 rounded to 8 bits; fp32: rounding
+    assert max_error(out, expected_out) <= tolerance and max_error(lse, expected_lse) <= tolerance
+    for name, got, wanted in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert got.shape == wanted.shape and got.dtype == dtype, name
+        assert max_error(got, wanted) <= tolerance * max(1.0, float(wanted.abs().max())), (name, max_error(got, wanted))
+
+
+# --- grouped GEMM --------------------------------------------------------------------------------------
+
+def test_grouped_gemm_equals_the_per_expert_loop(gpu_device):
+    if not hasattr(F, "grouped_mm"):
+        pytest.skip(f"torch {torch.__version__} has no F.grouped_mm: the experts run the per-expert loop")
+    tokens_per_expert = torch.tensor([40, 0, 24, 64], device=gpu_device)  # expert 1 gets no tokens
+    tokens = seeded(128, 64, device=gpu_device, seed=8, dtype=torch.bfloat16)
+    weight = seeded(4, 96, 64, device=gpu_device, seed=9, dtype=torch.bfloat16) * 0.1
+    grad_out = seeded(128, 96, device=gpu_device, seed=10)
+    assert grouped_mm_supported(tokens, weight)  # H100 (sm 9.0) in bf16, or the CPU kernel in a dry run
+    reference = values_and_grads(lambda x, w: grouped_linear(x, w, tokens_per_expert, False),
+                                 [tokens.float(), weight.float()], grad_out)
+    grouped = values_and_grads(lambda x, w: grouped_linear(x, w, tokens_per_expert, True), [tokens, weight], grad_out)
+    loop = values_and_grads(lambda x, w: grouped_linear(x, w, tokens_per_expert, False), [tokens, weight], grad_out)
+    for name, got, plain, expected in zip(("out", "d tokens", "d weight"), grouped, loop, reference):
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), name
+        slack = BF16_SLACK * max(1.0, float(expected.abs().max()))
+        assert max_error(got, expected) <= 2 * max_error(plain, expected) + slack, \
+            (name, max_error(got, expected), max_error(plain, expected))
+    assert float(grouped[2][1].abs().max()) == 0.0  # the empty expert's weight gets no gradient
+
+
+def test_the_experts_pick_the_grouped_kernel_on_cuda(gpu_device):
+    require_cuda(gpu_device, "the CUDA grouped GEMM")
+    if not hasattr(F, "grouped_mm"):
+        pytest.skip(f"torch {torch.__version__} has no F.grouped_mm: the experts run the per-expert loop")
+    config = ModelConfig(hidden_size=64, pattern="E", moe_num_experts=4, moe_ffn_hidden_size=96)
+    experts = GroupedExperts(config, 64).to(device=gpu_device, dtype=torch.bfloat16)
+    tokens = seeded(16, 64, device=gpu_device, seed=11, dtype=torch.bfloat16)
+    assert all(grouped_mm_supported(tokens, weight) for weight in experts.parameters()), \
+        "bf16 experts on this GPU fall back to the per-expert loop"
+
+
+# --- Triton SSD ------------------------------------------------------------------------------------------
+
+def ssd_inputs(device, dtype, seed: int = 12) -> list[torch.Tensor]:
+    """x [2, 70, 4, 16] (70: a padded last chunk of 32), dt, A, B, C [2, 70, 2, 16] (2 groups)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 70, 4, 16, generator=generator)
+    dt = torch.rand(2, 70, 4, generator=generator) * 0.2 + 0.01
+    A = -torch.rand(4, generator=generator) * 4 - 0.5
+    B, C = (torch.randn(2, 70, 2, 16, generator=generator) for _ in range(2))
+    return [x.to(device, dtype), dt.to(device), A.to(device), B.to(device, dtype), C.to(device, dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_ssd_scan_equals_the_pytorch_scan(gpu_device, dtype):
+    require_cuda(gpu_device, "compiled Triton")
+    pytest.importorskip("triton")
+    inputs = ssd_inputs(gpu_device, dtype)
+    grad_y = torch.randn(2, 70, 4, 16, generator=torch.Generator().manual_seed(13)).to(gpu_device)
+
+    def scan(function):
+        return lambda x, dt, A, B, C: function(x, dt, A, B, C, 32)[0]
+
+    reference = values_and_grads(scan(ssd_chunked_scan), [tensor.float() for tensor in inputs], grad_y)
+    triton = values_and_grads(scan(lambda *args: ssd_chunked_scan_fast(*args, use_triton=True)), inputs, grad_y)
+    pytorch = values_and_grads(scan(lambda *args: ssd_chunked_scan_fast(*args, use_triton=False)), inputs, grad_y)
+    for name, got, plain, expected in zip(("y", "dx", "d dt", "dA", "dB", "dC"), triton, pytorch, reference):
+        assert torch.isfinite(got).all(), name
+        scale = max(1.0, float(expected.abs().max()))
+        if dtype == torch.float32:
+            assert max_error(got, expected) <= 1e-4 * scale, (name, max_error(got, expected))
+        else:
+            assert max_error(got, expected) <= 2 * max_error(plain, expected) + BF16_SLACK * scale, \
+                (name, max_error(got, expected), max_error(plain, expected))
+
+
+# --- TF32 and auto precision ----------------------------------------------------------------------------
+
+@pytest.fixture
+def restored_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_tf32_is_on_for_fp32_cuda_runs_by_default(gpu_device, tmp_path, restored_tf32):
+    require_cuda(gpu_device, "TF32")
+    blend = write_corpus(tmp_path / "corpus")
+    built = []
+
+    def trainer(*overrides: str) -> Trainer:
+        built.append(Trainer(HELPERS.run_config(blend, tmp_path / f"run{len(built)}", *overrides)))
+        return built[-1]
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    assert trainer(f"train.device={gpu_device}", "precision.dtype=fp32").tf32
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert not trainer(*on_device(gpu_device, "fp32")).tf32  # precision.tf32=false
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    auto = trainer(f"train.device={gpu_device}", "precision.dtype=auto")
+    assert auto.config.precision.dtype == "bf16" and not auto.tf32
+    assert not torch.backends.cuda.matmul.allow_tf32  # a bf16 run leaves the switch alone
+
+
+# --- Mamba in bf16 ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scan", ["auto", "pytorch", "reference"])
+def test_hybrid_model_in_bf16_is_close_to_fp32(gpu_device, scan):
+    fields = {override.removeprefix("model.").split("=")[0]: override.split("=")[1] for override in HYBRID}
+    config = ModelConfig(vocab_size=64, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, mamba_scan=scan,
+                         pattern=fields.pop("pattern"), **{name: int(value) for name, value in fields.items()})
+    torch.manual_seed(0)
+    model = LanguageModel(config).to(gpu_device)
+    tokens = torch.randint(0, 64, (2, 65), generator=torch.Generator().manual_seed(14)).to(gpu_device)
+
+    def loss_logits_grads(dtype):
+        copy = LanguageModel(config).to(device=gpu_device, dtype=dtype)
+        copy.load_state_dict(model.state_dict())
+        output = copy(tokens[:, :-1], tokens[:, 1:])
+        output.loss.backward()
+        grads = {name: param.grad.float() for name, param in copy.named_parameters()}
+        return output.loss.detach().float(), output.logits.detach().float(), grads
+
+    loss32, logits32, grads32 = loss_logits_grads(torch.float32)
+    loss16, logits16, grads16 = loss_logits_grads(torch.bfloat16)
+    assert torch.isfinite(logits16).all() and torch.isfinite(loss16)
+    assert abs(float(loss16 - loss32)) <= 5e-3 * float(loss32), (float(loss16), float(loss32))
+    assert max_error(logits16, logits32) <= 5e-2 * float(logits32.abs().max()), max_error(logits16, logits32)
+    for name, grad in grads32.items():
+        assert torch.isfinite(grads16[name]).all(), name
+        error = max_error(grads16[name], grad)
+        assert error <= 0.1 * float(grad.abs().max()) + 1e-6, (name, error)
