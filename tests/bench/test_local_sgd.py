@@ -1,0 +1,37 @@
+"""bench/local_sgd.py's bookkeeping: the common warm-up timed alike, medians over repeats, the
+time to a target loss."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.local_sgd import median_run, same_warmup_time, seconds_to
+
+
+def test_common_warmup_is_rescaled_and_later_steps_keep_their_durations():
+    curve = {0: (0.0, 6.0), 16: (20.0, 5.5), 32: (40.0, 5.0), 48: (52.0, 4.8), 64: (60.0, 4.7)}
+    aligned = same_warmup_time(curve, 32, 30.0)
+    assert aligned[0] == (0.0, 6.0)
+    assert aligned[16] == pytest.approx((15.0, 5.5))  # the shared phase scaled by 30 / 40
+    assert aligned[32] == pytest.approx((30.0, 5.0))
+    assert aligned[48] == pytest.approx((42.0, 4.8))  # 12 s after the warm-up, as measured
+    assert aligned[64] == pytest.approx((50.0, 4.7))
+    assert same_warmup_time(curve, 0, None) is curve  # no common phase: unchanged
+
+
+def test_median_run_takes_median_seconds_and_refuses_different_losses():
+    runs = [{"curve": {0: (0.0, 6.0), 8: (seconds, 5.0)}, "train_seconds": seconds, "dp_bytes": 10}
+            for seconds in (9.0, 12.0, 10.0)]
+    median = median_run(runs)
+    assert median["curve"][8] == (10.0, 5.0) and median["train_seconds"] == 10.0
+    assert median["train_seconds_each"] == [9.0, 12.0, 10.0] and median["dp_bytes"] == 10
+    runs[1]["curve"][8] = (12.0, 5.1)
+    with pytest.raises(RuntimeError, match="not reproducible"):
+        median_run(runs)
+
+
+def test_seconds_to_target_interpolates_between_evaluations():
+    curve = {0: (0.0, 6.0), 8: (10.0, 5.0), 16: (20.0, 4.0)}
+    assert seconds_to(curve, 4.5) == pytest.approx(15.0)
+    assert seconds_to(curve, 6.5) == pytest.approx(0.0)
+    assert seconds_to(curve, 3.0) is None
