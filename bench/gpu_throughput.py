@@ -76,14 +76,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from bench.compile import synchronize
 from bench.reference_gpt import ReferenceGPT, ReferenceTrainer
+from bench.train_throughput import write_random_corpus
 from meshlm.checkpoint.files import write_json_atomic
 from meshlm.config import load_run_config
-from meshlm.data.indexed import TokenStoreWriter
 from meshlm.models.config import ModelConfig
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.language_model import LanguageModel
@@ -315,13 +314,6 @@ def fitting_micro_batch(model: dict, seq_len: int, dtype: str, budget_bytes: flo
     return (fits[0] if fits else 1), {size: round(total / 2**30, 1) for size, total in estimates.items()}
 
 
-def write_random_corpus(prefix: Path, vocab_size: int, num_tokens: int) -> None:
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(1000, 20000, size=max(1, num_tokens // 10000))
-    with TokenStoreWriter(prefix, vocab_size) as writer:
-        writer.add_documents(rng.integers(0, vocab_size, size=int(lengths.sum())), lengths)
-
-
 def peak_flops(args, device: torch.device) -> dict:
     """The MFU denominator (``--peak-tflops``, else the data sheet, else the measured matmul) and the
     best measured matmul beside it."""
@@ -500,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                 described[name]["memory_estimate_gib"] = estimates
             count = len(variants) * (args.warmup + args.repeats * args.steps) + 8
             prefix = workdir / f"{name}-tokens"
-            write_random_corpus(prefix, model["vocab_size"], min(count * micro_batch * (args.seq_len + 1), 2 ** 24))
+            write_random_corpus(prefix, min(count * micro_batch * (args.seq_len + 1), 2 ** 24),
+                                vocab_size=model["vocab_size"], document_lengths=(1000, 20000), tokens_per_document=10000)
             flops = described[name]["flops_per_token"]
             subject_args = dict(model=model, args=args, data_prefix=prefix, run_dir=workdir / f"run-{name}",
                                 steps=count)

@@ -59,9 +59,9 @@ phase is not credited to a method. The plot shows those curves.
 The machine's two cores are shared by the four ranks, so compute is slow and the link's share of
 a step is small: at a global batch of 64 a DDP step is about 1.1-1.5 s of compute against some
 0.07 s on the 1 Gbps link, so no method can be much faster here (1.02-1.06x of DDP's time to the
-target at H=8, 0.86-0.93x at H=32; 2 repeats, 2026-11-25). Over ``--link 100Mbps,5ms`` (about 0.65 s a DDP step) the steps after the warm-up are
-31-49% cheaper, but the target is reached some 10 steps after the warm-up: 1.07-1.11x at H=8,
-0.97-1.02x at H=32 (2 repeats, 2026-11-24). ``--device cuda`` puts the four ranks on one GPU
+target at H=8, 0.86-0.93x at H=32; 2 repeats, 2026-11-25). Over ``--link 100Mbps,5ms`` (about
+0.65 s a DDP step) the steps after the warm-up are 31-49% cheaper, but the target is reached
+some 10 steps after the warm-up: 1.07-1.11x at H=8, 0.97-1.02x at H=32 (2 repeats, 2026-11-24). ``--device cuda`` puts the four ranks on one GPU
 (gloo), where compute takes milliseconds and the 1 Gbps link dominates the DDP step. The
 wall-clock figures are for the machine they were measured on only.
 """

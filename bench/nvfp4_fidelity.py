@@ -86,6 +86,7 @@ import torch
 from torch import nn
 
 from bench.low_precision import ABLATIONS, CONFIGS, DEFAULTS, DEMO_CONFIG, DEMO_DATA, machine, run_overrides
+from meshlm.checkpoint.files import write_json_atomic
 from meshlm.config import load_run_config
 from meshlm.data.demo_corpus import build_demo_corpus
 from meshlm.models.language_model import LanguageModel
@@ -550,10 +551,7 @@ def main(argv: list[str] | None = None) -> dict:
     log(table(report))
     text = json.dumps(report, indent=1)
     if args.out:
-        out = Path(args.out)
-        temporary = out.with_name(out.name + ".tmp")
-        temporary.write_text(text + "\n")
-        temporary.replace(out)
+        write_json_atomic(Path(args.out), report)
     print(text)
     return report
 

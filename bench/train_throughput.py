@@ -39,11 +39,14 @@ from meshlm.training.trainer import Trainer
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ, MICRO_BATCH = 8192, 512, 6, 8, 256, 8
 
 
-def write_random_corpus(prefix: Path, num_tokens: int, seed: int = 0) -> None:
+def write_random_corpus(prefix: Path, num_tokens: int, seed: int = 0, vocab_size: int = VOCAB,
+                        document_lengths: tuple[int, int] = (200, 2000), tokens_per_document: int = 1000) -> None:
+    """A token store of random documents: ``num_tokens // tokens_per_document`` of them, each of a
+    length drawn from ``document_lengths``, every token uniform over the vocabulary."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(200, 2000, size=num_tokens // 1000)
-    with TokenStoreWriter(prefix, VOCAB) as writer:
-        writer.add_documents(rng.integers(0, VOCAB, size=int(lengths.sum())), lengths)
+    lengths = rng.integers(*document_lengths, size=max(1, num_tokens // tokens_per_document))
+    with TokenStoreWriter(prefix, vocab_size) as writer:
+        writer.add_documents(rng.integers(0, vocab_size, size=int(lengths.sum())), lengths)
 
 
 def meshlm_trainer(data_prefix: Path, run_dir: Path, dtype: str, keep_freed_memory: bool = True) -> Trainer:

@@ -167,7 +167,8 @@ def send_and_receive(sends: list[tuple[torch.Tensor, int, int]], receives: list[
         group.log.record(Call(f"{group.name} p2p", tuple(sorted((me, peer))), kind, (tuple(tensor.shape),),
                               (_dtype(tensor),), peer, tag))
     staged = _needs_host_staging(group, [tensor for _, _, tensor, _, _ in messages])
-    wire = [tensor.cpu() if staged else tensor for _, _, tensor, _, _ in messages]  # the bytes gloo reads/writes
+    wire = [tensor if not staged else tensor.cpu() if kind == "send" else torch.empty_like(tensor, device="cpu")
+            for kind, _, tensor, _, _ in messages]  # the bytes gloo reads (sends) or writes (receives)
     operations = [dist.P2POp(function, on_wire, peer, group.process_group, tag)
                   for (_, function, _, peer, tag), on_wire in zip(messages, wire)]
     works = dist.batch_isend_irecv(operations) if operations else []

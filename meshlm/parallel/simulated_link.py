@@ -52,10 +52,6 @@ class SimulatedLink:
         output, the scattered input)."""
         return RING_FACTOR[op](group_size) * message_bytes * 8 / self.bandwidth_bits_per_s
 
-    def delay_s(self, op: str, message_bytes: int, group_size: int) -> float:
-        """Seconds such a collective takes over an idle link: transfer + latency."""
-        return self.transfer_s(op, message_bytes, group_size) + self.latency_s
-
     def deadline(self, op: str, message_bytes: int, group_size: int, issued: float) -> float:
         """When a collective issued at ``issued`` completes: it starts sending once the wire is
         free, occupies it for its transfer time, and arrives a latency later."""

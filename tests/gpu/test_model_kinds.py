@@ -32,6 +32,8 @@ greedy decoding.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -41,6 +43,7 @@ from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from tests.gpu.support import HELPERS, MODEL_KINDS, SIZE, losses_in_order, on_device
 from tests.helpers.counting_corpus import write_corpus
+from tests.helpers.distributed import import_test_file
 
 STEPS = 20
 LOSS_TOLERANCE = 2e-2
@@ -104,13 +107,9 @@ def full_forward_logits(model: LanguageModel, tokens: list[int]) -> torch.Tensor
         return model(torch.tensor([tokens], device=device)).logits[0].float()
 
 
-def generate_without_cache(model: LanguageModel, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy decoding by a full forward every step: tests/inference/test_generate.py's reference,
-    on the model's device."""
-    tokens = list(prompt)
-    for _ in range(max_new_tokens):
-        tokens.append(int(full_forward_logits(model, tokens)[-1].argmax()))
-    return tokens[len(prompt):]
+generate_without_cache = import_test_file(Path(__file__).parents[1] / "inference" / "test_generate.py",
+                                          "generate_helpers").generate_without_cache
+"""tests/inference/test_generate.py's reference: greedy decoding by a full forward every step."""
 
 
 @pytest.fixture

@@ -26,11 +26,12 @@ def tiny_model(pattern: str) -> LanguageModel:
 
 def generate_without_cache(model: LanguageModel, prompt: list[int], max_new_tokens: int,
                            eos_token_id: int | None = None, valid_vocab_size: int | None = None) -> list[int]:
-    """The reference: greedy decoding by a full forward over the whole sequence every step."""
-    tokens = list(prompt)
+    """The reference: greedy decoding by a full forward over the whole sequence every step (on the
+    model's device: tests/gpu uses it on CUDA)."""
+    tokens, device = list(prompt), next(model.parameters()).device
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            logits = model(torch.tensor([tokens])).logits[:, -1]
+            logits = model(torch.tensor([tokens], device=device)).logits[:, -1]
             tokens.append(int(restrict_vocab(logits, valid_vocab_size).argmax()))
             if tokens[-1] == eos_token_id:
                 break

@@ -68,9 +68,9 @@ def test_palsgd_coin_is_fixed_by_seed_replica_and_step():
 def test_simulated_link_is_alpha_beta_over_ring_bytes():
     link = parse_link("1Gbps,5ms")
     assert link == SimulatedLink(1e9, 0.005)
-    # an all-reduce of 1 MB over 4 ranks sends 2 * 3/4 MB per rank: 12 ms at 1 Gbps, + 5 ms
-    assert link.delay_s("all_reduce", 10 ** 6, 4) == pytest.approx(0.012 + 0.005)
-    assert link.delay_s("all_gather", 10 ** 6, 2) == pytest.approx(0.004 + 0.005)
+    # an all-reduce of 1 MB over 4 ranks sends 2 * 3/4 MB per rank: 12 ms at 1 Gbps, + 5 ms (idle links)
+    assert parse_link("1Gbps,5ms").deadline("all_reduce", 10 ** 6, 4, issued=0.0) == pytest.approx(0.012 + 0.005)
+    assert parse_link("1Gbps,5ms").deadline("all_gather", 10 ** 6, 2, issued=0.0) == pytest.approx(0.004 + 0.005)
     assert parse_link(None) is None and parse_link("") is None
 
 
