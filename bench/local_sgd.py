@@ -235,6 +235,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=str(REPO / "bench" / "local_sgd.png"))
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: run the plan at least once (--repeats 1 or more).")
 
     from meshlm.data.demo_corpus import build_demo_corpus
     from tests.helpers.distributed import run_distributed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.local_sgd import median_run, same_warmup_time, seconds_to
+from bench.local_sgd import main, median_run, same_warmup_time, seconds_to
 
 
 def test_common_warmup_is_rescaled_and_later_steps_keep_their_durations():
@@ -35,3 +35,10 @@ def test_seconds_to_target_interpolates_between_evaluations():
     assert seconds_to(curve, 4.5) == pytest.approx(15.0)
     assert seconds_to(curve, 6.5) == pytest.approx(0.0)
     assert seconds_to(curve, 3.0) is None
+
+
+def test_repeats_below_one_are_refused_before_any_run(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["--repeats", "0"])
+    assert stopped.value.code == 2
+    assert "--repeats 0: run the plan at least once" in capsys.readouterr().err
