@@ -162,3 +162,11 @@ def test_effects_follow_the_numbers():
     assert effects["nvfp4_no_hadamard"]["outlier_tokens_worse"]
     _, targets = fidelity.effects(report(sr_last=0.2, nearest_last=0.15, with_rht=0.2, all_layers=0.05))
     assert not any(targets.values())
+
+
+@pytest.mark.parametrize("argv", [["--batches", "0"], ["--draws", "0"], ["--warmup-steps", "-1"]])
+def test_bad_counts_are_refused_in_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        fidelity.parse_args(argv)
+    assert stopped.value.code == 2
+    assert "--batches and --draws must be at least 1 and --warmup-steps at least 0" in capsys.readouterr().err
