@@ -7,7 +7,8 @@ each child too.
 
 Without CUDA, Triton kernels (meshlm/kernels/, tests/kernels/) run in Triton's interpreter. The
 variable must be set before Triton is first imported (``triton.jit`` reads it when a kernel is
-defined), hence here, before any test module is collected.
+defined), hence here, before any test module is collected. Two interpreter defects (NumPy 2.4
+loop bounds, bf16 ``tl.dot``) are fixed for the suite by tests/helpers/triton_interpreter.py.
 """
 
 import os
@@ -16,6 +17,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+from tests.helpers.triton_interpreter import fix_triton_interpreter  # noqa: E402
+
 torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+fix_triton_interpreter()

@@ -80,15 +80,26 @@ class Block(nn.Module):
     def forward(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:
         if self.mixer is None:  # a removed block
             return hidden
+        output, moe_losses = self.residual_step(hidden, context)
+        if moe_losses is not None:
+            context.moe_losses.append(moe_losses)
+        return output
+
+    def residual_step(self, hidden: torch.Tensor, context: SequenceContext):
+        """``hidden + dropout(mixer(norm(hidden)))`` and an MoE block's auxiliary losses (None for
+        other kinds). This is what ``train.compile`` compiles (meshlm/training/compile.py): it
+        changes nothing outside the block, whereas appending to ``context.moe_losses`` inside the
+        graph would make Dynamo guard on the list's length and compile each MoE block anew for
+        every MoE block before it."""
         if self.recompute and torch.is_grad_enabled() and context.cache is None:
             # MoE losses come back from the first run only; the rerun in backward is discarded.
             mixed = torch.utils.checkpoint.checkpoint(self.norm_and_mix, hidden, context, use_reentrant=False)
         else:
             mixed = self.norm_and_mix(hidden, context)
+        moe_losses = None
         if isinstance(mixed, tuple):  # MoE blocks also return their auxiliary losses
             mixed, moe_losses = mixed
-            context.moe_losses.append(moe_losses)
-        return hidden + self.dropout(mixed, context)
+        return hidden + self.dropout(mixed, context), moe_losses
 
 
 __all__ = ["Block", "LinearMixer", "build_mixer"]

@@ -42,7 +42,10 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():  # generation: no backward, no autograd function needed
+        # Generation needs no backward. Under torch.compile the plain ops are what to trace: a custom
+        # Function whose backward runs autograd cannot be traced (dynamo breaks the block's graph
+        # there), and the compiler's own partitioner recomputes such cheap elementwise ops anyway.
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return gated_rms_norm(y, gate, self.weight, self.group_size, self.eps)
         return _RecomputedGatedRMSNorm.apply(y, gate, self.weight, self.group_size, self.eps)
 

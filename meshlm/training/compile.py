@@ -3,15 +3,16 @@
 Why per block, and why after parallelization. The trainer compiles the model this rank holds,
 once it is parallelized, materialized and wrapped for data parallelism: by then the TP layers
 carry their collectives, the pipeline keeps only this rank's blocks, and ZeRO / the distributed
-optimizer have hooked the blocks. Compiling each ``Block.forward`` (rather than the whole model,
-or ``nn.Module.compile`` which would pull the module's hooks into the graph) changes nothing of
-that: the block stays the same module with the same parameter names (checkpoints do not change),
+optimizer have hooked the blocks. Compiling each block's math, ``Block.residual_step`` =
+``h + dropout(mixer(norm(h)))`` (rather than the whole model, or ``nn.Module.compile`` which would
+pull the module's hooks into the graph), changes nothing of that: the block stays the same module with the same parameter names (checkpoints do not change),
 its hooks still run eagerly around the compiled forward, and the pipeline schedule calls the
 blocks one by one as before. A collective inside a block (tensor parallelism) splits that block
 into several graphs; the math between collectives is still fused.
 
-Blocks of the same kind share their compiled code (Dynamo treats module parameters as inputs),
-so a deep model compiles about one graph per block kind, for training and once more for
+Blocks of the same kind share their compiled code (Dynamo treats module parameters as inputs,
+and ``residual_step`` touches no state outside its block, such as the list of MoE losses that
+``Block.forward`` appends to), so a deep model compiles about one graph per block kind, for training and once more for
 evaluation (no_grad). The first step pays for compiling (seconds to a minute); later steps run
 the fused kernels.
 
@@ -91,7 +92,7 @@ def compile_blocks(model: nn.Module, device: torch.device, report: Callable[[str
     # per-function limit silently send a deep hybrid model's later kinds back to eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(blocks))
     for block in blocks:
-        block.forward = CompiledForward(block.forward, fallback)
+        block.residual_step = CompiledForward(block.residual_step, fallback)
     return len(blocks)
 
 

@@ -17,12 +17,19 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 aten = torch.ops.aten
 
 
+def _per_query_head(query, *shapes):
+    """Key/value shapes with the query's head count: grouped-query attention does the matmuls of
+    one query head against its shared K/V head per query head (torch 2.11's formulas refuse
+    unequal head counts; torch 2.13's count them this way)."""
+    return [(shape[0], query[1], *shape[2:]) for shape in shapes]
+
+
 def _cpu_sdpa_forward(query, key, value, *args, out_shape=None, **kwargs):
-    return sdpa_flop_count(query, key, value)
+    return sdpa_flop_count(query, *_per_query_head(query, key, value))
 
 
 def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
-    return sdpa_backward_flop_count(grad_out, query, key, value)
+    return sdpa_backward_flop_count(grad_out, query, *_per_query_head(query, key, value))
 
 
 def _grouped_mm(a, b, *args, out_shape=None, **kwargs):

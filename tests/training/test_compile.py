@@ -17,7 +17,8 @@ def test_compiled_blocks_give_the_eager_losses(make_config, tmp_path, capsys):
     eager_losses, compiled_losses = eager.run().losses, compiled.run().losses
     assert "running eagerly" not in capsys.readouterr().err
     blocks = compiled.model.blocks
-    assert all(isinstance(block.forward, CompiledForward) and block.forward.fallback.reason is None for block in blocks)
+    assert all(isinstance(block.residual_step, CompiledForward) and block.residual_step.fallback.reason is None
+               for block in blocks)
     assert list(compiled.model.state_dict()) == list(eager.model.state_dict())  # checkpoints are unchanged
     assert sorted(compiled_losses) == [1, 2, 3]
     for step in (1, 2, 3):
@@ -39,7 +40,7 @@ def test_without_a_cpp_compiler_the_run_goes_on_eagerly(make_config, tmp_path, c
     notices = [line for line in capsys.readouterr().err.splitlines() if "train.compile" in line]
     assert notices == ["meshlm train: train.compile=true but Inductor needs a C++ compiler for CPU code and none "
                        "was found (install g++, or set CXX); running eagerly."]
-    assert not any(isinstance(block.forward, CompiledForward) for block in fallback.model.blocks)
+    assert not any(isinstance(block.residual_step, CompiledForward) for block in fallback.model.blocks)
     eager = Trainer(make_config(*settings, f"train.run_dir={tmp_path / 'eager'}")).run().losses
     assert losses == eager and torch.isfinite(torch.tensor(list(losses.values()))).all()
 
@@ -58,8 +59,54 @@ def test_a_block_that_fails_to_compile_runs_eagerly_with_one_notice():
     notices = []
     fallback = EagerFallback(notices.append)
     for block in model.blocks:
-        block.forward = CompiledForward(block.forward, fallback, backend=failing_backend)
+        block.residual_step = CompiledForward(block.residual_step, fallback, backend=failing_backend)
     assert torch.equal(model(input_ids, input_ids).loss, expected)
     assert torch.equal(model(input_ids, input_ids).loss, expected)  # later calls go straight to eager
     assert notices == ["meshlm train: train.compile=true but failing_backend failed to compile a block "
                        "(RuntimeError: no kernel for this op); running eagerly."]
+
+
+
+MOE = dict(pattern="*E*E*E", moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32)
+HYBRID = dict(pattern="M-M-*-", mamba_head_dim=16, mamba_state_size=16, mamba_num_groups=1, mamba_chunk_size=8)
+
+
+@pytest.mark.parametrize("shape", [MOE, HYBRID], ids=["moe", "hybrid"])
+def test_each_block_kind_compiles_once_wherever_it_sits(shape):
+    """In bf16 (the dtype whose grouped GEMM the compiler traces on CPU), one graph per block kind
+    and no graph breaks. Before: an MoE block appended to ``context.moe_losses`` inside its graph
+    (one compile per MoE block before it), ``torch.bincount``'s data-dependent shape broke the
+    graph at dispatch, and the Mamba mixer's gated norm (a Function whose backward runs autograd)
+    broke it in the middle."""
+    import torch._dynamo
+
+    from meshlm.models.config import ModelConfig
+    from meshlm.models.language_model import LanguageModel
+    from meshlm.training.compile import EagerFallback
+
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    model = LanguageModel(ModelConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, **shape), seed=0)
+    model = model.to(torch.bfloat16)
+    input_ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids, input_ids)
+    expected.loss.backward()
+    expected_grads = [parameter.grad.clone() for parameter in model.parameters()]
+    torch._dynamo.reset()
+    fallback = EagerFallback(lambda notice: pytest.fail(notice))
+    for block in model.blocks:
+        block.residual_step = CompiledForward(block.residual_step, fallback, backend=counting_backend)
+    for _ in range(2):
+        model.zero_grad()
+        output = model(input_ids, input_ids)
+        output.loss.backward()
+        assert torch.equal(output.loss, expected.loss)
+        assert all(torch.equal(parameter.grad, grad) for parameter, grad in zip(model.parameters(), expected_grads))
+        assert [counts.tolist() for counts in output.tokens_per_expert or []] == \
+            [counts.tolist() for counts in expected.tokens_per_expert or []]
+    kinds = len(set(shape["pattern"]))
+    assert len(graphs) == kinds, [graph.code for graph in graphs]

@@ -49,9 +49,21 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
+def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64: how many of ``expert_ids`` (any shape, values in [0, E)) name each expert.
+
+    The counts ``torch.bincount(ids, minlength=E)`` gives, but with a shape that does not depend on
+    the data: bincount's output grows past ``minlength`` for a larger id, so ``torch.compile`` must
+    break the graph at it (a "dynamic shape operator"); adding ones into E fixed slots compiles
+    into the block's graph, and integer sums do not depend on the order of the adds.
+    """
+    flat = expert_ids.flatten().long()
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def rank_within_expert(sorted_expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """For ids already grouped by expert, each entry's 0-based position inside its group."""
-    counts = torch.bincount(sorted_expert_ids, minlength=num_experts)
+    counts = count_per_expert(sorted_expert_ids, num_experts)
     group_starts = counts.cumsum(0) - counts
     return torch.arange(sorted_expert_ids.numel(), device=sorted_expert_ids.device) - group_starts[sorted_expert_ids]
 
@@ -98,7 +110,7 @@ def plan_dispatch(expert_ids: torch.Tensor, weights: torch.Tensor | None, num_ex
     return DispatchPlan(
         assignment_ids=assignment_ids,
         token_ids=assignment_ids // top_k,
-        tokens_per_expert=torch.bincount(kept_experts, minlength=num_experts),
+        tokens_per_expert=count_per_expert(kept_experts, num_experts),
         dropped=torch.tensor(flat_experts.numel() - assignment_ids.numel(), device=flat_experts.device),
     )
 

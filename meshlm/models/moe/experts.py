@@ -13,7 +13,8 @@ The input is the permuted token tensor from ``dispatch.permute``: rows grouped b
 the rows times W[e]^T. Two implementations compute it:
 
 - ``torch.nn.functional.grouped_mm`` with int32 end offsets (a single kernel; in torch 2.13 it
-  runs on CPU for fp32/bf16/fp16 and on CUDA for bf16, and needs 16-byte aligned row strides);
+  runs on CPU for fp32/bf16/fp16 -- bf16 only under torch.compile -- and on CUDA for bf16, and
+  needs 16-byte aligned row strides);
 - a loop over *experts* (never over tokens): split the rows into the E contiguous segments and
   do one ordinary matmul per segment.
 
@@ -37,7 +38,11 @@ def grouped_mm_supported(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``F.grouped_mm`` can run this grouped matmul (device, dtype, 16-byte strides)."""
     if not hasattr(F, "grouped_mm") or tokens.dtype != weight.dtype or tokens.dim() != 2:
         return False
-    if tokens.device.type == "cpu":
+    if tokens.device.type == "cpu" and torch.compiler.is_compiling():
+        # The compiler runs the op's shape function (its meta kernel), which takes bf16 only
+        # (torch 2.11 to 2.13) although the CPU kernel itself also takes fp32 and fp16.
+        dtype_ok = tokens.dtype == torch.bfloat16
+    elif tokens.device.type == "cpu":
         dtype_ok = tokens.dtype in (torch.float32, torch.bfloat16, torch.float16)
     elif tokens.device.type == "cuda":
         dtype_ok = tokens.dtype == torch.bfloat16 and torch.cuda.get_device_capability(tokens.device)[0] >= 8

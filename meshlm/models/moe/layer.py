@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from meshlm.models.mlp import MLP
-from meshlm.models.moe.dispatch import expert_capacity, permute, plan_dispatch, unpermute
+from meshlm.models.moe.dispatch import count_per_expert, expert_capacity, permute, plan_dispatch, unpermute
 from meshlm.models.moe.experts import GroupedExperts
 from meshlm.models.moe.balancing import balance_loss, router_z_loss
 from meshlm.models.moe.router import MoELosses, Routing, TopKRouter
@@ -90,7 +90,7 @@ class MoELayer(nn.Module):
 
     def losses(self, routing: Routing, dropped: torch.Tensor, num_sequences: int = 1) -> MoELosses:
         """The router losses of ``routing`` over ``num_sequences`` equal-length sequences of tokens."""
-        tokens_per_expert = torch.bincount(routing.expert_ids.flatten(), minlength=self.num_experts)
+        tokens_per_expert = count_per_expert(routing.expert_ids, self.num_experts)
         return MoELosses(
             aux_loss=balance_loss(self.aux_loss_type, routing, tokens_per_expert, num_sequences,
                                   self.sum_over_ranks),

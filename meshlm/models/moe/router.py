@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.models.init import constant, initialize_own_tensors, normal
+from meshlm.models.moe.dispatch import count_per_expert
 
 
 @dataclass
@@ -157,7 +158,7 @@ class TopKRouter(nn.Module):
     @torch.no_grad()
     def record_load(self, expert_ids: torch.Tensor) -> None:
         """Add this forward's assignments per expert to ``recorded_load``."""
-        counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts).float()
+        counts = count_per_expert(expert_ids, self.num_experts).float()
         self.recorded_load = counts if self.recorded_load is None else self.recorded_load + counts
 
     def take_recorded_load(self) -> torch.Tensor:

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from meshlm.errors import ConfigError
-from meshlm.models.moe.dispatch import expert_capacity, kept_assignments
+from meshlm.models.moe.dispatch import count_per_expert, expert_capacity, kept_assignments
 from meshlm.models.moe.layer import MoELayer
 from meshlm.models.moe.router import MoELosses, Routing
 from meshlm.parallel.collectives import all_gather_along, gather_along, scatter_along
@@ -177,7 +177,7 @@ class ExpertParallelMoELayer(MoELayer):
             routed = self.latent_out_proj(routed)
         out = leave_expert_grid(routed.reshape(batch, -1, hidden), parallel)
         losses = self.losses(whole, dropped, num_sequences=batch)
-        losses.tokens_per_expert = torch.bincount(cp_part.expert_ids.flatten(), minlength=self.num_experts)
+        losses.tokens_per_expert = count_per_expert(cp_part.expert_ids, self.num_experts)
         return (out if shared is None else out + shared), losses
 
     def route(self, tokens: torch.Tensor, batch: int) -> tuple[Routing, Routing, Routing]:

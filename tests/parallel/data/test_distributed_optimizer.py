@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from meshlm.config import PrecisionConfig
 from meshlm.models.config import ModelConfig
@@ -63,16 +64,21 @@ def check_sharding(results_by_rank: list[dict], dp: int, num_parameters: dict[st
         assert bool((count == 1).all()), f"{name}: elements owned {count.min()}..{count.max()} times"
 
 
+# torch 2.13 renamed the single-tensor collectives; plain_collectives calls whichever this torch has.
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
 def check_communication(results_by_rank: list[dict], spec: TrainSpec, micro_per_rank: int) -> None:
     """Per step: nothing on non-final micro-batches; a reduce-scatter per bucket (during the last
     backward with overlap); one all-reduce for the global norm; an all-gather per bucket."""
     for result in results_by_rank:
         buckets = result["buckets"]
         expected = {("backward", False): {},
-                    ("backward", True): {"reduce_scatter_single": buckets} if spec.overlap else {},
+                    ("backward", True): {REDUCE_SCATTER: buckets} if spec.overlap else {},
                     ("reduced", True): {"all_reduce": 1} if spec.overlap else
-                    {"reduce_scatter_single": buckets, "all_reduce": 1},
-                    ("stepped", True): {"all_gather_single": buckets}}
+                    {REDUCE_SCATTER: buckets, "all_reduce": 1},
+                    ("stepped", True): {ALL_GATHER: buckets}}
         for event, step, micro, counts in result["phases"]:
             assert counts == expected[event, micro == micro_per_rank - 1], (event, step, micro, counts)
 
