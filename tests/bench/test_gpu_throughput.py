@@ -147,3 +147,35 @@ def test_bad_flags_are_refused_with_one_sentence(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+class CompilingSubject:
+    """A subject whose first ``compiling_steps`` steps each 'compile' a graph (a fake Dynamo counter)."""
+
+    def __init__(self, compiling_steps: int):
+        self.steps, self.compiling_steps, self.graphs = 0, compiling_steps, 0
+
+    def prepare(self, compile, recompute):
+        return {}
+
+    def step(self):
+        self.steps += 1
+        self.graphs += self.steps <= self.compiling_steps
+        return 1.0
+
+
+@pytest.mark.parametrize("compiling_steps,warmup,expected_warmup,compiled_while_timed", [
+    (0, 2, 2, 0),   # nothing compiles: exactly --warmup
+    (3, 1, 4, 0),   # compiles on steps 1-3: warm up until a step compiles nothing
+    (20, 2, 2 + bench.MAX_EXTRA_WARMUP, 6),  # never settles: capped, and the 6 timed steps report it
+    (2, 0, 0, 2),   # --warmup 0 times even the first step
+])
+def test_warmup_runs_on_while_steps_still_compile(monkeypatch, compiling_steps, warmup, expected_warmup,
+                                                  compiled_while_timed):
+    subject = CompilingSubject(compiling_steps)
+    monkeypatch.setattr(bench, "graphs_compiled", lambda: subject.graphs)
+    args = bench.parse_args(["--tiny", "--device", "cpu", "--steps", "2", "--warmup", str(warmup), "--repeats", "3"])
+    result = bench.measure_variant(subject, True, "none", args, torch.device("cpu"))
+    assert result["warmup_steps"] == expected_warmup
+    assert result["graphs_compiled_while_timed"] == compiled_while_timed
+    assert subject.steps == expected_warmup + 2 * 3
