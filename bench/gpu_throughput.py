@@ -297,7 +297,7 @@ def measure_subject(subject_class, subject_args: dict, variants, micro_batch: in
             entry["out_of_memory_at_micro_batch"] = list(halved_from)
         if "error" not in result:
             tokens, step_s = micro_batch * args.seq_len, result["step_s"]
-            entry.update(step_s=round(step_s, 5), tokens_per_step=tokens, tokens_per_s=round(tokens / step_s, 1),
+            entry.update(step_s=round(step_s, 7), tokens_per_step=tokens, tokens_per_s=round(tokens / step_s, 1),
                          mfu=round(flops_per_token * tokens / step_s / peak, 4))
         record(entry)
     subject = closed(subject)
