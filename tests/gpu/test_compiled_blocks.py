@@ -1,0 +1,54 @@
+"""``train.compile=true`` on the GPU: every block kind compiles whole -- no graph break, no fall
+back to eager -- and the compiled bf16 run follows the eager bf16 run.
+
+Inductor on CUDA writes Triton kernels for the blocks' fused math, and a hybrid model's Mamba
+blocks call meshlm's own Triton SSD kernels from inside the compiled graph (``mamba_scan=auto``
+on CUDA), so this is where a compile failure would appear that the CPU suite cannot see
+(tests/training/test_compile.py checks the graphs themselves on CPU with a counting backend). A
+block that failed to compile would send the whole run back to eager with one notice; a graph
+break (Dynamo's own counter) would split a block into several graphs and slow every step.
+
+Tolerance: compiled and eager bf16 round differently (fused kernels keep intermediates in fp32),
+so their losses are compared as tests/gpu/test_model_kinds.py compares bf16 with fp32:
+within ``LOSS_TOLERANCE`` per step and ``FIRST_STEP_TOLERANCE`` at the first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.support import HELPERS, MODEL_KINDS, SIZE, losses_in_order, on_device
+from tests.helpers.counting_corpus import write_corpus
+
+STEPS = 4
+LOSS_TOLERANCE = 2e-2
+FIRST_STEP_TOLERANCE = 5e-3
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("compile-corpus"))
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "moe"])
+def test_compiled_blocks_train_like_eager_without_graph_breaks(kind, corpus, gpu_device, tmp_path, capsys):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    overrides = [*MODEL_KINDS[kind], *SIZE, f"train.steps={STEPS}", f"train.eval_every={STEPS}",
+                 *on_device(gpu_device, "bf16")]
+    eager = HELPERS.train_once(corpus, tmp_path / "eager", overrides)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = HELPERS.train_once(corpus, tmp_path / "compiled", [*overrides, "train.compile=true"])
+    notices = [line for line in capsys.readouterr().err.splitlines() if "train.compile" in line]
+    assert notices == [], notices
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] > 0  # something was compiled
+    for key in ("losses", "val_losses"):
+        expected, actual = losses_in_order(eager, key), losses_in_order(compiled, key)
+        assert len(actual) == len(expected) > 0 and all(torch.isfinite(torch.tensor(actual))), (key, actual)
+        gaps = [abs(a - e) / abs(e) for a, e in zip(actual, expected)]
+        assert max(gaps) <= LOSS_TOLERANCE, (kind, key, gaps)
+        assert gaps[0] <= FIRST_STEP_TOLERANCE, (kind, key, gaps[0])
