@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
 
 from tests.gpu.support import HELPERS, MODEL_KINDS, SIZE, losses_in_order, on_device
 from tests.helpers.counting_corpus import write_corpus
@@ -33,9 +35,6 @@ def corpus(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid", "moe"])
 def test_compiled_blocks_train_like_eager_without_graph_breaks(kind, corpus, gpu_device, tmp_path, capsys):
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
     overrides = [*MODEL_KINDS[kind], *SIZE, f"train.steps={STEPS}", f"train.eval_every={STEPS}",
                  *on_device(gpu_device, "bf16")]
     eager = HELPERS.train_once(corpus, tmp_path / "eager", overrides)
