@@ -17,12 +17,13 @@ evaluation (no_grad). The first step pays for compiling (seconds to a minute); l
 the fused kernels.
 
 When compiling is not possible -- Dynamo unsupported on this Python, no C++ compiler for
-Inductor's CPU code, or Inductor failing on a block the first time it runs -- the run goes on
-eagerly and says once why.
+Inductor's CPU code, or Inductor failing on a block's forward or backward the first time it runs
+(both are compiled at the first forward call) -- the run goes on eagerly and says once why.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -46,6 +47,19 @@ def compile_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def _backward_compiled_with_forward():
+    """AOTAutograd compiles a graph's backward lazily, at the first ``backward()``: a compiler
+    failure there would surface in the middle of the training step, past the point where the
+    block could still run eagerly. Asking it to compile the backward together with the forward
+    (its own switch, as ``torch.export``'s AOT compile uses) makes either failure happen in the
+    forward call, where ``CompiledForward`` turns it into the eager fallback."""
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):  # an older torch: lazy as before
+        return contextlib.nullcontext()
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
 class CompiledForward:
     """A block's forward under torch.compile; on a compiler failure, the eager forward from then on."""
 
@@ -56,7 +70,8 @@ class CompiledForward:
     def __call__(self, *args, **kwargs):
         if self.fallback.reason is None:
             try:
-                return self.compiled(*args, **kwargs)
+                with _backward_compiled_with_forward():
+                    return self.compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as error:  # raised before the graph ran
                 inner = error.inner_exception
                 first_line = str(inner).splitlines()[0] if str(inner) else ""

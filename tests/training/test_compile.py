@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 
 from meshlm.training.compile import CompiledForward
 from meshlm.training.trainer import Trainer
@@ -67,6 +68,41 @@ def test_a_block_that_fails_to_compile_runs_eagerly_with_one_notice():
 
 
 
+def test_a_backward_that_fails_to_compile_runs_eagerly_before_any_backward():
+    """The backward is compiled with the forward (not lazily at ``backward()``), so its failure
+    also becomes the eager fallback, and the step's loss and gradients are eager's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from meshlm.models.config import ModelConfig
+    from meshlm.models.language_model import LanguageModel
+    from meshlm.training.compile import EagerFallback
+
+    def failing_backward(graph_module, example_inputs):
+        raise RuntimeError("no kernel for this backward op")
+
+    backend = aot_autograd(fw_compiler=lambda graph_module, inputs: make_boxed_func(graph_module.forward),
+                           bw_compiler=failing_backward)
+    model = LanguageModel(ModelConfig(vocab_size=64, hidden_size=32, pattern="*-", num_attention_heads=4), seed=0)
+    input_ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids, input_ids).loss
+    expected.backward()
+    expected_grads = [parameter.grad.clone() for parameter in model.parameters()]
+    model.zero_grad()
+    notices = []
+    fallback = EagerFallback(notices.append)
+    torch._dynamo.reset()
+    for block in model.blocks:
+        block.residual_step = CompiledForward(block.residual_step, fallback, backend=backend)
+    loss = model(input_ids, input_ids).loss
+    loss.backward()
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(parameter.grad, grad) for parameter, grad in zip(model.parameters(), expected_grads))
+    assert len(notices) == 1 and notices[0].startswith("meshlm train: train.compile=true but ")
+    assert notices[0].endswith(" failed to compile a block (RuntimeError: no kernel for this backward op); "
+                               "running eagerly.")
+
+
 MOE = dict(pattern="*E*E*E", moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32)
 HYBRID = dict(pattern="M-M-*-", mamba_head_dim=16, mamba_state_size=16, mamba_num_groups=1, mamba_chunk_size=8)
 
@@ -78,8 +114,6 @@ def test_each_block_kind_compiles_once_wherever_it_sits(shape):
     (one compile per MoE block before it), ``torch.bincount``'s data-dependent shape broke the
     graph at dispatch, and the Mamba mixer's gated norm (a Function whose backward runs autograd)
     broke it in the middle."""
-    import torch._dynamo
-
     from meshlm.models.config import ModelConfig
     from meshlm.models.language_model import LanguageModel
     from meshlm.training.compile import EagerFallback

@@ -38,11 +38,15 @@ TWO_TO_32 = 2.0**32
 
 
 def noise_key(*coordinates: int) -> int:
-    """Fold non-negative Python ints (seed, step, layer, operand) into one 32-bit key."""
-    state = torch.zeros((), dtype=torch.int64)
+    """Fold non-negative Python ints (seed, step, layer, operand) into one 32-bit key.
+
+    The hash's integer operations run on Python ints here (they give the bits they give on int64
+    tensors): no tensor is made, so no ``int(tensor)`` stops ``torch.compile``'s graph (a graph
+    break in every quantized linear layer) or waits for a device."""
+    state = 0
     for value in coordinates:
         state = fold_wide(state, int(value))
-    return int(state)
+    return state
 
 
 def hashed_uniform(scaled: torch.Tensor, positions: torch.Tensor, key: int) -> torch.Tensor:
