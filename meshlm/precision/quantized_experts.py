@@ -97,7 +97,7 @@ class GroupedQuantization:
         return [piece if not piece.numel() else
                 recipe.quantize(piece, role, tensor_amax=amax,
                                 noise_key=noise_key(recipe.seed, recipe.step, self.keys[expert], USES[use])
-                                if role == "gradient" else None)
+                                if role == "gradient" and recipe.rounds_stochastically else None)
                 for piece, expert, amax in zip(pieces, experts, amaxes)]
 
 

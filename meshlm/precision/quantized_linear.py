@@ -89,7 +89,8 @@ class LinearQuantization:
         ``use``) quantized and dequantized; ``record``: count its amax in the step's history."""
         tensor_amax, scale = self.tensor_scaling(tensor, tensor_name, record)
         role = ROLES[tensor_name]
-        key = noise_key(self.recipe.seed, self.recipe.step, self.key, USES[use]) if role == "gradient" else None
+        key = (noise_key(self.recipe.seed, self.recipe.step, self.key, USES[use])
+               if role == "gradient" and self.recipe.rounds_stochastically else None)
         return self.recipe.quantize(tensor, role, tensor_amax=tensor_amax, scale=scale, noise_key=key)
 
     def codes(self, tensor: torch.Tensor, tensor_name: str, record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

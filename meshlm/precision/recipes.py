@@ -98,6 +98,9 @@ class Recipe:
         if self.name == "none":
             raise ConfigError(f"precision.recipe='none' is not a low-precision recipe; use one of "
                               f"{', '.join(RECIPES[1:])}.")
+        # Built here, outside any compiled region: drawing its signs takes a torch.Generator, which
+        # torch.compile cannot create inside a graph (a block's backward would break there).
+        self.hadamard_on_cpu = random_hadamard_matrix(HADAMARD_SIZE)
         self.hadamard_matrices: dict[torch.device, torch.Tensor] = {}
 
     @property
@@ -110,6 +113,13 @@ class Recipe:
         return self.name in PER_TENSOR_RECIPES or self.name == "nvfp4"  # nvfp4: the fp32 tensor scale
 
     @property
+    def rounds_stochastically(self) -> bool:
+        """Whether gradients are rounded with hashed noise (NVFP4 with stochastic rounding): only
+        then is a noise key made. (Under torch.compile the key's layer and step are constants of
+        the graph, so such a recipe compiles each quantized block anew, and again each step.)"""
+        return self.name == "nvfp4" and self.stochastic_rounding
+
+    @property
     def hadamard_for_wgrad(self) -> bool:
         return self.name == "nvfp4" and self.hadamard
 
@@ -118,10 +128,15 @@ class Recipe:
         return E5M2 if role == "gradient" and self.fp8_format == "hybrid" else E4M3
 
     def hadamard_matrix(self, device: torch.device) -> torch.Tensor:
-        """The fixed random Hadamard matrix [16, 16] on ``device`` (built once per device)."""
-        if device not in self.hadamard_matrices:
-            self.hadamard_matrices[device] = random_hadamard_matrix(HADAMARD_SIZE, device=device)
-        return self.hadamard_matrices[device]
+        """The fixed random Hadamard matrix [16, 16] on ``device`` (copied once per device; under
+        torch.compile, where a graph may not change state outside it, copied in the graph if the
+        trainer has not put it on the device yet)."""
+        matrix = self.hadamard_matrices.get(device)
+        if matrix is None:
+            matrix = self.hadamard_on_cpu.to(device)
+            if not torch.compiler.is_compiling():
+                self.hadamard_matrices[device] = matrix
+        return matrix
 
     def quantize(self, tensor: torch.Tensor, role: str, tensor_amax: torch.Tensor | None = None,
                  scale: torch.Tensor | None = None, noise_key: int | None = None) -> torch.Tensor:

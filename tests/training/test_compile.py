@@ -144,3 +144,47 @@ def test_each_block_kind_compiles_once_wherever_it_sits(shape):
             [counts.tolist() for counts in expected.tokens_per_expert or []]
     kinds = len(set(shape["pattern"]))
     assert len(graphs) == kinds, [graph.code for graph in graphs]
+
+
+@pytest.mark.parametrize("recipe,rounding,graphs_expected", [
+    ("fp8_tensorwise", True, 2), ("fp8_blockwise", True, 2), ("mxfp8", True, 2),
+    ("nvfp4", False, 2),
+    ("nvfp4", True, 4),  # stochastic rounding keys its noise by layer: a graph per quantized block
+])
+def test_quantized_blocks_compile_whole(recipe, rounding, graphs_expected):
+    """Under a low-precision recipe the blocks' quantized GEMMs (a custom autograd Function with the
+    quantizers, NVFP4's Hadamard transform and stochastic-rounding noise) compile into the block's
+    graph, one per block kind where no per-layer constant enters it: before, ``int(tensor)`` in the
+    noise key (made for every recipe) and the Hadamard signs' ``torch.Generator`` broke it."""
+    from meshlm.models.config import ModelConfig
+    from meshlm.models.language_model import LanguageModel
+    from meshlm.precision.model_recipe import apply_recipe
+    from meshlm.precision.recipes import Recipe
+    from meshlm.training.compile import EagerFallback
+
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    model = LanguageModel(ModelConfig(vocab_size=64, hidden_size=64, pattern="*-*-", num_attention_heads=4,
+                                      ffn_hidden_size=128), seed=0).to(torch.bfloat16)
+    recipe_object = Recipe(recipe, stochastic_rounding=rounding)
+    recipe_object.step = 3
+    assert apply_recipe(model, recipe_object, num_blocks=4) > 0
+    recipe_object.hadamard_matrix(torch.device("cpu"))  # as the trainer does
+    input_ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids, input_ids).loss
+    expected.backward()
+    expected_grads = [parameter.grad.clone() for parameter in model.parameters()]
+    torch._dynamo.reset()
+    fallback = EagerFallback(lambda notice: pytest.fail(notice))
+    for block in model.blocks:
+        block.residual_step = CompiledForward(block.residual_step, fallback, backend=counting_backend)
+    model.zero_grad()
+    loss = model(input_ids, input_ids).loss
+    loss.backward()
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(parameter.grad, grad) for parameter, grad in zip(model.parameters(), expected_grads))
+    assert len(graphs) == graphs_expected, [graph.code for graph in graphs]
