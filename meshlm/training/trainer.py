@@ -623,7 +623,13 @@ class Trainer:
         plot = None
         self.open_logs()
         if self.compile_pending:  # the parallelized, hooked blocks (meshlm/training/compile.py)
-            compile_blocks(self.model, self.device, self.progress.message)
+            if self.recipe is not None and self.recipe.rounds_stochastically:
+                self.progress.message(
+                    "meshlm train: train.compile=true but precision.recipe=nvfp4 rounds gradients with noise keyed "
+                    "by layer and step, which torch.compile would recompile every step; running eagerly (set "
+                    "precision.nvfp4_stochastic_rounding=false to compile).")
+            else:
+                compile_blocks(self.model, self.device, self.progress.message)
             self.compile_pending = False
         self.stop_requests.listen()  # SIGTERM and SIGINT now stop the run after the current step
         try:

@@ -188,3 +188,15 @@ def test_quantized_blocks_compile_whole(recipe, rounding, graphs_expected):
     assert torch.equal(loss, expected)
     assert all(torch.equal(parameter.grad, grad) for parameter, grad in zip(model.parameters(), expected_grads))
     assert len(graphs) == graphs_expected, [graph.code for graph in graphs]
+
+
+def test_nvfp4_with_stochastic_rounding_runs_eagerly_with_one_notice(make_config, tmp_path, capsys):
+    settings = ("train.steps=1", "train.eval_every=0", "train.save_every=0", "precision.dtype=bf16",
+                "precision.recipe=nvfp4", "train.compile=true")
+    trainer = Trainer(make_config(*settings, f"train.run_dir={tmp_path / 'run'}"))
+    assert torch.isfinite(torch.tensor(list(trainer.run().losses.values()))).all()
+    notices = [line for line in capsys.readouterr().err.splitlines() if "train.compile" in line]
+    assert notices == ["meshlm train: train.compile=true but precision.recipe=nvfp4 rounds gradients with noise keyed "
+                       "by layer and step, which torch.compile would recompile every step; running eagerly (set "
+                       "precision.nvfp4_stochastic_rounding=false to compile)."]
+    assert not any(isinstance(block.residual_step, CompiledForward) for block in trainer.model.blocks)
