@@ -115,8 +115,8 @@ class Recipe:
     @property
     def rounds_stochastically(self) -> bool:
         """Whether gradients are rounded with hashed noise (NVFP4 with stochastic rounding): only
-        then is a noise key made. (Under torch.compile the key's layer and step are constants of
-        the graph, so such a recipe compiles each quantized block anew, and again each step.)"""
+        then is a noise key made. (Under torch.compile the key's layer and step would be constants
+        of the graph, recompiled every step: the trainer runs such a recipe eagerly.)"""
         return self.name == "nvfp4" and self.stochastic_rounding
 
     @property

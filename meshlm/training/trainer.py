@@ -223,7 +223,8 @@ class Trainer:
         if self.recipe is not None:
             apply_recipe(self.model, self.recipe, config.model.num_blocks, config.precision.high_precision_layers,
                          self.context, train.seq_len, reduce_max=reduce_max)
-            self.recipe.hadamard_matrix(self.device)  # on the device before any compiled graph reads it
+            if self.recipe.hadamard_for_wgrad:
+                self.recipe.hadamard_matrix(self.device)  # on the device before any compiled graph reads it
         self.zero_stage = config.parallel.sharding_stage if self.context.distributed else 0
         self.precision = MixedPrecision(self.model, config.precision,
                                         sharded_masters=self.zero_stage >= 1)  # ZeRO: no full fp32 copy

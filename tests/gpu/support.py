@@ -51,4 +51,17 @@ def losses_in_order(run: dict, key: str = "losses") -> list[float]:
     return [run[key][step] for step in sorted(run[key])]
 
 
-__all__ = ["HELPERS", "HYBRID", "MODEL_KINDS", "SIZE", "losses_in_order", "on_device"]
+LOSS_TOLERANCE = 2e-2
+"""The largest relative gap, per step, between the losses of a bf16 run and of the same training
+rounded otherwise (fp32 on the CPU, or compiled bf16); tests/gpu/test_model_kinds.py explains it."""
+FIRST_STEP_TOLERANCE = 5e-3
+"""The same at the first step, which depends only on the initial weights and one forward."""
+
+
+def relative_gaps(actual: dict, expected: dict, key: str = "losses") -> list[float]:
+    """|actual - expected| / |expected| per step of two runs' ``key`` losses, in step order."""
+    return [abs(a - e) / abs(e) for a, e in zip(losses_in_order(actual, key), losses_in_order(expected, key))]
+
+
+__all__ = ["FIRST_STEP_TOLERANCE", "HELPERS", "HYBRID", "LOSS_TOLERANCE", "MODEL_KINDS", "SIZE", "losses_in_order",
+           "on_device", "relative_gaps"]

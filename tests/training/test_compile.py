@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch._dynamo
 
-from meshlm.training.compile import CompiledForward
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
+from meshlm.training.compile import CompiledForward, EagerFallback
 from meshlm.training.trainer import Trainer
 
 
@@ -46,26 +48,50 @@ def test_without_a_cpp_compiler_the_run_goes_on_eagerly(make_config, tmp_path, c
     assert losses == eager and torch.isfinite(torch.tensor(list(losses.values()))).all()
 
 
-def test_a_block_that_fails_to_compile_runs_eagerly_with_one_notice():
-    from meshlm.models.config import ModelConfig
-    from meshlm.models.language_model import LanguageModel
-    from meshlm.training.compile import EagerFallback
+def small_model(**fields) -> LanguageModel:
+    return LanguageModel(ModelConfig(**{"vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4, **fields}),
+                         seed=0)
 
+
+def loss_and_grads(model: LanguageModel, input_ids: torch.Tensor):
+    """The model's output on ``input_ids`` (as its own labels) after backward, and a copy of each gradient."""
+    model.zero_grad()
+    output = model(input_ids, input_ids)
+    output.loss.backward()
+    return output, [parameter.grad.clone() for parameter in model.parameters()]
+
+
+def compile_each_block(model: LanguageModel, backend, fallback: EagerFallback) -> None:
+    """What ``compile_blocks`` does, with a chosen backend and a fresh Dynamo cache."""
+    torch._dynamo.reset()
+    for block in model.blocks:
+        block.residual_step = CompiledForward(block.residual_step, fallback, backend=backend)
+
+
+class GraphCounter:
+    """A torch.compile backend that keeps each graph Dynamo hands it and runs it as traced (no Inductor)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph_module, example_inputs):
+        self.graphs.append(graph_module)
+        return graph_module.forward
+
+
+def test_a_block_that_fails_to_compile_runs_eagerly_with_one_notice():
     def failing_backend(graph_module, example_inputs):
         raise RuntimeError("no kernel for this op\n(details)")
 
-    model = LanguageModel(ModelConfig(vocab_size=64, hidden_size=32, pattern="*-", num_attention_heads=4), seed=0)
+    model = small_model(pattern="*-")
     input_ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     expected = model(input_ids, input_ids).loss
     notices = []
-    fallback = EagerFallback(notices.append)
-    for block in model.blocks:
-        block.residual_step = CompiledForward(block.residual_step, fallback, backend=failing_backend)
+    compile_each_block(model, failing_backend, EagerFallback(notices.append))
     assert torch.equal(model(input_ids, input_ids).loss, expected)
     assert torch.equal(model(input_ids, input_ids).loss, expected)  # later calls go straight to eager
     assert notices == ["meshlm train: train.compile=true but failing_backend failed to compile a block "
                        "(RuntimeError: no kernel for this op); running eagerly."]
-
 
 
 def test_a_backward_that_fails_to_compile_runs_eagerly_before_any_backward():
@@ -74,30 +100,19 @@ def test_a_backward_that_fails_to_compile_runs_eagerly_before_any_backward():
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    from meshlm.models.config import ModelConfig
-    from meshlm.models.language_model import LanguageModel
-    from meshlm.training.compile import EagerFallback
-
     def failing_backward(graph_module, example_inputs):
         raise RuntimeError("no kernel for this backward op")
 
     backend = aot_autograd(fw_compiler=lambda graph_module, inputs: make_boxed_func(graph_module.forward),
                            bw_compiler=failing_backward)
-    model = LanguageModel(ModelConfig(vocab_size=64, hidden_size=32, pattern="*-", num_attention_heads=4), seed=0)
+    model = small_model(pattern="*-")
     input_ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    expected = model(input_ids, input_ids).loss
-    expected.backward()
-    expected_grads = [parameter.grad.clone() for parameter in model.parameters()]
-    model.zero_grad()
+    expected, expected_grads = loss_and_grads(model, input_ids)
     notices = []
-    fallback = EagerFallback(notices.append)
-    torch._dynamo.reset()
-    for block in model.blocks:
-        block.residual_step = CompiledForward(block.residual_step, fallback, backend=backend)
-    loss = model(input_ids, input_ids).loss
-    loss.backward()
-    assert torch.equal(loss, expected)
-    assert all(torch.equal(parameter.grad, grad) for parameter, grad in zip(model.parameters(), expected_grads))
+    compile_each_block(model, backend, EagerFallback(notices.append))
+    output, grads = loss_and_grads(model, input_ids)
+    assert torch.equal(output.loss, expected.loss)
+    assert all(torch.equal(grad, expected_grad) for grad, expected_grad in zip(grads, expected_grads))
     assert len(notices) == 1 and notices[0].startswith("meshlm train: train.compile=true but ")
     assert notices[0].endswith(" failed to compile a block (RuntimeError: no kernel for this backward op); "
                                "running eagerly.")
@@ -114,36 +129,19 @@ def test_each_block_kind_compiles_once_wherever_it_sits(shape):
     (one compile per MoE block before it), ``torch.bincount``'s data-dependent shape broke the
     graph at dispatch, and the Mamba mixer's gated norm (a Function whose backward runs autograd)
     broke it in the middle."""
-    from meshlm.models.config import ModelConfig
-    from meshlm.models.language_model import LanguageModel
-    from meshlm.training.compile import EagerFallback
-
-    graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    model = LanguageModel(ModelConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, **shape), seed=0)
-    model = model.to(torch.bfloat16)
+    model = small_model(**shape).to(torch.bfloat16)
     input_ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    expected = model(input_ids, input_ids)
-    expected.loss.backward()
-    expected_grads = [parameter.grad.clone() for parameter in model.parameters()]
-    torch._dynamo.reset()
-    fallback = EagerFallback(lambda notice: pytest.fail(notice))
-    for block in model.blocks:
-        block.residual_step = CompiledForward(block.residual_step, fallback, backend=counting_backend)
+    expected, expected_grads = loss_and_grads(model, input_ids)
+    counter = GraphCounter()
+    compile_each_block(model, counter, EagerFallback(lambda notice: pytest.fail(notice)))
     for _ in range(2):
-        model.zero_grad()
-        output = model(input_ids, input_ids)
-        output.loss.backward()
+        output, grads = loss_and_grads(model, input_ids)
         assert torch.equal(output.loss, expected.loss)
-        assert all(torch.equal(parameter.grad, grad) for parameter, grad in zip(model.parameters(), expected_grads))
+        assert all(torch.equal(grad, expected_grad) for grad, expected_grad in zip(grads, expected_grads))
         assert [counts.tolist() for counts in output.tokens_per_expert or []] == \
             [counts.tolist() for counts in expected.tokens_per_expert or []]
     kinds = len(set(shape["pattern"]))
-    assert len(graphs) == kinds, [graph.code for graph in graphs]
+    assert len(counter.graphs) == kinds, [graph.code for graph in counter.graphs]
 
 
 @pytest.mark.parametrize("recipe,rounding,graphs_expected", [
@@ -156,38 +154,23 @@ def test_quantized_blocks_compile_whole(recipe, rounding, graphs_expected):
     quantizers, NVFP4's Hadamard transform and stochastic-rounding noise) compile into the block's
     graph, one per block kind where no per-layer constant enters it: before, ``int(tensor)`` in the
     noise key (made for every recipe) and the Hadamard signs' ``torch.Generator`` broke it."""
-    from meshlm.models.config import ModelConfig
-    from meshlm.models.language_model import LanguageModel
     from meshlm.precision.model_recipe import apply_recipe
     from meshlm.precision.recipes import Recipe
-    from meshlm.training.compile import EagerFallback
 
-    graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    model = LanguageModel(ModelConfig(vocab_size=64, hidden_size=64, pattern="*-*-", num_attention_heads=4,
-                                      ffn_hidden_size=128), seed=0).to(torch.bfloat16)
+    model = small_model(hidden_size=64, pattern="*-*-", ffn_hidden_size=128).to(torch.bfloat16)
     recipe_object = Recipe(recipe, stochastic_rounding=rounding)
     recipe_object.step = 3
     assert apply_recipe(model, recipe_object, num_blocks=4) > 0
-    recipe_object.hadamard_matrix(torch.device("cpu"))  # as the trainer does
+    if recipe_object.hadamard_for_wgrad:
+        recipe_object.hadamard_matrix(torch.device("cpu"))  # as the trainer does
     input_ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
-    expected = model(input_ids, input_ids).loss
-    expected.backward()
-    expected_grads = [parameter.grad.clone() for parameter in model.parameters()]
-    torch._dynamo.reset()
-    fallback = EagerFallback(lambda notice: pytest.fail(notice))
-    for block in model.blocks:
-        block.residual_step = CompiledForward(block.residual_step, fallback, backend=counting_backend)
-    model.zero_grad()
-    loss = model(input_ids, input_ids).loss
-    loss.backward()
-    assert torch.equal(loss, expected)
-    assert all(torch.equal(parameter.grad, grad) for parameter, grad in zip(model.parameters(), expected_grads))
-    assert len(graphs) == graphs_expected, [graph.code for graph in graphs]
+    expected, expected_grads = loss_and_grads(model, input_ids)
+    counter = GraphCounter()
+    compile_each_block(model, counter, EagerFallback(lambda notice: pytest.fail(notice)))
+    output, grads = loss_and_grads(model, input_ids)
+    assert torch.equal(output.loss, expected.loss)
+    assert all(torch.equal(grad, expected_grad) for grad, expected_grad in zip(grads, expected_grads))
+    assert len(counter.graphs) == graphs_expected, [graph.code for graph in counter.graphs]
 
 
 def test_nvfp4_with_stochastic_rounding_runs_eagerly_with_one_notice(make_config, tmp_path, capsys):

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.errors import ConfigError
-from meshlm.models.moe.dispatch import DispatchPlan, permute, plan_dispatch, unpermute
+from meshlm.models.moe.dispatch import DispatchPlan, count_per_expert, permute, plan_dispatch, unpermute
 from meshlm.parallel.collectives import (PendingExchange, all_gather_along, all_to_all_along, all_to_all_uneven,
                                          gather_along, reduce_scatter_along, start_all_to_all_uneven)
 
@@ -155,7 +155,7 @@ class AllGatherDispatcher(TokenDispatcher):
         local_ids = source_ids - self.first_local_expert
         mine = (source_ids >= 0) & (local_ids >= 0) & (local_ids < self.num_local_experts)
         plan = plan_dispatch(local_ids, None, self.num_local_experts, kept=mine)
-        per_source = torch.stack([torch.bincount(ids[kept], minlength=self.num_local_experts) for ids, kept in
+        per_source = torch.stack([count_per_expert(ids[kept], self.num_local_experts) for ids, kept in
                                   zip(local_ids.chunk(self.ep_size), mine.chunk(self.ep_size))], dim=1)
         return Dispatched(plan, source.shape[0], PendingExchange(permute(source, plan)), plan.tokens_per_expert,
                           per_source)
