@@ -109,19 +109,26 @@ def infer_scaling(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: torch.T
 
 
 def scaled_matmul(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: torch.Tensor, b_scale: torch.Tensor,
-                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                  out_dtype: torch.dtype = torch.bfloat16, verified: bool = False) -> torch.Tensor:
     """``(a_codes * a_scale) @ (b_codes * b_scale)^T`` on FP8 hardware, accumulated in fp32, in ``out_dtype``.
 
     ``a_codes [M, K]`` and ``b_codes [N, K]`` are FP8 (E4M3 or E5M2, not both E5M2) with K last;
     the scales are fp32 dequantization multipliers in one of the layouts of ``SCALINGS`` (module
     docstring), broadcast over their rows, tiles or blocks. ``out_dtype``: bf16, fp16 or fp32.
     Raises NotImplementedError when ``hardware_fp8_supported`` says this device cannot run it.
+
+    ``verified=True``: the caller has already asked ``hardware_fp8_supported`` for this combination
+    (as ``quantized_linear.hardware_gemm`` does once per layer), so the check is skipped. Inside a
+    ``torch.compile``d block that matters: the check's probe makes a ``torch.Generator``, which
+    TorchDynamo cannot trace, and would break the block's graph at every GEMM.
     """
     a_scale = torch.as_tensor(a_scale, dtype=torch.float32, device=a_codes.device)
     b_scale = torch.as_tensor(b_scale, dtype=torch.float32, device=b_codes.device)
     scaling = infer_scaling(a_codes, a_scale, b_codes, b_scale)
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype={out_dtype} is not supported; use torch.bfloat16, torch.float16 or torch.float32.")
+    if verified:
+        return _scaled_mm_padded(a_codes, a_scale, b_codes, b_scale, scaling, out_dtype)
     reason = unsupported_reason(a_codes.device, scaling, a_codes.dtype, b_codes.dtype, out_dtype)
     if reason is not None:
         operands = " x ".join(str(dtype).removeprefix("torch.") for dtype in (a_codes.dtype, b_codes.dtype))

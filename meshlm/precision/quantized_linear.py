@@ -105,7 +105,8 @@ class LinearQuantization:
         that operand's amax in the delayed-scaling history."""
         if self.hardware:
             return scaled_matmul(*self.codes(a.contiguous(), a_name, record_a),
-                                 *self.codes(b.contiguous(), b_name, record_b), out_dtype=out_dtype)
+                                 *self.codes(b.contiguous(), b_name, record_b), out_dtype=out_dtype,
+                                 verified=True)  # hardware_gemm asked when the layer was set up
         return torch.matmul(self.quantize(a, a_name, a_use, record_a),
                             self.quantize(b, b_name, b_use, record_b).t()).to(out_dtype)
 

@@ -144,23 +144,32 @@ def test_each_block_kind_compiles_once_wherever_it_sits(shape):
     assert len(counter.graphs) == kinds, [graph.code for graph in counter.graphs]
 
 
-@pytest.mark.parametrize("recipe,rounding,graphs_expected", [
-    ("fp8_tensorwise", True, 2), ("fp8_blockwise", True, 2), ("mxfp8", True, 2),
-    ("nvfp4", False, 2),
-    ("nvfp4", True, 4),  # stochastic rounding keys its noise by layer: a graph per quantized block
+@pytest.mark.parametrize("recipe,rounding,graphs_expected,fp8_gemm", [
+    ("fp8_tensorwise", True, 2, "emulated"), ("fp8_delayed", True, 2, "emulated"),
+    ("fp8_blockwise", True, 2, "emulated"), ("mxfp8", True, 2, "auto"),
+    ("nvfp4", False, 2, "auto"),
+    ("nvfp4", True, 4, "auto"),  # stochastic rounding keys its noise by layer: a graph per quantized block
+    ("fp8_tensorwise", True, 2, "hardware"), ("fp8_delayed", True, 2, "hardware"),  # torch._scaled_mm
 ])
-def test_quantized_blocks_compile_whole(recipe, rounding, graphs_expected):
+def test_quantized_blocks_compile_whole(recipe, rounding, graphs_expected, fp8_gemm):
     """Under a low-precision recipe the blocks' quantized GEMMs (a custom autograd Function with the
-    quantizers, NVFP4's Hadamard transform and stochastic-rounding noise) compile into the block's
-    graph, one per block kind where no per-layer constant enters it: before, ``int(tensor)`` in the
-    noise key (made for every recipe) and the Hadamard signs' ``torch.Generator`` broke it."""
+    quantizers, NVFP4's Hadamard transform and stochastic-rounding noise, or the hardware FP8 GEMM)
+    compile into the block's graph, one per block kind where no per-layer constant enters it:
+    before, ``int(tensor)`` in the noise key (made for every recipe), the Hadamard signs'
+    ``torch.Generator`` and the FP8 GEMM's support probe (another Generator, run at every GEMM)
+    broke it."""
+    from meshlm.precision.fp8_gemm import hardware_fp8_supported
     from meshlm.precision.model_recipe import apply_recipe
     from meshlm.precision.recipes import Recipe
 
+    if fp8_gemm == "hardware" and not hardware_fp8_supported("cpu", "tensorwise", out_dtype=torch.bfloat16):
+        pytest.skip(f"torch {torch.__version__} runs no tensorwise torch._scaled_mm on this CPU")
     model = small_model(hidden_size=64, pattern="*-*-", ffn_hidden_size=128).to(torch.bfloat16)
-    recipe_object = Recipe(recipe, stochastic_rounding=rounding)
+    recipe_object = Recipe(recipe, stochastic_rounding=rounding, fp8_gemm=fp8_gemm)
     recipe_object.step = 3
     assert apply_recipe(model, recipe_object, num_blocks=4) > 0
+    quantizations = [module.quantization for module in model.modules() if getattr(module, "quantization", None)]
+    assert {quantization.hardware for quantization in quantizations} == {fp8_gemm == "hardware"}
     if recipe_object.hadamard_for_wgrad:
         recipe_object.hadamard_matrix(torch.device("cpu"))  # as the trainer does
     input_ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
