@@ -10,7 +10,9 @@ A quantized linear computes ``F.linear`` with every GEMM operand quantized as it
               db = sum of dY over the tokens          (high precision)
 
 The autograd function saves x and W in the run's dtype (not their quantized copies: each GEMM
-wants its own layout and blocks) and quantizes again in backward.
+wants its own layout and blocks) and quantizes again in backward -- except per-tensor FP8 on the
+hardware GEMM, where a transposed operand's codes are the transposed codes, so the codes are
+kept and transposed (``_SavedCodesLinear``).
 
 **One process or many, the same numbers.** Each layer carries a ``LinearQuantization``: its
 recipe, a key (a hash of the layer's global name, for stochastic rounding), the groups over
@@ -82,6 +84,8 @@ class LinearQuantization:
 
     def linear(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(inputs, weight, bias)`` with the recipe's quantized GEMMs."""
+        if self.hardware and self.recipe.per_tensor:  # fp8_tensorwise, fp8_delayed on FP8 hardware
+            return _SavedCodesLinear.apply(inputs, weight, bias, self)
         return _QuantizedLinear.apply(inputs, weight, bias, self)
 
     def quantize(self, tensor: torch.Tensor, tensor_name: str, use: str, record: bool = False) -> torch.Tensor:
@@ -155,6 +159,47 @@ class _QuantizedLinear(torch.autograd.Function):
             grad_weight = quantization.gemm(grad_t, "grad_output", "wgrad_grad", inputs_t, "input", "wgrad_input",
                                             weight.dtype, record_a=True)
         if ctx.needs_input_grad[2]:  # False without a bias
+            grad_bias = grad_2d.sum(0)
+        return grad_inputs, grad_weight, grad_bias, None
+
+
+class _SavedCodesLinear(torch.autograd.Function):
+    """The hardware GEMMs of a per-tensor FP8 recipe, each operand quantized once per step.
+
+    With one scale per tensor a transposed operand has the same amax, so the same scale, so its
+    codes are the transposed codes: q(X^T) = q(X)^T, q(W^T) = q(W)^T, q(dY^T) = q(dY)^T, bit for
+    bit (fp8_delayed's scale comes from a history that moves only after the step). Forward keeps
+    the FP8 codes of X and W (1 byte an element, half what ``_QuantizedLinear`` saves in bf16), and
+    backward quantizes dY once and transposes codes -- one copy of bytes -- where the general path
+    reads each bf16 operand again for its amax and cast (Transformer Engine keeps FP8 inputs and
+    their transposes for the same reason). The products are those of ``_QuantizedLinear``."""
+
+    @staticmethod
+    def forward(ctx, inputs, weight, bias, quantization):
+        training = any(ctx.needs_input_grad)  # evaluation does not move the delayed-scaling history
+        input_codes, input_scale = quantization.codes(inputs.reshape(-1, inputs.shape[-1]).contiguous(), "input",
+                                                      training)
+        weight_codes, weight_scale = quantization.codes(weight.contiguous(), "weight", training)
+        out = scaled_matmul(input_codes, input_scale, weight_codes, weight_scale, out_dtype=inputs.dtype,
+                            verified=True)
+        ctx.save_for_backward(input_codes, input_scale, weight_codes, weight_scale)
+        ctx.quantization, ctx.input_shape, ctx.weight_dtype = quantization, inputs.shape, weight.dtype
+        out = out.view(*inputs.shape[:-1], weight.shape[0])
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        input_codes, input_scale, weight_codes, weight_scale = ctx.saved_tensors
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        grad_codes, grad_scale = ctx.quantization.codes(grad_2d, "grad_output", record=True)
+        grad_inputs = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:  # dgrad: dY [T, N] by W^T [K, N]
+            grad_inputs = scaled_matmul(grad_codes, grad_scale, weight_codes.t().contiguous(), weight_scale,
+                                        out_dtype=grad_out.dtype, verified=True).view(ctx.input_shape)
+        if ctx.needs_input_grad[1]:  # wgrad: dY^T [N, T] by X^T [K, T]
+            grad_weight = scaled_matmul(grad_codes.t().contiguous(), grad_scale, input_codes.t().contiguous(),
+                                        input_scale, out_dtype=ctx.weight_dtype, verified=True)
+        if ctx.needs_input_grad[2]:
             grad_bias = grad_2d.sum(0)
         return grad_inputs, grad_weight, grad_bias, None
 

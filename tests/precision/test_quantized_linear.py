@@ -184,3 +184,40 @@ def test_hardware_fp8_gemm_is_refused_where_it_cannot_run():
     auto = run(Recipe("fp8_blockwise", fp8_gemm="auto"), inputs, weight, bias, grad_out)  # falls back to emulation
     emulated = run(Recipe("fp8_blockwise", fp8_gemm="emulated"), inputs, weight, bias, grad_out)
     assert all(torch.equal(a, b) for a, b in zip(auto, emulated)) or torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("name", ["fp8_tensorwise", "fp8_delayed"])
+def test_hardware_per_tensor_fp8_reuses_its_codes_bit_for_bit(name):
+    """On the hardware GEMM a per-tensor recipe quantizes X, W and dY once and transposes their
+    codes for the backward GEMMs (``_SavedCodesLinear``): the same products, bit for bit, as
+    quantizing each transposed operand again (``_QuantizedLinear``), with only FP8 codes and
+    their scales saved for backward (no bf16 copy of X or W)."""
+    from meshlm.precision.delayed_scaling import DelayedScaling
+    from meshlm.precision.fp8_gemm import hardware_fp8_supported
+    from meshlm.precision.quantized_linear import LinearQuantization, _QuantizedLinear
+
+    if not hardware_fp8_supported("cpu", "tensorwise", out_dtype=torch.bfloat16):
+        pytest.skip(f"torch {torch.__version__} runs no tensorwise torch._scaled_mm on this CPU")
+    inputs, weight, bias, grad_out = (tensor.to(torch.bfloat16) for tensor in operands(seed=3))
+    results, saved = [], []
+    for path in ("codes", "again"):
+        recipe = Recipe(name, fp8_gemm="hardware")
+        delayed = None
+        if name == "fp8_delayed":  # a history whose window differs from this step's amaxes
+            delayed = DelayedScaling(4, torch.device("cpu"))
+            delayed.history[1] = torch.tensor([7.0, 0.5, 3.0])
+            delayed.empty = False
+        quantization = LinearQuantization(recipe, 0, {"input": (), "weight": (), "grad_output": ()}, delayed,
+                                          hardware=True)
+        leaves = [tensor.clone().requires_grad_() for tensor in (inputs, weight, bias)]
+        dtypes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda tensor: dtypes.append(tensor.dtype) or tensor,
+                                                      lambda tensor: tensor):
+            out = (quantization.linear(*leaves) if path == "codes" else
+                   _QuantizedLinear.apply(*leaves, quantization))
+        results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
+        saved.append(dtypes)
+    for actual, expected in zip(*results):
+        assert torch.equal(actual, expected)
+    assert set(saved[0]) == {torch.float8_e4m3fn, torch.float32}  # codes of X and W, fp32 scales
+    assert set(saved[1]) == {torch.bfloat16}  # the general path keeps X and W in the run's dtype
