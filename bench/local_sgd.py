@@ -1,6 +1,6 @@
 """DDP vs local SGD vs DiLoCo vs PALSGD on the demo corpus, dp4 over a simulated slow link.
 
-    python -m bench.local_sgd [--init-steps 32] [--warmup 32] [--steps 64] [--global-batch 64]
+    python -m bench.local_sgd [--init-steps 32] [--warmup 32] [--steps 64|128] [--global-batch 64|128]
                               [--sync-every 8 32] [--link 1Gbps,5ms] [--eval-every 8] [--device cpu|cuda]
                               [--methods local_sgd diloco palsgd] [--diloco-outer 0.7,0.9]
                               [--palsgd-outer 0.7,0.9] [--target-loss L] [--local-overrides KEY=VALUE ...]
@@ -35,9 +35,16 @@ The protocol has two DDP phases, both from the papers:
    H=8, DDP 5.388): without it DiLoCo is +3.6% and PALSGD +4.6% from DDP, with W=16 +1.9% and
    +2.4% (34% of DDP's bytes), with W=32 +0.35% and +0.9% (local SGD +1.2%; 56% of the bytes).
 
-``--global-batch`` (default 64: 16 sequences per replica a step) is the other lever: with 4 a
-replica (16) the replicas' AdamW steps are so noisy that averaging them cancels much of their
-progress (W=32 over 128 continued steps: DiLoCo +4.5%, PALSGD +6.5%).
+``--global-batch`` (default 64 on a CPU: 16 sequences per replica a step) is the other lever:
+with 4 a replica (16) the replicas' AdamW steps are so noisy that averaging them cancels much of
+their progress (W=32 over 128 continued steps: DiLoCo +4.5%, PALSGD +6.5%); with 32 a replica
+(128) the same 128 continued steps end DiLoCo +0.86% / +2.1% and PALSGD +2.0% / +2.8% from DDP
+(H=8 / 32; measured on this CPU, 2026-11-25), against +2.4-3.6% at 64.
+
+Defaults by device (``DEFAULTS``): on a CPU 64 continued steps of a global batch of 64, what two
+cores train in minutes; on a GPU (``--device cuda``) 128 steps of 128, where a step computes in
+milliseconds and the larger batch keeps the replicas close, so the steps after the warm-up -- the
+ones a low-communication method makes cheaper -- are three quarters of the run, not half.
 
 Reported per run: the validation loss at every ``--eval-every`` steps (DDP) or at the least
 common multiple of it and H (a low-communication run, so the evaluated model is the synced one)
@@ -61,9 +68,10 @@ a step is small: at a global batch of 64 a DDP step is about 1.1-1.5 s of comput
 0.07 s on the 1 Gbps link, so no method can be much faster here (1.02-1.06x of DDP's time to the
 target at H=8, 0.86-0.93x at H=32; 2 repeats, 2026-11-25). Over ``--link 100Mbps,5ms`` (about
 0.65 s a DDP step) the steps after the warm-up are 31-49% cheaper, but the target is reached
-some 10 steps after the warm-up: 1.07-1.11x at H=8, 0.97-1.02x at H=32 (2 repeats, 2026-11-24). ``--device cuda`` puts the four ranks on one GPU
-(gloo), where compute takes milliseconds and the 1 Gbps link dominates the DDP step. The
-wall-clock figures are for the machine they were measured on only.
+some 10 steps after the warm-up: 1.07-1.11x at H=8, 0.97-1.02x at H=32 (2 repeats, 2026-11-24).
+``--device cuda`` puts the four ranks on one GPU (gloo, ``parallel.backend=gloo``: NCCL takes one
+rank per GPU), where compute takes milliseconds and the 1 Gbps link (about 0.07 s) dominates the
+DDP step. The wall-clock figures are for the machine they were measured on only.
 """
 
 from __future__ import annotations
@@ -87,6 +95,8 @@ METHODS = {
     "diloco": ["parallel.dp_sync=diloco"],
     "palsgd": ["parallel.dp_sync=palsgd", "parallel.palsgd_p=0.2", "parallel.palsgd_eta=1.0"],
 }
+DEFAULTS = {"cpu": {"steps": 64, "global_batch": 64}, "cuda": {"steps": 128, "global_batch": 128}}
+"""``--steps`` and ``--global-batch`` where they are not given, by ``--device`` (module docstring)."""
 INIT_SEED = 4321
 """train.seed of the ``--init-steps`` run (the continued runs keep the default 1234)."""
 OUTER_DEFAULTS = {"diloco": "0.7,0.9", "palsgd": "0.7,0.9"}
@@ -99,7 +109,8 @@ def run_overrides(args, run_dir: Path, steps: int, eval_every: int) -> list[str]
             f"train.eval_every={eval_every}", "train.eval_batches=4", "train.save_every=0",
             "train.progress=false", "train.tensorboard=false", "train.plot=false",
             f"train.device={'cuda:0' if args.device == 'cuda' else 'cpu'}", "parallel.dp=4",
-            f"parallel.simulate_link={args.link}"]
+            f"parallel.simulate_link={args.link}",
+            *(["parallel.backend=gloo"] if args.device == "cuda" else [])]  # NCCL: one rank per GPU
 
 
 def init_overrides(args, run_dir: Path) -> list[str]:
@@ -203,9 +214,17 @@ def plot(curves: dict, path: Path, link: str) -> None:
     figure.savefig(path, dpi=110)
 
 
+def apply_device_defaults(args):
+    """``args`` with ``--steps`` and ``--global-batch`` filled in from ``DEFAULTS[args.device]`` where not given."""
+    for name, value in DEFAULTS[args.device].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=None, help="continued steps (default: 64 on cpu, 128 on cuda)")
     parser.add_argument("--sync-every", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--link", default="1Gbps,5ms")
     parser.add_argument("--eval-every", type=int, default=8,
@@ -215,8 +234,9 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--diloco-outer", default=OUTER_DEFAULTS["diloco"], metavar="LR,MOMENTUM")
     parser.add_argument("--palsgd-outer", default=OUTER_DEFAULTS["palsgd"], metavar="LR,MOMENTUM")
-    parser.add_argument("--global-batch", type=int, default=64,
-                        help="sequences per step over the 4 replicas (a multiple of 16: micro-batches of 4)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="sequences per step over the 4 replicas, a multiple of 16 (micro-batches of 4); "
+                             "default: 64 on cpu, 128 on cuda")
     parser.add_argument("--local-overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="dotted overrides for the low-communication runs only (e.g. optim.lr=2e-3: their "
                              "inner learning rate), DDP keeps the demo's settings")
@@ -234,7 +254,9 @@ def main(argv=None) -> int:
                              "seconds: the losses are identical in every repeat, the machine's timing is not")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=str(REPO / "bench" / "local_sgd.png"))
-    args = parser.parse_args(argv)
+    args = apply_device_defaults(parser.parse_args(argv))
+    if args.global_batch % 16:
+        parser.error(f"--global-batch {args.global_batch}: use a multiple of 16 (4 replicas x micro-batches of 4).")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: run the plan at least once (--repeats 1 or more).")
 

@@ -3,9 +3,11 @@ time to a target loss."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from bench.local_sgd import main, median_run, same_warmup_time, seconds_to
+from bench.local_sgd import apply_device_defaults, main, median_run, same_warmup_time, seconds_to
 
 
 def test_common_warmup_is_rescaled_and_later_steps_keep_their_durations():
@@ -42,3 +44,19 @@ def test_repeats_below_one_are_refused_before_any_run(capsys):
         main(["--repeats", "0"])
     assert stopped.value.code == 2
     assert "--repeats 0: run the plan at least once" in capsys.readouterr().err
+
+
+def test_steps_and_batch_default_by_device_and_are_kept_when_given():
+    cpu = apply_device_defaults(SimpleNamespace(device="cpu", steps=None, global_batch=None))
+    cuda = apply_device_defaults(SimpleNamespace(device="cuda", steps=None, global_batch=None))
+    given = apply_device_defaults(SimpleNamespace(device="cuda", steps=32, global_batch=None))
+    assert (cpu.steps, cpu.global_batch) == (64, 64)
+    assert (cuda.steps, cuda.global_batch) == (128, 128)
+    assert (given.steps, given.global_batch) == (32, 128)
+
+
+def test_a_global_batch_that_does_not_split_into_micro_batches_is_refused(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["--global-batch", "24"])
+    assert stopped.value.code == 2
+    assert "--global-batch 24: use a multiple of 16" in capsys.readouterr().err
