@@ -19,8 +19,10 @@ there yet) for the same number of steps, with ``precision.dtype=bf16``; they dif
 Measured per config: the validation loss at the end (``train.eval_batches`` fixed micro-batches,
 the same for every config) and at step 0, its ratio to bf16's and the difference in percent, and
 the median wall-clock seconds of a training step and its ratio to bf16's (beside it the median
-CPU seconds, all threads; on a busy machine those grow too, as OpenMP threads spin while waiting).
-Training runs write to a temporary folder, removed afterwards. A config the trainer refuses (a
+CPU seconds, all threads; on a busy machine those grow too, as OpenMP threads spin while waiting),
+``gemms`` (whether the quantized layers multiplied FP8 codes on the hardware GEMM or dequantized
+operands: only the first is FP8 speed) and ``compile_notices`` and ``graph_breaks`` (with
+``train.compile=true``: a block that fell back to eager; where TorchDynamo split a block's graph). Training runs write to a temporary folder, removed afterwards. A config the trainer refuses (a
 ``ConfigError``, e.g. a recipe this checkout does not have yet) gets ``{"error": message}`` and
 the bench goes on. A line per finished run goes to stderr; one JSON object (also written to
 ``--out``) to stdout at the end.
@@ -61,6 +63,7 @@ import torch
 from meshlm.config import load_run_config
 from meshlm.data.demo_corpus import build_demo_corpus
 from meshlm.errors import ConfigError
+from meshlm.precision.quantized_linear import LinearQuantization
 from meshlm.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,12 +102,26 @@ DEFAULTS = {
 
 
 class TimedTrainer(Trainer):
-    """The trainer, recording the wall-clock and CPU seconds of each training step."""
+    """The trainer, recording the wall-clock and CPU seconds of each training step and what
+    ``train.compile`` said."""
 
     def __init__(self, config):
         super().__init__(config)
         self.step_seconds: list[float] = []
         self.step_cpu_seconds: list[float] = []
+        self.compile_notices: list[str] = []
+        """What ``train.compile`` said (a block that fell back to eager, a recipe run eagerly)."""
+
+    def open_logs(self):
+        super().open_logs()
+        say = self.progress.message
+
+        def message(text: str) -> None:
+            if "train.compile" in text:
+                self.compile_notices.append(text)
+            say(text)
+
+        self.progress.message = message
 
     def train_step(self):
         wall, cpu = time.perf_counter(), time.process_time()
@@ -137,13 +154,32 @@ def train_one(name: str, args, workdir: Path) -> dict:
         trainer = TimedTrainer(load_run_config(base, overrides))
     except ConfigError as error:
         return {"error": str(error)}
+    breaks_before = graph_breaks()
     result = trainer.run()
     final_step = max(result.val_losses)
     return {"val_loss": result.val_losses[final_step], "initial_val_loss": result.val_losses.get(0),
             "final_train_loss": result.losses[final_step], "skipped_steps": result.skipped_steps,
             "step_s": round(statistics.median(trainer.step_seconds), 4),
             "step_cpu_s": round(statistics.median(trainer.step_cpu_seconds), 4),
-            "run_s": round(time.perf_counter() - started, 1), "overrides": CONFIGS[name]}
+            "run_s": round(time.perf_counter() - started, 1), "overrides": CONFIGS[name],
+            "gemms": gemm_paths(trainer.model), "compile_notices": trainer.compile_notices,
+            "graph_breaks": graph_breaks() - breaks_before}
+
+
+def graph_breaks() -> int:
+    """Graph breaks TorchDynamo has met in this process so far (0 without train.compile)."""
+    from torch._dynamo.utils import counters
+    return sum(counters["graph_break"].values())
+
+
+def gemm_paths(model: torch.nn.Module) -> list[str]:
+    """How the quantized linear layers multiply: 'hardware' (``torch._scaled_mm`` on FP8 codes) and/or
+    'emulated' (dequantized operands); empty without a recipe. A step time only means FP8 hardware
+    speed where this says 'hardware'."""
+    quantizations = [getattr(module, "quantization", None) for module in model.modules()]
+    paths = {"hardware" if quantization.hardware else "emulated" for quantization in quantizations
+             if isinstance(quantization, LinearQuantization)}
+    return sorted(paths)
 
 
 def compare(runs: dict) -> None:
