@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.models.moe.experts import grouped_linear
+from meshlm.precision.formats.fp8 import abs_max
 from meshlm.precision.formats.hashed_noise import noise_key
 from meshlm.precision.quantized_linear import ROLES, USES
 from meshlm.precision.recipes import Recipe
@@ -83,7 +84,7 @@ class GroupedQuantization:
         """Per piece, its amax reduced over the tensor's groups (None everywhere for block scales)."""
         if not self.recipe.per_tensor or not pieces:
             return [None] * len(pieces)
-        amax = torch.stack([piece.detach().float().abs().amax() if piece.numel() else
+        amax = torch.stack([abs_max(piece) if piece.numel() else
                             piece.new_zeros((), dtype=torch.float32) for piece in pieces])
         for group in self.groups[tensor_name]:
             if group is not None and group.size > 1:

@@ -56,7 +56,7 @@ from meshlm.precision.delayed_scaling import DelayedScaling
 from meshlm.precision.formats.hashed_noise import noise_key
 from meshlm.precision.fp8_gemm import hardware_fp8_supported, scaled_matmul
 from meshlm.precision.recipes import Recipe
-from meshlm.precision.formats.fp8 import scale_from_amax
+from meshlm.precision.formats.fp8 import abs_max, scale_from_amax
 
 ROLES = {"input": "activation", "weight": "weight", "grad_output": "gradient"}
 """The format role (recipes.py) of each tensor of a linear layer."""
@@ -120,7 +120,7 @@ class LinearQuantization:
         recipe, role, groups = self.recipe, ROLES[tensor_name], self.groups[tensor_name]
         scale = tensor_amax = None
         if recipe.per_tensor:
-            amax = tensor.detach().float().abs().amax()
+            amax = abs_max(tensor)
             if self.delayed is not None:
                 if record:
                     self.delayed.record(tensor_name, amax)

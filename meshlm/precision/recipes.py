@@ -54,7 +54,8 @@ import torch.nn.functional as F
 
 from meshlm.errors import ConfigError
 from meshlm.precision.formats.blockwise import quantize_fp8_blockwise
-from meshlm.precision.formats.fp8 import E4M3, E5M2, FP8Format, FP8Quantized, quantize_fp8, scale_from_amax
+from meshlm.precision.formats.fp8 import (E4M3, E5M2, FP8Format, FP8Quantized, abs_max, fp8_codes, quantize_fp8,
+                                         scale_from_amax)
 from meshlm.precision.formats.hadamard import apply_blockwise, random_hadamard_matrix
 from meshlm.precision.formats.mxfp8 import quantize_mxfp8
 from meshlm.precision.formats.nvfp4 import quantize_nvfp4
@@ -162,6 +163,9 @@ class Recipe:
         give a 0-dim scale, fp8_blockwise 1 x 128 tile or 128 x 128 block scales."""
         if self.name not in FP8_CODE_RECIPES:
             raise ValueError(f"precision.recipe={self.name} has no hardware FP8 GEMM (only the fp8_* recipes).")
+        if self.name != "fp8_blockwise":  # per-tensor: the codes alone (``fp8_codes``), no dequantized copy
+            scale = self._per_tensor_scale(tensor, role, tensor_amax, scale)
+            return fp8_codes(tensor, scale, self.fp8_format_of(role)), scale
         quantized = self._fp8(tensor, role, tensor_amax, scale)
         return quantized.codes, quantized.scales
 
@@ -172,11 +176,16 @@ class Recipe:
         if self.name == "fp8_blockwise":
             rows, cols = (128, 128) if role == "weight" else (1, 128)
             return quantize_fp8_blockwise(tensor, rows, cols, E4M3, power_of_two=True)
-        fmt = self.fp8_format_of(role)
-        if scale is None:
-            amax = tensor.detach().float().abs().amax() if tensor_amax is None else tensor_amax
-            scale = scale_from_amax(amax, fmt)
-        return quantize_fp8(tensor, scale, fmt)
+        return quantize_fp8(tensor, self._per_tensor_scale(tensor, role, tensor_amax, scale), self.fp8_format_of(role))
+
+    def _per_tensor_scale(self, tensor: torch.Tensor, role: str, tensor_amax: torch.Tensor | None,
+                          scale: torch.Tensor | None) -> torch.Tensor:
+        """``scale`` if given (fp8_delayed), else from ``tensor_amax`` or the tensor's own amax."""
+        if scale is not None:
+            return torch.as_tensor(scale, dtype=torch.float32, device=tensor.device)
+        amax = abs_max(tensor) if tensor_amax is None else tensor_amax
+        return torch.as_tensor(scale_from_amax(amax, self.fp8_format_of(role)), dtype=torch.float32,
+                               device=tensor.device)
 
     def hardware_scalings(self) -> tuple[str, str]:
         """The ``fp8_gemm.py`` scale layouts of (fprop and dgrad, wgrad) under this recipe."""

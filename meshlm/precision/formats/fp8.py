@@ -101,8 +101,22 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format = 
     and the product fits ``x.dtype``, otherwise rounded once more to ``x.dtype``.
     """
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    codes = (x.float() / scale).clamp(-fmt.max_value, fmt.max_value).to(fmt.dtype)
+    codes = fp8_codes(x, scale, fmt)
     return FP8Quantized(dequantize_fp8(codes, scale, x.dtype), codes, scale)
+
+
+def fp8_codes(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format = E4M3) -> torch.Tensor:
+    """The codes of ``quantize_fp8`` alone, for a GEMM that multiplies codes (``fp8_gemm.py``):
+    without a compiler to drop the unused dequantized values, computing them would double the
+    bytes an eager step moves per operand."""
+    return (x.float() / scale).clamp(-fmt.max_value, fmt.max_value).to(fmt.dtype)
+
+
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as a 0-dim fp32 tensor (NaN if ``x`` holds one), with no gradient. Taken in
+    ``x``'s own dtype -- the absolute value and the maximum of bf16 numbers are bf16 numbers, so
+    this is exact -- and widened after: no fp32 copy of the whole tensor."""
+    return x.detach().abs().amax().float()
 
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -112,7 +126,7 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype 
 
 def quantize_fp8_tensorwise(x: torch.Tensor, fmt: FP8Format = E4M3, power_of_two: bool = False) -> FP8Quantized:
     """Current per-tensor scaling: ``scale = amax(|x|) / fmt.max_value``; ``scales`` is a 0-dim fp32 tensor."""
-    return quantize_fp8(x, scale_from_amax(x.float().abs().amax(), fmt, power_of_two), fmt)
+    return quantize_fp8(x, scale_from_amax(abs_max(x), fmt, power_of_two), fmt)
 
 
 class AmaxHistory:
@@ -151,7 +165,7 @@ class AmaxHistory:
     def quantize(self, x: torch.Tensor) -> FP8Quantized:
         """Quantize ``x`` with the current (delayed) scale, then record ``x``'s amax for the next steps."""
         quantized = quantize_fp8(x, self.scale, self.fmt)
-        self.update(x.detach().float().abs().amax())
+        self.update(abs_max(x))
         return quantized
 
     def state_dict(self) -> dict[str, torch.Tensor]:

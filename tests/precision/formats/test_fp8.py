@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from meshlm.precision.formats.fp8 import (E4M3, E5M2, AmaxHistory, dequantize_fp8, power_of_two_scale, quantize_fp8,
-                                          quantize_fp8_tensorwise, scale_from_amax)
+from meshlm.precision.formats.fp8 import (E4M3, E5M2, AmaxHistory, abs_max, dequantize_fp8, fp8_codes,
+                                          power_of_two_scale, quantize_fp8, quantize_fp8_tensorwise, scale_from_amax)
 
 FORMATS = [E4M3, E5M2]
 
@@ -167,3 +167,21 @@ def test_amax_history_state_round_trips():
     assert torch.equal(restored.scale, history.scale)
     with pytest.raises(ValueError, match="history_length"):
         AmaxHistory(history_length=4).load_state_dict(history.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_codes_alone_are_the_codes_of_the_full_quantization(dtype, fmt):
+    """``fp8_codes`` (what the hardware GEMM reads, without the dequantized copy) and ``abs_max``
+    (taken in the tensor's own dtype) give bit for bit what ``quantize_fp8`` from an fp32 amax gives."""
+    generator = torch.Generator().manual_seed(7)
+    x = (torch.randn(64, 96, generator=generator) * torch.logspace(-6, 3, 96)).to(dtype)
+    x[3, 5] = -4 * x.float().abs().max()  # a lone outlier sets the scale
+    amax = abs_max(x)
+    assert amax.dtype == torch.float32 and amax.dim() == 0
+    assert torch.equal(amax, x.float().abs().amax())
+    scale = scale_from_amax(amax, fmt)
+    codes = fp8_codes(x, scale, fmt)
+    assert torch.equal(codes.view(torch.uint8), quantize_fp8(x, scale, fmt).codes.view(torch.uint8))
+    x[0, 0] = float("nan")
+    assert torch.isnan(abs_max(x))
