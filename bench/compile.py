@@ -61,6 +61,18 @@ def timed_steps(trainer: Trainer, steps: int) -> float:
     return (time.perf_counter() - started) / steps
 
 
+def graphs_compiled() -> int:
+    """Graphs TorchDynamo has compiled in this process so far (its own counter)."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+def graph_breaks() -> int:
+    """Graph breaks TorchDynamo has met in this process so far (0 without train.compile)."""
+    from torch._dynamo.utils import counters
+    return sum(counters["graph_break"].values())
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

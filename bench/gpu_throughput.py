@@ -80,7 +80,7 @@ from pathlib import Path
 
 import torch
 
-from bench.compile import synchronize
+from bench.compile import graphs_compiled, synchronize
 from bench.reference_gpt import ReferenceGPT, ReferenceTrainer
 from bench.train_throughput import write_random_corpus
 from meshlm.checkpoint.files import write_json_atomic
@@ -236,12 +236,6 @@ def timed(step, count: int, device: torch.device) -> tuple[float, object]:
 
 MAX_EXTRA_WARMUP = 5
 """Warm-up steps beyond ``--warmup`` while Dynamo is still compiling new graphs."""
-
-
-def graphs_compiled() -> int:
-    """Graphs TorchDynamo has compiled in this process so far (its own counter)."""
-    from torch._dynamo.utils import counters
-    return int(counters["stats"]["unique_graphs"])
 
 
 def measure_variant(subject, compile: bool, recompute: str, args, device: torch.device) -> dict:

@@ -62,6 +62,7 @@ from pathlib import Path
 
 import torch
 
+from bench.compile import graph_breaks
 from meshlm.config import load_run_config
 from meshlm.data.demo_corpus import build_demo_corpus
 from meshlm.errors import ConfigError
@@ -171,11 +172,6 @@ def train_one(name: str, args, workdir: Path) -> dict:
             "gemms": gemm_paths(trainer.model), "compile_notices": trainer.compile_notices,
             "graph_breaks": graph_breaks() - breaks_before}
 
-
-def graph_breaks() -> int:
-    """Graph breaks TorchDynamo has met in this process so far (0 without train.compile)."""
-    from torch._dynamo.utils import counters
-    return sum(counters["graph_break"].values())
 
 
 def gemm_paths(model: torch.nn.Module) -> list[str]:

@@ -25,4 +25,3 @@ def triton_installed() -> bool:
     TorchDynamo calls it once while tracing instead of tracing ``importlib``, which it refuses
     (torch 2.11 breaks the graph there)."""
     return importlib.util.find_spec("triton") is not None
-

@@ -163,7 +163,7 @@ class Recipe:
         give a 0-dim scale, fp8_blockwise 1 x 128 tile or 128 x 128 block scales."""
         if self.name not in FP8_CODE_RECIPES:
             raise ValueError(f"precision.recipe={self.name} has no hardware FP8 GEMM (only the fp8_* recipes).")
-        if self.name != "fp8_blockwise":  # per-tensor: the codes alone (``fp8_codes``), no dequantized copy
+        if self.per_tensor:  # fp8_tensorwise, fp8_delayed: the codes alone (``fp8_codes``), no dequantized copy
             scale = self._per_tensor_scale(tensor, role, tensor_amax, scale)
             return fp8_codes(tensor, scale, self.fp8_format_of(role)), scale
         quantized = self._fp8(tensor, role, tensor_amax, scale)

@@ -7,14 +7,15 @@ optimizer have hooked the blocks. Compiling each block's math, ``Block.residual_
 ``h + dropout(mixer(norm(h)))`` (rather than the whole model, or ``nn.Module.compile`` which would
 pull the module's hooks into the graph), changes nothing of that: the block stays the same
 module with the same parameter names (checkpoints do not change), its hooks still run eagerly
-around the compiled forward, and the pipeline schedule calls the blocks one by one as before. A collective inside a block (tensor parallelism) splits that block
-into several graphs; the math between collectives is still fused.
+around the compiled forward, and the pipeline schedule calls the blocks one by one as before. A
+collective inside a block (tensor parallelism) splits that block into several graphs; the math
+between collectives is still fused.
 
 Blocks of the same kind share their compiled code (Dynamo treats module parameters as inputs,
 and ``residual_step`` touches no state outside its block, such as the list of MoE losses that
 ``Block.forward`` appends to), so a deep model compiles about one graph per block kind, for
-training and once more for evaluation (no_grad). The first step pays for compiling (seconds to a minute); later steps run
-the fused kernels.
+training and once more for evaluation (no_grad). The first step pays for compiling (seconds to
+a minute); later steps run the fused kernels.
 
 When compiling is not possible -- Dynamo unsupported on this Python, no C++ compiler for
 Inductor's CPU code, or Inductor failing on a block's forward or backward the first time it runs
