@@ -22,7 +22,8 @@ the median wall-clock seconds of a training step and its ratio to bf16's (beside
 CPU seconds, all threads; on a busy machine those grow too, as OpenMP threads spin while waiting),
 ``gemms`` (whether the quantized layers multiplied FP8 codes on the hardware GEMM or dequantized
 operands: only the first is FP8 speed) and ``compile_notices`` and ``graph_breaks`` (with
-``train.compile=true``: a block that fell back to eager; where TorchDynamo split a block's graph). Training runs write to a temporary folder, removed afterwards. A config the trainer refuses (a
+``train.compile=true``: a block that fell back to eager; where TorchDynamo split a block's graph).
+Training runs write to a temporary folder, removed afterwards. A config the trainer refuses (a
 ``ConfigError``, e.g. a recipe this checkout does not have yet) gets ``{"error": message}`` and
 the bench goes on. A line per finished run goes to stderr; one JSON object (also written to
 ``--out``) to stdout at the end.
@@ -34,18 +35,19 @@ removed part helped; ``val_loss_delta`` is how much). On a Hopper GPU (``--devic
 dense``): FP8 steps at least 1.3x faster than bf16's, on a linear-heavy dense Transformer (8
 attention + MLP layers, hidden 2048, FFN 8192: about 90% of its FLOPs are GEMMs of linear layers,
 which the recipes quantize; 100 steps of 4 accumulated micro-batches of 8 x 1024 tokens, so the
-optimizer is paid once per 32K tokens as in pre-training). The speed targets are reported only on CUDA: on a CPU the recipes run
-emulated (quantize, dequantize, bf16 matmul), so their step times say nothing about FP8 hardware.
+optimizer is paid once per 32K tokens as in pre-training). The speed targets are reported only on
+CUDA: on a CPU the recipes run emulated (quantize, dequantize, bf16 matmul), so their step times
+say nothing about FP8 hardware.
 
 ``--model hybrid`` (the default) is the demo's hybrid (``configs/demo.yaml``: Mamba-2, attention,
 MLP and MoE blocks). The defaults of steps, sequence length, micro-batch, micro-batches per step
-and evaluation batches
-depend on the model and device (``DEFAULTS``). On a 2-core CPU without bf16 instructions (AVX2
-only; a bf16 matmul runs in software, hundreds of times slower than fp32's) the hybrid trains 60
-steps of 8 x 128 tokens and validates on 16 x 8 x 128 tokens: measured on an idle 2-core AMD EPYC,
-a bf16 step takes about 4.0 s, an FP8 one 2.8-4.2 s, an NVFP4 one 3.8-5.0 s, and the nine runs
-about 40 minutes (other work on the machine stretches every step alike, so run it alone). Any
-``SECTION.KEY=VALUE`` after the options overrides every config (e.g. ``train.seq_len=256``).
+and evaluation batches depend on the model and device (``DEFAULTS``). On a 2-core CPU without
+bf16 instructions (AVX2 only; a bf16 matmul runs in software, hundreds of times slower than
+fp32's) the hybrid trains 60 steps of 8 x 128 tokens and validates on 16 x 8 x 128 tokens:
+measured on an idle 2-core AMD EPYC, a bf16 step takes about 4.0 s, an FP8 one 2.8-4.2 s, an
+NVFP4 one 3.8-5.0 s, and the nine runs about 40 minutes (other work on the machine stretches
+every step alike, so run it alone). Any ``SECTION.KEY=VALUE`` after the options overrides every
+config (e.g. ``train.seq_len=256``).
 """
 
 from __future__ import annotations
@@ -171,7 +173,6 @@ def train_one(name: str, args, workdir: Path) -> dict:
             "run_s": round(time.perf_counter() - started, 1), "overrides": CONFIGS[name],
             "gemms": gemm_paths(trainer.model), "compile_notices": trainer.compile_notices,
             "graph_breaks": graph_breaks() - breaks_before}
-
 
 
 def gemm_paths(model: torch.nn.Module) -> list[str]:
