@@ -1,7 +1,8 @@
 """DDP vs local SGD vs DiLoCo vs PALSGD on the demo corpus, dp4 over a simulated slow link.
 
     python -m bench.local_sgd [--init-steps 32] [--warmup 32] [--steps 64|128] [--global-batch 64|128]
-                              [--sync-every 8 32] [--link 1Gbps,5ms] [--eval-every 8] [--device cpu|cuda]
+                              [--sync-every 8 32] [--link 1Gbps,5ms] [--no-baseline-without-link]
+                              [--eval-every 8] [--device cpu|cuda]
                               [--methods local_sgd diloco palsgd] [--diloco-outer 0.7,0.9]
                               [--palsgd-outer 0.7,0.9] [--target-loss L] [--local-overrides KEY=VALUE ...]
                               [--out FILE] [--plot bench/local_sgd.png]
@@ -53,8 +54,13 @@ the DP groups moved (ring bytes per rank), the final loss relative to DDP's at e
 so equal tokens), and the seconds to reach the target loss (default: DDP's final validation
 loss x 1.03; linear interpolation between evaluations; null if not reached). Targets (issue
 20): PALSGD and DiLoCo within 3% of DDP's final validation loss and faster than DDP to the
-target. A table goes to stderr, one JSON object to stdout (and ``--out``), and the loss-vs-time
-plot to ``--plot``.
+target. Beside them (``--baseline-without-link``, on by default) DDP runs once more without the
+simulated link: the same losses in the time of the computation and the real collectives alone.
+That is the floor of any method that computes as much as DDP, and ``link_share_of_ddp`` (1 -
+its time / DDP's) is the link's share of DDP's time: such a method is at most 1 / (1 - share)
+times faster than DDP over the same steps (PALSGD's pulls skip the computation of a step, so it
+alone can go below that floor). A table goes to stderr, one JSON object to stdout (and
+``--out``), and the loss-vs-time plot to ``--plot`` (the run without the link dashed).
 
 ``--repeats N`` runs the whole plan N times, each repeat starting one method later, and reports
 the median seconds (the losses are identical in every repeat: only the machine's timing varies).
@@ -97,6 +103,9 @@ METHODS = {
 }
 DEFAULTS = {"cpu": {"steps": 64, "global_batch": 64}, "cuda": {"steps": 128, "global_batch": 128}}
 """``--steps`` and ``--global-batch`` where they are not given, by ``--device`` (module docstring)."""
+NO_LINK = "ddp no link"
+"""The run of DDP without ``parallel.simulate_link`` (``--baseline-without-link``): computation
+and the real collectives only, the same losses as DDP's."""
 INIT_SEED = 4321
 """train.seed of the ``--init-steps`` run (the continued runs keep the default 1234)."""
 OUTER_DEFAULTS = {"diloco": "0.7,0.9", "palsgd": "0.7,0.9"}
@@ -192,6 +201,15 @@ def seconds_to(curve: dict, target: float) -> float | None:
     return None
 
 
+def link_share(runs: dict) -> float | None:
+    """The simulated link's share of DDP's training time: 1 - (DDP without the link) / (DDP with
+    it), both medians of their repeats; None without the ``NO_LINK`` run. A method that computes
+    as much as DDP can be at most 1 / (1 - share) times faster than DDP over the same steps."""
+    if NO_LINK not in runs:
+        return None
+    return 1 - runs[NO_LINK]["train_seconds"] / runs["ddp"]["train_seconds"]
+
+
 def plot(curves: dict, path: Path, link: str) -> None:
     """Validation loss against training seconds, the common DDP steps timed alike (``same_warmup_time``)."""
     try:
@@ -204,8 +222,9 @@ def plot(curves: dict, path: Path, link: str) -> None:
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for name, curve in curves.items():
         points = [curve[step] for step in sorted(curve)]
+        style = {"color": "gray", "linestyle": "--"} if name == NO_LINK else {}
         axis.plot([t for t, _ in points], [loss for _, loss in points], marker="o", label=name,
-                  linewidth=2.5 if name == "ddp" else 1.2)
+                  linewidth=2.5 if name == "ddp" else 1.2, **style)
     axis.set_xlabel("training wall-clock seconds (evaluations excluded; the common DDP steps timed alike)")
     axis.set_ylabel("validation loss")
     axis.set_title(f"dp4 over a simulated {link} link")
@@ -252,6 +271,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the whole plan this many times (methods interleaved) and report the median "
                              "seconds: the losses are identical in every repeat, the machine's timing is not")
+    parser.add_argument("--baseline-without-link", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run DDP without the simulated link (NO_LINK): its time is the run's "
+                             "computation and real collectives alone, the floor of any method that computes "
+                             "as much as DDP, and measures the link's share of DDP's time")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=str(REPO / "bench" / "local_sgd.png"))
     args = apply_device_defaults(parser.parse_args(argv))
@@ -270,7 +293,8 @@ def main(argv=None) -> int:
                 for method, overrides in METHODS.items()}
     for method in METHODS:
         settings[method].append(f"parallel.{'palsgd' if method == 'palsgd' else 'local'}_warmup={args.warmup}")
-    plan = [("ddp", [], args.eval_every)] + [
+    plan = [("ddp", [], args.eval_every)] + ([(NO_LINK, ["parallel.simulate_link=null"], args.eval_every)]
+                                             if args.baseline_without_link and args.link else []) + [
         (f"{method} H={every}", [*settings[method], f"parallel.sync_every={every}", *args.local_overrides],
          math.lcm(args.eval_every, every)) for every in args.sync_every for method in args.methods]
     repeats, init = {}, None
@@ -296,9 +320,11 @@ def main(argv=None) -> int:
     ddp_final = runs["ddp"]["curve"][max(runs["ddp"]["curve"])][1]
     target = args.target_loss if args.target_loss is not None else ddp_final * 1.03
     ddp_time = seconds_to(runs["ddp"]["curve"], target)
-    common = args.warmup if args.warmup and all(args.warmup in run["curve"] for run in runs.values()) else 0
-    common_seconds = statistics.median(run["curve"][common][0] for run in runs.values()) if common else None
-    aligned = {name: same_warmup_time(run["curve"], common, common_seconds) for name, run in runs.items()}
+    linked = {name: run for name, run in runs.items() if name != NO_LINK}  # whose first steps are the same
+    common = args.warmup if args.warmup and all(args.warmup in run["curve"] for run in linked.values()) else 0
+    common_seconds = statistics.median(run["curve"][common][0] for run in linked.values()) if common else None
+    aligned = {name: same_warmup_time(run["curve"], common, common_seconds) if name in linked else run["curve"]
+               for name, run in runs.items()}
     ddp_aligned = seconds_to(aligned["ddp"], target)
     table = {}
     for name, run in runs.items():
@@ -323,7 +349,8 @@ def main(argv=None) -> int:
     result = {"steps": args.steps, "global_batch": args.global_batch, "link": args.link, "target_loss": target,
               "device": args.device, "repeats": args.repeats,
               "init": init, "start_val_loss": runs["ddp"]["curve"][0][1], "warmup": args.warmup, "outer": outer,
-              "local_overrides": args.local_overrides, "common_warmup_seconds": common_seconds, "runs": table}
+              "local_overrides": args.local_overrides, "common_warmup_seconds": common_seconds,
+              "link_share_of_ddp": link_share(runs), "runs": table}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.local_sgd import apply_device_defaults, main, median_run, same_warmup_time, seconds_to
+from bench.local_sgd import NO_LINK, apply_device_defaults, link_share, main, median_run, same_warmup_time, seconds_to
 
 
 def test_common_warmup_is_rescaled_and_later_steps_keep_their_durations():
@@ -60,3 +60,10 @@ def test_a_global_batch_that_does_not_split_into_micro_batches_is_refused(capsys
         main(["--global-batch", "24"])
     assert stopped.value.code == 2
     assert "--global-batch 24: use a multiple of 16" in capsys.readouterr().err
+
+
+def test_link_share_is_the_part_of_ddp_time_the_link_run_adds():
+    runs = {"ddp": {"train_seconds": 80.0}, NO_LINK: {"train_seconds": 76.0}, "diloco H=8": {"train_seconds": 70.0}}
+    assert link_share(runs) == pytest.approx(0.05)  # at most 1 / 0.95 = 1.05x faster at DDP's computation
+    del runs[NO_LINK]
+    assert link_share(runs) is None
