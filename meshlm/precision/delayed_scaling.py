@@ -21,6 +21,16 @@ The first step (an empty history) scales from the current amax, as ``fp8_tensorw
 The histories are training state: a checkpoint saves them (``recipe/NAME/amax_history``, whole
 tensors, replicated) and a resume at any layout restores them; a checkpoint without them
 (e.g. of a run without this recipe) starts from empty histories.
+
+**Experts.** A stacked expert weight (``quantized_experts.py``) runs E separate linear layers, so
+its history is ``[N, E, 3]``: one column set per expert, indexed by the expert's *global*
+number. Under expert parallelism a rank records only its own experts' rows (the others stay 0);
+the step's max over the data-parallel group -- which the expert-parallel ranks are folded into
+-- then fills in every expert, so every rank keeps the whole, identical history, and a
+checkpoint of it reshards to any expert layout like a replicated tensor. An expert may receive
+no tokens for a while: an (expert, operand) whose window holds no amax yet scales from its
+current amax (``filled``, refreshed by ``begin_step``), where a dense layer's history is either
+empty or filled.
 """
 
 from __future__ import annotations
@@ -35,42 +45,71 @@ OPERANDS = ("input", "weight", "grad_output")
 
 
 class DelayedScaling:
-    """One linear layer's amax history ``[history_length, 3]`` (see the module docstring)."""
+    """One linear layer's amax history ``[history_length, 3]``, or a stacked expert weight's
+    ``[history_length, num_experts, 3]`` (see the module docstring)."""
 
-    def __init__(self, history_length: int, device: torch.device):
-        self.history = torch.zeros(history_length, len(OPERANDS), dtype=torch.float32, device=device)
-        """Reduced amaxes of past steps, newest first; columns as ``OPERANDS``."""
-        self.step_amax = torch.zeros(len(OPERANDS), dtype=torch.float32, device=device)
+    def __init__(self, history_length: int, device: torch.device, num_experts: int = 0):
+        experts = (num_experts,) if num_experts else ()
+        self.history = torch.zeros(history_length, *experts, len(OPERANDS), dtype=torch.float32, device=device)
+        """Reduced amaxes of past steps, newest first; columns as ``OPERANDS`` (per global expert)."""
+        self.step_amax = torch.zeros(*experts, len(OPERANDS), dtype=torch.float32, device=device)
         """This rank's running max of the step under way (not yet reduced)."""
         self.empty = True
         """No step recorded yet: quantize with current scaling (refreshed by ``begin_step``)."""
+        self.filled: list[list[bool]] | None = None
+        """Experts: per global expert and operand, whether its window holds an amax (host-side,
+        refreshed by ``begin_step``); None: none does yet."""
 
-    def record(self, operand: str, amax: torch.Tensor) -> None:
+    @property
+    def per_expert(self) -> bool:
+        return self.history.dim() == 3
+
+    def record(self, operand: str, amax: torch.Tensor, experts: torch.Tensor | None = None) -> None:
+        """Note this step's ``amax`` of ``operand``; experts: ``amax [pieces]`` of the pieces that
+        belong to global experts ``experts [pieces]`` (several pieces may share an expert)."""
         index = OPERANDS.index(operand)
-        self.step_amax[index] = torch.maximum(self.step_amax[index], amax.detach().float())
+        if experts is None:
+            self.step_amax[index] = torch.maximum(self.step_amax[index], amax.detach().float())
+            return
+        column = self.step_amax[:, index]
+        column.scatter_reduce_(0, experts.to(column.device), amax.detach().float(), reduce="amax")
 
     def window_amax(self, operand: str) -> torch.Tensor:
-        """The largest recorded amax of ``operand`` over the history (0-dim fp32)."""
-        return self.history[:, OPERANDS.index(operand)].amax()
+        """The largest recorded amax of ``operand`` over the history (0-dim fp32; experts: [E])."""
+        return self.history[..., OPERANDS.index(operand)].amax(0)
+
+    def is_filled(self, operand: str, expert: int) -> bool:
+        """Experts: whether global ``expert``'s window of ``operand`` holds an amax."""
+        return self.filled is not None and self.filled[expert][OPERANDS.index(operand)]
 
 
 def delayed_scalings(model: nn.Module) -> list[tuple[str, DelayedScaling]]:
-    """(module name, state) of every layer of ``model`` that scales with a history, in module order."""
+    """(name, state) of every layer of ``model`` that scales with a history, in module order: a
+    linear layer's module name, or ``MODULE.WEIGHT`` for a stacked expert weight."""
     found = []
     for name, module in model.named_modules():
         quantization = getattr(module, "quantization", None)
         if quantization is not None and quantization.delayed is not None:
             found.append((name, quantization.delayed))
+        for weight_name, grouped in (getattr(module, "quantizations", None) or {}).items():
+            if grouped.delayed is not None:
+                found.append((f"{name}.{weight_name}", grouped.delayed))
     return found
 
 
 def begin_step(model: nn.Module) -> None:
-    """Before a step: note which histories are still empty (one host sync for all of them)."""
+    """Before a step: note which histories (experts: which windows) are still empty, with one host
+    sync for all of them."""
     states = [state for _, state in delayed_scalings(model)]
-    if states:
-        filled = torch.stack([state.history.amax() for state in states]).gt(0).tolist()
-        for state, is_filled in zip(states, filled):
-            state.empty = not is_filled
+    if not states:
+        return
+    windows = [state.history.amax(0).flatten() if state.per_expert else state.history.amax().reshape(1)
+               for state in states]
+    filled = torch.cat(windows).gt(0).cpu().split([window.numel() for window in windows])
+    for state, is_filled in zip(states, filled):
+        state.empty = not bool(is_filled.any())
+        if state.per_expert:
+            state.filled = is_filled.view(state.step_amax.shape).tolist()
 
 
 @torch.no_grad()
@@ -81,13 +120,13 @@ def finish_step(model: nn.Module, groups=(), reduce_max: Callable | None = None)
     states = [state for _, state in delayed_scalings(model)]
     if not states:
         return
-    amaxes = torch.stack([state.step_amax for state in states])
+    amaxes = torch.cat([state.step_amax.flatten() for state in states])
     for group in groups:
         if group is not None and group.size > 1:
             reduce_max(amaxes, group)
     amaxes = torch.where(torch.isfinite(amaxes), amaxes, torch.zeros_like(amaxes))
-    for state, amax in zip(states, amaxes):
-        state.history.copy_(torch.cat([amax[None], state.history[:-1]]))
+    for state, amax in zip(states, amaxes.split([state.step_amax.numel() for state in states])):
+        state.history.copy_(torch.cat([amax.view(1, *state.step_amax.shape), state.history[:-1]]))
         state.step_amax.zero_()
         state.empty = False
 

@@ -164,6 +164,13 @@ def first_local_expert(experts: GroupedExperts, context) -> int:
     return context.ep_rank * experts.up_weight.shape[0]
 
 
+def global_experts(experts: GroupedExperts, context) -> int:
+    """How many experts the layer has over all EP ranks (this rank holds E/ep of them)."""
+    if getattr(experts, "tensor_parallel", None) != "expert grid":
+        return experts.up_weight.shape[0]
+    return context.ep_size * experts.up_weight.shape[0]
+
+
 def quantize_experts(experts: GroupedExperts, recipe: Recipe, name: str, context=None,
                      reduce_max: Callable | None = None) -> int:
     """Give ``experts`` (global name ``name``) a ``GroupedQuantization`` per stacked weight; returns
@@ -179,10 +186,13 @@ def quantize_experts(experts: GroupedExperts, recipe: Recipe, name: str, context
         if reduce_max is None and any(group.size > 1 for members in groups.values() for group in members):
             raise ValueError(f"{layer} is sharded over a group of several ranks: pass reduce_max.")
         keys = [layer_key(f"{layer}.{first + index}") for index in range(weight.shape[0])]
-        quantizations[weight_name] = GroupedQuantization(recipe, keys, groups, reduce_max)
+        delayed = (DelayedScaling(recipe.amax_history, weight.device, num_experts=global_experts(experts, context))
+                   if recipe.name == "fp8_delayed" else None)
+        quantizations[weight_name] = GroupedQuantization(recipe, keys, groups, reduce_max, delayed, first,
+                                                         hardware_gemm(recipe, weight.device, weight.dtype))
     experts.quantizations = quantizations
     return len(quantizations)
 
 
-__all__ = ["apply_recipe", "check_block_cut", "check_sequence_cut", "expert_groups", "is_quantized_block",
-           "layer_key", "linear_groups", "quantize_experts", "quantize_layer", "quantized_blocks"]
+__all__ = ["apply_recipe", "check_block_cut", "check_sequence_cut", "expert_groups", "global_experts",
+           "is_quantized_block", "layer_key", "linear_groups", "quantize_experts", "quantize_layer", "quantized_blocks"]

@@ -38,8 +38,16 @@ are then reduced (max) over TP, one all-reduce of an [E] vector per tensor:
 
 and every FFN shard must hold whole blocks (checked at start-up).
 
-Limits: the experts' GEMMs always run emulated (a hardware grouped FP8 GEMM is not used yet), and
-under ``fp8_delayed`` the experts scale from the current amax (no history per expert).
+**Delayed scaling** (``fp8_delayed``): each stacked weight keeps one history per expert,
+``[N, E, 3]`` over the global experts (``delayed_scaling.py``); a piece of expert e scales from
+e's window, or from its current amax while that window is still empty.
+
+**Hardware FP8 GEMMs.** Where ``precision.fp8_gemm`` and the device allow it
+(``quantized_linear.hardware_gemm``), the FP8 recipes multiply codes instead of dequantized
+tensors: one ``scaled_matmul`` (``fp8_gemm.py``) per segment for the forward and data gradient,
+and per segment for the weight gradient -- the same operands, scales and blocks as the
+emulation, accumulated in fp32. (A grouped FP8 kernel would launch once for all experts; that
+is a speed-up for later, behind the same interface.)
 """
 
 from __future__ import annotations
@@ -50,13 +58,20 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.models.moe.experts import grouped_linear
-from meshlm.precision.formats.fp8 import abs_max
+from meshlm.precision.delayed_scaling import DelayedScaling
+from meshlm.precision.formats.fp8 import abs_max, scale_from_amax
 from meshlm.precision.formats.hashed_noise import noise_key
+from meshlm.precision.fp8_gemm import scaled_matmul
 from meshlm.precision.quantized_linear import ROLES, USES
 from meshlm.precision.recipes import Recipe
 
 WEIGHTS = ("gate_weight", "up_weight", "down_weight")
 """The experts' stacked weights; gate/up are column-parallel under TP, down row-parallel."""
+
+
+Scaling = tuple
+"""How a per-tensor recipe scales one piece: (its amax reduced over its groups, or None; its
+delayed scale, or None); (None, None) under block scales."""
 
 
 @dataclass(eq=False)
@@ -70,6 +85,12 @@ class GroupedQuantization:
     """{'input' | 'weight' | 'grad_output': tuple of Groups the per-expert amaxes are reduced over}."""
     reduce_max: Callable | None = None
     """``reduce_max(tensor, group)``: the run's all-reduce (max), as ``LinearQuantization.reduce_max``."""
+    delayed: DelayedScaling | None = None
+    """fp8_delayed: the histories of every expert of the layer, by global expert number."""
+    first_expert: int = 0
+    """The global number of this rank's first local expert (expert parallelism)."""
+    hardware: bool = False
+    """Multiply FP8 codes with the hardware GEMM (``fp8_gemm.py``) instead of dequantized tensors."""
 
     def linear(self, tokens: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
                rows_per_source: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,26 +101,57 @@ class GroupedQuantization:
         segment_experts = torch.arange(counts.shape[0]).repeat_interleave(counts.shape[1]).tolist()
         return _QuantizedGroupedLinear.apply(tokens, weight, tokens_per_expert, segment_rows, segment_experts, self)
 
-    def amaxes(self, pieces: list[torch.Tensor], tensor_name: str) -> list[torch.Tensor | None]:
-        """Per piece, its amax reduced over the tensor's groups (None everywhere for block scales)."""
+    def scalings(self, pieces: list[torch.Tensor], tensor_name: str, experts: list[int],
+                 record: bool = False) -> list[Scaling]:
+        """Per piece (an operand of local expert ``experts[i]``), how a per-tensor recipe scales it:
+        from its expert's delayed-scaling window where that holds an amax, else from the piece's
+        amax reduced over the tensor's groups. ``record``: note the pieces' amaxes in their
+        experts' histories (training steps)."""
         if not self.recipe.per_tensor or not pieces:
-            return [None] * len(pieces)
+            return [(None, None)] * len(pieces)
         amax = torch.stack([abs_max(piece) if piece.numel() else
                             piece.new_zeros((), dtype=torch.float32) for piece in pieces])
-        for group in self.groups[tensor_name]:
-            if group is not None and group.size > 1:
-                self.reduce_max(amax, group)
-        return list(amax.unbind())
+        owners = [self.first_expert + expert for expert in experts]
+        scales: list[torch.Tensor | None] = [None] * len(pieces)
+        if self.delayed is not None:
+            if record:
+                self.delayed.record(tensor_name, amax, torch.tensor(owners))
+            if self.delayed.filled is not None:
+                window = scale_from_amax(self.delayed.window_amax(tensor_name),
+                                         self.recipe.fp8_format_of(ROLES[tensor_name]))
+                scales = [window[owner] if self.delayed.is_filled(tensor_name, owner) else None for owner in owners]
+        if any(scale is None for scale in scales):  # every rank of a group holds the same experts and windows
+            for group in self.groups[tensor_name]:
+                if group is not None and group.size > 1:
+                    self.reduce_max(amax, group)
+        return [(amax[index] if scale is None else None, scale) for index, scale in enumerate(scales)]
 
     def quantize(self, pieces: list[torch.Tensor], tensor_name: str, use: str, experts: list[int],
-                 amaxes: list[torch.Tensor | None]) -> list[torch.Tensor]:
+                 scalings: list[Scaling]) -> list[torch.Tensor]:
         """Each piece (an operand of expert ``experts[i]``) quantized and dequantized."""
         role, recipe = ROLES[tensor_name], self.recipe
         return [piece if not piece.numel() else
-                recipe.quantize(piece, role, tensor_amax=amax,
+                recipe.quantize(piece, role, tensor_amax=amax, scale=scale,
                                 noise_key=noise_key(recipe.seed, recipe.step, self.keys[expert], USES[use])
                                 if role == "gradient" and recipe.rounds_stochastically else None)
-                for piece, expert, amax in zip(pieces, experts, amaxes)]
+                for piece, expert, (amax, scale) in zip(pieces, experts, scalings)]
+
+    def codes(self, pieces: list[torch.Tensor], tensor_name: str,
+              scalings: list[Scaling]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each piece's (FP8 codes, scales) for the hardware GEMM (None for an empty piece)."""
+        role = ROLES[tensor_name]
+        return [None if not piece.numel() else
+                self.recipe.fp8_codes(piece.contiguous(), role, tensor_amax=amax, scale=scale)
+                for piece, (amax, scale) in zip(pieces, scalings)]
+
+
+def hardware_products(a_codes: list, b_codes: list, shapes: list[tuple[int, int]], like: torch.Tensor,
+                      out_dtype: torch.dtype) -> list[torch.Tensor]:
+    """``a_i b_i^T`` on the FP8 codes of each pair (``scaled_matmul``); an empty pair gives zeros of
+    ``shapes[i]``."""
+    return [like.new_zeros(shape, dtype=out_dtype) if a is None or b is None else
+            scaled_matmul(*a, *b, out_dtype=out_dtype, verified=True)  # hardware_gemm asked at set-up
+            for a, b, shape in zip(a_codes, b_codes, shapes)]
 
 
 class _QuantizedGroupedLinear(torch.autograd.Function):
@@ -107,14 +159,21 @@ class _QuantizedGroupedLinear(torch.autograd.Function):
     def forward(ctx, tokens, weight, tokens_per_expert, segment_rows, segment_experts, quantization):
         ctx.save_for_backward(tokens, weight, tokens_per_expert)
         ctx.segment_rows, ctx.segment_experts, ctx.quantization = segment_rows, segment_experts, quantization
+        training = any(ctx.needs_input_grad)  # evaluation does not move the delayed-scaling history
         experts = list(range(weight.shape[0]))
         weights = list(weight.unbind(0))
-        ctx.weight_amaxes = quantization.amaxes(weights, "weight")
+        ctx.weight_scalings = quantization.scalings(weights, "weight", experts, record=training)
         segments = list(tokens.split(segment_rows))
-        inputs = quantization.quantize(segments, "input", "fprop_input", segment_experts,
-                                       quantization.amaxes(segments, "input"))
+        input_scalings = quantization.scalings(segments, "input", segment_experts, record=training)
+        if quantization.hardware:
+            weight_codes = quantization.codes(weights, "weight", ctx.weight_scalings)
+            return torch.cat(hardware_products(quantization.codes(segments, "input", input_scalings),
+                                               [weight_codes[expert] for expert in segment_experts],
+                                               [(rows, weight.shape[1]) for rows in segment_rows], tokens,
+                                               tokens.dtype))
+        inputs = quantization.quantize(segments, "input", "fprop_input", segment_experts, input_scalings)
         quantized_weight = torch.stack(quantization.quantize(weights, "weight", "fprop_weight", experts,
-                                                             ctx.weight_amaxes))
+                                                             ctx.weight_scalings))
         return grouped_linear(torch.cat(inputs), quantized_weight, tokens_per_expert)
 
     @staticmethod
@@ -124,11 +183,19 @@ class _QuantizedGroupedLinear(torch.autograd.Function):
         grad_segments = list(grad_out.split(ctx.segment_rows))
         grad_tokens = grad_weight = None
         if ctx.needs_input_grad[0]:  # dgrad: contraction over the output features
-            grads = quantization.quantize(grad_segments, "grad_output", "dgrad_grad", experts,
-                                          quantization.amaxes(grad_segments, "grad_output"))
-            transposed = quantization.quantize([w.t() for w in weight.unbind(0)], "weight", "dgrad_weight",
-                                               list(range(weight.shape[0])), ctx.weight_amaxes)
-            grad_tokens = grouped_linear(torch.cat(grads), torch.stack(transposed), tokens_per_expert)
+            grad_scalings = quantization.scalings(grad_segments, "grad_output", experts, record=True)
+            transposed = [w.t() for w in weight.unbind(0)]
+            if quantization.hardware:
+                weight_codes = quantization.codes(transposed, "weight", ctx.weight_scalings)
+                grad_tokens = torch.cat(hardware_products(
+                    quantization.codes(grad_segments, "grad_output", grad_scalings),
+                    [weight_codes[expert] for expert in experts],
+                    [(rows, weight.shape[2]) for rows in ctx.segment_rows], grad_out, grad_out.dtype))
+            else:
+                grads = quantization.quantize(grad_segments, "grad_output", "dgrad_grad", experts, grad_scalings)
+                transposed = quantization.quantize(transposed, "weight", "dgrad_weight",
+                                                   list(range(weight.shape[0])), ctx.weight_scalings)
+                grad_tokens = grouped_linear(torch.cat(grads), torch.stack(transposed), tokens_per_expert)
         if ctx.needs_input_grad[1]:  # wgrad: per segment, contraction over its tokens
             grad_weight = weight_gradient(quantization, grad_segments, list(tokens.split(ctx.segment_rows)),
                                           experts, weight)
@@ -143,12 +210,19 @@ def weight_gradient(quantization: GroupedQuantization, grad_segments: list[torch
     kept = [index for index, segment in enumerate(grad_segments) if segment.shape[0]]
     layouts = [recipe.wgrad_layout(grad_segments[index], input_segments[index]) for index in kept]
     owners = [experts[index] for index in kept]
-    grads_t = quantization.quantize([grad_t for grad_t, _ in layouts], "grad_output", "wgrad_grad", owners,
-                                    quantization.amaxes([grad_t for grad_t, _ in layouts], "grad_output"))
-    inputs_t = quantization.quantize([inputs_t for _, inputs_t in layouts], "input", "wgrad_input", owners,
-                                     quantization.amaxes([inputs_t for _, inputs_t in layouts], "input"))
-    for expert, grad_t, inputs_t in zip(owners, grads_t, inputs_t):
-        grad_weight[expert] += (grad_t @ inputs_t.t()).float()
+    grads_t, inputs_t = [grad_t for grad_t, _ in layouts], [inputs_t for _, inputs_t in layouts]
+    grad_scalings = quantization.scalings(grads_t, "grad_output", owners, record=True)
+    input_scalings = quantization.scalings(inputs_t, "input", owners)
+    if quantization.hardware:
+        products = hardware_products(quantization.codes(grads_t, "grad_output", grad_scalings),
+                                     quantization.codes(inputs_t, "input", input_scalings),
+                                     [tuple(weight.shape[1:])] * len(owners), weight, weight.dtype)
+    else:
+        grads_t = quantization.quantize(grads_t, "grad_output", "wgrad_grad", owners, grad_scalings)
+        inputs_t = quantization.quantize(inputs_t, "input", "wgrad_input", owners, input_scalings)
+        products = [grad_t @ input_t.t() for grad_t, input_t in zip(grads_t, inputs_t)]
+    for expert, product in zip(owners, products):
+        grad_weight[expert] += product.float()
     return grad_weight.to(weight.dtype)
 
 

@@ -6,8 +6,11 @@ checkpoint (weights, fp32 masters, Adam moments, amax histories), for fp8_delaye
 per-layer amax histories are training state: the checkpoint holds ``recipe/LAYER/amax_history``
 for every quantized layer and the resumed histories equal the uninterrupted run's), nvfp4 (whose
 stochastic rounding is keyed by the step, the layer and the values, not by a generator that a
-resume would restart) and mxfp8 on the MoE model. An fp8_delayed run resumed from a checkpoint of
-a bf16 run without a recipe starts from empty histories and trains with finite losses.
+resume would restart), and mxfp8 and fp8_delayed on the MoE model (whose stacked expert weights
+keep ``[N, E, 3]`` histories, one column set per expert). The ep2 run's fp8_delayed checkpoint
+resumes in one process with every expert's history whole. An fp8_delayed run resumed from a
+checkpoint of a bf16 run without a recipe starts from empty histories and trains with finite
+losses.
 
 *Layouts against one process.* Spawned gloo ranks run the Trainer (``parallel.check_collectives``
 on) on the tiny dense model (4 blocks, hidden 32, 2 KV heads) or the MoE model, sequences of 64
@@ -23,7 +26,7 @@ with the single-process run of the same config and data:
   Clipping is off on purpose: the clip factor is 0.5 / global norm, and that norm's summation
   order *does* depend on the layout, so with ``train.grad_clip=0.5`` an fp32 last-bit
   difference of the factor moved one bf16 weight by one step at step 3 (pp2, mxfp8).
-- tp2 + SP (fp8_delayed), cp2 (nvfp4) and ep2 (mxfp8, MoE): exactness cannot be had in bf16.
+- tp2 + SP (fp8_delayed), cp2 (nvfp4) and ep2 (mxfp8 and fp8_delayed, MoE): exactness cannot be had in bf16.
   A row-parallel output or a ring-attention result is a sum in another order; an element that
   lands 1 bf16 ulp away from a rounding boundary of the format then differs by one step of the
   format (up to 12.5% of the value for E4M3, more for E2M1), and Adam's per-element normalisation
@@ -37,6 +40,8 @@ with the single-process run of the same config and data:
               (fp8_delayed: 1.9e-6 / 1.5e-5 / 1.0e-4 / 2.9e-3)
       ep2     mxfp8        0      (0)      / 1.6e-5 (8.6e-6) / 1.3e-4 (7.4e-5) / 4.7e-4 (2.6e-4)
               (nvfp4: 0 / 6.7e-5 / 4.8e-4 / 2.8e-3)
+      ep2     fp8_delayed  0 / 8.8e-6 / 1.6e-4 / 4.6e-4 (2026-11-27, another host; mxfp8 there:
+              0 / 8.9e-6 / 6.2e-5 / 3.1e-4)
 
   The recipes stay within a few times the plain-bf16 difference for the losses and gradient
   norms; the weights drift more under NVFP4: its stochastic rounding is hashed from the values,
@@ -56,7 +61,9 @@ with the single-process run of the same config and data:
   weight is exactly one process's (the same weights, the amax reduced over the TP shards); the
   other entries are not compared: a gradient's amax moved by up to 16% at step 1 (measured,
   block 0 q_proj), downstream of an E5M2 element that flipped a step.
-  Under EP the step-1 loss agrees to 1e-6 (measured: exactly, under every recipe and without):
+  Under EP the step-1 loss agrees to 1e-6 (measured: exactly, under every recipe and without), and
+  fp8_delayed's step-1 weight amax of every expert is exactly one process's (each EP rank records
+  its own experts, the max over dp fills in the others'):
   the attention and MLP linears are unsharded there, and EP folded over the data-parallel ranks
   quantizes each expert's rows of each micro-batch as one operand, as one process does
   (``meshlm/precision/quantized_experts.py``).
@@ -95,15 +102,17 @@ helpers = load_parallel_training_helpers()
 STEPS, RESUME_AT = 4, 2
 COMMON = ["precision.dtype=bf16", "train.seq_len=64", f"train.steps={STEPS}", f"train.save_every={RESUME_AT}",
           "train.eval_every=0", "optim.lr=3e-3", "optim.warmup_steps=1", "train.grad_clip=0"]
-SINGLE_RUNS = [("dense", "fp8_delayed"), ("dense", "nvfp4"), ("dense", "fp8_blockwise"), ("moe", "mxfp8")]
+SINGLE_RUNS = [("dense", "fp8_delayed"), ("dense", "nvfp4"), ("dense", "fp8_blockwise"), ("moe", "mxfp8"),
+               ("moe", "fp8_delayed")]
 """(model, recipe) run in this process: the references of the layouts and of the resume tests."""
 EXACT_LAYOUTS = {"dp2 fp8_delayed": ("dense", "fp8_delayed", ["parallel.dp=2"]),
                  "pp2 nvfp4": ("dense", "nvfp4", ["parallel.pp=2"]),
                  "pp2 fp8_blockwise": ("dense", "fp8_blockwise", ["parallel.pp=2"])}
 CLOSE_LAYOUTS = {"tp2 sp fp8_delayed": ("dense", "fp8_delayed", ["parallel.tp=2", "parallel.sp=true"]),
                  "cp2 nvfp4": ("dense", "nvfp4", ["parallel.cp=2"]),
-                 "ep2 mxfp8": ("moe", "mxfp8", ["parallel.ep=2"])}
-FIRST_LOSS_EXACT = ("ep2 mxfp8",)
+                 "ep2 mxfp8": ("moe", "mxfp8", ["parallel.ep=2"]),
+                 "ep2 fp8_delayed": ("moe", "fp8_delayed", ["parallel.ep=2"])}
+FIRST_LOSS_EXACT = ("ep2 mxfp8", "ep2 fp8_delayed")
 """Layouts whose first step is one process's computation (EP: no quantized layer is sharded)."""
 REFUSED = {"mxfp8 tp2": (["precision.recipe=mxfp8", "parallel.tp=2"],
                          ["precision.recipe=mxfp8 scales blocks of 32 elements, but this layout cuts block 0 "
@@ -193,7 +202,8 @@ def stored_keys(step_dir: Path) -> set[str]:
     return set(FileSystemReader(step_dir).read_metadata().state_dict_metadata)
 
 
-@pytest.mark.parametrize("model, recipe", [("dense", "fp8_delayed"), ("dense", "nvfp4"), ("moe", "mxfp8")])
+@pytest.mark.parametrize("model, recipe", [("dense", "fp8_delayed"), ("dense", "nvfp4"), ("moe", "mxfp8"),
+                                           ("moe", "fp8_delayed")])
 def test_resume_is_bitwise(runs, tmp_path, model, recipe):
     uninterrupted_dir = runs["root"] / f"single {model} {recipe}"
     uninterrupted = runs["single"][(model, recipe)]
@@ -212,9 +222,14 @@ def test_resume_is_bitwise(runs, tmp_path, model, recipe):
     if recipe != "fp8_delayed":
         assert history_keys == set()
         return
-    # the histories are in the checkpoints, one per quantized layer, and come back on resume
-    layers = resumed["quantized"]
-    assert layers and history_keys == {f"recipe/{name}/amax_history" for name in layers}
+    # the histories are in the checkpoints, one per quantized layer (and stacked expert weight: [N, E, 3]),
+    # and come back on resume
+    layers = sorted(resumed["histories"])
+    assert set(resumed["quantized"]) <= set(layers) and history_keys == {f"recipe/{name}/amax_history"
+                                                                        for name in layers}
+    expert_weights = [name for name in layers if name.endswith("_weight")]
+    assert bool(expert_weights) == (model == "moe") and all(
+        resumed["histories"][name].dim() == 3 for name in expert_weights), layers
     assert history_keys <= stored_keys(checkpoint(uninterrupted_dir, RESUME_AT))
     saved = read_global_tensors(checkpoint(uninterrupted_dir, RESUME_AT), sorted(history_keys))
     for name in layers:
@@ -236,6 +251,23 @@ def test_delayed_scaling_resumes_from_a_checkpoint_without_histories(runs, tmp_p
     assert resumed["histories"] and set(resumed["histories"]) == set(resumed["quantized"])
     for name, history in resumed["histories"].items():  # started empty: only the resumed steps recorded
         assert (history[:steps_run] > 0).all() and (history[steps_run:] == 0).all(), (name, history)
+
+
+def test_expert_histories_reshard_from_expert_parallel_to_one_process(runs, tmp_path):
+    """The ep2 run's step-2 checkpoint (each rank recorded only its own experts; the step's max over
+    dp filled in the rest) resumes in one process: every [N, E, 3] history is whole, and the
+    resumed run's oldest entries are the saved ones."""
+    saved = checkpoint(runs["root"] / "ep2 fp8_delayed", RESUME_AT)
+    shutil.copytree(saved, checkpoint(tmp_path, RESUME_AT))
+    resumed = resume(runs["blend"], tmp_path, overrides_of("moe", "fp8_delayed"))
+    assert sorted(resumed["losses"]) == list(range(RESUME_AT + 1, STEPS + 1))
+    histories = read_global_tensors(saved, recipe_keys(stored_keys(saved)))
+    experts = [key for key in histories if key.endswith("_weight/amax_history")]
+    assert experts and set(histories) == {f"recipe/{name}/amax_history" for name in resumed["histories"]}
+    for key in experts:  # every expert of every step recorded
+        assert (histories[key][:RESUME_AT] > 0).all() and (histories[key][RESUME_AT:] == 0).all(), key
+    for name, history in resumed["histories"].items():
+        assert torch.equal(history[STEPS - RESUME_AT:STEPS], histories[f"recipe/{name}/amax_history"][:RESUME_AT])
 
 
 # --- layouts ---------------------------------------------------------------------------------------
@@ -306,7 +338,7 @@ def test_tensor_context_and_expert_parallel_stay_close(runs, layout):
         assert recipe_keys(actual) == recipe_keys(expected) and recipe_keys(expected)
         for key in recipe_keys(expected):
             assert (actual[key][:STEPS] > 0).all() and (actual[key][STEPS:] == 0).all(), (key, actual[key])
-            assert actual[key][STEPS - 1, 1] == expected[key][STEPS - 1, 1], key
+            assert torch.equal(actual[key][STEPS - 1][..., 1], expected[key][STEPS - 1][..., 1]), key
 
 
 def test_layouts_that_cut_a_scaling_block_are_refused(runs):
