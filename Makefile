@@ -27,6 +27,9 @@ test: setup
 # CUDA it stops, rather than pass with every test skipped (MESHLM_GPU_TESTS_ON_CPU=1: a CPU dry run).
 GPU_PYTHON ?= python3
 GPU_PYTEST_FLAGS ?= -x -q -rs
+# Files of the ordinary suite that run on CUDA where torch sees it (the CI never does): the Triton
+# SSD kernels compiled, and the FP8 GEMM's CUDA cases (blockwise scales exist only there).
+GPU_CUDA_FILES ?= tests/kernels tests/precision/test_fp8_gemm.py
 
 test-gpu:
 	@$(GPU_PYTHON) -c "import os, sys, torch; cuda = torch.cuda.is_available(); \
@@ -35,6 +38,7 @@ test-gpu:
 	sys.exit(0 if cuda or os.environ.get('MESHLM_GPU_TESTS_ON_CPU') == '1' else \
 	         'test-gpu: torch sees no CUDA device here; run it on a GPU machine (or set MESHLM_GPU_TESTS_ON_CPU=1 for a CPU dry run).')"
 	$(GPU_PYTHON) -m pytest -m gpu tests/gpu $(GPU_PYTEST_FLAGS)
+	$(GPU_PYTHON) -m pytest $(GPU_CUDA_FILES) $(GPU_PYTEST_FLAGS)
 
 demo: setup
 	$(BIN)/python -m meshlm demo

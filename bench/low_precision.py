@@ -68,6 +68,7 @@ from bench.compile import graph_breaks
 from meshlm.config import load_run_config
 from meshlm.data.demo_corpus import build_demo_corpus
 from meshlm.errors import ConfigError
+from meshlm.precision.quantized_experts import GroupedQuantization
 from meshlm.precision.quantized_linear import LinearQuantization
 from meshlm.training.trainer import Trainer
 
@@ -176,12 +177,14 @@ def train_one(name: str, args, workdir: Path) -> dict:
 
 
 def gemm_paths(model: torch.nn.Module) -> list[str]:
-    """How the quantized linear layers multiply: 'hardware' (``torch._scaled_mm`` on FP8 codes) and/or
-    'emulated' (dequantized operands); empty without a recipe. A step time only means FP8 hardware
-    speed where this says 'hardware'."""
+    """How the quantized linear layers and experts multiply: 'hardware' (``torch._scaled_mm`` on FP8
+    codes) and/or 'emulated' (dequantized operands); empty without a recipe. A step time only means
+    FP8 hardware speed where this says 'hardware'."""
     quantizations = [getattr(module, "quantization", None) for module in model.modules()]
+    quantizations += [grouped for module in model.modules()
+                      for grouped in (getattr(module, "quantizations", None) or {}).values()]
     paths = {"hardware" if quantization.hardware else "emulated" for quantization in quantizations
-             if isinstance(quantization, LinearQuantization)}
+             if isinstance(quantization, (LinearQuantization, GroupedQuantization))}
     return sorted(paths)
 
 

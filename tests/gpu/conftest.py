@@ -29,7 +29,8 @@ import torch
 from tests.gpu.devices import cpu_dry_run, tier_device
 
 HERE = Path(__file__).parent
-ORDER = ("test_fused_paths.py", "test_model_kinds.py", "test_compiled_blocks.py", "test_nccl.py", "test_gloo_on_cuda.py", "test_layouts.py")
+ORDER = ("test_fused_paths.py", "test_fp8_hardware.py", "test_model_kinds.py", "test_compiled_blocks.py", "test_nccl.py",
+         "test_gloo_on_cuda.py", "test_layouts.py")
 """The files in the order they run: one process before many, each collective alone before the
 layouts that combine them, so that under ``-x`` the first failure is the most basic one."""
 
