@@ -1,0 +1,261 @@
+"""One GPU session's checks and measurements, most important first, inside a wall-clock budget.
+
+    python -m bench.gpu_session --out DIR [--budget-s 540] [--stages NAME,...] [--done FILE]
+    python -m bench.gpu_session --out DIR --dry-run          # the same plan on this CPU, tiny
+
+A lent GPU comes for a few minutes at a time (15 minutes of device time a session, a command at
+most 10, the machine's start included), while issues 14, 15 and 20 between them ask for the CUDA
+test tier, MFU on three 1B models, FP8 against bf16 step times and low-communication DP on a
+GPU: together much more than one session holds. This script runs them as *stages*, in the order
+they matter, each in its own process with its own time limit, and skips a stage whose estimate
+no longer fits the budget -- so a session spends its minutes on the most important work not yet
+done, and a hanging stage cannot eat the rest:
+
+============================  =====  ================================================================
+stage                         issue  what it runs
+============================  =====  ================================================================
+``env``                       14     GPU, driver, torch / CUDA / Triton versions; which FP8 scale
+                                     layouts ``torch._scaled_mm`` runs (always runs, never "done")
+``tier``                      14     the CUDA tier without compile and layouts (fused paths, the FP8
+                                     GEMMs, the four model kinds, one NCCL process, gloo on CUDA) and
+                                     the ordinary suite's CUDA cases (Triton SSD kernels, FP8 GEMM)
+``throughput_dense``          14     ``bench.gpu_throughput``, dense 1B, eager and compiled, with the
+                                     plain-PyTorch baseline: MFU and the ratio to the baseline
+``fp8_dense``                 15     ``bench.low_precision --model dense``, bf16 and fp8_tensorwise
+                                     compiled: the FP8 step-time target (>= 1.3x)
+``tier_compile_layouts``      14     the tier's compiled blocks and its gloo layouts on one GPU
+``throughput_hybrid_moe``     14     ``bench.gpu_throughput``, hybrid and MoE 1B, eager and compiled
+``fp8_dense_recipes``         15     ``bench.low_precision --model dense``: every FP8 recipe, eager
+``local_sgd``                 20     ``bench.local_sgd --device cuda``: DDP, local SGD, DiLoCo and
+                                     PALSGD over a simulated 1 Gbps link, 4 ranks on the GPU
+============================  =====  ================================================================
+
+Each stage's estimate is a guess until a GPU session has run it; ``session.json`` records the
+seconds each stage took, so the estimates can be corrected from it. A stage is given its estimate
+plus half again (at most what is left of the budget) before it is stopped; what a bench wrote
+before that stays (``bench.gpu_throughput`` rewrites its JSON after every variant).
+
+**Across sessions.** Everything goes under ``--out`` (on the device tool: ``$OUT``, whose files
+come back; at most 8 of them, so every stage appends to one ``session.log``): ``session.json`` (a
+record per stage: status, seconds, exit code, the end of its output; rewritten after every stage,
+so a killed session keeps what it finished) and each bench's own JSON. Commit the returned
+``session.json`` as ``bench/results/gpu_session.json`` with the benches' files beside it; the next
+GPU session passes ``--done bench/results/gpu_session.json`` and starts with the first stage that
+has not passed yet, carrying the earlier records forward. ``--stages`` runs the named stages only.
+Within one session the same works between two calls (the device tool empties ``$OUT`` before each
+command but sends the working tree): a first call with the default budget (9 minutes, inside the
+10 a command may take), then the returned ``session.json`` copied to
+``bench/results/gpu_session.json`` and, while the machine is warm, a second call with ``--done``
+and a ``--budget-s`` that fits the device time left.
+
+The demo corpus (``data/demo``, which ``fp8_dense*`` and ``local_sgd`` train on) is built on a
+fresh machine first, in about half a minute; carry it (``carry: ["data/demo"]``) to skip that.
+
+``--dry-run`` runs the same plan on this CPU with tiny settings (the tier as
+``MESHLM_GPU_TESTS_ON_CPU=1``, the benches on their CPU or tiny shapes): it checks the script and
+every stage's command line, not the GPU. ``tests/bench/test_gpu_session.py`` holds the planning
+logic (budget, ``--done``, time limits) to its word.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIER_CORE = ["tests/gpu/test_fused_paths.py", "tests/gpu/test_fp8_hardware.py", "tests/gpu/test_model_kinds.py",
+             "tests/gpu/test_nccl.py", "tests/gpu/test_gloo_on_cuda.py"]
+CUDA_CASES = ["tests/kernels", "tests/precision/test_fp8_gemm.py"]
+"""Files of the ordinary suite that run on CUDA where torch sees it (``make test-gpu`` runs them too)."""
+PYTEST = ["-m", "pytest", "-rs", "-p", "no:cacheprovider"]  # with the project's -q: a summary line
+ENV_PROBE = """
+import json, torch
+from meshlm.precision.fp8_gemm import SCALINGS, hardware_fp8_supported, unsupported_reason
+cuda = torch.cuda.is_available()
+device = torch.device("cuda" if cuda else "cpu")
+try:
+    import triton
+    triton_version = triton.__version__
+except ImportError:
+    triton_version = None
+info = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+        "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
+        "fp8_scaled_mm": {scaling: unsupported_reason(device, scaling, torch.float8_e4m3fn, torch.float8_e4m3fn,
+                                                      torch.bfloat16) or "runs" for scaling in SCALINGS}}
+print(json.dumps(info, indent=1))
+"""
+
+
+@dataclass
+class Stage:
+    """One step of the plan: a command line (and its tiny CPU variant), and how long it should take."""
+
+    name: str
+    issue: int
+    estimate_s: float
+    command: list[str]
+    dry_command: list[str]
+    environment: dict = field(default_factory=dict)
+    always: bool = False
+    """Run in every session, whatever ``--done`` says (the machine's facts may differ)."""
+
+
+def plan(out: Path) -> list[Stage]:
+    """The stages in priority order (module docstring), writing their files under ``out``."""
+    python = sys.executable
+    throughput = [python, "-m", "bench.gpu_throughput", "--out", str(out / "gpu_throughput.json")]
+    low_precision = [python, "-m", "bench.low_precision", "--model", "dense"]
+    low_precision_dry = [python, "-m", "bench.low_precision", "--model", "hybrid", "--device", "cpu", "--steps", "2",
+                         "train.eval_batches=1", "train.seq_len=32"]
+    dry_tier = {"MESHLM_GPU_TESTS_ON_CPU": "1"}
+    return [
+        Stage("env", 14, 30, [python, "-c", ENV_PROBE], [python, "-c", ENV_PROBE], always=True),
+        Stage("tier", 14, 240, [python, *PYTEST, *TIER_CORE, *CUDA_CASES], [python, *PYTEST, *TIER_CORE, *CUDA_CASES],
+              dry_tier),
+        Stage("throughput_dense", 14, 210, [*throughput, "--models", "dense", "--recompute", "none"],
+              [*throughput, "--models", "dense", "--recompute", "none", "--tiny"]),
+        Stage("fp8_dense", 15, 180,
+              [*low_precision, "--device", "cuda", "--configs", "bf16,fp8_tensorwise", "--out",
+               str(out / "low_precision_compiled.json"), "train.compile=true"],
+              [*low_precision_dry, "--configs", "bf16,fp8_tensorwise", "--out", str(out / "low_precision_compiled.json")]),
+        Stage("tier_compile_layouts", 14, 240,
+              [python, *PYTEST, "tests/gpu/test_compiled_blocks.py", "tests/gpu/test_layouts.py"],
+              [python, *PYTEST, "tests/gpu/test_compiled_blocks.py", "tests/gpu/test_layouts.py"], dry_tier),
+        Stage("throughput_hybrid_moe", 14, 330, [*throughput, "--models", "hybrid,moe", "--recompute", "none"],
+              [*throughput, "--models", "hybrid,moe", "--recompute", "none", "--tiny"]),
+        Stage("fp8_dense_recipes", 15, 240,
+              [*low_precision, "--device", "cuda", "--configs", "bf16,fp8_tensorwise,fp8_delayed,fp8_blockwise",
+               "--out", str(out / "low_precision_eager.json")],
+              [*low_precision_dry, "--configs", "bf16,fp8_delayed", "--out", str(out / "low_precision_eager.json")]),
+        Stage("local_sgd", 20, 420,
+              [python, "-m", "bench.local_sgd", "--device", "cuda", "--out", str(out / "local_sgd.json"),
+               "--plot", str(out / "local_sgd.png")],
+              [python, "-m", "bench.local_sgd", "--device", "cpu", "--steps", "4", "--init-steps", "2", "--warmup",
+               "1", "--sync-every", "2", "--methods", "diloco", "--eval-every", "2", "--global-batch", "16",
+               "--out", str(out / "local_sgd.json"), "--plot", str(out / "local_sgd.png")]),
+    ]
+
+
+def time_limit(stage: Stage, remaining_s: float) -> float | None:
+    """Seconds ``stage`` may run with ``remaining_s`` of the budget left: its estimate and half again,
+    at most what is left; None when its estimate does not fit what is left."""
+    if stage.estimate_s > remaining_s:
+        return None
+    return min(1.5 * stage.estimate_s, remaining_s)
+
+
+def earlier_records(done_file: Path | None) -> dict:
+    """{stage: record} of an earlier session's ``session.json`` (nothing without one)."""
+    if done_file is None:
+        return {}
+    try:
+        return json.loads(done_file.read_text())["stages"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"bench.gpu_session: --done {done_file} is not a session.json this script wrote ({error}); "
+                         "pass the file from an earlier session's --out, or leave --done out.") from None
+
+
+def run_stage(stage: Stage, command: list[str], limit_s: float, log_path: Path, dry_run: bool) -> dict:
+    """Run one stage in its own process group, its output appended to ``log_path``; its record."""
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                   **(stage.environment if dry_run else {})}
+    started = time.monotonic()
+    with log_path.open("a") as log:
+        log.write(f"\n===== {stage.name} (issue {stage.issue}, limit {limit_s:.0f} s): {' '.join(command)}\n")
+        log.flush()
+        process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            code = process.wait(timeout=limit_s)
+            status = "passed" if code == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            code, status = process.wait(), "timed out"
+    seconds = round(time.monotonic() - started, 1)
+    return {"status": status, "seconds": seconds, "exit_code": code, "limit_s": round(limit_s),
+            "estimate_s": stage.estimate_s, "issue": stage.issue, "tail": output_tail(log_path, stage.name),
+            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def output_tail(log_path: Path, stage_name: str, lines: int = 25) -> list[str]:
+    """The last ``lines`` lines the stage wrote to the log."""
+    text = log_path.read_text(errors="replace")
+    own = text[text.rfind(f"===== {stage_name} "):]
+    return own.splitlines()[1:][-lines:]
+
+
+def write_session(path: Path, records: dict, machine: str, budget_s: float) -> None:
+    """``session.json``, through a temporary file (a kill mid-write leaves the old one)."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"machine": machine, "budget_s": budget_s, "stages": records}, indent=1) + "\n")
+    temporary.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for session.log, session.json and the "
+                        "benches' JSON (on the device tool: $OUT)")
+    parser.add_argument("--budget-s", type=float, default=540, help="wall-clock seconds for every stage together "
+                        "(default 540: a 600 s command with room to spare)")
+    parser.add_argument("--stages", default=None, help="comma-separated stages to run (default: all, in order)")
+    parser.add_argument("--done", type=Path, default=None, help="an earlier session.json: skip the stages that "
+                        "passed there and carry their records forward")
+    parser.add_argument("--dry-run", action="store_true", help="tiny CPU variants of every stage (checks the script)")
+    args = parser.parse_args(argv)
+    stages = plan(args.out.resolve())
+    names = [stage.name for stage in stages]
+    chosen = names if args.stages is None else [name.strip() for name in args.stages.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in names]
+    if unknown or not chosen:
+        parser.error(f"--stages {args.stages!r}: use a comma-separated subset of {', '.join(names)}.")
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s {args.budget_s}: give the stages a positive number of seconds.")
+    records = earlier_records(args.done)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_path, session_path = args.out / "session.log", args.out / "session.json"
+    machine = "dry run on " + os.uname().nodename if args.dry_run else os.uname().nodename
+    started, ran = time.monotonic(), []
+    for stage in stages:
+        if stage.name not in chosen:
+            continue
+        if not stage.always and records.get(stage.name, {}).get("status") == "passed":
+            print(f"gpu_session: {stage.name}: passed in an earlier session ({records[stage.name].get('when')})",
+                  flush=True)
+            continue
+        remaining = args.budget_s - (time.monotonic() - started)
+        limit = time_limit(stage, remaining)
+        if limit is None:
+            print(f"gpu_session: {stage.name}: skipped, its estimate of {stage.estimate_s:.0f} s does not fit the "
+                  f"{remaining:.0f} s left", flush=True)
+            continue
+        print(f"gpu_session: {stage.name} (issue {stage.issue}), up to {limit:.0f} s ...", flush=True)
+        records[stage.name] = run_stage(stage, stage.dry_command if args.dry_run else stage.command, limit,
+                                        log_path, args.dry_run)
+        ran.append(stage.name)
+        write_session(session_path, records, machine, args.budget_s)
+        print(f"gpu_session: {stage.name}: {records[stage.name]['status']} in {records[stage.name]['seconds']} s",
+              flush=True)
+    write_session(session_path, records, machine, args.budget_s)
+    print("\nstage                     status      seconds  estimate")
+    for name in names:
+        record = records.get(name)
+        if record is not None:
+            print(f"{name:<25} {record['status']:<11} {record['seconds']:>7}  {record['estimate_s']:>8}")
+    for name in ran:  # the end of each failed stage's output, last, where the device tool's reply keeps it
+        if records[name]["status"] != "passed":
+            print(f"\n--- {name} ({records[name]['status']}):", *records[name]["tail"][-12:], sep="\n")
+    return 0 if all(records.get(name, {}).get("status") == "passed" for name in chosen) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
