@@ -26,8 +26,8 @@ with the single-process run of the same config and data:
   Clipping is off on purpose: the clip factor is 0.5 / global norm, and that norm's summation
   order *does* depend on the layout, so with ``train.grad_clip=0.5`` an fp32 last-bit
   difference of the factor moved one bf16 weight by one step at step 3 (pp2, mxfp8).
-- tp2 + SP (fp8_delayed), cp2 (nvfp4) and ep2 (mxfp8 and fp8_delayed, MoE): exactness cannot be had in bf16.
-  A row-parallel output or a ring-attention result is a sum in another order; an element that
+- tp2 + SP (fp8_delayed), cp2 (nvfp4) and ep2 (mxfp8 and fp8_delayed, MoE): exactness cannot be
+  had in bf16. A row-parallel output or a ring-attention result is a sum in another order; an element that
   lands 1 bf16 ulp away from a rounding boundary of the format then differs by one step of the
   format (up to 12.5% of the value for E4M3, more for E2M1), and Adam's per-element normalisation
   carries that into the weights. The yardstick is the same layout without a recipe (plain
