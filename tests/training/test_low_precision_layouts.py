@@ -27,11 +27,11 @@ with the single-process run of the same config and data:
   order *does* depend on the layout, so with ``train.grad_clip=0.5`` an fp32 last-bit
   difference of the factor moved one bf16 weight by one step at step 3 (pp2, mxfp8).
 - tp2 + SP (fp8_delayed), cp2 (nvfp4) and ep2 (mxfp8 and fp8_delayed, MoE): exactness cannot be
-  had in bf16. A row-parallel output or a ring-attention result is a sum in another order; an element that
-  lands 1 bf16 ulp away from a rounding boundary of the format then differs by one step of the
-  format (up to 12.5% of the value for E4M3, more for E2M1), and Adam's per-element normalisation
-  carries that into the weights. The yardstick is the same layout without a recipe (plain
-  bf16). Measured relative differences, recipe (none) -- step-1 loss / worst loss over 4 steps /
+  had in bf16. A row-parallel output or a ring-attention result is a sum in another order; an
+  element that lands 1 bf16 ulp away from a rounding boundary of the format then differs by one
+  step of the format (up to 12.5% of the value for E4M3, more for E2M1), and Adam's per-element
+  normalisation carries that into the weights. The yardstick is the same layout without a recipe
+  (plain bf16). Measured relative differences, recipe (none) -- step-1 loss / worst loss over 4 steps /
   worst gradient norm / relative L2 of all final weights:
 
       tp2 sp  fp8_delayed  4.7e-6 (2.1e-6) / 3.1e-5 (6.7e-6) / 1.9e-4 (1.3e-4) / 4.3e-3 (1.2e-3)
