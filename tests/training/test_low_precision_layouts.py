@@ -31,8 +31,8 @@ with the single-process run of the same config and data:
   element that lands 1 bf16 ulp away from a rounding boundary of the format then differs by one
   step of the format (up to 12.5% of the value for E4M3, more for E2M1), and Adam's per-element
   normalisation carries that into the weights. The yardstick is the same layout without a recipe
-  (plain bf16). Measured relative differences, recipe (none) -- step-1 loss / worst loss over 4 steps /
-  worst gradient norm / relative L2 of all final weights:
+  (plain bf16). Measured relative differences, recipe (none) -- step-1 loss / worst loss over 4
+  steps / worst gradient norm / relative L2 of all final weights:
 
       tp2 sp  fp8_delayed  4.7e-6 (2.1e-6) / 3.1e-5 (6.7e-6) / 1.9e-4 (1.3e-4) / 4.3e-3 (1.2e-3)
               (fp8_tensorwise: 4.7e-6 / 3.9e-5 / 1.8e-4 / 4.3e-3)
