@@ -157,25 +157,20 @@ def expert_groups(experts: GroupedExperts, name: str, recipe: Recipe, layer: str
     return {"input": (), "weight": (tp,), "grad_output": (tp,)}
 
 
-def first_local_expert(experts: GroupedExperts, context) -> int:
-    """The global index of this rank's first expert (E/ep of them per EP rank)."""
+def expert_numbering(experts: GroupedExperts, context) -> tuple[int, int]:
+    """(the global number of this rank's first expert, the layer's experts over all EP ranks):
+    E/ep of them per EP rank on the expert grid, all of them elsewhere."""
+    local = experts.up_weight.shape[0]
     if getattr(experts, "tensor_parallel", None) != "expert grid":
-        return 0
-    return context.ep_rank * experts.up_weight.shape[0]
-
-
-def global_experts(experts: GroupedExperts, context) -> int:
-    """How many experts the layer has over all EP ranks (this rank holds E/ep of them)."""
-    if getattr(experts, "tensor_parallel", None) != "expert grid":
-        return experts.up_weight.shape[0]
-    return context.ep_size * experts.up_weight.shape[0]
+        return 0, local
+    return context.ep_rank * local, context.ep_size * local
 
 
 def quantize_experts(experts: GroupedExperts, recipe: Recipe, name: str, context=None,
                      reduce_max: Callable | None = None) -> int:
     """Give ``experts`` (global name ``name``) a ``GroupedQuantization`` per stacked weight; returns
     how many weights now run under the recipe."""
-    first = first_local_expert(experts, context)
+    first, num_experts = expert_numbering(experts, context)
     quantizations = {}
     for weight_name in WEIGHTS:
         weight = getattr(experts, weight_name)
@@ -186,7 +181,7 @@ def quantize_experts(experts: GroupedExperts, recipe: Recipe, name: str, context
         if reduce_max is None and any(group.size > 1 for members in groups.values() for group in members):
             raise ValueError(f"{layer} is sharded over a group of several ranks: pass reduce_max.")
         keys = [layer_key(f"{layer}.{first + index}") for index in range(weight.shape[0])]
-        delayed = (DelayedScaling(recipe.amax_history, weight.device, num_experts=global_experts(experts, context))
+        delayed = (DelayedScaling(recipe.amax_history, weight.device, num_experts)
                    if recipe.name == "fp8_delayed" else None)
         quantizations[weight_name] = GroupedQuantization(recipe, keys, groups, reduce_max, delayed, first,
                                                          hardware_gemm(recipe, weight.device, weight.dtype))
@@ -194,5 +189,5 @@ def quantize_experts(experts: GroupedExperts, recipe: Recipe, name: str, context
     return len(quantizations)
 
 
-__all__ = ["apply_recipe", "check_block_cut", "check_sequence_cut", "expert_groups", "global_experts",
+__all__ = ["apply_recipe", "check_block_cut", "check_sequence_cut", "expert_groups", "expert_numbering",
            "is_quantized_block", "layer_key", "linear_groups", "quantize_experts", "quantize_layer", "quantized_blocks"]

@@ -115,7 +115,7 @@ class GroupedQuantization:
         scales: list[torch.Tensor | None] = [None] * len(pieces)
         if self.delayed is not None:
             if record:
-                self.delayed.record(tensor_name, amax, torch.tensor(owners))
+                self.delayed.record(tensor_name, amax, torch.tensor(owners, device=amax.device))
             if self.delayed.filled is not None:
                 window = scale_from_amax(self.delayed.window_amax(tensor_name),
                                          self.recipe.fp8_format_of(ROLES[tensor_name]))

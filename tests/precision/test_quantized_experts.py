@@ -107,7 +107,7 @@ def test_grouped_linear_is_a_quantized_dense_layer_per_expert(name, fp8_gemm):
 def test_rows_from_two_sources_quantize_like_two_micro_batches(name):
     recipe = Recipe(name, seed=7, step=3)
     per_source = torch.tensor([[9, 20], [30, 5], [0, 12]])  # [experts, sources]
-    groups = {"input": (), "weight": (), "grad_output": ()}
+    groups = NO_GROUPS
     tokens, weight, upstream = grouped_case(recipe, per_source.sum(1).tolist())
     second_source = torch.tensor([0.0, 1.0]).repeat(3).repeat_interleave(per_source.flatten()).bool()
     with torch.no_grad():  # small tokens from one source, small gradients for the other: shared scales would differ
@@ -277,7 +277,7 @@ def layout_errors(layout: dict, name: str, ffn: int, break_it: str = "", fp8_gem
     quantize_experts(parallel.experts, recipe, "0.mixer.experts", context, reduce_max)
     if break_it == "no tp reduction":
         for quantization in parallel.experts.quantizations.values():
-            quantization.groups = {"input": (), "weight": (), "grad_output": ()}
+            quantization.groups = NO_GROUPS
     if break_it == "one operand per expert":
         parallel.experts.forward = lambda rows, counts, per_source=None: GroupedExperts.forward(parallel.experts, rows, counts)
     if break_it == "no dp history reduction":
