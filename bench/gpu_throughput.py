@@ -76,6 +76,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -261,6 +262,12 @@ def measure_variant(subject, compile: bool, recompute: str, args, device: torch.
             "peak_memory_gib": None if peak is None else round(peak, 2)}
 
 
+def where(error: BaseException, frames: int = 3) -> list[str]:
+    """The innermost ``frames`` of ``error``'s traceback as ``file:line in function``."""
+    return [f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
+            for frame in traceback.extract_tb(error.__traceback__)[-frames:]]
+
+
 def measure_subject(subject_class, subject_args: dict, variants, micro_batch: int, name: str,
                     flops_per_token: float, peak: float, args, device: torch.device, record) -> None:
     """Every (compile, recompute) variant on one ``subject_class(micro_batch, **subject_args)`` while it
@@ -276,7 +283,8 @@ def measure_subject(subject_class, subject_args: dict, variants, micro_batch: in
         except torch.OutOfMemoryError as error:
             retry, result = micro_batch > 1, {"error": f"OutOfMemoryError: {first_line(error)}"}
         except Exception as error:  # recorded; the bench goes on with the next variant
-            result = {"error": f"{type(error).__name__}: {first_line(error)}"}
+            result = {"error": f"{type(error).__name__}: {first_line(error)}", "where": where(error)}
+            traceback.print_exc()  # the whole story in the log; the JSON keeps the innermost frames
         if "error" in result:  # outside the except block: the traceback no longer pins the step's tensors
             subject = closed(subject)
             free_memory(device)
@@ -496,7 +504,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_throughput: {', '.join(args.models)} x compile {'/'.join(args.compile)} x recompute "
           f"{'/'.join(args.recompute)} at seq {args.seq_len}; {estimate}; peak {header['peak_flops'] / 1e12:.1f} "
           f"TFLOP/s ({header['peak_source']})", file=sys.stderr, flush=True)
-    report = Report(args.out, header, args.fresh)
+    report, recorded = Report(args.out, header, args.fresh), []
+
+    def record(entry: dict) -> None:
+        recorded.append(entry)
+        report.record(entry)
     variants = [(compile == "on", recompute) for compile in args.compile for recompute in args.recompute]
     with tempfile.TemporaryDirectory() as directory:
         workdir = Path(directory)
@@ -514,13 +526,16 @@ def main(argv: list[str] | None = None) -> int:
             subject_args = dict(model=model, args=args, data_prefix=prefix, run_dir=workdir / f"run-{name}",
                                 steps=count)
             measure_subject(MeshlmSubject, subject_args, variants, micro_batch, name, flops, header["peak_flops"],
-                            args, device, report.record)
+                            args, device, record)
             if name == "dense" and args.baseline:
                 compiles = [(compile == "on", "none") for compile in args.compile]
                 measure_subject(BaselineSubject, dict(model=model, args=args), compiles, micro_batch, name, flops,
-                                header["peak_flops"], args, device, report.record)
+                                header["peak_flops"], args, device, record)
     print(json.dumps(report.document))
-    return 0
+    failed = [f"{entry['impl']} {entry['model']} compile={entry['compile']}" for entry in recorded if "error" in entry]
+    if failed:  # recorded and the bench went on; the exit status still says so (bench/gpu_session.py)
+        print(f"gpu_throughput: {len(failed)} variant(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

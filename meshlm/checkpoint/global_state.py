@@ -135,13 +135,20 @@ def master_tensors(parts: TrainingParts) -> dict[str, GlobalTensor]:
     return tensors
 
 
+def adamw_step_tensor(step: float, group: dict, param: torch.Tensor) -> torch.Tensor:
+    """A torch AdamW's step count as its own first step makes it: on the parameter's device for the
+    fused or capturable kernels (the fused CUDA kernel refuses a CPU step), else on the CPU."""
+    on_parameter_device = group.get("fused") or group.get("capturable")
+    return torch.tensor(float(step), dtype=torch.float32, device=param.device if on_parameter_device else "cpu")
+
+
 def ensure_adamw_state(optimizer: torch.optim.Optimizer) -> None:
     """Give every parameter of a torch AdamW its (zero) state, as its first step would."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state[param]
             if "exp_avg" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["step"] = adamw_step_tensor(0.0, group, param)
                 for key in MOMENTS:
                     state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
@@ -273,7 +280,7 @@ def restore_optimizer_scalars(optimizer, saved: list[dict]) -> None:
         for group in part.param_groups:
             for param in group["params"]:
                 if "exp_avg" in part.state[param]:
-                    part.state[param]["step"] = torch.tensor(float(step), dtype=torch.float32)
+                    part.state[param]["step"] = adamw_step_tensor(step, group, param)
 
 
 @torch.no_grad()

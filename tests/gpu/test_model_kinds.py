@@ -71,7 +71,8 @@ def corpus(tmp_path_factory):
 @pytest.mark.parametrize("kind", list(MODEL_KINDS))
 def test_bf16_on_gpu_follows_fp32_on_cpu(kind, corpus, gpu_device, tmp_path):
     reference = HELPERS.train_once(corpus, tmp_path / "fp32 cpu", [*run_overrides(kind), *on_device("cpu", "fp32")])
-    bf16 = HELPERS.train_once(corpus, tmp_path / "bf16 gpu", [*run_overrides(kind), *on_device(gpu_device, "bf16")])
+    # a bare "cuda", as users write it (cuda:0 elsewhere in the tier)
+    bf16 = HELPERS.train_once(corpus, tmp_path / "bf16 gpu", [*run_overrides(kind), *on_device(gpu_device.type, "bf16")])
     for key in ("losses", "val_losses"):
         expected, actual = losses_in_order(reference, key), losses_in_order(bf16, key)
         assert sorted(bf16[key]) == sorted(reference[key]), key

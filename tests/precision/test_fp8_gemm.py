@@ -35,6 +35,7 @@ from meshlm.precision.formats.fp8 import (
 )
 from meshlm.precision.fp8_gemm import (
     SCALINGS,
+    TILE_SIZE,
     hardware_fp8_supported,
     infer_scaling,
     scaled_matmul,
@@ -94,7 +95,8 @@ def test_scaled_matmul_equals_the_product_of_dequantized_operands(device, scalin
         generator = torch.Generator().manual_seed(rows * 1000 + depth)
         a = quantize_operand(random_operand(rows, depth, generator).to(device), a_fmt, scaling, "a")
         b = quantize_operand(random_operand(cols, depth, generator).to(device), b_fmt, scaling, "b")
-        assert infer_scaling(a.codes, a.scales, b.codes, b.scales) == scaling
+        same_layout = "rowwise" if scaling == "tilewise" and depth <= TILE_SIZE else scaling  # one K tile
+        assert infer_scaling(a.codes, a.scales, b.codes, b.scales) == same_layout
         out = scaled_matmul(a.codes, a.scales, b.codes, b.scales, out_dtype)
         assert out.device.type == device
         check_close_to_dequantized_product(out, a, b, out_dtype)

@@ -108,7 +108,9 @@ def refused_layouts(blend: str, root: str, layouts: list[list[str]]) -> list[tup
     return refusals
 
 
-def assert_same_run(actual: dict, expected: dict, where: str) -> None:
+def assert_same_run(actual: dict, expected: dict, where: str, param_tolerance: float = TOLERANCE) -> None:
+    """Same losses, gradient norms and validation losses (relative error <= TOLERANCE) and the same
+    final parameters (<= ``param_tolerance``; a failure names the three furthest tensors)."""
     steps = sorted(expected["losses"])
     assert sorted(actual["losses"]) == steps, where
     assert relative_error([actual["losses"][s] for s in steps], [expected["losses"][s] for s in steps]) <= TOLERANCE, \
@@ -124,7 +126,9 @@ def assert_same_run(actual: dict, expected: dict, where: str) -> None:
     assert set(actual["params"]) == set(expected["params"]), where
     for name, value in expected["params"].items():
         assert actual["params"][name].shape == value.shape, (where, name)
-        assert relative_error(actual["params"][name], value) <= TOLERANCE, (where, name, relative_error(actual["params"][name], value))
+    errors = sorted(((relative_error(actual["params"][name], value), name) for name, value in expected["params"].items()),
+                    reverse=True)
+    assert not errors or errors[0][0] <= param_tolerance, (where, errors[:3])
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from meshlm.checkpoint.folders import checkpoint_dirs, latest_checkpoint
 from meshlm.checkpoint.whole_tensors import read_global_tensors
 from meshlm.errors import CheckpointError
 from meshlm.training.metrics import read_metrics
-from meshlm.training.trainer import Trainer, train
+from meshlm.training.trainer import Trainer, resolve_device, train
 
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "loss_scale", "skipped_steps", "loss_lm"}
 
@@ -204,3 +204,21 @@ def test_a_finished_run_does_nothing_more(make_config):
     train(make_config("train.steps=2"))
     result = train(make_config("train.steps=2"))
     assert result.step == 2 and result.losses == {}
+
+
+@pytest.mark.parametrize("environment,expected", [({}, 3), ({"WORLD_SIZE": "4", "LOCAL_RANK": "2"}, 2)],
+                         ids=["one process", "torchrun"])
+def test_a_bare_cuda_device_is_given_an_index(monkeypatch, environment, expected):
+    """``train.device=cuda`` names the current GPU (LOCAL_RANK's under torchrun) with its index:
+    ``torch.cuda.set_device`` and ``mem_get_info`` refuse a bare ``cuda`` (seen on the first GPU run).
+    The CUDA calls are stood in for (this machine has none); the GPU tier trains with a bare ``cuda``."""
+    for name in ("WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert resolve_device("cuda") == torch.device("cuda", expected) and chosen == [torch.device("cuda", expected)]
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
