@@ -73,6 +73,16 @@ def graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
+def graph_break_reasons() -> dict[str, int]:
+    """Each graph-break reason's first line and how often TorchDynamo met it in this process so far."""
+    from torch._dynamo.utils import counters
+    reasons: dict[str, int] = {}
+    for reason, count in counters["graph_break"].items():
+        first_line = (reason.strip().splitlines() or ["?"])[0][:200]
+        reasons[first_line] = reasons.get(first_line, 0) + count
+    return reasons
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

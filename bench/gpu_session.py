@@ -25,6 +25,8 @@ stage                         issue  what it runs
                                      compiled: the FP8 step-time target (>= 1.3x)
 ``tier_compile_layouts``      14     the tier's compiled blocks and its gloo layouts on one GPU
 ``throughput_hybrid_moe``     14     ``bench.gpu_throughput``, hybrid and MoE 1B, eager and compiled
+``profile_dense``             14     the compiled dense variants again with ``--profile 25``: where
+                                     meshlm's step (0.91x the plain loop's on an H200) loses time
 ``fp8_dense_recipes``         15     ``bench.low_precision --model dense``: every FP8 recipe, eager
 ``local_sgd``                 20     ``bench.local_sgd --device cuda``: DDP, local SGD, DiLoCo and
                                      PALSGD over a simulated 1 Gbps link, 4 ranks on the GPU
@@ -44,7 +46,9 @@ record per stage: status, seconds, exit code, the end of its output; rewritten a
 so a killed session keeps what it finished) and each bench's own JSON. Commit the returned
 ``session.json`` as ``bench/results/gpu_session.json`` with the benches' files beside it; the next
 GPU session passes ``--done bench/results/gpu_session.json`` and starts with the first stage that
-has not passed yet, carrying the earlier records forward. ``--stages`` runs the named stages only.
+has not passed yet, carrying the earlier records forward. A committed record whose result a later
+fix made meaningless gets ``"status": "invalidated"`` and a ``"why"`` by hand: ``--done`` runs
+every stage whose status is not ``passed`` again. ``--stages`` runs the named stages only.
 Within one session the same works between two calls (the device tool empties ``$OUT`` before each
 command but sends the working tree): a first call with the default budget (9 minutes, inside the
 10 a command may take), then the returned ``session.json`` copied to
@@ -131,11 +135,15 @@ def plan(out: Path) -> list[Stage]:
               [*low_precision, "--device", "cuda", "--configs", "bf16,fp8_tensorwise", "--out",
                str(out / "low_precision_compiled.json"), "train.compile=true"],
               [*low_precision_dry, "--configs", "bf16,fp8_tensorwise", "--out", str(out / "low_precision_compiled.json")]),
-        Stage("tier_compile_layouts", 14, 150,
+        Stage("tier_compile_layouts", 14, 160,
               [python, *PYTEST, "tests/gpu/test_compiled_blocks.py", "tests/gpu/test_layouts.py"],
               [python, *PYTEST, "tests/gpu/test_compiled_blocks.py", "tests/gpu/test_layouts.py"], dry_tier),
         Stage("throughput_hybrid_moe", 14, 240, [*throughput, "--models", "hybrid,moe", "--recompute", "none"],
               [*throughput, "--models", "hybrid,moe", "--recompute", "none", "--tiny"]),
+        Stage("profile_dense", 14, 90,
+              [*throughput, "--models", "dense", "--recompute", "none", "--compile", "on", "--profile", "25"],
+              [*throughput, "--models", "dense", "--recompute", "none", "--compile", "on", "--profile", "25",
+               "--tiny"]),
         Stage("fp8_dense_recipes", 15, 240,
               [*low_precision, "--device", "cuda", "--configs", "bf16,fp8_tensorwise,fp8_delayed,fp8_blockwise",
                "--out", str(out / "low_precision_eager.json")],

@@ -52,7 +52,9 @@ line on stderr and is written at once to ``--out`` (so a killed run keeps what i
 existing file from the same GPU and sequence length is merged into, so a run split into several
 commands ends in one file). The JSON on stdout ends with ``summary`` (best MFU per model, the
 meshlm/baseline ratios) and ``targets`` (issue 14's: dense >= 50% MFU and >= 1.1x the baseline,
-hybrid >= 40%, MoE >= 35%; computed from the numbers, null where not measured).
+hybrid >= 40%, MoE >= 35%; computed from the numbers, null where not measured). ``--profile TOP``
+adds to each variant one more step under ``torch.profiler`` and its TOP operators by their own
+device time (``profile``), to see where meshlm's step and the plain loop's part.
 
 Time: the whole run is printed as an estimate first (about 9 minutes on an H100, most of it
 Inductor compiling each block kind once, and the attention blocks again for selective
@@ -235,6 +237,25 @@ def timed(step, count: int, device: torch.device) -> tuple[float, object]:
     return (time.perf_counter() - started) / count, result
 
 
+def profile_step(step, device: torch.device, top: int) -> dict:
+    """One more step under ``torch.profiler``: the ``top`` operators by their own time on the
+    device (on a CPU, by their own CPU time), each with its milliseconds and calls, and the step's
+    total -- where meshlm's step and the plain loop's differ, at a glance."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as profiler:
+        step()
+        synchronize(device)
+    attribute = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [event for event in profiler.key_averages() if getattr(event, attribute, 0) > 0]
+    events.sort(key=lambda event: getattr(event, attribute), reverse=True)
+    total_ms = sum(getattr(event, attribute) for event in events) / 1e3
+    return {"measured": attribute, "total_ms": round(total_ms, 2),
+            "top": [{"name": event.key[:120], "ms": round(getattr(event, attribute) / 1e3, 3), "calls": event.count}
+                    for event in events[:top]]}
+
+
 MAX_EXTRA_WARMUP = 5
 """Warm-up steps beyond ``--warmup`` while Dynamo is still compiling new graphs."""
 
@@ -256,6 +277,8 @@ def measure_variant(subject, compile: bool, recompute: str, args, device: torch.
     runs = [timed(subject.step, args.steps, device) for _ in range(args.repeats)]
     step_s = statistics.median(seconds for seconds, _ in runs)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    if args.profile:
+        details = {**details, "profile": profile_step(subject.step, device, args.profile)}
     return {**details, "step_s": step_s, "step_s_repeats": [round(s, 5) for s, _ in runs],
             "first_step_s": round(warmup[0], 3) if warmup else None, "warmup_steps": len(warmup),
             "graphs_compiled_while_timed": graphs_compiled() - before_timing, "loss": runs[-1][1],
@@ -467,6 +490,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fresh", action="store_true", help="start --out over instead of merging into it")
     parser.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the plain-PyTorch loop")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run of the script, on CPU)")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP", help="after timing each variant, profile "
+                        "one more step and keep its TOP operators by device time in the JSON (default 0: none)")
     args = parser.parse_args(argv)
     for flag, allowed in choices.items():
         picked = [item.strip() for item in getattr(args, flag).split(",") if item.strip()]

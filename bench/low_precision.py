@@ -22,7 +22,8 @@ the median wall-clock seconds of a training step and its ratio to bf16's (beside
 CPU seconds, all threads; on a busy machine those grow too, as OpenMP threads spin while waiting),
 ``gemms`` (whether the quantized layers multiplied FP8 codes on the hardware GEMM or dequantized
 operands: only the first is FP8 speed) and ``compile_notices`` and ``graph_breaks`` (with
-``train.compile=true``: a block that fell back to eager; where TorchDynamo split a block's graph).
+``train.compile=true``: a block that fell back to eager; where TorchDynamo split a block's graph,
+and ``graph_break_reasons``: each reason's first line and count).
 Training runs write to a temporary folder, removed afterwards. A config the trainer refuses (a
 ``ConfigError``, e.g. a recipe this checkout does not have yet) gets ``{"error": message}`` and
 the bench goes on. A line per finished run goes to stderr; one JSON object (also written to
@@ -64,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from bench.compile import graph_breaks
+from bench.compile import graph_break_reasons, graph_breaks
 from meshlm.config import load_run_config
 from meshlm.data.demo_corpus import build_demo_corpus
 from meshlm.errors import ConfigError
@@ -164,8 +165,10 @@ def train_one(name: str, args, workdir: Path) -> dict:
         trainer = TimedTrainer(load_run_config(base, overrides))
     except ConfigError as error:
         return {"error": str(error)}
-    breaks_before = graph_breaks()
+    breaks_before, reasons_before = graph_breaks(), graph_break_reasons()
     result = trainer.run()
+    reasons = {reason: count - reasons_before.get(reason, 0) for reason, count in graph_break_reasons().items()
+               if count > reasons_before.get(reason, 0)}
     final_step = max(result.val_losses)
     return {"val_loss": result.val_losses[final_step], "initial_val_loss": result.val_losses.get(0),
             "final_train_loss": result.losses[final_step], "skipped_steps": result.skipped_steps,
@@ -173,7 +176,7 @@ def train_one(name: str, args, workdir: Path) -> dict:
             "step_cpu_s": round(statistics.median(trainer.step_cpu_seconds), 4),
             "run_s": round(time.perf_counter() - started, 1), "overrides": CONFIGS[name],
             "gemms": gemm_paths(trainer.model), "compile_notices": trainer.compile_notices,
-            "graph_breaks": graph_breaks() - breaks_before}
+            "graph_breaks": graph_breaks() - breaks_before, "graph_break_reasons": reasons}
 
 
 def gemm_paths(model: torch.nn.Module) -> list[str]:

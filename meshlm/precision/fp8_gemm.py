@@ -79,6 +79,10 @@ BLOCKED_K_MULTIPLE = 4 * TILE_SIZE
 then a multiple of 4 fp32 numbers (16 bytes), as every torch version's layout check accepts."""
 
 
+ALIGNMENT_ENTRIES = 4
+"""fp32 entries in 16 bytes, the alignment cuBLASLt asks of a scale pointer (``aligned_entries``)."""
+
+
 def infer_scaling(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: torch.Tensor,
                   b_scale: torch.Tensor) -> str:
     """Which of ``SCALINGS`` the scale shapes describe; a ValueError naming the expected shapes otherwise.
@@ -226,8 +230,20 @@ def _scaled_mm_padded(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: tor
 def _aligned(scale: torch.Tensor) -> torch.Tensor:
     """``scale``, copied when its data does not start on a 16-byte boundary: cuBLASLt refuses such a
     scale pointer (CUBLAS_STATUS_NOT_SUPPORTED, seen on an H200 for one expert's scale taken out of
-    the per-expert delayed-scaling vector at an offset of 8 bytes)."""
+    the per-expert delayed-scaling vector at an offset of 8 bytes). Under ``torch.compile`` a
+    pointer cannot be read (a graph break in every layer, seen on the same run) and Inductor drops
+    a copy as a no-op, so there the scale is passed as it is: callers that hand out entries of a
+    vector as scales space them with ``aligned_entries``."""
+    if torch.compiler.is_compiling():
+        return scale
     return scale if scale.data_ptr() % 16 == 0 else scale.clone()
+
+
+def aligned_entries(vector: torch.Tensor) -> torch.Tensor:
+    """``vector [n]`` (4-byte entries) copied into the first column of an ``[n, 4]`` buffer and
+    returned as a strided ``[n]`` view of it: every entry ``i`` then starts on a 16-byte boundary,
+    so ``result[i]`` can be a ``torch._scaled_mm`` scale, eagerly and in a compiled graph."""
+    return vector.reshape(-1, 1).expand(-1, ALIGNMENT_ENTRIES).contiguous()[:, 0]
 
 
 def _pad_codes(codes: torch.Tensor, row_multiple: int, col_multiple: int) -> torch.Tensor:

@@ -61,7 +61,7 @@ from meshlm.models.moe.experts import grouped_linear
 from meshlm.precision.delayed_scaling import DelayedScaling
 from meshlm.precision.formats.fp8 import abs_max, scale_from_amax
 from meshlm.precision.formats.hashed_noise import noise_key
-from meshlm.precision.fp8_gemm import scaled_matmul
+from meshlm.precision.fp8_gemm import aligned_entries, scaled_matmul
 from meshlm.precision.quantized_linear import ROLES, USES
 from meshlm.precision.recipes import Recipe
 
@@ -124,6 +124,11 @@ class GroupedQuantization:
             for group in self.groups[tensor_name]:
                 if group is not None and group.size > 1:
                     self.reduce_max(amax, group)
+        if self.hardware:  # each expert's amax and scale become a scaled_mm scale: 16-byte aligned
+            amax = aligned_entries(amax)
+            if self.delayed is not None and self.delayed.filled is not None:
+                window = aligned_entries(window)
+                scales = [None if scale is None else window[owner] for scale, owner in zip(scales, owners)]
         return [(amax[index] if scale is None else None, scale) for index, scale in enumerate(scales)]
 
     def quantize(self, pieces: list[torch.Tensor], tensor_name: str, use: str, experts: list[int],

@@ -74,11 +74,18 @@ def test_tiny_dry_run_writes_every_variant_with_finite_numbers(tmp_path, capsys,
 
     # a second command measures one variant again: the file keeps the others and replaces that one
     assert bench.main(["--tiny", "--device", "cpu", "--models", "dense", "--compile", "off", "--recompute", "none",
-                       "--no-baseline", "--steps", "1", "--warmup", "0", "--repeats", "1", "--out", str(out)]) == 0
+                       "--no-baseline", "--steps", "1", "--warmup", "0", "--repeats", "1", "--profile", "5",
+                       "--out", str(out)]) == 0
     merged = json.loads(out.read_text())
     assert len(merged["results"]) == len(results)
     again = [r for r in merged["results"] if (r["impl"], r["model"], r["recompute"]) == ("meshlm", "dense", "none")]
     assert len(again) == 1 and again[0]["step_s_repeats"] != results[("meshlm", "dense", "none")]["step_s_repeats"]
+    profile = again[0]["profile"]  # --profile 5: the step's five most expensive operators
+    assert profile["measured"] == "self_cpu_time_total" and len(profile["top"]) == 5
+    milliseconds = [op["ms"] for op in profile["top"]]
+    assert milliseconds == sorted(milliseconds, reverse=True) and 0 < sum(milliseconds) <= profile["total_ms"]
+    assert any("mm" in op["name"] for op in profile["top"]), profile  # a matmul is among the dearest
+    assert all(op["calls"] >= 1 for op in profile["top"])
 
 
 class HungrySubject:

@@ -209,3 +209,26 @@ def test_block_scales_are_laid_out_as_torchs_cuda_checks_require(rows, cols, dep
         assert torch.equal(scale_a[:rows, : a_tiles.shape[1]], a_tiles)
         assert torch.equal(scale_b.t()[: b_scale.shape[0], : b_scale.shape[1]], b_scale)
         assert bool((scale_b.t()[:, b_scale.shape[1]:] == 1).all())
+
+
+def test_vector_entries_become_aligned_scales_eagerly_and_compiled():
+    """Scales taken out of a vector (one per expert) start on 16-byte boundaries, which cuBLASLt
+    asks of a scale pointer; ``scaled_matmul`` compiles with no graph break (reading a pointer
+    broke the graph in every FP8 layer on the first GPU run) and its products equal eager ones."""
+    vector = torch.arange(1.0, 6.0)
+    spaced = fp8_gemm.aligned_entries(vector)
+    assert torch.equal(spaced, vector) and all(spaced[i].data_ptr() % 16 == 0 for i in range(5))
+    assert vector[1].data_ptr() % 16 != 0 and fp8_gemm._aligned(vector[1]).data_ptr() % 16 == 0
+    if not hardware_fp8_supported("cpu", "tensorwise"):
+        pytest.skip(unsupported_reason("cpu", "tensorwise", E4M3.dtype, E4M3.dtype, torch.float32))
+    generator = torch.Generator().manual_seed(5)
+    a = random_operand(32, 64, generator).to(E4M3.dtype)
+    b = random_operand(48, 64, generator).to(E4M3.dtype)
+
+    def product(amaxes):
+        scales = fp8_gemm.aligned_entries(amaxes.abs() / 4)
+        return scaled_matmul(a, scales[0], b, scales[2], out_dtype=torch.float32, verified=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(product, fullgraph=True)  # fullgraph: a graph break is an error
+    assert torch.equal(compiled(vector), product(vector))
