@@ -20,13 +20,13 @@ stage                         issue  what it runs
                                      GEMMs, the four model kinds, one NCCL process, gloo on CUDA) and
                                      the ordinary suite's CUDA cases (Triton SSD kernels, FP8 GEMM)
 ``throughput_dense``          14     ``bench.gpu_throughput``, dense 1B, eager and compiled, with the
-                                     plain-PyTorch baseline: MFU and the ratio to the baseline
+                                     plain-PyTorch baseline: MFU and the ratio to the baseline; each
+                                     variant then profiled one step (``--profile 25``): where
+                                     meshlm's step and the plain loop's part
 ``fp8_dense``                 15     ``bench.low_precision --model dense``, bf16 and fp8_tensorwise
                                      compiled: the FP8 step-time target (>= 1.3x)
 ``tier_compile_layouts``      14     the tier's compiled blocks and its gloo layouts on one GPU
 ``throughput_hybrid_moe``     14     ``bench.gpu_throughput``, hybrid and MoE 1B, eager and compiled
-``profile_dense``             14     the compiled dense variants again with ``--profile 25``: where
-                                     meshlm's step (0.91x the plain loop's on an H200) loses time
 ``fp8_dense_recipes``         15     ``bench.low_precision --model dense``: every FP8 recipe, eager
 ``local_sgd``                 20     ``bench.local_sgd --device cuda``: DDP, local SGD, DiLoCo and
                                      PALSGD over a simulated 1 Gbps link, 4 ranks on the GPU
@@ -129,8 +129,8 @@ def plan(out: Path) -> list[Stage]:
         Stage("env", 14, 15, [python, "-c", ENV_PROBE], [python, "-c", ENV_PROBE], always=True),
         Stage("tier", 14, 80, [python, *PYTEST, *TIER_CORE, *CUDA_CASES], [python, *PYTEST, *TIER_CORE, *CUDA_CASES],
               dry_tier),
-        Stage("throughput_dense", 14, 120, [*throughput, "--models", "dense", "--recompute", "none"],
-              [*throughput, "--models", "dense", "--recompute", "none", "--tiny"]),
+        Stage("throughput_dense", 14, 120, [*throughput, "--models", "dense", "--recompute", "none", "--profile", "25"],
+              [*throughput, "--models", "dense", "--recompute", "none", "--profile", "25", "--tiny"]),
         Stage("fp8_dense", 15, 180,
               [*low_precision, "--device", "cuda", "--configs", "bf16,fp8_tensorwise", "--out",
                str(out / "low_precision_compiled.json"), "train.compile=true"],
@@ -140,10 +140,6 @@ def plan(out: Path) -> list[Stage]:
               [python, *PYTEST, "tests/gpu/test_compiled_blocks.py", "tests/gpu/test_layouts.py"], dry_tier),
         Stage("throughput_hybrid_moe", 14, 240, [*throughput, "--models", "hybrid,moe", "--recompute", "none"],
               [*throughput, "--models", "hybrid,moe", "--recompute", "none", "--tiny"]),
-        Stage("profile_dense", 14, 90,
-              [*throughput, "--models", "dense", "--recompute", "none", "--compile", "on", "--profile", "25"],
-              [*throughput, "--models", "dense", "--recompute", "none", "--compile", "on", "--profile", "25",
-               "--tiny"]),
         Stage("fp8_dense_recipes", 15, 240,
               [*low_precision, "--device", "cuda", "--configs", "bf16,fp8_tensorwise,fp8_delayed,fp8_blockwise",
                "--out", str(out / "low_precision_eager.json")],

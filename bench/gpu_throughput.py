@@ -52,7 +52,10 @@ line on stderr and is written at once to ``--out`` (so a killed run keeps what i
 existing file from the same GPU and sequence length is merged into, so a run split into several
 commands ends in one file). The JSON on stdout ends with ``summary`` (best MFU per model, the
 meshlm/baseline ratios) and ``targets`` (issue 14's: dense >= 50% MFU and >= 1.1x the baseline,
-hybrid >= 40%, MoE >= 35%; computed from the numbers, null where not measured). ``--profile TOP``
+hybrid >= 40%, MoE >= 35%; computed from the numbers, null where not measured). With the dense shape, ``attention_kernels`` times each SDPA kernel
+forced on that shape's attention (``bench/attention_kernels.py``) and names the one meshlm's
+``model.attention_kernel=auto`` runs; the baseline then runs PyTorch's own choice, as a plain loop
+would (the trainer sets meshlm's preference process-wide). ``--profile TOP``
 adds to each variant one more step under ``torch.profiler`` and its TOP operators by their own
 device time (``profile``), to see where meshlm's step and the plain loop's part.
 
@@ -82,12 +85,15 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.nn.attention
 
+from bench.attention_kernels import measure as measure_attention_kernels
 from bench.compile import graphs_compiled, synchronize
 from bench.reference_gpt import ReferenceGPT, ReferenceTrainer
 from bench.train_throughput import write_random_corpus
 from meshlm.checkpoint.files import write_json_atomic
 from meshlm.config import load_run_config
+from meshlm.models.attention_kernels import PRIORITY_SUPPORTED
 from meshlm.models.config import ModelConfig
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.language_model import LanguageModel
@@ -127,6 +133,9 @@ TINY_SHAPES = {
     "moe": dict(TINY, pattern="*E*E", mlp_activation="swiglu", moe_num_experts=4, moe_top_k=2,
                 moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.01),
 }
+
+TINY_ATTENTION = dict(batch=1, heads=4, kv_heads=2, seq=64, head_dim=16, warmup=1, repeats=2)
+"""``attention_kernels``' shape under ``--tiny``."""
 
 
 # --- shapes and their sizes --------------------------------------------------------------------------------
@@ -394,8 +403,24 @@ def environment(device: torch.device) -> dict:
         info.update(device_name=torch.cuda.get_device_name(device),
                     capability=".".join(map(str, torch.cuda.get_device_capability(device))),
                     memory_gib=round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1),
-                    flash_sdp_enabled=torch.backends.cuda.flash_sdp_enabled())
+                    flash_sdp_enabled=torch.backends.cuda.flash_sdp_enabled(),
+                    cudnn_sdp_enabled=torch.backends.cuda.cudnn_sdp_enabled(),
+                    cudnn_version=torch.backends.cudnn.version(),
+                    sdp_priority_order=sdp_priority_order(device))
     return info
+
+
+def sdp_priority_order(device: torch.device) -> list[str] | None:
+    """The order in which SDPA tries its attention kernels on this GPU (torch puts cuDNN first on
+    some GPUs and cuDNN versions), or None where this torch does not say. torch settles the order
+    at its first SDPA call on the GPU, so one tiny call is made first."""
+    order = getattr(torch._C, "_get_sdp_priority_order", None)
+    if order is None:
+        return None
+    tiny = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
+    torch.nn.functional.scaled_dot_product_attention(tiny, tiny, tiny, is_causal=True)
+    names = {int(backend): name for name, backend in torch.nn.attention.SDPBackend.__members__.items()}
+    return [names.get(int(code), str(code)) for code in order()]
 
 
 def estimate_seconds(described: dict, args, peak: float) -> tuple[float, str]:
@@ -524,6 +549,14 @@ def main(argv: list[str] | None = None) -> int:
               **({"note": "--tiny: a dry run of the script on toy shapes; its numbers say nothing about a GPU"}
                  if args.tiny else {})}
     header.update(peak_flops(args, device))
+    torch_order = torch._C._get_sdp_priority_order() if PRIORITY_SUPPORTED else None  # settled by environment()
+    if "dense" in shapes:  # each SDPA kernel on the dense shape, and the one meshlm's auto runs
+        dense = shapes["dense"]
+        attention = TINY_ATTENTION if args.tiny else dict(
+            batch=args.micro_batch or MICRO_BATCHES[0], heads=dense["num_attention_heads"],
+            kv_heads=dense["num_kv_heads"], seq=args.seq_len, head_dim=dense["hidden_size"] // dense["num_attention_heads"])
+        header["attention_kernels"] = measure_attention_kernels(
+            device, **attention, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     seconds, how = estimate_seconds(described, args, header["peak_flops"])
     estimate = "a dry run on tiny shapes" if args.tiny else f"estimated {seconds / 60:.1f} min ({how})"
     print(f"gpu_throughput: {', '.join(args.models)} x compile {'/'.join(args.compile)} x recompute "
@@ -553,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
             measure_subject(MeshlmSubject, subject_args, variants, micro_batch, name, flops, header["peak_flops"],
                             args, device, record)
             if name == "dense" and args.baseline:
+                if torch_order is not None:  # the plain loop gets PyTorch's own attention kernel, not meshlm's choice
+                    torch._C._set_sdp_priority_order(torch_order)
                 compiles = [(compile == "on", "none") for compile in args.compile]
                 measure_subject(BaselineSubject, dict(model=model, args=args), compiles, micro_batch, name, flops,
                                 header["peak_flops"], args, device, record)

@@ -516,6 +516,10 @@ class RunConfig:
             raise ConfigError("optim.warmup_steps, train.eval_every, train.save_every and train.grad_clip "
                               "must be >= 0.")
         validate_parallel(self.parallel)
+        if self.parallel.cp > 1 and self.model.attention_kernel != "auto":
+            raise ConfigError(f"model.attention_kernel={self.model.attention_kernel!r} has no effect under context "
+                              f"parallelism (parallel.cp={self.parallel.cp}: ring attention computes its blocks "
+                              "itself); set model.attention_kernel=auto or parallel.cp=1.")
         validate_rl(self.rl, train)
         if self.data.weights is not None and len(self.data.weights) != len(self.data.prefixes):
             raise ConfigError(f"data.weights has {len(self.data.weights)} entries but data.prefixes has "

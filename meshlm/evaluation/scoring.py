@@ -55,7 +55,7 @@ def label_logprobs(model, input_ids: torch.Tensor, labels: torch.Tensor) -> tupl
     flat_hidden, flat_labels = hidden.reshape(1, rows * columns, -1), labels.reshape(-1)
     logprobs = torch.zeros(rows * columns, dtype=torch.float32, device=labels.device)
     greedy = torch.zeros(rows * columns, dtype=torch.bool, device=labels.device)
-    chunk = default_tokens_per_chunk(model.config.vocab_size)
+    chunk = default_tokens_per_chunk(model.config.vocab_size, labels.device.type)
     for start in range(0, rows * columns, chunk):
         positions = slice(start, start + chunk)
         logits = model.head_logits(flat_hidden[:, positions])[0]

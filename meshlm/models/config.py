@@ -36,6 +36,7 @@ ACTIVATIONS = ("swiglu", "squared_relu", "gelu", "relu", "silu")
 NORMS = ("rmsnorm", "layernorm")
 POSITION_EMBEDDINGS = ("rope", "none")
 MAMBA_SCANS = ("auto", "pytorch", "triton", "reference")
+ATTENTION_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")  # meshlm/models/attention_kernels.py
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("micro_batch", "sequence", "global")
 DROP_POLICIES = ("probs", "position")
@@ -51,10 +52,10 @@ BLOCK_OVERRIDE_FIELDS = {
 """The fields ``model.block_overrides`` may set for one block, by the block's pattern symbol
 (linear ``L`` and no-op ``0`` blocks have none)."""
 
-TRAINING_ONLY_FIELDS = ("hidden_dropout", "attention_dropout", "mamba_scan")
+TRAINING_ONLY_FIELDS = ("hidden_dropout", "attention_dropout", "mamba_scan", "attention_kernel")
 """Fields that change neither the parameters nor the inference function: a checkpoint may be
 resumed with other values (and a checkpoint written before they existed has their defaults).
-mamba_scan changes only how the same function is computed."""
+mamba_scan and attention_kernel change only how the same function is computed."""
 
 
 @dataclass
@@ -92,6 +93,13 @@ class ModelConfig:
     """RMSNorm over head_dim on queries and keys before RoPE (Qwen3, OLMo-2)."""
     attention_bias: bool = False
     """Bias terms on the q/k/v/o projections."""
+    attention_kernel: str = "auto"
+    """Which fused SDPA kernel attention prefers (meshlm/models/attention_kernels.py): "auto" (cuDNN's
+    on Hopper GPUs, where it is faster than FlashAttention-2; PyTorch's own order elsewhere),
+    "flash", "cudnn", "efficient" or "math". A preference: a call the kernel cannot serve runs on
+    the next one. All compute the same function up to rounding. No effect on a CPU (PyTorch's CPU
+    attention takes no priorities). Ring attention (parallel.cp > 1) takes none, so there it must
+    stay "auto"."""
 
     # --- MLP -----------------------------------------------------------------------------------
     mlp_activation: str = "swiglu"
@@ -294,6 +302,7 @@ class ModelConfig:
                   "mamba_chunk_size", "moe_num_experts", "moe_top_k")
         _choice(self, "mlp_activation", ACTIVATIONS)
         _choice(self, "mamba_scan", MAMBA_SCANS)
+        _choice(self, "attention_kernel", ATTENTION_KERNELS)
         _choice(self, "norm", NORMS)
         _choice(self, "position_embedding", POSITION_EMBEDDINGS)
         _choice(self, "moe_score_function", SCORE_FUNCTIONS)

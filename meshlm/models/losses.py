@@ -29,6 +29,19 @@ Kernels for LLM Training"), here in plain PyTorch, so it runs on any device. (Py
 ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())``; on that benchmark it was
 slower than the unfused loss, and the project supports older PyTorch.)
 
+**How big a chunk** depends on the device (``default_tokens_per_chunk``). On a CPU small chunks
+win: a chunk's logits stay in cache, and a matmul of 256 rows is as efficient as a big one. On a
+GPU each chunk costs more than its arithmetic: its three matmuls each re-read the whole
+[vocab, hidden] weight, its dozen kernels are launched one by one, and the fp32 sum of the weight
+gradient reads and writes a weight-sized tensor. With the CPU's rule, the 1B Llama shape of
+``bench/gpu_throughput.py`` (32768 tokens a micro-batch, vocabulary 32000) took 128 chunks of
+256 tokens: by our estimate (weight traffic and launch counts at an H200's memory bandwidth, not
+a measurement) about 40 ms of its 0.49 s step, nearly all of the 43 ms by which meshlm trailed
+the plain PyTorch loop there. So an accelerator takes chunks of about 2^27 logits (4194 tokens
+at that vocabulary: 8 chunks, 0.8 GB of chunk buffers in bf16 + fp32) and never fewer than 1024
+tokens, which keeps each matmul compute-bound even at a 256k vocabulary. ``linear_cross_entropy``
+then evens the chunks out (32768 tokens in 8 chunks of 4096, not 7 of 4194 and one of 3410).
+
 Precision: the matmuls run in the inputs' dtype (as ``F.linear`` would, so bf16 logits are
 rounded exactly as in the unfused path), the log-softmax, softmax and loss are fp32, the weight gradient is summed over chunks in fp32, and the gradients come back
 in the inputs' dtypes. Like ``F.cross_entropy`` with mean reduction, a batch whose labels are
@@ -49,15 +62,34 @@ DISTILL_LOSSES = ("kl", "forward_kl", "reverse_kl", "cosine")
 in meshlm/parallel/tensor/vocab_parallel.py): 'kl' is 'forward_kl', KL(teacher || student)."""
 
 CHUNK_ELEMENTS = 2 ** 22
-"""Logits per chunk (16 MB in fp32): a few chunk-sized buffers instead of several full-size ones."""
+"""Logits per chunk on a CPU (16 MB in fp32): a few chunk-sized buffers instead of several
+full-size ones."""
 
 MIN_TOKENS_PER_CHUNK = 256
-"""Floor for large vocabularies: every chunk re-reads the whole weight, and a chunk's matmuls
-only stay compute-bound (rather than bound by reading the weight) over enough tokens."""
+"""Floor for large vocabularies on a CPU: every chunk re-reads the whole weight, and a chunk's
+matmuls only stay compute-bound (rather than bound by reading the weight) over enough tokens."""
+
+ACCELERATOR_CHUNK_ELEMENTS = 2 ** 27
+"""Logits per chunk on a GPU (512 MB in fp32): few chunks, so that the weight is re-read, the
+kernels launched and the weight gradient summed a handful of times a step (module docstring)."""
+
+ACCELERATOR_MIN_TOKENS_PER_CHUNK = 1024
+"""Floor on a GPU: a matmul of 1024 rows re-reading a bf16 weight does about 1000 FLOPs a byte, well
+above what keeps an H100's tensor cores busy (about 300)."""
 
 
-def default_tokens_per_chunk(vocab_size: int) -> int:
-    return max(MIN_TOKENS_PER_CHUNK, CHUNK_ELEMENTS // vocab_size)
+def default_tokens_per_chunk(vocab_size: int, device_type: str = "cpu") -> int:
+    """The most tokens one chunk of the fused loss takes on a device of this type (module docstring)."""
+    if device_type == "cpu":
+        return max(MIN_TOKENS_PER_CHUNK, CHUNK_ELEMENTS // vocab_size)
+    return max(ACCELERATOR_MIN_TOKENS_PER_CHUNK, ACCELERATOR_CHUNK_ELEMENTS // vocab_size)
+
+
+def even_chunks(num_tokens: int, most_tokens_per_chunk: int) -> int:
+    """Tokens per chunk when ``num_tokens`` are cut into as few chunks of at most
+    ``most_tokens_per_chunk`` as possible, all of nearly one size."""
+    chunks = max(1, -(-num_tokens // most_tokens_per_chunk))
+    return max(1, -(-num_tokens // chunks))
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -134,7 +166,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """
     hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     labels = labels.reshape(-1)
-    chunk = tokens_per_chunk or default_tokens_per_chunk(weight.shape[0])
+    chunk = tokens_per_chunk or even_chunks(hidden.shape[0], default_tokens_per_chunk(weight.shape[0],
+                                                                                  hidden.device.type))
     compute_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk, compute_grads)
 

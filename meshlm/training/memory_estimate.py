@@ -95,6 +95,7 @@ from meshlm.models.losses import default_tokens_per_chunk
 from meshlm.models.mlp import is_gated
 from meshlm.models.pattern import parse_pattern
 from meshlm.parallel.mesh import ParallelContext
+from meshlm.precision.device_defaults import parse_device
 from meshlm.training.preference_data import needed_kind
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -249,7 +250,7 @@ def head_bytes(config, tokens: int, layout) -> float:
     hidden_terms = 4 * h * tokens * dtype_bytes  # the last block's output, the final norm, the hidden gradient
     if layout.tp_size > 1:
         return hidden_terms + 3 * tokens * vocab / layout.tp_size * 4
-    chunk = min(tokens, default_tokens_per_chunk(vocab))
+    chunk = min(tokens, default_tokens_per_chunk(vocab, parse_device(config.train.device).type))
     return hidden_terms + 2 * chunk * vocab * 4 + vocab * h * 4
 
 

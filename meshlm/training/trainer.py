@@ -70,6 +70,7 @@ from meshlm.checkpoint.distributed import Checkpointer
 from meshlm.checkpoint.global_state import TrainingParts, optimizer_step_count, restore_optimizer_scalars
 from meshlm.checkpoint.training_checkpoint import TrainerState
 from meshlm.errors import ConfigError
+from meshlm.models.attention_kernels import prefer_attention_kernel
 from meshlm.models.dropout import DropoutKey
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.moe.balancing import update_expert_biases
@@ -189,6 +190,7 @@ class Trainer:
         config = dataclasses.replace(config, precision=resolve_precision(config.precision, self.device))
         self.config, train = config, config.train
         self.tf32 = configure_tf32(self.device, config.precision.dtype, config.precision.tf32)  # CUDA fp32 only
+        self.attention_kernels = prefer_attention_kernel(config.model.attention_kernel, self.device)  # CUDA only
         self.run_dir = Path(train.run_dir)
         if self.device.type == "cpu" and train.keep_freed_cpu_memory:
             keep_freed_memory()
@@ -605,6 +607,7 @@ class Trainer:
             f"{f', ZeRO-{self.zero_stage}' if self.zero_stage else ''})")
         self.metrics.write({"event": "resume" if self.resumed_from else "start", "step": self.state.step,
                             "device": str(self.device), "dtype": self.config.precision.dtype, "tf32": self.tf32,
+                            "attention_kernels": self.attention_kernels,
                             "world_size": layout.world_size, "tp": layout.tp_size, "cp": layout.cp_size,
                             "dp": layout.dp_size,
                             "sp": layout.sequence_parallel, "pp": layout.pp_size, "vp": layout.vp_size,

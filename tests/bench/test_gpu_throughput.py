@@ -71,6 +71,10 @@ def test_tiny_dry_run_writes_every_variant_with_finite_numbers(tmp_path, capsys,
     fastest = max(results[("meshlm", "dense", r)]["tokens_per_s"] for r in ("none", "selective"))
     assert ratio == pytest.approx(fastest / results[("baseline", "dense", "none")]["tokens_per_s"], rel=1e-2)
     assert set(document["targets"].values()) <= {True, False}
+    attention = document["attention_kernels"]  # each kernel forced on the dense attention, and auto's choice
+    assert set(attention["kernels"]) == {"flash", "cudnn", "efficient", "auto"}
+    assert attention["kernels"]["flash"]["ms"] > 0 and "error" in attention["kernels"]["cudnn"]  # CPU: no cuDNN
+    assert "_scaled_dot_product_flash_attention_for_cpu" in attention["kernels"]["auto"]["ran"]
 
     # a second command measures one variant again: the file keeps the others and replaces that one
     assert bench.main(["--tiny", "--device", "cpu", "--models", "dense", "--compile", "off", "--recompute", "none",
@@ -186,3 +190,9 @@ def test_warmup_runs_on_while_steps_still_compile(monkeypatch, compiling_steps, 
     assert result["warmup_steps"] == expected_warmup
     assert result["graphs_compiled_while_timed"] == compiled_while_timed
     assert subject.steps == expected_warmup + 2 * 3
+
+
+def test_sdp_priority_order_names_every_attention_kernel_after_a_first_call():
+    order = bench.sdp_priority_order(torch.device("cpu"))
+    assert order is not None and {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION"} <= set(order)
+    assert len(order) == len(set(order))

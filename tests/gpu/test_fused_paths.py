@@ -6,6 +6,11 @@
   input gradients. bf16 cannot match fp32 exactly, so the bound is relative to what bf16 costs
   anyway: the flash error at most twice that of SDPA's math backend in bf16, plus 2e-3 of the
   largest value.
+- **Each preferred SDPA kernel** (``model.attention_kernel``: flash, cudnn, efficient, and auto,
+  which is cuDNN first on Hopper; set process-wide as the trainer sets it) against the same
+  explicit softmax with the same bound, causal,
+  GQA and plain multi-head, head sizes 64 and 128; and which aten kernel actually ran: the one
+  preferred for plain multi-head attention on a GPU that has it (cuDNN needs sm80 and cuDNN 9).
 - **Ring attention's fused blocks** (``meshlm/parallel/context/block_attention.py``): on CUDA a
   block goes to FlashAttention-2's aten ops (bf16) or the memory-efficient ones (fp32), called
   by schema and never run on a GPU before this tier. Output, lse and the block backward against
@@ -34,8 +39,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshlm.models.attention import attention_core, attention_with_dropout
+from meshlm.models.attention_kernels import prefer_attention_kernel
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.experts import GroupedExperts, grouped_linear, grouped_mm_supported
@@ -89,6 +96,66 @@ def test_flash_sdpa_matches_the_explicit_softmax(gpu_device):
         slack = BF16_SLACK * max(1.0, float(expected.abs().max()))
         assert max_error(got, expected) <= 2 * max_error(plain, expected) + slack, \
             (name, max_error(got, expected), max_error(plain, expected), float(expected.abs().max()))
+
+
+KERNEL_SLACK = 1e-2
+"""The slack of the preferred-kernel test, larger than ``BF16_SLACK`` because its shapes are the
+real ones (128 tokens, head sizes up to 128): a fused kernel rounds the probabilities to bf16 and
+sums 128 of them per gradient element, a few bf16 roundings of the largest value (2^-8 each). On
+the CPU's own flash kernel the worst case, dk at head size 128, lands at 0.0225 against 0.0078 for
+the math path and a largest value of 3.1: over ``BF16_SLACK``'s bound (0.022), inside this one
+(0.046). A wrong kernel is off by the size of the values themselves."""
+
+KERNEL_OPS = {"flash": "_scaled_dot_product_flash_attention", "cudnn": "_scaled_dot_product_cudnn_attention",
+              "efficient": "_scaled_dot_product_efficient_attention"}
+"""The aten operator each preferred kernel runs as on CUDA."""
+
+
+class AttentionOps(TorchDispatchMode):
+    """Records the names of the aten SDPA kernels run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in func.__name__:
+            self.names.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+@pytest.mark.parametrize("kernel", ["flash", "cudnn", "efficient", "auto"])
+def test_each_preferred_kernel_matches_the_explicit_softmax(gpu_device, kernel, kv_heads, head_dim):
+    require_cuda(gpu_device, "SDPA's CUDA kernels")
+    query = seeded(2, 4, 128, head_dim, device=gpu_device, seed=10, dtype=torch.bfloat16)
+    key, value = (seeded(2, kv_heads, 128, head_dim, device=gpu_device, seed=seed, dtype=torch.bfloat16)
+                  for seed in (11, 12))
+    grad_out = seeded(2, 4, 128, head_dim, device=gpu_device, seed=13)
+    keep = torch.ones(2, 4, 128, 128, dtype=torch.bool, device=gpu_device)
+    reference = values_and_grads(lambda q, k, v: attention_with_dropout(q, k, v, None, keep, 0.0),
+                                 [tensor.float() for tensor in (query, key, value)], grad_out)
+    with sdpa_kernel(SDPBackend.MATH):
+        math = values_and_grads(attention_core, [query, key, value], grad_out)
+    before = torch._C._get_sdp_priority_order()
+    try:
+        prefer_attention_kernel(kernel, gpu_device)  # as the trainer does for model.attention_kernel
+        with AttentionOps() as ops:
+            preferred = values_and_grads(attention_core, [query, key, value], grad_out)
+    finally:
+        torch._C._set_sdp_priority_order(before)
+    for name, got, plain, expected in zip(("out", "dq", "dk", "dv"), preferred, math, reference):
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), name
+        slack = KERNEL_SLACK * max(1.0, float(expected.abs().max()))
+        assert max_error(got, expected) <= 2 * max_error(plain, expected) + slack, \
+            (name, max_error(got, expected), max_error(plain, expected), float(expected.abs().max()), ops.names)
+    wanted = kernel
+    if kernel == "auto":
+        wanted = "cudnn" if torch.cuda.get_device_capability(gpu_device)[0] == 9 else None
+    cudnn_ready = torch.cuda.get_device_capability(gpu_device)[0] >= 8 and (torch.backends.cudnn.version() or 0) >= 90000
+    if wanted is not None and kv_heads == 4 and (wanted != "cudnn" or cudnn_ready):
+        assert KERNEL_OPS[wanted] in ops.names, (kernel, sorted(ops.names))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

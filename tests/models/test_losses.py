@@ -102,6 +102,55 @@ def test_second_backward_with_retained_graph_accumulates_the_same_gradient():
 def test_default_chunk_keeps_a_few_megabytes_of_logits_and_a_floor_of_tokens():
     assert losses.default_tokens_per_chunk(8192) * 8192 * 4 == 16 * 2 ** 20
     assert losses.default_tokens_per_chunk(2 ** 17) == losses.MIN_TOKENS_PER_CHUNK
+    assert losses.default_tokens_per_chunk(8192, "cpu") == losses.default_tokens_per_chunk(8192)
+
+
+def test_a_gpu_takes_few_big_chunks():
+    """The 1B Llama shape of bench/gpu_throughput.py: 32768 tokens, vocabulary 32000. The CPU rule
+    cuts it into 128 chunks; a GPU's into 8 even chunks of 4096 tokens (about 2^27 logits each)."""
+    tokens, vocab = 32768, 32000
+    cpu = losses.default_tokens_per_chunk(vocab, "cpu")
+    assert -(-tokens // cpu) == 128
+    gpu = losses.default_tokens_per_chunk(vocab, "cuda")
+    assert gpu == 2 ** 27 // vocab == 4194
+    assert losses.even_chunks(tokens, gpu) == 4096
+    assert losses.default_tokens_per_chunk(2 ** 18, "cuda") == losses.ACCELERATOR_MIN_TOKENS_PER_CHUNK == 1024
+
+
+@pytest.mark.parametrize("num_tokens, most, expected", [(32768, 4194, 4096), (10, 4, 4), (9, 4, 3), (8, 8, 8),
+                                                        (7, 100, 7), (1, 1, 1), (0, 5, 1)])
+def test_even_chunks_are_as_few_as_allowed_and_nearly_equal(num_tokens, most, expected):
+    chunk = losses.even_chunks(num_tokens, most)
+    assert chunk == expected and chunk <= most
+    if num_tokens:
+        chunks = -(-num_tokens // chunk)
+        assert chunks == -(-num_tokens // most)  # no more chunks than the cap forces
+        assert num_tokens - (chunks - 1) * chunk > 0  # the last chunk is not empty
+
+
+def test_the_loss_chunks_by_the_tensors_device(monkeypatch):
+    """linear_cross_entropy asks for the rule of the hidden states' device and evens the chunks."""
+    asked = []
+    real = losses.default_tokens_per_chunk
+
+    def recording(vocab_size, device_type="cpu"):
+        asked.append((vocab_size, device_type))
+        return 4
+
+    monkeypatch.setattr(losses, "default_tokens_per_chunk", recording)
+    seen = []
+    real_mm = torch.mm
+
+    def recording_mm(a, b, **kwargs):
+        seen.append(a.shape[0])
+        return real_mm(a, b, **kwargs)
+
+    hidden, weight, labels = inputs()
+    monkeypatch.setattr(torch, "mm", recording_mm)
+    linear_cross_entropy(hidden[:9], weight, labels[:9])  # at most 4 a chunk: 3 chunks of 3, not 4 + 4 + 1
+    monkeypatch.setattr(torch, "mm", real_mm)
+    assert asked == [(weight.shape[0], "cpu")] and real(weight.shape[0]) > 4
+    assert seen == [3] * 6  # each chunk's logits and hidden-gradient matmuls
 
 
 @pytest.mark.parametrize("tie_embeddings", [True, False])

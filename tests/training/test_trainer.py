@@ -78,6 +78,20 @@ def test_auto_dtype_resolves_to_fp32_on_cpu_and_tf32_stays_untouched(make_config
     trainer.run()
     start = read_metrics(Path(config.train.run_dir) / "metrics.jsonl")[0]
     assert start["event"] == "start" and start["dtype"] == "fp32" and start["tf32"] is False
+    assert start["attention_kernels"] is None  # a CPU: PyTorch's own attention kernel
+
+
+def test_the_trainer_prefers_the_configured_attention_kernel_on_its_device(make_config, monkeypatch):
+    """model.attention_kernel is put into effect by the trainer (meshlm/models/attention_kernels.py)
+    and the start record says which order is in force (None: PyTorch's own, as on this CPU)."""
+    asked = []
+    monkeypatch.setattr("meshlm.training.trainer.prefer_attention_kernel",
+                        lambda kernel, device: asked.append((kernel, device)) or ["math", "flash"])
+    trainer = Trainer(make_config("train.steps=1", "train.eval_every=0", "model.attention_kernel=math"))
+    assert asked == [("math", trainer.device)] and trainer.attention_kernels == ["math", "flash"]
+    trainer.run()
+    start = read_metrics(Path(trainer.config.train.run_dir) / "metrics.jsonl")[0]
+    assert start["event"] == "start" and start["attention_kernels"] == ["math", "flash"]
 
 
 def test_gradient_accumulation_matches_one_large_micro_batch(make_config, tmp_path):
