@@ -35,9 +35,10 @@ GPU each chunk costs more than its arithmetic: its three matmuls each re-read th
 [vocab, hidden] weight, its dozen kernels are launched one by one, and the fp32 sum of the weight
 gradient reads and writes a weight-sized tensor. With the CPU's rule, the 1B Llama shape of
 ``bench/gpu_throughput.py`` (32768 tokens a micro-batch, vocabulary 32000) took 128 chunks of
-256 tokens: by our estimate (weight traffic and launch counts at an H200's memory bandwidth, not
-a measurement) about 40 ms of its 0.49 s step, nearly all of the 43 ms by which meshlm trailed
-the plain PyTorch loop there. So an accelerator takes chunks of about 2^27 logits (4194 tokens
+256 tokens. By our estimate (bytes moved at an H200's 4.8 TB/s, not a measurement) the fp32 sums
+of the weight gradient alone moved 84 GB, about 17 ms, and matmuls of 256 rows run below full
+speed: some 20-30 ms of the 0.49 s step, against the 43 ms by which meshlm trailed the plain
+PyTorch loop there. So an accelerator takes chunks of about 2^27 logits (4194 tokens
 at that vocabulary: 8 chunks, 0.8 GB of chunk buffers in bf16 + fp32) and never fewer than 1024
 tokens, which keeps each matmul compute-bound even at a 256k vocabulary. ``linear_cross_entropy``
 then evens the chunks out (32768 tokens in 8 chunks of 4096, not 7 of 4194 and one of 3410).
