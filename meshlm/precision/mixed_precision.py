@@ -137,11 +137,14 @@ class MixedPrecision:
         loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, float("nan")).to(loss.dtype)
         return loss * self.scaler.scale if self.scaler is not None else loss
 
-    def gradients_to_master(self) -> bool:
+    def gradients_to_master(self, check_nonfinite: bool = True) -> bool:
         """Unscale the fp32 master gradients; True if any of them holds an inf or nan.
 
         Gradients still left on the model (a backward without the hook, or grads written by
-        hand) are moved first. The check is one fused norm per tensor and a single sync.
+        hand) are moved first. The check is one fused norm per tensor and a single sync. A caller
+        that takes the global gradient norm next (the trainer: it clips or logs by it) passes
+        ``check_nonfinite=False``: that norm is non-finite exactly when some entry is, so the check
+        would only read every gradient once more and wait for the GPU once more; False is returned.
         """
         if self.low_precision:
             for (_, param), (_, master) in zip(self.model_parameters, self.masters):
@@ -152,6 +155,8 @@ class MixedPrecision:
             return False
         if self.loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+        if not check_nonfinite:
+            return False
         # A 2-norm is non-finite exactly when some entry is (or the sum of squares overflows,
         # which the global-norm clipping would also report); unlike the inf-norm it has a fused
         # multi-tensor kernel (measured: 3 ms instead of 38 ms for a 25M-parameter model on CPU).

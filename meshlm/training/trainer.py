@@ -373,14 +373,14 @@ class Trainer:
             norm, skip = finish_distributed_gradients(self.reducer, self.optimizer, self.precision, self.replica, clip,
                                                       self.sharded_names, self.partial_names, self.expert_names)
             return float(norm), skip
-        found_nonfinite = self.precision.gradients_to_master()
+        self.precision.gradients_to_master(check_nonfinite=False)  # the norm below tells
         if clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.master_parameters, clip)
         else:
             grads = [param.grad for param in self.master_parameters if param.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         grad_norm = float(norm)
-        return grad_norm, found_nonfinite or not np.isfinite(grad_norm)
+        return grad_norm, not np.isfinite(grad_norm)
 
     def optimizer_step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -125,6 +125,10 @@ def test_nan_gradients_are_reported_in_fp32_too():
     assert precision.gradients_to_master() is False
     model.blocks[0].norm.weight.grad[3] = float("nan")
     assert precision.gradients_to_master() is True
+    # the trainer leaves the check to the global norm it takes next: no second pass, no second sync
+    assert precision.gradients_to_master(check_nonfinite=False) is False
+    grads = [master.grad for _, master in precision.master_parameters() if master.grad is not None]
+    assert not torch.isfinite(torch.nn.utils.get_total_norm(grads))
 
 
 def test_state_dict_restores_master_weights_and_scale_exactly():

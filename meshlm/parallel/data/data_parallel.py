@@ -100,7 +100,8 @@ def finish_gradients(reducer: GradientReducer, optimizer, precision, context, ma
     named_grads = optimizer.named_grad_shards() if sharded else reducer.named_grads()
     if context.tp_size > 1 and partial_grad_names:
         reduce_partial_tp_grads(named_grads, context, partial_grad_names)
-    precision.gradients_to_master()  # divides by the loss scale; linear, so after the sums
+    precision.gradients_to_master(check_nonfinite=False)  # divides by the loss scale (linear, so after the
+    # sums); the global norm below is non-finite exactly when some gradient entry is
     norm = clip_grads_(named_grads, max_norm, context, sharded, tensor_parallel_names, reducer.buffer.device,
                        expert_names)
     return norm, not bool(torch.isfinite(norm))
