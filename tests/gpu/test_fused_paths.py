@@ -11,6 +11,7 @@
   explicit softmax with the same bound, causal,
   GQA and plain multi-head, head sizes 64 and 128; and which aten kernel actually ran: the one
   preferred for plain multi-head attention on a GPU that has it (cuDNN needs sm80 and cuDNN 9).
+  Under cuDNN first, the masked calls too: a left-padded row, and one query over 128 cached keys.
 - **Ring attention's fused blocks** (``meshlm/parallel/context/block_attention.py``): on CUDA a
   block goes to FlashAttention-2's aten ops (bf16) or the memory-efficient ones (fp32), called
   by schema and never run on a GPU before this tier. Output, lse and the block backward against
@@ -156,6 +157,38 @@ def test_each_preferred_kernel_matches_the_explicit_softmax(gpu_device, kernel, 
     cudnn_ready = torch.cuda.get_device_capability(gpu_device)[0] >= 8 and (torch.backends.cudnn.version() or 0) >= 90000
     if wanted is not None and kv_heads == 4 and (wanted != "cudnn" or cudnn_ready):
         assert KERNEL_OPS[wanted] in ops.names, (kernel, sorted(ops.names))
+
+
+@pytest.mark.parametrize("call", ["padded", "decoding"])
+@pytest.mark.parametrize("kernel", ["cudnn", "auto"])
+def test_preferred_kernels_keep_masked_and_decoding_calls_right(gpu_device, kernel, call):
+    """The calls with a mask (a left-padded row) or one query over a cache (generation, which RL
+    runs inside the trainer's process, under the trainer's order) against the explicit softmax."""
+    require_cuda(gpu_device, "SDPA's CUDA kernels")
+    queries = 128 if call == "padded" else 1
+    query = seeded(2, 4, queries, 128, device=gpu_device, seed=20, dtype=torch.bfloat16)
+    key, value = (seeded(2, 2, 128, 128, device=gpu_device, seed=seed, dtype=torch.bfloat16) for seed in (21, 22))
+    grad_out = seeded(2, 4, queries, 128, device=gpu_device, seed=23)
+    key_mask = torch.ones(2, 128, dtype=torch.bool, device=gpu_device)
+    key_mask[1, :40] = False  # the second row is left-padded by 40 tokens
+    keep = torch.ones(2, 4, queries, 128, dtype=torch.bool, device=gpu_device)
+    reference = values_and_grads(lambda q, k, v: attention_with_dropout(q, k, v, key_mask, keep, 0.0),
+                                 [tensor.float() for tensor in (query, key, value)], grad_out)
+    with sdpa_kernel(SDPBackend.MATH):
+        math = values_and_grads(lambda q, k, v: attention_core(q, k, v, key_mask), [query, key, value], grad_out)
+    before = torch._C._get_sdp_priority_order()
+    try:
+        prefer_attention_kernel(kernel, gpu_device)
+        with AttentionOps() as ops:
+            preferred = values_and_grads(lambda q, k, v: attention_core(q, k, v, key_mask), [query, key, value],
+                                         grad_out)
+    finally:
+        torch._C._set_sdp_priority_order(before)
+    for name, got, plain, expected in zip(("out", "dq", "dk", "dv"), preferred, math, reference):
+        assert torch.isfinite(got).all(), (name, ops.names)
+        slack = KERNEL_SLACK * max(1.0, float(expected.abs().max()))
+        assert max_error(got, expected) <= 2 * max_error(plain, expected) + slack, \
+            (name, max_error(got, expected), max_error(plain, expected), float(expected.abs().max()), ops.names)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
