@@ -40,8 +40,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.attention_kernels import KernelNames
 from meshlm.models.attention import attention_core, attention_with_dropout
 from meshlm.models.attention_kernels import prefer_attention_kernel
 from meshlm.models.config import ModelConfig
@@ -112,19 +112,6 @@ KERNEL_OPS = {"flash": "_scaled_dot_product_flash_attention", "cudnn": "_scaled_
 """The aten operator each preferred kernel runs as on CUDA."""
 
 
-class AttentionOps(TorchDispatchMode):
-    """Records the names of the aten SDPA kernels run under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "scaled_dot_product" in func.__name__:
-            self.names.add(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
 @pytest.mark.parametrize("kernel", ["flash", "cudnn", "efficient", "auto"])
@@ -142,7 +129,7 @@ def test_each_preferred_kernel_matches_the_explicit_softmax(gpu_device, kernel, 
     before = torch._C._get_sdp_priority_order()
     try:
         prefer_attention_kernel(kernel, gpu_device)  # as the trainer does for model.attention_kernel
-        with AttentionOps() as ops:
+        with KernelNames() as ops:
             preferred = values_and_grads(attention_core, [query, key, value], grad_out)
     finally:
         torch._C._set_sdp_priority_order(before)
@@ -179,7 +166,7 @@ def test_preferred_kernels_keep_masked_and_decoding_calls_right(gpu_device, kern
     before = torch._C._get_sdp_priority_order()
     try:
         prefer_attention_kernel(kernel, gpu_device)
-        with AttentionOps() as ops:
+        with KernelNames() as ops:
             preferred = values_and_grads(lambda q, k, v: attention_core(q, k, v, key_mask), [query, key, value],
                                          grad_out)
     finally:
