@@ -4,10 +4,10 @@ On a CUDA GPU, PyTorch's SDPA has four implementations of the same function -- F
 (``flash``), cuDNN's fused attention (``cudnn``), the memory-efficient kernel of xFormers
 (``efficient``) and the unfused reference (``math``) -- and picks the first in a fixed priority
 order that accepts the call's shapes and dtypes. Which is fastest depends on the GPU: on Hopper
-(compute capability 9.x: H100, H200) cuDNN's kernels use the Hopper-only instructions (TMA,
-warpgroup MMA) that FlashAttention-2 does not, and Hugging Face measured them at 1.7-2.3x
-FlashAttention-2's speed on training shapes on both H100 and H200, while on Ampere and Blackwell
-they were slower (transformers pull request 48163, 2026). PyTorch itself puts cuDNN first on
+(compute capability 9.x: H100, H200) cuDNN has attention kernels written for that generation,
+which FlashAttention-2 predates; a transformers pull request (48163, 2026) measured them at
+1.7-2.3x FlashAttention-2's speed on training shapes on both H100 and H200, and slower on Ampere
+and Blackwell. PyTorch itself puts cuDNN first on
 Hopper only from cuDNN 9.15.1 on (``check_prefer_cudnn_attention`` in ATen's ``sdp_utils.cpp``),
 so which kernel a run gets has depended on the torch build rather than the GPU.
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshlm.models.config import ATTENTION_KERNELS

@@ -82,6 +82,18 @@ def test_the_order_is_set_for_the_process_without_switching_kernels(restored_pri
                         torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
 
 
+def test_putting_an_order_into_effect_runs_end_to_end(restored_priority, monkeypatch):
+    """The whole of prefer_attention_kernel as on a GPU (its first tiny SDPA call, then the order),
+    here with the CPU made to ask for one."""
+    monkeypatch.setattr(kernels, "preferred_order", lambda kernel, device: [SDPBackend.MATH])
+    before = torch._C._get_sdp_priority_order()
+    names = kernels.prefer_attention_kernel("math", torch.device("cpu"))
+    expected = [int(SDPBackend.MATH)] + [code for code in before if code != int(SDPBackend.MATH)]
+    assert torch._C._get_sdp_priority_order() == expected
+    by_code = {int(backend): name for name, backend in kernels.BACKENDS.items()}
+    assert names == [by_code[code] for code in expected if code in by_code] and names[0] == "math"
+
+
 def test_a_cpu_run_leaves_the_order_alone(restored_priority):
     before = torch._C._get_sdp_priority_order()
     assert kernels.prefer_attention_kernel("cudnn", torch.device("cpu")) is None
