@@ -257,12 +257,31 @@ def profile_step(step, device: torch.device, top: int) -> dict:
         step()
         synchronize(device)
     attribute = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = [event for event in profiler.key_averages() if getattr(event, attribute, 0) > 0]
+    averages = profiler.key_averages()
+    events = [event for event in averages if getattr(event, attribute, 0) > 0]
     events.sort(key=lambda event: getattr(event, attribute), reverse=True)
     total_ms = sum(getattr(event, attribute) for event in events) / 1e3
+    inclusive = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    regions = {}
+    for event in averages:  # the step's parts, each with what it called (one name may match several events)
+        part = next((name for name, marks in PROFILE_REGIONS.items() if any(mark in event.key for mark in marks)), None)
+        if part is not None:
+            regions[part] = regions.get(part, 0.0) + getattr(event, inclusive, 0) / 1e3
     return {"measured": attribute, "total_ms": round(total_ms, 2),
             "top": [{"name": event.key[:120], "ms": round(getattr(event, attribute) / 1e3, 3), "calls": event.count}
-                    for event in events[:top]]}
+                    for event in events[:top]],
+            "regions_ms": {part: round(ms, 3) for part, ms in sorted(regions.items())}}
+
+
+PROFILE_REGIONS = {"loss_head": ("ChunkedLinearCrossEntropy", "aten::cross_entropy_loss",
+                                 "evaluate_function: NllLossBackward", "evaluate_function: LogSoftmaxBackward"),
+                   "optimizer": ("Optimizer.step#",),
+                   "attention": ("aten::_scaled_dot_product",)}
+"""Parts of a step whose time ``profile_step`` adds up, each event with everything it called
+(``regions_ms``; the marks never nest in one another): meshlm's fused loss, forward and backward,
+against the plain loop's cross-entropy and its backward (the plain loop's logits matmul is not in
+it: compare with the ``top`` matmuls); the optimizer step; and the attention kernels forward and
+backward, whichever SDPA picked (eager or compiled alike)."""
 
 
 MAX_EXTRA_WARMUP = 5

@@ -90,6 +90,8 @@ def test_tiny_dry_run_writes_every_variant_with_finite_numbers(tmp_path, capsys,
     assert milliseconds == sorted(milliseconds, reverse=True) and 0 < sum(milliseconds) <= profile["total_ms"]
     assert any("mm" in op["name"] for op in profile["top"]), profile  # a matmul is among the dearest
     assert all(op["calls"] >= 1 for op in profile["top"])
+    regions = profile["regions_ms"]  # the fused loss, the optimizer and attention, with what they called
+    assert set(regions) == {"loss_head", "optimizer", "attention"} and all(ms > 0 for ms in regions.values())
 
 
 class HungrySubject:
