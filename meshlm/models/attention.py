@@ -161,8 +161,10 @@ class SelfAttention(nn.Module):
         """Global index of this module's first query head (tensor parallelism holds a slice)."""
         return 0
 
-    def project(self, x: torch.Tensor, rotary_positions: torch.Tensor):
-        """Queries, keys and values [b, heads, t, head_dim] of x [b, t, hidden], QK-normed and rotated."""
+    def project(self, x: torch.Tensor, rotary_positions: torch.Tensor,
+                rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Queries, keys and values [b, heads, t, head_dim] of x [b, t, hidden], QK-normed and rotated
+        (by ``rotary_cos_sin`` when given, the forward's shared table, else by ``rotary_positions``)."""
         batch, seq, _ = x.shape
         query = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         key = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -170,13 +172,19 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         if self.rotary is not None:
-            cos, sin = self.rotary(rotary_positions)
+            cos, sin = rotary_cos_sin if rotary_cos_sin is not None else self.rotary(rotary_positions)
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         return query, key, value
 
+    def prepare_context(self, context) -> None:
+        """Called eagerly before the (possibly compiled) block: the forward's RoPE table, made once."""
+        if self.rotary is not None:
+            context.rotary_cos_sin(self.rotary)
+
     def forward(self, x: torch.Tensor, context) -> torch.Tensor:
         batch, seq, _ = x.shape
-        query, key, value = self.project(x, context.rotary_positions)
+        rotary = None if self.rotary is None else context.rotary_cos_sin(self.rotary)
+        query, key, value = self.project(x, context.rotary_positions, rotary)
 
         key_mask = context.token_mask
         if context.cache is not None:

@@ -80,6 +80,9 @@ class Block(nn.Module):
     def forward(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:
         if self.mixer is None:  # a removed block
             return hidden
+        prepare_context = getattr(self.mixer, "prepare_context", None)
+        if prepare_context is not None:  # eagerly, outside a compiled residual_step: what blocks share
+            prepare_context(context)
         output, moe_losses = self.residual_step(hidden, context)
         if moe_losses is not None:
             context.moe_losses.append(moe_losses)

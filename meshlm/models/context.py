@@ -22,6 +22,11 @@ any block kind anywhere and parallel wrappers can treat blocks alike. The contex
   document's first token), set with ``document_ids``. RoPE reads these (``rotary_positions``);
   ``position_ids`` stay the row positions, which dropout masks and context parallelism key on.
   The conv reads them too: tap j looks back j tokens, inside the document iff position >= j.
+- ``rotary_tables``: RoPE's cos and sin of ``rotary_positions``, per (head_dim, theta), made once
+  per forward (``rotary_cos_sin``) and read by every attention block. Each block making its own
+  cost a whole step's worth: compiled, Inductor fused the table into the rotation and so took a
+  cos, a sin and a power per element of every query and key head (an H200's 1B dense step spent
+  21 ms of 447 there, 2026-11-27), where reading a table is a pass over memory.
 """
 
 from __future__ import annotations
@@ -43,11 +48,27 @@ class SequenceContext:
     dropout_key: DropoutKey | None = None
     document_ids: torch.Tensor | None = None
     document_positions: torch.Tensor | None = None
+    rotary_tables: dict = field(default_factory=dict)
 
     @property
     def rotary_positions(self) -> torch.Tensor:
         """The positions RoPE rotates by: inside each document when documents are kept apart."""
         return self.position_ids if self.document_positions is None else self.document_positions
+
+    def rotary_cos_sin(self, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary(rotary_positions)`` (a ``RotaryEmbedding``), made once per forward and kept.
+
+        ``Block.forward`` asks for it eagerly before its compiled step (``prepare_context``), so a
+        compiled block finds the table here as an input. Inside a graph being traced nothing is
+        kept: a graph that wrote into its input would be guarded on that, and compiled again.
+        """
+        key = (rotary.head_dim, rotary.theta)
+        tables = self.rotary_tables.get(key)
+        if tables is None:
+            tables = rotary(self.rotary_positions)
+            if not torch.compiler.is_compiling():
+                self.rotary_tables[key] = tables
+        return tables
 
     @staticmethod
     def for_tokens(input_ids: torch.Tensor, token_mask: torch.Tensor | None = None,

@@ -74,3 +74,26 @@ def test_rmsnorm_matches_formula():
     x = torch.randn(3, 6)
     expected = norm.weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(norm(x), expected)
+
+
+def test_a_forward_makes_the_rope_table_once_for_all_attention_blocks(monkeypatch):
+    """Every attention block of one forward rotates by the same table: it is made once (and kept in
+    the ``SequenceContext``), not once per block, and gives the per-block table's values."""
+    from meshlm.models.language_model import LanguageModel
+
+    made = []
+    original = RotaryEmbedding.forward
+    monkeypatch.setattr(RotaryEmbedding, "forward", lambda self, positions: made.append(1) or original(self, positions))
+    config = ModelConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, pattern="*-*-*-", ffn_hidden_size=64)
+    model = LanguageModel(config, seed=0)
+    input_ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(input_ids, input_ids).loss.backward()
+    assert len(made) == 1
+
+    attention = model.blocks[0].mixer
+    context = SequenceContext.for_tokens(input_ids)
+    hidden = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1))
+    shared = attention.project(hidden, context.position_ids, context.rotary_cos_sin(attention.rotary))
+    own = attention.project(hidden, context.position_ids)
+    assert all(torch.equal(a, b) for a, b in zip(shared, own))
+    assert context.rotary_cos_sin(attention.rotary) is context.rotary_cos_sin(attention.rotary)

@@ -146,6 +146,26 @@ def test_each_block_kind_compiles_once_wherever_it_sits(shape):
     assert len(counter.graphs) == kinds, [graph.code for graph in counter.graphs]
 
 
+def test_compiled_attention_blocks_read_the_forwards_rope_table():
+    """RoPE's cos/sin table is made once per forward, eagerly, and every compiled attention block
+    takes it as an input: no graph computes a cosine or a sine (compiled, Inductor had fused each
+    block's own table into the rotation, a cos, a sin and a power per element of every head), and
+    the table costs no recompile: one graph for the attention blocks, one for the MLPs."""
+    model = small_model(**DENSE, position_embedding="rope").to(torch.bfloat16)
+    input_ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected, expected_grads = loss_and_grads(model, input_ids)
+    counter = GraphCounter()
+    compile_each_block(model, counter, EagerFallback(lambda notice: pytest.fail(notice)))
+    for _ in range(2):
+        output, grads = loss_and_grads(model, input_ids)
+        assert torch.equal(output.loss, expected.loss)
+        assert all(torch.equal(grad, expected_grad) for grad, expected_grad in zip(grads, expected_grads))
+    assert len(counter.graphs) == 2, [graph.code for graph in counter.graphs]
+    targets = {str(node.target) for graph in counter.graphs for node in graph.graph.nodes}
+    assert not {target for target in targets if "cos" in target or "sin" in target}, targets
+    assert any("mul" in target for target in targets)  # the rotation itself is in the graph
+
+
 @pytest.mark.parametrize("recipe,rounding,graphs_expected,fp8_gemm,shape", [
     ("fp8_tensorwise", True, 2, "emulated", DENSE), ("fp8_delayed", True, 2, "emulated", DENSE),
     ("fp8_blockwise", True, 2, "emulated", DENSE), ("mxfp8", True, 2, "auto", DENSE),
