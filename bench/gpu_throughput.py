@@ -89,6 +89,7 @@ import torch.nn.attention
 
 from bench.attention_kernels import measure as measure_attention_kernels
 from bench.compile import graphs_compiled, synchronize
+from bench.profiling import profile_step
 from bench.reference_gpt import ReferenceGPT, ReferenceTrainer
 from bench.train_throughput import write_random_corpus
 from meshlm.checkpoint.files import write_json_atomic
@@ -244,44 +245,6 @@ def timed(step, count: int, device: torch.device) -> tuple[float, object]:
         result = step()
     synchronize(device)
     return (time.perf_counter() - started) / count, result
-
-
-def profile_step(step, device: torch.device, top: int) -> dict:
-    """One more step under ``torch.profiler``: the ``top`` operators by their own time on the
-    device (on a CPU, by their own CPU time), each with its milliseconds and calls, and the step's
-    total -- where meshlm's step and the plain loop's differ, at a glance."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    synchronize(device)
-    with profile(activities=activities) as profiler:
-        step()
-        synchronize(device)
-    attribute = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    averages = profiler.key_averages()
-    events = [event for event in averages if getattr(event, attribute, 0) > 0]
-    events.sort(key=lambda event: getattr(event, attribute), reverse=True)
-    total_ms = sum(getattr(event, attribute) for event in events) / 1e3
-    inclusive = "device_time_total" if device.type == "cuda" else "cpu_time_total"
-    regions = {}
-    for event in averages:  # the step's parts, each with what it called (one name may match several events)
-        part = next((name for name, marks in PROFILE_REGIONS.items() if any(mark in event.key for mark in marks)), None)
-        if part is not None:
-            regions[part] = regions.get(part, 0.0) + getattr(event, inclusive, 0) / 1e3
-    return {"measured": attribute, "total_ms": round(total_ms, 2),
-            "top": [{"name": event.key[:120], "ms": round(getattr(event, attribute) / 1e3, 3), "calls": event.count}
-                    for event in events[:top]],
-            "regions_ms": {part: round(ms, 3) for part, ms in sorted(regions.items())}}
-
-
-PROFILE_REGIONS = {"loss_head": ("ChunkedLinearCrossEntropy", "aten::cross_entropy_loss",
-                                 "evaluate_function: NllLossBackward", "evaluate_function: LogSoftmaxBackward"),
-                   "optimizer": ("Optimizer.step#",),
-                   "attention": ("aten::_scaled_dot_product",)}
-"""Parts of a step whose time ``profile_step`` adds up, each event with everything it called
-(``regions_ms``; the marks never nest in one another): meshlm's fused loss, forward and backward,
-against the plain loop's cross-entropy and its backward (the plain loop's logits matmul is not in
-it: compare with the ``top`` matmuls); the optimizer step; and the attention kernels forward and
-backward, whichever SDPA picked (eager or compiled alike)."""
 
 
 MAX_EXTRA_WARMUP = 5

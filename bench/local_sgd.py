@@ -283,6 +283,7 @@ def main(argv=None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: run the plan at least once (--repeats 1 or more).")
 
+    from meshlm.checkpoint.files import write_json_atomic
     from meshlm.data.demo_corpus import build_demo_corpus
     from tests.helpers.distributed import run_distributed
 
@@ -316,6 +317,9 @@ def main(argv=None) -> int:
                 print(f"{name:<16} final val {final[1]:.4f} after {run['train_seconds']:.1f} s, "
                       f"{run['dp_bytes'] / 1e6:.1f} MB over DP (repeat {repeat + 1}/{args.repeats})",
                       file=sys.stderr, flush=True)
+                if args.out:  # so far: what a run stopped at its time limit (a GPU session's stage) still leaves
+                    write_json_atomic(Path(args.out), {"partial": True, "device": args.device, "init": init,
+                                                       "runs_so_far": repeats})
     runs = {name: median_run(each) for name, each in repeats.items()}
     ddp_final = runs["ddp"]["curve"][max(runs["ddp"]["curve"])][1]
     target = args.target_loss if args.target_loss is not None else ddp_final * 1.03

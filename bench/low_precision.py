@@ -66,6 +66,7 @@ from pathlib import Path
 import torch
 
 from bench.compile import graph_break_reasons
+from bench.profiling import profile_step
 from meshlm.config import load_run_config
 from meshlm.data.demo_corpus import build_demo_corpus
 from meshlm.errors import ConfigError
@@ -114,14 +115,18 @@ DEFAULTS = {
 
 class TimedTrainer(Trainer):
     """The trainer, recording the wall-clock and CPU seconds of each training step and what
-    ``train.compile`` said."""
+    ``train.compile`` said; with ``profile_top``, one step in the middle of the run (past the
+    compiling ones) is profiled instead of timed (``profile``: ``bench/profiling.py``'s
+    record: the top operators by their own device time)."""
 
-    def __init__(self, config):
+    def __init__(self, config, profile_top: int = 0):
         super().__init__(config)
         self.step_seconds: list[float] = []
         self.step_cpu_seconds: list[float] = []
         self.compile_notices: list[str] = []
         """What ``train.compile`` said (a block that fell back to eager, a recipe run eagerly)."""
+        self.profile_top, self.profile_at = profile_top, config.train.steps // 2
+        self.profile: dict | None = None
 
     def open_logs(self):
         super().open_logs()
@@ -135,6 +140,11 @@ class TimedTrainer(Trainer):
         self.progress.message = message
 
     def train_step(self):
+        if self.profile_top and self.profile is None and len(self.step_seconds) >= self.profile_at:
+            result = []
+            self.profile = profile_step(lambda: result.append(super(TimedTrainer, self).train_step()), self.device,
+                                        self.profile_top)
+            return result[0]
         wall, cpu = time.perf_counter(), time.process_time()
         result = super().train_step()
         if self.device.type == "cuda":
@@ -162,7 +172,7 @@ def train_one(name: str, args, workdir: Path) -> dict:
     overrides = [*run_overrides(args, workdir / name), *CONFIGS[name], *args.overrides]
     started = time.perf_counter()
     try:
-        trainer = TimedTrainer(load_run_config(base, overrides))
+        trainer = TimedTrainer(load_run_config(base, overrides), args.profile)
     except ConfigError as error:
         return {"error": str(error)}
     reasons_before = graph_break_reasons()
@@ -176,7 +186,8 @@ def train_one(name: str, args, workdir: Path) -> dict:
             "step_cpu_s": round(statistics.median(trainer.step_cpu_seconds), 4),
             "run_s": round(time.perf_counter() - started, 1), "overrides": CONFIGS[name],
             "gemms": gemm_paths(trainer.model), "compile_notices": trainer.compile_notices,
-            "graph_breaks": sum(reasons.values()), "graph_break_reasons": reasons}
+            "graph_breaks": sum(reasons.values()), "graph_break_reasons": reasons,
+            **({"profile": trainer.profile} if trainer.profile is not None else {})}
 
 
 def gemm_paths(model: torch.nn.Module) -> list[str]:
@@ -255,6 +266,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="hybrid: the demo model; dense: a linear-heavy Transformer for the GPU speed target")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", help="also write the JSON result to this file")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="profile one step in the middle of each run (not timed): its TOP operators by their "
+                             "own device time, where an FP8 step and a bf16 step part")
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.configs.split(",") if name.strip()]
     unknown = [name for name in names if name not in CONFIGS]

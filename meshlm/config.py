@@ -28,6 +28,7 @@ from meshlm.models.losses import DISTILL_LOSSES
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 FP8_GEMMS = ("auto", "emulated", "hardware")
+FP8_FAST_ACCUMULATION = ("fprop", "none", "all")
 RECOMPUTE = ("none", "selective", "full")
 ON_NONFINITE = ("rollback", "stop")
 OBJECTIVES = ("lm", "reward", "dpo")
@@ -294,6 +295,13 @@ class PrecisionConfig:
     """FP8 recipes: 'emulated' (dequantize, matmul in bf16), 'hardware' (torch._scaled_mm on the FP8
     codes; CUDA with compute capability >= 8.9, or the CPU), or 'auto' (hardware on such a GPU where
     the installed torch supports the recipe's scales, else emulated). NVFP4 is always emulated."""
+    fp8_fast_accumulation: str = "fprop"
+    """Hardware FP8 GEMMs with one scale per tensor or row: which of them may keep their running sums
+    in the tensor cores' own accumulator (about 14 bits; cuBLAS's fast accumulation) instead of
+    moving them into fp32 at intervals (the split accumulator), for speed: 'fprop' (the forward
+    GEMM only; Transformer Engine's default: its gradients' GEMMs split), 'none' or 'all'. Block
+    scales (fp8_blockwise) always split: their scales are applied per 128-wide slice of the sum.
+    No effect on emulated GEMMs or on a CPU."""
 
 
 @dataclass
@@ -502,6 +510,7 @@ class RunConfig:
         check_choice("optim.schedule", optim.schedule, SCHEDULES)
         check_choice("precision.dtype", self.precision.dtype, DTYPES)
         check_choice("precision.fp8_gemm", self.precision.fp8_gemm, FP8_GEMMS)
+        check_choice("precision.fp8_fast_accumulation", self.precision.fp8_fast_accumulation, FP8_FAST_ACCUMULATION)
         if not isinstance(self.precision.amax_history, int) or self.precision.amax_history < 1:
             raise ConfigError(f"precision.amax_history={self.precision.amax_history!r} must be an integer >= 1 "
                               "(the number of past steps whose amaxes set an fp8_delayed scale).")

@@ -16,9 +16,15 @@ over ``torch._scaled_mm``, whose arguments follow cuBLASLt's rules; ``scaled_mat
   ``a`` row-major and the second operand ``[K, N]`` column-major, which is exactly ``b.t()``.
 - **Shapes.** cuBLASLt needs K and N to be multiples of 16 (16-byte rows of FP8). Short dims are
   padded with zero codes -- a zero adds nothing to any dot product -- and the result is sliced back.
-- **Accumulation.** ``use_fast_accum=False``: on Hopper the tensor cores keep only about 14 bits of
-  the running sum, so cuBLAS moves partial sums into fp32 registers at intervals (DeepSeek-V3 §3.3.2,
-  "increasing accumulation precision"; Transformer Engine's ``split_accumulator``).
+- **Accumulation.** On Hopper the tensor cores keep only about 14 bits of the running sum, so by
+  default cuBLAS moves partial sums into fp32 registers at intervals (DeepSeek-V3 §3.3.2,
+  "increasing accumulation precision"; Transformer Engine's ``split_accumulator``), at some cost in
+  speed. ``fast_accumulation=True`` (``use_fast_accum``) keeps the sums in the tensor cores: what
+  Transformer Engine does for the forward GEMM and not for the two gradient GEMMs
+  (``_2X_ACC_FPROP = False``, ``_2X_ACC_DGRAD = _2X_ACC_WGRAD = True`` in its linear module), and
+  the recipes' default here (``precision.fp8_fast_accumulation``). Tensorwise and rowwise scales
+  only: with block scales cuBLASLt applies each scale per 128-wide slice of the sum, which is the
+  promotion itself, so those always split.
 - **Formats.** E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3; **not E5M2 x E5M2**: NVIDIA's FP8 GEMM
   (cuBLASLt) offers no such pair and torch's CUDA path refuses it ("Multiplication of two
   Float8_e5m2 matrices is not supported"), so it is refused on every device here, the CPU included
@@ -113,7 +119,8 @@ def infer_scaling(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: torch.T
 
 
 def scaled_matmul(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: torch.Tensor, b_scale: torch.Tensor,
-                  out_dtype: torch.dtype = torch.bfloat16, verified: bool = False) -> torch.Tensor:
+                  out_dtype: torch.dtype = torch.bfloat16, verified: bool = False,
+                  fast_accumulation: bool = False) -> torch.Tensor:
     """``(a_codes * a_scale) @ (b_codes * b_scale)^T`` on FP8 hardware, accumulated in fp32, in ``out_dtype``.
 
     ``a_codes [M, K]`` and ``b_codes [N, K]`` are FP8 (E4M3 or E5M2, not both E5M2) with K last;
@@ -125,21 +132,25 @@ def scaled_matmul(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: torch.T
     (as ``quantized_linear.hardware_gemm`` does once per layer), so the check is skipped. Inside a
     ``torch.compile``d block that matters: the check's probe makes a ``torch.Generator``, which
     TorchDynamo cannot trace, and would break the block's graph at every GEMM.
+
+    ``fast_accumulation``: keep the running sums in the tensor cores' accumulator (module
+    docstring, "Accumulation"); ignored with block scales, which always split.
     """
     a_scale = torch.as_tensor(a_scale, dtype=torch.float32, device=a_codes.device)
     b_scale = torch.as_tensor(b_scale, dtype=torch.float32, device=b_codes.device)
     scaling = infer_scaling(a_codes, a_scale, b_codes, b_scale)
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype={out_dtype} is not supported; use torch.bfloat16, torch.float16 or torch.float32.")
+    fast = fast_accumulation and scaling in ("tensorwise", "rowwise")
     if verified:
-        return _scaled_mm_padded(a_codes, a_scale, b_codes, b_scale, scaling, out_dtype)
+        return _scaled_mm_padded(a_codes, a_scale, b_codes, b_scale, scaling, out_dtype, fast)
     reason = unsupported_reason(a_codes.device, scaling, a_codes.dtype, b_codes.dtype, out_dtype)
     if reason is not None:
         operands = " x ".join(str(dtype).removeprefix("torch.") for dtype in (a_codes.dtype, b_codes.dtype))
         raise NotImplementedError(f"scaled_matmul cannot run a {scaling} {operands} product on {a_codes.device}: "
                                   f"{reason}; check hardware_fp8_supported(...) first and use the emulated recipe "
                                   "where it is False.")
-    return _scaled_mm_padded(a_codes, a_scale, b_codes, b_scale, scaling, out_dtype)
+    return _scaled_mm_padded(a_codes, a_scale, b_codes, b_scale, scaling, out_dtype, fast)
 
 
 def hardware_fp8_supported(device: torch.device | str, scaling: str, a_dtype: torch.dtype = torch.float8_e4m3fn,
@@ -212,7 +223,7 @@ def _probe(device: torch.device, scaling: str, a_dtype: torch.dtype, b_dtype: to
 
 
 def _scaled_mm_padded(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: torch.Tensor, b_scale: torch.Tensor,
-                      scaling: str, out_dtype: torch.dtype) -> torch.Tensor:
+                      scaling: str, out_dtype: torch.dtype, fast_accumulation: bool = False) -> torch.Tensor:
     """``torch._scaled_mm`` on operands padded to the kernel's multiples, its result cut back to ``[M, N]``."""
     rows, cols = a_codes.shape[0], b_codes.shape[0]
     blocked = scaling in ("blockwise", "tilewise")
@@ -223,7 +234,7 @@ def _scaled_mm_padded(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: tor
                                       _aligned(b_scale.to(b_codes.device, torch.float32)), scaling,
                                       a_padded.shape[0], b_padded.shape[0], a_padded.shape[1] // TILE_SIZE)
     out = torch._scaled_mm(a_padded, b_padded.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-                           use_fast_accum=False)
+                           use_fast_accum=fast_accumulation)
     return out if out.shape == (rows, cols) else out[:rows, :cols].contiguous()
 
 

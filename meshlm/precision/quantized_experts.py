@@ -150,11 +150,12 @@ class GroupedQuantization:
 
 
 def hardware_products(a_codes: list, b_codes: list, shapes: list[tuple[int, int]], like: torch.Tensor,
-                      out_dtype: torch.dtype) -> list[torch.Tensor]:
+                      out_dtype: torch.dtype, fast_accumulation: bool = False) -> list[torch.Tensor]:
     """``a_i b_i^T`` on the FP8 codes of each pair (``scaled_matmul``); an empty pair gives zeros of
     ``shapes[i]``."""
     return [like.new_zeros(shape, dtype=out_dtype) if a is None or b is None else
-            scaled_matmul(*a, *b, out_dtype=out_dtype, verified=True)  # hardware_gemm asked at set-up
+            scaled_matmul(*a, *b, out_dtype=out_dtype, verified=True,  # hardware_gemm asked at set-up
+                          fast_accumulation=fast_accumulation)
             for a, b, shape in zip(a_codes, b_codes, shapes)]
 
 
@@ -174,7 +175,7 @@ class _QuantizedGroupedLinear(torch.autograd.Function):
             return torch.cat(hardware_products(quantization.codes(segments, "input", input_scalings),
                                                [weight_codes[expert] for expert in segment_experts],
                                                [(rows, weight.shape[1]) for rows in segment_rows], tokens,
-                                               tokens.dtype))
+                                               tokens.dtype, quantization.recipe.accumulates_fast("fprop")))
         inputs = quantization.quantize(segments, "input", "fprop_input", segment_experts, input_scalings)
         quantized_weight = torch.stack(quantization.quantize(weights, "weight", "fprop_weight", experts,
                                                              ctx.weight_scalings))
@@ -194,7 +195,8 @@ class _QuantizedGroupedLinear(torch.autograd.Function):
                 grad_tokens = torch.cat(hardware_products(
                     quantization.codes(grad_segments, "grad_output", grad_scalings),
                     [weight_codes[expert] for expert in experts],
-                    [(rows, weight.shape[2]) for rows in ctx.segment_rows], grad_out, grad_out.dtype))
+                    [(rows, weight.shape[2]) for rows in ctx.segment_rows], grad_out, grad_out.dtype,
+                    quantization.recipe.accumulates_fast("dgrad")))
             else:
                 grads = quantization.quantize(grad_segments, "grad_output", "dgrad_grad", experts, grad_scalings)
                 transposed = quantization.quantize(transposed, "weight", "dgrad_weight",
@@ -220,7 +222,8 @@ def weight_gradient(quantization: GroupedQuantization, grad_segments: list[torch
     if quantization.hardware:
         products = hardware_products(quantization.codes(grads_t, "grad_output", grad_scalings),
                                      quantization.codes(inputs_t, "input", input_scalings),
-                                     [tuple(weight.shape[1:])] * len(owners), weight, weight.dtype)
+                                     [tuple(weight.shape[1:])] * len(owners), weight, weight.dtype,
+                                     quantization.recipe.accumulates_fast("wgrad"))
     else:
         grads_t = quantization.quantize(grads_t, "grad_output", "wgrad_grad", owners, grad_scalings)
         inputs_t = quantization.quantize(inputs_t, "input", "wgrad_input", owners, input_scalings)

@@ -110,7 +110,8 @@ class LinearQuantization:
         if self.hardware:
             return scaled_matmul(*self.codes(a.contiguous(), a_name, record_a),
                                  *self.codes(b.contiguous(), b_name, record_b), out_dtype=out_dtype,
-                                 verified=True)  # hardware_gemm asked when the layer was set up
+                                 verified=True,  # hardware_gemm asked when the layer was set up
+                                 fast_accumulation=self.recipe.accumulates_fast(a_use.split("_")[0]))
         return torch.matmul(self.quantize(a, a_name, a_use, record_a),
                             self.quantize(b, b_name, b_use, record_b).t()).to(out_dtype)
 
@@ -181,7 +182,7 @@ class _SavedCodesLinear(torch.autograd.Function):
                                                       training)
         weight_codes, weight_scale = quantization.codes(weight.contiguous(), "weight", training)
         out = scaled_matmul(input_codes, input_scale, weight_codes, weight_scale, out_dtype=inputs.dtype,
-                            verified=True)
+                            verified=True, fast_accumulation=quantization.recipe.accumulates_fast("fprop"))
         ctx.save_for_backward(input_codes, input_scale, weight_codes, weight_scale)
         ctx.quantization, ctx.input_shape, ctx.weight_dtype = quantization, inputs.shape, weight.dtype
         out = out.view(*inputs.shape[:-1], weight.shape[0])
@@ -191,14 +192,17 @@ class _SavedCodesLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         input_codes, input_scale, weight_codes, weight_scale = ctx.saved_tensors
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        recipe = ctx.quantization.recipe
         grad_codes, grad_scale = ctx.quantization.codes(grad_2d, "grad_output", record=True)
         grad_inputs = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:  # dgrad: dY [T, N] by W^T [K, N]
             grad_inputs = scaled_matmul(grad_codes, grad_scale, weight_codes.t().contiguous(), weight_scale,
-                                        out_dtype=grad_out.dtype, verified=True).view(ctx.input_shape)
+                                        out_dtype=grad_out.dtype, verified=True,
+                                        fast_accumulation=recipe.accumulates_fast("dgrad")).view(ctx.input_shape)
         if ctx.needs_input_grad[1]:  # wgrad: dY^T [N, T] by X^T [K, T]
             grad_weight = scaled_matmul(grad_codes.t().contiguous(), grad_scale, input_codes.t().contiguous(),
-                                        input_scale, out_dtype=ctx.weight_dtype, verified=True)
+                                        input_scale, out_dtype=ctx.weight_dtype, verified=True,
+                                        fast_accumulation=recipe.accumulates_fast("wgrad"))
         if ctx.needs_input_grad[2]:
             grad_bias = grad_2d.sum(0)
         return grad_inputs, grad_weight, grad_bias, None

@@ -91,6 +91,8 @@ class Recipe:
     """nvfp4: stochastic rounding of gradients (else nearest-even)."""
     fp8_gemm: str = "auto"
     """'auto', 'emulated' or 'hardware' (``PrecisionConfig.fp8_gemm``)."""
+    fast_accumulation: str = "fprop"
+    """Which hardware FP8 GEMMs accumulate fast: 'fprop', 'none' or 'all' (``PrecisionConfig.fp8_fast_accumulation``)."""
     step: int = 0
     """The optimizer step being run (set by the trainer): part of the stochastic-rounding key."""
 
@@ -187,6 +189,12 @@ class Recipe:
         return torch.as_tensor(scale_from_amax(amax, self.fp8_format_of(role)), dtype=torch.float32,
                                device=tensor.device)
 
+    def accumulates_fast(self, gemm: str) -> bool:
+        """Whether hardware GEMM ``gemm`` ('fprop', 'dgrad' or 'wgrad') may use fast accumulation."""
+        if gemm not in ("fprop", "dgrad", "wgrad"):
+            raise ValueError(f"gemm={gemm!r}: expected 'fprop', 'dgrad' or 'wgrad'")
+        return self.fast_accumulation == "all" or (self.fast_accumulation == "fprop" and gemm == "fprop")
+
     def hardware_scalings(self) -> tuple[str, str]:
         """The ``fp8_gemm.py`` scale layouts of (fprop and dgrad, wgrad) under this recipe."""
         return ("blockwise", "tilewise") if self.name == "fp8_blockwise" else ("tensorwise", "tensorwise")
@@ -225,7 +233,7 @@ def build_recipe(precision, seed: int = 0) -> Recipe | None:
                           f"precision.dtype is {precision.dtype}; set precision.dtype=bf16 (or precision.recipe=none).")
     return Recipe(precision.recipe, precision.fp8_format, seed, amax_history=precision.amax_history,
                   hadamard=precision.nvfp4_hadamard, stochastic_rounding=precision.nvfp4_stochastic_rounding,
-                  fp8_gemm=precision.fp8_gemm)
+                  fp8_gemm=precision.fp8_gemm, fast_accumulation=precision.fp8_fast_accumulation)
 
 
 __all__ = ["check_names", "BLOCK_SIZES", "FP8_FORMATS", "RECIPES", "Recipe", "build_recipe"]

@@ -77,10 +77,13 @@ def test_bad_arguments_name_the_fix(small_plan, tmp_path, capsys):
 
 def test_the_real_plan_runs_each_stage_in_priority_order():
     stages = gpu_session.plan(gpu_session.REPO / "runs")
-    assert [stage.name for stage in stages][:4] == ["env", "tier", "throughput_dense", "fp8_dense"]
-    assert [stage.issue for stage in stages] == [14, 14, 14, 15, 14, 14, 15, 20]
-    dense = next(stage for stage in stages if stage.name == "throughput_dense")
-    assert dense.command[-2:] == ["--profile", "25"]  # the profile beside the plain loop's comes with it
+    assert [stage.name for stage in stages][:5] == ["env", "local_sgd", "throughput_dense", "fp8_dense", "tier"]
+    assert [stage.issue for stage in stages] == [14, 20, 14, 15, 14, 14, 14, 15]
+    for name in ("throughput_dense", "throughput_hybrid_moe", "fp8_dense"):  # each step seen, not only timed
+        profiled = next(stage for stage in stages if stage.name == name).command
+        assert profiled[profiled.index("--profile") + 1] == "25", name
+    outs = [each.command[each.command.index("--out") + 1] for each in stages if "--out" in each.command]
+    assert len(outs) == len(set(outs))  # no stage overwrites another's file
     for each in stages:  # every bench writes inside the session's folder
         outs = [each.command[i + 1] for i, word in enumerate(each.command) if word in ("--out", "--plot")]
         assert all(path.startswith(str(gpu_session.REPO / "runs")) for path in outs), each.name

@@ -96,3 +96,25 @@ def test_hardware_fp8_gemms_compute_what_the_emulation_computes(gpu_device, name
     tokens = 2 * seeded(sum(ROWS), 256, device=gpu_device, seed=1)
     plain = tokens @ (0.1 * seeded(256, 256, device=gpu_device, seed=2)).t()
     assert not torch.equal(hardware[0], plain)  # it quantized
+
+
+@pytest.mark.parametrize("depth", [2048, 8192])
+def test_fast_accumulation_stays_close_to_the_exact_product(gpu_device, depth):
+    """``use_fast_accum`` (the forward GEMM's default, ``precision.fp8_fast_accumulation=fprop``)
+    keeps the running sums in the tensor cores' accumulator: at the contraction depths of the
+    bench's layers its error against the fp64 product of the same FP8 operands stays a small
+    fraction of the products' magnitude, as the split accumulator's does."""
+    from meshlm.precision.formats.fp8 import E4M3, quantize_fp8_tensorwise
+    from meshlm.precision.fp8_gemm import hardware_fp8_supported, scaled_matmul
+
+    if not hardware_fp8_supported(gpu_device, "tensorwise", out_dtype=torch.float32):
+        pytest.skip("this GPU runs no tensorwise FP8 GEMM")
+    a = quantize_fp8_tensorwise(seeded(256, depth, device=gpu_device, seed=5).float(), E4M3)
+    b = quantize_fp8_tensorwise(seeded(512, depth, device=gpu_device, seed=6).float(), E4M3)
+    exact = (a.codes.double() * a.scales.double()) @ (b.codes.double() * b.scales.double()).t()
+    magnitude = float(((a.codes.double() * a.scales.double()).abs() @
+                       (b.codes.double() * b.scales.double()).abs().t()).max())
+    for fast in (False, True):
+        out = scaled_matmul(a.codes, a.scales, b.codes, b.scales, out_dtype=torch.float32, fast_accumulation=fast)
+        error = float((out.double() - exact).abs().max())
+        assert error <= 2.0 ** -9 * magnitude, (fast, error / magnitude)

@@ -162,6 +162,25 @@ def test_hardware_grouped_gemms_compute_what_the_emulation_computes(name):
     assert 0 < (hardware[0] - plain).abs().max() < 0.1 * plain.abs().max()  # quantized, and close
 
 
+@needs_cpu_scaled_mm
+def test_experts_accumulate_fast_in_their_forward_gemms_only(monkeypatch):
+    """The experts' hardware GEMMs follow precision.fp8_fast_accumulation as the dense layers do:
+    under the default 'fprop' each segment's forward product keeps its sums in the tensor cores,
+    and the data- and weight-gradient products split their accumulator."""
+    rows = [40, 0, 17, 64]
+    tokens, weight, upstream = grouped_case(Recipe("fp8_tensorwise"), rows)
+    grouped = GroupedQuantization(Recipe("fp8_tensorwise", fp8_gemm="hardware"), [1, 2, 3, 4], NO_GROUPS, hardware=True)
+    calls, real = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: calls.append(kwargs["use_fast_accum"]) or
+                        real(*args, **kwargs))
+    tokens, weight = tokens.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    out = grouped.linear(tokens, weight, torch.tensor(rows))
+    forward_calls = list(calls)
+    torch.autograd.grad((out * upstream).sum(), (tokens, weight))
+    assert forward_calls == [True] * 3  # one product per expert with tokens
+    assert calls[3:] == [False] * 6  # dgrad and wgrad, per expert with tokens
+
+
 class StackedWeight(torch.nn.Module):
     """What ``delayed_scaling.begin_step`` / ``finish_step`` look for: a module with ``quantizations``."""
 

@@ -144,7 +144,8 @@ def test_apply_recipe_keeps_the_ends_and_mtp_in_high_precision():
 def test_recipe_errors_name_the_field():
     precision = lambda **fields: SimpleNamespace(**{"recipe": "nvfp4", "fp8_format": "hybrid", "dtype": "bf16",  # noqa: E731
                                                    "amax_history": 4, "nvfp4_hadamard": True,
-                                                   "nvfp4_stochastic_rounding": True, "fp8_gemm": "auto", **fields})
+                                                   "nvfp4_stochastic_rounding": True, "fp8_gemm": "auto",
+                                                   "fp8_fast_accumulation": "fprop", **fields})
     assert build_recipe(precision(recipe="none", dtype="fp32")) is None
     assert build_recipe(precision()).name == "nvfp4"
     with pytest.raises(ConfigError, match="precision.recipe=nvfp4 quantizes the GEMMs of a bf16 run, but "
@@ -221,3 +222,42 @@ def test_hardware_per_tensor_fp8_reuses_its_codes_bit_for_bit(name):
         assert torch.equal(actual, expected)
     assert set(saved[0]) == {torch.float8_e4m3fn, torch.float32}  # codes of X and W, fp32 scales
     assert set(saved[1]) == {torch.bfloat16}  # the general path keeps X and W in the run's dtype
+
+
+def scaled_mm_accumulations(monkeypatch) -> list[bool]:
+    """Each ``torch._scaled_mm`` call's ``use_fast_accum``, in call order (the real kernel still runs)."""
+    calls, real = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: calls.append(kwargs["use_fast_accum"]) or
+                        real(*args, **kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("name", ["fp8_tensorwise", "fp8_delayed"])
+@pytest.mark.parametrize("setting,expected", [("fprop", (True, False, False)), ("none", (False, False, False)),
+                                              ("all", (True, True, True))])
+@pytest.mark.parametrize("saved_codes", [True, False], ids=["saved-codes", "quantized-again"])
+def test_fast_accumulation_goes_to_the_gemms_the_setting_names(monkeypatch, name, setting, expected, saved_codes):
+    """precision.fp8_fast_accumulation: 'fprop' (Transformer Engine's default) lets only the forward
+    GEMM keep its sums in the tensor cores; the two gradient GEMMs split their accumulator, on both
+    hardware paths (codes kept for backward, or each operand quantized again)."""
+    from meshlm.precision.fp8_gemm import hardware_fp8_supported
+    from meshlm.precision.quantized_linear import LinearQuantization, _QuantizedLinear
+
+    if not hardware_fp8_supported("cpu", "tensorwise", out_dtype=torch.bfloat16):
+        pytest.skip(f"torch {torch.__version__} runs no tensorwise torch._scaled_mm on this CPU")
+    inputs, weight, bias, grad_out = (tensor.to(torch.bfloat16) for tensor in operands(seed=5))
+    quantization = LinearQuantization(Recipe(name, fp8_gemm="hardware", fast_accumulation=setting), 0,
+                                      {"input": (), "weight": (), "grad_output": ()}, hardware=True)
+    calls = scaled_mm_accumulations(monkeypatch)
+    leaves = [tensor.clone().requires_grad_() for tensor in (inputs, weight, bias)]
+    out = quantization.linear(*leaves) if saved_codes else _QuantizedLinear.apply(*leaves, quantization)
+    torch.autograd.grad(out, leaves, grad_out)
+    assert tuple(calls) == expected  # fprop, then dgrad and wgrad
+
+
+def test_fast_accumulation_setting_is_checked():
+    recipe = Recipe("fp8_tensorwise")
+    assert recipe.fast_accumulation == "fprop"
+    assert [recipe.accumulates_fast(gemm) for gemm in ("fprop", "dgrad", "wgrad")] == [True, False, False]
+    with pytest.raises(ValueError, match="gemm='forward': expected 'fprop', 'dgrad' or 'wgrad'"):
+        recipe.accumulates_fast("forward")

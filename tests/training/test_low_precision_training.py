@@ -53,6 +53,8 @@ def test_high_precision_layers_keep_the_ends_out(blend, tmp_path):
     (["precision.dtype=fp32"], "precision.recipe=nvfp4 quantizes the GEMMs of a bf16 run, but precision.dtype is fp32"),
     (["precision.dtype=bf16", "precision.amax_history=0"], "precision.amax_history=0 must be an integer >= 1"),
     (["precision.dtype=bf16", "precision.fp8_gemm=fast"], "precision.fp8_gemm"),
+    (["precision.dtype=bf16", "precision.fp8_fast_accumulation=forward"],
+     "precision.fp8_fast_accumulation='forward' is not one of fprop, none, all"),
 ])
 def test_recipe_refused_on_other_dtypes_and_bad_settings(blend, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):  # from the config's checks or the trainer's
