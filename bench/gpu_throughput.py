@@ -356,7 +356,7 @@ def peak_flops(args, device: torch.device) -> dict:
     """The MFU denominator (``--peak-tflops``, else the data sheet, else the measured matmul) and the
     best measured matmul beside it."""
     if device.type == "cuda":
-        configure_tf32(device, args.dtype, True)  # fp32 runs: TF32, as the trainer sets it (precision.tf32)
+        configure_tf32(device, args.dtype, True)  # TF32 for fp32 matmuls, as the trainer sets it (precision.tf32)
         size, dtype = 8192, {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
         a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
         seconds = [timed(lambda: a @ b, 10, device)[0] for _ in range(3)]

@@ -258,9 +258,10 @@ class PrecisionConfig:
     accumulation and optimizer states); or 'fp16' (the same with fp16, plus a dynamic loss
     scaler; Micikevicius et al. 2017)."""
     tf32: bool = True
-    """fp32 runs on CUDA: let matmuls and convolutions use TF32 tensor cores (fp32 range, 10-bit
-    mantissa products, fp32 sums; several times faster). Set at the trainer's start only when the
-    device is CUDA and the dtype fp32; false forces full-fp32 products there. No effect on CPU."""
+    """CUDA: let fp32 matmuls and convolutions use TF32 tensor cores (fp32 range, 10-bit mantissa
+    products, fp32 sums; several times faster): every matmul of an fp32 run, and in a bf16/fp16 run
+    those kept in fp32 on purpose (the Mamba-2 SSD scan's state products, the MoE router's logits).
+    Set at the trainer's start for the process; false forces full-fp32 products. No effect on CPU."""
     initial_loss_scale: float = 65536.0
     """fp16: the loss scale to start from."""
     growth_interval: int = 1000

@@ -189,7 +189,7 @@ class Trainer:
         self.requested_dtype = config.precision.dtype  # 'auto' -> bf16 on CUDA, fp32 on CPU, from here on
         config = dataclasses.replace(config, precision=resolve_precision(config.precision, self.device))
         self.config, train = config, config.train
-        self.tf32 = configure_tf32(self.device, config.precision.dtype, config.precision.tf32)  # CUDA fp32 only
+        self.tf32 = configure_tf32(self.device, config.precision.dtype, config.precision.tf32)  # CUDA only
         self.attention_kernels = prefer_attention_kernel(config.model.attention_kernel, self.device)  # CUDA only
         self.run_dir = Path(train.run_dir)
         if self.device.type == "cpu" and train.keep_freed_cpu_memory:

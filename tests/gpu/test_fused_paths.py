@@ -22,8 +22,9 @@
 - **Triton SSD kernels** (``meshlm/kernels/ssd_diagonal.py``): the chunked scan with the kernels
   (``use_triton=True``) against the PyTorch scan and the fp32 einsum reference, in fp32 (1e-4)
   and bf16 (the 2x-plus-slack bound against the fp32 reference); values and all gradients.
-- **TF32**: a trainer in fp32 on CUDA turns TF32 on (``precision.tf32`` default), off when told,
-  and leaves it alone in bf16; ``precision.dtype=auto`` is bf16 on CUDA.
+- **TF32**: a trainer on CUDA turns TF32 on (``precision.tf32`` default), in fp32 and in bf16
+  (whose SSD state products and router stay fp32), off when told; ``precision.dtype=auto`` is bf16
+  on CUDA.
 - **Mamba in bf16**: a hybrid model's loss, logits and gradients in bf16 with each SSD scan (auto
   -- the Triton kernels on CUDA --, pytorch, reference) are finite and close to the fp32 model's:
   loss within 5e-3 relative, logits within 5e-2 and every gradient within 0.1 of their largest
@@ -275,7 +276,7 @@ def restored_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def test_tf32_is_on_for_fp32_cuda_runs_by_default(gpu_device, tmp_path, restored_tf32):
+def test_tf32_is_on_for_cuda_runs_by_default(gpu_device, tmp_path, restored_tf32):
     require_cuda(gpu_device, "TF32")
     blend = write_corpus(tmp_path / "corpus")
     built = []
@@ -290,8 +291,10 @@ def test_tf32_is_on_for_fp32_cuda_runs_by_default(gpu_device, tmp_path, restored
     assert not trainer(*on_device(gpu_device, "fp32")).tf32  # precision.tf32=false
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     auto = trainer(f"train.device={gpu_device}", "precision.dtype=auto")
-    assert auto.config.precision.dtype == "bf16" and not auto.tf32
-    assert not torch.backends.cuda.matmul.allow_tf32  # a bf16 run leaves the switch alone
+    assert auto.config.precision.dtype == "bf16" and auto.tf32
+    assert torch.backends.cuda.matmul.allow_tf32  # a bf16 run's fp32 matmuls (SSD states, router) too
+    assert not trainer(f"train.device={gpu_device}", "precision.dtype=bf16", "precision.tf32=false").tf32
+    assert not torch.backends.cuda.matmul.allow_tf32
 
 
 # --- Mamba in bf16 ---------------------------------------------------------------------------------------
