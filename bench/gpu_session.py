@@ -39,8 +39,9 @@ stage                         issue  what it runs
 Each stage's estimate is a guess until a GPU session has run it; ``session.json`` records the
 seconds each stage took, so the estimates can be corrected from it. The first two sessions (both
 on an H200, 2026-11-27) measured ``env`` (8 s), ``tier`` (142 s: 57 s for ``TIER_CORE`` and 85 s
-for ``CUDA_CASES``, 67 of them one FP8 test that compiles several graphs; the stage, then given
-120 s, was stopped, and its two halves ran by hand and passed), ``throughput_dense`` (94 s with
+for ``CUDA_CASES``, 67 of them one CPU-only FP8 test that compiles with Inductor's C++ backend,
+now left to the CPU suite; the stage, then given 120 s, was stopped, and its two halves ran by
+hand and passed), ``throughput_dense`` (94 s with
 its profiles), ``fp8_dense`` (124 s), ``tier_compile_layouts`` (136 s) and
 ``throughput_hybrid_moe`` (130 s, without profiles); ``local_sgd`` and ``fp8_dense_recipes`` are
 still guesses. The order puts issue 20's only missing measurement first, then the two
@@ -89,8 +90,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TIER_CORE = ["tests/gpu/test_fused_paths.py", "tests/gpu/test_fp8_hardware.py", "tests/gpu/test_model_kinds.py",
              "tests/gpu/test_nccl.py", "tests/gpu/test_gloo_on_cuda.py"]
-CUDA_CASES = ["tests/kernels", "tests/precision/test_fp8_gemm.py"]
-"""Files of the ordinary suite that run on CUDA where torch sees it (``make test-gpu`` runs them too)."""
+CUDA_CASES = ["tests/kernels", "tests/precision/test_fp8_gemm.py",
+              "--deselect", "tests/precision/test_fp8_gemm.py::test_vector_entries_become_aligned_scales_eagerly_and_compiled"]
+"""Files of the ordinary suite that run on CUDA where torch sees it (``make test-gpu`` runs them too),
+less one CPU-only test that took 67 of the tier's 142 s on the second GPU session (it compiles a
+CPU graph with Inductor's C++ backend; the CPU suite runs it)."""
 PYTEST = ["-m", "pytest", "-rs", "-p", "no:cacheprovider"]  # with the project's -q: a summary line
 ENV_PROBE = """
 import json, torch
@@ -153,7 +157,7 @@ def plan(out: Path) -> list[Stage]:
                str(out / "low_precision_compiled.json"), "train.compile=true"],
               [*low_precision_dry, "--configs", "bf16,fp8_tensorwise", "--profile", "5", "--out",
                str(out / "low_precision_compiled.json")]),
-        Stage("tier", 14, 160, [python, *PYTEST, *TIER_CORE, *CUDA_CASES], [python, *PYTEST, *TIER_CORE, *CUDA_CASES],
+        Stage("tier", 14, 100, [python, *PYTEST, *TIER_CORE, *CUDA_CASES], [python, *PYTEST, *TIER_CORE, *CUDA_CASES],
               dry_tier),
         Stage("throughput_hybrid_moe", 14, 160, [*throughput("hybrid_moe"), "--models", "hybrid,moe", "--recompute",
                                                  "none", "--profile", "25"],
