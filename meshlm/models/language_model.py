@@ -86,6 +86,9 @@ class LanguageModel(nn.Module):
         self.mtp = None
         if config.mtp_depth:
             self.mtp = MultiTokenPrediction(config)
+        self.loss_chunk_softmax = None
+        """The fused loss's softmax part (``losses.linear_cross_entropy``'s ``chunk_softmax``): None
+        for the eager kernels; ``train.compile`` sets a compiled ``softmax_cross_entropy_chunk``."""
 
     # --- pieces (pipeline stages call these directly) ------------------------------------------
     def embed(self, input_ids: torch.Tensor, context: SequenceContext | None = None) -> torch.Tensor:
@@ -118,7 +121,7 @@ class LanguageModel(nn.Module):
         """
         if not normed:
             hidden = self.final_norm(hidden)
-        return linear_cross_entropy(hidden, self.output_weight(), labels)
+        return linear_cross_entropy(hidden, self.output_weight(), labels, chunk_softmax=self.loss_chunk_softmax)
 
     # --- whole model -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,

@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from meshlm.models.block import Block
+from meshlm.models.language_model import LanguageModel
+from meshlm.models.losses import softmax_cross_entropy_chunk
 
 
 def compile_unavailable_reason(device: torch.device) -> str | None:
@@ -64,9 +66,10 @@ def _backward_compiled_with_forward():
 class CompiledForward:
     """A block's forward under torch.compile; on a compiler failure, the eager forward from then on."""
 
-    def __init__(self, eager: Callable, fallback: "EagerFallback", backend="inductor"):
-        self.eager, self.fallback = eager, fallback
-        self.compiled = torch.compile(eager, backend=backend)
+    def __init__(self, eager: Callable, fallback: "EagerFallback", backend="inductor", dynamic: bool | None = None,
+                 what: str = "a block"):
+        self.eager, self.fallback, self.what = eager, fallback, what
+        self.compiled = torch.compile(eager, backend=backend, dynamic=dynamic)
 
     def __call__(self, *args, **kwargs):
         if self.fallback.reason is None:
@@ -76,7 +79,7 @@ class CompiledForward:
             except torch._dynamo.exc.BackendCompilerFailed as error:  # raised before the graph ran
                 inner = error.inner_exception
                 first_line = str(inner).splitlines()[0] if str(inner) else ""
-                self.fallback.fail(f"{error.backend_name} failed to compile a block "
+                self.fallback.fail(f"{error.backend_name} failed to compile {self.what} "
                                    f"({type(inner).__name__}: {first_line})")
         return self.eager(*args, **kwargs)
 
@@ -94,7 +97,9 @@ class EagerFallback:
 
 
 def compile_blocks(model: nn.Module, device: torch.device, report: Callable[[str], None]) -> int:
-    """Put every ``Block`` of ``model`` (main stack and MTP depths) under torch.compile, in place.
+    """Put every ``Block`` of ``model`` (main stack and MTP depths) under torch.compile, in place,
+    and the fused loss's softmax part (``losses.softmax_cross_entropy_chunk``: the chunks' sweeps
+    over their logits become two kernels; static shapes, as a run's chunks all have one or two).
 
     Returns the number of blocks compiled (0 after falling back to eager, which ``report`` is told).
     """
@@ -109,6 +114,10 @@ def compile_blocks(model: nn.Module, device: torch.device, report: Callable[[str
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(blocks))
     for block in blocks:
         block.residual_step = CompiledForward(block.residual_step, fallback)
+    for module in model.modules():
+        if isinstance(module, LanguageModel):
+            module.loss_chunk_softmax = CompiledForward(softmax_cross_entropy_chunk, fallback, dynamic=False,
+                                                        what="the fused loss's softmax")
     return len(blocks)
 
 

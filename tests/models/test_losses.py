@@ -180,3 +180,34 @@ def test_language_model_fused_loss_and_grads_equal_the_logits_path(tie_embedding
     for name, grad in reference_grads.items():
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item(),
                                    msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
+def test_the_softmax_in_plain_ops_gives_the_eager_loss_and_gradients(dtype, compiled):
+    """``softmax_cross_entropy_chunk`` (what train.compile hands the loss, compiled by Inductor) is
+    the eager path's arithmetic: loss and both gradients equal to fp32 rounding, with ignored
+    labels and uneven chunks (13 tokens in chunks of 5)."""
+    hidden, weight, labels = inputs(dtype)
+    labels[3] = labels[11] = IGNORE_INDEX
+    softmax = losses.softmax_cross_entropy_chunk
+    if compiled:
+        torch._dynamo.reset()
+        softmax = torch.compile(softmax, dynamic=False)
+    expected = loss_and_grads(lambda h, w, y: linear_cross_entropy(h, w, y, tokens_per_chunk=5), hidden, weight, labels)
+    actual = loss_and_grads(lambda h, w, y: linear_cross_entropy(h, w, y, tokens_per_chunk=5, chunk_softmax=softmax),
+                            hidden, weight, labels)
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]  # bf16: one rounding of the gradients
+    for got, want in zip(actual, expected):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+def test_without_gradients_the_eager_kernels_compute_the_loss(monkeypatch):
+    """Evaluation (no grad) never calls the training softmax: the loss alone comes from the eager kernels."""
+    hidden, weight, labels = inputs()
+    called = []
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_softmax=lambda *args: called.append(1))
+    assert not called
+    torch.testing.assert_close(loss, unfused_loss(hidden, weight, labels))

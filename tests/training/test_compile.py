@@ -23,6 +23,8 @@ def test_compiled_blocks_give_the_eager_losses(make_config, tmp_path, capsys):
     blocks = compiled.model.blocks
     assert all(isinstance(block.residual_step, CompiledForward) and block.residual_step.fallback.reason is None
                for block in blocks)
+    softmax = compiled.model.loss_chunk_softmax  # the fused loss's softmax part is compiled too
+    assert isinstance(softmax, CompiledForward) and softmax.fallback.reason is None and eager.model.loss_chunk_softmax is None
     assert list(compiled.model.state_dict()) == list(eager.model.state_dict())  # checkpoints are unchanged
     assert sorted(compiled_losses) == [1, 2, 3]
     for step in (1, 2, 3):
@@ -33,12 +35,14 @@ def test_without_a_cpp_compiler_the_run_goes_on_eagerly(make_config, tmp_path, c
     from torch._inductor import config as inductor_config
     from torch._inductor.cpp_builder import cpp_compiler_search
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("meshlm-no-such-compiler",))
+    # the config's own patch restores it (a monkeypatch of the config module left cpp.cxx missing
+    # for every later test of the process that compiled on CPU)
     cpp_compiler_search.cache_clear()
     try:
-        settings = ("train.steps=3", "train.eval_every=0", "train.save_every=0")
-        fallback = Trainer(make_config(*settings, "train.compile=true", f"train.run_dir={tmp_path / 'fallback'}"))
-        losses = fallback.run().losses
+        with inductor_config.patch({"cpp.cxx": ("meshlm-no-such-compiler",)}):
+            settings = ("train.steps=3", "train.eval_every=0", "train.save_every=0")
+            fallback = Trainer(make_config(*settings, "train.compile=true", f"train.run_dir={tmp_path / 'fallback'}"))
+            losses = fallback.run().losses
     finally:
         cpp_compiler_search.cache_clear()  # the real compiler is found again by the next test
     notices = [line for line in capsys.readouterr().err.splitlines() if "train.compile" in line]
