@@ -103,7 +103,8 @@ def test_fast_accumulation_stays_close_to_the_exact_product(gpu_device, depth):
     """``use_fast_accum`` (the forward GEMM's default, ``precision.fp8_fast_accumulation=fprop``)
     keeps the running sums in the tensor cores' accumulator: at the contraction depths of the
     bench's layers its error against the fp64 product of the same FP8 operands stays a small
-    fraction of the products' magnitude, as the split accumulator's does."""
+    fraction of the products' magnitude, as the split accumulator's does. (The record of how close
+    each comes is the assertion message; the speed is the bench's.)"""
     from meshlm.precision.formats.fp8 import E4M3, quantize_fp8_tensorwise
     from meshlm.precision.fp8_gemm import hardware_fp8_supported, scaled_matmul
 
@@ -117,4 +118,6 @@ def test_fast_accumulation_stays_close_to_the_exact_product(gpu_device, depth):
     for fast in (False, True):
         out = scaled_matmul(a.codes, a.scales, b.codes, b.scales, out_dtype=torch.float32, fast_accumulation=fast)
         error = float((out.double() - exact).abs().max())
-        assert error <= 2.0 ** -9 * magnitude, (fast, error / magnitude)
+        # 2^-6: room for accumulators of about 14 bits over 8192 terms (DeepSeek-V3 §3.3.2 saw errors
+        # near 2% at K=4096), while a misread scale or layout is off by the products' own size
+        assert error <= 2.0 ** -6 * magnitude, (fast, error / magnitude)
