@@ -103,8 +103,7 @@ def test_fast_accumulation_stays_close_to_the_exact_product(gpu_device, depth):
     """``use_fast_accum`` (the forward GEMM's default, ``precision.fp8_fast_accumulation=fprop``)
     keeps the running sums in the tensor cores' accumulator: at the contraction depths of the
     bench's layers its error against the fp64 product of the same FP8 operands stays a small
-    fraction of the products' magnitude, as the split accumulator's does. (The record of how close
-    each comes is the assertion message; the speed is the bench's.)"""
+    fraction of the products' magnitude, as the split accumulator's does."""
     from meshlm.precision.formats.fp8 import E4M3, quantize_fp8_tensorwise
     from meshlm.precision.fp8_gemm import hardware_fp8_supported, scaled_matmul
 
