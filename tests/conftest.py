@@ -9,12 +9,17 @@ Without CUDA, Triton kernels (meshlm/kernels/, tests/kernels/) run in Triton's i
 variable must be set before Triton is first imported (``triton.jit`` reads it when a kernel is
 defined), hence here, before any test module is collected. Two interpreter defects (NumPy 2.4
 loop bounds, bf16 ``tl.dot``) are fixed for the suite by tests/helpers/triton_interpreter.py.
+
+A trainer on CUDA sets the process's TF32 switches (``precision.tf32``, in fp32 and bf16 runs
+alike); every test gets them back as they were, so that one test's trainer does not change the
+precision of a later test's fp32 matmuls (the CUDA tier checks fp32 Triton kernels at 1e-4).
 """
 
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.helpers.triton_interpreter import fix_triton_interpreter  # noqa: E402
@@ -23,3 +28,10 @@ torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 fix_triton_interpreter()
+
+
+@pytest.fixture(autouse=True)
+def restore_tf32_switches():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
