@@ -128,6 +128,23 @@ DENSE = dict(hidden_size=64, pattern="*-*-", ffn_hidden_size=128)
 HYBRID = dict(pattern="M-M-*-", mamba_head_dim=16, mamba_state_size=16, mamba_num_groups=1, mamba_chunk_size=8)
 
 
+def compiled_twice_like_eager(model: LanguageModel):
+    """Compile every block of ``model`` with a backend that keeps its graphs and run it twice on one
+    batch: the loss and every gradient equal the eager run's bit for bit. Returns the backend (its
+    graphs), the eager output and the two compiled outputs."""
+    input_ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected, expected_grads = loss_and_grads(model, input_ids)
+    counter = GraphCounter()
+    compile_each_block(model, counter, EagerFallback(lambda notice: pytest.fail(notice)))
+    outputs = []
+    for _ in range(2):
+        output, grads = loss_and_grads(model, input_ids)
+        assert torch.equal(output.loss, expected.loss)
+        assert all(torch.equal(grad, expected_grad) for grad, expected_grad in zip(grads, expected_grads))
+        outputs.append(output)
+    return counter, expected, outputs
+
+
 @pytest.mark.parametrize("shape", [MOE, HYBRID], ids=["moe", "hybrid"])
 def test_each_block_kind_compiles_once_wherever_it_sits(shape):
     """In bf16 (the dtype whose grouped GEMM the compiler traces on CPU), one graph per block kind
@@ -135,15 +152,8 @@ def test_each_block_kind_compiles_once_wherever_it_sits(shape):
     (one compile per MoE block before it), ``torch.bincount``'s data-dependent shape broke the
     graph at dispatch, and the Mamba mixer's gated norm (a Function whose backward runs autograd)
     broke it in the middle."""
-    model = small_model(**shape).to(torch.bfloat16)
-    input_ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    expected, expected_grads = loss_and_grads(model, input_ids)
-    counter = GraphCounter()
-    compile_each_block(model, counter, EagerFallback(lambda notice: pytest.fail(notice)))
-    for _ in range(2):
-        output, grads = loss_and_grads(model, input_ids)
-        assert torch.equal(output.loss, expected.loss)
-        assert all(torch.equal(grad, expected_grad) for grad, expected_grad in zip(grads, expected_grads))
+    counter, expected, outputs = compiled_twice_like_eager(small_model(**shape).to(torch.bfloat16))
+    for output in outputs:
         assert [counts.tolist() for counts in output.tokens_per_expert or []] == \
             [counts.tolist() for counts in expected.tokens_per_expert or []]
     kinds = len(set(shape["pattern"]))
@@ -155,15 +165,7 @@ def test_compiled_attention_blocks_read_the_forwards_rope_table():
     takes it as an input: no graph computes a cosine or a sine (compiled, Inductor had fused each
     block's own table into the rotation, a cos, a sin and a power per element of every head), and
     the table costs no recompile: one graph for the attention blocks, one for the MLPs."""
-    model = small_model(**DENSE, position_embedding="rope").to(torch.bfloat16)
-    input_ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    expected, expected_grads = loss_and_grads(model, input_ids)
-    counter = GraphCounter()
-    compile_each_block(model, counter, EagerFallback(lambda notice: pytest.fail(notice)))
-    for _ in range(2):
-        output, grads = loss_and_grads(model, input_ids)
-        assert torch.equal(output.loss, expected.loss)
-        assert all(torch.equal(grad, expected_grad) for grad, expected_grad in zip(grads, expected_grads))
+    counter, _, _ = compiled_twice_like_eager(small_model(**DENSE, position_embedding="rope").to(torch.bfloat16))
     assert len(counter.graphs) == 2, [graph.code for graph in counter.graphs]
     targets = {str(node.target) for graph in counter.graphs for node in graph.graph.nodes}
     assert not {target for target in targets if "cos" in target or "sin" in target}, targets
