@@ -29,6 +29,9 @@ stage                         issue  what it runs
                                      run with one step profiled (``--profile 25``): where FP8 loses
                                      its GEMMs' gain. Delayed scaling casts with a scale from past
                                      steps, so its cast need not wait for this tensor's amax pass
+``fp8_gemms``                 15     ``bench.fp8_gemms``: each GEMM of the FP8 bench model's layers in
+                                     bf16 and on FP8 codes (split and fast accumulation) and what
+                                     quantizing an operand costs: how much of 1.3x the GEMMs allow
 ``tier``                      14     the CUDA tier without compile and layouts (fused paths, the FP8
                                      GEMMs, the four model kinds, one NCCL process, gloo on CUDA) and
                                      the ordinary suite's CUDA cases (Triton SSD kernels, FP8 GEMM)
@@ -55,7 +58,8 @@ before that stays (``bench.gpu_throughput`` rewrites its JSON after every varian
 **Across sessions.** Everything goes under ``--out`` (on the device tool: ``$OUT``, whose files
 come back; at most 8 of them, so every stage appends to one ``session.log``): ``session.json`` (a
 record per stage: status, seconds, exit code, the end of its output; rewritten after every stage,
-so a killed session keeps what it finished) and each bench's own JSON. Commit the returned
+so a killed session keeps what it finished) and each bench's own JSON (nine files if every stage
+ran; one call, inside its 10 minutes, runs three or four of them). Commit the returned
 ``session.json`` as ``bench/results/gpu_session.json`` with the benches' files beside it; the next
 GPU session passes ``--done bench/results/gpu_session.json`` and starts with the first stage that
 has not passed yet, carrying the earlier records forward. A committed record whose result a later
@@ -160,6 +164,9 @@ def plan(out: Path) -> list[Stage]:
                str(out / "low_precision_compiled.json"), "train.compile=true"],
               [*low_precision_dry, "--configs", "bf16,fp8_tensorwise", "--profile", "5", "--out",
                str(out / "low_precision_compiled.json")]),
+        Stage("fp8_gemms", 15, 60, [python, "-m", "bench.fp8_gemms", "--out", str(out / "fp8_gemms.json")],
+              [python, "-m", "bench.fp8_gemms", "--device", "cpu", "--tokens", "64", "--hidden", "64", "--ffn", "128",
+               "--calls", "2", "--repeats", "2", "--out", str(out / "fp8_gemms.json")]),
         Stage("tier", 14, 100, [python, *PYTEST, *TIER_CORE, *CUDA_CASES], [python, *PYTEST, *TIER_CORE, *CUDA_CASES],
               dry_tier),
         Stage("throughput_hybrid_moe", 14, 160, [*throughput("hybrid_moe"), "--models", "hybrid,moe", "--recompute",

@@ -77,8 +77,9 @@ def test_bad_arguments_name_the_fix(small_plan, tmp_path, capsys):
 
 def test_the_real_plan_runs_each_stage_in_priority_order():
     stages = gpu_session.plan(gpu_session.REPO / "runs")
-    assert [stage.name for stage in stages][:5] == ["env", "local_sgd", "throughput_dense", "fp8_dense", "tier"]
-    assert [stage.issue for stage in stages] == [14, 20, 14, 15, 14, 14, 14, 15]
+    assert [stage.name for stage in stages][:6] == ["env", "local_sgd", "throughput_dense", "fp8_dense", "fp8_gemms",
+                                                    "tier"]
+    assert [stage.issue for stage in stages] == [14, 20, 14, 15, 15, 14, 14, 14, 15]
     for name in ("throughput_dense", "throughput_hybrid_moe", "fp8_dense"):  # each step seen, not only timed
         profiled = next(stage for stage in stages if stage.name == name).command
         assert profiled[profiled.index("--profile") + 1] == "25", name
