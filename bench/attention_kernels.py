@@ -22,13 +22,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.compile import synchronize
+from bench.timing import synchronize, time_kernel
 from meshlm.models.attention import attention_core
 from meshlm.models.attention_kernels import PRIORITY_SUPPORTED, prefer_attention_kernel
 
@@ -55,20 +54,6 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: boo
     """Forward + backward FLOPs of one attention call (module docstring)."""
     forward = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
     return forward * (1 + BACKWARD_OVER_FORWARD)
-
-
-def time_kernel(run, device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` calls of ``run`` after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        run()
-    synchronize(device)
-    seconds = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        synchronize(device)
-        seconds.append(time.perf_counter() - started)
-    return seconds
 
 
 def measure(device: torch.device, batch: int = 8, heads: int = 16, kv_heads: int = 4, seq: int = 4096,

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.timing import interleaved_medians
+from bench.timing import interleaved_medians, synchronize
 from meshlm.config import load_run_config
 from meshlm.data.indexed import TokenStoreWriter
 from meshlm.training.compile import compile_blocks
@@ -75,11 +75,6 @@ def graph_break_reasons() -> dict[str, int]:
         first_line = (reason.strip().splitlines() or ["?"])[0][:200]
         reasons[first_line] = reasons.get(first_line, 0) + count
     return reasons
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(args, workdir: Path) -> dict:

@@ -38,7 +38,7 @@ import sys
 
 import torch
 
-from bench.attention_kernels import time_kernel
+from bench.timing import time_kernel
 from meshlm.precision.fp8_gemm import hardware_fp8_supported, scaled_matmul
 from meshlm.precision.recipes import Recipe
 

@@ -88,8 +88,9 @@ import torch
 import torch.nn.attention
 
 from bench.attention_kernels import measure as measure_attention_kernels
-from bench.compile import graphs_compiled, synchronize
+from bench.compile import graphs_compiled
 from bench.profiling import profile_step
+from bench.timing import synchronize
 from bench.reference_gpt import ReferenceGPT, ReferenceTrainer
 from bench.train_throughput import write_random_corpus
 from meshlm.checkpoint.files import write_json_atomic

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.compile import synchronize
+from bench.timing import synchronize
 
 
 def profile_step(step, device: torch.device, top: int) -> dict:

@@ -1,9 +1,21 @@
-"""Timing runs that compete for a noisy machine: interleaved, with a warm-up, medians compared."""
+"""Timing on a noisy machine and on a GPU: runs interleaved with a warm-up and their medians
+compared (``interleaved_medians``), calls timed between device synchronizations (``time_kernel``,
+``synchronize``)."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
+
+import torch
+
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on a CPU), so a timer around it measures the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def interleaved_medians(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
@@ -16,3 +28,17 @@ def interleaved_medians(runs: dict[str, Callable[[], float]], repeats: int) -> d
         for name, run in runs.items():
             times[name].append(run())
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def time_kernel(run, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``run`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        run()
+    synchronize(device)
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return seconds

@@ -60,8 +60,9 @@ def configure_tf32(device: torch.device, dtype: str, enabled: bool) -> bool:
     """Allow (or forbid) TF32 for a CUDA run's fp32 matmuls and convolutions (all of an fp32 run's,
     those kept in fp32 in a bf16 or fp16 run: module docstring); True when TF32 is now on.
 
-    Does nothing unless ``device`` is CUDA: a CPU run never touches the CUDA backends' flags.
-    ``dtype`` (resolved) is taken for the record: every dtype gets the same switch.
+    Does nothing unless ``device`` is CUDA (a CPU run never touches the CUDA backends' flags) and
+    ``dtype`` is resolved (fp32, bf16 or fp16: every one gets the same switch; 'auto' is not a dtype
+    yet, ``resolve_dtype``).
     """
     if torch.device(device).type != "cuda" or dtype not in ("fp32", "bf16", "fp16"):
         return False

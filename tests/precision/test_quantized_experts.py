@@ -49,6 +49,7 @@ from meshlm.precision.quantized_linear import LinearQuantization, quantized_line
 from meshlm.precision.recipes import RECIPES, Recipe
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parallel_checks import assert_all_within_tolerance, seeded
+from tests.helpers.scaled_mm import record_fast_accumulation
 
 QUANTIZED = [name for name in RECIPES if name != "none"]
 PER_TENSOR_FP8 = ["fp8_tensorwise", "fp8_delayed"]
@@ -170,9 +171,7 @@ def test_experts_accumulate_fast_in_their_forward_gemms_only(monkeypatch):
     rows = [40, 0, 17, 64]
     tokens, weight, upstream = grouped_case(Recipe("fp8_tensorwise"), rows)
     grouped = GroupedQuantization(Recipe("fp8_tensorwise", fp8_gemm="hardware"), [1, 2, 3, 4], NO_GROUPS, hardware=True)
-    calls, real = [], torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: calls.append(kwargs["use_fast_accum"]) or
-                        real(*args, **kwargs))
+    calls = record_fast_accumulation(monkeypatch)
     tokens, weight = tokens.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
     out = grouped.linear(tokens, weight, torch.tensor(rows))
     forward_calls = list(calls)

@@ -24,6 +24,7 @@ from meshlm.precision.formats.mxfp8 import quantize_mxfp8
 from meshlm.precision.model_recipe import apply_recipe, is_quantized_block
 from meshlm.precision.quantized_linear import QuantizedLinear, quantized_linear
 from meshlm.precision.recipes import RECIPES, Recipe, build_recipe
+from tests.helpers.scaled_mm import record_fast_accumulation
 
 TOKENS, IN_FEATURES, OUT_FEATURES = 40, 64, 96
 
@@ -224,14 +225,6 @@ def test_hardware_per_tensor_fp8_reuses_its_codes_bit_for_bit(name):
     assert set(saved[1]) == {torch.bfloat16}  # the general path keeps X and W in the run's dtype
 
 
-def scaled_mm_accumulations(monkeypatch) -> list[bool]:
-    """Each ``torch._scaled_mm`` call's ``use_fast_accum``, in call order (the real kernel still runs)."""
-    calls, real = [], torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: calls.append(kwargs["use_fast_accum"]) or
-                        real(*args, **kwargs))
-    return calls
-
-
 @pytest.mark.parametrize("name", ["fp8_tensorwise", "fp8_delayed"])
 @pytest.mark.parametrize("setting,expected", [("fprop", (True, False, False)), ("none", (False, False, False)),
                                               ("all", (True, True, True))])
@@ -248,7 +241,7 @@ def test_fast_accumulation_goes_to_the_gemms_the_setting_names(monkeypatch, name
     inputs, weight, bias, grad_out = (tensor.to(torch.bfloat16) for tensor in operands(seed=5))
     quantization = LinearQuantization(Recipe(name, fp8_gemm="hardware", fast_accumulation=setting), 0,
                                       {"input": (), "weight": (), "grad_output": ()}, hardware=True)
-    calls = scaled_mm_accumulations(monkeypatch)
+    calls = record_fast_accumulation(monkeypatch)
     leaves = [tensor.clone().requires_grad_() for tensor in (inputs, weight, bias)]
     out = quantization.linear(*leaves) if saved_codes else _QuantizedLinear.apply(*leaves, quantization)
     torch.autograd.grad(out, leaves, grad_out)
