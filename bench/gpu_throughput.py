@@ -508,6 +508,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be a positive integer.")
     if args.warmup < 0:
         parser.error("--warmup must be 0 or more.")
+    if args.profile < 0:
+        parser.error(f"--profile {args.profile}: give how many operators to list (0, the default, profiles nothing).")
     if torch.device(args.device).type != "cuda" and not args.tiny:
         parser.error(f"--device {args.device}: the ~1B shapes need a CUDA GPU; use --tiny for a dry run on CPU.")
     args.seq_len = args.seq_len or (32 if args.tiny else 4096)

@@ -270,6 +270,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="profile one step in the middle of each run (not timed): its TOP operators by their "
                              "own device time, where an FP8 step and a bf16 step part")
     args = parser.parse_args(argv)
+    if args.profile < 0:
+        parser.error(f"--profile {args.profile}: give how many operators to list (0, the default, profiles nothing).")
     names = [name.strip() for name in args.configs.split(",") if name.strip()]
     unknown = [name for name in names if name not in CONFIGS]
     if unknown:

@@ -155,6 +155,7 @@ def test_targets_are_computed_from_the_numbers():
     (["--tiny", "--models", "dense,llama"], "--models 'dense,llama': use a comma-separated subset"),
     (["--tiny", "--steps", "0"], "--steps must be a positive integer"),
     (["--device", "cpu"], "the ~1B shapes need a CUDA GPU; use --tiny"),
+    (["--tiny", "--profile", "-5"], "--profile -5: give how many operators to list (0, the default, profiles nothing)"),
 ])
 def test_bad_flags_are_refused_with_one_sentence(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -4,7 +4,9 @@ The bench itself trains the demo model under each recipe for minutes; here a tin
 ``--profile TOP`` adds to a run's record and that the profiled step stays out of the timings.
 """
 
-from bench.low_precision import TimedTrainer
+import pytest
+
+from bench.low_precision import TimedTrainer, parse_args
 from tests.helpers.trainer_runs import load_parallel_training_helpers
 
 helpers = load_parallel_training_helpers()
@@ -30,3 +32,9 @@ def test_without_profile_top_every_step_is_timed(tmp_path):
                                               "parallel.check_collectives=false"))
     trainer.run()
     assert len(trainer.step_seconds) == 3 and trainer.profile is None
+
+
+def test_a_negative_profile_is_refused_with_one_sentence(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cpu", "--profile", "-1"])
+    assert "--profile -1: give how many operators to list (0, the default, profiles nothing)" in capsys.readouterr().err
