@@ -17,9 +17,10 @@ stage                         issue  what it runs
 ``env``                       14     GPU, driver, torch / CUDA / Triton versions; which FP8 scale
                                      layouts ``torch._scaled_mm`` runs (always runs, never "done")
 ``local_sgd``                 20     ``bench.local_sgd --device cuda``: DDP, local SGD, DiLoCo and
-                                     PALSGD over a simulated 1 Gbps link, 4 ranks on the GPU (the
-                                     one measurement issue 20 still waits for; it writes what it
-                                     has after every run, so a stage stopped at its limit keeps it)
+                                     PALSGD over a simulated 1 Gbps link, 4 ranks on the GPU, each
+                                     replica's batch one micro-batch (issue 20's speed-up to the
+                                     target; it writes what it has after every run, so a stage
+                                     stopped at its limit keeps it)
 ``throughput_dense``          14     ``bench.gpu_throughput``, dense 1B, eager and compiled, with the
                                      plain-PyTorch baseline: MFU and the ratio to the baseline; each
                                      variant then profiled one step (``--profile 25``): where
@@ -48,9 +49,11 @@ for ``CUDA_CASES``, 67 of them one CPU-only FP8 test that compiles with Inductor
 now left to the CPU suite; the stage, then given 120 s, was stopped, and its two halves ran by
 hand and passed), ``throughput_dense`` (94 s with
 its profiles), ``fp8_dense`` (124 s), ``tier_compile_layouts`` (136 s) and
-``throughput_hybrid_moe`` (130 s, without profiles); ``local_sgd`` and ``fp8_dense_recipes`` are
-still guesses. The order puts issue 20's only missing measurement first, then the two
-measurements whose code changed since (the dense step, the FP8 step), then the checks. A stage
+``throughput_hybrid_moe`` (130 s, without profiles); the third (H200, 2026-11-28) ``env`` (10 s),
+``local_sgd`` (421 s, with the CPU's micro-batches of 4: eight passes a step; one a step now, so
+less), ``fp8_gemms`` (37 s), ``throughput_dense`` (88 s) and ``throughput_hybrid_moe`` (142 s,
+with profiles). ``fp8_dense_recipes`` is still a guess. The order puts issue 20's measurement
+first, then the measurements whose code changed since, then the checks. A stage
 is given its estimate
 plus half again (at most what is left of the budget) before it is stopped; what a bench wrote
 before that stays (``bench.gpu_throughput`` rewrites its JSON after every variant).
@@ -149,7 +152,7 @@ def plan(out: Path) -> list[Stage]:
     dry_tier = {"MESHLM_GPU_TESTS_ON_CPU": "1"}
     return [
         Stage("env", 14, 15, [python, "-c", ENV_PROBE], [python, "-c", ENV_PROBE], always=True),
-        Stage("local_sgd", 20, 420,
+        Stage("local_sgd", 20, 300,
               [python, "-m", "bench.local_sgd", "--device", "cuda", "--out", str(out / "local_sgd.json"),
                "--plot", str(out / "local_sgd.png")],
               [python, "-m", "bench.local_sgd", "--device", "cpu", "--steps", "4", "--init-steps", "2", "--warmup",
@@ -164,7 +167,7 @@ def plan(out: Path) -> list[Stage]:
                str(out / "low_precision_compiled.json"), "train.compile=true"],
               [*low_precision_dry, "--configs", "bf16,fp8_tensorwise", "--profile", "5", "--out",
                str(out / "low_precision_compiled.json")]),
-        Stage("fp8_gemms", 15, 60, [python, "-m", "bench.fp8_gemms", "--out", str(out / "fp8_gemms.json")],
+        Stage("fp8_gemms", 15, 45, [python, "-m", "bench.fp8_gemms", "--out", str(out / "fp8_gemms.json")],
               [python, "-m", "bench.fp8_gemms", "--device", "cpu", "--tokens", "64", "--hidden", "64", "--ffn", "128",
                "--calls", "2", "--repeats", "2", "--out", str(out / "fp8_gemms.json")]),
         Stage("tier", 14, 100, [python, *PYTEST, *TIER_CORE, *CUDA_CASES], [python, *PYTEST, *TIER_CORE, *CUDA_CASES],

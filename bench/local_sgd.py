@@ -42,10 +42,15 @@ their progress (W=32 over 128 continued steps: DiLoCo +4.5%, PALSGD +6.5%); with
 (128) the same 128 continued steps end DiLoCo +0.86% / +2.1% and PALSGD +2.0% / +2.8% from DDP
 (H=8 / 32; measured on this CPU, 2026-11-25), against +2.4-3.6% at 64.
 
-Defaults by device (``DEFAULTS``): on a CPU 64 continued steps of a global batch of 64, what two
-cores train in minutes; on a GPU (``--device cuda``) 128 steps of 128, where a step computes in
-milliseconds and the larger batch keeps the replicas close, so the steps after the warm-up -- the
-ones a low-communication method makes cheaper -- are three quarters of the run, not half.
+Defaults by device (``DEFAULTS``): on a CPU 64 continued steps of a global batch of 64 in
+micro-batches of 4, what two cores train in minutes; on a GPU (``--device cuda``) 128 steps of 128,
+where the larger batch keeps the replicas close, so the steps after the warm-up -- the ones a
+low-communication method makes cheaper -- are three quarters of the run, not half, and each
+replica's 32 sequences are one micro-batch (``--micro-batch``). The first GPU run (H200,
+2026-11-28) kept the CPU's micro-batches of 4: eight launch-bound forward and backward passes of a
+1.3M-parameter model a step, in four processes taking turns on one GPU, made a DDP step 0.35 s
+of computation against the 1 Gbps link's 0.04 s (11% of DDP's time), so no method could be more
+than 1.13x faster; the best, DiLoCo at H=8, reached the target 1.01x sooner (``README``).
 
 Reported per run: the validation loss at every ``--eval-every`` steps (DDP) or at the least
 common multiple of it and H (a low-communication run, so the evaluated model is the synced one)
@@ -76,7 +81,7 @@ target at H=8, 0.86-0.93x at H=32; 2 repeats, 2026-11-25). Over ``--link 100Mbps
 0.65 s a DDP step) the steps after the warm-up are 31-49% cheaper, but the target is reached
 some 10 steps after the warm-up: 1.07-1.11x at H=8, 0.97-1.02x at H=32 (2 repeats, 2026-11-24).
 ``--device cuda`` puts the four ranks on one GPU (gloo, ``parallel.backend=gloo``: NCCL takes one
-rank per GPU), where compute takes milliseconds and the 1 Gbps link (about 0.07 s) dominates the
+rank per GPU), each replica's batch in one micro-batch so that the link is a larger share of the
 DDP step. The wall-clock figures are for the machine they were measured on only.
 """
 
@@ -101,8 +106,12 @@ METHODS = {
     "diloco": ["parallel.dp_sync=diloco"],
     "palsgd": ["parallel.dp_sync=palsgd", "parallel.palsgd_p=0.2", "parallel.palsgd_eta=1.0"],
 }
-DEFAULTS = {"cpu": {"steps": 64, "global_batch": 64}, "cuda": {"steps": 128, "global_batch": 128}}
-"""``--steps`` and ``--global-batch`` where they are not given, by ``--device`` (module docstring)."""
+DEFAULTS = {"cpu": {"steps": 64, "global_batch": 64, "micro_batch": 4},
+            "cuda": {"steps": 128, "global_batch": 128, "micro_batch": 32}}
+"""``--steps``, ``--global-batch`` and ``--micro-batch`` where they are not given, by ``--device``
+(module docstring): on a GPU a replica's whole batch is one micro-batch."""
+VALIDATION_SEQUENCES = 16
+"""At least this many validation sequences (``train.eval_batches`` micro-batches of ``--micro-batch``)."""
 NO_LINK = "ddp no link"
 """The run of DDP without ``parallel.simulate_link`` (``--baseline-without-link``): computation
 and the real collectives only, the same losses as DDP's."""
@@ -114,8 +123,9 @@ OUTER_DEFAULTS = {"diloco": "0.7,0.9", "palsgd": "0.7,0.9"}
 
 def run_overrides(args, run_dir: Path, steps: int, eval_every: int) -> list[str]:
     return [*MODEL, f"data.blend={DEMO_DATA / 'blend.json'}", f"train.run_dir={run_dir}", f"train.steps={steps}",
-            "train.seq_len=128", "train.micro_batch_size=4", f"train.global_batch_size={args.global_batch}",
-            f"train.eval_every={eval_every}", "train.eval_batches=4", "train.save_every=0",
+            "train.seq_len=128", f"train.micro_batch_size={args.micro_batch}",
+            f"train.global_batch_size={args.global_batch}", f"train.eval_every={eval_every}",
+            f"train.eval_batches={max(1, VALIDATION_SEQUENCES // args.micro_batch)}", "train.save_every=0",
             "train.progress=false", "train.tensorboard=false", "train.plot=false",
             f"train.device={'cuda:0' if args.device == 'cuda' else 'cpu'}", "parallel.dp=4",
             f"parallel.simulate_link={args.link}",
@@ -234,7 +244,8 @@ def plot(curves: dict, path: Path, link: str) -> None:
 
 
 def apply_device_defaults(args):
-    """``args`` with ``--steps`` and ``--global-batch`` filled in from ``DEFAULTS[args.device]`` where not given."""
+    """``args`` with ``--steps``, ``--global-batch`` and ``--micro-batch`` filled in from
+    ``DEFAULTS[args.device]`` where not given."""
     for name, value in DEFAULTS[args.device].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -254,8 +265,11 @@ def main(argv=None) -> int:
     parser.add_argument("--diloco-outer", default=OUTER_DEFAULTS["diloco"], metavar="LR,MOMENTUM")
     parser.add_argument("--palsgd-outer", default=OUTER_DEFAULTS["palsgd"], metavar="LR,MOMENTUM")
     parser.add_argument("--global-batch", type=int, default=None,
-                        help="sequences per step over the 4 replicas, a multiple of 16 (micro-batches of 4); "
+                        help="sequences per step over the 4 replicas, a multiple of 4 x --micro-batch; "
                              "default: 64 on cpu, 128 on cuda")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="sequences per forward and backward of a replica (the rest is gradient "
+                             "accumulation; the same gradients either way): default 4 on cpu, 32 on cuda")
     parser.add_argument("--local-overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="dotted overrides for the low-communication runs only (e.g. optim.lr=2e-3: their "
                              "inner learning rate), DDP keeps the demo's settings")
@@ -278,8 +292,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=str(REPO / "bench" / "local_sgd.png"))
     args = apply_device_defaults(parser.parse_args(argv))
-    if args.global_batch % 16:
-        parser.error(f"--global-batch {args.global_batch}: use a multiple of 16 (4 replicas x micro-batches of 4).")
+    if args.micro_batch < 1:
+        parser.error(f"--micro-batch {args.micro_batch}: give each forward at least one sequence.")
+    if args.global_batch < 1 or args.global_batch % (4 * args.micro_batch):
+        parser.error(f"--global-batch {args.global_batch}: use a multiple of {4 * args.micro_batch} (4 replicas x "
+                     f"micro-batches of {args.micro_batch}), or change --micro-batch.")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: run the plan at least once (--repeats 1 or more).")
 
@@ -350,7 +367,7 @@ def main(argv=None) -> int:
         same = "-" if row["seconds_to_target_same_warmup"] is None else f"{row['seconds_to_target_same_warmup']:.1f}"
         print(f"{name:<16}{row['final_val_loss']:>10.4f}{row['vs_ddp_loss']:>+9.2%}{row['train_seconds']:>9.1f}"
               f"{reach:>13}{same:>14}{row['dp_megabytes']:>9.1f}", file=sys.stderr)
-    result = {"steps": args.steps, "global_batch": args.global_batch, "link": args.link, "target_loss": target,
+    result = {"steps": args.steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch, "link": args.link, "target_loss": target,
               "device": args.device, "repeats": args.repeats,
               "init": init, "start_val_loss": runs["ddp"]["curve"][0][1], "warmup": args.warmup, "outer": outer,
               "local_overrides": args.local_overrides, "common_warmup_seconds": common_seconds,

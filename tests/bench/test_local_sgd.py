@@ -46,20 +46,41 @@ def test_repeats_below_one_are_refused_before_any_run(capsys):
     assert "--repeats 0: run the plan at least once" in capsys.readouterr().err
 
 
-def test_steps_and_batch_default_by_device_and_are_kept_when_given():
-    cpu = apply_device_defaults(SimpleNamespace(device="cpu", steps=None, global_batch=None))
-    cuda = apply_device_defaults(SimpleNamespace(device="cuda", steps=None, global_batch=None))
-    given = apply_device_defaults(SimpleNamespace(device="cuda", steps=32, global_batch=None))
-    assert (cpu.steps, cpu.global_batch) == (64, 64)
-    assert (cuda.steps, cuda.global_batch) == (128, 128)
-    assert (given.steps, given.global_batch) == (32, 128)
+def test_steps_batch_and_micro_batch_default_by_device_and_are_kept_when_given():
+    def defaults(device, **given):
+        return apply_device_defaults(SimpleNamespace(**{"device": device, "steps": None, "global_batch": None,
+                                                        "micro_batch": None, **given}))
+    cpu, cuda, given = defaults("cpu"), defaults("cuda"), defaults("cuda", steps=32, micro_batch=8)
+    assert (cpu.steps, cpu.global_batch, cpu.micro_batch) == (64, 64, 4)
+    assert (cuda.steps, cuda.global_batch, cuda.micro_batch) == (128, 128, 32)  # a replica's batch in one pass
+    assert (given.steps, given.global_batch, given.micro_batch) == (32, 128, 8)
 
 
-def test_a_global_batch_that_does_not_split_into_micro_batches_is_refused(capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--global-batch", "24"], "--global-batch 24: use a multiple of 16 (4 replicas x micro-batches of 4)"),
+    (["--device", "cuda", "--global-batch", "64"], "--global-batch 64: use a multiple of 128"),
+    (["--micro-batch", "0"], "--micro-batch 0: give each forward at least one sequence"),
+])
+def test_a_batch_that_does_not_split_into_micro_batches_is_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as stopped:
-        main(["--global-batch", "24"])
+        main(argv)
     assert stopped.value.code == 2
-    assert "--global-batch 24: use a multiple of 16" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+def test_validation_keeps_sixteen_sequences_or_one_micro_batch():
+    from pathlib import Path
+
+    from bench.local_sgd import run_overrides
+
+    def eval_batches(micro_batch):
+        args = SimpleNamespace(micro_batch=micro_batch, global_batch=128, link="1Gbps,5ms", device="cpu")
+        overrides = run_overrides(args, Path("run"), steps=8, eval_every=8)
+        assert f"train.micro_batch_size={micro_batch}" in overrides
+        return next(item for item in overrides if item.startswith("train.eval_batches="))
+
+    assert eval_batches(4) == "train.eval_batches=4"  # the CPU figures' 16 sequences
+    assert eval_batches(32) == "train.eval_batches=1"
 
 
 def test_link_share_is_the_part_of_ddp_time_the_link_run_adds():
