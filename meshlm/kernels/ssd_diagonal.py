@@ -16,12 +16,15 @@ path), so with very strong decays it is less precise than the PyTorch path's seg
 Backward (same tiling, recomputing scores and decays):
 
 - ``_diagonal_backward_sources``: per source tile s, du[s] = sum_l M[l, s] dy[l],
-  dB_h[s] = sum_l (dM o L)[l, s] C[l] with dM = dy u^T, and colsum_s(dM o M);
-- ``_diagonal_backward_targets``: per target tile l, dC_h[l] = sum_s (dM o L)[l, s] B[s] and
+  dB[s] = sum_h sum_l (dM o L)[l, s] C[l] with dM = dy u^T, and colsum_s(dM o M);
+- ``_diagonal_backward_targets``: per target tile l, dC[l] = sum_h sum_s (dM o L)[l, s] B[s] and
   rowsum_l(dM o M).
 
-dB and dC come per head (the caller sums the heads of a group); the decay gradient comes as
-rowsum - colsum on cs (the adjoint of cs[l] - cs[s]). Everything accumulates in fp32; u, B, C
+A backward program owns one tile of one B/C group and walks the group's heads, so dB and dC are
+summed over the heads in registers and written once per group: written per head, as B and C
+are read, they would be heads/groups times B's size in fp32 (8 x at Nemotron-H's 64 heads in 8
+groups: 2 GB a layer at 8 x 4096 tokens, written and read again to sum them). The decay gradient
+comes as rowsum - colsum on cs (the adjoint of cs[l] - cs[s]). Everything accumulates in fp32; u, B, C
 and dy enter the dot products in their own dtype (bf16 in a bf16 run); fp32 tiles multiply in
 TF32 only where the run allows TF32 (``_dot_precision``).
 
@@ -112,57 +115,68 @@ if triton is not None:
         tl.store(y_ptr + block_id * Q * P + rows[:, None] * P + p[None, :], acc)
 
     @triton.jit
+    def _head_block(group_block, head_in_group, heads_per_group, heads, groups, chunks):
+        """The flattened (batch, head, chunk) index of u, dy and cs for head ``head_in_group`` of
+        the group of ``group_block`` = (batch, group, chunk)."""
+        chunk = group_block % chunks
+        group = (group_block // chunks) % groups
+        batch = group_block // (chunks * groups)
+        return (batch * heads + group * heads_per_group + head_in_group) * chunks + chunk
+
+    @triton.jit
     def _diagonal_backward_sources(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, du_ptr, dB_ptr, colsum_ptr,
                                    heads_per_group, heads, groups, chunks,
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
                                    MIN_DECAY: tl.constexpr, NUM_TILES: tl.constexpr, DOT: tl.constexpr):
-        block_id, col_tile = tl.program_id(0), tl.program_id(1)
-        group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
-        u_base, dy_base, cs_base = u_ptr + block_id * Q * P, dy_ptr + block_id * Q * P, cs_ptr + block_id * Q
+        group_block, col_tile = tl.program_id(0), tl.program_id(1)  # group_block = (b, g, c) flattened
         C_base, B_base = C_ptr + group_block * Q * N, B_ptr + group_block * Q * N
         cols = col_tile * TILE + tl.arange(0, TILE)
         p, n = tl.arange(0, P), tl.arange(0, N)
-        u_cols = tl.load(u_base + cols[:, None] * P + p[None, :])
-        grad_u = tl.zeros((TILE, P), dtype=tl.float32)
-        grad_B = tl.zeros((TILE, N), dtype=tl.float32)
-        colsum = tl.zeros((TILE,), dtype=tl.float32)
-        for row_tile in range(col_tile, NUM_TILES):
-            rows = row_tile * TILE + tl.arange(0, TILE)
-            masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY, DOT)
-            dy_rows = tl.load(dy_base + rows[:, None] * P + p[None, :])
-            grad_u += tl.dot(tl.trans(masked.to(dy_rows.dtype)), dy_rows, input_precision=DOT)
-            grad_masked = tl.dot(dy_rows, tl.trans(u_cols), input_precision=DOT)  # [rows x cols] fp32
-            c_rows = tl.load(C_base + rows[:, None] * N + n[None, :])
-            grad_B += tl.dot(tl.trans((grad_masked * decay).to(c_rows.dtype)), c_rows, input_precision=DOT)
-            colsum += tl.sum(grad_masked * masked, axis=0)
-        tl.store(du_ptr + block_id * Q * P + cols[:, None] * P + p[None, :], grad_u)
-        tl.store(dB_ptr + block_id * Q * N + cols[:, None] * N + n[None, :], grad_B)
-        tl.store(colsum_ptr + block_id * Q + cols, colsum)
+        grad_B = tl.zeros((TILE, N), dtype=tl.float32)  # summed over the group's heads
+        for head_in_group in range(0, heads_per_group):
+            block_id = _head_block(group_block, head_in_group, heads_per_group, heads, groups, chunks)
+            u_base, dy_base, cs_base = u_ptr + block_id * Q * P, dy_ptr + block_id * Q * P, cs_ptr + block_id * Q
+            u_cols = tl.load(u_base + cols[:, None] * P + p[None, :])
+            grad_u = tl.zeros((TILE, P), dtype=tl.float32)
+            colsum = tl.zeros((TILE,), dtype=tl.float32)
+            for row_tile in range(col_tile, NUM_TILES):
+                rows = row_tile * TILE + tl.arange(0, TILE)
+                masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY, DOT)
+                dy_rows = tl.load(dy_base + rows[:, None] * P + p[None, :])
+                grad_u += tl.dot(tl.trans(masked.to(dy_rows.dtype)), dy_rows, input_precision=DOT)
+                grad_masked = tl.dot(dy_rows, tl.trans(u_cols), input_precision=DOT)  # [rows x cols] fp32
+                c_rows = tl.load(C_base + rows[:, None] * N + n[None, :])
+                grad_B += tl.dot(tl.trans((grad_masked * decay).to(c_rows.dtype)), c_rows, input_precision=DOT)
+                colsum += tl.sum(grad_masked * masked, axis=0)
+            tl.store(du_ptr + block_id * Q * P + cols[:, None] * P + p[None, :], grad_u)
+            tl.store(colsum_ptr + block_id * Q + cols, colsum)
+        tl.store(dB_ptr + group_block * Q * N + cols[:, None] * N + n[None, :], grad_B)
 
     @triton.jit
     def _diagonal_backward_targets(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, dC_ptr, rowsum_ptr,
                                    heads_per_group, heads, groups, chunks,
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
                                    MIN_DECAY: tl.constexpr, DOT: tl.constexpr):
-        block_id, row_tile = tl.program_id(0), tl.program_id(1)
-        group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
-        u_base, dy_base, cs_base = u_ptr + block_id * Q * P, dy_ptr + block_id * Q * P, cs_ptr + block_id * Q
+        group_block, row_tile = tl.program_id(0), tl.program_id(1)
         C_base, B_base = C_ptr + group_block * Q * N, B_ptr + group_block * Q * N
         rows = row_tile * TILE + tl.arange(0, TILE)
         p, n = tl.arange(0, P), tl.arange(0, N)
-        dy_rows = tl.load(dy_base + rows[:, None] * P + p[None, :])
-        grad_C = tl.zeros((TILE, N), dtype=tl.float32)
-        rowsum = tl.zeros((TILE,), dtype=tl.float32)
-        for col_tile in range(0, row_tile + 1):
-            cols = col_tile * TILE + tl.arange(0, TILE)
-            masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY, DOT)
-            u_cols = tl.load(u_base + cols[:, None] * P + p[None, :])
-            grad_masked = tl.dot(dy_rows, tl.trans(u_cols), input_precision=DOT)
-            b_cols = tl.load(B_base + cols[:, None] * N + n[None, :])
-            grad_C += tl.dot((grad_masked * decay).to(b_cols.dtype), b_cols, input_precision=DOT)
-            rowsum += tl.sum(grad_masked * masked, axis=1)
-        tl.store(dC_ptr + block_id * Q * N + rows[:, None] * N + n[None, :], grad_C)
-        tl.store(rowsum_ptr + block_id * Q + rows, rowsum)
+        grad_C = tl.zeros((TILE, N), dtype=tl.float32)  # summed over the group's heads
+        for head_in_group in range(0, heads_per_group):
+            block_id = _head_block(group_block, head_in_group, heads_per_group, heads, groups, chunks)
+            u_base, dy_base, cs_base = u_ptr + block_id * Q * P, dy_ptr + block_id * Q * P, cs_ptr + block_id * Q
+            dy_rows = tl.load(dy_base + rows[:, None] * P + p[None, :])
+            rowsum = tl.zeros((TILE,), dtype=tl.float32)
+            for col_tile in range(0, row_tile + 1):
+                cols = col_tile * TILE + tl.arange(0, TILE)
+                masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY, DOT)
+                u_cols = tl.load(u_base + cols[:, None] * P + p[None, :])
+                grad_masked = tl.dot(dy_rows, tl.trans(u_cols), input_precision=DOT)
+                b_cols = tl.load(B_base + cols[:, None] * N + n[None, :])
+                grad_C += tl.dot((grad_masked * decay).to(b_cols.dtype), b_cols, input_precision=DOT)
+                rowsum += tl.sum(grad_masked * masked, axis=1)
+            tl.store(rowsum_ptr + block_id * Q + rows, rowsum)
+        tl.store(dC_ptr + group_block * Q * N + rows[:, None] * N + n[None, :], grad_C)
 
 
 def _layout(u: torch.Tensor, B: torch.Tensor) -> tuple[int, ...]:
@@ -185,15 +199,15 @@ def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torc
 def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
                       dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Gradients of ``diagonal_forward`` for dy [b, h, c, Q, P] (in u's dtype): du [b, h, c, Q, P],
-    dB and dC per head [b, h, c, Q, N], and d cs [b, h, c, Q], all fp32."""
+    dB and dC per group [b, g, c, Q, N] (B's and C's shape), and d cs [b, h, c, Q], all fp32."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
     grad_u = torch.empty(u.shape, dtype=torch.float32, device=u.device)
-    grad_B = torch.empty(batch, heads, chunks, chunk, state, dtype=torch.float32, device=u.device)
+    grad_B = torch.empty(B.shape, dtype=torch.float32, device=u.device)
     grad_C = torch.empty_like(grad_B)
     colsum = torch.empty(cs.shape, dtype=torch.float32, device=u.device)
     rowsum = torch.empty_like(colsum)
     tile = _tile(chunk)
-    grid = (batch * heads * chunks, chunk // tile)
+    grid = (batch * groups * chunks, chunk // tile)  # one program per group's tile: it walks the group's heads
     _diagonal_backward_sources[grid](u, dy, C, B, cs, grad_u, grad_B, colsum, heads // groups, heads, groups, chunks,
                                      Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=SSD_MIN_LOG_DECAY,
                                      NUM_TILES=chunk // tile, DOT=_dot_precision())

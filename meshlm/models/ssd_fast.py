@@ -240,7 +240,7 @@ class _ChunkedScan(torch.autograd.Function):
         if ctx.use_kernels:
             grad_u, grad_B, grad_C, grad_cs = _triton_kernels().diagonal_backward(
                 pieces.u, pieces.C, pieces.B, pieces.cs, dy.to(dtype))
-            grad_B, grad_C = (pieces.grouped(grad).sum(2).to(compute) for grad in (grad_B, grad_C))
+            grad_B, grad_C = grad_B.to(compute), grad_C.to(compute)  # summed over each group's heads
             grad_u, grad_cs = grad_u.to(compute), grad_cs.to(compute)
             grad_log_decay = torch.zeros_like(grad_cs)
         else:
