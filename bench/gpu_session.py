@@ -37,7 +37,9 @@ stage                         issue  what it runs
                                      GEMMs, the four model kinds, one NCCL process, gloo on CUDA) and
                                      the ordinary suite's CUDA cases (Triton SSD kernels, FP8 GEMM)
 ``throughput_hybrid_moe``     14     ``bench.gpu_throughput``, hybrid and MoE 1B, eager and compiled,
-                                     each variant profiled one step: where the hybrid's time goes
+                                     each variant profiled one step (``--profile 60``: the compiled
+                                     hybrid's Mamba-2 kernels are many, each a few ms): where the
+                                     hybrid's time goes
 ``tier_compile_layouts``      14     the tier's compiled blocks and its gloo layouts on one GPU
 ``fp8_dense_recipes``         15     ``bench.low_precision --model dense``: every FP8 recipe, eager
 ============================  =====  ================================================================
@@ -173,7 +175,7 @@ def plan(out: Path) -> list[Stage]:
         Stage("tier", 14, 100, [python, *PYTEST, *TIER_CORE, *CUDA_CASES], [python, *PYTEST, *TIER_CORE, *CUDA_CASES],
               dry_tier),
         Stage("throughput_hybrid_moe", 14, 160, [*throughput("hybrid_moe"), "--models", "hybrid,moe", "--recompute",
-                                                 "none", "--profile", "25"],
+                                                 "none", "--profile", "60"],
               [*throughput("hybrid_moe"), "--models", "hybrid,moe", "--recompute", "none", "--profile", "25",
                "--tiny"]),
         Stage("tier_compile_layouts", 14, 150,

@@ -39,9 +39,10 @@ Per block kind, for a sequence of T tokens (h hidden, a/k query/KV heads of widt
   ``ssd_fast.py`` computes it, with c = ceil(T / Q) chunks of Q tokens (the last one
   zero-padded and computed in full): per chunk, scores C B^T 2 Q^2 N once per B/C *group*, and
   per chunk and head scores times x 2 Q^2 P, chunk states B^T x 2 Q N P, state to output
-  C h 2 Q N P; and the inter-chunk recurrence as one (c+1) x (c+1) matmul per head over
-  [P x N] states, 2 (c+1)^2 P N. Per token that is about 2 Q (G N + H P) + 4 H N P, linear in T
-  for the sequence as a whole, plus the state passing 2 H (c+1)^2 P N / T, which grows like
+  C h 2 Q N P; and the inter-chunk recurrence as one (c+1) x c matmul per head over [P x N]
+  states, 2 (c+1) c P N (an initial state, as under context parallelism, adds an elementwise
+  term). Per token that is about 2 Q (G N + H P) + 4 H N P, linear in T for the sequence as a
+  whole, plus the state passing 2 H (c+1) c P N / T, which grows like
   T / Q^2 per token and stays small until the sequence has hundreds of chunks (mamba_ssm's
   fused kernels pass states with a sequential, elementwise scan over chunks instead, which is
   no matmul at all). (The reference ``ssd.py`` repeats B and C for every head and so computes
@@ -141,7 +142,7 @@ def ssd_scan_terms(seq_len: int, chunk_size: int, num_heads: int, head_dim: int,
         "ssd_scores": 2 * num_groups * chunks * chunk_size * chunk_size * state_size,
         "ssd_diagonal_output": per_chunk_and_head * chunk_size * chunk_size * head_dim,
         "ssd_chunk_states": per_chunk_and_head * chunk_size * head_dim * state_size,
-        "ssd_state_passing": 2 * num_heads * (chunks + 1) ** 2 * head_dim * state_size,
+        "ssd_state_passing": 2 * num_heads * (chunks + 1) * chunks * head_dim * state_size,
         "ssd_state_output": per_chunk_and_head * chunk_size * state_size * head_dim,
     }
 

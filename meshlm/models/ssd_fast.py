@@ -215,11 +215,13 @@ class _ChunkedScan(torch.autograd.Function):
             y = torch.matmul(pieces.masked_scores(pieces.decay_mask()), pieces.u).to(compute)
 
         chunk_states = pieces.chunk_states(pieces.u * pieces.decay_to_end()[..., None].to(pieces.dtype))
-        if initial_state is None:
-            initial_state = chunk_states.new_zeros(batch, heads, head_dim, state_size)
-        slots = torch.cat((initial_state.to(compute)[:, :, None], chunk_states), dim=2)  # [b, h, c+1, p, n]
-        decay = pieces.chunk_decay_matrix()
-        entering = torch.matmul(decay, slots.flatten(-2)).view_as(slots)  # state entering each slot
+        # The state entering each slot z (slot 0 the initial state, slot k+1 chunk k's state):
+        # sum_k Decay[z, k] slot_k, without concatenating the slots into one more state-sized copy.
+        decay = pieces.chunk_decay_matrix()  # [b, h, c+1, c+1]
+        entering = torch.matmul(decay[..., 1:], chunk_states.flatten(-2))  # [b, h, c+1, p*n]
+        if initial_state is not None:
+            entering += decay[..., :1] * initial_state.to(compute).flatten(-2)[:, :, None]
+        entering = entering.view(batch, heads, -1, head_dim, state_size)
         start_states, final_state = entering[:, :, :-1], entering[:, :, -1]
 
         y += pieces.read_states(start_states) * pieces.decay_from_start()[..., None]  # off-diagonal blocks
@@ -255,11 +257,11 @@ class _ChunkedScan(torch.autograd.Function):
 
         # The recurrence between chunks: G = Decay^T [dH; d final].
         chunk_log_decays = pieces.chunk_log_decays()
-        if grad_final is None:
-            grad_final = torch.zeros_like(start_states[:, :, 0])
-        grad_slots = torch.cat((grad_start, grad_final.to(compute)[:, :, None]), dim=2)
-        decay = pieces.chunk_decay_matrix()
-        total = torch.matmul(decay.transpose(-1, -2), grad_slots.flatten(-2)).view_as(grad_slots)
+        decay = pieces.chunk_decay_matrix()  # [b, h, c+1, c+1]: rows z = the c chunk starts, then the end
+        total = torch.matmul(decay[:, :, :-1].transpose(-1, -2), grad_start.flatten(-2))  # [b, h, c+1, p*n]
+        if grad_final is not None:  # the end slot's gradient, without concatenating it to grad_start
+            total += decay[:, :, -1, :, None] * grad_final.to(compute).flatten(-2)[:, :, None]
+        total = total.view(*grad_start.shape[:2], -1, *grad_start.shape[3:])
         grad_initial, grad_chunk_states = total[:, :, 0], total[:, :, 1:]
         grad_chunk_log = (grad_chunk_states * start_states).sum((-1, -2)) * chunk_log_decays.exp()
         if pieces.documents is not None:  # no link, no gradient: H_{c+1} = r_c exp(L_c) H_c + st_c
