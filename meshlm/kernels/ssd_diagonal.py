@@ -47,7 +47,13 @@ except ImportError:  # Triton is optional: everything runs on the PyTorch path w
     triton = None
 
 BLOCK = 32
-"""Rows and columns of one score tile; Q must be a multiple of it (or equal to 16)."""
+"""Rows and columns of one score tile by default; Q must be a multiple of it (or equal to 16)."""
+
+TUNED_TILES = (32, 64)
+"""The tiles a CUDA run chooses from, with 4 or 8 warps (``triton.autotune``: each shape's first
+call times every choice and keeps the fastest), where Q is a multiple of the largest: a 32 x 32
+tile keeps registers free, a 64-row one lets Hopper's warpgroup matmuls run. Elsewhere (the
+interpreter) the tile is ``BLOCK``, or what the caller asks for."""
 
 
 def supported(chunk: int, head_dim: int, state: int, dtype: torch.dtype) -> bool:
@@ -127,7 +133,7 @@ if triton is not None:
     def _diagonal_backward_sources(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, du_ptr, dB_ptr, colsum_ptr,
                                    heads_per_group, heads, groups, chunks,
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
-                                   MIN_DECAY: tl.constexpr, NUM_TILES: tl.constexpr, DOT: tl.constexpr):
+                                   MIN_DECAY: tl.constexpr, DOT: tl.constexpr):
         group_block, col_tile = tl.program_id(0), tl.program_id(1)  # group_block = (b, g, c) flattened
         C_base, B_base = C_ptr + group_block * Q * N, B_ptr + group_block * Q * N
         cols = col_tile * TILE + tl.arange(0, TILE)
@@ -139,7 +145,7 @@ if triton is not None:
             u_cols = tl.load(u_base + cols[:, None] * P + p[None, :])
             grad_u = tl.zeros((TILE, P), dtype=tl.float32)
             colsum = tl.zeros((TILE,), dtype=tl.float32)
-            for row_tile in range(col_tile, NUM_TILES):
+            for row_tile in range(col_tile, Q // TILE):
                 rows = row_tile * TILE + tl.arange(0, TILE)
                 masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY, DOT)
                 dy_rows = tl.load(dy_base + rows[:, None] * P + p[None, :])
@@ -178,6 +184,26 @@ if triton is not None:
             tl.store(rowsum_ptr + block_id * Q + rows, rowsum)
         tl.store(dC_ptr + group_block * Q * N + rows[:, None] * N + n[None, :], grad_C)
 
+    _TUNING = [triton.Config({"TILE": tile}, num_warps=warps) for tile in TUNED_TILES for warps in (4, 8)]
+    _tuned = triton.autotune(configs=_TUNING, key=["heads_per_group", "Q", "P", "N"])
+    _diagonal_forward_tuned = _tuned(_diagonal_forward)
+    _diagonal_backward_sources_tuned = _tuned(_diagonal_backward_sources)
+    _diagonal_backward_targets_tuned = _tuned(_diagonal_backward_targets)
+
+
+def _launch(kernel, tuned, programs: int, chunk: int, tile: int | None, on_cuda: bool, *args, **constants) -> None:
+    """Run ``kernel`` over ``programs`` x (chunk / tile) programs: its autotuned form ``tuned``
+    (over ``TUNED_TILES``) on CUDA when the chunk takes every tuned tile and no ``tile`` is asked
+    for; else with ``tile`` (default ``BLOCK``, at most the chunk)."""
+    constants.update(MIN_DECAY=SSD_MIN_LOG_DECAY, DOT=_dot_precision())
+    if tile is None and on_cuda and chunk % max(TUNED_TILES) == 0:
+        tuned[lambda meta: (programs, chunk // meta["TILE"])](*args, **constants)
+        return
+    tile = tile or _tile(chunk)
+    if chunk % tile:
+        raise ValueError(f"a tile of {tile} rows does not divide the chunk of {chunk}")
+    kernel[(programs, chunk // tile)](*args, TILE=tile, **constants)
+
 
 def _layout(u: torch.Tensor, B: torch.Tensor) -> tuple[int, ...]:
     batch, heads, chunks, chunk, head_dim = u.shape
@@ -185,19 +211,19 @@ def _layout(u: torch.Tensor, B: torch.Tensor) -> tuple[int, ...]:
     return batch, heads, chunks, chunk, head_dim, groups, state
 
 
-def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
-    """y_diag [b, h, c, Q, P] fp32 = (C B^T o L) u per chunk and head (module docstring)."""
+def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
+                     tile: int | None = None) -> torch.Tensor:
+    """y_diag [b, h, c, Q, P] fp32 = (C B^T o L) u per chunk and head (module docstring); ``tile``
+    fixes the score tile's rows (default: tuned on CUDA, ``BLOCK`` elsewhere)."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
     y = torch.empty(u.shape, dtype=torch.float32, device=u.device)
-    tile = _tile(chunk)
-    grid = (batch * heads * chunks, chunk // tile)
-    _diagonal_forward[grid](u, C, B, cs, y, heads // groups, heads, groups, chunks,
-                            Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=SSD_MIN_LOG_DECAY, DOT=_dot_precision())
+    _launch(_diagonal_forward, _diagonal_forward_tuned, batch * heads * chunks, chunk, tile, u.is_cuda,
+            u, C, B, cs, y, heads // groups, heads, groups, chunks, Q=chunk, P=head_dim, N=state)
     return y
 
 
 def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
-                      dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                      dy: torch.Tensor, tile: int | None = None) -> tuple[torch.Tensor, ...]:
     """Gradients of ``diagonal_forward`` for dy [b, h, c, Q, P] (in u's dtype): du [b, h, c, Q, P],
     dB and dC per group [b, g, c, Q, N] (B's and C's shape), and d cs [b, h, c, Q], all fp32."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
@@ -206,14 +232,12 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     grad_C = torch.empty_like(grad_B)
     colsum = torch.empty(cs.shape, dtype=torch.float32, device=u.device)
     rowsum = torch.empty_like(colsum)
-    tile = _tile(chunk)
-    grid = (batch * groups * chunks, chunk // tile)  # one program per group's tile: it walks the group's heads
-    _diagonal_backward_sources[grid](u, dy, C, B, cs, grad_u, grad_B, colsum, heads // groups, heads, groups, chunks,
-                                     Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=SSD_MIN_LOG_DECAY,
-                                     NUM_TILES=chunk // tile, DOT=_dot_precision())
-    _diagonal_backward_targets[grid](u, dy, C, B, cs, grad_C, rowsum, heads // groups, heads, groups, chunks,
-                                     Q=chunk, P=head_dim, N=state, TILE=tile, MIN_DECAY=SSD_MIN_LOG_DECAY,
-                                     DOT=_dot_precision())
+    programs = batch * groups * chunks  # one program per group's tile: it walks the group's heads
+    shapes = dict(Q=chunk, P=head_dim, N=state)
+    _launch(_diagonal_backward_sources, _diagonal_backward_sources_tuned, programs, chunk, tile, u.is_cuda,
+            u, dy, C, B, cs, grad_u, grad_B, colsum, heads // groups, heads, groups, chunks, **shapes)
+    _launch(_diagonal_backward_targets, _diagonal_backward_targets_tuned, programs, chunk, tile, u.is_cuda,
+            u, dy, C, B, cs, grad_C, rowsum, heads // groups, heads, groups, chunks, **shapes)
     return grad_u, grad_B, grad_C, rowsum - colsum
 
 

@@ -33,9 +33,12 @@ def corpus(tmp_path_factory):
 
 
 RUNS = {"dense": MODEL_KINDS["dense"], "hybrid": MODEL_KINDS["hybrid"], "moe": MODEL_KINDS["moe"],
+        "hybrid tuned ssd": [*MODEL_KINDS["hybrid"], "model.mamba_chunk_size=64"],
         "dense fp8": [*MODEL_KINDS["dense"], "precision.recipe=fp8_tensorwise"]}
-"""The model kinds, and the dense model under the FP8 recipe (on a Hopper GPU its GEMMs are the
-hardware's, ``torch._scaled_mm``, inside the compiled graph; elsewhere emulated)."""
+"""The model kinds, the hybrid with chunks of 64 (the SSD kernels then run autotuned,
+``ssd_diagonal.TUNED_TILES``, inside the compiled graph), and the dense model under the FP8
+recipe (on a Hopper GPU its GEMMs are the hardware's, ``torch._scaled_mm``, inside the compiled
+graph; elsewhere emulated)."""
 
 
 @pytest.mark.parametrize("kind", list(RUNS))

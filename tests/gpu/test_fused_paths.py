@@ -244,15 +244,18 @@ def ssd_inputs(device, dtype, seed: int = 12) -> list[torch.Tensor]:
     return [x.to(device, dtype), dt.to(device), A.to(device), B.to(device, dtype), C.to(device, dtype)]
 
 
+@pytest.mark.parametrize("chunk", [32, 64], ids=["fixed_tile", "autotuned_tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_ssd_scan_equals_the_pytorch_scan(gpu_device, dtype):
+def test_triton_ssd_scan_equals_the_pytorch_scan(gpu_device, dtype, chunk):
+    """Chunks of 32 run the kernels' default tile; chunks of 64 take every tile of
+    ``ssd_diagonal.TUNED_TILES``, so the autotuned kernels run (and time each choice first)."""
     require_cuda(gpu_device, "compiled Triton")
     pytest.importorskip("triton")
     inputs = ssd_inputs(gpu_device, dtype)
     grad_y = torch.randn(2, 70, 4, 16, generator=torch.Generator().manual_seed(13)).to(gpu_device)
 
     def scan(function):
-        return lambda x, dt, A, B, C: function(x, dt, A, B, C, 32)[0]
+        return lambda x, dt, A, B, C: function(x, dt, A, B, C, chunk)[0]
 
     reference = values_and_grads(scan(ssd_chunked_scan), [tensor.float() for tensor in inputs], grad_y)
     triton = values_and_grads(scan(lambda *args: ssd_chunked_scan_fast(*args, use_triton=True)), inputs, grad_y)

@@ -38,21 +38,27 @@ def random_inputs(chunk, heads=4, groups=2, head_dim=16, state=16, chunks=2, bat
     return tuple(tensor.to(DEVICE) for tensor in (u, C, B, cs))
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
-def test_forward_matches_pytorch(chunk):
+TILINGS = [(16, None), (64, None), (128, 64)]
+"""(chunk, tile): the default tile (at most ``BLOCK``), and a 128-token chunk in two tiles of 64 rows,
+``TUNED_TILES``' largest, which a CUDA run may pick (there the autotuner chooses; here it is asked for)."""
+
+
+@pytest.mark.parametrize("chunk,tile", TILINGS)
+def test_forward_matches_pytorch(chunk, tile):
     u, C, B, cs = random_inputs(chunk)
     assert kernels.supported(chunk, 16, 16, u.dtype)
-    torch.testing.assert_close(kernels.diagonal_forward(u, C, B, cs), diagonal_reference(u, C, B, cs), **TOLERANCE)
+    torch.testing.assert_close(kernels.diagonal_forward(u, C, B, cs, tile=tile), diagonal_reference(u, C, B, cs),
+                               **TOLERANCE)
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
-def test_backward_matches_autograd(chunk):
+@pytest.mark.parametrize("chunk,tile", TILINGS)
+def test_backward_matches_autograd(chunk, tile):
     u, C, B, cs = random_inputs(chunk, seed=1)
     dy = torch.randn(u.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     leaves = [tensor.clone().requires_grad_() for tensor in (u, C, B, cs)]
     expected_u, expected_C, expected_B, expected_cs = torch.autograd.grad(
         (diagonal_reference(*leaves) * dy).sum(), leaves)
-    grad_u, grad_B, grad_C, grad_cs = kernels.diagonal_backward(u, C, B, cs, dy)
+    grad_u, grad_B, grad_C, grad_cs = kernels.diagonal_backward(u, C, B, cs, dy, tile=tile)
     torch.testing.assert_close(grad_u, expected_u, **TOLERANCE)
     torch.testing.assert_close(grad_B, expected_B, **TOLERANCE)
     torch.testing.assert_close(grad_C, expected_C, **TOLERANCE)
@@ -85,6 +91,14 @@ def test_bf16_operands_stay_within_bf16_rounding_of_the_fp32_reference(chunk):
     for name, (actual, expected) in pairs.items():
         assert actual.dtype == torch.float32, name
         assert relative_error(actual, expected.detach()) <= BF16_RELATIVE_ERROR, (name, relative_error(actual, expected))
+
+
+def test_every_tuned_tile_divides_the_chunks_that_select_the_tuner():
+    assert kernels.BLOCK in kernels.TUNED_TILES
+    assert all(max(kernels.TUNED_TILES) % tile == 0 for tile in kernels.TUNED_TILES)
+    u, C, B, cs = random_inputs(64)
+    with pytest.raises(ValueError, match="a tile of 48 rows does not divide the chunk of 64"):
+        kernels.diagonal_forward(u, C, B, cs, tile=48)
 
 
 def test_small_or_odd_shapes_are_not_supported():
