@@ -205,6 +205,17 @@ def _launch(kernel, tuned, programs: int, chunk: int, tile: int | None, on_cuda:
     kernel[(programs, chunk // tile)](*args, TILE=tile, **constants)
 
 
+def tuned_choices() -> dict[str, str | None]:
+    """The tile and warps the autotuner last chose for each kernel in this process (``None``: it has
+    not run, e.g. off CUDA or where a compiled graph tuned its own copy); for benchmark records."""
+    if triton is None:
+        return {}
+    tuned = {"forward": _diagonal_forward_tuned, "backward_sources": _diagonal_backward_sources_tuned,
+             "backward_targets": _diagonal_backward_targets_tuned}
+    return {name: (None if getattr(kernel, "best_config", None) is None else str(kernel.best_config))
+            for name, kernel in tuned.items()}
+
+
 def _layout(u: torch.Tensor, B: torch.Tensor) -> tuple[int, ...]:
     batch, heads, chunks, chunk, head_dim = u.shape
     groups, state = B.shape[1], B.shape[4]
@@ -241,4 +252,4 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     return grad_u, grad_B, grad_C, rowsum - colsum
 
 
-__all__ = ["diagonal_backward", "diagonal_forward", "supported"]
+__all__ = ["diagonal_backward", "diagonal_forward", "supported", "tuned_choices"]

@@ -130,3 +130,10 @@ def test_scan_with_kernels_equals_the_pytorch_scan(groups, with_state):
         results.append((y, final) + grads)
     for actual, expected in zip(*results):
         torch.testing.assert_close(actual, expected, **TOLERANCE)
+
+
+def test_tuned_choices_name_each_kernel_and_are_empty_until_the_autotuner_runs():
+    choices = kernels.tuned_choices()
+    assert set(choices) == {"forward", "backward_sources", "backward_targets"}
+    if DEVICE == "cpu":  # the interpreter never autotunes (``_launch``)
+        assert all(choice is None for choice in choices.values())
