@@ -1,7 +1,7 @@
 """DDP vs local SGD vs DiLoCo vs PALSGD on the demo corpus, dp4 over a simulated slow link.
 
     python -m bench.local_sgd [--init-steps 32] [--warmup 32] [--steps 64|128] [--global-batch 64|128]
-                              [--sync-every 8 32] [--link 1Gbps,5ms] [--no-baseline-without-link]
+                              [--micro-batch 4|32] [--sync-every 8 32] [--link 1Gbps,5ms] [--no-baseline-without-link]
                               [--eval-every 8] [--device cpu|cuda]
                               [--methods local_sgd diloco palsgd] [--diloco-outer 0.7,0.9]
                               [--palsgd-outer 0.7,0.9] [--target-loss L] [--local-overrides KEY=VALUE ...]
