@@ -26,16 +26,27 @@ def profile_step(step, device: torch.device, top: int) -> dict:
     events.sort(key=lambda event: getattr(event, attribute), reverse=True)
     total_ms = sum(getattr(event, attribute) for event in events) / 1e3
     inclusive = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    return {"measured": attribute, "total_ms": round(total_ms, 2),
+            "top": [{"name": event.key[:120], "ms": round(getattr(event, attribute) / 1e3, 3), "calls": event.count}
+                    for event in events[:top]],
+            "regions_ms": region_times(averages, inclusive)}
+
+
+def region_times(averages, inclusive: str) -> dict[str, float]:
+    """Milliseconds of each part of ``PROFILE_REGIONS``: the ``inclusive`` time of the events it
+    marks, each with everything it called. A ``record_function`` range (``Optimizer.step#...``)
+    appears twice in a GPU profile, as the CPU range, whose device time already holds the kernels
+    it launched, and as its copy on the GPU's timeline (``gpu_user_annotation``); the copy is
+    left out, or the optimizer would count twice."""
     regions = {}
     for event in averages:  # the step's parts, each with what it called
+        if getattr(event, "is_user_annotation", False) and str(getattr(event, "device_type", "")).endswith("CUDA"):
+            continue
         part = next((name for name, marks in PROFILE_REGIONS.items() if any(matches(mark, event.key) for mark in marks)),
                     None)
         if part is not None:
             regions[part] = regions.get(part, 0.0) + getattr(event, inclusive, 0) / 1e3
-    return {"measured": attribute, "total_ms": round(total_ms, 2),
-            "top": [{"name": event.key[:120], "ms": round(getattr(event, attribute) / 1e3, 3), "calls": event.count}
-                    for event in events[:top]],
-            "regions_ms": {part: round(ms, 3) for part, ms in sorted(regions.items())}}
+    return {part: round(ms, 3) for part, ms in sorted(regions.items())}
 
 
 PROFILE_REGIONS = {
@@ -65,4 +76,4 @@ def matches(mark: str, key: str) -> bool:
     return key.startswith(mark[:-1]) if mark.endswith("*") else key == mark
 
 
-__all__ = ["PROFILE_REGIONS", "matches", "profile_step"]
+__all__ = ["PROFILE_REGIONS", "matches", "profile_step", "region_times"]

@@ -4,7 +4,11 @@ import time
 
 import torch
 
-from bench.profiling import matches, profile_step
+from types import SimpleNamespace
+
+from torch.autograd import DeviceType
+
+from bench.profiling import matches, profile_step, region_times
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 
@@ -14,6 +18,18 @@ def test_a_mark_is_a_whole_name_or_a_start():
     assert matches("Optimizer.step#*", "Optimizer.step#AdamW.step") and not matches("Optimizer.step#*", "Optimizer")
     # an autograd function's backward, named exactly, is not also taken inside the engine's wrapper event
     assert not matches("_ChunkedScanBackward", "autograd::engine::evaluate_function: _ChunkedScanBackward")
+
+
+def test_a_gpu_profile_counts_the_optimizer_range_once():
+    """On a GPU the ``Optimizer.step#...`` range is also on the GPU's timeline, as a user annotation
+    spanning the kernels the CPU range already holds (session 19's dense profile: 8.8 ms twice)."""
+    def event(key, ms, device_type=DeviceType.CPU, annotation=False):
+        return SimpleNamespace(key=key, device_time_total=ms * 1e3, device_type=device_type,
+                               is_user_annotation=annotation)
+    averages = [event("Optimizer.step#AdamW.step", 8.8, annotation=True),
+                event("Optimizer.step#AdamW.step", 8.6, DeviceType.CUDA, annotation=True),
+                event("aten::_fused_adamw_", 8.5), event("aten::_scaled_dot_product_cudnn_attention", 20.0)]
+    assert region_times(averages, "device_time_total") == {"attention": 20.0, "optimizer": 8.8}
 
 
 def test_an_eager_hybrid_step_is_split_into_its_parts():
