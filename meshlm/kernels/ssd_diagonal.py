@@ -13,6 +13,10 @@ of scores, decays and mask in registers, as ``mamba_ssm``'s ``chunk_scan`` kerne
 exp(cs[l] - cs[s]) from the in-chunk cumulative sums (exponents clamped at -80, like the PyTorch
 path), so with very strong decays it is less precise than the PyTorch path's segment sums.
 
+The forward also adds the off-diagonal blocks when given the state H [P x N] entering each chunk
+(fp32): y[l] += exp(cs[l]) C[l] H^T, so the scan's output is written once, not written by this
+kernel and then read, added to and written again (``mamba_ssm``'s ``chunk_scan`` does the same).
+
 Backward (same tiling, recomputing scores and decays):
 
 - ``_diagonal_backward_sources``: per source tile s, du[s] = sum_l M[l, s] dy[l],
@@ -103,9 +107,9 @@ if triton is not None:
         return scores * decay, decay
 
     @triton.jit
-    def _diagonal_forward(u_ptr, C_ptr, B_ptr, cs_ptr, y_ptr, heads_per_group, heads, groups, chunks,
+    def _diagonal_forward(u_ptr, C_ptr, B_ptr, cs_ptr, H_ptr, y_ptr, heads_per_group, heads, groups, chunks,
                           Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
-                          MIN_DECAY: tl.constexpr, DOT: tl.constexpr):
+                          MIN_DECAY: tl.constexpr, DOT: tl.constexpr, HAS_STATES: tl.constexpr):
         block_id, row_tile = tl.program_id(0), tl.program_id(1)  # block_id = (b, h, c) flattened
         group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
         u_base, cs_base = u_ptr + block_id * Q * P, cs_ptr + block_id * Q
@@ -118,6 +122,12 @@ if triton is not None:
             masked, decay = _decayed_scores(C_base, B_base, cs_base, rows, cols, N, MIN_DECAY, DOT)
             u_tile = tl.load(u_base + cols[:, None] * P + p[None, :])
             acc += tl.dot(masked.to(u_tile.dtype), u_tile, input_precision=DOT)
+        if HAS_STATES:  # the off-diagonal blocks: exp(cs[l]) C[l] H^T, H the state entering the chunk
+            n = tl.arange(0, N)
+            c_rows = tl.load(C_base + rows[:, None] * N + n[None, :]).to(tl.float32)
+            states = tl.load(H_ptr + block_id * P * N + p[:, None] * N + n[None, :])  # [P, N] fp32
+            read = tl.dot(c_rows, tl.trans(states), input_precision=DOT)
+            acc += read * tl.exp(tl.load(cs_base + rows))[:, None]
         tl.store(y_ptr + block_id * Q * P + rows[:, None] * P + p[None, :], acc)
 
     @triton.jit
@@ -223,13 +233,18 @@ def _layout(u: torch.Tensor, B: torch.Tensor) -> tuple[int, ...]:
 
 
 def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
-                     tile: int | None = None) -> torch.Tensor:
-    """y_diag [b, h, c, Q, P] fp32 = (C B^T o L) u per chunk and head (module docstring); ``tile``
-    fixes the score tile's rows (default: tuned on CUDA, ``BLOCK`` elsewhere)."""
+                     start_states: torch.Tensor | None = None, tile: int | None = None) -> torch.Tensor:
+    """y [b, h, c, Q, P] fp32 = (C B^T o L) u per chunk and head (module docstring), plus, given the
+    states entering each chunk ``start_states`` [b, h, c, P, N] (fp32, contiguous), the off-diagonal
+    blocks exp(cs) C H^T: the scan's whole output in one write. ``tile`` fixes the score tile's rows
+    (default: tuned on CUDA, ``BLOCK`` elsewhere)."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
     y = torch.empty(u.shape, dtype=torch.float32, device=u.device)
+    if start_states is not None and (start_states.dtype != torch.float32 or not start_states.is_contiguous()):
+        raise ValueError("start_states must be a contiguous fp32 tensor [b, h, c, P, N]")
     _launch(_diagonal_forward, _diagonal_forward_tuned, batch * heads * chunks, chunk, tile, u.is_cuda,
-            u, C, B, cs, y, heads // groups, heads, groups, chunks, Q=chunk, P=head_dim, N=state)
+            u, C, B, cs, y if start_states is None else start_states, y, heads // groups, heads, groups, chunks,
+            Q=chunk, P=head_dim, N=state, HAS_STATES=start_states is not None)
     return y
 
 

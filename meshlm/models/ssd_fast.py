@@ -209,11 +209,6 @@ class _ChunkedScan(torch.autograd.Function):
         compute = pieces.compute
         batch, heads, head_dim, state_size = pieces.batch, pieces.heads, pieces.head_dim, pieces.state_size
 
-        if use_kernels:  # diagonal blocks
-            y = _triton_kernels().diagonal_forward(pieces.u, pieces.C, pieces.B, pieces.cs)
-        else:
-            y = torch.matmul(pieces.masked_scores(pieces.decay_mask()), pieces.u).to(compute)
-
         chunk_states = pieces.chunk_states(pieces.u * pieces.decay_to_end()[..., None].to(pieces.dtype))
         # The state entering each slot z (slot 0 the initial state, slot k+1 chunk k's state):
         # sum_k Decay[z, k] slot_k, without concatenating the slots into one more state-sized copy.
@@ -222,10 +217,14 @@ class _ChunkedScan(torch.autograd.Function):
         if initial_state is not None:
             entering += decay[..., :1] * initial_state.to(compute).flatten(-2)[:, :, None]
         entering = entering.view(batch, heads, -1, head_dim, state_size)
-        start_states, final_state = entering[:, :, :-1], entering[:, :, -1]
+        start_states, final_state = entering[:, :, :-1].contiguous(), entering[:, :, -1]
 
-        y += pieces.read_states(start_states) * pieces.decay_from_start()[..., None]  # off-diagonal blocks
-        ctx.save_for_backward(x, dt, A, B, C, start_states.contiguous(), document_ids)
+        if use_kernels:  # diagonal and off-diagonal blocks in one kernel, y written once
+            y = _triton_kernels().diagonal_forward(pieces.u, pieces.C, pieces.B, pieces.cs, start_states)
+        else:
+            y = torch.matmul(pieces.masked_scores(pieces.decay_mask()), pieces.u).to(compute)
+            y += pieces.read_states(start_states) * pieces.decay_from_start()[..., None]  # off-diagonal blocks
+        ctx.save_for_backward(x, dt, A, B, C, start_states, document_ids)
         ctx.chunk_size, ctx.use_kernels = chunk_size, use_kernels
         return _from_per_head_chunks(y, pieces.seq_len).contiguous(), final_state.contiguous()
 

@@ -52,6 +52,18 @@ def test_forward_matches_pytorch(chunk, tile):
 
 
 @pytest.mark.parametrize("chunk,tile", TILINGS)
+def test_forward_adds_the_off_diagonal_blocks_of_the_entering_states(chunk, tile):
+    u, C, B, cs = random_inputs(chunk, seed=5)
+    heads, groups = u.shape[1], B.shape[1]
+    states = torch.randn(*u.shape[:3], u.shape[-1], B.shape[-1], generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    C_heads = C.repeat_interleave(heads // groups, dim=1)
+    expected = diagonal_reference(u, C, B, cs) + cs.exp()[..., None] * (C_heads @ states.transpose(-1, -2))
+    torch.testing.assert_close(kernels.diagonal_forward(u, C, B, cs, states, tile=tile), expected, **TOLERANCE)
+    with pytest.raises(ValueError, match="start_states must be a contiguous fp32 tensor"):
+        kernels.diagonal_forward(u, C, B, cs, states.transpose(-1, -2), tile=tile)
+
+
+@pytest.mark.parametrize("chunk,tile", TILINGS)
 def test_backward_matches_autograd(chunk, tile):
     u, C, B, cs = random_inputs(chunk, seed=1)
     dy = torch.randn(u.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
