@@ -22,7 +22,8 @@ Backward (same tiling, recomputing scores and decays):
 - ``_diagonal_backward_sources``: per source tile s, du[s] = sum_l M[l, s] dy[l],
   dB[s] = sum_h sum_l (dM o L)[l, s] C[l] with dM = dy u^T, and colsum_s(dM o M);
 - ``_diagonal_backward_targets``: per target tile l, dC[l] = sum_h sum_s (dM o L)[l, s] B[s] and
-  rowsum_l(dM o M).
+  rowsum_l(dM o M); given the entering states H and dy in fp32, also the off-diagonal blocks'
+  parts, dC[l] += sum_h (e o dy)[l] H and d cs[l] += sum_p (e o dy)[l] o (C[l] H^T), e = exp(cs).
 
 A backward program owns one tile of one B/C group and walks the group's heads, so dB and dC are
 summed over the heads in registers and written once per group: written per head, as B and C
@@ -169,10 +170,10 @@ if triton is not None:
         tl.store(dB_ptr + group_block * Q * N + cols[:, None] * N + n[None, :], grad_B)
 
     @triton.jit
-    def _diagonal_backward_targets(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, dC_ptr, rowsum_ptr,
+    def _diagonal_backward_targets(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, H_ptr, dy_states_ptr, dC_ptr, rowsum_ptr,
                                    heads_per_group, heads, groups, chunks,
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
-                                   MIN_DECAY: tl.constexpr, DOT: tl.constexpr):
+                                   MIN_DECAY: tl.constexpr, DOT: tl.constexpr, HAS_STATES: tl.constexpr):
         group_block, row_tile = tl.program_id(0), tl.program_id(1)
         C_base, B_base = C_ptr + group_block * Q * N, B_ptr + group_block * Q * N
         rows = row_tile * TILE + tl.arange(0, TILE)
@@ -191,6 +192,14 @@ if triton is not None:
                 b_cols = tl.load(B_base + cols[:, None] * N + n[None, :])
                 grad_C += tl.dot((grad_masked * decay).to(b_cols.dtype), b_cols, input_precision=DOT)
                 rowsum += tl.sum(grad_masked * masked, axis=1)
+            if HAS_STATES:  # the off-diagonal blocks y[l] += exp(cs[l]) C[l] H^T, with dy in fp32
+                decayed = (tl.load(dy_states_ptr + block_id * Q * P + rows[:, None] * P + p[None, :])
+                           * tl.exp(tl.load(cs_base + rows))[:, None])  # [rows x P]: e o dy
+                states = tl.load(H_ptr + block_id * P * N + p[:, None] * N + n[None, :])  # [P, N] fp32
+                grad_C += tl.dot(decayed, states, input_precision=DOT)
+                c_rows = tl.load(C_base + rows[:, None] * N + n[None, :]).to(tl.float32)
+                read = tl.dot(c_rows, tl.trans(states), input_precision=DOT)  # [rows x P]: C H^T
+                rowsum += tl.sum(decayed * read, axis=1)  # the off-diagonal part of d cs
             tl.store(rowsum_ptr + block_id * Q + rows, rowsum)
         tl.store(dC_ptr + group_block * Q * N + rows[:, None] * N + n[None, :], grad_C)
 
@@ -249,9 +258,15 @@ def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torc
 
 
 def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
-                      dy: torch.Tensor, tile: int | None = None) -> tuple[torch.Tensor, ...]:
+                      dy: torch.Tensor, start_states: torch.Tensor | None = None,
+                      dy_states: torch.Tensor | None = None, tile: int | None = None) -> tuple[torch.Tensor, ...]:
     """Gradients of ``diagonal_forward`` for dy [b, h, c, Q, P] (in u's dtype): du [b, h, c, Q, P],
-    dB and dC per group [b, g, c, Q, N] (B's and C's shape), and d cs [b, h, c, Q], all fp32."""
+    dB and dC per group [b, g, c, Q, N] (B's and C's shape), and d cs [b, h, c, Q], all fp32.
+
+    Given ``start_states`` (as ``diagonal_forward`` took them) and ``dy_states``, dy in fp32, dC
+    and d cs also hold the off-diagonal blocks' parts, sum_p (e o dy) H and sum_p (e o dy) o (C H^T)
+    with e = exp(cs); the states' own gradient, sum_l (e o dy)^T C, is left to the caller (a sum
+    over the whole chunk, which no tile holds)."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
     grad_u = torch.empty(u.shape, dtype=torch.float32, device=u.device)
     grad_B = torch.empty(B.shape, dtype=torch.float32, device=u.device)
@@ -262,8 +277,15 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     shapes = dict(Q=chunk, P=head_dim, N=state)
     _launch(_diagonal_backward_sources, _diagonal_backward_sources_tuned, programs, chunk, tile, u.is_cuda,
             u, dy, C, B, cs, grad_u, grad_B, colsum, heads // groups, heads, groups, chunks, **shapes)
+    has_states = start_states is not None
+    if has_states != (dy_states is not None):
+        raise ValueError("pass start_states and dy_states together (the off-diagonal blocks need both)")
+    for name, tensor in (("start_states", start_states), ("dy_states", dy_states)):
+        if tensor is not None and (tensor.dtype != torch.float32 or not tensor.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous fp32 tensor")
     _launch(_diagonal_backward_targets, _diagonal_backward_targets_tuned, programs, chunk, tile, u.is_cuda,
-            u, dy, C, B, cs, grad_C, rowsum, heads // groups, heads, groups, chunks, **shapes)
+            u, dy, C, B, cs, start_states if has_states else dy, dy_states if has_states else dy, grad_C, rowsum,
+            heads // groups, heads, groups, chunks, HAS_STATES=has_states, **shapes)
     return grad_u, grad_B, grad_C, rowsum - colsum
 
 

@@ -238,9 +238,9 @@ class _ChunkedScan(torch.autograd.Function):
         dy = _per_head_chunks(grad_y, ctx.chunk_size, compute)  # [b, h, c, l, p]
 
         # Diagonal blocks y = M u, M = (C B^T) o L.
-        if ctx.use_kernels:
+        if ctx.use_kernels:  # with the off-diagonal blocks' parts of dC and d cs (the kernels' docstring)
             grad_u, grad_B, grad_C, grad_cs = _triton_kernels().diagonal_backward(
-                pieces.u, pieces.C, pieces.B, pieces.cs, dy.to(dtype))
+                pieces.u, pieces.C, pieces.B, pieces.cs, dy.to(dtype), start_states, dy)
             grad_B, grad_C = grad_B.to(compute), grad_C.to(compute)  # summed over each group's heads
             grad_u, grad_cs = grad_u.to(compute), grad_cs.to(compute)
             grad_log_decay = torch.zeros_like(grad_cs)
@@ -251,8 +251,9 @@ class _ChunkedScan(torch.autograd.Function):
         # Off-diagonal blocks y_off = exp(cs_l) C_l H_c^T.
         dy_decayed = dy * pieces.decay_from_start()[..., None]
         grad_start = pieces.by_head(torch.einsum("bgjclp,bgcln->bgjcpn", pieces.grouped(dy_decayed), pieces.C.to(compute)))
-        grad_C += torch.einsum("bgjclp,bgjcpn->bgcln", pieces.grouped(dy_decayed), pieces.grouped(start_states))
-        grad_cs += (dy_decayed * pieces.read_states(start_states)).sum(-1)
+        if not ctx.use_kernels:
+            grad_C += torch.einsum("bgjclp,bgjcpn->bgcln", pieces.grouped(dy_decayed), pieces.grouped(start_states))
+            grad_cs += (dy_decayed * pieces.read_states(start_states)).sum(-1)
 
         # The recurrence between chunks: G = Decay^T [dH; d final].
         chunk_log_decays = pieces.chunk_log_decays()

@@ -64,6 +64,25 @@ def test_forward_adds_the_off_diagonal_blocks_of_the_entering_states(chunk, tile
 
 
 @pytest.mark.parametrize("chunk,tile", TILINGS)
+def test_backward_adds_the_off_diagonal_parts_of_dC_and_dcs(chunk, tile):
+    """With the entering states and dy in fp32 the kernels' dC and d cs are those of the diagonal
+    plus off-diagonal output (the states' own gradient is the caller's); du and dB are unchanged."""
+    u, C, B, cs = random_inputs(chunk, seed=7)
+    heads, groups = u.shape[1], B.shape[1]
+    states = torch.randn(*u.shape[:3], u.shape[-1], B.shape[-1], generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    dy = torch.randn(u.shape, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    leaves = [tensor.clone().requires_grad_() for tensor in (u, C, B, cs)]
+    u_, C_, B_, cs_ = leaves
+    off_diagonal = cs_.exp()[..., None] * (C_.repeat_interleave(heads // groups, dim=1) @ states.transpose(-1, -2))
+    expected = torch.autograd.grad(((diagonal_reference(*leaves) + off_diagonal) * dy).sum(), leaves)
+    actual = kernels.diagonal_backward(u, C, B, cs, dy, states, dy.contiguous(), tile=tile)
+    for name, got, want in zip(("du", "dB", "dC", "dcs"), actual, (expected[0], expected[2], expected[1], expected[3])):
+        torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
+    with pytest.raises(ValueError, match="pass start_states and dy_states together"):
+        kernels.diagonal_backward(u, C, B, cs, dy, states, tile=tile)
+
+
+@pytest.mark.parametrize("chunk,tile", TILINGS)
 def test_backward_matches_autograd(chunk, tile):
     u, C, B, cs = random_inputs(chunk, seed=1)
     dy = torch.randn(u.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
