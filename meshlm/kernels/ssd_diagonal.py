@@ -20,7 +20,9 @@ kernel and then read, added to and written again (``mamba_ssm``'s ``chunk_scan``
 Backward (same tiling, recomputing scores and decays):
 
 - ``_diagonal_backward_sources``: per source tile s, du[s] = sum_l M[l, s] dy[l],
-  dB[s] = sum_h sum_l (dM o L)[l, s] C[l] with dM = dy u^T, and colsum_s(dM o M);
+  dB[s] = sum_h sum_l (dM o L)[l, s] C[l] with dM = dy u^T, and colsum_s(dM o M); given the
+  gradient dS of each chunk's state st = (w o u)^T B (w = exp(cs_end - cs)), also that state's
+  backward at s: du[s] += w[s] B[s] dS^T, dB[s] += sum_h (w o u)[s] dS and its weight term;
 - ``_diagonal_backward_targets``: per target tile l, dC[l] = sum_h sum_s (dM o L)[l, s] B[s] and
   rowsum_l(dM o M); given the entering states H and dy in fp32, also the off-diagonal blocks'
   parts, dC[l] += sum_h (e o dy)[l] H and d cs[l] += sum_p (e o dy)[l] o (C[l] H^T), e = exp(cs).
@@ -141,10 +143,10 @@ if triton is not None:
         return (batch * heads + group * heads_per_group + head_in_group) * chunks + chunk
 
     @triton.jit
-    def _diagonal_backward_sources(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, du_ptr, dB_ptr, colsum_ptr,
-                                   heads_per_group, heads, groups, chunks,
+    def _diagonal_backward_sources(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, dS_ptr, du_ptr, dB_ptr, colsum_ptr,
+                                   weight_terms_ptr, heads_per_group, heads, groups, chunks,
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
-                                   MIN_DECAY: tl.constexpr, DOT: tl.constexpr):
+                                   MIN_DECAY: tl.constexpr, DOT: tl.constexpr, HAS_STATE_GRADS: tl.constexpr):
         group_block, col_tile = tl.program_id(0), tl.program_id(1)  # group_block = (b, g, c) flattened
         C_base, B_base = C_ptr + group_block * Q * N, B_ptr + group_block * Q * N
         cols = col_tile * TILE + tl.arange(0, TILE)
@@ -165,6 +167,17 @@ if triton is not None:
                 c_rows = tl.load(C_base + rows[:, None] * N + n[None, :])
                 grad_B += tl.dot(tl.trans((grad_masked * decay).to(c_rows.dtype)), c_rows, input_precision=DOT)
                 colsum += tl.sum(grad_masked * masked, axis=0)
+            if HAS_STATE_GRADS:  # the chunk state st = (w o u)^T B, w = exp(cs_end - cs), given dS = d st
+                weights = tl.exp(tl.load(cs_base + Q - 1) - tl.load(cs_base + cols))
+                weighted_u = u_cols.to(tl.float32) * weights[:, None]  # [cols x P]
+                grad_states = tl.load(dS_ptr + block_id * P * N + p[:, None] * N + n[None, :])  # [P, N] fp32
+                b_cols = tl.load(B_base + cols[:, None] * N + n[None, :]).to(tl.float32)
+                b_states = tl.dot(b_cols, tl.trans(grad_states), input_precision=DOT)  # [cols x P]: B dS^T
+                grad_u += b_states * weights[:, None]
+                grad_B += tl.dot(weighted_u, grad_states, input_precision=DOT)
+                weight_terms = tl.sum(weighted_u * b_states, axis=1)  # d w o w, per position
+                colsum += weight_terms  # d cs = rowsum - colsum: - d w o w at every position ...
+                tl.store(weight_terms_ptr + block_id * Q + cols, weight_terms)  # ... + their sum at the end (caller)
             tl.store(du_ptr + block_id * Q * P + cols[:, None] * P + p[None, :], grad_u)
             tl.store(colsum_ptr + block_id * Q + cols, colsum)
         tl.store(dB_ptr + group_block * Q * N + cols[:, None] * N + n[None, :], grad_B)
@@ -259,34 +272,42 @@ def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torc
 
 def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
                       dy: torch.Tensor, start_states: torch.Tensor | None = None,
-                      dy_states: torch.Tensor | None = None, tile: int | None = None) -> tuple[torch.Tensor, ...]:
+                      dy_states: torch.Tensor | None = None, state_grads: torch.Tensor | None = None,
+                      tile: int | None = None) -> tuple[torch.Tensor | None, ...]:
     """Gradients of ``diagonal_forward`` for dy [b, h, c, Q, P] (in u's dtype): du [b, h, c, Q, P],
-    dB and dC per group [b, g, c, Q, N] (B's and C's shape), and d cs [b, h, c, Q], all fp32.
+    dB and dC per group [b, g, c, Q, N] (B's and C's shape), d cs [b, h, c, Q], all fp32, and
+    the chunk states' weight terms (below; None without ``state_grads``).
 
     Given ``start_states`` (as ``diagonal_forward`` took them) and ``dy_states``, dy in fp32, dC
     and d cs also hold the off-diagonal blocks' parts, sum_p (e o dy) H and sum_p (e o dy) o (C H^T)
     with e = exp(cs); the states' own gradient, sum_l (e o dy)^T C, is left to the caller (a sum
-    over the whole chunk, which no tile holds)."""
+    over the whole chunk, which no tile holds). Given ``state_grads`` [b, h, c, P, N] (fp32), the
+    gradient dS of each chunk's state st = (w o u)^T B with w = exp(cs_end - cs): du += w o (B dS^T),
+    dB += sum_h (w o u) dS, and d cs -= t with t = sum_p (w o u) o (B dS^T), the weight terms
+    returned, whose sum over the chunk the caller adds to each chunk's last d cs."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
     grad_u = torch.empty(u.shape, dtype=torch.float32, device=u.device)
     grad_B = torch.empty(B.shape, dtype=torch.float32, device=u.device)
     grad_C = torch.empty_like(grad_B)
     colsum = torch.empty(cs.shape, dtype=torch.float32, device=u.device)
     rowsum = torch.empty_like(colsum)
-    programs = batch * groups * chunks  # one program per group's tile: it walks the group's heads
-    shapes = dict(Q=chunk, P=head_dim, N=state)
-    _launch(_diagonal_backward_sources, _diagonal_backward_sources_tuned, programs, chunk, tile, u.is_cuda,
-            u, dy, C, B, cs, grad_u, grad_B, colsum, heads // groups, heads, groups, chunks, **shapes)
     has_states = start_states is not None
     if has_states != (dy_states is not None):
         raise ValueError("pass start_states and dy_states together (the off-diagonal blocks need both)")
-    for name, tensor in (("start_states", start_states), ("dy_states", dy_states)):
+    programs = batch * groups * chunks  # one program per group's tile: it walks the group's heads
+    shapes = dict(Q=chunk, P=head_dim, N=state)
+    for name, tensor in (("start_states", start_states), ("dy_states", dy_states), ("state_grads", state_grads)):
         if tensor is not None and (tensor.dtype != torch.float32 or not tensor.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous fp32 tensor")
+    weight_terms = None if state_grads is None else torch.empty_like(colsum)
+    _launch(_diagonal_backward_sources, _diagonal_backward_sources_tuned, programs, chunk, tile, u.is_cuda,
+            u, dy, C, B, cs, colsum if state_grads is None else state_grads, grad_u, grad_B, colsum,
+            colsum if weight_terms is None else weight_terms, heads // groups, heads, groups, chunks,
+            HAS_STATE_GRADS=state_grads is not None, **shapes)
     _launch(_diagonal_backward_targets, _diagonal_backward_targets_tuned, programs, chunk, tile, u.is_cuda,
             u, dy, C, B, cs, start_states if has_states else dy, dy_states if has_states else dy, grad_C, rowsum,
             heads // groups, heads, groups, chunks, HAS_STATES=has_states, **shapes)
-    return grad_u, grad_B, grad_C, rowsum - colsum
+    return grad_u, grad_B, grad_C, rowsum - colsum, weight_terms
 
 
 __all__ = ["diagonal_backward", "diagonal_forward", "supported", "tuned_choices"]

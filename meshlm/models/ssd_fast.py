@@ -237,23 +237,9 @@ class _ChunkedScan(torch.autograd.Function):
             grad_y = x.new_zeros(x.shape, dtype=compute)
         dy = _per_head_chunks(grad_y, ctx.chunk_size, compute)  # [b, h, c, l, p]
 
-        # Diagonal blocks y = M u, M = (C B^T) o L.
-        if ctx.use_kernels:  # with the off-diagonal blocks' parts of dC and d cs (the kernels' docstring)
-            grad_u, grad_B, grad_C, grad_cs = _triton_kernels().diagonal_backward(
-                pieces.u, pieces.C, pieces.B, pieces.cs, dy.to(dtype), start_states, dy)
-            grad_B, grad_C = grad_B.to(compute), grad_C.to(compute)  # summed over each group's heads
-            grad_u, grad_cs = grad_u.to(compute), grad_cs.to(compute)
-            grad_log_decay = torch.zeros_like(grad_cs)
-        else:
-            grad_u, grad_B, grad_C, grad_log_decay = _diagonal_backward(pieces, dy)
-            grad_cs = torch.zeros_like(pieces.cs)
-
-        # Off-diagonal blocks y_off = exp(cs_l) C_l H_c^T.
+        # Off-diagonal blocks y_off = exp(cs_l) C_l H_c^T: the gradient of the entering states.
         dy_decayed = dy * pieces.decay_from_start()[..., None]
         grad_start = pieces.by_head(torch.einsum("bgjclp,bgcln->bgjcpn", pieces.grouped(dy_decayed), pieces.C.to(compute)))
-        if not ctx.use_kernels:
-            grad_C += torch.einsum("bgjclp,bgjcpn->bgcln", pieces.grouped(dy_decayed), pieces.grouped(start_states))
-            grad_cs += (dy_decayed * pieces.read_states(start_states)).sum(-1)
 
         # The recurrence between chunks: G = Decay^T [dH; d final].
         chunk_log_decays = pieces.chunk_log_decays()
@@ -267,15 +253,30 @@ class _ChunkedScan(torch.autograd.Function):
         if pieces.documents is not None:  # no link, no gradient: H_{c+1} = r_c exp(L_c) H_c + st_c
             grad_chunk_log = grad_chunk_log * pieces.documents.slot_continues()
 
-        # Chunk states st = (w o u)^T B, w_l = exp(cs_end - cs_l).
-        weights = pieces.decay_to_end()
-        weighted_u = pieces.u.to(compute) * weights[..., None]
-        B_states = pieces.by_head(torch.einsum("bgcln,bgjcpn->bgjclp", pieces.B.to(compute),
-                                               pieces.grouped(grad_chunk_states)))  # B st'^T
-        grad_u += B_states * weights[..., None]
-        grad_B += torch.einsum("bgjclp,bgjcpn->bgcln", pieces.grouped(weighted_u), pieces.grouped(grad_chunk_states))
-        weight_terms = (weighted_u * B_states).sum(-1)  # dw o w
-        grad_cs -= weight_terms
+        if ctx.use_kernels:  # diagonal blocks, the off-diagonal parts of dC and d cs, and the chunk
+            # states' backward, in two kernels (meshlm/kernels/ssd_diagonal.py)
+            grad_u, grad_B, grad_C, grad_cs, weight_terms = _triton_kernels().diagonal_backward(
+                pieces.u, pieces.C, pieces.B, pieces.cs, dy.to(dtype), start_states, dy, grad_chunk_states.contiguous())
+            grad_B, grad_C = grad_B.to(compute), grad_C.to(compute)  # summed over each group's heads
+            grad_u, grad_cs = grad_u.to(compute), grad_cs.to(compute)
+            grad_log_decay = torch.zeros_like(grad_cs)
+        else:
+            # Diagonal blocks y = M u, M = (C B^T) o L.
+            grad_u, grad_B, grad_C, grad_log_decay = _diagonal_backward(pieces, dy)
+            grad_cs = torch.zeros_like(pieces.cs)
+            # The off-diagonal blocks' parts of dC and d cs.
+            grad_C += torch.einsum("bgjclp,bgjcpn->bgcln", pieces.grouped(dy_decayed), pieces.grouped(start_states))
+            grad_cs += (dy_decayed * pieces.read_states(start_states)).sum(-1)
+            # Chunk states st = (w o u)^T B, w_l = exp(cs_end - cs_l).
+            weights = pieces.decay_to_end()
+            weighted_u = pieces.u.to(compute) * weights[..., None]
+            B_states = pieces.by_head(torch.einsum("bgcln,bgjcpn->bgjclp", pieces.B.to(compute),
+                                                   pieces.grouped(grad_chunk_states)))  # B st'^T
+            grad_u += B_states * weights[..., None]
+            grad_B += torch.einsum("bgjclp,bgjcpn->bgcln", pieces.grouped(weighted_u),
+                                   pieces.grouped(grad_chunk_states))
+            weight_terms = (weighted_u * B_states).sum(-1)  # dw o w
+            grad_cs -= weight_terms
         grad_cs[..., -1] += weight_terms.sum(-1) + grad_chunk_log
 
         # cs = cumsum(dt A) within each chunk, u = dt x.

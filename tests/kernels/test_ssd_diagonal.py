@@ -75,11 +75,37 @@ def test_backward_adds_the_off_diagonal_parts_of_dC_and_dcs(chunk, tile):
     u_, C_, B_, cs_ = leaves
     off_diagonal = cs_.exp()[..., None] * (C_.repeat_interleave(heads // groups, dim=1) @ states.transpose(-1, -2))
     expected = torch.autograd.grad(((diagonal_reference(*leaves) + off_diagonal) * dy).sum(), leaves)
-    actual = kernels.diagonal_backward(u, C, B, cs, dy, states, dy.contiguous(), tile=tile)
+    actual = kernels.diagonal_backward(u, C, B, cs, dy, states, dy.contiguous(), tile=tile)[:4]
     for name, got, want in zip(("du", "dB", "dC", "dcs"), actual, (expected[0], expected[2], expected[1], expected[3])):
         torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
     with pytest.raises(ValueError, match="pass start_states and dy_states together"):
         kernels.diagonal_backward(u, C, B, cs, dy, states, tile=tile)
+
+
+@pytest.mark.parametrize("chunk,tile", TILINGS)
+def test_backward_adds_the_chunk_states_backward(chunk, tile):
+    """Given each chunk state's gradient dS, the kernels add the backward of st = (w o u)^T B,
+    w = exp(cs_end - cs), to du, dB and d cs; d cs lacks only the weight terms' sum at each chunk's
+    last position, which the caller adds from the returned terms."""
+    u, C, B, cs = random_inputs(chunk, seed=10)
+    heads, groups = u.shape[1], B.shape[1]
+    generator = torch.Generator().manual_seed(11)
+    states = torch.randn(*u.shape[:3], u.shape[-1], B.shape[-1], generator=generator).to(DEVICE)
+    state_grads = torch.randn(states.shape, generator=generator).to(DEVICE)
+    dy = torch.randn(u.shape, generator=generator).to(DEVICE)
+    leaves = [tensor.clone().requires_grad_() for tensor in (u, C, B, cs)]
+    u_, C_, B_, cs_ = leaves
+    B_heads, C_heads = (tensor.repeat_interleave(heads // groups, dim=1) for tensor in (B_, C_))
+    output = diagonal_reference(*leaves) + cs_.exp()[..., None] * (C_heads @ states.transpose(-1, -2))
+    weighted_u = u_ * torch.exp(cs_[..., -1:] - cs_)[..., None]
+    chunk_states = weighted_u.transpose(-1, -2) @ B_heads  # [b, h, c, P, N]
+    expected = torch.autograd.grad((output * dy).sum() + (chunk_states * state_grads).sum(), leaves)
+    grad_u, grad_B, grad_C, grad_cs, weight_terms = kernels.diagonal_backward(
+        u, C, B, cs, dy, states, dy.contiguous(), state_grads, tile=tile)
+    grad_cs[..., -1] += weight_terms.sum(-1)
+    for name, got, want in zip(("du", "dB", "dC", "dcs"), (grad_u, grad_B, grad_C, grad_cs),
+                               (expected[0], expected[2], expected[1], expected[3])):
+        torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
 
 
 @pytest.mark.parametrize("chunk,tile", TILINGS)
@@ -89,7 +115,8 @@ def test_backward_matches_autograd(chunk, tile):
     leaves = [tensor.clone().requires_grad_() for tensor in (u, C, B, cs)]
     expected_u, expected_C, expected_B, expected_cs = torch.autograd.grad(
         (diagonal_reference(*leaves) * dy).sum(), leaves)
-    grad_u, grad_B, grad_C, grad_cs = kernels.diagonal_backward(u, C, B, cs, dy, tile=tile)
+    grad_u, grad_B, grad_C, grad_cs, no_terms = kernels.diagonal_backward(u, C, B, cs, dy, tile=tile)
+    assert no_terms is None
     torch.testing.assert_close(grad_u, expected_u, **TOLERANCE)
     torch.testing.assert_close(grad_B, expected_B, **TOLERANCE)
     torch.testing.assert_close(grad_C, expected_C, **TOLERANCE)
@@ -116,7 +143,7 @@ def test_bf16_operands_stay_within_bf16_rounding_of_the_fp32_reference(chunk):
     expected_y = diagonal_reference(*leaves)
     expected_u, expected_C, expected_B, expected_cs = torch.autograd.grad((expected_y * dy.float()).sum(), leaves)
     y = kernels.diagonal_forward(u, C, B, cs)
-    grad_u, grad_B, grad_C, grad_cs = kernels.diagonal_backward(u, C, B, cs, dy)
+    grad_u, grad_B, grad_C, grad_cs, _ = kernels.diagonal_backward(u, C, B, cs, dy)
     pairs = {"y": (y, expected_y), "du": (grad_u, expected_u), "dB": (grad_B, expected_B),
              "dC": (grad_C, expected_C), "dcs": (grad_cs, expected_cs)}
     for name, (actual, expected) in pairs.items():
