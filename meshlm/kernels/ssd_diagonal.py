@@ -17,6 +17,9 @@ The forward also adds the off-diagonal blocks when given the state H [P x N] ent
 (fp32): y[l] += exp(cs[l]) C[l] H^T, so the scan's output is written once, not written by this
 kernel and then read, added to and written again (``mamba_ssm``'s ``chunk_scan`` does the same).
 
+``_chunk_states`` computes each chunk's state from a zero start, st = (w o u)^T B with
+w = exp(cs_end - cs), one program per chunk and head (``mamba_ssm``'s ``chunk_state``).
+
 Backward (same tiling, recomputing scores and decays):
 
 - ``_diagonal_backward_sources``: per source tile s, du[s] = sum_l M[l, s] dy[l],
@@ -216,6 +219,27 @@ if triton is not None:
             tl.store(rowsum_ptr + block_id * Q + rows, rowsum)
         tl.store(dC_ptr + group_block * Q * N + rows[:, None] * N + n[None, :], grad_C)
 
+    @triton.jit
+    def _chunk_states(u_ptr, B_ptr, cs_ptr, st_ptr, heads_per_group, heads, groups, chunks,
+                      Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr):
+        """st [P, N] = (w o u)^T B for one (batch, head, chunk), w = exp(cs_end - cs), fp32."""
+        block_id = tl.program_id(0)
+        group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
+        u_base, cs_base, B_base = u_ptr + block_id * Q * P, cs_ptr + block_id * Q, B_ptr + group_block * Q * N
+        p, n = tl.arange(0, P), tl.arange(0, N)
+        cs_end = tl.load(cs_base + Q - 1)
+        acc = tl.zeros((P, N), dtype=tl.float32)
+        for tile in range(0, Q // TILE):
+            rows = tile * TILE + tl.arange(0, TILE)
+            u_rows = tl.load(u_base + rows[:, None] * P + p[None, :])
+            # w and w o u rounded to u's dtype, as PyTorch's path rounds them (a bf16 product is the
+            # fp32 product rounded)
+            weights = tl.exp(cs_end - tl.load(cs_base + rows)).to(u_rows.dtype, fp_downcast_rounding="rtne").to(tl.float32)
+            weighted = (u_rows.to(tl.float32) * weights[:, None]).to(u_rows.dtype, fp_downcast_rounding="rtne")
+            b_rows = tl.load(B_base + rows[:, None] * N + n[None, :])
+            acc += tl.dot(tl.trans(weighted), b_rows, input_precision=DOT)
+        tl.store(st_ptr + block_id * P * N + p[:, None] * N + n[None, :], acc)
+
     _TUNING = [triton.Config({"TILE": tile}, num_warps=warps) for tile in TUNED_TILES for warps in (4, 8)]
     _tuned = triton.autotune(configs=_TUNING, key=["heads_per_group", "Q", "P", "N"])
     _diagonal_forward_tuned = _tuned(_diagonal_forward)
@@ -270,6 +294,18 @@ def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torc
     return y
 
 
+def chunk_states(u: torch.Tensor, B: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    """Each chunk's state from a zero start, st [b, h, c, P, N] fp32 = (w o u)^T B with
+    w = exp(cs_end - cs), as ``ssd_fast._Pieces.chunk_states`` of the weighted u: w and w o u
+    rounded to u's dtype, the products accumulated in fp32. One program per chunk and head reads
+    u, B and cs once (PyTorch's einsum first copied w o u and B to fp32, permuted for its matmul)."""
+    batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
+    states = torch.empty(batch, heads, chunks, head_dim, state, dtype=torch.float32, device=u.device)
+    _chunk_states[(batch * heads * chunks,)](u, B, cs, states, heads // groups, heads, groups, chunks,
+                                             Q=chunk, P=head_dim, N=state, TILE=_tile(chunk), DOT=_dot_precision())
+    return states
+
+
 def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
                       dy: torch.Tensor, start_states: torch.Tensor | None = None,
                       dy_states: torch.Tensor | None = None, state_grads: torch.Tensor | None = None,
@@ -310,4 +346,4 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     return grad_u, grad_B, grad_C, rowsum - colsum, weight_terms
 
 
-__all__ = ["diagonal_backward", "diagonal_forward", "supported", "tuned_choices"]
+__all__ = ["chunk_states", "diagonal_backward", "diagonal_forward", "supported", "tuned_choices"]

@@ -209,7 +209,10 @@ class _ChunkedScan(torch.autograd.Function):
         compute = pieces.compute
         batch, heads, head_dim, state_size = pieces.batch, pieces.heads, pieces.head_dim, pieces.state_size
 
-        chunk_states = pieces.chunk_states(pieces.u * pieces.decay_to_end()[..., None].to(pieces.dtype))
+        if use_kernels:  # each chunk's state from a zero start, [b, h, c, p, n] fp32
+            chunk_states = _triton_kernels().chunk_states(pieces.u, pieces.B, pieces.cs)
+        else:
+            chunk_states = pieces.chunk_states(pieces.u * pieces.decay_to_end()[..., None].to(pieces.dtype))
         # The state entering each slot z (slot 0 the initial state, slot k+1 chunk k's state):
         # sum_k Decay[z, k] slot_k, without concatenating the slots into one more state-sized copy.
         decay = pieces.chunk_decay_matrix()  # [b, h, c+1, c+1]

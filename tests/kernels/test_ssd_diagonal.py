@@ -108,6 +108,27 @@ def test_backward_adds_the_chunk_states_backward(chunk, tile):
         torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunk_states_equal_the_pytorch_path(chunk, dtype):
+    """(w o u)^T B per chunk and head, w = exp(cs_end - cs), with w and w o u rounded to u's dtype
+    as ``ssd_fast._Pieces.chunk_states`` is given them; products in fp32 either way. In bf16 the
+    roundings may differ: the interpreter rounds fp32 to bf16 toward zero (a GPU and PyTorch to
+    nearest), and a GPU's exp may differ from PyTorch's in the last bit, which can move a rounded
+    w by one bf16 step; so bf16 is held to ``BF16_RELATIVE_ERROR``."""
+    u, C, B, cs = random_inputs(chunk, seed=12)
+    u, B = u.to(dtype), B.to(dtype)
+    heads, groups = u.shape[1], B.shape[1]
+    weighted = u * torch.exp(cs[..., -1:] - cs)[..., None].to(dtype)
+    expected = weighted.float().transpose(-1, -2) @ B.float().repeat_interleave(heads // groups, dim=1)
+    states = kernels.chunk_states(u, B, cs)
+    assert states.dtype == torch.float32 and states.shape == expected.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(states, expected, **TOLERANCE)
+    else:
+        assert relative_error(states, expected) <= BF16_RELATIVE_ERROR, relative_error(states, expected)
+
+
 @pytest.mark.parametrize("chunk,tile", TILINGS)
 def test_backward_matches_autograd(chunk, tile):
     u, C, B, cs = random_inputs(chunk, seed=1)
