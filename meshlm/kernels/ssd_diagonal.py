@@ -17,8 +17,10 @@ The forward also adds the off-diagonal blocks when given the state H [P x N] ent
 (fp32): y[l] += exp(cs[l]) C[l] H^T, so the scan's output is written once, not written by this
 kernel and then read, added to and written again (``mamba_ssm``'s ``chunk_scan`` does the same).
 
-``_chunk_states`` computes each chunk's state from a zero start, st = (w o u)^T B with
-w = exp(cs_end - cs), one program per chunk and head (``mamba_ssm``'s ``chunk_state``).
+``_decayed_state_products_kernel`` computes each chunk's state from a zero start,
+st = (w o u)^T B with w = exp(cs_end - cs), one program per chunk and head (``mamba_ssm``'s
+``chunk_state``), and, in backward, the entering state's gradient from the off-diagonal blocks,
+dH = (e o dy)^T C with e = exp(cs).
 
 Backward (same tiling, recomputing scores and decays):
 
@@ -220,25 +222,29 @@ if triton is not None:
         tl.store(dC_ptr + group_block * Q * N + rows[:, None] * N + n[None, :], grad_C)
 
     @triton.jit
-    def _chunk_states(u_ptr, B_ptr, cs_ptr, st_ptr, heads_per_group, heads, groups, chunks,
-                      Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr):
-        """st [P, N] = (w o u)^T B for one (batch, head, chunk), w = exp(cs_end - cs), fp32."""
+    def _decayed_state_products_kernel(a_ptr, b_ptr, cs_ptr, out_ptr, heads_per_group, heads, groups, chunks,
+                                Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
+                                DOT: tl.constexpr, FROM_START: tl.constexpr):
+        """out [P, N] = (w o a)^T b for one (batch, head, chunk): a [Q, P] per head, b [Q, N] per
+        group, w = exp(cs) (FROM_START) or exp(cs_end - cs), w and w o a rounded to a's dtype (no
+        rounding for fp32 a) as the PyTorch path rounds them; products accumulated in fp32."""
         block_id = tl.program_id(0)
         group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
-        u_base, cs_base, B_base = u_ptr + block_id * Q * P, cs_ptr + block_id * Q, B_ptr + group_block * Q * N
+        a_base, cs_base, b_base = a_ptr + block_id * Q * P, cs_ptr + block_id * Q, b_ptr + group_block * Q * N
         p, n = tl.arange(0, P), tl.arange(0, N)
         cs_end = tl.load(cs_base + Q - 1)
         acc = tl.zeros((P, N), dtype=tl.float32)
         for tile in range(0, Q // TILE):
             rows = tile * TILE + tl.arange(0, TILE)
-            u_rows = tl.load(u_base + rows[:, None] * P + p[None, :])
-            # w and w o u rounded to u's dtype, as PyTorch's path rounds them (a bf16 product is the
-            # fp32 product rounded)
-            weights = tl.exp(cs_end - tl.load(cs_base + rows)).to(u_rows.dtype, fp_downcast_rounding="rtne").to(tl.float32)
-            weighted = (u_rows.to(tl.float32) * weights[:, None]).to(u_rows.dtype, fp_downcast_rounding="rtne")
-            b_rows = tl.load(B_base + rows[:, None] * N + n[None, :])
+            a_rows = tl.load(a_base + rows[:, None] * P + p[None, :])
+            cs_rows = tl.load(cs_base + rows)
+            exponent = cs_rows if FROM_START else cs_end - cs_rows
+            # a bf16 product is the fp32 product rounded to nearest
+            weights = tl.exp(exponent).to(a_rows.dtype, fp_downcast_rounding="rtne").to(tl.float32)
+            weighted = (a_rows.to(tl.float32) * weights[:, None]).to(a_rows.dtype, fp_downcast_rounding="rtne")
+            b_rows = tl.load(b_base + rows[:, None] * N + n[None, :]).to(a_rows.dtype)
             acc += tl.dot(tl.trans(weighted), b_rows, input_precision=DOT)
-        tl.store(st_ptr + block_id * P * N + p[:, None] * N + n[None, :], acc)
+        tl.store(out_ptr + block_id * P * N + p[:, None] * N + n[None, :], acc)
 
     _TUNING = [triton.Config({"TILE": tile}, num_warps=warps) for tile in TUNED_TILES for warps in (4, 8)]
     _tuned = triton.autotune(configs=_TUNING, key=["heads_per_group", "Q", "P", "N"])
@@ -299,11 +305,25 @@ def chunk_states(u: torch.Tensor, B: torch.Tensor, cs: torch.Tensor) -> torch.Te
     w = exp(cs_end - cs), as ``ssd_fast._Pieces.chunk_states`` of the weighted u: w and w o u
     rounded to u's dtype, the products accumulated in fp32. One program per chunk and head reads
     u, B and cs once (PyTorch's einsum first copied w o u and B to fp32, permuted for its matmul)."""
-    batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
-    states = torch.empty(batch, heads, chunks, head_dim, state, dtype=torch.float32, device=u.device)
-    _chunk_states[(batch * heads * chunks,)](u, B, cs, states, heads // groups, heads, groups, chunks,
-                                             Q=chunk, P=head_dim, N=state, TILE=_tile(chunk), DOT=_dot_precision())
-    return states
+    return _decayed_state_products(u, B, cs, from_start=False)
+
+
+def state_gradients(dy: torch.Tensor, C: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    """The gradient of the state entering each chunk from the off-diagonal blocks
+    y[l] = exp(cs[l]) C[l] H^T: dH [b, h, c, P, N] fp32 = (e o dy)^T C with e = exp(cs), for dy
+    [b, h, c, Q, P] in fp32 (PyTorch's einsum read a materialized e o dy, permuted)."""
+    if dy.dtype != torch.float32:
+        raise ValueError("state_gradients takes dy in fp32")
+    return _decayed_state_products(dy, C, cs, from_start=True)
+
+
+def _decayed_state_products(a: torch.Tensor, b: torch.Tensor, cs: torch.Tensor, from_start: bool) -> torch.Tensor:
+    batch, heads, chunks, chunk, head_dim, groups, state = _layout(a, b)
+    out = torch.empty(batch, heads, chunks, head_dim, state, dtype=torch.float32, device=a.device)
+    _decayed_state_products_kernel[(batch * heads * chunks,)](
+        a, b, cs, out, heads // groups, heads, groups, chunks, Q=chunk, P=head_dim, N=state, TILE=_tile(chunk),
+        DOT=_dot_precision(), FROM_START=from_start)
+    return out
 
 
 def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
@@ -346,4 +366,4 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     return grad_u, grad_B, grad_C, rowsum - colsum, weight_terms
 
 
-__all__ = ["chunk_states", "diagonal_backward", "diagonal_forward", "supported", "tuned_choices"]
+__all__ = ["chunk_states", "diagonal_backward", "diagonal_forward", "state_gradients", "supported", "tuned_choices"]

@@ -241,8 +241,12 @@ class _ChunkedScan(torch.autograd.Function):
         dy = _per_head_chunks(grad_y, ctx.chunk_size, compute)  # [b, h, c, l, p]
 
         # Off-diagonal blocks y_off = exp(cs_l) C_l H_c^T: the gradient of the entering states.
-        dy_decayed = dy * pieces.decay_from_start()[..., None]
-        grad_start = pieces.by_head(torch.einsum("bgjclp,bgcln->bgjcpn", pieces.grouped(dy_decayed), pieces.C.to(compute)))
+        if ctx.use_kernels:
+            grad_start = _triton_kernels().state_gradients(dy, pieces.C, pieces.cs)
+        else:
+            dy_decayed = dy * pieces.decay_from_start()[..., None]
+            grad_start = pieces.by_head(torch.einsum("bgjclp,bgcln->bgjcpn", pieces.grouped(dy_decayed),
+                                                     pieces.C.to(compute)))
 
         # The recurrence between chunks: G = Decay^T [dH; d final].
         chunk_log_decays = pieces.chunk_log_decays()

@@ -129,6 +129,22 @@ def test_chunk_states_equal_the_pytorch_path(chunk, dtype):
         assert relative_error(states, expected) <= BF16_RELATIVE_ERROR, relative_error(states, expected)
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_state_gradients_are_the_off_diagonal_blocks_adjoint(chunk):
+    """dH = (e o dy)^T C, e = exp(cs): the gradient autograd gives the entering states H of
+    y = e o (C H^T), per chunk and head; dy in fp32 only."""
+    u, C, B, cs = random_inputs(chunk, seed=13)
+    heads, groups = u.shape[1], B.shape[1]
+    states = torch.randn(*u.shape[:3], u.shape[-1], B.shape[-1], generator=torch.Generator().manual_seed(14))
+    states = states.to(DEVICE).requires_grad_()
+    dy = torch.randn(u.shape, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    output = cs.exp()[..., None] * (C.repeat_interleave(heads // groups, dim=1) @ states.transpose(-1, -2))
+    expected, = torch.autograd.grad((output * dy).sum(), states)
+    torch.testing.assert_close(kernels.state_gradients(dy, C, cs), expected, **TOLERANCE)
+    with pytest.raises(ValueError, match="state_gradients takes dy in fp32"):
+        kernels.state_gradients(dy.bfloat16(), C, cs)
+
+
 @pytest.mark.parametrize("chunk,tile", TILINGS)
 def test_backward_matches_autograd(chunk, tile):
     u, C, B, cs = random_inputs(chunk, seed=1)
