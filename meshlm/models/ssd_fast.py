@@ -41,6 +41,13 @@ notation of ``ssd.py``) the way the fused kernels of ``mamba_ssm`` do, in PyTorc
 The result equals ``ssd_chunked_scan`` up to rounding in fp32 (tests/models/test_ssd_fast.py:
 1e-5 relative, values and gradients) and within bf16 rounding in bf16.
 
+**The Triton path** (``use_triton``, ``meshlm/kernels/ssd_diagonal.py``) computes the same steps
+with kernels instead of the matmuls: the chunk states and the diagonal blocks plus the
+off-diagonal read in the forward (so y is written once), and in backward the entering states'
+gradient, then -- after the recurrence, which stays in PyTorch -- the diagonal blocks' gradients
+together with the off-diagonal parts of dC and d cs and the chunk states' backward. No fp32 copy
+of a per-head tensor is made for a matmul.
+
 **Packed documents** (``document_ids``): the four 0/1 factors of ``ssd.DocumentMasks`` multiply
 the decay mask L, the weights w, the chunk decay matrix and exp(cs_l) of the off-diagonal read,
 in forward and backward alike (they are constants); the recurrence's gradient of L_c takes the
