@@ -76,6 +76,11 @@ def supported(chunk: int, head_dim: int, state: int, dtype: torch.dtype) -> bool
             and dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
+STATE_PRODUCT_WARPS = 8
+"""Warps of the state-products kernel: its [P x N] fp32 accumulator over 8 warps is 32 registers a
+thread (78 in all at P 64, N 128 on sm_90a, against 168 over 4; ``bench.ssd_kernel_build``)."""
+
+
 def _tile(chunk: int) -> int:
     return min(BLOCK, chunk)
 
@@ -322,7 +327,7 @@ def _decayed_state_products(a: torch.Tensor, b: torch.Tensor, cs: torch.Tensor, 
     out = torch.empty(batch, heads, chunks, head_dim, state, dtype=torch.float32, device=a.device)
     _decayed_state_products_kernel[(batch * heads * chunks,)](
         a, b, cs, out, heads // groups, heads, groups, chunks, Q=chunk, P=head_dim, N=state, TILE=_tile(chunk),
-        DOT=_dot_precision(), FROM_START=from_start)
+        DOT=_dot_precision(), FROM_START=from_start, num_warps=STATE_PRODUCT_WARPS)
     return out
 
 
