@@ -313,7 +313,8 @@ def measure_subject(subject_class, subject_args: dict, variants, micro_batch: in
         if halved_from:
             entry["out_of_memory_at_micro_batch"] = list(halved_from)
         if name == "hybrid" and device.type == "cuda":  # which tile and warps the SSD kernels' autotuner chose
-            entry["ssd_kernel_choices"] = ssd_kernel_choices()
+            from meshlm.kernels.ssd_diagonal import tuned_choices  # {} without Triton
+            entry["ssd_kernel_choices"] = tuned_choices()
         if "error" not in result:
             tokens, step_s = micro_batch * args.seq_len, result["step_s"]
             entry.update(step_s=round(step_s, 7), tokens_per_step=tokens, tokens_per_s=round(tokens / step_s, 1),
@@ -321,15 +322,6 @@ def measure_subject(subject_class, subject_args: dict, variants, micro_batch: in
         record(entry)
     subject = closed(subject)
     free_memory(device)
-
-
-def ssd_kernel_choices() -> dict[str, str | None]:
-    """``meshlm.kernels.ssd_diagonal.tuned_choices`` where Triton is installed, else {}."""
-    from meshlm.kernels import triton_installed
-    if not triton_installed():
-        return {}
-    from meshlm.kernels.ssd_diagonal import tuned_choices
-    return tuned_choices()
 
 
 def closed(subject) -> None:

@@ -1,8 +1,8 @@
 """DDP vs local SGD vs DiLoCo vs PALSGD on the demo corpus, dp4 over a simulated slow link.
 
     python -m bench.local_sgd [--init-steps 32] [--warmup 32] [--steps 64|128] [--global-batch 64|128]
-                              [--micro-batch 4|32] [--sync-every 8 32] [--link 1Gbps,5ms] [--no-baseline-without-link]
-                              [--eval-every 8] [--device cpu|cuda]
+                              [--micro-batch 4|32] [--sync-every 8 32] [--link 1Gbps,5ms]
+                              [--no-baseline-without-link] [--eval-every 8] [--device cpu|cuda]
                               [--methods local_sgd diloco palsgd] [--diloco-outer 0.7,0.9]
                               [--palsgd-outer 0.7,0.9] [--target-loss L] [--local-overrides KEY=VALUE ...]
                               [--out FILE] [--plot bench/local_sgd.png]
@@ -367,8 +367,8 @@ def main(argv=None) -> int:
         same = "-" if row["seconds_to_target_same_warmup"] is None else f"{row['seconds_to_target_same_warmup']:.1f}"
         print(f"{name:<16}{row['final_val_loss']:>10.4f}{row['vs_ddp_loss']:>+9.2%}{row['train_seconds']:>9.1f}"
               f"{reach:>13}{same:>14}{row['dp_megabytes']:>9.1f}", file=sys.stderr)
-    result = {"steps": args.steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch, "link": args.link, "target_loss": target,
-              "device": args.device, "repeats": args.repeats,
+    result = {"steps": args.steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+              "link": args.link, "target_loss": target, "device": args.device, "repeats": args.repeats,
               "init": init, "start_val_loss": runs["ddp"]["curve"][0][1], "warmup": args.warmup, "outer": outer,
               "local_overrides": args.local_overrides, "common_warmup_seconds": common_seconds,
               "link_share_of_ddp": link_share(runs), "runs": table}

@@ -6,6 +6,7 @@ the parts of the step (loss head, optimizer, attention) each with what it called
 from __future__ import annotations
 
 import torch
+from torch.autograd import DeviceType
 
 from bench.timing import synchronize
 
@@ -40,7 +41,7 @@ def region_times(averages, inclusive: str) -> dict[str, float]:
     left out, or the optimizer would count twice."""
     regions = {}
     for event in averages:  # the step's parts, each with what it called
-        if getattr(event, "is_user_annotation", False) and str(getattr(event, "device_type", "")).endswith("CUDA"):
+        if event.is_user_annotation and event.device_type == DeviceType.CUDA:
             continue
         part = next((name for name, marks in PROFILE_REGIONS.items() if any(matches(mark, event.key) for mark in marks)),
                     None)

@@ -220,6 +220,7 @@ if triton is not None:
                            * tl.exp(tl.load(cs_base + rows))[:, None])  # [rows x P]: e o dy
                 states = tl.load(H_ptr + block_id * P * N + p[:, None] * N + n[None, :])  # [P, N] fp32
                 grad_C += tl.dot(decayed, states, input_precision=DOT)
+                # C H^T after the dC product, not beside it: both at once spill (bench.ssd_kernel_build)
                 c_rows = tl.load(C_base + rows[:, None] * N + n[None, :]).to(tl.float32)
                 read = tl.dot(c_rows, tl.trans(states), input_precision=DOT)  # [rows x P]: C H^T
                 rowsum += tl.sum(decayed * read, axis=1)  # the off-diagonal part of d cs
@@ -283,6 +284,14 @@ def tuned_choices() -> dict[str, str | None]:
             for name, kernel in tuned.items()}
 
 
+def _require_fp32_contiguous(**tensors: torch.Tensor | None) -> None:
+    """The fp32 state operands (entering states, their gradients, dy in fp32) are read as flat
+    contiguous fp32 blocks; None is an operand not given."""
+    for name, tensor in tensors.items():
+        if tensor is not None and (tensor.dtype != torch.float32 or not tensor.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous fp32 tensor")
+
+
 def _layout(u: torch.Tensor, B: torch.Tensor) -> tuple[int, ...]:
     batch, heads, chunks, chunk, head_dim = u.shape
     groups, state = B.shape[1], B.shape[4]
@@ -297,8 +306,7 @@ def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torc
     (default: tuned on CUDA, ``BLOCK`` elsewhere)."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
     y = torch.empty(u.shape, dtype=torch.float32, device=u.device)
-    if start_states is not None and (start_states.dtype != torch.float32 or not start_states.is_contiguous()):
-        raise ValueError("start_states must be a contiguous fp32 tensor [b, h, c, P, N]")
+    _require_fp32_contiguous(start_states=start_states)
     _launch(_diagonal_forward, _diagonal_forward_tuned, batch * heads * chunks, chunk, tile, u.is_cuda,
             u, C, B, cs, y if start_states is None else start_states, y, heads // groups, heads, groups, chunks,
             Q=chunk, P=head_dim, N=state, HAS_STATES=start_states is not None)
@@ -357,9 +365,7 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
         raise ValueError("pass start_states and dy_states together (the off-diagonal blocks need both)")
     programs = batch * groups * chunks  # one program per group's tile: it walks the group's heads
     shapes = dict(Q=chunk, P=head_dim, N=state)
-    for name, tensor in (("start_states", start_states), ("dy_states", dy_states), ("state_grads", state_grads)):
-        if tensor is not None and (tensor.dtype != torch.float32 or not tensor.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous fp32 tensor")
+    _require_fp32_contiguous(start_states=start_states, dy_states=dy_states, state_grads=state_grads)
     weight_terms = None if state_grads is None else torch.empty_like(colsum)
     _launch(_diagonal_backward_sources, _diagonal_backward_sources_tuned, programs, chunk, tile, u.is_cuda,
             u, dy, C, B, cs, colsum if state_grads is None else state_grads, grad_u, grad_B, colsum,
