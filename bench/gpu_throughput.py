@@ -192,7 +192,8 @@ class MeshlmSubject:
             self.compiled_blocks = compile_blocks(self.trainer.model, self.trainer.device, self.notices.append)
         apply_recompute(self.trainer.model, recompute)
         return {"parameters": self.trainer.num_parameters, "compiled_blocks": self.compiled_blocks,
-                "compile_fallback": self.notices[0] if self.notices else None}
+                "compile_fallback": self.notices[0] if self.notices else None,
+                "scan_kernels_note": self.trainer.scan_kernels_note}  # None: the Triton scan passed its check
 
     def step(self) -> float:
         return self.trainer.train_step().loss

@@ -66,6 +66,8 @@ TUNED_TILES = (32, 64)
 call times every choice and keeps the fastest), where Q is a multiple of the largest: a 32 x 32
 tile keeps registers free, a 64-row one lets Hopper's warpgroup matmuls run. Elsewhere (the
 interpreter) the tile is ``BLOCK``, or what the caller asks for."""
+TUNED_WARPS = (4, 8)
+"""The warps per program the autotuner tries with each of ``TUNED_TILES``."""
 
 
 def supported(chunk: int, head_dim: int, state: int, dtype: torch.dtype) -> bool:
@@ -252,25 +254,42 @@ if triton is not None:
             acc += tl.dot(tl.trans(weighted), b_rows, input_precision=DOT)
         tl.store(out_ptr + block_id * P * N + p[:, None] * N + n[None, :], acc)
 
-    _TUNING = [triton.Config({"TILE": tile}, num_warps=warps) for tile in TUNED_TILES for warps in (4, 8)]
+    _TUNING = [triton.Config({"TILE": tile}, num_warps=warps) for tile in TUNED_TILES for warps in TUNED_WARPS]
     _tuned = triton.autotune(configs=_TUNING, key=["heads_per_group", "Q", "P", "N"])
     _diagonal_forward_tuned = _tuned(_diagonal_forward)
     _diagonal_backward_sources_tuned = _tuned(_diagonal_backward_sources)
     _diagonal_backward_targets_tuned = _tuned(_diagonal_backward_targets)
 
 
-def _launch(kernel, tuned, programs: int, chunk: int, tile: int | None, on_cuda: bool, *args, **constants) -> None:
+def _tunes(chunk: int, on_cuda: bool) -> bool:
+    """Whether a call picks its tile with the autotuner: on CUDA, where the chunk takes every tuned tile."""
+    return on_cuda and chunk % max(TUNED_TILES) == 0
+
+
+def kernel_choices(chunk: int, on_cuda: bool) -> list[tuple[int | None, int | None]]:
+    """Every (tile, warps) the diagonal kernels may run a chunk of ``chunk`` tokens with: each
+    autotuner choice where a call is tuned, else the default alone, (None, None). What a check of
+    the kernels on a device must cover (``meshlm/models/scan_kernels.py``): the autotuner picks
+    by speed, per shape, so any of them may be the one a run gets."""
+    if _tunes(chunk, on_cuda):
+        return [(tile, warps) for tile in TUNED_TILES for warps in TUNED_WARPS]
+    return [(None, None)]
+
+
+def _launch(kernel, tuned, programs: int, chunk: int, tile: int | None, warps: int | None, on_cuda: bool, *args,
+            **constants) -> None:
     """Run ``kernel`` over ``programs`` x (chunk / tile) programs: its autotuned form ``tuned``
-    (over ``TUNED_TILES``) on CUDA when the chunk takes every tuned tile and no ``tile`` is asked
-    for; else with ``tile`` (default ``BLOCK``, at most the chunk)."""
+    (over ``TUNED_TILES``) on CUDA when the chunk takes every tuned tile and neither ``tile`` nor
+    ``warps`` is asked for; else with ``tile`` (default ``BLOCK``, at most the chunk) and ``warps``
+    (default Triton's, 4)."""
     constants.update(MIN_DECAY=SSD_MIN_LOG_DECAY, DOT=_dot_precision())
-    if tile is None and on_cuda and chunk % max(TUNED_TILES) == 0:
+    if tile is None and warps is None and _tunes(chunk, on_cuda):
         tuned[lambda meta: (programs, chunk // meta["TILE"])](*args, **constants)
         return
     tile = tile or _tile(chunk)
     if chunk % tile:
         raise ValueError(f"a tile of {tile} rows does not divide the chunk of {chunk}")
-    kernel[(programs, chunk // tile)](*args, TILE=tile, **constants)
+    kernel[(programs, chunk // tile)](*args, TILE=tile, num_warps=warps or 4, **constants)
 
 
 def tuned_choices() -> dict[str, str | None]:
@@ -299,15 +318,16 @@ def _layout(u: torch.Tensor, B: torch.Tensor) -> tuple[int, ...]:
 
 
 def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
-                     start_states: torch.Tensor | None = None, tile: int | None = None) -> torch.Tensor:
+                     start_states: torch.Tensor | None = None, tile: int | None = None,
+                     warps: int | None = None) -> torch.Tensor:
     """y [b, h, c, Q, P] fp32 = (C B^T o L) u per chunk and head (module docstring), plus, given the
     states entering each chunk ``start_states`` [b, h, c, P, N] (fp32, contiguous), the off-diagonal
-    blocks exp(cs) C H^T: the scan's whole output in one write. ``tile`` fixes the score tile's rows
-    (default: tuned on CUDA, ``BLOCK`` elsewhere)."""
+    blocks exp(cs) C H^T: the scan's whole output in one write. ``tile`` and ``warps`` fix the score
+    tile's rows and the warps (default: tuned on CUDA, ``BLOCK`` and 4 elsewhere; ``kernel_choices``)."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
     y = torch.empty(u.shape, dtype=torch.float32, device=u.device)
     _require_fp32_contiguous(start_states=start_states)
-    _launch(_diagonal_forward, _diagonal_forward_tuned, batch * heads * chunks, chunk, tile, u.is_cuda,
+    _launch(_diagonal_forward, _diagonal_forward_tuned, batch * heads * chunks, chunk, tile, warps, u.is_cuda,
             u, C, B, cs, y if start_states is None else start_states, y, heads // groups, heads, groups, chunks,
             Q=chunk, P=head_dim, N=state, HAS_STATES=start_states is not None)
     return y
@@ -342,7 +362,7 @@ def _decayed_state_products(a: torch.Tensor, b: torch.Tensor, cs: torch.Tensor, 
 def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
                       dy: torch.Tensor, start_states: torch.Tensor | None = None,
                       dy_states: torch.Tensor | None = None, state_grads: torch.Tensor | None = None,
-                      tile: int | None = None) -> tuple[torch.Tensor | None, ...]:
+                      tile: int | None = None, warps: int | None = None) -> tuple[torch.Tensor | None, ...]:
     """Gradients of ``diagonal_forward`` for dy [b, h, c, Q, P] (in u's dtype): du [b, h, c, Q, P],
     dB and dC per group [b, g, c, Q, N] (B's and C's shape), d cs [b, h, c, Q], all fp32, and
     the chunk states' weight terms (below; None without ``state_grads``).
@@ -353,7 +373,8 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     over the whole chunk, which no tile holds). Given ``state_grads`` [b, h, c, P, N] (fp32), the
     gradient dS of each chunk's state st = (w o u)^T B with w = exp(cs_end - cs): du += w o (B dS^T),
     dB += sum_h (w o u) dS, and d cs -= t with t = sum_p (w o u) o (B dS^T), the weight terms
-    returned, whose sum over the chunk the caller adds to each chunk's last d cs."""
+    returned, whose sum over the chunk the caller adds to each chunk's last d cs. ``tile`` and
+    ``warps`` as ``diagonal_forward``'s."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
     grad_u = torch.empty(u.shape, dtype=torch.float32, device=u.device)
     grad_B = torch.empty(B.shape, dtype=torch.float32, device=u.device)
@@ -367,14 +388,15 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     shapes = dict(Q=chunk, P=head_dim, N=state)
     _require_fp32_contiguous(start_states=start_states, dy_states=dy_states, state_grads=state_grads)
     weight_terms = None if state_grads is None else torch.empty_like(colsum)
-    _launch(_diagonal_backward_sources, _diagonal_backward_sources_tuned, programs, chunk, tile, u.is_cuda,
+    _launch(_diagonal_backward_sources, _diagonal_backward_sources_tuned, programs, chunk, tile, warps, u.is_cuda,
             u, dy, C, B, cs, colsum if state_grads is None else state_grads, grad_u, grad_B, colsum,
             colsum if weight_terms is None else weight_terms, heads // groups, heads, groups, chunks,
             HAS_STATE_GRADS=state_grads is not None, **shapes)
-    _launch(_diagonal_backward_targets, _diagonal_backward_targets_tuned, programs, chunk, tile, u.is_cuda,
+    _launch(_diagonal_backward_targets, _diagonal_backward_targets_tuned, programs, chunk, tile, warps, u.is_cuda,
             u, dy, C, B, cs, start_states if has_states else dy, dy_states if has_states else dy, grad_C, rowsum,
             heads // groups, heads, groups, chunks, HAS_STATES=has_states, **shapes)
     return grad_u, grad_B, grad_C, rowsum - colsum, weight_terms
 
 
-__all__ = ["chunk_states", "diagonal_backward", "diagonal_forward", "state_gradients", "supported", "tuned_choices"]
+__all__ = ["chunk_states", "diagonal_backward", "diagonal_forward", "kernel_choices", "state_gradients", "supported",
+           "tuned_choices"]

@@ -164,7 +164,9 @@ class ModelConfig:
     or TRITON_INTERPRET=1), "reference" (meshlm/models/ssd.py: fp32 einsums differentiated by
     autograd; slower, several times the activation memory), or "auto" ("triton" on CUDA tensors
     when Triton is installed and the shapes suit the kernels, else "pytorch"). All compute the
-    same function up to rounding."""
+    same function up to rounding. The trainer checks the kernels against "pytorch" on its device
+    before the first step (meshlm/models/scan_kernels.py): under "auto" layers whose check fails
+    run "pytorch"; under "triton" the run stops."""
     mamba_conv_bias: bool = True
     """Bias on the depthwise convolution."""
     mamba_proj_bias: bool = False

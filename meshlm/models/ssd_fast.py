@@ -211,7 +211,7 @@ def _diagonal_backward(pieces: _Pieces, dy: torch.Tensor) -> tuple[torch.Tensor,
 
 class _ChunkedScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, initial_state, chunk_size, use_kernels, document_ids):
+    def forward(ctx, x, dt, A, B, C, initial_state, chunk_size, use_kernels, document_ids, kernel_config):
         pieces = _Pieces(x, dt, A, B, C, chunk_size, document_ids)
         compute = pieces.compute
         batch, heads, head_dim, state_size = pieces.batch, pieces.heads, pieces.head_dim, pieces.state_size
@@ -230,12 +230,13 @@ class _ChunkedScan(torch.autograd.Function):
         start_states, final_state = entering[:, :, :-1].contiguous(), entering[:, :, -1]
 
         if use_kernels:  # diagonal and off-diagonal blocks in one kernel, y written once
-            y = _triton_kernels().diagonal_forward(pieces.u, pieces.C, pieces.B, pieces.cs, start_states)
+            tile, warps = kernel_config
+            y = _triton_kernels().diagonal_forward(pieces.u, pieces.C, pieces.B, pieces.cs, start_states, tile, warps)
         else:
             y = torch.matmul(pieces.masked_scores(pieces.decay_mask()), pieces.u).to(compute)
             y += pieces.read_states(start_states) * pieces.decay_from_start()[..., None]  # off-diagonal blocks
         ctx.save_for_backward(x, dt, A, B, C, start_states, document_ids)
-        ctx.chunk_size, ctx.use_kernels = chunk_size, use_kernels
+        ctx.chunk_size, ctx.use_kernels, ctx.kernel_config = chunk_size, use_kernels, kernel_config
         return _from_per_head_chunks(y, pieces.seq_len).contiguous(), final_state.contiguous()
 
     @staticmethod
@@ -269,8 +270,10 @@ class _ChunkedScan(torch.autograd.Function):
 
         if ctx.use_kernels:  # diagonal blocks, the off-diagonal parts of dC and d cs, and the chunk
             # states' backward, in two kernels (meshlm/kernels/ssd_diagonal.py)
+            tile, warps = ctx.kernel_config
             grad_u, grad_B, grad_C, grad_cs, weight_terms = _triton_kernels().diagonal_backward(
-                pieces.u, pieces.C, pieces.B, pieces.cs, dy.to(dtype), start_states, dy, grad_chunk_states.contiguous())
+                pieces.u, pieces.C, pieces.B, pieces.cs, dy.to(dtype), start_states, dy, grad_chunk_states.contiguous(),
+                tile, warps)
             grad_B, grad_C = grad_B.to(compute), grad_C.to(compute)  # summed over each group's heads
             grad_u, grad_cs = grad_u.to(compute), grad_cs.to(compute)
             grad_log_decay = torch.zeros_like(grad_cs)
@@ -306,13 +309,15 @@ class _ChunkedScan(torch.autograd.Function):
                 _from_per_head_chunks(grad_B, seq_len).to(B.dtype),
                 _from_per_head_chunks(grad_C, seq_len).to(C.dtype),
                 grad_initial if ctx.needs_input_grad[5] else None,
-                None, None, None)
+                None, None, None, None)
 
 
 def ssd_chunked_scan_fast(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                           chunk_size: int, initial_state: torch.Tensor | None = None,
                           use_triton: bool | None = False,
-                          document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          document_ids: torch.Tensor | None = None,
+                          kernel_config: tuple[int | None, int | None] = (None, None)
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``ssd.ssd_chunked_scan`` with the same arguments and results, computed as the module docstring says.
 
     x [b, t, heads, head_dim] and B, C [b, t, groups, state] in the run dtype (their matmuls run
@@ -324,10 +329,12 @@ def ssd_chunked_scan_fast(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     PyTorch (False), or with the kernels where they apply -- CUDA tensors, Triton installed, shapes
     the kernels take -- and PyTorch elsewhere (None). ``document_ids`` [b, t] (packed documents,
     ``ssd.ssd_chunked_scan``): the state restarts at each document; always the PyTorch path.
+    ``kernel_config``: the kernels' (tile, warps), each None for the default (tuned on CUDA;
+    ``ssd_diagonal.kernel_choices``), fixed by the kernels' self-check (``scan_kernels.py``).
     """
     B, C = B.to(x.dtype), C.to(x.dtype)
     if document_ids is not None:  # the kernels take no document masks (module docstring)
-        return _ChunkedScan.apply(x, dt, A, B, C, initial_state, chunk_size, False, document_ids)
+        return _ChunkedScan.apply(x, dt, A, B, C, initial_state, chunk_size, False, document_ids, kernel_config)
     shapes = (chunk_size, x.shape[-1], B.shape[-1], x.dtype)
     if use_triton is None:
         use_triton = x.is_cuda and triton_installed() and _triton_kernels().supported(*shapes)
@@ -336,7 +343,7 @@ def ssd_chunked_scan_fast(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
                           f"{_triton_kernels().BLOCK} (or 16), model.mamba_head_dim and model.mamba_state_size "
                           f"powers of two >= 16 and a float16/bfloat16/float32 run; got chunk {chunk_size}, "
                           f"head dim {x.shape[-1]}, state {B.shape[-1]}, {x.dtype}. Use model.mamba_scan=auto.")
-    return _ChunkedScan.apply(x, dt, A, B, C, initial_state, chunk_size, use_triton, None)
+    return _ChunkedScan.apply(x, dt, A, B, C, initial_state, chunk_size, use_triton, None, kernel_config)
 
 
 __all__ = ["ssd_chunked_scan_fast"]

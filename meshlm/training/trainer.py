@@ -71,6 +71,7 @@ from meshlm.checkpoint.global_state import TrainingParts, optimizer_step_count, 
 from meshlm.checkpoint.training_checkpoint import TrainerState
 from meshlm.errors import ConfigError
 from meshlm.models.attention_kernels import prefer_attention_kernel
+from meshlm.models.scan_kernels import choose_scan_kernels
 from meshlm.models.dropout import DropoutKey
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.moe.balancing import update_expert_biases
@@ -235,6 +236,8 @@ class Trainer:
         self.precision = MixedPrecision(self.model, config.precision,
                                         sharded_masters=self.zero_stage >= 1)  # ZeRO: no full fp32 copy
         self.master_parameters = [param for _, param in self.precision.master_parameters()]
+        # the Triton SSD scan, checked on this device before it computes anything (scan_kernels.py)
+        self.scan_kernels_note = self.check_scan_kernels()
         # train.distill_from: the teacher's shards beside the student's, forward-only (distillation.py)
         self.distillation = Distillation.build(config, self.context, self.device, self.precision.dtype)
         # train.objective=reward|dpo: the preference losses (and DPO's frozen reference; preference.py)
@@ -268,6 +271,19 @@ class Trainer:
         self.last_eval_step: int | None = None
         self.skips = SkipStreak.from_config(train)
         self.compile_pending = train.compile  # in run(), once the progress line can print a fallback notice
+
+    def check_scan_kernels(self) -> str | None:
+        """Where the Mamba-2 layers would run the Triton SSD kernels (``model.mamba_scan``: auto on
+        CUDA, or triton), check them against the PyTorch scan first (``scan_kernels.py``): layers
+        whose check fails run PyTorch (auto), or the run stops (triton). Returns the run's note, if any."""
+        model = self.config.model
+        kernels_wanted = model.mamba_scan == "triton" or (model.mamba_scan == "auto" and self.device.type == "cuda")
+        if not kernels_wanted or "M" not in model.pattern + model.mtp_pattern:
+            return None
+        note = choose_scan_kernels(self.model, self.device, self.context.world_group, reduce_max)
+        if note is not None and self.context.is_logging_rank:
+            warnings.warn(f"{self.command}: {note}", stacklevel=3)
+        return note
 
     def frozen_reference(self) -> str | None:
         """The folder of a frozen reference model a subclass keeps beside the trained one (RL's KL
@@ -607,7 +623,7 @@ class Trainer:
             f"{f', ZeRO-{self.zero_stage}' if self.zero_stage else ''})")
         self.metrics.write({"event": "resume" if self.resumed_from else "start", "step": self.state.step,
                             "device": str(self.device), "dtype": self.config.precision.dtype, "tf32": self.tf32,
-                            "attention_kernels": self.attention_kernels,
+                            "attention_kernels": self.attention_kernels, "scan_kernels_note": self.scan_kernels_note,
                             "world_size": layout.world_size, "tp": layout.tp_size, "cp": layout.cp_size,
                             "dp": layout.dp_size,
                             "sp": layout.sequence_parallel, "pp": layout.pp_size, "vp": layout.vp_size,

@@ -236,3 +236,35 @@ def test_a_bare_cuda_device_is_given_an_index(monkeypatch, environment, expected
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     assert resolve_device("cuda") == torch.device("cuda", expected) and chosen == [torch.device("cuda", expected)]
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+HYBRID_WITH_KERNELS = ("model.pattern=M*", "model.mamba_head_dim=16", "model.mamba_state_size=16",
+                       "model.mamba_num_groups=1", "model.mamba_chunk_size=16", "train.steps=1", "train.eval_every=0",
+                       "model.mamba_scan=triton")
+
+
+def test_the_trainer_checks_the_triton_scan_before_its_first_step(make_config, monkeypatch):
+    """model.mamba_scan=triton (here in Triton's interpreter): the kernels are checked against the
+    PyTorch scan when the trainer starts (meshlm/models/scan_kernels.py); kernels that pass run,
+    kernels that compute wrong numbers stop the run before any step."""
+    pytest.importorskip("triton")
+    import meshlm.kernels.ssd_diagonal as kernels
+    from meshlm.errors import ConfigError
+    from meshlm.models.scan_kernels import scan_kernel_failure
+
+    scan_kernel_failure.cache_clear()
+    trainer = Trainer(make_config(*HYBRID_WITH_KERNELS))
+    assert trainer.scan_kernels_note is None
+    trainer.run()
+    start = read_metrics(Path(trainer.config.train.run_dir) / "metrics.jsonl")[0]
+    assert start["event"] == "start" and start["scan_kernels_note"] is None
+
+    original = kernels.diagonal_forward
+    monkeypatch.setattr(kernels, "diagonal_forward", lambda *args: original(*args) * 1.5)
+    scan_kernel_failure.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="model.mamba_scan=triton, but the Triton SSD kernels fail their check "
+                                              "on cpu: y differs from the PyTorch scan"):
+            Trainer(make_config(*HYBRID_WITH_KERNELS, "train.run_dir=" + str(Path(trainer.config.train.run_dir) / "b")))
+    finally:
+        scan_kernel_failure.cache_clear()
