@@ -41,6 +41,9 @@ stage                         issue  what it runs
 ``tier``                      14     the CUDA tier without compile and layouts (fused paths, the FP8
                                      GEMMs, the four model kinds, one NCCL process, gloo on CUDA) and
                                      the ordinary suite's CUDA cases (Triton SSD kernels, FP8 GEMM)
+``fp8_dense_wide``            15     ``fp8_dense`` on ``--model dense_wide`` (hidden 4096, 4 layer
+                                     pairs: GEMMs 4x larger, 94% of the FLOPs): how the FP8 step
+                                     ratio grows with the GEMMs' share
 ``tier_compile_layouts``      14     the tier's compiled blocks and its gloo layouts on one GPU
 ``fp8_dense_recipes``         15     ``bench.low_precision --model dense``: every FP8 recipe, eager
 ============================  =====  ================================================================
@@ -179,6 +182,11 @@ def plan(out: Path) -> list[Stage]:
                "--calls", "2", "--repeats", "2", "--out", str(out / "fp8_gemms.json")]),
         Stage("tier", 14, 100, [python, *PYTEST, *TIER_CORE, *CUDA_CASES], [python, *PYTEST, *TIER_CORE, *CUDA_CASES],
               dry_tier),
+        Stage("fp8_dense_wide", 15, 170,
+              [python, "-m", "bench.low_precision", "--model", "dense_wide", "--device", "cuda", "--configs",
+               "bf16,fp8_tensorwise,fp8_delayed", "--profile", "25", "--out", str(out / "low_precision_wide.json"),
+               "train.compile=true"],
+              [*low_precision_dry, "--configs", "bf16,fp8_delayed", "--out", str(out / "low_precision_wide.json")]),
         Stage("tier_compile_layouts", 14, 150,
               [python, *PYTEST, "tests/gpu/test_compiled_blocks.py", "tests/gpu/test_layouts.py"],
               [python, *PYTEST, "tests/gpu/test_compiled_blocks.py", "tests/gpu/test_layouts.py"], dry_tier),

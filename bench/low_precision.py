@@ -36,7 +36,9 @@ removed part helped; ``val_loss_delta`` is how much). On a Hopper GPU (``--devic
 dense``): FP8 steps at least 1.3x faster than bf16's, on a linear-heavy dense Transformer (8
 attention + MLP layers, hidden 2048, FFN 8192: about 90% of its FLOPs are GEMMs of linear layers,
 which the recipes quantize; 100 steps of 4 accumulated micro-batches of 8 x 1024 tokens, so the
-optimizer is paid once per 32K tokens as in pre-training). The speed targets are reported only on
+optimizer is paid once per 32K tokens as in pre-training). ``--model dense_wide`` is the same at
+hidden 4096, FFN 16384, 32 heads and 4 layer pairs (60 steps): its GEMMs are 4x larger and some
+94% of its FLOPs, for how the ratio grows with the GEMMs' share. The speed targets are reported only on
 CUDA: on a CPU the recipes run emulated (quantize, dequantize, bf16 matmul), so their step times
 say nothing about FP8 hardware.
 
@@ -100,6 +102,14 @@ MIN_FP8_SPEEDUP = 1.3
 DENSE_MODEL = ["model.vocab_size=4096", "model.hidden_size=2048", f"model.pattern={'*-' * 8}",
                "model.num_attention_heads=16", "model.mlp_activation=squared_relu", "model.ffn_hidden_size=8192",
                "model.tie_embeddings=true", "optim.lr=6e-4", "optim.min_lr=6e-5"]
+# The same at twice the width and half the depth (0.82B parameters): about 94% of its FLOPs are
+# linear layers' GEMMs, each 4x the size, where FP8 tensor cores come closer to their 2x; the
+# elementwise work, the quantization of every operand included, stays the same per token.
+DENSE_WIDE_MODEL = ["model.vocab_size=4096", "model.hidden_size=4096", f"model.pattern={'*-' * 4}",
+                    "model.num_attention_heads=32", "model.mlp_activation=squared_relu",
+                    "model.ffn_hidden_size=16384", "model.tie_embeddings=true", "optim.lr=3e-4", "optim.min_lr=3e-5"]
+MODELS = {"hybrid": [], "dense": DENSE_MODEL, "dense_wide": DENSE_WIDE_MODEL}
+"""--model: overrides on top of the demo config (hybrid) or of the defaults (the dense models)."""
 # (model, device): steps, seq_len, micro_batch_size, micro-batches per step (gradient
 # accumulation), eval_batches. The hybrid on CPU: 9 configs x 60 steps of 8 x 128 tokens, 16
 # validation batches (the module docstring). The dense GPU shape accumulates 4 micro-batches a
@@ -110,6 +120,7 @@ DEFAULTS = {
     ("hybrid", "cpu"): (60, 128, 8, 1, 16),
     ("hybrid", "cuda"): (250, 256, 16, 1, 8),
     ("dense", "cuda"): (100, 1024, 8, 4, 8),
+    ("dense_wide", "cuda"): (60, 1024, 8, 4, 8),
 }
 
 
@@ -157,8 +168,7 @@ class TimedTrainer(Trainer):
 def run_overrides(args, run_dir: Path) -> list[str]:
     """The overrides every config shares: model, data, shape, schedule and quiet logging."""
     steps, seq_len, micro_batch, accumulation, eval_batches = args.shape
-    model = DENSE_MODEL if args.model == "dense" else []
-    return [*model, f"data.blend={DEMO_DATA / 'blend.json'}", f"train.run_dir={run_dir}", f"train.device={args.device}",
+    return [*MODELS[args.model], f"data.blend={DEMO_DATA / 'blend.json'}", f"train.run_dir={run_dir}", f"train.device={args.device}",
             "precision.dtype=bf16", f"train.steps={steps}", f"train.seq_len={seq_len}",
             f"train.micro_batch_size={micro_batch}", f"train.global_batch_size={micro_batch * accumulation}",
             f"train.eval_batches={eval_batches}", f"train.eval_every={steps}", f"train.log_every={steps}",
@@ -262,8 +272,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated subset of {', '.join(CONFIGS)} (bf16 is always run)")
     parser.add_argument("--steps", type=int, help="training steps per config (default: by model and device)")
-    parser.add_argument("--model", choices=("hybrid", "dense"), default="hybrid",
-                        help="hybrid: the demo model; dense: a linear-heavy Transformer for the GPU speed target")
+    parser.add_argument("--model", choices=tuple(MODELS), default="hybrid",
+                        help="hybrid: the demo model; dense: a linear-heavy Transformer for the GPU speed target; "
+                             "dense_wide: the same twice as wide, half as deep")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", help="also write the JSON result to this file")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
@@ -277,8 +288,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown configs {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
     if (args.model, args.device) not in DEFAULTS:
-        parser.error("--model dense is the GPU speed measurement (use --device cuda): on a CPU without bf16 "
-                     "matrix units one of its steps would take tens of minutes")
+        parser.error(f"--model {args.model} is the GPU speed measurement (use --device cuda): on a CPU without "
+                     "bf16 matrix units one of its steps would take tens of minutes")
     args.configs = ["bf16", *[name for name in CONFIGS if name in names and name != "bf16"]]
     steps, *shape = DEFAULTS[args.model, args.device]
     args.shape = (args.steps or steps, *shape)

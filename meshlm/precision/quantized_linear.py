@@ -169,11 +169,17 @@ class _SavedCodesLinear(torch.autograd.Function):
 
     With one scale per tensor a transposed operand has the same amax, so the same scale, so its
     codes are the transposed codes: q(X^T) = q(X)^T, q(W^T) = q(W)^T, q(dY^T) = q(dY)^T, bit for
-    bit (fp8_delayed's scale comes from a history that moves only after the step). Forward keeps
-    the FP8 codes of X and W (1 byte an element, half what ``_QuantizedLinear`` saves in bf16), and
-    backward quantizes dY once and transposes codes -- one copy of bytes -- where the general path
-    reads each bf16 operand again for its amax and cast (Transformer Engine keeps FP8 inputs and
-    their transposes for the same reason). The products are those of ``_QuantizedLinear``."""
+    bit (fp8_delayed's scale comes from a history that moves only after the step). So X, W and dY
+    are each read for their amax and cast once, where the general path (``_QuantizedLinear``)
+    reads each bf16 operand again for every GEMM it enters.
+
+    The FP8 GEMM takes both operands with the contraction dim innermost, so the backward GEMMs
+    need transposed copies: W^T for dgrad, dY^T and X^T for wgrad. Each is made where its codes
+    are cast -- X^T and W^T in forward, dY^T beside dY in backward -- and the forward saves only
+    the transposed codes (1 byte an element, half of what ``_QuantizedLinear`` keeps in bf16).
+    Eagerly that is the same copy at another time; in a compiled block the cast and the
+    transposed copy read the same values in one kernel, so the copy no longer reads the codes
+    back (Transformer Engine's fused cast-transpose does the same)."""
 
     @staticmethod
     def forward(ctx, inputs, weight, bias, quantization):
@@ -183,24 +189,27 @@ class _SavedCodesLinear(torch.autograd.Function):
         weight_codes, weight_scale = quantization.codes(weight.contiguous(), "weight", training)
         out = scaled_matmul(input_codes, input_scale, weight_codes, weight_scale, out_dtype=inputs.dtype,
                             verified=True, fast_accumulation=quantization.recipe.accumulates_fast("fprop"))
-        ctx.save_for_backward(input_codes, input_scale, weight_codes, weight_scale)
+        # wgrad reads X^T [K, T], dgrad W^T [K, N]: transposed beside their casts, saved instead of them
+        input_codes_t = input_codes.t().contiguous() if ctx.needs_input_grad[1] else None
+        weight_codes_t = weight_codes.t().contiguous() if ctx.needs_input_grad[0] else None
+        ctx.save_for_backward(input_codes_t, input_scale, weight_codes_t, weight_scale)
         ctx.quantization, ctx.input_shape, ctx.weight_dtype = quantization, inputs.shape, weight.dtype
         out = out.view(*inputs.shape[:-1], weight.shape[0])
         return out + bias if bias is not None else out
 
     @staticmethod
     def backward(ctx, grad_out):
-        input_codes, input_scale, weight_codes, weight_scale = ctx.saved_tensors
+        input_codes_t, input_scale, weight_codes_t, weight_scale = ctx.saved_tensors
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
         recipe = ctx.quantization.recipe
         grad_codes, grad_scale = ctx.quantization.codes(grad_2d, "grad_output", record=True)
         grad_inputs = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:  # dgrad: dY [T, N] by W^T [K, N]
-            grad_inputs = scaled_matmul(grad_codes, grad_scale, weight_codes.t().contiguous(), weight_scale,
+            grad_inputs = scaled_matmul(grad_codes, grad_scale, weight_codes_t, weight_scale,
                                         out_dtype=grad_out.dtype, verified=True,
                                         fast_accumulation=recipe.accumulates_fast("dgrad")).view(ctx.input_shape)
         if ctx.needs_input_grad[1]:  # wgrad: dY^T [N, T] by X^T [K, T]
-            grad_weight = scaled_matmul(grad_codes.t().contiguous(), grad_scale, input_codes.t().contiguous(),
+            grad_weight = scaled_matmul(grad_codes.t().contiguous(), grad_scale, input_codes_t,
                                         input_scale, out_dtype=ctx.weight_dtype, verified=True,
                                         fast_accumulation=recipe.accumulates_fast("wgrad"))
         if ctx.needs_input_grad[2]:

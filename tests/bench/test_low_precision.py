@@ -38,3 +38,29 @@ def test_a_negative_profile_is_refused_with_one_sentence(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--device", "cpu", "--profile", "-1"])
     assert "--profile -1: give how many operators to list (0, the default, profiles nothing)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model,parameters_b,gemm_share", [("dense", 0.42, 0.89), ("dense_wide", 0.82, 0.93)])
+def test_the_dense_speed_models_are_linear_heavy_and_gpu_only(capsys, model, parameters_b, gemm_share):
+    """--model dense / dense_wide: the FP8 speed target's Transformers (GPU only); most of their
+    FLOPs are the linear layers' GEMMs, which the recipes quantize -- the wide one's more so."""
+    import torch
+
+    from bench.low_precision import MODELS
+    from meshlm.config import load_run_config
+    from meshlm.models.flops import model_flops_per_token
+    from meshlm.models.language_model import LanguageModel
+
+    args = parse_args(["--model", model, "--device", "cuda"])
+    assert args.shape[1:] == (1024, 8, 4, 8)  # 4 micro-batches of 8 x 1024 tokens a step
+    config = load_run_config(None, [*MODELS[model], "train.seq_len=1024"])
+    with torch.device("meta"):
+        language_model = LanguageModel(config.model)
+    linear = sum(module.weight.numel() for module in language_model.modules()  # the blocks' (tied: no head)
+                 if isinstance(module, torch.nn.Linear))
+    total = sum(parameter.numel() for parameter in language_model.parameters())
+    assert abs(total / 1e9 - parameters_b) < 0.01
+    assert 6 * linear / model_flops_per_token(config.model, 1024) > gemm_share
+    with pytest.raises(SystemExit):
+        parse_args(["--model", model, "--device", "cpu"])
+    assert f"--model {model} is the GPU speed measurement (use --device cuda)" in capsys.readouterr().err
