@@ -49,3 +49,14 @@ def test_interpreter_mode_is_refused_in_one_sentence():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "TRITON_INTERPRET=1 is set: the interpreter's kernels cannot be compiled; unset it." in done.stderr
+
+
+def test_a_triton_without_ptxas_is_refused_in_one_sentence(monkeypatch, capsys):
+    import bench.ssd_kernel_build as kernel_build
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kernel_build, "ptxas_path", lambda: "/nonexistent/triton/backends/nvidia/bin/ptxas")
+    with pytest.raises(SystemExit) as stopped:
+        kernel_build.main([])
+    assert stopped.value.code == 2
+    assert "needs Triton with its NVIDIA backend's ptxas (pip install triton)." in capsys.readouterr().err

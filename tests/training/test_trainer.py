@@ -240,6 +240,7 @@ def test_a_bare_cuda_device_is_given_an_index(monkeypatch, environment, expected
 
 HYBRID_WITH_KERNELS = ("model.pattern=M*", "model.mamba_head_dim=16", "model.mamba_state_size=16",
                        "model.mamba_num_groups=1", "model.mamba_chunk_size=16", "train.steps=1", "train.eval_every=0",
+                       "optim.warmup_steps=0",
                        "model.mamba_scan=triton")
 
 
