@@ -159,7 +159,7 @@ def plan(out: Path) -> list[Stage]:
     dry_tier = {"MESHLM_GPU_TESTS_ON_CPU": "1"}
     return [
         Stage("env", 14, 15, [python, "-c", ENV_PROBE], [python, "-c", ENV_PROBE], always=True),
-        Stage("throughput_hybrid", 14, 110, [*throughput("hybrid"), "--models", "hybrid", "--recompute", "none",
+        Stage("throughput_hybrid", 14, 130, [*throughput("hybrid"), "--models", "hybrid", "--recompute", "none",
                                              "--profile", "60"],
               [*throughput("hybrid"), "--models", "hybrid", "--recompute", "none", "--profile", "25", "--tiny"]),
         Stage("local_sgd", 20, 300,
