@@ -17,7 +17,11 @@ process that ran all the micro-batches. A step's amax is recorded by the trainin
 backward only (evaluation does not change the state); a non-finite amax (an overflowed step) is
 recorded as 0, so it cannot wipe out the scale.
 
-The first step (an empty history) scales from the current amax, as ``fp8_tensorwise`` does.
+Each operand's scale (the window's amax over its FP8 format's largest value) is made once each
+time the history moves -- when a step begins and when it has been pushed -- in each operand's
+format (``formats``, as the recipe assigns them), and every GEMM of the step reads it
+(``scales``). The first step (an empty history) scales from the current amax, as
+``fp8_tensorwise`` does.
 The histories are training state: a checkpoint saves them (``recipe/NAME/amax_history``, whole
 tensors, replicated) and a resume at any layout restores them; a checkpoint without them
 (e.g. of a run without this recipe) starts from empty histories.
@@ -48,12 +52,22 @@ class DelayedScaling:
     """One linear layer's amax history ``[history_length, 3]``, or a stacked expert weight's
     ``[history_length, num_experts, 3]`` (see the module docstring)."""
 
-    def __init__(self, history_length: int, device: torch.device, num_experts: int = 0):
+    def __init__(self, history_length: int, device: torch.device, num_experts: int = 0, *, formats: tuple):
         experts = (num_experts,) if num_experts else ()
+        if len(formats) != len(OPERANDS):
+            raise ValueError(f"formats: one FP8 format per operand ({', '.join(OPERANDS)}), got {len(formats)}")
         self.history = torch.zeros(history_length, *experts, len(OPERANDS), dtype=torch.float32, device=device)
         """Reduced amaxes of past steps, newest first; columns as ``OPERANDS`` (per global expert)."""
         self.step_amax = torch.zeros(*experts, len(OPERANDS), dtype=torch.float32, device=device)
         """This rank's running max of the step under way (not yet reduced)."""
+        self.max_values = torch.tensor([fmt.max_value for fmt in formats], dtype=torch.float32, device=device)
+        """The largest value of each operand's FP8 format (``formats``, as the recipe assigns them)."""
+        self.scales = torch.ones_like(self.step_amax)
+        """Each operand's scale from its window (experts: per global expert): ``scale_from_amax`` of
+        ``window_amax`` in its format. Made whenever the history moves (``begin_step``,
+        ``finish_step``: ``refresh_scales``) and read by every GEMM of the step, which would
+        otherwise each reduce the window and divide again: small kernels, several per operand
+        and micro-batch, that a compiled step launches one after another."""
         self.empty = True
         """No step recorded yet: quantize with current scaling (refreshed by ``begin_step``)."""
         self.filled: list[list[bool]] | None = None
@@ -73,6 +87,17 @@ class DelayedScaling:
             return
         column = self.step_amax[:, index]
         column.scatter_reduce_(0, experts.to(column.device), amax.detach().float(), reduce="amax")
+
+    def scale(self, operand: str) -> torch.Tensor:
+        """``operand``'s scale from its window (0-dim fp32; experts: [E]), as of ``refresh_scales``."""
+        return self.scales[..., OPERANDS.index(operand)]
+
+    @torch.no_grad()
+    def refresh_scales(self) -> None:
+        """``scales`` from the history as it stands, in place (a compiled graph reads the same tensor)."""
+        window = self.history.amax(0)
+        scales = window / self.max_values  # the division of scale_from_amax, elementwise: bit for bit
+        self.scales.copy_(torch.where(window == 0, torch.ones_like(scales), scales))
 
     def window_amax(self, operand: str) -> torch.Tensor:
         """The largest recorded amax of ``operand`` over the history (0-dim fp32; experts: [E])."""
@@ -107,6 +132,7 @@ def begin_step(model: nn.Module) -> None:
                for state in states]
     filled = torch.cat(windows).gt(0).cpu().split([window.numel() for window in windows])
     for state, is_filled in zip(states, filled):
+        state.refresh_scales()  # a resumed run's history was loaded into place since the last step
         state.empty = not bool(is_filled.any())
         if state.per_expert:
             state.filled = is_filled.view(state.step_amax.shape).tolist()
@@ -128,6 +154,7 @@ def finish_step(model: nn.Module, groups=(), reduce_max: Callable | None = None)
     for state, amax in zip(states, amaxes.split([state.step_amax.numel() for state in states])):
         state.history.copy_(torch.cat([amax.view(1, *state.step_amax.shape), state.history[:-1]]))
         state.step_amax.zero_()
+        state.refresh_scales()  # an evaluation before the next step scales from the moved window
         state.empty = False
 
 

@@ -26,9 +26,9 @@ from torch import nn
 from meshlm.errors import ConfigError
 from meshlm.models.block import Block
 from meshlm.models.moe.experts import GroupedExperts
-from meshlm.precision.delayed_scaling import DelayedScaling
+from meshlm.precision.delayed_scaling import OPERANDS, DelayedScaling
 from meshlm.precision.quantized_experts import WEIGHTS, GroupedQuantization
-from meshlm.precision.quantized_linear import LinearQuantization, QuantizedLinear, hardware_gemm
+from meshlm.precision.quantized_linear import ROLES, LinearQuantization, QuantizedLinear, hardware_gemm
 from meshlm.precision.recipes import Recipe
 
 
@@ -129,9 +129,15 @@ def quantize_layer(module: nn.Module, recipe: Recipe, name: str, context=None, r
                                                         for members in groups.values() for group in members):
         raise ValueError(f"{name} is sharded over a group of several ranks: pass reduce_max (the run's all-reduce "
                          "with op='max', meshlm.parallel.collectives.all_reduce_) to reduce its amaxes.")
-    delayed = DelayedScaling(recipe.amax_history, module.weight.device) if recipe.name == "fp8_delayed" else None
+    delayed = (DelayedScaling(recipe.amax_history, module.weight.device, formats=delayed_formats(recipe))
+               if recipe.name == "fp8_delayed" else None)
     module.quantization = LinearQuantization(recipe, layer_key(name), groups, delayed,
                                              hardware_gemm(recipe, module.weight.device, module.weight.dtype), reduce_max)
+
+
+def delayed_formats(recipe: Recipe) -> tuple:
+    """The FP8 format of each operand a ``DelayedScaling`` tracks (``OPERANDS``), as ``recipe`` assigns them."""
+    return tuple(recipe.fp8_format_of(ROLES[operand]) for operand in OPERANDS)
 
 
 def expert_groups(experts: GroupedExperts, name: str, recipe: Recipe, layer: str, context) -> dict:
@@ -181,7 +187,7 @@ def quantize_experts(experts: GroupedExperts, recipe: Recipe, name: str, context
         if reduce_max is None and any(group.size > 1 for members in groups.values() for group in members):
             raise ValueError(f"{layer} is sharded over a group of several ranks: pass reduce_max.")
         keys = [layer_key(f"{layer}.{first + index}") for index in range(weight.shape[0])]
-        delayed = (DelayedScaling(recipe.amax_history, weight.device, num_experts)
+        delayed = (DelayedScaling(recipe.amax_history, weight.device, num_experts, formats=delayed_formats(recipe))
                    if recipe.name == "fp8_delayed" else None)
         quantizations[weight_name] = GroupedQuantization(recipe, keys, groups, reduce_max, delayed, first,
                                                          hardware_gemm(recipe, weight.device, weight.dtype))

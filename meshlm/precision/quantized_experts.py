@@ -59,7 +59,7 @@ import torch
 
 from meshlm.models.moe.experts import grouped_linear
 from meshlm.precision.delayed_scaling import DelayedScaling
-from meshlm.precision.formats.fp8 import abs_max, scale_from_amax
+from meshlm.precision.formats.fp8 import abs_max
 from meshlm.precision.formats.hashed_noise import noise_key
 from meshlm.precision.fp8_gemm import aligned_entries, scaled_matmul
 from meshlm.precision.quantized_linear import ROLES, USES
@@ -117,8 +117,7 @@ class GroupedQuantization:
             if record:
                 self.delayed.record(tensor_name, amax, torch.tensor(owners, device=amax.device))
             if self.delayed.filled is not None:
-                window = scale_from_amax(self.delayed.window_amax(tensor_name),
-                                         self.recipe.fp8_format_of(ROLES[tensor_name]))
+                window = self.delayed.scale(tensor_name)  # [E]: each expert's, from its window
                 if self.hardware:  # each expert's scale goes to scaled_mm as it is: 16-byte aligned
                     window = aligned_entries(window)
                 scales = [window[owner] if self.delayed.is_filled(tensor_name, owner) else None for owner in owners]

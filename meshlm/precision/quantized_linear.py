@@ -56,7 +56,7 @@ from meshlm.precision.delayed_scaling import DelayedScaling
 from meshlm.precision.formats.hashed_noise import noise_key
 from meshlm.precision.fp8_gemm import hardware_fp8_supported, scaled_matmul
 from meshlm.precision.recipes import Recipe
-from meshlm.precision.formats.fp8 import abs_max, scale_from_amax
+from meshlm.precision.formats.fp8 import abs_max
 
 ROLES = {"input": "activation", "weight": "weight", "grad_output": "gradient"}
 """The format role (recipes.py) of each tensor of a linear layer."""
@@ -118,20 +118,22 @@ class LinearQuantization:
     def tensor_scaling(self, tensor: torch.Tensor, tensor_name: str, record: bool) -> tuple:
         """(whole-tensor amax, reduced over the shards' groups; delayed scale, or None) for a
         per-tensor recipe; (None, None) for block scales. ``record``: note the amax in the history."""
-        recipe, role, groups = self.recipe, ROLES[tensor_name], self.groups[tensor_name]
         scale = tensor_amax = None
-        if recipe.per_tensor:
-            amax = abs_max(tensor)
-            if self.delayed is not None:
-                if record:
-                    self.delayed.record(tensor_name, amax)
-                if not self.delayed.empty:
-                    scale = scale_from_amax(self.delayed.window_amax(tensor_name), recipe.fp8_format_of(role))
-            if scale is None:
-                tensor_amax = amax
-                for group in groups:
-                    if group is not None and group.size > 1:
-                        self.reduce_max(tensor_amax, group)
+        if not self.recipe.per_tensor:
+            return tensor_amax, scale
+        delayed = self.delayed
+        if delayed is not None and not delayed.empty:
+            scale = delayed.scale(tensor_name)  # from the window, in the tensor's format
+        if scale is not None and not record:
+            return tensor_amax, scale  # evaluation under delayed scaling: no amax needed
+        amax = abs_max(tensor)
+        if delayed is not None and record:
+            delayed.record(tensor_name, amax)
+        if scale is None:
+            tensor_amax = amax
+            for group in self.groups[tensor_name]:
+                if group is not None and group.size > 1:
+                    self.reduce_max(tensor_amax, group)
         return tensor_amax, scale
 
 

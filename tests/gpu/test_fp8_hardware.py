@@ -22,6 +22,7 @@ import torch
 
 from meshlm.errors import ConfigError
 from meshlm.precision.delayed_scaling import DelayedScaling, begin_step, finish_step
+from meshlm.precision.model_recipe import delayed_formats
 from meshlm.precision.quantized_experts import GroupedQuantization
 from meshlm.precision.quantized_linear import LinearQuantization, hardware_gemm
 from meshlm.precision.recipes import Recipe
@@ -58,9 +59,12 @@ class Holder(torch.nn.Module):
 
 def quantizations(recipe: Recipe, hardware: bool, device: torch.device) -> Holder:
     delayed = recipe.name == "fp8_delayed"
-    dense = LinearQuantization(recipe, 7, NO_GROUPS, DelayedScaling(4, device) if delayed else None, hardware)
+    formats = delayed_formats(recipe)
+    dense = LinearQuantization(recipe, 7, NO_GROUPS, DelayedScaling(4, device, formats=formats) if delayed else None,
+                               hardware)
     experts = GroupedQuantization(recipe, [1, 2, 3, 4], NO_GROUPS,
-                                  delayed=DelayedScaling(4, device, num_experts=len(ROWS)) if delayed else None,
+                                  delayed=(DelayedScaling(4, device, num_experts=len(ROWS), formats=formats)
+                                           if delayed else None),
                                   hardware=hardware)
     return Holder(dense, experts)
 

@@ -43,7 +43,7 @@ from meshlm.parallel.tensor.sharding import gather_full_tensor, reduce_partial_t
 from meshlm.precision.delayed_scaling import DelayedScaling, begin_step, finish_step
 from meshlm.precision.formats.fp8 import scale_from_amax
 from meshlm.precision.fp8_gemm import hardware_fp8_supported
-from meshlm.precision.model_recipe import apply_recipe, quantize_experts
+from meshlm.precision.model_recipe import apply_recipe, delayed_formats, quantize_experts
 from meshlm.precision.quantized_experts import GroupedQuantization
 from meshlm.precision.quantized_linear import LinearQuantization, quantized_linear
 from meshlm.precision.recipes import RECIPES, Recipe
@@ -197,8 +197,8 @@ def test_delayed_scaling_keeps_a_history_per_expert(fp8_gemm):
     layer holding the same history."""
     recipe = Recipe("fp8_delayed", fp8_gemm=fp8_gemm)
     hardware = fp8_gemm == "hardware"
-    grouped = GroupedQuantization(recipe, [1, 2, 3, 4], NO_GROUPS, delayed=DelayedScaling(4, torch.device("cpu"), 4),
-                                  hardware=hardware)
+    grouped = GroupedQuantization(recipe, [1, 2, 3, 4], NO_GROUPS, hardware=hardware,
+                                  delayed=DelayedScaling(4, torch.device("cpu"), 4, formats=delayed_formats(recipe)))
     holder = StackedWeight(grouped)
     first_rows, second_rows = [40, 0, 17, 64], [0, 30, 9, 25]
     tokens, weight, upstream = grouped_case(recipe, first_rows)
@@ -234,8 +234,9 @@ def test_delayed_scaling_keeps_a_history_per_expert(fp8_gemm):
             weight[expert].detach(), "weight", scale=scale_from_amax(window[expert, 1])).t()
         torch.testing.assert_close(out_pieces[expert], expected, rtol=1e-5, atol=1e-5)
     for expert in (2, 3):  # filled windows: a dense fp8_delayed layer with expert e's history
-        dense = DelayedScaling(4, torch.device("cpu"))
+        dense = DelayedScaling(4, torch.device("cpu"), formats=delayed_formats(recipe))
         dense.history.copy_(history[:, expert])
+        dense.refresh_scales()
         dense.empty = False
         layer = LinearQuantization(recipe, 2 + expert, NO_GROUPS, dense, hardware=hardware)
         x = tokens2.split(second_rows)[expert].clone().requires_grad_()

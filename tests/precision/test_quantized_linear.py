@@ -196,6 +196,7 @@ def test_hardware_per_tensor_fp8_reuses_its_codes_bit_for_bit(name):
     their scales saved for backward (no bf16 copy of X or W)."""
     from meshlm.precision.delayed_scaling import DelayedScaling
     from meshlm.precision.fp8_gemm import hardware_fp8_supported
+    from meshlm.precision.model_recipe import delayed_formats
     from meshlm.precision.quantized_linear import LinearQuantization, _QuantizedLinear
 
     if not hardware_fp8_supported("cpu", "tensorwise", out_dtype=torch.bfloat16):
@@ -206,8 +207,9 @@ def test_hardware_per_tensor_fp8_reuses_its_codes_bit_for_bit(name):
         recipe = Recipe(name, fp8_gemm="hardware")
         delayed = None
         if name == "fp8_delayed":  # a history whose window differs from this step's amaxes
-            delayed = DelayedScaling(4, torch.device("cpu"))
+            delayed = DelayedScaling(4, torch.device("cpu"), formats=delayed_formats(recipe))
             delayed.history[1] = torch.tensor([7.0, 0.5, 3.0])
+            delayed.refresh_scales()
             delayed.empty = False
         quantization = LinearQuantization(recipe, 0, {"input": (), "weight": (), "grad_output": ()}, delayed,
                                           hardware=True)

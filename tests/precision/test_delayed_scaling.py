@@ -1,0 +1,58 @@
+"""Delayed scaling's state (meshlm/precision/delayed_scaling.py): each operand's scale is made from
+its window whenever the history moves, bit for bit the scale of ``scale_from_amax`` in the format
+the recipe gives that operand, so the GEMMs of a step read it instead of reducing the window."""
+
+import pytest
+import torch
+from torch import nn
+
+from meshlm.precision.delayed_scaling import OPERANDS, DelayedScaling, begin_step, finish_step
+from meshlm.precision.formats.fp8 import scale_from_amax
+from meshlm.precision.model_recipe import delayed_formats
+from meshlm.precision.quantized_linear import ROLES, LinearQuantization
+from meshlm.precision.recipes import Recipe
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("num_experts", [0, 3])
+def test_scales_are_scale_from_amax_of_the_window_in_each_operands_format(fp8_format, num_experts):
+    recipe = Recipe("fp8_delayed", fp8_format)
+    state = DelayedScaling(5, CPU, num_experts, formats=delayed_formats(recipe))
+    generator = torch.Generator().manual_seed(0)
+    state.history.copy_(torch.exp(torch.randn(state.history.shape, generator=generator) * 8))
+    state.history[:, ..., 1] = 0  # an operand never seen: scale 1
+    state.refresh_scales()
+    for operand in OPERANDS:
+        expected = scale_from_amax(state.window_amax(operand), recipe.fp8_format_of(ROLES[operand]))
+        assert torch.equal(state.scale(operand), expected), operand
+    assert (state.scale("weight") == 1).all()
+    assert delayed_formats(recipe)[2].name == ("e5m2" if fp8_format == "hybrid" else "e4m3")
+
+
+class OneLayer(nn.Module):
+    """What begin_step and finish_step walk: a module holding a ``quantization``."""
+
+    def __init__(self, quantization):
+        super().__init__()
+        self.quantization = quantization
+
+
+def test_scales_move_with_the_history_at_every_step_boundary():
+    """begin_step makes them from a history loaded in place (a resumed run), finish_step from the
+    window the step has just pushed (an evaluation before the next step scales from it)."""
+    recipe = Recipe("fp8_delayed")
+    state = DelayedScaling(4, CPU, formats=delayed_formats(recipe))
+    layer = OneLayer(LinearQuantization(recipe, 0, {name: () for name in OPERANDS}, state))
+    state.history[2] = torch.tensor([448.0, 896.0, 57344.0])  # as a checkpoint restores it
+    begin_step(layer)
+    assert not state.empty and state.scales.tolist() == [1.0, 2.0, 1.0]
+    state.record("input", torch.tensor(4480.0))
+    finish_step(layer)
+    assert state.scales.tolist() == [10.0, 2.0, 1.0]
+
+
+def test_one_format_per_operand_is_required():
+    with pytest.raises(ValueError, match="formats: one FP8 format per operand"):
+        DelayedScaling(4, CPU, formats=delayed_formats(Recipe("fp8_delayed"))[:2])
