@@ -106,6 +106,13 @@ if triton is not None:
         return (batch * groups + head // heads_per_group) * chunks + chunk
 
     @triton.jit
+    def _state_block(block_id, chunks, state_slots):
+        """Where the [P x N] state of program ``block_id`` = (batch, head, chunk) starts, in states
+        of ``state_slots`` slots per (batch, head): the chunks' own, or those plus the final one
+        (the recurrence's output, read in place); in units of P * N, as int64."""
+        return (block_id // chunks).to(tl.int64) * state_slots + block_id % chunks
+
+    @triton.jit
     def _decayed_scores(C_ptr, B_ptr, cs_ptr, rows, cols, N: tl.constexpr, MIN_DECAY: tl.constexpr,
                         DOT: tl.constexpr):
         """(C[rows] . B[cols]) * exp(clamp(cs[rows] - cs[cols])) on and below the diagonal, 0 above;
@@ -123,7 +130,7 @@ if triton is not None:
 
     @triton.jit
     def _diagonal_forward(u_ptr, C_ptr, B_ptr, cs_ptr, H_ptr, y_ptr, heads_per_group, heads, groups, chunks,
-                          Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
+                          state_slots, Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
                           MIN_DECAY: tl.constexpr, DOT: tl.constexpr, HAS_STATES: tl.constexpr):
         block_id, row_tile = tl.program_id(0), tl.program_id(1)  # block_id = (b, h, c) flattened
         group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
@@ -140,7 +147,8 @@ if triton is not None:
         if HAS_STATES:  # the off-diagonal blocks: exp(cs[l]) C[l] H^T, H the state entering the chunk
             n = tl.arange(0, N)
             c_rows = tl.load(C_base + rows[:, None] * N + n[None, :]).to(tl.float32)
-            states = tl.load(H_ptr + block_id * P * N + p[:, None] * N + n[None, :])  # [P, N] fp32
+            states_base = H_ptr + _state_block(block_id, chunks, state_slots) * P * N
+            states = tl.load(states_base + p[:, None] * N + n[None, :])  # [P, N] fp32
             read = tl.dot(c_rows, tl.trans(states), input_precision=DOT)
             acc += read * tl.exp(tl.load(cs_base + rows))[:, None]
         tl.store(y_ptr + block_id * Q * P + rows[:, None] * P + p[None, :], acc)
@@ -156,7 +164,7 @@ if triton is not None:
 
     @triton.jit
     def _diagonal_backward_sources(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, dS_ptr, du_ptr, dB_ptr, colsum_ptr,
-                                   weight_terms_ptr, heads_per_group, heads, groups, chunks,
+                                   weight_terms_ptr, heads_per_group, heads, groups, chunks, state_slots,
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
                                    MIN_DECAY: tl.constexpr, DOT: tl.constexpr, HAS_STATE_GRADS: tl.constexpr):
         group_block, col_tile = tl.program_id(0), tl.program_id(1)  # group_block = (b, g, c) flattened
@@ -182,7 +190,8 @@ if triton is not None:
             if HAS_STATE_GRADS:  # the chunk state st = (w o u)^T B, w = exp(cs_end - cs), given dS = d st
                 weights = tl.exp(tl.load(cs_base + Q - 1) - tl.load(cs_base + cols))
                 weighted_u = u_cols.to(tl.float32) * weights[:, None]  # [cols x P]
-                grad_states = tl.load(dS_ptr + block_id * P * N + p[:, None] * N + n[None, :])  # [P, N] fp32
+                grad_states = tl.load(dS_ptr + _state_block(block_id, chunks, state_slots) * P * N
+                                      + p[:, None] * N + n[None, :])  # [P, N] fp32
                 b_cols = tl.load(B_base + cols[:, None] * N + n[None, :]).to(tl.float32)
                 b_states = tl.dot(b_cols, tl.trans(grad_states), input_precision=DOT)  # [cols x P]: B dS^T
                 grad_u += b_states * weights[:, None]
@@ -196,7 +205,7 @@ if triton is not None:
 
     @triton.jit
     def _diagonal_backward_targets(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, H_ptr, dy_states_ptr, dC_ptr, rowsum_ptr,
-                                   heads_per_group, heads, groups, chunks,
+                                   heads_per_group, heads, groups, chunks, state_slots,
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
                                    MIN_DECAY: tl.constexpr, DOT: tl.constexpr, HAS_STATES: tl.constexpr):
         group_block, row_tile = tl.program_id(0), tl.program_id(1)
@@ -220,7 +229,8 @@ if triton is not None:
             if HAS_STATES:  # the off-diagonal blocks y[l] += exp(cs[l]) C[l] H^T, with dy in fp32
                 decayed = (tl.load(dy_states_ptr + block_id * Q * P + rows[:, None] * P + p[None, :])
                            * tl.exp(tl.load(cs_base + rows))[:, None])  # [rows x P]: e o dy
-                states = tl.load(H_ptr + block_id * P * N + p[:, None] * N + n[None, :])  # [P, N] fp32
+                states = tl.load(H_ptr + _state_block(block_id, chunks, state_slots) * P * N
+                                 + p[:, None] * N + n[None, :])  # [P, N] fp32
                 grad_C += tl.dot(decayed, states, input_precision=DOT)
                 # C H^T after the dC product, not beside it: both at once spill (bench.ssd_kernel_build)
                 c_rows = tl.load(C_base + rows[:, None] * N + n[None, :]).to(tl.float32)
@@ -304,11 +314,29 @@ def tuned_choices() -> dict[str, str | None]:
 
 
 def _require_fp32_contiguous(**tensors: torch.Tensor | None) -> None:
-    """The fp32 state operands (entering states, their gradients, dy in fp32) are read as flat
-    contiguous fp32 blocks; None is an operand not given."""
+    """dy in fp32 is read as one flat contiguous fp32 block; None is an operand not given."""
     for name, tensor in tensors.items():
         if tensor is not None and (tensor.dtype != torch.float32 or not tensor.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous fp32 tensor")
+
+
+def _state_slots(name: str, states: torch.Tensor | None, chunks: int) -> int:
+    """How many [P x N] slots per (batch, head) lie between the (batch, head) rows of ``states``
+    [b, h, c, P, N] (fp32): c when contiguous; more when they are the first c slots (or any c
+    consecutive ones) of a contiguous [b, h, slots, P, N] tensor, such as the recurrence's
+    output with the final state after the chunks' -- read in place, not copied. None: any."""
+    if states is None:
+        return chunks
+    head_dim, state = states.shape[-2:]
+    block = head_dim * state
+    strides = states.stride()
+    slots = strides[1] // block if block else 0
+    if (states.dtype != torch.float32 or states.dim() != 5 or strides[2:] != (block, state, 1)
+            or strides[1] != slots * block or slots < chunks
+            or (states.shape[0] > 1 and strides[0] != states.shape[1] * strides[1])):
+        raise ValueError(f"{name} must be fp32 states [b, h, c, P, N], contiguous or c consecutive slots of a "
+                         "contiguous [b, h, slots, P, N] tensor")
+    return slots
 
 
 def _layout(u: torch.Tensor, B: torch.Tensor) -> tuple[int, ...]:
@@ -321,15 +349,16 @@ def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torc
                      start_states: torch.Tensor | None = None, tile: int | None = None,
                      warps: int | None = None) -> torch.Tensor:
     """y [b, h, c, Q, P] fp32 = (C B^T o L) u per chunk and head (module docstring), plus, given the
-    states entering each chunk ``start_states`` [b, h, c, P, N] (fp32, contiguous), the off-diagonal
+    states entering each chunk ``start_states`` [b, h, c, P, N] (fp32; contiguous, or c consecutive
+    slots of a contiguous [b, h, slots, P, N]: ``_state_slots``), the off-diagonal
     blocks exp(cs) C H^T: the scan's whole output in one write. ``tile`` and ``warps`` fix the score
     tile's rows and the warps (default: tuned on CUDA, ``BLOCK`` and 4 elsewhere; ``kernel_choices``)."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
     y = torch.empty(u.shape, dtype=torch.float32, device=u.device)
-    _require_fp32_contiguous(start_states=start_states)
+    slots = _state_slots("start_states", start_states, chunks)
     _launch(_diagonal_forward, _diagonal_forward_tuned, batch * heads * chunks, chunk, tile, warps, u.is_cuda,
             u, C, B, cs, y if start_states is None else start_states, y, heads // groups, heads, groups, chunks,
-            Q=chunk, P=head_dim, N=state, HAS_STATES=start_states is not None)
+            slots, Q=chunk, P=head_dim, N=state, HAS_STATES=start_states is not None)
     return y
 
 
@@ -386,15 +415,17 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
         raise ValueError("pass start_states and dy_states together (the off-diagonal blocks need both)")
     programs = batch * groups * chunks  # one program per group's tile: it walks the group's heads
     shapes = dict(Q=chunk, P=head_dim, N=state)
-    _require_fp32_contiguous(start_states=start_states, dy_states=dy_states, state_grads=state_grads)
+    _require_fp32_contiguous(dy_states=dy_states)
+    start_slots = _state_slots("start_states", start_states, chunks)
+    grad_slots = _state_slots("state_grads", state_grads, chunks)
     weight_terms = None if state_grads is None else torch.empty_like(colsum)
     _launch(_diagonal_backward_sources, _diagonal_backward_sources_tuned, programs, chunk, tile, warps, u.is_cuda,
             u, dy, C, B, cs, colsum if state_grads is None else state_grads, grad_u, grad_B, colsum,
-            colsum if weight_terms is None else weight_terms, heads // groups, heads, groups, chunks,
+            colsum if weight_terms is None else weight_terms, heads // groups, heads, groups, chunks, grad_slots,
             HAS_STATE_GRADS=state_grads is not None, **shapes)
     _launch(_diagonal_backward_targets, _diagonal_backward_targets_tuned, programs, chunk, tile, warps, u.is_cuda,
             u, dy, C, B, cs, start_states if has_states else dy, dy_states if has_states else dy, grad_C, rowsum,
-            heads // groups, heads, groups, chunks, HAS_STATES=has_states, **shapes)
+            heads // groups, heads, groups, chunks, start_slots, HAS_STATES=has_states, **shapes)
     return grad_u, grad_B, grad_C, rowsum - colsum, weight_terms
 
 

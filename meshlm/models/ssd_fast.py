@@ -227,7 +227,9 @@ class _ChunkedScan(torch.autograd.Function):
         if initial_state is not None:
             entering += decay[..., :1] * initial_state.to(compute).flatten(-2)[:, :, None]
         entering = entering.view(batch, heads, -1, head_dim, state_size)
-        start_states, final_state = entering[:, :, :-1].contiguous(), entering[:, :, -1]
+        start_states, final_state = entering[:, :, :-1], entering[:, :, -1]
+        if not use_kernels:  # the kernels read the chunks' slots in place (ssd_diagonal._state_slots)
+            start_states = start_states.contiguous()
 
         if use_kernels:  # diagonal and off-diagonal blocks in one kernel, y written once
             tile, warps = kernel_config
@@ -272,7 +274,7 @@ class _ChunkedScan(torch.autograd.Function):
             # states' backward, in two kernels (meshlm/kernels/ssd_diagonal.py)
             tile, warps = ctx.kernel_config
             grad_u, grad_B, grad_C, grad_cs, weight_terms = _triton_kernels().diagonal_backward(
-                pieces.u, pieces.C, pieces.B, pieces.cs, dy.to(dtype), start_states, dy, grad_chunk_states.contiguous(),
+                pieces.u, pieces.C, pieces.B, pieces.cs, dy.to(dtype), start_states, dy, grad_chunk_states,
                 tile, warps)
             grad_B, grad_C = grad_B.to(compute), grad_C.to(compute)  # summed over each group's heads
             grad_u, grad_cs = grad_u.to(compute), grad_cs.to(compute)

@@ -59,8 +59,15 @@ def test_forward_adds_the_off_diagonal_blocks_of_the_entering_states(chunk, tile
     C_heads = C.repeat_interleave(heads // groups, dim=1)
     expected = diagonal_reference(u, C, B, cs) + cs.exp()[..., None] * (C_heads @ states.transpose(-1, -2))
     torch.testing.assert_close(kernels.diagonal_forward(u, C, B, cs, states, tile=tile), expected, **TOLERANCE)
-    with pytest.raises(ValueError, match="start_states must be a contiguous fp32 tensor"):
+    with pytest.raises(ValueError, match=r"start_states must be fp32 states \[b, h, c, P, N\], contiguous or c "
+                                         "consecutive slots"):
         kernels.diagonal_forward(u, C, B, cs, states.transpose(-1, -2), tile=tile)
+    slots = torch.randn(*u.shape[:2], u.shape[2] + 1, u.shape[-1], B.shape[-1],
+                        generator=torch.Generator().manual_seed(16)).to(DEVICE)  # the recurrence's c + 1 slots
+    for first in (0, 1):  # the chunks' slots read in place, before or after an extra one
+        states = slots[:, :, first:first + u.shape[2]]
+        torch.testing.assert_close(kernels.diagonal_forward(u, C, B, cs, states, tile=tile),
+                                   kernels.diagonal_forward(u, C, B, cs, states.contiguous(), tile=tile), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("chunk,tile", TILINGS)
@@ -102,6 +109,13 @@ def test_backward_adds_the_chunk_states_backward(chunk, tile):
     expected = torch.autograd.grad((output * dy).sum() + (chunk_states * state_grads).sum(), leaves)
     grad_u, grad_B, grad_C, grad_cs, weight_terms = kernels.diagonal_backward(
         u, C, B, cs, dy, states, dy.contiguous(), state_grads, tile=tile)
+    # the recurrence's slots read in place: the entering states before the final one, the chunk
+    # states' gradients after the initial state's (ssd_fast)
+    entering, total = (torch.cat([tensor, tensor[:, :, :1]], dim=2) for tensor in (states, state_grads))
+    in_place = kernels.diagonal_backward(u, C, B, cs, dy, entering[:, :, :-1], dy.contiguous(),
+                                         torch.cat([total[:, :, -1:], state_grads], dim=2)[:, :, 1:], tile=tile)
+    for got, want in zip(in_place, (grad_u, grad_B, grad_C, grad_cs, weight_terms)):
+        assert torch.equal(got, want)
     grad_cs[..., -1] += weight_terms.sum(-1)
     for name, got, want in zip(("du", "dB", "dC", "dcs"), (grad_u, grad_B, grad_C, grad_cs),
                                (expected[0], expected[2], expected[1], expected[3])):
