@@ -7,7 +7,7 @@ it for ``sm_<arch>a`` without a GPU, so the kernels of ``meshlm/kernels/ssd_diag
 be checked on this CPU for what the interpreter cannot see: that they compile for the hardware
 at all, and how many registers each program uses and how many bytes it spills to local memory
 (a spill costs memory traffic in the innermost loop). For each kernel and each choice the
-autotuner may make (``TUNED_TILES`` x 4 or 8 warps; the state-products kernel's one tile), the
+autotuner may make (``TUNED_TILES`` x 4 or 8 warps; the state-passing kernels' one tile), the
 shape of the 1B hybrid of ``bench.gpu_throughput`` by default. One JSON object to stdout.
 
 Run it without ``TRITON_INTERPRET`` (the interpreter replaces the kernels by Python functions,
@@ -75,11 +75,16 @@ def plan(args) -> list[tuple[str, object, dict, dict, int]]:
     builds = [(f"{name} tile {tile} warps {warps}", kernel, types, {**shape, **flags, "TILE": tile}, warps)
               for name, (kernel, types, flags) in diagonal.items()
               for tile in kernels.TUNED_TILES if args.chunk % tile == 0 for warps in (4, 8)]
-    products = {"Q": args.chunk, "P": args.head_dim, "N": args.state, "DOT": "tf32", "TILE": kernels._tile(args.chunk)}
-    for name, operand, from_start in (("chunk_states", run, False), ("state_gradients", fp32, True)):
-        builds.append((f"{name} warps {kernels.STATE_PRODUCT_WARPS}", kernels._decayed_state_products_kernel,
-                       {"a_ptr": operand, "b_ptr": run, "cs_ptr": fp32, "out_ptr": fp32},
-                       {**products, "FROM_START": from_start}, kernels.STATE_PRODUCT_WARPS))
+    passing = {"Q": args.chunk, "P": args.head_dim, "N": args.state, "N_TILE": kernels._state_tile(args.state),
+               "DOT": "tf32", "TILE": kernels._tile(args.chunk)}
+    builds.append((f"entering_states warps {kernels.STATE_PRODUCT_WARPS}", kernels._entering_states_kernel,
+                   {"u_ptr": run, "B_ptr": run, "cs_ptr": fp32, "initial_ptr": fp32, "out_ptr": fp32},
+                   {**passing, "HAS_INITIAL": True}, kernels.STATE_PRODUCT_WARPS))
+    builds.append((f"entering_states_backward warps {kernels.STATE_PRODUCT_WARPS}",
+                   kernels._entering_states_backward_kernel,
+                   {"dy_ptr": fp32, "C_ptr": run, "cs_ptr": fp32, "H_ptr": fp32, "final_grad_ptr": fp32,
+                    "state_grads_ptr": fp32, "log_terms_ptr": fp32, "initial_grad_ptr": fp32},
+                   {**passing, "HAS_FINAL_GRAD": True}, kernels.STATE_PRODUCT_WARPS))
     return builds
 
 

@@ -17,10 +17,13 @@ The forward also adds the off-diagonal blocks when given the state H [P x N] ent
 (fp32): y[l] += exp(cs[l]) C[l] H^T, so the scan's output is written once, not written by this
 kernel and then read, added to and written again (``mamba_ssm``'s ``chunk_scan`` does the same).
 
-``_decayed_state_products_kernel`` computes each chunk's state from a zero start,
-st = (w o u)^T B with w = exp(cs_end - cs), one program per chunk and head (``mamba_ssm``'s
-``chunk_state``), and, in backward, the entering state's gradient from the off-diagonal blocks,
-dH = (e o dy)^T C with e = exp(cs).
+``_entering_states_kernel`` passes the state from chunk to chunk, a program per (batch, head, columns)
+walking the chunks in order: H_{c+1} = exp(L_c) H_c + st_c, with each chunk's own state
+st_c = (w o u)^T B, w = exp(cs_end - cs) (``mamba_ssm``'s ``chunk_state`` and ``state_passing``
+in one), so st_c never leaves registers. ``_entering_states_backward_kernel`` walks them back:
+the gradient of each chunk's state, of the chunks' total decays, and of the initial state, adding
+on the way each entering state's gradient from the off-diagonal blocks, dH = (e o dy)^T C with
+e = exp(cs).
 
 Backward (same tiling, recomputing scores and decays):
 
@@ -79,8 +82,11 @@ def supported(chunk: int, head_dim: int, state: int, dtype: torch.dtype) -> bool
 
 
 STATE_PRODUCT_WARPS = 8
-"""Warps of the state-products kernel: its [P x N] fp32 accumulator over 8 warps is 32 registers a
-thread (78 in all at P 64, N 128 on sm_90a, against 168 over 4; ``bench.ssd_kernel_build``)."""
+"""Warps of the state-passing kernels: their [P x N_TILE] fp32 running state and product over 8
+warps keep register use low (``bench.ssd_kernel_build``: the chunk-state products took 78 registers
+over 8 warps at P 64, N 128 on sm_90a, against 168 over 4)."""
+STATE_TILE = 64
+"""Columns of the states a state-passing program owns (``_state_tile``)."""
 
 
 def _tile(chunk: int) -> int:
@@ -240,18 +246,15 @@ if triton is not None:
         tl.store(dC_ptr + group_block * Q * N + rows[:, None] * N + n[None, :], grad_C)
 
     @triton.jit
-    def _decayed_state_products_kernel(a_ptr, b_ptr, cs_ptr, out_ptr, heads_per_group, heads, groups, chunks,
-                                Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
-                                DOT: tl.constexpr, FROM_START: tl.constexpr):
-        """out [P, N] = (w o a)^T b for one (batch, head, chunk): a [Q, P] per head, b [Q, N] per
-        group, w = exp(cs) (FROM_START) or exp(cs_end - cs), w and w o a rounded to a's dtype (no
-        rounding for fp32 a) as the PyTorch path rounds them; products accumulated in fp32."""
-        block_id = tl.program_id(0)
-        group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
-        a_base, cs_base, b_base = a_ptr + block_id * Q * P, cs_ptr + block_id * Q, b_ptr + group_block * Q * N
-        p, n = tl.arange(0, P), tl.arange(0, N)
+    def _decayed_product(a_base, b_base, cs_base, n, Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                         N_TILE: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr, FROM_START: tl.constexpr):
+        """(w o a)^T b [P x N_TILE] for one (batch, head, chunk): a [Q, P] of the head, columns ``n``
+        of b [Q, N] of its group, w = exp(cs) (FROM_START) or exp(cs_end - cs); w and w o a
+        rounded to a's dtype (no rounding for fp32 a) as the PyTorch path rounds them, the
+        products accumulated in fp32."""
+        p = tl.arange(0, P)
         cs_end = tl.load(cs_base + Q - 1)
-        acc = tl.zeros((P, N), dtype=tl.float32)
+        acc = tl.zeros((P, N_TILE), dtype=tl.float32)
         for tile in range(0, Q // TILE):
             rows = tile * TILE + tl.arange(0, TILE)
             a_rows = tl.load(a_base + rows[:, None] * P + p[None, :])
@@ -262,7 +265,66 @@ if triton is not None:
             weighted = (a_rows.to(tl.float32) * weights[:, None]).to(a_rows.dtype, fp_downcast_rounding="rtne")
             b_rows = tl.load(b_base + rows[:, None] * N + n[None, :]).to(a_rows.dtype)
             acc += tl.dot(tl.trans(weighted), b_rows, input_precision=DOT)
-        tl.store(out_ptr + block_id * P * N + p[:, None] * N + n[None, :], acc)
+        return acc
+
+    @triton.jit
+    def _entering_states_kernel(u_ptr, B_ptr, cs_ptr, initial_ptr, out_ptr, heads_per_group, heads, groups, chunks,
+                                Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, N_TILE: tl.constexpr,
+                                TILE: tl.constexpr, DOT: tl.constexpr, HAS_INITIAL: tl.constexpr):
+        """The states entering each chunk of one (batch, head), columns ``n`` of them: slot c of
+        out [c + 1, P, N] is H_c, H_0 the initial state (or 0), H_{c+1} = exp(L_c) H_c + st_c with
+        st_c = (w o u_c)^T B_c the chunk's own state and L_c = cs_end its total log-decay; the
+        last slot is the final state. Walks the chunks in order; st_c never leaves registers."""
+        head_row, n_tile = tl.program_id(0), tl.program_id(1)  # head_row = (b, h) flattened
+        p, n = tl.arange(0, P), n_tile * N_TILE + tl.arange(0, N_TILE)
+        offsets = p[:, None] * N + n[None, :]
+        if HAS_INITIAL:
+            running = tl.load(initial_ptr + head_row.to(tl.int64) * P * N + offsets)
+        else:
+            running = tl.zeros((P, N_TILE), dtype=tl.float32)
+        out_base = out_ptr + head_row.to(tl.int64) * (chunks + 1) * P * N
+        for chunk in range(0, chunks):
+            tl.store(out_base + chunk * P * N + offsets, running)
+            block_id = head_row * chunks + chunk
+            group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
+            cs_base = cs_ptr + block_id.to(tl.int64) * Q
+            own = _decayed_product(u_ptr + block_id.to(tl.int64) * Q * P, B_ptr + group_block.to(tl.int64) * Q * N,
+                                   cs_base, n, Q, P, N, N_TILE, TILE, DOT, False)
+            running = running * tl.exp(tl.load(cs_base + Q - 1)) + own
+        tl.store(out_base + chunks * P * N + offsets, running)
+
+    @triton.jit
+    def _entering_states_backward_kernel(dy_ptr, C_ptr, cs_ptr, H_ptr, final_grad_ptr, state_grads_ptr,
+                                         log_terms_ptr, initial_grad_ptr, heads_per_group, heads, groups, chunks,
+                                         state_slots, Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                                         N_TILE: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr,
+                                         HAS_FINAL_GRAD: tl.constexpr):
+        """The adjoint of ``_entering_states_kernel`` for one (batch, head), columns ``n``, walking
+        the chunks backwards: G, the gradient of slot c + 1 (the final state's to start with), is
+        chunk c's state gradient; L_c receives exp(L_c) sum(G o H_c) (this tile's part, to
+        ``log_terms`` [c, N / N_TILE]); then G <- exp(L_c) G + dH_c with dH_c = (e o dy_c)^T C_c,
+        e = exp(cs), the off-diagonal blocks' gradient of H_c. What is left is the initial state's."""
+        head_row, n_tile = tl.program_id(0), tl.program_id(1)
+        p, n = tl.arange(0, P), n_tile * N_TILE + tl.arange(0, N_TILE)
+        offsets = p[:, None] * N + n[None, :]
+        if HAS_FINAL_GRAD:
+            grad = tl.load(final_grad_ptr + head_row.to(tl.int64) * P * N + offsets)
+        else:
+            grad = tl.zeros((P, N_TILE), dtype=tl.float32)
+        for step in range(0, chunks):
+            block_id = head_row * chunks + chunks - 1 - step
+            tl.store(state_grads_ptr + block_id.to(tl.int64) * P * N + offsets, grad)
+            entering = tl.load(H_ptr + _state_block(block_id, chunks, state_slots) * P * N + offsets)
+            cs_base = cs_ptr + block_id.to(tl.int64) * Q
+            decay = tl.exp(tl.load(cs_base + Q - 1))
+            tl.store(log_terms_ptr + block_id.to(tl.int64) * tl.num_programs(1) + n_tile,
+                     decay * tl.sum(tl.sum(grad * entering, axis=1), axis=0))
+            group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
+            off_diagonal = _decayed_product(dy_ptr + block_id.to(tl.int64) * Q * P,
+                                            C_ptr + group_block.to(tl.int64) * Q * N, cs_base, n, Q, P, N,
+                                            N_TILE, TILE, DOT, True)
+            grad = grad * decay + off_diagonal
+        tl.store(initial_grad_ptr + head_row.to(tl.int64) * P * N + offsets, grad)
 
     _TUNING = [triton.Config({"TILE": tile}, num_warps=warps) for tile in TUNED_TILES for warps in TUNED_WARPS]
     _tuned = triton.autotune(configs=_TUNING, key=["heads_per_group", "Q", "P", "N"])
@@ -362,30 +424,57 @@ def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torc
     return y
 
 
-def chunk_states(u: torch.Tensor, B: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
-    """Each chunk's state from a zero start, st [b, h, c, P, N] fp32 = (w o u)^T B with
-    w = exp(cs_end - cs), as ``ssd_fast._Pieces.chunk_states`` of the weighted u: w and w o u
-    rounded to u's dtype, the products accumulated in fp32. One program per chunk and head reads
-    u, B and cs once (PyTorch's einsum first copied w o u and B to fp32, permuted for its matmul)."""
-    return _decayed_state_products(u, B, cs, from_start=False)
+def _state_tile(state: int) -> int:
+    """Columns of the [P x N] states one state-passing program owns: 64 at most (twice the programs
+    at N = 128: 1024 for 8 sequences of 64 heads), all of N below."""
+    return min(state, STATE_TILE)
 
 
-def state_gradients(dy: torch.Tensor, C: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
-    """The gradient of the state entering each chunk from the off-diagonal blocks
-    y[l] = exp(cs[l]) C[l] H^T: dH [b, h, c, P, N] fp32 = (e o dy)^T C with e = exp(cs), for dy
-    [b, h, c, Q, P] in fp32 (PyTorch's einsum read a materialized e o dy, permuted)."""
-    if dy.dtype != torch.float32:
-        raise ValueError("state_gradients takes dy in fp32")
-    return _decayed_state_products(dy, C, cs, from_start=True)
-
-
-def _decayed_state_products(a: torch.Tensor, b: torch.Tensor, cs: torch.Tensor, from_start: bool) -> torch.Tensor:
-    batch, heads, chunks, chunk, head_dim, groups, state = _layout(a, b)
-    out = torch.empty(batch, heads, chunks, head_dim, state, dtype=torch.float32, device=a.device)
-    _decayed_state_products_kernel[(batch * heads * chunks,)](
-        a, b, cs, out, heads // groups, heads, groups, chunks, Q=chunk, P=head_dim, N=state, TILE=_tile(chunk),
-        DOT=_dot_precision(), FROM_START=from_start, num_warps=STATE_PRODUCT_WARPS)
+def entering_states(u: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
+                    initial_state: torch.Tensor | None = None) -> torch.Tensor:
+    """The state entering each chunk and the final one, [b, h, c + 1, P, N] fp32: slot 0 the
+    initial state [b, h, P, N] (fp32, contiguous; None: zeros), slot c + 1 = exp(L_c) slot c +
+    st_c with st_c = (w o u_c)^T B_c (w = exp(cs_end - cs), rounded as ``ssd_fast._Pieces`` rounds
+    w and w o u; L_c = cs_end), slot c the final state. One program per (batch, head) and column
+    tile walks the chunks in order, so the chunk states st_c stay in registers: the PyTorch path
+    writes them ([b, h, c, P, N] fp32) and reads them back for a matmul with the chunks' decay
+    matrix, the same sums in another order."""
+    batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
+    out = torch.empty(batch, heads, chunks + 1, head_dim, state, dtype=torch.float32, device=u.device)
+    _require_fp32_contiguous(initial_state=initial_state)
+    tile = _state_tile(state)
+    _entering_states_kernel[(batch * heads, state // tile)](
+        u, B, cs, out if initial_state is None else initial_state, out, heads // groups, heads, groups, chunks,
+        Q=chunk, P=head_dim, N=state, N_TILE=tile, TILE=_tile(chunk), DOT=_dot_precision(),
+        HAS_INITIAL=initial_state is not None, num_warps=STATE_PRODUCT_WARPS)
     return out
+
+
+def entering_states_backward(dy: torch.Tensor, C: torch.Tensor, cs: torch.Tensor, start_states: torch.Tensor,
+                             final_grad: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``entering_states`` and of the off-diagonal blocks y[l] += exp(cs[l]) C[l] H^T
+    through the entering states H: for dy [b, h, c, Q, P] fp32 (contiguous), the entering states
+    ``start_states`` (as ``diagonal_forward`` took them) and the final state's gradient ``final_grad``
+    [b, h, P, N] (fp32, contiguous; None: 0), returns each chunk state's gradient [b, h, c, P, N],
+    the total log-decays' [b, h, c] (fp32, from the recurrence: sum(G o exp(L_c) H_c)) and the
+    initial state's [b, h, P, N]. The off-diagonal blocks' own gradient of each H_c, (e o dy)^T C,
+    is made and added in registers (it was a [b, h, c, P, N] tensor before the recurrence's matmul)."""
+    if dy.dtype != torch.float32:
+        raise ValueError("entering_states_backward takes dy in fp32")
+    batch, heads, chunks, chunk, head_dim, groups, state = _layout(dy, C)
+    _require_fp32_contiguous(dy=dy, final_grad=final_grad)
+    slots = _state_slots("start_states", start_states, chunks)
+    tile = _state_tile(state)
+    state_grads = torch.empty(batch, heads, chunks, head_dim, state, dtype=torch.float32, device=dy.device)
+    log_terms = torch.empty(batch, heads, chunks, state // tile, dtype=torch.float32, device=dy.device)
+    initial_grad = torch.empty(batch, heads, head_dim, state, dtype=torch.float32, device=dy.device)
+    _entering_states_backward_kernel[(batch * heads, state // tile)](
+        dy, C, cs, start_states, initial_grad if final_grad is None else final_grad, state_grads, log_terms,
+        initial_grad, heads // groups, heads, groups, chunks, slots, Q=chunk, P=head_dim, N=state, N_TILE=tile,
+        TILE=_tile(chunk), DOT=_dot_precision(), HAS_FINAL_GRAD=final_grad is not None,
+        num_warps=STATE_PRODUCT_WARPS)
+    return state_grads, log_terms.sum(-1), initial_grad
 
 
 def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
@@ -429,5 +518,5 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     return grad_u, grad_B, grad_C, rowsum - colsum, weight_terms
 
 
-__all__ = ["chunk_states", "diagonal_backward", "diagonal_forward", "kernel_choices", "state_gradients", "supported",
-           "tuned_choices"]
+__all__ = ["diagonal_backward", "diagonal_forward", "entering_states", "entering_states_backward", "kernel_choices",
+           "supported", "tuned_choices"]

@@ -42,11 +42,12 @@ The result equals ``ssd_chunked_scan`` up to rounding in fp32 (tests/models/test
 1e-5 relative, values and gradients) and within bf16 rounding in bf16.
 
 **The Triton path** (``use_triton``, ``meshlm/kernels/ssd_diagonal.py``) computes the same steps
-with kernels instead of the matmuls: the chunk states and the diagonal blocks plus the
-off-diagonal read in the forward (so y is written once), and in backward the entering states'
-gradient, then -- after the recurrence, which stays in PyTorch -- the diagonal blocks' gradients
-together with the off-diagonal parts of dC and d cs and the chunk states' backward. No fp32 copy
-of a per-head tensor is made for a matmul.
+with kernels instead of the matmuls: the chunk states together with the recurrence (one pass over
+the chunks), and the diagonal blocks plus the off-diagonal read in the forward (so y is written
+once); in backward the recurrence walked back together with the entering states' gradient from
+the off-diagonal blocks, then the diagonal blocks' gradients together with the off-diagonal parts
+of dC and d cs and the chunk states' backward. No fp32 copy of a per-head tensor is made for a
+matmul, and the kernels read the recurrence's state slots in place.
 
 **Packed documents** (``document_ids``): the four 0/1 factors of ``ssd.DocumentMasks`` multiply
 the decay mask L, the weights w, the chunk decay matrix and exp(cs_l) of the off-diagonal read,
@@ -216,17 +217,18 @@ class _ChunkedScan(torch.autograd.Function):
         compute = pieces.compute
         batch, heads, head_dim, state_size = pieces.batch, pieces.heads, pieces.head_dim, pieces.state_size
 
-        if use_kernels:  # each chunk's state from a zero start, [b, h, c, p, n] fp32
-            chunk_states = _triton_kernels().chunk_states(pieces.u, pieces.B, pieces.cs)
-        else:
+        if use_kernels:  # the chunk states and the recurrence in one pass over the chunks
+            entering = _triton_kernels().entering_states(
+                pieces.u, pieces.B, pieces.cs, None if initial_state is None else initial_state.to(compute).contiguous())
+        else:  # each chunk's state from a zero start, [b, h, c, p, n] fp32
             chunk_states = pieces.chunk_states(pieces.u * pieces.decay_to_end()[..., None].to(pieces.dtype))
-        # The state entering each slot z (slot 0 the initial state, slot k+1 chunk k's state):
-        # sum_k Decay[z, k] slot_k, without concatenating the slots into one more state-sized copy.
-        decay = pieces.chunk_decay_matrix()  # [b, h, c+1, c+1]
-        entering = torch.matmul(decay[..., 1:], chunk_states.flatten(-2))  # [b, h, c+1, p*n]
-        if initial_state is not None:
-            entering += decay[..., :1] * initial_state.to(compute).flatten(-2)[:, :, None]
-        entering = entering.view(batch, heads, -1, head_dim, state_size)
+            # The state entering each slot z (slot 0 the initial state, slot k+1 chunk k's state):
+            # sum_k Decay[z, k] slot_k, without concatenating the slots into one more state-sized copy.
+            decay = pieces.chunk_decay_matrix()  # [b, h, c+1, c+1]
+            entering = torch.matmul(decay[..., 1:], chunk_states.flatten(-2))  # [b, h, c+1, p*n]
+            if initial_state is not None:
+                entering += decay[..., :1] * initial_state.to(compute).flatten(-2)[:, :, None]
+            entering = entering.view(batch, heads, -1, head_dim, state_size)
         start_states, final_state = entering[:, :, :-1], entering[:, :, -1]
         if not use_kernels:  # the kernels read the chunks' slots in place (ssd_diagonal._state_slots)
             start_states = start_states.contiguous()
@@ -250,25 +252,24 @@ class _ChunkedScan(torch.autograd.Function):
             grad_y = x.new_zeros(x.shape, dtype=compute)
         dy = _per_head_chunks(grad_y, ctx.chunk_size, compute)  # [b, h, c, l, p]
 
-        # Off-diagonal blocks y_off = exp(cs_l) C_l H_c^T: the gradient of the entering states.
-        if ctx.use_kernels:
-            grad_start = _triton_kernels().state_gradients(dy, pieces.C, pieces.cs)
+        if ctx.use_kernels:  # the recurrence walked back, adding the off-diagonal blocks' dH on the way
+            grad_chunk_states, grad_chunk_log, grad_initial = _triton_kernels().entering_states_backward(
+                dy, pieces.C, pieces.cs, start_states, None if grad_final is None else grad_final.to(compute).contiguous())
         else:
+            # Off-diagonal blocks y_off = exp(cs_l) C_l H_c^T: the gradient of the entering states.
             dy_decayed = dy * pieces.decay_from_start()[..., None]
             grad_start = pieces.by_head(torch.einsum("bgjclp,bgcln->bgjcpn", pieces.grouped(dy_decayed),
                                                      pieces.C.to(compute)))
-
-        # The recurrence between chunks: G = Decay^T [dH; d final].
-        chunk_log_decays = pieces.chunk_log_decays()
-        decay = pieces.chunk_decay_matrix()  # [b, h, c+1, c+1]: rows z = the c chunk starts, then the end
-        total = torch.matmul(decay[:, :, :-1].transpose(-1, -2), grad_start.flatten(-2))  # [b, h, c+1, p*n]
-        if grad_final is not None:  # the end slot's gradient, without concatenating it to grad_start
-            total += decay[:, :, -1, :, None] * grad_final.to(compute).flatten(-2)[:, :, None]
-        total = total.view(*grad_start.shape[:2], -1, *grad_start.shape[3:])
-        grad_initial, grad_chunk_states = total[:, :, 0], total[:, :, 1:]
-        grad_chunk_log = (grad_chunk_states * start_states).sum((-1, -2)) * chunk_log_decays.exp()
-        if pieces.documents is not None:  # no link, no gradient: H_{c+1} = r_c exp(L_c) H_c + st_c
-            grad_chunk_log = grad_chunk_log * pieces.documents.slot_continues()
+            # The recurrence between chunks: G = Decay^T [dH; d final].
+            decay = pieces.chunk_decay_matrix()  # [b, h, c+1, c+1]: rows z = the c chunk starts, then the end
+            total = torch.matmul(decay[:, :, :-1].transpose(-1, -2), grad_start.flatten(-2))  # [b, h, c+1, p*n]
+            if grad_final is not None:  # the end slot's gradient, without concatenating it to grad_start
+                total += decay[:, :, -1, :, None] * grad_final.to(compute).flatten(-2)[:, :, None]
+            total = total.view(*grad_start.shape[:2], -1, *grad_start.shape[3:])
+            grad_initial, grad_chunk_states = total[:, :, 0], total[:, :, 1:]
+            grad_chunk_log = (grad_chunk_states * start_states).sum((-1, -2)) * pieces.chunk_log_decays().exp()
+            if pieces.documents is not None:  # no link, no gradient: H_{c+1} = r_c exp(L_c) H_c + st_c
+                grad_chunk_log = grad_chunk_log * pieces.documents.slot_continues()
 
         if ctx.use_kernels:  # diagonal blocks, the off-diagonal parts of dC and d cs, and the chunk
             # states' backward, in two kernels (meshlm/kernels/ssd_diagonal.py)

@@ -39,8 +39,8 @@ def test_every_kernel_builds_for_hopper_and_each_has_a_choice_without_spills(tmp
         choices = {name: result for name, result in kernels.items() if name.startswith(kernel + " ")}
         assert len(choices) == 4, choices  # 2 tiles x 2 warp counts
         assert any(result["spill_bytes"] == 0 for result in choices.values()), choices
-    assert kernels["chunk_states warps 8"]["spill_bytes"] == 0
-    assert kernels["state_gradients warps 8"]["spill_bytes"] == 0
+    assert kernels["entering_states warps 8"]["spill_bytes"] == 0
+    assert kernels["entering_states_backward warps 8"]["spill_bytes"] == 0
 
 
 def test_interpreter_mode_is_refused_in_one_sentence():

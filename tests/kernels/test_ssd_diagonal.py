@@ -122,41 +122,69 @@ def test_backward_adds_the_chunk_states_backward(chunk, tile):
         torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
+def recurrence(own_states, log_decays, initial):
+    """H_0 = initial, H_{c+1} = exp(L_c) H_c + st_c: [b, h, c + 1, P, N]."""
+    slots = [initial]
+    for chunk in range(own_states.shape[2]):
+        slots.append(log_decays[:, :, chunk, None, None].exp() * slots[-1] + own_states[:, :, chunk])
+    return torch.stack(slots, dim=2)
+
+
+STATE_SHAPES = [(16, 16), (64, 16), (16, 128)]
+"""(chunk, state): the state in one column tile, or (128) in two of ``STATE_TILE``."""
+
+
+@pytest.mark.parametrize("chunk,state", STATE_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_chunk_states_equal_the_pytorch_path(chunk, dtype):
-    """(w o u)^T B per chunk and head, w = exp(cs_end - cs), with w and w o u rounded to u's dtype
-    as ``ssd_fast._Pieces.chunk_states`` is given them; products in fp32 either way. In bf16 the
-    roundings may differ: the interpreter rounds fp32 to bf16 toward zero (a GPU and PyTorch to
-    nearest), and a GPU's exp may differ from PyTorch's in the last bit, which can move a rounded
-    w by one bf16 step; so bf16 is held to ``BF16_RELATIVE_ERROR``."""
-    u, C, B, cs = random_inputs(chunk, seed=12)
+@pytest.mark.parametrize("with_initial", [False, True], ids=["zero-start", "initial-state"])
+def test_entering_states_are_the_recurrence_of_the_chunk_states(chunk, state, dtype, with_initial):
+    """Slot c of the result is the state entering chunk c (slot 0 the initial one, the last the
+    final state): the recurrence over the chunks' own states st = (w o u)^T B, w = exp(cs_end - cs),
+    with w and w o u rounded to u's dtype as ``ssd_fast._Pieces.chunk_states`` is given them and
+    products in fp32. In bf16 the roundings may differ: the interpreter rounds fp32 to bf16 toward
+    zero (a GPU and PyTorch to nearest), and a GPU's exp may differ from PyTorch's in the last bit,
+    which can move a rounded w by one bf16 step; so bf16 is held to ``BF16_RELATIVE_ERROR``."""
+    u, C, B, cs = random_inputs(chunk, state=state, seed=12, chunks=3)
     u, B = u.to(dtype), B.to(dtype)
     heads, groups = u.shape[1], B.shape[1]
+    generator = torch.Generator().manual_seed(17)
+    initial = torch.randn(*u.shape[:2], u.shape[-1], B.shape[-1], generator=generator).to(DEVICE)
     weighted = u * torch.exp(cs[..., -1:] - cs)[..., None].to(dtype)
-    expected = weighted.float().transpose(-1, -2) @ B.float().repeat_interleave(heads // groups, dim=1)
-    states = kernels.chunk_states(u, B, cs)
-    assert states.dtype == torch.float32 and states.shape == expected.shape
+    own = weighted.float().transpose(-1, -2) @ B.float().repeat_interleave(heads // groups, dim=1)
+    expected = recurrence(own, cs[..., -1], initial if with_initial else torch.zeros_like(initial))
+    entering = kernels.entering_states(u, B, cs, initial if with_initial else None)
+    assert entering.dtype == torch.float32 and entering.shape == expected.shape
     if dtype == torch.float32:
-        torch.testing.assert_close(states, expected, **TOLERANCE)
+        torch.testing.assert_close(entering, expected, **TOLERANCE)
     else:
-        assert relative_error(states, expected) <= BF16_RELATIVE_ERROR, relative_error(states, expected)
+        assert relative_error(entering, expected) <= BF16_RELATIVE_ERROR, relative_error(entering, expected)
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
-def test_state_gradients_are_the_off_diagonal_blocks_adjoint(chunk):
-    """dH = (e o dy)^T C, e = exp(cs): the gradient autograd gives the entering states H of
-    y = e o (C H^T), per chunk and head; dy in fp32 only."""
-    u, C, B, cs = random_inputs(chunk, seed=13)
+@pytest.mark.parametrize("chunk,state", STATE_SHAPES)
+@pytest.mark.parametrize("with_final", [False, True], ids=["no-final-gradient", "final-gradient"])
+def test_entering_states_backward_is_autograds(chunk, state, with_final):
+    """Through the recurrence H_{c+1} = exp(L_c) H_c + st_c and the off-diagonal blocks
+    y = exp(cs) o (C H_c^T) (what reaches the entering states), the gradients autograd gives each
+    chunk's own state st_c, each total log-decay L_c and the initial state; dy in fp32 only, the
+    entering states read in place from the recurrence's c + 1 slots."""
+    u, C, B, cs = random_inputs(chunk, state=state, seed=13, chunks=3)
     heads, groups = u.shape[1], B.shape[1]
-    states = torch.randn(*u.shape[:3], u.shape[-1], B.shape[-1], generator=torch.Generator().manual_seed(14))
-    states = states.to(DEVICE).requires_grad_()
-    dy = torch.randn(u.shape, generator=torch.Generator().manual_seed(15)).to(DEVICE)
-    output = cs.exp()[..., None] * (C.repeat_interleave(heads // groups, dim=1) @ states.transpose(-1, -2))
-    expected, = torch.autograd.grad((output * dy).sum(), states)
-    torch.testing.assert_close(kernels.state_gradients(dy, C, cs), expected, **TOLERANCE)
-    with pytest.raises(ValueError, match="state_gradients takes dy in fp32"):
-        kernels.state_gradients(dy.bfloat16(), C, cs)
+    generator = torch.Generator().manual_seed(14)
+    states_shape = (*u.shape[:3], u.shape[-1], B.shape[-1])
+    own = torch.randn(states_shape, generator=generator).to(DEVICE).requires_grad_()
+    initial = torch.randn(*u.shape[:2], *states_shape[3:], generator=generator).to(DEVICE).requires_grad_()
+    log_decays = cs[..., -1].clone().requires_grad_()
+    dy = torch.randn(u.shape, generator=generator).to(DEVICE)
+    final_grad = torch.randn(initial.shape, generator=generator).to(DEVICE) if with_final else None
+    slots = recurrence(own, log_decays, initial)
+    off_diagonal = cs.exp()[..., None] * (C.repeat_interleave(heads // groups, dim=1) @ slots[:, :, :-1].transpose(-1, -2))
+    loss = (off_diagonal * dy).sum() + ((slots[:, :, -1] * final_grad).sum() if with_final else 0)
+    expected = torch.autograd.grad(loss, (own, log_decays, initial))
+    actual = kernels.entering_states_backward(dy, C, cs, slots.detach()[:, :, :-1], final_grad)
+    for name, got, want in zip(("d st", "d L", "d initial"), actual, expected):
+        torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
+    with pytest.raises(ValueError, match="entering_states_backward takes dy in fp32"):
+        kernels.entering_states_backward(dy.bfloat16(), C, cs, slots.detach()[:, :, :-1])
 
 
 @pytest.mark.parametrize("chunk,tile", TILINGS)

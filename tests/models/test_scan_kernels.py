@@ -61,7 +61,7 @@ def test_a_kernel_that_raises_fails_and_the_check_does_not(monkeypatch):
     def no_image(*args, **kwargs):
         raise RuntimeError("no kernel image is available for execution on the device\nmore detail")
 
-    monkeypatch.setattr(kernels, "state_gradients", no_image)
+    monkeypatch.setattr(kernels, "entering_states_backward", no_image)
     reason = scan_kernel_failure(CPU, torch.float32, 16, 16, 16, 1)
     assert reason.startswith("the kernels raised RuntimeError (no kernel image is available for execution on the "
                              "device) at chunk 16")
