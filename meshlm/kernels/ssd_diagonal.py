@@ -268,6 +268,20 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _state_columns(start_ptr, P: tl.constexpr, N: tl.constexpr, N_TILE: tl.constexpr, HAS_START: tl.constexpr):
+        """For program (head_row, n_tile) of a state-passing kernel: its head row, its columns ``n``
+        of the [P x N] states, their offsets in one state, and its columns of the state the walk
+        starts from, [P x N_TILE] fp32 (read from ``start_ptr`` [b * h, P, N] if HAS_START, else 0)."""
+        head_row, n_tile = tl.program_id(0), tl.program_id(1)  # head_row = (b, h) flattened
+        p, n = tl.arange(0, P), n_tile * N_TILE + tl.arange(0, N_TILE)
+        offsets = p[:, None] * N + n[None, :]
+        if HAS_START:
+            start = tl.load(start_ptr + head_row.to(tl.int64) * P * N + offsets)
+        else:
+            start = tl.zeros((P, N_TILE), dtype=tl.float32)
+        return head_row, n, offsets, start
+
+    @triton.jit
     def _entering_states_kernel(u_ptr, B_ptr, cs_ptr, initial_ptr, out_ptr, heads_per_group, heads, groups, chunks,
                                 Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, N_TILE: tl.constexpr,
                                 TILE: tl.constexpr, DOT: tl.constexpr, HAS_INITIAL: tl.constexpr):
@@ -275,13 +289,7 @@ if triton is not None:
         out [c + 1, P, N] is H_c, H_0 the initial state (or 0), H_{c+1} = exp(L_c) H_c + st_c with
         st_c = (w o u_c)^T B_c the chunk's own state and L_c = cs_end its total log-decay; the
         last slot is the final state. Walks the chunks in order; st_c never leaves registers."""
-        head_row, n_tile = tl.program_id(0), tl.program_id(1)  # head_row = (b, h) flattened
-        p, n = tl.arange(0, P), n_tile * N_TILE + tl.arange(0, N_TILE)
-        offsets = p[:, None] * N + n[None, :]
-        if HAS_INITIAL:
-            running = tl.load(initial_ptr + head_row.to(tl.int64) * P * N + offsets)
-        else:
-            running = tl.zeros((P, N_TILE), dtype=tl.float32)
+        head_row, n, offsets, running = _state_columns(initial_ptr, P, N, N_TILE, HAS_INITIAL)
         out_base = out_ptr + head_row.to(tl.int64) * (chunks + 1) * P * N
         for chunk in range(0, chunks):
             tl.store(out_base + chunk * P * N + offsets, running)
@@ -304,20 +312,14 @@ if triton is not None:
         chunk c's state gradient; L_c receives exp(L_c) sum(G o H_c) (this tile's part, to
         ``log_terms`` [c, N / N_TILE]); then G <- exp(L_c) G + dH_c with dH_c = (e o dy_c)^T C_c,
         e = exp(cs), the off-diagonal blocks' gradient of H_c. What is left is the initial state's."""
-        head_row, n_tile = tl.program_id(0), tl.program_id(1)
-        p, n = tl.arange(0, P), n_tile * N_TILE + tl.arange(0, N_TILE)
-        offsets = p[:, None] * N + n[None, :]
-        if HAS_FINAL_GRAD:
-            grad = tl.load(final_grad_ptr + head_row.to(tl.int64) * P * N + offsets)
-        else:
-            grad = tl.zeros((P, N_TILE), dtype=tl.float32)
+        head_row, n, offsets, grad = _state_columns(final_grad_ptr, P, N, N_TILE, HAS_FINAL_GRAD)
         for step in range(0, chunks):
             block_id = head_row * chunks + chunks - 1 - step
             tl.store(state_grads_ptr + block_id.to(tl.int64) * P * N + offsets, grad)
             entering = tl.load(H_ptr + _state_block(block_id, chunks, state_slots) * P * N + offsets)
             cs_base = cs_ptr + block_id.to(tl.int64) * Q
             decay = tl.exp(tl.load(cs_base + Q - 1))
-            tl.store(log_terms_ptr + block_id.to(tl.int64) * tl.num_programs(1) + n_tile,
+            tl.store(log_terms_ptr + block_id.to(tl.int64) * tl.num_programs(1) + tl.program_id(1),
                      decay * tl.sum(tl.sum(grad * entering, axis=1), axis=0))
             group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
             off_diagonal = _decayed_product(dy_ptr + block_id.to(tl.int64) * Q * P,
