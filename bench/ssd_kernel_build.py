@@ -77,14 +77,14 @@ def plan(args) -> list[tuple[str, object, dict, dict, int]]:
               for tile in kernels.TUNED_TILES if args.chunk % tile == 0 for warps in (4, 8)]
     passing = {"Q": args.chunk, "P": args.head_dim, "N": args.state, "N_TILE": kernels._state_tile(args.state),
                "DOT": "tf32", "TILE": kernels._tile(args.chunk)}
-    builds.append((f"entering_states warps {kernels.STATE_PRODUCT_WARPS}", kernels._entering_states_kernel,
+    builds.append((f"entering_states warps {kernels.STATE_PASSING_WARPS}", kernels._entering_states_kernel,
                    {"u_ptr": run, "B_ptr": run, "cs_ptr": fp32, "initial_ptr": fp32, "out_ptr": fp32},
-                   {**passing, "HAS_INITIAL": True}, kernels.STATE_PRODUCT_WARPS))
-    builds.append((f"entering_states_backward warps {kernels.STATE_PRODUCT_WARPS}",
+                   {**passing, "HAS_INITIAL": True}, kernels.STATE_PASSING_WARPS))
+    builds.append((f"entering_states_backward warps {kernels.STATE_PASSING_WARPS}",
                    kernels._entering_states_backward_kernel,
                    {"dy_ptr": fp32, "C_ptr": run, "cs_ptr": fp32, "H_ptr": fp32, "final_grad_ptr": fp32,
                     "state_grads_ptr": fp32, "log_terms_ptr": fp32, "initial_grad_ptr": fp32},
-                   {**passing, "HAS_FINAL_GRAD": True}, kernels.STATE_PRODUCT_WARPS))
+                   {**passing, "HAS_FINAL_GRAD": True}, kernels.STATE_PASSING_WARPS))
     return builds
 
 

@@ -81,7 +81,7 @@ def supported(chunk: int, head_dim: int, state: int, dtype: torch.dtype) -> bool
             and dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
-STATE_PRODUCT_WARPS = 8
+STATE_PASSING_WARPS = 8
 """Warps of the state-passing kernels: their [P x N_TILE] fp32 running state and product over 8
 warps keep register use low (``bench.ssd_kernel_build``: the chunk-state products took 78 registers
 over 8 warps at P 64, N 128 on sm_90a, against 168 over 4)."""
@@ -448,7 +448,7 @@ def entering_states(u: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
     _entering_states_kernel[(batch * heads, state // tile)](
         u, B, cs, out if initial_state is None else initial_state, out, heads // groups, heads, groups, chunks,
         Q=chunk, P=head_dim, N=state, N_TILE=tile, TILE=_tile(chunk), DOT=_dot_precision(),
-        HAS_INITIAL=initial_state is not None, num_warps=STATE_PRODUCT_WARPS)
+        HAS_INITIAL=initial_state is not None, num_warps=STATE_PASSING_WARPS)
     return out
 
 
@@ -475,7 +475,7 @@ def entering_states_backward(dy: torch.Tensor, C: torch.Tensor, cs: torch.Tensor
         dy, C, cs, start_states, initial_grad if final_grad is None else final_grad, state_grads, log_terms,
         initial_grad, heads // groups, heads, groups, chunks, slots, Q=chunk, P=head_dim, N=state, N_TILE=tile,
         TILE=_tile(chunk), DOT=_dot_precision(), HAS_FINAL_GRAD=final_grad is not None,
-        num_warps=STATE_PRODUCT_WARPS)
+        num_warps=STATE_PASSING_WARPS)
     return state_grads, log_terms.sum(-1), initial_grad
 
 

@@ -135,8 +135,7 @@ def choose_scan_kernels(model: torch.nn.Module, device: torch.device, group=None
     from meshlm.kernels import ssd_diagonal
     from meshlm.models.mamba2 import CHUNKED_SCANS, Mamba2Mixer
 
-    checked: dict[tuple, str | None] = {}
-    layers: dict[tuple, list[Mamba2Mixer]] = {}
+    layers: dict[tuple, list[Mamba2Mixer]] = {}  # by the arguments of ``check``: one check per shape
     for module in model.modules():
         if not isinstance(module, Mamba2Mixer):
             continue
@@ -147,12 +146,10 @@ def choose_scan_kernels(model: torch.nn.Module, device: torch.device, group=None
         dtype = module.in_proj.weight.dtype
         if not ssd_diagonal.supported(module.chunk_size, module.head_dim, module.state_size, dtype):
             continue  # auto runs PyTorch for these shapes; triton refuses them at the first call
-        shape = (module.chunk_size, module.head_dim, module.state_size,
-                 module.num_heads // module.num_groups, dtype)
-        if shape not in checked:
-            checked[shape] = check(device, dtype, module.chunk_size, module.head_dim, module.state_size,
-                                   module.num_heads // module.num_groups)
+        shape = (device, dtype, module.chunk_size, module.head_dim, module.state_size,
+                 module.num_heads // module.num_groups)
         layers.setdefault(shape, []).append(module)
+    checked = {shape: check(*shape) for shape in layers}
     failures = {shape: reason for shape, reason in checked.items() if reason is not None}
     if group is not None and reduce_max is not None and group.size > 1:
         # one flag per process; the shapes are the same on every rank holding such layers

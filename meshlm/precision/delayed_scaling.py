@@ -44,6 +44,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from meshlm.precision.formats.fp8 import scale_from_amax
+
 OPERANDS = ("input", "weight", "grad_output")
 """The tensors of a linear layer whose amaxes a history tracks, in its column order."""
 
@@ -60,8 +62,8 @@ class DelayedScaling:
         """Reduced amaxes of past steps, newest first; columns as ``OPERANDS`` (per global expert)."""
         self.step_amax = torch.zeros(*experts, len(OPERANDS), dtype=torch.float32, device=device)
         """This rank's running max of the step under way (not yet reduced)."""
-        self.max_values = torch.tensor([fmt.max_value for fmt in formats], dtype=torch.float32, device=device)
-        """The largest value of each operand's FP8 format (``formats``, as the recipe assigns them)."""
+        self.formats = tuple(formats)
+        """Each operand's FP8 format, in ``OPERANDS`` order (as the recipe assigns them)."""
         self.scales = torch.ones_like(self.step_amax)
         """Each operand's scale from its window (experts: per global expert): ``scale_from_amax`` of
         ``window_amax`` in its format. Made whenever the history moves (``begin_step``,
@@ -95,9 +97,8 @@ class DelayedScaling:
     @torch.no_grad()
     def refresh_scales(self) -> None:
         """``scales`` from the history as it stands, in place (a compiled graph reads the same tensor)."""
-        window = self.history.amax(0)
-        scales = window / self.max_values  # the division of scale_from_amax, elementwise: bit for bit
-        self.scales.copy_(torch.where(window == 0, torch.ones_like(scales), scales))
+        self.scales.copy_(torch.stack([scale_from_amax(self.window_amax(operand), fmt)
+                                       for operand, fmt in zip(OPERANDS, self.formats)], dim=-1))
 
     def window_amax(self, operand: str) -> torch.Tensor:
         """The largest recorded amax of ``operand`` over the history (0-dim fp32; experts: [E])."""
