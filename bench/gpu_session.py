@@ -20,7 +20,9 @@ stage                         issue  what it runs
                                      variant profiled one step (``--profile 60``: the compiled
                                      hybrid's Mamba-2 kernels are many, each a few ms): the SSD
                                      scan's reworked Triton path, checked on the device by the
-                                     trainer first (``meshlm/models/scan_kernels.py``), then timed
+                                     trainer first (``meshlm/models/scan_kernels.py``), then timed;
+                                     and Inductor's generated code for it
+                                     (``inductor_hybrid.py.gz``): what each profiled kernel moves
 ``local_sgd``                 20     ``bench.local_sgd --device cuda``: DDP, local SGD, DiLoCo and
                                      PALSGD over a simulated 1 Gbps link, 4 ranks on the GPU, each
                                      replica's batch one micro-batch (issue 20's speed-up to the
@@ -68,9 +70,9 @@ before that stays (``bench.gpu_throughput`` rewrites its JSON after every varian
 **Across sessions.** Everything goes under ``--out`` (on the device tool: ``$OUT``, whose files
 come back; at most 8 of them, so every stage appends to one ``session.log``): ``session.json`` (a
 record per stage: status, seconds, exit code, the end of its output; rewritten after every stage,
-so a killed session keeps what it finished) and each bench's own JSON (nine files if every stage
-ran; one call, inside its 10 minutes, runs three or four of them). Commit the returned
-``session.json`` as ``bench/results/gpu_session.json`` with the benches' files beside it; the next
+so a killed session keeps what it finished) and each bench's own JSON (ten files if every stage
+ran, with the hybrid's generated code; one call, inside its 10 minutes, runs three or four of
+them). Commit the returned ``session.json`` as ``bench/results/gpu_session.json`` with the benches' files beside it; the next
 GPU session passes ``--done bench/results/gpu_session.json`` and starts with the first stage that
 has not passed yet, carrying the earlier records forward. A committed record whose result a later
 fix made meaningless gets ``"status": "invalidated"`` and a ``"why"`` by hand: ``--done`` runs
@@ -99,6 +101,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,9 +144,12 @@ class Stage:
     estimate_s: float
     command: list[str]
     dry_command: list[str]
-    environment: dict = field(default_factory=dict)
+    dry_environment: dict = field(default_factory=dict)
+    """Variables set for the dry run's command only."""
     always: bool = False
     """Run in every session, whatever ``--done`` says (the machine's facts may differ)."""
+    environment: dict = field(default_factory=dict)
+    """Variables set for the command, on the GPU and in the dry run alike."""
 
 
 def plan(out: Path) -> list[Stage]:
@@ -157,11 +163,16 @@ def plan(out: Path) -> list[Stage]:
     low_precision_dry = [python, "-m", "bench.low_precision", "--model", "hybrid", "--device", "cpu", "--steps", "2",
                          "train.eval_batches=1", "train.seq_len=32"]
     dry_tier = {"MESHLM_GPU_TESTS_ON_CPU": "1"}
+    # the compiled hybrid's generated kernels, to read its profile against (bench.profiling); a cache
+    # of its own, so that every module is generated in this run and none is taken from an older one
+    inductor_code = ["--inductor-code", str(out / "inductor_hybrid.py.gz")]
+    fresh_inductor_cache = {"TORCHINDUCTOR_CACHE_DIR": str(Path(tempfile.gettempdir()) / "meshlm-inductor-hybrid")}
     return [
         Stage("env", 14, 15, [python, "-c", ENV_PROBE], [python, "-c", ENV_PROBE], always=True),
         Stage("throughput_hybrid", 14, 130, [*throughput("hybrid"), "--models", "hybrid", "--recompute", "none",
-                                             "--profile", "60"],
-              [*throughput("hybrid"), "--models", "hybrid", "--recompute", "none", "--profile", "25", "--tiny"]),
+                                             "--profile", "60", *inductor_code],
+              [*throughput("hybrid"), "--models", "hybrid", "--recompute", "none", "--profile", "25", "--tiny",
+               *inductor_code], environment=fresh_inductor_cache),
         Stage("local_sgd", 20, 300,
               [python, "-m", "bench.local_sgd", "--device", "cuda", "--out", str(out / "local_sgd.json"),
                "--plot", str(out / "local_sgd.png")],
@@ -219,7 +230,7 @@ def earlier_records(done_file: Path | None) -> dict:
 def run_stage(stage: Stage, command: list[str], limit_s: float, log_path: Path, dry_run: bool) -> dict:
     """Run one stage in its own process group, its output appended to ``log_path``; its record."""
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-                   **(stage.environment if dry_run else {})}
+                   **stage.environment, **(stage.dry_environment if dry_run else {})}
     started = time.monotonic()
     with log_path.open("a") as log:
         log.write(f"\n===== {stage.name} (issue {stage.issue}, limit {limit_s:.0f} s): {' '.join(command)}\n")

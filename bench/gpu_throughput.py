@@ -58,6 +58,10 @@ shape, ``attention_kernels`` times each SDPA kernel forced on that shape's atten
 the baseline then runs PyTorch's own choice, as a plain loop would (the trainer sets meshlm's
 preference process-wide). ``--profile TOP`` adds to each variant one more step under ``torch.profiler`` and its TOP operators by their own
 device time (``profile``), to see where meshlm's step and the plain loop's part.
+``--inductor-code FILE`` writes the modules Inductor generated for the compiled variants (each
+kernel's source and the buffers it is called with: ``bench.profiling.save_inductor_code``) to one
+gzip file, rewritten after every compiled variant, so that a compiled profile's kernel names can
+be read against what each kernel reads and writes, afterwards and on any machine.
 
 Time: the whole run is printed as an estimate first (about 9 minutes on an H100, most of it
 Inductor compiling each block kind once, and the attention blocks again for selective
@@ -89,7 +93,7 @@ import torch.nn.attention
 
 from bench.attention_kernels import measure as measure_attention_kernels
 from bench.compile import graphs_compiled
-from bench.profiling import profile_step
+from bench.profiling import profile_step, save_inductor_code
 from bench.timing import synchronize
 from bench.reference_gpt import ReferenceGPT, ReferenceTrainer
 from bench.train_throughput import write_random_corpus
@@ -500,6 +504,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run of the script, on CPU)")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP", help="after timing each variant, profile "
                         "one more step and keep its TOP operators by device time in the JSON (default 0: none)")
+    parser.add_argument("--inductor-code", type=Path, default=None, metavar="FILE", help="write the code Inductor "
+                        "generated for the compiled variants to this gzip file (give the run a fresh "
+                        "TORCHINDUCTOR_CACHE_DIR: modules taken from an old cache are not included)")
     args = parser.parse_args(argv)
     for flag, allowed in choices.items():
         picked = [item.strip() for item in getattr(args, flag).split(",") if item.strip()]
@@ -549,9 +556,14 @@ def main(argv: list[str] | None = None) -> int:
           f"TFLOP/s ({header['peak_source']})", file=sys.stderr, flush=True)
     report, recorded = Report(args.out, header, args.fresh), []
 
+    started = time.time()
+
     def record(entry: dict) -> None:
         recorded.append(entry)
         report.record(entry)
+        if args.inductor_code and entry.get("compile"):
+            modules = save_inductor_code(args.inductor_code, started)
+            print(f"gpu_throughput: {modules} generated module(s) in {args.inductor_code}", file=sys.stderr, flush=True)
     variants = [(compile == "on", recompute) for compile in args.compile for recompute in args.recompute]
     with tempfile.TemporaryDirectory() as directory:
         workdir = Path(directory)

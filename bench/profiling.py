@@ -1,9 +1,21 @@
 """One step under ``torch.profiler``, summed up: the operators that took the most device time and
 the parts of the step (loss head, optimizer, attention) each with what it called. Shared by
 ``bench.gpu_throughput --profile`` (meshlm's step beside the plain loop's) and
-``bench.low_precision --profile`` (an FP8 step beside a bf16 one)."""
+``bench.low_precision --profile`` (an FP8 step beside a bf16 one).
+
+Under ``train.compile`` most of a profile's names are Inductor's generated kernels
+(``triton_poi_fused_..._36``), which say what they fuse but not what they read and write.
+``save_inductor_code`` keeps the Python modules Inductor generated in the run -- every kernel's
+source, the buffers it is called with and their sizes -- in one file, so that a profile taken on
+a lent GPU can be read against them afterwards, on any machine."""
 
 from __future__ import annotations
+
+import gzip
+import os
+import tempfile
+import time
+from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
@@ -77,4 +89,44 @@ def matches(mark: str, key: str) -> bool:
     return key.startswith(mark[:-1]) if mark.endswith("*") else key == mark
 
 
-__all__ = ["PROFILE_REGIONS", "matches", "profile_step", "region_times"]
+def inductor_cache_dir() -> Path:
+    """Where Inductor writes its generated modules in this process (``TORCHINDUCTOR_CACHE_DIR``, or
+    its default under the temporary directory)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        return Path(cache_dir())
+    except ImportError:  # older layouts: the documented variable, else Inductor's default
+        default = Path(tempfile.gettempdir()) / f"torchinductor_{os.environ.get('USER', 'user')}"
+        return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", default))
+
+
+def save_inductor_code(path: Path, since: float, root: Path | None = None) -> int:
+    """Write every graph module Inductor generated since ``since`` (a ``time.time()``) under
+    ``root`` (default: this process's cache directory) into one gzip text file at ``path``, each
+    headed by its file name, oldest first; returns how many. A graph module is a generated
+    ``.py`` that defines ``call`` (the kernels in launch order, with the buffers they get); the
+    kernels' own sources are in it. Written to a temporary name and renamed, so an interrupted
+    write leaves no half file. A module Inductor took from its cache instead of generating is
+    older than ``since`` and not included: give the run a fresh ``TORCHINDUCTOR_CACHE_DIR``."""
+    root = root or inductor_cache_dir()
+    modules = []
+    for candidate in root.rglob("*.py") if root.is_dir() else ():
+        try:
+            modified = candidate.stat().st_mtime
+            if modified >= since and "def call(" in candidate.read_text(errors="replace"):
+                modules.append((modified, candidate))
+        except OSError:  # removed while we looked
+            continue
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with gzip.open(partial, "wt") as out:
+        out.write(f"# Inductor's generated graph modules, {len(modules)} of them, from {root} "
+                  f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__})\n")
+        for _, module in sorted(modules):
+            out.write(f"\n# ===== {module.relative_to(root)}\n")
+            out.write(module.read_text(errors="replace"))
+    os.replace(partial, path)
+    return len(modules)
+
+
+__all__ = ["PROFILE_REGIONS", "inductor_cache_dir", "matches", "profile_step", "region_times", "save_inductor_code"]

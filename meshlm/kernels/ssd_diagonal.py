@@ -32,7 +32,7 @@ Backward (same tiling, recomputing scores and decays):
   gradient dS of each chunk's state st = (w o u)^T B (w = exp(cs_end - cs)), also that state's
   backward at s: du[s] += w[s] B[s] dS^T, dB[s] += sum_h (w o u)[s] dS and its weight term;
 - ``_diagonal_backward_targets``: per target tile l, dC[l] = sum_h sum_s (dM o L)[l, s] B[s] and
-  rowsum_l(dM o M); given the entering states H and dy in fp32, also the off-diagonal blocks'
+  rowsum_l(dM o M); given the entering states H, also the off-diagonal blocks'
   parts, dC[l] += sum_h (e o dy)[l] H and d cs[l] += sum_p (e o dy)[l] o (C[l] H^T), e = exp(cs).
 
 A backward program owns one tile of one B/C group and walks the group's heads, so dB and dC are
@@ -41,7 +41,10 @@ are read, they would be heads/groups times B's size in fp32 (8 x at Nemotron-H's
 groups: 2 GB a layer at 8 x 4096 tokens, written and read again to sum them). The decay gradient
 comes as rowsum - colsum on cs (the adjoint of cs[l] - cs[s]). Everything accumulates in fp32; u, B, C
 and dy enter the dot products in their own dtype (bf16 in a bf16 run); fp32 tiles multiply in
-TF32 only where the run allows TF32 (``_dot_precision``).
+TF32 only where the run allows TF32 (``_dot_precision``). The output y is written in the run's
+dtype, as ``mamba_ssm`` writes it, and its gradient dy comes in it: in a bf16 run the layer's
+largest activation ([b, t, heads x head_dim]) and its gradient are half the bytes of fp32 ones,
+written once and read by every kernel of the backward.
 
 Tensors are laid out as the PyTorch path lays them out: u, dy [b, h, c, Q, P]; B, C
 [b, g, c, Q, N]; cs [b, h, c, Q] (fp32); all contiguous. The kernels need Q, P and N of at least
@@ -157,7 +160,8 @@ if triton is not None:
             states = tl.load(states_base + p[:, None] * N + n[None, :])  # [P, N] fp32
             read = tl.dot(c_rows, tl.trans(states), input_precision=DOT)
             acc += read * tl.exp(tl.load(cs_base + rows))[:, None]
-        tl.store(y_ptr + block_id * Q * P + rows[:, None] * P + p[None, :], acc)
+        # accumulated in fp32, written once in the run's dtype (as mamba_ssm's chunk_scan writes it)
+        tl.store(y_ptr + block_id * Q * P + rows[:, None] * P + p[None, :], acc.to(y_ptr.dtype.element_ty))
 
     @triton.jit
     def _head_block(group_block, head_in_group, heads_per_group, heads, groups, chunks):
@@ -210,7 +214,7 @@ if triton is not None:
         tl.store(dB_ptr + group_block * Q * N + cols[:, None] * N + n[None, :], grad_B)
 
     @triton.jit
-    def _diagonal_backward_targets(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, H_ptr, dy_states_ptr, dC_ptr, rowsum_ptr,
+    def _diagonal_backward_targets(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, H_ptr, dC_ptr, rowsum_ptr,
                                    heads_per_group, heads, groups, chunks, state_slots,
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
                                    MIN_DECAY: tl.constexpr, DOT: tl.constexpr, HAS_STATES: tl.constexpr):
@@ -232,9 +236,8 @@ if triton is not None:
                 b_cols = tl.load(B_base + cols[:, None] * N + n[None, :])
                 grad_C += tl.dot((grad_masked * decay).to(b_cols.dtype), b_cols, input_precision=DOT)
                 rowsum += tl.sum(grad_masked * masked, axis=1)
-            if HAS_STATES:  # the off-diagonal blocks y[l] += exp(cs[l]) C[l] H^T, with dy in fp32
-                decayed = (tl.load(dy_states_ptr + block_id * Q * P + rows[:, None] * P + p[None, :])
-                           * tl.exp(tl.load(cs_base + rows))[:, None])  # [rows x P]: e o dy
+            if HAS_STATES:  # the off-diagonal blocks y[l] += exp(cs[l]) C[l] H^T
+                decayed = dy_rows.to(tl.float32) * tl.exp(tl.load(cs_base + rows))[:, None]  # [rows x P]: e o dy
                 states = tl.load(H_ptr + _state_block(block_id, chunks, state_slots) * P * N
                                  + p[:, None] * N + n[None, :])  # [P, N] fp32
                 grad_C += tl.dot(decayed, states, input_precision=DOT)
@@ -378,7 +381,7 @@ def tuned_choices() -> dict[str, str | None]:
 
 
 def _require_fp32_contiguous(**tensors: torch.Tensor | None) -> None:
-    """dy in fp32 is read as one flat contiguous fp32 block; None is an operand not given."""
+    """States are read as flat contiguous fp32 blocks; None is an operand not given."""
     for name, tensor in tensors.items():
         if tensor is not None and (tensor.dtype != torch.float32 or not tensor.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous fp32 tensor")
@@ -412,13 +415,14 @@ def _layout(u: torch.Tensor, B: torch.Tensor) -> tuple[int, ...]:
 def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
                      start_states: torch.Tensor | None = None, tile: int | None = None,
                      warps: int | None = None) -> torch.Tensor:
-    """y [b, h, c, Q, P] fp32 = (C B^T o L) u per chunk and head (module docstring), plus, given the
+    """y [b, h, c, Q, P] = (C B^T o L) u per chunk and head (module docstring), accumulated in fp32
+    and written in u's dtype, plus, given the
     states entering each chunk ``start_states`` [b, h, c, P, N] (fp32; contiguous, or c consecutive
     slots of a contiguous [b, h, slots, P, N]: ``_state_slots``), the off-diagonal
     blocks exp(cs) C H^T: the scan's whole output in one write. ``tile`` and ``warps`` fix the score
     tile's rows and the warps (default: tuned on CUDA, ``BLOCK`` and 4 elsewhere; ``kernel_choices``)."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
-    y = torch.empty(u.shape, dtype=torch.float32, device=u.device)
+    y = torch.empty_like(u)
     slots = _state_slots("start_states", start_states, chunks)
     _launch(_diagonal_forward, _diagonal_forward_tuned, batch * heads * chunks, chunk, tile, warps, u.is_cuda,
             u, C, B, cs, y if start_states is None else start_states, y, heads // groups, heads, groups, chunks,
@@ -456,16 +460,17 @@ def entering_states_backward(dy: torch.Tensor, C: torch.Tensor, cs: torch.Tensor
                              final_grad: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``entering_states`` and of the off-diagonal blocks y[l] += exp(cs[l]) C[l] H^T
-    through the entering states H: for dy [b, h, c, Q, P] fp32 (contiguous), the entering states
+    through the entering states H: for dy [b, h, c, Q, P] (contiguous; in the run's dtype, e o dy
+    rounded to it as ``_decayed_product`` says, the products in fp32), the entering states
     ``start_states`` (as ``diagonal_forward`` took them) and the final state's gradient ``final_grad``
     [b, h, P, N] (fp32, contiguous; None: 0), returns each chunk state's gradient [b, h, c, P, N],
     the total log-decays' [b, h, c] (fp32, from the recurrence: sum(G o exp(L_c) H_c)) and the
     initial state's [b, h, P, N]. The off-diagonal blocks' own gradient of each H_c, (e o dy)^T C,
     is made and added in registers (it was a [b, h, c, P, N] tensor before the recurrence's matmul)."""
-    if dy.dtype != torch.float32:
-        raise ValueError("entering_states_backward takes dy in fp32")
+    if not dy.is_contiguous() or dy.dtype != C.dtype:
+        raise ValueError(f"entering_states_backward takes dy contiguous in C's dtype ({C.dtype}), got {dy.dtype}")
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(dy, C)
-    _require_fp32_contiguous(dy=dy, final_grad=final_grad)
+    _require_fp32_contiguous(final_grad=final_grad)
     slots = _state_slots("start_states", start_states, chunks)
     tile = _state_tile(state)
     state_grads = torch.empty(batch, heads, chunks, head_dim, state, dtype=torch.float32, device=dy.device)
@@ -481,14 +486,15 @@ def entering_states_backward(dy: torch.Tensor, C: torch.Tensor, cs: torch.Tensor
 
 def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
                       dy: torch.Tensor, start_states: torch.Tensor | None = None,
-                      dy_states: torch.Tensor | None = None, state_grads: torch.Tensor | None = None,
+                      state_grads: torch.Tensor | None = None,
                       tile: int | None = None, warps: int | None = None) -> tuple[torch.Tensor | None, ...]:
-    """Gradients of ``diagonal_forward`` for dy [b, h, c, Q, P] (in u's dtype): du [b, h, c, Q, P],
-    dB and dC per group [b, g, c, Q, N] (B's and C's shape), d cs [b, h, c, Q], all fp32, and
-    the chunk states' weight terms (below; None without ``state_grads``).
+    """Gradients of ``diagonal_forward`` for dy [b, h, c, Q, P] (contiguous, in u's dtype, as the
+    output y is): du [b, h, c, Q, P], dB and dC per group [b, g, c, Q, N] (B's and C's shape),
+    d cs [b, h, c, Q], all fp32, and the chunk states' weight terms (below; None without
+    ``state_grads``).
 
-    Given ``start_states`` (as ``diagonal_forward`` took them) and ``dy_states``, dy in fp32, dC
-    and d cs also hold the off-diagonal blocks' parts, sum_p (e o dy) H and sum_p (e o dy) o (C H^T)
+    Given ``start_states`` (as ``diagonal_forward`` took them), dC and d cs also hold the
+    off-diagonal blocks' parts, sum_p (e o dy) H and sum_p (e o dy) o (C H^T)
     with e = exp(cs); the states' own gradient, sum_l (e o dy)^T C, is left to the caller (a sum
     over the whole chunk, which no tile holds). Given ``state_grads`` [b, h, c, P, N] (fp32), the
     gradient dS of each chunk's state st = (w o u)^T B with w = exp(cs_end - cs): du += w o (B dS^T),
@@ -502,11 +508,10 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     colsum = torch.empty(cs.shape, dtype=torch.float32, device=u.device)
     rowsum = torch.empty_like(colsum)
     has_states = start_states is not None
-    if has_states != (dy_states is not None):
-        raise ValueError("pass start_states and dy_states together (the off-diagonal blocks need both)")
+    if not dy.is_contiguous() or dy.dtype != u.dtype:
+        raise ValueError(f"diagonal_backward takes dy contiguous in u's dtype ({u.dtype}), got {dy.dtype}")
     programs = batch * groups * chunks  # one program per group's tile: it walks the group's heads
     shapes = dict(Q=chunk, P=head_dim, N=state)
-    _require_fp32_contiguous(dy_states=dy_states)
     start_slots = _state_slots("start_states", start_states, chunks)
     grad_slots = _state_slots("state_grads", state_grads, chunks)
     weight_terms = None if state_grads is None else torch.empty_like(colsum)
@@ -515,7 +520,7 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
             colsum if weight_terms is None else weight_terms, heads // groups, heads, groups, chunks, grad_slots,
             HAS_STATE_GRADS=state_grads is not None, **shapes)
     _launch(_diagonal_backward_targets, _diagonal_backward_targets_tuned, programs, chunk, tile, warps, u.is_cuda,
-            u, dy, C, B, cs, start_states if has_states else dy, dy_states if has_states else dy, grad_C, rowsum,
+            u, dy, C, B, cs, start_states if has_states else dy, grad_C, rowsum,
             heads // groups, heads, groups, chunks, start_slots, HAS_STATES=has_states, **shapes)
     return grad_u, grad_B, grad_C, rowsum - colsum, weight_terms
 

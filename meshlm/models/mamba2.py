@@ -156,7 +156,8 @@ class Mamba2Mixer(nn.Module):
 
     def scan(self, x, dt, B, C, state: MambaCache | None, document_ids: torch.Tensor | None = None,
              document_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """The SSM over x [b, t, H, P] (fp32 result), updating the cached state when there is one.
+        """The SSM over x [b, t, H, P] (in x's dtype from ``ssd_fast``, fp32 from the reference scan
+        and the recurrent step; the caller adds the D skip in fp32), updating the cached state when there is one.
         With packed documents (``document_ids``, training only) the state restarts at each one
         (``document_positions``, the tokens' positions in them, serve context parallelism's scan)."""
         A = -torch.exp(self.A_log.float())

@@ -19,7 +19,10 @@ notation of ``ssd.py``) the way the fused kernels of ``mamba_ssm`` do, in PyTorc
   cumulative sum of a from the chunk's start.
 - **Dtypes.** u = dt x, the scores, the masked scores and the diagonal-block product run in
   the inputs' dtype (bf16 in a bf16 run: half the bytes and the fast matmuls); decays, the
-  chunk states and the inter-chunk recurrence are fp32, as is the output y.
+  chunk states and the inter-chunk recurrence are fp32. The output y is summed in fp32 and
+  rounded once to the inputs' dtype, as ``mamba_ssm``'s kernels write it (the mixer adds the D
+  skip and normalizes in fp32): y and its gradient are the layer's largest tensors, [b, t,
+  heads x head_dim], and in bf16 they move half the bytes of fp32 ones.
 - **Backward by hand, with recomputation.** Only the inputs and the fp32 state entering each
   chunk ([b, h, c, p, n]: N/Q of the input's size per token, times 4 bytes) are saved. The
   backward recomputes u, the cumulative decays, the scores and the decay mask one layer at a
@@ -233,7 +236,7 @@ class _ChunkedScan(torch.autograd.Function):
         if not use_kernels:  # the kernels read the chunks' slots in place (ssd_diagonal._state_slots)
             start_states = start_states.contiguous()
 
-        if use_kernels:  # diagonal and off-diagonal blocks in one kernel, y written once
+        if use_kernels:  # diagonal and off-diagonal blocks in one kernel, y written once (in x's dtype)
             tile, warps = kernel_config
             y = _triton_kernels().diagonal_forward(pieces.u, pieces.C, pieces.B, pieces.cs, start_states, tile, warps)
         else:
@@ -241,7 +244,8 @@ class _ChunkedScan(torch.autograd.Function):
             y += pieces.read_states(start_states) * pieces.decay_from_start()[..., None]  # off-diagonal blocks
         ctx.save_for_backward(x, dt, A, B, C, start_states, document_ids)
         ctx.chunk_size, ctx.use_kernels, ctx.kernel_config = chunk_size, use_kernels, kernel_config
-        return _from_per_head_chunks(y, pieces.seq_len).contiguous(), final_state.contiguous()
+        natural = _from_per_head_chunks(y, pieces.seq_len)  # rounded to x's dtype in the same copy
+        return torch.empty(natural.shape, dtype=x.dtype, device=x.device).copy_(natural), final_state.contiguous()
 
     @staticmethod
     def backward(ctx, grad_y, grad_final):
@@ -249,8 +253,9 @@ class _ChunkedScan(torch.autograd.Function):
         pieces = _Pieces(x, dt, A, B, C, ctx.chunk_size, document_ids)
         dtype, compute = pieces.dtype, pieces.compute
         if grad_y is None:
-            grad_y = x.new_zeros(x.shape, dtype=compute)
-        dy = _per_head_chunks(grad_y, ctx.chunk_size, compute)  # [b, h, c, l, p]
+            grad_y = x.new_zeros(x.shape)
+        # [b, h, c, l, p]: the kernels read dy in the run's dtype (y's), the PyTorch path in fp32
+        dy = _per_head_chunks(grad_y, ctx.chunk_size, dtype if ctx.use_kernels else compute)
 
         if ctx.use_kernels:  # the recurrence walked back, adding the off-diagonal blocks' dH on the way
             grad_chunk_states, grad_chunk_log, grad_initial = _triton_kernels().entering_states_backward(
@@ -275,8 +280,7 @@ class _ChunkedScan(torch.autograd.Function):
             # states' backward, in two kernels (meshlm/kernels/ssd_diagonal.py)
             tile, warps = ctx.kernel_config
             grad_u, grad_B, grad_C, grad_cs, weight_terms = _triton_kernels().diagonal_backward(
-                pieces.u, pieces.C, pieces.B, pieces.cs, dy.to(dtype), start_states, dy, grad_chunk_states,
-                tile, warps)
+                pieces.u, pieces.C, pieces.B, pieces.cs, dy, start_states, grad_chunk_states, tile, warps)
             grad_B, grad_C = grad_B.to(compute), grad_C.to(compute)  # summed over each group's heads
             grad_u, grad_cs = grad_u.to(compute), grad_cs.to(compute)
             grad_log_decay = torch.zeros_like(grad_cs)
@@ -325,7 +329,8 @@ def ssd_chunked_scan_fast(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
 
     x [b, t, heads, head_dim] and B, C [b, t, groups, state] in the run dtype (their matmuls run
     in it); dt [b, t, heads] and A [heads] are used in fp32. Returns y [b, t, heads, head_dim]
-    without the D skip and the final state [b, heads, head_dim, state], both fp32 (fp64 for fp64 x).
+    without the D skip, in x's dtype (summed in fp32: module docstring), and the final state
+    [b, heads, head_dim, state] in fp32 (fp64 for fp64 x).
 
     ``use_triton``: compute the diagonal blocks with the Triton kernels of
     ``meshlm/kernels/ssd_diagonal.py`` (True; on CPU tensors they need ``TRITON_INTERPRET=1``), with

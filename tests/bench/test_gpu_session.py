@@ -87,5 +87,21 @@ def test_the_real_plan_runs_each_stage_in_priority_order():
     outs = [each.command[each.command.index("--out") + 1] for each in stages if "--out" in each.command]
     assert len(outs) == len(set(outs))  # no stage overwrites another's file
     for each in stages:  # every bench writes inside the session's folder
-        outs = [each.command[i + 1] for i, word in enumerate(each.command) if word in ("--out", "--plot")]
+        outs = [each.command[i + 1] for i, word in enumerate(each.command)
+                if word in ("--out", "--plot", "--inductor-code")]
         assert all(path.startswith(str(gpu_session.REPO / "runs")) for path in outs), each.name
+    hybrid = stages[1]  # its generated code comes back, generated afresh in a cache of its own
+    code = hybrid.command[hybrid.command.index("--inductor-code") + 1]
+    assert code.endswith(".gz") and code in hybrid.dry_command
+    cache = hybrid.environment["TORCHINDUCTOR_CACHE_DIR"]
+    assert not cache.startswith(str(gpu_session.REPO / "runs"))  # not among the files that come back
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["gpu", "dry-run"])
+def test_a_stage_gets_its_environment_and_its_dry_environment_only_in_a_dry_run(tmp_path, dry_run):
+    code = "import os; print('vars', os.environ.get('EVERYWHERE'), os.environ.get('DRY_ONLY'))"
+    each = Stage("vars", 14, 5, [sys.executable, "-c", code], [sys.executable, "-c", code],
+                 dry_environment={"DRY_ONLY": "dry"}, environment={"EVERYWHERE": "both"})
+    record = gpu_session.run_stage(each, each.command, 30, tmp_path / "session.log", dry_run)
+    assert record["status"] == "passed"
+    assert record["tail"][-1] == ("vars both dry" if dry_run else "vars both None")

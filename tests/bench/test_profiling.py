@@ -1,5 +1,7 @@
 """bench/profiling.py: one step under torch.profiler, its top operators and the parts of the step."""
 
+import gzip
+import os
 import time
 
 import torch
@@ -8,7 +10,7 @@ from types import SimpleNamespace
 
 from torch.autograd import DeviceType
 
-from bench.profiling import matches, profile_step, region_times
+from bench.profiling import matches, profile_step, region_times, save_inductor_code
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 
@@ -52,3 +54,28 @@ def test_an_eager_hybrid_step_is_split_into_its_parts():
     assert set(profile["regions_ms"]) == {"loss_head", "optimizer", "attention", "ssd_scan", "mamba_conv", "gated_norm"}
     assert all(0 < ms <= wall_ms for ms in profile["regions_ms"].values()), (profile["regions_ms"], wall_ms)
     assert len(profile["top"]) == 4 and profile["measured"] == "self_cpu_time_total"
+
+
+def test_inductor_code_keeps_the_graph_modules_generated_in_the_run(tmp_path):
+    """Generated graph modules (they define ``call``) written since the run began, oldest first, in
+    one gzip file; not a module from an older run, nor a kernel file without ``call``."""
+    root, started = tmp_path / "cache", time.time()
+    modules = {"ab/old.py": "def call(args):\n    old_kernel.run()\n",
+               "cd/first.py": "triton_poi_fused_mul_0 = async_compile.triton('...')\ndef call(args):\n    pass\n",
+               "ef/second.py": "class Runner:\n    def call(self, args):\n        triton_red_fused_sum_1.run()\n",
+               "gh/kernel.py": "@triton.jit\ndef triton_poi_fused_mul_0(in_ptr0):\n    pass\n"}
+    for offset, (name, text) in enumerate(modules.items()):
+        path = root / name
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+        stamp = started - 3600 if name == "ab/old.py" else started + offset
+        os.utime(path, (stamp, stamp))
+    out = tmp_path / "out" / "inductor.py.gz"
+    assert save_inductor_code(out, started, root) == 2
+    with gzip.open(out, "rt") as handle:
+        text = handle.read()
+    assert text.startswith("# Inductor's generated graph modules, 2 of them")
+    assert text.index("# ===== cd/first.py") < text.index("triton_poi_fused_mul_0") < text.index("# ===== ef/second.py")
+    assert "old_kernel" not in text and "@triton.jit" not in text
+    assert os.listdir(out.parent) == ["inductor.py.gz"]  # written under another name, then renamed
+    assert save_inductor_code(out, started, tmp_path / "missing") == 0  # nothing compiled: an empty record

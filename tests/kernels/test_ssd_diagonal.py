@@ -72,8 +72,8 @@ def test_forward_adds_the_off_diagonal_blocks_of_the_entering_states(chunk, tile
 
 @pytest.mark.parametrize("chunk,tile", TILINGS)
 def test_backward_adds_the_off_diagonal_parts_of_dC_and_dcs(chunk, tile):
-    """With the entering states and dy in fp32 the kernels' dC and d cs are those of the diagonal
-    plus off-diagonal output (the states' own gradient is the caller's); du and dB are unchanged."""
+    """Given the entering states, the kernels' dC and d cs are those of the diagonal plus
+    off-diagonal output (the states' own gradient is the caller's); du and dB are unchanged."""
     u, C, B, cs = random_inputs(chunk, seed=7)
     heads, groups = u.shape[1], B.shape[1]
     states = torch.randn(*u.shape[:3], u.shape[-1], B.shape[-1], generator=torch.Generator().manual_seed(8)).to(DEVICE)
@@ -82,11 +82,12 @@ def test_backward_adds_the_off_diagonal_parts_of_dC_and_dcs(chunk, tile):
     u_, C_, B_, cs_ = leaves
     off_diagonal = cs_.exp()[..., None] * (C_.repeat_interleave(heads // groups, dim=1) @ states.transpose(-1, -2))
     expected = torch.autograd.grad(((diagonal_reference(*leaves) + off_diagonal) * dy).sum(), leaves)
-    actual = kernels.diagonal_backward(u, C, B, cs, dy, states, dy.contiguous(), tile=tile)[:4]
+    actual = kernels.diagonal_backward(u, C, B, cs, dy, states, tile=tile)[:4]
     for name, got, want in zip(("du", "dB", "dC", "dcs"), actual, (expected[0], expected[2], expected[1], expected[3])):
         torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
-    with pytest.raises(ValueError, match="pass start_states and dy_states together"):
-        kernels.diagonal_backward(u, C, B, cs, dy, states, tile=tile)
+    with pytest.raises(ValueError, match=r"diagonal_backward takes dy contiguous in u's dtype \(torch.float32\), "
+                                         "got torch.bfloat16"):
+        kernels.diagonal_backward(u, C, B, cs, dy.bfloat16(), states, tile=tile)
 
 
 @pytest.mark.parametrize("chunk,tile", TILINGS)
@@ -108,11 +109,11 @@ def test_backward_adds_the_chunk_states_backward(chunk, tile):
     chunk_states = weighted_u.transpose(-1, -2) @ B_heads  # [b, h, c, P, N]
     expected = torch.autograd.grad((output * dy).sum() + (chunk_states * state_grads).sum(), leaves)
     grad_u, grad_B, grad_C, grad_cs, weight_terms = kernels.diagonal_backward(
-        u, C, B, cs, dy, states, dy.contiguous(), state_grads, tile=tile)
+        u, C, B, cs, dy, states, state_grads, tile=tile)
     # the recurrence's slots read in place: the entering states before the final one, the chunk
     # states' gradients after the initial state's (ssd_fast)
     entering, total = (torch.cat([tensor, tensor[:, :, :1]], dim=2) for tensor in (states, state_grads))
-    in_place = kernels.diagonal_backward(u, C, B, cs, dy, entering[:, :, :-1], dy.contiguous(),
+    in_place = kernels.diagonal_backward(u, C, B, cs, dy, entering[:, :, :-1],
                                          torch.cat([total[:, :, -1:], state_grads], dim=2)[:, :, 1:], tile=tile)
     for got, want in zip(in_place, (grad_u, grad_B, grad_C, grad_cs, weight_terms)):
         assert torch.equal(got, want)
@@ -161,12 +162,15 @@ def test_entering_states_are_the_recurrence_of_the_chunk_states(chunk, state, dt
 
 
 @pytest.mark.parametrize("chunk,state", STATE_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_final", [False, True], ids=["no-final-gradient", "final-gradient"])
-def test_entering_states_backward_is_autograds(chunk, state, with_final):
+def test_entering_states_backward_is_autograds(chunk, state, dtype, with_final):
     """Through the recurrence H_{c+1} = exp(L_c) H_c + st_c and the off-diagonal blocks
     y = exp(cs) o (C H_c^T) (what reaches the entering states), the gradients autograd gives each
-    chunk's own state st_c, each total log-decay L_c and the initial state; dy in fp32 only, the
-    entering states read in place from the recurrence's c + 1 slots."""
+    chunk's own state st_c, each total log-decay L_c and the initial state, the entering states
+    read in place from the recurrence's c + 1 slots. dy and C come in the run's dtype: in bf16
+    (e o dy rounded to it, as the forward rounds w o u) within bf16 rounding of the fp32 gradients
+    of the same bf16 values."""
     u, C, B, cs = random_inputs(chunk, state=state, seed=13, chunks=3)
     heads, groups = u.shape[1], B.shape[1]
     generator = torch.Generator().manual_seed(14)
@@ -174,17 +178,25 @@ def test_entering_states_backward_is_autograds(chunk, state, with_final):
     own = torch.randn(states_shape, generator=generator).to(DEVICE).requires_grad_()
     initial = torch.randn(*u.shape[:2], *states_shape[3:], generator=generator).to(DEVICE).requires_grad_()
     log_decays = cs[..., -1].clone().requires_grad_()
-    dy = torch.randn(u.shape, generator=generator).to(DEVICE)
+    dy = torch.randn(u.shape, generator=generator).to(DEVICE, dtype)
+    C = C.to(dtype)
     final_grad = torch.randn(initial.shape, generator=generator).to(DEVICE) if with_final else None
     slots = recurrence(own, log_decays, initial)
-    off_diagonal = cs.exp()[..., None] * (C.repeat_interleave(heads // groups, dim=1) @ slots[:, :, :-1].transpose(-1, -2))
-    loss = (off_diagonal * dy).sum() + ((slots[:, :, -1] * final_grad).sum() if with_final else 0)
+    C_heads = C.float().repeat_interleave(heads // groups, dim=1)
+    off_diagonal = cs.exp()[..., None] * (C_heads @ slots[:, :, :-1].transpose(-1, -2))
+    loss = (off_diagonal * dy.float()).sum() + ((slots[:, :, -1] * final_grad).sum() if with_final else 0)
     expected = torch.autograd.grad(loss, (own, log_decays, initial))
     actual = kernels.entering_states_backward(dy, C, cs, slots.detach()[:, :, :-1], final_grad)
     for name, got, want in zip(("d st", "d L", "d initial"), actual, expected):
-        torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
-    with pytest.raises(ValueError, match="entering_states_backward takes dy in fp32"):
-        kernels.entering_states_backward(dy.bfloat16(), C, cs, slots.detach()[:, :, :-1])
+        assert got.dtype == torch.float32, name
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
+        else:
+            assert relative_error(got, want) <= BF16_RELATIVE_ERROR, (name, relative_error(got, want))
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match=rf"entering_states_backward takes dy contiguous in C's dtype \({dtype}\), "
+                                         rf"got {other}"):
+        kernels.entering_states_backward(dy.to(other), C, cs, slots.detach()[:, :, :-1])
 
 
 @pytest.mark.parametrize("chunk,tile", TILINGS)
@@ -215,18 +227,25 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_bf16_operands_stay_within_bf16_rounding_of_the_fp32_reference(chunk):
+    """A bf16 run's path: u, C, B and dy in bf16, the entering states fp32; y comes out in bf16."""
     u, C, B, cs = (tensor.bfloat16() if index < 3 else tensor for index, tensor in enumerate(random_inputs(chunk, seed=3)))
+    heads, groups = u.shape[1], B.shape[1]
     assert kernels.supported(chunk, 16, 16, u.dtype)
-    dy = torch.randn(u.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
+    generator = torch.Generator().manual_seed(4)
+    dy = torch.randn(u.shape, generator=generator).to(DEVICE, torch.bfloat16)
+    states = torch.randn(*u.shape[:3], u.shape[-1], B.shape[-1], generator=generator).to(DEVICE)
     leaves = [tensor.float().requires_grad_() for tensor in (u, C, B, cs)]
-    expected_y = diagonal_reference(*leaves)
+    off_diagonal = leaves[3].exp()[..., None] * (leaves[1].repeat_interleave(heads // groups, dim=1)
+                                                 @ states.transpose(-1, -2))
+    expected_y = diagonal_reference(*leaves) + off_diagonal
     expected_u, expected_C, expected_B, expected_cs = torch.autograd.grad((expected_y * dy.float()).sum(), leaves)
-    y = kernels.diagonal_forward(u, C, B, cs)
-    grad_u, grad_B, grad_C, grad_cs, _ = kernels.diagonal_backward(u, C, B, cs, dy)
+    y = kernels.diagonal_forward(u, C, B, cs, states)
+    assert y.dtype == torch.bfloat16
+    grad_u, grad_B, grad_C, grad_cs, _ = kernels.diagonal_backward(u, C, B, cs, dy, states)
     pairs = {"y": (y, expected_y), "du": (grad_u, expected_u), "dB": (grad_B, expected_B),
              "dC": (grad_C, expected_C), "dcs": (grad_cs, expected_cs)}
     for name, (actual, expected) in pairs.items():
-        assert actual.dtype == torch.float32, name
+        assert name == "y" or actual.dtype == torch.float32, name
         assert relative_error(actual, expected.detach()) <= BF16_RELATIVE_ERROR, (name, relative_error(actual, expected))
 
 
