@@ -62,14 +62,14 @@ def plan(args) -> list[tuple[str, object, dict, dict, int]]:
     shape = {"Q": args.chunk, "P": args.head_dim, "N": args.state, "MIN_DECAY": SSD_MIN_LOG_DECAY, "DOT": "tf32"}
     diagonal = {
         "forward": (kernels._diagonal_forward, {"u_ptr": run, "C_ptr": run, "B_ptr": run, "cs_ptr": fp32,
-                                                "H_ptr": fp32, "y_ptr": run}, {"HAS_STATES": True}),
+                                                "H_ptr": run, "y_ptr": run}, {"HAS_STATES": True}),
         "backward_sources": (kernels._diagonal_backward_sources,
                              {"u_ptr": run, "dy_ptr": run, "C_ptr": run, "B_ptr": run, "cs_ptr": fp32,
-                              "dS_ptr": fp32, "du_ptr": fp32, "dB_ptr": fp32, "colsum_ptr": fp32,
+                              "dS_ptr": run, "du_ptr": fp32, "dB_ptr": fp32, "colsum_ptr": fp32,
                               "weight_terms_ptr": fp32}, {"HAS_STATE_GRADS": True}),
         "backward_targets": (kernels._diagonal_backward_targets,
                              {"u_ptr": run, "dy_ptr": run, "C_ptr": run, "B_ptr": run, "cs_ptr": fp32,
-                              "H_ptr": fp32, "dC_ptr": fp32, "rowsum_ptr": fp32},
+                              "H_ptr": run, "dC_ptr": fp32, "rowsum_ptr": fp32},
                              {"HAS_STATES": True}),
     }
     builds = [(f"{name} tile {tile} warps {warps}", kernel, types, {**shape, **flags, "TILE": tile}, warps)
@@ -78,12 +78,12 @@ def plan(args) -> list[tuple[str, object, dict, dict, int]]:
     passing = {"Q": args.chunk, "P": args.head_dim, "N": args.state, "N_TILE": kernels._state_tile(args.state),
                "DOT": "tf32", "TILE": kernels._tile(args.chunk)}
     builds.append((f"entering_states warps {kernels.STATE_PASSING_WARPS}", kernels._entering_states_kernel,
-                   {"u_ptr": run, "B_ptr": run, "cs_ptr": fp32, "initial_ptr": fp32, "out_ptr": fp32},
+                   {"u_ptr": run, "B_ptr": run, "cs_ptr": fp32, "initial_ptr": fp32, "out_ptr": run, "final_ptr": fp32},
                    {**passing, "HAS_INITIAL": True}, kernels.STATE_PASSING_WARPS))
     builds.append((f"entering_states_backward warps {kernels.STATE_PASSING_WARPS}",
                    kernels._entering_states_backward_kernel,
-                   {"dy_ptr": run, "C_ptr": run, "cs_ptr": fp32, "H_ptr": fp32, "final_grad_ptr": fp32,
-                    "state_grads_ptr": fp32, "log_terms_ptr": fp32, "initial_grad_ptr": fp32},
+                   {"dy_ptr": run, "C_ptr": run, "cs_ptr": fp32, "H_ptr": run, "final_grad_ptr": fp32,
+                    "state_grads_ptr": run, "log_terms_ptr": fp32, "initial_grad_ptr": fp32},
                    {**passing, "HAS_FINAL_GRAD": True}, kernels.STATE_PASSING_WARPS))
     return builds
 

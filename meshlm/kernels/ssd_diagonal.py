@@ -14,13 +14,15 @@ exp(cs[l] - cs[s]) from the in-chunk cumulative sums (exponents clamped at -80, 
 path), so with very strong decays it is less precise than the PyTorch path's segment sums.
 
 The forward also adds the off-diagonal blocks when given the state H [P x N] entering each chunk
-(fp32): y[l] += exp(cs[l]) C[l] H^T, so the scan's output is written once, not written by this
+(in the run's dtype, or fp32): y[l] += exp(cs[l]) C[l] H^T, so the scan's output is written once, not written by this
 kernel and then read, added to and written again (``mamba_ssm``'s ``chunk_scan`` does the same).
 
 ``_entering_states_kernel`` passes the state from chunk to chunk, a program per (batch, head, columns)
 walking the chunks in order: H_{c+1} = exp(L_c) H_c + st_c, with each chunk's own state
 st_c = (w o u)^T B, w = exp(cs_end - cs) (``mamba_ssm``'s ``chunk_state`` and ``state_passing``
-in one), so st_c never leaves registers. ``_entering_states_backward_kernel`` walks them back:
+in one), so st_c never leaves registers; the running state is fp32 and the entering states are
+stored in the run's dtype, as ``mamba_ssm`` stores them for its ``chunk_scan`` (the final state
+in fp32). ``_entering_states_backward_kernel`` walks them back:
 the gradient of each chunk's state, of the chunks' total decays, and of the initial state, adding
 on the way each entering state's gradient from the off-diagonal blocks, dH = (e o dy)^T C with
 e = exp(cs).
@@ -155,9 +157,9 @@ if triton is not None:
             acc += tl.dot(masked.to(u_tile.dtype), u_tile, input_precision=DOT)
         if HAS_STATES:  # the off-diagonal blocks: exp(cs[l]) C[l] H^T, H the state entering the chunk
             n = tl.arange(0, N)
-            c_rows = tl.load(C_base + rows[:, None] * N + n[None, :]).to(tl.float32)
             states_base = H_ptr + _state_block(block_id, chunks, state_slots) * P * N
-            states = tl.load(states_base + p[:, None] * N + n[None, :])  # [P, N] fp32
+            states = tl.load(states_base + p[:, None] * N + n[None, :])  # [P, N], the run's dtype (or fp32)
+            c_rows = tl.load(C_base + rows[:, None] * N + n[None, :]).to(states.dtype)
             read = tl.dot(c_rows, tl.trans(states), input_precision=DOT)
             acc += read * tl.exp(tl.load(cs_base + rows))[:, None]
         # accumulated in fp32, written once in the run's dtype (as mamba_ssm's chunk_scan writes it)
@@ -201,11 +203,11 @@ if triton is not None:
                 weights = tl.exp(tl.load(cs_base + Q - 1) - tl.load(cs_base + cols))
                 weighted_u = u_cols.to(tl.float32) * weights[:, None]  # [cols x P]
                 grad_states = tl.load(dS_ptr + _state_block(block_id, chunks, state_slots) * P * N
-                                      + p[:, None] * N + n[None, :])  # [P, N] fp32
-                b_cols = tl.load(B_base + cols[:, None] * N + n[None, :]).to(tl.float32)
+                                      + p[:, None] * N + n[None, :])  # [P, N], the run's dtype (or fp32)
+                b_cols = tl.load(B_base + cols[:, None] * N + n[None, :]).to(grad_states.dtype)
                 b_states = tl.dot(b_cols, tl.trans(grad_states), input_precision=DOT)  # [cols x P]: B dS^T
                 grad_u += b_states * weights[:, None]
-                grad_B += tl.dot(weighted_u, grad_states, input_precision=DOT)
+                grad_B += tl.dot(weighted_u.to(grad_states.dtype), grad_states, input_precision=DOT)
                 weight_terms = tl.sum(weighted_u * b_states, axis=1)  # d w o w, per position
                 colsum += weight_terms  # d cs = rowsum - colsum: - d w o w at every position ...
                 tl.store(weight_terms_ptr + block_id * Q + cols, weight_terms)  # ... + their sum at the end (caller)
@@ -239,10 +241,10 @@ if triton is not None:
             if HAS_STATES:  # the off-diagonal blocks y[l] += exp(cs[l]) C[l] H^T
                 decayed = dy_rows.to(tl.float32) * tl.exp(tl.load(cs_base + rows))[:, None]  # [rows x P]: e o dy
                 states = tl.load(H_ptr + _state_block(block_id, chunks, state_slots) * P * N
-                                 + p[:, None] * N + n[None, :])  # [P, N] fp32
-                grad_C += tl.dot(decayed, states, input_precision=DOT)
+                                 + p[:, None] * N + n[None, :])  # [P, N], the run's dtype (or fp32)
+                grad_C += tl.dot(decayed.to(states.dtype), states, input_precision=DOT)
                 # C H^T after the dC product, not beside it: both at once spill (bench.ssd_kernel_build)
-                c_rows = tl.load(C_base + rows[:, None] * N + n[None, :]).to(tl.float32)
+                c_rows = tl.load(C_base + rows[:, None] * N + n[None, :]).to(states.dtype)
                 read = tl.dot(c_rows, tl.trans(states), input_precision=DOT)  # [rows x P]: C H^T
                 rowsum += tl.sum(decayed * read, axis=1)  # the off-diagonal part of d cs
             tl.store(rowsum_ptr + block_id * Q + rows, rowsum)
@@ -285,24 +287,26 @@ if triton is not None:
         return head_row, n, offsets, start
 
     @triton.jit
-    def _entering_states_kernel(u_ptr, B_ptr, cs_ptr, initial_ptr, out_ptr, heads_per_group, heads, groups, chunks,
-                                Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, N_TILE: tl.constexpr,
-                                TILE: tl.constexpr, DOT: tl.constexpr, HAS_INITIAL: tl.constexpr):
+    def _entering_states_kernel(u_ptr, B_ptr, cs_ptr, initial_ptr, out_ptr, final_ptr, heads_per_group, heads,
+                                groups, chunks, Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                                N_TILE: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr,
+                                HAS_INITIAL: tl.constexpr):
         """The states entering each chunk of one (batch, head), columns ``n`` of them: slot c of
-        out [c + 1, P, N] is H_c, H_0 the initial state (or 0), H_{c+1} = exp(L_c) H_c + st_c with
-        st_c = (w o u_c)^T B_c the chunk's own state and L_c = cs_end its total log-decay; the
-        last slot is the final state. Walks the chunks in order; st_c never leaves registers."""
+        out [c, P, N] is H_c (rounded to out's dtype), H_0 the initial state (or 0), H_{c+1} =
+        exp(L_c) H_c + st_c with st_c = (w o u_c)^T B_c the chunk's own state and L_c = cs_end its
+        total log-decay; the final state H_c goes to ``final`` in fp32. Walks the chunks in order,
+        the running state in fp32 (rounding a stored copy never feeds back); st_c never leaves registers."""
         head_row, n, offsets, running = _state_columns(initial_ptr, P, N, N_TILE, HAS_INITIAL)
-        out_base = out_ptr + head_row.to(tl.int64) * (chunks + 1) * P * N
+        out_base = out_ptr + head_row.to(tl.int64) * chunks * P * N
         for chunk in range(0, chunks):
-            tl.store(out_base + chunk * P * N + offsets, running)
+            tl.store(out_base + chunk * P * N + offsets, running.to(out_ptr.dtype.element_ty))
             block_id = head_row * chunks + chunk
             group_block = _group_block(block_id, heads_per_group, heads, groups, chunks)
             cs_base = cs_ptr + block_id.to(tl.int64) * Q
             own = _decayed_product(u_ptr + block_id.to(tl.int64) * Q * P, B_ptr + group_block.to(tl.int64) * Q * N,
                                    cs_base, n, Q, P, N, N_TILE, TILE, DOT, False)
             running = running * tl.exp(tl.load(cs_base + Q - 1)) + own
-        tl.store(out_base + chunks * P * N + offsets, running)
+        tl.store(final_ptr + head_row.to(tl.int64) * P * N + offsets, running)
 
     @triton.jit
     def _entering_states_backward_kernel(dy_ptr, C_ptr, cs_ptr, H_ptr, final_grad_ptr, state_grads_ptr,
@@ -318,8 +322,8 @@ if triton is not None:
         head_row, n, offsets, grad = _state_columns(final_grad_ptr, P, N, N_TILE, HAS_FINAL_GRAD)
         for step in range(0, chunks):
             block_id = head_row * chunks + chunks - 1 - step
-            tl.store(state_grads_ptr + block_id.to(tl.int64) * P * N + offsets, grad)
-            entering = tl.load(H_ptr + _state_block(block_id, chunks, state_slots) * P * N + offsets)
+            tl.store(state_grads_ptr + block_id.to(tl.int64) * P * N + offsets, grad.to(state_grads_ptr.dtype.element_ty))
+            entering = tl.load(H_ptr + _state_block(block_id, chunks, state_slots) * P * N + offsets).to(tl.float32)
             cs_base = cs_ptr + block_id.to(tl.int64) * Q
             decay = tl.exp(tl.load(cs_base + Q - 1))
             tl.store(log_terms_ptr + block_id.to(tl.int64) * tl.num_programs(1) + tl.program_id(1),
@@ -390,20 +394,26 @@ def _require_fp32_contiguous(**tensors: torch.Tensor | None) -> None:
 def _state_slots(name: str, states: torch.Tensor | None, chunks: int) -> int:
     """How many [P x N] slots per (batch, head) lie between the (batch, head) rows of ``states``
     [b, h, c, P, N] (fp32): c when contiguous; more when they are the first c slots (or any c
-    consecutive ones) of a contiguous [b, h, slots, P, N] tensor, such as the recurrence's
-    output with the final state after the chunks' -- read in place, not copied. None: any."""
+    consecutive ones) of a contiguous [b, h, slots, P, N] tensor, such as the PyTorch recurrence's
+    output with the final state after the chunks' -- read in place, not copied. None: any. In fp32,
+    bf16 or fp16: the kernels multiply them in their own dtype (``STATE_DTYPES``)."""
     if states is None:
         return chunks
     head_dim, state = states.shape[-2:]
     block = head_dim * state
     strides = states.stride()
     slots = strides[1] // block if block else 0
-    if (states.dtype != torch.float32 or states.dim() != 5 or strides[2:] != (block, state, 1)
+    if (states.dtype not in STATE_DTYPES or states.dim() != 5 or strides[2:] != (block, state, 1)
             or strides[1] != slots * block or slots < chunks
             or (states.shape[0] > 1 and strides[0] != states.shape[1] * strides[1])):
-        raise ValueError(f"{name} must be fp32 states [b, h, c, P, N], contiguous or c consecutive slots of a "
-                         "contiguous [b, h, slots, P, N] tensor")
+        raise ValueError(f"{name} must be states [b, h, c, P, N] in fp32, bf16 or fp16, contiguous or c "
+                         "consecutive slots of a contiguous [b, h, slots, P, N] tensor")
     return slots
+
+
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""What the states between chunks and their gradients may be stored in: the run's dtype, as the
+scan's Triton path stores them (``entering_states``), or fp32."""
 
 
 def _layout(u: torch.Tensor, B: torch.Tensor) -> tuple[int, ...]:
@@ -417,8 +427,8 @@ def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torc
                      warps: int | None = None) -> torch.Tensor:
     """y [b, h, c, Q, P] = (C B^T o L) u per chunk and head (module docstring), accumulated in fp32
     and written in u's dtype, plus, given the
-    states entering each chunk ``start_states`` [b, h, c, P, N] (fp32; contiguous, or c consecutive
-    slots of a contiguous [b, h, slots, P, N]: ``_state_slots``), the off-diagonal
+    states entering each chunk ``start_states`` [b, h, c, P, N] (in u's dtype or fp32; contiguous,
+    or c consecutive slots of a contiguous [b, h, slots, P, N]: ``_state_slots``), the off-diagonal
     blocks exp(cs) C H^T: the scan's whole output in one write. ``tile`` and ``warps`` fix the score
     tile's rows and the warps (default: tuned on CUDA, ``BLOCK`` and 4 elsewhere; ``kernel_choices``)."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
@@ -437,23 +447,27 @@ def _state_tile(state: int) -> int:
 
 
 def entering_states(u: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
-                    initial_state: torch.Tensor | None = None) -> torch.Tensor:
-    """The state entering each chunk and the final one, [b, h, c + 1, P, N] fp32: slot 0 the
-    initial state [b, h, P, N] (fp32, contiguous; None: zeros), slot c + 1 = exp(L_c) slot c +
-    st_c with st_c = (w o u_c)^T B_c (w = exp(cs_end - cs), rounded as ``ssd_fast._Pieces`` rounds
-    w and w o u; L_c = cs_end), slot c the final state. One program per (batch, head) and column
+                    initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state entering each chunk, [b, h, c, P, N] in u's dtype, and the final state [b, h, P, N]
+    in fp32: H_0 the initial state [b, h, P, N] (fp32, contiguous; None: zeros), H_{c+1} =
+    exp(L_c) H_c + st_c with st_c = (w o u_c)^T B_c (w = exp(cs_end - cs), rounded as
+    ``ssd_fast._Pieces`` rounds w and w o u; L_c = cs_end). The recurrence runs in fp32; only the
+    stored entering states are rounded, to the dtype the off-diagonal blocks multiply them in (as
+    ``mamba_ssm``'s state passing hands them to its ``chunk_scan``): in bf16 they are half the
+    bytes to write, save for backward and read back. One program per (batch, head) and column
     tile walks the chunks in order, so the chunk states st_c stay in registers: the PyTorch path
     writes them ([b, h, c, P, N] fp32) and reads them back for a matmul with the chunks' decay
     matrix, the same sums in another order."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
-    out = torch.empty(batch, heads, chunks + 1, head_dim, state, dtype=torch.float32, device=u.device)
+    out = torch.empty(batch, heads, chunks, head_dim, state, dtype=u.dtype, device=u.device)
+    final = torch.empty(batch, heads, head_dim, state, dtype=torch.float32, device=u.device)
     _require_fp32_contiguous(initial_state=initial_state)
     tile = _state_tile(state)
     _entering_states_kernel[(batch * heads, state // tile)](
-        u, B, cs, out if initial_state is None else initial_state, out, heads // groups, heads, groups, chunks,
-        Q=chunk, P=head_dim, N=state, N_TILE=tile, TILE=_tile(chunk), DOT=_dot_precision(),
+        u, B, cs, final if initial_state is None else initial_state, out, final, heads // groups, heads, groups,
+        chunks, Q=chunk, P=head_dim, N=state, N_TILE=tile, TILE=_tile(chunk), DOT=_dot_precision(),
         HAS_INITIAL=initial_state is not None, num_warps=STATE_PASSING_WARPS)
-    return out
+    return out, final
 
 
 def entering_states_backward(dy: torch.Tensor, C: torch.Tensor, cs: torch.Tensor, start_states: torch.Tensor,
@@ -463,9 +477,10 @@ def entering_states_backward(dy: torch.Tensor, C: torch.Tensor, cs: torch.Tensor
     through the entering states H: for dy [b, h, c, Q, P] (contiguous; in the run's dtype, e o dy
     rounded to it as ``_decayed_product`` says, the products in fp32), the entering states
     ``start_states`` (as ``diagonal_forward`` took them) and the final state's gradient ``final_grad``
-    [b, h, P, N] (fp32, contiguous; None: 0), returns each chunk state's gradient [b, h, c, P, N],
-    the total log-decays' [b, h, c] (fp32, from the recurrence: sum(G o exp(L_c) H_c)) and the
-    initial state's [b, h, P, N]. The off-diagonal blocks' own gradient of each H_c, (e o dy)^T C,
+    [b, h, P, N] (fp32, contiguous; None: 0), returns each chunk state's gradient [b, h, c, P, N]
+    (in dy's dtype, as ``entering_states`` stores the states; walked back in fp32), the total
+    log-decays' [b, h, c] (fp32, from the recurrence: sum(G o exp(L_c) H_c)) and the initial
+    state's [b, h, P, N] (fp32). The off-diagonal blocks' own gradient of each H_c, (e o dy)^T C,
     is made and added in registers (it was a [b, h, c, P, N] tensor before the recurrence's matmul)."""
     if not dy.is_contiguous() or dy.dtype != C.dtype:
         raise ValueError(f"entering_states_backward takes dy contiguous in C's dtype ({C.dtype}), got {dy.dtype}")
@@ -473,7 +488,7 @@ def entering_states_backward(dy: torch.Tensor, C: torch.Tensor, cs: torch.Tensor
     _require_fp32_contiguous(final_grad=final_grad)
     slots = _state_slots("start_states", start_states, chunks)
     tile = _state_tile(state)
-    state_grads = torch.empty(batch, heads, chunks, head_dim, state, dtype=torch.float32, device=dy.device)
+    state_grads = torch.empty(batch, heads, chunks, head_dim, state, dtype=dy.dtype, device=dy.device)
     log_terms = torch.empty(batch, heads, chunks, state // tile, dtype=torch.float32, device=dy.device)
     initial_grad = torch.empty(batch, heads, head_dim, state, dtype=torch.float32, device=dy.device)
     _entering_states_backward_kernel[(batch * heads, state // tile)](
@@ -496,8 +511,9 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     Given ``start_states`` (as ``diagonal_forward`` took them), dC and d cs also hold the
     off-diagonal blocks' parts, sum_p (e o dy) H and sum_p (e o dy) o (C H^T)
     with e = exp(cs); the states' own gradient, sum_l (e o dy)^T C, is left to the caller (a sum
-    over the whole chunk, which no tile holds). Given ``state_grads`` [b, h, c, P, N] (fp32), the
-    gradient dS of each chunk's state st = (w o u)^T B with w = exp(cs_end - cs): du += w o (B dS^T),
+    over the whole chunk, which no tile holds). Given ``state_grads`` [b, h, c, P, N] (in u's
+    dtype or fp32), the gradient dS of each chunk's state st = (w o u)^T B with
+    w = exp(cs_end - cs): du += w o (B dS^T),
     dB += sum_h (w o u) dS, and d cs -= t with t = sum_p (w o u) o (B dS^T), the weight terms
     returned, whose sum over the chunk the caller adds to each chunk's last d cs. ``tile`` and
     ``warps`` as ``diagonal_forward``'s."""

@@ -50,7 +50,10 @@ the chunks), and the diagonal blocks plus the off-diagonal read in the forward (
 once); in backward the recurrence walked back together with the entering states' gradient from
 the off-diagonal blocks, then the diagonal blocks' gradients together with the off-diagonal parts
 of dC and d cs and the chunk states' backward. No fp32 copy of a per-head tensor is made for a
-matmul, and the kernels read the recurrence's state slots in place.
+matmul. The recurrences run in fp32 inside the kernels; the states entering the chunks and their
+gradients pass from kernel to kernel in the run's dtype, as ``mamba_ssm`` passes them (the final
+state and the initial state's gradient stay fp32): in bf16, half the bytes of the [b, h, c, P, N]
+tensors that are written, saved for backward and read back several times.
 
 **Packed documents** (``document_ids``): the four 0/1 factors of ``ssd.DocumentMasks`` multiply
 the decay mask L, the weights w, the chunk decay matrix and exp(cs_l) of the off-diagonal read,
@@ -220,8 +223,9 @@ class _ChunkedScan(torch.autograd.Function):
         compute = pieces.compute
         batch, heads, head_dim, state_size = pieces.batch, pieces.heads, pieces.head_dim, pieces.state_size
 
-        if use_kernels:  # the chunk states and the recurrence in one pass over the chunks
-            entering = _triton_kernels().entering_states(
+        if use_kernels:  # the chunk states and the recurrence in one pass over the chunks; the
+            # entering states stored in the run's dtype, the final one in fp32
+            start_states, final_state = _triton_kernels().entering_states(
                 pieces.u, pieces.B, pieces.cs, None if initial_state is None else initial_state.to(compute).contiguous())
         else:  # each chunk's state from a zero start, [b, h, c, p, n] fp32
             chunk_states = pieces.chunk_states(pieces.u * pieces.decay_to_end()[..., None].to(pieces.dtype))
@@ -232,9 +236,7 @@ class _ChunkedScan(torch.autograd.Function):
             if initial_state is not None:
                 entering += decay[..., :1] * initial_state.to(compute).flatten(-2)[:, :, None]
             entering = entering.view(batch, heads, -1, head_dim, state_size)
-        start_states, final_state = entering[:, :, :-1], entering[:, :, -1]
-        if not use_kernels:  # the kernels read the chunks' slots in place (ssd_diagonal._state_slots)
-            start_states = start_states.contiguous()
+            start_states, final_state = entering[:, :, :-1].contiguous(), entering[:, :, -1]
 
         if use_kernels:  # diagonal and off-diagonal blocks in one kernel, y written once (in x's dtype)
             tile, warps = kernel_config

@@ -59,8 +59,8 @@ def test_forward_adds_the_off_diagonal_blocks_of_the_entering_states(chunk, tile
     C_heads = C.repeat_interleave(heads // groups, dim=1)
     expected = diagonal_reference(u, C, B, cs) + cs.exp()[..., None] * (C_heads @ states.transpose(-1, -2))
     torch.testing.assert_close(kernels.diagonal_forward(u, C, B, cs, states, tile=tile), expected, **TOLERANCE)
-    with pytest.raises(ValueError, match=r"start_states must be fp32 states \[b, h, c, P, N\], contiguous or c "
-                                         "consecutive slots"):
+    with pytest.raises(ValueError, match=r"start_states must be states \[b, h, c, P, N\] in fp32, bf16 or fp16, "
+                                         "contiguous or c consecutive slots"):
         kernels.diagonal_forward(u, C, B, cs, states.transpose(-1, -2), tile=tile)
     slots = torch.randn(*u.shape[:2], u.shape[2] + 1, u.shape[-1], B.shape[-1],
                         generator=torch.Generator().manual_seed(16)).to(DEVICE)  # the recurrence's c + 1 slots
@@ -139,12 +139,14 @@ STATE_SHAPES = [(16, 16), (64, 16), (16, 128)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_initial", [False, True], ids=["zero-start", "initial-state"])
 def test_entering_states_are_the_recurrence_of_the_chunk_states(chunk, state, dtype, with_initial):
-    """Slot c of the result is the state entering chunk c (slot 0 the initial one, the last the
-    final state): the recurrence over the chunks' own states st = (w o u)^T B, w = exp(cs_end - cs),
+    """Slot c of the result is the state entering chunk c (slot 0 the initial one), and the final
+    state comes apart: the recurrence over the chunks' own states st = (w o u)^T B, w = exp(cs_end - cs),
     with w and w o u rounded to u's dtype as ``ssd_fast._Pieces.chunk_states`` is given them and
-    products in fp32. In bf16 the roundings may differ: the interpreter rounds fp32 to bf16 toward
-    zero (a GPU and PyTorch to nearest), and a GPU's exp may differ from PyTorch's in the last bit,
-    which can move a rounded w by one bf16 step; so bf16 is held to ``BF16_RELATIVE_ERROR``."""
+    products in fp32. The entering states are stored in u's dtype (the recurrence itself runs in
+    fp32: no rounding feeds back), the final state in fp32. In bf16 the roundings may differ: the
+    interpreter rounds fp32 to bf16 toward zero (a GPU and PyTorch to nearest), and a GPU's exp may
+    differ from PyTorch's in the last bit, which can move a rounded w by one bf16 step; so bf16 is
+    held to ``BF16_RELATIVE_ERROR``."""
     u, C, B, cs = random_inputs(chunk, state=state, seed=12, chunks=3)
     u, B = u.to(dtype), B.to(dtype)
     heads, groups = u.shape[1], B.shape[1]
@@ -153,12 +155,15 @@ def test_entering_states_are_the_recurrence_of_the_chunk_states(chunk, state, dt
     weighted = u * torch.exp(cs[..., -1:] - cs)[..., None].to(dtype)
     own = weighted.float().transpose(-1, -2) @ B.float().repeat_interleave(heads // groups, dim=1)
     expected = recurrence(own, cs[..., -1], initial if with_initial else torch.zeros_like(initial))
-    entering = kernels.entering_states(u, B, cs, initial if with_initial else None)
-    assert entering.dtype == torch.float32 and entering.shape == expected.shape
+    entering, final = kernels.entering_states(u, B, cs, initial if with_initial else None)
+    assert entering.dtype == dtype and final.dtype == torch.float32
+    assert entering.shape == expected[:, :, :-1].shape and final.shape == expected[:, :, -1].shape
     if dtype == torch.float32:
-        torch.testing.assert_close(entering, expected, **TOLERANCE)
+        torch.testing.assert_close(entering, expected[:, :, :-1], **TOLERANCE)
+        torch.testing.assert_close(final, expected[:, :, -1], **TOLERANCE)
     else:
-        assert relative_error(entering, expected) <= BF16_RELATIVE_ERROR, relative_error(entering, expected)
+        for name, got, want in (("entering", entering, expected[:, :, :-1]), ("final", final, expected[:, :, -1])):
+            assert relative_error(got, want) <= BF16_RELATIVE_ERROR, (name, relative_error(got, want))
 
 
 @pytest.mark.parametrize("chunk,state", STATE_SHAPES)
@@ -167,10 +172,11 @@ def test_entering_states_are_the_recurrence_of_the_chunk_states(chunk, state, dt
 def test_entering_states_backward_is_autograds(chunk, state, dtype, with_final):
     """Through the recurrence H_{c+1} = exp(L_c) H_c + st_c and the off-diagonal blocks
     y = exp(cs) o (C H_c^T) (what reaches the entering states), the gradients autograd gives each
-    chunk's own state st_c, each total log-decay L_c and the initial state, the entering states
-    read in place from the recurrence's c + 1 slots. dy and C come in the run's dtype: in bf16
-    (e o dy rounded to it, as the forward rounds w o u) within bf16 rounding of the fp32 gradients
-    of the same bf16 values."""
+    chunk's own state st_c, each total log-decay L_c and the initial state. dy, C and the entering
+    states come in the run's dtype, as ``entering_states`` stores them, and so do the chunk states'
+    gradients (d L and d initial in fp32): in bf16 (e o dy rounded to it, as the forward rounds
+    w o u) within bf16 rounding of the fp32 gradients of the same bf16 values; in fp32 the entering
+    states are read in place from the recurrence's c + 1 slots."""
     u, C, B, cs = random_inputs(chunk, state=state, seed=13, chunks=3)
     heads, groups = u.shape[1], B.shape[1]
     generator = torch.Generator().manual_seed(14)
@@ -186,9 +192,12 @@ def test_entering_states_backward_is_autograds(chunk, state, dtype, with_final):
     off_diagonal = cs.exp()[..., None] * (C_heads @ slots[:, :, :-1].transpose(-1, -2))
     loss = (off_diagonal * dy.float()).sum() + ((slots[:, :, -1] * final_grad).sum() if with_final else 0)
     expected = torch.autograd.grad(loss, (own, log_decays, initial))
-    actual = kernels.entering_states_backward(dy, C, cs, slots.detach()[:, :, :-1], final_grad)
-    for name, got, want in zip(("d st", "d L", "d initial"), actual, expected):
-        assert got.dtype == torch.float32, name
+    entering = slots.detach()[:, :, :-1]  # in place in fp32; a bf16 copy as a bf16 run stores it
+    actual = kernels.entering_states_backward(dy, C, cs, entering if dtype == torch.float32 else entering.to(dtype),
+                                              final_grad)
+    for name, got, want, stored in zip(("d st", "d L", "d initial"), actual, expected, (dtype, torch.float32,
+                                                                                       torch.float32)):
+        assert got.dtype == stored, name
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
         else:
@@ -227,21 +236,26 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_bf16_operands_stay_within_bf16_rounding_of_the_fp32_reference(chunk):
-    """A bf16 run's path: u, C, B and dy in bf16, the entering states fp32; y comes out in bf16."""
+    """A bf16 run's path: u, C, B, dy, the entering states and their gradients in bf16 (as
+    ``entering_states`` and its backward store them); y comes out in bf16, the gradients in fp32."""
     u, C, B, cs = (tensor.bfloat16() if index < 3 else tensor for index, tensor in enumerate(random_inputs(chunk, seed=3)))
     heads, groups = u.shape[1], B.shape[1]
     assert kernels.supported(chunk, 16, 16, u.dtype)
     generator = torch.Generator().manual_seed(4)
     dy = torch.randn(u.shape, generator=generator).to(DEVICE, torch.bfloat16)
-    states = torch.randn(*u.shape[:3], u.shape[-1], B.shape[-1], generator=generator).to(DEVICE)
+    states, state_grads = (torch.randn(*u.shape[:3], u.shape[-1], B.shape[-1], generator=generator)
+                           .to(DEVICE, torch.bfloat16) for _ in range(2))
     leaves = [tensor.float().requires_grad_() for tensor in (u, C, B, cs)]
-    off_diagonal = leaves[3].exp()[..., None] * (leaves[1].repeat_interleave(heads // groups, dim=1)
-                                                 @ states.transpose(-1, -2))
-    expected_y = diagonal_reference(*leaves) + off_diagonal
-    expected_u, expected_C, expected_B, expected_cs = torch.autograd.grad((expected_y * dy.float()).sum(), leaves)
+    u_, C_, B_, cs_ = leaves
+    C_heads, B_heads = (tensor.repeat_interleave(heads // groups, dim=1) for tensor in (C_, B_))
+    expected_y = diagonal_reference(*leaves) + cs_.exp()[..., None] * (C_heads @ states.float().transpose(-1, -2))
+    chunk_states = (u_ * torch.exp(cs_[..., -1:] - cs_)[..., None]).transpose(-1, -2) @ B_heads
+    expected_u, expected_C, expected_B, expected_cs = torch.autograd.grad(
+        (expected_y * dy.float()).sum() + (chunk_states * state_grads.float()).sum(), leaves)
     y = kernels.diagonal_forward(u, C, B, cs, states)
     assert y.dtype == torch.bfloat16
-    grad_u, grad_B, grad_C, grad_cs, _ = kernels.diagonal_backward(u, C, B, cs, dy, states)
+    grad_u, grad_B, grad_C, grad_cs, weight_terms = kernels.diagonal_backward(u, C, B, cs, dy, states, state_grads)
+    grad_cs[..., -1] += weight_terms.sum(-1)
     pairs = {"y": (y, expected_y), "du": (grad_u, expected_u), "dB": (grad_B, expected_B),
              "dC": (grad_C, expected_C), "dcs": (grad_cs, expected_cs)}
     for name, (actual, expected) in pairs.items():
