@@ -70,7 +70,7 @@ PROFILE_REGIONS = {
     "attention": ("aten::_scaled_dot_product*",),
     "ssd_scan": ("_ChunkedScan", "_ChunkedScanBackward"),
     "mamba_conv": ("_CausalConvSiLU", "_CausalConvSiLUBackward"),
-    "gated_norm": ("_RecomputedGatedRMSNorm", "_RecomputedGatedRMSNormBackward"),
+    "gated_norm": ("_SkipGatedRMSNorm", "_SkipGatedRMSNormBackward"),
 }
 """Parts of a step whose time ``profile_step`` adds up, each event with everything it called
 (``regions_ms``). A mark is an event's whole name, or its start when it ends in ``*``; no two marks

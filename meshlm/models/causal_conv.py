@@ -42,6 +42,16 @@ def _extended(inputs: torch.Tensor, window: torch.Tensor | None, taps: int) -> t
     return torch.cat((window.to(inputs.dtype), inputs), dim=1)
 
 
+def _extended_again(inputs: torch.Tensor, window: torch.Tensor | None, taps: int) -> torch.Tensor:
+    """``_extended`` for the backward, built by concatenating zeros rather than by the forward's
+    padding: the same values from a different operation, so that ``torch.compile`` does not take
+    the two for one expression and keep the forward's padded copy ([b, K-1 + t, ch], written only
+    to be saved) until the backward; the backward then reads the inputs, which the layer keeps anyway."""
+    if window is None:
+        window = inputs.new_zeros(inputs.shape[0], taps - 1, inputs.shape[2])
+    return torch.cat((window.to(inputs.dtype), inputs), dim=1)
+
+
 def _same_document(k: int, taps: int, document_positions: torch.Tensor | None, dtype) -> torch.Tensor | None:
     """[b, t, 1]: 1 where tap k reads the reading token's own document, 0 where an earlier one
     (module docstring); None when every tap does (no documents, or the token itself)."""
@@ -86,7 +96,7 @@ class _CausalConvSiLU(torch.autograd.Function):
     def backward(ctx, grad_out):
         inputs, weight, bias, window, document_positions = ctx.saved_tensors
         taps, length = weight.shape[-1], inputs.shape[1]
-        extended = _extended(inputs, window, taps)
+        extended = _extended_again(inputs, window, taps)
         pre = _pre_activation(extended, weight, bias, length, document_positions)
         sigmoid = torch.sigmoid(pre)
         grad_pre = grad_out * sigmoid * (1 + pre * (1 - sigmoid))

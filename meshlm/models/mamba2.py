@@ -157,7 +157,7 @@ class Mamba2Mixer(nn.Module):
     def scan(self, x, dt, B, C, state: MambaCache | None, document_ids: torch.Tensor | None = None,
              document_positions: torch.Tensor | None = None) -> torch.Tensor:
         """The SSM over x [b, t, H, P] (in x's dtype from ``ssd_fast``, fp32 from the reference scan
-        and the recurrent step; the caller adds the D skip in fp32), updating the cached state when there is one.
+        and the recurrent step; the norm adds the D skip in fp32), updating the cached state when there is one.
         With packed documents (``document_ids``, training only) the state restarts at each one
         (``document_positions``, the tokens' positions in them, serve context parallelism's scan)."""
         A = -torch.exp(self.A_log.float())
@@ -220,9 +220,10 @@ class Mamba2Mixer(nn.Module):
         y = self.scan(x, self.time_step(dt_raw),
                       B.unflatten(-1, (self.num_groups, self.state_size)),
                       C.unflatten(-1, (self.num_groups, self.state_size)), state, **documents)
-        y = y + self.D.float()[:, None] * x.float()
-        out = self.norm(y.flatten(-2), z)
-        return self.out_proj(out.to(hidden.dtype))
+        # y + D x, gated and normalized in fp32 from the tensors as they are (norms._SkipGatedRMSNorm)
+        out = self.norm(y.flatten(-2), z, skip=x.flatten(-2), skip_scale=self.D.repeat_interleave(self.head_dim),
+                        out_dtype=hidden.dtype)
+        return self.out_proj(out)
 
 
 __all__ = ["Mamba2Mixer", "zero_padding"]

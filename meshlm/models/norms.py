@@ -31,6 +31,10 @@ class GatedRMSNorm(nn.Module):
     in mamba_ssm), and the mean square is taken over ``group_size`` channels at a time
     (d_inner / num_groups), so that each B/C group is normalized on its own -- which is what
     lets tensor parallelism split the norm along with the heads (Dao & Gu 2024, §8).
+
+    ``skip`` and ``skip_scale`` add a scaled input to y first, Mamba-2's D skip: the norm of
+    ``(y + skip_scale * skip) * silu(z)``, all in fp32, so that the mixer hands over its bf16
+    tensors as they are instead of fp32 copies (``_SkipGatedRMSNorm``).
     """
 
     def __init__(self, size: int, group_size: int, eps: float = 1e-5):
@@ -41,48 +45,99 @@ class GatedRMSNorm(nn.Module):
         self.group_size = group_size
         self.eps = eps
 
-    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        # Generation needs no backward. Under torch.compile the plain ops are what to trace: a custom
-        # Function whose backward runs autograd cannot be traced (dynamo breaks the block's graph
-        # there), and the compiler's own partitioner recomputes such cheap elementwise ops anyway.
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return gated_rms_norm(y, gate, self.weight, self.group_size, self.eps)
-        return _RecomputedGatedRMSNorm.apply(y, gate, self.weight, self.group_size, self.eps)
+    def forward(self, y: torch.Tensor, gate: torch.Tensor, skip: torch.Tensor | None = None,
+                skip_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The norm of ``(y [+ skip_scale * skip]) * silu(gate)`` over the last dimension, in
+        ``out_dtype`` (default: y's). ``skip_scale`` [size] multiplies ``skip`` (y's shape) per channel."""
+        if (skip is None) != (skip_scale is None):
+            raise ValueError("GatedRMSNorm: give skip and skip_scale together")
+        out_dtype = out_dtype or y.dtype
+        if not torch.is_grad_enabled():  # generation: no backward to prepare for
+            return gated_rms_norm(y, gate, self.weight, self.group_size, self.eps, skip, skip_scale).to(out_dtype)
+        return _SkipGatedRMSNorm.apply(y, gate, skip, skip_scale, self.weight, self.group_size, self.eps, out_dtype)
 
 
 def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int,
-                   eps: float) -> torch.Tensor:
-    """``weight * RMSNorm_per_group(y * silu(gate))``, statistics in fp32 (fp64 for fp64 inputs)."""
+                   eps: float, skip: torch.Tensor | None = None, skip_scale: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """``weight * RMSNorm_per_group((y + skip_scale * skip) * silu(gate))``, statistics in fp32 (fp64
+    for fp64 inputs), in the wider of y's dtype and fp32 (the caller rounds)."""
     compute = torch.promote_types(y.dtype, torch.float32)
-    gated = y.to(compute) * F.silu(gate.to(compute))
+    summed = y.to(compute)
+    if skip is not None:
+        summed = summed + skip_scale.to(compute) * skip.to(compute)
+    gated = summed * F.silu(gate.to(compute))
     grouped = gated.unflatten(-1, (-1, group_size))
     normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.to(compute) * normed.flatten(-2)).to(y.dtype)
+    return weight.to(compute) * normed.flatten(-2)
 
 
-class _RecomputedGatedRMSNorm(torch.autograd.Function):
-    """``gated_rms_norm`` that saves only its inputs and recomputes itself in backward.
+class _SkipGatedRMSNorm(torch.autograd.Function):
+    """``gated_rms_norm`` with a hand-written backward that recomputes from the inputs.
 
-    Autograd would keep four full-size fp32 intermediates (silu(z), the gated product, the
-    normalized values and more) between forward and backward; this keeps y and z, which the
-    layer holds anyway, and reruns the few elementwise ops under autograd in backward (selective
-    recomputation of cheap ops, Korthikanti et al. 2022), so the gradients are exactly autograd's.
+    Saved for backward: the inputs as they came (y, the gate and the skip in the run's dtype, the
+    parameters) and the per-group 1/rms (one fp32 number per token and group). Every fp32
+    intermediate -- y + D x, silu(z), their product, the normalized values -- is recomputed in
+    backward (selective recomputation of cheap elementwise work, Korthikanti et al. 2022). Left to
+    autograd, or to ``torch.compile``'s partitioner, the fp32 copies of the skip and the gate were
+    kept between forward and backward: two fp32 tensors of the layer's inner width, four times
+    the bytes of the bf16 inputs the layer holds anyway. With g = s * silu(z), s = y + c * x,
+    n = g * r (r = 1/rms per group) and out = w * n, the gradients for dout are
+
+        dw = sum_tokens dout * n,      dn = dout * w,     dg = r * (dn - n * mean_group(dn * n))
+        ds = dg * silu(z),    dz = dg * s * silu'(z),   silu'(v) = sigmoid(v) (1 + v (1 - sigmoid(v)))
+        dy = ds,    dx = c * ds,    dc = sum_tokens ds * x
+
+    in fp32, each rounded once to its input's dtype; the sums over tokens accumulate in fp32.
     """
 
     @staticmethod
-    def forward(ctx, y, gate, weight, group_size, eps):
-        ctx.save_for_backward(y, gate, weight)
-        ctx.group_size, ctx.eps = group_size, eps
-        return gated_rms_norm(y, gate, weight, group_size, eps)
+    def forward(ctx, y, gate, skip, skip_scale, weight, group_size, eps, out_dtype):
+        compute = torch.promote_types(y.dtype, torch.float32)
+        summed = y.to(compute)
+        if skip is not None:
+            summed = summed + skip_scale.to(compute) * skip.to(compute)
+        grouped = (summed * F.silu(gate.to(compute))).unflatten(-1, (-1, group_size))
+        inverse_rms = torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+        if torch.compiler.is_compiling():
+            # The gate is a slice of in_proj's output. Inductor cannot keep a slice for backward (it
+            # recomputes views from their base) and weighs tensors far from the backward as dearer,
+            # so it kept gate.float(), which forward and backward both compute: twice a bf16 copy's
+            # bytes. A copy of the gate made here, beside the norm, is what it keeps instead (its
+            # write fused into the norm's forward kernel, which reads the gate anyway).
+            gate = gate.clone()
+        ctx.save_for_backward(y, gate, skip, skip_scale, weight, inverse_rms)
+        ctx.group_size = group_size
+        return (weight.to(compute) * (grouped * inverse_rms).flatten(-2)).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        y, gate, weight = (tensor.detach().requires_grad_(tensor.requires_grad) for tensor in ctx.saved_tensors)
-        with torch.enable_grad():
-            out = gated_rms_norm(y, gate, weight, ctx.group_size, ctx.eps)
-        inputs = [tensor for tensor in (y, gate, weight) if tensor.requires_grad]
-        grads = iter(torch.autograd.grad(out, inputs, grad_out))
-        return tuple(next(grads) if tensor.requires_grad else None for tensor in (y, gate, weight)) + (None, None)
+        y, gate, skip, skip_scale, weight, inverse_rms = ctx.saved_tensors
+        compute = torch.promote_types(y.dtype, torch.float32)
+        summed = y.to(compute)
+        if skip is not None:
+            summed = summed + skip_scale.to(compute) * skip.to(compute)
+        gate32 = gate.to(compute)
+        sigmoid = torch.sigmoid(gate32)
+        silu = gate32 * sigmoid
+        grouped = (summed * silu).unflatten(-1, (-1, ctx.group_size))
+        normed = grouped * inverse_rms
+        grad_out = grad_out.to(compute)
+        reduced = tuple(range(grad_out.dim() - 1))  # every token
+        grad_weight = (grad_out * normed.flatten(-2)).sum(reduced) if ctx.needs_input_grad[4] else None
+        grad_normed = (grad_out * weight.to(compute)).unflatten(-1, (-1, ctx.group_size))
+        grad_gated = inverse_rms * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        grad_gated = grad_gated.flatten(-2)
+        grad_summed = grad_gated * silu
+        grad_gate = grad_gated * summed * sigmoid * (1 + gate32 * (1 - sigmoid))
+        grad_skip = grad_scale = None
+        if skip is not None:
+            if ctx.needs_input_grad[2]:
+                grad_skip = (grad_summed * skip_scale.to(compute)).to(skip.dtype)
+            if ctx.needs_input_grad[3]:
+                grad_scale = (grad_summed * skip.to(compute)).sum(reduced).to(skip_scale.dtype)
+        return (grad_summed.to(y.dtype), grad_gate.to(gate.dtype), grad_skip, grad_scale,
+                None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None)
 
 
 def make_norm(kind: str, size: int, eps: float) -> nn.Module:

@@ -32,9 +32,10 @@ k the top-k, w the expert width:
     MoE         E               (norm output in fp32: 12h + 4) + 16E + 4 (router) + k(20 + d*w + d*MLP
                                 + 8w) (indices, weights, dispatched rows, experts, fp32 combine)
                                 + shared expert's input and MLP + 2 d * latent
-    Mamba-2     M               d(2D + 2GN + H) + d(D + 2GN) + 12H + 4DN/c + 4D + d*D (+ 4D under
-                                bf16: the scan's fp32 x): in_proj output, conv output, dt terms,
-                                chunk states, gated norm (fp32) and out_proj's input
+    Mamba-2     M               d(2D + 2GN + H) + d(D + 2GN) + 12H + 4DN/c + 2dD + 4G: in_proj
+                                output, conv output, dt terms, chunk states, the scan's output
+                                (the gated norm's input) and out_proj's input, the norm's 1/rms
+                                per group (G groups)
 
 (read off the tensors autograd saves with torch 2.13 on CPU and the PyTorch SSD path; equal to
 them within 1% per block kind in fp32 and bf16, at every recompute setting, in one process and
@@ -233,9 +234,10 @@ def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
         convolved = (inner + 2 * groups) * dtype_bytes
         step_sizes = 3 * heads * 4  # dt + bias, softplus, clamp, in fp32
         chunk_states = 4 * inner * model.mamba_state_size / model.mamba_chunk_size
-        fp32_x = 4 * inner if dtype_bytes != 4 else 0  # the scan reads x in fp32
-        gated_norm = 4 * inner + inner * dtype_bytes  # its fp32 output, out_proj's input
-        mamba = projected + convolved + step_sizes + chunk_states + fp32_x + gated_norm
+        # the scan's output y (the norm adds D x and gates in fp32 from the saved inputs) and the
+        # norm's output, out_proj's input; the norm's 1/rms, one fp32 number per group
+        gated_norm = 2 * inner * dtype_bytes + 4 * model.mamba_num_groups
+        mamba = projected + convolved + step_sizes + chunk_states + gated_norm
         return (residual + mamba / tp) * tokens
     if kind == "L":  # the norm's terms and the replicated linear's input
         return (norm_bytes(h, dtype_bytes, sequence_shards, output_bytes=0) + h * dtype_bytes / sequence_shards) \

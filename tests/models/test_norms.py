@@ -1,4 +1,5 @@
-"""Mamba-2's gated, grouped RMSNorm: recomputed in backward, its gradients equal autograd's of the formula."""
+"""Mamba-2's gated, grouped RMSNorm with its D skip: a hand-written backward that recomputes from
+the inputs, equal to autograd's gradients of the formula, saving the inputs as they came."""
 
 import pytest
 import torch
@@ -8,39 +9,69 @@ from meshlm.models.norms import GatedRMSNorm
 from tests.helpers.saved_tensors import SavedStorages
 
 
-def formula(y, gate, weight, group_size, eps):
-    gated = (y * F.silu(gate)).unflatten(-1, (-1, group_size))
+def formula(y, gate, weight, group_size, eps, skip=None, skip_scale=None):
+    summed = y if skip is None else y + skip_scale * skip
+    gated = (summed * F.silu(gate)).unflatten(-1, (-1, group_size))
     return weight * (gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
 
 
-@pytest.mark.parametrize("group_size", [4, 12])
-def test_gated_rms_norm_values_and_gradients(group_size):
-    generator = torch.Generator().manual_seed(group_size)
-    norm = GatedRMSNorm(12, group_size=group_size).double()
+def random_case(group_size, with_skip, dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed + group_size)
+    norm = GatedRMSNorm(12, group_size=group_size).to(dtype)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5, generator=generator)
-    y = torch.randn(2, 5, 12, generator=generator, dtype=torch.float64, requires_grad=True)
-    gate = torch.randn(2, 5, 12, generator=generator, dtype=torch.float64, requires_grad=True)
-    grad_out = torch.randn(2, 5, 12, generator=generator, dtype=torch.float64)
-    leaves = (y, gate, norm.weight)
-    fused = norm(y, gate)
+    tensors = [torch.randn(2, 5, 12, generator=generator, dtype=torch.float64).to(dtype).requires_grad_()
+               for _ in range(3)]
+    scale = (torch.rand(12, generator=generator, dtype=torch.float64) + 0.5).to(dtype).requires_grad_()
+    y, gate, skip = tensors
+    return norm, y, gate, (skip if with_skip else None), (scale if with_skip else None)
+
+
+@pytest.mark.parametrize("with_skip", [False, True], ids=["plain", "D-skip"])
+@pytest.mark.parametrize("group_size", [4, 12])
+def test_gated_rms_norm_values_and_gradients(group_size, with_skip):
+    norm, y, gate, skip, scale = random_case(group_size, with_skip)
+    grad_out = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    leaves = [tensor for tensor in (y, gate, norm.weight, skip, scale) if tensor is not None]
+    fused = norm(y, gate, skip, scale)
     fused_grads = torch.autograd.grad((fused * grad_out).sum(), leaves)
-    expected = formula(y, gate, norm.weight, group_size, norm.eps)
+    expected = formula(y, gate, norm.weight, group_size, norm.eps, skip, scale)
     expected_grads = torch.autograd.grad((expected * grad_out).sum(), leaves)
     torch.testing.assert_close(fused, expected, rtol=1e-12, atol=1e-12)
     for actual, wanted in zip(fused_grads, expected_grads):
         torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # generation's path, without the autograd function
+        torch.testing.assert_close(norm(y, gate, skip, scale), expected, rtol=1e-12, atol=1e-12)
 
 
-def test_gated_rms_norm_keeps_the_input_dtype():
-    norm = GatedRMSNorm(8, group_size=4).bfloat16()
-    out = norm(torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16))
+def test_bf16_inputs_are_summed_in_fp32_and_rounded_once():
+    """bf16 y, gate and skip (a bf16 run's mixer): the output is the fp32 formula on the same values,
+    rounded once to ``out_dtype``, and each gradient comes back in its input's dtype."""
+    norm, y, gate, skip, scale = random_case(4, True, dtype=torch.bfloat16)
+    out = norm(y, gate, skip, scale, out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
+    expected = formula(y.double(), gate.double(), norm.weight.double(), 4, norm.eps, skip.double(), scale.double())
+    assert torch.equal(out, expected.to(torch.float32).to(torch.bfloat16)) or \
+        (out.double() - expected).abs().max() <= 2 ** -8 * expected.abs().max()
+    grads = torch.autograd.grad(out.float().sum(), (y, gate, skip, scale, norm.weight))
+    assert [grad.dtype for grad in grads] == [torch.bfloat16] * 5
+    assert norm(y.float(), gate, skip, scale).dtype == torch.float32  # default: y's dtype
 
 
-def test_gated_rms_norm_saves_only_its_inputs():
-    norm = GatedRMSNorm(16, group_size=8)
-    y, gate = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+def test_gated_rms_norm_saves_only_its_inputs_and_the_inverse_rms():
+    """No fp32 copy of y + D x, the gate or the skip is kept: the inputs as they came, and one
+    fp32 number per token and group (the inverse rms)."""
+    norm = GatedRMSNorm(16, group_size=8).bfloat16()
+    y, gate, skip = (torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    scale = torch.ones(16, dtype=torch.bfloat16, requires_grad=True)
     with SavedStorages() as saved:
-        norm(y, gate)
-    assert saved.pointers == {tensor.untyped_storage().data_ptr() for tensor in (y, gate, norm.weight)}
+        norm(y, gate, skip, scale, out_dtype=torch.bfloat16)
+    inputs = {tensor.untyped_storage().data_ptr() for tensor in (y, gate, skip, scale, norm.weight)}
+    assert inputs <= saved.pointers and len(saved.pointers - inputs) == 1
+    assert saved.nbytes - sum(tensor.nbytes for tensor in (y, gate, skip, scale, norm.weight)) == 4 * 4 * 2
+
+
+def test_skip_and_its_scale_come_together():
+    norm = GatedRMSNorm(8, group_size=4)
+    with pytest.raises(ValueError, match="give skip and skip_scale together"):
+        norm(torch.randn(2, 8), torch.randn(2, 8), skip=torch.randn(2, 8))
