@@ -39,6 +39,7 @@ from torch import nn
 from meshlm.errors import ConfigError
 from meshlm.models.cache import AttentionCache
 from meshlm.models.dropout import apply_keep_mask, attention_keep_mask, dropout_site, required_key
+from meshlm.models.fused_linear import project_together
 from meshlm.models.norms import RMSNorm
 from meshlm.models.rope import RotaryEmbedding, apply_rotary
 
@@ -166,9 +167,13 @@ class SelfAttention(nn.Module):
         """Queries, keys and values [b, heads, t, head_dim] of x [b, t, hidden], QK-normed and rotated
         (by ``rotary_cos_sin`` when given, the forward's shared table, else by ``rotary_positions``)."""
         batch, seq, _ = x.shape
-        query = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        key = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        value = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        query, key, value = project_together(x, (self.q_proj, self.k_proj, self.v_proj))  # one GEMM where it can
+        if self.rotary is not None and self.q_norm is None:
+            # RoPE makes new queries and keys, so the values take storage of their own: a slice of the
+            # fused output, saved for the attention's backward, would keep the queries and keys
+            # before RoPE alive with it (a no-op when unfused; without RoPE all three are the slices)
+            value = value.contiguous()
+        query, key, value = (part.view(batch, seq, -1, self.head_dim).transpose(1, 2) for part in (query, key, value))
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         if self.rotary is not None:

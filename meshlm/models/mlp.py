@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.models.fused_linear import project_together
+
 
 def squared_relu(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
@@ -46,5 +48,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, context=None) -> torch.Tensor:
-        gate = self.gate_proj(x) if self.gate_proj is not None else None
-        return self.down_proj(activate(self.activation, self.up_proj(x), gate))
+        if self.gate_proj is None:
+            return self.down_proj(activate(self.activation, self.up_proj(x), None))
+        gate, up = project_together(x, (self.gate_proj, self.up_proj))  # one GEMM where it can
+        return self.down_proj(activate(self.activation, up, gate))

@@ -64,8 +64,11 @@ def test_attention_block_matches_flop_counter(num_kv_heads, seq_len):
     counter = count_forward(config, seq_len)
     assert_blocks_match(config, seq_len, counter)
     terms = block_flops("*", config, seq_len).terms
-    assert module_flops(counter, "LanguageModel.blocks.0.mixer.k_proj") * 2 == terms["kv_proj"] * BATCH
-    sdpa = counter.get_flop_counts()["LanguageModel.blocks.0.mixer"][aten._scaled_dot_product_flash_attention_for_cpu]
+    by_op = counter.get_flop_counts()["LanguageModel.blocks.0.mixer"]
+    # q, k and v in one GEMM (meshlm/models/fused_linear.py), then o_proj
+    assert by_op[aten.mm] == (terms["q_proj"] + terms["kv_proj"] + terms["o_proj"]) * BATCH
+    assert module_flops(counter, "LanguageModel.blocks.0.mixer.o_proj") == terms["o_proj"] * BATCH
+    sdpa = by_op[aten._scaled_dot_product_flash_attention_for_cpu]
     assert sdpa == (terms["scores"] + terms["attend"]) * BATCH  # the full square, as torch counts it
 
 
