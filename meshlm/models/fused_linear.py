@@ -53,7 +53,10 @@ def project_together(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[to
     if not fused:
         return tuple(layer(x) for layer in layers)
     has_bias = biases[0] is not None
-    out = _FusedLinear.apply(x, has_bias, *weights, *(biases if has_bias else ()))
+    if not torch.is_grad_enabled():  # evaluation and generation: nothing to save, no autograd function
+        out = F.linear(x, torch.cat(weights), torch.cat(biases) if has_bias else None)
+    else:
+        out = _FusedLinear.apply(x, has_bias, *weights, *(biases if has_bias else ()))
     return out.split([weight.shape[0] for weight in weights], dim=-1)
 
 

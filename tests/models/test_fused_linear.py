@@ -86,3 +86,14 @@ def test_backward_keeps_the_input_and_the_layers_own_weights_not_their_concatena
     with SavedStorages() as saved:
         project_together(x, parts)
     assert saved.pointers == {tensor.untyped_storage().data_ptr() for tensor in (x, *(p.weight for p in parts))}
+
+
+def test_a_compiled_gated_mlp_has_no_graph_break_training_or_evaluating():
+    """fullgraph=True: with autograd (the custom function) and without (evaluation: plain ops)."""
+    torch.manual_seed(0)
+    mlp = MLP(16, 24, "swiglu")
+    compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    compiled(x).sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), mlp(x))
