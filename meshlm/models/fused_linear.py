@@ -79,7 +79,9 @@ class _FusedLinear(torch.autograd.Function):
         rows = [weight.shape[0] for weight in weights]
         grad_x = grad_out.matmul(torch.cat(weights)) if ctx.needs_input_grad[0] else None
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_weights = flat_grad.t().matmul(x.reshape(-1, x.shape[-1])).split(rows)
+        grad_weights = [None] * len(weights)
+        if any(ctx.needs_input_grad[2:2 + len(weights)]):  # frozen weights (fine-tuning a part): no dW GEMM
+            grad_weights = flat_grad.t().matmul(x.reshape(-1, x.shape[-1])).split(rows)
         grad_biases = flat_grad.sum(0).split(rows) if ctx.has_bias else ()
         return (grad_x, None, *grad_weights, *grad_biases)
 

@@ -97,3 +97,14 @@ def test_a_compiled_gated_mlp_has_no_graph_break_training_or_evaluating():
     compiled(x).sum().backward()
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), mlp(x))
+
+
+def test_frozen_weights_get_no_gradient_and_the_input_still_does():
+    parts = layers(8, 8)
+    for layer in parts:
+        layer.weight.requires_grad_(False)
+    x = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+    (grad_fused,) = torch.autograd.grad(sum(out.sum() for out in project_together(x, parts)), x)
+    (grad_separate,) = torch.autograd.grad(sum(layer(x).sum() for layer in parts), x)
+    torch.testing.assert_close(grad_fused, grad_separate, rtol=1e-12, atol=1e-12)
+    assert all(layer.weight.grad is None for layer in parts)
