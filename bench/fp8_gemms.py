@@ -23,8 +23,9 @@ data gradient ``dY W``, weight gradient ``dY^T X`` -- this times:
 Each time is the median over ``--repeats`` rounds of ``--calls`` back-to-back calls (the device
 synchronized around a round, so launch gaps are amortized as in a step). Per layer pair it adds
 up the bf16 GEMMs against the FP8 ones as a recipe runs them (forward fast, gradients split)
-plus the quantizations (X and W forward, dY backward; transposes of the kept codes, which the
-recipe also pays, are left out: a lower bound on FP8's cost). ``gemm_speedup`` is then the most
+plus the quantizations (X and W forward -- X once for q, k and v, which share its cast --, dY
+backward; transposes of the kept codes, which the recipe also pays, are left out: a lower bound
+on FP8's cost). ``gemm_speedup`` is then the most
 an FP8 step could gain if nothing but its GEMMs changed; the step's own ratio is
 ``bench.low_precision``'s.
 """
@@ -46,6 +47,10 @@ GEMMS = ("forward", "dgrad", "wgrad")
 ROLE_OF_OPERANDS = {"forward": ("activation", "weight"), "dgrad": ("gradient", "weight"),
                     "wgrad": ("gradient", "activation")}
 """The recipe's format role of each GEMM's two operands (the gradient E5M2, the others E4M3)."""
+
+
+SHARE_Q_INPUT = ("k", "v")
+"""Layers whose input is q's, already cast for q."""
 
 
 def layer_linears(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
@@ -106,10 +111,13 @@ def measure(device: torch.device, tokens: int, hidden: int, ffn: int, calls: int
                                        for key, value in entry.items()}
             totals["bf16_ms"] += entry["bf16_ms"]
             totals["fp8_ms"] += entry["fp8_fast_ms" if gemm == "forward" else "fp8_split_ms"]
-        # what the recipe quantizes per layer: X and W forward, dY backward (each once: codes are kept)
+        # what the recipe quantizes per layer: X and W forward, dY backward (each once: codes are
+        # kept; q, k and v read one X, cast once for the three: precision/quantized_projections.py)
         for operand_name, (rows, cols), role in (("x", (tokens, in_features), "activation"),
                                                  ("w", (out_features, in_features), "weight"),
                                                  ("dy", (tokens, out_features), "gradient")):
+            if operand_name == "x" and name in SHARE_Q_INPUT:
+                continue
             tensor = operand(rows, cols)
             milliseconds = 1e3 * seconds_per_call(lambda: codes(tensor, role), device, calls, repeats)
             quantize_times[f"{name}.{operand_name}"] = {"shape": [rows, cols], "ms": round(milliseconds, 4)}

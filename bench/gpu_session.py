@@ -35,8 +35,9 @@ stage                         issue  what it runs
 ``fp8_dense``                 15     ``bench.low_precision --model dense``, bf16, fp8_tensorwise and
                                      fp8_delayed compiled: the FP8 step-time target (>= 1.3x), each
                                      run with one step profiled (``--profile 25``): where FP8 loses
-                                     its GEMMs' gain. Delayed scaling casts with a scale from past
-                                     steps, so its cast need not wait for this tensor's amax pass
+                                     its GEMMs' gain, and Inductor's code (``inductor_fp8.py.gz``).
+                                     Delayed scaling casts with a scale from past steps, so its
+                                     cast need not wait for this tensor's amax pass
 ``fp8_gemms``                 15     ``bench.fp8_gemms``: each GEMM of the FP8 bench model's layers in
                                      bf16 and on FP8 codes (split and fast accumulation) and what
                                      quantizing an operand costs: how much of 1.3x the GEMMs allow
@@ -167,6 +168,8 @@ def plan(out: Path) -> list[Stage]:
     # of its own, so that every module is generated in this run and none is taken from an older one
     inductor_code = ["--inductor-code", str(out / "inductor_hybrid.py.gz")]
     fresh_inductor_cache = {"TORCHINDUCTOR_CACHE_DIR": str(Path(tempfile.gettempdir()) / "meshlm-inductor-hybrid")}
+    fp8_inductor_code = ["--inductor-code", str(out / "inductor_fp8.py.gz")]  # the same, for the FP8 runs
+    fresh_fp8_inductor_cache = {"TORCHINDUCTOR_CACHE_DIR": str(Path(tempfile.gettempdir()) / "meshlm-inductor-fp8")}
     return [
         Stage("env", 14, 15, [python, "-c", ENV_PROBE], [python, "-c", ENV_PROBE], always=True),
         Stage("throughput_hybrid", 14, 130, [*throughput("hybrid"), "--models", "hybrid", "--recompute", "none",
@@ -184,10 +187,9 @@ def plan(out: Path) -> list[Stage]:
               [*throughput("dense"), "--models", "dense", "--recompute", "none", "--profile", "25", "--tiny"]),
         Stage("fp8_dense", 15, 190,
               [*low_precision, "--device", "cuda", "--configs", "bf16,fp8_tensorwise,fp8_delayed", "--profile", "25",
-               "--out",
-               str(out / "low_precision_compiled.json"), "train.compile=true"],
+               "--out", str(out / "low_precision_compiled.json"), *fp8_inductor_code, "train.compile=true"],
               [*low_precision_dry, "--configs", "bf16,fp8_tensorwise", "--profile", "5", "--out",
-               str(out / "low_precision_compiled.json")]),
+               str(out / "low_precision_compiled.json")], environment=fresh_fp8_inductor_cache),
         Stage("fp8_gemms", 15, 45, [python, "-m", "bench.fp8_gemms", "--out", str(out / "fp8_gemms.json")],
               [python, "-m", "bench.fp8_gemms", "--device", "cpu", "--tokens", "64", "--hidden", "64", "--ffn", "128",
                "--calls", "2", "--repeats", "2", "--out", str(out / "fp8_gemms.json")]),

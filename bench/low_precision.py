@@ -50,7 +50,10 @@ fp32's) the hybrid trains 60 steps of 8 x 128 tokens and validates on 16 x 8 x 1
 measured on an idle 2-core AMD EPYC, a bf16 step takes about 4.0 s, an FP8 one 2.8-4.2 s, an
 NVFP4 one 3.8-5.0 s, and the nine runs about 40 minutes (other work on the machine stretches
 every step alike, so run it alone). Any ``SECTION.KEY=VALUE`` after the options overrides every
-config (e.g. ``train.seq_len=256``).
+config (e.g. ``train.seq_len=256``). ``--profile TOP`` profiles one step of each run (its TOP
+operators by their own device time) and ``--inductor-code FILE`` keeps the kernels Inductor
+generated for the compiled runs, all configs in one gzip file, each run's count in its
+``inductor_modules``: where an FP8 step's quantization fused into its neighbours and where not.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from pathlib import Path
 import torch
 
 from bench.compile import graph_break_reasons
-from bench.profiling import profile_step
+from bench.profiling import profile_step, save_inductor_code
 from meshlm.config import load_run_config
 from meshlm.data.demo_corpus import build_demo_corpus
 from meshlm.errors import ConfigError
@@ -277,6 +280,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "dense_wide: the same twice as wide, half as deep")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", help="also write the JSON result to this file")
+    parser.add_argument("--inductor-code", type=Path, default=None, metavar="FILE",
+                        help="write the graph modules Inductor generated for the compiled runs (train.compile=true), "
+                             "all configs in run order, to one gzip file (bench.profiling.save_inductor_code; give "
+                             "the bench a fresh TORCHINDUCTOR_CACHE_DIR, or cached modules are left out)")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="profile one step in the middle of each run (not timed): its TOP operators by their "
                              "own device time, where an FP8 step and a bf16 step part")
@@ -305,9 +312,14 @@ def main(argv: list[str] | None = None) -> dict:
               "overrides": args.overrides, "runs": {}}
     print(f"low-precision bench: {len(args.configs)} configs x {steps} steps, {args.model} model on {args.device}, "
           f"{accumulation} x {micro_batch} x {seq_len} tokens a step", file=sys.stderr, flush=True)
+    started, modules_before = time.time(), 0
     with tempfile.TemporaryDirectory(prefix="meshlm-low-precision-") as workdir:
         for index, name in enumerate(args.configs, 1):
             report["runs"][name] = train_one(name, args, Path(workdir))
+            if args.inductor_code:  # rewritten after every run: a stopped bench keeps what it has
+                modules = save_inductor_code(args.inductor_code, started)
+                report["runs"][name]["inductor_modules"] = modules - modules_before  # this run's, in the file's order
+                modules_before = modules
             compare(report["runs"])
             print(progress_line(index, len(args.configs), name, report["runs"][name]), file=sys.stderr, flush=True)
     report["targets_met"], report["ablations"] = targets(report["runs"], args.device)

@@ -19,8 +19,10 @@ small beside the activations: 12.6 MB for q, k, v at the 1B shape against 134 MB
 4096 tokens); it is not kept between the two (``_FusedLinear`` saves the input and the layers'
 own weights), so fusing adds no memory.
 Layers that do something of their own in their forward run separately, as they are: a layer with
-hooks, a quantized layer (each FP8/NVFP4 linear keeps its own scales: ``meshlm/precision``), a
-column-parallel layer that gathers its own input, or any other subclass.
+hooks, a column-parallel layer that gathers its own input, or any other subclass. Quantized
+layers (``meshlm/precision``) keep their own weight and gradient scales, so their GEMMs stay
+apart; under a per-tensor FP8 recipe on the hardware GEMM they share the input's FP8 cast
+(``meshlm/precision/quantized_projections.py``), under other recipes each runs its own forward.
 """
 
 from __future__ import annotations
@@ -34,23 +36,36 @@ def runs_fused(layer: nn.Module) -> bool:
     """Whether ``layer``'s forward is exactly ``F.linear(x, layer.weight, layer.bias)``: a plain
     ``nn.Linear``, or a column-parallel linear whose caller gathered the input (``gather_input``
     False) and that has no quantization; either without hooks."""
+    return reads_input_as_given(layer) and getattr(layer, "quantization", "unknown") is None
+
+
+def reads_input_as_given(layer: nn.Module) -> bool:
+    """Whether ``layer``'s forward is its (possibly quantized) linear map of ``x`` and nothing else:
+    an ``nn.Linear``, a class that declares ``forward_is_linear`` (a recipe's ``QuantizedLinear``),
+    or a column-parallel linear whose caller gathered the input; either without hooks."""
     if layer._forward_hooks or layer._forward_pre_hooks:
         return False
-    if type(layer) is nn.Linear:
+    if type(layer) is nn.Linear or vars(type(layer)).get("forward_is_linear", False):
         return True
-    return (getattr(layer, "tensor_parallel", None) == "column" and not getattr(layer, "gather_input", True)
-            and getattr(layer, "quantization", "unknown") is None)
+    return getattr(layer, "tensor_parallel", None) == "column" and not getattr(layer, "gather_input", True)
 
 
 def project_together(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
     """Each of ``layers`` applied to ``x``: one GEMM over their concatenated weights when every
-    layer ``runs_fused`` (same dtype, all with a bias or none), else each layer's own forward."""
+    layer ``runs_fused`` (same dtype, all with a bias or none); under a per-tensor FP8 recipe on
+    the hardware GEMM, one cast of ``x`` for all of them (``meshlm/precision/quantized_projections.py``);
+    else each layer's own forward."""
     weights = [layer.weight for layer in layers]
     biases = [layer.bias for layer in layers]
-    fused = (len(layers) > 1 and all(runs_fused(layer) for layer in layers)
+    alike = (len(layers) > 1 and all(reads_input_as_given(layer) for layer in layers)
              and len({(weight.dtype, weight.device, weight.shape[1]) for weight in weights}) == 1
              and len({bias is None for bias in biases}) == 1)
-    if not fused:
+    quantizations = [getattr(layer, "quantization", None) for layer in layers]
+    if alike and all(quantization is not None for quantization in quantizations):
+        together = quantizations[0].linear_together(x, weights, biases, quantizations)
+        if together is not None:
+            return together
+    if not (alike and all(quantization is None for quantization in quantizations)):
         return tuple(layer(x) for layer in layers)
     has_bias = biases[0] is not None
     if not torch.is_grad_enabled():  # evaluation and generation: nothing to save, no autograd function
@@ -86,4 +101,4 @@ class _FusedLinear(torch.autograd.Function):
         return (grad_x, None, *grad_weights, *grad_biases)
 
 
-__all__ = ["project_together", "runs_fused"]
+__all__ = ["project_together", "reads_input_as_given", "runs_fused"]

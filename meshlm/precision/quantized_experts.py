@@ -62,7 +62,7 @@ from meshlm.precision.delayed_scaling import DelayedScaling
 from meshlm.precision.formats.fp8 import abs_max
 from meshlm.precision.formats.hashed_noise import noise_key
 from meshlm.precision.fp8_gemm import aligned_entries, scaled_matmul
-from meshlm.precision.quantized_linear import ROLES, USES
+from meshlm.precision.quantized_linear import ROLES, USES, records_amax
 from meshlm.precision.recipes import Recipe
 
 WEIGHTS = ("gate_weight", "up_weight", "down_weight")
@@ -99,7 +99,8 @@ class GroupedQuantization:
         counts = tokens_per_expert[:, None] if rows_per_source is None else rows_per_source
         segment_rows = counts.flatten().tolist()
         segment_experts = torch.arange(counts.shape[0]).repeat_interleave(counts.shape[1]).tolist()
-        return _QuantizedGroupedLinear.apply(tokens, weight, tokens_per_expert, segment_rows, segment_experts, self)
+        return _QuantizedGroupedLinear.apply(tokens, weight, tokens_per_expert, segment_rows, segment_experts, self,
+                                             records_amax(tokens, weight))
 
     def scalings(self, pieces: list[torch.Tensor], tensor_name: str, experts: list[int],
                  record: bool = False) -> list[Scaling]:
@@ -160,10 +161,9 @@ def hardware_products(a_codes: list, b_codes: list, shapes: list[tuple[int, int]
 
 class _QuantizedGroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, weight, tokens_per_expert, segment_rows, segment_experts, quantization):
+    def forward(ctx, tokens, weight, tokens_per_expert, segment_rows, segment_experts, quantization, training):
         ctx.save_for_backward(tokens, weight, tokens_per_expert)
         ctx.segment_rows, ctx.segment_experts, ctx.quantization = segment_rows, segment_experts, quantization
-        training = any(ctx.needs_input_grad)  # evaluation does not move the delayed-scaling history
         experts = list(range(weight.shape[0]))
         weights = list(weight.unbind(0))
         ctx.weight_scalings = quantization.scalings(weights, "weight", experts, record=training)
@@ -204,7 +204,7 @@ class _QuantizedGroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # wgrad: per segment, contraction over its tokens
             grad_weight = weight_gradient(quantization, grad_segments, list(tokens.split(ctx.segment_rows)),
                                           experts, weight)
-        return grad_tokens, grad_weight, None, None, None, None
+        return grad_tokens, grad_weight, None, None, None, None, None
 
 
 def weight_gradient(quantization: GroupedQuantization, grad_segments: list[torch.Tensor],

@@ -55,6 +55,7 @@ from meshlm.errors import ConfigError
 from meshlm.precision.delayed_scaling import DelayedScaling
 from meshlm.precision.formats.hashed_noise import noise_key
 from meshlm.precision.fp8_gemm import hardware_fp8_supported, scaled_matmul
+from meshlm.precision.quantized_projections import project_quantized, shares_input_codes
 from meshlm.precision.recipes import Recipe
 from meshlm.precision.formats.fp8 import abs_max
 
@@ -84,9 +85,19 @@ class LinearQuantization:
 
     def linear(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(inputs, weight, bias)`` with the recipe's quantized GEMMs."""
+        training = records_amax(inputs, weight)
         if self.hardware and self.recipe.per_tensor:  # fp8_tensorwise, fp8_delayed on FP8 hardware
-            return _SavedCodesLinear.apply(inputs, weight, bias, self)
-        return _QuantizedLinear.apply(inputs, weight, bias, self)
+            return _SavedCodesLinear.apply(inputs, weight, bias, self, training)
+        return _QuantizedLinear.apply(inputs, weight, bias, self, training)
+
+    def linear_together(self, inputs: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                        quantizations: list["LinearQuantization"]) -> tuple[torch.Tensor, ...] | None:
+        """Several layers' ``linear`` of one input (``quantizations``: theirs, this one first), the
+        input cast to FP8 once where they share its codes (``quantized_projections.py``); None
+        where they do not, and each layer runs its own forward."""
+        if not shares_input_codes(quantizations):
+            return None
+        return project_quantized(inputs, weights, biases, quantizations, records_amax(inputs, *weights))
 
     def quantize(self, tensor: torch.Tensor, tensor_name: str, use: str, record: bool = False) -> torch.Tensor:
         """``tensor`` (all or a shard of the layer's ``tensor_name``, in the layout of GEMM operand
@@ -97,9 +108,11 @@ class LinearQuantization:
                if role == "gradient" and self.recipe.rounds_stochastically else None)
         return self.recipe.quantize(tensor, role, tensor_amax=tensor_amax, scale=scale, noise_key=key)
 
-    def codes(self, tensor: torch.Tensor, tensor_name: str, record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(FP8 codes, scales) of ``tensor [rows, contraction]`` for the hardware GEMM; as ``quantize``."""
-        tensor_amax, scale = self.tensor_scaling(tensor, tensor_name, record)
+    def codes(self, tensor: torch.Tensor, tensor_name: str, record: bool = False,
+              sharing: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """(FP8 codes, scales) of ``tensor [rows, contraction]`` for the hardware GEMM; as ``quantize``.
+        ``sharing``: other layers' quantizations that use these codes too (``quantized_projections.py``)."""
+        tensor_amax, scale = self.tensor_scaling(tensor, tensor_name, record, sharing)
         return self.recipe.fp8_codes(tensor, ROLES[tensor_name], tensor_amax=tensor_amax, scale=scale)
 
     def gemm(self, a: torch.Tensor, a_name: str, a_use: str, b: torch.Tensor, b_name: str, b_use: str,
@@ -115,9 +128,10 @@ class LinearQuantization:
         return torch.matmul(self.quantize(a, a_name, a_use, record_a),
                             self.quantize(b, b_name, b_use, record_b).t()).to(out_dtype)
 
-    def tensor_scaling(self, tensor: torch.Tensor, tensor_name: str, record: bool) -> tuple:
+    def tensor_scaling(self, tensor: torch.Tensor, tensor_name: str, record: bool, sharing: tuple = ()) -> tuple:
         """(whole-tensor amax, reduced over the shards' groups; delayed scale, or None) for a
-        per-tensor recipe; (None, None) for block scales. ``record``: note the amax in the history."""
+        per-tensor recipe; (None, None) for block scales. ``record``: note the amax in the history,
+        and in the histories of the layers ``sharing`` this tensor's quantization."""
         scale = tensor_amax = None
         if not self.recipe.per_tensor:
             return tensor_amax, scale
@@ -127,8 +141,10 @@ class LinearQuantization:
         if scale is not None and not record:
             return tensor_amax, scale  # evaluation under delayed scaling: no amax needed
         amax = abs_max(tensor)
-        if delayed is not None and record:
-            delayed.record(tensor_name, amax)
+        if record:
+            for layer in (self, *sharing):
+                if layer.delayed is not None:
+                    layer.delayed.record(tensor_name, amax)
         if scale is None:
             tensor_amax = amax
             for group in self.groups[tensor_name]:
@@ -137,12 +153,19 @@ class LinearQuantization:
         return tensor_amax, scale
 
 
+def records_amax(*tensors: torch.Tensor) -> bool:
+    """Whether a quantized GEMM on ``tensors`` belongs to a training step, whose amaxes the
+    delayed-scaling history records: autograd records it (evaluation and generation, under
+    ``torch.no_grad``, do not move the history). Asked outside the autograd functions, inside
+    whose forward grad mode is always off and ``needs_input_grad`` still names the parameters."""
+    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+
+
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inputs, weight, bias, quantization):
+    def forward(ctx, inputs, weight, bias, quantization, training):
         ctx.save_for_backward(inputs, weight)
         ctx.quantization = quantization
-        training = any(ctx.needs_input_grad)  # evaluation does not move the delayed-scaling history
         out = quantization.gemm(inputs.reshape(-1, inputs.shape[-1]), "input", "fprop_input", weight, "weight",
                                 "fprop_weight", inputs.dtype, training, training)
         out = out.view(*inputs.shape[:-1], weight.shape[0])
@@ -163,7 +186,7 @@ class _QuantizedLinear(torch.autograd.Function):
                                             weight.dtype, record_a=True)
         if ctx.needs_input_grad[2]:  # False without a bias
             grad_bias = grad_2d.sum(0)
-        return grad_inputs, grad_weight, grad_bias, None
+        return grad_inputs, grad_weight, grad_bias, None, None
 
 
 class _SavedCodesLinear(torch.autograd.Function):
@@ -184,8 +207,7 @@ class _SavedCodesLinear(torch.autograd.Function):
     back (Transformer Engine's fused cast-transpose does the same)."""
 
     @staticmethod
-    def forward(ctx, inputs, weight, bias, quantization):
-        training = any(ctx.needs_input_grad)  # evaluation does not move the delayed-scaling history
+    def forward(ctx, inputs, weight, bias, quantization, training):
         input_codes, input_scale = quantization.codes(inputs.reshape(-1, inputs.shape[-1]).contiguous(), "input",
                                                       training)
         weight_codes, weight_scale = quantization.codes(weight.contiguous(), "weight", training)
@@ -216,7 +238,7 @@ class _SavedCodesLinear(torch.autograd.Function):
                                         fast_accumulation=recipe.accumulates_fast("wgrad"))
         if ctx.needs_input_grad[2]:
             grad_bias = grad_2d.sum(0)
-        return grad_inputs, grad_weight, grad_bias, None
+        return grad_inputs, grad_weight, grad_bias, None, None
 
 
 def hardware_gemm(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> bool:
@@ -253,6 +275,9 @@ class QuantizedLinear(nn.Linear):
     """An ``nn.Linear`` whose GEMMs run under ``quantization`` (set by ``apply_recipe``)."""
 
     quantization: LinearQuantization | None = None
+    forward_is_linear = True
+    """Its forward is the (quantized) linear map of its input and nothing else, so the layers
+    that read one input may run together (``meshlm/models/fused_linear.project_together``)."""
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.quantization is None:
@@ -260,4 +285,4 @@ class QuantizedLinear(nn.Linear):
         return self.quantization.linear(inputs, self.weight, self.bias)
 
 
-__all__ = ["LinearQuantization", "QuantizedLinear", "ROLES", "USES", "hardware_gemm", "quantized_linear"]
+__all__ = ["LinearQuantization", "QuantizedLinear", "ROLES", "USES", "hardware_gemm", "quantized_linear", "records_amax"]

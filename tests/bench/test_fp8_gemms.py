@@ -29,7 +29,8 @@ def test_the_record_adds_up(tmp_path, capsys):
           "--out", str(out)])
     record = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == record
-    assert len(record["gemms"]) == 6 * 3 and len(record["quantize"]) == 6 * 3
+    assert len(record["gemms"]) == 6 * 3 and len(record["quantize"]) == 6 * 3 - 2  # k, v: q's cast input
+    assert "k.x" not in record["quantize"] and "q.x" in record["quantize"]
     assert record["gemms"]["up.wgrad"]["m_n_k"] == [64, 32, 32]
     pair = record["layer_pair"]
     bf16 = sum(entry["bf16_ms"] for entry in record["gemms"].values())

@@ -56,3 +56,35 @@ def test_scales_move_with_the_history_at_every_step_boundary():
 def test_one_format_per_operand_is_required():
     with pytest.raises(ValueError, match="formats: one FP8 format per operand"):
         DelayedScaling(4, CPU, formats=delayed_formats(Recipe("fp8_delayed"))[:2])
+
+
+@pytest.mark.parametrize("fp8_gemm", ["emulated", "hardware"])
+def test_evaluation_under_no_grad_records_no_amax(fp8_gemm):
+    """The trainer evaluates under ``torch.no_grad``, where an autograd function's forward still
+    sees ``needs_input_grad`` True for the parameters: the amaxes of a validation pass must not
+    enter the next step's history (nor, so, a resumed run's). A training forward does record."""
+    from meshlm.precision.fp8_gemm import hardware_fp8_supported
+    from meshlm.precision.model_recipe import quantize_experts, quantize_layer
+    from meshlm.precision.quantized_linear import QuantizedLinear
+    from meshlm.models.moe.experts import GroupedExperts
+
+    if fp8_gemm == "hardware" and not hardware_fp8_supported("cpu", "tensorwise", out_dtype=torch.float32):
+        pytest.skip(f"torch {torch.__version__} runs no tensorwise torch._scaled_mm on this CPU")
+    recipe = Recipe("fp8_delayed", fp8_gemm=fp8_gemm)
+    layer = nn.Linear(32, 16)
+    layer.__class__ = QuantizedLinear
+    quantize_layer(layer, recipe, "0.mixer.q_proj")
+    from meshlm.models.config import ModelConfig
+
+    config = ModelConfig(hidden_size=32, moe_num_experts=4, moe_ffn_hidden_size=16, mlp_activation="swiglu")
+    experts = GroupedExperts(config, 32)
+    quantize_experts(experts, recipe, "1.mixer.experts")
+    histories = [layer.quantization.delayed, *(grouped.delayed for grouped in experts.quantizations.values())]
+    tokens, counts = torch.randn(8, 32), torch.tensor([3, 0, 5, 0])
+    with torch.no_grad():
+        layer(torch.randn(2, 8, 32))
+        experts(tokens, counts)
+    assert all(not state.step_amax.any() for state in histories)
+    layer(torch.randn(2, 8, 32)).sum().backward()
+    experts(tokens, counts).sum().backward()
+    assert all(state.step_amax[..., 0].max() > 0 for state in histories)  # the inputs' amaxes

@@ -39,6 +39,7 @@ from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from meshlm.parallel.tensor.sharding import gather_full_tensor, reduce_partial_tp_grads
 from meshlm.precision.delayed_scaling import begin_step, finish_step
+from meshlm.precision.fp8_gemm import hardware_fp8_supported
 from meshlm.precision.model_recipe import apply_recipe, quantize_layer
 from meshlm.precision.quantized_linear import QuantizedLinear
 from meshlm.precision.recipes import RECIPES, Recipe
@@ -170,9 +171,13 @@ def test_sharded_layers_quantize_like_one_process():
 
 # --- models -----------------------------------------------------------------------------------------
 
+HARDWARE = ("fp8_tensorwise@hardware", "fp8_delayed@hardware") if hardware_fp8_supported(
+    "cpu", "tensorwise", out_dtype=torch.float32) else ()
+"""The per-tensor recipes on the FP8 GEMM (torch._scaled_mm, which this CPU runs): q, k and v then
+share one cast of their input (``quantized_projections.py``), in one process and at tp 2 alike."""
 MODELS = {
     "dense": (dict(vocab_size=VOCAB, hidden_size=256, pattern="*-*-", num_attention_heads=8, num_kv_heads=8,
-                   ffn_hidden_size=512), ("fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "mxfp8")),
+                   ffn_hidden_size=512), ("fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "mxfp8", *HARDWARE)),
     "hybrid": (dict(vocab_size=VOCAB, hidden_size=64, pattern="M-*-", num_attention_heads=4, num_kv_heads=2,
                     ffn_hidden_size=128, mamba_head_dim=16, mamba_state_size=16, mamba_num_groups=2),
                ("fp8_tensorwise", "fp8_delayed")),
@@ -215,13 +220,16 @@ def run_all_cases() -> dict:
         full = LanguageModel(ModelConfig(**overrides))
         for name in recipes:
             reference_model = copy.deepcopy(full)
-            apply_recipe(reference_model, Recipe(name, seed=3), full.config.num_blocks)
+            apply_recipe(reference_model, make_recipe(name), full.config.num_blocks)
+            hardware = {module.quantization.hardware for module in reference_model.modules()
+                        if getattr(module, "quantization", None) is not None}
+            assert hardware == {name.endswith("@hardware")}, (name, hardware)
             reference = two_steps(reference_model, reference_model_recipe(reference_model))
             for sp in (False, True):
                 context = build_parallel_context(ParallelConfig(tp=2, sp=sp), full.config, torch.device("cpu"),
                                                  seq_len=SEQ)
                 model = parallelize_model(copy.deepcopy(full), context)
-                recipe = Recipe(name, seed=3)
+                recipe = make_recipe(name)
                 apply_recipe(model, recipe, full.config.num_blocks, context=context, seq_len=SEQ, reduce_max=reduce_max)
                 for step, (got, wanted) in enumerate(zip(two_steps(model, recipe, context), reference)):
                     case = f"{model_name} {name} sp={sp} step {step}"
@@ -230,6 +238,12 @@ def run_all_cases() -> dict:
                         errors[f"{case}: grad {param}"] = relative_error(got["grads"][param], grad)
     dist.barrier()
     return errors
+
+
+def make_recipe(spec: str) -> Recipe:
+    """``NAME`` or ``NAME@FP8_GEMM`` (e.g. ``fp8_delayed@hardware``), seeded alike in every run."""
+    name, _, fp8_gemm = spec.partition("@")
+    return Recipe(name, seed=3, fp8_gemm=fp8_gemm or "auto")
 
 
 def reference_model_recipe(model) -> Recipe:

@@ -218,7 +218,7 @@ def test_hardware_per_tensor_fp8_reuses_its_codes_bit_for_bit(name):
         with torch.autograd.graph.saved_tensors_hooks(lambda tensor: dtypes.append(tensor.dtype) or tensor,
                                                       lambda tensor: tensor):
             out = (quantization.linear(*leaves) if path == "codes" else
-                   _QuantizedLinear.apply(*leaves, quantization))
+                   _QuantizedLinear.apply(*leaves, quantization, True))
         results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
         saved.append(dtypes)
     for actual, expected in zip(*results):
@@ -245,7 +245,7 @@ def test_fast_accumulation_goes_to_the_gemms_the_setting_names(monkeypatch, name
                                       {"input": (), "weight": (), "grad_output": ()}, hardware=True)
     calls = record_fast_accumulation(monkeypatch)
     leaves = [tensor.clone().requires_grad_() for tensor in (inputs, weight, bias)]
-    out = quantization.linear(*leaves) if saved_codes else _QuantizedLinear.apply(*leaves, quantization)
+    out = quantization.linear(*leaves) if saved_codes else _QuantizedLinear.apply(*leaves, quantization, True)
     torch.autograd.grad(out, leaves, grad_out)
     assert tuple(calls) == expected  # fprop, then dgrad and wgrad
 
