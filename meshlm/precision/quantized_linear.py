@@ -44,6 +44,7 @@ are ``quantized_experts.py``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,13 +83,35 @@ class LinearQuantization:
     """``reduce_max(tensor, group)``: all-reduce (max) in place over a group (the run's collective,
     ``meshlm.parallel.collectives.all_reduce_`` with op='max'; passed in: precision sits beside
     parallelism, not above it). Needed where a group has more than one rank."""
+    keep_weight_codes: bool = False
+    """Keep the weight's FP8 codes from the first GEMM that casts them until ``keeping_weight_codes``
+    ends (the micro-batches of one training step, between which the weight does not change)."""
+    kept_weight_codes: tuple | None = None
+    """(codes, scale, transposed codes) kept under ``keep_weight_codes``; None: none kept."""
 
     def linear(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(inputs, weight, bias)`` with the recipe's quantized GEMMs."""
         training = records_amax(inputs, weight)
         if self.hardware and self.recipe.per_tensor:  # fp8_tensorwise, fp8_delayed on FP8 hardware
-            return _SavedCodesLinear.apply(inputs, weight, bias, self, training)
+            codes = self.weight_codes(weight, training, needs_transpose=torch.is_grad_enabled() and inputs.requires_grad)
+            return _SavedCodesLinear.apply(inputs, weight, bias, self, training, *codes)
         return _QuantizedLinear.apply(inputs, weight, bias, self, training)
+
+    def weight_codes(self, weight: torch.Tensor, training: bool, needs_transpose: bool) -> tuple:
+        """(codes, scale, transposed codes or None) of ``weight`` for the per-tensor hardware path:
+        the kept ones where ``keeping_weight_codes`` holds them, else cast now (and kept when it is
+        on). The transposed codes (for the data gradient's GEMM) are made where ``needs_transpose``.
+        The weight's amax is recorded (``training``) when its codes are cast: once a step when
+        they are kept, which leaves the step's max -- all a delayed history keeps -- the same."""
+        kept = self.kept_weight_codes
+        if kept is not None and (kept[2] is not None or not needs_transpose):
+            return kept
+        with torch.no_grad():  # the weight's gradient comes from the GEMMs' autograd function
+            codes, scale = self.codes(weight.detach().contiguous(), "weight", training)
+            codes_t = codes.t().contiguous() if needs_transpose else None
+        if self.keep_weight_codes:
+            self.kept_weight_codes = (codes, scale, codes_t)
+        return codes, scale, codes_t
 
     def linear_together(self, inputs: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
                         quantizations: list["LinearQuantization"]) -> tuple[torch.Tensor, ...] | None:
@@ -97,7 +120,11 @@ class LinearQuantization:
         where they do not, and each layer runs its own forward."""
         if not shares_input_codes(quantizations):
             return None
-        return project_quantized(inputs, weights, biases, quantizations, records_amax(inputs, *weights))
+        training = records_amax(inputs, *weights)
+        needs_transpose = torch.is_grad_enabled() and inputs.requires_grad
+        weight_codes = [quantization.weight_codes(weight, training, needs_transpose)
+                        for quantization, weight in zip(quantizations, weights)]
+        return project_quantized(inputs, weights, biases, quantizations, training, weight_codes)
 
     def quantize(self, tensor: torch.Tensor, tensor_name: str, use: str, record: bool = False) -> torch.Tensor:
         """``tensor`` (all or a shard of the layer's ``tensor_name``, in the layout of GEMM operand
@@ -207,16 +234,15 @@ class _SavedCodesLinear(torch.autograd.Function):
     back (Transformer Engine's fused cast-transpose does the same)."""
 
     @staticmethod
-    def forward(ctx, inputs, weight, bias, quantization, training):
+    def forward(ctx, inputs, weight, bias, quantization, training, weight_codes, weight_scale, weight_codes_t):
         input_codes, input_scale = quantization.codes(inputs.reshape(-1, inputs.shape[-1]).contiguous(), "input",
                                                       training)
-        weight_codes, weight_scale = quantization.codes(weight.contiguous(), "weight", training)
         out = scaled_matmul(input_codes, input_scale, weight_codes, weight_scale, out_dtype=inputs.dtype,
                             verified=True, fast_accumulation=quantization.recipe.accumulates_fast("fprop"))
         # wgrad reads X^T [K, T], dgrad W^T [K, N]: transposed beside their casts, saved instead of them
         input_codes_t = input_codes.t().contiguous() if ctx.needs_input_grad[1] else None
-        weight_codes_t = weight_codes.t().contiguous() if ctx.needs_input_grad[0] else None
-        ctx.save_for_backward(input_codes_t, input_scale, weight_codes_t, weight_scale)
+        ctx.save_for_backward(input_codes_t, input_scale, weight_codes_t if ctx.needs_input_grad[0] else None,
+                              weight_scale)
         ctx.quantization, ctx.input_shape, ctx.weight_dtype = quantization, inputs.shape, weight.dtype
         out = out.view(*inputs.shape[:-1], weight.shape[0])
         return out + bias if bias is not None else out
@@ -238,7 +264,28 @@ class _SavedCodesLinear(torch.autograd.Function):
                                         fast_accumulation=recipe.accumulates_fast("wgrad"))
         if ctx.needs_input_grad[2]:
             grad_bias = grad_2d.sum(0)
-        return grad_inputs, grad_weight, grad_bias, None, None
+        return grad_inputs, grad_weight, grad_bias, None, None, None, None, None
+
+
+@contextlib.contextmanager
+def keeping_weight_codes(model: nn.Module):
+    """Inside: each per-tensor FP8 layer on the hardware GEMM casts its weight once and keeps the
+    codes (and their transpose) for every further GEMM of the block -- the trainer wraps one
+    step's micro-batches in it, between which the optimizer does not touch the weights
+    (Transformer Engine's ``is_first_microbatch``). At the end the codes are dropped, so an
+    evaluation, a generation or the next step casts the weights as they are then. The numbers
+    are those of casting at every micro-batch; the casts are one a step instead of one a
+    micro-batch (weight-sized reads and writes: 3 bytes a parameter each time)."""
+    layers = [module.quantization for module in model.modules()
+              if isinstance(getattr(module, "quantization", None), LinearQuantization)
+              and module.quantization.hardware and module.quantization.recipe.per_tensor]
+    for quantization in layers:
+        quantization.keep_weight_codes, quantization.kept_weight_codes = True, None
+    try:
+        yield
+    finally:
+        for quantization in layers:
+            quantization.keep_weight_codes, quantization.kept_weight_codes = False, None
 
 
 def hardware_gemm(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> bool:
@@ -285,4 +332,5 @@ class QuantizedLinear(nn.Linear):
         return self.quantization.linear(inputs, self.weight, self.bias)
 
 
-__all__ = ["LinearQuantization", "QuantizedLinear", "ROLES", "USES", "hardware_gemm", "quantized_linear", "records_amax"]
+__all__ = ["LinearQuantization", "QuantizedLinear", "ROLES", "USES", "hardware_gemm", "keeping_weight_codes", "quantized_linear",
+           "records_amax"]

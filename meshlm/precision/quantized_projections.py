@@ -48,34 +48,40 @@ def shares_input_codes(quantizations: list) -> bool:
 
 
 def project_quantized(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                      quantizations: list, training: bool) -> tuple[torch.Tensor, ...]:
+                      quantizations: list, training: bool, weight_codes: list[tuple]) -> tuple[torch.Tensor, ...]:
     """``F.linear(x, W_i, b_i)`` under each layer's ``quantizations[i]``, ``x`` cast once (the
     layers must satisfy ``shares_input_codes``; all with a bias or none). ``training``: the
-    amaxes enter the delayed-scaling histories (``quantized_linear.records_amax``)."""
+    amaxes enter the delayed-scaling histories (``quantized_linear.records_amax``);
+    ``weight_codes``: each weight's (codes, scale, transposed codes or None), as
+    ``LinearQuantization.weight_codes`` gives them."""
     has_bias = biases[0] is not None
+    codes, scales, transposed = zip(*weight_codes)
     return _SavedCodesProjections.apply(x, tuple(quantizations), has_bias, training, *weights,
-                                        *(biases if has_bias else ()))
+                                        *(biases if has_bias else ()), *codes, *scales, *transposed)
 
 
 class _SavedCodesProjections(torch.autograd.Function):
     """``_SavedCodesLinear`` for several layers reading one input: X's codes, its scale and its
-    transposed codes made once; each weight's codes and each output gradient's as that layer's."""
+    transposed codes made once; each weight's codes (made by its layer, and kept over a step's
+    micro-batches where ``keeping_weight_codes`` says so) and each output gradient's as that layer's."""
 
     @staticmethod
-    def forward(ctx, x, quantizations, has_bias, training, *parameters):
+    def forward(ctx, x, quantizations, has_bias, training, *tensors):
         count = len(quantizations)
-        weights, biases = parameters[:count], (parameters[count:] if has_bias else (None,) * count)
+        weights = tensors[:count]
+        biases = tensors[count:2 * count] if has_bias else (None,) * count
+        codes = tensors[(2 if has_bias else 1) * count:]  # each weight's codes, then scales, then transposed codes
         first, others = quantizations[0], quantizations[1:]
         x_2d = x.reshape(-1, x.shape[-1]).contiguous()
         x_codes, x_scale = first.codes(x_2d, "input", training, sharing=others)
         outputs, saved = [], []
-        for quantization, weight, bias in zip(quantizations, weights, biases):
-            weight_codes, weight_scale = quantization.codes(weight.contiguous(), "weight", training)
+        for index, (quantization, weight, bias) in enumerate(zip(quantizations, weights, biases)):
+            weight_codes, weight_scale, weight_codes_t = codes[index], codes[count + index], codes[2 * count + index]
             out = scaled_matmul(x_codes, x_scale, weight_codes, weight_scale, out_dtype=x.dtype, verified=True,
                                 fast_accumulation=quantization.recipe.accumulates_fast("fprop"))
             out = out.view(*x.shape[:-1], weight.shape[0])
             outputs.append(out + bias if bias is not None else out)
-            saved += [weight_codes.t().contiguous() if ctx.needs_input_grad[0] else None, weight_scale]
+            saved += [weight_codes_t if ctx.needs_input_grad[0] else None, weight_scale]
         wants_weight_grads = any(ctx.needs_input_grad[4:4 + count])
         x_codes_t = x_codes.t().contiguous() if wants_weight_grads else None  # wgrad reads X^T [K, T]
         ctx.save_for_backward(x_codes_t, x_scale, *saved)
@@ -105,7 +111,7 @@ class _SavedCodesProjections(torch.autograd.Function):
                 grad_biases[index] = grad_2d.sum(0)
         if grad_x is not None:
             grad_x = grad_x.view(ctx.input_shape)
-        return (grad_x, None, None, None, *grad_weights, *(grad_biases if ctx.has_bias else ()))
+        return (grad_x, None, None, None, *grad_weights, *(grad_biases if ctx.has_bias else ()), *[None] * (3 * count))
 
 
 __all__ = ["project_quantized", "shares_input_codes"]

@@ -90,6 +90,7 @@ from meshlm.precision.mixed_precision import MixedPrecision
 from meshlm.precision.model_recipe import apply_recipe
 from meshlm.precision.delayed_scaling import begin_step as begin_delayed_scaling
 from meshlm.precision.delayed_scaling import finish_step as finish_delayed_scaling
+from meshlm.precision.quantized_linear import keeping_weight_codes
 from meshlm.precision.recipes import build_recipe
 from meshlm.training.build import build_model
 from meshlm.training.compile import compile_blocks
@@ -414,7 +415,8 @@ class Trainer:
         if self.recipe is not None:  # keys stochastic rounding; delayed scaling's histories
             self.recipe.step = self.state.step
             begin_delayed_scaling(self.model)
-        loss_sum, term_sums, expert_counts = self.forward_backward(micro_batches)
+        with keeping_weight_codes(self.model) if self.recipe is not None else contextlib.nullcontext():
+            loss_sum, term_sums, expert_counts = self.forward_backward(micro_batches)  # FP8 weights cast once
         if self.recipe is not None:
             context = self.context
             finish_delayed_scaling(self.model, (context.tp_group, context.cp_group, self.replica.dp_group),

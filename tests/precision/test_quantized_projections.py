@@ -1,7 +1,10 @@
 """Quantized layers reading one input, cast once (meshlm/precision/quantized_projections.py),
 against the same layers run one by one: the same outputs and weight gradients bit for bit, the
-same delayed-scaling histories, and one FP8 cast of the input where there were three."""
+same delayed-scaling histories, and one FP8 cast of the input where there were three. And the
+weights' codes kept over a step's micro-batches (quantized_linear.keeping_weight_codes): the
+numbers of casting them at every micro-batch, one cast a step."""
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +15,7 @@ from meshlm.models.fused_linear import project_together
 from meshlm.precision.delayed_scaling import DelayedScaling
 from meshlm.precision.fp8_gemm import hardware_fp8_supported
 from meshlm.precision.model_recipe import delayed_formats
-from meshlm.precision.quantized_linear import LinearQuantization, QuantizedLinear
+from meshlm.precision.quantized_linear import LinearQuantization, QuantizedLinear, keeping_weight_codes
 from meshlm.precision.quantized_projections import shares_input_codes
 from meshlm.precision.recipes import Recipe
 
@@ -154,3 +157,71 @@ def test_evaluation_does_not_move_the_delayed_histories():
         outs = project_together(torch.randn(2, 12, 64).to(torch.bfloat16), tuple(layers))
     assert [out.shape[-1] for out in outs] == [64, 32, 32]
     assert all(not layer.quantization.delayed.step_amax.any() for layer in layers)
+
+
+class Projections(nn.Module):
+    """q, k, v-like layers reading one input, and an o-like layer after them: both the shared-input
+    path and the single-layer path."""
+
+    def __init__(self, recipe):
+        super().__init__()
+        self.qkv = nn.ModuleList(projections(recipe, history=None))
+        self.out = projections(recipe, widths=(64,), seed=1)[0]
+
+    def forward(self, x):
+        q, k, v = project_together(x, tuple(self.qkv))
+        return self.out(q * torch.cat([k, v], -1))
+
+
+def micro_batches(model, inputs, keep: bool):
+    """Forward and backward of each of ``inputs`` (a step's micro-batches), accumulating gradients."""
+    context = keeping_weight_codes(model) if keep else contextlib.nullcontext()
+    with context:
+        outs = []
+        for x in inputs:
+            out = model(x.clone().requires_grad_())
+            out.square().mean().backward()
+            outs.append(out.detach())
+    return outs, [parameter.grad.clone() for parameter in model.parameters()]
+
+
+@needs_cpu_scaled_mm
+@pytest.mark.parametrize("name", ["fp8_tensorwise", "fp8_delayed"])
+def test_weights_cast_once_a_step_give_the_numbers_of_casting_every_micro_batch(monkeypatch, name):
+    inputs = [torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+              for seed in range(3)]
+    results, casts, amaxes = [], [], []
+    for keep in (True, False):
+        model = Projections(Recipe(name, fp8_gemm="hardware"))
+        calls = count_casts(monkeypatch)
+        results.append(micro_batches(model, inputs, keep))
+        casts.append(calls.count("weight"))
+        layers = [*model.qkv, model.out]
+        amaxes.append([layer.quantization.delayed.step_amax.clone() for layer in layers]
+                      if name == "fp8_delayed" else [])
+        assert all(not layer.quantization.keep_weight_codes and layer.quantization.kept_weight_codes is None
+                   for layer in layers)  # nothing kept past the step
+    (outs, grads), (outs_every, grads_every) = results
+    assert all(torch.equal(a, b) for a, b in zip(outs, outs_every))
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_every))
+    assert casts == [4, 4 * len(inputs)]  # four weights: once a step, or once a micro-batch
+    assert all(torch.equal(a, b) for a, b in zip(*amaxes))
+
+
+@needs_cpu_scaled_mm
+def test_an_optimizer_step_between_steps_is_seen():
+    """Kept codes end with the step: the next step (and an evaluation between) casts the updated weights."""
+    model = Projections(Recipe("fp8_tensorwise", fp8_gemm="hardware"))
+    x = torch.randn(2, 12, 64).to(torch.bfloat16)
+    micro_batches(model, [x], keep=True)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(-1)
+        flipped = model(x)
+    fresh = Projections(Recipe("fp8_tensorwise", fp8_gemm="hardware"))
+    with torch.no_grad():
+        for parameter, source in zip(fresh.parameters(), model.parameters()):
+            parameter.copy_(source)
+        assert torch.equal(flipped, fresh(x))
+    (kept_out,), _ = micro_batches(model, [x], keep=True)
+    assert torch.equal(kept_out, fresh(x).detach())

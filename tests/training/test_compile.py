@@ -228,3 +228,38 @@ def test_nvfp4_with_stochastic_rounding_runs_eagerly_with_one_notice(make_config
                        "by layer and step, which torch.compile would recompile every step; running eagerly (set "
                        "precision.nvfp4_stochastic_rounding=false to compile)."]
     assert not any(isinstance(block.residual_step, CompiledForward) for block in trainer.model.blocks)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_delayed"])
+def test_weight_codes_kept_over_a_steps_micro_batches_compile_without_breaks(recipe):
+    """Inside ``keeping_weight_codes`` (the trainer's step) the first micro-batch's blocks cast and
+    keep their weights' FP8 codes and the next ones read them: a graph for each of the two cases
+    per block kind, no graph break, and the eager numbers."""
+    from meshlm.precision.fp8_gemm import hardware_fp8_supported
+    from meshlm.precision.model_recipe import apply_recipe
+    from meshlm.precision.quantized_linear import keeping_weight_codes
+    from meshlm.precision.recipes import Recipe
+
+    if not hardware_fp8_supported("cpu", "tensorwise", out_dtype=torch.bfloat16):
+        pytest.skip(f"torch {torch.__version__} runs no tensorwise torch._scaled_mm on this CPU")
+    model = small_model(**DENSE).to(torch.bfloat16)
+    apply_recipe(model, Recipe(recipe, fp8_gemm="hardware"), num_blocks=4)
+    batches = [torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+
+    def step():
+        model.zero_grad()
+        with keeping_weight_codes(model):
+            losses = [model(input_ids, input_ids).loss for input_ids in batches]
+            for loss in losses:
+                loss.backward()
+        return [loss.detach() for loss in losses], [parameter.grad.clone() for parameter in model.parameters()]
+
+    expected_losses, expected_grads = step()
+    counter = GraphCounter()
+    counters.clear()
+    compile_each_block(model, counter, EagerFallback(lambda notice: pytest.fail(notice)))
+    losses, grads = step()
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected_losses))
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert len(counter.graphs) == 4, [graph.code for graph in counter.graphs]  # attention, MLP: casting, reading
