@@ -9,6 +9,7 @@ tests/helpers/trainer_runs.py: test files cannot import each other.)
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 
@@ -74,3 +75,20 @@ def test_hardware_fp8_gemms_train_in_the_trainer(blend, tmp_path):
     values = [losses[step] for step in sorted(losses)]
     assert all(math.isfinite(value) for value in values), values
     assert sum(values[-3:]) / 3 < sum(values[:3]) / 3, values
+
+
+def test_hardware_fp8_delayed_resumes_bitwise_across_evaluations(blend, tmp_path):
+    """fp8_delayed on the FP8 GEMM, four micro-batches a step (each weight cast once a step,
+    ``keeping_weight_codes``) and an evaluation after every step: a run resumed from its step-2
+    checkpoint repeats steps 3 and 4 bit for bit. The validation passes must leave the amax
+    histories alone -- the checkpoint does not hold a step's running amax, so an evaluation that
+    recorded into it would make the uninterrupted run differ from the resumed one."""
+    overrides = [*helpers.MODELS["hybrid"], "train.steps=4", "train.eval_every=1", "train.save_every=2",
+                 "precision.dtype=bf16", "precision.recipe=fp8_delayed", "precision.fp8_gemm=hardware",
+                 "parallel.check_collectives=false"]
+    full = Trainer(helpers.run_config(blend, tmp_path / "full", *overrides)).run()
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_2", tmp_path / "resumed" / "checkpoints" / "step_2")
+    resumed = Trainer(helpers.run_config(blend, tmp_path / "resumed", *overrides)).run()
+    assert sorted(resumed.losses) == [3, 4]
+    assert [resumed.losses[step] for step in (3, 4)] == [full.losses[step] for step in (3, 4)]
+    assert [resumed.val_losses[step] for step in (3, 4)] == [full.val_losses[step] for step in (3, 4)]
