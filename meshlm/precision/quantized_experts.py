@@ -91,6 +91,11 @@ class GroupedQuantization:
     """The global number of this rank's first local expert (expert parallelism)."""
     hardware: bool = False
     """Multiply FP8 codes with the hardware GEMM (``fp8_gemm.py``) instead of dequantized tensors."""
+    keep_weight_codes: bool = False
+    """As ``LinearQuantization.keep_weight_codes``: keep each expert's weight codes over a step's
+    micro-batches (``quantized_linear.keeping_weight_codes``; the hardware path)."""
+    kept_weight_codes: tuple | None = None
+    """(scalings, codes, transposed codes) kept under ``keep_weight_codes``; None: none kept."""
 
     def linear(self, tokens: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
                rows_per_source: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,8 +104,28 @@ class GroupedQuantization:
         counts = tokens_per_expert[:, None] if rows_per_source is None else rows_per_source
         segment_rows = counts.flatten().tolist()
         segment_experts = torch.arange(counts.shape[0]).repeat_interleave(counts.shape[1]).tolist()
+        training = records_amax(tokens, weight)
+        weight_codes = (self.weight_codes(weight, training, torch.is_grad_enabled() and tokens.requires_grad)
+                        if self.hardware else None)
         return _QuantizedGroupedLinear.apply(tokens, weight, tokens_per_expert, segment_rows, segment_experts, self,
-                                             records_amax(tokens, weight))
+                                             training, weight_codes)
+
+    def weight_codes(self, weight: torch.Tensor, training: bool, needs_transpose: bool) -> tuple:
+        """(scalings, codes, transposed codes or None) of each expert's weight ``weight[e]`` for the
+        hardware GEMMs -- the forward's ``[N, K]`` and, where ``needs_transpose``, the data
+        gradient's ``[K, N]`` -- as ``LinearQuantization.weight_codes``: the kept ones where
+        ``keeping_weight_codes`` holds them, else cast now (and kept when it is on)."""
+        kept = self.kept_weight_codes
+        if kept is not None and (kept[2] is not None or not needs_transpose):
+            return kept
+        with torch.no_grad():  # the weight's gradient comes from the GEMMs' autograd function
+            weights = list(weight.detach().unbind(0))
+            scalings = self.scalings(weights, "weight", list(range(len(weights))), record=training)
+            codes = self.codes(weights, "weight", scalings)
+            transposed = self.codes([piece.t() for piece in weights], "weight", scalings) if needs_transpose else None
+        if self.keep_weight_codes:
+            self.kept_weight_codes = (scalings, codes, transposed)
+        return scalings, codes, transposed
 
     def scalings(self, pieces: list[torch.Tensor], tensor_name: str, experts: list[int],
                  record: bool = False) -> list[Scaling]:
@@ -161,20 +186,22 @@ def hardware_products(a_codes: list, b_codes: list, shapes: list[tuple[int, int]
 
 class _QuantizedGroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, weight, tokens_per_expert, segment_rows, segment_experts, quantization, training):
+    def forward(ctx, tokens, weight, tokens_per_expert, segment_rows, segment_experts, quantization, training,
+                weight_codes):
         ctx.save_for_backward(tokens, weight, tokens_per_expert)
         ctx.segment_rows, ctx.segment_experts, ctx.quantization = segment_rows, segment_experts, quantization
+        segments = list(tokens.split(segment_rows))
+        if quantization.hardware:  # weight_codes: GroupedQuantization.weight_codes's (scalings, codes, transposed)
+            ctx.weight_scalings, codes, ctx.transposed_weight_codes = weight_codes
+            input_scalings = quantization.scalings(segments, "input", segment_experts, record=training)
+            return torch.cat(hardware_products(quantization.codes(segments, "input", input_scalings),
+                                               [codes[expert] for expert in segment_experts],
+                                               [(rows, weight.shape[1]) for rows in segment_rows], tokens,
+                                               tokens.dtype, quantization.recipe.accumulates_fast("fprop")))
         experts = list(range(weight.shape[0]))
         weights = list(weight.unbind(0))
         ctx.weight_scalings = quantization.scalings(weights, "weight", experts, record=training)
-        segments = list(tokens.split(segment_rows))
         input_scalings = quantization.scalings(segments, "input", segment_experts, record=training)
-        if quantization.hardware:
-            weight_codes = quantization.codes(weights, "weight", ctx.weight_scalings)
-            return torch.cat(hardware_products(quantization.codes(segments, "input", input_scalings),
-                                               [weight_codes[expert] for expert in segment_experts],
-                                               [(rows, weight.shape[1]) for rows in segment_rows], tokens,
-                                               tokens.dtype, quantization.recipe.accumulates_fast("fprop")))
         inputs = quantization.quantize(segments, "input", "fprop_input", segment_experts, input_scalings)
         quantized_weight = torch.stack(quantization.quantize(weights, "weight", "fprop_weight", experts,
                                                              ctx.weight_scalings))
@@ -190,7 +217,7 @@ class _QuantizedGroupedLinear(torch.autograd.Function):
             grad_scalings = quantization.scalings(grad_segments, "grad_output", experts, record=True)
             transposed = [w.t() for w in weight.unbind(0)]
             if quantization.hardware:
-                weight_codes = quantization.codes(transposed, "weight", ctx.weight_scalings)
+                weight_codes = ctx.transposed_weight_codes  # made with the forward's (needs_transpose)
                 grad_tokens = torch.cat(hardware_products(
                     quantization.codes(grad_segments, "grad_output", grad_scalings),
                     [weight_codes[expert] for expert in experts],
@@ -204,7 +231,7 @@ class _QuantizedGroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # wgrad: per segment, contraction over its tokens
             grad_weight = weight_gradient(quantization, grad_segments, list(tokens.split(ctx.segment_rows)),
                                           experts, weight)
-        return grad_tokens, grad_weight, None, None, None, None, None
+        return grad_tokens, grad_weight, None, None, None, None, None, None
 
 
 def weight_gradient(quantization: GroupedQuantization, grad_segments: list[torch.Tensor],

@@ -269,8 +269,9 @@ class _SavedCodesLinear(torch.autograd.Function):
 
 @contextlib.contextmanager
 def keeping_weight_codes(model: nn.Module):
-    """Inside: each per-tensor FP8 layer on the hardware GEMM casts its weight once and keeps the
-    codes (and their transpose) for every further GEMM of the block -- the trainer wraps one
+    """Inside: each per-tensor FP8 layer on the hardware GEMM, and each stacked expert weight on it,
+    casts its weight once and keeps the codes (and their transpose) for every further GEMM of the
+    block -- the trainer wraps one
     step's micro-batches in it, between which the optimizer does not touch the weights
     (Transformer Engine's ``is_first_microbatch``). At the end the codes are dropped, so an
     evaluation, a generation or the next step casts the weights as they are then. The numbers
@@ -279,6 +280,8 @@ def keeping_weight_codes(model: nn.Module):
     layers = [module.quantization for module in model.modules()
               if isinstance(getattr(module, "quantization", None), LinearQuantization)
               and module.quantization.hardware and module.quantization.recipe.per_tensor]
+    layers += [grouped for module in model.modules() for grouped in (getattr(module, "quantizations", None) or {}).values()
+               if grouped.hardware]  # the experts' stacked weights (quantized_experts.py)
     for quantization in layers:
         quantization.keep_weight_codes, quantization.kept_weight_codes = True, None
     try:

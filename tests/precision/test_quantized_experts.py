@@ -25,6 +25,7 @@ EP each rank records only its experts; the step's max over data-parallel ranks f
 layer, and the emulated grouped GEMMs to fp32 summation order; the layouts hold on them too.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -382,3 +383,39 @@ def refuse_ep_over_tp() -> str:
 def test_expert_parallel_over_tensor_parallel_ranks_is_refused():
     message = run_distributed(refuse_ep_over_tp, 2)[0]
     assert "parallel.tp=2" in message and "3.mixer.experts" in message and "parallel.ep" in message
+
+
+@needs_cpu_scaled_mm
+@pytest.mark.parametrize("name", PER_TENSOR_FP8)
+def test_expert_weights_cast_once_a_step_give_the_numbers_of_casting_every_micro_batch(monkeypatch, name):
+    """Inside ``keeping_weight_codes`` (the trainer's step) each expert's weight is cast on the first
+    micro-batch and its codes read by the others: the same outputs, gradients and delayed-scaling
+    amaxes, bit for bit, as casting at every micro-batch."""
+    from meshlm.precision.quantized_linear import keeping_weight_codes
+
+    config = ModelConfig(hidden_size=64, moe_num_experts=4, moe_ffn_hidden_size=48, mlp_activation="swiglu")
+    micro_batches = [(seeded(20, 64, seed=10 + index).to(torch.bfloat16), torch.tensor(rows))
+                     for index, rows in enumerate([[5, 0, 7, 8], [0, 12, 4, 4], [6, 6, 6, 2]])]
+    original, results, casts = Recipe.fp8_codes, [], []
+    for keep in (True, False):
+        torch.manual_seed(0)
+        experts = GroupedExperts(config, 64).to(torch.bfloat16)
+        quantize_experts(experts, Recipe(name, fp8_gemm="hardware"), "1.mixer.experts")
+        roles = []
+        monkeypatch.setattr(Recipe, "fp8_codes", lambda self, tensor, role, *args, **kwargs:
+                            roles.append(role) or original(self, tensor, role, *args, **kwargs))
+        with keeping_weight_codes(experts) if keep else contextlib.nullcontext():
+            outs = []
+            for tokens, counts in micro_batches:
+                out = experts(tokens.clone().requires_grad_(), counts)
+                out.float().square().mean().backward()
+                outs.append(out.detach())
+        amaxes = [grouped.delayed.step_amax.clone() for grouped in experts.quantizations.values()
+                  if grouped.delayed is not None]
+        results.append((outs, [parameter.grad.clone() for parameter in experts.parameters()], amaxes))
+        casts.append(roles.count("weight"))
+        assert all(grouped.kept_weight_codes is None for grouped in experts.quantizations.values())
+    for kept, every in zip(*results):
+        assert all(torch.equal(a, b) for a, b in zip(kept, every))
+    weights = 3 * 4 * 2  # gate, up and down of 4 experts, forward and transposed codes
+    assert casts == [weights, weights * len(micro_batches)]
