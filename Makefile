@@ -28,8 +28,9 @@ test: setup
 GPU_PYTHON ?= python3
 GPU_PYTEST_FLAGS ?= -x -q -rs
 # Files of the ordinary suite that run on CUDA where torch sees it (the CI never does): the Triton
-# SSD kernels compiled, and the FP8 GEMM's CUDA cases (blockwise scales exist only there).
-GPU_CUDA_FILES ?= tests/kernels tests/precision/test_fp8_gemm.py
+# SSD kernels compiled, the FP8 GEMM's CUDA cases (blockwise scales exist only there), and the FP8
+# layers' shared input casts and kept weight codes, bit for bit, on the GPU's FP8 GEMM.
+GPU_CUDA_FILES ?= tests/kernels tests/precision/test_fp8_gemm.py tests/precision/test_quantized_projections.py
 
 test-gpu:
 	@$(GPU_PYTHON) -c "import os, sys, torch; cuda = torch.cuda.is_available(); \

@@ -113,7 +113,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TIER_CORE = ["tests/gpu/test_fused_paths.py", "tests/gpu/test_fp8_hardware.py", "tests/gpu/test_model_kinds.py",
              "tests/gpu/test_nccl.py", "tests/gpu/test_gloo_on_cuda.py"]
-CUDA_CASES = ["tests/kernels", "tests/precision/test_fp8_gemm.py",
+CUDA_CASES = ["tests/kernels", "tests/precision/test_fp8_gemm.py", "tests/precision/test_quantized_projections.py",
               "--deselect", "tests/precision/test_fp8_gemm.py::test_vector_entries_become_aligned_scales_eagerly_and_compiled"]
 """Files of the ordinary suite that run on CUDA where torch sees it (``make test-gpu`` runs them too),
 less one CPU-only test that took 67 of the tier's 142 s on the second GPU session (it compiles a

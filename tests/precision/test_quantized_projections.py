@@ -25,19 +25,23 @@ FP8_CODES = Recipe.fp8_codes
 needs_cpu_scaled_mm = pytest.mark.skipif(
     not hardware_fp8_supported("cpu", "tensorwise", out_dtype=torch.bfloat16),
     reason=f"torch {torch.__version__} runs no tensorwise torch._scaled_mm on this CPU")
+DEVICES = [pytest.param("cpu", marks=needs_cpu_scaled_mm),
+           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+"""Where the bit-for-bit checks run: this CPU's _scaled_mm, and a GPU's FP8 GEMM where there is one
+(``make test-gpu`` runs this file on CUDA)."""
 
 
-def projections(recipe, widths=(64, 32, 32), bias=False, hardware=True, history=None, seed=0):
+def projections(recipe, widths=(64, 32, 32), bias=False, hardware=True, history=None, seed=0, device="cpu"):
     """q, k, v-like QuantizedLinear layers of 64 input features in bf16, each with its own
     quantization (its own delayed history where ``recipe`` has one, filled from ``history``)."""
     torch.manual_seed(seed)
     layers = []
     for index, width in enumerate(widths):
-        layer = nn.Linear(64, width, bias=bias).to(torch.bfloat16)
+        layer = nn.Linear(64, width, bias=bias).to(device=device, dtype=torch.bfloat16)
         layer.__class__ = QuantizedLinear
         delayed = None
         if recipe.name == "fp8_delayed":
-            delayed = DelayedScaling(4, torch.device("cpu"), formats=delayed_formats(recipe))
+            delayed = DelayedScaling(4, torch.device(device), formats=delayed_formats(recipe))
             if history is not None:
                 delayed.history.copy_(history)
                 delayed.refresh_scales()
@@ -70,17 +74,17 @@ def count_casts(monkeypatch):
     return calls
 
 
-@needs_cpu_scaled_mm
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("name", ["fp8_tensorwise", "fp8_delayed"])
-def test_one_cast_of_the_input_gives_the_separate_layers_numbers(monkeypatch, name, bias):
+def test_one_cast_of_the_input_gives_the_separate_layers_numbers(monkeypatch, name, bias, device):
     history = torch.tensor([[5.0, 0.3, 2.0], [7.0, 0.5, 3.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    x = torch.randn(2, 12, 64).to(torch.bfloat16)
-    grads = [torch.randn(2, 12, width).to(torch.bfloat16) for width in (64, 32, 32)]
+    x = torch.randn(2, 12, 64).to(device=device, dtype=torch.bfloat16)
+    grads = [torch.randn(2, 12, width).to(device=device, dtype=torch.bfloat16) for width in (64, 32, 32)]
     results, casts, histories = [], [], []
     for together in (True, False):
         recipe = Recipe(name, fp8_gemm="hardware")
-        layers = projections(recipe, bias=bias, history=history)
+        layers = projections(recipe, bias=bias, history=history, device=device)
         assert shares_input_codes([layer.quantization for layer in layers])
         calls = count_casts(monkeypatch)
         results.append(run(layers, x, grads, together))
@@ -163,10 +167,10 @@ class Projections(nn.Module):
     """q, k, v-like layers reading one input, and an o-like layer after them: both the shared-input
     path and the single-layer path."""
 
-    def __init__(self, recipe):
+    def __init__(self, recipe, device="cpu"):
         super().__init__()
-        self.qkv = nn.ModuleList(projections(recipe, history=None))
-        self.out = projections(recipe, widths=(64,), seed=1)[0]
+        self.qkv = nn.ModuleList(projections(recipe, history=None, device=device))
+        self.out = projections(recipe, widths=(64,), seed=1, device=device)[0]
 
     def forward(self, x):
         q, k, v = project_together(x, tuple(self.qkv))
@@ -185,14 +189,15 @@ def micro_batches(model, inputs, keep: bool):
     return outs, [parameter.grad.clone() for parameter in model.parameters()]
 
 
-@needs_cpu_scaled_mm
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["fp8_tensorwise", "fp8_delayed"])
-def test_weights_cast_once_a_step_give_the_numbers_of_casting_every_micro_batch(monkeypatch, name):
-    inputs = [torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+def test_weights_cast_once_a_step_give_the_numbers_of_casting_every_micro_batch(monkeypatch, name, device):
+    inputs = [torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(seed)).to(device=device,
+                                                                                       dtype=torch.bfloat16)
               for seed in range(3)]
     results, casts, amaxes = [], [], []
     for keep in (True, False):
-        model = Projections(Recipe(name, fp8_gemm="hardware"))
+        model = Projections(Recipe(name, fp8_gemm="hardware"), device)
         calls = count_casts(monkeypatch)
         results.append(micro_batches(model, inputs, keep))
         casts.append(calls.count("weight"))
