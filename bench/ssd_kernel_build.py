@@ -65,8 +65,9 @@ def plan(args) -> list[tuple[str, object, dict, dict, int]]:
                                                 "H_ptr": run, "y_ptr": run}, {"HAS_STATES": True}),
         "backward_sources": (kernels._diagonal_backward_sources,
                              {"u_ptr": run, "dy_ptr": run, "C_ptr": run, "B_ptr": run, "cs_ptr": fp32,
-                              "dS_ptr": run, "du_ptr": fp32, "dB_ptr": fp32, "colsum_ptr": fp32,
-                              "weight_terms_ptr": fp32}, {"HAS_STATE_GRADS": True}),
+                              "dS_ptr": run, "du_ptr": run, "dB_ptr": fp32, "colsum_ptr": fp32,
+                              "weight_terms_ptr": fp32, "dt_ptr": fp32, "ddt_ptr": fp32},
+                             {"HAS_STATE_GRADS": True, "INPUT_GRADS": True}),  # dx and d dt, as the scan runs it
         "backward_targets": (kernels._diagonal_backward_targets,
                              {"u_ptr": run, "dy_ptr": run, "C_ptr": run, "B_ptr": run, "cs_ptr": fp32,
                               "H_ptr": run, "dC_ptr": fp32, "rowsum_ptr": fp32},

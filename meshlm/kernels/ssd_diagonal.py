@@ -175,10 +175,22 @@ if triton is not None:
         return (batch * heads + group * heads_per_group + head_in_group) * chunks + chunk
 
     @triton.jit
+    def _strided_rows(block_id, heads, chunks, stride_b, stride_h, stride_c):
+        """The offset of chunk row 0 of program ``block_id`` = (batch, head, chunk) in a tensor viewed
+        as [b, h, c, Q, P] with strides (stride_b, stride_h, stride_c, ...) -- x in its own [b, t, h, P]
+        layout: (t h P, P, Q h P, h P, 1)."""
+        chunk = block_id % chunks
+        head = (block_id // chunks) % heads
+        batch = block_id // (chunks * heads)
+        return batch.to(tl.int64) * stride_b + head * stride_h + chunk.to(tl.int64) * stride_c
+
+    @triton.jit
     def _diagonal_backward_sources(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, dS_ptr, du_ptr, dB_ptr, colsum_ptr,
-                                   weight_terms_ptr, heads_per_group, heads, groups, chunks, state_slots,
+                                   weight_terms_ptr, dt_ptr, ddt_ptr,
+                                   dx_stride_b, dx_stride_h, dx_stride_c, dx_stride_l, dx_stride_p, heads_per_group, heads, groups, chunks, state_slots,
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
-                                   MIN_DECAY: tl.constexpr, DOT: tl.constexpr, HAS_STATE_GRADS: tl.constexpr):
+                                   MIN_DECAY: tl.constexpr, DOT: tl.constexpr, HAS_STATE_GRADS: tl.constexpr,
+                                   INPUT_GRADS: tl.constexpr):
         group_block, col_tile = tl.program_id(0), tl.program_id(1)  # group_block = (b, g, c) flattened
         C_base, B_base = C_ptr + group_block * Q * N, B_ptr + group_block * Q * N
         cols = col_tile * TILE + tl.arange(0, TILE)
@@ -211,7 +223,14 @@ if triton is not None:
                 weight_terms = tl.sum(weighted_u * b_states, axis=1)  # d w o w, per position
                 colsum += weight_terms  # d cs = rowsum - colsum: - d w o w at every position ...
                 tl.store(weight_terms_ptr + block_id * Q + cols, weight_terms)  # ... + their sum at the end (caller)
-            tl.store(du_ptr + block_id * Q * P + cols[:, None] * P + p[None, :], grad_u)
+            if INPUT_GRADS:  # u = dt x: dx = du dt, in x's dtype and layout; d dt = sum_p du x = (sum_p du u) / dt
+                dt_cols = tl.load(dt_ptr + block_id * Q + cols)  # (u is at hand; x would be one more tile live)
+                tl.store(du_ptr + _strided_rows(block_id, heads, chunks, dx_stride_b, dx_stride_h, dx_stride_c)
+                         + cols[:, None] * dx_stride_l + p[None, :] * dx_stride_p,
+                         (grad_u * dt_cols[:, None]).to(du_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
+                tl.store(ddt_ptr + block_id * Q + cols, tl.sum(grad_u * u_cols.to(tl.float32), axis=1) / dt_cols)
+            else:
+                tl.store(du_ptr + block_id * Q * P + cols[:, None] * P + p[None, :], grad_u)
             tl.store(colsum_ptr + block_id * Q + cols, colsum)
         tl.store(dB_ptr + group_block * Q * N + cols[:, None] * N + n[None, :], grad_B)
 
@@ -502,11 +521,19 @@ def entering_states_backward(dy: torch.Tensor, C: torch.Tensor, cs: torch.Tensor
 def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torch.Tensor,
                       dy: torch.Tensor, start_states: torch.Tensor | None = None,
                       state_grads: torch.Tensor | None = None,
-                      tile: int | None = None, warps: int | None = None) -> tuple[torch.Tensor | None, ...]:
+                      tile: int | None = None, warps: int | None = None,
+                      dt: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
     """Gradients of ``diagonal_forward`` for dy [b, h, c, Q, P] (contiguous, in u's dtype, as the
     output y is): du [b, h, c, Q, P], dB and dC per group [b, g, c, Q, N] (B's and C's shape),
-    d cs [b, h, c, Q], all fp32, and the chunk states' weight terms (below; None without
-    ``state_grads``).
+    d cs [b, h, c, Q], all fp32, the chunk states' weight terms (below; None without
+    ``state_grads``), and None.
+
+    Given ``dt`` ([b, h, c, Q], fp32) of u = dt x, the first result is dx = du dt instead of du, in
+    u's dtype (x's), laid out as x is, [b, c Q, h, P] (returned as its [b, h, c, Q, P] view), and
+    the last is dt's part sum_p du x, fp32 [b, h, c, Q], taken as (sum_p du u) / dt from the u the
+    kernel holds (within one rounding of u, 2^-9 relative in bf16, of the sum over x): du (fp32,
+    twice u's bytes) is then never written and read back, as ``mamba_ssm``'s chunk-scan backward
+    writes dx and d dt itself.
 
     Given ``start_states`` (as ``diagonal_forward`` took them), dC and d cs also hold the
     off-diagonal blocks' parts, sum_p (e o dy) H and sum_p (e o dy) o (C H^T)
@@ -518,7 +545,17 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     returned, whose sum over the chunk the caller adds to each chunk's last d cs. ``tile`` and
     ``warps`` as ``diagonal_forward``'s."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
-    grad_u = torch.empty(u.shape, dtype=torch.float32, device=u.device)
+    input_grads = dt is not None
+    if input_grads:  # dx in x's natural layout [b, t, h, P], written through its chunked view
+        if dt.shape != cs.shape or dt.dtype != torch.float32 or not dt.is_contiguous():
+            raise ValueError(f"diagonal_backward takes dt contiguous in fp32 and shaped as cs {tuple(cs.shape)}; "
+                             f"got {tuple(dt.shape)} {dt.dtype}")
+        grad_u = torch.empty(batch, chunks * chunk, heads, head_dim, dtype=u.dtype, device=u.device).view(
+            batch, chunks, chunk, heads, head_dim).permute(0, 3, 1, 2, 4)
+        grad_dt = torch.empty(cs.shape, dtype=torch.float32, device=u.device)
+    else:
+        grad_u = torch.empty(u.shape, dtype=torch.float32, device=u.device)
+        grad_dt = None
     grad_B = torch.empty(B.shape, dtype=torch.float32, device=u.device)
     grad_C = torch.empty_like(grad_B)
     colsum = torch.empty(cs.shape, dtype=torch.float32, device=u.device)
@@ -533,12 +570,14 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     weight_terms = None if state_grads is None else torch.empty_like(colsum)
     _launch(_diagonal_backward_sources, _diagonal_backward_sources_tuned, programs, chunk, tile, warps, u.is_cuda,
             u, dy, C, B, cs, colsum if state_grads is None else state_grads, grad_u, grad_B, colsum,
-            colsum if weight_terms is None else weight_terms, heads // groups, heads, groups, chunks, grad_slots,
-            HAS_STATE_GRADS=state_grads is not None, **shapes)
+            colsum if weight_terms is None else weight_terms, dt if input_grads else cs,
+            grad_dt if input_grads else colsum, *grad_u.stride(),
+            heads // groups, heads, groups, chunks, grad_slots,
+            HAS_STATE_GRADS=state_grads is not None, INPUT_GRADS=input_grads, **shapes)
     _launch(_diagonal_backward_targets, _diagonal_backward_targets_tuned, programs, chunk, tile, warps, u.is_cuda,
             u, dy, C, B, cs, start_states if has_states else dy, grad_C, rowsum,
             heads // groups, heads, groups, chunks, start_slots, HAS_STATES=has_states, **shapes)
-    return grad_u, grad_B, grad_C, rowsum - colsum, weight_terms
+    return grad_u, grad_B, grad_C, rowsum - colsum, weight_terms, grad_dt
 
 
 __all__ = ["diagonal_backward", "diagonal_forward", "entering_states", "entering_states_backward", "kernel_choices",

@@ -49,7 +49,8 @@ with kernels instead of the matmuls: the chunk states together with the recurren
 the chunks), and the diagonal blocks plus the off-diagonal read in the forward (so y is written
 once); in backward the recurrence walked back together with the entering states' gradient from
 the off-diagonal blocks, then the diagonal blocks' gradients together with the off-diagonal parts
-of dC and d cs and the chunk states' backward. No fp32 copy of a per-head tensor is made for a
+of dC and d cs and the chunk states' backward, whose first kernel also turns du into dx = du dt
+(in x's dtype and layout) and dt's part sum_p du x: the fp32 du is never stored. No fp32 copy of a per-head tensor is made for a
 matmul. The recurrences run in fp32 inside the kernels; the states entering the chunks and their
 gradients pass from kernel to kernel in the run's dtype, as ``mamba_ssm`` passes them (the final
 state and the initial state's gradient stay fp32): in bf16, half the bytes of the [b, h, c, P, N]
@@ -279,12 +280,14 @@ class _ChunkedScan(torch.autograd.Function):
                 grad_chunk_log = grad_chunk_log * pieces.documents.slot_continues()
 
         if ctx.use_kernels:  # diagonal blocks, the off-diagonal parts of dC and d cs, and the chunk
-            # states' backward, in two kernels (meshlm/kernels/ssd_diagonal.py)
+            # states' backward, in two kernels (meshlm/kernels/ssd_diagonal.py); the first also turns
+            # du into dx = du dt (in x's dtype and layout) and dt's part sum_p du x, so du is never stored
             tile, warps = ctx.kernel_config
-            grad_u, grad_B, grad_C, grad_cs, weight_terms = _triton_kernels().diagonal_backward(
-                pieces.u, pieces.C, pieces.B, pieces.cs, dy, start_states, grad_chunk_states, tile, warps)
+            grad_x, grad_B, grad_C, grad_cs, weight_terms, grad_dt_from_u = _triton_kernels().diagonal_backward(
+                pieces.u, pieces.C, pieces.B, pieces.cs, dy, start_states, grad_chunk_states, tile, warps,
+                dt=pieces.dt)
             grad_B, grad_C = grad_B.to(compute), grad_C.to(compute)  # summed over each group's heads
-            grad_u, grad_cs = grad_u.to(compute), grad_cs.to(compute)
+            grad_cs = grad_cs.to(compute)
             grad_log_decay = torch.zeros_like(grad_cs)
         else:
             # Diagonal blocks y = M u, M = (C B^T) o L.
@@ -307,9 +310,11 @@ class _ChunkedScan(torch.autograd.Function):
 
         # cs = cumsum(dt A) within each chunk, u = dt x.
         grad_log_decay += grad_cs.flip(-1).cumsum(-1).flip(-1)  # [b, h, c, l]
-        grad_dt = grad_log_decay * A.to(compute)[:, None, None] + (grad_u * pieces.x.to(compute)).sum(-1)
+        if not ctx.use_kernels:  # (the kernels gave dx and sum_p du x already)
+            grad_dt_from_u = (grad_u * pieces.x.to(compute)).sum(-1)
+            grad_x = grad_u * pieces.dt[..., None]
+        grad_dt = grad_log_decay * A.to(compute)[:, None, None] + grad_dt_from_u
         grad_A = (grad_log_decay * pieces.dt).sum((0, 2, 3))
-        grad_x = grad_u * pieces.dt[..., None]
 
         seq_len = pieces.seq_len
         return (_from_per_head_chunks(grad_x, seq_len).to(x.dtype),

@@ -108,14 +108,15 @@ def test_backward_adds_the_chunk_states_backward(chunk, tile):
     weighted_u = u_ * torch.exp(cs_[..., -1:] - cs_)[..., None]
     chunk_states = weighted_u.transpose(-1, -2) @ B_heads  # [b, h, c, P, N]
     expected = torch.autograd.grad((output * dy).sum() + (chunk_states * state_grads).sum(), leaves)
-    grad_u, grad_B, grad_C, grad_cs, weight_terms = kernels.diagonal_backward(
+    grad_u, grad_B, grad_C, grad_cs, weight_terms, no_dt = kernels.diagonal_backward(
         u, C, B, cs, dy, states, state_grads, tile=tile)
+    assert no_dt is None
     # the recurrence's slots read in place: the entering states before the final one, the chunk
     # states' gradients after the initial state's (ssd_fast)
     entering, total = (torch.cat([tensor, tensor[:, :, :1]], dim=2) for tensor in (states, state_grads))
     in_place = kernels.diagonal_backward(u, C, B, cs, dy, entering[:, :, :-1],
                                          torch.cat([total[:, :, -1:], state_grads], dim=2)[:, :, 1:], tile=tile)
-    for got, want in zip(in_place, (grad_u, grad_B, grad_C, grad_cs, weight_terms)):
+    for got, want in zip(in_place[:5], (grad_u, grad_B, grad_C, grad_cs, weight_terms)):
         assert torch.equal(got, want)
     grad_cs[..., -1] += weight_terms.sum(-1)
     for name, got, want in zip(("du", "dB", "dC", "dcs"), (grad_u, grad_B, grad_C, grad_cs),
@@ -215,12 +216,45 @@ def test_backward_matches_autograd(chunk, tile):
     leaves = [tensor.clone().requires_grad_() for tensor in (u, C, B, cs)]
     expected_u, expected_C, expected_B, expected_cs = torch.autograd.grad(
         (diagonal_reference(*leaves) * dy).sum(), leaves)
-    grad_u, grad_B, grad_C, grad_cs, no_terms = kernels.diagonal_backward(u, C, B, cs, dy, tile=tile)
-    assert no_terms is None
+    grad_u, grad_B, grad_C, grad_cs, no_terms, no_dt = kernels.diagonal_backward(u, C, B, cs, dy, tile=tile)
+    assert no_terms is None and no_dt is None
     torch.testing.assert_close(grad_u, expected_u, **TOLERANCE)
     torch.testing.assert_close(grad_B, expected_B, **TOLERANCE)
     torch.testing.assert_close(grad_C, expected_C, **TOLERANCE)
     torch.testing.assert_close(grad_cs, expected_cs, **TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk,tile", [(16, None), (64, 32)])
+def test_input_gradients_in_the_kernel_are_du_times_dt_and_the_sum_of_du_x(chunk, tile, dtype):
+    """Given dt, the sources kernel writes dx = du dt in x's dtype and natural layout [b, t, h, P],
+    and sum_p du x (as (sum_p du u) / dt) in fp32, instead of du: the numbers of du (the kernel's
+    other mode) turned into them by PyTorch -- dx bit for bit (one product, one rounding either
+    way), the sums to fp32 summation order, and within one rounding of u of the sum over x."""
+    batch, heads, chunks, head_dim = 1, 4, 2, 16
+    generator = torch.Generator().manual_seed(21)
+    x = torch.randn(batch, heads, chunks, chunk, head_dim, generator=generator).to(DEVICE, dtype)
+    dt = (torch.rand(batch, heads, chunks, chunk, generator=generator) + 0.05).to(DEVICE)
+    u = (x.float() * dt[..., None]).to(dtype)
+    _, C, B, cs = random_inputs(chunk, heads=heads, head_dim=head_dim, chunks=chunks, batch=batch, seed=22)
+    C, B = C.to(dtype), B.to(dtype)
+    dy = torch.randn(u.shape, generator=generator).to(DEVICE, dtype)
+    states, state_grads = (torch.randn(*u.shape[:3], head_dim, B.shape[-1], generator=generator).to(DEVICE, dtype)
+                           for _ in range(2))
+    with_du = kernels.diagonal_backward(u, C, B, cs, dy, states, state_grads, tile=tile)
+    with_dx = kernels.diagonal_backward(u, C, B, cs, dy, states, state_grads, tile=tile, dt=dt)
+    grad_u, grad_x, grad_dt = with_du[0], with_dx[0], with_dx[5]
+    for name, got, want in zip(("dB", "dC", "dcs", "weight terms"), with_dx[1:5], with_du[1:5]):
+        assert torch.equal(got, want), name
+    assert grad_x.dtype == dtype and grad_x.shape == u.shape and grad_dt.dtype == torch.float32
+    natural = grad_x.permute(0, 2, 3, 1, 4).reshape(batch, chunks * chunk, heads, head_dim)  # x's [b, t, h, P]
+    assert natural.is_contiguous() and natural.data_ptr() == grad_x.data_ptr()
+    assert torch.equal(grad_x, (grad_u * dt[..., None]).to(dtype))
+    torch.testing.assert_close(grad_dt, (grad_u * u.float()).sum(-1) / dt, rtol=1e-5, atol=1e-5)
+    rounding = 1e-5 if dtype == torch.float32 else 2.0 ** -8  # u = dt x rounded once to x's dtype
+    torch.testing.assert_close(grad_dt, (grad_u * x.float()).sum(-1), rtol=rounding, atol=rounding * grad_dt.abs().max())
+    with pytest.raises(ValueError, match="diagonal_backward takes dt contiguous in fp32"):
+        kernels.diagonal_backward(u, C, B, cs, dy, dt=dt.double())
 
 
 BF16_RELATIVE_ERROR = 1e-2
@@ -254,7 +288,7 @@ def test_bf16_operands_stay_within_bf16_rounding_of_the_fp32_reference(chunk):
         (expected_y * dy.float()).sum() + (chunk_states * state_grads.float()).sum(), leaves)
     y = kernels.diagonal_forward(u, C, B, cs, states)
     assert y.dtype == torch.bfloat16
-    grad_u, grad_B, grad_C, grad_cs, weight_terms = kernels.diagonal_backward(u, C, B, cs, dy, states, state_grads)
+    grad_u, grad_B, grad_C, grad_cs, weight_terms, _ = kernels.diagonal_backward(u, C, B, cs, dy, states, state_grads)
     grad_cs[..., -1] += weight_terms.sum(-1)
     pairs = {"y": (y, expected_y), "du": (grad_u, expected_u), "dB": (grad_B, expected_B),
              "dC": (grad_C, expected_C), "dcs": (grad_cs, expected_cs)}

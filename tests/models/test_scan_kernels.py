@@ -50,8 +50,8 @@ def test_a_kernel_computing_wrong_gradients_fails(monkeypatch):
     original = kernels.diagonal_backward
 
     def doubled_grad_B(*args, **kwargs):
-        grad_u, grad_B, grad_C, grad_cs, weight_terms = original(*args, **kwargs)
-        return grad_u, 2 * grad_B, grad_C, grad_cs, weight_terms
+        grad_x, grad_B, grad_C, grad_cs, weight_terms, grad_dt = original(*args, **kwargs)
+        return grad_x, 2 * grad_B, grad_C, grad_cs, weight_terms, grad_dt
 
     monkeypatch.setattr(kernels, "diagonal_backward", doubled_grad_B)
     assert scan_kernel_failure(CPU, torch.float32, 16, 16, 16, 2).startswith("dB differs from the PyTorch scan")
