@@ -550,12 +550,14 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
         if dt.shape != cs.shape or dt.dtype != torch.float32 or not dt.is_contiguous():
             raise ValueError(f"diagonal_backward takes dt contiguous in fp32 and shaped as cs {tuple(cs.shape)}; "
                              f"got {tuple(dt.shape)} {dt.dtype}")
-        grad_u = torch.empty(batch, chunks * chunk, heads, head_dim, dtype=u.dtype, device=u.device).view(
-            batch, chunks, chunk, heads, head_dim).permute(0, 3, 1, 2, 4)
+        grad_x = torch.empty(batch, chunks * chunk, heads, head_dim, dtype=u.dtype, device=u.device)
         grad_dt = torch.empty(cs.shape, dtype=torch.float32, device=u.device)
+        # the kernel writes the contiguous tensor through the strides of its [b, h, c, Q, P] view
+        strides = (chunks * chunk * heads * head_dim, head_dim, chunk * heads * head_dim, heads * head_dim, 1)
     else:
+        grad_x = grad_dt = None
         grad_u = torch.empty(u.shape, dtype=torch.float32, device=u.device)
-        grad_dt = None
+        strides = grad_u.stride()
     grad_B = torch.empty(B.shape, dtype=torch.float32, device=u.device)
     grad_C = torch.empty_like(grad_B)
     colsum = torch.empty(cs.shape, dtype=torch.float32, device=u.device)
@@ -569,14 +571,16 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
     grad_slots = _state_slots("state_grads", state_grads, chunks)
     weight_terms = None if state_grads is None else torch.empty_like(colsum)
     _launch(_diagonal_backward_sources, _diagonal_backward_sources_tuned, programs, chunk, tile, warps, u.is_cuda,
-            u, dy, C, B, cs, colsum if state_grads is None else state_grads, grad_u, grad_B, colsum,
-            colsum if weight_terms is None else weight_terms, dt if input_grads else cs,
-            grad_dt if input_grads else colsum, *grad_u.stride(),
+            u, dy, C, B, cs, colsum if state_grads is None else state_grads, grad_x if input_grads else grad_u,
+            grad_B, colsum, colsum if weight_terms is None else weight_terms, dt if input_grads else cs,
+            grad_dt if input_grads else colsum, *strides,
             heads // groups, heads, groups, chunks, grad_slots,
             HAS_STATE_GRADS=state_grads is not None, INPUT_GRADS=input_grads, **shapes)
     _launch(_diagonal_backward_targets, _diagonal_backward_targets_tuned, programs, chunk, tile, warps, u.is_cuda,
             u, dy, C, B, cs, start_states if has_states else dy, grad_C, rowsum,
             heads // groups, heads, groups, chunks, start_slots, HAS_STATES=has_states, **shapes)
+    if input_grads:
+        grad_u = grad_x.view(batch, chunks, chunk, heads, head_dim).permute(0, 3, 1, 2, 4)  # dx, as the view
     return grad_u, grad_B, grad_C, rowsum - colsum, weight_terms, grad_dt
 
 
