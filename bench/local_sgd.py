@@ -4,7 +4,8 @@
                               [--micro-batch 4|32] [--sync-every 8 32] [--link 1Gbps,5ms]
                               [--no-baseline-without-link] [--eval-every 8] [--device cpu|cuda]
                               [--methods local_sgd diloco palsgd] [--diloco-outer 0.7,0.9]
-                              [--palsgd-outer 0.7,0.9] [--target-loss L] [--local-overrides KEY=VALUE ...]
+                              [--palsgd-outer 0.7,0.9] [--target-loss L] [--overlap-at H ...]
+                              [--local-overrides KEY=VALUE ...]
                               [--out FILE] [--plot bench/local_sgd.png]
 
 Each method trains the same small demo-style hybrid (``configs/demo.yaml`` narrowed: hidden 128,
@@ -17,6 +18,12 @@ latency (``meshlm/parallel/simulated_link.py``), the same data order, seed, batc
   outer optimizer (Nesterov, lr 0.7, momentum 0.9), PALSGD with p 0.2 and eta 1 as its authors
   use and, by default, the same outer pair as DiLoCo (``--palsgd-outer 0.1,0.9`` is the authors':
   over a few outer steps their lr 0.1 barely moves the global copy the pulls hold the replicas to).
+
+``--overlap-at H`` adds DiLoCo and PALSGD at H with ``parallel.outer_overlap=true`` (Streaming
+DiLoCo, Douillard et al. 2025): the outer all-reduce -- one all-reduce's bytes every H steps --
+runs during the next inner step instead of holding the replicas at the sync; each replica then
+loads the new global copy plus its own progress since the sync. Where a step computes little
+(a GPU), that wait is a visible share of the step.
 
 The protocol has two DDP phases, both from the papers:
 
@@ -261,6 +268,9 @@ def main(argv=None) -> int:
                         help="DDP's evaluation interval; a low-communication run evaluates at the least common "
                              "multiple of it and its H (the synced model)")
     parser.add_argument("--target-loss", type=float, default=None)
+    parser.add_argument("--overlap-at", type=int, nargs="*", default=[], metavar="H",
+                        help="also run DiLoCo and PALSGD at these H with parallel.outer_overlap=true (Streaming "
+                             "DiLoCo's one-step-stale sync: the outer all-reduce runs during the next inner step)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--diloco-outer", default=OUTER_DEFAULTS["diloco"], metavar="LR,MOMENTUM")
     parser.add_argument("--palsgd-outer", default=OUTER_DEFAULTS["palsgd"], metavar="LR,MOMENTUM")
@@ -297,6 +307,8 @@ def main(argv=None) -> int:
     if args.global_batch < 1 or args.global_batch % (4 * args.micro_batch):
         parser.error(f"--global-batch {args.global_batch}: use a multiple of {4 * args.micro_batch} (4 replicas x "
                      f"micro-batches of {args.micro_batch}), or change --micro-batch.")
+    if any(every < 2 for every in args.overlap_at):
+        parser.error(f"--overlap-at {args.overlap_at}: give sync intervals H of at least 2.")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: run the plan at least once (--repeats 1 or more).")
 
@@ -314,7 +326,11 @@ def main(argv=None) -> int:
     plan = [("ddp", [], args.eval_every)] + ([(NO_LINK, ["parallel.simulate_link=null"], args.eval_every)]
                                              if args.baseline_without_link and args.link else []) + [
         (f"{method} H={every}", [*settings[method], f"parallel.sync_every={every}", *args.local_overrides],
-         math.lcm(args.eval_every, every)) for every in args.sync_every for method in args.methods]
+         math.lcm(args.eval_every, every)) for every in args.sync_every for method in args.methods] + [
+        (f"{method} H={every} overlap", [*settings[method], f"parallel.sync_every={every}",
+                                         "parallel.outer_overlap=true", *args.local_overrides],
+         math.lcm(args.eval_every, every))
+        for every in args.overlap_at for method in args.methods if method in OUTER_DEFAULTS]
     repeats, init = {}, None
     with tempfile.TemporaryDirectory() as workdir:
         if args.init_steps:
@@ -331,7 +347,7 @@ def main(argv=None) -> int:
                                       timeout_s=3600)[0]  # rank 0: replica 0
                 repeats.setdefault(name, []).append(run)
                 final = run["curve"][max(run["curve"])]
-                print(f"{name:<16} final val {final[1]:.4f} after {run['train_seconds']:.1f} s, "
+                print(f"{name:<20} final val {final[1]:.4f} after {run['train_seconds']:.1f} s, "
                       f"{run['dp_bytes'] / 1e6:.1f} MB over DP (repeat {repeat + 1}/{args.repeats})",
                       file=sys.stderr, flush=True)
                 if args.out:  # so far: what a run stopped at its time limit (a GPU session's stage) still leaves
@@ -360,12 +376,12 @@ def main(argv=None) -> int:
                        "seconds_curve": {step: round(seconds, 2) for step, (seconds, _) in sorted(run["curve"].items())},
                        "train_seconds_each": run["train_seconds_each"], "dp_megabytes": run["dp_bytes"] / 1e6,
                        "val_curve": {step: loss for step, (_, loss) in sorted(run["curve"].items())}}
-    print(f"\n{'run':<16}{'val loss':>10}{'vs DDP':>9}{'train s':>9}{'s to target':>13}{'same warm-up':>14}"
+    print(f"\n{'run':<20}{'val loss':>10}{'vs DDP':>9}{'train s':>9}{'s to target':>13}{'same warm-up':>14}"
           f"{'DP MB':>9}", file=sys.stderr)
     for name, row in table.items():
         reach = "-" if row["seconds_to_target"] is None else f"{row['seconds_to_target']:.1f}"
         same = "-" if row["seconds_to_target_same_warmup"] is None else f"{row['seconds_to_target_same_warmup']:.1f}"
-        print(f"{name:<16}{row['final_val_loss']:>10.4f}{row['vs_ddp_loss']:>+9.2%}{row['train_seconds']:>9.1f}"
+        print(f"{name:<20}{row['final_val_loss']:>10.4f}{row['vs_ddp_loss']:>+9.2%}{row['train_seconds']:>9.1f}"
               f"{reach:>13}{same:>14}{row['dp_megabytes']:>9.1f}", file=sys.stderr)
     result = {"steps": args.steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
               "link": args.link, "target_loss": target, "device": args.device, "repeats": args.repeats,

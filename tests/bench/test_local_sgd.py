@@ -88,3 +88,9 @@ def test_link_share_is_the_part_of_ddp_time_the_link_run_adds():
     assert link_share(runs) == pytest.approx(0.05)  # at most 1 / 0.95 = 1.05x faster at DDP's computation
     del runs[NO_LINK]
     assert link_share(runs) is None
+
+
+def test_an_overlap_interval_below_two_is_refused_before_any_run(capsys):
+    with pytest.raises(SystemExit):
+        main(["--overlap-at", "1"])
+    assert "--overlap-at [1]: give sync intervals H of at least 2." in capsys.readouterr().err
