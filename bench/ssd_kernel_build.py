@@ -67,7 +67,8 @@ def plan(args) -> list[tuple[str, object, dict, dict, int]]:
                              {"u_ptr": run, "dy_ptr": run, "C_ptr": run, "B_ptr": run, "cs_ptr": fp32,
                               "dS_ptr": run, "du_ptr": run, "dB_ptr": fp32, "colsum_ptr": fp32,
                               "weight_terms_ptr": fp32, "dt_ptr": fp32, "ddt_ptr": fp32},
-                             {"HAS_STATE_GRADS": True, "INPUT_GRADS": True}),  # dx and d dt, as the scan runs it
+                             # dx and d dt, as the scan runs it; dx's last stride is 1, which Triton specializes
+                             {"HAS_STATE_GRADS": True, "INPUT_GRADS": True, "dx_stride_p": 1}),
         "backward_targets": (kernels._diagonal_backward_targets,
                              {"u_ptr": run, "dy_ptr": run, "C_ptr": run, "B_ptr": run, "cs_ptr": fp32,
                               "H_ptr": run, "dC_ptr": fp32, "rowsum_ptr": fp32},
