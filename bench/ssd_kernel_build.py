@@ -62,7 +62,7 @@ def plan(args) -> list[tuple[str, object, dict, dict, int]]:
     shape = {"Q": args.chunk, "P": args.head_dim, "N": args.state, "MIN_DECAY": SSD_MIN_LOG_DECAY, "DOT": "tf32"}
     diagonal = {
         "forward": (kernels._diagonal_forward, {"u_ptr": run, "C_ptr": run, "B_ptr": run, "cs_ptr": fp32,
-                                                "H_ptr": run, "y_ptr": run}, {"HAS_STATES": True}),
+                                                "H_ptr": run, "y_ptr": run}, {"HAS_STATES": True, "y_stride_p": 1}),
         "backward_sources": (kernels._diagonal_backward_sources,
                              {"u_ptr": run, "dy_ptr": run, "C_ptr": run, "B_ptr": run, "cs_ptr": fp32,
                               "dS_ptr": run, "du_ptr": run, "dB_ptr": fp32, "colsum_ptr": fp32,

@@ -140,7 +140,8 @@ if triton is not None:
         return scores * decay, decay
 
     @triton.jit
-    def _diagonal_forward(u_ptr, C_ptr, B_ptr, cs_ptr, H_ptr, y_ptr, heads_per_group, heads, groups, chunks,
+    def _diagonal_forward(u_ptr, C_ptr, B_ptr, cs_ptr, H_ptr, y_ptr, y_stride_b, y_stride_h, y_stride_c, y_stride_l,
+                          y_stride_p, heads_per_group, heads, groups, chunks,
                           state_slots, Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
                           MIN_DECAY: tl.constexpr, DOT: tl.constexpr, HAS_STATES: tl.constexpr):
         block_id, row_tile = tl.program_id(0), tl.program_id(1)  # block_id = (b, h, c) flattened
@@ -162,8 +163,9 @@ if triton is not None:
             c_rows = tl.load(C_base + rows[:, None] * N + n[None, :]).to(states.dtype)
             read = tl.dot(c_rows, tl.trans(states), input_precision=DOT)
             acc += read * tl.exp(tl.load(cs_base + rows))[:, None]
-        # accumulated in fp32, written once in the run's dtype (as mamba_ssm's chunk_scan writes it)
-        tl.store(y_ptr + block_id * Q * P + rows[:, None] * P + p[None, :], acc.to(y_ptr.dtype.element_ty))
+        # accumulated in fp32, written once in the run's dtype and x's layout (as mamba_ssm's chunk_scan writes it)
+        tl.store(y_ptr + _strided_rows(block_id, heads, chunks, y_stride_b, y_stride_h, y_stride_c)
+                 + rows[:, None] * y_stride_l + p[None, :] * y_stride_p, acc.to(y_ptr.dtype.element_ty))
 
     @triton.jit
     def _head_block(group_block, head_in_group, heads_per_group, heads, groups, chunks):
@@ -445,18 +447,33 @@ def diagonal_forward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: torc
                      start_states: torch.Tensor | None = None, tile: int | None = None,
                      warps: int | None = None) -> torch.Tensor:
     """y [b, h, c, Q, P] = (C B^T o L) u per chunk and head (module docstring), accumulated in fp32
-    and written in u's dtype, plus, given the
+    and written in u's dtype and in x's own layout [b, c Q, h, P] (returned as its [b, h, c, Q, P]
+    view: the scan's output needs no copy to return to it), plus, given the
     states entering each chunk ``start_states`` [b, h, c, P, N] (in u's dtype or fp32; contiguous,
     or c consecutive slots of a contiguous [b, h, slots, P, N]: ``_state_slots``), the off-diagonal
     blocks exp(cs) C H^T: the scan's whole output in one write. ``tile`` and ``warps`` fix the score
     tile's rows and the warps (default: tuned on CUDA, ``BLOCK`` and 4 elsewhere; ``kernel_choices``)."""
     batch, heads, chunks, chunk, head_dim, groups, state = _layout(u, B)
-    y = torch.empty_like(u)
+    natural = torch.empty(batch, chunks * chunk, heads, head_dim, dtype=u.dtype, device=u.device)
     slots = _state_slots("start_states", start_states, chunks)
     _launch(_diagonal_forward, _diagonal_forward_tuned, batch * heads * chunks, chunk, tile, warps, u.is_cuda,
-            u, C, B, cs, y if start_states is None else start_states, y, heads // groups, heads, groups, chunks,
+            u, C, B, cs, natural if start_states is None else start_states, natural,
+            *_natural_strides(batch, heads, chunks, chunk, head_dim), heads // groups, heads, groups, chunks,
             slots, Q=chunk, P=head_dim, N=state, HAS_STATES=start_states is not None)
-    return y
+    return _chunked_view(natural, chunks, chunk)
+
+
+def _natural_strides(batch: int, heads: int, chunks: int, chunk: int, head_dim: int) -> tuple[int, ...]:
+    """The strides, as [b, h, c, Q, P], of a contiguous [b, c Q, h, P] tensor: x's own layout, in
+    which the kernels write y and dx (a kernel gets the contiguous tensor and these strides, not a
+    strided view, which a compiled graph could lay out otherwise)."""
+    return (chunks * chunk * heads * head_dim, head_dim, chunk * heads * head_dim, heads * head_dim, 1)
+
+
+def _chunked_view(natural: torch.Tensor, chunks: int, chunk: int) -> torch.Tensor:
+    """[b, c Q, h, P] viewed as [b, h, c, Q, P] (the inverse of ``ssd_fast._from_per_head_chunks``)."""
+    batch, _, heads, head_dim = natural.shape
+    return natural.view(batch, chunks, chunk, heads, head_dim).permute(0, 3, 1, 2, 4)
 
 
 def _state_tile(state: int) -> int:
@@ -552,8 +569,7 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
                              f"got {tuple(dt.shape)} {dt.dtype}")
         grad_x = torch.empty(batch, chunks * chunk, heads, head_dim, dtype=u.dtype, device=u.device)
         grad_dt = torch.empty(cs.shape, dtype=torch.float32, device=u.device)
-        # the kernel writes the contiguous tensor through the strides of its [b, h, c, Q, P] view
-        strides = (chunks * chunk * heads * head_dim, head_dim, chunk * heads * head_dim, heads * head_dim, 1)
+        strides = _natural_strides(batch, heads, chunks, chunk, head_dim)
     else:
         grad_x = grad_dt = None
         grad_u = torch.empty(u.shape, dtype=torch.float32, device=u.device)
@@ -580,7 +596,7 @@ def diagonal_backward(u: torch.Tensor, C: torch.Tensor, B: torch.Tensor, cs: tor
             u, dy, C, B, cs, start_states if has_states else dy, grad_C, rowsum,
             heads // groups, heads, groups, chunks, start_slots, HAS_STATES=has_states, **shapes)
     if input_grads:
-        grad_u = grad_x.view(batch, chunks, chunk, heads, head_dim).permute(0, 3, 1, 2, 4)  # dx, as the view
+        grad_u = _chunked_view(grad_x, chunks, chunk)  # dx, as [b, h, c, Q, P]
     return grad_u, grad_B, grad_C, rowsum - colsum, weight_terms, grad_dt
 
 

@@ -247,7 +247,10 @@ class _ChunkedScan(torch.autograd.Function):
             y += pieces.read_states(start_states) * pieces.decay_from_start()[..., None]  # off-diagonal blocks
         ctx.save_for_backward(x, dt, A, B, C, start_states, document_ids)
         ctx.chunk_size, ctx.use_kernels, ctx.kernel_config = chunk_size, use_kernels, kernel_config
-        natural = _from_per_head_chunks(y, pieces.seq_len)  # rounded to x's dtype in the same copy
+        natural = _from_per_head_chunks(y, pieces.seq_len)
+        if use_kernels:  # the kernel wrote y in x's dtype and layout: no copy (unless the padding is cut off)
+            return natural.contiguous(), final_state.contiguous()
+        # rounded to x's dtype in the same copy
         return torch.empty(natural.shape, dtype=x.dtype, device=x.device).copy_(natural), final_state.contiguous()
 
     @staticmethod

@@ -257,6 +257,16 @@ def test_input_gradients_in_the_kernel_are_du_times_dt_and_the_sum_of_du_x(chunk
         kernels.diagonal_backward(u, C, B, cs, dy, dt=dt.double())
 
 
+def test_forward_writes_y_in_the_layout_of_x():
+    """y comes back as [b, h, c, Q, P], a view of a contiguous [b, c Q, h, P] tensor -- x's own
+    layout, in which the scan returns it -- so no copy turns it back."""
+    u, C, B, cs = random_inputs(16, chunks=3, batch=2)
+    y = kernels.diagonal_forward(u, C, B, cs)
+    natural = y.permute(0, 2, 3, 1, 4).reshape(2, 3 * 16, *y.shape[1:2], y.shape[-1])
+    assert natural.is_contiguous() and natural.data_ptr() == y.data_ptr()
+    torch.testing.assert_close(y, diagonal_reference(u, C, B, cs), **TOLERANCE)
+
+
 BF16_RELATIVE_ERROR = 1e-2
 """bf16 u, C, B (a bf16 run): the kernels round the decayed scores to bf16 before their second dot
 product and accumulate in fp32, so each result stays within a few bf16 roundings (2^-9) of the fp32
