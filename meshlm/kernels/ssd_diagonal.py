@@ -189,7 +189,8 @@ if triton is not None:
     @triton.jit
     def _diagonal_backward_sources(u_ptr, dy_ptr, C_ptr, B_ptr, cs_ptr, dS_ptr, du_ptr, dB_ptr, colsum_ptr,
                                    weight_terms_ptr, dt_ptr, ddt_ptr,
-                                   dx_stride_b, dx_stride_h, dx_stride_c, dx_stride_l, dx_stride_p, heads_per_group, heads, groups, chunks, state_slots,
+                                   dx_stride_b, dx_stride_h, dx_stride_c, dx_stride_l, dx_stride_p,
+                                   heads_per_group, heads, groups, chunks, state_slots,
                                    Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
                                    MIN_DECAY: tl.constexpr, DOT: tl.constexpr, HAS_STATE_GRADS: tl.constexpr,
                                    INPUT_GRADS: tl.constexpr):

@@ -93,7 +93,8 @@ class LinearQuantization:
         """``F.linear(inputs, weight, bias)`` with the recipe's quantized GEMMs."""
         training = records_amax(inputs, weight)
         if self.hardware and self.recipe.per_tensor:  # fp8_tensorwise, fp8_delayed on FP8 hardware
-            codes = self.weight_codes(weight, training, needs_transpose=torch.is_grad_enabled() and inputs.requires_grad)
+            needs_transpose = torch.is_grad_enabled() and inputs.requires_grad  # for the data gradient
+            codes = self.weight_codes(weight, training, needs_transpose)
             return _SavedCodesLinear.apply(inputs, weight, bias, self, training, *codes)
         return _QuantizedLinear.apply(inputs, weight, bias, self, training)
 
@@ -270,18 +271,17 @@ class _SavedCodesLinear(torch.autograd.Function):
 @contextlib.contextmanager
 def keeping_weight_codes(model: nn.Module):
     """Inside: each per-tensor FP8 layer on the hardware GEMM, and each stacked expert weight on it,
-    casts its weight once and keeps the codes (and their transpose) for every further GEMM of the
-    block -- the trainer wraps one
-    step's micro-batches in it, between which the optimizer does not touch the weights
-    (Transformer Engine's ``is_first_microbatch``). At the end the codes are dropped, so an
+    casts its weight once and keeps the codes (and their transpose) for every further GEMM -- the
+    trainer wraps one step's micro-batches in it, between which the optimizer does not touch the
+    weights (Transformer Engine's ``is_first_microbatch``). At the end the codes are dropped, so an
     evaluation, a generation or the next step casts the weights as they are then. The numbers
     are those of casting at every micro-batch; the casts are one a step instead of one a
     micro-batch (weight-sized reads and writes: 3 bytes a parameter each time)."""
     layers = [module.quantization for module in model.modules()
               if isinstance(getattr(module, "quantization", None), LinearQuantization)
               and module.quantization.hardware and module.quantization.recipe.per_tensor]
-    layers += [grouped for module in model.modules() for grouped in (getattr(module, "quantizations", None) or {}).values()
-               if grouped.hardware]  # the experts' stacked weights (quantized_experts.py)
+    layers += [grouped for module in model.modules()  # the experts' stacked weights (quantized_experts.py)
+               for grouped in (getattr(module, "quantizations", None) or {}).values() if grouped.hardware]
     for quantization in layers:
         quantization.keep_weight_codes, quantization.kept_weight_codes = True, None
     try:
@@ -335,5 +335,5 @@ class QuantizedLinear(nn.Linear):
         return self.quantization.linear(inputs, self.weight, self.bias)
 
 
-__all__ = ["LinearQuantization", "QuantizedLinear", "ROLES", "USES", "hardware_gemm", "keeping_weight_codes", "quantized_linear",
-           "records_amax"]
+__all__ = ["LinearQuantization", "QuantizedLinear", "ROLES", "USES", "hardware_gemm", "keeping_weight_codes",
+           "quantized_linear", "records_amax"]

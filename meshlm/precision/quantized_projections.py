@@ -37,14 +37,14 @@ from meshlm.precision.fp8_gemm import scaled_matmul
 
 def shares_input_codes(quantizations: list) -> bool:
     """Whether layers under ``quantizations`` (their ``LinearQuantization``s, ``quantized_linear.py``)
-    that read one input cast it to the same FP8 codes
-    (module docstring), so that ``project_quantized`` may cast it once."""
+    that read one input cast it to the same FP8 codes (module docstring), so that
+    ``project_quantized`` may cast it once."""
     first = quantizations[0]
     return (len(quantizations) > 1
-            and all(quantization.hardware and quantization.recipe.per_tensor for quantization in quantizations)
-            and all(quantization.recipe is first.recipe for quantization in quantizations)
-            and all(tuple(quantization.groups["input"]) == tuple(first.groups["input"]) for quantization in quantizations)
-            and len({quantization.delayed is None for quantization in quantizations}) == 1)
+            and all(each.hardware and each.recipe.per_tensor for each in quantizations)
+            and all(each.recipe is first.recipe for each in quantizations)
+            and all(tuple(each.groups["input"]) == tuple(first.groups["input"]) for each in quantizations)
+            and len({each.delayed is None for each in quantizations}) == 1)
 
 
 def project_quantized(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
