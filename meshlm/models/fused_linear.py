@@ -34,7 +34,7 @@ from torch import nn
 
 def runs_fused(layer: nn.Module) -> bool:
     """Whether ``layer``'s forward is exactly ``F.linear(x, layer.weight, layer.bias)``: a plain
-    ``nn.Linear`` (or a recipe's ``QuantizedLinear`` left in high precision), or a column-parallel
+    ``nn.Linear`` (or a ``QuantizedLinear`` whose ``quantization`` is None), or a column-parallel
     linear whose caller gathered the input (``gather_input`` False), with no quantization and no
     hooks."""
     return reads_input_as_given(layer) and getattr(layer, "quantization", "unknown") is None
