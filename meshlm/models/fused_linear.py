@@ -37,7 +37,7 @@ def runs_fused(layer: nn.Module) -> bool:
     ``nn.Linear`` (or a ``QuantizedLinear`` whose ``quantization`` is None), or a column-parallel
     linear whose caller gathered the input (``gather_input`` False), with no quantization and no
     hooks."""
-    return reads_input_as_given(layer) and getattr(layer, "quantization", "unknown") is None
+    return reads_input_as_given(layer) and getattr(layer, "quantization", None) is None
 
 
 def reads_input_as_given(layer: nn.Module) -> bool:
@@ -66,7 +66,7 @@ def project_together(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[to
         together = quantizations[0].linear_together(x, weights, biases, quantizations)
         if together is not None:
             return together
-    if not (alike and all(quantization is None for quantization in quantizations)):
+    if not (alike and all(runs_fused(layer) for layer in layers)):
         return tuple(layer(x) for layer in layers)
     has_bias = biases[0] is not None
     if not torch.is_grad_enabled():  # evaluation and generation: nothing to save, no autograd function

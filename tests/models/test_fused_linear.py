@@ -48,6 +48,7 @@ def test_layers_with_a_forward_of_their_own_run_separately(monkeypatch):
     monkeypatch.setattr(nn.Linear, "forward", lambda self, x: calls.append(self) or nn.functional.linear(
         x, self.weight, self.bias))
     x = torch.randn(2, 16, dtype=torch.float64)
+    assert runs_fused(plain[0])
     project_together(x, plain)
     assert calls == []  # fused: neither layer's forward ran
     handle = plain[0].register_forward_pre_hook(lambda module, args: None)
