@@ -50,8 +50,8 @@ the chunks), and the diagonal blocks plus the off-diagonal read in the forward (
 once); in backward the recurrence walked back together with the entering states' gradient from
 the off-diagonal blocks, then the diagonal blocks' gradients together with the off-diagonal parts
 of dC and d cs and the chunk states' backward, whose first kernel also turns du into dx = du dt
-(in x's dtype and layout) and dt's part sum_p du x: the fp32 du is never stored. No fp32 copy of a per-head tensor is made for a
-matmul. The recurrences run in fp32 inside the kernels; the states entering the chunks and their
+(in x's dtype and layout) and dt's part sum_p du x: the fp32 du is never stored. No fp32 copy of
+a per-head tensor is made for a matmul. The recurrences run in fp32 inside the kernels; the states entering the chunks and their
 gradients pass from kernel to kernel in the run's dtype, as ``mamba_ssm`` passes them (the final
 state and the initial state's gradient stay fp32): in bf16, half the bytes of the [b, h, c, P, N]
 tensors that are written, saved for backward and read back several times.

@@ -12,7 +12,7 @@ A quantized linear computes ``F.linear`` with every GEMM operand quantized as it
 The autograd function saves x and W in the run's dtype (not their quantized copies: each GEMM
 wants its own layout and blocks) and quantizes again in backward -- except per-tensor FP8 on the
 hardware GEMM, where a transposed operand's codes are the transposed codes, so the codes are
-kept and transposed (``_SavedCodesLinear``).
+kept and transposed (``quantized_projections._SavedCodesProjections``, here with one layer).
 
 **One process or many, the same numbers.** Each layer carries a ``LinearQuantization``: its
 recipe, a key (a hash of the layer's global name, for stochastic rounding), the groups over
@@ -95,7 +95,7 @@ class LinearQuantization:
         if self.hardware and self.recipe.per_tensor:  # fp8_tensorwise, fp8_delayed on FP8 hardware
             needs_transpose = torch.is_grad_enabled() and inputs.requires_grad  # for the data gradient
             codes = self.weight_codes(weight, training, needs_transpose)
-            return _SavedCodesLinear.apply(inputs, weight, bias, self, training, *codes)
+            return project_quantized(inputs, [weight], [bias], [self], training, [codes])[0]  # one layer
         return _QuantizedLinear.apply(inputs, weight, bias, self, training)
 
     def weight_codes(self, weight: torch.Tensor, training: bool, needs_transpose: bool) -> tuple:
@@ -215,57 +215,6 @@ class _QuantizedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[2]:  # False without a bias
             grad_bias = grad_2d.sum(0)
         return grad_inputs, grad_weight, grad_bias, None, None
-
-
-class _SavedCodesLinear(torch.autograd.Function):
-    """The hardware GEMMs of a per-tensor FP8 recipe, each operand quantized once per step.
-
-    With one scale per tensor a transposed operand has the same amax, so the same scale, so its
-    codes are the transposed codes: q(X^T) = q(X)^T, q(W^T) = q(W)^T, q(dY^T) = q(dY)^T, bit for
-    bit (fp8_delayed's scale comes from a history that moves only after the step). So X, W and dY
-    are each read for their amax and cast once, where the general path (``_QuantizedLinear``)
-    reads each bf16 operand again for every GEMM it enters.
-
-    The FP8 GEMM takes both operands with the contraction dim innermost, so the backward GEMMs
-    need transposed copies: W^T for dgrad, dY^T and X^T for wgrad. Each is made where its codes
-    are cast -- X^T and W^T in forward, dY^T beside dY in backward -- and the forward saves only
-    the transposed codes (1 byte an element, half of what ``_QuantizedLinear`` keeps in bf16).
-    Eagerly that is the same copy at another time; in a compiled block the cast and the
-    transposed copy read the same values in one kernel, so the copy no longer reads the codes
-    back (Transformer Engine's fused cast-transpose does the same)."""
-
-    @staticmethod
-    def forward(ctx, inputs, weight, bias, quantization, training, weight_codes, weight_scale, weight_codes_t):
-        input_codes, input_scale = quantization.codes(inputs.reshape(-1, inputs.shape[-1]).contiguous(), "input",
-                                                      training)
-        out = scaled_matmul(input_codes, input_scale, weight_codes, weight_scale, out_dtype=inputs.dtype,
-                            verified=True, fast_accumulation=quantization.recipe.accumulates_fast("fprop"))
-        # wgrad reads X^T [K, T], dgrad W^T [K, N]: transposed beside their casts, saved instead of them
-        input_codes_t = input_codes.t().contiguous() if ctx.needs_input_grad[1] else None
-        ctx.save_for_backward(input_codes_t, input_scale, weight_codes_t if ctx.needs_input_grad[0] else None,
-                              weight_scale)
-        ctx.quantization, ctx.input_shape, ctx.weight_dtype = quantization, inputs.shape, weight.dtype
-        out = out.view(*inputs.shape[:-1], weight.shape[0])
-        return out + bias if bias is not None else out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        input_codes_t, input_scale, weight_codes_t, weight_scale = ctx.saved_tensors
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-        recipe = ctx.quantization.recipe
-        grad_codes, grad_scale = ctx.quantization.codes(grad_2d, "grad_output", record=True)
-        grad_inputs = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:  # dgrad: dY [T, N] by W^T [K, N]
-            grad_inputs = scaled_matmul(grad_codes, grad_scale, weight_codes_t, weight_scale,
-                                        out_dtype=grad_out.dtype, verified=True,
-                                        fast_accumulation=recipe.accumulates_fast("dgrad")).view(ctx.input_shape)
-        if ctx.needs_input_grad[1]:  # wgrad: dY^T [N, T] by X^T [K, T]
-            grad_weight = scaled_matmul(grad_codes.t().contiguous(), grad_scale, input_codes_t,
-                                        input_scale, out_dtype=ctx.weight_dtype, verified=True,
-                                        fast_accumulation=recipe.accumulates_fast("wgrad"))
-        if ctx.needs_input_grad[2]:
-            grad_bias = grad_2d.sum(0)
-        return grad_inputs, grad_weight, grad_bias, None, None, None, None, None
 
 
 @contextlib.contextmanager

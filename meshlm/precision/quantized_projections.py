@@ -3,7 +3,7 @@ MLP's gate and up projections -- with that input cast to FP8 once for all of the
 
 In bf16 such layers run as one GEMM over their concatenated weights
 (``meshlm/models/fused_linear.py``). Under a per-tensor FP8 recipe on the hardware GEMM
-(``fp8_tensorwise``, ``fp8_delayed``: ``quantized_linear._SavedCodesLinear``) each layer keeps its
+(``fp8_tensorwise``, ``fp8_delayed``: ``_SavedCodesProjections``, with one layer) each layer keeps its
 own weight scale and its own output-gradient scale, as the recipe and every layout's exactness
 require, so the GEMMs stay apart -- but the input's scale is the same for all of them: its amax
 is the amax of one tensor, reduced over the same groups (current scaling), or read from
@@ -61,9 +61,26 @@ def project_quantized(x: torch.Tensor, weights: list[torch.Tensor], biases: list
 
 
 class _SavedCodesProjections(torch.autograd.Function):
-    """``_SavedCodesLinear`` for several layers reading one input: X's codes, its scale and its
-    transposed codes made once; each weight's codes (made by its layer, and kept over a step's
-    micro-batches where ``keeping_weight_codes`` says so) and each output gradient's as that layer's."""
+    """The hardware GEMMs of a per-tensor FP8 recipe for one linear layer or several reading one
+    input, each operand quantized once per step.
+
+    With one scale per tensor a transposed operand has the same amax, so the same scale, so its
+    codes are the transposed codes: q(X^T) = q(X)^T, q(W^T) = q(W)^T, q(dY^T) = q(dY)^T, bit for
+    bit (fp8_delayed's scale comes from a history that moves only after the step). So X, W and dY
+    are each read for their amax and cast once, where the general path
+    (``quantized_linear._QuantizedLinear``) reads each bf16 operand again for every GEMM it enters.
+
+    The FP8 GEMM takes both operands with the contraction dim innermost, so the backward GEMMs
+    need transposed copies: W^T for dgrad, dY^T and X^T for wgrad. Each is made where its codes
+    are cast -- X^T in forward, W^T with W's codes (``LinearQuantization.weight_codes``, kept over
+    a step's micro-batches where ``keeping_weight_codes`` says so), dY^T beside dY in backward --
+    and the forward saves only the transposed codes (1 byte an element, half of what
+    ``_QuantizedLinear`` keeps in bf16). Eagerly that is the same copy at another time; in a
+    compiled block the cast and the transposed copy read the same values in one kernel, so the
+    copy no longer reads the codes back (Transformer Engine's fused cast-transpose does the same).
+
+    X's codes, scale and transposed codes are made once for all the layers; each output
+    gradient's are its layer's."""
 
     @staticmethod
     def forward(ctx, x, quantizations, has_bias, training, *tensors):

@@ -191,7 +191,7 @@ def test_hardware_fp8_gemm_is_refused_where_it_cannot_run():
 @pytest.mark.parametrize("name", ["fp8_tensorwise", "fp8_delayed"])
 def test_hardware_per_tensor_fp8_reuses_its_codes_bit_for_bit(name):
     """On the hardware GEMM a per-tensor recipe quantizes X, W and dY once and transposes their
-    codes for the backward GEMMs (``_SavedCodesLinear``): the same products, bit for bit, as
+    codes for the backward GEMMs (``quantized_projections._SavedCodesProjections``): the same products, bit for bit, as
     quantizing each transposed operand again (``_QuantizedLinear``), with only FP8 codes and
     their scales saved for backward (no bf16 copy of X or W)."""
     from meshlm.precision.delayed_scaling import DelayedScaling
