@@ -18,9 +18,13 @@ order, and an input 1e-7 away from a rounding boundary of the format lands on th
 the flipped element then differs by one step of the format. FP8's steps are fine enough for
 1e-4 over two steps; NVFP4's are not (one flipped E2M1 element moves a gradient by ~1e-2), so
 NVFP4 is checked at the layer level only. A recipe whose blocks would straddle the ranks
-(NVFP4 on the hybrid's 4 dt rows per rank) is refused, naming the layer.
+(NVFP4 on the hybrid's 4 dt rows per rank) is refused, naming the layer. On the CPU's FP8 GEMM
+the per-tensor recipes share q, k and v's input cast, and a step of two micro-batches keeping
+each weight's codes (``keeping_weight_codes``) equals the same step casting them every
+micro-batch bit for bit at tp 2, and one process within the same bounds.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -41,7 +45,7 @@ from meshlm.parallel.tensor.sharding import gather_full_tensor, reduce_partial_t
 from meshlm.precision.delayed_scaling import begin_step, finish_step
 from meshlm.precision.fp8_gemm import hardware_fp8_supported
 from meshlm.precision.model_recipe import apply_recipe, quantize_layer
-from meshlm.precision.quantized_linear import QuantizedLinear
+from meshlm.precision.quantized_linear import QuantizedLinear, keeping_weight_codes
 from meshlm.precision.recipes import RECIPES, Recipe
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parallel_checks import seeded
@@ -286,3 +290,62 @@ def test_context_parallel_chunks_must_hold_whole_blocks():
     with pytest.raises(ConfigError, match=r"cuts every linear layer's tokens .* into shards of \[16\], not multiples "
                                           r"of 32.*use a train.seq_len that is a multiple of 128"):
         check_sequence_cut(Recipe("mxfp8"), SimpleNamespace(cp_size=2), seq_len=64)
+
+
+def one_step_of_two_micro_batches(model, context, keep: bool) -> dict:
+    """Both micro-batches of ``batches()`` as one step (gradients accumulated), inside
+    ``keeping_weight_codes`` (as the trainer's step) or not: the losses and the full gradients."""
+    begin_step(model)
+    with keeping_weight_codes(model) if keep else contextlib.nullcontext():
+        losses = []
+        for input_ids, labels in batches():
+            loss = model(input_ids, labels, return_logits=False).loss
+            loss.backward()
+            losses.append(loss.detach())
+    finish_step(model, (context.tp_group,) if context is not None else (), reduce_max)
+    if context is not None:
+        reduce_partial_tp_grads(model, context)
+    grads = {name: gather_full_tensor(param, param.grad, context) if context is not None else param.grad.clone()
+             for name, param in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return {"losses": losses, "grads": grads}
+
+
+def run_kept_codes_cases() -> dict:
+    """fp8_delayed on the FP8 GEMM at tp 2 (sp off and on): a step's micro-batches with each weight
+    cast once and kept equal, bit for bit, the same step casting every micro-batch, and match one
+    process keeping them as the layouts above match."""
+    overrides = MODELS["dense"][0]
+    torch.manual_seed(0)
+    full = LanguageModel(ModelConfig(**overrides))
+    reference_model = copy.deepcopy(full)
+    apply_recipe(reference_model, make_recipe("fp8_delayed@hardware"), full.config.num_blocks)
+    reference = one_step_of_two_micro_batches(reference_model, None, keep=True)
+    errors, mismatches = {}, []
+    for sp in (False, True):
+        context = build_parallel_context(ParallelConfig(tp=2, sp=sp), full.config, torch.device("cpu"), seq_len=SEQ)
+        runs = {}
+        for keep in (True, False):
+            model = parallelize_model(copy.deepcopy(full), context)
+            apply_recipe(model, make_recipe("fp8_delayed@hardware"), full.config.num_blocks, context=context,
+                         seq_len=SEQ, reduce_max=reduce_max)
+            runs[keep] = one_step_of_two_micro_batches(model, context, keep)
+        kept, every = runs[True], runs[False]
+        if not (all(torch.equal(a, b) for a, b in zip(kept["losses"], every["losses"]))
+                and all(torch.equal(kept["grads"][name], every["grads"][name]) for name in kept["grads"])):
+            mismatches.append(f"sp={sp}")
+        for index, (got, wanted) in enumerate(zip(kept["losses"], reference["losses"])):
+            errors[f"sp={sp} loss {index}"] = relative_error(got, wanted) * GRAD_TOLERANCE / LOSS_TOLERANCE
+        for name, grad in reference["grads"].items():
+            errors[f"sp={sp} grad {name}"] = relative_error(kept["grads"][name], grad)
+    dist.barrier()
+    return {"errors": errors, "mismatches": mismatches}
+
+
+@pytest.mark.skipif(not HARDWARE, reason=f"torch {torch.__version__} runs no tensorwise torch._scaled_mm on this CPU")
+def test_weight_codes_kept_over_micro_batches_at_tp2_match():
+    for rank, result in enumerate(run_distributed(run_kept_codes_cases, 2, timeout_s=300)):
+        assert result["mismatches"] == [], f"rank {rank}: kept codes differ from casting every micro-batch"
+        assert len(result["errors"]) > 2 * 10
+        bad = {case: error for case, error in result["errors"].items() if not error <= GRAD_TOLERANCE}
+        assert not bad, f"rank {rank}: {bad}"
