@@ -1,7 +1,7 @@
 """DDP vs local SGD vs DiLoCo vs PALSGD on the demo corpus, dp4 over a simulated slow link.
 
-    python -m bench.local_sgd [--init-steps 32] [--warmup 32] [--steps 64|128] [--global-batch 64|128]
-                              [--micro-batch 4|32] [--sync-every 8 32] [--link 1Gbps,5ms]
+    python -m bench.local_sgd [--model hybrid|moe] [--init-steps 32] [--warmup 32] [--steps 64|128]
+                              [--global-batch 64|128] [--micro-batch 4|32] [--sync-every 8 32] [--link 1Gbps,5ms]
                               [--no-baseline-without-link] [--eval-every 8] [--device cpu|cuda]
                               [--methods local_sgd diloco palsgd] [--diloco-outer 0.7,0.9]
                               [--palsgd-outer 0.7,0.9] [--target-loss L] [--overlap-at H ...]
@@ -87,6 +87,17 @@ a step is small: at a global batch of 64 a DDP step is about 1.1-1.5 s of comput
 target at H=8, 0.86-0.93x at H=32; 2 repeats, 2026-11-25). Over ``--link 100Mbps,5ms`` (about
 0.65 s a DDP step) the steps after the warm-up are 31-49% cheaper, but the target is reached
 some 10 steps after the warm-up: 1.07-1.11x at H=8, 0.97-1.02x at H=32 (2 repeats, 2026-11-24).
+``--model moe`` makes the link a third of DDP's time on this CPU (1 Gbps / 5 ms, 2026-11-29, one
+repeat; ``bench/results/local_sgd_moe_cpu*.json``): over 64 continued steps DDP trains in 99.4 s
+(66.2 s without the link), local SGD / DiLoCo / PALSGD at H=8 in 87.2 / 89.9 / 79.2 s and end
++1.2% / +0.7% / +1.3% from DDP, at H=32 +1.4% / +0.9% / +1.2% -- yet DDP reaches the target at
+step 41, nine steps after the warm-up, so the speed-up to it is 0.98 / 0.99 / 1.06x at H=8 and
+0.88-0.94x at H=32 (DiLoCo and PALSGD overlapped at H=8: 0.97 / 1.02x). With a 16-step warm-up
+over 128 steps the steps after it cost 0.9-1.0 s against DDP's 1.55 s, and DiLoCo's validation
+loss is below DDP's at equal seconds from the warm-up's end (25 s) to about 115 s (5.217 against
+5.257 at 98 s),
+but it ends +3.4% (PALSGD +5.2%), short of the +3% target: with 16 sequences a replica, the
+replicas drift apart faster than the cheaper steps gain.
 ``--device cuda`` puts the four ranks on one GPU (gloo, ``parallel.backend=gloo``: NCCL takes one
 rank per GPU), each replica's batch in one micro-batch so that the link is a larger share of the
 DDP step. The wall-clock figures are for the machine they were measured on only.
@@ -106,8 +117,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 DEMO_DATA = REPO / "data" / "demo"
-MODEL = ["model.hidden_size=128", "model.num_attention_heads=4", "model.ffn_hidden_size=384",
-         "model.moe_ffn_hidden_size=192", "model.pattern=M-*E-M-*"]
+MODELS = {
+    "hybrid": ["model.hidden_size=128", "model.num_attention_heads=4", "model.ffn_hidden_size=384",
+               "model.moe_ffn_hidden_size=192", "model.pattern=M-*E-M-*"],
+    "moe": ["model.hidden_size=128", "model.num_attention_heads=4", "model.moe_ffn_hidden_size=192",
+            "model.pattern=ME*EME*E", "model.moe_num_experts=64"],
+}
+"""``--model``: ``hybrid`` (default) is the demo-style hybrid narrowed to hidden 128, 1.3M parameters
+of which the tied 4096-token embedding is 0.5M: a DDP step all-reduces 5.3 MB. ``moe`` keeps the
+width and the two attention and two Mamba blocks but makes the other four blocks Mixture-of-Experts
+layers of 64 experts (top-2 of the config's default): 13.5M parameters, 54 MB all-reduced a DDP
+step, for the same FLOPs a token but for four 64-way routers (2.4% more; a step takes some 1.5x the
+hybrid's on this CPU: 64 experts' small GEMMs and AdamW over ten times the parameters) -- the ratio
+of bytes to FLOPs of a model whose replicas each hold every expert (DP without EP, as across data
+centres): over the 1 Gbps link a third of DDP's time, against some 5% for the hybrid."""
 METHODS = {
     "local_sgd": ["parallel.dp_sync=local_sgd"],
     "diloco": ["parallel.dp_sync=diloco"],
@@ -129,7 +152,7 @@ OUTER_DEFAULTS = {"diloco": "0.7,0.9", "palsgd": "0.7,0.9"}
 
 
 def run_overrides(args, run_dir: Path, steps: int, eval_every: int) -> list[str]:
-    return [*MODEL, f"data.blend={DEMO_DATA / 'blend.json'}", f"train.run_dir={run_dir}", f"train.steps={steps}",
+    return [*MODELS[args.model], f"data.blend={DEMO_DATA / 'blend.json'}", f"train.run_dir={run_dir}", f"train.steps={steps}",
             "train.seq_len=128", f"train.micro_batch_size={args.micro_batch}",
             f"train.global_batch_size={args.global_batch}", f"train.eval_every={eval_every}",
             f"train.eval_batches={max(1, VALIDATION_SEQUENCES // args.micro_batch)}", "train.save_every=0",
@@ -261,6 +284,9 @@ def apply_device_defaults(args):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=list(MODELS), default="hybrid",
+                        help="hybrid: 1.3M parameters (5.3 MB a DDP all-reduce); moe: 13.5M parameters, four "
+                             "blocks of 64 experts, about the same FLOPs a token (MODELS)")
     parser.add_argument("--steps", type=int, default=None, help="continued steps (default: 64 on cpu, 128 on cuda)")
     parser.add_argument("--sync-every", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--link", default="1Gbps,5ms")
@@ -383,7 +409,7 @@ def main(argv=None) -> int:
         same = "-" if row["seconds_to_target_same_warmup"] is None else f"{row['seconds_to_target_same_warmup']:.1f}"
         print(f"{name:<20}{row['final_val_loss']:>10.4f}{row['vs_ddp_loss']:>+9.2%}{row['train_seconds']:>9.1f}"
               f"{reach:>13}{same:>14}{row['dp_megabytes']:>9.1f}", file=sys.stderr)
-    result = {"steps": args.steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+    result = {"model": args.model, "steps": args.steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
               "link": args.link, "target_loss": target, "device": args.device, "repeats": args.repeats,
               "init": init, "start_val_loss": runs["ddp"]["curve"][0][1], "warmup": args.warmup, "outer": outer,
               "local_overrides": args.local_overrides, "common_warmup_seconds": common_seconds,

@@ -74,7 +74,8 @@ def test_validation_keeps_sixteen_sequences_or_one_micro_batch():
     from bench.local_sgd import run_overrides
 
     def eval_batches(micro_batch):
-        args = SimpleNamespace(micro_batch=micro_batch, global_batch=128, link="1Gbps,5ms", device="cpu")
+        args = SimpleNamespace(model="hybrid", micro_batch=micro_batch, global_batch=128, link="1Gbps,5ms",
+                               device="cpu")
         overrides = run_overrides(args, Path("run"), steps=8, eval_every=8)
         assert f"train.micro_batch_size={micro_batch}" in overrides
         return next(item for item in overrides if item.startswith("train.eval_batches="))
@@ -94,3 +95,24 @@ def test_an_overlap_interval_below_two_is_refused_before_any_run(capsys):
     with pytest.raises(SystemExit):
         main(["--overlap-at", "1"])
     assert "--overlap-at [1]: give sync intervals H of at least 2." in capsys.readouterr().err
+
+
+def test_the_moe_model_all_reduces_ten_times_the_bytes_for_the_same_flops_a_token():
+    from pathlib import Path
+
+    from bench.local_sgd import DEMO_CONFIG, MODELS, run_overrides
+    from meshlm.adapt.cli import parameter_count
+    from meshlm.config import load_run_config
+    from meshlm.models.flops import model_flops_per_sequence
+
+    def model(name):
+        args = SimpleNamespace(model=name, micro_batch=4, global_batch=64, link="1Gbps,5ms", device="cpu")
+        return load_run_config(DEMO_CONFIG, run_overrides(args, Path("run"), steps=8, eval_every=8)).model
+
+    hybrid, moe = model("hybrid"), model("moe")
+    assert set(MODELS) == {"hybrid", "moe"}
+    assert (hybrid.block_kinds.count("E"), moe.block_kinds.count("E"), moe.moe_num_experts) == (1, 4, 64)
+    assert parameter_count(hybrid) == pytest.approx(1.3e6, rel=0.05)
+    assert parameter_count(moe) == pytest.approx(13.5e6, rel=0.05)
+    # The same FLOPs a token but for four 64-way routers (2.4% more): only the bytes a DDP step all-reduces grow.
+    assert model_flops_per_sequence(moe, 128) == pytest.approx(model_flops_per_sequence(hybrid, 128), rel=0.03)
