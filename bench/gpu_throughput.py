@@ -40,7 +40,10 @@ The peak is the data sheet's dense bf16 figure for the GPU (989.4 TFLOP/s for H1
 
 The baseline, on the dense shape in the same run: ``bench/reference_gpt.py``, the same model
 written in plain PyTorch -- SDPA (flash) attention with GQA, bf16 ``torch.autocast`` over fp32
-weights, fused AdamW, global-norm clipping -- eager and with each layer under ``torch.compile``.
+weights, fused AdamW, global-norm clipping -- eager and with each layer under ``torch.compile``,
+on a fresh batch of random tokens each step (drawn on the device), as meshlm's trainer reads its
+random-token store (until 2026-11-29 it repeated one batch, whose loss it memorized to ~0.0005:
+the same kernels and time, a misleading loss).
 torchtitan's Llama trainer would be the stronger baseline, but it cannot be installed on a
 machine without network access; the JSON says whether it was importable.
 
@@ -223,7 +226,10 @@ class BaselineSubject:
                                kv_heads=config.resolved_num_kv_heads, tie_embeddings=config.tie_embeddings)
         self.reference = ReferenceTrainer(gpt, args.dtype)
         self.parameters = sum(p.numel() for p in gpt.parameters())
-        self.batch = torch.randint(0, config.vocab_size, (micro_batch, args.seq_len + 1), device=device)
+        # A fresh batch of random tokens each step, as meshlm's trainer reads from its random-token store
+        # (the same batch over and over is memorized: the loss falls to ~0 within the timed steps).
+        self.batch_shape, self.vocab_size, self.device = (micro_batch, args.seq_len + 1), config.vocab_size, device
+        self.generator = torch.Generator(device).manual_seed(0)
         self.compiled = False
 
     def prepare(self, compile: bool, recompute: str) -> dict:
@@ -236,7 +242,8 @@ class BaselineSubject:
         return {"parameters": self.parameters}
 
     def step(self) -> float:
-        return self.reference.train_step(self.batch[:, :-1], self.batch[:, 1:])
+        batch = torch.randint(0, self.vocab_size, self.batch_shape, device=self.device, generator=self.generator)
+        return self.reference.train_step(batch[:, :-1], batch[:, 1:])
 
     def close(self) -> None:
         pass

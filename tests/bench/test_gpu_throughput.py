@@ -199,3 +199,19 @@ def test_sdp_priority_order_names_every_attention_kernel_after_a_first_call():
     order = bench.sdp_priority_order(torch.device("cpu"))
     assert order is not None and {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION"} <= set(order)
     assert len(order) == len(set(order))
+
+
+def test_the_baseline_trains_on_a_fresh_random_batch_each_step(one_thread):
+    """As meshlm's trainer reads its random-token store: one batch over and over is memorized (the
+    baseline's loss fell to 0.0005 in the first GPU runs)."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(device="cpu", dtype="fp32", seq_len=16)
+    subject = bench.BaselineSubject(2, bench.TINY_SHAPES["dense"], args)
+    seen = []
+    subject.reference.train_step = lambda inputs, labels: seen.append((inputs, labels)) or 0.0
+    for _ in range(3):
+        subject.step()
+    assert all(inputs.shape == (2, 16) and torch.equal(inputs[:, 1:], labels[:, :-1]) for inputs, labels in seen)
+    assert not torch.equal(seen[0][0], seen[1][0]) and not torch.equal(seen[1][0], seen[2][0])
+    assert int(max(inputs.max() for inputs, _ in seen)) < bench.TINY_SHAPES["dense"]["vocab_size"]
