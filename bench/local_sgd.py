@@ -1,7 +1,8 @@
 """DDP vs local SGD vs DiLoCo vs PALSGD on the demo corpus, dp4 over a simulated slow link.
 
     python -m bench.local_sgd [--model hybrid|moe] [--init-steps 32] [--warmup 32] [--steps 64|128]
-                              [--global-batch 64|128] [--micro-batch 4|32] [--sync-every 8 32] [--link 1Gbps,5ms]
+                              [--global-batch 64|128] [--micro-batch 4|32] [--sync-every 8 32]
+                              [--link 1Gbps,5ms]
                               [--no-baseline-without-link] [--eval-every 8] [--device cpu|cuda]
                               [--methods local_sgd diloco palsgd] [--diloco-outer 0.7,0.9]
                               [--palsgd-outer 0.7,0.9] [--target-loss L] [--overlap-at H ...]
@@ -9,7 +10,7 @@
                               [--out FILE] [--plot bench/local_sgd.png]
 
 Each method trains the same small demo-style hybrid (``configs/demo.yaml`` narrowed: hidden 128,
-pattern ``M-*E-M-*``) for ``--steps`` steps in 4 spawned gloo processes (``parallel.dp=4``) on the
+pattern ``M-*E-M-*``; ``--model moe``: four of its blocks 64-expert MoE layers, ``MODELS``) for ``--steps`` steps in 4 spawned gloo processes (``parallel.dp=4``) on the
 demo blend, with ``parallel.simulate_link`` holding every DP collective back by bytes/bandwidth +
 latency (``meshlm/parallel/simulated_link.py``), the same data order, seed, batch and schedule:
 
@@ -95,9 +96,8 @@ step 41, nine steps after the warm-up, so the speed-up to it is 0.98 / 0.99 / 1.
 0.88-0.94x at H=32 (DiLoCo and PALSGD overlapped at H=8: 0.97 / 1.02x). With a 16-step warm-up
 over 128 steps the steps after it cost 0.9-1.0 s against DDP's 1.55 s, and DiLoCo's validation
 loss is below DDP's at equal seconds from the warm-up's end (25 s) to about 115 s (5.217 against
-5.257 at 98 s),
-but it ends +3.4% (PALSGD +5.2%), short of the +3% target: with 16 sequences a replica, the
-replicas drift apart faster than the cheaper steps gain. At a global batch of 128 (128 steps,
+5.257 at 98 s), but it ends +3.4% (PALSGD +5.2%), short of the +3% target: with 16 sequences a
+replica, the replicas drift apart faster than the cheaper steps gain. At a global batch of 128 (128 steps,
 warm-up 32, ``--micro-batch 8``) DiLoCo ends +1.1% and PALSGD +2.6%, but the link is 24% of DDP's
 time: DiLoCo's steps after the warm-up cost 0.78x DDP's and it needs 96 steps to DDP's 80 to reach
 the target (0.97x; PALSGD 0.92x).
@@ -155,7 +155,8 @@ OUTER_DEFAULTS = {"diloco": "0.7,0.9", "palsgd": "0.7,0.9"}
 
 
 def run_overrides(args, run_dir: Path, steps: int, eval_every: int) -> list[str]:
-    return [*MODELS[args.model], f"data.blend={DEMO_DATA / 'blend.json'}", f"train.run_dir={run_dir}", f"train.steps={steps}",
+    return [*MODELS[args.model], f"data.blend={DEMO_DATA / 'blend.json'}", f"train.run_dir={run_dir}",
+            f"train.steps={steps}",
             "train.seq_len=128", f"train.micro_batch_size={args.micro_batch}",
             f"train.global_batch_size={args.global_batch}", f"train.eval_every={eval_every}",
             f"train.eval_batches={max(1, VALIDATION_SEQUENCES // args.micro_batch)}", "train.save_every=0",
@@ -412,7 +413,8 @@ def main(argv=None) -> int:
         same = "-" if row["seconds_to_target_same_warmup"] is None else f"{row['seconds_to_target_same_warmup']:.1f}"
         print(f"{name:<20}{row['final_val_loss']:>10.4f}{row['vs_ddp_loss']:>+9.2%}{row['train_seconds']:>9.1f}"
               f"{reach:>13}{same:>14}{row['dp_megabytes']:>9.1f}", file=sys.stderr)
-    result = {"model": args.model, "steps": args.steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+    result = {"model": args.model, "steps": args.steps, "global_batch": args.global_batch,
+              "micro_batch": args.micro_batch,
               "link": args.link, "target_loss": target, "device": args.device, "repeats": args.repeats,
               "init": init, "start_val_loss": runs["ddp"]["curve"][0][1], "warmup": args.warmup, "outer": outer,
               "local_overrides": args.local_overrides, "common_warmup_seconds": common_seconds,
