@@ -11,8 +11,9 @@
 
 Each method trains the same small demo-style hybrid (``configs/demo.yaml`` narrowed: hidden 128,
 pattern ``M-*E-M-*``; ``--model moe``: four of its blocks 64-expert MoE layers, ``MODELS``) for
-``--steps`` steps in 4 spawned gloo processes (``parallel.dp=4``) on the demo blend, with ``parallel.simulate_link`` holding every DP collective back by bytes/bandwidth +
-latency (``meshlm/parallel/simulated_link.py``), the same data order, seed, batch and schedule:
+``--steps`` steps in 4 spawned gloo processes (``parallel.dp=4``) on the demo blend, with
+``parallel.simulate_link`` holding every DP collective back by bytes/bandwidth + latency
+(``meshlm/parallel/simulated_link.py``), the same data order, seed, batch and schedule:
 
 - ``ddp``: ``parallel.dp_sync=every_step`` (one gradient all-reduce a step);
 - ``local_sgd``, ``diloco``, ``palsgd`` at each H of ``--sync-every``; DiLoCo with its published
