@@ -98,10 +98,10 @@ step 41, nine steps after the warm-up, so the speed-up to it is 0.98 / 0.99 / 1.
 over 128 steps the steps after it cost 0.9-1.0 s against DDP's 1.55 s, and DiLoCo's validation
 loss is below DDP's at equal seconds from the warm-up's end (25 s) to about 115 s (5.217 against
 5.257 at 98 s), but it ends +3.4% (PALSGD +5.2%), short of the +3% target: with 16 sequences a
-replica, the replicas drift apart faster than the cheaper steps gain. At a global batch of 128 (128 steps,
-warm-up 32, ``--micro-batch 8``) DiLoCo ends +1.1% and PALSGD +2.6%, but the link is 24% of DDP's
-time: DiLoCo's steps after the warm-up cost 0.78x DDP's and it needs 96 steps to DDP's 80 to reach
-the target (0.97x; PALSGD 0.92x).
+replica, the replicas drift apart faster than the cheaper steps gain. At a global batch of 128
+(128 steps, warm-up 32, ``--micro-batch 8``) DiLoCo ends +1.1% and PALSGD +2.6%, but the link is
+24% of DDP's time: DiLoCo's steps after the warm-up cost 0.78x DDP's and it needs 96 steps to
+DDP's 80 to reach the target (0.97x; PALSGD 0.92x).
 ``--device cuda`` puts the four ranks on one GPU (gloo, ``parallel.backend=gloo``: NCCL takes one
 rank per GPU), each replica's batch in one micro-batch so that the link is a larger share of the
 DDP step. The wall-clock figures are for the machine they were measured on only.
@@ -415,8 +415,7 @@ def main(argv=None) -> int:
         print(f"{name:<20}{row['final_val_loss']:>10.4f}{row['vs_ddp_loss']:>+9.2%}{row['train_seconds']:>9.1f}"
               f"{reach:>13}{same:>14}{row['dp_megabytes']:>9.1f}", file=sys.stderr)
     result = {"model": args.model, "steps": args.steps, "global_batch": args.global_batch,
-              "micro_batch": args.micro_batch,
-              "link": args.link, "target_loss": target, "device": args.device, "repeats": args.repeats,
+              "micro_batch": args.micro_batch, "link": args.link, "target_loss": target, "device": args.device, "repeats": args.repeats,
               "init": init, "start_val_loss": runs["ddp"]["curve"][0][1], "warmup": args.warmup, "outer": outer,
               "local_overrides": args.local_overrides, "common_warmup_seconds": common_seconds,
               "link_share_of_ddp": link_share(runs), "runs": table}

@@ -62,7 +62,7 @@ from meshlm.precision.delayed_scaling import DelayedScaling
 from meshlm.precision.formats.fp8 import abs_max
 from meshlm.precision.formats.hashed_noise import noise_key
 from meshlm.precision.fp8_gemm import aligned_entries, scaled_matmul
-from meshlm.precision.quantized_linear import ROLES, USES, records_amax
+from meshlm.precision.quantized_linear import ROLES, USES, kept_or_cast, records_amax
 from meshlm.precision.recipes import Recipe
 
 WEIGHTS = ("gate_weight", "up_weight", "down_weight")
@@ -115,17 +115,14 @@ class GroupedQuantization:
         hardware GEMMs -- the forward's ``[N, K]`` and, where ``needs_transpose``, the data
         gradient's ``[K, N]`` -- as ``LinearQuantization.weight_codes``: the kept ones where
         ``keeping_weight_codes`` holds them, else cast now (and kept when it is on)."""
-        kept = self.kept_weight_codes
-        if kept is not None and (kept[2] is not None or not needs_transpose):
-            return kept
-        with torch.no_grad():  # the weight's gradient comes from the GEMMs' autograd function
+        def cast() -> tuple:
             weights = list(weight.detach().unbind(0))
             scalings = self.scalings(weights, "weight", list(range(len(weights))), record=training)
             codes = self.codes(weights, "weight", scalings)
             transposed = self.codes([piece.t() for piece in weights], "weight", scalings) if needs_transpose else None
-        if self.keep_weight_codes:
-            self.kept_weight_codes = (scalings, codes, transposed)
-        return scalings, codes, transposed
+            return scalings, codes, transposed
+
+        return kept_or_cast(self, needs_transpose, cast)
 
     def scalings(self, pieces: list[torch.Tensor], tensor_name: str, experts: list[int],
                  record: bool = False) -> list[Scaling]:

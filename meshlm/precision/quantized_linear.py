@@ -104,15 +104,11 @@ class LinearQuantization:
         on). The transposed codes (for the data gradient's GEMM) are made where ``needs_transpose``.
         The weight's amax is recorded (``training``) when its codes are cast: once a step when
         they are kept, which leaves the step's max -- all a delayed history keeps -- the same."""
-        kept = self.kept_weight_codes
-        if kept is not None and (kept[2] is not None or not needs_transpose):
-            return kept
-        with torch.no_grad():  # the weight's gradient comes from the GEMMs' autograd function
+        def cast() -> tuple:
             codes, scale = self.codes(weight.detach().contiguous(), "weight", training)
-            codes_t = codes.t().contiguous() if needs_transpose else None
-        if self.keep_weight_codes:
-            self.kept_weight_codes = (codes, scale, codes_t)
-        return codes, scale, codes_t
+            return codes, scale, codes.t().contiguous() if needs_transpose else None
+
+        return kept_or_cast(self, needs_transpose, cast)
 
     def linear_together(self, inputs: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
                         quantizations: list["LinearQuantization"]) -> tuple[torch.Tensor, ...] | None:
@@ -179,6 +175,22 @@ class LinearQuantization:
                 if group is not None and group.size > 1:
                     self.reduce_max(tensor_amax, group)
         return tensor_amax, scale
+
+
+def kept_or_cast(quantization, needs_transpose: bool, cast: Callable[[], tuple]) -> tuple:
+    """The weight codes ``quantization`` keeps (``keeping_weight_codes``) where they serve -- a
+    tuple whose last entry, the transposed codes, is there where ``needs_transpose`` -- else
+    ``cast()``'s, made without autograd (the weight's gradient comes from the GEMMs' autograd
+    function) and kept while ``quantization.keep_weight_codes`` is on. For ``LinearQuantization``
+    and ``quantized_experts.GroupedQuantization`` alike."""
+    kept = quantization.kept_weight_codes
+    if kept is not None and (kept[-1] is not None or not needs_transpose):
+        return kept
+    with torch.no_grad():
+        codes = cast()
+    if quantization.keep_weight_codes:
+        quantization.kept_weight_codes = codes
+    return codes
 
 
 def records_amax(*tensors: torch.Tensor) -> bool:
@@ -284,5 +296,5 @@ class QuantizedLinear(nn.Linear):
         return self.quantization.linear(inputs, self.weight, self.bias)
 
 
-__all__ = ["LinearQuantization", "QuantizedLinear", "ROLES", "USES", "hardware_gemm", "keeping_weight_codes",
-           "quantized_linear", "records_amax"]
+__all__ = ["LinearQuantization", "QuantizedLinear", "ROLES", "USES", "hardware_gemm", "kept_or_cast",
+           "keeping_weight_codes", "quantized_linear", "records_amax"]
