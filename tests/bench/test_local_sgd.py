@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.local_sgd import NO_LINK, apply_device_defaults, link_share, main, median_run, same_warmup_time, seconds_to
+from bench.local_sgd import (NO_LINK, apply_device_defaults, link_share, main, median_run, same_warmup_time, seconds_to,
+                             speedup)
 
 
 def test_common_warmup_is_rescaled_and_later_steps_keep_their_durations():
@@ -37,6 +38,15 @@ def test_seconds_to_target_interpolates_between_evaluations():
     assert seconds_to(curve, 4.5) == pytest.approx(15.0)
     assert seconds_to(curve, 6.5) == pytest.approx(0.0)
     assert seconds_to(curve, 3.0) is None
+
+
+def test_speedup_is_ddp_seconds_over_the_runs_and_none_where_either_misses_the_target():
+    ddp = {0: (0.0, 6.0), 8: (10.0, 5.0), 16: (20.0, 4.0)}
+    trailing_then_cheaper = {0: (0.0, 6.0), 8: (6.0, 5.5), 16: (12.0, 4.5), 24: (18.0, 3.9)}
+    assert speedup(ddp, trailing_then_cheaper, 5.0) == pytest.approx(10.0 / 9.0, abs=1e-3)  # 6 + 6 * 0.5 / 1.0
+    assert speedup(ddp, trailing_then_cheaper, 4.0) == pytest.approx(20.0 / (12.0 + 6.0 * 0.5 / 0.6), abs=1e-3)
+    assert speedup(ddp, trailing_then_cheaper, 3.95) is None  # DDP never gets there
+    assert speedup(ddp, {0: (0.0, 6.0), 8: (5.0, 5.2)}, 5.0) is None  # the run never gets there
 
 
 def test_repeats_below_one_are_refused_before_any_run(capsys):
