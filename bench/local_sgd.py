@@ -272,7 +272,7 @@ def seconds_to(curve: dict, target: float) -> float | None:
 def speedup(ddp_curve: dict, curve: dict, target: float) -> float | None:
     """DDP's seconds to ``target`` over the run's (None where either never reaches it)."""
     ddp_time, reach = seconds_to(ddp_curve, target), seconds_to(curve, target)
-    return round(ddp_time / reach, 3) if ddp_time and reach else None
+    return ddp_time / reach if ddp_time and reach else None
 
 
 def link_share(runs: dict) -> float | None:
@@ -416,23 +416,20 @@ def main(argv=None) -> int:
     runs = {name: median_run(each) for name, each in repeats.items()}
     ddp_final = runs["ddp"]["curve"][max(runs["ddp"]["curve"])][1]
     target = args.target_loss if args.target_loss is not None else ddp_final * 1.03
-    ddp_time = seconds_to(runs["ddp"]["curve"], target)
     linked = {name: run for name, run in runs.items() if name != NO_LINK}  # whose first steps are the same
     common = args.warmup if args.warmup and all(args.warmup in run["curve"] for run in linked.values()) else 0
     common_seconds = statistics.median(run["curve"][common][0] for run in linked.values()) if common else None
     aligned = {name: same_warmup_time(run["curve"], common, common_seconds) if name in linked else run["curve"]
                for name, run in runs.items()}
-    ddp_aligned = seconds_to(aligned["ddp"], target)
     table = {}
     for name, run in runs.items():
         final = run["curve"][max(run["curve"])][1]
         reach, reach_aligned = seconds_to(run["curve"], target), seconds_to(aligned[name], target)
         table[name] = {"final_val_loss": final, "vs_ddp_loss": final / ddp_final - 1,
                        "train_seconds": run["train_seconds"], "seconds_to_target": reach,
-                       "speedup_to_target": (ddp_time / reach) if reach and ddp_time else None,
+                       "speedup_to_target": speedup(runs["ddp"]["curve"], run["curve"], target),
                        "seconds_to_target_same_warmup": reach_aligned,
-                       "speedup_to_target_same_warmup": (ddp_aligned / reach_aligned)
-                       if reach_aligned and ddp_aligned else None,
+                       "speedup_to_target_same_warmup": speedup(aligned["ddp"], aligned[name], target),
                        "speedup_by_target": {f"{factor:.2f}": speedup(aligned["ddp"], aligned[name],
                                                                       ddp_final * factor)
                                              for factor in TARGET_FACTORS},
