@@ -28,9 +28,10 @@ stage                         issue  what it runs
                                      simulated 1 Gbps link, 4 ranks on the GPU, each replica's batch
                                      one micro-batch, on the 13.5M-parameter MoE whose 54 MB a DDP
                                      step all-reduces, with the bench's outer pair tuned for H=8
-                                     (on this CPU the link was 22% of DDP's step and DiLoCo reached
-                                     DDP's final loss 1.22x sooner; on the GPU the computation
-                                     shrinks, the link does not). Issue 20's speed-up to the target;
+                                     and PALSGD's p 0.05 (on this CPU the link was 19% of DDP's
+                                     step and DiLoCo and PALSGD reached DDP's final loss 1.24x and
+                                     1.26x sooner; on the GPU the computation shrinks, the link
+                                     does not). Issue 20's speed-up to the target;
                                      it writes what it has after every run, so a stage stopped at
                                      its limit keeps it
 ``fp8_dense_wide``            15     ``fp8_dense`` on ``--model dense_wide`` (hidden 4096, 4 layer

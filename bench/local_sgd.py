@@ -16,9 +16,9 @@ pattern ``M-*E-M-*``; ``--model moe``: four of its blocks 64-expert MoE layers, 
 (``meshlm/parallel/simulated_link.py``), the same data order, seed, batch and schedule:
 
 - ``ddp``: ``parallel.dp_sync=every_step`` (one gradient all-reduce a step);
-- ``local_sgd``, ``diloco``, ``palsgd`` at each H of ``--sync-every``; DiLoCo and PALSGD (p 0.2
-  and eta 1 as its authors use) with an outer Nesterov SGD of lr 0.85 and momentum 0.75, tuned for
-  H=8 (``OUTER_DEFAULTS``; the published pairs, DiLoCo's 0.7 / 0.9 and PALSGD's 0.1 / 0.9, are
+- ``local_sgd``, ``diloco``, ``palsgd`` at each H of ``--sync-every``; PALSGD with p 0.05 and eta
+  1 (``PALSGD_P``; its authors use p 0.2); DiLoCo and PALSGD with an outer Nesterov SGD of lr 0.85
+  and momentum 0.75, tuned for H=8 (``OUTER_DEFAULTS``; the published pairs, DiLoCo's 0.7 / 0.9 and PALSGD's 0.1 / 0.9, are
   ``--diloco-outer`` and ``--palsgd-outer`` away, and every figure measured before 2026-11-29 used
   0.7 / 0.9 for both).
 
@@ -103,11 +103,11 @@ replica, the replicas drift apart faster than the cheaper steps gain. At a globa
 (128 steps, warm-up 32, ``--micro-batch 8``) DiLoCo ends +1.1% and PALSGD +2.6%, but the link is
 24% of DDP's time: DiLoCo's steps after the warm-up cost 0.78x DDP's and it needs 96 steps to
 DDP's 80 to reach the target (0.97x; PALSGD 0.92x). Those figures used DiLoCo's published outer
-pair; with ``OUTER_DEFAULTS`` (tuned for H=8) the same batch-128 protocol (2 repeats, 2026-11-29,
-``bench/results/local_sgd_moe_cpu_tuned.json``) ends DiLoCo -0.34% and PALSGD +0.53% from DDP,
-and, the link being 22% of DDP's time, they reach DDP's final loss x 1.03 / 1.01 / 1.00 sooner
-than DDP by 1.05 / 1.12 / 1.22x (DiLoCo; overlapped 1.11 / 1.18 / 1.28x) and 1.08 / 1.15x / not at
-all (PALSGD).
+pair; with ``OUTER_DEFAULTS`` (tuned for H=8) the same batch-128 protocol ends DiLoCo -0.34% and
+PALSGD (p 0.2) +0.53% from DDP (2 repeats, ``bench/results/local_sgd_moe_cpu_tuned_p02.json``),
+and with ``PALSGD_P`` (2 repeats, 2026-11-29, ``bench/results/local_sgd_moe_cpu_tuned.json``; the
+link 19% of DDP's time) DiLoCo -0.34% and PALSGD -0.36%, reaching DDP's final loss x 1.03 / 1.01 /
+1.00 sooner than DDP by 1.07 / 1.14 / 1.24x (DiLoCo) and 1.06 / 1.16 / 1.26x (PALSGD).
 ``--device cuda`` puts the four ranks on one GPU (gloo, ``parallel.backend=gloo``: NCCL takes one
 rank per GPU), each replica's batch in one micro-batch so that the link is a larger share of the
 DDP step. The wall-clock figures are for the machine they were measured on only.
@@ -141,10 +141,19 @@ step, for the same FLOPs a token but for four 64-way routers (2.4% more; a step 
 hybrid's on this CPU: 64 experts' small GEMMs and AdamW over ten times the parameters) -- the ratio
 of bytes to FLOPs of a model whose replicas each hold every expert (DP without EP, as across data
 centres): over the 1 Gbps link a third of DDP's time, against some 5% for the hybrid."""
+PALSGD_P = 0.05
+"""PALSGD's pseudo-synchronization probability here, against its authors' 0.2. A pull is
+theta <- theta - (lr / p) eta (theta - theta_global): with eta 1 and this model's AdamW peak lr of
+3e-3 it moves a replica only some 1.5% (at p 0.2) of the way to the global copy, so a pull mostly
+skips a step's computation -- and that step's progress. Fewer pulls keep more progress: at H=8 on
+the MoE model (losses only, ``bench/results/local_sgd_outer_sweep_cpu.json``) PALSGD ends +0.53% /
++0.17% / -0.36% from DDP at p 0.2 / 0.1 / 0.05, and stronger pulls do worse (eta 10 / 40: +0.67% /
++1.12%). The authors' eta goes with their learning-rate scale; ``--local-overrides
+parallel.palsgd_p=0.2`` restores their p."""
 METHODS = {
     "local_sgd": ["parallel.dp_sync=local_sgd"],
     "diloco": ["parallel.dp_sync=diloco"],
-    "palsgd": ["parallel.dp_sync=palsgd", "parallel.palsgd_p=0.2", "parallel.palsgd_eta=1.0"],
+    "palsgd": ["parallel.dp_sync=palsgd", f"parallel.palsgd_p={PALSGD_P}", "parallel.palsgd_eta=1.0"],
 }
 DEFAULTS = {"cpu": {"steps": 64, "global_batch": 64, "micro_batch": 4},
             "cuda": {"steps": 128, "global_batch": 128, "micro_batch": 32}}
@@ -451,6 +460,7 @@ def main(argv=None) -> int:
               "micro_batch": args.micro_batch, "link": args.link, "target_loss": target, "device": args.device,
               "repeats": args.repeats,
               "init": init, "start_val_loss": runs["ddp"]["curve"][0][1], "warmup": args.warmup, "outer": outer,
+              "method_overrides": {method: METHODS[method] for method in args.methods},
               "local_overrides": args.local_overrides, "common_warmup_seconds": common_seconds,
               "link_share_of_ddp": link_share(runs), "runs": table}
     text = json.dumps(result, indent=1)
