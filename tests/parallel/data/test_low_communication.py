@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.checkpoint.model_files import save_model
+from meshlm.checkpoint.whole_tensors import read_global_tensors
 from meshlm.config import ParallelConfig
 from meshlm.errors import ConfigError
 from meshlm.models.language_model import LanguageModel
@@ -371,15 +372,20 @@ def test_local_sgd_and_dp_bytes_are_one_outer_step_per_h(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("mode, saved", [(["parallel.dp_sync=diloco", "parallel.outer_sync_dtype=bf16"], 3),
-                                         (["parallel.dp_sync=palsgd", "parallel.palsgd_warmup=1",
+                                         (["parallel.dp_sync=palsgd", "parallel.palsgd_warmup=2",
                                            "parallel.palsgd_p=0.4"], 3),
                                          (["parallel.dp_sync=diloco", "parallel.outer_overlap=true"], 2)],
                          ids=["diloco-bf16", "palsgd", "diloco-overlap-pending"])
 def test_resume_between_syncs_is_bitwise(corpus, tmp_path, mode, saved):
-    """Saved between two syncs (replicas differ); with overlap, while a sync is still pending."""
+    """Saved between two syncs (replicas differ); with overlap, while a sync is still pending.
+    (H=2: DiLoCo syncs after steps 2 and 4; PALSGD, after its 2-step warm-up, after step 4.)"""
     overrides = [*DENSE, *mode, "parallel.sync_every=2", "parallel.dp=2", "train.eval_every=0",
                  f"train.save_every={saved}"]
     first = run_distributed(trainer_runs, 2, str(corpus), str(tmp_path), [("whole", overrides)])
+    if saved == 3:  # after an inner step: the two replicas' weights differ in the checkpoint
+        stored = read_global_tensors(tmp_path / "whole" / "checkpoints" / f"step_{saved}")
+        assert any(not stored[f"replica1/{key}"].equal(value) for key, value in stored.items()
+                   if key.startswith("model/"))
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(tmp_path / "whole" / "checkpoints" / f"step_{saved}",
                     resumed_dir / "checkpoints" / f"step_{saved}")
