@@ -298,7 +298,8 @@ class Checkpointer:
         self.wait()
         state = load_checkpoint(directory, parts, self.run_config, self.group)
         if group_rank(self.group) == 0:
-            for message in resume_warnings(Path(directory), self.run_config):
+            for message in resume_warnings(Path(directory), self.run_config,
+                                           getattr(parts.context, "dp_size", 1)):
                 warnings.warn(message, stacklevel=2)
         return state
 

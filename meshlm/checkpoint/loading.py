@@ -162,9 +162,11 @@ SCHEDULE_KEYS = (("train", "steps"),)
 """Settings the learning-rate schedule depends on beyond ``optim.*``."""
 
 
-def resume_warnings(directory: Path, run_config) -> list[str]:
+def resume_warnings(directory: Path, run_config, dp_size: int | None = None) -> list[str]:
     """What changed since the checkpoint's run that makes the continuation differ from an uninterrupted
-    run: the global sample order (and the LR schedule) are functions of these settings."""
+    run: the global sample order (and the LR schedule) are functions of these settings; under
+    ``parallel.dp_sync`` the DP replicas the checkpoint holds (``replica_warning``), given this
+    run's DP size."""
     try:
         saved = read_json(directory / CONFIG_FILE).get("run") or {}
     except CheckpointError:
@@ -189,7 +191,40 @@ def resume_warnings(directory: Path, run_config) -> list[str]:
         warnings.append(f"resuming {directory} with {'; '.join(schedule_changes)}: the samples continue where "
                         "the checkpoint stopped, but the learning-rate schedule (warmup/decay over train.steps) "
                         "is recomputed for the new length.")
+    replicas = replica_warning(directory, saved, run_config.parallel.dp_sync, dp_size)
+    if replicas:
+        warnings.append(replicas)
     return warnings
+
+
+def replica_warning(directory: Path, saved_run: dict, dp_sync: str, dp_size: int | None) -> str | None:
+    """Between two syncs the replicas of a ``parallel.dp_sync`` run differ, and its checkpoint keeps
+    each one's weights and optimizer state. A resume that cannot keep them all says what becomes of
+    them: at fewer DP replicas the extra ones' progress since the last sync is dropped; at more, the
+    new ones start as copies of replica 0 (``plan_sources``); with ``dp_sync=every_step`` the run
+    continues from replica 0 alone."""
+    mode = (saved_run.get("parallel") or {}).get("dp_sync", "every_step")
+    if mode == "every_step" or dp_size is None:
+        return None
+    try:
+        before = int((read_json(directory / TRAINING_FILE).get("layout") or {}).get("dp", dp_size))
+    except (CheckpointError, TypeError, ValueError):
+        return None
+    saved_by = f"{directory} was saved by {before} DP replicas training apart (parallel.dp_sync={mode})"
+    if dp_sync == "every_step" and before > 1:
+        return (f"{saved_by}; with parallel.dp_sync=every_step the run continues from replica 0's weights and "
+                "optimizer state, and the other replicas' progress since their last sync is dropped.")
+    if dp_size < before:
+        return (f"{saved_by}; at parallel.dp={dp_size} {_replicas(dp_size, before - 1)} dropped with the progress "
+                "since the last sync (resume at the same DP size to keep it).")
+    if dp_size > before:
+        return (f"{saved_by}; at parallel.dp={dp_size} {_replicas(before, dp_size - 1)} started as copies of "
+                "replica 0's weights and optimizer state.")
+    return None
+
+
+def _replicas(first: int, last: int) -> str:
+    return f"replica {first} is" if first == last else f"replicas {first}..{last} are"
 
 
 def restore_scalars(parts: TrainingParts, optimizers: list[dict], loss_scaler: dict | None, where: Path) -> None:
@@ -244,4 +279,4 @@ def apply_single_process(prepared: dict, parts: TrainingParts) -> TrainerState:
 
 
 __all__ = ["check_folder", "check_shapes", "is_single_process_format", "load_checkpoint", "plan_sources",
-           "read_json", "read_metadata", "resume_warnings", "stored_shapes", "verify_files"]
+           "read_json", "read_metadata", "replica_warning", "resume_warnings", "stored_shapes", "verify_files"]

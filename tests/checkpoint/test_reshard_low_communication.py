@@ -15,11 +15,13 @@ for every other reshard:
   original -- every replica's weights and moments, the global copy and the outer momentum.
 
 The DP size stays 2: a run at another DP size has other replicas, so no uninterrupted run could
-be its reference (the loader starts a replica the checkpoint lacks as replica 0).
+be its reference (the loader starts a replica the checkpoint lacks as replica 0 and drops the
+ones this run lacks). Such a resume says so in one note; checked at dp1 in this process.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -50,7 +52,7 @@ def runs(tmp_path_factory) -> dict:
     plan = [(name, None, overrides) for name, overrides in RUNS.items()]
     plan += [(f"{saved} -> {resumed}", saved, RUNS[resumed]) for saved, resumed in RESHARDS]
     by_rank = run_distributed(reshard.train_recorded, 4, str(blend), str(root), plan, timeout_s=400)
-    return {"root": root, "by_rank": by_rank}
+    return {"root": root, "blend": blend, "by_rank": by_rank}
 
 
 @pytest.mark.parametrize("saved, resumed", RESHARDS)
@@ -73,3 +75,12 @@ def test_resaving_at_the_new_layout_keeps_every_replica_and_the_outer_state(runs
         "saved between two syncs, the replicas should differ"
     for key, value in before.items():
         assert after[key].dtype == value.dtype and after[key].equal(value), key
+
+
+def test_resuming_at_fewer_replicas_says_that_the_others_are_dropped(runs, tmp_path):
+    run_dir = tmp_path / "diloco dp1"
+    shutil.copytree(runs["root"] / "diloco tp2xdp2" / "checkpoints" / "step_3", run_dir / "checkpoints" / "step_3")
+    with pytest.warns(UserWarning, match=r"saved by 2 DP replicas training apart \(parallel.dp_sync=diloco\); at "
+                                         r"parallel.dp=1 replica 1 is dropped with the progress since the last sync"):
+        result = helpers.train_once(runs["blend"], run_dir, [*helpers.MODELS["dense"], *SYNCS["diloco"]])
+    assert sorted(result["losses"]) == [4, 5]
