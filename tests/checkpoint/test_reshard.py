@@ -113,23 +113,45 @@ def train_recorded(blend: str, root: str, runs: list[tuple[str, str | None, list
     return results
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("reshard")
+def train_reshard_plan(root: Path, runs: dict[str, list[str]], reshards: list[tuple[str, str]]) -> dict:
+    """In 4 spawned ranks: every run of ``runs`` (name: overrides; each saves at step 3), then for
+    each (A, B) of ``reshards`` A's step-3 checkpoint resumed at B's overrides. The module fixture
+    of this file and of the other reshard tests: {root, blend, by_rank}."""
     blend = helpers.write_tiny_corpus(root / "corpus")
-    plan = [(name, None, overrides) for name, overrides in RUNS.items()]
-    plan += [(f"{saved} -> {resumed}", saved, RUNS[resumed]) for saved, resumed in RESHARDS]
+    plan = [(name, None, overrides) for name, overrides in runs.items()]
+    plan += [(f"{saved} -> {resumed}", saved, runs[resumed]) for saved, resumed in reshards]
     by_rank = run_distributed(train_recorded, 4, str(blend), str(root), plan, timeout_s=400)
-    return {"root": root, "by_rank": by_rank}
+    return {"root": root, "blend": blend, "by_rank": by_rank}
 
 
-@pytest.mark.parametrize("saved, resumed", RESHARDS)
-def test_resumed_run_continues_the_uninterrupted_run(runs, saved, resumed):
+def assert_resumed_continues(runs: dict, saved: str, resumed: str) -> None:
+    """On every rank, A's checkpoint resumed at B trains steps 4-5 as the uninterrupted run at B."""
     for rank, results in enumerate(runs["by_rank"]):
         again, reference = results[f"{saved} -> {resumed}"], helpers.continued(results[resumed])
         assert sorted(again["losses"]) == [4, 5]
         helpers.assert_same_run(again, reference, f"{saved} -> {resumed} rank {rank}")
-        if saved == resumed:
+
+
+def resaved_tensors(runs: dict, saved: str, resumed: str) -> tuple[dict, dict]:
+    """(A's step-3 checkpoint, the same re-saved at B before training on), as whole tensors by key;
+    asserted to hold the same keys."""
+    before = read_global_tensors(runs["root"] / saved / "checkpoints" / "step_3")
+    after = read_global_tensors(runs["root"] / f"{saved} -> {resumed}" / "checkpoints" / "step_3")
+    assert set(before) == set(after)
+    return before, after
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    return train_reshard_plan(tmp_path_factory.mktemp("reshard"), RUNS, RESHARDS)
+
+
+@pytest.mark.parametrize("saved, resumed", RESHARDS)
+def test_resumed_run_continues_the_uninterrupted_run(runs, saved, resumed):
+    assert_resumed_continues(runs, saved, resumed)
+    if saved == resumed:
+        for results in runs["by_rank"]:
+            again, reference = results[f"{saved} -> {resumed}"], helpers.continued(results[resumed])
             assert again["losses"] == reference["losses"] and again["grad_norms"] == reference["grad_norms"]
             for name, value in reference["params"].items():
                 assert torch.equal(again["params"][name], value), name
@@ -137,9 +159,8 @@ def test_resumed_run_continues_the_uninterrupted_run(runs, saved, resumed):
 
 @pytest.mark.parametrize("saved, resumed", RESHARDS)
 def test_resaving_at_the_new_layout_keeps_every_tensor(runs, saved, resumed):
-    before = read_global_tensors(runs["root"] / saved / "checkpoints" / "step_3")
-    after = read_global_tensors(runs["root"] / f"{saved} -> {resumed}" / "checkpoints" / "step_3")
-    assert set(before) == set(after) and any(key.startswith("optim/") for key in before)
+    before, after = resaved_tensors(runs, saved, resumed)
+    assert any(key.startswith("optim/") for key in before)
     for key, value in before.items():
         assert after[key].dtype == value.dtype and torch.equal(after[key], value), key
 

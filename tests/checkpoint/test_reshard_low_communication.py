@@ -26,8 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.checkpoint.whole_tensors import read_global_tensors
-from tests.helpers.distributed import import_test_file, run_distributed
+from tests.helpers.distributed import import_test_file
 
 reshard = import_test_file(Path(__file__).parent / "test_reshard.py", "meshlm_reshard_helpers")
 helpers = reshard.helpers
@@ -47,27 +46,17 @@ RESHARDS = [("diloco tp2xdp2", "diloco pp2xdp2"), ("palsgd pp2xdp2", "palsgd tp2
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("reshard_low_communication")
-    blend = helpers.write_tiny_corpus(root / "corpus")
-    plan = [(name, None, overrides) for name, overrides in RUNS.items()]
-    plan += [(f"{saved} -> {resumed}", saved, RUNS[resumed]) for saved, resumed in RESHARDS]
-    by_rank = run_distributed(reshard.train_recorded, 4, str(blend), str(root), plan, timeout_s=400)
-    return {"root": root, "blend": blend, "by_rank": by_rank}
+    return reshard.train_reshard_plan(tmp_path_factory.mktemp("reshard_low_communication"), RUNS, RESHARDS)
 
 
 @pytest.mark.parametrize("saved, resumed", RESHARDS)
 def test_resumed_run_continues_the_uninterrupted_run(runs, saved, resumed):
-    for rank, results in enumerate(runs["by_rank"]):
-        again, reference = results[f"{saved} -> {resumed}"], helpers.continued(results[resumed])
-        assert sorted(again["losses"]) == [4, 5]
-        helpers.assert_same_run(again, reference, f"{saved} -> {resumed} rank {rank}")
+    reshard.assert_resumed_continues(runs, saved, resumed)
 
 
 @pytest.mark.parametrize("saved, resumed", RESHARDS)
 def test_resaving_at_the_new_layout_keeps_every_replica_and_the_outer_state(runs, saved, resumed):
-    before = read_global_tensors(runs["root"] / saved / "checkpoints" / "step_3")
-    after = read_global_tensors(runs["root"] / f"{saved} -> {resumed}" / "checkpoints" / "step_3")
-    assert set(before) == set(after)
+    before, after = reshard.resaved_tensors(runs, saved, resumed)
     for prefix in ("replica1/model/", "replica1/optim/", "outer/global/", "outer/momentum/"):
         assert any(key.startswith(prefix) for key in before), prefix
     replica0 = {key: value for key, value in before.items() if key.startswith("model/")}

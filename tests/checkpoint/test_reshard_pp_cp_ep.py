@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.checkpoint.whole_tensors import read_global_tensors
-from tests.helpers.distributed import import_test_file, run_distributed
+from tests.helpers.distributed import import_test_file
 
 
 reshard = import_test_file(Path(__file__).parent / "test_reshard.py", "meshlm_reshard_tests")
@@ -41,26 +40,17 @@ RESHARDS = [("tied pp2xdp2 zero", "tied dp4"), ("hybrid cp2xdp2", "hybrid tp2xdp
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("reshard-pp-cp-ep")
-    blend = helpers.write_tiny_corpus(root / "corpus")
-    plan = [(name, None, overrides) for name, overrides in RUNS.items()]
-    plan += [(f"{saved} -> {resumed}", saved, RUNS[resumed]) for saved, resumed in RESHARDS]
-    by_rank = run_distributed(reshard.train_recorded, 4, str(blend), str(root), plan, timeout_s=400)
-    return {"root": root, "by_rank": by_rank}
+    return reshard.train_reshard_plan(tmp_path_factory.mktemp("reshard-pp-cp-ep"), RUNS, RESHARDS)
 
 
 @pytest.mark.parametrize("saved, resumed", RESHARDS)
 def test_resumed_run_continues_the_uninterrupted_run(runs, saved, resumed):
-    for rank, results in enumerate(runs["by_rank"]):
-        again = results[f"{saved} -> {resumed}"]
-        assert sorted(again["losses"]) == [4, 5]
-        helpers.assert_same_run(again, helpers.continued(results[resumed]), f"{saved} -> {resumed} rank {rank}")
+    reshard.assert_resumed_continues(runs, saved, resumed)
 
 
 @pytest.mark.parametrize("saved, resumed", RESHARDS)
 def test_resaving_at_the_new_layout_keeps_every_tensor(runs, saved, resumed):
-    before = read_global_tensors(runs["root"] / saved / "checkpoints" / "step_3")
-    after = read_global_tensors(runs["root"] / f"{saved} -> {resumed}" / "checkpoints" / "step_3")
-    assert set(before) == set(after) and any(key.startswith("optim/") for key in before)
+    before, after = reshard.resaved_tensors(runs, saved, resumed)
+    assert any(key.startswith("optim/") for key in before)
     for key, value in before.items():
         assert torch.equal(after[key], value), key
