@@ -107,6 +107,12 @@ def _run_task(rank: int, world_size: int, folder: str, reference, payload: bytes
         torch.cuda.set_device(cuda_device)
     dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    # gloo's init returns on a rank once its own connections are up; a task that calls no collective
+    # (a layout refused at start-up) could then tear its group down while a slower rank is still
+    # connecting, which fails that rank ("connectFullMesh failed ... Connection closed by peer").
+    # One barrier holds every rank until all are connected.
+    if backend == "gloo":
+        dist.barrier()
     function = _load_function(*reference)
     args, kwargs = pickle.loads(payload)
     result = function(*args, **kwargs)
