@@ -31,9 +31,9 @@ stage                         issue  what it runs
                                      and PALSGD's p 0.05 (on this CPU the link was 19% of DDP's
                                      step and DiLoCo and PALSGD reached DDP's final loss 1.24x and
                                      1.26x sooner; on the GPU the computation shrinks, the link
-                                     does not). Issue 20's speed-up to the target;
-                                     it writes what it has after every run, so a stage stopped at
-                                     its limit keeps it
+                                     does not). Issue 20's speed-up to the target; it writes what
+                                     it has after every run, so a stage stopped at its limit keeps
+                                     it
 ``fp8_dense_wide``            15     ``fp8_dense`` on ``--model dense_wide`` (hidden 4096, 4 layer
                                      pairs: GEMMs 4x larger, 94% of the FLOPs), with Inductor's code
                                      (``inductor_fp8_wide.py.gz``): the linear-heavy model where

@@ -162,7 +162,7 @@ SCHEDULE_KEYS = (("train", "steps"),)
 """Settings the learning-rate schedule depends on beyond ``optim.*``."""
 
 
-def resume_warnings(directory: Path, run_config, dp_size: int | None = None) -> list[str]:
+def resume_warnings(directory: Path, run_config, dp_size: int) -> list[str]:
     """What changed since the checkpoint's run that makes the continuation differ from an uninterrupted
     run: the global sample order (and the LR schedule) are functions of these settings; under
     ``parallel.dp_sync`` the DP replicas the checkpoint holds (``replica_warning``), given this
@@ -197,14 +197,14 @@ def resume_warnings(directory: Path, run_config, dp_size: int | None = None) -> 
     return warnings
 
 
-def replica_warning(directory: Path, saved_run: dict, dp_sync: str, dp_size: int | None) -> str | None:
+def replica_warning(directory: Path, saved_run: dict, dp_sync: str, dp_size: int) -> str | None:
     """Between two syncs the replicas of a ``parallel.dp_sync`` run differ, and its checkpoint keeps
     each one's weights and optimizer state. A resume that cannot keep them all says what becomes of
     them: at fewer DP replicas the extra ones' progress since the last sync is dropped; at more, the
     new ones start as copies of replica 0 (``plan_sources``); with ``dp_sync=every_step`` the run
     continues from replica 0 alone."""
     mode = (saved_run.get("parallel") or {}).get("dp_sync", "every_step")
-    if mode == "every_step" or dp_size is None:
+    if mode == "every_step":
         return None
     try:
         before = int((read_json(directory / TRAINING_FILE).get("layout") or {}).get("dp", dp_size))
