@@ -23,17 +23,6 @@ stage                         issue  what it runs
                                      trainer first (``meshlm/models/scan_kernels.py``), then timed;
                                      and Inductor's generated code for it
                                      (``inductor_hybrid.py.gz``): what each profiled kernel moves
-``local_sgd``                 20     ``bench.local_sgd --device cuda --model moe``: DDP, DiLoCo and
-                                     PALSGD at H=8 (also with the outer sync overlapped) over a
-                                     simulated 1 Gbps link, 4 ranks on the GPU, each replica's batch
-                                     one micro-batch, on the 13.5M-parameter MoE whose 54 MB a DDP
-                                     step all-reduces, with the bench's outer pair tuned for H=8
-                                     and PALSGD's p 0.05 (on this CPU the link was 19% of DDP's
-                                     step and DiLoCo and PALSGD reached DDP's final loss 1.24x and
-                                     1.26x sooner; on the GPU the computation shrinks, the link
-                                     does not). Issue 20's speed-up to the target; it writes what
-                                     it has after every run, so a stage stopped at its limit keeps
-                                     it
 ``fp8_dense_wide``            15     ``fp8_dense`` on ``--model dense_wide`` (hidden 4096, 4 layer
                                      pairs: GEMMs 4x larger, 94% of the FLOPs), with Inductor's code
                                      (``inductor_fp8_wide.py.gz``): the linear-heavy model where
@@ -43,6 +32,10 @@ stage                         issue  what it runs
                                      plain-PyTorch baseline: MFU and the ratio to the baseline; each
                                      variant then profiled one step (``--profile 25``): where
                                      meshlm's step and the plain loop's part
+``tier``                      14     the CUDA tier without compile and layouts (fused paths, the FP8
+                                     GEMMs, the four model kinds, one NCCL process, gloo on CUDA) and
+                                     the ordinary suite's CUDA cases (Triton SSD kernels, FP8 GEMM)
+``tier_compile_layouts``      14     the tier's compiled blocks and its gloo layouts on one GPU
 ``fp8_dense``                 15     ``bench.low_precision --model dense``, bf16, fp8_tensorwise and
                                      fp8_delayed compiled: the FP8 step-time target (>= 1.3x), each
                                      run with one step profiled (``--profile 25``): where FP8 loses
@@ -52,11 +45,15 @@ stage                         issue  what it runs
 ``fp8_gemms``                 15     ``bench.fp8_gemms``: each GEMM of the FP8 bench model's layers in
                                      bf16 and on FP8 codes (split and fast accumulation) and what
                                      quantizing an operand costs: how much of 1.3x the GEMMs allow
-``tier``                      14     the CUDA tier without compile and layouts (fused paths, the FP8
-                                     GEMMs, the four model kinds, one NCCL process, gloo on CUDA) and
-                                     the ordinary suite's CUDA cases (Triton SSD kernels, FP8 GEMM)
-``tier_compile_layouts``      14     the tier's compiled blocks and its gloo layouts on one GPU
 ``fp8_dense_recipes``         15     ``bench.low_precision --model dense``: every FP8 recipe, eager
+``local_sgd``                 20     ``bench.local_sgd --device cuda --model moe``: DDP, DiLoCo and
+                                     PALSGD at H=8 (also with the outer sync overlapped) over a
+                                     simulated 1 Gbps link, 4 ranks on the GPU, on the 13.5M-parameter
+                                     MoE, with the bench's outer pair tuned for H=8 and PALSGD's p
+                                     0.05. Issue 20 is resolved on the CPU's figures (the link 19% of
+                                     DDP's step there; DiLoCo and PALSGD 1.24x and 1.26x sooner to
+                                     DDP's final loss), so this runs last, for the GPU's figures only
+                                     when the budget has room; it writes what it has after every run
 ============================  =====  ================================================================
 
 Each stage's estimate is a guess until a GPU session has run it; ``session.json`` records the
@@ -71,11 +68,12 @@ its profiles), ``fp8_dense`` (124 s), ``tier_compile_layouts`` (136 s) and
 less), ``fp8_gemms`` (37 s), ``throughput_dense`` (88 s) and ``throughput_hybrid_moe`` (142 s,
 with profiles: hybrid and MoE, which the hybrid-only stage replaced once the MoE's figures stood).
 ``fp8_dense_recipes`` is still a guess. The order puts the hybrid first (issue 14's missed target,
-whose kernels changed most since), then issue 20's measurement, then the FP8 step on the wide
-model (issue 15's target, most likely met there), then the other measurements whose code changed
-since, then the checks. A stage is given its estimate
-plus half again (at most what is left of the budget) before it is stopped; what a bench wrote
-before that stays (``bench.gpu_throughput`` rewrites its JSON after every variant).
+whose kernels changed most since), then the FP8 step on the wide model (issue 15's target, most
+likely met there), then the dense model against the plain loop (issue 14's other missed target),
+then the CUDA tier (every change since it last passed: the fused projections, the FP8 weight codes,
+the reworked SSD kernels), then the other FP8 measurements, and issue 20's GPU run last (that
+issue is resolved). A stage is given its estimate plus half again (at most what is left of the
+budget) before it is stopped; what a bench wrote before that stays (``bench.gpu_throughput`` rewrites its JSON after every variant).
 
 **Across sessions.** Everything goes under ``--out`` (on the device tool: ``$OUT``, whose files
 come back; at most 8 of them, so every stage appends to one ``session.log``): ``session.json`` (a
@@ -185,14 +183,6 @@ def plan(out: Path) -> list[Stage]:
                                              "--profile", "60", *inductor_code],
               [*throughput("hybrid"), "--models", "hybrid", "--recompute", "none", "--profile", "25", "--tiny",
                *inductor_code], environment=fresh_inductor_cache),
-        Stage("local_sgd", 20, 300,
-              [python, "-m", "bench.local_sgd", "--device", "cuda", "--model", "moe", "--sync-every", "8",
-               "--methods", "diloco", "palsgd", "--overlap-at", "8", "--out", str(out / "local_sgd.json"),
-               "--plot", str(out / "local_sgd.png")],
-              [python, "-m", "bench.local_sgd", "--device", "cpu", "--model", "moe", "--steps", "4", "--init-steps",
-               "2", "--warmup", "1", "--sync-every", "2", "--methods", "diloco", "--eval-every", "2",
-               "--global-batch", "16",
-               "--out", str(out / "local_sgd.json"), "--plot", str(out / "local_sgd.png")]),
         Stage("fp8_dense_wide", 15, 170,
               [python, "-m", "bench.low_precision", "--model", "dense_wide", "--device", "cuda", "--configs",
                "bf16,fp8_tensorwise,fp8_delayed", "--profile", "25", "--out", str(out / "low_precision_wide.json"),
@@ -202,6 +192,11 @@ def plan(out: Path) -> list[Stage]:
         Stage("throughput_dense", 14, 110, [*throughput("dense"), "--models", "dense", "--recompute", "none",
                                             "--profile", "25"],
               [*throughput("dense"), "--models", "dense", "--recompute", "none", "--profile", "25", "--tiny"]),
+        Stage("tier", 14, 100, [python, *PYTEST, *TIER_CORE, *CUDA_CASES], [python, *PYTEST, *TIER_CORE, *CUDA_CASES],
+              dry_tier),
+        Stage("tier_compile_layouts", 14, 150,
+              [python, *PYTEST, "tests/gpu/test_compiled_blocks.py", "tests/gpu/test_layouts.py"],
+              [python, *PYTEST, "tests/gpu/test_compiled_blocks.py", "tests/gpu/test_layouts.py"], dry_tier),
         Stage("fp8_dense", 15, 190,
               [*low_precision, "--device", "cuda", "--configs", "bf16,fp8_tensorwise,fp8_delayed", "--profile", "25",
                "--out", str(out / "low_precision_compiled.json"), *fp8_inductor_code, "train.compile=true"],
@@ -210,15 +205,18 @@ def plan(out: Path) -> list[Stage]:
         Stage("fp8_gemms", 15, 45, [python, "-m", "bench.fp8_gemms", "--out", str(out / "fp8_gemms.json")],
               [python, "-m", "bench.fp8_gemms", "--device", "cpu", "--tokens", "64", "--hidden", "64", "--ffn", "128",
                "--calls", "2", "--repeats", "2", "--out", str(out / "fp8_gemms.json")]),
-        Stage("tier", 14, 100, [python, *PYTEST, *TIER_CORE, *CUDA_CASES], [python, *PYTEST, *TIER_CORE, *CUDA_CASES],
-              dry_tier),
-        Stage("tier_compile_layouts", 14, 150,
-              [python, *PYTEST, "tests/gpu/test_compiled_blocks.py", "tests/gpu/test_layouts.py"],
-              [python, *PYTEST, "tests/gpu/test_compiled_blocks.py", "tests/gpu/test_layouts.py"], dry_tier),
         Stage("fp8_dense_recipes", 15, 240,
               [*low_precision, "--device", "cuda", "--configs", "bf16,fp8_tensorwise,fp8_delayed,fp8_blockwise",
                "--out", str(out / "low_precision_eager.json")],
               [*low_precision_dry, "--configs", "bf16,fp8_delayed", "--out", str(out / "low_precision_eager.json")]),
+        Stage("local_sgd", 20, 300,
+              [python, "-m", "bench.local_sgd", "--device", "cuda", "--model", "moe", "--sync-every", "8",
+               "--methods", "diloco", "palsgd", "--overlap-at", "8", "--out", str(out / "local_sgd.json"),
+               "--plot", str(out / "local_sgd.png")],
+              [python, "-m", "bench.local_sgd", "--device", "cpu", "--model", "moe", "--steps", "4", "--init-steps",
+               "2", "--warmup", "1", "--sync-every", "2", "--methods", "diloco", "--eval-every", "2",
+               "--global-batch", "16",
+               "--out", str(out / "local_sgd.json"), "--plot", str(out / "local_sgd.png")]),
     ]
 
 
