@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.models.function_outputs import distinct_output
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-5):
@@ -108,7 +110,8 @@ class _SkipGatedRMSNorm(torch.autograd.Function):
             gate = gate.clone()
         ctx.save_for_backward(y, gate, skip, skip_scale, weight, inverse_rms)
         ctx.group_size = group_size
-        return (weight.to(compute) * (grouped * inverse_rms).flatten(-2)).to(out_dtype)
+        # a tensor of its own under torch.compile: .to() is a no-op in an fp32 run (function_outputs.py)
+        return distinct_output((weight.to(compute) * (grouped * inverse_rms).flatten(-2)).to(out_dtype))
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -70,6 +70,7 @@ import torch.nn.functional as F
 
 from meshlm.errors import ConfigError
 from meshlm.kernels import SSD_MIN_LOG_DECAY, triton_installed
+from meshlm.models.function_outputs import distinct_output
 from meshlm.models.ssd import DocumentMasks, split_into_chunks, segment_sum
 
 
@@ -249,9 +250,12 @@ class _ChunkedScan(torch.autograd.Function):
         ctx.chunk_size, ctx.use_kernels, ctx.kernel_config = chunk_size, use_kernels, kernel_config
         natural = _from_per_head_chunks(y, pieces.seq_len)
         if use_kernels:  # the kernel wrote y in x's dtype and layout: no copy (unless the padding is cut off)
-            return natural.contiguous(), final_state.contiguous()
-        # rounded to x's dtype in the same copy
-        return torch.empty(natural.shape, dtype=x.dtype, device=x.device).copy_(natural), final_state.contiguous()
+            y = natural.contiguous()
+        else:  # rounded to x's dtype in the same copy
+            y = torch.empty(natural.shape, dtype=x.dtype, device=x.device).copy_(natural)
+        # tensors of their own under torch.compile, which on torch 2.11 would otherwise lose their
+        # gradients (both are the same objects as tensors computed just before; function_outputs.py)
+        return distinct_output(y), distinct_output(final_state.contiguous())
 
     @staticmethod
     def backward(ctx, grad_y, grad_final):

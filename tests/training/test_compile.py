@@ -11,6 +11,7 @@ from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.training.compile import CompiledForward, EagerFallback
 from meshlm.training.trainer import Trainer
+from tests.helpers.compiled_graphs import GraphCounter, returned_tensors_aliasing_intermediates
 
 
 def test_compiled_blocks_give_the_eager_losses(make_config, tmp_path, capsys):
@@ -71,17 +72,6 @@ def compile_each_block(model: LanguageModel, backend, fallback: EagerFallback) -
     torch._dynamo.reset()
     for block in model.blocks:
         block.residual_step = CompiledForward(block.residual_step, fallback, backend=backend)
-
-
-class GraphCounter:
-    """A torch.compile backend that keeps each graph Dynamo hands it and runs it as traced (no Inductor)."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, graph_module, example_inputs):
-        self.graphs.append(graph_module)
-        return graph_module.forward
 
 
 def test_a_block_that_fails_to_compile_runs_eagerly_with_one_notice():
@@ -170,6 +160,24 @@ def test_compiled_attention_blocks_read_the_forwards_rope_table():
     targets = {str(node.target) for graph in counter.graphs for node in graph.graph.nodes}
     assert not {target for target in targets if "cos" in target or "sin" in target}, targets
     assert any("mul" in target for target in targets)  # the rotation itself is in the graph
+
+
+@pytest.mark.parametrize("shape,dtype", [(HYBRID, torch.float32), (HYBRID, torch.bfloat16), (DENSE, torch.bfloat16),
+                                         (MOE, torch.bfloat16)], ids=["hybrid-fp32", "hybrid-bf16", "dense", "moe"])
+def test_autograd_functions_in_compiled_blocks_return_tensors_of_their_own(shape, dtype):
+    """The scan, the gated norm, the causal conv, the fused projections, the experts: no Function
+    traced into a block's graph returns a tensor that is another of its graph's tensors. On torch
+    2.11 (the GPU image's) such an output got zero gradient: every Mamba block trained without
+    the scan's (its output was ``empty().copy_(y)``), and the norm's output in fp32 runs (a no-op
+    ``.to``); eagerly, and on torch 2.13, the gradients were right, so only this check sees it here."""
+    model = small_model(**shape).to(dtype)
+    counter = GraphCounter()
+    compile_each_block(model, counter, EagerFallback(lambda notice: pytest.fail(notice)))
+    loss_and_grads(model, torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)))
+    assert counter.graphs
+    traced = [name for graph in counter.graphs for name, _ in graph.named_modules() if "fwd_body" in name]
+    assert traced or shape is DENSE  # the dense blocks' fused projections run plain ops (no Function) when compiled
+    assert [found for graph in counter.graphs for found in returned_tensors_aliasing_intermediates(graph)] == []
 
 
 @pytest.mark.parametrize("recipe,rounding,graphs_expected,fp8_gemm,shape", [
