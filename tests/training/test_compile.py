@@ -175,8 +175,7 @@ def test_autograd_functions_in_compiled_blocks_return_tensors_of_their_own(shape
     compile_each_block(model, counter, EagerFallback(lambda notice: pytest.fail(notice)))
     loss_and_grads(model, torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)))
     assert counter.graphs
-    traced = [name for graph in counter.graphs for name, _ in graph.named_modules() if "fwd_body" in name]
-    assert traced or shape is DENSE  # the dense blocks' fused projections run plain ops (no Function) when compiled
+    assert any("fwd_body" in name for graph in counter.graphs for name, _ in graph.named_modules())  # Functions traced
     assert [found for graph in counter.graphs for found in returned_tensors_aliasing_intermediates(graph)] == []
 
 
