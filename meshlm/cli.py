@@ -13,6 +13,7 @@ loading torch.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
@@ -85,7 +86,11 @@ sentence already names the operation, the group, the ranks and the step."""
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(chosen_command(argv)).parse_args(argv)
+    parser = build_parser(chosen_command(argv))
+    args, unrecognized = parser.parse_known_args(argv)
+    if unrecognized:  # said by the (sub-)command that got them, with its usage, not by bare ``meshlm``
+        command_parser = innermost_parser(parser, argv)
+        command_parser.error(unrecognized_message(command_parser, unrecognized))
     with warnings.catch_warnings():  # restores warnings.showwarning on the way out
         warnings.showwarning = partial(_show_notice, args.command, warnings.showwarning)
         try:
@@ -94,6 +99,39 @@ def main(argv: list[str] | None = None) -> int:
             if not _repeated_on_another_rank(error):
                 print(f"meshlm {args.command}: error: {error}", file=sys.stderr)
             return 2
+
+
+def innermost_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the deepest (sub-)command ``argv`` names (``meshlm checkpoint inspect ...``:
+    inspect's), found by following argv's words through each level's sub-commands."""
+    for word in argv:
+        subcommands = next((action.choices for action in parser._actions
+                            if isinstance(action, argparse._SubParsersAction)), {})
+        if word in subcommands:
+            parser = subcommands[word]
+    return parser
+
+
+def unrecognized_message(parser: argparse.ArgumentParser, unrecognized: list[str]) -> str:
+    """argparse's "unrecognized arguments" with what the user probably meant: an option given for
+    a positional argument (``meshlm train --config run.yaml``, as other trainers spell it: the
+    config is given by position), or the command's options closest to a misspelled one."""
+    message = f"unrecognized arguments: {' '.join(unrecognized)}."
+    options = [option for action in parser._actions for option in action.option_strings]
+    positionals = {action.dest.replace("_", "-"): action.metavar or action.dest
+                   for action in parser._actions if not action.option_strings and action.dest != "help"}
+    for word in unrecognized:
+        if not word.startswith("--"):
+            continue
+        name = word.split("=", 1)[0]
+        bare = name[2:].replace("_", "-").lower()
+        positional = positionals.get(bare) or positionals.get(bare.removesuffix("-file"))
+        if positional is not None:
+            message += (f" {positional} is a positional argument: give it without {name}"
+                        f" ({parser.prog} {positional} ...).")
+        elif close := difflib.get_close_matches(name, options, n=3, cutoff=0.6):
+            message += f" Did you mean {', '.join(close)} (not {name})?"
+    return message
 
 
 PACKAGE_DIR = Path(__file__).resolve().parent

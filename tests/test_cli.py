@@ -66,3 +66,29 @@ def test_meshlm_warnings_are_one_line_notes_and_other_libraries_keep_python_s_fo
                  "/usr/lib/python3/site-packages/torch/nn/modules/module.py", 7)
     assert capsys.readouterr().err == "" and shown[0][1:4] == (UserWarning, "/usr/lib/python3/site-packages/torch/nn/"
                                                                             "modules/module.py", 7)
+
+
+def test_an_unrecognized_option_is_answered_by_its_command_with_what_was_meant(capsys):
+    """Options a command lacks are reported by that command (its usage, ``meshlm train: error:``),
+    not by bare ``meshlm``; an option spelling a positional argument (``--config``, as other
+    trainers take it) says to give it by position, and a misspelled option names the close ones."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--config", "configs/tiny.yaml"])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert error.startswith("usage: meshlm train ")
+    assert ("meshlm train: error: unrecognized arguments: --config. CONFIG.yaml is a positional argument: "
+            "give it without --config (meshlm train CONFIG.yaml ...).") in error
+    with pytest.raises(SystemExit):
+        main(["train", "--config-file=run.yaml"])
+    assert "give it without --config-file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["checkpoint", "inspect", "runs/x", "--no-verfy"])
+    error = capsys.readouterr().err
+    assert error.startswith("usage: meshlm checkpoint inspect ")
+    assert "meshlm checkpoint inspect: error: unrecognized arguments: --no-verfy. Did you mean --no-verify" in error
+    with pytest.raises(SystemExit):
+        main(["train", "configs/tiny.yaml", "--fast"])
+    assert capsys.readouterr().err.endswith("meshlm train: error: unrecognized arguments: --fast.\n")
