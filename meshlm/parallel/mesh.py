@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -161,9 +162,21 @@ def resolve_edp(parallel, dp: int) -> int:
     return stage_ranks // expert_model
 
 
-def _divides(size: int, value: int, what: str, fix: str, size_name: str = "parallel.tp") -> None:
+def nearest_multiples(seq_len: int, multiple: int) -> str:
+    """``train.seq_len`` rounded down and up to a multiple of ``multiple``, as config values."""
+    lower, upper = seq_len // multiple * multiple, -(-seq_len // multiple) * multiple
+    return " or ".join(f"train.seq_len={n}" for n in (lower, upper) if n > 0)
+
+
+def _divides(size: int, value: int, what: str, reason: str, size_name: str = "parallel.tp",
+             size_key: str | None = None) -> None:
+    """Refuse a ``value`` that ``size`` does not divide, naming both ways out: the largest size that
+    divides both (it also divides the world the given size did, so the layout stays whole), or a
+    value that is a multiple of the size."""
     if value % size:
-        raise ConfigError(f"{what} = {value} is not divisible by {size_name}={size}; {fix}")
+        fitting = math.gcd(value, size)
+        raise ConfigError(f"{what} = {value} is not divisible by {size_name}={size}; {reason} Use "
+                          f"{size_key or size_name}={fitting}, or set {what} to a multiple of {size}.")
 
 
 def _check_tensor_parallel(tp: int, model, kind: str, where: str = "") -> None:
@@ -193,7 +206,8 @@ def _check_experts(parallel, model, kind: str, where: str = "") -> None:
     etp = resolve_etp(parallel)
     _divides(etp, model.resolved_moe_ffn_hidden_size, f"model.moe_ffn_hidden_size{where}",
              "each expert is split on its FFN width over the expert tensor-parallel group.",
-             "parallel.etp" if parallel.etp is not None else "parallel.etp (null: parallel.tp) = parallel.tp")
+             "parallel.etp" if parallel.etp is not None else "parallel.etp (null: parallel.tp) = parallel.tp",
+             "parallel.etp")
     _divides(parallel.ep, model.moe_num_experts, f"model.moe_num_experts{where}",
              "each expert-parallel rank holds whole experts.", "parallel.ep")
 
@@ -221,12 +235,13 @@ def check_layout(parallel, model, world_size: int, seq_len: int | None = None,
     _check_block_sizes(parallel, model)
     if parallel.sp and seq_len is not None and seq_len % tp:
         raise ConfigError(f"train.seq_len={seq_len} is not divisible by parallel.tp={tp}; sequence parallelism "
-                          "gives every rank an equal slice of the sequence.")
+                          f"gives every rank an equal slice of the sequence. Use {nearest_multiples(seq_len, tp)}.")
     if parallel.cp > 1 and seq_len is not None and seq_len % (2 * parallel.cp * (tp if parallel.sp else 1)):
         multiple = 2 * parallel.cp * (tp if parallel.sp else 1)
         raise ConfigError(f"train.seq_len={seq_len} is not divisible by {multiple} (2*cp"
                           f"{'*tp' if parallel.sp else ''}); context parallelism splits each sequence into 2*cp "
-                          f"chunks{' and sequence parallelism each chunk pair over tp' if parallel.sp else ''}.")
+                          f"chunks{' and sequence parallelism each chunk pair over tp' if parallel.sp else ''}. "
+                          f"Use {nearest_multiples(seq_len, multiple)}.")
     if micro_batches_per_step is not None and micro_batches_per_step % dp:
         raise ConfigError(f"the {micro_batches_per_step} micro-batches of a step (train.global_batch_size / "
                           f"train.micro_batch_size) do not split evenly over parallel.dp={dp} ranks; make "

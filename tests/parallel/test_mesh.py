@@ -53,14 +53,15 @@ def test_world_and_sizes_must_multiply():
 
 
 @pytest.mark.parametrize("model_fields, names", [
-    (dict(pattern="*", hidden_size=48, num_attention_heads=6), ["num_attention_heads = 6", "tp=4"]),
+    (dict(pattern="*", hidden_size=48, num_attention_heads=6), ["num_attention_heads = 6", "tp=4", "Use parallel.tp=2, or set model.num_attention_heads to a multiple of 4."]),
     (dict(pattern="*", hidden_size=48, num_attention_heads=12, num_kv_heads=6), ["num_kv_heads=6", "tp=4"]),
-    (dict(pattern="-", ffn_hidden_size=30), ["ffn_hidden_size = 30", "tp=4"]),
-    (dict(pattern="E", moe_ffn_hidden_size=30), ["moe_ffn_hidden_size = 30", "tp=4"]),
+    (dict(pattern="-", ffn_hidden_size=30), ["ffn_hidden_size = 30", "tp=4", "Use parallel.tp=2,"]),
+    (dict(pattern="E", moe_ffn_hidden_size=30),
+     ["moe_ffn_hidden_size = 30", "tp=4", "Use parallel.etp=2, or set model.moe_ffn_hidden_size to a multiple of 4."]),
     (dict(pattern="E", moe_ffn_hidden_size=32, moe_shared_expert_ffn_hidden_size=18),
      ["moe_shared_expert_ffn_hidden_size = 18", "tp=4"]),
     (dict(pattern="M", mamba_num_heads=6), ["Mamba heads", "= 6", "tp=4"]),
-    (dict(pattern="M", mamba_num_heads=8, mamba_num_groups=2), ["mamba_num_groups = 2", "tp=4"]),
+    (dict(pattern="M", mamba_num_heads=8, mamba_num_groups=2), ["mamba_num_groups = 2", "tp=4", "Use parallel.tp=2,"]),
     (dict(pattern="M", mamba_num_heads=8, mtp_depth=1, mtp_pattern="*", num_attention_heads=6, hidden_size=48),
      ["num_attention_heads = 6"]),
 ], ids=["heads", "kv_heads", "ffn", "moe_ffn", "shared_expert", "mamba_heads", "mamba_groups", "mtp_blocks"])
@@ -80,6 +81,7 @@ def test_sequence_parallel_needs_a_divisible_sequence():
     model = ModelConfig(pattern="*-")
     message = refusal(ParallelConfig(tp=4, sp=True), model, seq_len=30)
     assert "train.seq_len=30" in message and "parallel.tp=4" in message
+    assert message.endswith("Use train.seq_len=28 or train.seq_len=32."), message
     assert check_layout(ParallelConfig(tp=4, sp=True), model, 4, seq_len=32) == 1
     assert check_layout(ParallelConfig(tp=4, sp=False), model, 4, seq_len=30) == 1
 
@@ -127,11 +129,17 @@ def test_expert_grid_must_fold_into_a_stage():
     assert "ep*etp = 4*2 = 8" in message and "tp*cp*dp" in message
     message = refusal(ParallelConfig(ep=4), ModelConfig(pattern="E", moe_num_experts=6), world_size=4)
     assert "moe_num_experts = 6" in message and "parallel.ep=4" in message
+    assert "Use parallel.ep=2, or set model.moe_num_experts to a multiple of 4." in message
+    # The size the message offers (the largest that divides both) is a layout that passes.
+    assert check_layout(ParallelConfig(ep=2), ModelConfig(pattern="E", moe_num_experts=6), world_size=4) == 4
 
 
 def test_context_parallel_needs_two_chunks_per_rank():
     message = refusal(ParallelConfig(cp=2), ModelConfig(pattern="*"), world_size=2, seq_len=18)
     assert "train.seq_len=18" in message and "2*cp" in message
+    assert message.endswith("Use train.seq_len=16 or train.seq_len=20."), message
+    message = refusal(ParallelConfig(cp=2), ModelConfig(pattern="*"), world_size=2, seq_len=3)
+    assert message.endswith("Use train.seq_len=4."), message
     assert check_layout(ParallelConfig(cp=2), ModelConfig(pattern="*"), 2, seq_len=16) == 1
 
 
