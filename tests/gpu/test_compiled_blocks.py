@@ -22,6 +22,7 @@ from torch._dynamo.utils import counters
 
 from tests.gpu.support import (FIRST_STEP_TOLERANCE, HELPERS, LOSS_TOLERANCE, MODEL_KINDS, SIZE, losses_in_order,
                                on_device, relative_gaps)
+from tests.helpers.compiled_graphs import GRADIENT_CHECK_SHAPES, compiled_gradient_gaps, gradient_check_model
 from tests.helpers.counting_corpus import write_corpus
 
 STEPS = 4
@@ -61,49 +62,22 @@ def test_compiled_blocks_train_like_eager_without_graph_breaks(kind, corpus, gpu
         assert gaps[0] <= FIRST_STEP_TOLERANCE, (kind, key, gaps[0])
 
 
-GRADIENT_SHAPES = {
-    "dense": dict(pattern="*-*-", num_kv_heads=2),
-    "hybrid": dict(pattern="M*-M", mamba_head_dim=16, mamba_state_size=16, mamba_num_groups=2, mamba_chunk_size=16),
-    "moe": dict(pattern="*E*-", moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32),
-}
-"""The model kinds of ``MODEL_KINDS`` as ModelConfig fields (the hybrid's shapes the Triton SSD
-kernels take, so on CUDA its Mamba blocks run them inside the compiled graphs)."""
 GRADIENT_TOLERANCE = 0.1
 """The largest |compiled - eager| / |eager| (norms over one parameter's gradient) in bf16: the
 two round differently, by about a percent; a gradient lost on the way is off by 1 (the whole of it)."""
 
 
-def _gradients(model, input_ids) -> dict[str, torch.Tensor]:
-    model.zero_grad()
-    model(input_ids, input_ids).loss.backward()
-    return {name: parameter.grad.float().clone() for name, parameter in model.named_parameters()
-            if parameter.grad is not None}
-
-
-@pytest.mark.parametrize("kind", list(GRADIENT_SHAPES))
+@pytest.mark.parametrize("kind", list(GRADIENT_CHECK_SHAPES))
 def test_compiled_blocks_give_every_parameter_the_eager_gradient(kind, gpu_device):
     """Inductor's blocks against the eager ones, parameter by parameter, after one backward: the
     losses of four steps (the test above) barely move when one path's gradient is lost, as the
     Mamba-2 scan's was under torch.compile on torch 2.11 (meshlm/models/function_outputs.py: its
     output, the same tensor object as one computed just before it, got zero gradient)."""
-    from meshlm.models.config import ModelConfig
-    from meshlm.models.language_model import LanguageModel
     from meshlm.models.scan_kernels import choose_scan_kernels
-    from meshlm.training.compile import compile_blocks
 
-    config = ModelConfig(vocab_size=64, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
-                         **GRADIENT_SHAPES[kind])
-    model = LanguageModel(config, seed=0).to(gpu_device, torch.bfloat16)
+    model, input_ids = gradient_check_model(kind, gpu_device, torch.bfloat16)
     assert choose_scan_kernels(model, gpu_device) is None  # on CUDA the hybrid's kernels pass their check
-    input_ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0)).to(gpu_device)
-    expected = _gradients(model, input_ids)
-    torch._dynamo.reset()
-    notices = []
-    assert compile_blocks(model, gpu_device, notices.append) == len(config.pattern) and notices == []
-    actual = _gradients(model, input_ids)
-    assert notices == [] and actual.keys() == expected.keys()
-    gaps = {name: ((actual[name] - gradient).norm() / gradient.norm()).item()
-            for name, gradient in expected.items() if gradient.norm() > 0}
-    assert len(gaps) > len(expected) // 2
+    gaps, parameters = compiled_gradient_gaps(model, input_ids, gpu_device)
+    assert len(gaps) > parameters // 2
     worst = sorted(gaps.items(), key=lambda item: item[1])[-3:]
     assert max(gaps.values()) <= GRADIENT_TOLERANCE, (kind, worst)
