@@ -162,7 +162,7 @@ def resolve_edp(parallel, dp: int) -> int:
     return stage_ranks // expert_model
 
 
-def nearest_multiples(seq_len: int, multiple: int) -> str:
+def _seq_len_choices(seq_len: int, multiple: int) -> str:
     """``train.seq_len`` rounded down and up to a multiple of ``multiple``, as config values."""
     lower, upper = seq_len // multiple * multiple, -(-seq_len // multiple) * multiple
     return " or ".join(f"train.seq_len={n}" for n in (lower, upper) if n > 0)
@@ -235,13 +235,13 @@ def check_layout(parallel, model, world_size: int, seq_len: int | None = None,
     _check_block_sizes(parallel, model)
     if parallel.sp and seq_len is not None and seq_len % tp:
         raise ConfigError(f"train.seq_len={seq_len} is not divisible by parallel.tp={tp}; sequence parallelism "
-                          f"gives every rank an equal slice of the sequence. Use {nearest_multiples(seq_len, tp)}.")
+                          f"gives every rank an equal slice of the sequence. Use {_seq_len_choices(seq_len, tp)}.")
     if parallel.cp > 1 and seq_len is not None and seq_len % (2 * parallel.cp * (tp if parallel.sp else 1)):
         multiple = 2 * parallel.cp * (tp if parallel.sp else 1)
         raise ConfigError(f"train.seq_len={seq_len} is not divisible by {multiple} (2*cp"
                           f"{'*tp' if parallel.sp else ''}); context parallelism splits each sequence into 2*cp "
                           f"chunks{' and sequence parallelism each chunk pair over tp' if parallel.sp else ''}. "
-                          f"Use {nearest_multiples(seq_len, multiple)}.")
+                          f"Use {_seq_len_choices(seq_len, multiple)}.")
     if micro_batches_per_step is not None and micro_batches_per_step % dp:
         raise ConfigError(f"the {micro_batches_per_step} micro-batches of a step (train.global_batch_size / "
                           f"train.micro_batch_size) do not split evenly over parallel.dp={dp} ranks; make "
