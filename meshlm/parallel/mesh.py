@@ -136,6 +136,10 @@ def world_from_environment() -> tuple[int, int]:
 
 def resolve_dp(parallel, world_size: int) -> int:
     model_parallel = parallel.tp * parallel.pp * parallel.cp
+    if world_size == 1 and model_parallel > 1:
+        raise ConfigError(f"tp*pp*cp = {parallel.tp}*{parallel.pp}*{parallel.cp} = {model_parallel} needs that many "
+                          "processes, but this run is one process; start it with torchrun --nproc_per_node "
+                          f"{model_parallel} (or a multiple) -m meshlm ..., or set parallel.tp, pp and cp to 1.")
     if world_size % model_parallel:
         raise ConfigError(f"the world of {world_size} processes is not divisible by tp*pp*cp = {parallel.tp}*"
                           f"{parallel.pp}*{parallel.cp} = {model_parallel}; change the process count or the sizes.")
@@ -303,6 +307,20 @@ def check_backend(parallel, backend: str) -> None:
                           "parallel.vp=1, or pp >= 3 for interleaving.")
 
 
+def check_backend_available(backend: str, device: torch.device) -> None:
+    """Refuse NCCL where it cannot run, before ``init_process_group`` fails in every rank with an
+    error that reads like a peer's failure: NCCL is in CUDA builds of torch only, and it moves CUDA
+    tensors only (a CPU run's collectives need gloo)."""
+    if backend != "nccl":
+        return
+    if not dist.is_nccl_available():
+        raise ConfigError(f"parallel.backend=nccl, but this torch ({torch.__version__}) is built without NCCL; "
+                          "use parallel.backend=gloo (or auto: NCCL on CUDA, gloo otherwise).")
+    if device.type != "cuda":
+        raise ConfigError(f"parallel.backend=nccl moves CUDA tensors only, but this run is on {device.type}; use "
+                          "parallel.backend=gloo (or auto), or train.device=cuda.")
+
+
 def build_parallel_context(parallel, model, device: torch.device, seq_len: int | None = None,
                            micro_batches_per_step: int | None = None) -> ParallelContext:
     """Check the layout, then join the process group (when launched by torchrun) and build the meshes."""
@@ -315,6 +333,7 @@ def build_parallel_context(parallel, model, device: torch.device, seq_len: int |
         return ParallelContext(vp_size=parallel.vp, sequence_parallel=parallel.sp,
                                moe_dispatcher=parallel.moe_dispatcher, device=device)
     if not dist.is_initialized():
+        check_backend_available(choose_backend(parallel, device), device)
         join_process_group(choose_backend(parallel, device), parallel.timeout_s)
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -49,6 +49,9 @@ def test_world_and_sizes_must_multiply():
     message = refusal(ParallelConfig(tp=2, dp=3), ModelConfig(pattern="-"), world_size=4)
     assert "parallel.dp=3" in message and "6 processes" in message and "has 4" in message
     assert check_layout(ParallelConfig(tp=2), ModelConfig(pattern="-"), 8) == 4
+    message = refusal(ParallelConfig(tp=2, cp=2), ModelConfig(pattern="-"), world_size=1)  # no torchrun
+    assert message.startswith("tp*pp*cp = 2*1*2 = 4 needs that many processes, but this run is one process; "
+                              "start it with torchrun --nproc_per_node 4"), message
     assert check_layout(ParallelConfig(tp=2, dp=2), ModelConfig(pattern="-"), 4) == 2
 
 
@@ -150,3 +153,20 @@ def test_interleaving_over_two_stages_is_refused_on_nccl():
         check_backend(ParallelConfig(pp=2, vp=2), "nccl")
     check_backend(ParallelConfig(pp=2, vp=2), "gloo")  # gloo matches by tag: allowed
     check_backend(ParallelConfig(pp=4, vp=2), "nccl")
+
+
+def test_nccl_is_refused_where_it_cannot_run(monkeypatch):
+    """Before init_process_group, whose NCCL failure every rank would report as a collective's."""
+    from meshlm.parallel.mesh import check_backend_available
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    check_backend_available("gloo", cpu)
+    check_backend_available("gloo", cuda)  # gloo over CUDA tensors: several ranks on one GPU
+    if not dist.is_nccl_available():  # a CPU build of torch (this suite's)
+        with pytest.raises(ConfigError, match=r"parallel.backend=nccl, but this torch .* is built without NCCL; "
+                                              r"use parallel.backend=gloo"):
+            check_backend_available("nccl", cuda)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)  # a CUDA build, as the GPU image's
+    with pytest.raises(ConfigError, match="parallel.backend=nccl moves CUDA tensors only, but this run is on cpu"):
+        check_backend_available("nccl", cpu)
+    check_backend_available("nccl", cuda)
