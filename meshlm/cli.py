@@ -87,10 +87,15 @@ sentence already names the operation, the group, the ranks and the step."""
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(chosen_command(argv))
+    parsers = command_parsers(parser, argv)
+    # Said by the (sub-)command that got them, with its usage, not by bare ``meshlm``; options no
+    # parser knows are looked for first, as they are the likely cause of a missing required
+    # argument (``--promt TEXT``), which argparse would report instead.
+    if unknown := unknown_long_options(parsers, argv):
+        parsers[-1].error(unrecognized_message(parsers[-1], unknown))
     args, unrecognized = parser.parse_known_args(argv)
-    if unrecognized:  # said by the (sub-)command that got them, with its usage, not by bare ``meshlm``
-        command_parser = innermost_parser(parser, argv)
-        command_parser.error(unrecognized_message(command_parser, unrecognized))
+    if unrecognized:
+        parsers[-1].error(unrecognized_message(parsers[-1], unrecognized))
     with warnings.catch_warnings():  # restores warnings.showwarning on the way out
         warnings.showwarning = partial(_show_notice, args.command, warnings.showwarning)
         try:
@@ -101,15 +106,33 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
 
-def innermost_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
-    """The parser of the deepest (sub-)command ``argv`` names (``meshlm checkpoint inspect ...``:
-    inspect's), found by following argv's words through each level's sub-commands."""
+def command_parsers(parser: argparse.ArgumentParser, argv: list[str]) -> list[argparse.ArgumentParser]:
+    """The parsers of the (sub-)commands ``argv`` names, outermost first (``meshlm checkpoint
+    inspect ...``: meshlm's, checkpoint's, inspect's), found by following argv's words through each
+    level's sub-commands."""
+    parsers = [parser]
     for word in argv:
-        subcommands = next((action.choices for action in parser._actions
+        subcommands = next((action.choices for action in parsers[-1]._actions
                             if isinstance(action, argparse._SubParsersAction)), {})
         if word in subcommands:
-            parser = subcommands[word]
-    return parser
+            parsers.append(subcommands[word])
+    return parsers
+
+
+def unknown_long_options(parsers: list[argparse.ArgumentParser], argv: list[str]) -> list[str]:
+    """The ``--name`` / ``--name=value`` words of ``argv`` (before a bare ``--``) that no parser on
+    the command's path takes, whole or abbreviated (an abbreviation of several is argparse's to call
+    ambiguous)."""
+    known = [option for parser in parsers for action in parser._actions for option in action.option_strings
+             if option.startswith("--")]
+    unknown = []
+    for word in argv:
+        if word == "--":
+            break
+        name = word.split("=", 1)[0]
+        if word.startswith("--") and not any(option.startswith(name) for option in known):
+            unknown.append(word)
+    return unknown
 
 
 def unrecognized_message(parser: argparse.ArgumentParser, unrecognized: list[str]) -> str:

@@ -92,3 +92,28 @@ def test_an_unrecognized_option_is_answered_by_its_command_with_what_was_meant(c
     with pytest.raises(SystemExit):
         main(["train", "configs/tiny.yaml", "--fast"])
     assert capsys.readouterr().err.endswith("meshlm train: error: unrecognized arguments: --fast.\n")
+
+
+def test_a_misspelled_option_is_named_before_the_required_one_it_left_missing(capsys):
+    """``meshlm score CKPT --inpt FILE``: argparse alone says ``--input`` is required; the misspelling
+    that caused it is the useful sentence. Abbreviations, which argparse takes (or calls ambiguous),
+    and words after a bare ``--`` are not reported."""
+    import pytest
+
+    from meshlm.cli import build_parser, command_parsers, unknown_long_options
+
+    with pytest.raises(SystemExit) as exited:
+        main(["score", "CKPT", "--inpt", "pairs.jsonl"])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and "required" not in error
+    assert "meshlm score: error: unrecognized arguments: --inpt. Did you mean --input (not --inpt)?" in error
+    parsers = command_parsers(build_parser("generate"), ["generate", "CKPT"])
+    assert [parser.prog for parser in parsers] == ["meshlm", "meshlm generate"]
+    assert unknown_long_options(parsers, ["generate", "CKPT", "--max-new", "3", "--prompt=hi", "--greedy"]) == []
+    assert unknown_long_options(parsers, ["generate", "CKPT", "--prompt", "--", "--literal"]) == []
+    assert unknown_long_options(parsers, ["generate", "CKPT", "--prompt-fil=x", "--max-new-tokenz=3"]) == [
+        "--max-new-tokenz=3"]  # --prompt-fil abbreviates --prompt-file alone
+    assert unknown_long_options(parsers, ["generate", "CKPT", "--prompt-"]) == []  # argparse: ambiguous
+    with pytest.raises(SystemExit):
+        main(["generate", "CKPT", "--prompt-", "x"])
+    assert "ambiguous option: --prompt- could match --prompt-file, --prompt-ids" in capsys.readouterr().err

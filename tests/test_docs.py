@@ -279,7 +279,7 @@ def test_the_checks_name_the_file_and_line_of_each_stale_reference(tmp_path):
                    "meshlm train configs/tiny.yaml \\\n"
                    "    train.steps=3 --fast           # no such flag\n"
                    "meshlm generate CKPT --prompt hi --max-new-tokens 4\n"
-                   "meshlm generate CKPT --max-new-tokens 4  # --prompt or --prompt-ids is required\n"
+                   "meshlm score CKPT --json  # --input is required\n"
                    "torchrun --nproc_per_node 2 -m meshlm checkpoint inspect runs/x --jsn\n"
                    "meshlm tokenizer train --input FILES --vocab-size N --out tok.json  # N: a placeholder\n"
                    "meshlm convert meshlm-to-hf CKPT HF_DIR [--quantize fp8] [--colour]\n"
@@ -294,8 +294,8 @@ def test_the_checks_name_the_file_and_line_of_each_stale_reference(tmp_path):
         f"{doc}:1: config key train.stepz is not a field of RunConfig"]
     assert stale_commands(doc) == [
         f"{doc}:4: `meshlm train` has no flag --fast",
-        f"{doc}:7: `meshlm generate CKPT --max-new-tokens 4` does not parse: meshlm generate: error: one of the "
-        "arguments --prompt --prompt-ids is required",
+        f"{doc}:7: `meshlm score CKPT --json` does not parse: meshlm score: error: the following arguments are "
+        "required: --input",
         f"{doc}:8: `meshlm checkpoint inspect` has no flag --jsn",
         f"{doc}:10: `meshlm convert meshlm-to-hf` has no flag --colour",
         f"{doc}:13: `meshlm train` has no flag --list-kyes"]

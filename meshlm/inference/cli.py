@@ -2,12 +2,16 @@
 
     meshlm generate runs/x --prompt "ROMEO:" --max-new-tokens 64 --temperature 0.8 --top-p 0.95
     meshlm generate runs/x/checkpoints/step_2000 --prompt-ids 1,2,3 --max-new-tokens 16 --greedy --json
+    meshlm generate runs/x --prompt-file story.txt --max-new-tokens 256
 
 CKPT is a model directory (``config.json`` + ``model.safetensors``), or a training run / a
 folder of checkpoints, in which case the ``step_N`` folder with the highest N is used. Text
 prompts need a tokenizer: ``tokenizer.json`` beside the model, or ``--tokenizer PATH``. The
 tokenizer also supplies the eos token (``--eos-id`` overrides it) and the true vocabulary
 size, so a model whose vocabulary was padded never emits an id the tokenizer cannot decode.
+``--prompt-file FILE`` reads a text prompt whole from a UTF-8 file (``-``: standard input), newlines
+and all, for prompts too long or too full of quotes for a shell argument; it and ``--prompt``
+each give one prompt per use (they go with ``--chat`` alike), in the order given.
 Each prompt gets at most ``--max-new-tokens`` new tokens (default 128) and stops early at its
 eos token. Output is one line per prompt: the generated text (or ids without a tokenizer), or with
 ``--json`` an object ``{"ids": [...], "text": "..."}`` holding the new tokens only.
@@ -61,10 +65,15 @@ DEFAULT_MAX_NEW_TOKENS = 128
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CKPT",
                         help="model directory, training checkpoint, or run directory (latest step_N is used)")
-    prompts = parser.add_mutually_exclusive_group(required=True)
-    prompts.add_argument("--prompt", action="append", metavar="TEXT", help="a text prompt (repeatable)")
-    prompts.add_argument("--prompt-ids", action="append", type=parse_token_ids, metavar="ID,ID,...",
-                         help="a prompt given as comma-separated token ids (repeatable)")
+    # Text prompts (--prompt, --prompt-file: one list, in the order given) or token ids, not both;
+    # checked in ``chosen_prompts``, as argparse's groups cannot say "one or more of these two".
+    parser.add_argument("--prompt", action="append", metavar="TEXT", help="a text prompt (repeatable)")
+    parser.add_argument("--prompt-file", action="append", type=PromptFile, metavar="FILE", dest="prompt",
+                        help="a text prompt read whole from a UTF-8 file, newlines kept; - reads standard input "
+                             "(repeatable, and with --prompt: for a long prompt or code, which a shell argument "
+                             "mangles)")
+    parser.add_argument("--prompt-ids", action="append", type=parse_token_ids, metavar="ID,ID,...",
+                        help="a prompt given as comma-separated token ids (repeatable)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
                         help=f"stop each prompt after N new tokens, or at its eos (default {DEFAULT_MAX_NEW_TOKENS})")
     add_sampling_arguments(parser)
@@ -98,6 +107,39 @@ def parse_token_ids(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integer token ids") from None
+
+
+def check_prompts(args: argparse.Namespace) -> None:
+    """One or more prompts, as text (``--prompt``, ``--prompt-file``) or as token ids, not both."""
+    if args.prompt is None and args.prompt_ids is None:
+        raise ConfigError("no prompt given; pass --prompt TEXT, --prompt-file FILE or --prompt-ids ID,ID,... "
+                          "(each repeatable).")
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise ConfigError("--prompt-ids gives prompts as token ids, --prompt and --prompt-file as text; use one "
+                          "kind in a run.")
+
+
+class PromptFile(str):
+    """A ``--prompt-file`` path among the ``--prompt`` texts (one list keeps their order), read when
+    the command runs (``read_prompts``), not while argparse parses."""
+
+
+def read_prompts(prompts: list[str]) -> list[str]:
+    """The text prompts, each ``PromptFile`` replaced by its file's whole text (``-``: standard input)."""
+    return [read_prompt_file(prompt) if isinstance(prompt, PromptFile) else prompt for prompt in prompts]
+
+
+def read_prompt_file(path: str) -> str:
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"--prompt-file {path}: no such file; give the path of a text file holding the "
+                          "prompt.") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"--prompt-file {path}: not UTF-8 text (byte {error.start}); save the prompt as "
+                          "UTF-8.") from None
+    except OSError as error:
+        raise ConfigError(f"--prompt-file {path}: cannot read it ({error.strerror}).") from None
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
     if args.reasoning is not None and not args.chat:
         raise ConfigError("--reasoning writes the /think or /no_think switch into a chat system turn; add --chat, "
                           "or drop --reasoning.")
+    check_prompts(args)
+    if args.prompt is not None:
+        args.prompt = read_prompts(args.prompt)
     sampling = sampling_from_args(args)
     model_dir = resolve_model_dir(args.checkpoint)
     tokenizer = find_tokenizer(args.tokenizer, model_dir, Path(args.checkpoint))

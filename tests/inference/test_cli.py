@@ -78,6 +78,38 @@ def test_text_prompts_are_encoded_sampled_and_decoded(capsys, model_dir):
     assert out == "".join(tokenizer.decode(ids) + "\n" for ids in expected)
 
 
+def test_prompt_files_are_read_whole_and_go_with_text_prompts_in_order(capsys, monkeypatch, tmp_path, model_dir):
+    """--prompt-file: the file's whole text (newlines and quotes kept) is one prompt, as if it had
+    been given with --prompt; - reads standard input; mixed with --prompt in the order given."""
+    import io
+
+    text = 'the cat\nsat "on"\n\tthe mat\n'
+    (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
+    tokenizer = load_tokenizer(model_dir)
+    code, out, _ = run_cli(capsys, model_dir, "--prompt", "a dog", "--prompt-file", tmp_path / "prompt.txt",
+                           "--max-new-tokens", 6, "--greedy", "--json")
+    assert code == 0
+    expected = expected_ids(model_dir, [tokenizer.encode("a dog"), tokenizer.encode(text)], 6,
+                            SamplingConfig(greedy=True), tokenizer)
+    assert [json.loads(line)["ids"] for line in out.splitlines()] == expected
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    code, out, _ = run_cli(capsys, model_dir, "--prompt-file", "-", "--max-new-tokens", 6, "--greedy", "--json")
+    assert code == 0 and json.loads(out)["ids"] == expected[1]
+
+
+def test_prompts_missing_mixed_or_unreadable_are_refused(capsys, tmp_path, model_dir):
+    code, _, err = run_cli(capsys, model_dir, "--max-new-tokens", 2)
+    assert code == 2 and "no prompt given; pass --prompt TEXT, --prompt-file FILE or --prompt-ids" in err
+    code, _, err = run_cli(capsys, model_dir, "--prompt", "a", "--prompt-ids", "1,2")
+    assert code == 2 and "use one kind in a run" in err
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    for path, said in ((tmp_path / "missing.txt", "missing.txt: no such file"),
+                       (tmp_path / "latin1.txt", "latin1.txt: not UTF-8 text (byte 3); save the prompt as UTF-8."),
+                       (tmp_path, "cannot read it")):
+        code, _, err = run_cli(capsys, model_dir, "--prompt-file", path)
+        assert code == 2 and err.startswith("meshlm generate: error: --prompt-file ") and said in err, err
+
+
 def test_without_tokenizer_ids_are_printed_and_text_prompts_refused(capsys, tmp_path, tokenizer_dir):
     directory = save_model(tiny_model(), tmp_path / "bare")
     code, out, _ = run_cli(capsys, directory, "--prompt-ids", "5,6", "--max-new-tokens", 6, "--greedy")
