@@ -18,7 +18,8 @@ what to change; unknown keys come with the closest known names. A collective tha
 a peer process died or hung exits with status 3 and names the collective and its group; with
 ``torchrun --max-restarts N`` the job then restarts from the newest complete checkpoint. Too many
 non-finite steps in a row with train.on_nonfinite=stop exit with status 1
-(see meshlm/training/fault_tolerance.py). SIGTERM, SIGINT (Ctrl-C) or train.time_limit_minutes
+(see meshlm/training/fault_tolerance.py); so does a step that runs out of memory, after one
+sentence with the numbers and the settings that lower them (meshlm/training/out_of_memory.py). SIGTERM, SIGINT (Ctrl-C) or train.time_limit_minutes
 save a checkpoint at the end of the current step and exit with status 0, after one line saying
 where to resume (see meshlm/training/stop_requests.py).
 """
@@ -58,6 +59,7 @@ def run(args, plan=None) -> int:
                           "(`meshlm train --list-keys` lists every key).")
     from meshlm.config import load_run_config, parse_override
     from meshlm.training.fault_tolerance import CollectiveFailure, NonFiniteTrainingStop, exit_after_collective_failure
+    from meshlm.training.out_of_memory import OutOfMemoryStop
     from meshlm.training.trainer import train
 
     config = load_run_config(config_path, overrides)
@@ -72,6 +74,8 @@ def run(args, plan=None) -> int:
         exit_after_collective_failure(failure)
     except NonFiniteTrainingStop as stop:
         return report_nonfinite_stop("meshlm train", stop)
+    except OutOfMemoryStop as stop:
+        return report_out_of_memory(stop)
     finally:
         leave_process_group()
     if int(os.environ.get("RANK", "0")) != 0 or result.stopped_by is not None:
@@ -86,6 +90,23 @@ def run(args, plan=None) -> int:
         summary += f", last validation loss {result.val_losses[max(result.val_losses)]:.4f}"
     print(f"meshlm train: done: {summary}; run directory {result.run_dir}")
     return 0
+
+
+def report_out_of_memory(stop: Exception) -> int:
+    """Print why (the rank that ran out, which need not be rank 0, says it) and return the exit
+    status ``EXIT_OUT_OF_MEMORY``; under torchrun leave at once with it (``os._exit``), as after a
+    peer's failure: the other ranks wait in a collective this one will never join, which a
+    process-group teardown could wait on."""
+    from meshlm.training.out_of_memory import EXIT_OUT_OF_MEMORY
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = f"rank {os.environ.get('RANK', '0')}: " if world_size > 1 else ""
+    print(f"meshlm train: error: {rank}{stop}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if world_size > 1:
+        os._exit(EXIT_OUT_OF_MEMORY)
+    return EXIT_OUT_OF_MEMORY
 
 
 def report_nonfinite_stop(command: str, stop: Exception) -> int:

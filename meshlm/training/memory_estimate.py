@@ -397,12 +397,19 @@ def memory_warning(estimate: MemoryEstimate, available: int | None, device: torc
     """One sentence when ``estimate`` exceeds ``available`` bytes: the numbers and what lowers them."""
     if available is None or estimate.total <= available:
         return None
-    train = config.train
     return (f"the estimated peak memory of this process, {estimate.describe()}, exceeds the {format_bytes(available)} "
-            f"available on {device}; lower train.micro_batch_size ({train.micro_batch_size}) or train.seq_len "
-            f"({train.seq_len}), set train.recompute=full, or spread the run with parallel.tp, parallel.pp, "
-            f"parallel.cp (activations) or parallel.zero_stage (optimizer state and gradients).")
+            f"available on {device}; {memory_remedies(config)}.")
+
+
+def memory_remedies(config) -> str:
+    """The settings that lower a process's peak memory, with their current values: a clause for the
+    estimate's warning and for the out-of-memory stop (out_of_memory.py)."""
+    train = config.train
+    return (f"lower train.micro_batch_size ({train.micro_batch_size}) or train.seq_len ({train.seq_len}), set "
+            f"train.recompute=full (now {train.recompute}), or spread the run with parallel.tp, parallel.pp, "
+            f"parallel.cp (activations) or parallel.zero_stage (now {config.parallel.sharding_stage}: optimizer state "
+            "and gradients)")
 
 
 __all__ = ["MemoryEstimate", "activation_bytes", "activation_items", "available_memory", "estimate_training_memory", "format_bytes",
-           "memory_warning", "parameter_counts", "parameter_state_bytes"]
+           "memory_remedies", "memory_warning", "parameter_counts", "parameter_state_bytes"]

@@ -99,6 +99,7 @@ from meshlm.training.data_loading import BatchPrefetcher, build_training_data, r
 from meshlm.training.distillation import Distillation
 from meshlm.training.distillation_pipeline import distilling_stages
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
+from meshlm.training.out_of_memory import OutOfMemoryStop, is_out_of_memory, out_of_memory_message
 from meshlm.training.initial_weights import model_from_init_folder
 from meshlm.training.memory_estimate import (available_memory, estimate_training_memory, format_bytes,
                                              memory_warning)
@@ -686,6 +687,11 @@ class Trainer:
                 if plot is None:
                     self.progress.message(f"{self.command}: matplotlib is not installed, so no loss.png was drawn "
                                           "(pip install matplotlib).")
+        except (RuntimeError, torch.OutOfMemoryError) as error:  # torch's OutOfMemoryError is a RuntimeError
+            if not is_out_of_memory(error):
+                raise
+            raise OutOfMemoryStop(out_of_memory_message(error, self.state.step + 1, self.device, self.memory,
+                                                        self.config, self.run_dir)) from error
         finally:
             self.batches.close()
             self.phases.close()
