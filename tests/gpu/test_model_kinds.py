@@ -32,6 +32,7 @@ greedy decoding.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,30 @@ def test_mtp_speculative_decoding_equals_plain_greedy(gpu_device, exact_fp32_cud
     for prompt in PROMPTS:
         plain = generate(model, [prompt], NEW_TOKENS, GREEDY)
         assert generate(model, [prompt], NEW_TOKENS, GREEDY, speculative="mtp") == plain, prompt
+
+
+def test_a_step_out_of_device_memory_stops_with_what_to_change(corpus, gpu_device, tmp_path, monkeypatch):
+    """The caching allocator's own OutOfMemoryError (a 1 PiB request at step 3, after step 2's
+    checkpoint) becomes meshlm's one sentence: the request, this process's peak, the settings that
+    lower it, the checkpoint to resume from (meshlm/training/out_of_memory.py)."""
+    from meshlm.training.out_of_memory import OutOfMemoryStop
+    from meshlm.training.trainer import Trainer
+
+    take_step = Trainer.train_step
+
+    def step_that_runs_out(trainer):
+        if trainer.state.step == 2:
+            torch.empty(2 ** 50, dtype=torch.uint8, device=gpu_device)
+        return take_step(trainer)
+
+    monkeypatch.setattr(Trainer, "train_step", step_that_runs_out)
+    overrides = [*run_overrides("dense"), "train.save_every=2", *on_device(gpu_device, "bf16")]
+    with pytest.raises(OutOfMemoryStop) as stopped:
+        HELPERS.train_once(corpus, tmp_path / "run", overrides)
+    message = str(stopped.value)
+    assert message.startswith(f"out of memory on {gpu_device} in step 3 (a request for "), message
+    if gpu_device.type == "cuda":
+        assert isinstance(stopped.value.__cause__, torch.OutOfMemoryError)
+        # c10's format_size: "1048576.00 GiB"
+        assert re.search(r"a request for [\d.]+ [KMG]iB failed; this process had allocated at most ", message), message
+    assert "train.recompute=full (now none)" in message and "step_2 is intact" in message, message
