@@ -30,7 +30,7 @@ LAYOUTS = {"tp1": dict(tp=1, pp=1), "tp2": dict(tp=2, pp=1), "tp4": dict(tp=4, p
 
 
 def peak_resident_bytes() -> int:
-    from meshlm.training.plan_check import resident_bytes
+    from meshlm.training.memory_usage import resident_bytes
 
     peak = resident_bytes("VmHWM")
     if peak is None:

@@ -97,6 +97,7 @@ from meshlm.models.mlp import is_gated
 from meshlm.models.pattern import parse_pattern
 from meshlm.parallel.mesh import ParallelContext
 from meshlm.precision.device_defaults import parse_device
+from meshlm.training.memory_usage import format_bytes
 from meshlm.training.preference_data import needed_kind
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -123,14 +124,6 @@ class MemoryEstimate:
                  "activations": self.activations, **({"frozen models": self.frozen} if self.frozen else {})}
         listed = ", ".join(f"{name} {format_bytes(size)}" for name, size in parts.items())
         return f"{format_bytes(self.total)} ({listed})"
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``1.5 GiB``, ``320 MiB``: three significant digits in the largest unit that keeps the number >= 1."""
-    for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.3g} {unit}"
-    return f"{int(num_bytes)} bytes"
 
 
 # --- parameter state -----------------------------------------------------------------------------------

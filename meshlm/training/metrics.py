@@ -17,7 +17,9 @@ came from are written once into the run's metrics header, so every MFU number ca
 **metrics.jsonl** holds one JSON object per line: a header ``{"event": "start", ...}`` each time
 the trainer starts (or resumes), one object per logged step (``step``, ``loss``, ``lr``,
 ``grad_norm``, ``tokens_per_s``, ``mfu``, ``loss_scale``, ``skipped_steps`` and each loss term),
-MoE runs add the expert load: ``moe_max_load`` / ``moe_min_load`` (busiest and idlest expert over
+the peak memory of the process so far (``memory_peak_bytes``: allocated tensors on CUDA, with
+``memory_reserved_peak_bytes`` beside it; resident memory on a CPU; ``memory_usage.py``); MoE runs
+add the expert load: ``moe_max_load`` / ``moe_min_load`` (busiest and idlest expert over
 the mean, over all MoE blocks) and ``moe_max_load_per_layer`` (max/mean per block); then
 ``{"step": N, "val_loss": ...}`` after each evaluation. On resume the lines past the resumed
 step are dropped, so the file always describes one consistent history. TensorBoard gets the
@@ -38,6 +40,8 @@ from pathlib import Path
 from typing import TextIO
 
 import torch
+
+from meshlm.training.memory_usage import format_bytes
 
 from meshlm.training.tracking import scalar_items
 
@@ -195,10 +199,12 @@ the mean margin), shown after it on the progress line when the record has them."
 
 
 def progress_text(record: dict, total_steps: int, eta_seconds: float) -> str:
-    """``step 12/100 | loss 4.123 | lr 2.9e-04 | 5.1k tok/s | MFU 41.2% | ETA 1m23s``."""
+    """``step 12/100 | loss 4.123 | lr 2.9e-04 | 5.1k tok/s | MFU 41.2% | mem 1.2 GiB | ETA 1m23s``
+    (``mem``: the process's peak so far, memory_usage.py; left out where it is not known)."""
     extras = [form.format(record[key]) for key, form in PROGRESS_EXTRAS if key in record]
+    memory = [f"mem {format_bytes(record['memory_peak_bytes'])}"] if "memory_peak_bytes" in record else []
     parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.3f}", *extras, f"lr {record['lr']:.1e}",
-             f"{format_count(record['tokens_per_s'])} tok/s", f"MFU {100 * record['mfu']:.1f}%",
+             f"{format_count(record['tokens_per_s'])} tok/s", f"MFU {100 * record['mfu']:.1f}%", *memory,
              f"ETA {format_duration(eta_seconds)}"]
     if record.get("skipped_steps"):
         parts.insert(3 + len(extras), f"skipped {record['skipped_steps']}")

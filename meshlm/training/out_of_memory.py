@@ -31,7 +31,8 @@ import re
 import torch
 
 from meshlm.checkpoint.folders import latest_checkpoint
-from meshlm.training.memory_estimate import MemoryEstimate, format_bytes, memory_remedies
+from meshlm.training.memory_estimate import MemoryEstimate, memory_remedies
+from meshlm.training.memory_usage import format_bytes
 
 EXIT_OUT_OF_MEMORY = 1
 """The exit status of ``meshlm train`` after a step ran out of memory."""

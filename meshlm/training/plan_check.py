@@ -28,32 +28,13 @@ metrics.jsonl, with each ratio measured / predicted.
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 import torch
 
+from meshlm.training.memory_usage import reset_peak_resident, resident_bytes
+
 WARMUP_STEPS = 2
 PREDICTED_KEYS = ("memory_bytes_per_gpu", "step_time_s")
-PROC_STATUS = Path("/proc/self/status")
-
-
-def resident_bytes(field: str) -> int | None:
-    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process from /proc/self/status; None off Linux."""
-    try:
-        for line in PROC_STATUS.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_resident() -> None:
-    """Start VmHWM afresh at the current resident size (Linux >= 4.0: ``echo 5 > clear_refs``)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 class PlanCheck:

@@ -99,6 +99,7 @@ from meshlm.training.data_loading import BatchPrefetcher, build_training_data, r
 from meshlm.training.distillation import Distillation
 from meshlm.training.distillation_pipeline import distilling_stages
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
+from meshlm.training.memory_usage import peak_memory
 from meshlm.training.out_of_memory import OutOfMemoryStop, is_out_of_memory, out_of_memory_message
 from meshlm.training.initial_weights import model_from_init_folder
 from meshlm.training.memory_estimate import (available_memory, estimate_training_memory, format_bytes,
@@ -592,6 +593,7 @@ class Trainer:
         record.update({name if name in LOGGED_AS_IS else f"loss_{name}": value  # accuracies, margins: as named
                        for name, value in result.losses.items()})
         record.update(expert_load_summary(result.tokens_per_expert))
+        record.update(peak_memory(self.device))  # this rank's: the most it has held so far
         return record
 
     def open_logs(self) -> None:

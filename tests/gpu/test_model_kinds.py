@@ -42,6 +42,7 @@ from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
+from meshlm.training.metrics import read_metrics
 from tests.gpu.support import (FIRST_STEP_TOLERANCE, HELPERS, LOSS_TOLERANCE, MODEL_KINDS, SIZE, losses_in_order,
                                on_device, relative_gaps)
 from tests.helpers.counting_corpus import write_corpus
@@ -86,6 +87,12 @@ def test_bf16_on_gpu_follows_fp32_on_cpu(kind, corpus, gpu_device, tmp_path):
         assert losses[-1] <= MIN_FALL * losses[0], (kind, losses)
     largest = max(bf16["params"].values(), key=lambda value: value.numel())
     assert largest.dtype == torch.bfloat16  # the weights really were bf16 (the state also holds fp32 buffers)
+    # metrics.jsonl's memory on the device: the allocator's peaks, allocated within reserved (memory_usage.py)
+    records = [record for record in read_metrics(tmp_path / "bf16 gpu" / "metrics.jsonl") if "loss" in record]
+    peaks = [record["memory_peak_bytes"] for record in records]
+    assert records and peaks == sorted(peaks) and peaks[0] > 0, peaks
+    if gpu_device.type == "cuda":
+        assert all(record["memory_peak_bytes"] <= record["memory_reserved_peak_bytes"] for record in records)
 
 
 # --- generation ----------------------------------------------------------------------------------------

@@ -67,6 +67,9 @@ def test_formatting():
     pairs = {**record, "reward_accuracy": 0.8125, "reward_margin": 0.4321, "skipped_steps": 1}
     assert progress_text(pairs, 100, 83) == ("step 12/100 | loss 4.123 | acc 0.81 | margin 0.432 | lr 2.9e-04 | "
                                              "skipped 1 | 5.1k tok/s | MFU 41.2% | ETA 1m23s")
+    with_memory = {**record, "memory_peak_bytes": 1.25 * 2 ** 30, "memory_reserved_peak_bytes": 2 ** 31}
+    assert progress_text(with_memory, 100, 83) == ("step 12/100 | loss 4.123 | lr 2.9e-04 | 5.1k tok/s | MFU 41.2% | "
+                                                   "mem 1.25 GiB | ETA 1m23s")
 
 
 class FakeTerminal(io.StringIO):

@@ -55,6 +55,8 @@ def test_loss_falls_and_outputs_are_written(make_config):
     assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
     assert all(STEP_KEYS <= set(r) for r in records)
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["loss_scale"] == 1.0 for r in records)
+    peaks = [r["memory_peak_bytes"] for r in records]  # the process's resident high-water mark: never falls
+    assert peaks == sorted(peaks) and peaks[0] > 64 * 2 ** 20  # a process with torch loaded holds far more
     validation = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
     assert [r["step"] for r in validation] == [0, 10, 20, 30] == sorted(result.val_losses)  # 0: the start
     assert validation[-1]["val_loss"] < validation[0]["val_loss"]
