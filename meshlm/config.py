@@ -94,6 +94,11 @@ class TrainConfig:
     """Profile steps A to B (``"A:B"``, 1-based, inclusive, within train.steps) with torch.profiler:
     each rank writes a Chrome trace to RUN_DIR/profile/rank{R}.json (open it in Perfetto or
     chrome://tracing) and rank 0 prints the top operators by self time. See meshlm/training/profiling.py."""
+    memory_snapshot: bool = False
+    """CUDA only: record the caching allocator's history (every allocation with its stack) and write
+    it to RUN_DIR/memory_snapshot/rank{R}_step1.pickle after the first step and rank{R}_oom.pickle
+    when a step runs out of memory; open them at https://pytorch.org/memory_viz. Costs a stack walk
+    per allocation. See meshlm/training/memory_snapshot.py."""
     compile: bool = False
     """Run each block under torch.compile (inductor; on CPU it needs a C++ compiler). Compiled after
     the model is parallelized, block by block, so parameter names and parallel hooks are unchanged.

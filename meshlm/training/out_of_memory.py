@@ -27,6 +27,7 @@ other ranks then fail their next collective and exit with status 3 (fault_tolera
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import torch
 
@@ -63,8 +64,9 @@ def failed_request(error: BaseException) -> str | None:
 
 
 def out_of_memory_message(error: BaseException, step: int, device: torch.device, estimate: MemoryEstimate,
-                          config, run_dir) -> str:
-    """The ``OutOfMemoryStop`` sentence for ``error``, raised while taking step ``step``."""
+                          config, run_dir, snapshot: Path | None = None) -> str:
+    """The ``OutOfMemoryStop`` sentence for ``error``, raised while taking step ``step``; ``snapshot``:
+    the allocator's history, written under train.memory_snapshot (memory_snapshot.py)."""
     request = failed_request(error)
     where = f"out of memory on {device} in step {step}"
     if request is not None:
@@ -75,8 +77,14 @@ def out_of_memory_message(error: BaseException, step: int, device: torch.device,
     checkpoint = latest_checkpoint(run_dir)
     resume = (f"{checkpoint} is intact, and rerunning with the changes resumes from it" if checkpoint is not None
               else f"no checkpoint had been saved in {run_dir} yet")
+    if snapshot is not None:
+        history = f" The allocator's history is in {snapshot}: open it at https://pytorch.org/memory_viz."
+    elif device.type == "cuda":
+        history = " train.memory_snapshot=true records what filled the GPU."
+    else:
+        history = ""
     return (f"{where}. The estimated peak of this process is {estimate.describe()}; {memory_remedies(config)}. "
-            f"`meshlm plan CONFIG.yaml --gpus N` predicts each layout's memory. {resume}.")
+            f"`meshlm plan CONFIG.yaml --gpus N` predicts each layout's memory. {resume}.{history}")
 
 
 __all__ = ["EXIT_OUT_OF_MEMORY", "OutOfMemoryStop", "failed_request", "is_out_of_memory", "out_of_memory_message"]

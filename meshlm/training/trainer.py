@@ -83,7 +83,7 @@ from meshlm.parallel.context.context_parallel import check_context_parallel_mode
 from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradients as finish_distributed_gradients
 from meshlm.parallel.data.low_communication import LowCommunicationSync, replica_context
 from meshlm.parallel.expert.expert_parallel import expert_parallel_names
-from meshlm.parallel.mesh import build_parallel_context
+from meshlm.parallel.mesh import build_parallel_context, world_from_environment
 from meshlm.parallel.tensor.sharding import partial_grad_names, tensor_parallel_names
 from meshlm.precision.device_defaults import configure_tf32, parse_device, resolve_precision
 from meshlm.precision.mixed_precision import MixedPrecision
@@ -99,6 +99,7 @@ from meshlm.training.data_loading import BatchPrefetcher, build_training_data, r
 from meshlm.training.distillation import Distillation
 from meshlm.training.distillation_pipeline import distilling_stages
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
+from meshlm.training.memory_snapshot import MemorySnapshots
 from meshlm.training.memory_usage import peak_memory
 from meshlm.training.out_of_memory import OutOfMemoryStop, is_out_of_memory, out_of_memory_message
 from meshlm.training.initial_weights import model_from_init_folder
@@ -196,6 +197,10 @@ class Trainer:
         self.tf32 = configure_tf32(self.device, config.precision.dtype, config.precision.tf32)  # CUDA only
         self.attention_kernels = prefer_attention_kernel(config.model.attention_kernel, self.device)  # CUDA only
         self.run_dir = Path(train.run_dir)
+        # before the model is built, so that its weights' allocations are recorded with their stacks
+        self.memory_snapshots = MemorySnapshots(train.memory_snapshot, self.device, self.run_dir,
+                                                rank=world_from_environment()[0])
+        self.memory_snapshots.start()
         if self.device.type == "cpu" and train.keep_freed_cpu_memory:
             keep_freed_memory()
         self.micro_batches_per_step = train.global_batch_size // train.micro_batch_size
@@ -678,6 +683,9 @@ class Trainer:
                 if self.plan_check is not None:
                     self.plan_check.add(seconds)
                 result.losses[self.state.step] = step_result.loss
+                if (snapshot := self.memory_snapshots.after_step(self.state.step)) is not None:
+                    self.progress.message(f"step {self.state.step}: the allocator's history is in {snapshot} "
+                                          "(open it at https://pytorch.org/memory_viz)")
                 self.after_step(step_result, result)
             self.checkpoints.wait()  # an asynchronous save still in flight
             self.phases.finish()  # train.power_floor ramps down
@@ -692,9 +700,11 @@ class Trainer:
         except (RuntimeError, torch.OutOfMemoryError) as error:  # torch's OutOfMemoryError is a RuntimeError
             if not is_out_of_memory(error):
                 raise
+            snapshot = self.memory_snapshots.on_out_of_memory()
             raise OutOfMemoryStop(out_of_memory_message(error, self.state.step + 1, self.device, self.memory,
-                                                        self.config, self.run_dir)) from error
+                                                        self.config, self.run_dir, snapshot)) from error
         finally:
+            self.memory_snapshots.stop()
             self.batches.close()
             self.phases.close()
             self.stop_requests.close()

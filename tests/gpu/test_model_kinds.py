@@ -32,6 +32,7 @@ greedy decoding.
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 
@@ -163,7 +164,9 @@ def test_mtp_speculative_decoding_equals_plain_greedy(gpu_device, exact_fp32_cud
 def test_a_step_out_of_device_memory_stops_with_what_to_change(corpus, gpu_device, tmp_path, monkeypatch):
     """The caching allocator's own OutOfMemoryError (a 1 PiB request at step 3, after step 2's
     checkpoint) becomes meshlm's one sentence: the request, this process's peak, the settings that
-    lower it, the checkpoint to resume from (meshlm/training/out_of_memory.py)."""
+    lower it, the checkpoint to resume from (meshlm/training/out_of_memory.py); with
+    train.memory_snapshot the allocator's history after step 1 and at the failure, in the files
+    https://pytorch.org/memory_viz reads (meshlm/training/memory_snapshot.py)."""
     from meshlm.training.out_of_memory import OutOfMemoryStop
     from meshlm.training.trainer import Trainer
 
@@ -175,13 +178,22 @@ def test_a_step_out_of_device_memory_stops_with_what_to_change(corpus, gpu_devic
         return take_step(trainer)
 
     monkeypatch.setattr(Trainer, "train_step", step_that_runs_out)
-    overrides = [*run_overrides("dense"), "train.save_every=2", *on_device(gpu_device, "bf16")]
+    cuda = gpu_device.type == "cuda"
+    overrides = [*run_overrides("dense"), "train.save_every=2", *on_device(gpu_device, "bf16"),
+                 *(["train.memory_snapshot=true"] if cuda else [])]  # the allocator's history: CUDA only
     with pytest.raises(OutOfMemoryStop) as stopped:
         HELPERS.train_once(corpus, tmp_path / "run", overrides)
     message = str(stopped.value)
     assert message.startswith(f"out of memory on {gpu_device} in step 3 (a request for "), message
-    if gpu_device.type == "cuda":
+    assert "train.recompute=full (now none)" in message and "step_2 is intact" in message, message
+    if cuda:
         assert isinstance(stopped.value.__cause__, torch.OutOfMemoryError)
         # c10's format_size: "1048576.00 GiB"
         assert re.search(r"a request for [\d.]+ [KMG]iB failed; this process had allocated at most ", message), message
-    assert "train.recompute=full (now none)" in message and "step_2 is intact" in message, message
+        snapshots = tmp_path / "run" / "memory_snapshot"
+        assert sorted(path.name for path in snapshots.iterdir()) == ["rank0_oom.pickle", "rank0_step1.pickle"]
+        assert message.endswith(f"The allocator's history is in {snapshots / 'rank0_oom.pickle'}: open it at "
+                                "https://pytorch.org/memory_viz."), message
+        for path in snapshots.iterdir():  # what memory_viz reads: the segments and each device's events
+            history = pickle.loads(path.read_bytes())
+            assert history["segments"] and history["device_traces"][gpu_device.index or 0], path
