@@ -11,8 +11,8 @@ estimate warns of that before the first step (memory_estimate.py).
 
 The trainer turns either error into ``OutOfMemoryStop``, whose message holds:
 
-- where: the device, the step being taken, the size of the failed request and, on CUDA, the
-  peak this process had allocated;
+- where: the device, the step being taken (or the validation or checkpoint after it), the size
+  of the failed request and, on CUDA, the peak this process had allocated;
 - the trainer's estimate of its peak (weights, gradients, optimizer state, activations), so a
   user sees which part to shrink;
 - the settings that shrink each part (``memory_remedies``, shared with the estimate's warning) and
@@ -63,12 +63,13 @@ def failed_request(error: BaseException) -> str | None:
     return None
 
 
-def out_of_memory_message(error: BaseException, step: int, device: torch.device, estimate: MemoryEstimate,
+def out_of_memory_message(error: BaseException, doing: str, device: torch.device, estimate: MemoryEstimate,
                           config, run_dir, snapshot: Path | None = None) -> str:
-    """The ``OutOfMemoryStop`` sentence for ``error``, raised while taking step ``step``; ``snapshot``:
-    the allocator's history, written under train.memory_snapshot (memory_snapshot.py)."""
+    """The ``OutOfMemoryStop`` sentence for ``error``, raised ``doing`` ("in step 3", "after step 2,
+    in its validation, ..."); ``snapshot``: the allocator's history, under train.memory_snapshot
+    (memory_snapshot.py)."""
     request = failed_request(error)
-    where = f"out of memory on {device} in step {step}"
+    where = f"out of memory on {device} {doing}"
     if request is not None:
         where += f" (a request for {request} failed"
         if device.type == "cuda":

@@ -99,14 +99,14 @@ from meshlm.training.data_loading import BatchPrefetcher, build_training_data, r
 from meshlm.training.distillation import Distillation
 from meshlm.training.distillation_pipeline import distilling_stages
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
-from meshlm.training.memory_snapshot import MemorySnapshots
-from meshlm.training.memory_usage import peak_memory
-from meshlm.training.out_of_memory import OutOfMemoryStop, is_out_of_memory, out_of_memory_message
 from meshlm.training.initial_weights import model_from_init_folder
 from meshlm.training.memory_estimate import (available_memory, estimate_training_memory, format_bytes,
                                              memory_warning)
+from meshlm.training.memory_snapshot import MemorySnapshots
+from meshlm.training.memory_usage import peak_memory
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary, format_count,
                                      peak_flops)
+from meshlm.training.out_of_memory import OutOfMemoryStop, is_out_of_memory, out_of_memory_message
 from meshlm.training.phase_timeline import power_recording
 from meshlm.training.plan_check import PlanCheck, describe as describe_plan_check
 from meshlm.training.plots import plot_losses
@@ -666,6 +666,7 @@ class Trainer:
                 compile_blocks(self.model, self.device, self.progress.message)
             self.compile_pending = False
         self.stop_requests.listen()  # SIGTERM and SIGINT now stop the run after the current step
+        doing = "in the validation before the first step"  # for an out-of-memory stop: what ran out
         try:
             self.phases.start({"step": self.state.step, "device": str(self.device), "world_size":
                                self.context.world_size, "power_floor": train.power_floor,
@@ -676,8 +677,10 @@ class Trainer:
                     result.val_losses[0] = val_loss
             while self.state.step < train.steps and result.stopped_by is None:
                 started = time.perf_counter()
+                doing = f"in step {self.state.step + 1}"
                 with self.phases.interval(step=self.state.step + 1), self.profiler.step(self.state.step + 1):
                     step_result = self.train_step()
+                doing = f"after step {self.state.step}, in its validation, checkpoint or logging"
                 seconds = time.perf_counter() - started
                 self.throughput.add(train.global_batch_size * self.rows_per_sample * train.seq_len, seconds)
                 if self.plan_check is not None:
@@ -697,12 +700,12 @@ class Trainer:
                 if plot is None:
                     self.progress.message(f"{self.command}: matplotlib is not installed, so no loss.png was drawn "
                                           "(pip install matplotlib).")
-        except (RuntimeError, torch.OutOfMemoryError) as error:  # torch's OutOfMemoryError is a RuntimeError
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(error):
                 raise
             snapshot = self.memory_snapshots.on_out_of_memory()
-            raise OutOfMemoryStop(out_of_memory_message(error, self.state.step + 1, self.device, self.memory,
-                                                        self.config, self.run_dir, snapshot)) from error
+            raise OutOfMemoryStop(out_of_memory_message(error, doing, self.device, self.memory, self.config,
+                                                        self.run_dir, snapshot)) from error
         finally:
             self.memory_snapshots.stop()
             self.batches.close()

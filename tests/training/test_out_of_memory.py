@@ -85,3 +85,22 @@ def test_out_of_memory_before_any_checkpoint_says_so(make_config, monkeypatch):
     assert isinstance(stopped.value.__cause__, torch.OutOfMemoryError)
     assert str(stopped.value).startswith("out of memory on cpu in step 1 (a request for 2.00 GiB failed). ")
     assert str(stopped.value).endswith(f"no checkpoint had been saved in {config.train.run_dir} yet.")
+
+
+def test_out_of_memory_in_the_validation_after_a_step_says_so(make_config, monkeypatch):
+    """The validation after step 2 runs out (the CPU allocator's real refusal): the sentence says
+    where, rather than naming step 3, which never began."""
+    from meshlm.training.out_of_memory import OutOfMemoryStop
+
+    config = make_config("train.steps=4", "train.eval_every=2", "train.save_every=0")
+    evaluate = Trainer.maybe_evaluate
+
+    def evaluation_that_runs_out(trainer, *args, **kwargs):
+        if trainer.state.step == 2:
+            torch.empty(IMPOSSIBLE_BYTES, dtype=torch.uint8)
+        return evaluate(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "maybe_evaluate", evaluation_that_runs_out)
+    with pytest.raises(OutOfMemoryStop, match=r"^out of memory on cpu after step 2, in its validation, "
+                                              r"checkpoint or logging \(a request for 1.02e\+03 TiB failed\)\. "):
+        Trainer(config).run()
