@@ -50,8 +50,10 @@ def load_rl_config(config_path, overrides: list[str]):
 def run(args) -> int:
     from meshlm.config import parse_override
     from meshlm.rl.loop import evaluate_only, run_rl
-    from meshlm.training.cli import config_and_overrides, leave_process_group, report_nonfinite_stop
+    from meshlm.training.cli import (config_and_overrides, leave_process_group, report_nonfinite_stop,
+                                     report_out_of_memory)
     from meshlm.training.fault_tolerance import CollectiveFailure, NonFiniteTrainingStop, exit_after_collective_failure
+    from meshlm.training.out_of_memory import OutOfMemoryStop
 
     config_path, overrides = config_and_overrides(args)
     if config_path is None and not overrides:
@@ -75,6 +77,8 @@ def run(args) -> int:
         exit_after_collective_failure(failure)
     except NonFiniteTrainingStop as stop:
         return report_nonfinite_stop("meshlm rl", stop)
+    except OutOfMemoryStop as stop:  # the trainer's (meshlm/training/out_of_memory.py)
+        return report_out_of_memory("meshlm rl", stop)
     finally:
         leave_process_group()
     if not logging_rank or result.stopped_by is not None:

@@ -75,7 +75,7 @@ def run(args, plan=None) -> int:
     except NonFiniteTrainingStop as stop:
         return report_nonfinite_stop("meshlm train", stop)
     except OutOfMemoryStop as stop:
-        return report_out_of_memory(stop)
+        return report_out_of_memory("meshlm train", stop)
     finally:
         leave_process_group()
     if int(os.environ.get("RANK", "0")) != 0 or result.stopped_by is not None:
@@ -92,16 +92,16 @@ def run(args, plan=None) -> int:
     return 0
 
 
-def report_out_of_memory(stop: Exception) -> int:
+def report_out_of_memory(command: str, stop: Exception) -> int:
     """Print why (the rank that ran out, which need not be rank 0, says it) and return the exit
     status ``EXIT_OUT_OF_MEMORY``; under torchrun leave at once with it (``os._exit``), as after a
     peer's failure: the other ranks wait in a collective this one will never join, which a
-    process-group teardown could wait on."""
+    process-group teardown could wait on. Shared by ``meshlm train`` and ``meshlm rl``."""
     from meshlm.training.out_of_memory import EXIT_OUT_OF_MEMORY
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = f"rank {os.environ.get('RANK', '0')}: " if world_size > 1 else ""
-    print(f"meshlm train: error: {rank}{stop}", file=sys.stderr)
+    print(f"{command}: error: {rank}{stop}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     if world_size > 1:

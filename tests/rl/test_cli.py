@@ -104,3 +104,23 @@ def test_pass_at_k_reports_sampled_figures_that_hand_counting_reproduces(policy_
 def test_pass_at_needs_eval_only(policy_folder, tmp_path, capsys):
     assert main(["rl", *rl_overrides(policy_folder, tmp_path / "run"), "--pass-at", "4"]) == 2
     assert "--pass-at 4: give a number of samples >= 1, together with --eval-only." in capsys.readouterr().err
+
+
+def test_a_step_out_of_memory_exits_1_with_the_trainers_sentence(policy_folder, tmp_path, capsys, monkeypatch):
+    """GRPO's step 2 asks the CPU allocator for 1 PiB (its real refusal): `meshlm rl` says what
+    ran out and what to change in one line, as `meshlm train` does (meshlm/training/out_of_memory.py)."""
+    take_step = GRPOTrainer.train_step
+
+    def step_that_runs_out(trainer):
+        if trainer.state.step == 1:
+            torch.empty(2 ** 50, dtype=torch.uint8)
+        return take_step(trainer)
+
+    monkeypatch.setattr(GRPOTrainer, "train_step", step_that_runs_out)
+    overrides = rl_overrides(policy_folder, tmp_path / "run", "train.steps=3", "train.save_every=0")
+    assert main(["rl", *overrides]) == 1
+    captured = capsys.readouterr()
+    last = captured.err.splitlines()[-1]
+    assert last.startswith("meshlm rl: error: out of memory on cpu in step 2 (a request for 1.02e+03 TiB failed). "
+                           "The estimated peak of this process is "), last
+    assert "Traceback" not in captured.err and "meshlm rl: done" not in captured.out
