@@ -46,6 +46,7 @@ from meshlm.models.language_model import LanguageModel
 from meshlm.training.metrics import read_metrics
 from tests.gpu.support import (FIRST_STEP_TOLERANCE, HELPERS, LOSS_TOLERANCE, MODEL_KINDS, SIZE, losses_in_order,
                                on_device, relative_gaps)
+from tests.helpers.allocation_failure import cpu_allocator_refusal
 from tests.helpers.counting_corpus import write_corpus
 from tests.helpers.distributed import import_test_file
 
@@ -174,7 +175,9 @@ def test_a_step_out_of_device_memory_stops_with_what_to_change(corpus, gpu_devic
 
     def step_that_runs_out(trainer):
         if trainer.state.step == 2:
-            torch.empty(2 ** 50, dtype=torch.uint8, device=gpu_device)
+            if gpu_device.type != "cuda":  # a dry run: the CPU allocator's message (tests/helpers/allocation_failure.py)
+                raise RuntimeError(cpu_allocator_refusal())
+            torch.empty(2 ** 50, dtype=torch.uint8, device=gpu_device)  # the caching allocator's own error
         return take_step(trainer)
 
     monkeypatch.setattr(Trainer, "train_step", step_that_runs_out)

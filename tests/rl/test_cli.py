@@ -22,6 +22,7 @@ from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.rl.loop import GRPOTrainer
 from meshlm.training.metrics import read_metrics
+from tests.helpers.allocation_failure import cpu_allocator_refusal
 from tests.helpers.distributed import run_distributed
 from tests.rl.conftest import MODEL, rl_overrides
 
@@ -107,13 +108,13 @@ def test_pass_at_needs_eval_only(policy_folder, tmp_path, capsys):
 
 
 def test_a_step_out_of_memory_exits_1_with_the_trainers_sentence(policy_folder, tmp_path, capsys, monkeypatch):
-    """GRPO's step 2 asks the CPU allocator for 1 PiB (its real refusal): `meshlm rl` says what
+    """GRPO's step 2 fails as the CPU allocator fails a request for 1 PiB: `meshlm rl` says what
     ran out and what to change in one line, as `meshlm train` does (meshlm/training/out_of_memory.py)."""
     take_step = GRPOTrainer.train_step
 
     def step_that_runs_out(trainer):
         if trainer.state.step == 1:
-            torch.empty(2 ** 50, dtype=torch.uint8)
+            raise RuntimeError(cpu_allocator_refusal())  # the allocator's message, made in a process of its own
         return take_step(trainer)
 
     monkeypatch.setattr(GRPOTrainer, "train_step", step_that_runs_out)

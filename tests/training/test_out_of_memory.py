@@ -10,16 +10,12 @@ import yaml
 from meshlm.cli import main
 from meshlm.training.out_of_memory import EXIT_OUT_OF_MEMORY, failed_request, is_out_of_memory
 from meshlm.training.trainer import Trainer
-
-IMPOSSIBLE_BYTES = 2 ** 50
-"""A CPU allocation no host backs (1 PiB): the allocator refuses it at once, whatever the overcommit policy."""
+from tests.helpers.allocation_failure import cpu_allocator_refusal
 
 
 def cpu_allocation_failure() -> RuntimeError:
-    """The CPU allocator's own error for a request it cannot back (not a hand-written one)."""
-    with pytest.raises(RuntimeError) as refused:
-        torch.empty(IMPOSSIBLE_BYTES, dtype=torch.uint8)
-    return refused.value
+    """The CPU allocator's own error for 1 PiB (not a hand-written one), made in a process of its own."""
+    return RuntimeError(cpu_allocator_refusal())
 
 
 CUDA_MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
@@ -38,15 +34,16 @@ def test_allocator_failures_are_told_from_other_errors():
 
 def test_a_step_out_of_memory_says_what_to_change_and_the_rerun_resumes(make_config, tmp_path, capsys,
                                                                          monkeypatch):
-    """Step 3 of 4 asks the CPU allocator for 1 PiB, after step 2's checkpoint: the command exits
-    with status 1 and one sentence; the same command without the failure resumes at step 2."""
+    """Step 3 of 4 fails as the CPU allocator fails a request for 1 PiB, after step 2's checkpoint:
+    the command exits with status 1 and one sentence; the same command without the failure resumes
+    at step 2."""
     config_file = tmp_path / "run.yaml"
     config_file.write_text(yaml.safe_dump(make_config("train.steps=4", "train.eval_every=0").to_dict()))
     take_step = Trainer.train_step
 
     def step_that_runs_out(trainer):
         if trainer.state.step == 2:
-            torch.empty(IMPOSSIBLE_BYTES, dtype=torch.uint8)
+            raise cpu_allocation_failure()
         return take_step(trainer)
 
     monkeypatch.setattr(Trainer, "train_step", step_that_runs_out)
@@ -88,7 +85,7 @@ def test_out_of_memory_before_any_checkpoint_says_so(make_config, monkeypatch):
 
 
 def test_out_of_memory_in_the_validation_after_a_step_says_so(make_config, monkeypatch):
-    """The validation after step 2 runs out (the CPU allocator's real refusal): the sentence says
+    """The validation after step 2 runs out (the CPU allocator's refusal): the sentence says
     where, rather than naming step 3, which never began."""
     from meshlm.training.out_of_memory import OutOfMemoryStop
 
@@ -97,7 +94,7 @@ def test_out_of_memory_in_the_validation_after_a_step_says_so(make_config, monke
 
     def evaluation_that_runs_out(trainer, *args, **kwargs):
         if trainer.state.step == 2:
-            torch.empty(IMPOSSIBLE_BYTES, dtype=torch.uint8)
+            raise cpu_allocation_failure()
         return evaluate(trainer, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "maybe_evaluate", evaluation_that_runs_out)
