@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CKPT",
                         help="model directory, training checkpoint, or run directory (latest step_N is used)")
     # Text prompts (--prompt, --prompt-file: one list, in the order given) or token ids, not both;
-    # checked in ``chosen_prompts``, as argparse's groups cannot say "one or more of these two".
+    # checked in ``check_prompts``, as argparse's groups cannot say "one or more of these two".
     parser.add_argument("--prompt", action="append", metavar="TEXT", help="a text prompt (repeatable)")
     parser.add_argument("--prompt-file", action="append", type=PromptFile, metavar="FILE", dest="prompt",
                         help="a text prompt read whole from a UTF-8 file, newlines kept; - reads standard input "

@@ -333,8 +333,9 @@ def build_parallel_context(parallel, model, device: torch.device, seq_len: int |
         return ParallelContext(vp_size=parallel.vp, sequence_parallel=parallel.sp,
                                moe_dispatcher=parallel.moe_dispatcher, device=device)
     if not dist.is_initialized():
-        check_backend_available(choose_backend(parallel, device), device)
-        join_process_group(choose_backend(parallel, device), parallel.timeout_s)
+        backend = choose_backend(parallel, device)
+        check_backend_available(backend, device)
+        join_process_group(backend, parallel.timeout_s)
     from torch.distributed.device_mesh import init_device_mesh
 
     tp, pp, cp, ep, etp = parallel.tp, parallel.pp, parallel.cp, parallel.ep, resolve_etp(parallel)

@@ -19,9 +19,10 @@ a peer process died or hung exits with status 3 and names the collective and its
 ``torchrun --max-restarts N`` the job then restarts from the newest complete checkpoint. Too many
 non-finite steps in a row with train.on_nonfinite=stop exit with status 1
 (see meshlm/training/fault_tolerance.py); so does a step that runs out of memory, after one
-sentence with the numbers and the settings that lower them (meshlm/training/out_of_memory.py). SIGTERM, SIGINT (Ctrl-C) or train.time_limit_minutes
-save a checkpoint at the end of the current step and exit with status 0, after one line saying
-where to resume (see meshlm/training/stop_requests.py).
+sentence with the numbers and the settings that lower them (meshlm/training/out_of_memory.py).
+SIGTERM, SIGINT (Ctrl-C) or train.time_limit_minutes save a checkpoint at the end of the current
+step and exit with status 0, after one line saying where to resume (see
+meshlm/training/stop_requests.py).
 """
 
 from __future__ import annotations

@@ -404,5 +404,5 @@ def memory_remedies(config) -> str:
             "and gradients)")
 
 
-__all__ = ["MemoryEstimate", "activation_bytes", "activation_items", "available_memory", "estimate_training_memory", "format_bytes",
+__all__ = ["MemoryEstimate", "activation_bytes", "activation_items", "available_memory", "estimate_training_memory",
            "memory_remedies", "memory_warning", "parameter_counts", "parameter_state_bytes"]

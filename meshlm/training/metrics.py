@@ -42,7 +42,6 @@ from typing import TextIO
 import torch
 
 from meshlm.training.memory_usage import format_bytes
-
 from meshlm.training.tracking import scalar_items
 
 METRICS_FILE = "metrics.jsonl"

@@ -100,10 +100,9 @@ from meshlm.training.distillation import Distillation
 from meshlm.training.distillation_pipeline import distilling_stages
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
 from meshlm.training.initial_weights import model_from_init_folder
-from meshlm.training.memory_estimate import (available_memory, estimate_training_memory, format_bytes,
-                                             memory_warning)
+from meshlm.training.memory_estimate import available_memory, estimate_training_memory, memory_warning
 from meshlm.training.memory_snapshot import MemorySnapshots
-from meshlm.training.memory_usage import peak_memory
+from meshlm.training.memory_usage import format_bytes, peak_memory
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary, format_count,
                                      peak_flops)
 from meshlm.training.out_of_memory import OutOfMemoryStop, is_out_of_memory, out_of_memory_message
