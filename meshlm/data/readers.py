@@ -6,6 +6,8 @@ tokenizer trainer and the preprocessor pull documents through it. What a *docume
 
 - ``.jsonl``: one JSON object per line; the document is the string under ``text_key``
   (``"text"`` by default). Blank lines are skipped.
+- ``.json``: JSON Lines as well (C4 ships ``.json.gz`` files of them), or one JSON array of
+  objects, which is read whole (``jsonl.py``).
 - ``.txt``: with ``txt_documents="paragraph"`` (the default, ``--txt-documents paragraph``)
   documents are separated by one or more blank lines (a paragraph, a poem, a function). We
   chose blocks as the default because a block can be streamed whatever the file's size. With
@@ -15,6 +17,12 @@ tokenizer trainer and the preprocessor pull documents through it. What a *docume
   alone are no document.
 - ``.parquet``: the string column ``text_key``, read in batches of rows with ``pyarrow``
   (an optional dependency: ``pip install pyarrow``).
+
+``.jsonl``, ``.json`` and ``.txt`` files may be compressed -- ``corpus.jsonl.zst``,
+``c4-train.00000-of-01024.json.gz``, ``notes.txt.xz`` -- and are decompressed as they are read
+(``compression.py``). A directory given as input is searched for all of these, except plain
+``.json`` files: configs, blends and tokenizers are ``.json`` files that often sit beside the
+data, so a plain ``.json`` file is read only when named.
 
 Errors name the file and the line (or row), and for a missing key the keys that do exist. A
 file that holds no document (empty, or blank lines only), or only empty ones, is refused by
@@ -26,14 +34,17 @@ progress bar can move while one large file is being read.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from meshlm.data.compression import COMPRESSIONS, compression_of, content_suffix, read_lines
+from meshlm.data.jsonl import json_records
 from meshlm.errors import DataError
 
-SUPPORTED_SUFFIXES = (".jsonl", ".txt", ".parquet")
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
+"""What an input file may hold; all but .parquet may also be compressed (COMPRESSIONS)."""
+SUPPORTED_TYPES = ".jsonl, .json, .txt or .parquet, the first three also compressed (.gz, .bz2, .xz, .zst)"
 TXT_DOCUMENT_MODES = ("paragraph", "file")
 """How a ``.txt`` file is cut into documents: at blank lines, or not at all (see above)."""
 PARQUET_BATCH_ROWS = 1024
@@ -41,21 +52,39 @@ PARQUET_BATCH_ROWS = 1024
 ByteCounter = Callable[[int], None]
 
 
+def is_supported(path: Path) -> bool:
+    """Whether ``path``'s name says it holds documents this module reads (module docstring)."""
+    suffix = content_suffix(path)
+    if compression_of(path):
+        return suffix in SUPPORTED_SUFFIXES and suffix != ".parquet"
+    return suffix in SUPPORTED_SUFFIXES
+
+
+def unsupported(path: Path) -> DataError:
+    if compression_of(path) and content_suffix(path) == ".parquet":
+        return DataError(f"{path}: a Parquet file compresses its own columns and cannot be read compressed again; "
+                         f"decompress it (`{COMPRESSIONS[compression_of(path)][1].split()[0]} -d`) first.")
+    named = "".join(path.suffixes[-2:]) if compression_of(path) else path.suffix or "(none)"
+    return DataError(f"{path}: unsupported input type {named!r}; use {SUPPORTED_TYPES}.")
+
+
 def expand_inputs(paths: Iterable[str | os.PathLike]) -> list[Path]:
     """The input files named by ``paths``: files as given, directories searched recursively
-    (sorted, so the order and hence the token store are reproducible)."""
+    (sorted, so the order and hence the token store are reproducible) for the supported types,
+    plain ``.json`` files left out (module docstring)."""
     files: list[Path] = []
     for path in map(Path, paths):
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUPPORTED_SUFFIXES)
+            found = sorted(p for p in path.rglob("*")
+                           if p.is_file() and is_supported(p) and p.suffix.lower() != ".json")
             if not found:
-                raise DataError(f"{path}: no {', '.join(SUPPORTED_SUFFIXES)} files in this directory.")
+                raise DataError(f"{path}: no input files in this directory (files of {SUPPORTED_TYPES}; "
+                                "a plain .json file is read only when named).")
             files.extend(found)
         elif not path.exists():
             raise DataError(f"{path}: no such input file or directory.")
-        elif path.suffix not in SUPPORTED_SUFFIXES:
-            raise DataError(f"{path}: unsupported input type {path.suffix!r}; "
-                            f"use one of {', '.join(SUPPORTED_SUFFIXES)}.")
+        elif not is_supported(path):
+            raise unsupported(path)
         else:
             files.append(path)
     if not files:
@@ -73,14 +102,15 @@ def read_documents(path: str | os.PathLike, text_key: str = "text", on_bytes: By
     path = Path(path)
     on_bytes = on_bytes or (lambda count: None)
     check_txt_documents(txt_documents)
-    if path.suffix == ".jsonl":
-        return _refuse_if_empty(path, _read_jsonl(path, text_key, on_bytes), f"under {text_key!r}")
-    if path.suffix == ".txt":
+    if not is_supported(path):
+        raise unsupported(path)
+    suffix = content_suffix(path)
+    if suffix in (".jsonl", ".json"):
+        return _refuse_if_empty(path, _read_json(path, text_key, on_bytes), f"under {text_key!r}")
+    if suffix == ".txt":
         read_txt = _read_txt_file if txt_documents == "file" else _read_txt_paragraphs
         return _refuse_if_empty(path, read_txt(path, on_bytes), "")
-    if path.suffix == ".parquet":
-        return _refuse_if_empty(path, _read_parquet(path, text_key, on_bytes), f"in column {text_key!r}")
-    raise DataError(f"{path}: unsupported input type {path.suffix!r}; use one of {', '.join(SUPPORTED_SUFFIXES)}.")
+    return _refuse_if_empty(path, _read_parquet(path, text_key, on_bytes), f"in column {text_key!r}")
 
 
 def check_txt_documents(txt_documents: str) -> None:
@@ -112,42 +142,22 @@ def _refuse_if_empty(path: Path, documents: Iterator[str], where: str) -> Iterat
                         "check --text-key, or leave the file out of --input.")
 
 
-def _open_lines(path: Path, on_bytes: ByteCounter) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw line) pairs; an I/O failure becomes a DataError naming the file."""
-    try:
-        with open(path, "rb") as handle:
-            for line_number, raw in enumerate(handle, start=1):
-                on_bytes(len(raw))
-                yield line_number, raw
-    except OSError as error:
-        raise DataError(f"{path}: cannot read this file ({error.strerror or error}); "
-                        "check that it exists and is readable.") from error
-
-
-def _read_jsonl(path: Path, text_key: str, on_bytes: ByteCounter) -> Iterator[str]:
-    for line_number, raw in _open_lines(path, on_bytes):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise DataError(f"{path}, line {line_number}: not valid JSON ({error}); "
-                            "each line of a .jsonl file must be one JSON object.") from error
+def _read_json(path: Path, text_key: str, on_bytes: ByteCounter) -> Iterator[str]:
+    for where, record in json_records(path, on_bytes, "each line of a .jsonl file must be one JSON object"):
         if not isinstance(record, dict):
-            raise DataError(f"{path}, line {line_number}: expected a JSON object with a {text_key!r} key, "
+            raise DataError(f"{where}: expected a JSON object with a {text_key!r} key, "
                             f"found a {type(record).__name__}.")
         if text_key not in record:
-            raise DataError(f"{path}, line {line_number}: no key {text_key!r} (keys here: "
+            raise DataError(f"{where}: no key {text_key!r} (keys here: "
                             f"{', '.join(map(repr, record)) or 'none'}); pass --text-key with the right one.")
         text = record[text_key]
         if not isinstance(text, str):
-            raise DataError(f"{path}, line {line_number}: {text_key!r} holds a {type(text).__name__}, "
-                            "not a string.")
+            raise DataError(f"{where}: {text_key!r} holds a {type(text).__name__}, not a string.")
         yield text
 
 
 def _text_lines(path: Path, on_bytes: ByteCounter) -> Iterator[str]:
-    for line_number, raw in _open_lines(path, on_bytes):
+    for line_number, raw in read_lines(path, on_bytes):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as error:

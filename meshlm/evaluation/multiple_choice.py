@@ -1,6 +1,7 @@
 """Multiple-choice tasks (HellaSwag, ARC, MMLU, ...) scored by log-likelihood.
 
-A task file is JSON lines, one question a line:
+A task file is JSON lines, one question a line (a ``.json`` file may hold one JSON array of them
+instead, and either may be compressed: ``meshlm/data/jsonl.py``):
 
     {"context": "The chef cracked the eggs", "choices": ["into a bowl.", "into the sky."], "answer": 0}
 
@@ -21,13 +22,13 @@ numbers on the same items.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from meshlm.data.jsonl import json_records
 from meshlm.errors import DataError
 from meshlm.evaluation.loading import EvaluationModel
 from meshlm.evaluation.scoring import TARGET_DELIMITER, encode_pair, prefix_token, score_continuations
@@ -65,21 +66,15 @@ def read_task(path: str | Path) -> list[Question]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such task file; pass a JSON-lines file with one {TASK_LINE_FORMAT} per line.")
-    questions = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if line.strip():
-                questions.append(parse_question(line, f"{path}:{line_number}"))
+    questions = [parse_question(record, where)
+                 for where, record in json_records(path, line_hint=f"each line is one {TASK_LINE_FORMAT}")]
     if not questions:
         raise DataError(f"{path}: holds no questions; write one {TASK_LINE_FORMAT} per line.")
     return questions
 
 
-def parse_question(line: str, where: str) -> Question:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise DataError(f"{where}: not valid JSON ({error.msg}); each line is one {TASK_LINE_FORMAT}.") from None
+def parse_question(record: object, where: str) -> Question:
+    """``record`` (one parsed line, found at ``where``) as a checked Question."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: a JSON {type(record).__name__}, not an object; each line is one {TASK_LINE_FORMAT}.")
     context = record.get("context", record.get("query"))

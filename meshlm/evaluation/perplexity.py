@@ -98,7 +98,7 @@ def open_sources(specs: list[str], tokenizer, text_key: str = "text", append_eos
             continue
         if not Path(spec).exists():
             raise DataError(f"{spec}: no such token store ({prefix}.bin + {prefix}.idx) or text file; pass a "
-                            "prefix written by `meshlm preprocess`, or a .txt/.jsonl/.parquet file.")
+                            "prefix written by `meshlm preprocess`, or a .txt/.jsonl/.json/.parquet file.")
         for path in expand_inputs([spec]):
             sources.append(text_source(path, tokenizer, text_key, append_eos, txt_documents))
     return sources

@@ -55,6 +55,25 @@ def test_output_is_identical_for_one_and_two_workers(tmp_path, tokenizer_path, w
     assert len(TokenStore(tmp_path / "w2")) == 93
 
 
+def test_a_compressed_corpus_gives_the_plain_corpus_store_byte_for_byte(tmp_path, tokenizer_path, write_jsonl,
+                                                                        numbered_texts, capsys):
+    import gzip
+    zstandard = pytest.importorskip("zstandard")
+    plain = write_jsonl(tmp_path / "a.jsonl", numbered_texts(50))
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z/a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
+    (tmp_path / "z/b.txt.gz").write_bytes(gzip.compress(b"one\n\ntwo\n"))
+    (tmp_path / "b.txt").write_text("one\n\ntwo\n")
+    preprocess([plain, tmp_path / "b.txt"], tokenizer_path, tmp_path / "plain", append_eos=True, show_progress=False)
+    result = preprocess([tmp_path / "z"], tokenizer_path, tmp_path / "packed", workers=2, append_eos=True)
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"plain{suffix}").read_bytes() == (tmp_path / f"packed{suffix}").read_bytes()
+    assert result.num_documents == 52
+    compressed_bytes = sum(path.stat().st_size for path in (tmp_path / "z").iterdir())
+    assert compressed_bytes < 1000  # so tqdm writes the count unscaled
+    assert f"{compressed_bytes}/{compressed_bytes} [" in capsys.readouterr().err  # the bar counts file bytes
+
+
 def test_batches_never_cross_files_and_number_documents(tmp_path, write_jsonl):
     inputs = [write_jsonl(tmp_path / "a.jsonl", ["1", "2", "3"]), write_jsonl(tmp_path / "b.jsonl", ["4"])]
     batches = list(document_batches(inputs, "text", lambda count: None, max_documents=2))

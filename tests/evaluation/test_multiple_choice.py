@@ -55,17 +55,30 @@ def test_query_and_gold_spellings_and_blank_lines(tmp_path):
     assert (second.context, second.answer) == ("a dog", 2)
 
 
+def test_a_gzipped_task_file_and_a_json_array_read_as_the_plain_file(tmp_path):
+    import gzip
+    questions = [{"context": "the cat", "choices": ["sat", "ran"], "answer": 1},
+                 {"context": "a dog", "choices": ["x", "y", "z"], "answer": 2}]
+    plain = tmp_path / "task.jsonl"
+    plain.write_text("".join(json.dumps(question) + "\n" for question in questions))
+    (tmp_path / "task.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    (tmp_path / "task.json").write_text(json.dumps(questions))
+    expected = read_task(plain)
+    assert [question.answer for question in expected] == [1, 2]
+    assert read_task(tmp_path / "task.jsonl.gz") == expected == read_task(tmp_path / "task.json")
+
+
 @pytest.mark.parametrize("lines, message", [
     (['{"context": "a", "choices": ["b", "c"], "answer": 0}', '{"context": "a", "choices": ["b", "c"], "answer": 0'],
-     r"bad.jsonl:2: not valid JSON \(.*\); each line is one \{\"context\""),
+     r"bad.jsonl, line 2: not valid JSON \(.*\); each line is one \{\"context\""),
     (['{"context": "a", "choices": ["b", "c"], "answer": 2}'],
-     r"bad.jsonl:1: answer index 2 is out of range for 2 choices \(valid: 0 to 1\)\."),
+     r"bad.jsonl, line 1: answer index 2 is out of range for 2 choices \(valid: 0 to 1\)\."),
     (['{"context": "a", "choices": ["b"], "answer": 0}'],
-     r"bad.jsonl:1: 'choices' must be a list of at least two non-empty strings"),
+     r"bad.jsonl, line 1: 'choices' must be a list of at least two non-empty strings"),
     (['{"prompt": "a", "choices": ["b", "c"], "answer": 0}'],
-     r"bad.jsonl:1: needs a string under 'context' \(or 'query'\); found keys \['answer', 'choices', 'prompt'\]"),
+     r"bad.jsonl, line 1: needs a string under 'context' \(or 'query'\); found keys \['answer', 'choices', 'prompt'\]"),
     (['{"context": "a", "choices": ["b", "c"], "answer": "b"}'],
-     r"bad.jsonl:1: 'answer' \(or 'gold'\) must be the index of the right choice, got 'b'"),
+     r"bad.jsonl, line 1: 'answer' \(or 'gold'\) must be the index of the right choice, got 'b'"),
     (['', '  '], r"bad.jsonl: holds no questions"),
 ])
 def test_task_file_mistakes_name_the_line(tmp_path, lines, message):
