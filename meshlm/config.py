@@ -424,7 +424,12 @@ class RLConfig:
 
     env: str = "arithmetic"
     """Where prompts come from: 'arithmetic' (built-in: seeded questions such as "What is 17 + 25?",
-    scored by the final number of the reply)."""
+    scored by the final number of the reply) or 'prompts' (the records of the file rl.prompts,
+    scored by their final answer or by train.reward_fn: meshlm/rl/prompt_file.py)."""
+    prompts: str | None = None
+    """rl.env=prompts: a JSON-lines file (or .json array, compressed or not) of {"prompt": "...",
+    "answer": ...} records; every field but the prompt goes to the reward function, and
+    rl.eval_prompts of them, drawn by train.seed, are held out for the accuracy."""
     group_size: int = 8
     """G: completions sampled per prompt; advantages are normalized within each group (>= 2)."""
     prompts_per_step: int = 4
@@ -471,6 +476,15 @@ def validate_rl(rl: RLConfig, train: TrainConfig) -> None:
     if not rl.kl_coeff >= 0:
         raise ConfigError(f"rl.kl_coeff={rl.kl_coeff} must be >= 0 (0: no KL penalty and no reference model).")
     check_choice("rl.loss_averaging", rl.loss_averaging, ("sequence", "token"))
+    if rl.env not in ("arithmetic", "prompts"):
+        raise ConfigError(f"rl.env={rl.env!r} is not a built-in environment (arithmetic, prompts); use "
+                          "rl.env=arithmetic, or rl.env=prompts with rl.prompts=FILE for prompts of your own.")
+    if rl.env == "prompts" and not rl.prompts:
+        raise ConfigError("rl.env=prompts reads its prompts from a file: set rl.prompts=FILE.jsonl "
+                          "(or pass meshlm rl --prompts FILE.jsonl).")
+    if rl.prompts and rl.env != "prompts":
+        raise ConfigError(f"rl.prompts={rl.prompts} is read only by rl.env=prompts, and rl.env={rl.env}; set "
+                          "rl.env=prompts to train on the file, or drop rl.prompts.")
     if not rl.operations or set(rl.operations) - set("+-*"):
         raise ConfigError(f"rl.operations={rl.operations!r} must be some of '+', '-', '*' (e.g. rl.operations='+-').")
     if train.reward_fn is not None and (train.reward_fn.count(":") != 1 or not all(train.reward_fn.split(":"))):

@@ -1,6 +1,7 @@
 """``meshlm rl``: GRPO on an environment's prompts, from an SFT'ed model.
 
     meshlm rl CONFIG.yaml train.init_from=runs/sft/checkpoints/step_200 [--env arithmetic]
+    meshlm rl CONFIG.yaml train.init_from=... --prompts math.jsonl  prompts of your own (prompt_file.py)
     meshlm rl CONFIG.yaml train.init_from=... --eval-only       held-out accuracy, as one JSON line
     meshlm rl CONFIG.yaml train.init_from=... --eval-only --pass-at 8
                                                   also the sampled pass@1 and pass@8 (RL's headroom)
@@ -28,7 +29,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("config", nargs="?", metavar="CONFIG.yaml", help="the run's YAML config")
     parser.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
                         help="override config values, e.g. rl.group_size=8 train.init_from=runs/sft")
-    parser.add_argument("--env", help="the prompt environment (sets rl.env): arithmetic")
+    parser.add_argument("--env", help="the prompt environment (sets rl.env): arithmetic, or prompts (with rl.prompts)")
+    parser.add_argument("--prompts", metavar="FILE.jsonl",
+                        help='train on the prompts of a file of {"prompt": ..., "answer": ...} records (sets '
+                             "rl.env=prompts and rl.prompts=FILE; rl.eval_prompts of them are held out)")
     parser.add_argument("--eval-only", action="store_true",
                         help="print the held-out accuracy of the run's newest checkpoint (else train.init_from) "
                              "as JSON and exit, training nothing")
@@ -61,6 +65,11 @@ def run(args) -> int:
                           "train.init_from=runs/sft --env arithmetic`.")
     if args.env is not None:
         overrides.append(f"rl.env={args.env}")
+    if args.prompts is not None:
+        if args.env not in (None, "prompts"):
+            raise ConfigError(f"--prompts {args.prompts} trains on a prompt file, which is rl.env=prompts, not --env "
+                              f"{args.env}; drop one of them.")
+        overrides += ["rl.env=prompts", f"rl.prompts={args.prompts}"]
     pass_at = args.pass_at
     if pass_at < 0 or (pass_at and not args.eval_only):
         raise ConfigError(f"--pass-at {pass_at}: give a number of samples >= 1, together with --eval-only.")

@@ -1,4 +1,5 @@
-"""Where RL prompts come from, and how a reply is judged: the built-in arithmetic environment.
+"""Where RL prompts come from, and how a reply is judged: the built-in arithmetic environment
+(and ``build_environment``, which also builds a prompt file's: ``prompt_file.py``).
 
 An environment hands out **records**: ``{"prompt": "What is 17 + 25?", "answer": 42}`` -- the
 prompt (a user turn, rendered with the model's chat template) and the fields a reward function
@@ -25,6 +26,7 @@ import re
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
+from meshlm.rl.prompt_file import PromptFileEnvironment
 
 INTEGER = re.compile(r"-?\d+")
 
@@ -90,15 +92,18 @@ class ArithmeticEnvironment:
         return final_number(completion) == int(record["answer"])
 
 
-ENVIRONMENTS = {"arithmetic": ArithmeticEnvironment}
+ENVIRONMENTS = {"arithmetic": ArithmeticEnvironment, "prompts": PromptFileEnvironment}
 """rl.env name -> environment class."""
 
 
-def build_environment(rl, seed: int) -> ArithmeticEnvironment:
-    """The environment ``rl.env`` names, seeded by the run's ``train.seed``."""
+def build_environment(rl, seed: int, needs_answers: bool = True) -> ArithmeticEnvironment | PromptFileEnvironment:
+    """The environment ``rl.env`` names, seeded by the run's ``train.seed``; ``needs_answers``: the
+    prompt file's records must carry answers (no train.reward_fn to judge them)."""
     if rl.env not in ENVIRONMENTS:
         raise ConfigError(f"rl.env={rl.env!r} is not a built-in environment ({', '.join(ENVIRONMENTS)}); "
-                          "use rl.env=arithmetic (or meshlm rl --env arithmetic).")
+                          "use rl.env=arithmetic, or rl.env=prompts with rl.prompts=FILE for prompts of your own.")
+    if rl.env == "prompts":
+        return PromptFileEnvironment(rl.prompts, seed, rl.eval_prompts, rl.prompts_per_step, needs_answers)
     return ArithmeticEnvironment(seed=seed, digits=rl.digits, operations=rl.operations, eval_prompts=rl.eval_prompts)
 
 

@@ -70,6 +70,8 @@ from meshlm.training.trainer import StepResult, Trainer, TrainResult
 HELD_OUT_SAMPLING_STEP = 2 ** 62
 """The 'step' that seeds the held-out prompts' sampled completions (``held_out_pass_at_k``): one no
 run reaches, so they never share a seed with a training group."""
+SOLVED_REWARD = 1.0
+"""A prompt-file record without an answer counts as solved (accuracy) when its reward reaches this."""
 HELD_OUT_SAMPLING_BATCH = 16
 """Held-out prompts whose samples share one ``generate`` call (and one generator) in ``held_out_pass_at_k``."""
 
@@ -103,6 +105,19 @@ def check_rl_layout(config) -> int:
         raise ConfigError(f"train.micro_batch_size={train.micro_batch_size} must divide the {rows} completions each "
                           f"rank trains on per step (rl.prompts_per_step / dp * rl.group_size).")
     return dp
+
+
+def check_prompt_lengths(environment, encode_prompt, config) -> None:
+    """A prompt file's longest prompt plus rl.max_new_tokens must fit train.seq_len: refused at start-up,
+    naming its line, rather than at the step that first draws it."""
+    if not hasattr(environment, "longest_prompt"):
+        return  # the arithmetic questions are a few tokens
+    tokens, where = environment.longest_prompt(encode_prompt)
+    needed, seq_len = tokens + config.rl.max_new_tokens, config.train.seq_len
+    if needed > seq_len:
+        raise ConfigError(f"rl.prompts: {where}: the prompt is {tokens} tokens with the chat template, and with "
+                          f"rl.max_new_tokens={config.rl.max_new_tokens} needs train.seq_len >= {needed} "
+                          f"(it is {seq_len}); raise train.seq_len, or shorten or drop that prompt.")
 
 
 def rl_run_config(config):
@@ -150,11 +165,12 @@ class GRPOTrainer(Trainer):
         config = rl_run_config(config)
         self.tokenizer_file = rl_tokenizer_file(config)
         self.tokenizer = load_tokenizer(self.tokenizer_file)
-        self.environment = build_environment(config.rl, config.train.seed)
         reward_fn = config.train.reward_fn
+        self.environment = build_environment(config.rl, config.train.seed, needs_answers=reward_fn is None)
         self.reward_name = f"train.reward_fn={reward_fn}" if reward_fn else f"the {config.rl.env} environment's reward"
         self.reward_function = load_reward_fn(reward_fn) if reward_fn else self.environment.reward
         self.stop_ids = chat_prompt(self.tokenizer, "?")[1]
+        check_prompt_lengths(self.environment, self.encode_prompt, config)
         self.reference_source = reference_source(config) if config.rl.kl_coeff > 0 else None
         if self.tokenizer.vocab_size > config.model.vocab_size:
             raise ConfigError(f"the tokenizer {self.tokenizer_file} has {self.tokenizer.vocab_size} ids but "
@@ -187,6 +203,14 @@ class GRPOTrainer(Trainer):
     def reward(self, record: dict, completion: str) -> float:
         return score(self.reward_function, self.reward_name, record, completion)
 
+    def is_correct(self, record: dict, completion: str, reward: float | None = None) -> bool:
+        """The environment's verdict; for a prompt-file record without an answer, a reward of at least
+        SOLVED_REWARD (``reward``, when already computed, is not recomputed)."""
+        verdict = self.environment.is_correct(record, completion)
+        if verdict is not None:
+            return bool(verdict)
+        return (self.reward(record, completion) if reward is None else reward) >= SOLVED_REWARD
+
     # --- one step -----------------------------------------------------------------------------------
     def collect_rollouts(self) -> Rollouts:
         """This DP rank's groups of the step, sampled and scored."""
@@ -197,8 +221,7 @@ class GRPOTrainer(Trainer):
                    for offset in range(per_rank)]
         rollouts = sample_groups(self.model, records, first, step, self.config.train.seed, self.encode_prompt, rl,
                                  self.stop_ids, self.valid_vocab_size, self.pad_token_id)
-        score_rollouts(rollouts, self.tokenizer, self.stop_ids, self.reward, self.environment.is_correct,
-                       rl.group_size)
+        score_rollouts(rollouts, self.tokenizer, self.stop_ids, self.reward, self.is_correct, rl.group_size)
         return rollouts
 
     def micro_batches(self, rollouts: Rollouts, advantages: torch.Tensor) -> list[dict]:
@@ -318,7 +341,7 @@ class GRPOTrainer(Trainer):
                                pad_token_id=self.pad_token_id, valid_vocab_size=self.valid_vocab_size)
             for record, ids in zip(chunk, replies):
                 text = self.tokenizer.decode([token for token in ids if token not in self.stop_ids])
-                correct += bool(self.environment.is_correct(record, text))
+                correct += self.is_correct(record, text)
         total_correct, = self.sum_over_dp([correct])
         compare_collectives(self.context, f"in the evaluation after step {self.state.step}")
         return int(total_correct), len(records)
@@ -344,9 +367,9 @@ class GRPOTrainer(Trainer):
                                       seed=group_seed(self.config.train.seed, HELD_OUT_SAMPLING_STEP, start))
             replies = generate(self.model, prompts, rl.max_new_tokens, sampling, eos_token_id=self.stop_ids,
                                pad_token_id=self.pad_token_id, valid_vocab_size=self.valid_vocab_size)
-            hits = torch.tensor([bool(self.environment.is_correct(chunk[row // samples],
-                                                                  self.tokenizer.decode(reply_ids(ids, self.stop_ids))))
-                                 for row, ids in enumerate(replies)]).view(len(chunk), samples)
+            texts = [self.tokenizer.decode(reply_ids(ids, self.stop_ids)) for ids in replies]
+            hits = torch.tensor([self.is_correct(chunk[row // samples], text)
+                                 for row, text in enumerate(texts)]).view(len(chunk), samples)
             correct, solved = correct + int(hits.sum()), solved + int(hits.any(dim=-1).sum())
         total_correct, total_solved = self.sum_over_dp([correct, solved])
         compare_collectives(self.context, f"in the sampled evaluation after step {self.state.step}")
@@ -395,4 +418,5 @@ def evaluate_only(config, samples: int = 0) -> dict:
     return report
 
 
-__all__ = ["HELD_OUT_SAMPLING_BATCH", "HELD_OUT_SAMPLING_STEP", "GRPOTrainer", "check_rl_layout", "evaluate_only", "rl_run_config", "run_rl"]
+__all__ = ["HELD_OUT_SAMPLING_BATCH", "HELD_OUT_SAMPLING_STEP", "SOLVED_REWARD", "GRPOTrainer", "check_prompt_lengths",
+           "check_rl_layout", "evaluate_only", "rl_run_config", "run_rl"]

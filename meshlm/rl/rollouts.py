@@ -72,14 +72,15 @@ def sample_groups(model, records: list[dict], first_index: int, step: int, seed:
 
 
 def score_rollouts(rollouts: Rollouts, tokenizer, stop_ids: list[int], reward, is_correct, group_size: int) -> None:
-    """Fill in ``completions``, ``rewards`` and ``correct``; ``reward(record, text) -> float``."""
+    """Fill in ``completions``, ``rewards`` and ``correct``; ``reward(record, text) -> float`` and
+    ``is_correct(record, text, reward) -> bool`` (given the reward, so it is computed once)."""
     rewards, correct = [], []
     for row, ids in enumerate(rollouts.completion_ids):
         record = rollouts.records[row // group_size]
         text = tokenizer.decode(reply_ids(ids, stop_ids))
         rollouts.completions.append(text)
         rewards.append(reward(record, text))
-        correct.append(bool(is_correct(record, text)))
+        correct.append(bool(is_correct(record, text, rewards[-1])))
     rollouts.rewards = torch.tensor(rewards, dtype=torch.float32).view(-1, group_size)
     rollouts.correct = torch.tensor(correct).view(-1, group_size)
 

@@ -152,3 +152,57 @@ def test_the_memory_estimate_counts_the_kl_reference(make_rl_config):
     with_reference, without = GRPOTrainer(make_rl_config()), GRPOTrainer(make_rl_config("rl.kl_coeff=0"))
     reference_bytes = sum(param.numel() * param.element_size() for param in with_reference.reference.parameters())
     assert with_reference.memory.frozen == reference_bytes and without.memory.frozen == 0
+
+
+def write_questions(path: Path, count: int, answers: bool = True) -> Path:
+    lines = [{"prompt": f"What is {index} + 1?", **({"answer": index + 1} if answers else {"n": index})}
+             for index in range(count)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_rl_on_a_prompt_file_trains_on_its_records_and_holds_some_out(policy_folder, tmp_path, capsys):
+    prompts = write_questions(tmp_path / "questions.jsonl", 30)
+    overrides = rl_overrides(policy_folder, tmp_path / "run", "train.eval_every=2")
+    assert main(["rl", *overrides, "--prompts", str(prompts)]) == 0
+    assert "meshlm rl: done: step 2/2, held-out accuracy" in capsys.readouterr().out
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    evaluations = [r for r in records if "eval_accuracy" in r]
+    assert [r["step"] for r in evaluations] == [0, 2] and all(r["eval_prompts"] == 8 for r in evaluations)
+    assert [r["step"] for r in records if "reward_mean" in r] == [1, 2]
+    trainer = GRPOTrainer(load_run_config(None, [*overrides, "rl.env=prompts", f"rl.prompts={prompts}",
+                                                 "train.run_dir=" + str(tmp_path / "other")]))
+    file_prompts = {json.loads(line)["prompt"] for line in prompts.read_text().splitlines()}
+    rollouts = trainer.collect_rollouts()
+    assert [record["prompt"] for record in rollouts.records] == [trainer.environment.train_record(i)["prompt"]
+                                                                 for i in range(2)]
+    assert {record["prompt"] for record in rollouts.records} <= file_prompts
+    held_out = {record["prompt"] for record in trainer.environment.held_out}
+    assert len(held_out) == 8 and held_out <= file_prompts and not held_out & {r["prompt"] for r in rollouts.records}
+    assert rollouts.rewards.shape == (2, 4) and set(rollouts.rewards.flatten().tolist()) <= {0.0, 1.0}
+
+
+def test_without_answers_a_reward_of_one_counts_as_solved(policy_folder, tmp_path, make_rl_config):
+    prompts = write_questions(tmp_path / "open.jsonl", 20, answers=False)
+    with pytest.raises(ConfigError, match=r"open\.jsonl, line 1: no 'answer'; without train.reward_fn"):
+        GRPOTrainer(make_rl_config("rl.env=prompts", f"rl.prompts={prompts}"))
+    trainer = GRPOTrainer(make_rl_config("rl.env=prompts", f"rl.prompts={prompts}", SEVENS))
+    record = trainer.environment.held_out[0]
+    assert trainer.is_correct(record, "7777") and not trainer.is_correct(record, "7717")
+    assert trainer.is_correct(record, "1", reward=1.0)  # a reward already computed is not recomputed
+
+
+def test_a_prompt_too_long_for_the_window_is_refused_at_start_up_by_its_line(policy_folder, tmp_path, make_rl_config):
+    prompts = write_questions(tmp_path / "q.jsonl", 20)
+    with prompts.open("a") as handle:
+        handle.write(json.dumps({"prompt": "What is " + "1 + " * 20 + "1?", "answer": 21}) + "\n")
+    with pytest.raises(ConfigError, match=r"q\.jsonl, line 21: the prompt is \d+ tokens with the chat template, and "
+                                          r"with rl.max_new_tokens=6 needs train.seq_len >= \d+ \(it is 64\)"):
+        GRPOTrainer(make_rl_config("rl.env=prompts", f"rl.prompts={prompts}"))
+
+
+def test_prompts_and_another_env_on_the_command_line_are_refused(policy_folder, tmp_path, capsys):
+    overrides = rl_overrides(policy_folder, tmp_path / "run")
+    assert main(["rl", *overrides, "--env", "arithmetic", "--prompts", "q.jsonl"]) == 2
+    assert "--prompts q.jsonl trains on a prompt file, which is rl.env=prompts, not --env arithmetic" in \
+        capsys.readouterr().err
