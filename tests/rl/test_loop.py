@@ -79,15 +79,19 @@ def dp_runs(policy: str, root: str, runs: list[tuple[str, list[str]]]) -> dict:
 
 
 def test_data_parallel_equals_one_process(policy_folder, tmp_path):
-    """dp=2 (plain, ZeRO-1, and with token averaging) on gloo: each rank samples 2 of the 4 prompts'
-    groups; fp32, the same losses, rewards, KL, clip fractions and weights as one process sampling all 4."""
+    """dp=2 (plain, ZeRO-1, with token averaging, and on a prompt file) on gloo: each rank samples 2
+    of the 4 prompts' groups; fp32, the same losses, rewards, KL, clip fractions and weights as one
+    process sampling all 4."""
     token = [*RUN, "rl.loss_averaging=token"]  # DAPO's mean: the token count is the step's, over both ranks
+    prompts = [*RUN, "rl.env=prompts", f"rl.prompts={write_questions(tmp_path / 'questions.jsonl', 30)}"]
     single = {"dp2": run_once(str(policy_folder), str(tmp_path / "single"), RUN),
-              "token": run_once(str(policy_folder), str(tmp_path / "single_token"), token)}
+              "token": run_once(str(policy_folder), str(tmp_path / "single_token"), token),
+              "prompts": run_once(str(policy_folder), str(tmp_path / "single_prompts"), prompts)}
     single["zero1"] = single["dp2"]
-    runs = [("dp2", RUN), ("zero1", [*RUN, "parallel.zero_stage=1"]), ("token", token)]
+    runs = [("dp2", RUN), ("zero1", [*RUN, "parallel.zero_stage=1"]), ("token", token), ("prompts", prompts)]
     results = run_distributed(dp_runs, 2, str(policy_folder), str(tmp_path), runs, timeout_s=300)
     assert single["token"]["losses"] != single["dp2"]["losses"]
+    assert single["prompts"]["losses"] != single["dp2"]["losses"]  # other prompts, other rollouts
     for name, _ in runs:
         assert_same_run(single[name], results[0][name], 1e-5)
         for rank in (0, 1):  # every rank ends with the same weights
