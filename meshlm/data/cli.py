@@ -2,6 +2,8 @@
 
     meshlm data demo [--out data/demo] [--vocab-size 4096]   build the Shakespeare + Python corpus
     meshlm data inspect PREFIX                                describe a token store
+    meshlm data show CONFIG.yaml [overrides] [--step S]      the samples a run trains on, as text
+                                                              (meshlm/training/sample_view.py)
 """
 
 from __future__ import annotations
@@ -23,9 +25,25 @@ def add_arguments(parser) -> None:
     demo.add_argument("--workers", type=int, default=1, help="tokenizer processes for preprocessing")
     inspect = actions.add_parser("inspect", help="print the header of a token store")
     inspect.add_argument("prefix", help="token store prefix (PREFIX.bin + PREFIX.idx)")
+    show = actions.add_parser("show", help="print the samples a run trains on as text, marking what the loss counts",
+                              description="Print samples of a run's data exactly as the trainer builds them: "
+                                          "where each comes from, its text, and (dimmed, or between « ») the "
+                                          "tokens the loss does not count.")
+    show.add_argument("config", nargs="?", metavar="CONFIG.yaml", help="the run's YAML config")
+    show.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="override config values")
+    where = show.add_mutually_exclusive_group()
+    where.add_argument("--step", type=int, default=0, help="show the samples of this step (default 0)")
+    where.add_argument("--sample", type=int, help="start at this sample index of the split's global order")
+    show.add_argument("--count", type=int, default=2, help="how many samples (default 2)")
+    show.add_argument("--split", choices=("train", "valid"), default="train", help="which split (default train)")
+    show.add_argument("--json", action="store_true", help="one JSON object per sample: token ids and flags")
+    show.add_argument("--no-color", action="store_true",
+                      help="mark uncounted tokens with « » even on a terminal (the default off a terminal)")
 
 
 def run(args) -> int:
+    if args.data_action == "show":
+        return show_samples(args)
     if args.data_action == "inspect":
         store = TokenStore(args.prefix)
         lengths = store.document_lengths
@@ -43,4 +61,30 @@ def run(args) -> int:
     for step in result.steps_run:
         print(f"built {step}")
     print(f"demo corpus ready in {result.directory}; blend: {result.directory / 'blend.json'}")
+    return 0
+
+
+def show_samples(args) -> int:
+    """``meshlm data show``: the run config's samples, printed (meshlm/training/sample_view.py)."""
+    import sys
+
+    from meshlm.config import load_run_config
+    from meshlm.errors import ConfigError
+    from meshlm.training.cli import config_and_overrides
+    from meshlm.training.sample_view import print_samples, view_samples
+
+    if args.count < 1:
+        raise ConfigError(f"--count {args.count} must be at least 1.")
+    for name in ("step", "sample"):
+        if (getattr(args, name) or 0) < 0:
+            raise ConfigError(f"--{name} {getattr(args, name)} must be >= 0.")
+    config_path, overrides = config_and_overrides(args)
+    if config_path is None and not overrides:
+        raise ConfigError("give the run's config, e.g. `meshlm data show configs/tiny.yaml --step 10`.")
+    config = load_run_config(config_path, overrides)
+    batch = config.train.global_batch_size
+    first = args.sample if args.sample is not None else args.step * batch if args.split == "train" else 0
+    samples, tokenizer = view_samples(config, args.split, first, args.count)
+    color = not args.no_color and not args.json and sys.stdout.isatty()
+    print_samples(samples, tokenizer, batch, args.split, color, args.json)
     return 0
