@@ -126,7 +126,8 @@ def view_samples(config, split: str, first: int, count: int) -> tuple[list[Sampl
 
 def render_row(row: RowView, tokenizer, color: bool) -> str:
     """The row as text: uncounted runs dimmed (``color``) or between « », document starts marked."""
-    decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
+    decode = ((lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer is not None
+              else (lambda ids: " ".join(map(str, ids))))  # special tokens shown: an EOS between documents counts
     pieces, start = [], 0
     boundaries = sorted({0, len(row.tokens), *row.document_starts,
                          *(p for p in range(1, len(row.tokens)) if row.counted[p] != row.counted[p - 1])})
@@ -159,7 +160,7 @@ def print_samples(samples: list[SampleView], tokenizer, global_batch_size: int, 
             for row in record["rows"]:
                 row["document_starts"] = {str(key): value for key, value in row["document_starts"].items()}
                 if tokenizer is not None:
-                    row["text"] = tokenizer.decode(row["tokens"])
+                    row["text"] = tokenizer.decode(row["tokens"], skip_special_tokens=False)
             print(json.dumps(record), file=out)
             continue
         print(describe(sample, global_batch_size, split), file=out)

@@ -38,6 +38,8 @@ def test_the_samples_are_the_trainers_with_their_documents_and_counted_labels(ma
             assert row.tokens[position:position + 3] == store.tokens[first:first + 3].tolist()
             assert row.counted[position] is (not boundaries)  # across a boundary the label is ignored
             starts_seen += 1
+            assert f"<|endoftext|>⟦document {document}⟧" in render_row(row, tokenizer, color=False).replace("«", "") \
+                .replace("»", "")  # special tokens are shown: the EOS that ends the document before
         assert sample.source.startswith(f"{store.prefix}, document")
     assert starts_seen > 0  # 64-token samples of 20-80-token documents cross boundaries
     if not boundaries:
@@ -94,7 +96,8 @@ def test_colour_dims_what_is_not_counted():
     row = RowView(tokens=[1, 2, 3, 4], counted=[False, True, True, False], document_starts={2: 7})
     class Spaced:
         @staticmethod
-        def decode(ids):
+        def decode(ids, skip_special_tokens=True):
+            assert not skip_special_tokens  # an EOS between documents must show
             return "".join(f"<{token}>" for token in ids)
     assert render_row(row, Spaced, color=False) == "«<1>»<2>⟦document 7⟧<3>«<4>»"
     coloured = render_row(row, Spaced, color=True)
