@@ -31,6 +31,7 @@ COMMANDS = {
     "generate": ("meshlm.inference.cli", "generate text from a meshlm model or checkpoint"),
     "chat": ("meshlm.inference.chat_session", "chat with a fine-tuned model, turn by turn (/think, /no_think, /reset)"),
     "train": ("meshlm.training.cli", "train (or resume) a model from a YAML config and dotted overrides"),
+    "plot": ("meshlm.training.plot_cli", "plot the metrics of one or more runs side by side (loss, grad norm, lr, tokens/s, ...)"),
     "tokenizer": ("meshlm.data.tokenizer_training", "train or extend a byte-level BPE tokenizer"),
     "preprocess": ("meshlm.data.preprocess", "tokenize text files into a token store (PREFIX.bin + PREFIX.idx)"),
     "data": ("meshlm.data.cli", "data utilities: build the demo corpus, inspect a token store"),
