@@ -5,7 +5,8 @@
 
 Each line of the input is one conversation, ``{"messages": [{"role": "user", "content": ...},
 {"role": "assistant", "content": ...}, ...]}`` (``meshlm/data/chat.py`` describes the roles,
-tool calls and templates). Each conversation becomes one document of the store, rendered by the
+tool calls and templates), or the same conversation as ShareGPT, Alpaca or prompt/completion
+records write it (``meshlm/data/chat_formats.py``). Each conversation becomes one document of the store, rendered by the
 chat template and tokenized with its loss mask (1 on the assistant's reply tokens), which is
 written to ``PREFIX.mask.bin`` beside ``PREFIX.bin`` (``meshlm/data/indexed.py``). Bad input --
 a line that is not JSON, no ``messages``, an unknown role, no assistant turn -- is refused with
@@ -39,6 +40,7 @@ import tokenizers
 
 from meshlm.data.chat import (ChatTemplate, check_messages, encode_segments, load_chat_template,
                               missing_special_tokens, token_id)
+from meshlm.data.chat_formats import conversation
 from meshlm.data.jsonl import json_lines
 from meshlm.data.reasoning import REASONING_SPECIAL_TOKENS, check_think_blocks, has_think_block
 from meshlm.data.indexed import TokenStoreWriter
@@ -94,14 +96,13 @@ def write_chat_tokenizer(tokenizer_path: str | os.PathLike, folder: Path, templa
 
 
 def read_conversations(files: list[Path], messages_key: str = "messages") -> Iterator[tuple[str, list]]:
-    """("FILE, line N", messages) for every non-blank line of the JSONL ``files``, checked."""
-    for where, record in json_lines(files, "chat data", f"{{\"{messages_key}\": [...]}}"):
-        if not isinstance(record, dict) or messages_key not in record:
-            raise DataError(f"{where}: no {messages_key!r} key; each line must be "
-                            f"{{\"{messages_key}\": [{{\"role\": ..., \"content\": ...}}, ...]}}.")
-        check_messages(record[messages_key], where)
-        check_think_blocks(record[messages_key], where)
-        yield where, record[messages_key]
+    """("FILE, line N", messages) for every record of the JSON ``files``, in any shape of
+    ``chat_formats.py`` (messages, ShareGPT, Alpaca, prompt/completion), checked."""
+    for where, record in json_lines(files, "chat data", "conversation"):
+        messages = conversation(record, where, messages_key)
+        check_messages(messages, where)
+        check_think_blocks(messages, where)
+        yield where, messages
 
 
 def preprocess_chat(inputs, tokenizer_path: str | os.PathLike, out_prefix: str | os.PathLike,

@@ -226,8 +226,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--append-eos", action="store_true", help="end every document with the EOS token")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--chat", action="store_true",
-                        help="the input is chat JSONL ({\"messages\": [...]} per line): render it with the chat "
-                             "template and store a loss mask (PREFIX.mask.bin) that trains on assistant turns only")
+                        help="the input is chat JSONL ({\"messages\": [...]} per line, or ShareGPT, Alpaca or "
+                             "prompt/completion records): render it with the chat template and store a loss mask "
+                             "(PREFIX.mask.bin) that trains on assistant turns only")
     parser.add_argument("--preference", action="store_true",
                         help="the input is preference JSONL (prompt/messages + chosen + rejected, or messages + "
                              "scores per line) for reward models and DPO: meshlm/data/preference.py")

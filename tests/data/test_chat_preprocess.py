@@ -60,7 +60,7 @@ def test_vocabulary_limit_is_refused(tmp_path, tokenizer_path):
 
 @pytest.mark.parametrize("line, match", [
     ("{not json", "not valid JSON"),
-    ('{"text": "hello"}', "no 'messages' key"),
+    ('{"text": "hello"}', r"not a conversation \(keys here: 'text'\); each record must be one of \{\"messages\""),
     ('{"messages": [{"role": "robot", "content": "x"}]}', "role 'robot'"),
     ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant message"),
 ])
