@@ -9,7 +9,8 @@
      "content": "..."}, "rejected": "..."}
 
 ``prompt`` is a single user turn; ``messages`` is the whole context; each reply is a string or an
-assistant message (which may carry ``tool_calls``). A *scored* example (for an attribute reward
+assistant message (which may carry ``tool_calls``). TRL's conversational pairs and UltraFeedback's
+whole conversations are read too (``preference_formats.py``). A *scored* example (for an attribute reward
 model, e.g. HelpSteer) is a conversation that ends with the reply being rated, and its ratings::
 
     {"messages": [{"role": "user", ...}, {"role": "assistant", ...}], "scores": {"helpfulness": 3, ...}}
@@ -56,6 +57,7 @@ from meshlm.data.chat_preprocess import chat_tokenizer_folder, write_chat_tokeni
 from meshlm.data.gpt_dataset import IGNORE_INDEX, SPLIT_NAMES, split_document_range
 from meshlm.data.indexed import TokenStore, TokenStoreWriter, metadata_path
 from meshlm.data.jsonl import json_lines
+from meshlm.data.preference_formats import pair_conversations
 from meshlm.data.readers import expand_inputs
 from meshlm.data.tokenizer import find_tokenizer_file, load_tokenizer
 from meshlm.errors import DataError
@@ -70,28 +72,6 @@ def scores_path(prefix: str | os.PathLike) -> Path:
 
 
 # --- reading the JSONL ---------------------------------------------------------------------------
-
-def as_reply(value, where: str, key: str) -> dict:
-    """A reply given as a string or as an assistant message, as an assistant message."""
-    if isinstance(value, str):
-        return {"role": "assistant", "content": value}
-    if isinstance(value, dict) and value.get("role", "assistant") == "assistant":
-        return {**value, "role": "assistant"}
-    raise DataError(f"{where}: {key!r} must be the reply as a string or an assistant message "
-                    "{\"role\": \"assistant\", \"content\": ...}.")
-
-
-def context_messages(record: dict, where: str) -> list[dict]:
-    """The conversation before the judged reply: ``messages``, or ``prompt`` as one user turn."""
-    if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list):
-            raise DataError(f"{where}: 'messages' must be a list of {{\"role\", \"content\"}} objects.")
-        return list(messages)
-    if isinstance(record.get("prompt"), str):
-        return [{"role": "user", "content": record["prompt"]}]
-    raise DataError(f"{where}: a pair needs its context as 'messages' (a list) or 'prompt' (a string).")
-
 
 def read_examples(files: list[Path]) -> Iterator[tuple[str, str, dict]]:
     """("FILE, line N", kind, example) for every non-blank line: kind 'pairs' with
@@ -119,8 +99,7 @@ def parse_example(record, where: str) -> tuple[str, str, dict]:
     if "chosen" not in record or "rejected" not in record:
         raise DataError(f"{where}: each line needs 'chosen' and 'rejected' replies (a pair) or 'messages' and "
                         "'scores' (a rated reply).")
-    context = context_messages(record, where)
-    pair = {key: context + [as_reply(record[key], where, key)] for key in ("chosen", "rejected")}
+    pair = pair_conversations(record, where)
     for key, messages in pair.items():
         check_messages(messages, f"{where} ({key})")
     return where, PAIRS, pair

@@ -114,7 +114,7 @@ def test_long_conversations_lose_context_from_the_left_or_are_skipped_with_a_cou
 
 @pytest.mark.parametrize("line, message", [
     ('{"prompt": "t1", "chosen": "t2"}', "needs 'chosen' and 'rejected'"),
-    ('{"chosen": "t2", "rejected": "t3"}', "'messages' \\(a list\\) or 'prompt'"),
+    ('{"chosen": "t2", "rejected": "t3"}', "a pair needs its context: 'prompt' \\(a string or messages\\)"),
     ('{"prompt": "t1", "chosen": {"role": "user", "content": "t2"}, "rejected": "t3"}', "'chosen' must be the reply"),
     ('{"messages": [{"role": "user", "content": "t1"}], "scores": {"a": 1}}', "ending with the assistant reply"),
     ('{"messages": [{"role": "user", "content": "t1"}, {"role": "assistant", "content": "t2"}], "scores": {"a": "x"}}',
