@@ -212,7 +212,7 @@ class Progress:
 # --- command line ----------------------------------------------------------------------------
 def add_arguments(parser) -> None:
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help=".jsonl, .json, .txt (see --txt-documents) or .parquet files, or directories; "
+                        help=".jsonl, .json, .txt (see --txt-documents), .parquet or .arrow files, or directories; "
                              "text files may be compressed (.gz, .bz2, .xz, .zst)")
     parser.add_argument("--tokenizer", required=True,
                         help="tokenizer file or directory (recorded in PREFIX.meta.json, so training finds it)")

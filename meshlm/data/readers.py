@@ -1,7 +1,7 @@
 """Reading documents out of text files, one at a time, never a whole file at once.
 
 Pretraining corpora are often larger than memory, so every reader here is a generator: it
-holds one line (``.jsonl``, ``.txt``) or one batch of rows (``.parquet``) at a time, and the
+holds one line (``.jsonl``, ``.txt``) or one batch of rows (``.parquet``, ``.arrow``) at a time, and the
 tokenizer trainer and the preprocessor pull documents through it. What a *document* is:
 
 - ``.jsonl``: one JSON object per line; the document is the string under ``text_key``
@@ -15,8 +15,9 @@ tokenizer trainer and the preprocessor pull documents through it. What a *docume
   blank lines inside it); that document is held in memory whole, so give very large texts
   as ``.jsonl`` lines instead. Either way the trailing line break is dropped, and blank lines
   alone are no document.
-- ``.parquet``: the string column ``text_key``, read in batches of rows with ``pyarrow``
-  (an optional dependency: ``pip install pyarrow``).
+- ``.parquet`` and ``.arrow`` (Hugging Face ``datasets``' ``save_to_disk`` and cache files): the
+  string column ``text_key``, read in batches of rows with ``pyarrow`` (an optional dependency:
+  ``pip install pyarrow``; ``columnar.py``).
 
 ``.jsonl``, ``.json`` and ``.txt`` files may be compressed -- ``corpus.jsonl.zst``,
 ``c4-train.00000-of-01024.json.gz``, ``notes.txt.xz`` -- and are decompressed as they are read
@@ -38,16 +39,17 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from meshlm.data.columnar import FORMAT_NAMES, read_column
 from meshlm.data.compression import COMPRESSIONS, compression_of, content_suffix, read_lines
 from meshlm.data.jsonl import json_records
 from meshlm.errors import DataError
 
-SUPPORTED_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
-"""What an input file may hold; all but .parquet may also be compressed (COMPRESSIONS)."""
-SUPPORTED_TYPES = ".jsonl, .json, .txt or .parquet, the first three also compressed (.gz, .bz2, .xz, .zst)"
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet", ".arrow")
+"""What an input file may hold; the text ones may also be compressed (COMPRESSIONS)."""
+COLUMNAR_SUFFIXES = (".parquet", ".arrow")
+SUPPORTED_TYPES = ".jsonl, .json, .txt, .parquet or .arrow, the first three also compressed (.gz, .bz2, .xz, .zst)"
 TXT_DOCUMENT_MODES = ("paragraph", "file")
 """How a ``.txt`` file is cut into documents: at blank lines, or not at all (see above)."""
-PARQUET_BATCH_ROWS = 1024
 
 ByteCounter = Callable[[int], None]
 
@@ -56,14 +58,15 @@ def is_supported(path: Path) -> bool:
     """Whether ``path``'s name says it holds documents this module reads (module docstring)."""
     suffix = content_suffix(path)
     if compression_of(path):
-        return suffix in SUPPORTED_SUFFIXES and suffix != ".parquet"
+        return suffix in SUPPORTED_SUFFIXES and suffix not in COLUMNAR_SUFFIXES
     return suffix in SUPPORTED_SUFFIXES
 
 
 def unsupported(path: Path) -> DataError:
-    if compression_of(path) and content_suffix(path) == ".parquet":
-        return DataError(f"{path}: a Parquet file compresses its own columns and cannot be read compressed again; "
-                         f"decompress it (`{COMPRESSIONS[compression_of(path)][1].split()[0]} -d`) first.")
+    if compression_of(path) and content_suffix(path) in COLUMNAR_SUFFIXES:
+        return DataError(f"{path}: a {FORMAT_NAMES[content_suffix(path)]} file is read in place, batch by batch, "
+                         "and cannot be read compressed; decompress it "
+                         f"(`{COMPRESSIONS[compression_of(path)][1].split()[0]} -d`) first.")
     named = "".join(path.suffixes[-2:]) if compression_of(path) else path.suffix or "(none)"
     return DataError(f"{path}: unsupported input type {named!r}; use {SUPPORTED_TYPES}.")
 
@@ -110,7 +113,7 @@ def read_documents(path: str | os.PathLike, text_key: str = "text", on_bytes: By
     if suffix == ".txt":
         read_txt = _read_txt_file if txt_documents == "file" else _read_txt_paragraphs
         return _refuse_if_empty(path, read_txt(path, on_bytes), "")
-    return _refuse_if_empty(path, _read_parquet(path, text_key, on_bytes), f"in column {text_key!r}")
+    return _refuse_if_empty(path, read_column(path, text_key, on_bytes), f"in column {text_key!r}")
 
 
 def check_txt_documents(txt_documents: str) -> None:
@@ -182,40 +185,3 @@ def _read_txt_paragraphs(path: Path, on_bytes: ByteCounter) -> Iterator[str]:
             block = []
     if block:
         yield "".join(block).rstrip("\r\n")
-
-
-def _import_parquet(path: Path):
-    try:
-        import pyarrow.parquet as parquet
-    except ImportError as error:
-        raise DataError(f"{path}: reading .parquet files needs pyarrow; install it with "
-                        "`pip install pyarrow`.") from error
-    return parquet
-
-
-def _read_parquet(path: Path, text_key: str, on_bytes: ByteCounter) -> Iterator[str]:
-    parquet = _import_parquet(path)
-    try:
-        parquet_file = parquet.ParquetFile(path)
-    except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
-        raise DataError(f"{path}: cannot read this file as Parquet ({error}).") from error
-    columns = parquet_file.schema_arrow.names
-    if text_key not in columns:
-        raise DataError(f"{path}: no column {text_key!r} (columns here: {', '.join(map(repr, columns))}); "
-                        "pass --text-key with the right one.")
-    total_rows = max(parquet_file.metadata.num_rows, 1)
-    file_size = path.stat().st_size
-    row = 0
-    try:
-        for batch in parquet_file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_key]):
-            for text in batch.column(0).to_pylist():
-                row += 1
-                if not isinstance(text, str):
-                    raise DataError(f"{path}, row {row}: column {text_key!r} holds "
-                                    f"{'null' if text is None else type(text).__name__}, not a string.")
-                yield text
-            on_bytes(file_size * batch.num_rows // total_rows)
-    except (OSError, ValueError) as error:
-        if isinstance(error, DataError):
-            raise
-        raise DataError(f"{path}: cannot read this file as Parquet ({error}).") from error

@@ -268,8 +268,8 @@ def add_extend_arguments(actions) -> None:
                                             "segmentation) and append them after BASE's vocabulary.")
     extend.add_argument("base", metavar="BASE", help="tokenizer.json (or a folder holding one) to extend")
     extend.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help="domain text: .jsonl, .json, .txt or .parquet files, or directories (text files may be "
-                             "compressed: .gz, .bz2, .xz, .zst)")
+                        help="domain text: .jsonl, .json, .txt, .parquet or .arrow files, or directories "
+                             "(text files may be compressed: .gz, .bz2, .xz, .zst)")
     extend.add_argument("--add", type=int, required=True, metavar="N", help="number of new tokens")
     extend.add_argument("--out", required=True, metavar="NEW",
                         help="tokenizer.json to write, or a folder for it (the base's tokenizer_config.json "

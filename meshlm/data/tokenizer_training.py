@@ -87,7 +87,7 @@ def add_arguments(parser) -> None:
     train = actions.add_parser("train", help="train a byte-level BPE tokenizer on text files",
                                description="Train a byte-level BPE tokenizer with <|bos|>, <|eos|>, <|pad|>.")
     train.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                       help=".jsonl, .json, .txt (documents separated by blank lines) or .parquet files, or "
+                       help=".jsonl, .json, .txt (documents separated by blank lines), .parquet or .arrow files, or "
                             "directories; text files may be compressed (.gz, .bz2, .xz, .zst)")
     train.add_argument("--vocab-size", type=int, required=True, help="vocabulary size, special tokens included")
     train.add_argument("--out", required=True, help="tokenizer.json to write (tokenizer_config.json goes beside it)")

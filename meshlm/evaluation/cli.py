@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CKPT",
                         help="model directory, training checkpoint, or run directory (latest step_N is used)")
     parser.add_argument("--data", nargs="+", metavar="PREFIX|FILE",
-                        help="token store prefixes (PREFIX.bin + PREFIX.idx) and/or .txt/.jsonl/.json/.parquet files "
-                             "(text ones may be compressed: .gz, .bz2, .xz, .zst): perplexity and bits per byte")
+                        help="token store prefixes (PREFIX.bin + PREFIX.idx) and/or .txt/.jsonl/.json/.parquet/.arrow "
+                             "files (text ones may be compressed: .gz, .bz2, .xz, .zst): perplexity and bits per byte")
     parser.add_argument("--task", nargs="+", metavar="FILE.jsonl",
                         help='multiple-choice questions, one {"context", "choices", "answer"} object a line: accuracy')
     parser.add_argument("--seq-len", type=int, metavar="N",

@@ -92,7 +92,7 @@ def test_directories_find_compressed_inputs_but_not_plain_json_and_parquet_gz_is
     for name in ("a.jsonl.zst", "b.json.gz", "c.txt.bz2", "tokenizer.json", "d.parquet.gz", "e.tar.gz"):
         (folder / name).write_bytes(b"x")
     assert expand_inputs([folder]) == [folder / "a.jsonl.zst", folder / "b.json.gz", folder / "c.txt.bz2"]
-    with pytest.raises(DataError, match=r"d\.parquet\.gz: a Parquet file compresses its own columns.*`gzip -d`"):
+    with pytest.raises(DataError, match=r"d\.parquet\.gz: a Parquet file is read in place.*`gzip -d`"):
         expand_inputs([folder / "d.parquet.gz"])
     with pytest.raises(DataError, match=r"e\.tar\.gz: unsupported input type '\.tar\.gz'; use \.jsonl, \.json"):
         expand_inputs([folder / "e.tar.gz"])

@@ -129,3 +129,34 @@ def test_empty_parquet_and_zero_byte_files_are_refused_by_name(tmp_path):
     parquet.write_table(pyarrow.table({"text": pyarrow.array([], pyarrow.string())}), tmp_path / "none.parquet")
     with pytest.raises(DataError, match=r"none\.parquet: no documents in this file"):
         list(read_documents(tmp_path / "none.parquet"))
+
+
+def test_a_hugging_face_save_to_disk_folder_reads_its_arrow_files(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    texts = [f"row {index}" for index in range(50)]
+    datasets.Dataset.from_dict({"content": texts, "n": list(range(50))}).save_to_disk(str(tmp_path / "saved"))
+    files = expand_inputs([tmp_path / "saved"])  # its dataset_info.json and state.json are skipped
+    assert [path.suffix for path in files] == [".arrow"]
+    seen = []
+    assert list(read_all_documents(files, "content", seen.append)) == texts
+    assert sum(seen) == files[0].stat().st_size
+
+
+def test_arrow_file_format_batches_and_cells_are_checked(tmp_path):
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.ipc as ipc
+    table = pyarrow.table({"text": ["a", "b", None], "n": [1, 2, 3]})
+    with pyarrow.OSFile(str(tmp_path / "t.arrow"), "wb") as sink:
+        writer = ipc.new_file(sink, table.schema)
+        writer.write_table(table.slice(0, 2))
+        writer.write_table(table.slice(2))
+        writer.close()
+    documents = read_documents(tmp_path / "t.arrow")
+    assert [next(documents), next(documents)] == ["a", "b"]
+    with pytest.raises(DataError, match=r"t\.arrow, row 3: column 'text' holds null, not a string"):
+        next(documents)
+    with pytest.raises(DataError, match=r"t\.arrow: no column 'body' \(columns here: 'text', 'n'\)"):
+        list(read_documents(tmp_path / "t.arrow", "body"))
+    (tmp_path / "junk.arrow").write_bytes(b"not arrow at all" * 10)
+    with pytest.raises(DataError, match=r"junk\.arrow: cannot read this file as Arrow"):
+        list(read_documents(tmp_path / "junk.arrow"))
