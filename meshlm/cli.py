@@ -34,7 +34,7 @@ COMMANDS = {
     "plot": ("meshlm.training.plot_cli", "plot the metrics of one or more runs side by side (loss, grad norm, lr, tokens/s, ...)"),
     "tokenizer": ("meshlm.data.tokenizer_training", "train or extend a byte-level BPE tokenizer"),
     "preprocess": ("meshlm.data.preprocess", "tokenize text files into a token store (PREFIX.bin + PREFIX.idx)"),
-    "data": ("meshlm.data.cli", "data utilities: build the demo corpus, inspect a token store"),
+    "data": ("meshlm.training.data_cli", "data utilities: build the demo corpus, inspect a token store, show a run's samples"),
     "upcycle": ("meshlm.adapt.cli", "turn a dense model or checkpoint into an MoE model with the same outputs"),
     "prune": ("meshlm.adapt.prune_cli", "prune a model to its most important units and blocks (Minitron)"),
     "adapt-vocab": ("meshlm.adapt.vocab_cli", "resize a model's embedding and head to an extended tokenizer (new rows: mean of their pieces)"),

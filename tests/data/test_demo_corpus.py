@@ -5,7 +5,8 @@ import json
 import pytest
 
 from meshlm.cli import COMMANDS
-from meshlm.data import cli as data_cli, demo_corpus
+from meshlm.data import demo_corpus
+from meshlm.training import data_cli
 from meshlm.data.blend import build_datasets, load_blend
 from meshlm.data.demo_corpus import (DemoSettings, build_demo_corpus, python_source_files, shakespeare_play_files,
                                      shakespeare_scenes)
@@ -42,7 +43,7 @@ def test_python_subset_is_deterministic_and_sized():
 
 
 def test_demo_builds_small_loads_and_is_idempotent(tmp_path, capsys):
-    assert COMMANDS["data"][0] == "meshlm.data.cli"
+    assert COMMANDS["data"][0] == "meshlm.training.data_cli"
     out = tmp_path / "demo"
     assert run_data_command(["demo", "--out", str(out)] + SMALL) == 0
     printed = capsys.readouterr().out

@@ -1,5 +1,8 @@
 """``meshlm data``: data utilities that are not tokenizing or preprocessing.
 
+It sits with training rather than in ``meshlm/data/`` because ``show`` builds a run's datasets
+from its config as the trainer does (``sample_view.py``); the rest only calls into ``meshlm.data``.
+
     meshlm data demo [--out data/demo] [--vocab-size 4096]   build the Shakespeare + Python corpus
     meshlm data inspect PREFIX                                describe a token store
     meshlm data show CONFIG.yaml [overrides] [--step S]      the samples a run trains on, as text
