@@ -42,6 +42,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
                         help="override config values, e.g. train.steps=200 model.pattern='M*-E'")
     parser.add_argument("--list-keys", action="store_true", help="print every config key with its default and meaning")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the run's whole config as YAML (the file, the overrides and every default, "
+                             "checked) and exit without training; the output is itself a config file")
     parser.add_argument("--plan", action="store_true",
                         help="first print `meshlm plan`'s prediction for this run's layout; the trainer then logs "
                              "its measured peak memory and step time beside it (metrics.jsonl: event plan_check)")
@@ -64,6 +67,9 @@ def run(args, plan=None) -> int:
     from meshlm.training.trainer import train
 
     config = load_run_config(config_path, overrides)
+    if getattr(args, "print_config", False):
+        print(resolved_config_yaml(config, config_path, overrides), end="")
+        return 0
     if getattr(args, "plan", False) and plan is None:
         raise ConfigError("--plan needs the planner, which the `meshlm` command hands in: run "
                           "`meshlm train CONFIG --plan` (or python -m meshlm train ...).")
@@ -91,6 +97,16 @@ def run(args, plan=None) -> int:
         summary += f", last validation loss {result.val_losses[max(result.val_losses)]:.4f}"
     print(f"meshlm train: done: {summary}; run directory {result.run_dir}")
     return 0
+
+
+def resolved_config_yaml(config, config_path: str | None, overrides: list[str]) -> str:
+    """``config`` as YAML, headed by a comment naming where it came from (``--print-config``)."""
+    import shlex
+
+    import yaml
+
+    source = " ".join(shlex.quote(part) for part in [config_path or "(defaults)", *overrides])
+    return f"# meshlm train {source}\n" + yaml.safe_dump(config.to_dict(), sort_keys=False)
 
 
 def report_out_of_memory(command: str, stop: Exception) -> int:
@@ -183,4 +199,4 @@ def key_descriptions() -> list[str]:
 
 
 __all__ = ["ABBREVIATIONS", "add_arguments", "config_and_overrides", "field_docstrings", "first_sentence",
-           "key_descriptions", "leave_process_group", "run"]
+           "key_descriptions", "leave_process_group", "resolved_config_yaml", "run"]

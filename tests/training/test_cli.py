@@ -96,3 +96,17 @@ def test_python_dash_m_under_a_torchrun_environment(config_file, tmp_path):
     refused = run_module(["train", str(config_file), f"train.run_dir={tmp_path / 'new-run'}", "parallel.tp=3"],
                          world_size="2")  # a new run: a finished one refuses any new setting first (preflight.py)
     assert refused.returncode == 2 and "world of 2 processes is not divisible by tp*pp*cp" in refused.stderr
+
+
+def test_print_config_prints_a_config_that_loads_back_as_the_run_and_trains_nothing(config_file, tmp_path, capsys):
+    from meshlm.config import load_run_config
+
+    overrides = [f"train.run_dir={tmp_path / 'never'}", "train.steps=7", "model.pattern=M*-"]
+    assert main(["train", str(config_file), *overrides, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"# meshlm train {config_file} ") and "'model.pattern=M*-'" in printed.splitlines()[0]
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert load_run_config(tmp_path / "printed.yaml").to_dict() == load_run_config(config_file, overrides).to_dict()
+    assert not (tmp_path / "never").exists()
+    assert main(["train", str(config_file), "train.steps=-1", "--print-config"]) == 2  # checked, as a run is
+    assert "train.steps" in capsys.readouterr().err
