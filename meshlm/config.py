@@ -62,7 +62,8 @@ class TrainConfig:
     save_every: int = 100
     """Save a checkpoint every this many steps (0 = only at the end)."""
     keep_checkpoints: int = 3
-    """Keep the most recent K checkpoints; older ones are deleted after a new one is complete."""
+    """Keep the most recent K checkpoints; older ones are deleted after a new one is complete. 0 keeps
+    every checkpoint (e.g. to score each one later: meshlm eval RUN --every-checkpoint)."""
     async_save: bool = False
     """Save checkpoints in a background thread: the step waits only while this rank's shards are
     copied to CPU buffers, and training goes on while they are written."""
@@ -509,9 +510,12 @@ class RunConfig:
         self.model.validate()
         train, optim = self.train, self.optim
         for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len", "log_every",
-                     "recompute_every", "keep_checkpoints", "eval_batches"):
+                     "recompute_every", "eval_batches"):
             if getattr(train, name) <= 0:
                 raise ConfigError(f"train.{name}={getattr(train, name)} must be a positive integer.")
+        if train.keep_checkpoints < 0:
+            raise ConfigError(f"train.keep_checkpoints={train.keep_checkpoints} must be >= 0 (0 keeps every "
+                              "checkpoint).")
         if train.global_batch_size % train.micro_batch_size:
             raise ConfigError(f"train.global_batch_size={train.global_batch_size} must be a multiple of "
                               f"train.micro_batch_size={train.micro_batch_size}.")

@@ -3,6 +3,8 @@
     meshlm eval runs/x --data data/valid                      a token store (PREFIX.bin + PREFIX.idx)
     meshlm eval runs/x --data notes.txt docs.jsonl --json     text files, tokenized here
     meshlm eval runs/x --task hellaswag.jsonl --batch-size 32
+    meshlm eval runs/x --every-checkpoint --task hellaswag.jsonl   every checkpoint, kept by step
+                                                                  (checkpoint_series.py)
     torchrun --nproc_per_node 4 -m meshlm eval runs/x --data data/valid --tp 2
 
 CKPT is a model folder, a training checkpoint or a run directory (its newest ``step_N``). The
@@ -18,15 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from functools import reduce
 
 import torch.distributed as dist
 
 from meshlm.data.readers import TXT_DOCUMENT_MODES
 from meshlm.errors import ConfigError
+from meshlm.evaluation.checkpoint_series import evaluate_series
 from meshlm.evaluation.loading import load_for_evaluation
-from meshlm.evaluation.multiple_choice import TaskResult, evaluate_task, read_task
-from meshlm.evaluation.perplexity import PerplexityResult, evaluate_perplexity, open_sources
+from meshlm.evaluation.multiple_choice import read_task
+from meshlm.evaluation.perplexity import open_sources
+from meshlm.evaluation.results import evaluate_model, perplexity_line, task_line
 
 DEFAULT_BATCH_SIZE = 8
 
@@ -55,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="under torchrun: tensor-parallel ranks per copy of the model (default 1)")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per data source and task")
+    parser.add_argument("--every-checkpoint", action="store_true",
+                        help="CKPT is a run directory: evaluate each of its checkpoints, oldest first, and append "
+                             "the figures to RUN/evaluations.jsonl by step (those already there are skipped; "
+                             "`meshlm plot RUN --metric eval_NAME_acc` draws them)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -67,36 +74,23 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(f"--seq-len {args.seq_len} must be at least 1 token.")
 
 
-def perplexity_line(result: PerplexityResult) -> str:
-    bits = "n/a (a token store needs --tokenizer)" if result.bits_per_byte is None else f"{result.bits_per_byte:.4f}"
-    return (f"{result.name}: {result.tokens} tokens  loss {result.loss:.4f}  perplexity {result.perplexity:.4f}  "
-            f"bits/byte {bits}")
-
-
-def task_line(result: TaskResult) -> str:
-    def with_error(value: float, error: float | None) -> str:
-        return f"{value:.4f}" + ("" if error is None else f" ± {error:.4f}")
-    return (f"{result.name}: {result.questions} questions  acc {with_error(result.acc, result.acc_stderr)}  "
-            f"acc_norm {with_error(result.acc_norm, result.acc_norm_stderr)}")
-
-
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     joined_here = not dist.is_initialized()
+    if args.every_checkpoint:
+        try:
+            return evaluate_series(args)
+        finally:
+            if joined_here and dist.is_initialized():
+                dist.destroy_process_group()
     evaluation = load_for_evaluation(args.checkpoint, args.tokenizer, args.device, args.tp)
     seq_len = args.seq_len or evaluation.default_seq_len
-    records, lines = [], []
-    if args.data:
-        sources = open_sources(args.data, evaluation.tokenizer, args.text_key, args.append_eos, args.txt_documents)
-        results = evaluate_perplexity(evaluation, sources, seq_len, args.batch_size)
-        if len(results) > 1:
-            results.append(reduce(PerplexityResult.__add__, results))
-        records += [result.to_dict() for result in results]
-        lines += [perplexity_line(result) for result in results]
-    for path in args.task or []:
-        result = evaluate_task(evaluation, read_task(path), seq_len, args.batch_size, name=path)
-        records.append(result.to_dict())
-        lines.append(task_line(result))
+    sources = (open_sources(args.data, evaluation.tokenizer, args.text_key, args.append_eos, args.txt_documents)
+               if args.data else [])
+    tasks = [(path, read_task(path)) for path in args.task or []]
+    perplexities, scored = evaluate_model(evaluation, sources, tasks, seq_len, args.batch_size)
+    records = [result.to_dict() for result in [*perplexities, *scored]]
+    lines = [perplexity_line(result) for result in perplexities] + [task_line(result) for result in scored]
     if evaluation.context.is_logging_rank:
         print("\n".join(json.dumps(record) for record in records) if args.json else "\n".join(lines))
     if joined_here and dist.is_initialized():

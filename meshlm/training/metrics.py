@@ -45,6 +45,9 @@ from meshlm.training.memory_usage import format_bytes
 from meshlm.training.tracking import scalar_items
 
 METRICS_FILE = "metrics.jsonl"
+EVALUATIONS_FILE = "evaluations.jsonl"
+"""Beside metrics.jsonl: each checkpoint's benchmark figures by step, written by `meshlm eval RUN
+--every-checkpoint` (meshlm/evaluation/checkpoint_series.py) and drawn by `meshlm plot`."""
 TENSORBOARD_DIR = "tensorboard"
 
 # Dense (no 2:4 sparsity) peak TFLOP/s from NVIDIA's data sheets:
@@ -343,6 +346,6 @@ def _tensorboard_writer(log_dir: Path, resume_step: int):
     return SummaryWriter(str(log_dir), purge_step=resume_step + 1 if resume_step > 0 else None)
 
 
-__all__ = ["GPU_PEAK_TFLOPS", "METRICS_FILE", "MetricsLog", "ProgressLine", "SilentLog", "Throughput",
+__all__ = ["EVALUATIONS_FILE", "GPU_PEAK_TFLOPS", "METRICS_FILE", "MetricsLog", "ProgressLine", "SilentLog", "Throughput",
            "expert_load_summary", "format_count", "format_duration", "measured_peak_flops", "peak_flops",
            "progress_text", "read_metrics", "table_peak_flops", "truncate_metrics"]

@@ -11,7 +11,8 @@ here always shows every step. ``loss`` panels also draw the run's ``val_loss`` a
 the same colour; any other number a step record carries is a metric too (``grad_norm``, ``lr``,
 ``tokens_per_s``, ``mfu``, ``memory_peak_bytes`` in GiB, an MoE run's ``moe_max_load``, an RL run's
 ``reward_mean``, ...), and so is every number of the evaluation records (``val_loss``,
-``eval_accuracy``).
+``eval_accuracy``) and of ``RUN/evaluations.jsonl``, where ``meshlm eval RUN --every-checkpoint``
+keeps each checkpoint's benchmark figures (``eval_hellaswag_acc``, ...).
 
 ``--x tokens`` puts the tokens trained on the x axis: step x the run's ``tokens_per_step`` (from
 its start events), which compares runs of different batch sizes fairly. ``--smooth W`` draws
@@ -28,7 +29,7 @@ import os
 from pathlib import Path
 
 from meshlm.errors import ConfigError
-from meshlm.training.metrics import METRICS_FILE, read_metrics
+from meshlm.training.metrics import EVALUATIONS_FILE, METRICS_FILE, read_metrics
 
 X_AXES = ("step", "tokens")
 GIB = 2 ** 30
@@ -47,13 +48,13 @@ def add_arguments(parser) -> None:
 
 
 def load_run(run_dir: str) -> list[dict]:
-    """The records of ``run_dir``'s metrics.jsonl, or ConfigError naming what is wrong."""
+    """The records of ``run_dir``'s metrics.jsonl and evaluations.jsonl, or ConfigError naming what is wrong."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         what = "is not a directory" if not Path(run_dir).is_dir() else f"holds no {METRICS_FILE}"
         raise ConfigError(f"{run_dir} {what}; pass run directories (a run's train.run_dir, where the trainer "
                           f"writes {METRICS_FILE}).")
-    return read_metrics(path)
+    return read_metrics(path) + read_metrics(Path(run_dir) / EVALUATIONS_FILE)
 
 
 def metric_names(records: list[dict]) -> list[str]:
