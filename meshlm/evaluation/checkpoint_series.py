@@ -30,7 +30,6 @@ import re
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from meshlm.checkpoint.folders import checkpoint_dirs, is_complete
 from meshlm.checkpoint.locate import resolve_model_dir
@@ -41,6 +40,7 @@ from meshlm.evaluation.multiple_choice import read_task
 from meshlm.evaluation.perplexity import open_sources
 from meshlm.evaluation.results import evaluate_model, perplexity_line, task_line
 from meshlm.inference.cli import find_tokenizer
+from meshlm.parallel.plain_collectives import barrier, broadcast_objects
 from meshlm.training.metrics import EVALUATIONS_FILE, read_metrics
 
 
@@ -81,15 +81,11 @@ def append_record(path: Path, record: dict) -> None:
         os.fsync(handle.fileno())
 
 
-def run_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+def run_checkpoints(run_dir: Path, context) -> list[tuple[int, Path]]:
     """The run's complete checkpoints, oldest first; under torchrun rank 0's list, so that every
     rank loads the same ones while a trainer may be adding and pruning them."""
     found = [(step, path) for step, path in checkpoint_dirs(run_dir) if is_complete(path)]
-    if dist.is_initialized():
-        shared = [found]
-        dist.broadcast_object_list(shared, src=0)
-        found = shared[0]
-    return found
+    return broadcast_objects([found], context.world_group)[0]
 
 
 def evaluate_series(args) -> int:
@@ -108,7 +104,7 @@ def evaluate_series(args) -> int:
     tasks = [(path, read_task(path)) for path in args.task or []]
     settings = series_settings(args, seq_len)
     done = evaluated_steps(run_dir, settings)
-    checkpoints = run_checkpoints(run_dir)
+    checkpoints = run_checkpoints(run_dir, context)
     report = context.is_logging_rank
     for step, path in checkpoints:
         if step in done:
@@ -132,8 +128,7 @@ def evaluate_series(args) -> int:
                 for line in [perplexity_line(result) for result in perplexities] + [task_line(r) for r in scored]:
                     print(f"step {step}: {line}")
         del model, evaluation
-    if dist.is_initialized():
-        dist.barrier()  # every rank returns once rank 0 has written the records
+    barrier(context.world_group)  # every rank returns once rank 0 has written the records
     if report and not args.json:
         skipped = sum(step in done for step, _ in checkpoints)
         print(f"meshlm eval: {len(checkpoints) - skipped} checkpoint(s) evaluated, {skipped} already in "
