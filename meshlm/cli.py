@@ -31,6 +31,7 @@ COMMANDS = {
     "generate": ("meshlm.inference.cli", "generate text from a meshlm model or checkpoint"),
     "chat": ("meshlm.inference.chat_session", "chat with a fine-tuned model, turn by turn (/think, /no_think, /reset)"),
     "train": ("meshlm.training.cli", "train (or resume) a model from a YAML config and dotted overrides"),
+    "status": ("meshlm.training.status_cli", "where a run stands: finished, stopped or not, loss, speed, time left, checkpoints"),
     "plot": ("meshlm.training.plot_cli", "plot the metrics of one or more runs side by side (loss, grad norm, lr, tokens/s, ...)"),
     "tokenizer": ("meshlm.data.tokenizer_training", "train or extend a byte-level BPE tokenizer"),
     "preprocess": ("meshlm.data.preprocess", "tokenize text files into a token store (PREFIX.bin + PREFIX.idx)"),

@@ -567,7 +567,8 @@ class Trainer:
         with self.phases.pause("checkpoint", self.state.step):
             path = self.checkpoints.save(self.state, self.training_parts())
         self.last_saved_step = self.state.step
-        self.metrics.write({"event": "stopped", "step": self.state.step, "reason": reason, "checkpoint": str(path)})
+        self.metrics.write({"event": "stopped", "step": self.state.step, "reason": reason, "checkpoint": str(path),
+                            "time": time.time()})
         self.progress.message(self.stop_requests.message(reason, self.state.step, self.config.train.steps, path))
 
     # --- non-finite steps (meshlm/training/fault_tolerance.py) ---------------------------------------------
@@ -631,7 +632,7 @@ class Trainer:
             f"{experts}"
             f"{f', ZeRO-{self.zero_stage}' if self.zero_stage else ''})")
         self.metrics.write({"event": "resume" if self.resumed_from else "start", "step": self.state.step,
-                            "device": str(self.device), "dtype": self.config.precision.dtype, "tf32": self.tf32,
+                            "steps": train.steps, "time": time.time(), "device": str(self.device), "dtype": self.config.precision.dtype, "tf32": self.tf32,
                             "attention_kernels": self.attention_kernels, "scan_kernels_note": self.scan_kernels_note,
                             "world_size": layout.world_size, "tp": layout.tp_size, "cp": layout.cp_size,
                             "dp": layout.dp_size,
