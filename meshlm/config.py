@@ -64,6 +64,14 @@ class TrainConfig:
     keep_checkpoints: int = 3
     """Keep the most recent K checkpoints; older ones are deleted after a new one is complete. 0 keeps
     every checkpoint (e.g. to score each one later: meshlm eval RUN --every-checkpoint)."""
+    keep_best: bool = False
+    """Also keep the checkpoint of the lowest validation loss: an evaluation that improves on the
+    best saves a checkpoint at its step (unless one is saved there anyway), pruning never deletes
+    it, and RUN_DIR/best_checkpoint.json names it (step, validation loss, folder)."""
+    early_stop_evals: int = 0
+    """Stop when this many evaluations in a row have not lowered the best validation loss (0:
+    never). The run saves, logs a stopped event ('early stop') and exits 0; rerunning it says it
+    stopped early and trains nothing, unless this is raised (or set to 0)."""
     async_save: bool = False
     """Save checkpoints in a background thread: the step waits only while this rank's shards are
     copied to CPU buffers, and training goes on while they are written."""
@@ -513,6 +521,12 @@ class RunConfig:
                      "recompute_every", "eval_batches"):
             if getattr(train, name) <= 0:
                 raise ConfigError(f"train.{name}={getattr(train, name)} must be a positive integer.")
+        if train.early_stop_evals < 0:
+            raise ConfigError(f"train.early_stop_evals={train.early_stop_evals} must be >= 0 (0: no early stopping).")
+        if (train.keep_best or train.early_stop_evals) and train.eval_every <= 0:
+            setting = "train.keep_best" if train.keep_best else f"train.early_stop_evals={train.early_stop_evals}"
+            raise ConfigError(f"{setting} follows the validation loss, and train.eval_every=0 computes none; set "
+                              "train.eval_every (e.g. 100).")
         if train.keep_checkpoints < 0:
             raise ConfigError(f"train.keep_checkpoints={train.keep_checkpoints} must be >= 0 (0 keeps every "
                               "checkpoint).")

@@ -136,6 +136,9 @@ class SaveRequest:
         """``cache``: a dict kept between one run's saves (the chunk assignment, the rendered configs)."""
         cache = {} if cache is None else cache
         self.directory, self.keep, self.group = Path(directory), keep, group
+        best = state.best_val_step
+        self.protected = frozenset({best}) if run_config.train.keep_best and best else frozenset()
+        """The best validation step's checkpoint, which pruning keeps (train.keep_best)."""
         self.tensors = own_chunks(training_tensors(parts), group, cache.setdefault("writers", {}))
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.objects = {f"rng/{rank}": capture_rng_state()}
@@ -212,7 +215,7 @@ class SaveRequest:
                 os.fsync(stream.fileno())
             replace_directory(temporary, self.directory)
             fsync_directory(self.directory.parent)
-            prune_checkpoints(self.directory.parent.parent, self.keep)
+            prune_checkpoints(self.directory.parent.parent, self.keep, self.protected)
             return "ok"
         except Exception as error:  # reported to every rank by the caller
             shutil.rmtree(temporary, ignore_errors=True)

@@ -56,10 +56,11 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
-def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints, and leftovers of interrupted saves.
-    Call only when no save is in progress in this run directory."""
-    removed = [path for _, path in checkpoint_dirs(run_dir)[:-keep]] if keep > 0 else []
+def prune_checkpoints(run_dir: str | os.PathLike, keep: int, protected: frozenset[int] = frozenset()) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (0: none) and those of the ``protected`` steps
+    (train.keep_best's), and leftovers of interrupted saves. Call only when no save is in progress
+    in this run directory."""
+    removed = [path for step, path in checkpoint_dirs(run_dir)[:-keep] if step not in protected] if keep > 0 else []
     root = Path(run_dir) / CHECKPOINTS_DIR
     removed += [path for path in root.iterdir()
                 if path.is_dir() and re.fullmatch(r"step_\d+\.(tmp|old)-.+", path.name)]

@@ -52,6 +52,10 @@ class TrainerState:
     """Validation loss of the last evaluation."""
     best_val_loss: float | None = None
     """Lowest validation loss seen so far."""
+    best_val_step: int | None = None
+    """The step of that lowest validation loss (train.keep_best keeps its checkpoint)."""
+    evaluations_since_best: int = 0
+    """Evaluations since the best one that did not improve on it (train.early_stop_evals counts them)."""
 
     @classmethod
     def from_dict(cls, values: dict) -> "TrainerState":

@@ -92,6 +92,9 @@ def check_rl_layout(config) -> int:
                           "use parallel.dp_sync=every_step.")
     if train.distill_from is not None:
         raise ConfigError("train.distill_from does not apply to meshlm rl (its loss is GRPO's); drop it.")
+    if train.keep_best or train.early_stop_evals:
+        raise ConfigError("train.keep_best and train.early_stop_evals follow a validation loss, which meshlm rl does "
+                          "not compute (its evaluation is the held-out accuracy); drop them.")
     if config.precision.recipe != "none":
         raise ConfigError(f"precision.recipe={config.precision.recipe!r}: meshlm rl samples from the model as "
                           "trained, in plain bf16 or fp32; set precision.recipe=none.")

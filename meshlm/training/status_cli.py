@@ -29,6 +29,7 @@ import yaml
 from meshlm.checkpoint.files import RUN_CONFIG_FILE
 from meshlm.checkpoint.folders import checkpoint_dirs, is_complete
 from meshlm.errors import ConfigError
+from meshlm.training.early_stopping import BEST_POINTER_FILE, EARLY_STOP
 from meshlm.training.memory_usage import format_bytes
 from meshlm.training.metrics import EVALUATIONS_FILE, METRICS_FILE, format_count, format_duration, read_metrics
 from meshlm.training.plot_cli import tokens_at
@@ -93,6 +94,12 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
     if checkpoints:
         status["newest_checkpoint"] = str(checkpoints[-1][1])
         status["checkpoint_bytes"] = sum(folder_bytes(path) for _, path in checkpoints)
+    pointer = run / BEST_POINTER_FILE
+    if pointer.is_file():
+        try:
+            status["best_checkpoint"] = json.loads(pointer.read_text())
+        except json.JSONDecodeError:
+            pass  # written whole then renamed by the trainer: only a hand edit breaks it
     evaluations = read_metrics(run / EVALUATIONS_FILE)
     if evaluations:
         newest = max(evaluations, key=lambda record: record.get("step", 0))
@@ -124,7 +131,9 @@ def describe(status: dict) -> list[str]:
     """The text lines of one run's status."""
     of = f"/{status['steps']}" if status["steps"] is not None else ""
     state = status["state"]
-    if state == "stopped":
+    if state == "stopped" and status.get("stop_reason") == EARLY_STOP:
+        state = "stopped early (the validation loss stopped improving: train.early_stop_evals)"
+    elif state == "stopped":
         state += f" ({status.get('stop_reason') or 'a stop request'}; rerun the same command to resume)"
     elif state == "not finished":
         ago = format_duration(status["metrics_written_s_ago"])
@@ -159,6 +168,10 @@ def describe(status: dict) -> list[str]:
                      f"process(es) ({layout.get('device')}, {layout.get('dtype')}{', ' + parallel if parallel else ''})"
                      f"; started {status['starts']} time(s)"
                      + (f", {status['rollbacks']} rollback(s)" if status["rollbacks"] else ""))
+    if "best_checkpoint" in status:
+        best = status["best_checkpoint"]
+        lines.append(f"  best checkpoint: {best['checkpoint']} (validation {best['val_loss']:.4f} at step "
+                     f"{best['step']})")
     if status["checkpoints"]:
         numbers = ", ".join(map(str, status["checkpoints"]))
         lines.append(f"  checkpoints: {len(status['checkpoints'])} (steps {numbers}), "

@@ -98,6 +98,7 @@ from meshlm.training.cpu_allocator import keep_freed_memory
 from meshlm.training.data_loading import BatchPrefetcher, build_training_data, read_batch
 from meshlm.training.distillation import Distillation
 from meshlm.training.distillation_pipeline import distilling_stages
+from meshlm.training.early_stopping import EARLY_STOP, early_stop_message, stopped_early, write_best_pointer
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
 from meshlm.training.initial_weights import model_from_init_folder
 from meshlm.training.memory_estimate import available_memory, estimate_training_memory, memory_warning
@@ -545,7 +546,10 @@ class Trainer:
         self.last_eval_step = step
         self.state.last_val_loss = val_loss
         if self.state.best_val_loss is None or val_loss < self.state.best_val_loss:
-            self.state.best_val_loss = val_loss
+            self.state.best_val_loss, self.state.best_val_step = val_loss, step
+            self.state.evaluations_since_best = 0
+        else:
+            self.state.evaluations_since_best += 1
         self.metrics.write({"step": step, "val_loss": val_loss,
                             **(self.preference.validation if self.preference is not None else {})})
         self.progress.message(f"step {step}: validation loss {val_loss:.4f}")
@@ -561,15 +565,31 @@ class Trainer:
         self.last_saved_step = step
         self.progress.message(f"step {step}: {'saving' if background else 'saved'} {path}")
 
-    def save_and_stop(self, reason: str) -> None:
-        """Every rank agreed to stop after this step (a signal or the time limit; stop_requests.py):
-        save it synchronously (after any asynchronous save in flight) and say where to resume."""
+    def save_and_stop(self, reason: str, message: str | None = None) -> None:
+        """Every rank agreed to stop after this step (a signal or the time limit, stop_requests.py; or
+        train.early_stop_evals, early_stopping.py): save it synchronously (after any asynchronous
+        save in flight) and say why and where to resume."""
         with self.phases.pause("checkpoint", self.state.step):
             path = self.checkpoints.save(self.state, self.training_parts())
         self.last_saved_step = self.state.step
         self.metrics.write({"event": "stopped", "step": self.state.step, "reason": reason, "checkpoint": str(path),
                             "time": time.time()})
-        self.progress.message(self.stop_requests.message(reason, self.state.step, self.config.train.steps, path))
+        self.progress.message(message if message is not None else
+                              self.stop_requests.message(reason, self.state.step, self.config.train.steps, path))
+
+    def save_best(self) -> None:
+        """train.keep_best: the evaluation of this step lowered the best validation loss: save this
+        step (synchronously, so the pointer names a complete folder) and point best_checkpoint.json at it."""
+        step = self.state.step
+        if self.last_saved_step != step:
+            with self.phases.pause("checkpoint", step):
+                path = self.checkpoints.save(self.state, self.training_parts())
+            self.last_saved_step = step
+            self.progress.message(f"step {step}: saved {path} (the best validation loss so far)")
+        else:
+            path = self.checkpoints.wait() or self.checkpoints.latest()
+        if self.context.is_logging_rank:
+            write_best_pointer(self.run_dir, step, self.state.best_val_loss, path)
 
     # --- non-finite steps (meshlm/training/fault_tolerance.py) ---------------------------------------------
     def after_nonfinite_streak(self, action: str) -> None:
@@ -632,7 +652,8 @@ class Trainer:
             f"{experts}"
             f"{f', ZeRO-{self.zero_stage}' if self.zero_stage else ''})")
         self.metrics.write({"event": "resume" if self.resumed_from else "start", "step": self.state.step,
-                            "steps": train.steps, "time": time.time(), "device": str(self.device), "dtype": self.config.precision.dtype, "tf32": self.tf32,
+                            "steps": train.steps, "time": time.time(), "device": str(self.device),
+                            "dtype": self.config.precision.dtype, "tf32": self.tf32,
                             "attention_kernels": self.attention_kernels, "scan_kernels_note": self.scan_kernels_note,
                             "world_size": layout.world_size, "tp": layout.tp_size, "cp": layout.cp_size,
                             "dp": layout.dp_size,
@@ -675,7 +696,10 @@ class Trainer:
                 val_loss = self.maybe_evaluate(final=False)
                 if val_loss is not None:
                     result.val_losses[0] = val_loss
-            while self.state.step < train.steps and result.stopped_by is None:
+            if stopped_early(self.state, train):  # a rerun of a run that stopped early trains nothing
+                result.already_complete = early_stop_message(self.state, train, self.run_dir, again=True)
+            while (self.state.step < train.steps and result.stopped_by is None
+                   and result.already_complete is None):
                 started = time.perf_counter()
                 doing = f"in step {self.state.step + 1}"
                 with self.phases.interval(step=self.state.step + 1), self.profiler.step(self.state.step + 1):
@@ -742,6 +766,11 @@ class Trainer:
         val_loss = self.maybe_evaluate(final)
         if val_loss is not None:
             result.val_losses[step] = val_loss
+            if train.keep_best and self.state.best_val_step == step and step > 0:
+                self.save_best()
+            if not final and stopped_early(self.state, train):
+                result.stopped_by = EARLY_STOP
+                return self.save_and_stop(EARLY_STOP, early_stop_message(self.state, train, self.run_dir))
         if self.skips.length == 0 or final:  # while steps keep failing, the last good checkpoint stays the newest
             self.maybe_save(final)
 
