@@ -6,8 +6,9 @@ the counts live in the checkpointed ``TrainerState``, so they survive a resume):
 
 - ``train.keep_best``: an evaluation that lowers the best validation loss saves a checkpoint at
   its step (unless one is saved there anyway); pruning (``train.keep_checkpoints``) never
-  deletes it while it is the best, and ``RUN_DIR/best_checkpoint.json`` names it, so the model to
-  ship is one ``meshlm generate $(jq -r .checkpoint runs/x/best_checkpoint.json)`` away. The
+  deletes it while it is the best, and ``RUN_DIR/best_checkpoint.json`` names it, so that
+  ``RUN_DIR/best`` reads as that checkpoint wherever a model path is taken (``meshlm generate
+  runs/x/best``, ``meshlm eval``, ``convert``, ``train.init_from``). The
   validation of step 0 counts as the first best but saves nothing (no step has trained yet).
 - ``train.early_stop_evals = K``: after K evaluations in a row that did not lower the best, the
   run saves, logs a ``stopped`` event with reason ``early stop`` and exits 0 (HF Trainer's
@@ -24,7 +25,8 @@ import json
 import os
 from pathlib import Path
 
-BEST_POINTER_FILE = "best_checkpoint.json"
+from meshlm.checkpoint.files import BEST_POINTER_FILE
+
 EARLY_STOP = "early stop"
 """The ``reason`` of the stopped event an early stop writes."""
 
@@ -55,4 +57,4 @@ def write_best_pointer(run_dir: Path, step: int, val_loss: float, checkpoint: Pa
     return path
 
 
-__all__ = ["BEST_POINTER_FILE", "EARLY_STOP", "early_stop_message", "stopped_early", "write_best_pointer"]
+__all__ = ["EARLY_STOP", "early_stop_message", "stopped_early", "write_best_pointer"]

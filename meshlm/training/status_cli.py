@@ -26,10 +26,10 @@ from pathlib import Path
 
 import yaml
 
-from meshlm.checkpoint.files import RUN_CONFIG_FILE
+from meshlm.checkpoint.files import BEST_POINTER_FILE, RUN_CONFIG_FILE
 from meshlm.checkpoint.folders import checkpoint_dirs, is_complete
 from meshlm.errors import ConfigError
-from meshlm.training.early_stopping import BEST_POINTER_FILE, EARLY_STOP
+from meshlm.training.early_stopping import EARLY_STOP
 from meshlm.training.memory_usage import format_bytes
 from meshlm.training.metrics import EVALUATIONS_FILE, METRICS_FILE, format_count, format_duration, read_metrics
 from meshlm.training.plot_cli import tokens_at

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from meshlm.checkpoint.folders import checkpoint_dirs
+from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.cli import main
 from meshlm.config import load_run_config
-from meshlm.errors import ConfigError
+from meshlm.errors import CheckpointError, ConfigError
 from meshlm.training.metrics import read_metrics
 from meshlm.training.status_cli import describe, run_status
 from meshlm.training.trainer import Trainer, train
@@ -47,6 +48,20 @@ def test_keep_best_saves_the_best_step_and_pruning_spares_it(make_config, script
     assert (state["step"], state["best_val_step"], state["best_val_loss"]) == (3, 3, 3.0)
     assert json.loads((tmp_path / "run/checkpoints/step_6/trainer_state.json").read_text())[
         "evaluations_since_best"] == 3
+    assert resolve_model_dir(tmp_path / "run" / "best") == tmp_path / "run/checkpoints/step_3"  # RUN/best, anywhere
+    assert main(["generate", str(tmp_path / "run" / "best"), "--prompt", "t1 t4", "--max-new-tokens", "2",
+                 "--greedy", "--device", "cpu"]) == 0
+
+
+def test_run_best_without_a_kept_best_says_how_to_keep_one(tmp_path):
+    (tmp_path / "run").mkdir()
+    with pytest.raises(CheckpointError, match=r"run/best: .* has no best_checkpoint.json; a run keeps its best "
+                                              r"checkpoint with train.keep_best=true"):
+        resolve_model_dir(tmp_path / "run" / "best")
+    (tmp_path / "run" / "best_checkpoint.json").write_text(json.dumps({"step": 3, "val_loss": 1.0,
+                                                                        "checkpoint": str(tmp_path / "gone")}))
+    with pytest.raises(CheckpointError, match=r"names .*gone, which holds no complete checkpoint"):
+        resolve_model_dir(tmp_path / "run" / "best")
 
 
 def test_without_keep_best_the_best_is_pruned_as_any_other(make_config, scripted, tmp_path):
