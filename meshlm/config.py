@@ -439,6 +439,9 @@ class RLConfig:
     """rl.env=prompts: a JSON-lines file (or .json array, compressed or not) of {"prompt": "...",
     "answer": ...} records; every field but the prompt goes to the reward function, and
     rl.eval_prompts of them, drawn by train.seed, are held out for the accuracy."""
+    system: str | None = None
+    """A system turn put before every prompt (a prompt-file record's own 'system' or 'messages' win),
+    e.g. one ending with '/think' or '/no_think' for the reasoning toggle; null: none."""
     group_size: int = 8
     """G: completions sampled per prompt; advantages are normalized within each group (>= 2)."""
     prompts_per_step: int = 4

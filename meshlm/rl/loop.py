@@ -48,7 +48,7 @@ import torch
 from meshlm.checkpoint.folders import latest_checkpoint
 from meshlm.data.tokenizer import find_tokenizer_file, load_tokenizer
 from meshlm.errors import ConfigError
-from meshlm.inference.chat import chat_prompt, reply_ids
+from meshlm.inference.chat import chat_messages, chat_prompt, conversation_prompt, reply_ids
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.parallel.collective_checks import compare_collectives
@@ -168,6 +168,7 @@ class GRPOTrainer(Trainer):
         config = rl_run_config(config)
         self.tokenizer_file = rl_tokenizer_file(config)
         self.tokenizer = load_tokenizer(self.tokenizer_file)
+        self.system = config.rl.system
         reward_fn = config.train.reward_fn
         self.environment = build_environment(config.rl, config.train.seed, needs_answers=reward_fn is None)
         self.reward_name = f"train.reward_fn={reward_fn}" if reward_fn else f"the {config.rl.env} environment's reward"
@@ -200,8 +201,13 @@ class GRPOTrainer(Trainer):
                                       self.device, self.precision.dtype)
         return model
 
-    def encode_prompt(self, text: str) -> list[int]:
-        return chat_prompt(self.tokenizer, text)[0]
+    def encode_prompt(self, record: dict) -> list[int]:
+        """A record's prompt as the chat template renders it, ending with the assistant header: its
+        ``messages`` (a prompt file's multi-turn context), else its ``prompt`` as the user turn after
+        its ``system`` turn, or rl.system's."""
+        system = record.get("system") or self.system
+        messages = record.get("messages") or chat_messages(record["prompt"], system)
+        return conversation_prompt(self.tokenizer, messages)
 
     def reward(self, record: dict, completion: str) -> float:
         return score(self.reward_function, self.reward_name, record, completion)
@@ -339,7 +345,7 @@ class GRPOTrainer(Trainer):
         correct = 0
         for start in range(0, len(mine), 64):
             chunk = mine[start:start + 64]
-            replies = generate(self.model, [self.encode_prompt(record["prompt"]) for record in chunk],
+            replies = generate(self.model, [self.encode_prompt(record) for record in chunk],
                                self.config.rl.max_new_tokens, SamplingConfig(greedy=True), eos_token_id=self.stop_ids,
                                pad_token_id=self.pad_token_id, valid_vocab_size=self.valid_vocab_size)
             for record, ids in zip(chunk, replies):
@@ -365,7 +371,7 @@ class GRPOTrainer(Trainer):
         correct = solved = 0
         for start in range(first, end, HELD_OUT_SAMPLING_BATCH):
             chunk = records[start:min(start + HELD_OUT_SAMPLING_BATCH, end)]
-            prompts = [self.encode_prompt(record["prompt"]) for record in chunk for _ in range(samples)]
+            prompts = [self.encode_prompt(record) for record in chunk for _ in range(samples)]
             sampling = SamplingConfig(temperature=rl.temperature,
                                       seed=group_seed(self.config.train.seed, HELD_OUT_SAMPLING_STEP, start))
             replies = generate(self.model, prompts, rl.max_new_tokens, sampling, eos_token_id=self.stop_ids,

@@ -8,17 +8,21 @@ The file holds one record per line (JSON Lines, or a ``.json`` array; compressed
 
     {"prompt": "Natalia sold clips to 48 of her friends ... How many clips did she sell?", "answer": 72}
 
-``prompt`` (a non-empty string) is the user turn, rendered with the model's chat template; every
-other field goes to the reward function. Without ``train.reward_fn`` the reward is the final-answer
-match of ``answers.py`` and every record needs an ``answer``; with one, records may carry whatever
-that function reads (unit tests, a rubric), and those without an ``answer`` count as solved in the
-accuracy when their reward is at least 1.0 (``GRPOTrainer.is_correct``).
+``prompt`` (a non-empty string) is the user turn, rendered with the model's chat template after
+the record's ``system`` turn (or ``rl.system``'s); a record may give ``messages`` instead, a whole
+context ending with the user turn to answer (its content is then the ``prompt`` the reward
+function gets). Every other field goes to the reward function. Without ``train.reward_fn`` the
+reward is the final-answer match of ``answers.py`` and every record needs an ``answer``; with one,
+records may carry whatever that function reads (unit tests, a rubric), and those without an
+``answer`` count as solved in the accuracy when their reward is at least 1.0
+(``GRPOTrainer.is_correct``).
 
 The environment keeps the contract of the built-in one (``environments.py``), so resuming and
 data parallelism work unchanged:
 
 - **held out**: ``rl.eval_prompts`` records drawn by a permutation seeded by ``train.seed``; every
-  record whose prompt text equals a held-out one (a duplicate line) is left out of training too,
+  record whose context (prompt, system, messages) equals a held-out one (a duplicate line) is left
+  out of training too,
   so the held-out accuracy measures prompts the policy never trained on;
 - **training stream**: record ``i`` is item ``i mod n`` of the permutation of the n training
   records seeded by (``train.seed``, epoch ``i div n``): every epoch visits each prompt once in a
@@ -31,6 +35,7 @@ Editing the file between a run and its resume changes the stream from then on.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -60,10 +65,15 @@ def check_record(record: object, where: str, needs_answers: bool) -> dict:
     if not isinstance(record, dict):
         raise ConfigError(f"rl.prompts: {where}: a JSON {type(record).__name__}, not an object; write one "
                           f"{RECORD_FORMAT} per line.")
+    record = dict(record)
+    if "messages" in record:
+        record["prompt"] = last_user_turn(record["messages"], where)
     prompt = record.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
-        raise ConfigError(f"rl.prompts: {where}: needs a non-empty string under 'prompt' (keys here: "
-                          f"{', '.join(map(repr, record)) or 'none'}).")
+        raise ConfigError(f"rl.prompts: {where}: needs a non-empty string under 'prompt', or 'messages' ending with "
+                          f"a user turn (keys here: {', '.join(map(repr, record)) or 'none'}).")
+    if not isinstance(record.get("system", ""), str):
+        raise ConfigError(f"rl.prompts: {where}: 'system' must be a string (the system turn before the prompt).")
     if needs_answers:
         answer = record.get("answer")
         if answer is None or isinstance(answer, (bool, list, dict)) or answer == "":
@@ -71,7 +81,23 @@ def check_record(record: object, where: str, needs_answers: bool) -> dict:
             raise ConfigError(f"rl.prompts: {where}: {found}; without train.reward_fn the reward compares the "
                               "reply's final answer with a number or string under 'answer', so give every record "
                               "one, or set train.reward_fn=module:function.")
-    return dict(record)
+    return record
+
+
+def last_user_turn(messages: object, where: str) -> str:
+    """The content of the user turn that ends ``messages`` (a record's multi-turn context), checked."""
+    shape_ok = isinstance(messages, list) and messages and all(
+        isinstance(message, dict) and message.get("role") in ("system", "user", "assistant", "tool")
+        and isinstance(message.get("content"), str) for message in messages)
+    if not shape_ok or messages[-1]["role"] != "user":
+        raise ConfigError(f"rl.prompts: {where}: 'messages' must be a list of {{\"role\", \"content\"}} turns "
+                          "(system, user, assistant, tool) ending with the user turn the policy answers.")
+    return messages[-1]["content"]
+
+
+def prompt_key(record: dict) -> str:
+    """What makes two records the same prompt: their whole context, as the policy sees it."""
+    return json.dumps([record.get("messages"), record.get("system"), record["prompt"]], sort_keys=True)
 
 
 class PromptFileEnvironment:
@@ -85,8 +111,8 @@ class PromptFileEnvironment:
         random.Random(f"{seed}:held-out").shuffle(order)
         held_out_indices = sorted(order[:eval_prompts])
         self.held_out = [records[index] for index in held_out_indices]
-        held_out_prompts = {record["prompt"] for record in self.held_out}
-        self.training = [record for record in records if record["prompt"] not in held_out_prompts]
+        held_out_prompts = {prompt_key(record) for record in self.held_out}
+        self.training = [record for record in records if prompt_key(record) not in held_out_prompts]
         if len(self.held_out) < eval_prompts or len(self.training) < prompts_per_step:
             raise ConfigError(f"rl.prompts={path} holds {len(records)} prompts ({len(self.training)} once "
                               f"rl.eval_prompts={eval_prompts} and their duplicates are held out), too few to hold "
@@ -110,7 +136,7 @@ class PromptFileEnvironment:
 
     def longest_prompt(self, encode) -> tuple[int, str]:
         """(tokens, where) of the longest prompt as ``encode`` renders it (chat template included)."""
-        return max((len(encode(record["prompt"])), place) for record, place in zip(self.records, self.places))
+        return max((len(encode(record)), place) for record, place in zip(self.records, self.places))
 
     @staticmethod
     def reward(prompt: str, completion: str, **fields) -> float:

@@ -62,7 +62,7 @@ def sample_groups(model, records: list[dict], first_index: int, step: int, seed:
     """G completions of each record (``first_index``: the first record's index in the step)."""
     prompt_ids, completion_ids = [], []
     for offset, record in enumerate(records):
-        prompt = encode_prompt(record["prompt"])
+        prompt = encode_prompt(record)
         sampling = SamplingConfig(temperature=rl.temperature, seed=group_seed(seed, step, first_index + offset))
         completions = generate(model, [prompt] * rl.group_size, rl.max_new_tokens, sampling, eos_token_id=stop_ids,
                                pad_token_id=pad_token_id, valid_vocab_size=valid_vocab_size)

@@ -91,7 +91,7 @@ def test_pass_at_k_reports_sampled_figures_that_hand_counting_reproduces(policy_
     trainer.environment.is_correct = lambda record, text: "7" in text  # a judgement random replies often meet
     records = trainer.environment.held_out
     sampling = SamplingConfig(temperature=1.0, seed=group_seed(trainer.config.train.seed, HELD_OUT_SAMPLING_STEP, 0))
-    replies = generate(trainer.model, [trainer.encode_prompt(record["prompt"]) for record in records for _ in range(4)],
+    replies = generate(trainer.model, [trainer.encode_prompt(record) for record in records for _ in range(4)],
                        6, sampling, eos_token_id=trainer.stop_ids, pad_token_id=trainer.pad_token_id,
                        valid_vocab_size=trainer.valid_vocab_size)
     hits = ["7" in trainer.tokenizer.decode([t for t in ids if t not in trainer.stop_ids]) for ids in replies]

@@ -210,3 +210,19 @@ def test_prompts_and_another_env_on_the_command_line_are_refused(policy_folder, 
     assert main(["rl", *overrides, "--env", "arithmetic", "--prompts", "q.jsonl"]) == 2
     assert "--prompts q.jsonl trains on a prompt file, which is rl.env=prompts, not --env arithmetic" in \
         capsys.readouterr().err
+
+
+def test_prompts_render_with_their_system_turn_or_context(policy_folder, tmp_path, make_rl_config):
+    from meshlm.inference.chat import chat_messages, conversation_prompt
+
+    trainer = GRPOTrainer(make_rl_config("rl.system=Be brief."))
+    tokenizer = trainer.tokenizer
+    record = {"prompt": "What is 1 + 2?", "answer": 3}
+    assert trainer.encode_prompt(record) == conversation_prompt(tokenizer, chat_messages("What is 1 + 2?", "Be brief."))
+    own = {**record, "system": "Think."}  # a record's own system turn wins
+    assert trainer.encode_prompt(own) == conversation_prompt(tokenizer, chat_messages("What is 1 + 2?", "Think."))
+    context = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"},
+               {"role": "user", "content": "What is 1 + 2?"}]
+    assert trainer.encode_prompt({**record, "messages": context}) == conversation_prompt(tokenizer, context)
+    plain = GRPOTrainer(make_rl_config("train.run_dir=" + str(tmp_path / "plain")))
+    assert plain.encode_prompt(record) == conversation_prompt(tokenizer, chat_messages("What is 1 + 2?"))

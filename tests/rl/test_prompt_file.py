@@ -65,8 +65,9 @@ def test_the_default_reward_and_accuracy_judge_the_final_answer(tmp_path):
 
 @pytest.mark.parametrize("lines, needs_answers, message", [
     (['{"prompt": "a", "answer": 1}', "[1, 2]"], True, r"q\.jsonl, line 2: a JSON list, not an object"),
-    (['{"question": "a", "answer": 1}'], True, r"q\.jsonl, line 1: needs a non-empty string under 'prompt' "
-                                              r"\(keys here: 'question', 'answer'\)"),
+    (['{"question": "a", "answer": 1}'], True, r"q\.jsonl, line 1: needs a non-empty string under 'prompt', or "
+                                              r"'messages' ending with a user turn \(keys here: 'question', "
+                                              r"'answer'\)"),
     (['{"prompt": "  ", "answer": 1}'], True, r"line 1: needs a non-empty string under 'prompt'"),
     (['{"prompt": "a"}'], True, r"line 1: no 'answer'; without train.reward_fn .* or set train.reward_fn"),
     (['{"prompt": "a", "answer": [1, 2]}'], True, r"line 1: 'answer' \[1, 2\]; without train.reward_fn"),
@@ -103,3 +104,28 @@ def test_settings_that_cannot_go_together_are_refused(overrides, message):
 def test_a_missing_file_is_named():
     with pytest.raises(ConfigError, match=r"rl.prompts=nowhere.jsonl: no such file"):
         PromptFileEnvironment("nowhere.jsonl", 0, 2, 1)
+
+
+def test_messages_and_system_turns_are_part_of_a_prompt(tmp_path):
+    context = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 + 1?"},
+               {"role": "assistant", "content": "2"}, {"role": "user", "content": "And 2 + 2?"}]
+    records = [{"messages": context, "answer": 4}, {"prompt": "And 2 + 2?", "answer": 4},
+               {"prompt": "And 2 + 2?", "system": "Think.", "answer": 4}, *QUESTIONS[:10]]
+    environment = PromptFileEnvironment(write_prompts(tmp_path / "q.jsonl", records), 0, eval_prompts=2,
+                                        prompts_per_step=1)
+    first, second, third = environment.records[:3]
+    assert first["prompt"] == "And 2 + 2?" and first["messages"] == context  # the reward's prompt: the last user turn
+    contexts = {json.dumps([r.get("messages"), r.get("system"), r["prompt"]]) for r in environment.records[:3]}
+    assert len(contexts) == 3  # the same question in three contexts: three prompts, none a duplicate of another
+    assert len(environment.training) + len(environment.held_out) == len(records)
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "answer": 1},
+     "'messages' must be a list of .* ending with the user turn the policy answers"),
+    ({"messages": "What is 1 + 1?", "answer": 2}, "'messages' must be a list"),
+    ({"prompt": "a", "system": 3, "answer": 1}, "'system' must be a string"),
+])
+def test_bad_contexts_are_refused(tmp_path, record, message):
+    with pytest.raises(ConfigError, match=message):
+        PromptFileEnvironment(write_prompts(tmp_path / "q.jsonl", [record] * 4), 0, 1, 1)

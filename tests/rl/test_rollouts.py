@@ -36,7 +36,7 @@ def test_a_group_is_the_same_whichever_rank_samples_it(policy_folder):
     gives what sampling all three together gave them."""
     model = load_model(policy_folder).float()
     records = [{"prompt": p} for p in ("a", "b", "c")]
-    encode = lambda text: [1, 2, 3 + ord(text) % 5]  # noqa: E731
+    encode = lambda record: [1, 2, 3 + ord(record["prompt"]) % 5]  # noqa: E731
     rl = RLConfig(group_size=4, max_new_tokens=5, temperature=1.0)
     together = sample_groups(model, records, 0, step=3, seed=11, encode_prompt=encode, rl=rl, stop_ids=[40],
                              valid_vocab_size=50, pad_token_id=0)
