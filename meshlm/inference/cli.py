@@ -34,6 +34,8 @@ plain greedy decoding; ``meshlm/inference/speculative.py``). ``--stats`` prints 
 stderr: prefill and decode tokens/s and cache bytes (``meshlm/inference/stats.py``); with
 ``--speculative`` also the drafts accepted, and the speed-up over plain greedy decoding of the
 same prompts, which it then runs too (one prompt at a time, as speculative decoding does).
+``--input FILE --output FILE`` generates for a file of prompt records in batches, appending to the
+output as it goes and continuing there when rerun (``meshlm/inference/batch_generate.py``).
 ``--compile`` decodes with the per-token step under torch.compile (``meshlm/inference/decode_step.py``):
 the same tokens up to float rounding, each step several times faster on a CPU, after a first step
 that compiles (tens of seconds; ``--stats`` reports it as ``compile_seconds``).
@@ -52,7 +54,8 @@ from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.model_files import load_model
 from meshlm.data.tokenizer import Tokenizer, find_tokenizer_file, load_tokenizer
 from meshlm.errors import ConfigError
-from meshlm.inference.chat import chat_prompt, reply_ids, reply_record, show_reply
+from meshlm.inference.batch_generate import DEFAULT_BATCH_SIZE, generate_file
+from meshlm.inference.chat import chat_prompt, reply_ids, reply_record, show_reply, stop_ids
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.inference.speculative import SPECULATIVE_METHODS
@@ -100,6 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a reasoning model was fine-tuned with; a think block is printed marked")
     parser.add_argument("--stats", action="store_true",
                         help="print prefill/decode tokens/s, cache bytes (and drafts accepted) as JSON on stderr")
+    parser.add_argument("--input", metavar="FILE.jsonl",
+                        help='prompts from a file, one {"prompt": ...} record per line (with --chat also "system" '
+                             'or "messages"), generated in batches into --output (meshlm/inference/batch_generate.py)')
+    parser.add_argument("--output", metavar="FILE.jsonl",
+                        help="with --input: each record with what was generated, appended a batch at a time; "
+                             "rerunning continues after the last complete line")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="N",
+                        help=f"with --input: prompts per generate call (default {DEFAULT_BATCH_SIZE})")
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -110,7 +121,19 @@ def parse_token_ids(text: str) -> list[int]:
 
 
 def check_prompts(args: argparse.Namespace) -> None:
-    """One or more prompts, as text (``--prompt``, ``--prompt-file``) or as token ids, not both."""
+    """One or more prompts, as text (``--prompt``, ``--prompt-file``) or as token ids, not both; or
+    a file of them (``--input`` with ``--output``)."""
+    if getattr(args, "input", None) is not None:
+        if args.prompt is not None or args.prompt_ids is not None:
+            raise ConfigError("--input reads the prompts from a file; drop --prompt, --prompt-file and --prompt-ids.")
+        if args.output is None:
+            raise ConfigError("--input writes its completions to a file: add --output FILE.jsonl.")
+        if args.batch_size < 1:
+            raise ConfigError(f"--batch-size {args.batch_size} must be at least 1.")
+        return
+    if getattr(args, "output", None) is not None:
+        raise ConfigError("--output holds the completions of --input's prompts; add --input FILE.jsonl, or drop "
+                          "--output to print them.")
     if args.prompt is None and args.prompt_ids is None:
         raise ConfigError("no prompt given; pass --prompt TEXT, --prompt-file FILE or --prompt-ids ID,ID,... "
                           "(each repeatable).")
@@ -202,14 +225,17 @@ def run(args: argparse.Namespace) -> int:
                                 "--tokenizer PATH, or give token ids with --prompt-ids.")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(model_dir, map_location=device)
-    prompts = args.prompt_ids if args.prompt is None else [tokenizer.encode(text) for text in args.prompt]
+    prompts = (args.prompt_ids if args.prompt is None else [tokenizer.encode(text) for text in args.prompt]
+               ) if args.input is None else []
     eos_token_id = choose_eos(args.eos_id, tokenizer, model_dir)
-    if args.chat:
+    if args.chat and args.input is None:
         if args.prompt is None:
             raise ConfigError("--chat renders text prompts as user turns; give them with --prompt, not --prompt-ids.")
         prompts, stop_ids = zip(*(chat_prompt(tokenizer, text, args.system, args.reasoning) for text in args.prompt))
         prompts, eos_token_id = list(prompts), stop_ids[0] if args.eos_id is None else args.eos_id
     valid_vocab_size = min(tokenizer.vocab_size, model.config.vocab_size) if tokenizer else None
+    if args.input is not None:
+        return generate_from_file(args, model, tokenizer, sampling, eos_token_id, valid_vocab_size)
     settings = dict(eos_token_id=eos_token_id, valid_vocab_size=valid_vocab_size, prefill_chunk=args.prefill_chunk)
     stats = GenerationStats() if args.stats else None
     results = generate(model, prompts, args.max_new_tokens, sampling, speculative=args.speculative,
@@ -231,6 +257,23 @@ def run(args: argparse.Namespace) -> int:
             report.update(compare_with_plain_greedy(model, prompts, args.max_new_tokens, results, stats, settings))
         print(json.dumps(report), file=sys.stderr)
     return 0
+
+
+def generate_from_file(args, model, tokenizer, sampling, eos_token_id, valid_vocab_size) -> int:
+    """``--input`` / ``--output``: the file's prompts in batches (meshlm/inference/batch_generate.py)."""
+    if tokenizer is None:
+        raise FileNotFoundError(f"no tokenizer found for {args.checkpoint}: --input holds text prompts; pass "
+                                "--tokenizer PATH.")
+    if args.speculative is not None or args.stats:
+        raise ConfigError("--input generates in batches; --speculative and --stats take --prompt (one prompt at a "
+                          "time).")
+    if args.chat and args.eos_id is None:
+        stops = stop_ids(tokenizer)  # the template's end of turn, and the eos
+    else:
+        stops = [] if eos_token_id is None else list(eos_token_id) if isinstance(eos_token_id, list) else [eos_token_id]
+    settings = dict(eos_token_id=stops or None, valid_vocab_size=valid_vocab_size, prefill_chunk=args.prefill_chunk,
+                    compile=args.compile)
+    return generate_file(args, model, tokenizer, sampling, stops, settings)
 
 
 def compare_with_plain_greedy(model, prompts: list[list[int]], max_new_tokens: int, speculative_results,

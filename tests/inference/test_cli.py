@@ -2,9 +2,6 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
-
 from meshlm.checkpoint.model_files import load_model, save_model
 from meshlm.cli import main
 from meshlm.data.tokenizer import load_tokenizer
@@ -13,34 +10,7 @@ from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
-
-SENTENCES = ["the cat sat on the mat.", "a dog sat on a log.", "the cat and the dog are friends."] * 4
-
-
-def tiny_model(seed: int = 0) -> LanguageModel:
-    torch.manual_seed(seed)  # vocab 320 > the tokenizer's ~300: a padded vocabulary
-    return LanguageModel(ModelConfig(vocab_size=320, hidden_size=32, pattern="*-*-", num_attention_heads=4,
-                                     num_kv_heads=2, init_std=0.1))
-
-
-@pytest.fixture
-def tokenizer_dir(tmp_path):
-    backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(SENTENCES, trainer)
-    directory = tmp_path / "tokenizer"
-    directory.mkdir()
-    backend.save(str(directory / "tokenizer.json"))
-    return directory
-
-
-@pytest.fixture
-def model_dir(tmp_path, tokenizer_dir):
-    return save_model(tiny_model(), tmp_path / "model", tokenizer_dir=tokenizer_dir)
-
+from tests.helpers.generation_model import tiny_model
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(["generate", *map(str, argv)])
