@@ -80,7 +80,8 @@ def write_tokenizer_config(directory: Path) -> Path:
     return path
 
 
-# --- command line: `meshlm tokenizer train` (and `extend`, tokenizer_extension.py) -------------
+# --- command line: `meshlm tokenizer train` (and `extend`: tokenizer_extension.py; `encode`/`decode`:
+# tokenizer_inspect.py) ---------------------------------------------------------------------------
 def add_arguments(parser) -> None:
     actions = parser.add_subparsers(dest="tokenizer_action", metavar="ACTION")
     actions.required = True
@@ -96,6 +97,9 @@ def add_arguments(parser) -> None:
     from meshlm.data.tokenizer_extension import add_extend_arguments
 
     add_extend_arguments(actions)  # `meshlm tokenizer extend`
+    from meshlm.data.tokenizer_inspect import add_inspect_arguments
+
+    add_inspect_arguments(actions)  # `meshlm tokenizer encode | decode`
 
 
 def run(args) -> int:
@@ -103,6 +107,10 @@ def run(args) -> int:
         from meshlm.data.tokenizer_extension import run_extend
 
         return run_extend(args)
+    if args.tokenizer_action in ("encode", "decode"):
+        from meshlm.data.tokenizer_inspect import run_decode, run_encode
+
+        return run_encode(args) if args.tokenizer_action == "encode" else run_decode(args)
     out = train_tokenizer(args.input, args.vocab_size, args.out, args.text_key, args.min_frequency)
     vocab_size = Tokenizer.from_file(str(out)).get_vocab_size(with_added_tokens=True)
     print(f"wrote {out} ({vocab_size} tokens) and {out.parent / CONFIG_FILE}")
