@@ -59,6 +59,10 @@ class TrainConfig:
     step and once at the end)."""
     eval_batches: int = 8
     """Validation micro-batches per evaluation."""
+    eval_per_dataset: bool = False
+    """Also the validation loss of each corpus of the blend alone, eval_batches micro-batches of its
+    own validation split each: metrics val_loss_<name> (the store's file name), beside val_loss --
+    which data helps which domain, in a data-mixing study. Each corpus adds an evaluation's cost."""
     save_every: int = 100
     """Save a checkpoint every this many steps (0 = only at the end)."""
     keep_checkpoints: int = 3
@@ -526,6 +530,11 @@ class RunConfig:
                 raise ConfigError(f"train.{name}={getattr(train, name)} must be a positive integer.")
         if train.early_stop_evals < 0:
             raise ConfigError(f"train.early_stop_evals={train.early_stop_evals} must be >= 0 (0: no early stopping).")
+        if train.eval_per_dataset and (train.objective != "lm" or train.eval_every <= 0):
+            why = (f"train.objective={train.objective} reads preference rows, not a blend of corpora"
+                   if train.objective != "lm" else "train.eval_every=0 computes no validation loss")
+            raise ConfigError(f"train.eval_per_dataset: {why}; drop it" + ("." if train.objective != "lm" else
+                                                                            ", or set train.eval_every."))
         if (train.keep_best or train.early_stop_evals) and train.eval_every <= 0:
             setting = "train.keep_best" if train.keep_best else f"train.early_stop_evals={train.early_stop_evals}"
             raise ConfigError(f"{setting} follows the validation loss, and train.eval_every=0 computes none; set "

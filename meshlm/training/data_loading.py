@@ -57,12 +57,13 @@ from __future__ import annotations
 
 import collections
 import queue
+import re
 import threading
 import time
 import warnings
 import zlib
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -87,6 +88,8 @@ class TrainingData:
     """The fixed validation samples (None when train.eval_every is 0)."""
     tokenizer_file: Path | None
     """The tokenizer the data was built with (copied into every checkpoint), if known."""
+    valid_per_dataset: dict[str, torch.utils.data.Dataset] = field(default_factory=dict)
+    """train.eval_per_dataset: each corpus's own fixed validation samples, by name."""
 
 
 def resolve_blend(data) -> Blend:
@@ -176,8 +179,28 @@ def build_training_data(config) -> TrainingData:
         document_boundaries = True
     datasets = build_datasets(blend, train.seq_len, num_samples, seed=train.seed, split=data.split,
                               cache_dir=data.cache_dir, document_boundaries=document_boundaries)
-    return TrainingData(train=datasets["train"], valid=datasets.get("valid"),
+    per_dataset = {}
+    if train.eval_per_dataset and "valid" in num_samples:
+        for name, prefix in dataset_names(blend.prefixes).items():
+            alone = Blend(prefixes=[prefix], weights=[1.0], tokenizer=blend.tokenizer)
+            per_dataset[name] = build_datasets(alone, train.seq_len, {"valid": num_samples["valid"]}, seed=train.seed,
+                                               split=data.split, cache_dir=data.cache_dir,
+                                               document_boundaries=document_boundaries)["valid"]
+    return TrainingData(train=datasets["train"], valid=datasets.get("valid"), valid_per_dataset=per_dataset,
                         tokenizer_file=Path(blend.tokenizer) if blend.tokenizer is not None else None)
+
+
+def dataset_names(prefixes: list[str]) -> dict[str, str]:
+    """A metric-safe name for each store of a blend: its file name, numbered where two are the same."""
+    names: dict[str, str] = {}
+    for prefix in prefixes:
+        base = re.sub(r"[^0-9A-Za-z]+", "_", Path(prefix).name).strip("_") or "data"
+        name, count = base, 1
+        while name in names:
+            count += 1
+            name = f"{base}_{count}"
+        names[name] = prefix
+    return names
 
 
 def read_batch(dataset: torch.utils.data.Dataset, start: int, size: int,

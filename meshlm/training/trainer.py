@@ -508,12 +508,14 @@ class Trainer:
 
     # --- evaluation and checkpoints -----------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean LM loss over the fixed validation micro-batches (every DP rank evaluates all of them)."""
+    def evaluate(self, dataset=None) -> float:
+        """Mean LM loss over the fixed validation micro-batches (every DP rank evaluates all of them) of
+        the run's validation split, or of ``dataset`` (one corpus's: train.eval_per_dataset)."""
         size, batches = self.config.train.micro_batch_size, self.config.train.eval_batches
         self.model.eval()
         total = 0.0
-        batches_read = [split_batch(read_batch(self.data.valid, index * size, size, self.device), self.context)
+        dataset = self.data.valid if dataset is None else dataset
+        batches_read = [split_batch(read_batch(dataset, index * size, size, self.device), self.context)
                         for index in range(batches)]
         if self.preference is not None:  # the objective's loss; its accuracy etc. in preference.validation
             total = self.preference.evaluate(self.model, batches_read, self.precision)
@@ -543,6 +545,8 @@ class Trainer:
             return None
         with self.phases.pause("evaluation", step):
             val_loss = self.evaluate()
+            per_dataset = {f"val_loss_{name}": self.evaluate(dataset)
+                           for name, dataset in self.data.valid_per_dataset.items()}
         self.last_eval_step = step
         self.state.last_val_loss = val_loss
         if self.state.best_val_loss is None or val_loss < self.state.best_val_loss:
@@ -550,9 +554,10 @@ class Trainer:
             self.state.evaluations_since_best = 0
         else:
             self.state.evaluations_since_best += 1
-        self.metrics.write({"step": step, "val_loss": val_loss,
+        self.metrics.write({"step": step, "val_loss": val_loss, **per_dataset,
                             **(self.preference.validation if self.preference is not None else {})})
-        self.progress.message(f"step {step}: validation loss {val_loss:.4f}")
+        each = ", ".join(f"{key.removeprefix('val_loss_')} {value:.4f}" for key, value in per_dataset.items())
+        self.progress.message(f"step {step}: validation loss {val_loss:.4f}" + (f" ({each})" if each else ""))
         return val_loss
 
     def maybe_save(self, final: bool) -> None:
