@@ -45,11 +45,11 @@ RNG_FILE = "rng.pt"
 RUN_CONFIG_FILE = "run.yaml"
 STATE_FILE = "trainer_state.json"
 COMPLETE_FILE = "complete.json"
+"""The completion marker: written last, by global rank 0, once every rank has written its shards."""
 BEST_POINTER_FILE = "best_checkpoint.json"
 """RUN_DIR/best_checkpoint.json: the checkpoint of the best validation loss (train.keep_best)."""
 BEST_ALIAS = "best"
 """``RUN_DIR/best`` names that checkpoint wherever a model path is taken (``locate.resolve_model_dir``)."""
-"""The completion marker: written last, by global rank 0, once every rank has written its shards."""
 MOVE_AWAY_HINT = "move {directory} out of the checkpoints folder to resume from the one before it."
 
 

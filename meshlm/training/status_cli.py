@@ -67,7 +67,9 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
     status = {"run": str(run), "step": step, "steps": total_steps, "starts": len(starts),
               "rollbacks": sum(record["event"] == "rollback" for record in events),
               "metrics_written_s_ago": written_ago}
-    stopped = events[-1] if events and events[-1]["event"] == "stopped" and events[-1]["step"] >= step else None
+    stops = [record for record in events if record["event"] == "stopped"]
+    # stopped, and no step logged since (a rerun that resumed and trained nothing -- an early stop's -- stays stopped)
+    stopped = stops[-1] if stops and stops[-1]["step"] >= step else None
     if total_steps is not None and step >= total_steps:
         status["state"] = "finished"
     elif stopped is not None:

@@ -87,6 +87,7 @@ def test_early_stop_saves_says_why_and_a_rerun_trains_nothing_until_raised(make_
     assert f"  best checkpoint: {run}/checkpoints/step_3 (validation 3.0000 at step 3)" in lines
     again = train(config)  # the same command
     assert again.step == 5 and again.already_complete.startswith("the run stopped early at step 5/8")
+    assert run_status(str(run))["state"] == "stopped"  # the rerun's resume event does not hide the stop
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r and "event" not in r][-1] == 5
     patient = make_config(*overrides(run, "train.early_stop_evals=0", "train.steps=8", "train.keep_best=true"))
     resumed = train(patient)  # no early stop: trains on from step 5 and finds the new best at step 7
