@@ -31,7 +31,7 @@ def json_records(path: str | os.PathLike, on_bytes: Callable[[int], None] | None
     for number, raw in lines:
         if not raw.strip():
             continue
-        if content_suffix(path) == ".json" and raw.lstrip().startswith(b"["):
+        if content_suffix(path) == ".json" and raw.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):
             yield from array_items(path, raw + b"".join(line for _, line in lines))
             return
         try:
@@ -45,9 +45,9 @@ def json_records(path: str | os.PathLike, on_bytes: Callable[[int], None] | None
 
 
 def array_items(path: Path, content: bytes) -> Iterator[tuple[str, object]]:
-    """The items of the JSON array ``content`` (all of ``path``)."""
+    """The items of the JSON array ``content`` (all of ``path``; a UTF-8 byte-order mark is allowed)."""
     try:
-        values = json.loads(content)
+        values = json.loads(content.lstrip().removeprefix(b"\xef\xbb\xbf"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         where = f", line {error.lineno}" if isinstance(error, json.JSONDecodeError) else ""
         detail = error.msg if isinstance(error, json.JSONDecodeError) else str(error)

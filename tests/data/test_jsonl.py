@@ -16,6 +16,8 @@ def test_a_json_array_yields_its_items_named_by_position(tmp_path):
     path.write_text(json.dumps([{"text": "one"}, {"text": "two"}], indent=2))
     assert list(json_records(path)) == [(f"{path}, item 1", {"text": "one"}), (f"{path}, item 2", {"text": "two"})]
     assert list(read_documents(path)) == ["one", "two"]
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # saved by an editor with a byte-order mark
+    assert list(read_documents(path)) == ["one", "two"]
 
 
 def test_a_gzipped_json_of_lines_reads_as_c4_ships_it(tmp_path):
