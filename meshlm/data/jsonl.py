@@ -27,18 +27,19 @@ def json_records(path: str | os.PathLike, on_bytes: Callable[[int], None] | None
     non-blank line, or every item of a ``.json`` file that is one JSON array. ``line_hint`` ends
     the sentence for a line that is not JSON."""
     path = Path(path)
+    suffix = content_suffix(path)
     lines = read_lines(path, on_bytes)
     for number, raw in lines:
         if not raw.strip():
             continue
-        if content_suffix(path) == ".json" and raw.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):
+        if suffix == ".json" and raw.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):
             yield from array_items(path, raw + b"".join(line for _, line in lines))
             return
         try:
             value = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             detail = error.msg if isinstance(error, json.JSONDecodeError) else str(error)
-            hint = line_hint if content_suffix(path) == ".jsonl" else \
+            hint = line_hint if suffix == ".jsonl" else \
                 "a .json file must hold JSON Lines (one record per line) or one JSON array of records"
             raise DataError(f"{path}, line {number}: not valid JSON ({detail}); {hint}.") from error
         yield f"{path}, line {number}", value
