@@ -21,11 +21,9 @@ Every rank takes the same decisions: the validation loss they compare is the sam
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
-from meshlm.checkpoint.files import BEST_POINTER_FILE
+from meshlm.checkpoint.files import BEST_POINTER_FILE, write_json_atomic
 
 EARLY_STOP = "early stop"
 """The ``reason`` of the stopped event an early stop writes."""
@@ -51,9 +49,7 @@ def early_stop_message(state, train, run_dir: Path, again: bool = False) -> str:
 def write_best_pointer(run_dir: Path, step: int, val_loss: float, checkpoint: Path) -> Path:
     """RUN_DIR/best_checkpoint.json: the best step's checkpoint (written whole, then renamed)."""
     path = Path(run_dir) / BEST_POINTER_FILE
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps({"step": step, "val_loss": val_loss, "checkpoint": str(checkpoint)}) + "\n")
-    os.replace(temporary, path)
+    write_json_atomic(path, {"step": step, "val_loss": val_loss, "checkpoint": str(checkpoint)})
     return path
 
 

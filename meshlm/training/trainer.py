@@ -560,23 +560,26 @@ class Trainer:
         self.progress.message(f"step {step}: validation loss {val_loss:.4f}" + (f" ({each})" if each else ""))
         return val_loss
 
+    def save_checkpoint(self, async_save: bool = False) -> Path:
+        """Save this step (collective), with the power floor held during it; returns the folder."""
+        with self.phases.pause("checkpoint", self.state.step):  # held at train.power_floor, if any
+            path = self.checkpoints.save(self.state, self.training_parts(), async_save=async_save)
+        self.last_saved_step = self.state.step
+        return path
+
     def maybe_save(self, final: bool) -> None:
         every, step = self.config.train.save_every, self.state.step
         if self.last_saved_step == step or not ((every and step % every == 0) or final):
             return
         background = self.config.train.async_save
-        with self.phases.pause("checkpoint", step):  # held at train.power_floor, if any
-            path = self.checkpoints.save(self.state, self.training_parts(), async_save=background)
-        self.last_saved_step = step
+        path = self.save_checkpoint(async_save=background)
         self.progress.message(f"step {step}: {'saving' if background else 'saved'} {path}")
 
     def save_and_stop(self, reason: str, message: str | None = None) -> None:
         """Every rank agreed to stop after this step (a signal or the time limit, stop_requests.py; or
         train.early_stop_evals, early_stopping.py): save it synchronously (after any asynchronous
         save in flight) and say why and where to resume."""
-        with self.phases.pause("checkpoint", self.state.step):
-            path = self.checkpoints.save(self.state, self.training_parts())
-        self.last_saved_step = self.state.step
+        path = self.save_checkpoint()
         self.metrics.write({"event": "stopped", "step": self.state.step, "reason": reason, "checkpoint": str(path),
                             "time": time.time()})
         self.progress.message(message if message is not None else
@@ -587,9 +590,7 @@ class Trainer:
         step (synchronously, so the pointer names a complete folder) and point best_checkpoint.json at it."""
         step = self.state.step
         if self.last_saved_step != step:
-            with self.phases.pause("checkpoint", step):
-                path = self.checkpoints.save(self.state, self.training_parts())
-            self.last_saved_step = step
+            path = self.save_checkpoint()
             self.progress.message(f"step {step}: saved {path} (the best validation loss so far)")
         else:
             path = self.checkpoints.wait() or self.checkpoints.latest()
