@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -41,12 +40,12 @@ from meshlm.evaluation.perplexity import open_sources
 from meshlm.evaluation.results import evaluate_model, perplexity_line, task_line
 from meshlm.inference.cli import find_tokenizer
 from meshlm.parallel.plain_collectives import barrier, broadcast_objects
-from meshlm.training.metrics import EVALUATIONS_FILE, read_metrics
+from meshlm.training.metrics import EVALUATIONS_FILE, metric_word, read_metrics
 
 
 def metric_stem(name: str) -> str:
     """'data/hellaswag.jsonl' -> 'hellaswag'; 'all' (the total of several sources) stays 'all'."""
-    return re.sub(r"[^0-9A-Za-z]+", "_", Path(name).name.split(".")[0]).strip("_") or "data"
+    return metric_word(Path(name).name.split(".")[0])
 
 
 def figures(perplexities, tasks) -> dict[str, float]:

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import collections
 import queue
-import re
 import threading
 import time
 import warnings
@@ -73,6 +72,7 @@ from meshlm.data.indexed import TokenStore, metadata_path
 from meshlm.data.preference import preference_kind
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError, DataError
+from meshlm.training.metrics import metric_word
 from meshlm.training.preference_data import build_preference_data
 
 
@@ -194,7 +194,7 @@ def dataset_names(prefixes: list[str]) -> dict[str, str]:
     """A metric-safe name for each store of a blend: its file name, numbered where two are the same."""
     names: dict[str, str] = {}
     for prefix in prefixes:
-        base = re.sub(r"[^0-9A-Za-z]+", "_", Path(prefix).name).strip("_") or "data"
+        base = metric_word(Path(prefix).name)
         name, count = base, 1
         while name in names:
             count += 1

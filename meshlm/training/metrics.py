@@ -41,6 +41,7 @@ from typing import TextIO
 
 import torch
 
+from meshlm.errors import ConfigError
 from meshlm.training.memory_usage import format_bytes
 from meshlm.training.tracking import scalar_items
 
@@ -268,6 +269,22 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return records
 
 
+def run_metrics_file(run_dir: str | os.PathLike) -> Path:
+    """RUN_DIR/metrics.jsonl of a run directory a command was given; ConfigError when there is none."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        what = "is not a directory" if not Path(run_dir).is_dir() else f"holds no {METRICS_FILE}"
+        raise ConfigError(f"{run_dir} {what}; pass run directories (a run's train.run_dir, where the trainer "
+                          f"writes {METRICS_FILE}).")
+    return path
+
+
+def metric_word(text: str) -> str:
+    """``text`` as one word of a metric name: each run of other characters than letters and digits
+    becomes '_' ('web-2024.v1' -> 'web_2024_v1'); 'data' when nothing is left."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", text).strip("_") or "data"
+
+
 def truncate_metrics(path: Path, last_step: int) -> None:
     """Keep only the lines of steps <= ``last_step`` (rewritten atomically)."""
     kept = [record for record in read_metrics(path) if record.get("step", 0) <= last_step]
@@ -346,6 +363,6 @@ def _tensorboard_writer(log_dir: Path, resume_step: int):
     return SummaryWriter(str(log_dir), purge_step=resume_step + 1 if resume_step > 0 else None)
 
 
-__all__ = ["EVALUATIONS_FILE", "GPU_PEAK_TFLOPS", "METRICS_FILE", "MetricsLog", "ProgressLine", "SilentLog", "Throughput",
-           "expert_load_summary", "format_count", "format_duration", "measured_peak_flops", "peak_flops",
-           "progress_text", "read_metrics", "table_peak_flops", "truncate_metrics"]
+__all__ = ["EVALUATIONS_FILE", "GPU_PEAK_TFLOPS", "METRICS_FILE", "MetricsLog", "ProgressLine", "SilentLog",
+           "Throughput", "expert_load_summary", "format_count", "format_duration", "measured_peak_flops", "metric_word",
+           "peak_flops", "progress_text", "read_metrics", "run_metrics_file", "table_peak_flops", "truncate_metrics"]

@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 
 from meshlm.errors import ConfigError
-from meshlm.training.metrics import EVALUATIONS_FILE, METRICS_FILE, read_metrics
+from meshlm.training.metrics import EVALUATIONS_FILE, read_metrics, run_metrics_file
 
 X_AXES = ("step", "tokens")
 GIB = 2 ** 30
@@ -49,12 +49,7 @@ def add_arguments(parser) -> None:
 
 def load_run(run_dir: str) -> list[dict]:
     """The records of ``run_dir``'s metrics.jsonl and evaluations.jsonl, or ConfigError naming what is wrong."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        what = "is not a directory" if not Path(run_dir).is_dir() else f"holds no {METRICS_FILE}"
-        raise ConfigError(f"{run_dir} {what}; pass run directories (a run's train.run_dir, where the trainer "
-                          f"writes {METRICS_FILE}).")
-    return read_metrics(path) + read_metrics(Path(run_dir) / EVALUATIONS_FILE)
+    return read_metrics(run_metrics_file(run_dir)) + read_metrics(Path(run_dir) / EVALUATIONS_FILE)
 
 
 def metric_names(records: list[dict]) -> list[str]:

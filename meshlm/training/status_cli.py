@@ -28,10 +28,10 @@ import yaml
 
 from meshlm.checkpoint.files import BEST_POINTER_FILE, RUN_CONFIG_FILE
 from meshlm.checkpoint.folders import checkpoint_dirs, is_complete
-from meshlm.errors import ConfigError
 from meshlm.training.early_stopping import EARLY_STOP
 from meshlm.training.memory_usage import format_bytes
-from meshlm.training.metrics import EVALUATIONS_FILE, METRICS_FILE, format_count, format_duration, read_metrics
+from meshlm.training.metrics import (EVALUATIONS_FILE, format_count, format_duration, read_metrics,
+                                    run_metrics_file)
 from meshlm.training.plot_cli import tokens_at
 
 RECENT_STEPS = 5
@@ -50,10 +50,7 @@ def folder_bytes(path: Path) -> int:
 def run_status(run_dir: str, now: float | None = None) -> dict:
     """Plain data about the run in ``run_dir`` (module docstring); ConfigError when it is no run."""
     run = Path(run_dir)
-    metrics_path = run / METRICS_FILE
-    if not metrics_path.is_file():
-        what = "is not a directory" if not run.is_dir() else f"holds no {METRICS_FILE}"
-        raise ConfigError(f"{run_dir} {what}; pass run directories (a run's train.run_dir).")
+    metrics_path = run_metrics_file(run_dir)
     records = read_metrics(metrics_path)
     events = [record for record in records if record.get("event") is not None]
     starts = [record for record in events if record["event"] in ("start", "resume")]
