@@ -37,7 +37,7 @@ from pathlib import Path
 
 from meshlm.data.jsonl import json_records
 from meshlm.errors import ConfigError, DataError
-from meshlm.inference.chat import chat_messages, conversation_prompt, reply_ids, reply_record
+from meshlm.inference.chat import conversation_prompt, record_messages, reply_ids, reply_record
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 
@@ -111,8 +111,7 @@ def completed_lines(output: Path, total: int) -> int:
 def prompt_ids(record: dict, tokenizer, chat: bool, system: str | None, reasoning: str | None) -> list[int]:
     if not chat:
         return tokenizer.encode(record["prompt"])
-    messages = record.get("messages") or chat_messages(record["prompt"], record.get("system") or system, reasoning)
-    return conversation_prompt(tokenizer, messages)
+    return conversation_prompt(tokenizer, record_messages(record, system, reasoning))
 
 
 def output_record(record: dict, ids: list[int], tokenizer, chat: bool, stops: list[int]) -> dict:

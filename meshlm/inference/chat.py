@@ -32,6 +32,13 @@ def chat_messages(text: str, system: str | None = None, reasoning: str | None = 
     return with_reasoning(messages, reasoning)
 
 
+def record_messages(record: dict, system: str | None = None, reasoning: str | None = None) -> list[dict]:
+    """A prompt record (``meshlm rl --prompts``, ``meshlm generate --input``) as chat turns: its
+    ``messages`` (a whole context ending with the user turn), else its ``prompt`` as the user turn
+    after its own ``system`` turn, or ``system``'s."""
+    return record.get("messages") or chat_messages(record["prompt"], record.get("system") or system, reasoning)
+
+
 def stop_ids(tokenizer: Tokenizer) -> list[int]:
     """The ids that end a reply: the template's end-of-turn token and the tokenizer's eos."""
     end = load_chat_template(tokenizer.source).end_of_turn()
@@ -86,5 +93,5 @@ def show_reply(record: dict) -> str:
     return f"{THINK_START}{record['thinking']}{THINK_END}\n{record['text']}"
 
 
-__all__ = ["chat_messages", "chat_prompt", "conversation_prompt", "reply_ids", "reply_record", "show_reply",
-           "split_reply", "stop_ids"]
+__all__ = ["chat_messages", "chat_prompt", "conversation_prompt", "record_messages", "reply_ids", "reply_record",
+           "show_reply", "split_reply", "stop_ids"]

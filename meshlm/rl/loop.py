@@ -48,7 +48,7 @@ import torch
 from meshlm.checkpoint.folders import latest_checkpoint
 from meshlm.data.tokenizer import find_tokenizer_file, load_tokenizer
 from meshlm.errors import ConfigError
-from meshlm.inference.chat import chat_messages, chat_prompt, conversation_prompt, reply_ids
+from meshlm.inference.chat import chat_prompt, conversation_prompt, record_messages, reply_ids
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.parallel.collective_checks import compare_collectives
@@ -205,9 +205,7 @@ class GRPOTrainer(Trainer):
         """A record's prompt as the chat template renders it, ending with the assistant header: its
         ``messages`` (a prompt file's multi-turn context), else its ``prompt`` as the user turn after
         its ``system`` turn, or rl.system's."""
-        system = record.get("system") or self.system
-        messages = record.get("messages") or chat_messages(record["prompt"], system)
-        return conversation_prompt(self.tokenizer, messages)
+        return conversation_prompt(self.tokenizer, record_messages(record, self.system))
 
     def reward(self, record: dict, completion: str) -> float:
         return score(self.reward_function, self.reward_name, record, completion)

@@ -22,8 +22,7 @@ data parallelism work unchanged:
 
 - **held out**: ``rl.eval_prompts`` records drawn by a permutation seeded by ``train.seed``; every
   record whose context (prompt, system, messages) equals a held-out one (a duplicate line) is left
-  out of training too,
-  so the held-out accuracy measures prompts the policy never trained on;
+  out of training too, so the held-out accuracy measures prompts the policy never trained on;
 - **training stream**: record ``i`` is item ``i mod n`` of the permutation of the n training
   records seeded by (``train.seed``, epoch ``i div n``): every epoch visits each prompt once in a
   new order, and record ``i`` is a function of the file, the seed and ``i`` alone.
