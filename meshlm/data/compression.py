@@ -94,6 +94,12 @@ class ZstdFrames(io.RawIOBase):
         return b"".join(pieces)
 
 
+DECOMPRESSORS: dict[str, Callable[[BinaryIO], BinaryIO]] = {
+    ".gz": lambda raw: gzip.GzipFile(fileobj=raw), ".bz2": bz2.BZ2File, ".xz": lzma.LZMAFile,
+    ".zst": lambda raw: io.BufferedReader(ZstdFrames(raw), READ_CHUNK_BYTES)}
+"""Compression suffix -> a reader of the decompressed bytes of an open binary file."""
+
+
 def decompression_errors() -> tuple[type[BaseException], ...]:
     """What the decompressors raise on damaged or truncated data."""
     errors: list[type[BaseException]] = [EOFError, gzip.BadGzipFile, lzma.LZMAError, OSError, ValueError]
@@ -107,23 +113,13 @@ def decompression_errors() -> tuple[type[BaseException], ...]:
 def open_stream(path: str | os.PathLike) -> Iterator[tuple[BinaryIO, Callable[[], int]]]:
     """(a binary stream of ``path``'s content, decompressed; how many bytes of the file have been
     read so far). An OSError opening the file is the caller's to word."""
-    path = Path(path)
     compression = compression_of(path)
     with open(path, "rb") as raw:
         if compression is None:
             yield raw, raw.tell
-        elif compression == ".gz":
-            with gzip.GzipFile(fileobj=raw) as stream:
-                yield stream, raw.tell
-        elif compression == ".bz2":
-            with bz2.BZ2File(raw) as stream:
-                yield stream, raw.tell
-        elif compression == ".xz":
-            with lzma.LZMAFile(raw) as stream:
-                yield stream, raw.tell
-        else:
-            with io.BufferedReader(ZstdFrames(raw), READ_CHUNK_BYTES) as stream:
-                yield stream, raw.tell
+            return
+        with DECOMPRESSORS[compression](raw) as stream:
+            yield stream, raw.tell
 
 
 def read_lines(path: str | os.PathLike, on_bytes: Callable[[int], None] | None = None) -> Iterator[tuple[int, bytes]]:
@@ -164,5 +160,5 @@ def decompression_failure(path: str | os.PathLike, error: BaseException) -> Data
                      f"{name} despite its name -- check it with `{check} {Path(path).name}` and download it again.")
 
 
-__all__ = ["COMPRESSIONS", "ZstdFrames", "compression_of", "content_suffix", "decompression_errors",
+__all__ = ["COMPRESSIONS", "DECOMPRESSORS", "ZstdFrames", "compression_of", "content_suffix", "decompression_errors",
            "decompression_failure", "open_stream", "read_lines"]

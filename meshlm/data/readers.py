@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Iterator
 
 from meshlm.data.columnar import FORMAT_NAMES, read_column
 from meshlm.data.compression import COMPRESSIONS, compression_of, content_suffix, read_lines
-from meshlm.data.jsonl import json_records
+from meshlm.data.jsonl import JSON_SUFFIXES, json_records
 from meshlm.errors import DataError
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet", ".arrow")
@@ -108,7 +108,7 @@ def read_documents(path: str | os.PathLike, text_key: str = "text", on_bytes: By
     if not is_supported(path):
         raise unsupported(path)
     suffix = content_suffix(path)
-    if suffix in (".jsonl", ".json"):
+    if suffix in JSON_SUFFIXES:
         return _refuse_if_empty(path, _read_json(path, text_key, on_bytes), f"under {text_key!r}")
     if suffix == ".txt":
         read_txt = _read_txt_file if txt_documents == "file" else _read_txt_paragraphs

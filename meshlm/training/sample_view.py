@@ -71,9 +71,9 @@ def lm_sample(dataset: BlendedDataset, index: int) -> SampleView:
     """Sample ``index`` of a blend: its seq_len + 1 tokens, the documents it packs, the labels counted."""
     member = dataset.datasets[int(dataset.blend_index[index])]
     local = int(dataset.blend_sample_index[index])
-    item = member[local]
-    spans = member.stream_spans(int(member.shuffle_index[local]))
-    tokens = np.concatenate([member.store.tokens[start:stop] for start, stop in spans]).astype(np.int64).tolist()
+    item, stream_index = member[local], int(member.shuffle_index[local])
+    spans = member.stream_spans(stream_index)
+    tokens = member.stream_sample(stream_index).astype(np.int64).tolist()
     counted = [False] + (item["labels"] != IGNORE_INDEX).tolist()
     offsets = np.asarray(member.store.offsets)
     documents, starts, position = [], {}, 0
