@@ -50,6 +50,11 @@ def is_complete(directory: Path) -> bool:
                                                         for name in (WEIGHTS_FILE, STATE_FILE))
 
 
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, folder) of the run's complete checkpoints, oldest first (``checkpoint_dirs``, ``is_complete``)."""
+    return [(step, path) for step, path in checkpoint_dirs(run_dir) if is_complete(path)]
+
+
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The newest ``step_N`` folder of a run, or None when it has none."""
     found = checkpoint_dirs(run_dir)
@@ -118,5 +123,6 @@ def read_metadata(directory: Path, marker: dict):
         raise CheckpointError(f"{directory / METADATA_FILE}: unreadable ({error}).") from error
 
 
-__all__ = ["STEP_DIR", "check_folder", "checkpoint_dirs", "is_complete", "is_distributed_checkpoint",
-           "is_single_process_format", "latest_checkpoint", "prune_checkpoints", "read_metadata", "verify_files"]
+__all__ = ["STEP_DIR", "check_folder", "checkpoint_dirs", "complete_checkpoints", "is_complete",
+           "is_distributed_checkpoint", "is_single_process_format", "latest_checkpoint", "prune_checkpoints",
+           "read_metadata", "verify_files"]

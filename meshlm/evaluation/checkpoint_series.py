@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from meshlm.checkpoint.folders import checkpoint_dirs, is_complete
+from meshlm.checkpoint.folders import checkpoint_dirs, complete_checkpoints
 from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.model_files import read_model_config, trained_seq_len
 from meshlm.errors import CheckpointError, ConfigError
@@ -83,17 +83,17 @@ def append_record(path: Path, record: dict) -> None:
 def run_checkpoints(run_dir: Path, context) -> list[tuple[int, Path]]:
     """The run's complete checkpoints, oldest first; under torchrun rank 0's list, so that every
     rank loads the same ones while a trainer may be adding and pruning them."""
-    found = [(step, path) for step, path in checkpoint_dirs(run_dir) if is_complete(path)]
-    return broadcast_objects([found], context.world_group)[0]
+    return broadcast_objects([complete_checkpoints(run_dir)], context.world_group)[0]
 
 
 def evaluate_series(args) -> int:
     """Evaluate every checkpoint of the run ``args.checkpoint`` not yet in its evaluations.jsonl."""
     run_dir = Path(args.checkpoint)
-    if not checkpoint_dirs(run_dir):
+    found = checkpoint_dirs(run_dir)
+    if not found:
         raise ConfigError(f"{run_dir} holds no checkpoints (checkpoints/step_N); --every-checkpoint takes a run "
                           "directory, and train.save_every with train.keep_checkpoints=0 keeps every checkpoint.")
-    first = resolve_model_dir(checkpoint_dirs(run_dir)[0][1])
+    first = resolve_model_dir(found[0][1])
     device = default_device() if args.device is None else torch.device(args.device)
     context = evaluation_context(read_model_config(first), device, args.tp)
     tokenizer = find_tokenizer(args.tokenizer, first, run_dir)

@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from meshlm.checkpoint.files import BEST_POINTER_FILE, RUN_CONFIG_FILE
-from meshlm.checkpoint.folders import checkpoint_dirs, is_complete
+from meshlm.checkpoint.folders import complete_checkpoints
 from meshlm.training.early_stopping import EARLY_STOP
 from meshlm.training.memory_usage import format_bytes
 from meshlm.training.metrics import (EVALUATIONS_FILE, format_count, format_duration, read_metrics,
@@ -57,7 +57,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
     steps = [record for record in records if record.get("event") is None and "loss" in record]
     validation = [record for record in records if "val_loss" in record and record.get("event") is None]
     latest_start = starts[-1] if starts else {}
-    checkpoints = [(number, path) for number, path in checkpoint_dirs(run) if is_complete(path)]
+    checkpoints = complete_checkpoints(run)
     total_steps = latest_start.get("steps") or checkpoint_steps(checkpoints)
     step = max([record["step"] for record in steps] + [record.get("step", 0) for record in events] or [0])
     written_ago = (time.time() if now is None else now) - metrics_path.stat().st_mtime
