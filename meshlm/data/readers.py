@@ -36,13 +36,14 @@ progress bar can move while one large file is being read.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from meshlm.data.columnar import FORMAT_NAMES, read_column
 from meshlm.data.compression import COMPRESSIONS, compression_of, content_suffix, read_lines
 from meshlm.data.jsonl import JSON_SUFFIXES, json_records
-from meshlm.errors import DataError
+from meshlm.errors import ConfigError, DataError
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet", ".arrow")
 """What an input file may hold; the text ones may also be compressed (COMPRESSIONS)."""
@@ -114,6 +115,20 @@ def read_documents(path: str | os.PathLike, text_key: str = "text", on_bytes: By
         read_txt = _read_txt_file if txt_documents == "file" else _read_txt_paragraphs
         return _refuse_if_empty(path, read_txt(path, on_bytes), "")
     return _refuse_if_empty(path, read_column(path, text_key, on_bytes), f"in column {text_key!r}")
+
+
+def read_whole_text(path: str, option: str, what: str) -> str:
+    """The whole UTF-8 text of the file ``path`` a command-line ``option`` names (``-``: standard
+    input), newlines kept; ``what`` it holds ("the prompt") words the one sentence of a ConfigError
+    when it cannot be read."""
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{option} {path}: no such file; give the path of a text file holding {what}.") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{option} {path}: not UTF-8 text (byte {error.start}); save {what} as UTF-8.") from None
+    except OSError as error:
+        raise ConfigError(f"{option} {path}: cannot read it ({error.strerror}).") from None
 
 
 def check_txt_documents(txt_documents: str) -> None:

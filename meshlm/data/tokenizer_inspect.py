@@ -18,9 +18,9 @@ the chat template's rendering is.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+from meshlm.data.readers import read_whole_text
 from meshlm.data.tokenizer import find_tokenizer_file, load_tokenizer
 from meshlm.errors import ConfigError
 
@@ -48,20 +48,9 @@ def open_tokenizer(path: str):
         raise ConfigError(f"{str(error).rstrip('.')}.{hint}") from None
 
 
-def read_text(args) -> str:
-    if args.text is not None:
-        return args.text
-    try:
-        return sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"--file {args.file}: no such file.") from None
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"--file {args.file}: not UTF-8 text (byte {error.start}).") from None
-
-
 def run_encode(args) -> int:
     tokenizer = open_tokenizer(args.tokenizer)
-    text = read_text(args)
+    text = args.text if args.text is not None else read_whole_text(args.file, "--file", "the text")
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = [tokenizer.decode([token], skip_special_tokens=False) for token in ids]
     if args.json:

@@ -52,6 +52,7 @@ import torch
 
 from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.model_files import load_model
+from meshlm.data.readers import read_whole_text
 from meshlm.data.tokenizer import Tokenizer, find_tokenizer_file, load_tokenizer
 from meshlm.errors import ConfigError
 from meshlm.inference.batch_generate import DEFAULT_BATCH_SIZE, generate_file
@@ -149,20 +150,8 @@ class PromptFile(str):
 
 def read_prompts(prompts: list[str]) -> list[str]:
     """The text prompts, each ``PromptFile`` replaced by its file's whole text (``-``: standard input)."""
-    return [read_prompt_file(prompt) if isinstance(prompt, PromptFile) else prompt for prompt in prompts]
-
-
-def read_prompt_file(path: str) -> str:
-    try:
-        return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"--prompt-file {path}: no such file; give the path of a text file holding the "
-                          "prompt.") from None
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"--prompt-file {path}: not UTF-8 text (byte {error.start}); save the prompt as "
-                          "UTF-8.") from None
-    except OSError as error:
-        raise ConfigError(f"--prompt-file {path}: cannot read it ({error.strerror}).") from None
+    return [read_whole_text(prompt, "--prompt-file", "the prompt") if isinstance(prompt, PromptFile) else prompt
+            for prompt in prompts]
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

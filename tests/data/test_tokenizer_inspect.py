@@ -42,3 +42,6 @@ def test_decode_gives_back_the_text_and_refuses_ids_it_has_not(tokenizer_path, t
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     assert main(["tokenizer", "encode", str(tmp_path / "run"), "--text", "x"]) == 2
     assert "A run directory keeps its tokenizer in each checkpoint" in capsys.readouterr().err
+    assert main(["tokenizer", "encode", str(tokenizer_path), "--file", str(tmp_path / "nowhere.txt")]) == 2
+    assert (f"--file {tmp_path / 'nowhere.txt'}: no such file; give the path of a text file holding the text."
+            in capsys.readouterr().err)
