@@ -41,6 +41,13 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("micro_batch", "sequence", "global")
 DROP_POLICIES = ("probs", "position")
 HEADS = ("lm", "reward")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj", "out_proj",
+                "latent_in_proj", "latent_out_proj")
+"""The linear layers of the blocks an adapter may be put on (``model.lora_targets``)."""
+LORA_DEFAULT_TARGETS = LORA_TARGETS[:9]
+ADAPTER_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
+"""Fields that add adapters to a model without changing its other weights: a run may start from
+a folder whose model has none (``train.init_from``), and merging them removes them."""
 
 
 BLOCK_OVERRIDE_FIELDS = {
@@ -236,6 +243,20 @@ class ModelConfig:
     mtp_loss_coeff: float = 0.1
     """The MTP loss added to the main loss is mtp_loss_coeff * mean over depths."""
 
+    # --- low-rank adapters (LoRA, Hu et al. 2021) ------------------------------------------------
+    lora_rank: int = 0
+    """Rank r of the low-rank adapter added to each targeted linear layer of the blocks (0: none).
+    With r > 0 only the adapters (and a reward model's head) train; every other weight is frozen.
+    See meshlm/models/lora.py."""
+    lora_alpha: float | None = None
+    """An adapter's output is scaled by lora_alpha / lora_rank. None means lora_rank (a scale of 1).
+    Keep it fixed when trying several ranks, as the paper does, so the learning rate carries over."""
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    """Which linear layers of the blocks (MTP depths included) get an adapter, by name: q_proj,
+    k_proj, v_proj, o_proj (attention), gate_proj, up_proj, down_proj (MLPs, shared experts),
+    in_proj, out_proj (Mamba-2), latent_in_proj, latent_out_proj (LatentMoE). The default is all
+    of these but the LatentMoE projections. Routed experts, routers, embeddings and the head have none."""
+
     # ------------------------------------------------------------------------------------------
     block_kinds: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -329,6 +350,7 @@ class ModelConfig:
         if self.mtp_depth < 0:
             raise ConfigError(f"model.mtp_depth={self.mtp_depth} must be >= 0 (0 turns MTP off).")
         self._validate_head()
+        self._validate_lora()
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
@@ -336,6 +358,27 @@ class ModelConfig:
         if self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} and model.init_std={self.init_std} must be > 0.")
         self._validate_block_overrides()
+
+    def _validate_lora(self) -> None:
+        rank = self.lora_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ConfigError(f"model.lora_rank={rank!r} must be an integer >= 0 (0: no adapters; 8 to 64 are usual).")
+        alpha = self.lora_alpha
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
+            raise ConfigError(f"model.lora_alpha={alpha!r} must be a positive number, or null for model.lora_rank.")
+        targets = self.lora_targets
+        if isinstance(targets, str) or not isinstance(targets, (list, tuple)) or not targets:
+            raise ConfigError(f"model.lora_targets={targets!r} must be a non-empty list of layer names, e.g. "
+                              "[q_proj, v_proj].")
+        unknown = [name for name in targets if name not in LORA_TARGETS]
+        if unknown:
+            raise ConfigError(f"model.lora_targets names {unknown}, which are not linear layers of the blocks; "
+                              f"choose from {list(LORA_TARGETS)}.")
+
+    @property
+    def lora_scale(self) -> float:
+        """The factor on an adapter's output: lora_alpha / lora_rank (1 when lora_alpha is None)."""
+        return 1.0 if self.lora_alpha is None else self.lora_alpha / self.lora_rank
 
     def _validate_head(self) -> None:
         _choice(self, "head", HEADS)
@@ -471,4 +514,4 @@ def _choice(config: ModelConfig, name: str, allowed: tuple[str, ...]) -> None:
     check_choice(f"model.{name}", getattr(config, name), allowed)
 
 
-__all__ = ["ModelConfig", "BLOCK_KINDS", "BLOCK_OVERRIDE_FIELDS", "TRAINING_ONLY_FIELDS"]
+__all__ = ["ADAPTER_FIELDS", "LORA_DEFAULT_TARGETS", "LORA_TARGETS", "ModelConfig", "BLOCK_KINDS", "BLOCK_OVERRIDE_FIELDS", "TRAINING_ONLY_FIELDS"]

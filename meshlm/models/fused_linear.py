@@ -18,6 +18,8 @@ The concatenated weight is a copy made each forward and again in backward (the w
 small beside the activations: 12.6 MB for q, k, v at the 1B shape against 134 MB of input at 8 x
 4096 tokens); it is not kept between the two (``_FusedLinear`` saves the input and the layers'
 own weights), so fusing adds no memory.
+A layer with a LoRA adapter (``lora.py``) runs its frozen weight in the shared GEMM; its adapter's
+detour is added to its slice of the output after.
 Layers that do something of their own in their forward run separately, as they are: a layer with
 hooks, a column-parallel layer that gathers its own input, or any other subclass. Quantized
 layers (``meshlm/precision``) keep their own weight and gradient scales, so their GEMMs stay
@@ -30,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from meshlm.models.lora import with_adapter
 
 
 def runs_fused(layer: nn.Module) -> bool:
@@ -65,7 +69,7 @@ def project_together(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[to
     if alike and all(quantization is not None for quantization in quantizations):
         together = quantizations[0].linear_together(x, weights, biases, quantizations)
         if together is not None:
-            return together
+            return with_adapters(layers, x, together)
     if not (alike and all(runs_fused(layer) for layer in layers)):
         return tuple(layer(x) for layer in layers)
     has_bias = biases[0] is not None
@@ -73,7 +77,12 @@ def project_together(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[to
         out = F.linear(x, torch.cat(weights), torch.cat(biases) if has_bias else None)
     else:
         out = _FusedLinear.apply(x, has_bias, *weights, *(biases if has_bias else ()))
-    return out.split([weight.shape[0] for weight in weights], dim=-1)
+    return with_adapters(layers, x, out.split([weight.shape[0] for weight in weights], dim=-1))
+
+
+def with_adapters(layers: tuple[nn.Module, ...], x: torch.Tensor, outputs) -> tuple[torch.Tensor, ...]:
+    """Each layer's output from the shared GEMM plus its LoRA adapter's detour, where it has one (``lora.py``)."""
+    return tuple(with_adapter(layer, x, out) for layer, out in zip(layers, outputs))
 
 
 class _FusedLinear(torch.autograd.Function):

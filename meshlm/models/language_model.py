@@ -38,6 +38,7 @@ from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.dropout import DropoutKey, HiddenDropout, dropout_site
 from meshlm.models.init import draw_seed, initialize_weights
+from meshlm.models.lora import add_adapters
 from meshlm.models.losses import language_model_loss, linear_cross_entropy
 from meshlm.models.mtp import MultiTokenPrediction
 from meshlm.models.norms import make_norm
@@ -86,9 +87,18 @@ class LanguageModel(nn.Module):
         self.mtp = None
         if config.mtp_depth:
             self.mtp = MultiTokenPrediction(config)
+        add_adapters(self, config, self.named_blocks())  # model.lora_rank > 0: LoRA (lora.py)
         self.loss_chunk_softmax = None
         """The fused loss's softmax part (``losses.linear_cross_entropy``'s ``chunk_softmax``): None
         for the eager kernels; ``train.compile`` sets a compiled ``softmax_cross_entropy_chunk``."""
+
+    def named_blocks(self) -> list[tuple[str, Block]]:
+        """(name, block) of the main blocks and the MTP depths' blocks."""
+        named = [(f"blocks.{index}", block) for index, block in enumerate(self.blocks)]
+        if self.mtp is not None:
+            named += [(f"mtp.depths.{depth}.blocks.{index}", block)
+                      for depth, module in enumerate(self.mtp.depths) for index, block in enumerate(module.blocks)]
+        return named
 
     # --- pieces (pipeline stages call these directly) ------------------------------------------
     def embed(self, input_ids: torch.Tensor, context: SequenceContext | None = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torch import nn
 
 from meshlm.errors import ConfigError
 from meshlm.models.block import Block
+from meshlm.models.lora import AdaptedLinear
 from meshlm.models.moe.experts import GroupedExperts
 from meshlm.precision.delayed_scaling import OPERANDS, DelayedScaling
 from meshlm.precision.quantized_experts import WEIGHTS, GroupedQuantization
@@ -111,7 +112,7 @@ def apply_recipe(model: nn.Module, recipe: Recipe, num_blocks: int, high_precisi
             if isinstance(module, GroupedExperts):
                 count += quantize_experts(module, recipe, f"{block.layer_index}.{name}", context, reduce_max)
                 continue
-            if type(module) is nn.Linear:
+            if type(module) in (nn.Linear, AdaptedLinear):  # a LoRA adapter stays in high precision
                 module.__class__ = QuantizedLinear
             elif kind not in ("column", "row"):
                 continue

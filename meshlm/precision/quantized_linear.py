@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.errors import ConfigError
+from meshlm.models.lora import with_adapter
 from meshlm.precision.delayed_scaling import DelayedScaling
 from meshlm.precision.formats.hashed_noise import noise_key
 from meshlm.precision.fp8_gemm import hardware_fp8_supported, scaled_matmul
@@ -292,8 +293,10 @@ class QuantizedLinear(nn.Linear):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.quantization is None:
-            return F.linear(inputs, self.weight, self.bias)
-        return self.quantization.linear(inputs, self.weight, self.bias)
+            out = F.linear(inputs, self.weight, self.bias)
+        else:
+            out = self.quantization.linear(inputs, self.weight, self.bias)
+        return with_adapter(self, inputs, out)  # a LoRA adapter stays in high precision
 
 
 __all__ = ["LinearQuantization", "QuantizedLinear", "ROLES", "USES", "hardware_gemm", "kept_or_cast",

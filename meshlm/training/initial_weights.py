@@ -20,6 +20,12 @@ training-only fields (dropout, the scan implementation) may differ. A true diffe
 in the error with the ``model.key=value`` overrides that make the run match the folder. A run
 that already has a checkpoint in its ``run_dir`` resumes from it and ignores ``init_from``.
 
+LoRA (``model.lora_rank`` > 0, ``meshlm/models/lora.py``) on a folder whose model has no adapters
+is fine-tuning that model: its weights are read, the adapters start fresh (from train.seed and
+their names), and the model fields may differ in the adapter fields (``ADAPTER_FIELDS``) only.
+
+    meshlm train configs/sft.yaml train.init_from=runs/base model.lora_rank=16
+
 With ``train.init_model_config=true`` the run takes its model from the folder instead
 (``model_from_init_folder``): the YAML's ``model`` section is ignored -- a one-line note names
 the fields in which it differs -- except for the training-only fields (dropout, the scan), which
@@ -37,10 +43,12 @@ import warnings
 from pathlib import Path
 
 from meshlm.checkpoint.locate import resolve_model_dir
+from meshlm.checkpoint.materialize import InitialValues
 from meshlm.checkpoint.model_files import read_model_config, weights_source
 from meshlm.config import format_override
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.models.config import TRAINING_ONLY_FIELDS, ModelConfig
+from meshlm.models.config import ADAPTER_FIELDS, TRAINING_ONLY_FIELDS, ModelConfig
+from meshlm.models.lora import is_adapter_tensor
 from meshlm.training.reward_init import HEAD_FIELDS, RewardHeadSource, starts_from_language_model
 
 RESOLVED_FIELDS = ("num_kv_heads", "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "mamba_num_heads")
@@ -60,6 +68,9 @@ def initial_weights_source(path: str | Path, model_config: ModelConfig, seed: in
     new_head = starts_from_language_model(model_config, saved)
     if new_head:  # compare the backbones: the head is the one thing that may differ
         saved = dataclasses.replace(saved, **{name: getattr(model_config, name) for name in HEAD_FIELDS})
+    new_adapters = model_config.lora_rank > 0 and saved.lora_rank == 0
+    if new_adapters:  # LoRA on a model without adapters: its weights, fresh adapters
+        saved = dataclasses.replace(saved, **{name: getattr(model_config, name) for name in ADAPTER_FIELDS})
     run, folder = resolved_model(model_config), resolved_model(saved)
     differing = differing_fields(run, folder)
     if differing:
@@ -70,9 +81,25 @@ def initial_weights_source(path: str | Path, model_config: ModelConfig, seed: in
         raise CheckpointError(f"train.init_from={path} holds a different model ({differences}); add "
                               f"{overrides} to the run (or copy the 'model' section of "
                               f"{directory / 'config.json'} into its config).")
+    source = weights_source(directory)
     if new_head:
-        return RewardHeadSource(weights_source(directory), model_config, seed)
-    return weights_source(directory)
+        source = RewardHeadSource(source, model_config, seed)
+    if new_adapters:
+        source = FreshAdaptersSource(source, model_config, seed)
+    return source
+
+
+class FreshAdaptersSource:
+    """Fills the LoRA adapters' tensors (``meshlm/models/lora.py``) with their initial values from
+    (seed, name), as a new run's, and everything else from ``weights`` (the folder's model)."""
+
+    def __init__(self, weights, model_config, seed: int):
+        self.weights, self.initial = weights, InitialValues(model_config, seed)
+
+    def fill(self, targets: dict) -> None:
+        adapters = {name: target for name, target in targets.items() if is_adapter_tensor(name)}
+        self.initial.fill(adapters)
+        self.weights.fill({name: target for name, target in targets.items() if name not in adapters})
 
 
 def model_from_init_folder(config):
@@ -90,6 +117,8 @@ def model_from_init_folder(config):
     values.update({name: getattr(config.model, name) for name in TRAINING_ONLY_FIELDS})
     if starts_from_language_model(config.model, read_model_config(directory)):  # a reward model keeps its head
         values.update({name: getattr(config.model, name) for name in HEAD_FIELDS})
+    if config.model.lora_rank and not values["lora_rank"]:  # LoRA on the folder's model keeps its adapters
+        values.update({name: getattr(config.model, name) for name in ADAPTER_FIELDS})
     model = ModelConfig.from_dict(values)
     differing = differing_fields(resolved_model(config.model), resolved_model(model))
     if differing and int(os.environ.get("RANK", "0")) == 0:
@@ -129,5 +158,5 @@ def resolved_model(config: ModelConfig) -> dict:
     return json.loads(json.dumps(values))
 
 
-__all__ = ["DERIVATION_ONLY_FIELDS", "RESOLVED_FIELDS", "initial_weights_source", "matching_overrides",
+__all__ = ["DERIVATION_ONLY_FIELDS", "FreshAdaptersSource", "RESOLVED_FIELDS", "initial_weights_source", "matching_overrides",
            "model_from_init_folder", "resolved_model"]

@@ -27,6 +27,11 @@ SP off (e.g. to decode one token at a time) without being rebuilt.
 
 Which parameters are shards, and how a full tensor is cut into them, is ``sharding.py``.
 
+A LoRA adapter (``meshlm/models/lora.py``) is cut like the weight it rides on: a column-parallel
+layer splits its b by output features (its a, replicated, has a partial gradient), a row-parallel
+layer splits its a by input features and adds its partial detour before the reduction (its b,
+replicated, has a partial gradient).
+
 A low-precision recipe (``meshlm/precision/quantized_linear.py``) sets a layer's
 ``quantization``; its GEMMs then run on quantized operands, with the amaxes of sharded tensors
 reduced over the group.
@@ -38,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.models.lora import ADAPTER_MODULE, with_adapter
 from meshlm.parallel.collectives import all_gather_along, copy_to_group, reduce_from_group, reduce_scatter_along
 from meshlm.parallel.tensor.sharding import mark_partial_grad, shard_parameter
 
@@ -97,12 +103,18 @@ class ColumnParallelLinear(nn.Module):
         what = f"ColumnParallelLinear({full.in_features} -> {full.out_features})"
         weight = shard_parameter(full.weight, 0, context, sizes, what)
         bias = shard_parameter(full.bias, 0, context, sizes, what) if full.bias is not None else None
-        return cls(weight, bias, context, gather_input, sizes)
+        layer = cls(weight, bias, context, gather_input, sizes)
+        adapter = getattr(full, ADAPTER_MODULE, None)
+        if adapter is not None:  # LoRA: b split like the weight's rows; a whole, fed this rank's outputs only
+            adapter.b = shard_parameter(adapter.b, 0, context, sizes, f"{what} lora.b")
+            mark_partial_grad(adapter.a)
+            layer.lora = adapter
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_input:
             x = column_parallel_input(x, self.context)
-        return _linear(self, x, self.bias)
+        return with_adapter(self, x, _linear(self, x, self.bias))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, local_out={self.out_features}, tp={self.context.tp_size}"
@@ -133,10 +145,16 @@ class RowParallelLinear(nn.Module):
             bias = nn.Parameter(full.bias.detach().clone(), requires_grad=full.bias.requires_grad)
             if context.sequence_parallel:  # added to this rank's tokens only
                 mark_partial_grad(bias)
-        return cls(weight, bias, context)
+        layer = cls(weight, bias, context)
+        adapter = getattr(full, ADAPTER_MODULE, None)
+        if adapter is not None:  # LoRA: a split like the weight's columns; b whole, fed this rank's partial sum
+            adapter.a = shard_parameter(adapter.a, 1, context, sizes, f"{what} lora.a")
+            mark_partial_grad(adapter.b)
+            layer.lora = adapter
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = row_parallel_output(_linear(self, x, None), self.context)
+        out = row_parallel_output(with_adapter(self, x, _linear(self, x, None)), self.context)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:
@@ -157,13 +175,19 @@ class ReplicatedRowsLinear(nn.Module):
         self.weight = full.weight
         self.bias = full.bias
         mark_partial_grad(self.weight, self.bias)
+        adapter = getattr(full, ADAPTER_MODULE, None)
+        if adapter is not None:  # LoRA: a and b whole, b read at the same rows; both gradients partial
+            mark_partial_grad(adapter)
+            self.lora = adapter
         self.context, self.rows, self.gather_input = context, rows, gather_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_input:
             x = column_parallel_input(x, self.context)
         bias = self.bias[self.rows] if self.bias is not None else None
-        return F.linear(x, self.weight[self.rows], bias)
+        out = F.linear(x, self.weight[self.rows], bias)
+        adapter = getattr(self, ADAPTER_MODULE, None)
+        return out if adapter is None else out + adapter(x, self.rows)
 
     def extra_repr(self) -> str:
         return f"rows={self.rows.start}:{self.rows.stop} of {self.weight.shape[0]}"

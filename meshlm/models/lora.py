@@ -1,0 +1,155 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021): fine-tune a model by training a few small matrices.
+
+A frozen linear layer y = x W^T (W: [out, in]) gets a trainable detour of rank r << in, out:
+
+    y = x W^T + s * (x A^T) B^T          A: [r, in], B: [out, r], s = lora_alpha / lora_rank
+
+A starts like PyTorch's ``nn.Linear`` default (uniform in +-1/sqrt(in)) and B at zero, so the
+model with fresh adapters *is* the model it starts from (the paper's §4.1). Only A and B (and a
+reward model's new head) train: the optimizer holds moments for r (in + out) numbers per layer
+instead of in x out, the frozen weights take no weight-gradient GEMM, and a checkpoint's
+optimizer state shrinks with them. After training the detour folds back into the weight,
+W' = W + s B A (``merged_state``): a model with no adapters and no extra inference cost, which
+``meshlm merge-lora`` writes and ``meshlm convert meshlm-to-hf`` exports.
+
+**Where the adapters sit.** ``model.lora_targets`` names the linear layers of the blocks (MTP
+depths included); ``add_adapters`` gives each an adapter at construction, on the ``meta`` device
+like every tensor, so the adapters are parameters of the model: named ``...q_proj.lora.a`` and
+``...q_proj.lora.b``, initialized from (seed, name), saved, resharded and loaded like the rest.
+A layer's forward adds ``lora(x)`` to its output: ``AdaptedLinear`` here for a plain layer; the
+tensor-parallel layers (``meshlm/parallel/tensor/layers.py``) cut A and B like the weight they
+ride on -- a column-parallel layer splits B by output features (A is replicated; its gradient,
+built from this rank's outputs only, is partial and summed over the group), a row-parallel layer
+splits A by input features and adds this rank's partial detour before the same all-reduce as the
+weight's partial product (B replicated, partial gradient). Layers that read one input together
+(q, k, v; gate, up) still run their frozen weights as one GEMM (``fused_linear.py``) and add each
+adapter after it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.errors import ConfigError
+from meshlm.models.config import LORA_DEFAULT_TARGETS
+from meshlm.models.init import constant, uniform
+
+ADAPTER_MODULE = "lora"
+"""The attribute (and name component) of a layer's adapter: ``blocks.3.mixer.q_proj.lora.a``."""
+
+
+class LowRankAdapter(nn.Module):
+    """The detour ``scale * (x a^T) b^T`` of one linear layer (a: [rank, in], b: [out, rank])."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, scale: float):
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(rank, in_features))
+        self.b = nn.Parameter(torch.empty(out_features, rank))
+        self.scale = scale
+        self.full_in_features = in_features
+        """The single-process layer's input width (a's init bound), kept when a is sharded."""
+
+    def init_rules(self, config) -> dict:
+        bound = 1.0 / math.sqrt(self.full_in_features)  # nn.Linear's default: kaiming_uniform(a=sqrt(5))
+        return {"a": uniform(-bound, bound), "b": constant(0.0)}
+
+    def forward(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """The detour for input ``x`` [..., in]; ``rows``: only these output features."""
+        b = self.b if rows is None else self.b[rows]
+        return F.linear(F.linear(x, self.a), b) * self.scale
+
+    def delta_weight(self) -> torch.Tensor:
+        """``scale * b a``: what the adapter adds to the layer's weight [out, in] (fp32)."""
+        return (self.b.detach().float() @ self.a.detach().float()) * self.scale
+
+    def extra_repr(self) -> str:
+        return f"rank={self.a.shape[0]}, scale={self.scale:g}"
+
+
+def with_adapter(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (the layer's frozen-weight output for input ``x``) plus its adapter's detour, if it has one."""
+    adapter = getattr(layer, ADAPTER_MODULE, None)
+    return out if adapter is None else out + adapter(x)
+
+
+class AdaptedLinear(nn.Linear):
+    """An ``nn.Linear`` with a ``LowRankAdapter`` (a class swap: the weight and bias keep their
+    names; the adapter adds ``lora.a`` and ``lora.b``)."""
+
+    forward_is_linear = True
+    """Its forward is its linear map plus its adapter, which ``fused_linear.project_together`` adds
+    after running the frozen weights of several layers as one GEMM."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora(x)
+
+
+def adapted_layers(blocks, targets) -> list[tuple[str, nn.Linear]]:
+    """(name, layer) of every ``nn.Linear`` in ``blocks`` ((name, block) pairs) whose own name is
+    in ``targets``."""
+    found = []
+    for block_name, block in blocks:
+        for name, module in block.named_modules():
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+                found.append((f"{block_name}.{name}", module))
+    return found
+
+
+def add_adapters(model: nn.Module, config, blocks) -> int:
+    """Give every layer of ``blocks`` ((name, block) pairs: the model's and its MTP depths') that
+    ``model.lora_targets`` names an adapter of ``model.lora_rank``, and freeze everything else in
+    ``model`` but a reward model's head (module docstring); returns how many layers got one. A
+    target given that names no layer of this model is refused (the default list takes the
+    layers the model has)."""
+    if not config.lora_rank:
+        return 0
+    layers = adapted_layers(blocks, config.lora_targets)
+    present = {name.rsplit(".", 1)[-1] for name, _ in layers}
+    absent = [target for target in config.lora_targets if target not in present]
+    if not layers or (absent and list(config.lora_targets) != list(LORA_DEFAULT_TARGETS)):  # default: those present
+        raise ConfigError(f"model.lora_targets names {absent}, which no block of this model (pattern "
+                          f"{config.pattern!r}) has; drop them (its layers: {sorted(present) or 'none'}).")
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    for _, layer in layers:
+        if type(layer) is nn.Linear:
+            layer.__class__ = AdaptedLinear
+        layer.add_module(ADAPTER_MODULE, LowRankAdapter(layer.in_features, layer.out_features, config.lora_rank,
+                                                        config.lora_scale))
+    head = getattr(model, "reward_head", None)
+    if head is not None:  # a new head cannot be frozen: it has nothing to start from
+        head.requires_grad_(True)
+    return len(layers)
+
+
+def is_adapter_tensor(name: str) -> bool:
+    """Whether ``name`` is an adapter's tensor (``...q_proj.lora.a``)."""
+    return f".{ADAPTER_MODULE}." in f".{name}"
+
+
+@torch.no_grad()
+def merged_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """``state`` (a whole model's tensors, by name) with every adapter folded into its layer's
+    weight, W' = W + scale * b a (computed in fp32, stored in W's dtype), and the adapters dropped."""
+    merged = {name: tensor for name, tensor in state.items() if not is_adapter_tensor(name)}
+    for name in state:
+        if name.endswith(f".{ADAPTER_MODULE}.a"):
+            layer = name[:-len(f".{ADAPTER_MODULE}.a")]
+            weight = merged[f"{layer}.weight"]
+            delta = state[f"{layer}.{ADAPTER_MODULE}.b"].float() @ state[name].float() * scale
+            merged[f"{layer}.weight"] = (weight.float() + delta).to(weight.dtype)
+    return merged
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, all) parameter counts of ``model`` (this rank's share)."""
+    parameters = list(model.parameters())
+    return sum(p.numel() for p in parameters if p.requires_grad), sum(p.numel() for p in parameters)
+
+
+__all__ = ["ADAPTER_MODULE", "AdaptedLinear", "LowRankAdapter", "adapted_layers", "add_adapters",
+           "is_adapter_tensor", "merged_state", "trainable_parameters", "with_adapter"]

@@ -1,0 +1,83 @@
+"""LoRA fine-tuning under every kind of parallelism equals the single-process run.
+
+The trainer fine-tunes the tiny dense, hybrid and MoE models of the parallel tests with
+``model.lora_rank=4`` (every targeted layer: attention q/k/v/o, MLP and shared-expert
+gate/up/down, Mamba in/out) from a model without adapters (``train.init_from``: its weights, fresh
+adapters) for 5 steps, in one process and at layouts that cut the adapters every way: tp2 x dp2
+with SP and the distributed optimizer (column-parallel b, row-parallel a, replicated halves with
+partial gradients), tp4 with SP (the dense model's 2 KV heads replicated: both halves partial),
+pp2 x dp2 with ZeRO-3, cp2 and ep2. Every step's loss and gradient norm, the validation losses and
+the final parameters must equal the single-process run's (relative error <= 1e-5), and the frozen
+weights must be exactly the folder's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshlm.checkpoint.whole_tensors import read_global_tensors
+from tests.helpers.distributed import import_test_file, run_distributed
+
+HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
+MODELS = {
+    "dense": HELPERS.MODELS["dense"],
+    "hybrid": HELPERS.MODELS["hybrid"],
+    "moe": [*HELPERS.MODELS["moe"], "model.moe_shared_expert_ffn_hidden_size=32"],
+}
+LORA = ["model.lora_rank=4", "model.lora_alpha=8", "optim.lr=5e-3"]
+LAYOUTS = {  # world -> {name: (model, layout)}
+    4: {"dense tp2xdp2 sp dist-opt": ("dense", ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true",
+                                                "parallel.distributed_optimizer=true"]),
+        "dense tp4 sp": ("dense", ["parallel.tp=4", "parallel.sp=true"]),
+        "hybrid tp2 cp2 sp": ("hybrid", ["parallel.tp=2", "parallel.cp=2", "parallel.sp=true"]),
+        "dense pp2 dp2 zero3": ("dense", ["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=3"])},
+    2: {"moe ep2": ("moe", ["parallel.ep=2"]),
+        "moe tp2 sp": ("moe", ["parallel.tp=2", "parallel.sp=true"])},
+}
+
+
+def base_models(blend: str, root: str, models: list[str]) -> None:
+    """In this process: a 2-step run of each model without adapters, the folder LoRA starts from."""
+    for model in models:
+        HELPERS.train_once(Path(blend), Path(root) / f"base {model}", [*MODELS[model], "train.steps=2",
+                                                                       "train.save_every=2"])
+
+
+def lora_overrides(root: Path, model: str) -> list[str]:
+    return [*MODELS[model], *LORA, f"train.init_from={root / f'base {model}'}"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("lora-training")
+    blend = HELPERS.write_tiny_corpus(root / "corpus")
+    base_models(str(blend), str(root), list(MODELS))
+    single = {model: HELPERS.train_once(blend, root / f"single {model}", lora_overrides(root, model))
+              for model in MODELS}
+    by_world = {}
+    for world, layouts in LAYOUTS.items():
+        batch = [(name, [*lora_overrides(root, model), *layout]) for name, (model, layout) in layouts.items()]
+        by_world[world] = run_distributed(HELPERS.train_runs, world, str(blend), str(root), batch, timeout_s=400)
+    return dict(root=root, single=single, by_world=by_world)
+
+
+@pytest.mark.parametrize("world,name", [(world, name) for world, layouts in LAYOUTS.items() for name in layouts])
+def test_lora_layout_equals_single_process(runs, world, name):
+    model = LAYOUTS[world][name][0]
+    for rank, results in enumerate(runs["by_world"][world]):
+        HELPERS.assert_same_run(results[name], runs["single"][model], f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_only_the_adapters_train(runs, model):
+    stored = read_global_tensors(runs["root"] / f"base {model}" / "checkpoints" / "step_2")
+    base = {key.removeprefix("model/"): value for key, value in stored.items() if key.startswith("model/")}
+    final = runs["single"][model]["params"]
+    adapters = {name for name in final if ".lora." in name}
+    assert adapters and set(final) - adapters == set(base)
+    for name, value in base.items():
+        assert final[name].equal(value), f"{name} is frozen but changed"
+    moved = [name for name in adapters if name.endswith(".lora.b") and final[name].abs().max() > 0]
+    assert len(moved) == len(adapters) // 2, "every adapter's b (zero at the start) must have trained"
