@@ -40,6 +40,7 @@ from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, w
 from meshlm.hf.fp8_export import quantize_hf_export
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
+from meshlm.models.lora import merged_weights
 
 EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen3_moe.ARCHITECTURE, mixtral.ARCHITECTURE,
                                           mamba2.ARCHITECTURE, nemotron_h.ARCHITECTURE)
@@ -163,7 +164,8 @@ def export_hf(model: LanguageModel, extra: dict | None = None, architecture: str
     """(HF config.json, HF tensors, chosen architecture) for a meshlm model, in memory."""
     state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     stored = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
-    hf_config, plan, chosen = hf_export_plan(model.config, stored, state.__getitem__, extra, architecture)
+    config, stored, read = merged_weights(model.config, stored, state.__getitem__)  # LoRA folded in
+    hf_config, plan, chosen = hf_export_plan(config, stored, read, extra, architecture)
     return hf_config, produce_all(plan), chosen
 
 
@@ -176,8 +178,8 @@ def meshlm_to_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike, archi
     config = read_model_config(model_dir)
     source = weights_source(model_dir)
     check_stored_tensors(config, source.layout, str(source_file(model_dir)))
-    hf_config, plan, chosen = hf_export_plan(config, source.layout, partial(read_tensor, source),
-                                             read_hf_extra(model_dir), architecture)
+    config, stored, read = merged_weights(config, source.layout, partial(read_tensor, source))  # LoRA folded in
+    hf_config, plan, chosen = hf_export_plan(config, stored, read, read_hf_extra(model_dir), architecture)
     if quantize is not None:
         hf_config, plan = quantize_hf_export(hf_config, plan, quantize)
     write_hf_folder(out_dir, hf_config, plan, tokenizer_dir=model_dir, overwrite=True)

@@ -50,6 +50,9 @@ Per block kind, for a sequence of T tokens (h hidden, a/k query/KV heads of widt
 - linear ``L``: its one hidden x hidden matrix, 2 h^2 T; no-op ``0``: nothing.
 - the output head costs 2 h V per token (tied or not), and each multi-token-prediction depth
   adds its 2h -> h projection, its blocks and another pass through the head.
+- LoRA (``model.lora_rank`` r): each adapter costs 2 r (in + out) per token forward, and training
+  needs no weight gradient of the frozen weights, so a step is 2 x forward + the matmuls between
+  two activations (attention's scores and weighted sum, the SSD scan) + 3 x the adapters.
 
 Every block is measured with its own sizes, ``config.for_block(index)`` (``model.block_overrides``):
 a heterogeneous stack's FLOPs are the sum of its blocks', and pipeline stages are balanced by them.
@@ -210,10 +213,85 @@ def model_flops_breakdown(config: ModelConfig, seq_len: int) -> dict[str, int]:
     return parts
 
 
+ACTIVATION_TERMS = ("scores", "attend", "ssd_scores", "ssd_diagonal_output", "ssd_chunk_states", "ssd_state_passing",
+                    "ssd_state_output")
+"""Block terms whose matmuls multiply two activations (no weight): both their gradients are needed
+even when every weight is frozen."""
+
+
+def block_linear_layers(kind: str, config: ModelConfig) -> list[tuple[str, int, int]]:
+    """(name, in features, out features) of the linear layers a LoRA adapter may ride on in a block
+    of ``kind`` sized by ``config`` (``model.lora_targets``' names)."""
+    hidden = config.hidden_size
+    if kind == "*":
+        query, key_value = config.num_attention_heads * config.resolved_head_dim, \
+            config.resolved_num_kv_heads * config.resolved_head_dim
+        return [("q_proj", hidden, query), ("k_proj", hidden, key_value), ("v_proj", hidden, key_value),
+                ("o_proj", query, hidden)]
+    if kind == "-":
+        return mlp_layers(hidden, config.resolved_ffn_hidden_size, config.mlp_activation)
+    if kind == "M":
+        inner, bc_size = config.mamba_inner_size, config.mamba_num_groups * config.mamba_state_size
+        return [("in_proj", hidden, 2 * inner + 2 * bc_size + config.resolved_mamba_num_heads),
+                ("out_proj", inner, hidden)]
+    if kind == "E":
+        layers = []
+        if config.moe_latent_size:
+            layers += [("latent_in_proj", hidden, config.moe_latent_size),
+                       ("latent_out_proj", config.moe_latent_size, hidden)]
+        if config.moe_shared_expert_ffn_hidden_size:
+            layers += mlp_layers(hidden, config.moe_shared_expert_ffn_hidden_size, config.mlp_activation)
+        return layers
+    return []
+
+
+def mlp_layers(hidden_size: int, ffn_size: int, activation: str) -> list[tuple[str, int, int]]:
+    gate = [("gate_proj", hidden_size, ffn_size)] if is_gated(activation) else []
+    return [*gate, ("up_proj", hidden_size, ffn_size), ("down_proj", ffn_size, hidden_size)]
+
+
+def all_block_configs(config: ModelConfig) -> list[tuple[str, ModelConfig]]:
+    """(kind, sizes) of every block: the main stack's, then each MTP depth's."""
+    blocks = [(kind, config.for_block(index)) for index, kind in enumerate(config.block_kinds)]
+    if config.mtp_depth:
+        kinds = parse_pattern(config.mtp_pattern, "model.mtp_pattern").kinds
+        blocks += [(kind, config) for _ in range(config.mtp_depth) for kind in kinds]
+    return blocks
+
+
+def adapter_parameters(config: ModelConfig) -> int:
+    """Parameters of the model's LoRA adapters: r (in + out) per adapted layer (0 without adapters)."""
+    rank, targets = config.lora_rank, set(config.lora_targets)
+    return sum(rank * (in_features + out_features) for kind, sizes in all_block_configs(config)
+               for name, in_features, out_features in block_linear_layers(kind, sizes) if name in targets)
+
+
+def adapter_flops(config: ModelConfig, seq_len: int) -> int:
+    """Forward FLOPs of the LoRA adapters over one sequence: x a^T then (.) b^T, one multiply-add
+    per adapter parameter and token (0 without adapters)."""
+    return 2 * adapter_parameters(config) * seq_len
+
+
+def activation_matmul_flops(config: ModelConfig, seq_len: int) -> int:
+    """Forward FLOPs of the matmuls between two activations (``ACTIVATION_TERMS``) over one sequence."""
+    return sum(flops for kind, sizes in all_block_configs(config)
+               for term, flops in block_flops(kind, sizes, seq_len).terms.items() if term in ACTIVATION_TERMS)
+
+
 def model_flops_per_sequence(config: ModelConfig, seq_len: int, include_backward: bool = True) -> int:
-    """Model FLOPs of one sequence of ``seq_len`` tokens: forward, or forward + backward (3x)."""
-    forward = sum(model_flops_breakdown(config, seq_len).values())
-    return forward * (1 + BACKWARD_TO_FORWARD) if include_backward else forward
+    """Model FLOPs of one sequence of ``seq_len`` tokens: forward, or forward + backward (3x).
+
+    With LoRA adapters (``model.lora_rank``) the frozen weights need no weight gradient: the
+    backward is the input gradients of every matmul (1x), the second operand's gradient of the
+    matmuls between activations, and the adapters' weight gradients: 2 x base + activation
+    matmuls + 3 x adapters in all."""
+    adapters = adapter_flops(config, seq_len)
+    base = sum(model_flops_breakdown(config, seq_len).values())
+    if not include_backward:
+        return base + adapters
+    if not adapters:
+        return base * (1 + BACKWARD_TO_FORWARD)
+    return 2 * base + activation_matmul_flops(config, seq_len) + (1 + BACKWARD_TO_FORWARD) * adapters
 
 
 def model_flops_per_token(config: ModelConfig, seq_len: int, include_backward: bool = True) -> float:
@@ -224,5 +302,7 @@ def model_flops_per_token(config: ModelConfig, seq_len: int, include_backward: b
     return model_flops_per_sequence(config, seq_len, include_backward) / seq_len
 
 
-__all__ = ["BlockFlops", "block_flops", "model_block_flops", "model_flops_breakdown", "model_flops_per_sequence",
+__all__ = ["ACTIVATION_TERMS", "BlockFlops", "activation_matmul_flops", "adapter_flops", "adapter_parameters",
+           "block_linear_layers",
+           "block_flops", "model_block_flops", "model_flops_breakdown", "model_flops_per_sequence",
            "model_flops_per_token", "ssd_scan_terms", "BACKWARD_TO_FORWARD"]

@@ -28,7 +28,9 @@ adapter after it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -131,18 +133,39 @@ def is_adapter_tensor(name: str) -> bool:
     return f".{ADAPTER_MODULE}." in f".{name}"
 
 
-@torch.no_grad()
-def merged_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """``state`` (a whole model's tensors, by name) with every adapter folded into its layer's
-    weight, W' = W + scale * b a (computed in fp32, stored in W's dtype), and the adapters dropped."""
-    merged = {name: tensor for name, tensor in state.items() if not is_adapter_tensor(name)}
-    for name in state:
-        if name.endswith(f".{ADAPTER_MODULE}.a"):
-            layer = name[:-len(f".{ADAPTER_MODULE}.a")]
-            weight = merged[f"{layer}.weight"]
-            delta = state[f"{layer}.{ADAPTER_MODULE}.b"].float() @ state[name].float() * scale
-            merged[f"{layer}.weight"] = (weight.float() + delta).to(weight.dtype)
-    return merged
+def without_adapters(config):
+    """``config`` (a ModelConfig) with no adapters: the model a merge leaves."""
+    return dataclasses.replace(config, lora_rank=0, lora_alpha=None, lora_targets=list(LORA_DEFAULT_TARGETS))
+
+
+def merged_weights(config, stored: dict[str, tuple], read: Callable[[str], torch.Tensor]):
+    """The model a LoRA model becomes with its adapters folded in, W' = W + s b a, as (its config,
+    its tensors {name: (shape, dtype)}, ``read(name)`` of one merged tensor): for commands that go
+    through a model one tensor at a time (``stored``/``read``: the LoRA model's). The sum is taken
+    in fp32 and stored in W's dtype. A model without adapters is returned as it is."""
+    if not config.lora_rank:
+        return config, stored, read
+    suffix = f".{ADAPTER_MODULE}.a"
+    adapted = {name[:-len(suffix)] for name in stored if name.endswith(suffix)}
+
+    @torch.no_grad()
+    def read_merged(name: str) -> torch.Tensor:
+        value = read(name)
+        layer = name.removesuffix(".weight")
+        if name.endswith(".weight") and layer in adapted:
+            a, b = read(f"{layer}.{ADAPTER_MODULE}.a"), read(f"{layer}.{ADAPTER_MODULE}.b")
+            value = (value.float() + (b.float() @ a.float()) * config.lora_scale).to(value.dtype)
+        return value
+
+    kept = {name: entry for name, entry in stored.items() if not is_adapter_tensor(name)}
+    return without_adapters(config), kept, read_merged
+
+
+def merged_state(config, state: dict[str, torch.Tensor]) -> tuple:
+    """(config, state) of a whole model in memory with its adapters folded in (``merged_weights``)."""
+    stored = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
+    merged_config, kept, read = merged_weights(config, stored, state.__getitem__)
+    return merged_config, {name: read(name) for name in kept}
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:
@@ -152,4 +175,5 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
 
 
 __all__ = ["ADAPTER_MODULE", "AdaptedLinear", "LowRankAdapter", "adapted_layers", "add_adapters",
-           "is_adapter_tensor", "merged_state", "trainable_parameters", "with_adapter"]
+           "is_adapter_tensor", "merged_state", "merged_weights", "trainable_parameters", "with_adapter",
+           "without_adapters"]

@@ -38,6 +38,8 @@ class BuiltModel:
     """The pipeline schedule's view of the model (pp > 1), else None."""
     num_parameters: int
     """Parameters of the whole single-process model."""
+    num_trainable: int
+    """Of those, the ones that train (all but the frozen weights under LoRA: ``model.lora_rank``)."""
     sum_over_dp_cp: object
     """Sums a tensor over the DP x CP group (the MoE balancing's token counts; identity in one process)."""
 
@@ -49,6 +51,7 @@ def build_model(config, context, device: torch.device, init_from: str | None = N
     with torch.device("meta"):
         model = LanguageModel(config.model, seed=train.seed)
     num_parameters = model.num_parameters()
+    num_trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
     model = parallelize_model(model, context, config.parallel.vocab_pad_multiple)
     apply_context_parallel(model, context)  # ring attention, Mamba state hand-off (cp > 1)
     apply_recompute(model, train.recompute, train.recompute_every)
@@ -60,7 +63,7 @@ def build_model(config, context, device: torch.device, init_from: str | None = N
     source = (InitialValues(config.model, train.seed) if init_from is None
               else initial_weights_source(init_from, config.model, seed=train.seed))
     materialize(model, context, source, device)
-    return BuiltModel(model.train(), pipeline, num_parameters, sum_over_dp_cp)
+    return BuiltModel(model.train(), pipeline, num_parameters, num_trainable, sum_over_dp_cp)
 
 
 __all__ = ["BuiltModel", "build_model"]

@@ -234,6 +234,7 @@ class Trainer:
         built = build_model(config, self.context, self.device,
                             init_from=train.init_from if checkpoint_dir is None else None)
         self.model, self.pipeline, self.num_parameters = built.model, built.pipeline, built.num_parameters
+        self.num_trainable = built.num_trainable
         self.sum_over_dp_cp = built.sum_over_dp_cp  # the MoE balancing's token counts
         if self.recipe is not None:
             apply_recipe(self.model, self.recipe, config.model.num_blocks, config.precision.high_precision_layers,
@@ -665,7 +666,8 @@ class Trainer:
                             "dp": layout.dp_size,
                             "sp": layout.sequence_parallel, "pp": layout.pp_size, "vp": layout.vp_size,
                             "ep": layout.ep_size, "etp": layout.etp_size, "edp": layout.edp_size,
-                            "num_parameters": num_parameters, "flops_per_token": flops_per_token,
+                            "num_parameters": num_parameters, "num_trainable": self.num_trainable,
+                            "flops_per_token": flops_per_token,
                             "peak_flops": peak, "peak_flops_source": source,
                             "tokens_per_step": train.global_batch_size * self.rows_per_sample * train.seq_len,
                             "memory_estimate": self.memory.total, "memory_available": self.memory_available,
@@ -674,9 +676,17 @@ class Trainer:
         dtype = self.config.precision.dtype + (" from precision.dtype=auto" if self.requested_dtype == "auto" else "")
         available = "" if self.memory_available is None else f" of {format_bytes(self.memory_available)} available"
         self.progress.message(f"{self.command}: {where} at step {self.state.step}/{train.steps}; "
-                              f"{format_count(num_parameters)} parameters on {placement} "
+                              f"{format_count(num_parameters)} parameters{self.trainable_note()} on {placement} "
                               f"({dtype}); peak {format_count(peak)}FLOP/s ({source}); "
                               f"memory estimate {format_bytes(self.memory.total)} per process{available}")
+
+    def trainable_note(self) -> str:
+        """' (N trainable: LoRA rank r)' when only a part of the model trains, else ''."""
+        if self.num_trainable == self.num_parameters:
+            return ""
+        lora = self.config.model.lora_rank
+        why = f": LoRA rank {lora}" if lora else ""
+        return f" ({format_count(self.num_trainable)} trainable{why})"
 
     def run(self) -> TrainResult:
         train = self.config.train
