@@ -129,7 +129,7 @@ def master_tensors(parts: TrainingParts) -> dict[str, GlobalTensor]:
             _segment_tensors(tensors, optimizer, params, parts.context, "master/{name}", {"": optimizer.values})
             owned.update(optimizer.reducer.names)
     for name, master in parts.precision.master_parameters():
-        if name not in owned:
+        if name not in owned and master.requires_grad:  # a frozen parameter is its own master (model/NAME)
             shape, chunks = tensor_chunks(params[name], master.data, parts.context)
             _add(tensors, f"master/{name}", shape, torch.float32, chunks)
     return tensors
@@ -298,7 +298,7 @@ def finish_loading(parts: TrainingParts) -> None:
     if not getattr(parts.precision, "low_precision", False):
         return
     for (name, param), (_, master) in zip(parts.precision.model_parameters, parts.precision.master_parameters()):
-        if name not in owned:
+        if name not in owned and master is not param:
             param.copy_(master)
 
 

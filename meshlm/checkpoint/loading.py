@@ -66,9 +66,10 @@ def plan_sources(parts: TrainingParts, stored: dict[str, tuple]) -> tuple[dict, 
         prefix, plain = split_replica(key)
         kind, name = plain.split("/", 1)
         if kind == "model" and name in param_names:
-            if low_precision:
+            if low_precision and f"{prefix}master/{name}" in tensors:
                 continue  # recomputed from the masters
-            source = f"master/{name}" if f"master/{name}" in stored else plain
+            # a frozen parameter in bf16/fp16 has no master (its own value is kept) and is read as saved
+            source = f"master/{name}" if f"master/{name}" in stored and not low_precision else plain
         elif kind == "master":
             source = plain if plain in stored else f"model/{name}"
         elif kind == "recipe" and plain not in stored:

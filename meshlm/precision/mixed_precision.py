@@ -26,6 +26,10 @@ Bytes per parameter with Adam (plus activations, which scale with batch and sequ
     bf16/fp16:   2 weight + 4 fp32 master + 8 moments + 4 fp32 master grad
                  (+ 2 for the low-precision grad while a backward is producing it) = 18 (20 peak)
 
+A frozen parameter (``requires_grad`` False: the base weights under LoRA, ``meshlm/models/lora.py``)
+is never updated, so it needs no master: it is its own entry in the master list, cast to the low
+precision like the others, and costs 2 bytes per parameter, not 18.
+
 So mixed precision does not save parameter memory on its own -- it saves activation memory and
 time, and the 12 bytes of master state are what a distributed (sharded) optimizer splits
 across data-parallel ranks (Rajbhandari et al. 2020, ZeRO).
@@ -75,14 +79,14 @@ class MixedPrecision:
             self.masters = self.model_parameters
             return
         self.deferred = sharded_masters
-        masters = [param.detach().float() if sharded_masters else param.detach().float().clone()
-                   for _, param in self.model_parameters]
-        self.masters = [(name, nn.Parameter(master, requires_grad=param.requires_grad))
-                        for (name, param), master in zip(self.model_parameters, masters)]
+        self.masters = [(name, param if not param.requires_grad else  # frozen: it is its own master
+                         nn.Parameter(param.detach().float() if sharded_masters else param.detach().float().clone()))
+                        for name, param in self.model_parameters]
         for (name, param), (_, master) in zip(self.model_parameters, self.masters):
-            if not sharded_masters:
+            if not sharded_masters or master is param:
                 param.data = param.data.to(self.dtype)
-            self.grad_movers[name] = param.register_post_accumulate_grad_hook(_grad_mover(master))
+            if master is not param:
+                self.grad_movers[name] = param.register_post_accumulate_grad_hook(_grad_mover(master))
 
     @property
     def low_precision(self) -> bool:
@@ -114,9 +118,9 @@ class MixedPrecision:
                     if handle is not None:
                         handle.remove()
                 self.owner_gradients.append(part.reducer.shard)
-        if self.deferred:  # what the owner did not take (frozen parameters) gets its own copy now
+        if self.deferred:  # what the owner did not take gets its own copy now
             for (_, param), (_, master) in zip(self.model_parameters, self.masters):
-                if param.dtype != self.dtype:
+                if param.dtype != self.dtype and master is not param:
                     master.data = master.data.clone()
                     param.data = param.data.to(self.dtype)
             self.deferred = False
@@ -167,7 +171,10 @@ class MixedPrecision:
     def master_to_model(self) -> None:
         """Cast the (just updated) fp32 masters into the low-precision model parameters."""
         if self.low_precision and self.master_owner is None:
-            torch._foreach_copy_([p for _, p in self.model_parameters], [m for _, m in self.masters])
+            pairs = [(param, master) for (_, param), (_, master) in zip(self.model_parameters, self.masters)
+                     if master is not param]
+            if pairs:
+                torch._foreach_copy_([param for param, _ in pairs], [master for _, master in pairs])
 
     def update_scale(self, found_nonfinite: bool) -> None:
         """Feed one step's overflow flag to the loss scaler (fp16 only; otherwise nothing)."""
@@ -180,7 +187,8 @@ class MixedPrecision:
         masters = None
         if self.low_precision:
             owned = self.master_owner.full_master_weights() if self.master_owner is not None else {}
-            masters = {name: owned[name] if name in owned else master.detach() for name, master in self.masters}
+            masters = {name: owned[name] if name in owned else master.detach() for name, master in self.masters
+                       if name in owned or master.requires_grad}  # a frozen parameter is in the model's state
         return {"dtype": self.dtype_name,
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "master_weights": masters}
@@ -201,7 +209,7 @@ class MixedPrecision:
                 saved = {name: param.detach().float() for name, param in self.model_parameters}
             else:
                 return
-        missing = [name for name, _ in self.masters if name not in saved]
+        missing = [name for name, master in self.masters if name not in saved and master.requires_grad]
         if missing:
             raise CheckpointError(f"the precision state has no master weight for {missing[0]} "
                                   f"({len(missing)} missing); it was saved for a different model.")
@@ -209,12 +217,13 @@ class MixedPrecision:
             self.master_owner.load_master_weights(saved)  # keeps its shard, refreshes the model
             owned = set(self.master_owner.reducer.names)
             for (name, param), (_, master) in zip(self.model_parameters, self.masters):
-                if name not in owned:  # frozen parameters stay whole here
+                if name not in owned and master is not param and name in saved:  # not the owner's: whole here
                     master.copy_(saved[name])
                     param.copy_(master)
             return
         for name, master in self.masters:
-            master.copy_(saved[name])
+            if master.requires_grad:  # a frozen parameter has no master of its own: the model's state holds it
+                master.copy_(saved[name])
         self.master_to_model()
 
 

@@ -13,9 +13,11 @@ weights must be exactly the folder's.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from meshlm.checkpoint.whole_tensors import read_global_tensors
 from tests.helpers.distributed import import_test_file, run_distributed
@@ -42,7 +44,7 @@ def base_models(blend: str, root: str, models: list[str]) -> None:
     """In this process: a 2-step run of each model without adapters, the folder LoRA starts from."""
     for model in models:
         HELPERS.train_once(Path(blend), Path(root) / f"base {model}", [*MODELS[model], "train.steps=2",
-                                                                       "train.save_every=2"])
+                                                                       "train.save_every=2", "optim.warmup_steps=1"])
 
 
 def lora_overrides(root: Path, model: str) -> list[str]:
@@ -60,7 +62,7 @@ def runs(tmp_path_factory) -> dict:
     for world, layouts in LAYOUTS.items():
         batch = [(name, [*lora_overrides(root, model), *layout]) for name, (model, layout) in layouts.items()]
         by_world[world] = run_distributed(HELPERS.train_runs, world, str(blend), str(root), batch, timeout_s=400)
-    return dict(root=root, single=single, by_world=by_world)
+    return dict(root=root, blend=blend, single=single, by_world=by_world)
 
 
 @pytest.mark.parametrize("world,name", [(world, name) for world, layouts in LAYOUTS.items() for name in layouts])
@@ -81,3 +83,33 @@ def test_only_the_adapters_train(runs, model):
         assert final[name].equal(value), f"{name} is frozen but changed"
     moved = [name for name in adapters if name.endswith(".lora.b") and final[name].abs().max() > 0]
     assert len(moved) == len(adapters) // 2, "every adapter's b (zero at the start) must have trained"
+
+
+BF16_LAYOUTS = {"dp2 zero1": ["parallel.dp=2", "parallel.distributed_optimizer=true"],
+                "tp2 sp": ["parallel.tp=2", "parallel.sp=true"],
+                "dp2 zero3": ["parallel.dp=2", "parallel.zero_stage=3"]}
+
+
+def test_bf16_lora_keeps_masters_of_the_adapters_only_and_resumes_exactly(runs, tmp_path):
+    """In bf16 a frozen weight needs no fp32 master (it never changes): the checkpoint holds masters
+    of the adapters only, the frozen weights are the folder's cast to bf16, and resuming at the same
+    layout repeats the uninterrupted run's losses exactly (ZeRO-1, TP + SP, ZeRO-3)."""
+    root, blend = runs["root"], runs["blend"]
+    bf16 = [*lora_overrides(root, "dense"), "precision.dtype=bf16", "train.eval_every=0", "train.save_every=3"]
+    batch = [(name, [*bf16, *layout]) for name, layout in BF16_LAYOUTS.items()]
+    uninterrupted = run_distributed(HELPERS.train_runs, 2, str(blend), str(tmp_path), batch, timeout_s=400)[0]
+    stored = read_global_tensors(root / "base dense" / "checkpoints" / "step_2")
+    for name, _ in batch:
+        saved = tmp_path / name / "checkpoints" / "step_3"
+        tensors = read_global_tensors(saved)
+        masters = sorted(key.removeprefix("master/") for key in tensors if key.startswith("master/"))
+        assert masters and all(".lora." in key for key in masters), (name, masters[:3])
+        assert all(tensors[f"master/{key}"].dtype == torch.float32 for key in masters)
+        for key, value in stored.items():
+            if key.startswith("model/"):
+                assert tensors[key].equal(value.to(torch.bfloat16)), (name, key)
+        shutil.copytree(saved, tmp_path / f"resumed {name}" / "checkpoints" / "step_3")
+    resumed = [(f"resumed {name}", overrides) for name, overrides in batch]
+    again = run_distributed(HELPERS.train_runs, 2, str(blend), str(tmp_path), resumed, timeout_s=400)[0]
+    for name, _ in batch:
+        assert again[f"resumed {name}"]["losses"] == {step: uninterrupted[name]["losses"][step] for step in (4, 5)}, name
