@@ -4,8 +4,10 @@
   micro-batch's loss equals the one computed by hand from the policy's and the reference's full
   log-softmax, for every variant.
 - Training widens the margin between the chosen and rejected replies' implicit rewards.
-- tp2 (+SP) and dp2 (with the distributed optimizer; with dropout, whose masks are keyed by row)
-  equal one process, on 2 spawned gloo ranks.
+- LoRA adapters on the policy (the reference without them) widen the margin while every other
+  weight stays the SFT model's.
+- tp2 (+SP) and dp2 (with the distributed optimizer; with dropout, whose masks are keyed by row;
+  with LoRA) equal one process, on 2 spawned gloo ranks.
 - A missing or unusable reference, and a store of rated replies, are refused in one sentence.
 """
 
@@ -125,19 +127,40 @@ def test_dpo_widens_the_implicit_reward_margin(setup, tmp_path):
     assert len(steps) == 15 and steps[-1]["chosen_reward"] - steps[-1]["rejected_reward"] > 0
 
 
+def test_dpo_with_lora_adapters_widens_the_margin_and_trains_only_the_adapters(setup, tmp_path):
+    """LoRA on the SFT model (fresh adapters: step 0 is the reference exactly), the reference
+    without adapters: the margin widens while every other weight stays the SFT model's."""
+    run_dir = tmp_path / "dpo lora"
+    trainer = Trainer(dpo_config(setup, run_dir, "train.steps=15", "optim.lr=2e-2", "train.eval_every=15",
+                                 "train.eval_batches=2", "model.lora_rank=8", "model.lora_alpha=16"))
+    trainer.run()
+    validations = [record for record in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in record]
+    first, last = validations[0], validations[-1]
+    assert first["val_reward_margin"] == 0.0 and abs(first["val_loss"] - math.log(2)) < 1e-6
+    assert last["val_reward_margin"] > 0.2 and last["val_loss"] < 0.8 * first["val_loss"], validations
+    sft = LanguageModel(ModelConfig(**MODEL), seed=3).state_dict()
+    with torch.no_grad():
+        sft["final_norm.weight"].mul_(4.0)
+    for name, value in trainer.model.state_dict().items():
+        if ".lora." not in name:
+            assert torch.equal(value, sft[name]), name
+
+
 # --- layouts -------------------------------------------------------------------------------------------
 
 LAYOUTS = [("dpo", "tp2", ["parallel.tp=2"]),
            ("dpo", "dp2 dist-opt", ["parallel.dp=2", "parallel.distributed_optimizer=true"]),
            ("rpo", "tp2 sp", ["parallel.tp=2", "parallel.sp=true"]),
-           ("dropout", "dp2", ["parallel.dp=2"])]
+           ("dropout", "dp2", ["parallel.dp=2"]),
+           ("lora", "tp2 sp", ["parallel.tp=2", "parallel.sp=true"])]
 
 
 def test_dpo_at_tp2_sp_and_dp2_equals_one_process(setup, tmp_path):
     base = [*DPO, f"data.prefixes=[{setup['pairs']}]", f"train.init_from={setup['sft']}",
             f"train.reference_from={setup['other']}"]
     runs = {"dpo": base, "rpo": [*base, "train.dpo_variant=rpo", "train.dpo_beta=0.3"],
-            "dropout": [*base, "train.dpo_variant=length_normalized", "model.hidden_dropout=0.2"]}
+            "dropout": [*base, "train.dpo_variant=length_normalized", "model.hidden_dropout=0.2"],
+            "lora": [*base, "model.lora_rank=4", "model.lora_alpha=8"]}
     single = {name: HELPERS.train_once(setup["corpus"], tmp_path / f"single {name}", overrides)
               for name, overrides in runs.items()}
     parallel = [(f"{name} {layout}", [*runs[name], *overrides]) for name, layout, overrides in LAYOUTS]
