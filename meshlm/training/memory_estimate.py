@@ -14,6 +14,9 @@ AdamW (see ``meshlm/precision/mixed_precision.py``):
     fp32:       4 weight + 4 grad               + 8 Adam moments (the weights are the masters)
     bf16/fp16:  2 weight + 4 grad (+2 transient) + 4 fp32 master + 8 Adam moments
 
+Under LoRA (``model.lora_rank``) only the adapters have gradients, masters and moments; the
+frozen weights count their weights alone.
+
 ZeRO (``parallel.zero_stage``, Rajbhandari et al. 2020) divides by the data-parallel size (dp * cp;
 the expert-data-parallel size for experts): stage 1 the masters and moments, stage 2 also the
 gradients, stage 3 also the weights. An fp32 run under ZeRO keeps its full weights and a master shard.
@@ -127,31 +130,38 @@ class MemoryEstimate:
 
 
 # --- parameter state -----------------------------------------------------------------------------------
-def parameter_counts(model_config) -> dict[str, int]:
+def parameter_counts(model_config, trainable_only: bool = False) -> dict[str, int]:
     """Parameters of the single-process model by group: 'vocab' (embedding and head), 'experts'
-    (routed experts), 'blocks' (everything else); counted on ``meta``, no storage allocated."""
+    (routed experts), 'blocks' (everything else); counted on ``meta``, no storage allocated.
+    ``trainable_only``: those that train (under LoRA the adapters, ``meshlm/models/lora.py``)."""
     with torch.device("meta"):
         model = LanguageModel(model_config, seed=0)
     counts = {"vocab": 0, "experts": 0, "blocks": 0}
     for name, param in model.named_parameters():
+        if trainable_only and not param.requires_grad:
+            continue
         group = ("vocab" if name in ("embedding.weight", "output.weight") else
                  "experts" if ".experts." in name else "blocks")
         counts[group] += param.numel()
     return counts
 
 
-def local_parameter_counts(model_config, layout) -> dict[str, float]:
+def local_parameter_counts(model_config, layout, trainable_only: bool = False) -> dict[str, float]:
     """``parameter_counts`` of one rank: blocks cut by tp * pp, routed experts by ep * etp * pp,
     embedding and head by tp."""
-    counts = parameter_counts(model_config)
+    counts = parameter_counts(model_config, trainable_only)
     return {"vocab": counts["vocab"] / layout.tp_size,
             "blocks": counts["blocks"] / (layout.tp_size * layout.pp_size),
             "experts": counts["experts"] / (layout.ep_size * layout.etp_size * layout.pp_size)}
 
 
 def parameter_state_bytes(config, layout, zero_stage: int) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer state) bytes of this rank's parameters; see the module docstring."""
+    """(weights, gradients, optimizer state) bytes of this rank's parameters; see the module
+    docstring. A frozen parameter (LoRA's base weights) has its weight only: no gradient, no
+    master, no moments."""
     local = local_parameter_counts(config.model, layout)
+    trainable = (local_parameter_counts(config.model, layout, trainable_only=True) if config.model.lora_rank
+                 else local)
     dtype = config.precision.dtype
     low_precision = dtype != "fp32"
     grad_bytes = 2 if zero_stage >= 2 and low_precision and not config.parallel.reduce_grads_in_fp32 else 4
@@ -160,6 +170,7 @@ def parameter_state_bytes(config, layout, zero_stage: int) -> tuple[int, int, in
         shards = layout.edp_size if group == "experts" else layout.dp_cp_size
         zero = {stage: shards if zero_stage >= stage else 1 for stage in (1, 2, 3)}
         weights += count * DTYPE_BYTES[dtype] / zero[3]
+        count = trainable[group]
         gradients += count * grad_bytes / zero[2] + (count * 2 if low_precision and zero_stage < 2 else 0)
         masters = 4 if low_precision or zero_stage >= 1 else 0  # fp32 without ZeRO: the weights are the masters
         optimizer += count * (masters + 8) / zero[1]

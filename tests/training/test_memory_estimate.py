@@ -31,13 +31,16 @@ def resolved(config):
     ("model.pattern=M-*E", "model.moe_num_experts=4", "model.moe_aux_loss_coeff=0.01", "train.seq_len=128"),
     ("model.pattern=*-*-", "train.seq_len=256", "precision.dtype=bf16", "train.recompute=full"),  # activations dominate
     ("model.pattern=*-", "model.hidden_size=128", "train.seq_len=16"),  # parameter state dominates
+    ("model.pattern=*-", "model.hidden_size=128", "train.seq_len=16", "model.lora_rank=4",
+     "precision.dtype=bf16"),  # frozen bf16 weights with no masters, the adapters' state
 ])
 def test_estimate_is_within_a_factor_of_two_of_the_measured_peak(make_config, settings):
     config = make_config("model.hidden_size=64", "train.steps=1", "train.eval_every=0", "train.prefetch_batches=false",
                          "optim.warmup_steps=0", *settings)
     trainer = Trainer(config)
     weights = sum(param.numel() * param.element_size() for param in trainer.model.parameters())
-    masters = sum(param.numel() * param.element_size() for param in trainer.master_parameters)
+    masters = sum(param.numel() * param.element_size() for param in trainer.master_parameters
+                  if param.requires_grad)  # a frozen parameter is its own master
     # The first step allocates the gradients and Adam's moments, on top of the weights (and masters)
     measured = (weights + masters * trainer.precision.low_precision) + peak_allocated_bytes(trainer.train_step)
     estimate = estimate_training_memory(resolved(config))
@@ -70,6 +73,17 @@ def test_the_layout_and_recomputation_lower_the_estimate(make_config):
     recomputed = estimate_training_memory(dataclasses.replace(config, train=dataclasses.replace(
         config.train, recompute="full")))
     assert recomputed.activations < single.activations / 2  # 8 block inputs and one block rerun, not 8 blocks
+
+
+def test_lora_counts_gradients_and_optimizer_state_of_the_adapters_only(make_config):
+    config = resolved(make_config("model.pattern=*-*-", "model.hidden_size=64", "model.lora_rank=4"))
+    model = LanguageModel(config.model, seed=0)
+    every = sum(param.numel() for param in model.parameters())
+    adapters = sum(param.numel() for name, param in model.named_parameters() if ".lora." in name)
+    estimate = estimate_training_memory(config)  # fp32: 4 weight bytes each, 4 + 8 more per adapter parameter
+    assert (estimate.weights, estimate.gradients, estimate.optimizer) == (4 * every, 4 * adapters, 8 * adapters)
+    full = estimate_training_memory(dataclasses.replace(config, model=dataclasses.replace(config.model, lora_rank=0)))
+    assert full.optimizer == 8 * (every - adapters)
 
 
 def test_the_start_line_and_metrics_carry_the_estimate(make_config, capsys):
