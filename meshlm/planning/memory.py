@@ -15,7 +15,8 @@ functions (``plan_buckets``, ``plan_unit_buckets``), padding included:
     ZeRO 2   as 1 but gradients a T/S shard (fp32, or d with reduce_grads_in_fp32=false)
     ZeRO 3   weights the T/S shard (each unit gathered only around its use)
 
-with N the rank's parameters, d the model dtype's bytes, T the padded buffer (each bucket padded
+with N the rank's trained parameters (plus the frozen ones' weights, N_f*d, whole on every rank:
+LoRA's base weights), d the model dtype's bytes, T the padded buffer (each bucket padded
 to a multiple of S) and S the sharding group: dp*cp for dense weights, the expert-data-parallel
 size for routed experts (``expert_data_parallel.py``: their own buffers). A single process has no
 reducer: its gradients are the fp32 masters' ``.grad``.
@@ -60,11 +61,13 @@ def planning_context(config, layout) -> ParallelContext:
 
 @dataclass(frozen=True)
 class RankParameters:
-    """One pipeline rank's parameters, in model order: (name, shape, is routed expert)."""
+    """One pipeline rank's trained parameters, in model order: (name, shape, is routed expert), and
+    how many frozen ones it holds besides (LoRA's base weights: weights only, never sharded)."""
 
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     experts: tuple[bool, ...]
+    frozen: int = 0
 
     @property
     def count(self) -> int:
@@ -87,8 +90,10 @@ def rank_parameters(config, layout, pp_rank: int = 0) -> RankParameters:
             chunks = rank_chunks(config.model, layout.pp, layout.vp, pp_rank, config.train.seq_len)
             keep_stage_modules(model, chunks, pp_rank, layout.pp)
         named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+        frozen = sum(param.numel() for param in model.parameters() if not param.requires_grad)
         _CACHE[key] = RankParameters(tuple(name for name, _ in named), tuple(param.shape for _, param in named),
-                                     tuple(bool(getattr(param, "expert_parallel", False)) for _, param in named))
+                                     tuple(bool(getattr(param, "expert_parallel", False)) for _, param in named),
+                                     frozen)
     return _CACHE[key]
 
 
@@ -111,7 +116,7 @@ def parameter_state(config, layout, pp_rank: int = 0) -> dict[str, int]:
     low_precision = config.precision.dtype != "fp32"
     zero = layout.zero if layout.world_size > 1 else 0
     grad_bytes = FP32 if zero < 2 or config.parallel.reduce_grads_in_fp32 or not low_precision else dtype_bytes
-    weights = gradients = optimizer = 0
+    weights, gradients, optimizer = parameters.frozen * dtype_bytes, 0, 0
     for indices, shards in sharding_groups(parameters, layout, context):
         shapes = [parameters.shapes[index] for index in indices]
         count, tensors = sum(shape.numel() for shape in shapes), len(shapes)

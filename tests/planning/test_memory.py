@@ -1,6 +1,7 @@
 """The planner's parameter state (meshlm/planning/memory.py) equals, to the byte, what a real
 Trainer holds after one step in real gloo processes: weights, gradient buffers and optimizer
-state, on ZeRO stages 0-3 and tp / pp / ep / cp layouts, in fp32 and bf16."""
+state, on ZeRO stages 0-3 and tp / pp / ep / cp layouts, in fp32 and bf16, with LoRA too (frozen
+weights: no gradient, no master, no moments)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ CASES = [
     ["model.pattern=*E*E", "model.moe_num_experts=4", "parallel.ep=2", "parallel.dp=2", "parallel.zero_stage=1"],
     ["model.pattern=*-*-", "parallel.cp=2", "parallel.zero_stage=2"],
     ["model.pattern=*-*-", "parallel.dp=2", "parallel.zero_stage=3", "precision.dtype=bf16"],
+    ["model.pattern=*-*-", "model.lora_rank=4", "parallel.dp=2", "parallel.zero_stage=1", "precision.dtype=bf16"],
+    ["model.pattern=*-M-", "model.mamba_num_groups=2", "model.mamba_head_dim=8", "model.lora_rank=4", "parallel.tp=2",
+     "parallel.sp=true", "precision.dtype=bf16"],
+    ["model.pattern=*-*-", "model.lora_rank=4", "parallel.dp=2", "parallel.zero_stage=3"],
 ]
 
 
