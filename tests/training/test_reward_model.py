@@ -146,6 +146,27 @@ def test_a_reward_model_starts_from_a_language_model_s_folder(stores, tmp_path):
                               "model.num_attention_heads=4"))
 
 
+def test_a_lora_reward_model_trains_its_adapters_and_new_head_only(stores, tmp_path):
+    """LoRA on a language model's folder, with the init_model_config shape: the backbone's weights
+    stay the folder's, the adapters start fresh and the reward head trains with them."""
+    lm_config = ModelConfig(vocab_size=128, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
+                            ffn_hidden_size=64)
+    language_model = LanguageModel(lm_config, seed=5)
+    folder = save_model(language_model, tmp_path / "sft")
+    config = reward_config(stores, tmp_path / "rm", f"train.init_from={folder}", "train.init_model_config=true",
+                           "model.lora_rank=4", "train.eval_every=0", "train.steps=3", "optim.lr=1e-2")
+    trainer = Trainer(config)
+    start = {name: value.clone() for name, value in trainer.model.state_dict().items()}
+    assert trainer.config.model.lora_rank == 4 and trainer.num_trainable < trainer.num_parameters / 4
+    trainer.run()
+    changed = {name for name, value in trainer.model.state_dict().items() if not torch.equal(value, start[name])}
+    assert "reward_head.weight" in changed and changed - {"reward_head.weight"}
+    assert all(".lora." in name for name in changed - {"reward_head.weight"})
+    for name, value in language_model.state_dict().items():
+        if name != "output.weight":
+            assert torch.equal(trainer.model.state_dict()[name], value), name
+
+
 # --- layouts -------------------------------------------------------------------------------------------
 
 LAYOUTS = [("bt", "tp2", ["parallel.tp=2"]),
