@@ -38,9 +38,10 @@ from meshlm.hf import llama, mamba2, mixtral, nemotron_h, qwen3_moe
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.fp8_export import quantize_hf_export
+from meshlm.hf.peft_export import peft_adapter_plan, write_adapter_folder
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
-from meshlm.models.lora import merged_weights
+from meshlm.models.lora import is_adapter_tensor, merged_weights, without_adapters
 
 EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen3_moe.ARCHITECTURE, mixtral.ARCHITECTURE,
                                           mamba2.ARCHITECTURE, nemotron_h.ARCHITECTURE)
@@ -169,16 +170,40 @@ def export_hf(model: LanguageModel, extra: dict | None = None, architecture: str
     return hf_config, produce_all(plan), chosen
 
 
+LORA_PARTS = ("merged", "base", "adapter")
+"""What ``meshlm_to_hf`` writes of a LoRA model: the adapters folded into the weights, the frozen
+base model alone, or the adapters alone as a PEFT folder (``peft_export.py``)."""
+
+
 def meshlm_to_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike, architecture: str | None = None,
-                 overwrite: bool = False, quantize: str | None = None) -> tuple[Path, Architecture]:
+                 overwrite: bool = False, quantize: str | None = None, part: str = "merged",
+                 base_model: str | None = None) -> tuple[Path, Architecture]:
     """Convert a meshlm model folder (or training checkpoint) into an HF folder, one tensor at a time;
-    ``quantize="fp8"`` writes the block linears in block-wise FP8 (``fp8_export.py``)."""
+    ``quantize="fp8"`` writes the block linears in block-wise FP8 (``fp8_export.py``). Of a LoRA
+    model, ``part`` (``LORA_PARTS``) says what: ``adapter`` writes a PEFT adapter folder whose
+    ``base_model_name_or_path`` is ``base_model``."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output_dir(out_dir, overwrite)
     config = read_model_config(model_dir)
     source = weights_source(model_dir)
     check_stored_tensors(config, source.layout, str(source_file(model_dir)))
-    config, stored, read = merged_weights(config, source.layout, partial(read_tensor, source))  # LoRA folded in
+    if part != "merged" and not config.lora_rank:
+        raise CheckpointError(f"{model_dir} has no LoRA adapters (its model.lora_rank is 0), so it has no separate "
+                              f"{part}; export it without --{part}-only.")
+    stored, read = source.layout, partial(read_tensor, source)
+    if part == "adapter":
+        if quantize is not None:
+            raise ConfigError("--quantize applies to the model's weights, not to an adapter folder: drop one of "
+                              "--quantize and --adapter-only.")
+        chosen = choose_architecture(without_adapters(config), architecture, read_hf_extra(model_dir).get("architecture"))
+        adapter_config, plan = peft_adapter_plan(config, stored, read, chosen, base_model)
+        write_adapter_folder(out_dir, adapter_config, plan, tokenizer_dir=model_dir, overwrite=True)
+        return out_dir, chosen
+    if part == "base":  # the frozen weights as they are, the adapters left out
+        config, stored = without_adapters(config), {name: entry for name, entry in stored.items()
+                                                    if not is_adapter_tensor(name)}
+    else:
+        config, stored, read = merged_weights(config, stored, read)  # LoRA folded in
     hf_config, plan, chosen = hf_export_plan(config, stored, read, read_hf_extra(model_dir), architecture)
     if quantize is not None:
         hf_config, plan = quantize_hf_export(hf_config, plan, quantize)
