@@ -28,7 +28,11 @@ MODELS = {
     "hybrid": HELPERS.MODELS["hybrid"],
     "moe": [*HELPERS.MODELS["moe"], "model.moe_shared_expert_ffn_hidden_size=32"],
 }
-LORA = ["model.lora_rank=4", "model.lora_alpha=8", "optim.lr=5e-3"]
+LORA = ["model.lora_rank=4", "model.lora_alpha=8", "optim.lr=5e-3", "optim.eps=1e-4"]
+"""``optim.eps=1e-4``: AdamW turns a gradient element near eps into an update of about lr * g / eps,
+so eps bounds how much the last-bit differences that the layouts' fp32 summation orders leave in
+a gradient are amplified (``run_config``'s note). The adapters' gradients are small (b starts at
+zero), and at the runs' 1e-5 one element of a row-parallel b ended 1.24e-5 apart at tp2 x dp2."""
 LAYOUTS = {  # world -> {name: (model, layout)}
     4: {"dense tp2xdp2 sp dist-opt": ("dense", ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true",
                                                 "parallel.distributed_optimizer=true"]),

@@ -73,6 +73,20 @@ def row_parallel_output(partial: torch.Tensor, context) -> torch.Tensor:
     return reduce_from_group(partial, context.tp_group)
 
 
+def carry_adapter(full: nn.Module, layer: nn.Module, split: str, context, sizes: list[int], what: str) -> None:
+    """Give ``layer`` (the parallel form of ``full``) ``full``'s LoRA adapter, if it has one, cut
+    like the weight: ``split`` 'b' (column-parallel: b by output features) or 'a' (row-parallel: a
+    by input features). The other half stays whole and is fed only this rank's share (its outputs,
+    or its partial sum), so its gradient is partial, summed over the group after backward."""
+    adapter = getattr(full, ADAPTER_MODULE, None)
+    if adapter is None:
+        return
+    cut = shard_parameter(getattr(adapter, split), 0 if split == "b" else 1, context, sizes, f"{what} lora.{split}")
+    setattr(adapter, split, cut)
+    mark_partial_grad(adapter.a if split == "b" else adapter.b)
+    layer.lora = adapter
+
+
 # --- the layers -------------------------------------------------------------------------------------
 
 
@@ -104,11 +118,7 @@ class ColumnParallelLinear(nn.Module):
         weight = shard_parameter(full.weight, 0, context, sizes, what)
         bias = shard_parameter(full.bias, 0, context, sizes, what) if full.bias is not None else None
         layer = cls(weight, bias, context, gather_input, sizes)
-        adapter = getattr(full, ADAPTER_MODULE, None)
-        if adapter is not None:  # LoRA: b split like the weight's rows; a whole, fed this rank's outputs only
-            adapter.b = shard_parameter(adapter.b, 0, context, sizes, f"{what} lora.b")
-            mark_partial_grad(adapter.a)
-            layer.lora = adapter
+        carry_adapter(full, layer, "b", context, sizes, what)  # b split like the weight's rows
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,11 +156,7 @@ class RowParallelLinear(nn.Module):
             if context.sequence_parallel:  # added to this rank's tokens only
                 mark_partial_grad(bias)
         layer = cls(weight, bias, context)
-        adapter = getattr(full, ADAPTER_MODULE, None)
-        if adapter is not None:  # LoRA: a split like the weight's columns; b whole, fed this rank's partial sum
-            adapter.a = shard_parameter(adapter.a, 1, context, sizes, f"{what} lora.a")
-            mark_partial_grad(adapter.b)
-            layer.lora = adapter
+        carry_adapter(full, layer, "a", context, sizes, what)  # a split like the weight's columns
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,5 +200,5 @@ class ReplicatedRowsLinear(nn.Module):
 
 
 
-__all__ = ["ColumnParallelLinear", "ReplicatedRowsLinear", "RowParallelLinear", "column_parallel_input",
+__all__ = ["ColumnParallelLinear", "ReplicatedRowsLinear", "RowParallelLinear", "carry_adapter", "column_parallel_input",
            "row_parallel_output"]
