@@ -1,16 +1,17 @@
 """LoRA fine-tuning against full fine-tuning of the same model: step time and training-state memory.
 
-    python -m bench.lora [--device auto] [--layers 4] [--hidden 512] [--rank 16] [--repeats 5] [--steps 3]
+    python -m bench.lora [--device auto] [--dtype auto] [--layers 4] [--hidden 512] [--rank 16] [--repeats 5]
+                         [--steps 3]
 
 A dense Llama-style model (``--layers`` attention + SwiGLU MLP pairs, vocab 8192, seq 256,
 micro-batch 4) is fine-tuned by the real trainer (``Trainer.train_step``: data, forward, backward,
 clipping, AdamW) on random tokens, once with every weight trained and once with ``model.lora_rank``
-adapters on every linear layer of the blocks (``meshlm/models/lora.py``), in the device's default
-dtype (bf16 on a GPU, fp32 on a CPU). Both are timed alternately, ``--repeats`` rounds of
+adapters on every linear layer of the blocks (``meshlm/models/lora.py``), in ``--dtype`` (auto: the
+device's default, bf16 on a GPU, fp32 on a CPU). Both are timed alternately, ``--repeats`` rounds of
 ``--steps`` steps each after one untimed step (``bench/timing.py``), and compared by their median
-seconds per step (``speedup`` = full / LoRA). Memory is the training state each holds after its
-steps, counted from the tensors: weights, fp32 masters (bf16), gradients and AdamW's moments
-(``state_ratio`` = full / LoRA). Also printed: the trainable share and the model FLOPs per token
+seconds per step (``speedup`` = full / LoRA). Memory is the training state each holds between
+steps, counted from the tensors: weights, fp32 masters (bf16 runs) and AdamW's moments
+(``state_ratio`` = full / LoRA; the gradients, released after each step, are not in it). Also printed: the trainable share and the model FLOPs per token
 each step is counted at (a LoRA step needs no weight gradient of the frozen weights:
 ``meshlm/models/flops.py``). Prints one JSON object.
 """
@@ -50,6 +51,7 @@ def build_trainer(args, data_prefix: Path, run_dir: Path, rank: int) -> Trainer:
         f"train.seq_len={SEQ}", f"train.micro_batch_size={MICRO_BATCH}", f"train.global_batch_size={MICRO_BATCH}",
         "train.steps=1000", "train.eval_every=0", "train.save_every=0", "train.tensorboard=false",
         "train.progress=false", "train.plot=false", f"train.run_dir={run_dir}", f"train.device={args.device}",
+        f"precision.dtype={args.dtype}",
         f"data.prefixes=[{data_prefix}]", "data.blend=null", "data.split=100,0,0",
     ]
     return Trainer(load_run_config(None, overrides))
@@ -76,14 +78,13 @@ def state_bytes(trainer: Trainer) -> dict[str, int]:
     masters = [master for master in trainer.master_parameters if id(master) not in own]
     moments = [value for state in trainer.optimizer.state.values() for value in state.values()
                if isinstance(value, torch.Tensor) and value.dim() > 0]
-    gradients = [parameter.grad for parameter in parameters + masters]
-    return {"weights": tensor_bytes(parameters), "masters": tensor_bytes(masters),
-            "gradients": tensor_bytes(gradients), "optimizer": tensor_bytes(moments)}
+    return {"weights": tensor_bytes(parameters), "masters": tensor_bytes(masters), "optimizer": tensor_bytes(moments)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"), help="precision.dtype")
     parser.add_argument("--layers", type=int, default=4, help="attention + MLP pairs")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size (a multiple of 64)")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
