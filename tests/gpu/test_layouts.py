@@ -13,7 +13,8 @@ counting corpus, 5 steps of 4 micro-batches, lr 5e-4, Adam eps 1e-6, ``check_col
 at the GPU tier's size (hidden 64, 4 blocks, sequences of 32), in fp32 with TF32 off:
 
 - world 4: tp2 x dp2 with sequence parallelism, for the dense and the hybrid (Mamba + attention)
-  model; the dense run saves a checkpoint at step 3;
+  model; the dense run saves a checkpoint at step 3; and the dense model with LoRA adapters
+  (``model.lora_rank=4``: the base frozen, the adapters cut like their weights) with ZeRO-1 too;
 - world 2: the hybrid at pp2 x vp2 (interleaved 1F1B: point-to-point messages of CUDA
   activations), the dense and hybrid models at cp2 (ring attention and the Mamba state handed
   along the CP ring), the MoE model at ep2 (the expert token exchange), the dense model at dp2
@@ -51,7 +52,8 @@ from tests.gpu.support import HELPERS, HYBRID, SIZE, losses_in_order, on_device
 from tests.helpers.counting_corpus import write_corpus
 from tests.helpers.distributed import run_distributed
 
-MODELS = {"dense": HELPERS.MODELS["dense"], "hybrid": HYBRID, "moe": HELPERS.MODELS["moe"]}
+MODELS = {"dense": HELPERS.MODELS["dense"], "hybrid": HYBRID, "moe": HELPERS.MODELS["moe"],
+          "dense lora": [*HELPERS.MODELS["dense"], "model.lora_rank=4", "model.lora_alpha=8", "optim.eps=1e-4"]}
 GLOO = ["parallel.backend=gloo"]
 TP2_DP2_SP = [*GLOO, "parallel.tp=2", "parallel.dp=2", "parallel.sp=true"]
 LAYOUTS = {  # name -> (world, model, layout)
@@ -63,6 +65,7 @@ LAYOUTS = {  # name -> (world, model, layout)
     "moe ep2": (2, "moe", [*GLOO, "parallel.dp=2", "parallel.ep=2"]),
     "dense dp2 zero1": (2, "dense", [*GLOO, "parallel.dp=2", "parallel.zero_stage=1"]),
     "dense dp2 zero3": (2, "dense", [*GLOO, "parallel.dp=2", "parallel.zero_stage=3"]),
+    "dense lora tp2xdp2 sp zero1": (4, "dense lora", [*TP2_DP2_SP, "parallel.zero_stage=1"]),
 }
 BF16_LAYOUTS = {"dense cp2 bf16": "dense cp2", "hybrid cp2 bf16": "hybrid cp2"}
 """The cp2 layouts again in bf16: name -> the fp32 layout's name."""
