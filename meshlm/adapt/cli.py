@@ -38,6 +38,7 @@ from meshlm.config import format_override, parse_override
 from meshlm.errors import CheckpointError
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
+from meshlm.models.lora import require_no_adapters
 
 BALANCING_FIELDS = ("moe_aux_loss_coeff", "moe_bias_update_rate", "moe_z_loss_coeff")
 """The router-balancing settings the command reports."""
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     source_dir = resolve_model_dir(args.checkpoint)
     overrides = model_overrides(args.overrides)
     dense = read_model_config(source_dir)
+    require_no_adapters(dense, source_dir, "upcycle")
     source = weights_source(source_dir)
     check_stored_tensors(dense, source.layout, str(source_file(source_dir)))
     config, plan = upcycle_plan(dense, source.layout, partial(read_tensor, source), args.experts, args.top_k,

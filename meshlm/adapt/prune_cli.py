@@ -144,9 +144,11 @@ def prune(args, out: Path, requested: dict, device: torch.device) -> None:
     from meshlm.checkpoint.locate import resolve_model_dir
     from meshlm.checkpoint.materialize import read_tensor
     from meshlm.checkpoint.model_files import read_model_config, trained_seq_len, weights_source
+    from meshlm.models.lora import require_no_adapters
 
     source_dir = resolve_model_dir(args.checkpoint)
     config = read_model_config(source_dir)
+    require_no_adapters(config, source_dir, "prune")
     check_prunable(config)  # the sizes are refused before the model is read or any forward runs
     check_drop_blocks(config.num_blocks, args.drop_blocks)
     widths = resolve_widths(config, requested, args.per_block) if args.target_params is None else None

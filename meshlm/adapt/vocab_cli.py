@@ -33,6 +33,7 @@ from meshlm.config import format_override
 from meshlm.data.tokenizer import find_tokenizer_file, load_tokenizer, tokenizer_format
 from meshlm.data.tokenizer_extension import base_pieces, check_extends
 from meshlm.errors import CheckpointError, DataError
+from meshlm.models.lora import require_no_adapters
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.pad_to_multiple is not None and args.pad_to_multiple < 1:
         raise CheckpointError(f"--pad-to-multiple {args.pad_to_multiple}: use a positive multiple (1 for none).")
     source_dir = resolve_model_dir(args.checkpoint)
+    require_no_adapters(read_model_config(source_dir), source_dir, "adapt-vocab")
     base_file = base_tokenizer_file(source_dir, args.base_tokenizer)
     new_file = huggingface_file(args.tokenizer, "--tokenizer")
     base, new = backend_of(base_file), backend_of(new_file)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.errors import ConfigError
+from meshlm.errors import CheckpointError, ConfigError
 from meshlm.models.config import LORA_DEFAULT_TARGETS
 from meshlm.models.init import constant, uniform
 
@@ -168,6 +168,15 @@ def merged_state(config, state: dict[str, torch.Tensor]) -> tuple:
     return merged_config, {name: read(name) for name in kept}
 
 
+def require_no_adapters(config, source, command: str) -> None:
+    """CheckpointError unless the model ``config`` (read from ``source``) has no adapters: commands
+    that rewrite a model's weights (``command``: upcycle, prune, adapt-vocab) take plain ones."""
+    if config.lora_rank:
+        raise CheckpointError(f"{source} holds a LoRA model (model.lora_rank={config.lora_rank}), and `meshlm {command}` "
+                              f"rewrites plain weights: fold its adapters in first with `meshlm merge-lora {source} "
+                              "MERGED` and give MERGED.")
+
+
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, all) parameter counts of ``model`` (this rank's share)."""
     parameters = list(model.parameters())
@@ -175,5 +184,6 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
 
 
 __all__ = ["ADAPTER_MODULE", "AdaptedLinear", "LowRankAdapter", "adapted_layers", "add_adapters",
-           "is_adapter_tensor", "merged_state", "merged_weights", "trainable_parameters", "with_adapter",
+           "is_adapter_tensor", "merged_state", "merged_weights", "require_no_adapters", "trainable_parameters",
+           "with_adapter",
            "without_adapters"]

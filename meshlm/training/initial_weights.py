@@ -71,6 +71,11 @@ def initial_weights_source(path: str | Path, model_config: ModelConfig, seed: in
     new_adapters = model_config.lora_rank > 0 and saved.lora_rank == 0
     if new_adapters:  # LoRA on a model without adapters: its weights, fresh adapters
         saved = dataclasses.replace(saved, **{name: getattr(model_config, name) for name in ADAPTER_FIELDS})
+    if saved.lora_rank and not model_config.lora_rank:
+        raise CheckpointError(f"train.init_from={path} holds a LoRA model (model.lora_rank={saved.lora_rank}) and the "
+                              "run has no adapters; to train all of its weights, fold the adapters in first with "
+                              f"`meshlm merge-lora {path} MERGED` and start from MERGED, or to go on training its "
+                              f"adapters add model.lora_rank={saved.lora_rank} (and its lora_alpha and lora_targets).")
     run, folder = resolved_model(model_config), resolved_model(saved)
     differing = differing_fields(run, folder)
     if differing:

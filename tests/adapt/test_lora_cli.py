@@ -72,3 +72,16 @@ def test_refusals_are_one_sentence(tmp_path, capsys, case, words):
     assert main(["merge-lora", str(tmp_path / "lora"), str(tmp_path / "merged")]) == 2
     error = capsys.readouterr().err.strip()
     assert words in error and len(error.splitlines()) == 1, error
+
+
+@pytest.mark.parametrize("command", [["upcycle", "{model}", "{out}", "--experts", "4", "--top-k", "2"],
+                                     ["prune", "{model}", "{out}", "--calibration", "{model}", "--hidden", "16"],
+                                     ["adapt-vocab", "{model}", "--tokenizer", "{model}", "{out}"]],
+                         ids=["upcycle", "prune", "adapt-vocab"])
+def test_commands_that_rewrite_weights_ask_for_the_merge_first(tmp_path, capsys, command):
+    lora_folder(tmp_path / "lora")
+    argv = [word.format(model=tmp_path / "lora", out=tmp_path / "out") for word in command]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert "holds a LoRA model" in error and "meshlm merge-lora" in error and len(error.splitlines()) == 1, error
+    assert not (tmp_path / "out").exists()

@@ -11,14 +11,16 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
-from meshlm.checkpoint.materialize import SafetensorsFile
+from meshlm.checkpoint.global_state import GlobalTensor
+from meshlm.checkpoint.materialize import InitialValues, SafetensorsFile, read_tensor
 from meshlm.checkpoint.model_files import save_model
 from meshlm.config import load_run_config
 from meshlm.errors import CheckpointError
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
-from meshlm.training.initial_weights import initial_weights_source
+from meshlm.training.initial_weights import FreshAdaptersSource, initial_weights_source
 
 RUN = ["model.vocab_size=64", "model.hidden_size=32", "model.pattern=M*-", "model.num_attention_heads=4",
        "model.mamba_head_dim=8"]
@@ -62,3 +64,34 @@ def test_a_run_directory_starts_from_its_newest_checkpoint(tmp_path):
         save_model(LanguageModel(run.model), tmp_path / "run" / "checkpoints" / f"step_{step}")
     source = initial_weights_source(tmp_path / "run", run.model)
     assert source.path == tmp_path / "run" / "checkpoints" / "step_4" / "model.safetensors"
+
+
+def test_lora_on_a_plain_folder_reads_its_weights_and_starts_fresh_adapters(tmp_path):
+    directory = folder(tmp_path, **SPELLED_OUT)
+    run = load_run_config(None, [*RUN, "model.lora_rank=2"])
+    source = initial_weights_source(directory, run.model, seed=7)
+    assert isinstance(source, FreshAdaptersSource)
+    with torch.device("meta"):
+        shapes = {name: tuple(tensor.shape) for name, tensor in LanguageModel(run.model).state_dict().items()}
+
+    def filled_by(values_source, names) -> dict[str, torch.Tensor]:
+        targets = {name: GlobalTensor(shapes[name], torch.float32, [((0,) * len(shapes[name]), torch.empty(shapes[name]))])
+                   for name in names}
+        values_source.fill(targets)
+        return {name: target.chunks[0][1] for name, target in targets.items()}
+
+    filled = filled_by(source, shapes)
+    saved = SafetensorsFile(directory / "model.safetensors")
+    for name in shapes:
+        if ".lora." not in name:
+            assert torch.equal(filled[name], read_tensor(saved, name)), name  # the folder's weights
+    adapters = [name for name in shapes if ".lora." in name]
+    assert adapters and all(not filled[name].any() for name in adapters if name.endswith(".lora.b"))
+    expected = filled_by(InitialValues(run.model, 7), adapters)  # a new run's values from (seed, name)
+    assert all(torch.equal(filled[name], expected[name]) for name in adapters)
+
+
+def test_a_lora_folder_into_a_run_without_adapters_asks_for_the_merge(tmp_path):
+    directory = folder(tmp_path, **SPELLED_OUT, lora_rank=4)
+    with pytest.raises(CheckpointError, match=r"holds a LoRA model \(model.lora_rank=4\).*meshlm merge-lora"):
+        initial_weights_source(directory, load_run_config(None, RUN).model)
