@@ -3,17 +3,18 @@
     python -m bench.lora [--device auto] [--dtype auto] [--layers 4] [--hidden 512] [--rank 16] [--repeats 5]
                          [--steps 3]
 
-A dense Llama-style model (``--layers`` attention + SwiGLU MLP pairs, vocab 8192, seq 256,
-micro-batch 4) is fine-tuned by the real trainer (``Trainer.train_step``: data, forward, backward,
+A dense Llama-style model (``--layers`` attention + SwiGLU MLP pairs, vocab 8192, seq 256, micro-
+batch 4) is fine-tuned by the real trainer (``Trainer.train_step``: data, forward, backward,
 clipping, AdamW) on random tokens, once with every weight trained and once with ``model.lora_rank``
 adapters on every linear layer of the blocks (``meshlm/models/lora.py``), in ``--dtype`` (auto: the
-device's default, bf16 on a GPU, fp32 on a CPU). Both are timed alternately, ``--repeats`` rounds of
-``--steps`` steps each after one untimed step (``bench/timing.py``), and compared by their median
-seconds per step (``speedup`` = full / LoRA). Memory is the training state each holds between
-steps, counted from the tensors: weights, fp32 masters (bf16 runs) and AdamW's moments
-(``state_ratio`` = full / LoRA; the gradients, released after each step, are not in it). Also printed: the trainable share and the model FLOPs per token
-each step is counted at (a LoRA step needs no weight gradient of the frozen weights:
-``meshlm/models/flops.py``). Prints one JSON object.
+device's default, bf16 on a GPU, fp32 on a CPU). Both are timed alternately, ``--repeats`` rounds
+of ``--steps`` steps each after one untimed step (``bench/timing.py``), and compared by their
+median seconds per step (``speedup`` = full / LoRA). Memory is the training state each holds
+between steps, counted from the tensors: weights, fp32 masters (bf16 runs) and AdamW's moments
+(``state_ratio`` = full / LoRA; the gradients, released after each step, are not in it). Also
+printed: the trainable share and the model FLOPs per token each step is counted at (a LoRA step
+needs no weight gradient of the frozen weights: ``meshlm/models/flops.py``). Prints one JSON
+object.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ COMMANDS = {
     "data": ("meshlm.training.data_cli", "data utilities: build the demo corpus, inspect a token store, show a run's samples"),
     "upcycle": ("meshlm.adapt.cli", "turn a dense model or checkpoint into an MoE model with the same outputs"),
     "prune": ("meshlm.adapt.prune_cli", "prune a model to its most important units and blocks (Minitron)"),
-    "merge-lora": ("meshlm.adapt.lora_cli", "fold a LoRA fine-tuned model's adapters into its weights (a plain model folder)"),
+    "merge-lora": ("meshlm.adapt.lora_cli", "fold a LoRA model's adapters into its weights (a plain model folder)"),
     "adapt-vocab": ("meshlm.adapt.vocab_cli", "resize a model's embedding and head to an extended tokenizer (new rows: mean of their pieces)"),
     "eval": ("meshlm.evaluation.cli", "perplexity, bits per byte and multiple-choice accuracy of a model or checkpoint"),
     "score": ("meshlm.evaluation.score_cli", "a reward model's scores of preference pairs or rated replies (pairwise accuracy, MSE)"),

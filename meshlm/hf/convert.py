@@ -195,7 +195,8 @@ def meshlm_to_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike, archi
         if quantize is not None:
             raise ConfigError("--quantize applies to the model's weights, not to an adapter folder: drop one of "
                               "--quantize and --adapter-only.")
-        chosen = choose_architecture(without_adapters(config), architecture, read_hf_extra(model_dir).get("architecture"))
+        original = read_hf_extra(model_dir).get("architecture")
+        chosen = choose_architecture(without_adapters(config), architecture, original)
         adapter_config, plan = peft_adapter_plan(config, stored, read, chosen, base_model)
         write_adapter_folder(out_dir, adapter_config, plan, tokenizer_dir=model_dir, overwrite=True)
         return out_dir, chosen

@@ -14,10 +14,11 @@ onto the base model and which serving engines read for multi-adapter serving:
 
 PEFT's LoRA computes x A^T B^T times lora_alpha / r, the same detour as ours, so a and b are
 written as they are (in their stored dtype). PEFT refuses adapters on the Mamba ``out_proj`` of
-Mamba-2 and Nemotron-H models, so such an export is refused with the two ways out. The HF module of each adapted layer is the one its
-weight is written to by the architecture's tensor maps (``meshlm/hf/common.py``), which rename
-every linear layer of the blocks, so the adapter folder fits the HF folder ``meshlm convert``
-writes for the same model (with ``--base-only``: the frozen weights, without the adapters).
+Mamba-2 and Nemotron-H models, so such an export is refused with the two ways out. The HF module of
+each adapted layer is the one its weight is written to by the architecture's tensor maps
+(``meshlm/hf/common.py``), which rename every linear layer of the blocks, so the adapter folder
+fits the HF folder ``meshlm convert`` writes for the same model (with ``--base-only``: the frozen
+weights, without the adapters).
 """
 
 from __future__ import annotations

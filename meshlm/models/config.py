@@ -514,4 +514,5 @@ def _choice(config: ModelConfig, name: str, allowed: tuple[str, ...]) -> None:
     check_choice(f"model.{name}", getattr(config, name), allowed)
 
 
-__all__ = ["ADAPTER_FIELDS", "LORA_DEFAULT_TARGETS", "LORA_TARGETS", "ModelConfig", "BLOCK_KINDS", "BLOCK_OVERRIDE_FIELDS", "TRAINING_ONLY_FIELDS"]
+__all__ = ["ADAPTER_FIELDS", "LORA_DEFAULT_TARGETS", "LORA_TARGETS", "ModelConfig", "BLOCK_KINDS",
+           "BLOCK_OVERRIDE_FIELDS", "TRAINING_ONLY_FIELDS"]

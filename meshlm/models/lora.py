@@ -172,9 +172,9 @@ def require_no_adapters(config, source, command: str) -> None:
     """CheckpointError unless the model ``config`` (read from ``source``) has no adapters: commands
     that rewrite a model's weights (``command``: upcycle, prune, adapt-vocab) take plain ones."""
     if config.lora_rank:
-        raise CheckpointError(f"{source} holds a LoRA model (model.lora_rank={config.lora_rank}), and `meshlm {command}` "
-                              f"rewrites plain weights: fold its adapters in first with `meshlm merge-lora {source} "
-                              "MERGED` and give MERGED.")
+        raise CheckpointError(f"{source} holds a LoRA model (model.lora_rank={config.lora_rank}), and "
+                              f"`meshlm {command}` rewrites plain weights: fold its adapters in first with "
+                              f"`meshlm merge-lora {source} MERGED` and give MERGED.")
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:

@@ -163,5 +163,6 @@ def resolved_model(config: ModelConfig) -> dict:
     return json.loads(json.dumps(values))
 
 
-__all__ = ["DERIVATION_ONLY_FIELDS", "FreshAdaptersSource", "RESOLVED_FIELDS", "initial_weights_source", "matching_overrides",
+__all__ = ["DERIVATION_ONLY_FIELDS", "FreshAdaptersSource", "RESOLVED_FIELDS", "initial_weights_source",
+           "matching_overrides",
            "model_from_init_folder", "resolved_model"]

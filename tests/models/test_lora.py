@@ -124,7 +124,8 @@ def test_adapter_flops_and_the_training_step_without_frozen_weight_gradients():
     base = without_adapters(config)
     forward = model_flops_per_sequence(base, seq_len, include_backward=False)
     assert model_flops_per_sequence(config, seq_len, include_backward=False) == forward + adapter_flops(config, seq_len)
-    dense = ModelConfig(vocab_size=64, hidden_size=32, pattern="*-", lora_rank=2)  # no activation matmul but attention's
+    dense = ModelConfig(vocab_size=64, hidden_size=32, pattern="*-", lora_rank=2)  # attention's are the only
+    # matmuls between two activations
     weights = model_flops_per_sequence(without_adapters(dense), seq_len, include_backward=False)
     attention = 2 * 2 * 4 * seq_len * seq_len * 8  # scores and weighted sum: 4 heads of 8
     assert model_flops_per_sequence(dense, seq_len) == (2 * weights + attention

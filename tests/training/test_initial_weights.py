@@ -75,8 +75,8 @@ def test_lora_on_a_plain_folder_reads_its_weights_and_starts_fresh_adapters(tmp_
         shapes = {name: tuple(tensor.shape) for name, tensor in LanguageModel(run.model).state_dict().items()}
 
     def filled_by(values_source, names) -> dict[str, torch.Tensor]:
-        targets = {name: GlobalTensor(shapes[name], torch.float32, [((0,) * len(shapes[name]), torch.empty(shapes[name]))])
-                   for name in names}
+        targets = {name: GlobalTensor(shapes[name], torch.float32,
+                                      [((0,) * len(shapes[name]), torch.empty(shapes[name]))]) for name in names}
         values_source.fill(targets)
         return {name: target.chunks[0][1] for name, target in targets.items()}
 

@@ -116,4 +116,5 @@ def test_bf16_lora_keeps_masters_of_the_adapters_only_and_resumes_exactly(runs, 
     resumed = [(f"resumed {name}", overrides) for name, overrides in batch]
     again = run_distributed(HELPERS.train_runs, 2, str(blend), str(tmp_path), resumed, timeout_s=400)[0]
     for name, _ in batch:
-        assert again[f"resumed {name}"]["losses"] == {step: uninterrupted[name]["losses"][step] for step in (4, 5)}, name
+        expected = {step: uninterrupted[name]["losses"][step] for step in (4, 5)}
+        assert again[f"resumed {name}"]["losses"] == expected, name

@@ -200,5 +200,6 @@ class ReplicatedRowsLinear(nn.Module):
 
 
 
-__all__ = ["ColumnParallelLinear", "ReplicatedRowsLinear", "RowParallelLinear", "carry_adapter", "column_parallel_input",
+__all__ = ["ColumnParallelLinear", "ReplicatedRowsLinear", "RowParallelLinear", "carry_adapter",
+           "column_parallel_input",
            "row_parallel_output"]
