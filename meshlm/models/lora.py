@@ -9,7 +9,7 @@ model with fresh adapters *is* the model it starts from (the paper's §4.1). Onl
 reward model's new head) train: the optimizer holds moments for r (in + out) numbers per layer
 instead of in x out, the frozen weights take no weight-gradient GEMM, and a checkpoint's
 optimizer state shrinks with them. After training the detour folds back into the weight,
-W' = W + s B A (``merged_state``): a model with no adapters and no extra inference cost, which
+W' = W + s B A (``merged_weights``): a model with no adapters and no extra inference cost, which
 ``meshlm merge-lora`` writes and ``meshlm convert meshlm-to-hf`` exports.
 
 **Where the adapters sit.** ``model.lora_targets`` names the linear layers of the blocks (MTP
@@ -63,10 +63,6 @@ class LowRankAdapter(nn.Module):
         """The detour for input ``x`` [..., in]; ``rows``: only these output features."""
         b = self.b if rows is None else self.b[rows]
         return F.linear(F.linear(x, self.a), b) * self.scale
-
-    def delta_weight(self) -> torch.Tensor:
-        """``scale * b a``: what the adapter adds to the layer's weight [out, in] (fp32)."""
-        return (self.b.detach().float() @ self.a.detach().float()) * self.scale
 
     def extra_repr(self) -> str:
         return f"rank={self.a.shape[0]}, scale={self.scale:g}"
@@ -177,13 +173,6 @@ def require_no_adapters(config, source, command: str) -> None:
                               f"`meshlm merge-lora {source} MERGED` and give MERGED.")
 
 
-def trainable_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, all) parameter counts of ``model`` (this rank's share)."""
-    parameters = list(model.parameters())
-    return sum(p.numel() for p in parameters if p.requires_grad), sum(p.numel() for p in parameters)
-
-
 __all__ = ["ADAPTER_MODULE", "AdaptedLinear", "LowRankAdapter", "adapted_layers", "add_adapters",
-           "is_adapter_tensor", "merged_state", "merged_weights", "require_no_adapters", "trainable_parameters",
-           "with_adapter",
+           "is_adapter_tensor", "merged_state", "merged_weights", "require_no_adapters", "with_adapter",
            "without_adapters"]
