@@ -175,25 +175,30 @@ def _cuda_available() -> bool:
 
 
 def convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str, architecture: str | None = None,
-            quantize: str | None = None, overwrite: bool = False) -> Path:
+            quantize: str | None = None, overwrite: bool = False, lora: str = "merged",
+            base_model: str | None = None) -> Path:
     """Convert a model between Hugging Face and meshlm folders, one tensor at a time; returns ``out``.
 
     ``to="hf"``: ``source`` is a meshlm model folder, checkpoint or run directory; ``architecture``
     picks the HF class (default: chosen from the model's shape) and ``quantize="fp8"`` writes the
-    block linears in block-wise FP8 (``meshlm convert meshlm-to-hf``). ``to="meshlm"``: ``source``
-    is a Hugging Face folder (``meshlm convert hf-to-meshlm``). Tokenizer files travel along; a
-    non-empty ``out`` is refused unless ``overwrite``."""
+    block linears in block-wise FP8 (``meshlm convert meshlm-to-hf``). Of a LoRA model ``lora``
+    says what: "merged" (the adapters folded into the weights), "base" (the frozen base alone) or
+    "adapter" (the adapters alone, a PEFT folder naming ``base_model``). ``to="meshlm"``:
+    ``source`` is a Hugging Face folder (``meshlm convert hf-to-meshlm``). Tokenizer files travel
+    along; a non-empty ``out`` is refused unless ``overwrite``."""
     if to == "hf":
         from meshlm.checkpoint.locate import resolve_model_dir
-        from meshlm.hf.convert import meshlm_to_hf
+        from meshlm.hf.convert import LORA_PARTS, meshlm_to_hf
 
+        if lora not in LORA_PARTS:
+            raise ConfigError(f"lora={lora!r} must be one of {', '.join(LORA_PARTS)}.")
         written, _ = meshlm_to_hf(resolve_model_dir(source), out, architecture, overwrite=overwrite,
-                                  quantize=quantize)
+                                  quantize=quantize, part=lora, base_model=base_model)
         return written
     if to == "meshlm":
-        if architecture is not None or quantize is not None:
-            raise ConfigError("architecture= and quantize= apply to to='hf' only; the HF folder's config "
-                              "says what it holds.")
+        if architecture is not None or quantize is not None or lora != "merged" or base_model is not None:
+            raise ConfigError("architecture=, quantize=, lora= and base_model= apply to to='hf' only; the HF "
+                              "folder's config says what it holds.")
         from meshlm.hf.convert import hf_to_meshlm
 
         written, _, _ = hf_to_meshlm(source, out, overwrite=overwrite)

@@ -147,3 +147,7 @@ def test_convert_to_hugging_face_and_back_keeps_the_logits(trained, tmp_path):
         meshlm.convert(run_dir, tmp_path / "x", to="gguf")
     with pytest.raises(meshlm.CheckpointError):  # refused: not empty
         meshlm.convert(run_dir, hf_dir, to="hf")
+    with pytest.raises(meshlm.CheckpointError, match="has no LoRA adapters"):
+        meshlm.convert(run_dir, tmp_path / "adapter", to="hf", lora="adapter")
+    with pytest.raises(meshlm.ConfigError, match="lora='both' must be one of merged, base, adapter"):
+        meshlm.convert(run_dir, tmp_path / "adapter", to="hf", lora="both")
