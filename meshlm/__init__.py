@@ -81,14 +81,15 @@ def train(config, overrides: list[str] | tuple[str, ...] = ()):
     return run_trainer(config)
 
 
-def load_model(path: str | os.PathLike, device: str = "cpu"):
+def load_model(path: str | os.PathLike, device: str = "cpu", merge_lora: bool = False):
     """The ``LanguageModel`` stored at ``path`` -- a model folder (config.json + model.safetensors),
     a training checkpoint (``RUN_DIR/checkpoints/step_N``) or a run directory (its newest
-    complete checkpoint) -- on ``device``, in eval mode, each tensor in the dtype it was saved in."""
+    complete checkpoint) -- on ``device``, in eval mode, each tensor in the dtype it was saved in.
+    ``merge_lora``: a LoRA model's adapters folded into its weights (``meshlm merge-lora``)."""
     from meshlm.checkpoint.locate import resolve_model_dir
     from meshlm.checkpoint.model_files import load_model as load_model_folder
 
-    model = load_model_folder(resolve_model_dir(path), map_location=device)
+    model = load_model_folder(resolve_model_dir(path), map_location=device, merge_lora=merge_lora)
     return model.eval()
 
 
@@ -138,7 +139,7 @@ def generate(model, prompt, max_new_tokens: int = 64, tokenizer=None, *, greedy:
     model_dir = None
     if isinstance(model, (str, os.PathLike)):
         model_dir = Path(model)
-        model = load_model(model_dir, device="cuda" if _cuda_available() else "cpu")
+        model = load_model(model_dir, device="cuda" if _cuda_available() else "cpu", merge_lora=True)
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
     elif tokenizer is None and model_dir is not None:

@@ -198,6 +198,25 @@ class _IndexedReader(FileSystemReader):
         return self.known_metadata
 
 
+class WholeTensors:
+    """A source of whole tensors computed by ``read(name)`` ({name: (shape, dtype)} in ``layout``):
+    a model seen through a transformation, such as its LoRA adapters folded into its weights
+    (``meshlm/models/lora.py``'s ``merged_weights``). Each tensor is read whole and its boxes copied."""
+
+    def __init__(self, layout: dict[str, tuple], read):
+        self.layout, self.read = layout, read
+
+    def fill(self, targets: dict[str, GlobalTensor]) -> None:
+        missing = sorted(set(targets) - set(self.layout))
+        if missing:
+            raise CheckpointError(f"the model's tensors lack {', '.join(missing[:8])}; is it a checkpoint of "
+                                  "this model?")
+        for name, target in targets.items():
+            full = self.read(name)
+            _copy_boxes(full.to(target.dtype), target)
+            del full
+
+
 def read_tensor(source, name: str) -> torch.Tensor:
     """One whole tensor of ``source`` (SafetensorsFile, CheckpointShards), in its stored dtype, on CPU."""
     shape, dtype = source.layout[name]
@@ -235,4 +254,4 @@ def _check_shape(name: str, stored: tuple, expected: tuple, where: Path) -> None
                               "the folder holds a different model.")
 
 
-__all__ = ["CheckpointShards", "InitialValues", "SafetensorsFile", "materialize", "read_tensor"]
+__all__ = ["CheckpointShards", "InitialValues", "SafetensorsFile", "WholeTensors", "materialize", "read_tensor"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Mapping
 
@@ -29,11 +30,12 @@ import torch
 from meshlm.checkpoint.files import (CONFIG_FILE, FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, WEIGHTS_FILE,
                                      copy_tokenizer_files, write_json_atomic)
 from meshlm.checkpoint.folders import is_distributed_checkpoint
-from meshlm.checkpoint.materialize import CheckpointShards, SafetensorsFile, materialize
+from meshlm.checkpoint.materialize import CheckpointShards, SafetensorsFile, WholeTensors, materialize, read_tensor
 from meshlm.checkpoint.safetensors_stream import write_safetensors
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
+from meshlm.models.lora import merged_weights
 
 MAX_LISTED = 8
 
@@ -158,13 +160,19 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:MAX_LISTED]) + (" ..." if len(names) > MAX_LISTED else "")
 
 
-def load_model(directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> LanguageModel:
+def load_model(directory: str | os.PathLike, map_location: str | torch.device = "cpu",
+               merge_lora: bool = False) -> LanguageModel:
     """Build the model described by ``directory/config.json`` on ``meta``, then give it the
-    folder's weights one tensor at a time, each in the dtype it was saved in."""
+    folder's weights one tensor at a time, each in the dtype it was saved in. ``merge_lora``: a
+    LoRA model comes with its adapters folded into its weights (``meshlm/models/lora.py``): the
+    same function without the adapters' extra GEMMs, what generation wants."""
     directory = Path(directory)
     config = read_model_config(directory)
     source = weights_source(directory)
     check_stored_tensors(config, source.layout, str(source_file(directory)))
+    if merge_lora and config.lora_rank:
+        config, stored, read = merged_weights(config, source.layout, partial(read_tensor, source))
+        source = WholeTensors(stored, read)
     with torch.device("meta"):
         model = LanguageModel(config)
     dtypes = {name: dtype for name, (_, dtype) in source.layout.items()}

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"no tokenizer found in {model_dir}: a chat needs the tokenizer written by "
                                 "`meshlm preprocess --chat`; pass --tokenizer PATH.")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(model_dir, map_location=device)
+    model = load_model(model_dir, map_location=device, merge_lora=True)  # LoRA: adapters folded in
     interactive = sys.stdin.isatty()
     note = (lambda text: print(text, file=sys.stderr, flush=True)) if interactive else (
         lambda text: print(f"note: {text}", file=sys.stderr, flush=True))

@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"no tokenizer found in {model_dir}: text prompts need one; pass "
                                 "--tokenizer PATH, or give token ids with --prompt-ids.")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(model_dir, map_location=device)
+    model = load_model(model_dir, map_location=device, merge_lora=True)  # LoRA: adapters folded in
     prompts = (args.prompt_ids if args.prompt is None else [tokenizer.encode(text) for text in args.prompt]
                ) if args.input is None else []
     eos_token_id = choose_eos(args.eos_id, tokenizer, model_dir)

@@ -85,3 +85,24 @@ def test_commands_that_rewrite_weights_ask_for_the_merge_first(tmp_path, capsys,
     error = capsys.readouterr().err.strip()
     assert "holds a LoRA model" in error and "meshlm merge-lora" in error and len(error.splitlines()) == 1, error
     assert not (tmp_path / "out").exists()
+
+
+def test_generation_folds_the_adapters_in_at_load(tmp_path, capsys):
+    """``meshlm generate`` loads a LoRA model merged (no extra GEMMs per token): its tensors are
+    those of the ``merge-lora`` folder, bit for bit, and so are its greedy tokens."""
+    model = lora_folder(tmp_path / "lora").eval()
+    assert main(["merge-lora", str(tmp_path / "lora"), str(tmp_path / "merged")]) == 0
+    loaded = load_model(tmp_path / "lora", merge_lora=True)
+    merged = load_model(tmp_path / "merged")
+    assert loaded.config == merged.config and loaded.config.lora_rank == 0
+    assert all(torch.equal(value, merged.state_dict()[name]) for name, value in loaded.state_dict().items())
+    assert load_model(tmp_path / "lora").config.lora_rank == 4  # as trained unless asked
+    capsys.readouterr()
+    outputs = []
+    for folder in ("lora", "merged"):
+        assert main(["generate", str(tmp_path / folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
+                     "--greedy", "--json", "--device", "cpu"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out.strip())["ids"])
+    assert outputs[0] == outputs[1] and outputs[0]  # (ends at the folder's eos id 3)
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(loaded.eval()(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
