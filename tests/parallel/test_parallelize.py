@@ -3,13 +3,15 @@
 Dense models ('*-*-', vocabulary 61 so it must be padded, QK-norm on) with grouped-query
 attention whose KV heads are split over the ranks (kv 2 at tp 2, kv 4 at tp 4) or replicated on
 them (kv 2 at tp 4, kv 1 at tp 2 and 4), tied and untied embeddings, biases, LayerNorm and a
-non-gated MLP, and one MTP depth. One spawned world of 4 ranks runs tp 2 (two TP groups side by
+non-gated MLP, and one MTP depth; and a hybrid ('M*-M', an MTP depth) with LoRA adapters on every
+targeted layer (their b drawn, as after training), of which only the adapters have gradients. One
+spawned world of 4 ranks runs tp 2 (two TP groups side by
 side) and tp 4, sequence parallelism off and on. Every rank builds the full model from a seed,
 runs the single-process forward/backward itself, then parallelizes a copy and checks:
 
 - the training loss (``return_logits=False``: vocab-parallel cross-entropy, logits never
   gathered), and the loss and full logits of ``return_logits=True``;
-- every parameter's gradient, after ``reduce_partial_tp_grads`` and gathered back to full;
+- every trained parameter's gradient, after ``reduce_partial_tp_grads`` and gathered back to full;
 - ``gather_full_state_dict`` equals the single-process state dict exactly, and
   ``load_full_state_dict`` of it restores a zeroed parallel model exactly;
 - cached generation (prefill, then one token at a time) gives the full forward's logits.
@@ -44,6 +46,9 @@ MODELS = {
     "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
                                     mlp_activation="squared_relu", mlp_bias=True),
     "kv2 mtp": dict(num_kv_heads=2, mtp_depth=1, mtp_pattern="*-"),
+    "lora hybrid mtp": dict(pattern="M*-M", num_kv_heads=2, mamba_head_dim=8, mamba_state_size=8,
+                            mamba_num_groups=4, mamba_chunk_size=8, mtp_depth=1, mtp_pattern="*-", lora_rank=4,
+                            lora_alpha=8),
 }
 
 
@@ -53,7 +58,12 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def build_model(overrides: dict) -> LanguageModel:
     torch.manual_seed(0)
-    return LanguageModel(ModelConfig(**{**BASE, **overrides}))
+    model = LanguageModel(ModelConfig(**{**BASE, **overrides}))
+    with torch.no_grad():  # LoRA: trained adapters (a fresh b is zero, and so would be a's gradient)
+        for name, param in model.named_parameters():
+            if name.endswith(".lora.b"):
+                param.normal_(0.0, 0.1)
+    return model
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +88,9 @@ def check_layout(full: LanguageModel, reference: dict, context) -> dict:
               "loss with logits": relative_error(evaluated.loss, reference["loss"]),
               "logits": relative_error(evaluated.logits, reference["logits"])}
     assert evaluated.logits.shape == (BATCH, SEQ, VOCAB)
-    for name, param in model.named_parameters():
+    trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    assert [name for name, _ in trained] == list(reference["grads"])
+    for name, param in trained:
         errors[f"grad {name}"] = relative_error(gather_full_tensor(param, param.grad, context),
                                                 reference["grads"][name])
     assert tensor_parallel_names(model) and not tensor_parallel_names(model) & partial_grad_names(model)
@@ -112,7 +124,8 @@ def run_all_cases() -> dict:
         output = full(input_ids, labels, return_logits=True)
         output.loss.backward()
         reference = {"loss": output.loss.detach(), "logits": output.logits.detach(),
-                     "grads": {name: param.grad.clone() for name, param in full.named_parameters()},
+                     "grads": {name: param.grad.clone() for name, param in full.named_parameters()
+                               if param.requires_grad},  # (LoRA: the adapters only)
                      "state": {name: value.clone() for name, value in full.state_dict().items()}}
         full.zero_grad(set_to_none=True)
         for tp in (2, 4):

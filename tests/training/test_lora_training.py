@@ -6,9 +6,11 @@ gate/up/down, Mamba in/out) from a model without adapters (``train.init_from``: 
 adapters) for 5 steps, in one process and at layouts that cut the adapters every way: tp2 x dp2
 with SP and the distributed optimizer (column-parallel b, row-parallel a, replicated halves with
 partial gradients), tp4 with SP (the dense model's 2 KV heads replicated: both halves partial),
-pp2 x dp2 with ZeRO-3, cp2 and ep2. Every step's loss and gradient norm, the validation losses and
-the final parameters must equal the single-process run's (relative error <= 1e-5), and the frozen
-weights must be exactly the folder's.
+pp2 x dp2 with ZeRO-3, cp2 and ep2, and the hybrid with an MTP depth at tp2 x pp2 x vp2 + SP
+(adapters in the MTP depth's blocks, interleaved stages) and a heterogeneous stack (per-block KV
+heads and MLP width) at tp2 x dp2 + ZeRO-1. Every step's loss and gradient norm, the validation
+losses and the final parameters must equal the single-process run's (relative error <= 1e-5),
+and the frozen weights must be exactly the folder's.
 """
 
 from __future__ import annotations
@@ -27,18 +29,27 @@ MODELS = {
     "dense": HELPERS.MODELS["dense"],
     "hybrid": HELPERS.MODELS["hybrid"],
     "moe": [*HELPERS.MODELS["moe"], "model.moe_shared_expert_ffn_hidden_size=32"],
+    "hybrid mtp": [*HELPERS.MODELS["hybrid"], "model.mtp_depth=1"],
+    "heterogeneous": ["model.pattern=*-*-", "model.num_kv_heads=2",
+                      "model.block_overrides={2: {num_kv_heads: 1}, 1: {ffn_hidden_size: 32}}"],
 }
-LORA = ["model.lora_rank=4", "model.lora_alpha=8", "optim.lr=5e-3", "optim.eps=1e-4"]
-"""``optim.eps=1e-4``: AdamW turns a gradient element near eps into an update of about lr * g / eps,
+LORA = ["model.lora_rank=4", "model.lora_alpha=8", "optim.lr=5e-3", "optim.eps=1e-3"]
+"""``optim.eps=1e-3``: AdamW turns a gradient element near eps into an update of about lr * g / eps,
 so eps bounds how much the last-bit differences that the layouts' fp32 summation orders leave in
 a gradient are amplified (``run_config``'s note). The adapters' gradients are small (b starts at
-zero), and at the runs' 1e-5 one element of a row-parallel b ended 1.24e-5 apart at tp2 x dp2."""
+zero): at the parallel runs' 1e-5 a row-parallel b of the dense model ended 1.24e-5 apart at
+tp2 x dp2, and at 1e-4 the Mamba out_proj's b of the hybrid with MTP 2.6e-5 apart at tp2 + SP
+(1.6e-6 at 1e-3), while every adapter's gradient agrees to 2.8e-6 at tp2 and tp4, with and
+without SP (tests/parallel/test_parallelize.py, its 'lora hybrid mtp' model)."""
 LAYOUTS = {  # world -> {name: (model, layout)}
     4: {"dense tp2xdp2 sp dist-opt": ("dense", ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true",
                                                 "parallel.distributed_optimizer=true"]),
         "dense tp4 sp": ("dense", ["parallel.tp=4", "parallel.sp=true"]),
         "hybrid tp2 cp2 sp": ("hybrid", ["parallel.tp=2", "parallel.cp=2", "parallel.sp=true"]),
-        "dense pp2 dp2 zero3": ("dense", ["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=3"])},
+        "dense pp2 dp2 zero3": ("dense", ["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=3"]),
+        "hybrid mtp tp2 pp2 vp2 sp": ("hybrid mtp", ["parallel.tp=2", "parallel.pp=2", "parallel.vp=2",
+                                                     "parallel.sp=true"]),
+        "heterogeneous tp2 dp2 zero1": ("heterogeneous", ["parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1"])},
     2: {"moe ep2": ("moe", ["parallel.ep=2"]),
         "moe tp2 sp": ("moe", ["parallel.tp=2", "parallel.sp=true"])},
 }
