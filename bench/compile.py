@@ -20,23 +20,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from bench.timing import interleaved_medians, synchronize
+from bench.timing import interleaved_medians, synchronize, timed_steps
+from bench.train_throughput import write_random_corpus
 from meshlm.config import load_run_config
-from meshlm.data.indexed import TokenStoreWriter
 from meshlm.training.compile import compile_blocks
 from meshlm.training.trainer import Trainer
 
 VOCAB, SEQ, MICRO_BATCH = 4096, 256, 8
-
-
-def write_random_corpus(prefix: Path, num_tokens: int) -> None:
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(200, 2000, size=num_tokens // 1000)
-    with TokenStoreWriter(prefix, VOCAB) as writer:
-        writer.add_documents(rng.integers(0, VOCAB, size=int(lengths.sum())), lengths)
 
 
 def build_trainer(args, data_prefix: Path, run_dir: Path) -> Trainer:
@@ -49,16 +41,6 @@ def build_trainer(args, data_prefix: Path, run_dir: Path) -> Trainer:
         f"data.prefixes=[{data_prefix}]", "data.blend=null", "data.split=100,0,0",
     ]
     return Trainer(load_run_config(None, overrides))
-
-
-def timed_steps(trainer: Trainer, steps: int) -> float:
-    """Seconds per step over ``steps`` training steps (the device synchronized at both ends)."""
-    synchronize(trainer.device)
-    started = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step()
-    synchronize(trainer.device)
-    return (time.perf_counter() - started) / steps
 
 
 def graphs_compiled() -> int:
@@ -78,7 +60,7 @@ def graph_break_reasons() -> dict[str, int]:
 
 
 def measure(args, workdir: Path) -> dict:
-    write_random_corpus(workdir / "random", num_tokens=(args.repeats + 2) * args.steps * MICRO_BATCH * SEQ * 4)
+    write_random_corpus(workdir / "random", (args.repeats + 2) * args.steps * MICRO_BATCH * SEQ * 4, vocab_size=VOCAB)
     eager = build_trainer(args, workdir / "random", workdir / "eager")
     compiled = build_trainer(args, workdir / "random", workdir / "compiled")
     notices = []

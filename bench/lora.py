@@ -23,26 +23,17 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from bench.timing import interleaved_medians, synchronize
+from bench.timing import interleaved_medians, timed_steps
+from bench.train_throughput import write_random_corpus
 from meshlm.config import load_run_config
-from meshlm.data.indexed import TokenStoreWriter
 from meshlm.models.flops import model_flops_per_token
 from meshlm.training.trainer import Trainer
 
 VOCAB, SEQ, MICRO_BATCH = 8192, 256, 4
-
-
-def write_random_corpus(prefix: Path, num_tokens: int) -> None:
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(200, 2000, size=num_tokens // 1000)
-    with TokenStoreWriter(prefix, VOCAB) as writer:
-        writer.add_documents(rng.integers(0, VOCAB, size=int(lengths.sum())), lengths)
 
 
 def build_trainer(args, data_prefix: Path, run_dir: Path, rank: int) -> Trainer:
@@ -56,16 +47,6 @@ def build_trainer(args, data_prefix: Path, run_dir: Path, rank: int) -> Trainer:
         f"data.prefixes=[{data_prefix}]", "data.blend=null", "data.split=100,0,0",
     ]
     return Trainer(load_run_config(None, overrides))
-
-
-def timed_steps(trainer: Trainer, steps: int) -> float:
-    """Seconds per step over ``steps`` training steps (the device synchronized at both ends)."""
-    synchronize(trainer.device)
-    started = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step()
-    synchronize(trainer.device)
-    return (time.perf_counter() - started) / steps
 
 
 def tensor_bytes(tensors) -> int:
@@ -101,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
-        write_random_corpus(root / "corpus", 400_000)
+        write_random_corpus(root / "corpus", 400_000, vocab_size=VOCAB)
         trainers = {"full": build_trainer(args, root / "corpus", root / "full", 0),
                     "lora": build_trainer(args, root / "corpus", root / "lora", args.rank)}
         seconds = interleaved_medians({name: (lambda trainer=trainer: timed_steps(trainer, args.steps))

@@ -1,6 +1,6 @@
 """Timing on a noisy machine and on a GPU: runs interleaved with a warm-up and their medians
 compared (``interleaved_medians``), calls timed between device synchronizations (``time_kernel``,
-``synchronize``)."""
+``synchronize``), and training steps timed the same way (``timed_steps``)."""
 
 from __future__ import annotations
 
@@ -42,3 +42,14 @@ def time_kernel(run, device: torch.device, warmup: int, repeats: int) -> list[fl
         synchronize(device)
         seconds.append(time.perf_counter() - started)
     return seconds
+
+
+def timed_steps(trainer, steps: int) -> float:
+    """Seconds per step over ``steps`` of ``trainer.train_step()`` (a meshlm ``Trainer``; the device
+    synchronized at both ends)."""
+    synchronize(trainer.device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    synchronize(trainer.device)
+    return (time.perf_counter() - started) / steps
