@@ -27,7 +27,7 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, read_model_conf
                                            write_model_folder)
 from meshlm.checkpoint.safetensors_stream import PlannedTensor
 from meshlm.errors import CheckpointError
-from meshlm.models.lora import merged_weights
+from meshlm.models.lora import adapted_layer_names, merged_weights
 
 FOLDER_KEYS = ("format", "version", "model")
 """The config.json keys ``write_model_folder`` writes itself; every other key of CKPT's is kept."""
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
              if key not in FOLDER_KEYS}
     with folder_written_atomically(out) as temporary:
         write_model_folder(temporary, merged, plan, extra_config=extra, tokenizer_dir=source_dir)
-    adapters = sum(name.endswith(".lora.a") for name in source.layout)
+    adapters = len(adapted_layer_names(source.layout))
     print(f"wrote {out}: {adapters} LoRA adapters of rank {config.lora_rank} folded into their weights "
           f"(scale {config.lora_scale:g}); the model has no adapters left and runs at the base model's speed")
     return 0

@@ -201,16 +201,14 @@ class _IndexedReader(FileSystemReader):
 class WholeTensors:
     """A source of whole tensors computed by ``read(name)`` ({name: (shape, dtype)} in ``layout``):
     a model seen through a transformation, such as its LoRA adapters folded into its weights
-    (``meshlm/models/lora.py``'s ``merged_weights``). Each tensor is read whole and its boxes copied."""
+    (``meshlm/models/lora.py``'s ``merged_weights``). Each tensor is read whole and its boxes copied;
+    ``where`` names the files they come from in errors."""
 
-    def __init__(self, layout: dict[str, tuple], read):
-        self.layout, self.read = layout, read
+    def __init__(self, layout: dict[str, tuple], read, where: Path):
+        self.layout, self.read, self.where = layout, read, where
 
     def fill(self, targets: dict[str, GlobalTensor]) -> None:
-        missing = sorted(set(targets) - set(self.layout))
-        if missing:
-            raise CheckpointError(f"the model's tensors lack {', '.join(missing[:8])}; is it a checkpoint of "
-                                  "this model?")
+        _check_names(targets, set(self.layout), lambda name: name, self.where)
         for name, target in targets.items():
             full = self.read(name)
             _copy_boxes(full.to(target.dtype), target)

@@ -172,7 +172,7 @@ def load_model(directory: str | os.PathLike, map_location: str | torch.device = 
     check_stored_tensors(config, source.layout, str(source_file(directory)))
     if merge_lora and config.lora_rank:
         config, stored, read = merged_weights(config, source.layout, partial(read_tensor, source))
-        source = WholeTensors(stored, read)
+        source = WholeTensors(stored, read, source_file(directory))
     with torch.device("meta"):
         model = LanguageModel(config)
     dtypes = {name: dtype for name, (_, dtype) in source.layout.items()}

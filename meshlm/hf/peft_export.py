@@ -34,7 +34,7 @@ from meshlm.errors import CheckpointError
 from meshlm.hf.common import Architecture
 from meshlm.hf.files import check_output_dir
 from meshlm.models.config import ModelConfig
-from meshlm.models.lora import ADAPTER_MODULE
+from meshlm.models.lora import ADAPTER_MODULE, adapted_layer_names
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -47,19 +47,13 @@ read that weight directly, past the module (peft's ``_check_lora_target_modules_
 
 def peft_adapter_plan(config: ModelConfig, stored: dict[str, tuple], read: Callable[[str], torch.Tensor],
                       architecture: Architecture, base_model: str | None = None) -> tuple[dict, dict]:
-    """(adapter_config.json, {PEFT key: PlannedTensor}) of the adapters of a LoRA model whose
-    tensors are ``stored`` ({name: (shape, dtype)}, read by ``read``), for ``architecture``."""
-    if not config.lora_rank:
-        raise CheckpointError("the model has no LoRA adapters (model.lora_rank is 0): export the whole model "
-                              "without --adapter-only.")
+    """(adapter_config.json, {PEFT key: PlannedTensor}) of the adapters of a LoRA model
+    (``meshlm_to_hf`` refuses a model without) whose tensors are ``stored`` ({name: (shape, dtype)},
+    read by ``read``), for ``architecture``."""
     hf_names = {entry.ours: entry.theirs[0] for entry in architecture.tensor_maps(config)
                 if len(entry.theirs) == 1 and not entry.stacked}
-    suffix = f".{ADAPTER_MODULE}.a"
     plan, modules = {}, set()
-    for name in sorted(stored):
-        if not name.endswith(suffix):
-            continue
-        layer = name[:-len(suffix)]
+    for layer in adapted_layer_names(stored):
         weight = hf_names.get(f"{layer}.weight")
         if weight is None:
             raise CheckpointError(f"{architecture.name} has no layer for the adapter of {layer}; export the merged "
@@ -77,7 +71,7 @@ def peft_adapter_plan(config: ModelConfig, stored: dict[str, tuple], read: Calla
                               "instead (without --adapter-only), or train with model.lora_targets without out_proj.")
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": config.lora_rank, "lora_alpha": config.lora_alpha if config.lora_alpha is not None else config.lora_rank,
+        "r": config.lora_rank, "lora_alpha": config.resolved_lora_alpha,
         "target_modules": sorted(modules), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},

@@ -376,9 +376,14 @@ class ModelConfig:
                               f"choose from {list(LORA_TARGETS)}.")
 
     @property
+    def resolved_lora_alpha(self) -> float:
+        """lora_alpha, or lora_rank where it is None."""
+        return self.lora_alpha if self.lora_alpha is not None else self.lora_rank
+
+    @property
     def lora_scale(self) -> float:
         """The factor on an adapter's output: lora_alpha / lora_rank (1 when lora_alpha is None)."""
-        return 1.0 if self.lora_alpha is None else self.lora_alpha / self.lora_rank
+        return self.resolved_lora_alpha / self.lora_rank
 
     def _validate_head(self) -> None:
         _choice(self, "head", HEADS)

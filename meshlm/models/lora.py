@@ -68,10 +68,12 @@ class LowRankAdapter(nn.Module):
         return f"rank={self.a.shape[0]}, scale={self.scale:g}"
 
 
-def with_adapter(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` (the layer's frozen-weight output for input ``x``) plus its adapter's detour, if it has one."""
+def with_adapter(layer: nn.Module, x: torch.Tensor, out: torch.Tensor,
+                 rows: slice | None = None) -> torch.Tensor:
+    """``out`` (the layer's frozen-weight output for input ``x``, or its ``rows``) plus its adapter's
+    detour, if it has one."""
     adapter = getattr(layer, ADAPTER_MODULE, None)
-    return out if adapter is None else out + adapter(x)
+    return out if adapter is None else out + adapter(x, rows)
 
 
 class AdaptedLinear(nn.Linear):
@@ -129,6 +131,12 @@ def is_adapter_tensor(name: str) -> bool:
     return f".{ADAPTER_MODULE}." in f".{name}"
 
 
+def adapted_layer_names(names) -> list[str]:
+    """The layers (``blocks.3.mixer.q_proj``) whose adapters are among tensor ``names``, sorted."""
+    suffix = f".{ADAPTER_MODULE}.a"
+    return sorted(name[:-len(suffix)] for name in names if name.endswith(suffix))
+
+
 def without_adapters(config):
     """``config`` (a ModelConfig) with no adapters: the model a merge leaves."""
     return dataclasses.replace(config, lora_rank=0, lora_alpha=None, lora_targets=list(LORA_DEFAULT_TARGETS))
@@ -141,8 +149,7 @@ def merged_weights(config, stored: dict[str, tuple], read: Callable[[str], torch
     in fp32 and stored in W's dtype. A model without adapters is returned as it is."""
     if not config.lora_rank:
         return config, stored, read
-    suffix = f".{ADAPTER_MODULE}.a"
-    adapted = {name[:-len(suffix)] for name in stored if name.endswith(suffix)}
+    adapted = set(adapted_layer_names(stored))
 
     @torch.no_grad()
     def read_merged(name: str) -> torch.Tensor:
@@ -173,6 +180,6 @@ def require_no_adapters(config, source, command: str) -> None:
                               f"`meshlm merge-lora {source} MERGED` and give MERGED.")
 
 
-__all__ = ["ADAPTER_MODULE", "AdaptedLinear", "LowRankAdapter", "adapted_layers", "add_adapters",
-           "is_adapter_tensor", "merged_state", "merged_weights", "require_no_adapters", "with_adapter",
+__all__ = ["ADAPTER_MODULE", "AdaptedLinear", "LowRankAdapter", "adapted_layer_names", "adapted_layers",
+           "add_adapters", "is_adapter_tensor", "merged_state", "merged_weights", "require_no_adapters", "with_adapter",
            "without_adapters"]

@@ -164,5 +164,4 @@ def resolved_model(config: ModelConfig) -> dict:
 
 
 __all__ = ["DERIVATION_ONLY_FIELDS", "FreshAdaptersSource", "RESOLVED_FIELDS", "initial_weights_source",
-           "matching_overrides",
-           "model_from_init_folder", "resolved_model"]
+           "matching_overrides", "model_from_init_folder", "resolved_model"]

@@ -73,17 +73,23 @@ def row_parallel_output(partial: torch.Tensor, context) -> torch.Tensor:
     return reduce_from_group(partial, context.tp_group)
 
 
-def carry_adapter(full: nn.Module, layer: nn.Module, split: str, context, sizes: list[int], what: str) -> None:
+def carry_adapter(full: nn.Module, layer: nn.Module, split: str | None, context=None,
+                  sizes: list[int] | None = None, what: str = "") -> None:
     """Give ``layer`` (the parallel form of ``full``) ``full``'s LoRA adapter, if it has one, cut
     like the weight: ``split`` 'b' (column-parallel: b by output features) or 'a' (row-parallel: a
     by input features). The other half stays whole and is fed only this rank's share (its outputs,
-    or its partial sum), so its gradient is partial, summed over the group after backward."""
+    or its partial sum), so its gradient is partial, summed over the group after backward. ``split``
+    None (replicated rows): both stay whole, both partial."""
     adapter = getattr(full, ADAPTER_MODULE, None)
     if adapter is None:
         return
-    cut = shard_parameter(getattr(adapter, split), 0 if split == "b" else 1, context, sizes, f"{what} lora.{split}")
-    setattr(adapter, split, cut)
-    mark_partial_grad(adapter.a if split == "b" else adapter.b)
+    if split is None:
+        mark_partial_grad(adapter)
+    else:
+        cut = shard_parameter(getattr(adapter, split), 0 if split == "b" else 1, context, sizes,
+                              f"{what} lora.{split}")
+        setattr(adapter, split, cut)
+        mark_partial_grad(adapter.a if split == "b" else adapter.b)
     layer.lora = adapter
 
 
@@ -181,19 +187,14 @@ class ReplicatedRowsLinear(nn.Module):
         self.weight = full.weight
         self.bias = full.bias
         mark_partial_grad(self.weight, self.bias)
-        adapter = getattr(full, ADAPTER_MODULE, None)
-        if adapter is not None:  # LoRA: a and b whole, b read at the same rows; both gradients partial
-            mark_partial_grad(adapter)
-            self.lora = adapter
+        carry_adapter(full, self, None)  # LoRA: a and b whole, b read at the same rows
         self.context, self.rows, self.gather_input = context, rows, gather_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_input:
             x = column_parallel_input(x, self.context)
         bias = self.bias[self.rows] if self.bias is not None else None
-        out = F.linear(x, self.weight[self.rows], bias)
-        adapter = getattr(self, ADAPTER_MODULE, None)
-        return out if adapter is None else out + adapter(x, self.rows)
+        return with_adapter(self, x, F.linear(x, self.weight[self.rows], bias), self.rows)
 
     def extra_repr(self) -> str:
         return f"rows={self.rows.start}:{self.rows.stop} of {self.weight.shape[0]}"
@@ -201,5 +202,4 @@ class ReplicatedRowsLinear(nn.Module):
 
 
 __all__ = ["ColumnParallelLinear", "ReplicatedRowsLinear", "RowParallelLinear", "carry_adapter",
-           "column_parallel_input",
-           "row_parallel_output"]
+           "column_parallel_input", "row_parallel_output"]
