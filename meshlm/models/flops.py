@@ -100,23 +100,27 @@ def linear_flops(in_features: int, out_features: int, tokens: int) -> int:
 
 def mlp_terms(hidden_size: int, ffn_size: int, activation: str, tokens: int) -> dict[str, int]:
     """Dense MLP (or one expert): gate (when gated), up and down projections."""
-    terms = {"up_proj": linear_flops(hidden_size, ffn_size, tokens),
-             "down_proj": linear_flops(ffn_size, hidden_size, tokens)}
-    if is_gated(activation):
-        terms["gate_proj"] = linear_flops(hidden_size, ffn_size, tokens)
-    return terms
+    return {name: linear_flops(in_features, out_features, tokens)
+            for name, in_features, out_features in mlp_layers(hidden_size, ffn_size, activation)}
+
+
+def projection_flops(kind: str, config: ModelConfig, seq_len: int) -> dict[str, int]:
+    """{name: forward FLOPs over ``seq_len`` tokens} of the linear layers of a ``kind`` block
+    (``block_linear_layers``)."""
+    return {name: linear_flops(in_features, out_features, seq_len)
+            for name, in_features, out_features in block_linear_layers(kind, config)}
 
 
 def attention_terms(config: ModelConfig, seq_len: int) -> dict[str, int]:
-    hidden, heads, kv_heads, head_dim = (config.hidden_size, config.num_attention_heads,
-                                         config.resolved_num_kv_heads, config.resolved_head_dim)
+    heads, head_dim = config.num_attention_heads, config.resolved_head_dim
+    projections = projection_flops("*", config, seq_len)
     return {
-        "q_proj": linear_flops(hidden, heads * head_dim, seq_len),
-        "kv_proj": 2 * linear_flops(hidden, kv_heads * head_dim, seq_len),
+        "q_proj": projections["q_proj"],
+        "kv_proj": projections["k_proj"] + projections["v_proj"],
         # Full square (see the module docstring): every query against every key, then values.
         "scores": 2 * heads * seq_len * seq_len * head_dim,
         "attend": 2 * heads * seq_len * seq_len * head_dim,
-        "o_proj": linear_flops(heads * head_dim, hidden, seq_len),
+        "o_proj": projections["o_proj"],
     }
 
 
@@ -128,8 +132,8 @@ def moe_terms(config: ModelConfig, seq_len: int) -> dict[str, int]:
     terms = {"router": linear_flops(hidden, config.moe_num_experts, seq_len),
              "experts": sum(expert.values())}
     if latent:
-        terms["latent_in_proj"] = linear_flops(hidden, latent, seq_len)
-        terms["latent_out_proj"] = linear_flops(latent, hidden, seq_len)
+        projections = projection_flops("E", config, seq_len)
+        terms.update({name: projections[name] for name in ("latent_in_proj", "latent_out_proj")})
     if config.moe_shared_expert_ffn_hidden_size:
         shared = mlp_terms(hidden, config.moe_shared_expert_ffn_hidden_size, config.mlp_activation, seq_len)
         terms["shared_expert"] = sum(shared.values())
@@ -151,14 +155,15 @@ def ssd_scan_terms(seq_len: int, chunk_size: int, num_heads: int, head_dim: int,
 
 
 def mamba_terms(config: ModelConfig, seq_len: int) -> dict[str, int]:
-    hidden, inner, heads = config.hidden_size, config.mamba_inner_size, config.resolved_mamba_num_heads
+    inner, heads = config.mamba_inner_size, config.resolved_mamba_num_heads
     bc_size = config.mamba_num_groups * config.mamba_state_size
     conv_channels, kernel = inner + 2 * bc_size, config.mamba_conv_kernel
+    projections = projection_flops("M", config, seq_len)
     terms = {
-        "in_proj": linear_flops(hidden, 2 * inner + 2 * bc_size + heads, seq_len),
+        "in_proj": projections["in_proj"],
         # Depthwise: one multiply-add per channel, tap and token.
         "conv": 2 * conv_channels * kernel * seq_len,
-        "out_proj": linear_flops(inner, hidden, seq_len),
+        "out_proj": projections["out_proj"],
     }
     terms.update(ssd_scan_terms(seq_len, config.mamba_chunk_size, heads, config.mamba_head_dim,
                                 config.mamba_state_size, config.mamba_num_groups))
@@ -303,6 +308,5 @@ def model_flops_per_token(config: ModelConfig, seq_len: int, include_backward: b
 
 
 __all__ = ["ACTIVATION_TERMS", "BlockFlops", "activation_matmul_flops", "adapter_flops", "adapter_parameters",
-           "block_linear_layers",
-           "block_flops", "model_block_flops", "model_flops_breakdown", "model_flops_per_sequence",
+           "block_linear_layers", "block_flops", "model_block_flops", "model_flops_breakdown", "model_flops_per_sequence",
            "model_flops_per_token", "ssd_scan_terms", "BACKWARD_TO_FORWARD"]
