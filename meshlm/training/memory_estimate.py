@@ -130,26 +130,34 @@ class MemoryEstimate:
 
 
 # --- parameter state -----------------------------------------------------------------------------------
-def parameter_counts(model_config, trainable_only: bool = False) -> dict[str, int]:
-    """Parameters of the single-process model by group: 'vocab' (embedding and head), 'experts'
-    (routed experts), 'blocks' (everything else); counted on ``meta``, no storage allocated.
-    ``trainable_only``: those that train (under LoRA the adapters, ``meshlm/models/lora.py``)."""
+def counted_parameters(model_config) -> tuple[dict[str, int], dict[str, int]]:
+    """(every parameter, the trainable ones: under LoRA the adapters, ``meshlm/models/lora.py``) of
+    the single-process model by group: 'vocab' (embedding and head), 'experts' (routed experts),
+    'blocks' (everything else); counted on ``meta`` in one build, no storage allocated."""
     with torch.device("meta"):
         model = LanguageModel(model_config, seed=0)
-    counts = {"vocab": 0, "experts": 0, "blocks": 0}
+    every, trainable = ({"vocab": 0, "experts": 0, "blocks": 0} for _ in range(2))
     for name, param in model.named_parameters():
-        if trainable_only and not param.requires_grad:
-            continue
         group = ("vocab" if name in ("embedding.weight", "output.weight") else
                  "experts" if ".experts." in name else "blocks")
-        counts[group] += param.numel()
-    return counts
+        every[group] += param.numel()
+        trainable[group] += param.numel() if param.requires_grad else 0
+    return every, trainable
 
 
-def local_parameter_counts(model_config, layout, trainable_only: bool = False) -> dict[str, float]:
-    """``parameter_counts`` of one rank: blocks cut by tp * pp, routed experts by ep * etp * pp,
-    embedding and head by tp."""
-    counts = parameter_counts(model_config, trainable_only)
+def parameter_counts(model_config) -> dict[str, int]:
+    """Every parameter of the single-process model by group (``counted_parameters``)."""
+    return counted_parameters(model_config)[0]
+
+
+def local_parameter_counts(model_config, layout) -> dict[str, float]:
+    """``parameter_counts`` of one rank (``per_rank``)."""
+    return per_rank(parameter_counts(model_config), layout)
+
+
+def per_rank(counts: dict[str, int], layout) -> dict[str, float]:
+    """Parameter ``counts`` by group cut down to one rank: blocks by tp * pp, routed experts by
+    ep * etp * pp, embedding and head by tp."""
     return {"vocab": counts["vocab"] / layout.tp_size,
             "blocks": counts["blocks"] / (layout.tp_size * layout.pp_size),
             "experts": counts["experts"] / (layout.ep_size * layout.etp_size * layout.pp_size)}
@@ -159,9 +167,7 @@ def parameter_state_bytes(config, layout, zero_stage: int) -> tuple[int, int, in
     """(weights, gradients, optimizer state) bytes of this rank's parameters; see the module
     docstring. A frozen parameter (LoRA's base weights) has its weight only: no gradient, no
     master, no moments."""
-    local = local_parameter_counts(config.model, layout)
-    trainable = (local_parameter_counts(config.model, layout, trainable_only=True) if config.model.lora_rank
-                 else local)
+    local, trainable = (per_rank(counts, layout) for counts in counted_parameters(config.model))
     dtype = config.precision.dtype
     low_precision = dtype != "fp32"
     grad_bytes = 2 if zero_stage >= 2 and low_precision and not config.parallel.reduce_grads_in_fp32 else 4
@@ -415,5 +421,6 @@ def memory_remedies(config) -> str:
             "and gradients)")
 
 
-__all__ = ["MemoryEstimate", "activation_bytes", "activation_items", "available_memory", "estimate_training_memory",
-           "memory_remedies", "memory_warning", "parameter_counts", "parameter_state_bytes"]
+__all__ = ["MemoryEstimate", "activation_bytes", "activation_items", "available_memory", "counted_parameters",
+           "estimate_training_memory", "memory_remedies", "memory_warning", "parameter_counts", "parameter_state_bytes",
+           "per_rank"]
