@@ -219,6 +219,14 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    optimizer: str = "adamw"
+    """'adamw' (AdamW on every parameter) or 'muon' (Muon, Jordan et al. 2024, with Moonlight's
+    update scaling: the blocks' weight matrices step along their momentum orthogonalized by
+    Newton-Schulz, everything else -- embedding, head, norms, biases, routers, Mamba's
+    convolution and time-scale parameters -- with AdamW; one lr, weight_decay and schedule
+    for both). Muon keeps one fp32 momentum per matrix element instead of Adam's two, needs whole
+    matrices (parallel.zero_stage=0; TP shards are gathered for its step) and no LoRA. See
+    meshlm/optim/muon.py."""
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 3e-5
@@ -240,6 +248,17 @@ class OptimConfig:
     """Adam's second-moment decay."""
     eps: float = 1e-8
     """Adam's denominator epsilon."""
+    muon_momentum: float = 0.95
+    """optimizer=muon: the momentum mu of M <- mu M + G."""
+    muon_nesterov: bool = True
+    """optimizer=muon: orthogonalize G + mu M (Nesterov) instead of M."""
+    muon_ns_steps: int = 5
+    """optimizer=muon: Newton-Schulz iterations per matrix and step (5 suffices with its quintic
+    coefficients)."""
+    muon_update_rms: float = 0.2
+    """optimizer=muon: the RMS of every matrix's update before the learning rate, set by scaling the
+    orthogonalized momentum by muon_update_rms * sqrt(max(rows, columns)) (Liu et al. 2025: 0.2
+    matches AdamW's typical update RMS, so AdamW's lr and weight_decay carry over)."""
 
 
 @dataclass
@@ -574,6 +593,7 @@ class RunConfig:
         if optim.warmup_steps < 0 or train.eval_every < 0 or train.save_every < 0 or train.grad_clip < 0:
             raise ConfigError("optim.warmup_steps, train.eval_every, train.save_every and train.grad_clip "
                               "must be >= 0.")
+        validate_optimizer(self)
         validate_parallel(self.parallel)
         if self.parallel.cp > 1 and self.model.attention_kernel != "auto":
             raise ConfigError(f"model.attention_kernel={self.model.attention_kernel!r} has no effect under context "
@@ -664,6 +684,32 @@ def validate_objective(config: RunConfig) -> None:
         if used:
             raise ConfigError(f"train.objective={train.objective} does not support {setting} yet; use tp (+sp), dp "
                               "and ZeRO, plain bf16/fp16/fp32, without MTP or distillation.")
+
+
+def validate_optimizer(config: RunConfig) -> None:
+    """optim.optimizer and Muon's settings, and the layouts Muon cannot step (meshlm/optim/muon.py)."""
+    optim, parallel = config.optim, config.parallel
+    check_choice("optim.optimizer", optim.optimizer, ("adamw", "muon"))
+    if optim.optimizer != "muon":
+        return
+    if not 0 <= optim.muon_momentum < 1:
+        raise ConfigError(f"optim.muon_momentum={optim.muon_momentum} must lie in [0, 1) (0.95 is usual).")
+    if not isinstance(optim.muon_ns_steps, int) or optim.muon_ns_steps < 1:
+        raise ConfigError(f"optim.muon_ns_steps={optim.muon_ns_steps!r} must be an integer >= 1 (5 is usual).")
+    if not optim.muon_update_rms > 0:
+        raise ConfigError(f"optim.muon_update_rms={optim.muon_update_rms} must be > 0 (0.2 matches AdamW's updates).")
+    if parallel.sharding_stage > 0:
+        setting = (f"parallel.zero_stage={parallel.zero_stage}" if parallel.zero_stage
+                   else "parallel.distributed_optimizer=true")
+        raise ConfigError(f"optim.optimizer=muon orthogonalizes each weight matrix whole, and {setting} (ZeRO) cuts "
+                          "the optimizer's state across ranks at arbitrary elements; set parallel.zero_stage=0 and "
+                          "parallel.distributed_optimizer=false, or use optim.optimizer=adamw.")
+    if parallel.dp_sync != "every_step":
+        raise ConfigError(f"optim.optimizer=muon is not built as the inner optimizer of parallel.dp_sync="
+                          f"{parallel.dp_sync}; use parallel.dp_sync=every_step, or optim.optimizer=adamw.")
+    if config.model.lora_rank:
+        raise ConfigError(f"optim.optimizer=muon orthogonalizes whole weight matrices, and with model.lora_rank="
+                          f"{config.model.lora_rank} only low-rank adapters train; use optim.optimizer=adamw.")
 
 
 def validate_parallel(parallel: ParallelConfig) -> None:

@@ -6,6 +6,7 @@ The checkpoint keys, each a tensor of the single-process model's shape:
     master/NAME                 fp32 master weight (bf16/fp16 runs only)
     optim/NAME/exp_avg          AdamW first moment (fp32)
     optim/NAME/exp_avg_sq       AdamW second moment (fp32)
+    optim/NAME/momentum_buffer  Muon's momentum (fp32; optim.optimizer=muon, its matrices)
     recipe/LAYER/amax_history   a low-precision recipe's per-layer state (fp8_delayed's amax
                                 history, replicated over the ranks that hold the layer)
     outer/global/NAME           parallel.dp_sync (diloco, palsgd): the global copy (fp32)
@@ -44,6 +45,9 @@ from meshlm.parallel.pipeline.stages import STAGE_COPY_NAMES
 from meshlm.precision.delayed_scaling import delayed_scalings
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+MUON_MOMENTUM = ("momentum_buffer",)
+STATE_KEYS = MOMENTS + MUON_MOMENTUM
+"""Every per-parameter optimizer tensor a checkpoint may hold (AdamW's moments, Muon's momentum)."""
 GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay")
 """Per-group optimizer settings a checkpoint restores (as torch's AdamW.load_state_dict does)."""
 
@@ -142,20 +146,29 @@ def adamw_step_tensor(step: float, group: dict, param: torch.Tensor) -> torch.Te
     return torch.tensor(float(step), dtype=torch.float32, device=param.device if on_parameter_device else "cpu")
 
 
+def state_keys(group: dict) -> tuple[str, ...]:
+    """The per-parameter tensors of a parameter group: Muon's momentum, or AdamW's two moments."""
+    return MUON_MOMENTUM if group.get("name") == "muon" else MOMENTS
+
+
 def ensure_adamw_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter of a torch AdamW its (zero) state, as its first step would."""
+    """Give every parameter of a torch AdamW (or Muon, ``meshlm/optim/muon.py``) its zero state, as
+    its first step would."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state[param]
-            if "exp_avg" not in state:
-                state["step"] = adamw_step_tensor(0.0, group, param)
-                for key in MOMENTS:
+            keys = state_keys(group)
+            if keys[0] not in state:
+                if keys == MOMENTS:
+                    state["step"] = adamw_step_tensor(0.0, group, param)
+                for key in keys:
                     state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 def moment_tensors(parts: TrainingParts, for_loading: bool = False) -> dict[str, GlobalTensor]:
-    """``optim/NAME/exp_avg`` and ``optim/NAME/exp_avg_sq`` of every parameter the optimizer updates.
-    A torch AdamW that has not stepped yet gets zero moments first (so a load has targets)."""
+    """``optim/NAME/exp_avg`` and ``optim/NAME/exp_avg_sq`` of every parameter AdamW updates,
+    ``optim/NAME/momentum_buffer`` of every matrix Muon updates. An optimizer that has not stepped
+    yet gets zero state first (so a load has targets)."""
     params, tensors = dict(parts.model.named_parameters()), {}
     for optimizer in optimizers_of(parts.optimizer):
         if is_sharded(optimizer):
@@ -167,7 +180,7 @@ def moment_tensors(parts: TrainingParts, for_loading: bool = False) -> dict[str,
         for group in optimizer.param_groups:
             for name, param in zip(group["param_names"], group["params"]):
                 state = optimizer.state.get(param, {})
-                for key in MOMENTS:
+                for key in state_keys(group):
                     moment = state[key] if key in state else torch.zeros_like(param)
                     shape, chunks = tensor_chunks(params[name], moment, parts.context)
                     _add(tensors, f"optim/{name}/{key}", shape, torch.float32, chunks)

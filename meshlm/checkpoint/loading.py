@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshlm.checkpoint.files import COMPLETE_FILE, CONFIG_FILE, METADATA_FILE, STATE_FILE, TRAINING_FILE, read_json
 from meshlm.checkpoint.folders import check_folder, is_single_process_format, read_metadata, verify_files
-from meshlm.checkpoint.global_state import (MOMENTS, TrainingParts, finish_loading, layout_of, split_replica,
+from meshlm.checkpoint.global_state import (STATE_KEYS, TrainingParts, finish_loading, layout_of, split_replica,
                                             restore_optimizer_scalars, training_tensors)
 from meshlm.checkpoint.planners import ChunkLoadPlanner, read_items_by_file
 from meshlm.checkpoint.sharding import box_view
@@ -97,6 +97,11 @@ def check_shapes(requests: dict, sources: dict[str, str], stored: dict[str, tupl
         parts.append(f"missing {len(missing)}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     if wrong:
         parts.append("shape mismatch: " + "; ".join(wrong[:8]) + (" ..." if len(wrong) > 8 else ""))
+    if missing and not wrong and all(key.startswith("optim/") for key in missing):
+        raise CheckpointError(f"{where} holds no {missing[0].rsplit('/', 1)[1]} for {len(missing)} parameters "
+                              f"({missing[0].split('/')[1]}, ...): it was saved with another optim.optimizer. Resume "
+                              "with the optimizer it was trained with, or start a new run from its weights with "
+                              "train.init_from (a fresh optimizer).")
     if parts:
         raise CheckpointError(f"{where} does not fit this run's model ({' | '.join(parts)}); it was saved for a "
                               "different model.")
@@ -251,7 +256,7 @@ def prepare_single_process(directory: Path, parts: TrainingParts, run_config) ->
                                                                                  "weight_decay") if key in group}})
         for name, packed in zip(group.get("param_names", []), group["params"]):
             entry = saved["state"].get(packed) or {}
-            full.update({f"optim/{name}/{key}": entry[key] for key in MOMENTS if key in entry})
+            full.update({f"optim/{name}/{key}": entry[key] for key in STATE_KEYS if key in entry})
             steps += [int(entry["step"])] if "step" in entry else []
     stored = {key: tuple(tensor.shape) for key, tensor in full.items()}
     requests, sources = plan_sources(parts, stored)

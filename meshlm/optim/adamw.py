@@ -36,20 +36,24 @@ def decays(name: str, parameter: torch.Tensor) -> bool:
     return parameter.ndim >= 2 and not is_embedding
 
 
-def build_optimizer(parameters_by_name: list[tuple[str, torch.nn.Parameter]], config) -> torch.optim.AdamW:
-    """AdamW over ``parameters_by_name`` with a "decay" and a "no_decay" group (empty ones left out)."""
+def build_adamw_groups(parameters_by_name: list[tuple[str, torch.nn.Parameter]], config) -> list[dict]:
+    """The "decay" and "no_decay" parameter groups (empty ones left out) of the trainable parameters,
+    each holding (name, parameter) pairs (torch keeps the names as the group's ``param_names``)."""
     groups = {"decay": [], "no_decay": []}
     for name, parameter in parameters_by_name:
         if not parameter.requires_grad:
             continue
         in_decay = config.decay_embeddings_norms_biases or decays(name, parameter)
         groups["decay" if in_decay else "no_decay"].append((name, parameter))
-    param_groups = [
-        {"name": group_name, "params": members,
-         "weight_decay": config.weight_decay if group_name == "decay" else 0.0}
-        for group_name, members in groups.items() if members
-    ]
-    fused = fused_supported([parameter for members in groups.values() for _, parameter in members])
+    return [{"name": group_name, "params": members,
+             "weight_decay": config.weight_decay if group_name == "decay" else 0.0}
+            for group_name, members in groups.items() if members]
+
+
+def build_adamw(parameters_by_name: list[tuple[str, torch.nn.Parameter]], config) -> torch.optim.AdamW:
+    """AdamW over ``parameters_by_name`` with a "decay" and a "no_decay" group (empty ones left out)."""
+    param_groups = build_adamw_groups(parameters_by_name, config)
+    fused = fused_supported([parameter for group in param_groups for _, parameter in group["params"]])
     return torch.optim.AdamW(param_groups, lr=config.lr, betas=(config.beta1, config.beta2),
                              eps=config.eps, fused=fused or None, foreach=None if fused else True)
 

@@ -76,7 +76,7 @@ from meshlm.models.dropout import DropoutKey
 from meshlm.models.flops import model_flops_per_token
 from meshlm.models.moe.balancing import update_expert_biases
 from meshlm.models.moe.layer import set_load_balancing_sum
-from meshlm.optim.adamw import build_optimizer
+from meshlm.optim.build import build_optimizer
 from meshlm.parallel.collective_checks import compare_collectives
 from meshlm.parallel.collectives import all_reduce_, barrier, summing_over
 from meshlm.parallel.context.context_parallel import check_context_parallel_model, share_losses, split_batch

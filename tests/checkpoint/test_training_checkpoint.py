@@ -22,7 +22,7 @@ from meshlm.checkpoint.whole_tensors import read_global_tensors
 from meshlm.config import load_run_config, save_run_config
 from meshlm.errors import CheckpointError
 from meshlm.models.language_model import LanguageModel
-from meshlm.optim.adamw import build_optimizer
+from meshlm.optim.adamw import build_adamw
 from meshlm.precision.mixed_precision import MixedPrecision
 
 
@@ -33,7 +33,7 @@ def make_run(dtype: str = "fp32", hidden_size: int = 32, seed: int = 0, steps: i
                                     f"precision.dtype={dtype}", "train.keep_checkpoints=3"])
     model = LanguageModel(config.model)
     precision = MixedPrecision(model, config.precision)
-    optimizer = build_optimizer(precision.master_parameters(), config.optim)
+    optimizer = build_adamw(precision.master_parameters(), config.optim)
     for _ in range(steps):
         tokens = torch.randint(0, 64, (2, 8))
         precision.scale_loss(model(tokens, tokens).loss).backward()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from meshlm.config import OptimConfig, ParallelConfig, PrecisionConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
-from meshlm.optim.adamw import build_optimizer
+from meshlm.optim.build import build_optimizer
 from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.data.data_parallel import build_data_parallel, finish_gradients
 from meshlm.parallel.groups import group_of

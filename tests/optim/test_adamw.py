@@ -3,7 +3,7 @@ import torch
 from meshlm.config import OptimConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
-from meshlm.optim.adamw import build_optimizer
+from meshlm.optim.adamw import build_adamw
 
 
 def tiny(**overrides) -> LanguageModel:
@@ -20,7 +20,7 @@ def group_names(optimizer) -> dict[str, set[str]]:
 
 def test_matrices_decay_and_embeddings_norms_biases_and_vectors_do_not():
     model = tiny()
-    optimizer = build_optimizer(list(model.named_parameters()), OptimConfig(weight_decay=0.1))
+    optimizer = build_adamw(list(model.named_parameters()), OptimConfig(weight_decay=0.1))
     groups = group_names(optimizer)
     assert {g["name"]: g["weight_decay"] for g in optimizer.param_groups} == {"decay": 0.1, "no_decay": 0.0}
     for name in ("embedding.weight", "blocks.0.norm.weight", "blocks.0.mixer.A_log", "blocks.0.mixer.D",
@@ -37,13 +37,13 @@ def test_matrices_decay_and_embeddings_norms_biases_and_vectors_do_not():
 
 def test_tied_embedding_does_not_decay():
     model = tiny(tie_embeddings=True, pattern="*-")
-    groups = group_names(build_optimizer(list(model.named_parameters()), OptimConfig()))
+    groups = group_names(build_adamw(list(model.named_parameters()), OptimConfig()))
     assert "embedding.weight" in groups["no_decay"] and "output.weight" not in groups["decay"]
 
 
 def test_flag_moves_everything_into_the_decay_group():
     model = tiny()
-    optimizer = build_optimizer(list(model.named_parameters()), OptimConfig(decay_embeddings_norms_biases=True))
+    optimizer = build_adamw(list(model.named_parameters()), OptimConfig(decay_embeddings_norms_biases=True))
     assert [group["name"] for group in optimizer.param_groups] == ["decay"]
     assert {"embedding.weight", "blocks.0.norm.weight", "blocks.0.mixer.A_log"} <= group_names(optimizer)["decay"]
 
@@ -51,7 +51,7 @@ def test_flag_moves_everything_into_the_decay_group():
 def test_names_decide_groups_while_the_given_tensors_are_updated():
     model = tiny(pattern="*-")
     masters = [(name, torch.nn.Parameter(p.detach().clone())) for name, p in model.named_parameters()]
-    optimizer = build_optimizer(masters, OptimConfig())
+    optimizer = build_adamw(masters, OptimConfig())
     updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert updated == {id(p) for _, p in masters}
 
@@ -62,7 +62,7 @@ def test_adamw_step_matches_torch_adamw_with_the_same_groups():
     matrix, vector = torch.randn(4, 3), torch.randn(3)
     ours = [("layer.weight", torch.nn.Parameter(matrix.clone())), ("layer.bias", torch.nn.Parameter(vector.clone()))]
     theirs = [torch.nn.Parameter(matrix.clone()), torch.nn.Parameter(vector.clone())]
-    optimizer = build_optimizer(ours, config)
+    optimizer = build_adamw(ours, config)
     reference = torch.optim.AdamW([{"params": [theirs[0]], "weight_decay": 0.3},
                                    {"params": [theirs[1]], "weight_decay": 0.0}],
                                   lr=0.05, betas=(0.8, 0.9), eps=1e-6, foreach=False)

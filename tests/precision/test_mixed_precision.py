@@ -5,7 +5,7 @@ from meshlm.config import OptimConfig, PrecisionConfig
 from meshlm.errors import CheckpointError
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
-from meshlm.optim.adamw import build_optimizer
+from meshlm.optim.adamw import build_adamw
 from meshlm.precision.mixed_precision import MixedPrecision
 
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1)
@@ -42,8 +42,8 @@ def test_fp32_is_bitwise_a_plain_adamw_loop():
     model, plain = tiny(), tiny()
     precision = MixedPrecision(model, PrecisionConfig(dtype="fp32"))
     assert [p for _, p in precision.master_parameters()] == list(model.parameters())
-    optimizer = build_optimizer(precision.master_parameters(), OPTIM)
-    plain_optimizer = build_optimizer(list(plain.named_parameters()), OPTIM)
+    optimizer = build_adamw(precision.master_parameters(), OPTIM)
+    plain_optimizer = build_adamw(list(plain.named_parameters()), OPTIM)
     for step in range(3):
         train_step(model, precision, optimizer, [batch(step)])
         tokens, labels = batch(step)
@@ -57,7 +57,7 @@ def test_fp32_is_bitwise_a_plain_adamw_loop():
 def test_bf16_training_lowers_the_loss_with_fp32_masters_and_bf16_model():
     model = tiny("M*-")
     precision = MixedPrecision(model, PrecisionConfig(dtype="bf16"))
-    optimizer = build_optimizer(precision.master_parameters(), OPTIM)
+    optimizer = build_adamw(precision.master_parameters(), OPTIM)
     losses = [train_step(model, precision, optimizer, [batch(0)])[0] for _ in range(20)]
     assert losses[-1] < 0.7 * losses[0]
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
@@ -107,7 +107,7 @@ def test_fp16_loss_scaling_rescues_gradients_that_would_underflow_and_is_undone(
 def test_fp16_overflow_is_detected_and_skipped_and_the_scale_backs_off():
     model = tiny()
     precision = MixedPrecision(model, PrecisionConfig(dtype="fp16", initial_loss_scale=2.0 ** 100, hysteresis=1))
-    optimizer = build_optimizer(precision.master_parameters(), OPTIM)
+    optimizer = build_adamw(precision.master_parameters(), OPTIM)
     masters_before = [m.detach().clone() for _, m in precision.master_parameters()]
     model_before = [p.detach().clone() for p in model.parameters()]
     _, found_nonfinite = train_step(model, precision, optimizer, [batch()])
@@ -135,7 +135,7 @@ def test_state_dict_restores_master_weights_and_scale_exactly():
     config = PrecisionConfig(dtype="fp16", initial_loss_scale=256.0, growth_interval=2)
     model = tiny()
     precision = MixedPrecision(model, config)
-    optimizer = build_optimizer(precision.master_parameters(), OPTIM)
+    optimizer = build_adamw(precision.master_parameters(), OPTIM)
     for step in range(3):
         train_step(model, precision, optimizer, [batch(step)])
     state = precision.state_dict()

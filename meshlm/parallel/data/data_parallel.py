@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import torch
 
-from meshlm.optim.adamw import build_optimizer
+from meshlm.optim.build import build_optimizer
 from meshlm.parallel.data.distributed_optimizer import DistributedOptimizer, overlap_gather_with_forward
 from meshlm.parallel.data.expert_data_parallel import build_expert_data_parallel
 from meshlm.parallel.data.fully_sharded import UnitSchedule
 from meshlm.parallel.data.grad_norm import clip_grad_norm_across, clip_grads_, global_grad_norm
 from meshlm.parallel.data.grad_reducer import GradientReducer
-from meshlm.parallel.tensor.sharding import reduce_partial_tp_grads
+from meshlm.parallel.tensor.sharding import reduce_partial_tp_grads, whole_matrix_gatherer
 
 
 def build_data_parallel(precision, optim_config, parallel_config, context, model=None):
@@ -79,12 +79,14 @@ def build_data_parallel(precision, optim_config, parallel_config, context, model
 
 
 def build_replicated(precision, optim_config, parallel_config, context):
-    """(all-reducing reducer, torch AdamW over the full fp32 parameters)."""
+    """(all-reducing reducer, the ``optim.optimizer`` over the full fp32 parameters; Muon sees TP
+    shards whole through ``whole_matrix_gatherer``)."""
     named = precision.master_parameters()
     sources = [param for _, param in precision.model_parameters]
     reducer = GradientReducer(named, context, parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce,
                               model_parameters=sources)
-    return reducer, build_optimizer(named, optim_config)
+    names = [name for name, _ in named]
+    return reducer, build_optimizer(named, optim_config, whole_matrix_gatherer(list(zip(names, sources)), context))
 
 
 def finish_gradients(reducer: GradientReducer, optimizer, precision, context, max_norm: float,

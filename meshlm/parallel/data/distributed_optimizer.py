@@ -47,7 +47,7 @@ without calling their modules. Anything else that reads or writes the parameters
 checkpoint is saved or loaded. ``gather_waits`` records when each bucket was waited for.
 
 Checkpoints stay in the single-process format: ``state_dict()`` all-gathers the moments into
-exactly the dict a ``torch.optim.AdamW`` from ``build_optimizer`` would save, and
+exactly the dict a ``torch.optim.AdamW`` from ``build_adamw`` would save, and
 ``load_state_dict()`` takes such a dict and keeps this rank's segments -- so a checkpoint written
 at one DP size (or by a single process) loads at any other.
 """
@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshlm.optim.adamw import build_optimizer
+from meshlm.optim.adamw import build_adamw
 from meshlm.parallel.data.grad_norm import clip_grads_
 from meshlm.parallel.collectives import all_gather_into_
 from meshlm.parallel.data.grad_reducer import GradientReducer
@@ -124,7 +124,7 @@ def adamw_update(views: GroupViews, group: dict, step: int) -> None:
 
 
 class DistributedOptimizer:
-    """ZeRO-1 AdamW over (name, fp32 parameter) pairs; a drop-in for ``build_optimizer``'s AdamW.
+    """ZeRO-1 AdamW over (name, fp32 parameter) pairs; a drop-in for ``build_adamw``'s AdamW.
 
     ``model_parameters``: the model tensors that produce the gradients (bf16/fp16 runs: the
     low-precision model parameters behind MixedPrecision's masters), aligned with the pairs;
@@ -147,7 +147,7 @@ class DistributedOptimizer:
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage} is not 1, 2 or 3.")
         self.context, self.zero_stage = context, zero_stage
-        self.reference = build_optimizer(parameters_by_name, optim_config)
+        self.reference = build_adamw(parameters_by_name, optim_config)
         """The single-process AdamW: its groups, hyperparameters and state-dict layout. It never steps."""
         self.param_groups = self.reference.param_groups
         if zero_stage == 1:
@@ -403,7 +403,7 @@ class DistributedOptimizer:
         self.gather_parameters()
 
     def state_dict(self) -> dict:
-        """Exactly the state dict of the single-process ``torch.optim.AdamW`` (``build_optimizer``).
+        """Exactly the state dict of the single-process ``torch.optim.AdamW`` (``build_adamw``).
         Collective: every DP rank must call it (every rank gets the whole dict)."""
         exp_avg, exp_avg_sq = self.gathered_moments()
         packed = self.reference.state_dict()  # groups with hyperparameters, names and packed indices

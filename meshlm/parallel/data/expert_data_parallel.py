@@ -37,9 +37,10 @@ import dataclasses
 
 import torch
 
-from meshlm.optim.adamw import build_optimizer
+from meshlm.optim.build import build_optimizer
 from meshlm.parallel.data.distributed_optimizer import DistributedOptimizer
 from meshlm.parallel.data.grad_reducer import GradientReducer, LaunchOrder
+from meshlm.parallel.tensor.sharding import whole_matrix_gatherer
 
 
 def expert_data_context(context):
@@ -191,7 +192,8 @@ def build_expert_data_parallel(precision, optim_config, parallel_config, context
         return optimizer.reducer, optimizer
     reducers = [GradientReducer(pairs, part_context, size, overlap, model_parameters=part_sources)
                 for pairs, part_sources, part_context in parts]
-    return ReducerGroup(reducers, sources), build_optimizer(named, optim_config)
+    whole = whole_matrix_gatherer([(name, source) for (name, _), source in zip(named, sources)], context)
+    return ReducerGroup(reducers, sources), build_optimizer(named, optim_config, whole)
 
 
 __all__ = ["OptimizerGroup", "ReducerGroup", "build_expert_data_parallel", "expert_data_context", "merged_launch_order",

@@ -26,7 +26,7 @@ from meshlm.checkpoint.whole_tensors import read_global_tensors
 from meshlm.config import ParallelConfig
 from meshlm.errors import ConfigError
 from meshlm.models.language_model import LanguageModel
-from meshlm.optim.adamw import build_optimizer
+from meshlm.optim.adamw import build_adamw
 from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.comm_log import record_communication
 from meshlm.parallel.data.low_communication import LowCommunicationSync, check_dp_sync, uniform_draw
@@ -200,7 +200,7 @@ def reference_replicas(blend: Path, run_dir: Path, overrides: list[str], dp: int
     train, parallel = config.train, config.parallel
     dataset = build_training_data(config).train
     models = [LanguageModel(config.model, seed=train.seed if model_seed is None else model_seed) for _ in range(dp)]
-    optimizers = [build_optimizer(list(model.named_parameters()), config.optim) for model in models]
+    optimizers = [build_adamw(list(model.named_parameters()), config.optim) for model in models]
     global_copy = [param.detach().clone() for param in models[0].parameters()]
     momentum = [torch.zeros_like(value) for value in global_copy]
     per_replica = train.global_batch_size // train.micro_batch_size // dp

@@ -1,0 +1,25 @@
+"""``optim.optimizer``: the update rule a run steps with, AdamW (``adamw.py``) or Muon (``muon.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from meshlm.optim.adamw import build_adamw
+from meshlm.optim.muon import build_muon
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def build_optimizer(parameters_by_name: list[tuple[str, torch.nn.Parameter]], config,
+                    whole_matrix: Callable | None = None) -> torch.optim.Optimizer:
+    """The optimizer ``config.optimizer`` names over the (model name, fp32 parameter) pairs.
+    ``whole_matrix(name, tensor) -> (full, cut)``: how Muon sees a tensor-parallel shard whole
+    (``meshlm.parallel.tensor.sharding.whole_matrix_gatherer``); None in one process."""
+    if config.optimizer == "muon":
+        return build_muon(parameters_by_name, config, whole_matrix)
+    return build_adamw(parameters_by_name, config)
+
+
+__all__ = ["OPTIMIZERS", "build_optimizer"]
