@@ -21,6 +21,11 @@ to a multiple of S) and S the sharding group: dp*cp for dense weights, the exper
 size for routed experts (``expert_data_parallel.py``: their own buffers). A single process has no
 reducer: its gradients are the fp32 masters' ``.grad``.
 
+Under ``optim.optimizer=muon`` (ZeRO 0 only: the config refuses ZeRO with Muon) the parameters
+Muon steps (``meshlm.optim.muon.muon_parameter``: the blocks' weight matrices, N_m of the N) keep
+one fp32 ``momentum_buffer`` and no step counter: Adam 2*(N - N_m)*4 + momentum N_m*4, and a step
+per AdamW tensor only. The masters are as above.
+
 **Activations, estimated** by ``meshlm/training/memory_estimate.py`` (per block kind, with the
 recompute setting and the 1F1B / interleaved in-flight micro-batches; see its docstring for the
 terms and their measured accuracy), plus three items it leaves out: communication buffers (each
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.models.language_model import LanguageModel
+from meshlm.optim.muon import muon_parameter
 from meshlm.parallel.data.grad_reducer import bucket_elements_for, plan_buckets
 from meshlm.parallel.data.units import plan_unit_buckets, unit_of
 from meshlm.parallel.mesh import ParallelContext, resolve_etp
@@ -61,12 +67,16 @@ def planning_context(config, layout) -> ParallelContext:
 
 @dataclass(frozen=True)
 class RankParameters:
-    """One pipeline rank's trained parameters, in model order: (name, shape, is routed expert), and
-    how many frozen ones it holds besides (LoRA's base weights: weights only, never sharded)."""
+    """One pipeline rank's trained parameters, in model order: (name, shape, is routed expert, is
+    one Muon would step), and how many frozen ones it holds besides (LoRA's base weights: weights
+    only, never sharded)."""
 
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     experts: tuple[bool, ...]
+    muon: tuple[bool, ...]
+    """``muon_parameter`` of each, whatever optim.optimizer is; the names and shapes are the
+    trainer's after ``parallelize_model`` (the same dotted names, this rank's shard)."""
     frozen: int = 0
 
     @property
@@ -93,7 +103,7 @@ def rank_parameters(config, layout, pp_rank: int = 0) -> RankParameters:
         frozen = sum(param.numel() for param in model.parameters() if not param.requires_grad)
         _CACHE[key] = RankParameters(tuple(name for name, _ in named), tuple(param.shape for _, param in named),
                                      tuple(bool(getattr(param, "expert_parallel", False)) for _, param in named),
-                                     frozen)
+                                     tuple(muon_parameter(name, param) for name, param in named), frozen)
     return _CACHE[key]
 
 
@@ -116,14 +126,17 @@ def parameter_state(config, layout, pp_rank: int = 0) -> dict[str, int]:
     low_precision = config.precision.dtype != "fp32"
     zero = layout.zero if layout.world_size > 1 else 0
     grad_bytes = FP32 if zero < 2 or config.parallel.reduce_grads_in_fp32 or not low_precision else dtype_bytes
+    muon = [flag and config.optim.optimizer == "muon" for flag in parameters.muon]
     weights, gradients, optimizer = parameters.frozen * dtype_bytes, 0, 0
     for indices, shards in sharding_groups(parameters, layout, context):
         shapes = [parameters.shapes[index] for index in indices]
         count, tensors = sum(shape.numel() for shape in shapes), len(shapes)
         if zero == 0:
+            momentum = sum(parameters.shapes[index].numel() for index in indices if muon[index])
             weights += count * dtype_bytes
             gradients += count * FP32
-            optimizer += count * 2 * FP32 + (count * FP32 if low_precision else 0)
+            # Adam's two moments, or Muon's one momentum for the parameters it steps
+            optimizer += (count - momentum) * 2 * FP32 + momentum * FP32 + (count * FP32 if low_precision else 0)
             continue
         if zero == 1:
             total = plan_buckets(shapes, bucket_elements_for(config.parallel.bucket_size_mb), shards).total
@@ -135,8 +148,8 @@ def parameter_state(config, layout, pp_rank: int = 0) -> dict[str, int]:
         optimizer += 2 * shard * FP32
         if low_precision:  # the master shard, and a 4-byte stand-in per full-shape master
             optimizer += shard * FP32 + tensors * FP32
-    if zero == 0:  # torch's AdamW: a float32 step counter per tensor
-        optimizer += len(parameters.shapes) * FP32
+    if zero == 0:  # torch's AdamW: a float32 step counter per tensor (Muon keeps none)
+        optimizer += (len(parameters.shapes) - sum(muon)) * FP32
     return {"weights": weights, "gradients": gradients, "optimizer": optimizer}
 
 

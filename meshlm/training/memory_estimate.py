@@ -13,6 +13,9 @@ AdamW (see ``meshlm/precision/mixed_precision.py``):
 
     fp32:       4 weight + 4 grad               + 8 Adam moments (the weights are the masters)
     bf16/fp16:  2 weight + 4 grad (+2 transient) + 4 fp32 master + 8 Adam moments
+    Muon:       as above, but 4 bytes of fp32 momentum instead of the 8 of Adam's moments for the
+                parameters Muon steps (``optim.optimizer=muon``: the blocks' weight matrices,
+                ``meshlm.optim.muon.muon_parameter``); the others keep AdamW's
 
 Under LoRA (``model.lora_rank``) only the adapters have gradients, masters and moments; the
 frozen weights count their weights alone.
@@ -98,6 +101,7 @@ from meshlm.models.language_model import LanguageModel
 from meshlm.models.losses import default_tokens_per_chunk
 from meshlm.models.mlp import is_gated
 from meshlm.models.pattern import parse_pattern
+from meshlm.optim.muon import muon_parameter
 from meshlm.parallel.mesh import ParallelContext
 from meshlm.precision.device_defaults import parse_device
 from meshlm.training.memory_usage import format_bytes
@@ -113,7 +117,8 @@ class MemoryEstimate:
     weights: int
     gradients: int
     optimizer: int
-    """fp32 master weights (when the model is in bf16/fp16, or sharded by ZeRO) and Adam's moments."""
+    """fp32 master weights (when the model is in bf16/fp16, or sharded by ZeRO) and Adam's moments
+    (Muon's momentum for the parameters it steps)."""
     activations: int
     frozen: int = 0
     """Frozen models beside the trained one (a distillation teacher): their weights and outputs."""
@@ -130,19 +135,24 @@ class MemoryEstimate:
 
 
 # --- parameter state -----------------------------------------------------------------------------------
-def counted_parameters(model_config) -> tuple[dict[str, int], dict[str, int]]:
-    """(every parameter, the trainable ones: under LoRA the adapters, ``meshlm/models/lora.py``) of
-    the single-process model by group: 'vocab' (embedding and head), 'experts' (routed experts),
-    'blocks' (everything else); counted on ``meta`` in one build, no storage allocated."""
+def counted_parameters(model_config) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """(every parameter, the trainable ones, the trainable ones Muon would step) of the
+    single-process model by group: 'vocab' (embedding and head), 'experts' (routed experts),
+    'blocks' (everything else); counted on ``meta`` in one build, no storage allocated.
+
+    Trainable: all of them, or under LoRA the adapters (``meshlm/models/lora.py``). Muon's: the
+    blocks' and MTP depths' weight matrices ``muon_parameter`` picks, whatever optim.optimizer is
+    (the caller decides whether they count as Muon's)."""
     with torch.device("meta"):
         model = LanguageModel(model_config, seed=0)
-    every, trainable = ({"vocab": 0, "experts": 0, "blocks": 0} for _ in range(2))
+    every, trainable, muon = ({"vocab": 0, "experts": 0, "blocks": 0} for _ in range(3))
     for name, param in model.named_parameters():
         group = ("vocab" if name in ("embedding.weight", "output.weight") else
                  "experts" if ".experts." in name else "blocks")
         every[group] += param.numel()
         trainable[group] += param.numel() if param.requires_grad else 0
-    return every, trainable
+        muon[group] += param.numel() if muon_parameter(name, param) else 0
+    return every, trainable, muon
 
 
 def parameter_counts(model_config) -> dict[str, int]:
@@ -166,20 +176,23 @@ def per_rank(counts: dict[str, int], layout) -> dict[str, float]:
 def parameter_state_bytes(config, layout, zero_stage: int) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) bytes of this rank's parameters; see the module
     docstring. A frozen parameter (LoRA's base weights) has its weight only: no gradient, no
-    master, no moments."""
-    local, trainable = (per_rank(counts, layout) for counts in counted_parameters(config.model))
+    master, no moments. Under optim.optimizer=muon, Muon's parameters keep one fp32 momentum
+    instead of Adam's two moments."""
+    every, trainable, muon = (per_rank(counts, layout) for counts in counted_parameters(config.model))
+    muon_steps = config.optim.optimizer == "muon"
     dtype = config.precision.dtype
     low_precision = dtype != "fp32"
     grad_bytes = 2 if zero_stage >= 2 and low_precision and not config.parallel.reduce_grads_in_fp32 else 4
     weights = gradients = optimizer = 0.0
-    for group, count in local.items():
+    for group, count in every.items():
         shards = layout.edp_size if group == "experts" else layout.dp_cp_size
         zero = {stage: shards if zero_stage >= stage else 1 for stage in (1, 2, 3)}
         weights += count * DTYPE_BYTES[dtype] / zero[3]
         count = trainable[group]
         gradients += count * grad_bytes / zero[2] + (count * 2 if low_precision and zero_stage < 2 else 0)
         masters = 4 if low_precision or zero_stage >= 1 else 0  # fp32 without ZeRO: the weights are the masters
-        optimizer += count * (masters + 8) / zero[1]
+        momentum_only = muon[group] if muon_steps else 0  # Muon: 4 bytes of momentum, not Adam's 8
+        optimizer += (count * (masters + 8) - momentum_only * 4) / zero[1]
     return int(weights), int(gradients), int(optimizer)
 
 

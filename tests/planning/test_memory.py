@@ -1,7 +1,8 @@
 """The planner's parameter state (meshlm/planning/memory.py) equals, to the byte, what a real
 Trainer holds after one step in real gloo processes: weights, gradient buffers and optimizer
 state, on ZeRO stages 0-3 and tp / pp / ep / cp layouts, in fp32 and bf16, with LoRA too (frozen
-weights: no gradient, no master, no moments)."""
+weights: no gradient, no master, no moments) and with Muon (one momentum and no step counter for the
+blocks' matrices, AdamW's state for the rest), in one process too."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ CASES = [
     ["model.pattern=*-M-", "model.mamba_num_groups=2", "model.mamba_head_dim=8", "model.lora_rank=4", "parallel.tp=2",
      "parallel.sp=true", "precision.dtype=bf16"],
     ["model.pattern=*-*-", "model.lora_rank=4", "parallel.dp=2", "parallel.zero_stage=3"],
+    ["model.pattern=*-*-", "optim.optimizer=muon", "parallel.dp=2"],
+    ["model.pattern=*-*-", "optim.optimizer=muon", "parallel.pp=2", "precision.dtype=bf16"],
+    ["model.pattern=*-ME", "model.moe_num_experts=4", "model.mamba_num_groups=2", "model.mamba_head_dim=8",
+     "optim.optimizer=muon", "parallel.tp=2", "parallel.sp=true", "precision.dtype=bf16"],
+    ["model.pattern=*E*E", "model.moe_num_experts=4", "optim.optimizer=muon", "parallel.ep=2", "parallel.dp=2"],
 ]
 
 
@@ -65,3 +71,18 @@ def test_single_process_state_and_items():
     items = memory_items(config, Layout(), GPUS["h100"])
     assert items["activations mtp"] > 0 and items["activations blocks M"] > 0 and items["activations blocks E"] > 0
     assert items["fragmentation margin"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_muon_state_is_exact_in_one_process(dtype, tmp_path):
+    """One process, no reducer: Muon's momentum on the blocks' and the MTP depth's matrices (the
+    stacked experts too), AdamW's moments and step on the embedding, head, norms, router and
+    Mamba's vectors and convolution. The gradients (the masters' ``.grad``) are released at the end
+    of each step in one process (``zero_grad(set_to_none=True)``): nothing is left to measure."""
+    blend = write_corpus(tmp_path / "corpus")
+    measured, predicted = measured_and_predicted([
+        *BASE, f"train.run_dir={tmp_path / 'run'}", f"data.blend={blend}", "model.pattern=*-ME",
+        "model.moe_num_experts=4", "model.moe_aux_loss_coeff=0.01", "model.mamba_num_groups=2",
+        "model.mamba_head_dim=8", "model.mtp_depth=1", "optim.optimizer=muon", f"precision.dtype={dtype}"])
+    assert measured["gradients"] == 0
+    assert (measured["weights"], measured["optimizer"]) == (predicted["weights"], predicted["optimizer"])

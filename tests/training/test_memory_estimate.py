@@ -12,6 +12,7 @@ import torch
 from meshlm.checkpoint.model_files import save_model
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
+from meshlm.optim.muon import muon_parameter
 from meshlm.parallel.mesh import ParallelContext
 from meshlm.precision.device_defaults import resolve_precision
 from meshlm.training.memory_estimate import estimate_training_memory, frozen_items, memory_warning
@@ -84,6 +85,21 @@ def test_lora_counts_gradients_and_optimizer_state_of_the_adapters_only(make_con
     assert (estimate.weights, estimate.gradients, estimate.optimizer) == (4 * every, 4 * adapters, 8 * adapters)
     full = estimate_training_memory(dataclasses.replace(config, model=dataclasses.replace(config.model, lora_rank=0)))
     assert full.optimizer == 8 * (every - adapters)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_muon_keeps_one_momentum_instead_of_two_moments(make_config, dtype):
+    config = resolved(make_config("model.pattern=*-ME", "model.moe_num_experts=4", "model.mtp_depth=1",
+                                  "model.hidden_size=64", f"precision.dtype={dtype}"))
+    model = LanguageModel(config.model, seed=0)
+    muon = sum(param.numel() for name, param in model.named_parameters() if muon_parameter(name, param))
+    assert 0 < muon < sum(param.numel() for param in model.parameters())  # the embedding, norms, ... stay AdamW's
+    adamw = estimate_training_memory(config)
+    stepped = estimate_training_memory(dataclasses.replace(config, optim=dataclasses.replace(
+        config.optim, optimizer="muon")))
+    assert adamw.optimizer - stepped.optimizer == 4 * muon  # 4 bytes of momentum instead of Adam's 8
+    assert (stepped.weights, stepped.gradients, stepped.activations) == (adamw.weights, adamw.gradients,
+                                                                         adamw.activations)
 
 
 def test_the_start_line_and_metrics_carry_the_estimate(make_config, capsys):

@@ -1,0 +1,119 @@
+"""Muon (``optim.optimizer=muon``) under every kind of parallelism equals the single-process run.
+
+The trainer trains the tiny dense, hybrid (Mamba-2 + attention, with and without an MTP depth)
+and MoE models of the parallel tests with Muon for 5 steps, in one process and at layouts that
+cut the matrices Muon orthogonalizes every way it can be cut: column- and row-parallel TP shards
+(dense tp2 x dp2 + SP), replicated KV rows (tp4: 2 KV heads), Mamba's in_proj partitioned as
+[z, x, B, C, dt] (hybrid tp2 + SP), experts split over EP and cut on their FFN width over ETP
+(MoE tp2 x ep2), context parallelism (hybrid cp2) and interleaved pipeline stages with an MTP
+depth (tp2 x pp2 x vp2 + SP). Each rank gathers the momentum of a cut matrix whole, so every
+step's loss and gradient norm, the validation losses and the final parameters must equal the
+single-process run's (relative error <= 1e-5). A checkpoint written at tp2 x dp2 resumes at
+other layouts with the uninterrupted run's losses, and one written under AdamW is refused by
+a Muon run with the way out.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm.checkpoint.whole_tensors import read_global_tensors
+from meshlm.config import load_run_config
+from meshlm.errors import CheckpointError
+from meshlm.models.language_model import LanguageModel
+from meshlm.optim.muon import muon_parameter
+from tests.helpers.distributed import import_test_file, run_distributed
+
+HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
+MODELS = {
+    "dense": HELPERS.MODELS["dense"],
+    "hybrid": HELPERS.MODELS["hybrid"],
+    "moe": [*HELPERS.MODELS["moe"], "model.moe_shared_expert_ffn_hidden_size=32"],
+    "hybrid mtp": [*HELPERS.MODELS["hybrid"], "model.mtp_depth=1"],
+}
+MUON = ["optim.optimizer=muon", "optim.lr=2e-3", "train.save_every=3"]
+LAYOUTS = {  # world -> {name: (model, layout)}
+    4: {"dense tp2xdp2 sp": ("dense", ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true"]),
+        "dense tp4 sp": ("dense", ["parallel.tp=4", "parallel.sp=true"]),
+        "moe tp2 ep2": ("moe", ["parallel.tp=2", "parallel.ep=2"]),
+        "hybrid mtp tp2 pp2 vp2 sp": ("hybrid mtp", ["parallel.tp=2", "parallel.pp=2", "parallel.vp=2",
+                                                     "parallel.sp=true"])},
+    2: {"hybrid tp2 sp": ("hybrid", ["parallel.tp=2", "parallel.sp=true"]),
+        "hybrid cp2": ("hybrid", ["parallel.cp=2"])},
+}
+RESUMED = {"dense tp4 sp resumed": ["parallel.tp=4", "parallel.sp=true"],
+           "dense dp2 pp2 resumed": ["parallel.dp=2", "parallel.pp=2"]}
+"""Layouts that resume the step-3 checkpoint of 'dense tp2xdp2 sp'."""
+
+
+def muon_overrides(model: str) -> list[str]:
+    return [*MODELS[model], *MUON]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("muon-training")
+    blend = HELPERS.write_tiny_corpus(root / "corpus")
+    single = {model: HELPERS.train_once(blend, root / f"single {model}", muon_overrides(model)) for model in MODELS}
+    adamw = HELPERS.train_once(blend, root / "adamw dense", [*MODELS["dense"], "train.save_every=3"])
+    by_world = {}
+    for world, layouts in LAYOUTS.items():
+        batch = [(name, [*muon_overrides(model), *layout]) for name, (model, layout) in layouts.items()]
+        by_world[world] = run_distributed(HELPERS.train_runs, world, str(blend), str(root), batch, timeout_s=400)
+    return dict(root=root, blend=blend, single=single, adamw=adamw, by_world=by_world)
+
+
+@pytest.mark.parametrize("world,name", [(world, name) for world, layouts in LAYOUTS.items() for name in layouts])
+def test_muon_layout_equals_single_process(runs, world, name):
+    model = LAYOUTS[world][name][0]
+    for rank, results in enumerate(runs["by_world"][world]):
+        HELPERS.assert_same_run(results[name], runs["single"][model], f"{name} rank {rank}")
+
+
+def test_muon_trains_differently_from_adamw_and_keeps_one_momentum_per_matrix(runs):
+    """Same model, data and lr schedule: Muon's losses differ from AdamW's after the first step
+    (the optimizer really changed), and its checkpoint holds a momentum for exactly the matrices
+    ``muon_parameter`` names and AdamW's two moments for everything else."""
+    muon, adamw = runs["single"]["dense"], runs["adamw"]
+    assert muon["losses"][1] == pytest.approx(adamw["losses"][1], rel=1e-6)  # before any update
+    assert all(muon["losses"][step] != adamw["losses"][step] for step in (3, 4, 5))
+    saved = runs["root"] / "single moe" / "checkpoints" / "step_3"
+    tensors = read_global_tensors(saved)
+    with torch.device("meta"):  # the parameters (the router's expert bias is a buffer)
+        params = dict(LanguageModel(load_run_config(saved / "run.yaml").model).named_parameters())
+    with_momentum = {key.split("/")[1] for key in tensors if key.endswith("/momentum_buffer")}
+    with_moments = {key.split("/")[1] for key in tensors if key.endswith("/exp_avg")}
+    assert with_momentum == {name for name, value in params.items() if muon_parameter(name, value)}
+    assert with_momentum and not with_momentum & with_moments
+    assert with_momentum | with_moments == set(params)
+    assert any(".experts." in name for name in with_momentum)
+    assert "embedding.weight" in with_moments and any(name.endswith("router.weight") for name in with_moments)
+
+
+def test_muon_checkpoint_resumes_at_other_layouts(runs, tmp_path):
+    """The step-3 checkpoint of dense tp2 x dp2 + SP resumes at tp4 + SP and at dp2 x pp2: steps 4
+    and 5 repeat the uninterrupted single-process run's losses (Muon's momentum resharded)."""
+    saved = runs["root"] / "dense tp2xdp2 sp" / "checkpoints" / "step_3"
+    batch = []
+    for name, layout in RESUMED.items():
+        shutil.copytree(saved, tmp_path / name / "checkpoints" / "step_3")
+        batch.append((name, [*muon_overrides("dense"), *layout]))
+    resumed = run_distributed(HELPERS.train_runs, 4, str(runs["blend"]), str(tmp_path), batch, timeout_s=400)[0]
+    expected = runs["single"]["dense"]
+    for name in RESUMED:
+        assert sorted(resumed[name]["losses"]) == [4, 5], name
+        assert HELPERS.relative_error([resumed[name]["losses"][s] for s in (4, 5)],
+                                      [expected["losses"][s] for s in (4, 5)]) <= HELPERS.TOLERANCE, name
+        for param, value in expected["params"].items():
+            assert HELPERS.relative_error(resumed[name]["params"][param], value) <= HELPERS.TOLERANCE, (name, param)
+
+
+def test_adamw_checkpoint_is_refused_by_a_muon_run_with_the_way_out(runs, tmp_path):
+    saved = runs["root"] / "adamw dense" / "checkpoints" / "step_3"
+    shutil.copytree(saved, tmp_path / "switched" / "checkpoints" / "step_3")
+    with pytest.raises(CheckpointError, match=r"momentum_buffer.*another optim.optimizer.*train.init_from"):
+        HELPERS.train_once(runs["blend"], tmp_path / "switched", muon_overrides("dense"))
