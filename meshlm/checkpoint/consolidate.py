@@ -54,7 +54,7 @@ def consolidate(checkpoint, out, overwrite: bool = False, fp32_masters: bool = F
 
 
 OPTIMIZER_PREFIX = "optim/"
-"""Keys of the optimizer's tensors (AdamW's moments) in a distributed checkpoint."""
+"""Keys of the optimizer's tensors (AdamW's moments, Muon's momentum) in a distributed checkpoint."""
 
 
 def inspect_checkpoint(checkpoint, verify: bool = True, all_tensors: bool = False) -> dict:

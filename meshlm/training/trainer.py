@@ -101,7 +101,8 @@ from meshlm.training.distillation_pipeline import distilling_stages
 from meshlm.training.early_stopping import EARLY_STOP, early_stop_message, stopped_early, write_best_pointer
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
 from meshlm.training.initial_weights import model_from_init_folder
-from meshlm.training.memory_estimate import available_memory, estimate_training_memory, memory_warning
+from meshlm.training.memory_estimate import (available_memory, counted_parameters, estimate_training_memory,
+                                             memory_warning)
 from meshlm.training.memory_snapshot import MemorySnapshots
 from meshlm.training.memory_usage import format_bytes, peak_memory
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary, format_count,
@@ -667,6 +668,7 @@ class Trainer:
                             "sp": layout.sequence_parallel, "pp": layout.pp_size, "vp": layout.vp_size,
                             "ep": layout.ep_size, "etp": layout.etp_size, "edp": layout.edp_size,
                             "num_parameters": num_parameters, "num_trainable": self.num_trainable,
+                            "optimizer": self.config.optim.optimizer,
                             "flops_per_token": flops_per_token,
                             "peak_flops": peak, "peak_flops_source": source,
                             "tokens_per_step": train.global_batch_size * self.rows_per_sample * train.seq_len,
@@ -681,7 +683,11 @@ class Trainer:
                               f"memory estimate {format_bytes(self.memory.total)} per process{available}")
 
     def trainable_note(self) -> str:
-        """' (N trainable: LoRA rank r)' when only a part of the model trains, else ''."""
+        """' (N trainable: LoRA rank r)' when only a part of the model trains; ' (Muon: N, AdamW: the
+        rest)' under optim.optimizer=muon (single-process counts); else ''."""
+        if self.config.optim.optimizer == "muon":
+            muon = sum(counted_parameters(self.config.model)[2].values())
+            return f" (Muon: {format_count(muon)}, AdamW: the rest)"
         if self.num_trainable == self.num_parameters:
             return ""
         lora = self.config.model.lora_rank

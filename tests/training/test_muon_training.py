@@ -26,6 +26,8 @@ from meshlm.config import load_run_config
 from meshlm.errors import CheckpointError
 from meshlm.models.language_model import LanguageModel
 from meshlm.optim.muon import muon_parameter
+from meshlm.training.metrics import format_count, read_metrics
+from meshlm.training.trainer import Trainer
 from tests.helpers.distributed import import_test_file, run_distributed
 
 HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
@@ -117,3 +119,12 @@ def test_adamw_checkpoint_is_refused_by_a_muon_run_with_the_way_out(runs, tmp_pa
     shutil.copytree(saved, tmp_path / "switched" / "checkpoints" / "step_3")
     with pytest.raises(CheckpointError, match=r"momentum_buffer.*another optim.optimizer.*train.init_from"):
         HELPERS.train_once(runs["blend"], tmp_path / "switched", muon_overrides("dense"))
+
+
+def test_the_start_line_and_metrics_name_the_optimizer(runs, tmp_path):
+    trainer = Trainer(HELPERS.run_config(runs["blend"], tmp_path / "start", *muon_overrides("moe")))
+    muon = sum(param.numel() for name, param in trainer.model.named_parameters() if muon_parameter(name, param))
+    assert trainer.trainable_note() == f" (Muon: {format_count(muon)}, AdamW: the rest)"
+    starts = [record for record in read_metrics(runs["root"] / "single moe" / "metrics.jsonl")
+              if record.get("event") == "start"]
+    assert [record["optimizer"] for record in starts] == ["muon"]
