@@ -110,13 +110,14 @@ def model_tensors(parts: TrainingParts) -> dict[str, GlobalTensor]:
     return tensors
 
 
-def _segment_tensors(tensors: dict, optimizer, params: dict, context, prefix: str, buffers: dict) -> None:
-    """Chunks of flat per-rank buffers (ZeRO-1): ``buffers`` maps a key suffix to a flat buffer."""
+def _segment_tensors(tensors: dict, optimizer, params: dict, context, prefix: str, buffers) -> None:
+    """Chunks of flat per-rank buffers (ZeRO-1): ``buffers`` maps a key suffix to a flat buffer, or
+    is a function of the parameter's index giving that map (the optimizer state of each parameter)."""
     layout, names = optimizer.reducer.layout, optimizer.reducer.names
     for segment in optimizer.segments:
         name, length = names[segment.param], segment.end - segment.start
         first = segment.start - layout.offsets[segment.param]
-        for suffix, buffer in buffers.items():
+        for suffix, buffer in (buffers(segment.param) if callable(buffers) else buffers).items():
             flat = buffer[segment.local:segment.local + length]
             shape, chunks = flat_chunks(params[name], flat, first, context)
             _add(tensors, prefix.format(name=name, suffix=suffix), shape, buffer.dtype, chunks)
@@ -172,8 +173,7 @@ def moment_tensors(parts: TrainingParts, for_loading: bool = False) -> dict[str,
     params, tensors = dict(parts.model.named_parameters()), {}
     for optimizer in optimizers_of(parts.optimizer):
         if is_sharded(optimizer):
-            buffers = {key: getattr(optimizer, key) for key in MOMENTS}
-            _segment_tensors(tensors, optimizer, params, parts.context, "optim/{name}/{suffix}", buffers)
+            _segment_tensors(tensors, optimizer, params, parts.context, "optim/{name}/{suffix}", optimizer.state_buffers)
             continue
         if for_loading:
             ensure_adamw_state(optimizer)

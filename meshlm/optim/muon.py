@@ -36,13 +36,15 @@ rank all-gathers the momentum-updated matrix U over the TP (ETP) group, reassemb
 shard metadata the checkpoints use (``meshlm/parallel/tensor/sharding.py``: Mamba's in_proj is
 [z, x, B, C, dt], each partition split on its own), runs Newton-Schulz on the whole matrix and
 keeps its own rows or columns of the result. Every rank of the group computes the same
-Newton-Schulz (redundant work, one matrix at a time, as Megatron's "duplicated" mode); only U
-travels, once per step. Replicated parameters (the KV projections when there are fewer KV heads
+Newton-Schulz (redundant work, one matrix at a time); only U travels, once per step. Replicated parameters (the KV projections when there are fewer KV heads
 than TP ranks) are whole already; their partial gradients are summed over TP before the step.
 Experts split over EP are whole experts on each rank: nothing to gather. Data, context and
 pipeline parallelism leave each rank whole matrices (with summed gradients) and need nothing.
-ZeRO cuts the flat parameter buffer at arbitrary element ranges; the configuration refuses it
-with Muon (``meshlm/config.py``).
+ZeRO-1 cuts the flat parameter buffer at arbitrary element ranges: there the distributed
+optimizer runs Distributed Muon (Liu et al. 2025, Algorithm 3; ``DistributedOptimizer.muon_update``
+in ``meshlm/parallel/data/distributed_optimizer.py``): the momentum sharded like Adam's, the
+directions all-gathered over DP, each matrix orthogonalized by the ranks that own a piece of it.
+ZeRO-2 and 3, which shard the gradient buffer too, are refused (``meshlm/config.py``).
 
 **State.** ``momentum_buffer`` (fp32, the parameter's shape) per Muon parameter -- half of
 AdamW's two moments -- and AdamW's ``step``/``exp_avg``/``exp_avg_sq`` for the others. The

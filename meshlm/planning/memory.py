@@ -21,10 +21,12 @@ to a multiple of S) and S the sharding group: dp*cp for dense weights, the exper
 size for routed experts (``expert_data_parallel.py``: their own buffers). A single process has no
 reducer: its gradients are the fp32 masters' ``.grad``.
 
-Under ``optim.optimizer=muon`` (ZeRO 0 only: the config refuses ZeRO with Muon) the parameters
-Muon steps (``meshlm.optim.muon.muon_parameter``: the blocks' weight matrices, N_m of the N) keep
-one fp32 ``momentum_buffer`` and no step counter: Adam 2*(N - N_m)*4 + momentum N_m*4, and a step
-per AdamW tensor only. The masters are as above.
+Under ``optim.optimizer=muon`` without ZeRO the parameters Muon steps
+(``meshlm.optim.muon.muon_parameter``: the blocks' weight matrices, N_m of the N) keep one fp32
+``momentum_buffer`` and no step counter: Adam 2*(N - N_m)*4 + momentum N_m*4, and a step per
+AdamW tensor only. Under ZeRO-1 (Distributed Muon; stages 2 and 3 are refused) the sharded
+buffers keep AdamW's layout, the momentum in the first moment's place: the same bytes as AdamW.
+The masters are as above.
 
 **Activations, estimated** by ``meshlm/training/memory_estimate.py`` (per block kind, with the
 recompute setting and the 1F1B / interleaved in-flight micro-batches; see its docstring for the

@@ -50,6 +50,8 @@ CASES = [
     ["model.pattern=*-ME", "model.moe_num_experts=4", "model.mamba_num_groups=2", "model.mamba_head_dim=8",
      "optim.optimizer=muon", "parallel.tp=2", "parallel.sp=true", "precision.dtype=bf16"],
     ["model.pattern=*E*E", "model.moe_num_experts=4", "optim.optimizer=muon", "parallel.ep=2", "parallel.dp=2"],
+    ["model.pattern=*-ME", "model.moe_num_experts=4", "model.mamba_num_groups=2", "model.mamba_head_dim=8",
+     "optim.optimizer=muon", "parallel.ep=2", "parallel.zero_stage=1", "precision.dtype=bf16"],
 ]
 
 

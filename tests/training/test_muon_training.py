@@ -6,10 +6,12 @@ cut the matrices Muon orthogonalizes every way it can be cut: column- and row-pa
 (dense tp2 x dp2 + SP), replicated KV rows (tp4: 2 KV heads), Mamba's in_proj partitioned as
 [z, x, B, C, dt] (hybrid tp2 + SP), experts split over EP and cut on their FFN width over ETP
 (MoE tp2 x ep2), context parallelism (hybrid cp2) and interleaved pipeline stages with an MTP
-depth (tp2 x pp2 x vp2 + SP). Each rank gathers the momentum of a cut matrix whole, so every
+depth (tp2 x pp2 x vp2 + SP); and under ZeRO-1 (Distributed Muon: the directions gathered over DP
+in the gradient buffer) at tp2 x dp2 + SP, the hybrid at dp2 and the MoE at dp4 x ep2 (experts
+over edp 2). Each rank gathers the momentum of a cut matrix whole, so every
 step's loss and gradient norm, the validation losses and the final parameters must equal the
-single-process run's (relative error <= 1e-5). A checkpoint written at tp2 x dp2 resumes at
-other layouts with the uninterrupted run's losses, and one written under AdamW is refused by
+single-process run's (relative error <= 1e-5). Checkpoints written at tp2 x dp2, with and
+without ZeRO-1, resume at other layouts with the uninterrupted run's losses, and one written under AdamW is refused by
 a Muon run with the way out.
 """
 
@@ -42,14 +44,21 @@ LAYOUTS = {  # world -> {name: (model, layout)}
     4: {"dense tp2xdp2 sp": ("dense", ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true"]),
         "dense tp4 sp": ("dense", ["parallel.tp=4", "parallel.sp=true"]),
         "moe tp2 ep2": ("moe", ["parallel.tp=2", "parallel.ep=2"]),
+        "dense tp2xdp2 sp zero1": ("dense", ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true",
+                                             "parallel.zero_stage=1"]),
+        "moe dp4 ep2 zero1": ("moe", ["parallel.ep=2", "parallel.zero_stage=1"]),
         "hybrid mtp tp2 pp2 vp2 sp": ("hybrid mtp", ["parallel.tp=2", "parallel.pp=2", "parallel.vp=2",
                                                      "parallel.sp=true"])},
     2: {"hybrid tp2 sp": ("hybrid", ["parallel.tp=2", "parallel.sp=true"]),
-        "hybrid cp2": ("hybrid", ["parallel.cp=2"])},
+        "hybrid cp2": ("hybrid", ["parallel.cp=2"]),
+        "hybrid dp2 zero1": ("hybrid", ["parallel.dp=2", "parallel.zero_stage=1"])},
 }
-RESUMED = {"dense tp4 sp resumed": ["parallel.tp=4", "parallel.sp=true"],
-           "dense dp2 pp2 resumed": ["parallel.dp=2", "parallel.pp=2"]}
-"""Layouts that resume the step-3 checkpoint of 'dense tp2xdp2 sp'."""
+RESUMED = {"dense tp4 sp resumed": ("dense tp2xdp2 sp", ["parallel.tp=4", "parallel.sp=true"]),
+           "dense dp2 pp2 resumed": ("dense tp2xdp2 sp", ["parallel.dp=2", "parallel.pp=2"]),
+           "dense dp4 zero1 resumed": ("dense tp2xdp2 sp", ["parallel.dp=4", "parallel.zero_stage=1"]),
+           "dense tp4 from zero1 resumed": ("dense tp2xdp2 sp zero1", ["parallel.tp=4", "parallel.sp=true"])}
+"""Layouts that resume a step-3 checkpoint of the run named first (momentum written whole per TP
+shard, or as ZeRO-1 segments)."""
 
 
 def muon_overrides(model: str) -> list[str]:
@@ -97,12 +106,12 @@ def test_muon_trains_differently_from_adamw_and_keeps_one_momentum_per_matrix(ru
 
 
 def test_muon_checkpoint_resumes_at_other_layouts(runs, tmp_path):
-    """The step-3 checkpoint of dense tp2 x dp2 + SP resumes at tp4 + SP and at dp2 x pp2: steps 4
-    and 5 repeat the uninterrupted single-process run's losses (Muon's momentum resharded)."""
-    saved = runs["root"] / "dense tp2xdp2 sp" / "checkpoints" / "step_3"
+    """The step-3 checkpoints of dense tp2 x dp2 + SP (with and without ZeRO-1) resume at tp4 + SP,
+    dp2 x pp2 and dp4 + ZeRO-1: steps 4 and 5 and the final parameters repeat the uninterrupted
+    single-process run's (Muon's momentum resharded)."""
     batch = []
-    for name, layout in RESUMED.items():
-        shutil.copytree(saved, tmp_path / name / "checkpoints" / "step_3")
+    for name, (source, layout) in RESUMED.items():
+        shutil.copytree(runs["root"] / source / "checkpoints" / "step_3", tmp_path / name / "checkpoints" / "step_3")
         batch.append((name, [*muon_overrides("dense"), *layout]))
     resumed = run_distributed(HELPERS.train_runs, 4, str(runs["blend"]), str(tmp_path), batch, timeout_s=400)[0]
     expected = runs["single"]["dense"]

@@ -66,7 +66,8 @@ def build_data_parallel(precision, optim_config, parallel_config, context, model
                                          parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce,
                                          model_parameters=[param for _, param in precision.model_parameters],
                                          model_dtype=precision.dtype, zero_stage=stage,
-                                         reduce_grads_in_fp32=parallel_config.reduce_grads_in_fp32)
+                                         reduce_grads_in_fp32=parallel_config.reduce_grads_in_fp32,
+                                         whole_matrix=whole_matrix_gatherer(precision.model_parameters, context))
         precision.hand_masters_to(optimizer)  # bf16/fp16: the fp32 masters are sharded over DP too
         reducer = optimizer.reducer
     else:
@@ -85,8 +86,7 @@ def build_replicated(precision, optim_config, parallel_config, context):
     sources = [param for _, param in precision.model_parameters]
     reducer = GradientReducer(named, context, parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce,
                               model_parameters=sources)
-    names = [name for name, _ in named]
-    return reducer, build_optimizer(named, optim_config, whole_matrix_gatherer(list(zip(names, sources)), context))
+    return reducer, build_optimizer(named, optim_config, whole_matrix_gatherer(precision.model_parameters, context))
 
 
 def finish_gradients(reducer: GradientReducer, optimizer, precision, context, max_norm: float,

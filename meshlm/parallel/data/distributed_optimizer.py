@@ -60,7 +60,8 @@ from dataclasses import dataclass
 
 import torch
 
-from meshlm.optim.adamw import build_adamw
+from meshlm.optim.build import build_optimizer
+from meshlm.optim.muon import MUON_GROUP, orthogonalize, update_scale
 from meshlm.parallel.data.grad_norm import clip_grads_
 from meshlm.parallel.collectives import all_gather_into_
 from meshlm.parallel.data.grad_reducer import GradientReducer
@@ -138,17 +139,26 @@ class DistributedOptimizer:
     bucket per unit) or 3 (parameters sharded as well: see ``fully_sharded.py``; the model's
     parameters become views into per-unit buffers that hold values only while gathered). Stages
     2 and 3 need a ``fully_sharded.UnitSchedule`` over the model to launch their collectives.
+
+    ``optim_config.optimizer=muon`` (stage 1 only): the "muon" group steps by ``muon_update``
+    (Distributed Muon), its momentum in ``exp_avg`` (its part of ``exp_avg_sq`` stays unused, so
+    the buffers keep AdamW's layout); ``whole_matrix`` is how it sees a TP-cut matrix whole
+    (``meshlm.parallel.tensor.sharding.whole_matrix_gatherer``).
     """
 
     def __init__(self, parameters_by_name: list[tuple[str, torch.nn.Parameter]], optim_config, context,
                  bucket_size_mb: float = 25.0, overlap: bool = True,
                  model_parameters: list[torch.Tensor] | None = None, model_dtype: torch.dtype | None = None,
-                 zero_stage: int = 1, reduce_grads_in_fp32: bool = True):
+                 zero_stage: int = 1, reduce_grads_in_fp32: bool = True, whole_matrix=None):
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage} is not 1, 2 or 3.")
+        if zero_stage > 1 and optim_config.optimizer == "muon":
+            raise ValueError("Muon under ZeRO needs the full gradient buffer of stage 1.")
         self.context, self.zero_stage = context, zero_stage
-        self.reference = build_adamw(parameters_by_name, optim_config)
-        """The single-process AdamW: its groups, hyperparameters and state-dict layout. It never steps."""
+        self.reference = build_optimizer(parameters_by_name, optim_config, whole_matrix)
+        """The single-process optimizer (AdamW, or Muon with AdamW groups): its groups,
+        hyperparameters and state-dict layout. It never steps."""
+        self.whole_matrix = self.reference.whole_matrix if optim_config.optimizer == "muon" else None
         self.param_groups = self.reference.param_groups
         if zero_stage == 1:
             self.reducer = GradientReducer(parameters_by_name, context, bucket_size_mb, overlap, shard=True,
@@ -192,6 +202,10 @@ class DistributedOptimizer:
                     view.copy_(holder)
                     holder.data = view
         group_of = {id(param): number for number, group in enumerate(self.param_groups) for param in group["params"]}
+        muon_params = {id(param) for group in self.param_groups if group.get("name") == MUON_GROUP
+                       for param in group["params"]}
+        self.muon_indices = {index for index, holder in enumerate(holders) if id(holder) in muon_params}
+        """The reducer's indices of the parameters Muon steps (their momentum lives in ``exp_avg``)."""
         self.group_views = [GroupViews([], [], [], []) for _ in self.param_groups]
         for segment in self.segments:
             views = self.group_views[group_of[id(holders[segment.param])]]
@@ -297,12 +311,72 @@ class DistributedOptimizer:
         self.wait_for_parameters()
         self.step_count += 1
         for group, views in zip(self.param_groups, self.group_views):
-            if views.values:
+            if views.values and group.get("name") != MUON_GROUP:
                 if views.grads[0].dtype != torch.float32:  # gradients reduced in bf16/fp16: the update is fp32
                     views = GroupViews(views.values, [grad.float() for grad in views.grads], views.exp_avgs,
                                        views.exp_avg_sqs)
                 adamw_update(views, group, self.step_count)
+        for group in self.param_groups:  # after AdamW: Muon gathers its directions over the gradient buffer
+            if group.get("name") == MUON_GROUP:
+                self.muon_update(group)
         self.gather_parameters(wait=not self.defer_gather)
+
+    def state_buffers(self, index: int) -> dict[str, torch.Tensor]:
+        """The flat per-rank buffers holding parameter ``index``'s state, by the single-process
+        optimizer's state key: Muon's momentum, or AdamW's two moments."""
+        if self.is_muon(index):
+            return {"momentum_buffer": self.exp_avg}
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def is_muon(self, index: int) -> bool:
+        """Whether Muon steps the reducer's parameter ``index``."""
+        return index in self.muon_indices
+
+    @torch.no_grad()
+    def muon_update(self, group: dict) -> None:
+        """Distributed Muon (Liu et al. 2025, section 2.3 and Algorithm 3) on this rank's segments.
+
+        The momentum is elementwise, so it lives sharded like Adam's first moment (in ``exp_avg``)
+        and steps on the owned segments. Newton-Schulz needs each matrix whole: the momentum-updated
+        directions are written over this rank's reduced gradients in the (full-size, stage-1)
+        gradient buffer and every bucket holding a Muon matrix is all-gathered over DP (the
+        parameters' all-gather, once more, in fp32). Each rank then orthogonalizes only the
+        matrices it owns a segment of -- about 1/dp of them, gathered whole over TP where TP cuts
+        them (``whole_matrix``) -- and applies its segments of the update. The elementwise steps
+        are the single-process optimizer's operations on the same elements, so the result is
+        the single process's. AdamW has stepped already: its gradients may be overwritten."""
+        mu, layout = group["momentum"], self.reducer.layout
+        owned: dict[int, list[Segment]] = {}
+        for segment in self.segments:
+            if self.is_muon(segment.param):
+                owned.setdefault(segment.param, []).append(segment)
+        buffer = self.reducer.buffer
+        for index, segments in owned.items():
+            for segment in segments:
+                grad = self.reducer.segment_grad(segment)
+                momentum = self._owned(self.exp_avg, segment)
+                momentum.mul_(mu).add_(grad)
+                direction = grad.add(momentum, alpha=mu) if group["nesterov"] else momentum
+                grad.copy_(direction)
+        rank, size = self.context.dp_cp_rank, self.context.dp_cp_size
+        if size > 1:
+            for bucket_index in sorted({layout.bucket_of[index] for index in self.muon_indices}):
+                bucket = layout.buckets[bucket_index]
+                start, end = bucket.shard(rank, size)
+                all_gather_into_(buffer[bucket.start:bucket.end], buffer[start:end].clone(), self.context.dp_cp_group)
+        lr, decay = group["lr"], group["weight_decay"]
+        for index in sorted(self.muon_indices):  # the same order on every TP peer (same layout, same owner)
+            if index not in owned:
+                continue
+            full, cut = self.whole_matrix(self.reducer.names[index], layout.view(buffer, index)) \
+                if self.whole_matrix is not None else (layout.view(buffer, index), lambda whole: whole)
+            update = cut(orthogonalize(full, group["ns_steps"]))
+            scale = update_scale(full.shape, group["update_rms"])
+            for segment in owned[index]:
+                value = (self._owned(self.values, segment) if self.shard_values
+                         else self.values[segment.start:segment.end])
+                value.mul_(1 - lr * decay)
+                value.add_(self._piece(update, segment), alpha=-lr * scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer (never set to None: the gradients are views into it)."""
@@ -411,13 +485,15 @@ class DistributedOptimizer:
             return packed
         layout = self.reducer.layout
         position = {id(holder): index for index, holder in enumerate(self.reducer.holders)}
+        gathered = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         for group, packed_group in zip(self.param_groups, packed["param_groups"]):
             for param, packed_index in zip(group["params"], packed_group["params"]):
                 index = position[id(param)]
-                packed["state"][packed_index] = {
-                    "step": torch.tensor(float(self.step_count), dtype=torch.float32),
-                    "exp_avg": layout.view(exp_avg, index).clone(),
-                    "exp_avg_sq": layout.view(exp_avg_sq, index).clone()}
+                entry = {} if self.is_muon(index) else {"step": torch.tensor(float(self.step_count),
+                                                                             dtype=torch.float32)}
+                entry.update({key: layout.view(gathered["exp_avg" if key == "momentum_buffer" else key], index).clone()
+                              for key in self.state_buffers(index)})
+                packed["state"][packed_index] = entry
         return packed
 
     @torch.no_grad()
@@ -435,7 +511,7 @@ class DistributedOptimizer:
                                  "state (compared by name); it was saved for a different model.")
             entries.update({name: saved_state.get(packed) for name, packed in zip(names, saved["params"])})
             group.update({key: value for key, value in saved.items() if key not in ("params", "param_names")})
-        steps = {int(entry["step"]) for entry in entries.values() if entry}
+        steps = {int(entry["step"]) for entry in entries.values() if entry and "step" in entry}
         if len(steps) > 1:
             raise ValueError(f"the saved parameters have different step counts {sorted(steps)}; this optimizer "
                              "keeps one count for all of them.")
@@ -446,8 +522,8 @@ class DistributedOptimizer:
         for segment in self.segments:
             entry = entries[self.reducer.names[segment.param]]
             if entry:
-                self._owned(self.exp_avg, segment).copy_(self._piece(entry["exp_avg"], segment))
-                self._owned(self.exp_avg_sq, segment).copy_(self._piece(entry["exp_avg_sq"], segment))
+                for key, buffer in self.state_buffers(segment.param).items():
+                    self._owned(buffer, segment).copy_(self._piece(entry[key], segment))
 
 
 def overlap_gather_with_forward(model, optimizer) -> list:

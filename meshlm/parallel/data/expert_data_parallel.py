@@ -182,17 +182,18 @@ def build_expert_data_parallel(precision, optim_config, parallel_config, context
              zip(split_by_expert(named, sources, expert_names), (context, expert_data_context(context))) if pairs]
     size, overlap, stage = parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce, \
         parallel_config.sharding_stage
+    whole = whole_matrix_gatherer(precision.model_parameters, context)
     if stage >= 1:
         optimizer = OptimizerGroup([DistributedOptimizer(pairs, optim_config, part_context, size, overlap,
                                                          model_parameters=part_sources, model_dtype=precision.dtype,
                                                          zero_stage=stage,
-                                                         reduce_grads_in_fp32=parallel_config.reduce_grads_in_fp32)
+                                                         reduce_grads_in_fp32=parallel_config.reduce_grads_in_fp32,
+                                                         whole_matrix=whole)
                                     for pairs, part_sources, part_context in parts], sources)
         precision.hand_masters_to(optimizer)
         return optimizer.reducer, optimizer
     reducers = [GradientReducer(pairs, part_context, size, overlap, model_parameters=part_sources)
                 for pairs, part_sources, part_context in parts]
-    whole = whole_matrix_gatherer([(name, source) for (name, _), source in zip(named, sources)], context)
     return ReducerGroup(reducers, sources), build_optimizer(named, optim_config, whole)
 
 
