@@ -61,9 +61,11 @@ class TrainSpec:
     overlap: bool = True
     seed: int = 0
     data_seed: int = 1
+    optimizer: str = "adamw"
+    """optim.optimizer: adamw or muon (meshlm/optim/muon.py)."""
 
     def optim_config(self) -> OptimConfig:
-        return OptimConfig(lr=self.lr, weight_decay=self.weight_decay, eps=self.eps)
+        return OptimConfig(lr=self.lr, weight_decay=self.weight_decay, eps=self.eps, optimizer=self.optimizer)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, sp=self.sp, distributed_optimizer=self.distributed_optimizer,

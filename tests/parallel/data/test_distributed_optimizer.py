@@ -11,6 +11,7 @@ all-gather left to the next forward, each bucket is waited for inside that forwa
 in forward order, and training is bitwise the same as with the gather waited for in step().
 """
 
+import dataclasses
 import time
 
 import pytest
@@ -155,6 +156,31 @@ def test_state_gathered_at_dp2_is_the_single_process_state_and_continues_at_dp4(
     plain.optimizer.load_state_dict(state)
     train_steps(plain, spec, None, first_step=stop, steps=spec.steps - stop)
     for name, value in full_run["params"].items():
+        assert relative_error(result_of(plain)["params"][name], value) <= TOLERANCE, name
+
+
+def test_muon_state_gathered_at_dp2_is_the_single_process_state_and_continues_in_one_process():
+    """Distributed Muon (ZeRO-1, small buckets: matrices straddle the ranks' shards): the gathered
+    state dict is the single-process Muon's -- Muon's matrices hold ``momentum_buffer`` and no
+    step, the rest AdamW's moments and step -- and it continues a single-process run exactly."""
+    spec, stop = dataclasses.replace(RESHARD_SPEC, optimizer="muon"), 3
+    gathered = run_distributed(train_and_gather_state, 2, spec, stop)
+    reference = train_steps(build_run(spec, None), spec, None, steps=stop)
+    expected, state = reference.optimizer.state_dict(), gathered[0]["optimizer"]
+    assert state["param_groups"] == expected["param_groups"] and expected["param_groups"][0]["name"] == "muon"
+    assert state["state"].keys() == expected["state"].keys()
+    kinds = set()
+    for index, entry in expected["state"].items():
+        assert state["state"][index].keys() == entry.keys(), index
+        kinds.add(tuple(sorted(entry)))
+        for key, value in entry.items():
+            assert relative_error(state["state"][index][key], value) <= TOLERANCE, (index, key)
+    assert kinds == {("momentum_buffer",), ("exp_avg", "exp_avg_sq", "step")}
+    plain = build_run(spec, None)
+    plain.model.load_state_dict(gathered[0]["model"])
+    plain.optimizer.load_state_dict(state)
+    train_steps(plain, spec, None, first_step=stop, steps=spec.steps - stop)
+    for name, value in single_process_result(spec)["params"].items():
         assert relative_error(result_of(plain)["params"][name], value) <= TOLERANCE, name
 
 
