@@ -15,6 +15,8 @@ at the GPU tier's size (hidden 64, 4 blocks, sequences of 32), in fp32 with TF32
 - world 4: tp2 x dp2 with sequence parallelism, for the dense and the hybrid (Mamba + attention)
   model; the dense run saves a checkpoint at step 3; and the dense model with LoRA adapters
   (``model.lora_rank=4``: the base frozen, the adapters cut like their weights) with ZeRO-1 too;
+  and the MoE model with Muon (``optim.optimizer=muon``: TP and ETP shards gathered whole for
+  Newton-Schulz) at tp2 x dp2 x ep2 + SP with ZeRO-1 (Distributed Muon's DP gather);
 - world 2: the hybrid at pp2 x vp2 (interleaved 1F1B: point-to-point messages of CUDA
   activations), the dense and hybrid models at cp2 (ring attention and the Mamba state handed
   along the CP ring), the MoE model at ep2 (the expert token exchange), the dense model at dp2
@@ -53,7 +55,8 @@ from tests.helpers.counting_corpus import write_corpus
 from tests.helpers.distributed import run_distributed
 
 MODELS = {"dense": HELPERS.MODELS["dense"], "hybrid": HYBRID, "moe": HELPERS.MODELS["moe"],
-          "dense lora": [*HELPERS.MODELS["dense"], "model.lora_rank=4", "model.lora_alpha=8", "optim.eps=1e-4"]}
+          "dense lora": [*HELPERS.MODELS["dense"], "model.lora_rank=4", "model.lora_alpha=8", "optim.eps=1e-4"],
+          "moe muon": [*HELPERS.MODELS["moe"], "optim.optimizer=muon", "optim.lr=2e-3"]}
 GLOO = ["parallel.backend=gloo"]
 TP2_DP2_SP = [*GLOO, "parallel.tp=2", "parallel.dp=2", "parallel.sp=true"]
 LAYOUTS = {  # name -> (world, model, layout)
@@ -66,6 +69,7 @@ LAYOUTS = {  # name -> (world, model, layout)
     "dense dp2 zero1": (2, "dense", [*GLOO, "parallel.dp=2", "parallel.zero_stage=1"]),
     "dense dp2 zero3": (2, "dense", [*GLOO, "parallel.dp=2", "parallel.zero_stage=3"]),
     "dense lora tp2xdp2 sp zero1": (4, "dense lora", [*TP2_DP2_SP, "parallel.zero_stage=1"]),
+    "moe muon tp2xdp2 sp zero1": (4, "moe muon", [*TP2_DP2_SP, "parallel.ep=2", "parallel.zero_stage=1"]),
 }
 BF16_LAYOUTS = {"dense cp2 bf16": "dense cp2", "hybrid cp2 bf16": "hybrid cp2"}
 """The cp2 layouts again in bf16: name -> the fp32 layout's name."""
