@@ -34,7 +34,23 @@ measures:
 the step is (m + (p-1)/v) times the slowest stage's time per micro-batch (1F1B; interleaved
 with v chunks per rank).
 
-**Per step**, a few latency-bound all-reduces of scalars (gradient norm, logged sums, stop vote).
+**Per step**, a few latency-bound all-reduces of scalars (gradient norm, logged sums, stop vote),
+and the optimizer's elementwise update, bound by HBM bandwidth (AdamW's bytes per parameter).
+
+**Muon** (``optim.optimizer=muon``, ``meshlm/optim/muon.py``) adds, after the pipeline and not
+overlapped, on the busiest pipeline rank: Newton-Schulz on each matrix it steps, with the whole
+matrix's shape (m <= n) ``optim.muon_ns_steps`` iterations of X X^T, A A and B X, 4 m^2 n + 2 m^3
+FLOPs, fp32 matmuls at the row's 'matmul' fraction of the fp32 peak -- TF32 when
+``precision.tf32`` is on (the data sheets of ``meshlm/training/metrics.py``: half the bf16 peak),
+plain fp32 when off; the CPU row's rate is measured in fp32 already. The shapes are the layout's:
+a stack of routed experts is E/ep matrices; a matrix TP (or ETP) cuts is all-gathered over that
+group in fp32 and orthogonalized whole by each of its ranks (redundantly). Under ZeRO-1
+(Distributed Muon) one all-gather of the Muon parameters' fp32 gradient buffer over the sharding
+group S (dp*cp; edp for the expert grid) comes first, and then each rank orthogonalizes and
+TP-gathers only the matrices it owns a piece of, counted as 1/S of them (a matrix split between
+two owners is done by both: not counted). Muon's elementwise part stays in the optimizer term,
+priced as AdamW's (one momentum instead of two moments: a slight over-estimate); the
+Newton-Schulz FLOPs are not counted in the hardware FLOP rate.
 
 Not modeled: kernel-level overlap of TP communication with GEMMs, stragglers, data loading,
 imbalanced expert routing.
@@ -42,11 +58,21 @@ imbalanced expert routing.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import math
 
+import torch
+
 from meshlm.models.flops import BACKWARD_TO_FORWARD, block_flops, head_flops, mtp_depth_flops
+from meshlm.models.language_model import LanguageModel
+from meshlm.optim.muon import muon_parameter
 from meshlm.parallel.pipeline.stages import stage_starts
+from meshlm.planning.memory import planning_context, rank_parameters, sharding_groups
 from meshlm.training.memory_estimate import DTYPE_BYTES
+from meshlm.training.metrics import table_peak_flops
+
+FP32 = 4
 
 ATTENTION_TERMS = {"scores", "attend"}
 
@@ -177,10 +203,12 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
     optimizer_bytes = parameter_count * (16 + 2 * dtype_bytes) / (shards if layout.zero else 1)
     optimizer_s = optimizer_bytes / (hardware.hbm_gbps * 1e9)
     scalars_s = step_scalar_seconds(config, layout, hardware)
-    total = pipeline_s + dp_exposed + optimizer_s + scalars_s
+    muon_s = muon_seconds(config, layout, hardware, starts) if config.optim.optimizer == "muon" else 0.0
+    total = pipeline_s + dp_exposed + optimizer_s + scalars_s + muon_s
     return {"step_time_s": total, "pipeline_s": pipeline_s, "bubble_fraction": bubble_fraction,
             "bubble_s": (layout.pp - 1) / layout.vp * (slowest + p2p), "pp_p2p_s": p2p * micro_batches,
             "dp_comm_s": dp_s, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer_s, "step_scalars_s": scalars_s,
+            "muon_s": muon_s,
             "tp_comm_s": micro_batches * tp_block_s * sum(kind not in "0L" for kind in model.block_kinds) * 2 / layout.pp}
 
 
@@ -205,6 +233,70 @@ def step_scalar_seconds(config, layout, hardware) -> float:
     return seconds + tree(layout.dp * layout.cp)
 
 
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
+    """``orthogonalize`` of one rows x cols matrix: per iteration, on the wide orientation (m <= n),
+    A = X X^T (2 m^2 n), A A (2 m^3) and (b A + c A A) X (2 m^2 n)."""
+    m, n = sorted((rows, cols))
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def fp32_matmul_rate(config, hardware) -> float:
+    """Achievable FLOP/s of Newton-Schulz's fp32 matmuls: the row's matmul rate scaled by the data
+    sheet's TF32 (``precision.tf32``) or plain-fp32 peak over its bf16 peak; a row the sheets do
+    not know (the CPU, measured in fp32) keeps its matmul rate."""
+    bf16 = table_peak_flops(hardware.name, "bf16", allow_tf32=False)
+    fp32 = table_peak_flops(hardware.name, "fp32", allow_tf32=config.precision.tf32)
+    scale = fp32[0] / bf16[0] if bf16 and fp32 else 1.0
+    return hardware.rate("matmul") * scale
+
+
+_WHOLE_SHAPES: dict = {}
+
+
+def whole_muon_shapes(model_config) -> dict:
+    """{name: single-process shape} of the parameters Muon steps (the model built on meta; cached)."""
+    key = repr(model_config)
+    if key not in _WHOLE_SHAPES:
+        with torch.device("meta"):
+            model = LanguageModel(model_config, seed=0)
+        _WHOLE_SHAPES[key] = {name: param.shape for name, param in model.named_parameters()
+                              if muon_parameter(name, param)}
+    return _WHOLE_SHAPES[key]
+
+
+def muon_seconds(config, layout, hardware, starts: list[int]) -> float:
+    """Muon's Newton-Schulz and its gathers on the busiest pipeline rank (see the module
+    docstring). ``starts``: each virtual stage's first block, then the number of blocks."""
+    whole = whole_muon_shapes(config.model)
+    # every block as the layout's TP / EP / ETP split it; the pipeline rank comes from its block
+    flat = dataclasses.replace(layout, pp=1, vp=1)
+    parameters = rank_parameters(config, flat)
+    zero = layout.zero >= 1 and flat.world_size > 1
+    per_node, steps = hardware.gpus_per_node, config.optim.muon_ns_steps
+    rate = fp32_matmul_rate(config, hardware)
+    dp_intra = layout.world_size <= per_node or flat.world_size <= per_node
+    seconds = [0.0] * layout.pp
+    for indices, shards in sharding_groups(parameters, flat, planning_context(config, flat)):
+        gathered = [0] * layout.pp  # this rank's elements of the group's Muon parameters (ZeRO-1's gather)
+        for index in indices:
+            name, shape = parameters.names[index], parameters.shapes[index]
+            if not parameters.muon[index]:
+                continue
+            rows, cols = whole[name][-2:]
+            count = shape[0] if len(shape) == 3 else 1  # a stack of experts: this rank's E/ep
+            cut = rows * cols // (shape[-2] * shape[-1])  # the TP (ETP) ranks its rows or columns are split over
+            block = int(name.split(".")[1]) if name.startswith("blocks.") else starts[-2]  # MTP: the last stage
+            rank = (bisect.bisect_right(starts, block) - 1) % layout.pp
+            orthogonalize = count * newton_schulz_flops(rows, cols, steps) / rate
+            gather = ring_seconds(count * rows * cols * FP32, cut, hardware, cut <= per_node, factor=1.0)
+            seconds[rank] += (orthogonalize + gather) / (shards if zero else 1)
+            gathered[rank] += shape.numel()
+        if zero:
+            for rank, elements in enumerate(gathered):
+                seconds[rank] += ring_seconds(elements * FP32, shards, hardware, dp_intra, factor=1.0)
+    return max(seconds)
+
+
 def step_flops(config, layout) -> dict:
     """Model FLOPs of one step (forward + backward, no recomputation) and hardware FLOPs (with
     the recomputed forward), over the whole run."""
@@ -223,6 +315,6 @@ def step_flops(config, layout) -> dict:
     return {"model_flops": model_flops, "hardware_flops": model_flops + recomputed * sequences}
 
 
-__all__ = ["block_times", "op_class", "p2p_seconds", "ring_seconds", "scatter_and_gather_seconds", "step_flops",
-           "step_scalar_seconds", "step_time"]
+__all__ = ["block_times", "fp32_matmul_rate", "muon_seconds", "newton_schulz_flops", "op_class", "p2p_seconds",
+           "ring_seconds", "scatter_and_gather_seconds", "step_flops", "step_scalar_seconds", "step_time"]
 
