@@ -173,7 +173,8 @@ def moment_tensors(parts: TrainingParts, for_loading: bool = False) -> dict[str,
     params, tensors = dict(parts.model.named_parameters()), {}
     for optimizer in optimizers_of(parts.optimizer):
         if is_sharded(optimizer):
-            _segment_tensors(tensors, optimizer, params, parts.context, "optim/{name}/{suffix}", optimizer.state_buffers)
+            _segment_tensors(tensors, optimizer, params, parts.context, "optim/{name}/{suffix}",
+                             optimizer.state_buffers)
             continue
         if for_loading:
             ensure_adamw_state(optimizer)

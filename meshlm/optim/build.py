@@ -9,8 +9,6 @@ import torch
 from meshlm.optim.adamw import build_adamw
 from meshlm.optim.muon import build_muon
 
-OPTIMIZERS = ("adamw", "muon")
-
 
 def build_optimizer(parameters_by_name: list[tuple[str, torch.nn.Parameter]], config,
                     whole_matrix: Callable | None = None) -> torch.optim.Optimizer:
@@ -22,4 +20,4 @@ def build_optimizer(parameters_by_name: list[tuple[str, torch.nn.Parameter]], co
     return build_adamw(parameters_by_name, config)
 
 
-__all__ = ["OPTIMIZERS", "build_optimizer"]
+__all__ = ["build_optimizer"]

@@ -36,8 +36,9 @@ rank all-gathers the momentum-updated matrix U over the TP (ETP) group, reassemb
 shard metadata the checkpoints use (``meshlm/parallel/tensor/sharding.py``: Mamba's in_proj is
 [z, x, B, C, dt], each partition split on its own), runs Newton-Schulz on the whole matrix and
 keeps its own rows or columns of the result. Every rank of the group computes the same
-Newton-Schulz (redundant work, one matrix at a time); only U travels, once per step. Replicated parameters (the KV projections when there are fewer KV heads
-than TP ranks) are whole already; their partial gradients are summed over TP before the step.
+Newton-Schulz (redundant work, one matrix at a time); only U travels, once per step.
+Replicated parameters (the KV projections when there are fewer KV heads than TP ranks) are
+whole already; their partial gradients are summed over TP before the step.
 Experts split over EP are whole experts on each rank: nothing to gather. Data, context and
 pipeline parallelism leave each rank whole matrices (with summed gradients) and need nothing.
 ZeRO-1 cuts the flat parameter buffer at arbitrary element ranges: there the distributed
@@ -106,7 +107,7 @@ class Muon(torch.optim.Optimizer):
 
     ``whole_matrix(name, tensor) -> (full, cut)`` turns a parameter-shaped tensor into the
     single-process matrix and ``cut(full)`` back into this rank's shard (identity for one
-    process; ``ShardedMatrices`` under tensor parallelism). Every rank of a TP group must step
+    process; ``meshlm.parallel.tensor.sharding.whole_matrix_gatherer`` under tensor parallelism). Every rank of a TP group must step
     the same names in the same order: the groups keep the model's parameter order."""
 
     def __init__(self, param_groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,

@@ -209,7 +209,8 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
             "bubble_s": (layout.pp - 1) / layout.vp * (slowest + p2p), "pp_p2p_s": p2p * micro_batches,
             "dp_comm_s": dp_s, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer_s, "step_scalars_s": scalars_s,
             "muon_s": muon_s,
-            "tp_comm_s": micro_batches * tp_block_s * sum(kind not in "0L" for kind in model.block_kinds) * 2 / layout.pp}
+            "tp_comm_s": micro_batches * tp_block_s * sum(kind not in "0L" for kind in model.block_kinds)
+            * 2 / layout.pp}
 
 
 def step_scalar_seconds(config, layout, hardware) -> float:

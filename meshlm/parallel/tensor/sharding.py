@@ -260,5 +260,5 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], co
 
 __all__ = ["gather_full_state_dict", "gather_full_tensor", "load_full_state_dict", "local_expert_shard_of",
            "local_shard_of", "mark_expert_shard", "mark_partial_grad", "mark_shard", "partial_grad_names",
-           "reduce_partial_tp_grads", "shard_parameter", "shard_tensor", "tensor_parallel_names", "unshard_tensor", "whole_matrix",
-           "whole_matrix_gatherer"]
+           "reduce_partial_tp_grads", "shard_parameter", "shard_tensor", "tensor_parallel_names", "unshard_tensor",
+           "whole_matrix", "whole_matrix_gatherer"]
