@@ -225,8 +225,8 @@ class OptimConfig:
     Newton-Schulz, everything else -- embedding, head, norms, biases, routers, Mamba's
     convolution and time-scale parameters -- with AdamW; one lr, weight_decay and schedule
     for both). Muon keeps one fp32 momentum per matrix element instead of Adam's two, needs whole
-    matrices (TP shards are gathered for its step; ZeRO stage 1 gathers them over DP, stages 2-3
-    are refused) and no LoRA. See
+    matrices (TP shards are gathered for its step; under ZeRO each matrix's pieces are gathered
+    over DP: Distributed Muon) and no LoRA. See
     meshlm/optim/muon.py."""
     lr: float = 3e-4
     """Peak learning rate."""
@@ -699,10 +699,6 @@ def validate_optimizer(config: RunConfig) -> None:
         raise ConfigError(f"optim.muon_ns_steps={optim.muon_ns_steps!r} must be an integer >= 1 (5 is usual).")
     if not optim.muon_update_rms > 0:
         raise ConfigError(f"optim.muon_update_rms={optim.muon_update_rms} must be > 0 (0.2 matches AdamW's updates).")
-    if parallel.sharding_stage > 1:
-        raise ConfigError(f"optim.optimizer=muon runs under ZeRO stage 1 (Distributed Muon gathers each matrix's "
-                          f"direction in the full gradient buffer), and parallel.zero_stage={parallel.zero_stage} "
-                          "shards the gradients too; set parallel.zero_stage=1 (or 0), or use optim.optimizer=adamw.")
     if parallel.dp_sync != "every_step":
         raise ConfigError(f"optim.optimizer=muon is not built as the inner optimizer of parallel.dp_sync="
                           f"{parallel.dp_sync}; use parallel.dp_sync=every_step, or optim.optimizer=adamw.")

@@ -41,11 +41,11 @@ Replicated parameters (the KV projections when there are fewer KV heads than TP 
 whole already; their partial gradients are summed over TP before the step.
 Experts split over EP are whole experts on each rank: nothing to gather. Data, context and
 pipeline parallelism leave each rank whole matrices (with summed gradients) and need nothing.
-ZeRO-1 cuts the flat parameter buffer at arbitrary element ranges: there the distributed
+ZeRO cuts the flat parameter buffer at arbitrary element ranges: there the distributed
 optimizer runs Distributed Muon (Liu et al. 2025, Algorithm 3; ``DistributedOptimizer.muon_update``
 in ``meshlm/parallel/data/distributed_optimizer.py``): the momentum sharded like Adam's, the
-directions all-gathered over DP, each matrix orthogonalized by the ranks that own a piece of it.
-ZeRO-2 and 3, which shard the gradient buffer too, are refused (``meshlm/config.py``).
+directions all-gathered over DP bucket by bucket, each matrix orthogonalized by the ranks that
+own a piece of it, at every ZeRO stage.
 
 **State.** ``momentum_buffer`` (fp32, the parameter's shape) per Muon parameter -- half of
 AdamW's two moments -- and AdamW's ``step``/``exp_avg``/``exp_avg_sq`` for the others. The

@@ -24,8 +24,8 @@ reducer: its gradients are the fp32 masters' ``.grad``.
 Under ``optim.optimizer=muon`` without ZeRO the parameters Muon steps
 (``meshlm.optim.muon.muon_parameter``: the blocks' weight matrices, N_m of the N) keep one fp32
 ``momentum_buffer`` and no step counter: Adam 2*(N - N_m)*4 + momentum N_m*4, and a step per
-AdamW tensor only. Under ZeRO-1 (Distributed Muon; stages 2 and 3 are refused) the sharded
-buffers keep AdamW's layout, the momentum in the first moment's place: the same bytes as AdamW.
+AdamW tensor only. Under ZeRO (Distributed Muon) the sharded buffers keep AdamW's layout, the
+momentum in the first moment's place: the same bytes as AdamW.
 The masters are as above.
 
 **Activations, estimated** by ``meshlm/training/memory_estimate.py`` (per block kind, with the

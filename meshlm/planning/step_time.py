@@ -44,7 +44,7 @@ FLOPs, fp32 matmuls at the row's 'matmul' fraction of the fp32 peak -- TF32 when
 ``precision.tf32`` is on (the data sheets of ``meshlm/training/metrics.py``: half the bf16 peak),
 plain fp32 when off; the CPU row's rate is measured in fp32 already. The shapes are the layout's:
 a stack of routed experts is E/ep matrices; a matrix TP (or ETP) cuts is all-gathered over that
-group in fp32 and orthogonalized whole by each of its ranks (redundantly). Under ZeRO-1
+group in fp32 and orthogonalized whole by each of its ranks (redundantly). Under ZeRO
 (Distributed Muon) one all-gather of the Muon parameters' fp32 gradient buffer over the sharding
 group S (dp*cp; edp for the expert grid) comes first, and then each rank orthogonalizes and
 TP-gathers only the matrices it owns a piece of, counted as 1/S of them (a matrix split between
@@ -278,7 +278,7 @@ def muon_seconds(config, layout, hardware, starts: list[int]) -> float:
     dp_intra = layout.world_size <= per_node or flat.world_size <= per_node
     seconds = [0.0] * layout.pp
     for indices, shards in sharding_groups(parameters, flat, planning_context(config, flat)):
-        gathered = [0] * layout.pp  # this rank's elements of the group's Muon parameters (ZeRO-1's gather)
+        gathered = [0] * layout.pp  # this rank's elements of the group's Muon parameters (ZeRO's gather)
         for index in indices:
             name, shape = parameters.names[index], parameters.shapes[index]
             if not parameters.muon[index]:

@@ -15,7 +15,7 @@ AdamW (see ``meshlm/precision/mixed_precision.py``):
     bf16/fp16:  2 weight + 4 grad (+2 transient) + 4 fp32 master + 8 Adam moments
     Muon:       as above, but 4 bytes of fp32 momentum instead of the 8 of Adam's moments for the
                 parameters Muon steps (``optim.optimizer=muon``: the blocks' weight matrices,
-                ``meshlm.optim.muon.muon_parameter``); the others keep AdamW's. Under ZeRO-1 the
+                ``meshlm.optim.muon.muon_parameter``); the others keep AdamW's. Under ZeRO the
                 sharded buffers keep AdamW's layout (8 bytes / dp), the momentum in the first
                 moment's place.
 
@@ -179,7 +179,7 @@ def parameter_state_bytes(config, layout, zero_stage: int) -> tuple[int, int, in
     """(weights, gradients, optimizer state) bytes of this rank's parameters; see the module
     docstring. A frozen parameter (LoRA's base weights) has its weight only: no gradient, no
     master, no moments. Under optim.optimizer=muon, Muon's parameters keep one fp32 momentum
-    instead of Adam's two moments (without ZeRO; ZeRO-1 keeps AdamW's sharded buffers)."""
+    instead of Adam's two moments (without ZeRO; ZeRO keeps AdamW's sharded buffers)."""
     every, trainable, muon = (per_rank(counts, layout) for counts in counted_parameters(config.model))
     muon_steps = config.optim.optimizer == "muon"
     dtype = config.precision.dtype
@@ -193,7 +193,7 @@ def parameter_state_bytes(config, layout, zero_stage: int) -> tuple[int, int, in
         count = trainable[group]
         gradients += count * grad_bytes / zero[2] + (count * 2 if low_precision and zero_stage < 2 else 0)
         masters = 4 if low_precision or zero_stage >= 1 else 0  # fp32 without ZeRO: the weights are the masters
-        # Muon: 4 bytes of momentum, not Adam's 8 (ZeRO-1 keeps AdamW's buffer layout for it)
+        # Muon: 4 bytes of momentum, not Adam's 8 (ZeRO keeps AdamW's buffer layout for it)
         momentum_only = muon[group] if muon_steps and zero_stage == 0 else 0
         optimizer += (count * (masters + 8) - momentum_only * 4) / zero[1]
     return int(weights), int(gradients), int(optimizer)

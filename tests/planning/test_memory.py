@@ -52,6 +52,7 @@ CASES = [
     ["model.pattern=*E*E", "model.moe_num_experts=4", "optim.optimizer=muon", "parallel.ep=2", "parallel.dp=2"],
     ["model.pattern=*-ME", "model.moe_num_experts=4", "model.mamba_num_groups=2", "model.mamba_head_dim=8",
      "optim.optimizer=muon", "parallel.ep=2", "parallel.zero_stage=1", "precision.dtype=bf16"],
+    ["model.pattern=*-*-", "optim.optimizer=muon", "parallel.dp=2", "parallel.zero_stage=3", "precision.dtype=bf16"],
 ]
 
 

@@ -6,9 +6,9 @@ cut the matrices Muon orthogonalizes every way it can be cut: column- and row-pa
 (dense tp2 x dp2 + SP), replicated KV rows (tp4: 2 KV heads), Mamba's in_proj partitioned as
 [z, x, B, C, dt] (hybrid tp2 + SP), experts split over EP and cut on their FFN width over ETP
 (MoE tp2 x ep2), context parallelism (hybrid cp2) and interleaved pipeline stages with an MTP
-depth (tp2 x pp2 x vp2 + SP); and under ZeRO-1 (Distributed Muon: the directions gathered over DP
-in the gradient buffer) at tp2 x dp2 + SP, the hybrid at dp2 and the MoE at dp4 x ep2 (experts
-over edp 2). Each rank gathers the momentum of a cut matrix whole, so every
+depth (tp2 x pp2 x vp2 + SP); and under ZeRO (Distributed Muon: the directions gathered over DP
+bucket by bucket): ZeRO-1 at tp2 x dp2 + SP, the hybrid at dp2 and the MoE at dp4 x ep2 (experts
+over edp 2), ZeRO-2 for the hybrid at dp2, ZeRO-3 for the dense model at pp2 x dp2 and the MoE at dp2. Each rank gathers the momentum of a cut matrix whole, so every
 step's loss and gradient norm, the validation losses and the final parameters must equal the
 single-process run's (relative error <= 1e-5). Checkpoints written at tp2 x dp2, with and
 without ZeRO-1, resume at other layouts with the uninterrupted run's losses, and one written under AdamW is refused by
@@ -47,11 +47,14 @@ LAYOUTS = {  # world -> {name: (model, layout)}
         "dense tp2xdp2 sp zero1": ("dense", ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true",
                                              "parallel.zero_stage=1"]),
         "moe dp4 ep2 zero1": ("moe", ["parallel.ep=2", "parallel.zero_stage=1"]),
+        "dense pp2 dp2 zero3": ("dense", ["parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=3"]),
         "hybrid mtp tp2 pp2 vp2 sp": ("hybrid mtp", ["parallel.tp=2", "parallel.pp=2", "parallel.vp=2",
                                                      "parallel.sp=true"])},
     2: {"hybrid tp2 sp": ("hybrid", ["parallel.tp=2", "parallel.sp=true"]),
         "hybrid cp2": ("hybrid", ["parallel.cp=2"]),
-        "hybrid dp2 zero1": ("hybrid", ["parallel.dp=2", "parallel.zero_stage=1"])},
+        "hybrid dp2 zero1": ("hybrid", ["parallel.dp=2", "parallel.zero_stage=1"]),
+        "hybrid dp2 zero2": ("hybrid", ["parallel.dp=2", "parallel.zero_stage=2"]),
+        "moe dp2 zero3": ("moe", ["parallel.dp=2", "parallel.zero_stage=3"])},
 }
 RESUMED = {"dense tp4 sp resumed": ("dense tp2xdp2 sp", ["parallel.tp=4", "parallel.sp=true"]),
            "dense dp2 pp2 resumed": ("dense tp2xdp2 sp", ["parallel.dp=2", "parallel.pp=2"]),

@@ -140,7 +140,7 @@ class DistributedOptimizer:
     parameters become views into per-unit buffers that hold values only while gathered). Stages
     2 and 3 need a ``fully_sharded.UnitSchedule`` over the model to launch their collectives.
 
-    ``optim_config.optimizer=muon`` (stage 1 only): the "muon" group steps by ``muon_update``
+    ``optim_config.optimizer=muon``: the "muon" group steps by ``muon_update``
     (Distributed Muon), its momentum in ``exp_avg`` (its part of ``exp_avg_sq`` stays unused, so
     the buffers keep AdamW's layout); ``whole_matrix`` is how it sees a TP-cut matrix whole
     (``meshlm.parallel.tensor.sharding.whole_matrix_gatherer``).
@@ -152,8 +152,6 @@ class DistributedOptimizer:
                  zero_stage: int = 1, reduce_grads_in_fp32: bool = True, whole_matrix=None):
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage} is not 1, 2 or 3.")
-        if zero_stage > 1 and optim_config.optimizer == "muon":
-            raise ValueError("Muon under ZeRO needs the full gradient buffer of stage 1.")
         self.context, self.zero_stage = context, zero_stage
         self.reference = build_optimizer(parameters_by_name, optim_config, whole_matrix)
         """The single-process optimizer (AdamW, or Muon with AdamW groups): its groups,
@@ -316,7 +314,7 @@ class DistributedOptimizer:
                     views = GroupViews(views.values, [grad.float() for grad in views.grads], views.exp_avgs,
                                        views.exp_avg_sqs)
                 adamw_update(views, group, self.step_count)
-        for group in self.param_groups:  # after AdamW: Muon gathers its directions over the gradient buffer
+        for group in self.param_groups:  # Muon's matrices: gathered bucket by bucket over DP
             if group.get("name") == MUON_GROUP:
                 self.muon_update(group)
         self.gather_parameters(wait=not self.defer_gather)
@@ -337,46 +335,56 @@ class DistributedOptimizer:
         """Distributed Muon (Liu et al. 2025, section 2.3 and Algorithm 3) on this rank's segments.
 
         The momentum is elementwise, so it lives sharded like Adam's first moment (in ``exp_avg``)
-        and steps on the owned segments. Newton-Schulz needs each matrix whole: the momentum-updated
-        directions are written over this rank's reduced gradients in the (full-size, stage-1)
-        gradient buffer and every bucket holding a Muon matrix is all-gathered over DP (the
-        parameters' all-gather, once more, in fp32). Each rank then orthogonalizes only the
-        matrices it owns a segment of -- about 1/dp of them, gathered whole over TP where TP cuts
-        them (``whole_matrix``) -- and applies its segments of the update. The elementwise steps
-        are the single-process optimizer's operations on the same elements, so the result is
-        the single process's. AdamW has stepped already: its gradients may be overwritten."""
+        and steps on the owned segments. Newton-Schulz needs each matrix whole, so bucket by
+        bucket (a parameter never straddles two) this rank's momentum-updated directions are laid
+        into its 1/dp piece of the bucket (zeros where AdamW's parameters sit) and all-gathered
+        over DP into a temporary fp32 copy of the whole bucket -- the parameters' all-gather,
+        once more, in fp32, one bucket's memory at a time; it needs no full gradient buffer, so
+        every ZeRO stage runs it. Each rank then orthogonalizes only the matrices it owns a
+        segment of -- about 1/dp of them, gathered whole over TP where TP cuts them
+        (``whole_matrix``) -- and applies its segments of the update. The elementwise steps are
+        the single-process optimizer's operations on the same elements, so the result is the
+        single process's."""
         mu, layout = group["momentum"], self.reducer.layout
+        lr, decay = group["lr"], group["weight_decay"]
+        rank, size = self.context.dp_cp_rank, self.context.dp_cp_size
         owned: dict[int, list[Segment]] = {}
         for segment in self.segments:
             if self.is_muon(segment.param):
                 owned.setdefault(segment.param, []).append(segment)
-        buffer = self.reducer.buffer
-        for index, segments in owned.items():
-            for segment in segments:
-                grad = self.reducer.segment_grad(segment)
-                momentum = self._owned(self.exp_avg, segment)
-                momentum.mul_(mu).add_(grad)
-                direction = grad.add(momentum, alpha=mu) if group["nesterov"] else momentum
-                grad.copy_(direction)
-        rank, size = self.context.dp_cp_rank, self.context.dp_cp_size
-        if size > 1:
-            for bucket_index in sorted({layout.bucket_of[index] for index in self.muon_indices}):
-                bucket = layout.buckets[bucket_index]
-                start, end = bucket.shard(rank, size)
-                all_gather_into_(buffer[bucket.start:bucket.end], buffer[start:end].clone(), self.context.dp_cp_group)
-        lr, decay = group["lr"], group["weight_decay"]
-        for index in sorted(self.muon_indices):  # the same order on every TP peer (same layout, same owner)
-            if index not in owned:
-                continue
-            full, cut = self.whole_matrix(self.reducer.names[index], layout.view(buffer, index)) \
-                if self.whole_matrix is not None else (layout.view(buffer, index), lambda whole: whole)
-            update = cut(orthogonalize(full, group["ns_steps"]))
-            scale = update_scale(full.shape, group["update_rms"])
-            for segment in owned[index]:
-                value = (self._owned(self.values, segment) if self.shard_values
-                         else self.values[segment.start:segment.end])
-                value.mul_(1 - lr * decay)
-                value.add_(self._piece(update, segment), alpha=-lr * scale)
+        for bucket_index in sorted({layout.bucket_of[index] for index in self.muon_indices}):
+            bucket = layout.buckets[bucket_index]
+            first, last = bucket.shard(rank, size)
+            piece = torch.zeros(last - first, dtype=torch.float32, device=self.exp_avg.device)
+            members = [index for index in bucket.params if self.is_muon(index)]
+            for index in members:
+                for segment in owned.get(index, []):
+                    grad = self.reducer.segment_grad(segment).float()
+                    momentum = self._owned(self.exp_avg, segment)
+                    momentum.mul_(mu).add_(grad)
+                    direction = piece[segment.start - first:segment.end - first]
+                    if group["nesterov"]:
+                        torch.add(grad, momentum, alpha=mu, out=direction)
+                    else:
+                        direction.copy_(momentum)
+            whole = piece
+            if size > 1:
+                whole = torch.empty(bucket.size, dtype=torch.float32, device=piece.device)
+                all_gather_into_(whole, piece, self.context.dp_cp_group)
+            for index in sorted(members):  # the same order on every TP peer (same layout, same owners)
+                if index not in owned:
+                    continue
+                offset = layout.offsets[index] - bucket.start
+                local = whole[offset:offset + layout.shapes[index].numel()].view(layout.shapes[index])
+                full, cut = (self.whole_matrix(self.reducer.names[index], local) if self.whole_matrix is not None
+                             else (local, lambda matrix: matrix))
+                update = cut(orthogonalize(full, group["ns_steps"]))
+                scale = update_scale(full.shape, group["update_rms"])
+                for segment in owned[index]:
+                    value = (self._owned(self.values, segment) if self.shard_values
+                             else self.values[segment.start:segment.end])
+                    value.mul_(1 - lr * decay)
+                    value.add_(self._piece(update, segment), alpha=-lr * scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer (never set to None: the gradients are views into it)."""
