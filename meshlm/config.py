@@ -699,9 +699,6 @@ def validate_optimizer(config: RunConfig) -> None:
         raise ConfigError(f"optim.muon_ns_steps={optim.muon_ns_steps!r} must be an integer >= 1 (5 is usual).")
     if not optim.muon_update_rms > 0:
         raise ConfigError(f"optim.muon_update_rms={optim.muon_update_rms} must be > 0 (0.2 matches AdamW's updates).")
-    if parallel.dp_sync != "every_step":
-        raise ConfigError(f"optim.optimizer=muon is not built as the inner optimizer of parallel.dp_sync="
-                          f"{parallel.dp_sync}; use parallel.dp_sync=every_step, or optim.optimizer=adamw.")
     if config.model.lora_rank:
         raise ConfigError(f"optim.optimizer=muon orthogonalizes whole weight matrices, and with model.lora_rank="
                           f"{config.model.lora_rank} only low-rank adapters train; use optim.optimizer=adamw.")

@@ -149,7 +149,6 @@ def test_adamw_is_still_the_default():
     (["optim.muon_momentum=1.0"], r"optim.muon_momentum=1.0 must lie in \[0, 1\)"),
     (["optim.muon_ns_steps=0"], "optim.muon_ns_steps=0 must be an integer >= 1"),
     (["optim.muon_update_rms=0"], "optim.muon_update_rms=0.0 must be > 0"),
-    (["parallel.dp_sync=diloco"], "parallel.dp_sync=diloco; use parallel.dp_sync=every_step"),
     (["model.lora_rank=4"], "model.lora_rank=4 only low-rank adapters train; use optim.optimizer=adamw"),
 ])
 def test_config_refuses_what_muon_cannot_do(overrides, match):

@@ -26,7 +26,7 @@ from meshlm.checkpoint.whole_tensors import read_global_tensors
 from meshlm.config import ParallelConfig
 from meshlm.errors import ConfigError
 from meshlm.models.language_model import LanguageModel
-from meshlm.optim.adamw import build_adamw
+from meshlm.optim.build import build_optimizer
 from meshlm.parallel.collectives import all_reduce_
 from meshlm.parallel.comm_log import record_communication
 from meshlm.parallel.data.low_communication import LowCommunicationSync, check_dp_sync, uniform_draw
@@ -190,7 +190,7 @@ def test_outer_steps_match_hand_computations():
 # --- the trainer ----------------------------------------------------------------------------------------------------
 def reference_replicas(blend: Path, run_dir: Path, overrides: list[str], dp: int, mode: str,
                        overlap: bool = False, model_seed: int | None = None, warmup: int = 0) -> dict:
-    """One process, the replicas one after the other: each its own model and AdamW on its own
+    """One process, the replicas one after the other: each its own model and optimizer on its own
     micro-batches, then every sync_every-th step (and the last) the outer step by hand; with
     ``overlap``, a sync's outer step is applied after the next step, each replica keeping its
     progress since the sync (the last step syncs at once). ``model_seed``: the models' initial
@@ -200,7 +200,7 @@ def reference_replicas(blend: Path, run_dir: Path, overrides: list[str], dp: int
     train, parallel = config.train, config.parallel
     dataset = build_training_data(config).train
     models = [LanguageModel(config.model, seed=train.seed if model_seed is None else model_seed) for _ in range(dp)]
-    optimizers = [build_adamw(list(model.named_parameters()), config.optim) for model in models]
+    optimizers = [build_optimizer(list(model.named_parameters()), config.optim) for model in models]
     global_copy = [param.detach().clone() for param in models[0].parameters()]
     momentum = [torch.zeros_like(value) for value in global_copy]
     per_replica = train.global_batch_size // train.micro_batch_size // dp
@@ -286,8 +286,11 @@ def corpus(tmp_path_factory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("low-communication") / "corpus")
 
 
-def test_diloco_at_tp2_dp2_equals_the_replicas_run_one_after_the_other(corpus, tmp_path):
-    overrides = [*DENSE, *DILOCO]
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_diloco_at_tp2_dp2_equals_the_replicas_run_one_after_the_other(corpus, tmp_path, optimizer):
+    """The inner optimizer is the run's: AdamW, or Muon (its TP shards gathered over each replica's
+    own TP group)."""
+    overrides = [*DENSE, *DILOCO, f"optim.optimizer={optimizer}"]
     expected = reference_replicas(corpus, tmp_path / "reference", overrides, dp=2, mode="diloco")
     runs = run_distributed(trainer_runs, 4, str(corpus), str(tmp_path),
                            [("tp2xdp2", [*overrides, "parallel.tp=2", "parallel.dp=2", "parallel.sp=true"])])
