@@ -283,25 +283,80 @@ def with_defaults(hf_config: dict, defaults: dict) -> dict:
     return merged
 
 
-def rope_theta_from_hf(hf_config: dict, default_theta: float, architecture: str) -> float:
-    """The RoPE base from ``rope_parameters`` (v5) or ``rope_theta``/``rope_scaling`` (v4);
-    refuse anything but plain RoPE, which meshlm implements."""
+def rope_from_hf(hf_config: dict, default_theta: float, architecture: str) -> dict:
+    """``ModelConfig`` RoPE fields from ``rope_parameters`` (v5) or ``rope_theta``/``rope_scaling``
+    (v4): the base, and the scaling meshlm implements (``meshlm/models/rope.py``: 'linear',
+    'llama3', 'yarn', with YaRN's attention factor from ``mscale``/``mscale_all_dim`` as the HF
+    code derives it); anything else is refused by name."""
     parameters = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in ("default",) + tuple(HF_ROPE_SCALINGS):
         raise ConfigError(f"{architecture} config.json: rope type {rope_type!r} is not supported yet; meshlm "
-                          "implements plain RoPE only (rope_type 'default', no scaling).")
-    factor = parameters.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
-    if factor not in (None, 1, 1.0):
-        raise ConfigError(f"{architecture} config.json: partial_rotary_factor={factor} is not supported; "
+                          f"implements {', '.join(['default', *HF_ROPE_SCALINGS])}.")
+    partial = parameters.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"{architecture} config.json: partial_rotary_factor={partial} is not supported; "
                           "meshlm rotates the whole head.")
-    return float(parameters.get("rope_theta", hf_config.get("rope_theta", default_theta)))
+    fields = {"rope_theta": float(parameters.get("rope_theta", hf_config.get("rope_theta", default_theta)))}
+    if rope_type == "default":
+        return fields
+    factor = parameters.get("factor")
+    original = parameters.get("original_max_position_embeddings") or hf_config.get("max_position_embeddings")
+    if factor is None and rope_type == "yarn" and original and hf_config.get("max_position_embeddings"):
+        factor = hf_config["max_position_embeddings"] / original  # DeepSeek-V3's implicit factor
+    if factor is None:
+        raise ConfigError(f"{architecture} config.json: rope type {rope_type!r} without a 'factor'; give the "
+                          "scaling factor in rope_parameters.")
+    fields.update(rope_scaling=HF_ROPE_SCALINGS[rope_type], rope_scaling_factor=float(factor))
+    if rope_type in ("llama3", "yarn"):
+        if not original:
+            raise ConfigError(f"{architecture} config.json: rope type {rope_type!r} needs "
+                              "original_max_position_embeddings (the pretraining context).")
+        fields["rope_original_max_positions"] = int(original)
+    if rope_type == "llama3":
+        fields.update(rope_low_freq_factor=float(parameters.get("low_freq_factor", 1.0)),
+                      rope_high_freq_factor=float(parameters.get("high_freq_factor", 4.0)))
+    if rope_type == "yarn":
+        fields.update(rope_beta_fast=float(parameters.get("beta_fast") or 32.0),
+                      rope_beta_slow=float(parameters.get("beta_slow") or 1.0),
+                      rope_yarn_truncate=bool(parameters.get("truncate", True)),
+                      rope_attention_factor=yarn_attention_factor_from_hf(parameters, float(factor)))
+    return fields
+
+
+HF_ROPE_SCALINGS = {"linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+"""HF ``rope_type`` -> ``model.rope_scaling``."""
+
+
+def yarn_attention_factor_from_hf(parameters: dict, factor: float) -> float | None:
+    """YaRN's factor on cos/sin as the HF configs give it: explicit ``attention_factor``; else, with
+    ``mscale`` and ``mscale_all_dim`` (DeepSeek), m(s, mscale) / m(s, mscale_all_dim) with
+    m(s, k) = 0.1 k ln(s) + 1; else None (meshlm's default, 0.1 ln(s) + 1)."""
+    if parameters.get("attention_factor") is not None:
+        return float(parameters["attention_factor"])
+    mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
+    if mscale and mscale_all_dim and factor > 1:
+        return float((0.1 * mscale * math.log(factor) + 1.0) / (0.1 * mscale_all_dim * math.log(factor) + 1.0))
+    return None
 
 
 def rope_to_hf(config: ModelConfig) -> dict:
-    """RoPE fields for an HF config.json: v5's ``rope_parameters`` plus v4's top-level ``rope_theta``."""
-    return {"rope_parameters": {"rope_type": "default", "rope_theta": float(config.rope_theta)},
-            "rope_theta": float(config.rope_theta)}
+    """RoPE fields for an HF config.json: v5's ``rope_parameters`` (with the scaling's parameters)
+    plus v4's top-level ``rope_theta``."""
+    parameters = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    if config.rope_scaling != "none":
+        parameters.update(rope_type=config.rope_scaling, factor=float(config.rope_scaling_factor))
+    if config.rope_scaling in ("llama3", "yarn"):
+        parameters["original_max_position_embeddings"] = config.rope_original_max_positions
+    if config.rope_scaling == "llama3":
+        parameters.update(low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor)
+    if config.rope_scaling == "yarn":
+        parameters.update(beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow)
+        if not config.rope_yarn_truncate:  # HF's default is to truncate
+            parameters["truncate"] = False
+        if config.rope_attention_factor is not None:  # DeepSeek's mscale pair arrives as this value
+            parameters["attention_factor"] = config.rope_attention_factor
+    return {"rope_parameters": parameters, "rope_theta": float(config.rope_theta)}
 
 
 def require(hf_config: dict, architecture: str, name: str, allowed, meaning: str) -> None:

@@ -16,7 +16,7 @@ layers differ only in what follows the attention.
 from __future__ import annotations
 
 from meshlm.hf.common import (Architecture, TensorMap, blocks_of, common_unsupported, embedding_maps, hf_common_fields,
-                              linear_maps, rename, require, rope_theta_from_hf, rope_to_hf, with_defaults)
+                              linear_maps, rename, require, rope_from_hf, rope_to_hf, with_defaults)
 from meshlm.models.config import ModelConfig
 
 NAME = "LlamaForCausalLM"
@@ -83,7 +83,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*-" * hf["num_hidden_layers"],
         **attention_fields(hf), position_embedding="rope",
-        rope_theta=rope_theta_from_hf(hf_config, 10000.0, NAME),
+        **rope_from_hf(hf_config, 10000.0, NAME),
         mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=bool(hf["mlp_bias"]),
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
         init_std=hf["initializer_range"])

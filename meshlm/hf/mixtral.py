@@ -16,7 +16,7 @@ Mixtral's RoPE base defaults to 1e6 when config.json does not say.
 from __future__ import annotations
 
 from meshlm.hf.common import (Architecture, TensorMap, blocks_of, hf_common_fields, ours_only, rename, require,
-                              rope_theta_from_hf, with_defaults)
+                              rope_from_hf, with_defaults)
 from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_embedding_maps,
                              decoder_unsupported)
 from meshlm.hf.qwen3_moe import routed_expert_maps, softmax_moe_unsupported
@@ -37,7 +37,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*E" * hf["num_hidden_layers"],
         **attention_fields(hf), position_embedding="rope",
-        rope_theta=rope_theta_from_hf(hf_config, DEFAULT_ROPE_THETA, NAME),
+        **rope_from_hf(hf_config, DEFAULT_ROPE_THETA, NAME),
         mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
         init_std=hf["initializer_range"],

@@ -22,7 +22,7 @@ transformers' in-memory layout (a fused ``experts.gate_up_proj`` [E, 2F, d] and 
 from __future__ import annotations
 
 from meshlm.hf.common import (Architecture, TensorMap, blocks_of, hf_common_fields, ours_only, rename, require,
-                              rope_theta_from_hf, split_fused_experts, stack, with_defaults)
+                              rope_from_hf, split_fused_experts, stack, with_defaults)
 from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_embedding_maps,
                              decoder_unsupported, dense_mlp_maps)
 from meshlm.models.config import ModelConfig
@@ -90,7 +90,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern=pattern,
         **attention_fields(hf), position_embedding="rope", qk_norm=True,
-        rope_theta=rope_theta_from_hf(hf_config, 10000.0, NAME),
+        **rope_from_hf(hf_config, 10000.0, NAME),
         mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
         init_std=hf["initializer_range"],

@@ -41,7 +41,7 @@ from meshlm.models.cache import AttentionCache
 from meshlm.models.dropout import apply_keep_mask, attention_keep_mask, dropout_site, required_key
 from meshlm.models.fused_linear import project_together
 from meshlm.models.norms import RMSNorm
-from meshlm.models.rope import RotaryEmbedding, apply_rotary
+from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
 
 
 def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -146,7 +146,7 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.rotary = (RotaryEmbedding(self.head_dim, config.rope_theta)
+        self.rotary = (RotaryEmbedding(self.head_dim, config.rope_theta, RopeScaling.from_config(config))
                        if config.position_embedding == "rope" else None)
         self.core = attention_core
         """The attention core; context parallelism replaces it with ring attention over its CP group

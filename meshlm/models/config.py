@@ -35,6 +35,7 @@ from meshlm.models.pattern import BLOCK_KINDS, parse_pattern
 ACTIVATIONS = ("swiglu", "squared_relu", "gelu", "relu", "silu")
 NORMS = ("rmsnorm", "layernorm")
 POSITION_EMBEDDINGS = ("rope", "none")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 MAMBA_SCANS = ("auto", "pytorch", "triton", "reference")
 ATTENTION_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")  # meshlm/models/attention_kernels.py
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -96,6 +97,31 @@ class ModelConfig:
     attention blocks use no positional signal; the Mamba blocks carry order)."""
     rope_theta: float = 10000.0
     """RoPE base: frequency i is rope_theta ** (-2i / head_dim)."""
+    rope_scaling: str = "none"
+    """How RoPE's frequencies are stretched for a context longer than pretraining's
+    (meshlm/models/rope.py): 'none'; 'linear' (positions divided by rope_scaling_factor, Chen et al.
+    2023); 'llama3' (Llama 3.1: low frequencies divided by the factor, high ones kept, a smooth
+    ramp between, set by rope_low/high_freq_factor); 'yarn' (Peng et al. 2023: NTK-by-parts
+    between rope_beta_fast and rope_beta_slow rotations, and cos/sin scaled by
+    rope_attention_factor). `meshlm convert hf-to-meshlm` sets these from config.json."""
+    rope_scaling_factor: float = 1.0
+    """rope_scaling: how many times longer the context is than rope_original_max_positions."""
+    rope_original_max_positions: int = 8192
+    """rope_scaling llama3 / yarn: the context length the model was pretrained at."""
+    rope_low_freq_factor: float = 1.0
+    """rope_scaling=llama3: wavelengths above rope_original_max_positions / this are scaled whole."""
+    rope_high_freq_factor: float = 4.0
+    """rope_scaling=llama3: wavelengths below rope_original_max_positions / this are kept."""
+    rope_beta_fast: float = 32.0
+    """rope_scaling=yarn: dims rotating more than this many times over the original context keep
+    their frequency (extrapolate)."""
+    rope_beta_slow: float = 1.0
+    """rope_scaling=yarn: dims rotating fewer times than this are divided by the factor (interpolate)."""
+    rope_attention_factor: float | None = None
+    """rope_scaling=yarn: the factor on cos and sin (so on the attention logits, squared). None means
+    YaRN's 0.1 ln(rope_scaling_factor) + 1."""
+    rope_yarn_truncate: bool = True
+    """rope_scaling=yarn: round the ramp's ends to whole dims (the YaRN reference; gpt-oss does not)."""
     qk_norm: bool = False
     """RMSNorm over head_dim on queries and keys before RoPE (Qwen3, OLMo-2)."""
     attention_bias: bool = False
@@ -443,6 +469,30 @@ class ModelConfig:
                               f"{heads}; set model.head_dim explicitly or change the head count.")
         if self.position_embedding == "rope" and self.resolved_head_dim % 2:
             raise ConfigError(f"RoPE rotates pairs of channels, so the head dim ({self.resolved_head_dim}) must be even.")
+        self._validate_rope_scaling()
+
+    def _validate_rope_scaling(self) -> None:
+        _choice(self, "rope_scaling", ROPE_SCALINGS)
+        if self.rope_scaling == "none":
+            return
+        if self.position_embedding != "rope":
+            raise ConfigError(f"model.rope_scaling={self.rope_scaling!r} scales RoPE, and model.position_embedding="
+                              f"{self.position_embedding!r}; set model.rope_scaling=none.")
+        if not self.rope_scaling_factor >= 1:
+            raise ConfigError(f"model.rope_scaling_factor={self.rope_scaling_factor} must be >= 1 (how many times the "
+                              "pretraining context the model reads).")
+        if not isinstance(self.rope_original_max_positions, int) or self.rope_original_max_positions < 1:
+            raise ConfigError(f"model.rope_original_max_positions={self.rope_original_max_positions!r} must be a "
+                              "positive integer (the pretraining context length).")
+        if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ConfigError(f"model.rope_low_freq_factor={self.rope_low_freq_factor} and model.rope_high_freq_factor="
+                              f"{self.rope_high_freq_factor} need 0 < low < high (Llama 3.1: 1 and 4).")
+        if self.rope_scaling == "yarn" and not 0 < self.rope_beta_slow < self.rope_beta_fast:
+            raise ConfigError(f"model.rope_beta_slow={self.rope_beta_slow} and model.rope_beta_fast="
+                              f"{self.rope_beta_fast} need 0 < slow < fast (YaRN: 1 and 32).")
+        if self.rope_attention_factor is not None and not self.rope_attention_factor > 0:
+            raise ConfigError(f"model.rope_attention_factor={self.rope_attention_factor} must be > 0, or null for "
+                              "YaRN's 0.1 ln(factor) + 1.")
 
     def _validate_mamba(self) -> None:
         heads, groups = self.resolved_mamba_num_heads, self.mamba_num_groups

@@ -1,34 +1,123 @@
-"""Rotary position embedding (RoPE, Su et al. 2021).
+"""Rotary position embedding (RoPE, Su et al. 2021), and its scalings for longer contexts.
 
 Each pair of channels (i, i + d/2) of a query or key at position p is rotated by the angle
-``p * theta ** (-2i/d)``, so the dot product of a query at p and a key at p' depends on p - p'
-only. The "rotate half" layout (pairs are i and i + d/2, not 2i and 2i+1) matches Llama and
-the Hugging Face checkpoints. Positions are explicit tensors, so left-padded batches, cached
-decoding and (later) context-parallel chunks all pass their own *global* positions.
+``p * f_i`` with f_i = theta ** (-2i/d), so the dot product of a query at p and a key at p'
+depends on p - p' only. The "rotate half" layout (pairs are i and i + d/2, not 2i and 2i+1)
+matches Llama and the Hugging Face checkpoints. Positions are explicit tensors, so left-padded
+batches, cached decoding and context-parallel chunks all pass their own *global* positions.
+
+**Scaling** (``model.rope_scaling``): a model pretrained at context L reads s times longer
+sequences when its frequencies are stretched, once, before any rotation (the positions stay
+the integers they are; only f_i changes):
+
+- ``linear`` (position interpolation, Chen et al. 2023): every f_i / s.
+- ``llama3`` (Llama 3.1, Meta 2024): with wavelength w_i = 2 pi / f_i, dims whose wavelength is
+  longer than L / low_freq_factor are divided by s, those shorter than L / high_freq_factor keep
+  f_i, and in between f_i is blended, (1 - t) f_i / s + t f_i with t = (L / w_i - low) / (high - low).
+- ``yarn`` (Peng et al. 2023, "YaRN: efficient context window extension"): "NTK-by-parts". Dim i
+  turns r_i = L f_i / (2 pi) times over the original context; dims turning more than beta_fast
+  times keep f_i (extrapolate), those turning fewer than beta_slow are divided by s
+  (interpolate), with a linear ramp over the dims between (the ramp's ends rounded outwards to
+  whole dims unless ``rope_yarn_truncate=false``). Stretched low frequencies flatten the
+  attention distribution, so YaRN multiplies cos and sin by an attention factor, by default
+  0.1 ln(s) + 1 (the logits by its square).
+
+These are the formulas of the Hugging Face configurations (``rope_type`` 'linear', 'llama3',
+'yarn'), so converted checkpoints keep their logits (tests/hf). NTK-aware "dynamic" scaling,
+which changes with the sequence length at inference, is not built.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """``model.rope_scaling`` and its parameters (``ModelConfig`` fields of the same names)."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    original_max_positions: int = 8192
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    yarn_truncate: bool = True
+
+    @staticmethod
+    def from_config(config) -> "RopeScaling":
+        return RopeScaling(config.rope_scaling, config.rope_scaling_factor, config.rope_original_max_positions,
+                           config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_beta_fast,
+                           config.rope_beta_slow, config.rope_attention_factor, config.rope_yarn_truncate)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(),
+                     device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+    """(f_i for i < head_dim / 2 in fp32 on ``device``, the factor on cos and sin): see the module
+    docstring."""
+    base = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if scaling.kind == "linear":
+        return base / scaling.factor, 1.0
+    if scaling.kind == "llama3":
+        return llama3_frequencies(base, scaling), 1.0
+    if scaling.kind == "yarn":
+        return yarn_frequencies(base, head_dim, theta, scaling), yarn_attention_factor(scaling)
+    return base, 1.0
+
+
+def llama3_frequencies(base: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    wavelength = 2 * math.pi / base
+    context, low, high = scaling.original_max_positions, scaling.low_freq_factor, scaling.high_freq_factor
+    blend = (context / wavelength - low) / (high - low)  # between the two: 0 long wavelengths, 1 short ones
+    blended = (1 - blend) * base / scaling.factor + blend * base
+    return torch.where(wavelength < context / high, base, torch.where(wavelength > context / low,
+                                                                       base / scaling.factor, blended))
+
+
+def yarn_frequencies(base: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    def dim_turning(rotations: float) -> float:
+        """The (fractional) dim index whose frequency turns ``rotations`` times over the original context."""
+        return head_dim * math.log(scaling.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    first, last = dim_turning(scaling.beta_fast), dim_turning(scaling.beta_slow)
+    if scaling.yarn_truncate:
+        first, last = math.floor(first), math.ceil(last)
+    first, last = max(first, 0), min(last, head_dim - 1)
+    if first == last:
+        last += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(head_dim // 2, device=base.device).float() - first) / (last - first)).clamp(0, 1)
+    return base / scaling.factor * ramp + base * (1 - ramp)  # ramp 0: extrapolate (keep), 1: interpolate
+
+
+def yarn_attention_factor(scaling: RopeScaling) -> float:
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    return 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
 
 
 class RotaryEmbedding(nn.Module):
     """Holds no tensors: the frequencies are recomputed per call (a few hundred flops), so the
     module is the same on any device, including the meta device used to build large models."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()):
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [batch, seq, head_dim] (fp32) for integer positions [batch, seq]."""
-        exponents = torch.arange(0, self.head_dim, 2, device=position_ids.device).float() / self.head_dim
-        inverse_frequencies = 1.0 / (self.theta ** exponents)
-        angles = position_ids[..., None].float() * inverse_frequencies
+        frequencies, factor = rope_frequencies(self.head_dim, self.theta, self.scaling, position_ids.device)
+        angles = position_ids[..., None].float() * frequencies
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos(), angles.sin()
+        if factor == 1.0:
+            return angles.cos(), angles.sin()
+        return angles.cos() * factor, angles.sin() * factor
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

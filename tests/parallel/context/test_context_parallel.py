@@ -40,7 +40,9 @@ helpers = load_parallel_training_helpers()
 SEQ_LEN = ["train.seq_len=32"]  # chunks of 4 tokens at cp 4: at least the Mamba conv window of 3
 MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
           "dense with mtp": [*helpers.MODELS["dense"], "model.mtp_depth=1"],
-          "moe": helpers.MODELS["moe"]}
+          "moe": helpers.MODELS["moe"],
+          "dense yarn": [*helpers.MODELS["dense"], "model.rope_scaling=yarn", "model.rope_scaling_factor=4",
+                         "model.rope_original_max_positions=8"]}
 LAYOUTS = {
     2: {"cp2": ["parallel.cp=2"]},
     4: {"cp4": ["parallel.cp=4"], "cp2xtp2": ["parallel.cp=2", "parallel.tp=2"],
@@ -49,7 +51,8 @@ LAYOUTS = {
 }
 EXTRA_RUNS = {2: [("dense", "cp2 selective recompute", ["parallel.cp=2", "train.recompute=selective"]),
                   ("hybrid", "cp2 full recompute", ["parallel.cp=2", "train.recompute=full"]),
-                  ("moe", "cp2", ["parallel.cp=2"])],
+                  ("moe", "cp2", ["parallel.cp=2"]),
+                  ("dense yarn", "cp2", ["parallel.cp=2"])],  # scaled RoPE at each chunk's global positions
               4: [("dense with mtp", "cp4", ["parallel.cp=4"]),
                   ("moe", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"])]}
 
@@ -151,7 +154,7 @@ def test_context_parallel_training_equals_single_process(runs, model, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_recomputation_mtp_and_moe_under_context_parallelism(runs, world):
+def test_recomputation_mtp_moe_and_scaled_rope_under_context_parallelism(runs, world):
     for model, name, _ in EXTRA_RUNS[world]:
         for rank, results in enumerate(runs["by_world"][world]):
             helpers.assert_same_run(results[f"{model} {name}"], runs["single"][model], f"{model} {name} rank {rank}")

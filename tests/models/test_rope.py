@@ -1,0 +1,96 @@
+"""RoPE scaling (meshlm/models/rope.py): the frequencies and attention factor of each scaling
+against transformers' RoPE functions and against the formulas by hand, cached decoding with a
+scaled model, and the settings the configuration refuses. (Logits of converted Llama checkpoints
+with each scaling: tests/hf/test_llama.py; context parallelism: tests/parallel/context.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from meshlm.errors import ConfigError
+from meshlm.models.cache import InferenceCache
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
+from meshlm.models.rope import RopeScaling, RotaryEmbedding, rope_frequencies
+
+SCALINGS = {
+    "linear": ({"rope_type": "linear", "factor": 4.0}, RopeScaling("linear", 4.0)),
+    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}, RopeScaling("llama3", 8.0, 64, 1.0, 4.0)),
+    "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+             RopeScaling("yarn", 4.0, 64)),
+    "yarn untruncated": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                          "truncate": False}, RopeScaling("yarn", 4.0, 64, yarn_truncate=False)),
+    "yarn attention factor": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                               "attention_factor": 1.3}, RopeScaling("yarn", 4.0, 64, attention_factor=1.3)),
+}
+
+
+@pytest.mark.parametrize("name", list(SCALINGS))
+def test_frequencies_equal_transformers(name):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    parameters, scaling = SCALINGS[name]
+    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=256,
+                                      rope_parameters={"rope_theta": 10000.0, **parameters})
+    expected, expected_factor = ROPE_INIT_FUNCTIONS[parameters["rope_type"]](config, "cpu")
+    frequencies, factor = rope_frequencies(64, 10000.0, scaling)
+    torch.testing.assert_close(frequencies, expected.float(), rtol=0, atol=0)
+    assert factor == pytest.approx(expected_factor, rel=1e-12)
+
+
+def test_llama3_keeps_short_wavelengths_and_divides_long_ones():
+    """By hand: wavelengths under L / high keep their frequency, over L / low are divided by s, and
+    those between blend; YaRN's default factor is 0.1 ln(s) + 1."""
+    base, _ = rope_frequencies(64, 10000.0)
+    scaled, _ = rope_frequencies(64, 10000.0, RopeScaling("llama3", 8.0, 64, 1.0, 4.0))
+    wavelength = 2 * math.pi / base
+    short, long = wavelength < 64 / 4, wavelength > 64 / 1
+    assert short.any() and long.any() and (~short & ~long).any()
+    assert torch.equal(scaled[short], base[short])
+    torch.testing.assert_close(scaled[long], base[long] / 8)
+    middle = ~short & ~long
+    assert ((scaled[middle] < base[middle]) & (scaled[middle] > base[middle] / 8)).all()
+    assert rope_frequencies(64, 10000.0, RopeScaling("yarn", 4.0, 64))[1] == pytest.approx(0.1 * math.log(4) + 1)
+
+
+def test_rotary_tables_carry_yarns_attention_factor():
+    rotary = RotaryEmbedding(16, 500.0, RopeScaling("yarn", 4.0, 8, attention_factor=1.5))
+    plain = RotaryEmbedding(16, 500.0, RopeScaling("yarn", 4.0, 8, attention_factor=1.0))
+    positions = torch.arange(12)[None]
+    (cos, sin), (plain_cos, plain_sin) = rotary(positions), plain(positions)
+    torch.testing.assert_close(cos, 1.5 * plain_cos)
+    torch.testing.assert_close(sin, 1.5 * plain_sin)
+
+
+@pytest.mark.parametrize("scaling", ["llama3", "yarn"])
+def test_cached_decoding_of_a_scaled_model_equals_the_full_forward(scaling):
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=97, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
+                         init_std=0.1, rope_scaling=scaling, rope_scaling_factor=4.0, rope_original_max_positions=8)
+    model = LanguageModel(config).eval()
+    sequence = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(sequence).logits
+        cache = InferenceCache()
+        stepped = [model(sequence[:, :6], cache=cache).logits]
+        stepped += [model(sequence[:, position:position + 1], cache=cache).logits for position in range(6, 20)]
+    torch.testing.assert_close(torch.cat(stepped, dim=1), full, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"rope_scaling": "dynamic"}, "model.rope_scaling='dynamic' is not one of"),
+    ({"rope_scaling": "linear", "rope_scaling_factor": 0.5}, "model.rope_scaling_factor=0.5 must be >= 1"),
+    ({"rope_scaling": "yarn", "rope_original_max_positions": 0}, "model.rope_original_max_positions=0 must be"),
+    ({"rope_scaling": "llama3", "rope_low_freq_factor": 4.0, "rope_high_freq_factor": 1.0}, "need 0 < low < high"),
+    ({"rope_scaling": "yarn", "rope_beta_fast": 1.0, "rope_beta_slow": 2.0}, "need 0 < slow < fast"),
+    ({"rope_scaling": "yarn", "rope_attention_factor": 0.0}, "model.rope_attention_factor=0.0 must be > 0"),
+    ({"rope_scaling": "linear", "position_embedding": "none"}, "model.position_embedding='none'; set model.rope_scaling=none"),
+])
+def test_bad_rope_scaling_is_refused_by_field(fields, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(vocab_size=97, hidden_size=32, pattern="*-", num_attention_heads=4, **fields).validate()
