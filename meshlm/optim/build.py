@@ -11,12 +11,12 @@ from meshlm.optim.muon import build_muon
 
 
 def build_optimizer(parameters_by_name: list[tuple[str, torch.nn.Parameter]], config,
-                    whole_matrix: Callable | None = None) -> torch.optim.Optimizer:
+                    orthogonalize_many: Callable | None = None) -> torch.optim.Optimizer:
     """The optimizer ``config.optimizer`` names over the (model name, fp32 parameter) pairs.
-    ``whole_matrix(name, tensor) -> (full, cut)``: how Muon sees a tensor-parallel shard whole
-    (``meshlm.parallel.tensor.sharding.whole_matrix_gatherer``); None in one process."""
+    ``orthogonalize_many``: how Muon orthogonalizes tensor-parallel shards as whole matrices
+    (``meshlm.parallel.tensor.orthogonal_updates.sharded_orthogonalizer``); None in one process."""
     if config.optimizer == "muon":
-        return build_muon(parameters_by_name, config, whole_matrix)
+        return build_muon(parameters_by_name, config, orthogonalize_many)
     return build_adamw(parameters_by_name, config)
 
 

@@ -31,13 +31,13 @@ classifier, not maps between hidden spaces), norms, biases, Mamba's A_log/D/dt_b
 depthwise convolution, routers. ``muon_parameter`` is the rule.
 
 **Layouts: the single-process update at any layout.** Orthogonalizing a shard is not
-orthogonalizing the matrix, so where tensor (or expert-tensor) parallelism cuts a matrix, each
-rank all-gathers the momentum-updated matrix U over the TP (ETP) group, reassembles it with the
-shard metadata the checkpoints use (``meshlm/parallel/tensor/sharding.py``: Mamba's in_proj is
-[z, x, B, C, dt], each partition split on its own), runs Newton-Schulz on the whole matrix and
-keeps its own rows or columns of the result. Every rank of the group computes the same
-Newton-Schulz (redundant work, one matrix at a time); only U travels, once per step.
-Replicated parameters (the KV projections when there are fewer KV heads than TP ranks) are
+orthogonalizing the matrix, so where tensor (or expert-tensor) parallelism cuts a matrix, the
+momentum-updated matrices U are dealt round-robin over the ranks of the TP (ETP) group: an
+all-to-all brings each matrix whole to its rank (reassembled with the shard metadata the
+checkpoints use: Mamba's in_proj is [z, x, B, C, dt], each partition split on its own), which
+runs Newton-Schulz on it, and a second all-to-all returns every rank its rows or columns of the
+result (``meshlm/parallel/tensor/orthogonal_updates.py``): each Newton-Schulz runs once, not
+once per TP rank. Replicated parameters (the KV projections when there are fewer KV heads than TP ranks) are
 whole already; their partial gradients are summed over TP before the step.
 Experts split over EP are whole experts on each rank: nothing to gather. Data, context and
 pipeline parallelism leave each rank whole matrices (with summed gradients) and need nothing.
@@ -102,21 +102,27 @@ def update_scale(shape: torch.Size, update_rms: float) -> float:
     return update_rms * math.sqrt(max(shape[-2], shape[-1]))
 
 
+def orthogonalize_here(named: list[tuple[str, torch.Tensor]], transform) -> list[tuple[torch.Tensor, torch.Size]]:
+    """[(transform(matrix), its shape)]: every matrix whole on this rank (one process)."""
+    return [(transform(tensor), tensor.shape) for _, tensor in named]
+
+
 class Muon(torch.optim.Optimizer):
     """Muon on the "muon" group, AdamW (torch's kernel) on the "decay" / "no_decay" groups.
 
-    ``whole_matrix(name, tensor) -> (full, cut)`` turns a parameter-shaped tensor into the
-    single-process matrix and ``cut(full)`` back into this rank's shard (identity for one
-    process; ``meshlm.parallel.tensor.sharding.whole_matrix_gatherer`` under tensor parallelism). Every rank of a TP group must step
-    the same names in the same order: the groups keep the model's parameter order."""
+    ``orthogonalize_many(named, transform) -> [(result, whole shape)]`` applies ``transform``
+    (Newton-Schulz) to the whole matrix behind each (name, tensor): here, or under tensor
+    parallelism each whole on one rank of the group that cuts it
+    (``meshlm.parallel.tensor.orthogonal_updates.sharded_orthogonalizer``). Every rank of a TP
+    group steps the same names in the same order: the groups keep the model's parameter order."""
 
     def __init__(self, param_groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
                  momentum: float, nesterov: bool, ns_steps: int, update_rms: float,
-                 whole_matrix: Callable | None = None):
+                 orthogonalize_many: Callable | None = None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, momentum=momentum, nesterov=nesterov,
                         ns_steps=ns_steps, update_rms=update_rms)
         super().__init__(param_groups, defaults)
-        self.whole_matrix = whole_matrix or (lambda name, tensor: (tensor, lambda full: full))
+        self.orthogonalize_many = orthogonalize_many or orthogonalize_here
         adamw_params = [param for group in self.param_groups if group["name"] != MUON_GROUP
                         for param in group["params"]]
         self.fused = fused_supported(adamw_params)
@@ -138,6 +144,7 @@ class Muon(torch.optim.Optimizer):
 
     def muon_step(self, group: dict) -> None:
         lr, decay, mu = group["lr"], group["weight_decay"], group["momentum"]
+        stepped, directions = [], []
         for name, param in zip(group["param_names"], group["params"]):
             if param.grad is None:
                 continue
@@ -146,11 +153,12 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             buffer = state["momentum_buffer"]
             buffer.mul_(mu).add_(param.grad)
-            direction = param.grad.add(buffer, alpha=mu) if group["nesterov"] else buffer
-            full, cut = self.whole_matrix(name, direction)
-            update = cut(orthogonalize(full, group["ns_steps"]))
+            stepped.append(param)
+            directions.append((name, param.grad.add(buffer, alpha=mu) if group["nesterov"] else buffer))
+        updates = self.orthogonalize_many(directions, lambda whole: orthogonalize(whole, group["ns_steps"]))
+        for param, (update, whole_shape) in zip(stepped, updates):
             param.mul_(1 - lr * decay)
-            param.add_(update.to(param.dtype), alpha=-lr * update_scale(full.shape, group["update_rms"]))
+            param.add_(update.to(param.dtype), alpha=-lr * update_scale(whole_shape, group["update_rms"]))
 
     def adamw_step(self, group: dict) -> None:
         """torch's AdamW update for the group, with the kernel ``torch.optim.AdamW`` would choose."""
@@ -178,7 +186,7 @@ class Muon(torch.optim.Optimizer):
 
 
 def build_muon(parameters_by_name: list[tuple[str, torch.nn.Parameter]], config,
-               whole_matrix: Callable | None = None) -> Muon:
+               orthogonalize_many: Callable | None = None) -> Muon:
     """Muon over the blocks' matrices of ``parameters_by_name`` (decayed with optim.weight_decay),
     AdamW's "decay" / "no_decay" groups (``adamw.build_adamw_groups``) over the rest."""
     muon = [(name, param) for name, param in parameters_by_name if muon_parameter(name, param)]
@@ -188,7 +196,8 @@ def build_muon(parameters_by_name: list[tuple[str, torch.nn.Parameter]], config,
     groups += build_adamw_groups(rest, config)
     return Muon(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
                 momentum=config.muon_momentum, nesterov=config.muon_nesterov, ns_steps=config.muon_ns_steps,
-                update_rms=config.muon_update_rms, whole_matrix=whole_matrix)
+                update_rms=config.muon_update_rms, orthogonalize_many=orthogonalize_many)
 
 
-__all__ = ["MUON_GROUP", "Muon", "build_muon", "muon_parameter", "orthogonalize", "update_scale"]
+__all__ = ["MUON_GROUP", "Muon", "build_muon", "muon_parameter", "orthogonalize", "orthogonalize_here",
+           "update_scale"]

@@ -43,8 +43,10 @@ matrix's shape (m <= n) ``optim.muon_ns_steps`` iterations of X X^T, A A and B X
 FLOPs, fp32 matmuls at the row's 'matmul' fraction of the fp32 peak -- TF32 when
 ``precision.tf32`` is on (the data sheets of ``meshlm/training/metrics.py``: half the bf16 peak),
 plain fp32 when off; the CPU row's rate is measured in fp32 already. The shapes are the layout's:
-a stack of routed experts is E/ep matrices; a matrix TP (or ETP) cuts is all-gathered over that
-group in fp32 and orthogonalized whole by each of its ranks (redundantly). Under ZeRO
+a stack of routed experts is E/ep matrices; the matrices TP (or ETP) cuts are dealt round-robin
+over that group's t ranks, each orthogonalized whole on one of them (1/t of the Newton-Schulz per
+rank) after an all-to-all of the shards in fp32, and a second returns the result's shards
+(``meshlm/parallel/tensor/orthogonal_updates.py``). Under ZeRO
 (Distributed Muon) one all-gather of the Muon parameters' fp32 gradient buffer over the sharding
 group S (dp*cp; edp for the expert grid) comes first, and then each rank orthogonalizes and
 TP-gathers only the matrices it owns a piece of, counted as 1/S of them (a matrix split between
@@ -288,9 +290,11 @@ def muon_seconds(config, layout, hardware, starts: list[int]) -> float:
             cut = rows * cols // (shape[-2] * shape[-1])  # the TP (ETP) ranks its rows or columns are split over
             block = int(name.split(".")[1]) if name.startswith("blocks.") else starts[-2]  # MTP: the last stage
             rank = (bisect.bisect_right(starts, block) - 1) % layout.pp
-            orthogonalize = count * newton_schulz_flops(rows, cols, steps) / rate
-            gather = ring_seconds(count * rows * cols * FP32, cut, hardware, cut <= per_node, factor=1.0)
-            seconds[rank] += (orthogonalize + gather) / (shards if zero else 1)
+            # dealt round-robin over the cut's ranks: 1/cut of the Newton-Schulz here, and per matrix
+            # two all-to-alls of its shards, 2 (cut - 1) / cut of a shard in and out
+            orthogonalize = count * newton_schulz_flops(rows, cols, steps) / rate / cut
+            exchange = 2 * ring_seconds(count * rows * cols * FP32 / cut, cut, hardware, cut <= per_node, factor=1.0)
+            seconds[rank] += (orthogonalize + (exchange if cut > 1 else 0.0)) / (shards if zero else 1)
             gathered[rank] += shape.numel()
         if zero:
             for rank, elements in enumerate(gathered):

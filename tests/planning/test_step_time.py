@@ -56,15 +56,15 @@ def test_one_gpu_pays_newton_schulz_on_every_matrix_at_the_tf32_rate():
     assert plain == pytest.approx(flops / (H100.rate("matmul") * 66.9 / 989.4), rel=1e-12)
 
 
-def test_zero_1_shares_the_matrices_and_tensor_parallelism_adds_their_gathers():
+def test_zero_1_and_tensor_parallelism_share_the_matrices():
     muon = {layout: times(WIDE, layout)["muon_s"] for layout in
             (Layout(), Layout(dp=2), Layout(dp=2, zero=1), Layout(dp=4, zero=1), Layout(tp=2, dp=1),
              Layout(tp=4, dp=1), Layout(pp=2, dp=1))}
     # without ZeRO every DP rank orthogonalizes every matrix; with it, about 1/dp of them
     assert muon[Layout(dp=2)] == pytest.approx(muon[Layout()], rel=1e-12)
     assert muon[Layout(dp=4, zero=1)] < muon[Layout(dp=2, zero=1)] < muon[Layout(dp=2)]
-    # every TP rank still orthogonalizes whole matrices, after gathering them over TP
-    assert muon[Layout()] < muon[Layout(tp=2, dp=1)] < muon[Layout(tp=4, dp=1)]
+    # TP deals its cut matrices over its ranks: 1/tp of the Newton-Schulz each, plus two all-to-alls
+    assert muon[Layout(tp=4, dp=1)] < muon[Layout(tp=2, dp=1)] < muon[Layout()]
     # each pipeline rank steps its own blocks' matrices
     assert muon[Layout(pp=2, dp=1)] < muon[Layout()]
 

@@ -44,7 +44,8 @@ from meshlm.parallel.data.expert_data_parallel import build_expert_data_parallel
 from meshlm.parallel.data.fully_sharded import UnitSchedule
 from meshlm.parallel.data.grad_norm import clip_grad_norm_across, clip_grads_, global_grad_norm
 from meshlm.parallel.data.grad_reducer import GradientReducer
-from meshlm.parallel.tensor.sharding import reduce_partial_tp_grads, whole_matrix_gatherer
+from meshlm.parallel.tensor.orthogonal_updates import sharded_orthogonalizer
+from meshlm.parallel.tensor.sharding import reduce_partial_tp_grads
 
 
 def build_data_parallel(precision, optim_config, parallel_config, context, model=None):
@@ -67,7 +68,7 @@ def build_data_parallel(precision, optim_config, parallel_config, context, model
                                          model_parameters=[param for _, param in precision.model_parameters],
                                          model_dtype=precision.dtype, zero_stage=stage,
                                          reduce_grads_in_fp32=parallel_config.reduce_grads_in_fp32,
-                                         whole_matrix=whole_matrix_gatherer(precision.model_parameters, context))
+                                         orthogonalize_many=sharded_orthogonalizer(precision.model_parameters, context))
         precision.hand_masters_to(optimizer)  # bf16/fp16: the fp32 masters are sharded over DP too
         reducer = optimizer.reducer
     else:
@@ -81,12 +82,12 @@ def build_data_parallel(precision, optim_config, parallel_config, context, model
 
 def build_replicated(precision, optim_config, parallel_config, context):
     """(all-reducing reducer, the ``optim.optimizer`` over the full fp32 parameters; Muon sees TP
-    shards whole through ``whole_matrix_gatherer``)."""
+    shards whole through ``sharded_orthogonalizer``)."""
     named = precision.master_parameters()
     sources = [param for _, param in precision.model_parameters]
     reducer = GradientReducer(named, context, parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce,
                               model_parameters=sources)
-    return reducer, build_optimizer(named, optim_config, whole_matrix_gatherer(precision.model_parameters, context))
+    return reducer, build_optimizer(named, optim_config, sharded_orthogonalizer(precision.model_parameters, context))
 
 
 def finish_gradients(reducer: GradientReducer, optimizer, precision, context, max_norm: float,

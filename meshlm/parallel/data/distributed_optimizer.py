@@ -142,21 +142,21 @@ class DistributedOptimizer:
 
     ``optim_config.optimizer=muon``: the "muon" group steps by ``muon_update``
     (Distributed Muon), its momentum in ``exp_avg`` (its part of ``exp_avg_sq`` stays unused, so
-    the buffers keep AdamW's layout); ``whole_matrix`` is how it sees a TP-cut matrix whole
-    (``meshlm.parallel.tensor.sharding.whole_matrix_gatherer``).
+    the buffers keep AdamW's layout); ``orthogonalize_many`` is how it orthogonalizes TP-cut
+    matrices whole (``meshlm.parallel.tensor.orthogonal_updates.sharded_orthogonalizer``).
     """
 
     def __init__(self, parameters_by_name: list[tuple[str, torch.nn.Parameter]], optim_config, context,
                  bucket_size_mb: float = 25.0, overlap: bool = True,
                  model_parameters: list[torch.Tensor] | None = None, model_dtype: torch.dtype | None = None,
-                 zero_stage: int = 1, reduce_grads_in_fp32: bool = True, whole_matrix=None):
+                 zero_stage: int = 1, reduce_grads_in_fp32: bool = True, orthogonalize_many=None):
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage} is not 1, 2 or 3.")
         self.context, self.zero_stage = context, zero_stage
-        self.reference = build_optimizer(parameters_by_name, optim_config, whole_matrix)
+        self.reference = build_optimizer(parameters_by_name, optim_config, orthogonalize_many)
         """The single-process optimizer (AdamW, or Muon with AdamW groups): its groups,
         hyperparameters and state-dict layout. It never steps."""
-        self.whole_matrix = self.reference.whole_matrix if optim_config.optimizer == "muon" else None
+        self.orthogonalize_many = self.reference.orthogonalize_many if optim_config.optimizer == "muon" else None
         self.param_groups = self.reference.param_groups
         if zero_stage == 1:
             self.reducer = GradientReducer(parameters_by_name, context, bucket_size_mb, overlap, shard=True,
@@ -341,8 +341,9 @@ class DistributedOptimizer:
         over DP into a temporary fp32 copy of the whole bucket -- the parameters' all-gather,
         once more, in fp32, one bucket's memory at a time; it needs no full gradient buffer, so
         every ZeRO stage runs it. Each rank then orthogonalizes only the matrices it owns a
-        segment of -- about 1/dp of them, gathered whole over TP where TP cuts them
-        (``whole_matrix``) -- and applies its segments of the update. The elementwise steps are
+        segment of -- about 1/dp of them; where TP cuts them, dealt over the TP ranks and each
+        orthogonalized whole on one (``orthogonalize_many``), which within a bucket shares the
+        work over TP too -- and applies its segments of the update. The elementwise steps are
         the single-process optimizer's operations on the same elements, so the result is the
         single process's."""
         mu, layout = group["momentum"], self.reducer.layout
@@ -371,15 +372,15 @@ class DistributedOptimizer:
             if size > 1:
                 whole = torch.empty(bucket.size, dtype=torch.float32, device=piece.device)
                 all_gather_into_(whole, piece, self.context.dp_cp_group)
-            for index in sorted(members):  # the same order on every TP peer (same layout, same owners)
-                if index not in owned:
-                    continue
+            mine = [index for index in sorted(members) if index in owned]  # the same on every TP peer
+            named = []
+            for index in mine:
                 offset = layout.offsets[index] - bucket.start
-                local = whole[offset:offset + layout.shapes[index].numel()].view(layout.shapes[index])
-                full, cut = (self.whole_matrix(self.reducer.names[index], local) if self.whole_matrix is not None
-                             else (local, lambda matrix: matrix))
-                update = cut(orthogonalize(full, group["ns_steps"]))
-                scale = update_scale(full.shape, group["update_rms"])
+                named.append((self.reducer.names[index],
+                              whole[offset:offset + layout.shapes[index].numel()].view(layout.shapes[index])))
+            updates = self.orthogonalize_many(named, lambda matrix: orthogonalize(matrix, group["ns_steps"]))
+            for index, (update, whole_shape) in zip(mine, updates):
+                scale = update_scale(whole_shape, group["update_rms"])
                 for segment in owned[index]:
                     value = (self._owned(self.values, segment) if self.shard_values
                              else self.values[segment.start:segment.end])

@@ -40,7 +40,7 @@ import torch
 from meshlm.optim.build import build_optimizer
 from meshlm.parallel.data.distributed_optimizer import DistributedOptimizer
 from meshlm.parallel.data.grad_reducer import GradientReducer, LaunchOrder
-from meshlm.parallel.tensor.sharding import whole_matrix_gatherer
+from meshlm.parallel.tensor.orthogonal_updates import sharded_orthogonalizer
 
 
 def expert_data_context(context):
@@ -182,19 +182,19 @@ def build_expert_data_parallel(precision, optim_config, parallel_config, context
              zip(split_by_expert(named, sources, expert_names), (context, expert_data_context(context))) if pairs]
     size, overlap, stage = parallel_config.bucket_size_mb, parallel_config.overlap_grad_reduce, \
         parallel_config.sharding_stage
-    whole = whole_matrix_gatherer(precision.model_parameters, context)
+    orthogonalize_many = sharded_orthogonalizer(precision.model_parameters, context)
     if stage >= 1:
         optimizer = OptimizerGroup([DistributedOptimizer(pairs, optim_config, part_context, size, overlap,
                                                          model_parameters=part_sources, model_dtype=precision.dtype,
                                                          zero_stage=stage,
                                                          reduce_grads_in_fp32=parallel_config.reduce_grads_in_fp32,
-                                                         whole_matrix=whole)
+                                                         orthogonalize_many=orthogonalize_many)
                                     for pairs, part_sources, part_context in parts], sources)
         precision.hand_masters_to(optimizer)
         return optimizer.reducer, optimizer
     reducers = [GradientReducer(pairs, part_context, size, overlap, model_parameters=part_sources)
                 for pairs, part_sources, part_context in parts]
-    return ReducerGroup(reducers, sources), build_optimizer(named, optim_config, whole)
+    return ReducerGroup(reducers, sources), build_optimizer(named, optim_config, orthogonalize_many)
 
 
 __all__ = ["OptimizerGroup", "ReducerGroup", "build_expert_data_parallel", "expert_data_context", "merged_launch_order",

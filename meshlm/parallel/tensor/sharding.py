@@ -203,43 +203,6 @@ def local_shard_of(param: torch.Tensor, full: torch.Tensor, context) -> torch.Te
     return shard_tensor(full, dim, sizes, context.tp_rank, context.tp_size)
 
 
-# --- whole matrices for an optimizer that needs them (Muon) ---------------------------------------
-
-
-def whole_matrix(param: torch.Tensor, tensor: torch.Tensor, context):
-    """(the whole matrix, cut): ``tensor`` (shaped like the shard ``param``) all-gathered and
-    reassembled over the groups that split its rows or columns -- TP, and ETP for an expert's FFN
-    width -- and the function that cuts such a whole tensor back to this rank's shard. The expert
-    dim split over EP stays cut: each local expert is a whole matrix. Collective over TP (ETP)
-    when ``param`` is split there; the identity otherwise."""
-    cuts = []
-    if getattr(param, "tensor_parallel", False) is True and context.tp_size > 1:
-        if getattr(param, "unpadded_size", None) is not None:
-            raise ValueError("whole_matrix: a vocabulary shard (padded rows) is not a hidden matrix.")
-        cuts.append((param.partition_dim, param.partition_sizes, context.tp_rank, context.tp_size, context.tp_group))
-    etp_dim = getattr(param, "expert_partition_dim", None)
-    if etp_dim is not None and context.etp_size > 1:
-        cuts.append((etp_dim, param.expert_partition_sizes, context.etp_rank, context.etp_size, context.etp_group))
-    whole = tensor
-    for dim, sizes, _, size, group in cuts:
-        whole = unshard_tensor(_all_gathered(whole, size, group), dim, sizes)
-
-    def cut(full: torch.Tensor) -> torch.Tensor:
-        for dim, sizes, rank, size, _ in reversed(cuts):
-            full = shard_tensor(full, dim, sizes, rank, size)
-        return full
-    return whole, cut
-
-
-def whole_matrix_gatherer(named_sources: list[tuple[str, torch.Tensor]], context):
-    """``whole_matrix`` by parameter name (the model's parameters carry the shard metadata; the
-    optimizer's fp32 masters may not), or None where no group splits a matrix."""
-    if context is None or (context.tp_size == 1 and getattr(context, "etp_size", 1) == 1):
-        return None
-    sources = dict(named_sources)
-    return lambda name, tensor: whole_matrix(sources[name], tensor, context)
-
-
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], context) -> None:
     """Load a single-process state dict into a parallelized model, each rank taking its shard."""
@@ -260,5 +223,4 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], co
 
 __all__ = ["gather_full_state_dict", "gather_full_tensor", "load_full_state_dict", "local_expert_shard_of",
            "local_shard_of", "mark_expert_shard", "mark_partial_grad", "mark_shard", "partial_grad_names",
-           "reduce_partial_tp_grads", "shard_parameter", "shard_tensor", "tensor_parallel_names", "unshard_tensor",
-           "whole_matrix", "whole_matrix_gatherer"]
+           "reduce_partial_tp_grads", "shard_parameter", "shard_tensor", "tensor_parallel_names", "unshard_tensor"]

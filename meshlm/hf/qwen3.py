@@ -1,0 +1,78 @@
+"""``Qwen3ForCausalLM`` <-> meshlm (Qwen3 technical report, 2025).
+
+A dense Qwen3 decoder layer is Llama's with QK-norm: RMSNorm over each head's channels of the
+queries and keys, before RoPE (meshlm ``model.qk_norm``). So HF layer i is blocks 2i ('*') and
+2i+1 ('-'), and the tensor map is Llama's (``llama.tensor_maps``), whose attention part adds the
+two norms of each layer when ``qk_norm`` is on:
+
+    model.layers.{i}.self_attn.{q,k}_norm.weight  blocks.{2i}.mixer.{q,k}_norm.weight
+
+``head_dim`` is explicit (128 when config.json does not say, whatever the hidden size) and the
+small models tie the output head to the embedding. The MLP has no biases; the attention
+projections have them iff ``attention_bias``. Qwen3 can run some layers with sliding-window
+attention (``use_sliding_window``, ``layer_types``); meshlm attention is full causal, so such a
+config is refused, and ``sliding_window`` is ignored only while sliding is off.
+
+On export a dense QK-norm model goes to this class when it was imported from it or when
+``--architecture Qwen3ForCausalLM`` asks; otherwise the export order (``convert.py``) picks
+Qwen3-MoE first, which holds the same model as a Qwen3-MoE without MoE layers.
+"""
+
+from __future__ import annotations
+
+from meshlm.errors import ConfigError
+from meshlm.hf.common import Architecture, blocks_of, hf_common_fields, require, rope_from_hf, with_defaults
+from meshlm.hf.llama import attention_fields, attention_to_hf, decoder_unsupported, tensor_maps
+from meshlm.models.config import ModelConfig
+
+NAME = "Qwen3ForCausalLM"
+DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+            "initializer_range": 0.02, "max_position_embeddings": 32768}
+FULL_ATTENTION = "full_attention"
+
+
+def config_from_hf(hf_config: dict) -> ModelConfig:
+    hf = with_defaults(hf_config, DEFAULTS)
+    require(hf, NAME, "hidden_act", "silu", "meshlm's gated MLP is SwiGLU, silu(gate) * up")
+    require(hf, NAME, "use_sliding_window", False, "meshlm attention is full causal attention, "
+            "with no sliding window")
+    sliding = sorted({kind for kind in hf.get("layer_types") or [] if kind != FULL_ATTENTION})
+    if sliding:
+        raise ConfigError(f"{NAME} config.json: layer_types has {', '.join(map(repr, sliding))} layers, which are "
+                          f"not supported yet (meshlm attention is full causal attention: every entry must be "
+                          f"{FULL_ATTENTION!r}).")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*-" * hf["num_hidden_layers"],
+        **attention_fields(hf), position_embedding="rope", qk_norm=True,
+        **rope_from_hf(hf_config, 10000.0, NAME),
+        mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
+        norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
+        init_std=hf["initializer_range"])
+
+
+def unsupported(config: ModelConfig) -> list[str]:
+    reasons = decoder_unsupported(config, qk_norm=True)
+    reasons += blocks_of(config, r"(\*-)+", "Qwen3 layers are attention then MLP: '*-' repeated")
+    if config.mlp_activation != "swiglu":
+        reasons.append(f"model.mlp_activation={config.mlp_activation!r} (Qwen3's MLP is SwiGLU)")
+    if config.mlp_bias:
+        reasons.append("model.mlp_bias=True (Qwen3's MLP has no biases)")
+    return reasons
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    ARCHITECTURE.check_expressible(config)
+    layers = config.num_blocks // 2
+    return {**hf_common_fields(config, NAME, "qwen3"), **attention_to_hf(config),
+            "num_hidden_layers": layers, "intermediate_size": config.resolved_ffn_hidden_size,
+            "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "attention_bias": config.attention_bias,
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
+            "layer_types": [FULL_ATTENTION] * layers,
+            "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
+
+
+ARCHITECTURE = Architecture(NAME, "qwen3", config_from_hf, config_to_hf, tensor_maps, unsupported)
+state_from_hf = ARCHITECTURE.state_from_hf
+state_to_hf = ARCHITECTURE.state_to_hf

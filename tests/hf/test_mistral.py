@@ -1,0 +1,79 @@
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import MistralConfig  # noqa: E402
+
+from meshlm.checkpoint.model_files import load_model, save_model  # noqa: E402
+from meshlm.errors import ConfigError  # noqa: E402
+from meshlm.hf import choose_architecture, hf_to_meshlm, meshlm_to_hf, mistral  # noqa: E402
+from meshlm.models.config import ModelConfig  # noqa: E402
+from meshlm.models.language_model import LanguageModel  # noqa: E402
+
+from .helpers import VOCAB, assert_hf_round_trip, convert_and_compare, load_hf  # noqa: E402
+
+
+def tiny_mistral(**overrides) -> MistralConfig:
+    values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-5, sliding_window=None,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    values.update(overrides)
+    return MistralConfig(**values)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"head_dim": 16, "hidden_size": 40, "tie_word_embeddings": True},  # Mistral-Nemo's head_dim != hidden / heads
+], ids=["plain", "nemo-head-dim-tied"])
+def test_logits_match_transformers_and_round_trip(overrides, tmp_path):
+    model = convert_and_compare(tiny_mistral(**overrides), tmp_path)
+    config = model.config
+    assert config.pattern == "*-*-*-" and not config.qk_norm and config.rope_theta == 500.0
+    assert config.resolved_head_dim == overrides.get("head_dim", 8)
+    assert config.tie_embeddings == overrides.get("tie_word_embeddings", False)
+    assert_hf_round_trip(tmp_path, ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                    "intermediate_size", "rms_norm_eps", "sliding_window", "rope_parameters",
+                                    "max_position_embeddings", "bos_token_id", "eos_token_id"))
+
+
+def test_meshlm_model_round_trips_through_mistral(tmp_path):
+    """meshlm -> Mistral -> meshlm, for a model recorded as imported from Mistral (by default the
+    same model is written as Llama, which comes first in the export order)."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
+                         ffn_hidden_size=40, rope_theta=1234.0, norm_eps=1e-6)
+    model = LanguageModel(config)
+    assert choose_architecture(config).name == "LlamaForCausalLM"
+    save_model(model, tmp_path / "ours", extra_config={"hf": {"architecture": mistral.NAME}})
+    _, chosen = meshlm_to_hf(tmp_path / "ours", tmp_path / "hf_export")
+    assert chosen.name == mistral.NAME
+    load_hf(tmp_path / "hf_export")  # transformers loads it with no missing / unexpected keys
+    back = load_model(hf_to_meshlm(tmp_path / "hf_export", tmp_path / "ours_again")[0])
+    assert back.config == config
+    state, state_again = model.state_dict(), back.state_dict()
+    assert sorted(state) == sorted(state_again)
+    for name, tensor in state.items():
+        assert torch.equal(tensor, state_again[name]), name
+
+
+HF_BASE = {"architectures": ["MistralForCausalLM"], "hidden_size": 32, "num_attention_heads": 4,
+           "num_hidden_layers": 2}
+
+
+def test_sliding_window_is_refused_and_absent_means_transformers_default(tmp_path):
+    assert mistral.config_from_hf({**HF_BASE, "sliding_window": None}).pattern == "*-*-"
+    with pytest.raises(ConfigError, match="sliding_window=4096 is not supported.*full causal attention"):
+        mistral.config_from_hf({**HF_BASE, "sliding_window": 4096})
+    with pytest.raises(ConfigError, match="sliding_window=4096 is not supported"):
+        mistral.config_from_hf(HF_BASE)  # transformers reads an absent window as 4096
+    tiny_mistral(sliding_window=4096).save_pretrained(tmp_path)  # Mistral 7B v0.1
+    with pytest.raises(ConfigError, match="sliding_window=4096"):
+        hf_to_meshlm(tmp_path, tmp_path / "meshlm")
+
+
+def test_unexpressible_config_names_the_blocking_field():
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4, attention_bias=True,
+                         qk_norm=True)
+    with pytest.raises(ConfigError) as error:
+        mistral.config_to_hf(config)
+    assert "model.attention_bias=True" in str(error.value) and "model.qk_norm=True" in str(error.value)
