@@ -12,10 +12,9 @@ restore them and ``meshlm generate`` can find the eos id.
 
 Export (``meshlm_to_hf``): the architecture is, in order, the one asked for, the one the model
 was imported from (if it can still express the model), or the first that fits of Llama (dense
-'*-' with RoPE), Qwen3-MoE (softmax-routed '*E', and dense '*-' with QK-norm), Qwen3 (dense
-QK-norm), Mistral (a subset of Llama), Mixtral (softmax-routed '*E'), Mamba2 ('MMM...') and
-Nemotron-H (everything hybrid); Qwen3 and Mistral are therefore written only when asked for or
-imported from. When none fits, the error lists, per architecture, the fields that block it.
+'*-' with RoPE), Qwen3 (dense '*-' with QK-norm), Qwen3-MoE (softmax-routed '*E' with QK-norm),
+Mistral (a subset of Llama: written only when asked for or imported from), Mixtral
+(softmax-routed '*E'), Mamba2 ('MMM...') and Nemotron-H (everything hybrid). When none fits, the error lists, per architecture, the fields that block it.
 The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
 by chunk from a training checkpoint) when the first HF tensor cut from it is written. With
 ``quantize="fp8"`` the decoder blocks' linear weights are written as block-wise FP8, each
@@ -45,7 +44,7 @@ from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.lora import is_adapter_tensor, merged_weights, without_adapters
 
-EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen3_moe.ARCHITECTURE, qwen3.ARCHITECTURE,
+EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen3.ARCHITECTURE, qwen3_moe.ARCHITECTURE,
                                           mistral.ARCHITECTURE, mixtral.ARCHITECTURE, mamba2.ARCHITECTURE,
                                           nemotron_h.ARCHITECTURE)
 ARCHITECTURES: dict[str, Architecture] = {architecture.name: architecture for architecture in EXPORT_ORDER}

@@ -7,8 +7,8 @@ Llama's name (``llama.py``). ``head_dim`` may be set apart from the hidden size 
 
 Mistral 7B v0.1 attends within a sliding window of 4096 tokens; later releases set
 ``sliding_window`` to null. meshlm attention is full causal attention, so only a null window is
-accepted. transformers' default window is 4096, and a config.json saved by transformers leaves
-out fields equal to their defaults, so an *absent* ``sliding_window`` means a window of 4096.
+accepted. An *absent* ``sliding_window`` is transformers' default, a window of 4096 (transformers
+v4 left fields equal to their defaults out of config.json), so it is refused too.
 
 Every model this class can hold, ``LlamaForCausalLM`` holds too and comes first in the export
 order (``convert.py``), so export writes Mistral only for a model imported from it or when

@@ -7,9 +7,10 @@ two norms of each layer when ``qk_norm`` is on:
 
     model.layers.{i}.self_attn.{q,k}_norm.weight  blocks.{2i}.mixer.{q,k}_norm.weight
 
-``head_dim`` is explicit (128 when config.json does not say, whatever the hidden size) and the
-small models tie the output head to the embedding. The MLP has no biases; the attention
-projections have them iff ``attention_bias``. Qwen3 can run some layers with sliding-window
+``head_dim`` is explicit (128 when config.json does not say, whatever the hidden size; an absent
+``num_key_value_heads`` is likewise 32, not the number of query heads) and the small models tie
+the output head to the embedding. The MLP has no biases; the attention projections have them iff
+``attention_bias``. Qwen3 can run some layers with sliding-window
 attention (``use_sliding_window``, ``layer_types``); meshlm attention is full causal, so such a
 config is refused, and ``sliding_window`` is ignored only while sliding is off.
 
@@ -27,8 +28,8 @@ from meshlm.models.config import ModelConfig
 
 NAME = "Qwen3ForCausalLM"
 DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-            "num_attention_heads": 32, "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+            "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu",
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
             "initializer_range": 0.02, "max_position_embeddings": 32768}
 FULL_ATTENTION = "full_attention"
 

@@ -80,11 +80,13 @@ def assert_hf_round_trip(tmp_path: Path, fields: tuple[str, ...]) -> None:
         assert config_again.get(field) == config.get(field), field
 
 
-def assert_meshlm_round_trip(model: LanguageModel, tmp_path: Path, architecture: str) -> None:
-    """meshlm -> HF -> meshlm reproduces every tensor and the config, via files on disk."""
+def assert_meshlm_round_trip(model: LanguageModel, tmp_path: Path, architecture: str,
+                             imported_from: str | None = None) -> None:
+    """meshlm -> HF -> meshlm reproduces every tensor and the config, via files on disk; the
+    export picks ``architecture`` (for a model recorded as ``imported_from`` that class, if given)."""
     from meshlm.hf import meshlm_to_hf
 
-    save_model(model, tmp_path / "ours")
+    save_model(model, tmp_path / "ours", extra_config={"hf": {"architecture": imported_from}} if imported_from else None)
     _, chosen = meshlm_to_hf(tmp_path / "ours", tmp_path / "hf_export")
     assert chosen.name == architecture
     load_hf(tmp_path / "hf_export")  # transformers loads it with no missing / unexpected keys

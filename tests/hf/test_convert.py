@@ -39,8 +39,9 @@ def test_no_fitting_architecture_lists_every_blocking_field():
 
 def test_original_architecture_is_preferred_when_it_still_fits():
     dense = ModelConfig(**BASE, pattern="*-", qk_norm=True)
-    assert choose_architecture(dense).name == "Qwen3MoeForCausalLM"
-    assert choose_architecture(dense, original="LlamaForCausalLM").name == "Qwen3MoeForCausalLM"  # Llama lacks QK-norm
+    assert choose_architecture(dense).name == "Qwen3ForCausalLM"
+    assert choose_architecture(dense, original="LlamaForCausalLM").name == "Qwen3ForCausalLM"  # Llama lacks QK-norm
+    assert choose_architecture(dense, original="Qwen3MoeForCausalLM").name == "Qwen3MoeForCausalLM"
     all_mamba = ModelConfig(**BASE, pattern="MM")
     assert choose_architecture(all_mamba, original="NemotronHForCausalLM").name == "NemotronHForCausalLM"
     with pytest.raises(ConfigError, match="--architecture 'GPT2' is not one of"):

@@ -4,13 +4,12 @@ import torch
 pytest.importorskip("transformers")
 from transformers import MistralConfig  # noqa: E402
 
-from meshlm.checkpoint.model_files import load_model, save_model  # noqa: E402
 from meshlm.errors import ConfigError  # noqa: E402
-from meshlm.hf import choose_architecture, hf_to_meshlm, meshlm_to_hf, mistral  # noqa: E402
+from meshlm.hf import choose_architecture, hf_to_meshlm, mistral  # noqa: E402
 from meshlm.models.config import ModelConfig  # noqa: E402
 from meshlm.models.language_model import LanguageModel  # noqa: E402
 
-from .helpers import VOCAB, assert_hf_round_trip, convert_and_compare, load_hf  # noqa: E402
+from .helpers import VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, convert_and_compare  # noqa: E402
 
 
 def tiny_mistral(**overrides) -> MistralConfig:
@@ -44,20 +43,11 @@ def test_meshlm_model_round_trips_through_mistral(tmp_path):
                          ffn_hidden_size=40, rope_theta=1234.0, norm_eps=1e-6)
     model = LanguageModel(config)
     assert choose_architecture(config).name == "LlamaForCausalLM"
-    save_model(model, tmp_path / "ours", extra_config={"hf": {"architecture": mistral.NAME}})
-    _, chosen = meshlm_to_hf(tmp_path / "ours", tmp_path / "hf_export")
-    assert chosen.name == mistral.NAME
-    load_hf(tmp_path / "hf_export")  # transformers loads it with no missing / unexpected keys
-    back = load_model(hf_to_meshlm(tmp_path / "hf_export", tmp_path / "ours_again")[0])
-    assert back.config == config
-    state, state_again = model.state_dict(), back.state_dict()
-    assert sorted(state) == sorted(state_again)
-    for name, tensor in state.items():
-        assert torch.equal(tensor, state_again[name]), name
+    assert_meshlm_round_trip(model, tmp_path, mistral.NAME, imported_from=mistral.NAME)
 
 
 HF_BASE = {"architectures": ["MistralForCausalLM"], "hidden_size": 32, "num_attention_heads": 4,
-           "num_hidden_layers": 2}
+           "num_key_value_heads": 2, "num_hidden_layers": 2}
 
 
 def test_sliding_window_is_refused_and_absent_means_transformers_default(tmp_path):

@@ -7,13 +7,14 @@ import torch
 pytest.importorskip("transformers")
 from transformers import Qwen3Config  # noqa: E402
 
-from meshlm.checkpoint.model_files import load_model, save_model  # noqa: E402
+from meshlm.checkpoint.model_files import load_model  # noqa: E402
 from meshlm.errors import ConfigError  # noqa: E402
-from meshlm.hf import choose_architecture, hf_to_meshlm, meshlm_to_hf, qwen3  # noqa: E402
+from meshlm.hf import hf_to_meshlm, qwen3  # noqa: E402
 from meshlm.models.config import ModelConfig  # noqa: E402
 from meshlm.models.language_model import LanguageModel  # noqa: E402
 
-from .helpers import VOCAB, assert_hf_round_trip, convert_and_compare, load_hf, random_ids  # noqa: E402
+from .helpers import (VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, convert_and_compare,  # noqa: E402
+                      random_ids)
 
 ROUND_TRIP_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "intermediate_size", "rms_norm_eps", "attention_bias", "use_sliding_window",
@@ -61,28 +62,18 @@ def test_yarn_changes_the_logits(tmp_path):
 
 
 def test_meshlm_model_round_trips_through_qwen3(tmp_path):
-    """meshlm -> Qwen3 -> meshlm, for a model recorded as imported from Qwen3 (by default a dense
-    QK-norm model is written as Qwen3-MoE, which comes first in the export order)."""
+    """meshlm -> Qwen3 -> meshlm: a dense QK-norm model is written as Qwen3 by default (Llama has
+    no QK-norm)."""
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
                          head_dim=16, qk_norm=True, ffn_hidden_size=40, rope_theta=1234.0, norm_eps=1e-6,
                          tie_embeddings=True)
     model = LanguageModel(config)
-    assert choose_architecture(config).name == "Qwen3MoeForCausalLM"
-    save_model(model, tmp_path / "ours", extra_config={"hf": {"architecture": qwen3.NAME}})
-    _, chosen = meshlm_to_hf(tmp_path / "ours", tmp_path / "hf_export")
-    assert chosen.name == qwen3.NAME
-    load_hf(tmp_path / "hf_export")  # transformers loads it with no missing / unexpected keys
-    back = load_model(hf_to_meshlm(tmp_path / "hf_export", tmp_path / "ours_again")[0])
-    assert back.config == config
-    state, state_again = model.state_dict(), back.state_dict()
-    assert sorted(state) == sorted(state_again)
-    for name, tensor in state.items():
-        assert torch.equal(tensor, state_again[name]), name
+    assert_meshlm_round_trip(model, tmp_path, qwen3.NAME)
 
 
 HF_BASE = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "num_attention_heads": 4,
-           "num_hidden_layers": 2, "head_dim": 8}
+           "num_key_value_heads": 2, "num_hidden_layers": 2, "head_dim": 8}
 
 
 def test_sliding_window_is_ignored_only_while_it_is_off():
@@ -95,9 +86,10 @@ def test_sliding_window_is_ignored_only_while_it_is_off():
         qwen3.config_from_hf({**HF_BASE, "layer_types": ["full_attention", "sliding_attention"]})
 
 
-def test_head_dim_defaults_to_128_and_other_activations_are_refused():
-    config = qwen3.config_from_hf({key: value for key, value in HF_BASE.items() if key != "head_dim"})
-    assert config.resolved_head_dim == 128
+def test_absent_fields_take_transformers_defaults_and_other_activations_are_refused():
+    config = qwen3.config_from_hf({**{key: value for key, value in HF_BASE.items()
+                                      if key not in ("head_dim", "num_key_value_heads")}, "num_attention_heads": 64})
+    assert (config.resolved_head_dim, config.resolved_num_kv_heads) == (128, 32)
     with pytest.raises(ConfigError, match="hidden_act='gelu'"):
         qwen3.config_from_hf({**HF_BASE, "hidden_act": "gelu"})
 
