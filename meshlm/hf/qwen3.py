@@ -14,9 +14,9 @@ the output head to the embedding. The MLP has no biases; the attention projectio
 attention (``use_sliding_window``, ``layer_types``); meshlm attention is full causal, so such a
 config is refused, and ``sliding_window`` is ignored only while sliding is off.
 
-On export a dense QK-norm model goes to this class when it was imported from it or when
-``--architecture Qwen3ForCausalLM`` asks; otherwise the export order (``convert.py``) picks
-Qwen3-MoE first, which holds the same model as a Qwen3-MoE without MoE layers.
+On export this is the first class that fits a dense QK-norm model (``convert.py``'s order: Llama
+has no QK-norm); ``--architecture Qwen3MoeForCausalLM`` writes the same model as a Qwen3-MoE
+without MoE layers.
 """
 
 from __future__ import annotations

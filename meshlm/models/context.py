@@ -62,7 +62,7 @@ class SequenceContext:
         compiled block finds the table here as an input. Inside a graph being traced nothing is
         kept: a graph that wrote into its input would be guarded on that, and compiled again.
         """
-        key = (rotary.head_dim, rotary.theta, rotary.scaling)
+        key = rotary.table_key
         tables = self.rotary_tables.get(key)
         if tables is None:
             tables = rotary(self.rotary_positions)

@@ -29,6 +29,7 @@ which changes with the sequence length at inference, is not built.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -108,6 +109,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.table_key = (head_dim, theta, *dataclasses.astuple(scaling))
+        """Plain numbers naming the table (``SequenceContext.rotary_cos_sin``): every attention block
+        with the same sizes shares one, and a compiled block's guard compares values, not objects."""
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
