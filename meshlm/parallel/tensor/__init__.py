@@ -15,4 +15,5 @@ on 1/tp of the tokens.
     mamba.py           Mamba-2 split by heads and groups
     moe.py             MoE experts split on their FFN width (ep = 1, etp = tp)
     language_model.py  the model with a vocabulary-parallel head and loss
+    orthogonal_updates.py  Muon's Newton-Schulz on TP-cut matrices, each whole on one rank
 """
