@@ -76,24 +76,36 @@ def decoder_embedding_maps(config: ModelConfig) -> list[TensorMap]:
     return embedding_maps(config, "model.embed_tokens.weight", "model.norm.weight")
 
 
-# --- Llama ------------------------------------------------------------------------------------------
-def config_from_hf(hf_config: dict) -> ModelConfig:
-    hf = with_defaults(hf_config, DEFAULTS)
-    require(hf, NAME, "hidden_act", "silu", "meshlm's gated MLP is SwiGLU, silu(gate) * up")
+# --- the dense '*-' decoders: Llama, and Mistral and Qwen3 built on it ------------------------------
+def dense_decoder_config(hf: dict, hf_config: dict, name: str, qk_norm: bool = False) -> ModelConfig:
+    """The meshlm config of a Llama-style HF decoder (``hf``: config.json with its class's defaults
+    filled in): layer i is blocks 2i ('*', RoPE attention) and 2i+1 ('-', SwiGLU MLP)."""
+    require(hf, name, "hidden_act", "silu", "meshlm's gated MLP is SwiGLU, silu(gate) * up")
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*-" * hf["num_hidden_layers"],
-        **attention_fields(hf), position_embedding="rope",
-        **rope_from_hf(hf_config, 10000.0, NAME),
-        mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=bool(hf["mlp_bias"]),
+        **attention_fields(hf), position_embedding="rope", qk_norm=qk_norm,
+        **rope_from_hf(hf_config, 10000.0, name),
+        mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=bool(hf.get("mlp_bias", False)),
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
         init_std=hf["initializer_range"])
 
 
-def unsupported(config: ModelConfig) -> list[str]:
-    reasons = decoder_unsupported(config, qk_norm=False)
-    reasons += blocks_of(config, r"(\*-)+", "Llama layers are attention then MLP: '*-' repeated")
+def dense_decoder_unsupported(config: ModelConfig, label: str, qk_norm: bool) -> list[str]:
+    """Why ``config`` is not a '*-' SwiGLU decoder of class ``label`` (with or without QK-norm)."""
+    reasons = decoder_unsupported(config, qk_norm=qk_norm)
+    reasons += blocks_of(config, r"(\*-)+", f"{label} layers are attention then MLP: '*-' repeated")
     if config.mlp_activation != "swiglu":
-        reasons.append(f"model.mlp_activation={config.mlp_activation!r} (Llama's MLP is SwiGLU)")
+        reasons.append(f"model.mlp_activation={config.mlp_activation!r} ({label}'s MLP is SwiGLU)")
+    return reasons
+
+
+# --- Llama ------------------------------------------------------------------------------------------
+def config_from_hf(hf_config: dict) -> ModelConfig:
+    return dense_decoder_config(with_defaults(hf_config, DEFAULTS), hf_config, NAME)
+
+
+def unsupported(config: ModelConfig) -> list[str]:
+    reasons = dense_decoder_unsupported(config, "Llama", qk_norm=False)
     if config.hidden_size % config.num_attention_heads:
         reasons.append(f"model.hidden_size={config.hidden_size} (transformers requires a multiple of "
                        f"num_attention_heads={config.num_attention_heads})")

@@ -17,8 +17,8 @@ order (``convert.py``), so export writes Mistral only for a model imported from 
 
 from __future__ import annotations
 
-from meshlm.hf.common import Architecture, blocks_of, hf_common_fields, require, rope_from_hf, with_defaults
-from meshlm.hf.llama import attention_fields, attention_to_hf, decoder_unsupported, tensor_maps
+from meshlm.hf.common import Architecture, hf_common_fields, require, with_defaults
+from meshlm.hf.llama import attention_to_hf, dense_decoder_config, dense_decoder_unsupported, tensor_maps
 from meshlm.models.config import ModelConfig
 
 NAME = "MistralForCausalLM"
@@ -31,23 +31,13 @@ DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     hf["sliding_window"] = hf_config.get("sliding_window", DEFAULT_SLIDING_WINDOW)  # null is meaningful here
-    require(hf, NAME, "hidden_act", "silu", "meshlm's gated MLP is SwiGLU, silu(gate) * up")
     require(hf, NAME, "sliding_window", None, "meshlm attention is full causal attention, with no sliding window; "
             "an absent sliding_window means transformers' default of 4096")
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*-" * hf["num_hidden_layers"],
-        **attention_fields(hf), position_embedding="rope",
-        **rope_from_hf(hf_config, 10000.0, NAME),
-        mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
-        norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
-        init_std=hf["initializer_range"])
+    return dense_decoder_config(hf, hf_config, NAME)
 
 
 def unsupported(config: ModelConfig) -> list[str]:
-    reasons = decoder_unsupported(config, qk_norm=False)
-    reasons += blocks_of(config, r"(\*-)+", "Mistral layers are attention then MLP: '*-' repeated")
-    if config.mlp_activation != "swiglu":
-        reasons.append(f"model.mlp_activation={config.mlp_activation!r} (Mistral's MLP is SwiGLU)")
+    reasons = dense_decoder_unsupported(config, "Mistral", qk_norm=False)
     if config.attention_bias:
         reasons.append("model.attention_bias=True (Mistral's attention has no biases)")
     if config.mlp_bias:

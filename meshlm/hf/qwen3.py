@@ -22,8 +22,8 @@ without MoE layers.
 from __future__ import annotations
 
 from meshlm.errors import ConfigError
-from meshlm.hf.common import Architecture, blocks_of, hf_common_fields, require, rope_from_hf, with_defaults
-from meshlm.hf.llama import attention_fields, attention_to_hf, decoder_unsupported, tensor_maps
+from meshlm.hf.common import Architecture, hf_common_fields, require, with_defaults
+from meshlm.hf.llama import attention_to_hf, dense_decoder_config, dense_decoder_unsupported, tensor_maps
 from meshlm.models.config import ModelConfig
 
 NAME = "Qwen3ForCausalLM"
@@ -36,7 +36,6 @@ FULL_ATTENTION = "full_attention"
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
-    require(hf, NAME, "hidden_act", "silu", "meshlm's gated MLP is SwiGLU, silu(gate) * up")
     require(hf, NAME, "use_sliding_window", False, "meshlm attention is full causal attention, "
             "with no sliding window")
     sliding = sorted({kind for kind in hf.get("layer_types") or [] if kind != FULL_ATTENTION})
@@ -44,20 +43,11 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
         raise ConfigError(f"{NAME} config.json: layer_types has {', '.join(map(repr, sliding))} layers, which are "
                           f"not supported yet (meshlm attention is full causal attention: every entry must be "
                           f"{FULL_ATTENTION!r}).")
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*-" * hf["num_hidden_layers"],
-        **attention_fields(hf), position_embedding="rope", qk_norm=True,
-        **rope_from_hf(hf_config, 10000.0, NAME),
-        mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
-        norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
-        init_std=hf["initializer_range"])
+    return dense_decoder_config(hf, hf_config, NAME, qk_norm=True)
 
 
 def unsupported(config: ModelConfig) -> list[str]:
-    reasons = decoder_unsupported(config, qk_norm=True)
-    reasons += blocks_of(config, r"(\*-)+", "Qwen3 layers are attention then MLP: '*-' repeated")
-    if config.mlp_activation != "swiglu":
-        reasons.append(f"model.mlp_activation={config.mlp_activation!r} (Qwen3's MLP is SwiGLU)")
+    reasons = dense_decoder_unsupported(config, "Qwen3", qk_norm=True)
     if config.mlp_bias:
         reasons.append("model.mlp_bias=True (Qwen3's MLP has no biases)")
     return reasons
