@@ -1,6 +1,6 @@
 """Hugging Face interop: read and write ``transformers`` checkpoints (config.json + safetensors).
 
-Supported architectures: LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
 MistralForCausalLM, MixtralForCausalLM, Mamba2ForCausalLM and NemotronHForCausalLM, one adapter
 module each (``llama.py``, ...), sharing
 the tensor-map machinery of ``common.py``. ``convert.py`` converts whole folders and ``cli.py`` is

@@ -42,9 +42,13 @@ def attention_to_hf(config: ModelConfig) -> dict:
             "head_dim": config.resolved_head_dim, "attention_dropout": config.attention_dropout, **rope_to_hf(config)}
 
 
-def decoder_unsupported(config: ModelConfig, qk_norm: bool) -> list[str]:
-    """Reasons a config's attention blocks differ from an HF decoder layer's (RoPE, QK-norm)."""
+def decoder_unsupported(config: ModelConfig, qk_norm: bool, output_bias_apart: bool = False) -> list[str]:
+    """Reasons a config's attention blocks differ from an HF decoder layer's (RoPE, QK-norm; o's bias
+    follows q/k/v's unless ``output_bias_apart``: the class checks that itself)."""
     reasons = common_unsupported(config)
+    if not output_bias_apart and config.resolved_attention_output_bias != config.attention_bias:
+        reasons.append(f"model.attention_output_bias={config.attention_output_bias} with model.attention_bias="
+                       f"{config.attention_bias} (its q/k/v/o projections all have biases or none do)")
     if config.position_embedding != "rope":
         reasons.append(f"model.position_embedding={config.position_embedding!r} (its attention uses RoPE)")
     if config.qk_norm != qk_norm:
@@ -57,7 +61,8 @@ def attention_maps(config: ModelConfig, block: int, layer: int) -> list[TensorMa
     ours, theirs = f"blocks.{block}", f"model.layers.{layer}"
     maps = [rename(f"{ours}.norm.weight", f"{theirs}.input_layernorm.weight")]
     for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        maps += linear_maps(f"{ours}.mixer.{projection}", f"{theirs}.self_attn.{projection}", config.attention_bias)
+        bias = config.resolved_attention_output_bias if projection == "o_proj" else config.attention_bias
+        maps += linear_maps(f"{ours}.mixer.{projection}", f"{theirs}.self_attn.{projection}", bias)
     if config.qk_norm:
         maps += [rename(f"{ours}.mixer.q_norm.weight", f"{theirs}.self_attn.q_norm.weight"),
                  rename(f"{ours}.mixer.k_norm.weight", f"{theirs}.self_attn.k_norm.weight")]
@@ -77,22 +82,24 @@ def decoder_embedding_maps(config: ModelConfig) -> list[TensorMap]:
 
 
 # --- the dense '*-' decoders: Llama, and Mistral and Qwen3 built on it ------------------------------
-def dense_decoder_config(hf: dict, hf_config: dict, name: str, qk_norm: bool = False) -> ModelConfig:
+def dense_decoder_config(hf: dict, hf_config: dict, name: str, qk_norm: bool = False, **fields) -> ModelConfig:
     """The meshlm config of a Llama-style HF decoder (``hf``: config.json with its class's defaults
-    filled in): layer i is blocks 2i ('*', RoPE attention) and 2i+1 ('-', SwiGLU MLP)."""
+    filled in): layer i is blocks 2i ('*', RoPE attention) and 2i+1 ('-', SwiGLU MLP); ``fields``
+    replace what the class fixes (Qwen2's attention biases)."""
     require(hf, name, "hidden_act", "silu", "meshlm's gated MLP is SwiGLU, silu(gate) * up")
-    return ModelConfig(
+    values = dict(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*-" * hf["num_hidden_layers"],
         **attention_fields(hf), position_embedding="rope", qk_norm=qk_norm,
         **rope_from_hf(hf_config, 10000.0, name),
         mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=bool(hf.get("mlp_bias", False)),
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
         init_std=hf["initializer_range"])
+    return ModelConfig(**{**values, **fields})
 
 
-def dense_decoder_unsupported(config: ModelConfig, label: str, qk_norm: bool) -> list[str]:
+def dense_decoder_unsupported(config: ModelConfig, label: str, qk_norm: bool, output_bias_apart: bool = False) -> list[str]:
     """Why ``config`` is not a '*-' SwiGLU decoder of class ``label`` (with or without QK-norm)."""
-    reasons = decoder_unsupported(config, qk_norm=qk_norm)
+    reasons = decoder_unsupported(config, qk_norm=qk_norm, output_bias_apart=output_bias_apart)
     reasons += blocks_of(config, r"(\*-)+", f"{label} layers are attention then MLP: '*-' repeated")
     if config.mlp_activation != "swiglu":
         reasons.append(f"model.mlp_activation={config.mlp_activation!r} ({label}'s MLP is SwiGLU)")

@@ -110,8 +110,9 @@ def unsupported(config: ModelConfig) -> list[str]:
                            "positional embedding)")
         if config.qk_norm:
             reasons.append("model.qk_norm=True (Nemotron-H attention has no QK-norm)")
-        if config.attention_bias:
-            reasons.append("model.attention_bias=True (Nemotron-H attention has no biases)")
+        if config.attention_bias or config.resolved_attention_output_bias:
+            reasons.append(f"model.attention_bias={config.attention_bias}, model.attention_output_bias="
+                           f"{config.attention_output_bias} (Nemotron-H attention has no biases)")
     if kinds & {"-", "E"} and config.mlp_activation not in ACTIVATION_TO_HF:
         reasons.append(f"model.mlp_activation={config.mlp_activation!r} (Nemotron-H MLPs and experts are not "
                        f"gated: one of {', '.join(ACTIVATION_TO_HF)})")

@@ -143,7 +143,7 @@ class SelfAttention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.resolved_attention_output_bias)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.rotary = (RotaryEmbedding(self.head_dim, config.rope_theta, RopeScaling.from_config(config))

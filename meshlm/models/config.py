@@ -125,7 +125,10 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm over head_dim on queries and keys before RoPE (Qwen3, OLMo-2)."""
     attention_bias: bool = False
-    """Bias terms on the q/k/v/o projections."""
+    """Bias terms on the q/k/v projections, and on o unless attention_output_bias says otherwise."""
+    attention_output_bias: bool | None = None
+    """Bias on the output projection o. None means attention_bias; false with attention_bias=true is
+    Qwen2's layout (q/k/v biases, none on o)."""
     attention_kernel: str = "auto"
     """Which fused SDPA kernel attention prefers (meshlm/models/attention_kernels.py): "auto" (cuDNN's
     on Hopper GPUs, where it is faster than FlashAttention-2; PyTorch's own order elsewhere),
@@ -297,6 +300,10 @@ class ModelConfig:
     @property
     def resolved_num_kv_heads(self) -> int:
         return self.num_kv_heads if self.num_kv_heads is not None else self.num_attention_heads
+
+    @property
+    def resolved_attention_output_bias(self) -> bool:
+        return self.attention_bias if self.attention_output_bias is None else self.attention_output_bias
 
     @property
     def resolved_head_dim(self) -> int:

@@ -43,6 +43,7 @@ BASE = dict(vocab_size=VOCAB, hidden_size=32, pattern="*-*-", num_attention_head
 MODELS = {
     "kv2 untied biases": dict(num_kv_heads=2, attention_bias=True, mlp_bias=True),
     "mqa tied": dict(num_kv_heads=1, tie_embeddings=True),
+    "kv2 qwen2 biases": dict(num_kv_heads=2, attention_bias=True, attention_output_bias=False),
     "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
                                     mlp_activation="squared_relu", mlp_bias=True),
     "kv2 mtp": dict(num_kv_heads=2, mtp_depth=1, mtp_pattern="*-"),
