@@ -15,6 +15,7 @@ layers differ only in what follows the attention.
 
 from __future__ import annotations
 
+from meshlm.errors import ConfigError
 from meshlm.hf.common import (Architecture, TensorMap, blocks_of, common_unsupported, embedding_maps, hf_common_fields,
                               linear_maps, rename, require, rope_from_hf, rope_to_hf, with_defaults)
 from meshlm.models.config import ModelConfig
@@ -95,6 +96,26 @@ def dense_decoder_config(hf: dict, hf_config: dict, name: str, qk_norm: bool = F
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
         init_std=hf["initializer_range"])
     return ModelConfig(**{**values, **fields})
+
+
+FULL_ATTENTION = "full_attention"
+
+
+def require_full_attention(hf: dict, name: str) -> None:
+    """Refuse a Qwen-style config that runs some layers with sliding-window attention
+    (``use_sliding_window``, ``layer_types``): meshlm attention is full causal attention."""
+    require(hf, name, "use_sliding_window", False, "meshlm attention is full causal attention, with no sliding window")
+    sliding = sorted({kind for kind in hf.get("layer_types") or [] if kind != FULL_ATTENTION})
+    if sliding:
+        raise ConfigError(f"{name} config.json: layer_types has {', '.join(map(repr, sliding))} layers, which are "
+                          f"not supported yet (meshlm attention is full causal attention: every entry must be "
+                          f"{FULL_ATTENTION!r}).")
+
+
+def full_attention_to_hf(layers: int) -> dict:
+    """A Qwen-style config.json's fields for full attention in every layer."""
+    return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
+            "layer_types": [FULL_ATTENTION] * layers}
 
 
 def dense_decoder_unsupported(config: ModelConfig, label: str, qk_norm: bool, output_bias_apart: bool = False) -> list[str]:

@@ -21,9 +21,9 @@ without MoE layers.
 
 from __future__ import annotations
 
-from meshlm.errors import ConfigError
-from meshlm.hf.common import Architecture, hf_common_fields, require, with_defaults
-from meshlm.hf.llama import attention_to_hf, dense_decoder_config, dense_decoder_unsupported, tensor_maps
+from meshlm.hf.common import Architecture, hf_common_fields, with_defaults
+from meshlm.hf.llama import (attention_to_hf, dense_decoder_config, dense_decoder_unsupported, full_attention_to_hf,
+                             require_full_attention, tensor_maps)
 from meshlm.models.config import ModelConfig
 
 NAME = "Qwen3ForCausalLM"
@@ -31,18 +31,11 @@ DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 2201
             "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu",
             "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
             "initializer_range": 0.02, "max_position_embeddings": 32768}
-FULL_ATTENTION = "full_attention"
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
-    require(hf, NAME, "use_sliding_window", False, "meshlm attention is full causal attention, "
-            "with no sliding window")
-    sliding = sorted({kind for kind in hf.get("layer_types") or [] if kind != FULL_ATTENTION})
-    if sliding:
-        raise ConfigError(f"{NAME} config.json: layer_types has {', '.join(map(repr, sliding))} layers, which are "
-                          f"not supported yet (meshlm attention is full causal attention: every entry must be "
-                          f"{FULL_ATTENTION!r}).")
+    require_full_attention(hf, NAME)
     return dense_decoder_config(hf, hf_config, NAME, qk_norm=True)
 
 
@@ -59,8 +52,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     return {**hf_common_fields(config, NAME, "qwen3"), **attention_to_hf(config),
             "num_hidden_layers": layers, "intermediate_size": config.resolved_ffn_hidden_size,
             "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "attention_bias": config.attention_bias,
-            "use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
-            "layer_types": [FULL_ATTENTION] * layers,
+            **full_attention_to_hf(layers),
             "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 
 
