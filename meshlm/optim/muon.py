@@ -37,8 +37,8 @@ all-to-all brings each matrix whole to its rank (reassembled with the shard meta
 checkpoints use: Mamba's in_proj is [z, x, B, C, dt], each partition split on its own), which
 runs Newton-Schulz on it, and a second all-to-all returns every rank its rows or columns of the
 result (``meshlm/parallel/tensor/orthogonal_updates.py``): each Newton-Schulz runs once, not
-once per TP rank. Replicated parameters (the KV projections when there are fewer KV heads than TP ranks) are
-whole already; their partial gradients are summed over TP before the step.
+once per TP rank. Replicated parameters (the KV projections when there are fewer KV heads than
+TP ranks) are whole already; their partial gradients are summed over TP before the step.
 Experts split over EP are whole experts on each rank: nothing to gather. Data, context and
 pipeline parallelism leave each rank whole matrices (with summed gradients) and need nothing.
 ZeRO cuts the flat parameter buffer at arbitrary element ranges: there the distributed
