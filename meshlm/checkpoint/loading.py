@@ -98,10 +98,12 @@ def check_shapes(requests: dict, sources: dict[str, str], stored: dict[str, tupl
     if wrong:
         parts.append("shape mismatch: " + "; ".join(wrong[:8]) + (" ..." if len(wrong) > 8 else ""))
     if missing and not wrong and all(key.startswith("optim/") for key in missing):
-        raise CheckpointError(f"{where} holds no {missing[0].rsplit('/', 1)[1]} for {len(missing)} parameters "
-                              f"({missing[0].split('/')[1]}, ...): it was saved with another optim.optimizer. Resume "
-                              "with the optimizer it was trained with, or start a new run from its weights with "
-                              "train.init_from (a fresh optimizer).")
+        state = missing[0].rsplit("/", 1)[1]
+        saved_by = "adamw" if state == "momentum_buffer" else "muon"  # the other one's state is what is missing
+        raise CheckpointError(f"{where} holds no {state} for {len(missing)} parameters ({missing[0].split('/')[1]}, "
+                              f"...): it was saved with optim.optimizer={saved_by}. Resume with "
+                              f"optim.optimizer={saved_by}, or start a new run from its weights with train.init_from "
+                              "(a fresh optimizer).")
     if parts:
         raise CheckpointError(f"{where} does not fit this run's model ({' | '.join(parts)}); it was saved for a "
                               "different model.")

@@ -129,7 +129,8 @@ def test_muon_checkpoint_resumes_at_other_layouts(runs, tmp_path):
 def test_adamw_checkpoint_is_refused_by_a_muon_run_with_the_way_out(runs, tmp_path):
     saved = runs["root"] / "adamw dense" / "checkpoints" / "step_3"
     shutil.copytree(saved, tmp_path / "switched" / "checkpoints" / "step_3")
-    with pytest.raises(CheckpointError, match=r"momentum_buffer.*another optim.optimizer.*train.init_from"):
+    with pytest.raises(CheckpointError, match=r"no momentum_buffer .* saved with optim.optimizer=adamw. Resume with "
+                                              r"optim.optimizer=adamw, or .* train.init_from"):
         HELPERS.train_once(runs["blend"], tmp_path / "switched", muon_overrides("dense"))
 
 
