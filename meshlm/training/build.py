@@ -22,6 +22,7 @@ import torch
 from meshlm.checkpoint.materialize import InitialValues, materialize
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.layer import set_load_balancing_sum
+from meshlm.optim.muon import muon_parameter
 from meshlm.parallel.collectives import summing_over
 from meshlm.parallel.context.context_parallel import apply_context_parallel
 from meshlm.parallel.parallelize import parallelize_model
@@ -40,6 +41,9 @@ class BuiltModel:
     """Parameters of the whole single-process model."""
     num_trainable: int
     """Of those, the ones that train (all but the frozen weights under LoRA: ``model.lora_rank``)."""
+    num_muon: int
+    """Of those, the ones Muon would step (``meshlm.optim.muon.muon_parameter``; the start line's
+    count under optim.optimizer=muon)."""
     sum_over_dp_cp: object
     """Sums a tensor over the DP x CP group (the MoE balancing's token counts; identity in one process)."""
 
@@ -52,6 +56,7 @@ def build_model(config, context, device: torch.device, init_from: str | None = N
         model = LanguageModel(config.model, seed=train.seed)
     num_parameters = model.num_parameters()
     num_trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+    num_muon = sum(parameter.numel() for name, parameter in model.named_parameters() if muon_parameter(name, parameter))
     model = parallelize_model(model, context, config.parallel.vocab_pad_multiple)
     apply_context_parallel(model, context)  # ring attention, Mamba state hand-off (cp > 1)
     apply_recompute(model, train.recompute, train.recompute_every)
@@ -63,7 +68,7 @@ def build_model(config, context, device: torch.device, init_from: str | None = N
     source = (InitialValues(config.model, train.seed) if init_from is None
               else initial_weights_source(init_from, config.model, seed=train.seed))
     materialize(model, context, source, device)
-    return BuiltModel(model.train(), pipeline, num_parameters, num_trainable, sum_over_dp_cp)
+    return BuiltModel(model.train(), pipeline, num_parameters, num_trainable, num_muon, sum_over_dp_cp)
 
 
 __all__ = ["BuiltModel", "build_model"]

@@ -101,8 +101,7 @@ from meshlm.training.distillation_pipeline import distilling_stages
 from meshlm.training.early_stopping import EARLY_STOP, early_stop_message, stopped_early, write_best_pointer
 from meshlm.training.fault_tolerance import NonFiniteTrainingStop, SkipStreak, explain_collective_failures, stop_message
 from meshlm.training.initial_weights import model_from_init_folder
-from meshlm.training.memory_estimate import (available_memory, counted_parameters, estimate_training_memory,
-                                             memory_warning)
+from meshlm.training.memory_estimate import available_memory, estimate_training_memory, memory_warning
 from meshlm.training.memory_snapshot import MemorySnapshots
 from meshlm.training.memory_usage import format_bytes, peak_memory
 from meshlm.training.metrics import (MetricsLog, ProgressLine, SilentLog, Throughput, expert_load_summary, format_count,
@@ -235,7 +234,7 @@ class Trainer:
         built = build_model(config, self.context, self.device,
                             init_from=train.init_from if checkpoint_dir is None else None)
         self.model, self.pipeline, self.num_parameters = built.model, built.pipeline, built.num_parameters
-        self.num_trainable = built.num_trainable
+        self.num_trainable, self.num_muon = built.num_trainable, built.num_muon
         self.sum_over_dp_cp = built.sum_over_dp_cp  # the MoE balancing's token counts
         if self.recipe is not None:
             apply_recipe(self.model, self.recipe, config.model.num_blocks, config.precision.high_precision_layers,
@@ -686,8 +685,7 @@ class Trainer:
         """' (N trainable: LoRA rank r)' when only a part of the model trains; ' (Muon: N, AdamW: the
         rest)' under optim.optimizer=muon (single-process counts); else ''."""
         if self.config.optim.optimizer == "muon":
-            muon = sum(counted_parameters(self.config.model)[2].values())
-            return f" (Muon: {format_count(muon)}, AdamW: the rest)"
+            return f" (Muon: {format_count(self.num_muon)}, AdamW: the rest)"
         if self.num_trainable == self.num_parameters:
             return ""
         lora = self.config.model.lora_rank
