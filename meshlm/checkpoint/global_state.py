@@ -41,11 +41,13 @@ from dataclasses import dataclass, field
 import torch
 
 from meshlm.checkpoint.sharding import Chunk, flat_chunks, tensor_chunks
+from meshlm.optim.adamw import adamw_step_tensor
+from meshlm.optim.muon import MOMENTUM_KEY, MUON_GROUP
 from meshlm.parallel.pipeline.stages import STAGE_COPY_NAMES
 from meshlm.precision.delayed_scaling import delayed_scalings
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-MUON_MOMENTUM = ("momentum_buffer",)
+MUON_MOMENTUM = (MOMENTUM_KEY,)
 STATE_KEYS = MOMENTS + MUON_MOMENTUM
 """Every per-parameter optimizer tensor a checkpoint may hold (AdamW's moments, Muon's momentum)."""
 GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay")
@@ -140,16 +142,9 @@ def master_tensors(parts: TrainingParts) -> dict[str, GlobalTensor]:
     return tensors
 
 
-def adamw_step_tensor(step: float, group: dict, param: torch.Tensor) -> torch.Tensor:
-    """A torch AdamW's step count as its own first step makes it: on the parameter's device for the
-    fused or capturable kernels (the fused CUDA kernel refuses a CPU step), else on the CPU."""
-    on_parameter_device = group.get("fused") or group.get("capturable")
-    return torch.tensor(float(step), dtype=torch.float32, device=param.device if on_parameter_device else "cpu")
-
-
 def state_keys(group: dict) -> tuple[str, ...]:
     """The per-parameter tensors of a parameter group: Muon's momentum, or AdamW's two moments."""
-    return MUON_MOMENTUM if group.get("name") == "muon" else MOMENTS
+    return MUON_MOMENTUM if group.get("name") == MUON_GROUP else MOMENTS
 
 
 def ensure_adamw_state(optimizer: torch.optim.Optimizer) -> None:

@@ -42,6 +42,7 @@ from meshlm.checkpoint.planners import ChunkLoadPlanner, read_items_by_file
 from meshlm.checkpoint.sharding import box_view
 from meshlm.checkpoint.training_checkpoint import TrainerState, check_model_config, read_checkpoint, restore_rng_state
 from meshlm.errors import CheckpointError
+from meshlm.optim.muon import MOMENTUM_KEY
 from meshlm.parallel.collectives import all_gather_objects
 
 
@@ -99,7 +100,7 @@ def check_shapes(requests: dict, sources: dict[str, str], stored: dict[str, tupl
         parts.append("shape mismatch: " + "; ".join(wrong[:8]) + (" ..." if len(wrong) > 8 else ""))
     if missing and not wrong and all(key.startswith("optim/") for key in missing):
         state = missing[0].rsplit("/", 1)[1]
-        saved_by = "adamw" if state == "momentum_buffer" else "muon"  # the other one's state is what is missing
+        saved_by = "adamw" if state == MOMENTUM_KEY else "muon"  # the other one's state is what is missing
         raise CheckpointError(f"{where} holds no {state} for {len(missing)} parameters ({missing[0].split('/')[1]}, "
                               f"...): it was saved with optim.optimizer={saved_by}. Resume with "
                               f"optim.optimizer={saved_by}, or start a new run from its weights with train.init_from "

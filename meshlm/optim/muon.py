@@ -61,13 +61,15 @@ from collections.abc import Callable
 import torch
 from torch.optim.adamw import adamw
 
-from meshlm.optim.adamw import build_adamw_groups, fused_supported
+from meshlm.optim.adamw import adamw_step_tensor, build_adamw_groups, fused_supported
 
 NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """(a, b, c) of the quintic iteration (Jordan et al. 2024): the largest slope at zero for which
 every singular value still ends in about [0.7, 1.2] after five steps."""
 MUON_GROUP = "muon"
 """The name of the parameter group Muon steps; the others are AdamW's ("decay", "no_decay")."""
+MOMENTUM_KEY = "momentum_buffer"
+"""The state key of a Muon parameter's momentum (and its checkpoint key, ``optim/NAME/momentum_buffer``)."""
 ADAMW_EXCLUDED_SUFFIXES = ("router.weight", "conv1d.weight")
 """Matrices (or stacked filters) inside the blocks that stay with AdamW: an MoE router's logits
 (a classifier over experts, sensitive to scale) and Mamba's depthwise convolution (one small
@@ -149,9 +151,9 @@ class Muon(torch.optim.Optimizer):
             if param.grad is None:
                 continue
             state = self.state[param]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            buffer = state["momentum_buffer"]
+            if MOMENTUM_KEY not in state:
+                state[MOMENTUM_KEY] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            buffer = state[MOMENTUM_KEY]
             buffer.mul_(mu).add_(param.grad)
             stepped.append(param)
             directions.append((name, param.grad.add(buffer, alpha=mu) if group["nesterov"] else buffer))
@@ -168,8 +170,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             state = self.state[param]
             if "step" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32,
-                                             device=param.device if group["fused"] else "cpu")
+                state["step"] = adamw_step_tensor(0.0, group, param)
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             params.append(param)
@@ -199,5 +200,5 @@ def build_muon(parameters_by_name: list[tuple[str, torch.nn.Parameter]], config,
                 update_rms=config.muon_update_rms, orthogonalize_many=orthogonalize_many)
 
 
-__all__ = ["MUON_GROUP", "Muon", "build_muon", "muon_parameter", "orthogonalize", "orthogonalize_here",
+__all__ = ["MOMENTUM_KEY", "MUON_GROUP", "Muon", "build_muon", "muon_parameter", "orthogonalize", "orthogonalize_here",
            "update_scale"]
