@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.optim.build import build_optimizer
-from meshlm.optim.muon import MUON_GROUP, orthogonalize, update_scale
+from meshlm.optim.muon import MOMENTUM_KEY, MUON_GROUP, orthogonalize, update_scale
 from meshlm.parallel.data.grad_norm import clip_grads_
 from meshlm.parallel.collectives import all_gather_into_
 from meshlm.parallel.data.grad_reducer import GradientReducer
@@ -204,6 +204,16 @@ class DistributedOptimizer:
                        for param in group["params"]}
         self.muon_indices = {index for index, holder in enumerate(holders) if id(holder) in muon_params}
         """The reducer's indices of the parameters Muon steps (their momentum lives in ``exp_avg``)."""
+        self.muon_segments: dict[int, list[Segment]] = {}
+        """Muon parameter index -> this rank's segments of it."""
+        for segment in self.segments:
+            if segment.param in self.muon_indices:
+                self.muon_segments.setdefault(segment.param, []).append(segment)
+        self.muon_buckets = [(bucket, sorted(index for index in self.muon_segments
+                                             if layout.bucket_of[index] == bucket))
+                             for bucket in sorted({layout.bucket_of[index] for index in self.muon_indices})]
+        """(bucket index, the Muon parameters in it this rank owns a segment of) for every bucket
+        holding a Muon parameter: the same buckets and, for TP peers, the same owned lists."""
         self.group_views = [GroupViews([], [], [], []) for _ in self.param_groups]
         for segment in self.segments:
             views = self.group_views[group_of[id(holders[segment.param])]]
@@ -323,7 +333,7 @@ class DistributedOptimizer:
         """The flat per-rank buffers holding parameter ``index``'s state, by the single-process
         optimizer's state key: Muon's momentum, or AdamW's two moments."""
         if self.is_muon(index):
-            return {"momentum_buffer": self.exp_avg}
+            return {MOMENTUM_KEY: self.exp_avg}
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
     def is_muon(self, index: int) -> bool:
@@ -349,17 +359,12 @@ class DistributedOptimizer:
         mu, layout = group["momentum"], self.reducer.layout
         lr, decay = group["lr"], group["weight_decay"]
         rank, size = self.context.dp_cp_rank, self.context.dp_cp_size
-        owned: dict[int, list[Segment]] = {}
-        for segment in self.segments:
-            if self.is_muon(segment.param):
-                owned.setdefault(segment.param, []).append(segment)
-        for bucket_index in sorted({layout.bucket_of[index] for index in self.muon_indices}):
+        for bucket_index, mine in self.muon_buckets:
             bucket = layout.buckets[bucket_index]
             first, last = bucket.shard(rank, size)
             piece = torch.zeros(last - first, dtype=torch.float32, device=self.exp_avg.device)
-            members = [index for index in bucket.params if self.is_muon(index)]
-            for index in members:
-                for segment in owned.get(index, []):
+            for index in mine:
+                for segment in self.muon_segments[index]:
                     grad = self.reducer.segment_grad(segment).float()
                     momentum = self._owned(self.exp_avg, segment)
                     momentum.mul_(mu).add_(grad)
@@ -372,7 +377,6 @@ class DistributedOptimizer:
             if size > 1:
                 whole = torch.empty(bucket.size, dtype=torch.float32, device=piece.device)
                 all_gather_into_(whole, piece, self.context.dp_cp_group)
-            mine = [index for index in sorted(members) if index in owned]  # the same on every TP peer
             named = []
             for index in mine:
                 offset = layout.offsets[index] - bucket.start
@@ -381,7 +385,7 @@ class DistributedOptimizer:
             updates = self.orthogonalize_many(named, lambda matrix: orthogonalize(matrix, group["ns_steps"]))
             for index, (update, whole_shape) in zip(mine, updates):
                 scale = update_scale(whole_shape, group["update_rms"])
-                for segment in owned[index]:
+                for segment in self.muon_segments[index]:
                     value = (self._owned(self.values, segment) if self.shard_values
                              else self.values[segment.start:segment.end])
                     value.mul_(1 - lr * decay)
@@ -486,22 +490,22 @@ class DistributedOptimizer:
         self.gather_parameters()
 
     def state_dict(self) -> dict:
-        """Exactly the state dict of the single-process ``torch.optim.AdamW`` (``build_adamw``).
-        Collective: every DP rank must call it (every rank gets the whole dict)."""
+        """Exactly the state dict of the single-process optimizer (``self.reference``: torch's AdamW,
+        or Muon). Collective: every DP rank must call it (every rank gets the whole dict)."""
         exp_avg, exp_avg_sq = self.gathered_moments()
         packed = self.reference.state_dict()  # groups with hyperparameters, names and packed indices
         if self.step_count == 0:
             return packed
         layout = self.reducer.layout
         position = {id(holder): index for index, holder in enumerate(self.reducer.holders)}
-        gathered = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        gathered = {id(self.exp_avg): exp_avg, id(self.exp_avg_sq): exp_avg_sq}  # this rank's buffer -> whole
         for group, packed_group in zip(self.param_groups, packed["param_groups"]):
             for param, packed_index in zip(group["params"], packed_group["params"]):
                 index = position[id(param)]
                 entry = {} if self.is_muon(index) else {"step": torch.tensor(float(self.step_count),
                                                                              dtype=torch.float32)}
-                entry.update({key: layout.view(gathered["exp_avg" if key == "momentum_buffer" else key], index).clone()
-                              for key in self.state_buffers(index)})
+                entry.update({key: layout.view(gathered[id(buffer)], index).clone()
+                              for key, buffer in self.state_buffers(index).items()})
                 packed["state"][packed_index] = entry
         return packed
 
