@@ -392,6 +392,43 @@ def common_unsupported(config: ModelConfig) -> list[str]:
     return reasons
 
 
+# --- sliding-window attention ----------------------------------------------------------------------
+SLIDING_ATTENTION, FULL_ATTENTION = "sliding_attention", "full_attention"
+"""transformers' ``layer_types`` entries for a layer that attends within ``sliding_window`` and one
+that attends to every earlier token."""
+
+
+def window_fields(window: int | None, sliding: list[bool]) -> dict:
+    """meshlm's ``sliding_window`` fields for HF attention layers that slide (True) or not, in order,
+    with window ``window``: the pattern is the shortest string that repeats to the layers' letters."""
+    if window is None or not any(sliding):
+        return {}
+    letters = "".join("S" if slides else "F" for slides in sliding)
+    period = next(length for length in range(1, len(letters) + 1)
+                  if all(letters[index] == letters[index % length] for index in range(len(letters))))
+    return {"sliding_window": window, "sliding_window_pattern": letters[:period]}
+
+
+def layer_windows(config: ModelConfig) -> list[int | None]:
+    """The window of each attention block of the main stack, in order (None: full attention)."""
+    return [config.attention_window(index) for index in config.attention_blocks if index < config.num_blocks]
+
+
+def window_unsupported(config: ModelConfig, label: str, uniform_only: bool) -> list[str]:
+    """Why ``config``'s windows do not fit a class whose layers all attend to every earlier token
+    (``uniform_only`` False: any window is a reason) or all slide alike (True)."""
+    windows = set(layer_windows(config))
+    if windows <= {None}:
+        return []
+    if not uniform_only:
+        return [f"model.sliding_window={config.sliding_window} ({label} attends to every earlier token; "
+                "MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM hold a window)"]
+    if len(windows) > 1:
+        return [f"model.sliding_window_pattern={config.sliding_window_pattern!r} ({label} slides in every layer "
+                "or none; Qwen2ForCausalLM and Qwen3ForCausalLM take a window per layer)"]
+    return []
+
+
 def embedding_maps(config: ModelConfig, embedding: str, final_norm: str) -> list[TensorMap]:
     maps = [rename("embedding.weight", embedding), rename("final_norm.weight", final_norm)]
     if not config.tie_embeddings:

@@ -16,8 +16,9 @@ layers differ only in what follows the attention.
 from __future__ import annotations
 
 from meshlm.errors import ConfigError
-from meshlm.hf.common import (Architecture, TensorMap, blocks_of, common_unsupported, embedding_maps, hf_common_fields,
-                              linear_maps, rename, require, rope_from_hf, rope_to_hf, with_defaults)
+from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
+                              embedding_maps, hf_common_fields, layer_windows, linear_maps, rename, require, rope_from_hf,
+                              rope_to_hf, window_fields, window_unsupported, with_defaults)
 from meshlm.models.config import ModelConfig
 
 NAME = "LlamaForCausalLM"
@@ -98,24 +99,34 @@ def dense_decoder_config(hf: dict, hf_config: dict, name: str, qk_norm: bool = F
     return ModelConfig(**{**values, **fields})
 
 
-FULL_ATTENTION = "full_attention"
+def qwen_windows_from_hf(hf: dict, name: str) -> dict:
+    """meshlm's window fields from a Qwen2/Qwen3 config.json (``hf`` with the class's defaults):
+    with ``use_sliding_window``, the layers ``layer_types`` marks sliding -- or, without it, the
+    layers from ``max_window_layers`` on -- attend within ``sliding_window``; without it (or with a
+    null window) every layer attends to every earlier token, whatever ``layer_types`` says
+    (transformers' rule)."""
+    window, layers = hf.get("sliding_window"), hf["num_hidden_layers"]
+    if not hf.get("use_sliding_window") or window is None:
+        return {}
+    types = hf.get("layer_types") or [SLIDING_ATTENTION if index >= hf["max_window_layers"] else FULL_ATTENTION
+                                      for index in range(layers)]
+    unknown = sorted(set(types) - {SLIDING_ATTENTION, FULL_ATTENTION})
+    if unknown or len(types) != layers:
+        raise ConfigError(f"{name} config.json: layer_types={types!r} must name {layers} layers, each "
+                          f"{SLIDING_ATTENTION!r} or {FULL_ATTENTION!r}.")
+    return window_fields(window, [kind == SLIDING_ATTENTION for kind in types])
 
 
-def require_full_attention(hf: dict, name: str) -> None:
-    """Refuse a Qwen-style config that runs some layers with sliding-window attention
-    (``use_sliding_window``, ``layer_types``): meshlm attention is full causal attention."""
-    require(hf, name, "use_sliding_window", False, "meshlm attention is full causal attention, with no sliding window")
-    sliding = sorted({kind for kind in hf.get("layer_types") or [] if kind != FULL_ATTENTION})
-    if sliding:
-        raise ConfigError(f"{name} config.json: layer_types has {', '.join(map(repr, sliding))} layers, which are "
-                          f"not supported yet (meshlm attention is full causal attention: every entry must be "
-                          f"{FULL_ATTENTION!r}).")
-
-
-def full_attention_to_hf(layers: int) -> dict:
-    """A Qwen-style config.json's fields for full attention in every layer."""
-    return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
-            "layer_types": [FULL_ATTENTION] * layers}
+def qwen_windows_to_hf(config: ModelConfig, layers: int) -> dict:
+    """A Qwen-style config.json's window fields: ``layer_types`` per layer, and ``max_window_layers``
+    as the full layers before the first sliding one (what older transformers read instead)."""
+    windows = layer_windows(config)
+    if all(window is None for window in windows):
+        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
+                "layer_types": [FULL_ATTENTION] * layers}
+    types = [FULL_ATTENTION if window is None else SLIDING_ATTENTION for window in windows]
+    return {"use_sliding_window": True, "sliding_window": config.sliding_window,
+            "max_window_layers": types.index(SLIDING_ATTENTION), "layer_types": types}
 
 
 def dense_decoder_unsupported(config: ModelConfig, label: str, qk_norm: bool, output_bias_apart: bool = False) -> list[str]:
@@ -134,6 +145,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 
 def unsupported(config: ModelConfig) -> list[str]:
     reasons = dense_decoder_unsupported(config, "Llama", qk_norm=False)
+    reasons += window_unsupported(config, "Llama", uniform_only=False)
     if config.hidden_size % config.num_attention_heads:
         reasons.append(f"model.hidden_size={config.hidden_size} (transformers requires a multiple of "
                        f"num_attention_heads={config.num_attention_heads})")

@@ -5,19 +5,23 @@ QK-norm, no biases), so HF layer i is blocks 2i ('*') and 2i+1 ('-') and every t
 Llama's name (``llama.py``). ``head_dim`` may be set apart from the hidden size (Mistral-Nemo:
 128 with hidden 5120 and 32 heads).
 
-Mistral 7B v0.1 attends within a sliding window of 4096 tokens; later releases set
-``sliding_window`` to null. meshlm attention is full causal attention, so only a null window is
-accepted. An *absent* ``sliding_window`` is transformers' default, a window of 4096 (transformers
-v4 left fields equal to their defaults out of config.json), so it is refused too.
+Mistral 7B v0.1 attends within a sliding window of 4096 tokens in every layer (meshlm
+``model.sliding_window=4096``); later releases set ``sliding_window`` to null (full causal
+attention). An *absent* ``sliding_window`` is transformers' default, a window of 4096
+(transformers v4 left fields equal to their defaults out of config.json). A model whose layers
+slide differently (``model.sliding_window_pattern`` other than all S) is not a Mistral: Qwen2 or
+Qwen3 hold it.
 
-Every model this class can hold, ``LlamaForCausalLM`` holds too and comes first in the export
-order (``convert.py``), so export writes Mistral only for a model imported from it or when
-``--architecture MistralForCausalLM`` asks.
+Every model this class can hold without a window, ``LlamaForCausalLM`` holds too and comes first
+in the export order (``convert.py``), so export writes Mistral for such a model only when it was
+imported from it or ``--architecture MistralForCausalLM`` asks; a model that slides in every
+layer (and has no biases) is exported as Mistral, Llama having no window.
 """
 
 from __future__ import annotations
 
-from meshlm.hf.common import Architecture, hf_common_fields, require, with_defaults
+from meshlm.hf.common import (Architecture, hf_common_fields, layer_windows, window_fields, window_unsupported,
+                              with_defaults)
 from meshlm.hf.llama import attention_to_hf, dense_decoder_config, dense_decoder_unsupported, tensor_maps
 from meshlm.models.config import ModelConfig
 
@@ -30,14 +34,13 @@ DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
-    hf["sliding_window"] = hf_config.get("sliding_window", DEFAULT_SLIDING_WINDOW)  # null is meaningful here
-    require(hf, NAME, "sliding_window", None, "meshlm attention is full causal attention, with no sliding window; "
-            "an absent sliding_window means transformers' default of 4096")
-    return dense_decoder_config(hf, hf_config, NAME)
+    window = hf_config.get("sliding_window", DEFAULT_SLIDING_WINDOW)  # null is meaningful here
+    return dense_decoder_config(hf, hf_config, NAME, **window_fields(window, [True] * hf["num_hidden_layers"]))
 
 
 def unsupported(config: ModelConfig) -> list[str]:
     reasons = dense_decoder_unsupported(config, "Mistral", qk_norm=False)
+    reasons += window_unsupported(config, "Mistral", uniform_only=True)
     if config.attention_bias:
         reasons.append("model.attention_bias=True (Mistral's attention has no biases)")
     if config.mlp_bias:
@@ -49,7 +52,8 @@ def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
     return {**hf_common_fields(config, NAME, "mistral"), **attention_to_hf(config),
             "num_hidden_layers": config.num_blocks // 2, "intermediate_size": config.resolved_ffn_hidden_size,
-            "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "sliding_window": None,
+            "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
+            "sliding_window": next(iter(layer_windows(config)), None),
             "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 
 

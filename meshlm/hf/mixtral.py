@@ -10,13 +10,14 @@ the original names ``w1`` (gate), ``w3`` (up) and ``w2`` (down):
     model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight  blocks.{2i+1}.mixer.experts.up_weight[e]
     model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight  blocks.{2i+1}.mixer.experts.down_weight[e]
 
-Mixtral's RoPE base defaults to 1e6 when config.json does not say.
+Mixtral's RoPE base defaults to 1e6 when config.json does not say. A ``sliding_window`` (null in
+the released models) applies to every layer: meshlm ``model.sliding_window``.
 """
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, TensorMap, blocks_of, hf_common_fields, ours_only, rename, require,
-                              rope_from_hf, with_defaults)
+from meshlm.hf.common import (Architecture, TensorMap, blocks_of, hf_common_fields, layer_windows, ours_only, rename,
+                              require, rope_from_hf, window_fields, window_unsupported, with_defaults)
 from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_embedding_maps,
                              decoder_unsupported)
 from meshlm.hf.qwen3_moe import routed_expert_maps, softmax_moe_unsupported
@@ -33,7 +34,6 @@ DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     require(hf, NAME, "hidden_act", "silu", "meshlm's experts are SwiGLU")
-    require(hf, NAME, "sliding_window", None, "meshlm attention is full causal attention")
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*E" * hf["num_hidden_layers"],
         **attention_fields(hf), position_embedding="rope",
@@ -43,12 +43,14 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
         init_std=hf["initializer_range"],
         moe_num_experts=hf["num_local_experts"], moe_top_k=hf["num_experts_per_tok"],
         moe_ffn_hidden_size=hf["intermediate_size"], moe_score_function="softmax", moe_softmax_before_topk=True,
-        moe_normalize_topk=True, moe_aux_loss_coeff=hf["router_aux_loss_coef"])
+        moe_normalize_topk=True, moe_aux_loss_coeff=hf["router_aux_loss_coef"],
+        **window_fields(hf.get("sliding_window"), [True] * hf["num_hidden_layers"]))
 
 
 def unsupported(config: ModelConfig) -> list[str]:
     reasons = decoder_unsupported(config, qk_norm=False)
     reasons += blocks_of(config, r"(\*E)+", "Mixtral layers are attention then MoE: '*E' repeated")
+    reasons += window_unsupported(config, "Mixtral", uniform_only=True)
     if config.mlp_activation != "swiglu":
         reasons.append(f"model.mlp_activation={config.mlp_activation!r} (Mixtral's experts are SwiGLU)")
     if config.attention_bias:
@@ -60,8 +62,8 @@ def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
     return {**hf_common_fields(config, NAME, "mixtral"), **attention_to_hf(config),
             "num_hidden_layers": config.num_blocks // 2, "intermediate_size": config.resolved_moe_ffn_hidden_size,
-            "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "sliding_window": None,
-            "num_local_experts": config.moe_num_experts, "num_experts_per_tok": config.moe_top_k,
+            "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
+            "sliding_window": next(iter(layer_windows(config)), None), "num_local_experts": config.moe_num_experts, "num_experts_per_tok": config.moe_top_k,
             "router_aux_loss_coef": config.moe_aux_loss_coeff, "router_jitter_noise": 0.0,
             "output_router_logits": False, "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 

@@ -38,7 +38,7 @@ import math
 from meshlm.errors import ConfigError
 from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, TensorMap, common_unsupported,
                               embedding_maps, hf_common_fields, linear_maps, rename, require, split_fused_experts,
-                              stack, with_defaults)
+                              stack, window_unsupported, with_defaults)
 from meshlm.hf.llama import attention_fields
 from meshlm.hf.mamba2 import mamba_fields, mamba_mixer_maps, mamba_to_hf
 from meshlm.models.config import ModelConfig
@@ -104,6 +104,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 
 def unsupported(config: ModelConfig) -> list[str]:
     kinds, reasons = set(config.block_kinds), common_unsupported(config)
+    reasons += window_unsupported(config, "Nemotron-H", uniform_only=False)
     if "*" in kinds:
         if config.position_embedding != "none":
             reasons.append(f"model.position_embedding={config.position_embedding!r} (Nemotron-H attention has no "

@@ -6,8 +6,9 @@ with ``model.attention_output_bias=false``). So HF layer i is blocks 2i ('*') an
 every tensor has Llama's name (``llama.py``), q/k/v with their ``.bias``. The small models tie the
 output head to the embedding; Qwen2.5's long-context configs scale RoPE with YaRN
 (``rope_from_hf``). Qwen2 can run its upper layers with sliding-window attention
-(``use_sliding_window``, ``max_window_layers``, ``layer_types``); meshlm attention is full causal,
-so such a config is refused, and ``sliding_window`` is ignored while sliding is off.
+(``use_sliding_window``, ``sliding_window``, and ``layer_types`` or else ``max_window_layers``):
+meshlm's ``model.sliding_window`` with a ``sliding_window_pattern`` listing the layers
+(``qwen_windows_from_hf``); ``sliding_window`` is ignored while sliding is off.
 
 On export this is the class that fits a dense model with q/k/v biases and none on o (Llama's
 biases come on all four projections or none).
@@ -16,21 +17,22 @@ biases come on all four projections or none).
 from __future__ import annotations
 
 from meshlm.hf.common import Architecture, hf_common_fields, with_defaults
-from meshlm.hf.llama import (attention_to_hf, dense_decoder_config, dense_decoder_unsupported, full_attention_to_hf,
-                             require_full_attention, tensor_maps)
+from meshlm.hf.llama import (attention_to_hf, dense_decoder_config, dense_decoder_unsupported, qwen_windows_from_hf,
+                             qwen_windows_to_hf, tensor_maps)
 from meshlm.models.config import ModelConfig
 
 NAME = "Qwen2ForCausalLM"
 DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": False, "use_sliding_window": False, "initializer_range": 0.02,
+            "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 4096,
+            "max_window_layers": 28, "initializer_range": 0.02,
             "max_position_embeddings": 32768}
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
-    require_full_attention(hf, NAME)
-    return dense_decoder_config(hf, hf_config, NAME, attention_bias=True, attention_output_bias=False)
+    return dense_decoder_config(hf, hf_config, NAME, attention_bias=True, attention_output_bias=False,
+                                **qwen_windows_from_hf(hf, NAME))
 
 
 def unsupported(config: ModelConfig) -> list[str]:
@@ -48,7 +50,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     layers = config.num_blocks // 2
     return {**hf_common_fields(config, NAME, "qwen2"), **attention_to_hf(config),
             "num_hidden_layers": layers, "intermediate_size": config.resolved_ffn_hidden_size,
-            "hidden_act": "silu", "rms_norm_eps": config.norm_eps, **full_attention_to_hf(layers),
+            "hidden_act": "silu", "rms_norm_eps": config.norm_eps, **qwen_windows_to_hf(config, layers),
             "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 
 

@@ -10,9 +10,9 @@ two norms of each layer when ``qk_norm`` is on:
 ``head_dim`` is explicit (128 when config.json does not say, whatever the hidden size; an absent
 ``num_key_value_heads`` is likewise 32, not the number of query heads) and the small models tie
 the output head to the embedding. The MLP has no biases; the attention projections have them iff
-``attention_bias``. Qwen3 can run some layers with sliding-window
-attention (``use_sliding_window``, ``layer_types``); meshlm attention is full causal, so such a
-config is refused, and ``sliding_window`` is ignored only while sliding is off.
+``attention_bias``. Qwen3 can run some layers with sliding-window attention
+(``use_sliding_window``, ``sliding_window``, ``layer_types`` or ``max_window_layers``), read as
+Qwen2's (``qwen_windows_from_hf``); ``sliding_window`` is ignored while sliding is off.
 
 On export this is the first class that fits a dense QK-norm model (``convert.py``'s order: Llama
 has no QK-norm); ``--architecture Qwen3MoeForCausalLM`` writes the same model as a Qwen3-MoE
@@ -22,21 +22,20 @@ without MoE layers.
 from __future__ import annotations
 
 from meshlm.hf.common import Architecture, hf_common_fields, with_defaults
-from meshlm.hf.llama import (attention_to_hf, dense_decoder_config, dense_decoder_unsupported, full_attention_to_hf,
-                             require_full_attention, tensor_maps)
+from meshlm.hf.llama import (attention_to_hf, dense_decoder_config, dense_decoder_unsupported, qwen_windows_from_hf,
+                             qwen_windows_to_hf, tensor_maps)
 from meshlm.models.config import ModelConfig
 
 NAME = "Qwen3ForCausalLM"
 DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu",
             "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
-            "initializer_range": 0.02, "max_position_embeddings": 32768}
+            "sliding_window": 4096, "max_window_layers": 28, "initializer_range": 0.02, "max_position_embeddings": 32768}
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
-    require_full_attention(hf, NAME)
-    return dense_decoder_config(hf, hf_config, NAME, qk_norm=True)
+    return dense_decoder_config(hf, hf_config, NAME, qk_norm=True, **qwen_windows_from_hf(hf, NAME))
 
 
 def unsupported(config: ModelConfig) -> list[str]:
@@ -52,7 +51,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     return {**hf_common_fields(config, NAME, "qwen3"), **attention_to_hf(config),
             "num_hidden_layers": layers, "intermediate_size": config.resolved_ffn_hidden_size,
             "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "attention_bias": config.attention_bias,
-            **full_attention_to_hf(layers),
+            **qwen_windows_to_hf(config, layers),
             "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 
 

@@ -21,8 +21,9 @@ transformers' in-memory layout (a fused ``experts.gate_up_proj`` [E, 2F, d] and 
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, TensorMap, blocks_of, hf_common_fields, ours_only, rename, require,
-                              rope_from_hf, split_fused_experts, stack, with_defaults)
+from meshlm.hf.common import (Architecture, TensorMap, blocks_of, hf_common_fields, layer_windows, ours_only, rename,
+                              require, rope_from_hf, split_fused_experts, stack, window_fields, window_unsupported,
+                              with_defaults)
 from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_embedding_maps,
                              decoder_unsupported, dense_mlp_maps)
 from meshlm.models.config import ModelConfig
@@ -31,7 +32,7 @@ NAME = "Qwen3MoeForCausalLM"
 DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
             "num_attention_heads": 32, "num_key_value_heads": 4, "hidden_act": "silu", "rms_norm_eps": 1e-6,
             "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
-            "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128,
+            "sliding_window": 4096, "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128,
             "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "mlp_only_layers": [],
             "initializer_range": 0.02, "max_position_embeddings": 32768}
 
@@ -85,7 +86,6 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     if "num_local_experts" in hf_config:  # transformers v5 saves the attribute-mapped name
         hf["num_experts"] = hf_config["num_local_experts"]
     require(hf, NAME, "hidden_act", "silu", "meshlm's gated MLP and experts are SwiGLU")
-    require(hf, NAME, "use_sliding_window", False, "meshlm attention is full causal attention")
     pattern = "".join("*E" if is_sparse_layer(hf, layer) else "*-" for layer in range(hf["num_hidden_layers"]))
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern=pattern,
@@ -97,12 +97,16 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
         moe_num_experts=hf["num_experts"], moe_top_k=hf["num_experts_per_tok"],
         moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_score_function="softmax",
         moe_softmax_before_topk=True, moe_normalize_topk=bool(hf["norm_topk_prob"]),
-        moe_aux_loss_coeff=hf["router_aux_loss_coef"])
+        moe_aux_loss_coeff=hf["router_aux_loss_coef"],
+        # with use_sliding_window every layer attends within sliding_window (transformers' Qwen3-MoE)
+        **window_fields(hf["sliding_window"] if hf["use_sliding_window"] else None,
+                        [True] * hf["num_hidden_layers"]))
 
 
 def unsupported(config: ModelConfig) -> list[str]:
     reasons = decoder_unsupported(config, qk_norm=True)
     reasons += blocks_of(config, r"(\*[-E])+", "Qwen3-MoE layers are attention then MoE or MLP: '*E' / '*-'")
+    reasons += window_unsupported(config, "Qwen3-MoE", uniform_only=True)
     if config.mlp_activation != "swiglu":
         reasons.append(f"model.mlp_activation={config.mlp_activation!r} (Qwen3-MoE's MLPs are SwiGLU)")
     if config.mlp_bias:
@@ -116,7 +120,8 @@ def config_to_hf(config: ModelConfig) -> dict:
     return {**hf_common_fields(config, NAME, "qwen3_moe"), **attention_to_hf(config),
             "num_hidden_layers": len(kinds) // 2, "intermediate_size": config.resolved_ffn_hidden_size,
             "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "attention_bias": config.attention_bias,
-            "use_sliding_window": False, "sliding_window": None, "decoder_sparse_step": 1,
+            "use_sliding_window": any(layer_windows(config)),
+            "sliding_window": next(iter(layer_windows(config)), None), "decoder_sparse_step": 1,
             "mlp_only_layers": [layer for layer in range(len(kinds) // 2) if kinds[2 * layer + 1] == "-"],
             "num_experts": config.moe_num_experts, "num_experts_per_tok": config.moe_top_k,
             "moe_intermediate_size": config.resolved_moe_ffn_hidden_size,

@@ -52,19 +52,22 @@ SUPPORTED_KINDS = frozenset("*M-L0")
 
 @torch.library.custom_op("meshlm::cached_attention", mutates_args=("key_buffer", "value_buffer"))
 def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_buffer: torch.Tensor,
-                     value_buffer: torch.Tensor, held: torch.Tensor, mask_buffer: Optional[torch.Tensor]) -> torch.Tensor:
+                     value_buffer: torch.Tensor, held: torch.Tensor, mask_buffer: Optional[torch.Tensor],
+                     window: Optional[int] = None) -> torch.Tensor:
     """Write key/value [b, kv_heads, t, d] into the buffers after their ``held`` tokens (a 0-d
     tensor), then attend with query [b, heads, t, d] over all held tokens (``attention_core``;
-    ``mask_buffer`` [b, capacity], False on padding, or None: no padding)."""
+    ``mask_buffer`` [b, capacity], False on padding, or None: no padding; ``window``: the block's
+    sliding window, None for full attention -- only the last ``window`` keys are read)."""
     end = int(held) + key.shape[2]
     key_buffer[:, :, end - key.shape[2]:end] = key
     value_buffer[:, :, end - key.shape[2]:end] = value
     key_mask = None if mask_buffer is None else mask_buffer[:, :end]
-    return attention_core(query, key_buffer[:, :, :end], value_buffer[:, :, :end], key_mask).contiguous()
+    return attention_core(query, key_buffer[:, :, :end], value_buffer[:, :, :end], key_mask,
+                          window=window).contiguous()
 
 
 @cached_attention.register_fake
-def _(query, key, value, key_buffer, value_buffer, held, mask_buffer):
+def _(query, key, value, key_buffer, value_buffer, held, mask_buffer, window=None):
     return query.new_empty(query.shape)
 
 
@@ -163,7 +166,7 @@ class DecodeStep:
             normed = block.norm(hidden)
             if block.kind == "*":
                 query, key, value = block.mixer.project(normed, positions)
-                attended = cached_attention(query, key, value, next(kv), next(kv), held, mask_buffer)
+                attended = cached_attention(query, key, value, next(kv), next(kv), held, mask_buffer, block.mixer.window)
                 mixed = block.mixer.o_proj(attended.transpose(1, 2).flatten(2))
             elif block.kind == "M":
                 out, conv_state, ssm_state = mamba_decode_step(block.mixer, normed[:, 0], next(states), next(states))

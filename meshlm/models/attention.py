@@ -27,6 +27,22 @@ Measured on CPU (torch 2.13, one thread, 4 heads of 32, 8192 tokens in 16 docume
 backward): 0.29 s and no extra memory, against 2.5 s for causal attention over the whole row and
 4.7 s plus 300 MB for SDPA with the dense mask. (FlexAttention's block masks would do the same in
 one kernel on GPUs; in torch 2.13 it has no backward on CPU, so it is not used here.)
+
+**Sliding-window attention** (``model.sliding_window`` w; Beltagy et al. 2020, "Longformer";
+Child et al. 2019; Mistral 7B, Jiang et al. 2023): a query attends to itself and the w - 1 keys
+before it, so a layer's work and KV reads grow with w, not with the sequence, while stacked layers
+still pass information further back (L layers reach L (w - 1) tokens). Which attention blocks
+slide and which stay full is ``model.sliding_window_pattern`` (Gemma 2 alternates, Gemma 3 has
+five sliding to one full). The key at position j is visible from query i when 0 <= i - j < w:
+the rule of transformers' ``sliding_window_overlay`` (``kv_idx > q_idx - sliding_window``), so
+imported Mistral and Qwen checkpoints compute what they were trained to. ``windowed_attention``
+computes it without an [s, s] mask: the sequence is cut into chunks of w queries, and chunk a
+attends to the 2w keys of chunks a - 1 and a under one [w, 2w] band mask shared by every chunk
+(key j of the pair is visible from query i when i < j <= i + w), all chunks in one SDPA call with
+the chunks folded into the batch; chunk 0 has no predecessor and is plain causal attention. That
+is 2 s w scores instead of s^2 (a win once s > 4w; a sequence no longer than w is plain causal
+attention). Packed documents run it per document span; a KV cache reads only the last
+t + w - 1 keys.
 """
 
 from __future__ import annotations
@@ -45,26 +61,81 @@ from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
 
 
 def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   key_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   key_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """Causal attention of query [b, heads, t, d] over key/value [b, kv_heads, s, d], s >= t.
 
     The t queries are the last t of the s positions (s > t while decoding with a cache).
     ``key_mask`` [b, s] (True = real token) hides padded keys. A query may always see itself,
     so that a padded query row is never fully masked (its output is unused but stays finite).
     ``document_ids`` [b, s] (t = s, no key mask): attend within each document only.
+    ``window``: each query sees only itself and the window - 1 positions before it (by key slot,
+    which is the position where padding is on the left, as generation pads); None: every earlier one.
     """
     query_len, key_len = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
+    if window is not None and window >= key_len:
+        window = None  # every query sees all its keys anyway
     if document_ids is not None:
         if key_mask is not None or query_len != key_len:
             raise ValueError("attention over packed documents takes whole sequences without padding or a cache")
-        return document_attention(query, key, value, document_ids)
+        return document_attention(query, key, value, document_ids, window)
     if key_mask is None and query_len == key_len:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=gqa)
-    if key_mask is None and query_len == 1:  # decoding: the newest position sees every key, no mask to build
+        return causal_attention(query, key, value, window)
+    if window is not None:  # keys before the first query's window are never read
+        first = max(key_len - query_len - window + 1, 0)
+        key, value = key[:, :, first:], value[:, :, first:]
+        key_mask = None if key_mask is None else key_mask[:, first:]
+        key_len = key.shape[2]
+    if key_mask is None and query_len == 1:  # decoding: the newest position sees every key left, no mask to build
         return F.scaled_dot_product_attention(query, key, value, enable_gqa=gqa)
-    allowed = allowed_keys(query_len, key_len, key_mask, query.device)
+    allowed = allowed_keys(query_len, key_len, key_mask, query.device, window=window)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, enable_gqa=gqa)
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     window: int | None = None) -> torch.Tensor:
+    """Causal attention of s queries over their own s keys: whole, or within ``window``."""
+    if window is None or window >= query.shape[2]:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                              enable_gqa=query.shape[1] != key.shape[1])
+    return windowed_attention(query, key, value, window)
+
+
+def window_chunks(seq_len: int, window: int) -> int:
+    """How many chunks of ``window`` queries ``windowed_attention`` cuts ``seq_len`` tokens into
+    (the last one zero-padded): one when the whole sequence fits in the window."""
+    return 1 if window >= seq_len else -(-seq_len // window)
+
+
+def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int) -> torch.Tensor:
+    """Sliding-window causal attention of query [b, heads, s, d] over key/value [b, kv_heads, s, d]
+    (query i sees keys i - window + 1 .. i), chunk by chunk with one band mask (the module docstring)."""
+    batch, heads, length, head_dim = query.shape
+    chunks = window_chunks(length, window)
+    padding = chunks * window - length
+    if padding:  # padded keys come after every real query, so no real query sees them
+        query, key, value = (F.pad(tensor, (0, 0, 0, padding)) for tensor in (query, key, value))
+    gqa = heads != key.shape[1]
+    first = F.scaled_dot_product_attention(query[:, :, :window], key[:, :, :window], value[:, :, :window],
+                                           is_causal=True, enable_gqa=gqa)
+
+    def chunked(tensor: torch.Tensor) -> torch.Tensor:  # [b, n, c, d] per head -> [b, heads, n, c, d]
+        return tensor.unflatten(2, (chunks, window))
+
+    def folded(tensor: torch.Tensor) -> torch.Tensor:  # [b, heads, m, c, d] -> [b * m, heads, c, d]
+        return tensor.transpose(1, 2).flatten(0, 1)
+
+    key_chunks, value_chunks = chunked(key), chunked(value)
+    pair_keys = torch.cat((key_chunks[:, :, :-1], key_chunks[:, :, 1:]), dim=3)  # chunks a - 1 and a
+    pair_values = torch.cat((value_chunks[:, :, :-1], value_chunks[:, :, 1:]), dim=3)
+    rows = torch.arange(window, device=query.device)[:, None]
+    columns = torch.arange(2 * window, device=query.device)[None, :]
+    band = (columns > rows) & (columns <= rows + window)  # [w, 2w]: 0 <= (w + i) - j < w
+    rest = F.scaled_dot_product_attention(folded(chunked(query)[:, :, 1:]), folded(pair_keys), folded(pair_values),
+                                          attn_mask=band, enable_gqa=gqa)
+    rest = rest.unflatten(0, (batch, chunks - 1)).transpose(1, 2).flatten(2, 3)
+    return torch.cat((first, rest), dim=2)[:, :, :length]
 
 
 def document_spans(document_ids: torch.Tensor) -> list[tuple[tuple[int, int], ...]]:
@@ -78,10 +149,10 @@ def document_spans(document_ids: torch.Tensor) -> list[tuple[tuple[int, int], ..
 
 
 def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       document_ids: torch.Tensor) -> torch.Tensor:
+                       document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """Causal attention within each document of ``document_ids`` [b, s]: one causal SDPA call per
-    document span, over all the rows that share the same spans (the module docstring)."""
-    gqa = query.shape[1] != key.shape[1]
+    document span (``causal_attention``, within ``window`` if given), over all the rows that share
+    the same spans (the module docstring)."""
     rows_by_spans: dict[tuple, list[int]] = {}
     for row, spans in enumerate(document_spans(document_ids)):
         rows_by_spans.setdefault(spans, []).append(row)
@@ -92,8 +163,8 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         else:
             index = torch.tensor(rows, device=query.device)
             q, k, v = query.index_select(0, index), key.index_select(0, index), value.index_select(0, index)
-        pieces = [F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop],
-                                                 is_causal=True, enable_gqa=gqa) for start, stop in spans]
+        pieces = [causal_attention(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], window)
+                  for start, stop in spans]
         outputs.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
         order += rows
     if len(outputs) == 1:
@@ -104,12 +175,14 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def allowed_keys(query_len: int, key_len: int, key_mask: torch.Tensor | None, device,
-                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 document_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Which keys each query may attend to: [t, s], or [b, 1, t, s] with a key mask or documents
     (see ``attention_core``)."""
     query_positions = torch.arange(key_len - query_len, key_len, device=device)[:, None]
     key_positions = torch.arange(key_len, device=device)[None, :]
     allowed = key_positions <= query_positions  # [t, s]
+    if window is not None:
+        allowed = allowed & (key_positions > query_positions - window)
     if key_mask is not None:
         allowed = allowed & key_mask[:, None, None, :].bool()
         allowed = allowed | (key_positions == query_positions)
@@ -120,14 +193,14 @@ def allowed_keys(query_len: int, key_len: int, key_mask: torch.Tensor | None, de
 
 def attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            key_mask: torch.Tensor | None, keep: torch.Tensor, p: float,
-                           document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                           document_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """``attention_core`` with dropout on the probabilities: softmax(q k^T / sqrt(d) + mask), then
     the ``keep`` mask [b, heads, t, s] and the 1/(1-p) scale, then times v. (It holds [t, s]
     probabilities anyway, so packed documents are a mask here.)"""
     group = query.shape[1] // key.shape[1]  # GQA: query head h reads KV head h // group
     key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
     scores = (query @ key.transpose(-2, -1)) * query.shape[-1] ** -0.5
-    allowed = allowed_keys(query.shape[2], key.shape[2], key_mask, query.device, document_ids)
+    allowed = allowed_keys(query.shape[2], key.shape[2], key_mask, query.device, document_ids, window)
     probabilities = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1)
     return apply_keep_mask(probabilities.to(value.dtype), keep, p) @ value
 
@@ -154,6 +227,9 @@ class SelfAttention(nn.Module):
         self.recompute_core = False
         """Selective recomputation (set by training.recompute): keep only q, k, v for backward and
         recompute scores, softmax and the weighted sum from them."""
+        self.window = config.sliding_window
+        """Sliding window (tokens a query sees, itself included) of this block, None for full causal
+        attention (``config`` is the block's own: ``ModelConfig.for_block``)."""
         self.dropout_p = config.attention_dropout
         self.dropout_site = dropout_site("attention_probs", layer_index)
 
@@ -199,12 +275,14 @@ class SelfAttention(nn.Module):
         core, dropout = self.core, ()
         if self.training and self.dropout_p > 0:
             core, dropout = attention_with_dropout, (self.dropout_keep_mask(context, key.shape[2]), self.dropout_p)
-        documents = {} if context.document_ids is None else {"document_ids": context.document_ids}
+        options = {} if context.document_ids is None else {"document_ids": context.document_ids}
+        if self.window is not None:
+            options["window"] = self.window
         if self.recompute_core and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(core, query, key, value, key_mask, *dropout, use_reentrant=False,
-                                                    **documents)
+                                                    **options)
         else:
-            out = core(query, key, value, key_mask, *dropout, **documents)
+            out = core(query, key, value, key_mask, *dropout, **options)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def dropout_keep_mask(self, context, key_len: int) -> torch.Tensor:

@@ -129,6 +129,16 @@ class ModelConfig:
     attention_output_bias: bool | None = None
     """Bias on the output projection o. None means attention_bias; false with attention_bias=true is
     Qwen2's layout (q/k/v biases, none on o)."""
+    sliding_window: int | None = None
+    """Sliding-window attention (Longformer, Mistral 7B): each query of a sliding attention block
+    sees itself and the sliding_window - 1 tokens before it (transformers' rule), so its work and
+    KV reads stop growing with the sequence. None: full causal attention in every block."""
+    sliding_window_pattern: str = "S"
+    """Which attention blocks slide, one letter per attention block in order (the main stack's,
+    then each MTP depth's), repeated as needed: S sliding, F full causal. "S": all (Mistral 7B
+    v0.1); "SF": alternating (Gemma 2, gpt-oss); "SSSSSF": five sliding to one full (Gemma 3);
+    a string as long as the attention blocks lists each one (Qwen2's max_window_layers). Needs
+    sliding_window."""
     attention_kernel: str = "auto"
     """Which fused SDPA kernel attention prefers (meshlm/models/attention_kernels.py): "auto" (cuDNN's
     on Hopper GPUs, where it is faster than FlashAttention-2; PyTorch's own order elsewhere),
@@ -336,14 +346,36 @@ class ModelConfig:
         """The config of block ``index``: this one with ``block_overrides[index]`` applied (this very
         object when the block has none, and for MTP blocks, which count on after the main ones).
         An attention block that changes its head count keeps the model's head_dim (as in
-        Llama-Nemotron) unless it sets head_dim too."""
-        overrides = self.block_overrides.get(index)
-        if not overrides:
+        Llama-Nemotron) unless it sets head_dim too. A full-attention block of a model with a
+        sliding window (``sliding_window_pattern``) gets sliding_window None."""
+        values = dict(self.block_overrides.get(index) or {})
+        if self.sliding_window is not None and self.attention_window(index) is None and index in self.attention_blocks:
+            values.update(sliding_window=None, sliding_window_pattern="S")
+        if not values:
             return self
-        values = dict(overrides)
-        if self.block_kinds[index] == "*" and "head_dim" not in values:
+        if index < self.num_blocks and self.block_kinds[index] == "*" and "head_dim" not in values:
             values["head_dim"] = self.resolved_head_dim
         return dataclasses.replace(self, block_overrides={}, **values)
+
+    @property
+    def attention_blocks(self) -> list[int]:
+        """Indices of the attention blocks, in order: the main stack's, then each MTP depth's (whose
+        blocks count on after the main ones, ``models/mtp.py``)."""
+        indices = [index for index, kind in enumerate(self.block_kinds) if kind == "*"]
+        if self.mtp_depth:
+            depth_kinds = parse_pattern(self.mtp_pattern, "model.mtp_pattern").kinds
+            for depth in range(self.mtp_depth):
+                first = self.num_blocks + depth * len(depth_kinds)
+                indices += [first + offset for offset, kind in enumerate(depth_kinds) if kind == "*"]
+        return indices
+
+    def attention_window(self, index: int) -> int | None:
+        """The sliding window of attention block ``index`` (``sliding_window_pattern``), None where
+        it attends to every earlier token (or is no attention block)."""
+        if self.sliding_window is None or index not in self.attention_blocks:
+            return None
+        pattern = self.sliding_window_pattern
+        return self.sliding_window if pattern[self.attention_blocks.index(index) % len(pattern)] == "S" else None
 
     @property
     def output_init_std(self) -> float:
@@ -368,6 +400,9 @@ class ModelConfig:
                                          if self.mtp_depth else set())
         if "*" in kinds:
             self._validate_attention()
+        elif self.sliding_window is not None:
+            raise ConfigError(f"model.sliding_window={self.sliding_window} applies to attention blocks, and "
+                              f"model.pattern={self.pattern!r} has none; set model.sliding_window=null.")
         if "M" in kinds:
             self._validate_mamba()
         if "E" in kinds:
@@ -477,6 +512,19 @@ class ModelConfig:
         if self.position_embedding == "rope" and self.resolved_head_dim % 2:
             raise ConfigError(f"RoPE rotates pairs of channels, so the head dim ({self.resolved_head_dim}) must be even.")
         self._validate_rope_scaling()
+        self._validate_sliding_window()
+
+    def _validate_sliding_window(self) -> None:
+        window, pattern = self.sliding_window, self.sliding_window_pattern
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ConfigError(f"model.sliding_window={window!r} must be a positive number of tokens (each query "
+                              "sees itself and window - 1 before it), or null for full causal attention.")
+        if not isinstance(pattern, str) or not pattern or set(pattern) - {"S", "F"}:
+            raise ConfigError(f"model.sliding_window_pattern={pattern!r} must be a string of S (sliding) and F (full) "
+                              "letters, one per attention block, repeated: e.g. 'S' (all), 'SF' (alternating).")
+        if window is None and pattern != "S":
+            raise ConfigError(f"model.sliding_window_pattern={pattern!r} chooses the blocks that slide, but "
+                              "model.sliding_window is null; set model.sliding_window (e.g. 4096) or drop the pattern.")
 
     def _validate_rope_scaling(self) -> None:
         _choice(self, "rope_scaling", ROPE_SCALINGS)

@@ -29,7 +29,9 @@ gradients; ``tests/models/test_flops.py`` fills those in to compare.)
 Per block kind, for a sequence of T tokens (h hidden, a/k query/KV heads of width d):
 
 - attention ``*``: q, k, v, o projections 2h(a d + 2 k d + a d) T (grouped-query aware) plus
-  scores and weighted sum 2 a d T^2 each.
+  scores and weighted sum 2 a d T^2 each. With a sliding window w < T (``model.sliding_window``)
+  they count the rectangles ``windowed_attention`` computes, as FlopCounterMode does: the first
+  chunk's w x w, then w x 2w for each of the other ceil(T / w) - 1 chunks (the last one padded).
 - MLP ``-``: 2 h F T per projection; SwiGLU has three (gate, up, down), the others two.
 - MoE ``E``: router 2 h E T, plus top_k experts per token, plus the shared expert and the
   LatentMoE in/out projections. We count the *nominal* top_k: a capacity limit that drops
@@ -68,6 +70,7 @@ import math
 from dataclasses import dataclass
 
 from meshlm.errors import ConfigError
+from meshlm.models.attention import window_chunks
 from meshlm.models.config import ModelConfig
 from meshlm.models.mlp import is_gated
 from meshlm.models.pattern import LINEAR, NO_OP, parse_pattern
@@ -111,15 +114,25 @@ def projection_flops(kind: str, config: ModelConfig, seq_len: int) -> dict[str, 
             for name, in_features, out_features in block_linear_layers(kind, config)}
 
 
+def attended_pairs(seq_len: int, window: int | None) -> int:
+    """Query-key pairs whose scores the attention core computes over one sequence: the full square
+    (see the module docstring), or with a sliding ``window`` shorter than the sequence the chunks
+    of ``windowed_attention``: w x w, then w x 2w per further chunk."""
+    if window is None or window >= seq_len:
+        return seq_len * seq_len
+    return window * window + (window_chunks(seq_len, window) - 1) * window * 2 * window
+
+
 def attention_terms(config: ModelConfig, seq_len: int) -> dict[str, int]:
     heads, head_dim = config.num_attention_heads, config.resolved_head_dim
     projections = projection_flops("*", config, seq_len)
+    pairs = attended_pairs(seq_len, config.sliding_window)  # the block's own config: None for full blocks
     return {
         "q_proj": projections["q_proj"],
         "kv_proj": projections["k_proj"] + projections["v_proj"],
-        # Full square (see the module docstring): every query against every key, then values.
-        "scores": 2 * heads * seq_len * seq_len * head_dim,
-        "attend": 2 * heads * seq_len * seq_len * head_dim,
+        # Every query against every key it is scored with, then values.
+        "scores": 2 * heads * pairs * head_dim,
+        "attend": 2 * heads * pairs * head_dim,
         "o_proj": projections["o_proj"],
     }
 
@@ -202,11 +215,19 @@ def head_flops(config: ModelConfig, seq_len: int) -> int:
     return linear_flops(config.hidden_size, config.vocab_size, seq_len)
 
 
-def mtp_depth_flops(config: ModelConfig, seq_len: int) -> int:
-    """One multi-token-prediction depth: its 2h -> h projection, its blocks and the shared head."""
+def mtp_depth_flops(config: ModelConfig, seq_len: int, depth: int = 0) -> int:
+    """Multi-token-prediction depth ``depth``: its 2h -> h projection, its blocks (each with its own
+    config: they count on after the main stack's, ``config.for_block``) and the shared head."""
     kinds = parse_pattern(config.mtp_pattern, "model.mtp_pattern").kinds
-    blocks = sum(block_flops(kind, config, seq_len).per_sequence for kind in kinds)
+    first = config.num_blocks + depth * len(kinds)
+    blocks = sum(block_flops(kind, config.for_block(first + offset), seq_len).per_sequence
+                 for offset, kind in enumerate(kinds))
     return linear_flops(2 * config.hidden_size, config.hidden_size, seq_len) + blocks + head_flops(config, seq_len)
+
+
+def mtp_flops(config: ModelConfig, seq_len: int) -> int:
+    """Every multi-token-prediction depth's forward FLOPs over one sequence."""
+    return sum(mtp_depth_flops(config, seq_len, depth) for depth in range(config.mtp_depth))
 
 
 def model_flops_breakdown(config: ModelConfig, seq_len: int) -> dict[str, int]:
@@ -214,7 +235,7 @@ def model_flops_breakdown(config: ModelConfig, seq_len: int) -> dict[str, int]:
     parts = {f"blocks.{index}": flops.per_sequence for index, flops in enumerate(model_block_flops(config, seq_len))}
     parts["head"] = head_flops(config, seq_len)
     for depth in range(config.mtp_depth):
-        parts[f"mtp.{depth}"] = mtp_depth_flops(config, seq_len)
+        parts[f"mtp.{depth}"] = mtp_depth_flops(config, seq_len, depth)
     return parts
 
 

@@ -66,7 +66,7 @@ import math
 
 import torch
 
-from meshlm.models.flops import BACKWARD_TO_FORWARD, block_flops, head_flops, mtp_depth_flops
+from meshlm.models.flops import BACKWARD_TO_FORWARD, block_flops, head_flops, mtp_flops
 from meshlm.models.language_model import LanguageModel
 from meshlm.optim.muon import muon_parameter
 from meshlm.parallel.pipeline.stages import stage_starts
@@ -143,7 +143,7 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
     blocks = block_times(config, layout, hardware, seq)
     num_stages = layout.pp * layout.vp
     starts = (stage_starts(model, num_stages, seq) if num_stages > 1 else [0]) + [model.num_blocks]
-    head = (head_flops(model, seq) + model.mtp_depth * mtp_depth_flops(model, seq)) / layout.cp / layout.tp
+    head = (head_flops(model, seq) + mtp_flops(model, seq)) / layout.cp / layout.tp
     head_s = head / hardware.block_rates.get("head", hardware.rate("matmul"))
     tokens_local = micro_batch * seq / layout.cp
     activation_bytes = tokens_local * model.hidden_size * dtype_bytes

@@ -35,7 +35,9 @@ k the top-k, w the expert width:
 
     every block (its pre-norm)  8h + 4 + d*h     input in fp32, normalized fp32, 1/rms; output in dtype
     attention   *               8hd + d(2q + 2kv) + 4a   RoPE cos/sin, q, k, v, output; LSE (not with
-                                                          selective recompute)
+                                                          selective recompute); with a sliding window
+                                                          w < s (no CP) its chunked copies, about
+                                                          d(2q + 4kv) more (exactly: see the code)
     MLP         -               d * (4F gated / 2F)       gate, up, act(gate), product (or proj, act)
     MoE         E               (norm output in fp32: 12h + 4) + 16E + 4 (router) + k(20 + d*w + d*MLP
                                 + 8w) (indices, weights, dispatched rows, experts, fp32 combine)
@@ -99,6 +101,7 @@ from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.model_files import read_model_config
 from meshlm.data.preference import PAIRS
 from meshlm.errors import CheckpointError
+from meshlm.models.attention import window_chunks
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.losses import default_tokens_per_chunk
 from meshlm.models.mlp import is_gated
@@ -232,6 +235,14 @@ def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
         key_value = model.resolved_num_kv_heads * model.resolved_head_dim
         rope = 8 * model.resolved_head_dim if model.position_embedding == "rope" else 0  # cos, sin
         core = (2 * query + 2 * key_value) * dtype_bytes + (0 if selective else 4 * model.num_attention_heads)
+        window = model.sliding_window
+        if window is not None and window < seq and layout.cp_size == 1 and not selective:
+            # windowed_attention over P = chunks * window padded positions: q, k, v padded to P, the
+            # two outputs and LSEs over P rows, and the later chunks' folded queries and key/value pairs
+            padded = window_chunks(seq, window) * window
+            core += ((query + 2 * key_value) * (padded - seq) / seq + query * padded / seq
+                     + (query + 4 * key_value) * (padded - window) / seq) * dtype_bytes
+            core += 4 * model.num_attention_heads * (padded - seq) / seq
         scores = 0.0
         if model.attention_dropout > 0 and not selective:  # the explicit softmax keeps [heads, seq, seq]
             scores = micro_batch * model.num_attention_heads / tp * seq * seq * (5 + 2 * dtype_bytes)

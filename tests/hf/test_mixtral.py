@@ -35,6 +35,16 @@ def test_refuses_what_mixtral_cannot_express():
     with pytest.raises(ConfigError) as error:
         mixtral.config_to_hf(config)
     assert "model.pattern='*E*-'" in str(error.value) and "model.moe_normalize_topk=False" in str(error.value)
-    with pytest.raises(ConfigError, match="sliding_window=4096"):
-        mixtral.config_from_hf({"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
-                                "sliding_window": 4096})
+    alternating = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*E*E", num_attention_heads=4, moe_top_k=2,
+                              moe_normalize_topk=True, sliding_window=8, sliding_window_pattern="FS")
+    with pytest.raises(ConfigError, match="Mixtral slides in every layer or none"):
+        mixtral.config_to_hf(alternating)
+
+
+def test_a_sliding_window_matches_transformers_and_round_trips(tmp_path):
+    hf_config = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                              sliding_window=5)
+    model = convert_and_compare(hf_config, tmp_path)
+    assert model.config.sliding_window == 5
+    assert_hf_round_trip(tmp_path, ("sliding_window",))

@@ -53,14 +53,32 @@ HF_BASE = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 32, "num_attent
            "num_key_value_heads": 2, "num_hidden_layers": 2}
 
 
-def test_sliding_window_is_refused_and_ignored_while_off():
+def test_sliding_window_layers_and_the_window_ignored_while_off():
     config = qwen2.config_from_hf({**HF_BASE, "use_sliding_window": False, "sliding_window": 4096,
-                                   "max_window_layers": 1, "layer_types": ["full_attention"] * 2})
-    assert config.pattern == "*-*-"
-    with pytest.raises(ConfigError, match="use_sliding_window=True is not supported"):
-        qwen2.config_from_hf({**HF_BASE, "use_sliding_window": True})
-    with pytest.raises(ConfigError, match="layer_types has 'sliding_attention' layers"):
-        qwen2.config_from_hf({**HF_BASE, "layer_types": ["full_attention", "sliding_attention"]})
+                                   "max_window_layers": 1, "layer_types": ["full_attention", "sliding_attention"]})
+    assert config.pattern == "*-*-" and config.sliding_window is None  # transformers: sliding off, full everywhere
+    upper = qwen2.config_from_hf({**HF_BASE, "num_hidden_layers": 4, "use_sliding_window": True,
+                                  "sliding_window": 64, "max_window_layers": 1})
+    assert (upper.sliding_window, upper.sliding_window_pattern) == (64, "FSSS")  # layers from max_window_layers on
+    alternating = qwen2.config_from_hf({**HF_BASE, "num_hidden_layers": 4, "use_sliding_window": True,
+                                        "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"] * 2})
+    assert alternating.sliding_window_pattern == "SF"  # the shortest repeating pattern
+    none_slide = qwen2.config_from_hf({**HF_BASE, "use_sliding_window": True, "sliding_window": 64})
+    assert none_slide.sliding_window is None  # max_window_layers defaults to 28: no layer of 2 slides
+    with pytest.raises(ConfigError, match="layer_types=.* must name 2 layers, each 'sliding_attention' or"):
+        qwen2.config_from_hf({**HF_BASE, "use_sliding_window": True, "layer_types": ["chunked_attention"] * 2})
+
+
+@pytest.mark.parametrize("window_fields", [
+    {"max_window_layers": 1},  # layers 1 and 2 slide
+    {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+], ids=["max-window-layers", "layer-types"])
+def test_sliding_window_layers_match_transformers_and_round_trip(window_fields, tmp_path):
+    hf_config = tiny_qwen2(use_sliding_window=True, sliding_window=5, **window_fields)
+    model = convert_and_compare(hf_config, tmp_path, seq=24)
+    windows = [block.mixer.window for block in model.blocks if block.kind == "*"]
+    assert windows == [5 if kind == "sliding_attention" else None for kind in hf_config.layer_types]
+    assert_hf_round_trip(tmp_path, ("use_sliding_window", "sliding_window", "layer_types"))
 
 
 def test_unexpressible_config_names_the_blocking_fields():

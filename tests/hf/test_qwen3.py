@@ -79,11 +79,21 @@ HF_BASE = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "num_attent
 def test_sliding_window_is_ignored_only_while_it_is_off():
     config = qwen3.config_from_hf({**HF_BASE, "use_sliding_window": False, "sliding_window": 4096,
                                    "max_window_layers": 1, "layer_types": ["full_attention"] * 2})
-    assert config.pattern == "*-*-" and config.qk_norm
-    with pytest.raises(ConfigError, match="use_sliding_window=True is not supported"):
-        qwen3.config_from_hf({**HF_BASE, "use_sliding_window": True, "sliding_window": 4096})
-    with pytest.raises(ConfigError, match="layer_types has 'sliding_attention' layers"):
-        qwen3.config_from_hf({**HF_BASE, "layer_types": ["full_attention", "sliding_attention"]})
+    assert config.pattern == "*-*-" and config.qk_norm and config.sliding_window is None
+    config = qwen3.config_from_hf({**HF_BASE, "use_sliding_window": True, "sliding_window": 4096,
+                                   "max_window_layers": 1})
+    assert (config.sliding_window, config.sliding_window_pattern) == (4096, "FS")
+
+
+def test_alternating_windows_match_transformers(tmp_path):
+    from transformers import Qwen3Config
+
+    hf_config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_sliding_window=True,
+                            sliding_window=4, layer_types=["full_attention", "sliding_attention"] * 2)
+    model = convert_and_compare(hf_config, tmp_path, seq=24)
+    assert (model.config.sliding_window, model.config.sliding_window_pattern) == (4, "FS")
+    assert_hf_round_trip(tmp_path, ("use_sliding_window", "sliding_window", "layer_types"))
 
 
 def test_absent_fields_take_transformers_defaults_and_other_activations_are_refused():

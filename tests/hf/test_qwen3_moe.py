@@ -31,6 +31,12 @@ def test_logits_match_transformers_and_round_trip(norm_topk_prob, tmp_path):
                                     "num_experts_per_tok", "norm_topk_prob", "mlp_only_layers", "rope_parameters"))
 
 
+def test_a_sliding_window_in_every_layer_matches_transformers_and_round_trips(tmp_path):
+    model = convert_and_compare(tiny_qwen3_moe(use_sliding_window=True, sliding_window=5), tmp_path)
+    assert (model.config.sliding_window, model.config.sliding_window_pattern) == (5, "S")
+    assert_hf_round_trip(tmp_path, ("use_sliding_window", "sliding_window"))
+
+
 def test_decoder_sparse_step_picks_the_moe_layers():
     config = qwen3_moe.config_from_hf({"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 4,
                                        "decoder_sparse_step": 2, "num_experts": 4, "num_experts_per_tok": 2})

@@ -25,6 +25,7 @@ MODELS = {
                "model.mamba_head_dim=16", "model.mamba_chunk_size=16", "model.mamba_num_groups=2",
                "model.mlp_activation=squared_relu",
                "model.ffn_hidden_size=128"],
+    "dense sliding window": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.sliding_window=8"],
     "moe": ["model.pattern=*E*E", "model.num_kv_heads=2", "model.moe_num_experts=4", "model.moe_top_k=2",
             "model.moe_ffn_hidden_size=64"],
 }

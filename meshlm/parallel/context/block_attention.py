@@ -158,31 +158,32 @@ def _sum_over_groups(grad: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def block_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, band: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of query [b, heads, t, d] over one block key/value [b, kv_heads, s, d]
-    (causal: query i sees keys 0..i, with t = s). Returns (out [b, heads, t, d], lse [b, heads, t]):
-    out in the run's dtype from a fused kernel (the accumulation dtype from the reference path),
-    lse in the accumulation dtype."""
-    kernel = fused_kernel(query, key)
+    (causal: query i sees keys 0..i, with t = s; ``band``: key j is also hidden from query i when
+    j - i <= band, a sliding window's edge). Returns (out [b, heads, t, d], lse [b, heads, t]):
+    out in the run's dtype from a fused kernel (the accumulation dtype from the reference path,
+    which banded blocks take), lse in the accumulation dtype (-inf for a row the band hides whole)."""
+    kernel = None if band is not None else fused_kernel(query, key)
     if kernel is None:
         wide = accumulation_dtype(query.dtype)
-        return reference_block_forward(query.to(wide), key.to(wide), value.to(wide), causal, scale)
+        return reference_block_forward(query.to(wide), key.to(wide), value.to(wide), causal, scale, band)
     group = query.shape[1] // key.shape[1]
     return kernel.forward(query, _one_head_per_query_head(key, group), _one_head_per_query_head(value, group),
                           causal, scale)
 
 
 def block_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                   band: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block, given the FINAL output ``out`` [b, heads, t, d] and ``lse``
     [b, heads, t] of the query rows (merged over all blocks): the block's exact share of the full
     gradient. In the run's dtype from a fused kernel, the accumulation dtype from the reference."""
-    kernel = fused_kernel(query, key)
+    kernel = None if band is not None else fused_kernel(query, key)
     if kernel is None:
         wide = accumulation_dtype(query.dtype)
         return reference_block_backward(*(tensor.to(wide) for tensor in (grad_out, query, key, value, out, lse)),
-                                        causal, scale)
+                                        causal, scale, band)
     group = query.shape[1] // key.shape[1]
     dtype = query.dtype
     grad_query, grad_key, grad_value = kernel.backward(
@@ -198,35 +199,43 @@ def _grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return query.unflatten(1, (kv_heads, -1))
 
 
-def _scores(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """S = q k^T * scale for grouped queries [b, kv, g, t, d] and keys [b, kv, s, d] -> [b, kv, g, t, s]."""
+def _scores(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float,
+            band: int | None = None) -> torch.Tensor:
+    """S = q k^T * scale for grouped queries [b, kv, g, t, d] and keys [b, kv, s, d] -> [b, kv, g, t, s],
+    -inf where hidden: above the diagonal (causal), on or below diagonal ``band`` (j - i <= band)."""
     scores = torch.matmul(query, key.unsqueeze(2).transpose(-1, -2)) * scale
+    rows, columns = scores.shape[-2:]
     if causal:
-        above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        above = torch.ones(rows, columns, dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(above, float("-inf"))
+    if band is not None:
+        beyond = torch.ones(rows, columns, dtype=torch.bool, device=scores.device).tril(band)
+        scores = scores.masked_fill(beyond, float("-inf"))
     return scores
 
 
 def reference_block_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
-                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``block_forward`` as explicit matmuls in the inputs' dtype: S, lse = logsumexp(S), exp(S - lse) V."""
+                            scale: float, band: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_forward`` as explicit matmuls in the inputs' dtype: S, lse = logsumexp(S), exp(S - lse) V
+    (a row with no visible key: lse -inf and output 0)."""
     grouped = _grouped(query, key.shape[1])
-    scores = _scores(grouped, key, causal, scale)
+    scores = _scores(grouped, key, causal, scale, band)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value.unsqueeze(2))
+    divisor = lse.masked_fill(lse == float("-inf"), 0)
+    out = torch.matmul(torch.exp(scores - divisor.unsqueeze(-1)), value.unsqueeze(2))
     return out.flatten(1, 2), lse.flatten(1, 2)
 
 
 def reference_block_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                             band: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``block_backward`` as explicit matmuls in the inputs' dtype (FlashAttention's backward,
     Dao et al. 2022, Alg. 4, with P recomputed from the final lse and D = rowsum(dO * O))."""
     kv_heads = key.shape[1]
     grouped, grad_out, out = (_grouped(tensor, kv_heads) for tensor in (query, grad_out, out))
     lse = lse.unflatten(1, (kv_heads, -1))
     delta = (grad_out * out).sum(-1)
-    probs = torch.exp(_scores(grouped, key, causal, scale) - lse.unsqueeze(-1))  # [b, kv, g, t, s]
+    probs = torch.exp(_scores(grouped, key, causal, scale, band) - lse.unsqueeze(-1))  # [b, kv, g, t, s]
     grad_value = torch.matmul(probs.transpose(-1, -2), grad_out).sum(2)
     grad_scores = probs * (torch.matmul(grad_out, value.unsqueeze(2).transpose(-1, -2)) - delta.unsqueeze(-1))
     grad_query = torch.matmul(grad_scores, key.unsqueeze(2)) * scale

@@ -60,6 +60,14 @@ batch, into one sub-block per document the two chunks share -- whole when the ke
 earlier, causal on the diagonal -- computed and merged exactly like whole blocks (a query row
 always has its own key, so no row ends empty). Each rank learns every chunk's document ids with
 one small all-gather of the (integer) ids per attention call; nothing of size [s x s] is built.
+
+**Sliding window** (``window`` w, ``model.sliding_window``): query position p sees keys p - w < q
+<= p. A block whose every key is at least w before every query is skipped (it still travels the
+ring: later ranks may need it), a block whose every key is within w of every query is computed
+as before, and a block the window's edge crosses gets a band mask: with the block's first query
+at global position Q and first key at K, key j is hidden from query i when j - i <= Q - K - w.
+Those edge blocks take the reference path (``block_attention.py``: explicit [c x c] scores in
+fp32), as no fused kernel here takes a mask; at most two per query chunk cross an edge.
 """
 
 from __future__ import annotations
@@ -92,8 +100,9 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: tor
     """Online-softmax merge of a block's partial result into rows ``rows`` of (out, lse), in place."""
     old_lse = lse[..., rows]
     new_lse = torch.logaddexp(old_lse, block_lse)
-    out[..., rows, :] = (out[..., rows, :] * torch.exp(old_lse - new_lse).unsqueeze(-1)
-                         + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    divisor = new_lse.masked_fill(new_lse == float("-inf"), 0)  # a row no key has reached yet stays 0
+    out[..., rows, :] = (out[..., rows, :] * torch.exp(old_lse - divisor).unsqueeze(-1)
+                         + block_out * torch.exp(block_lse - divisor).unsqueeze(-1))
     lse[..., rows] = new_lse
 
 
@@ -126,7 +135,7 @@ def _wait(requests) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, context, layout, chunk_documents):
+    def forward(ctx, query, key, value, context, layout, chunk_documents, window):
         ring = Ring(context, layout)
         scale, slot = 1.0 / math.sqrt(query.shape[-1]), query.shape[2] // 2
         wide = accumulation_dtype(query.dtype)
@@ -135,15 +144,15 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack((key, value)).contiguous()
         for step in range(ring.size):
             incoming, requests = ring.start_pass(kv, KV_TAG) if step < ring.size - 1 else (None, [])
-            for batch, rows, cols, causal in _block_slices(ring, step, slot, chunk_documents):
+            for batch, rows, cols, causal, band in _block_slices(ring, step, slot, chunk_documents, window):
                 block_out, block_lse = block_forward(query[batch, :, rows], kv[0][batch, :, cols], kv[1][batch, :, cols],
-                                                     causal, scale)
+                                                     causal, scale, band)
                 merge_into(out[batch], lse[batch], rows, block_out, block_lse)
             _wait(requests)
             kv = incoming
         output = out.to(query.dtype)  # the same tensor when the run is fp32 or fp64
         ctx.save_for_backward(query, key, value, output, lse)
-        ctx.ring, ctx.scale, ctx.chunk_documents = ring, scale, chunk_documents
+        ctx.ring, ctx.scale, ctx.chunk_documents, ctx.window = ring, scale, chunk_documents, window
         return output
 
     @staticmethod
@@ -155,10 +164,10 @@ class _RingAttention(torch.autograd.Function):
         grad_kv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)  # dK/dV of the block held
         for step in range(ring.size):
             incoming, requests = ring.start_pass(kv, KV_TAG) if step < ring.size - 1 else (None, [])
-            for batch, rows, cols, causal in _block_slices(ring, step, slot, ctx.chunk_documents):
+            for batch, rows, cols, causal, band in _block_slices(ring, step, slot, ctx.chunk_documents, ctx.window):
                 dq, dk, dv = block_backward(grad_output[batch, :, rows], query[batch, :, rows], kv[0][batch, :, cols],
                                             kv[1][batch, :, cols], output[batch, :, rows], lse[batch, :, rows],
-                                            causal, scale)
+                                            causal, scale, band)
                 grad_query[batch, :, rows] += dq
                 grad_kv[0][batch, :, cols] += dk
                 grad_kv[1][batch, :, cols] += dv
@@ -167,22 +176,38 @@ class _RingAttention(torch.autograd.Function):
             _wait(requests)
             _wait(grad_requests)
             kv = incoming
-        return (grad_query.to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype), None, None, None)
+        return (grad_query.to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype), None, None, None,
+                None)
 
 
 EVERY_SEQUENCE = slice(None)
 
 
-def _block_slices(ring: Ring, step: int, slot: int,
-                  chunk_documents: dict[int, list[list[int]]] | None) -> list[tuple[slice, slice, slice, bool]]:
-    """(sequences of the batch, query rows, key rows, causal) of the blocks this rank computes at
-    ``step``; ``slot`` tokens a chunk. With packed documents, the per-document sub-blocks."""
+def _block_slices(ring: Ring, step: int, slot: int, chunk_documents: dict[int, list[list[int]]] | None,
+                  window: int | None = None) -> list[tuple[slice, slice, slice, bool, int | None]]:
+    """(sequences of the batch, query rows, key rows, causal, band) of the blocks this rank computes
+    at ``step``; ``slot`` tokens a chunk. With packed documents, the per-document sub-blocks; with a
+    sliding ``window``, only the blocks it reaches, and a band (``window_band``) where its edge
+    crosses one."""
     blocks = []
     query_chunks, key_chunks = ring.chunks(0), ring.chunks(step)
-    for q_slot, k_slot, causal in attention_blocks(query_chunks, key_chunks):
+
+    def add(batch: slice, q_first: int, q_stop: int, k_first: int, k_stop: int, q_slot: int, k_slot: int,
+            causal: bool) -> None:
+        band = None
+        if window is not None:
+            reach = window_band(query_chunks[q_slot] * slot + q_first, key_chunks[k_slot] * slot + k_first,
+                                q_stop - q_first, k_stop - k_first, window)
+            if reach is SKIP:
+                return
+            band = reach
         q_start, k_start = q_slot * slot, k_slot * slot
+        blocks.append((batch, slice(q_start + q_first, q_start + q_stop), slice(k_start + k_first, k_start + k_stop),
+                       causal, band))
+
+    for q_slot, k_slot, causal in attention_blocks(query_chunks, key_chunks):
         if chunk_documents is None:
-            blocks.append((EVERY_SEQUENCE, slice(q_start, q_start + slot), slice(k_start, k_start + slot), causal))
+            add(EVERY_SEQUENCE, 0, slot, 0, slot, q_slot, k_slot, causal)
             continue
         per_sequence = zip(chunk_documents[query_chunks[q_slot]], chunk_documents[key_chunks[k_slot]])
         for sequence, (query_ids, key_ids) in enumerate(per_sequence):
@@ -190,9 +215,25 @@ def _block_slices(ring: Ring, step: int, slot: int,
             for document, (q_first, q_stop) in _document_spans(query_ids).items():
                 if document in key_spans:
                     k_first, k_stop = key_spans[document]
-                    blocks.append((slice(sequence, sequence + 1), slice(q_start + q_first, q_start + q_stop),
-                                   slice(k_start + k_first, k_start + k_stop), causal))
+                    add(slice(sequence, sequence + 1), q_first, q_stop, k_first, k_stop, q_slot, k_slot, causal)
     return blocks
+
+
+SKIP = object()
+"""``window_band``'s answer for a block the window does not reach."""
+
+
+def window_band(query_start: int, key_start: int, queries: int, keys: int, window: int):
+    """How a sliding ``window`` cuts a block of ``queries`` rows from global position ``query_start``
+    against ``keys`` keys from ``key_start`` (keys before queries or the same positions): None
+    when every key is within the window of every query, ``SKIP`` when none is, else the band: key
+    j is hidden from query i when j - i <= band (query_start + i - key_start - j >= window)."""
+    band = query_start - key_start - window
+    if -(queries - 1) > band:  # even the farthest pair (last query, first key) is within the window
+        return None
+    if keys - 1 <= band:  # even the nearest pair (first query, last key) is out of it
+        return SKIP
+    return band
 
 
 def _document_spans(ids: list[int]) -> dict[int, tuple[int, int]]:
@@ -218,17 +259,19 @@ def chunk_document_ids(document_ids: torch.Tensor, context, layout=paired_chunks
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context,
-                   layout=paired_chunks, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   layout=paired_chunks, document_ids: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries [b, heads, 2c, d] over the whole sequence, whose
     keys/values [b, kv_heads, 2c, d] are spread over the CP group as ``layout`` says (each rank's
     two chunks of c tokens, concatenated). Returns [b, heads, 2c, d], equal to the rows of full
     causal attention at this rank's positions. Collective over the CP group. ``document_ids``
-    [b, 2c] (this rank's tokens' packed documents): attend within each document only."""
+    [b, 2c] (this rank's tokens' packed documents): attend within each document only. ``window``:
+    each query sees only itself and the window - 1 positions before it."""
     if query.shape[2] % 2 or key.shape[2] != query.shape[2]:
         raise ValueError(f"ring attention needs two equal chunks of queries and keys per rank, got "
                          f"{query.shape[2]} queries and {key.shape[2]} keys")
     chunk_documents = None if document_ids is None else chunk_document_ids(document_ids, context, layout)
-    return _RingAttention.apply(query, key, value, context, layout, chunk_documents)
+    return _RingAttention.apply(query, key, value, context, layout, chunk_documents, window)
 
 
 class RingAttentionCore:
@@ -238,11 +281,12 @@ class RingAttentionCore:
     def __init__(self, context, layout=paired_chunks):
         self.context, self.layout = context, layout
 
-    def __call__(self, query, key, value, key_mask=None, document_ids=None):
+    def __call__(self, query, key, value, key_mask=None, document_ids=None, window=None):
         if key_mask is not None or key.shape[2] != query.shape[2]:
             raise ValueError("context parallelism runs training forwards only: no padding mask and no KV cache "
                              "(generate with a single-process or tensor-parallel model).")
-        return ring_attention(query, key, value, self.context, self.layout, document_ids)
+        return ring_attention(query, key, value, self.context, self.layout, document_ids, window)
 
 
-__all__ = ["Ring", "RingAttentionCore", "attention_blocks", "chunk_document_ids", "merge_into", "ring_attention"]
+__all__ = ["Ring", "RingAttentionCore", "SKIP", "attention_blocks", "chunk_document_ids", "merge_into",
+           "ring_attention", "window_band"]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.errors import ConfigError
-from meshlm.models.flops import head_flops, model_block_flops, mtp_depth_flops
+from meshlm.models.flops import head_flops, model_block_flops, mtp_flops
 from meshlm.models.pattern import parse_pattern
 from meshlm.parallel.groups import Group, group_of
 from meshlm.parallel.pipeline.schedules import check_microbatches
@@ -106,7 +106,7 @@ def stage_starts(config, num_stages: int, seq_len: int) -> list[int]:
         raise ConfigError(f"model.pattern has {config.num_blocks} blocks, fewer than the parallel.pp * parallel.vp = "
                           f"{num_stages} pipeline stages; every stage needs a block (lower pp or vp).")
     costs = [flops.per_sequence for flops in model_block_flops(config, seq_len)]  # each block by its own sizes
-    head = head_flops(config, seq_len) + config.mtp_depth * mtp_depth_flops(config, seq_len)
+    head = head_flops(config, seq_len) + mtp_flops(config, seq_len)
     return balanced_starts(costs, num_stages, head)
 
 

@@ -8,7 +8,9 @@ cp2 x tp2 with SP off and on, and cp2 x dp2 with the distributed optimizer (worl
 cp2: the dense model with selective recomputation (ring attention rerun in backward), the
 hybrid with full recomputation (ring attention and Mamba hand-offs rerun) and the MoE model
 with its Switch balance and z losses (the routing gathered over CP: exact, see the module
-docstring), also at cp2 x tp2 with SP; at cp4 the dense model with a multi-token-prediction
+docstring), also at cp2 x tp2 with SP; the dense model with a sliding window of 6 on alternate
+attention blocks (ring attention banding the blocks the window's edge crosses and skipping those
+beyond it), also at cp2 x dp2; at cp4 the dense model with a multi-token-prediction
 depth (with 2 depths one block-0 weight of this model ends ~1e-4 apart at tp2 as well -- Adam
 amplifying fp32 rounding in near-zero gradient elements -- so 1 depth here; the shift by 2
 across 4 ranks is checked on its own). Every step's loss and global gradient norm, the validation losses and the
@@ -42,7 +44,10 @@ MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
           "dense with mtp": [*helpers.MODELS["dense"], "model.mtp_depth=1"],
           "moe": helpers.MODELS["moe"],
           "dense yarn": [*helpers.MODELS["dense"], "model.rope_scaling=yarn", "model.rope_scaling_factor=4",
-                         "model.rope_original_max_positions=8"]}
+                         "model.rope_original_max_positions=8"],
+          # chunks of 8 tokens at cp2: a window of 6 bands the diagonal and the next blocks, skips the rest
+          "dense sliding window": [*helpers.MODELS["dense"], "model.sliding_window=6",
+                                   "model.sliding_window_pattern=SF"]}
 LAYOUTS = {
     2: {"cp2": ["parallel.cp=2"]},
     4: {"cp4": ["parallel.cp=4"], "cp2xtp2": ["parallel.cp=2", "parallel.tp=2"],
@@ -52,9 +57,12 @@ LAYOUTS = {
 EXTRA_RUNS = {2: [("dense", "cp2 selective recompute", ["parallel.cp=2", "train.recompute=selective"]),
                   ("hybrid", "cp2 full recompute", ["parallel.cp=2", "train.recompute=full"]),
                   ("moe", "cp2", ["parallel.cp=2"]),
-                  ("dense yarn", "cp2", ["parallel.cp=2"])],  # scaled RoPE at each chunk's global positions
+                  ("dense yarn", "cp2", ["parallel.cp=2"]),  # scaled RoPE at each chunk's global positions
+                  ("dense sliding window", "cp2", ["parallel.cp=2"])],
               4: [("dense with mtp", "cp4", ["parallel.cp=4"]),
-                  ("moe", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"])]}
+                  ("moe", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
+                  ("dense sliding window", "cp2xdp2 dist-opt", ["parallel.cp=2", "parallel.dp=2",
+                                                                "parallel.distributed_optimizer=true"])]}
 
 
 # --- one process -------------------------------------------------------------------------------------

@@ -37,21 +37,30 @@ from tests.helpers.saved_tensors import LargestTensor, SavedStorages
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 16, 8
 
 
-def full_attention_and_gradients():
+def band_mask(window: int) -> torch.Tensor:
+    """[SEQ, SEQ]: key j visible from query i when 0 <= i - j < window (transformers' sliding window)."""
+    distance = torch.arange(SEQ)[:, None] - torch.arange(SEQ)[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def full_attention_and_gradients(window: int | None = None):
     generator = torch.Generator().manual_seed(0)
     shapes = [(BATCH, HEADS, SEQ, HEAD_DIM), (BATCH, KV_HEADS, SEQ, HEAD_DIM), (BATCH, KV_HEADS, SEQ, HEAD_DIM)]
     query, key, value = (torch.randn(shape, generator=generator, dtype=torch.float64, requires_grad=True)
                          for shape in shapes)
     grad_out = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=generator, dtype=torch.float64)
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+    if window is None:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=band_mask(window), enable_gqa=True)
     out.backward(grad_out)
     return (query, key, value), out.detach(), grad_out
 
 
-def ring_errors(cp: int, tp: int, layout_name: str) -> dict:
+def ring_errors(cp: int, tp: int, layout_name: str, window: int | None = None) -> dict:
     context = build_parallel_context(ParallelConfig(cp=cp, tp=tp, check_collectives=True), ModelConfig(),
                                      torch.device("cpu"))
-    (query, key, value), out, grad_out = full_attention_and_gradients()
+    (query, key, value), out, grad_out = full_attention_and_gradients(window)
     layout = CHUNK_LAYOUTS[layout_name]
     positions = local_token_positions(SEQ, context.cp_rank, cp, layout)
     heads = slice(context.tp_rank * HEADS // tp, (context.tp_rank + 1) * HEADS // tp)
@@ -59,7 +68,7 @@ def ring_errors(cp: int, tp: int, layout_name: str) -> dict:
     mine = lambda tensor, rows: tensor.detach()[:, rows][:, :, positions].clone()  # noqa: E731
     local = [mine(query, heads).requires_grad_(), mine(key, kv_heads).requires_grad_(),
              mine(value, kv_heads).requires_grad_()]
-    local_out = ring_attention(*local, context, layout)
+    local_out = ring_attention(*local, context, layout, window=window)
     local_out.backward(mine(grad_out, heads))
     expected = [mine(out, heads), mine(query.grad, heads), mine(key.grad, kv_heads), mine(value.grad, kv_heads)]
     actual = [local_out, *(tensor.grad for tensor in local)]
@@ -72,6 +81,25 @@ def ring_errors(cp: int, tp: int, layout_name: str) -> dict:
 def test_ring_attention_equals_full_causal_attention(cp, tp, layout):
     for rank, errors in enumerate(run_distributed(ring_errors, cp * tp, cp, tp, layout)):
         assert max(errors.values()) <= 1e-12, (rank, errors)
+
+
+@pytest.mark.parametrize("cp, window", [(2, 3), (2, 6), (4, 3), (4, 9)])
+def test_ring_attention_with_a_sliding_window_equals_banded_attention(cp, window):
+    # chunks of 16 / (2 cp) = 4 or 2 tokens: windows inside one chunk (the diagonal blocks banded too),
+    # across a few chunks (edge blocks banded, far ones skipped, near ones whole)
+    for rank, errors in enumerate(run_distributed(ring_errors, cp, cp, 1, "paired", window)):
+        assert max(errors.values()) <= 1e-12, (rank, errors)
+
+
+def test_window_band_sorts_blocks_into_whole_cut_and_skipped():
+    from meshlm.parallel.context.ring_attention import SKIP, window_band
+    # queries 8..11 against keys 4..7 (4 x 4): distances 1 .. 7
+    assert window_band(8, 4, 4, 4, window=8) is None  # every distance < 8
+    assert window_band(8, 4, 4, 4, window=1) is SKIP  # every distance >= 1
+    band = window_band(8, 4, 4, 4, window=4)  # distance 4 + i - j < 4 <=> j - i > 0
+    assert band == 0
+    # the diagonal block (same positions) with a window of 2: key j hidden when j - i <= -2
+    assert window_band(4, 4, 4, 4, window=2) == -2
 
 
 # --- one process ------------------------------------------------------------------------------------------

@@ -1,0 +1,205 @@
+"""Sliding-window attention (``model.sliding_window``, ``model.sliding_window_pattern``;
+meshlm/models/attention.py): the chunked core against softmax attention under an explicit band
+mask, forward and gradients in fp64; packed documents; the config's per-block windows; a whole
+model's receptive field; cached generation (prefill, chunked prefill, decode steps, left padding)
+against the full forward; and the FLOP count against FlopCounterMode (with the CPU flash kernel's formula filled in,
+tests/helpers/flop_formulas.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from meshlm.errors import ConfigError
+from meshlm.inference.decode_step import DecodeStep
+from meshlm.inference.generate import generate, left_pad
+from meshlm.inference.prefill import prefill
+from meshlm.inference.sampling import SamplingConfig
+from meshlm.models.attention import attention_core, windowed_attention
+from meshlm.models.cache import InferenceCache
+from meshlm.models.config import ModelConfig
+from meshlm.models.flops import attended_pairs, model_flops_breakdown
+from meshlm.models.language_model import LanguageModel
+from tests.helpers.flop_formulas import MISSING_FORMULAS
+from tests.helpers.saved_tensors import LargestTensor
+
+GREEDY = SamplingConfig(greedy=True)
+
+
+def banded_attention(query, key, value, window, document_ids=None):
+    """Softmax attention with the whole [s, s] mask written out: key j visible from query i when
+    0 <= i - j < window (and, with documents, j in i's document)."""
+    seq = query.shape[2]
+    distance = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]
+    allowed = (distance >= 0) & (distance < window)
+    if document_ids is not None:
+        allowed = allowed & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
+                                          enable_gqa=query.shape[1] != key.shape[1])
+
+
+def random_qkv(seq, heads=4, kv_heads=2, batch=2, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, count, seq, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+            for count in (heads, kv_heads, kv_heads)]
+
+
+@pytest.mark.parametrize("seq, window", [(16, 4), (16, 5), (17, 4), (33, 8), (16, 1), (16, 15), (16, 16), (16, 40)])
+def test_windowed_core_equals_attention_under_the_band_mask(seq, window):
+    inputs = random_qkv(seq)
+    grad_out = torch.randn(2, 4, seq, 8, dtype=torch.float64)
+    ours = attention_core(*inputs, window=window)
+    ours_grads = torch.autograd.grad(ours, inputs, grad_out)
+    expected = banded_attention(*inputs, window)
+    expected_grads = torch.autograd.grad(expected, inputs, grad_out)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)
+    for actual, wanted in zip(ours_grads, expected_grads):
+        torch.testing.assert_close(actual, wanted, rtol=0, atol=1e-12)
+    if window < seq:  # the window really cuts: full causal attention differs
+        assert not torch.allclose(ours, attention_core(*inputs))
+
+
+def test_windowed_core_never_builds_a_sequence_by_sequence_tensor():
+    seq, window = 512, 16
+    query, key, value = (tensor.detach().float().requires_grad_() for tensor in random_qkv(seq, batch=1))
+    with LargestTensor() as largest:
+        out = windowed_attention(query, key, value, window)
+        out.sum().backward()
+    # the biggest tensors are q/k/v-sized copies (heads x seq x head_dim x 2 for the key pairs);
+    # a [heads, s, s] score tensor would be 4 * 512 * 512 = 1M elements
+    assert largest.numel <= 4 * seq * 8 * 2, largest.numel
+
+
+def test_documents_with_a_window_attend_within_each_document_and_window():
+    seq, window = 24, 5
+    inputs = random_qkv(seq)
+    documents = torch.tensor([[0] * 10 + [1] * 14, [0] * 3 + [1] * 7 + [2] * 14])
+    torch.testing.assert_close(attention_core(*inputs, document_ids=documents, window=window),
+                               banded_attention(*inputs, window, documents), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_cached_queries_see_only_their_window(queries):
+    seq, window = 20, 6
+    query, key, value = random_qkv(seq)
+    full = banded_attention(query, key, value, window)
+    padding = torch.ones(2, seq, dtype=torch.bool)
+    padding[1, :4] = False  # left padding: a real query never reaches it inside its window here
+    for key_mask in (None, padding):
+        latest = attention_core(query[:, :, -queries:], key, value, key_mask, window=window)
+        torch.testing.assert_close(latest, full[:, :, -queries:], rtol=0, atol=1e-12)
+
+
+# --- the config -------------------------------------------------------------------------------------------
+
+def test_the_pattern_repeats_over_the_attention_blocks_then_the_mtp_depths():
+    config = ModelConfig(pattern="*-*-*-M*", sliding_window=8, sliding_window_pattern="SF", mtp_depth=2,
+                         mtp_pattern="*-", mamba_head_dim=8)
+    assert config.attention_blocks == [0, 2, 4, 7, 8, 10]  # main stack, then each depth's '*'
+    assert [config.attention_window(index) for index in config.attention_blocks] == [8, None, 8, None, 8, None]
+    assert config.attention_window(1) is None  # an MLP block
+    assert config.for_block(0) is config and config.for_block(2).sliding_window is None
+    assert config.for_block(10).sliding_window is None and config.for_block(8).sliding_window == 8
+    model = LanguageModel(config)
+    windows = [block.mixer.window for block in model.blocks if block.kind == "*"]
+    windows += [block.mixer.window for depth in model.mtp.depths for block in depth.blocks if block.kind == "*"]
+    assert windows == [8, None, 8, None, 8, None]
+    every = ModelConfig(pattern="*-*-", sliding_window=4)
+    assert [every.attention_window(index) for index in (0, 2)] == [4, 4]
+    assert [ModelConfig(pattern="*-*-").attention_window(index) for index in (0, 2)] == [None, None]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(sliding_window=0), "model.sliding_window=0 must be a positive number of tokens"),
+    (dict(sliding_window=2.5), "model.sliding_window=2.5 must be a positive number"),
+    (dict(sliding_window=4, sliding_window_pattern="SX"), "string of S (sliding) and F (full) letters"),
+    (dict(sliding_window=4, sliding_window_pattern=""), "string of S (sliding) and F (full) letters"),
+    (dict(sliding_window_pattern="SF"), "model.sliding_window is null; set model.sliding_window"),
+    (dict(pattern="M-M-", sliding_window=4, mamba_head_dim=8), "model.pattern='M-M-' has none"),
+])
+def test_bad_windows_are_refused_by_field(fields, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelConfig(**{"pattern": "*-*-", **fields})
+
+
+# --- a whole model ----------------------------------------------------------------------------------------
+
+def tiny_model(pattern="*-*-", **fields) -> LanguageModel:
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=97, hidden_size=32, pattern=pattern, num_attention_heads=4, num_kv_heads=2,
+                         init_std=0.1, mamba_head_dim=8, mamba_chunk_size=8, **fields)
+    return LanguageModel(config).eval()
+
+
+@torch.no_grad()
+def test_a_token_reaches_only_as_far_as_the_stacked_windows():
+    # two attention blocks of window 3: position p reads tokens p-2..p, which read p-4..p
+    model = tiny_model(sliding_window=3)
+    tokens = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(1))
+    changed = tokens.clone()
+    changed[0, 0] = (tokens[0, 0] + 1) % 97
+    difference = (model(tokens).logits - model(changed).logits).abs().amax(-1)[0]
+    assert bool((difference[:5] > 1e-6).all()) and float(difference[5:].max()) == 0.0
+
+
+@torch.no_grad()
+def test_a_window_no_shorter_than_the_sequence_is_full_attention():
+    tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(tiny_model(sliding_window=12)(tokens).logits, tiny_model()(tokens).logits,
+                               rtol=0, atol=0)
+
+
+PROMPTS = [[5, 17, 3, 42, 8, 1, 60, 22, 9, 31, 77, 2], [11, 2], [70, 70, 4, 13, 96]]
+MODELS = {"dense": dict(pattern="*-*-", sliding_window=4),
+          "alternating": dict(pattern="*-*-", sliding_window=3, sliding_window_pattern="FS"),
+          "hybrid": dict(pattern="M*-M*-", sliding_window=5)}
+
+
+def generate_without_cache(model, prompt, max_new_tokens):
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cached_generation_equals_the_full_forward(name):
+    model = tiny_model(**MODELS[name])
+    expected = [generate_without_cache(model, prompt, 12) for prompt in PROMPTS]
+    assert len(set(expected[0])) > 2  # the test would be weak if the model repeated one token
+    assert generate(model, PROMPTS, 12, GREEDY, pad_token_id=3) == expected  # left-padded batch
+    assert generate(model, PROMPTS, 12, GREEDY, prefill_chunk=3) == expected  # prefill in chunks of 3
+    assert [generate(model, [prompt], 12, GREEDY)[0] for prompt in PROMPTS] == expected
+
+
+@torch.inference_mode()
+def test_decode_step_reads_only_the_window_and_equals_the_cached_forward():
+    model = tiny_model(**MODELS["alternating"])
+    input_ids, token_mask = left_pad(PROMPTS, 0, torch.device("cpu"))
+    caches = [InferenceCache(max_tokens=input_ids.shape[1] + 6) for _ in range(2)]
+    for cache in caches:
+        prefill(model, input_ids, token_mask, cache)
+    step, tokens = DecodeStep(model), torch.tensor([3, 4, 5])
+    assert step.supports(caches[0])
+    for _ in range(5):
+        logits = step(tokens, caches[0])
+        torch.testing.assert_close(logits, model(tokens[:, None], cache=caches[1]).logits[:, -1],
+                                   rtol=1e-5, atol=1e-5)
+        tokens = logits.argmax(-1)
+
+
+def test_flops_count_the_chunks_the_core_computes():
+    assert attended_pairs(16, None) == attended_pairs(16, 16) == attended_pairs(16, 40) == 256
+    assert attended_pairs(16, 4) == 4 * 4 + 3 * 4 * 8  # the first chunk, then three w x 2w
+    assert attended_pairs(17, 4) == 4 * 4 + 4 * 4 * 8  # five chunks, the last one padded
+    model = tiny_model(sliding_window=5, sliding_window_pattern="SF")
+    tokens = torch.randint(0, 97, (1, 23))
+    with FlopCounterMode(display=False, custom_mapping=MISSING_FORMULAS) as counter:
+        model(tokens)
+    counted = counter.get_total_flops()
+    assert counted == sum(model_flops_breakdown(model.config, 23).values())
+    full = sum(model_flops_breakdown(tiny_model().config, 23).values())
+    assert counted < full  # the sliding block scores 5 x 5 + 4 x (5 x 10) pairs, not 23 x 23
