@@ -12,6 +12,8 @@
   GQA and plain multi-head, head sizes 64 and 128; and which aten kernel actually ran: the one
   preferred for plain multi-head attention on a GPU that has it (cuDNN needs sm80 and cuDNN 9).
   Under cuDNN first, the masked calls too: a left-padded row, and one query over 128 cached keys.
+- **Sliding-window attention**: the chunked windowed core (``model.sliding_window``) in bf16
+  against the explicit softmax under the band mask in fp32, with the same bound.
 - **Ring attention's fused blocks** (``meshlm/parallel/context/block_attention.py``): on CUDA a
   block goes to FlashAttention-2's aten ops (bf16) or the memory-efficient ones (fp32), called
   by schema and never run on a GPU before this tier. Output, lse and the block backward against
@@ -98,6 +100,30 @@ def test_flash_sdpa_matches_the_explicit_softmax(gpu_device):
         slack = BF16_SLACK * max(1.0, float(expected.abs().max()))
         assert max_error(got, expected) <= 2 * max_error(plain, expected) + slack, \
             (name, max_error(got, expected), max_error(plain, expected), float(expected.abs().max()))
+
+
+def test_sliding_window_attention_matches_the_explicit_softmax(gpu_device):
+    """The chunked windowed core (a band-masked SDPA call over chunk pairs: the memory-efficient
+    kernel takes the mask on CUDA) in bf16 against the explicit softmax under the band mask in
+    fp32, with the flash test's bound against SDPA's math backend; and the window's effect: the
+    positions past it differ from full causal attention."""
+    seq, window = 96, 20
+    inputs = [seeded(2, 4, seq, 16, device=gpu_device, seed=0, dtype=torch.bfloat16),
+              *(seeded(2, 2, seq, 16, device=gpu_device, seed=seed, dtype=torch.bfloat16) for seed in (1, 2))]
+    grad_out = seeded(2, 4, seq, 16, device=gpu_device, seed=3)
+    keep = torch.ones(2, 4, seq, seq, dtype=torch.bool, device=gpu_device)
+    reference = values_and_grads(lambda q, k, v: attention_with_dropout(q, k, v, None, keep, 0.0, window=window),
+                                 [tensor.float() for tensor in inputs], grad_out)
+    windowed = values_and_grads(lambda q, k, v: attention_core(q, k, v, window=window), inputs, grad_out)
+    with sdpa_kernel(SDPBackend.MATH):
+        math = values_and_grads(lambda q, k, v: attention_core(q, k, v, window=window), inputs, grad_out)
+    for name, got, plain, expected in zip(("out", "dq", "dk", "dv"), windowed, math, reference):
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), name
+        slack = BF16_SLACK * max(1.0, float(expected.abs().max()))
+        assert max_error(got, expected) <= 2 * max_error(plain, expected) + slack, \
+            (name, max_error(got, expected), max_error(plain, expected), float(expected.abs().max()))
+    full = attention_core(*inputs)
+    assert max_error(full[:, :, window:], windowed[0][:, :, window:]) > 1e-2
 
 
 KERNEL_SLACK = 1e-2

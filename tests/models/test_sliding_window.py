@@ -17,7 +17,7 @@ from meshlm.inference.decode_step import DecodeStep
 from meshlm.inference.generate import generate, left_pad
 from meshlm.inference.prefill import prefill
 from meshlm.inference.sampling import SamplingConfig
-from meshlm.models.attention import attention_core, windowed_attention
+from meshlm.models.attention import attention_core, attention_with_dropout, windowed_attention
 from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
 from meshlm.models.flops import attended_pairs, model_flops_breakdown
@@ -78,6 +78,14 @@ def test_documents_with_a_window_attend_within_each_document_and_window():
     documents = torch.tensor([[0] * 10 + [1] * 14, [0] * 3 + [1] * 7 + [2] * 14])
     torch.testing.assert_close(attention_core(*inputs, document_ids=documents, window=window),
                                banded_attention(*inputs, window, documents), rtol=0, atol=1e-12)
+
+
+def test_attention_dropout_path_keeps_the_window():
+    # the explicit-softmax core (model.attention_dropout > 0) with nothing dropped is the band softmax
+    inputs = random_qkv(18)
+    keep = torch.ones(2, 4, 18, 18, dtype=torch.bool)
+    torch.testing.assert_close(attention_with_dropout(*inputs, None, keep, 0.0, window=4),
+                               banded_attention(*inputs, 4), rtol=0, atol=1e-6)  # its softmax is fp32
 
 
 @pytest.mark.parametrize("queries", [1, 3])

@@ -4,7 +4,9 @@ Spawned gloo ranks run the real ``Trainer`` for 5 steps of 4 micro-batches of 32
 trainer tests' counting corpus, cut into documents of 21-24 tokens (so every sample packs two or
 three documents, their boundaries anywhere relative to Mamba chunks, CP chunks and SP slices),
 with two models: a hybrid (Mamba-2, attention, MLP) and an attention + MoE model with a
-multi-token-prediction depth. At tp2 with SP, pp2 and cp2 every step's loss and global gradient
+multi-token-prediction depth and a sliding window of 6 tokens in every attention block (MTP's
+included), so windows and document boundaries cut the same rows (under CP: ring attention's
+per-document sub-blocks banded and skipped by the window). At tp2 with SP, pp2 and cp2 every step's loss and global gradient
 norm, the validation losses and the final parameters equal the single-process run with boundaries
 (relative error <= 1e-5), which itself differs from the run without them (the boundaries are used).
 The single-process run is itself checked against documents run one by one in
@@ -22,7 +24,7 @@ from tests.helpers.trainer_runs import load_parallel_training_helpers
 helpers = load_parallel_training_helpers()
 BASE = ["train.seq_len=32", "data.document_boundaries=true"]
 MODELS = {"hybrid": helpers.MODELS["hybrid"],
-          "moe mtp": [*helpers.MODELS["moe"], "model.mtp_depth=1"]}
+          "moe mtp window": [*helpers.MODELS["moe"], "model.mtp_depth=1", "model.sliding_window=6"]}
 LAYOUTS = {"tp2 sp": ["parallel.tp=2", "parallel.sp=true"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}
 
 

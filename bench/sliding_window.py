@@ -1,0 +1,123 @@
+"""Sliding-window attention's chunked core against full causal attention: time and memory.
+
+    python -m bench.sliding_window [--seqs 2048 8192] [--windows 256 1024] [--repeats 5] [--threads 2]
+                                   [--device cpu] [--out bench/results/sliding_window_cpu.json]
+
+One attention layer's core, forward and backward, batch 1, 8 query heads over 2 KV heads of 64
+channels, fp32 on a CPU (bf16 on a GPU), three ways in the same run, interleaved so machine noise
+hits each alike (``bench/timing.py``; medians of ``repeats``):
+
+* ``full_causal``: ``F.scaled_dot_product_attention(is_causal=True)`` over the whole sequence --
+  the baseline, what a layer without a window costs;
+* ``windowed``: ``meshlm.models.attention.windowed_attention`` (chunks of w queries against the
+  2w keys of their chunk and the one before, one band mask shared by all chunks);
+* ``dense_band_mask``: SDPA with the whole [s, s] band mask, the obvious way to get the same
+  numbers (and the way transformers' SDPA path does it).
+
+Per (seq, window) it prints the seconds of each, ``speedup_vs_full`` and ``speedup_vs_dense_mask``
+(their seconds over the windowed core's), the largest tensor any op returned (a
+``TorchDispatchMode`` sees op outputs, not a kernel's tiles), and the maximum difference between
+the windowed core and the dense band mask (they compute the same function). The chunked core does
+2 s w scores where full causal attention does s^2 (s^2 / 2 of them useful), so it should win
+once s is a few times w; below that the fused causal kernel's skipping of the upper triangle wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.timing import interleaved_medians, synchronize
+from meshlm.models.attention import windowed_attention
+from tests.helpers.saved_tensors import LargestTensor
+
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
+
+
+def band_mask(seq: int, window: int, device) -> torch.Tensor:
+    distance = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def cores(window: int, seq: int, device) -> dict:
+    mask = band_mask(seq, window, device)
+    return {
+        "full_causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        "windowed": lambda q, k, v: windowed_attention(q, k, v, window),
+        "dense_band_mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+    }
+
+
+def inputs(seq: int, dtype, device):
+    generator = torch.Generator(device=device).manual_seed(0)
+    shapes = [(1, HEADS, seq, HEAD_DIM), (1, KV_HEADS, seq, HEAD_DIM), (1, KV_HEADS, seq, HEAD_DIM)]
+    return [torch.randn(shape, generator=generator, device=device, dtype=dtype, requires_grad=True)
+            for shape in shapes]
+
+
+def timed(core, tensors, grad_out, device):
+    def run() -> float:
+        synchronize(device)
+        started = time.perf_counter()
+        out = core(*tensors)
+        torch.autograd.grad(out, tensors, grad_out)
+        synchronize(device)
+        return time.perf_counter() - started
+    return run
+
+
+def largest_bytes(core, tensors, grad_out) -> int:
+    with LargestTensor() as largest:
+        torch.autograd.grad(core(*tensors), tensors, grad_out)
+    return largest.bytes
+
+
+def measure(seq: int, window: int, repeats: int, dtype, device) -> dict:
+    tensors = inputs(seq, dtype, device)
+    grad_out = torch.randn(1, HEADS, seq, HEAD_DIM, device=device, dtype=dtype)
+    runs = cores(window, seq, device)
+    seconds = interleaved_medians({name: timed(core, tensors, grad_out, device) for name, core in runs.items()},
+                                  repeats)
+    with torch.no_grad():
+        difference = float((runs["windowed"](*tensors) - runs["dense_band_mask"](*tensors)).abs().max())
+    return {"seq": seq, "window": window, "seconds": seconds,
+            "speedup_vs_full": seconds["full_causal"] / seconds["windowed"],
+            "speedup_vs_dense_mask": seconds["dense_band_mask"] / seconds["windowed"],
+            "largest_tensor_bytes": {name: largest_bytes(core, tensors, grad_out) for name, core in runs.items()},
+            "max_difference_vs_dense_mask": difference}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--windows", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "threads": args.threads, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+               "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "repeats": args.repeats,
+               "runs": [measure(seq, window, args.repeats, dtype, device)
+                        for seq in args.seqs for window in args.windows if window < seq]}
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()
