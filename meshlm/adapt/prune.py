@@ -347,7 +347,7 @@ def tensor_indices(config: ModelConfig, name: str, selection: Selection) -> dict
     if match is None:
         raise ConfigError(f"meshlm prune does not know how to cut the tensor {name}; prune a model without it.")
     index, rest = int(match.group(1)), match.group(2)
-    if rest.startswith("norm."):
+    if rest.startswith(("norm.", "output_norm.")):
         return {0: hidden}
     kind = config.block_kinds[index]
     rest = rest.removeprefix("mixer.")

@@ -375,9 +375,10 @@ def blocks_of(config: ModelConfig, pattern_regex: str, description: str) -> list
     return [f"model.pattern={config.pattern!r} ({description})"]
 
 
-def common_unsupported(config: ModelConfig) -> list[str]:
-    """Fields no HF architecture here can express."""
-    reasons = []
+def common_unsupported(config: ModelConfig, gemma_layers: bool = False) -> list[str]:
+    """Fields no HF architecture here can express (``gemma_layers``: but for Gemma's norms and
+    embedding scale, which the Gemma class checks itself)."""
+    reasons = [] if gemma_layers else gemma_fields_unsupported(config)
     if config.norm != "rmsnorm":
         reasons.append(f"model.norm={config.norm!r} (HF models here use RMSNorm)")
     if config.mtp_depth:
@@ -389,6 +390,22 @@ def common_unsupported(config: ModelConfig) -> list[str]:
     if replaced:
         reasons.append(f"linear/no-op blocks {', '.join(replaced)} in model.pattern (these formats have no "
                        "replaced or removed layers)")
+    return reasons
+
+
+def gemma_fields_unsupported(config: ModelConfig) -> list[str]:
+    """Reasons a model with Gemma's layer features fits no other class."""
+    reasons = []
+    if config.block_output_norm:
+        reasons.append("model.block_output_norm=True (only Gemma3ForCausalLM normalizes each block's output)")
+    if config.norm_zero_centered:
+        reasons.append("model.norm_zero_centered=True (only Gemma3ForCausalLM stores norm weights as 1 + w)")
+    if config.embedding_multiplier != 1.0:
+        reasons.append(f"model.embedding_multiplier={config.embedding_multiplier} (only Gemma3ForCausalLM scales the "
+                       "embeddings, by sqrt(hidden_size))")
+    if config.rope_local_theta is not None:
+        reasons.append(f"model.rope_local_theta={config.rope_local_theta} (only Gemma3ForCausalLM has a RoPE base of "
+                       "its own for the sliding layers)")
     return reasons
 
 

@@ -174,6 +174,8 @@ class DecodeStep:
                 mixed = out[:, None]
             else:
                 mixed = block.mixer(normed)
+            if block.output_norm is not None:
+                mixed = block.output_norm(mixed)
             hidden = hidden + mixed
         return model.head_logits(hidden)[:, -1], new_states
 

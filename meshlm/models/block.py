@@ -1,5 +1,8 @@
 """One residual block: ``h + dropout(mixer(norm(h)))``, the mixer chosen by a pattern symbol.
 
+With ``model.block_output_norm`` the mixer's output is normalized too before it is added,
+``h + dropout(norm2(mixer(norm(h))))`` (Gemma 2 and 3's post-attention and post-feedforward norms).
+
 The pattern (``meshlm/models/pattern.py``) names one block per symbol: ``*`` attention, ``-`` MLP,
 ``M`` Mamba-2, ``E`` Mixture-of-Experts, ``L`` linear, ``0`` no-op. Every block is pre-norm (the norm acts on the block's
 input, the residual stream is never normalized in place), as in GPT-2 and Llama. The main stack
@@ -27,7 +30,7 @@ from meshlm.models.dropout import HiddenDropout, dropout_site
 from meshlm.models.mamba2 import Mamba2Mixer
 from meshlm.models.mlp import MLP
 from meshlm.models.moe.layer import MoELayer
-from meshlm.models.norms import make_norm
+from meshlm.models.norms import model_norm
 from meshlm.models.pattern import LINEAR, NO_OP
 
 
@@ -67,7 +70,9 @@ class Block(nn.Module):
         self.layer_index = layer_index
         """The block's index in the whole model (MTP blocks count on after the main blocks), on any pipeline stage."""
         config = config.for_block(layer_index)
-        self.norm = None if kind == NO_OP else make_norm(config.norm, config.hidden_size, config.norm_eps)
+        self.norm = None if kind == NO_OP else model_norm(config)
+        self.output_norm = model_norm(config) if config.block_output_norm and kind != NO_OP else None
+        """``model.block_output_norm``: the norm on the mixer's output, before the residual add."""
         self.mixer = None if kind == NO_OP else build_mixer(kind, config, layer_index)
         self.dropout = HiddenDropout(config.hidden_dropout, dropout_site("block_output", layer_index))
         self.recompute = False
@@ -75,7 +80,12 @@ class Block(nn.Module):
         and rerun norm + mixer during backward."""
 
     def norm_and_mix(self, hidden: torch.Tensor, context: SequenceContext):
-        return self.mixer(self.norm(hidden), context)
+        mixed = self.mixer(self.norm(hidden), context)
+        if self.output_norm is None:
+            return mixed
+        if isinstance(mixed, tuple):  # an MoE block's output and auxiliary losses
+            return self.output_norm(mixed[0]), mixed[1]
+        return self.output_norm(mixed)
 
     def forward(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:
         if self.mixer is None:  # a removed block

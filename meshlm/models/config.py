@@ -32,7 +32,7 @@ from meshlm.errors import ConfigError, check_choice
 from meshlm.kernels import triton_installed
 from meshlm.models.pattern import BLOCK_KINDS, parse_pattern
 
-ACTIVATIONS = ("swiglu", "squared_relu", "gelu", "relu", "silu")
+ACTIVATIONS = ("swiglu", "geglu", "squared_relu", "gelu", "relu", "silu")
 NORMS = ("rmsnorm", "layernorm")
 POSITION_EMBEDDINGS = ("rope", "none")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
@@ -120,6 +120,10 @@ class ModelConfig:
     rope_attention_factor: float | None = None
     """rope_scaling=yarn: the factor on cos and sin (so on the attention logits, squared). None means
     YaRN's 0.1 ln(rope_scaling_factor) + 1."""
+    rope_local_theta: float | None = None
+    """RoPE base of the sliding-window attention blocks, which then rotate without rope_scaling
+    (Gemma 3: 10000 in the sliding blocks, 1e6 scaled linearly in the full ones). None: every
+    block uses rope_theta and rope_scaling. Needs sliding_window."""
     rope_yarn_truncate: bool = True
     """rope_scaling=yarn: round the ramp's ends to whole dims (the YaRN reference; gpt-oss does not)."""
     qk_norm: bool = False
@@ -149,8 +153,9 @@ class ModelConfig:
 
     # --- MLP -----------------------------------------------------------------------------------
     mlp_activation: str = "swiglu"
-    """'swiglu' (gated: silu(x W_gate) * x W_up), 'squared_relu' (Primer, Nemotron-H), 'gelu',
-    'relu' or 'silu' (non-gated). Also used by the MoE experts."""
+    """'swiglu' (gated: silu(x W_gate) * x W_up), 'geglu' (gated: gelu(x W_gate) * x W_up, GELU's
+    tanh approximation as in Gemma), 'squared_relu' (Primer, Nemotron-H), 'gelu', 'relu' or
+    'silu' (non-gated). Also used by the MoE experts."""
     ffn_hidden_size: int | None = None
     """Inner width of the dense MLP. None means 4*hidden for non-gated activations and
     8/3*hidden rounded up to a multiple of 64 for SwiGLU (same parameter count)."""
@@ -163,6 +168,15 @@ class ModelConfig:
     """'rmsnorm' or 'layernorm', for block pre-norms and the final norm."""
     norm_eps: float = 1e-5
     """Epsilon of every norm (block, final, QK-norm, Mamba's gated norm)."""
+    norm_zero_centered: bool = False
+    """RMSNorm weights hold gamma - 1: each norm (block, block output, final, QK-, MTP norms; not
+    Mamba's gated norm) multiplies by 1 + weight, and the weights start at 0 (Gemma's norms;
+    Megatron's zero-centered gamma). Same function, another parameterization."""
+    block_output_norm: bool = False
+    """A second norm on each block's mixer output, before the residual add: h + norm2(mixer(norm(h)))
+    (Gemma 2 and 3's post-attention and post-feedforward norms, a "sandwich" norm)."""
+    embedding_multiplier: float = 1.0
+    """The token embeddings are multiplied by this before the first block (Gemma: sqrt(hidden_size))."""
     tie_embeddings: bool = False
     """Share the input embedding matrix with the output head."""
     head: str = "lm"
@@ -323,7 +337,7 @@ class ModelConfig:
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
-        if self.mlp_activation == "swiglu":
+        if self.mlp_activation in ("swiglu", "geglu"):
             return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
         return 4 * self.hidden_size
 
@@ -347,10 +361,15 @@ class ModelConfig:
         object when the block has none, and for MTP blocks, which count on after the main ones).
         An attention block that changes its head count keeps the model's head_dim (as in
         Llama-Nemotron) unless it sets head_dim too. A full-attention block of a model with a
-        sliding window (``sliding_window_pattern``) gets sliding_window None."""
+        sliding window (``sliding_window_pattern``) gets sliding_window None; a sliding one with
+        rope_local_theta gets that base and no rope_scaling."""
         values = dict(self.block_overrides.get(index) or {})
-        if self.sliding_window is not None and self.attention_window(index) is None and index in self.attention_blocks:
-            values.update(sliding_window=None, sliding_window_pattern="S")
+        if self.sliding_window is not None and index in self.attention_blocks:
+            if self.attention_window(index) is None:
+                values.update(sliding_window=None, sliding_window_pattern="S", rope_local_theta=None)
+            elif self.rope_local_theta is not None:
+                values.update(rope_theta=self.rope_local_theta, rope_scaling="none", rope_local_theta=None,
+                              sliding_window_pattern="S")
         if not values:
             return self
         if index < self.num_blocks and self.block_kinds[index] == "*" and "head_dim" not in values:
@@ -423,6 +442,13 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ConfigError(f"model.{name}={value!r} must be a probability in [0, 1) (0 turns it off).")
+        if self.norm_zero_centered and self.norm != "rmsnorm":
+            raise ConfigError(f"model.norm_zero_centered=true is for RMSNorm, and model.norm={self.norm!r}; set "
+                              "model.norm=rmsnorm or model.norm_zero_centered=false.")
+        multiplier = self.embedding_multiplier
+        if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or not multiplier > 0:
+            raise ConfigError(f"model.embedding_multiplier={multiplier!r} must be a positive number (1: none; Gemma: "
+                              "sqrt(hidden_size)).")
         if self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} and model.init_std={self.init_std} must be > 0.")
         self._validate_block_overrides()
@@ -525,6 +551,13 @@ class ModelConfig:
         if window is None and pattern != "S":
             raise ConfigError(f"model.sliding_window_pattern={pattern!r} chooses the blocks that slide, but "
                               "model.sliding_window is null; set model.sliding_window (e.g. 4096) or drop the pattern.")
+        local = self.rope_local_theta
+        if local is not None:
+            if window is None or self.position_embedding != "rope":
+                raise ConfigError(f"model.rope_local_theta={local} is the RoPE base of sliding-window blocks; it needs "
+                                  "model.sliding_window and model.position_embedding=rope (or set it to null).")
+            if isinstance(local, bool) or not isinstance(local, (int, float)) or not local > 0:
+                raise ConfigError(f"model.rope_local_theta={local!r} must be a positive number (Gemma 3: 10000).")
 
     def _validate_rope_scaling(self) -> None:
         _choice(self, "rope_scaling", ROPE_SCALINGS)

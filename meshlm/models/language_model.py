@@ -41,7 +41,7 @@ from meshlm.models.init import draw_seed, initialize_weights
 from meshlm.models.lora import add_adapters
 from meshlm.models.losses import language_model_loss, linear_cross_entropy
 from meshlm.models.mtp import MultiTokenPrediction
-from meshlm.models.norms import make_norm
+from meshlm.models.norms import model_norm
 from meshlm.models.reward_head import build_reward_head
 
 
@@ -78,7 +78,7 @@ class LanguageModel(nn.Module):
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embedding_dropout = HiddenDropout(config.hidden_dropout, dropout_site("embedding"))
         self.blocks = nn.ModuleList(Block(kind, config, index) for index, kind in enumerate(config.block_kinds))
-        self.final_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
+        self.final_norm = model_norm(config)
         self.output = (None if config.tie_embeddings or config.head == "reward"
                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.reward_head = None  # model.head=reward: scores at the last token instead of logits (reward_head.py)
@@ -105,6 +105,8 @@ class LanguageModel(nn.Module):
         """Token embeddings; with ``context``, after the embedding dropout (the model's input; MTP's
         future-token embeddings are taken without)."""
         hidden = self.embedding(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # Gemma's sqrt(hidden), in the embedding's dtype as there
+            hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
         return hidden if context is None else self.embedding_dropout(hidden, context)
 
     def run_blocks(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:

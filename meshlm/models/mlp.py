@@ -1,6 +1,7 @@
 """The dense MLP block and the activation functions shared with the MoE experts.
 
-Non-gated: ``down(act(up(x)))``. Gated (SwiGLU, Shazeer 2020): ``down(silu(gate(x)) * up(x))``.
+Non-gated: ``down(act(up(x)))``. Gated (SwiGLU, Shazeer 2020): ``down(silu(gate(x)) * up(x))``;
+GeGLU (Gemma) the same with GELU's tanh approximation for silu.
 Squared ReLU (So et al. 2021, "Primer") is Nemotron-H's choice. Under tensor parallelism
 ``gate``/``up`` are split by columns and ``down`` by rows, so the activation stays local.
 """
@@ -28,14 +29,21 @@ ELEMENTWISE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "swiglu": F.silu,
+    "geglu": lambda gate: F.gelu(gate, approximate="tanh"),  # Gemma's gelu_pytorch_tanh
+}
+"""The gated activations (Shazeer 2020, "GLU Variants Improve Transformer"): gate(x W_gate) * x W_up."""
+
+
 def is_gated(activation: str) -> bool:
-    return activation == "swiglu"
+    return activation in GATES
 
 
 def activate(activation: str, up: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
     """Apply the MLP nonlinearity to the up projection (and the gate projection when gated)."""
     if is_gated(activation):
-        return F.silu(gate) * up
+        return GATES[activation](gate) * up
     return ELEMENTWISE_ACTIVATIONS[activation](up)
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from meshlm.models.block import Block
 from meshlm.models.losses import IGNORE_INDEX, language_model_loss
-from meshlm.models.norms import make_norm
+from meshlm.models.norms import model_norm
 from meshlm.models.pattern import parse_pattern
 
 
@@ -41,7 +41,7 @@ def shift_left(tensor: torch.Tensor, steps: int, fill: int) -> torch.Tensor:
 class MTPDepth(nn.Module):
     def __init__(self, config, first_layer_index: int):
         super().__init__()
-        norm = lambda: make_norm(config.norm, config.hidden_size, config.norm_eps)  # noqa: E731
+        norm = lambda: model_norm(config)  # noqa: E731
         self.hidden_norm, self.embedding_norm, self.final_norm = norm(), norm(), norm()
         self.projection = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         kinds = parse_pattern(config.mtp_pattern, "model.mtp_pattern").kinds

@@ -3,6 +3,12 @@
 RMSNorm (Zhang & Sennrich 2019) rescales each vector by the root of its mean square, with no
 mean subtraction and no bias: ``y = w * x / sqrt(mean(x^2) + eps)``. The statistics are taken
 in fp32 whatever the input dtype, then the result is cast back, as Llama and Nemotron-H do.
+
+*Zero-centered* weights (``model.norm_zero_centered``; Gemma's norms, Megatron's
+``layernorm_zero_centered_gamma``) store gamma - 1: ``y = (1 + w) * x / sqrt(mean(x^2) + eps)``,
+the weights starting at 0. The function is the same; the parameter near 0 is what a checkpoint
+holds (Gemma's bf16 weights keep their precision only this way: 1 + w in bf16 would round w to
+2^-8) and what weight decay would pull towards 1 rather than 0.
 """
 
 from __future__ import annotations
@@ -15,15 +21,22 @@ from meshlm.models.function_outputs import distinct_output
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float = 1e-5):
+    """``w * x / rms(x)``; zero-centered (``offset`` 1): ``(1 + w) * x / rms(x)``, w starting at 0."""
+
+    def __init__(self, size: int, eps: float = 1e-5, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.offset = 1.0 if zero_centered else 0.0
+        self.weight = nn.Parameter(torch.full((size,), 1.0 - self.offset))
         self.eps = eps
+
+    def init_rules(self, config) -> dict:
+        return {"weight": lambda tensor, generator: tensor.fill_(1.0 - self.offset)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed).to(x.dtype)
+        scale = self.weight.float() + self.offset if self.offset else self.weight.float()
+        return (scale * normed).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -143,10 +156,15 @@ class _SkipGatedRMSNorm(torch.autograd.Function):
                 None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None)
 
 
-def make_norm(kind: str, size: int, eps: float) -> nn.Module:
-    """The block/final norm chosen by ``ModelConfig.norm``."""
+def model_norm(config, size: int | None = None) -> nn.Module:
+    """The norm ``config`` (a ``ModelConfig``) asks for, over ``size`` channels (default hidden_size)."""
+    return make_norm(config.norm, size or config.hidden_size, config.norm_eps, config.norm_zero_centered)
+
+
+def make_norm(kind: str, size: int, eps: float, zero_centered: bool = False) -> nn.Module:
+    """The block/final norm chosen by ``ModelConfig.norm`` (zero-centered: RMSNorm only)."""
     if kind == "rmsnorm":
-        return RMSNorm(size, eps)
+        return RMSNorm(size, eps, zero_centered)
     if kind == "layernorm":
         return nn.LayerNorm(size, eps=eps)
     raise ValueError(f"unknown norm {kind!r}; use 'rmsnorm' or 'layernorm'")

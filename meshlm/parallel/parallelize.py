@@ -72,7 +72,7 @@ def parallelize_block(block, context) -> None:
     else:
         raise ConfigError(f"block kind {block.kind!r} has no tensor-parallel version; use parallel.tp=1.")
     if context.sequence_parallel:
-        mark_partial_grad(block.norm)
+        mark_partial_grad(block.norm, block.output_norm)  # (a None is skipped)
 
 
 def parallelize_moe_block(layer, context):

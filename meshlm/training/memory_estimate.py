@@ -34,8 +34,10 @@ Mamba inner width, GN its B/C width, H its heads, N its state size, c its chunk,
 k the top-k, w the expert width:
 
     every block (its pre-norm)  8h + 4 + d*h     input in fp32, normalized fp32, 1/rms; output in dtype
+    block output norm           8h + 4           (model.block_output_norm) its fp32 input, normalized, 1/rms
     attention   *               8hd + d(2q + 2kv) + 4a   RoPE cos/sin, q, k, v, output; LSE (not with
-                                                          selective recompute); with a sliding window
+                                                          selective recompute); QK-norm adds
+                                                          8(q + kv) + 4(a + kv heads); with a sliding window
                                                           w < s (no CP) its chunked copies, about
                                                           d(2q + 4kv) more (exactly: see the code)
     MLP         -               d * (4F gated / 2F)       gate, up, act(gate), product (or proj, act)
@@ -222,7 +224,19 @@ def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
     """Bytes one block of ``kind`` saves for backward over a micro-batch of ``seq`` tokens per sequence
     (this rank's share); see the module docstring. ``block_model``: the block's own model config
     (``config.model.for_block(i)``); None: ``config.model``."""
-    model, train = config.model if block_model is None else block_model, config.train
+    model = config.model if block_model is None else block_model
+    mixer = mixer_activation_bytes(kind, config, micro_batch, seq, layout, model)
+    if not model.block_output_norm or kind == "0":
+        return mixer
+    # the output norm: its input in fp32 (a copy under bf16/fp16), the normalized fp32 product and 1/rms,
+    # on this rank's sequence shard (under SP the row-parallel output is reduce-scattered)
+    shards = layout.tp_size if layout.sequence_parallel else 1
+    return mixer + (8 * model.hidden_size + 4) / shards * micro_batch * seq
+
+
+def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout, model) -> float:
+    """``block_activation_bytes`` without the block output norm."""
+    train = config.train
     if kind == "0":  # a no-op block saves nothing
         return 0.0
     dtype_bytes, tp, h = DTYPE_BYTES[config.precision.dtype], layout.tp_size, model.hidden_size
@@ -235,6 +249,8 @@ def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
         key_value = model.resolved_num_kv_heads * model.resolved_head_dim
         rope = 8 * model.resolved_head_dim if model.position_embedding == "rope" else 0  # cos, sin
         core = (2 * query + 2 * key_value) * dtype_bytes + (0 if selective else 4 * model.num_attention_heads)
+        if model.qk_norm:  # each of q and k: its fp32 input, the normalized product, 1/rms per head
+            core += 8 * (query + key_value) + 4 * (model.num_attention_heads + model.resolved_num_kv_heads)
         window = model.sliding_window
         if window is not None and window < seq and layout.cp_size == 1 and not selective:
             # windowed_attention over P = chunks * window padded positions: q, k, v padded to P, the

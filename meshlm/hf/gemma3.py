@@ -1,0 +1,160 @@
+"""``Gemma3ForCausalLM`` <-> meshlm (Gemma Team 2025, "Gemma 3 Technical Report"): the text model.
+
+A Gemma 3 decoder layer is attention then a gated MLP, like Llama's, with four differences, each a
+meshlm model field:
+
+- **sandwich norms** (``model.block_output_norm``): the attention and MLP outputs are normalized
+  again before the residual add, so a layer has four norms -- ``input_layernorm`` and
+  ``post_attention_layernorm`` around attention (meshlm block 2i's ``norm`` and ``output_norm``),
+  ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` around the MLP (block 2i+1's);
+- **zero-centered norm weights** (``model.norm_zero_centered``): every RMSNorm, QK-norms included,
+  multiplies by 1 + weight, and the files store the weight;
+- **scaled embeddings** (``model.embedding_multiplier``): sqrt(hidden_size), rounded to the
+  embedding's dtype as transformers does;
+- **GeGLU** (``model.mlp_activation=geglu``): gelu_pytorch_tanh(gate) * up.
+
+Attention has QK-norm (before RoPE), grouped KV heads and a 256-wide head; five of every six layers
+attend within a sliding window (``sliding_window``, ``layer_types`` or v4's
+``sliding_window_pattern``: ``model.sliding_window`` and ``model.sliding_window_pattern``) and
+rotate with their own RoPE base, 10000, unscaled (``model.rope_local_theta``), while the full
+layers use ``rope_theta`` (1e6) with the config's scaling (linear x8 in the 4B-27B models). The
+output head is tied to the embedding.
+
+Not supported, refused by name: Gemma 2's logit soft-capping (``attn_logit_softcapping``,
+``final_logit_softcapping``), a softmax scale other than 1/sqrt(head_dim)
+(``query_pre_attn_scalar`` != ``head_dim``, as in Gemma 3 27B), bidirectional attention, and the
+multimodal ``Gemma3ForConditionalGeneration`` folders (convert the text model).
+"""
+
+from __future__ import annotations
+
+from meshlm.errors import ConfigError
+from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
+                              hf_common_fields, layer_windows, linear_maps, rename, require, rope_from_hf, rope_to_hf,
+                              window_fields, with_defaults)
+from meshlm.hf.llama import attention_fields, attention_maps, decoder_embedding_maps
+from meshlm.models.config import ModelConfig
+
+NAME = "Gemma3ForCausalLM"
+MODEL_TYPE = "gemma3_text"
+GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0
+"""transformers' RoPE bases when config.json gives none: full layers, sliding layers."""
+SLIDING_WINDOW_PATTERN = 6
+"""v4 configs: every sixth layer is full (``sliding_window_pattern``)."""
+DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+            "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+            "use_bidirectional_attention": False, "initializer_range": 0.02, "max_position_embeddings": 131072}
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def layer_types(hf: dict) -> list[str]:
+    """Each layer's attention: ``layer_types``, or v4's rule (every ``sliding_window_pattern``-th layer full)."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        period = hf.get("sliding_window_pattern") or SLIDING_WINDOW_PATTERN
+        types = [SLIDING_ATTENTION if (index + 1) % period else FULL_ATTENTION for index in range(layers)]
+    if len(types) != layers or set(types) - {SLIDING_ATTENTION, FULL_ATTENTION}:
+        raise ConfigError(f"{NAME} config.json: layer_types={types!r} must name {layers} layers, each "
+                          f"{SLIDING_ATTENTION!r} or {FULL_ATTENTION!r}.")
+    return types
+
+
+def rope_fields(hf_config: dict, sliding: bool) -> dict:
+    """The full layers' RoPE (base and scaling) and the sliding layers' base: v5's
+    ``rope_parameters`` keyed by layer type, or v4's ``rope_theta``, ``rope_scaling`` and
+    ``rope_local_base_freq``."""
+    parameters = hf_config.get("rope_parameters") or {}
+    if FULL_ATTENTION in parameters or SLIDING_ATTENTION in parameters:
+        fields = rope_from_hf({"rope_parameters": parameters.get(FULL_ATTENTION) or {},
+                               "max_position_embeddings": hf_config.get("max_position_embeddings")}, GLOBAL_THETA, NAME)
+        local = parameters.get(SLIDING_ATTENTION) or {}
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"{NAME} config.json: the sliding layers' rope type {local['rope_type']!r} is not "
+                              "supported; meshlm rotates them unscaled (rope_type 'default').")
+        local_theta = local.get("rope_theta", LOCAL_THETA)
+    else:
+        fields = rope_from_hf(hf_config, GLOBAL_THETA, NAME)
+        local_theta = hf_config.get("rope_local_base_freq", LOCAL_THETA)
+    if sliding:
+        fields["rope_local_theta"] = float(local_theta)
+    return fields
+
+
+def config_from_hf(hf_config: dict) -> ModelConfig:
+    hf = with_defaults(hf_config, DEFAULTS)
+    require(hf, NAME, "hidden_activation", GELU_TANH, "meshlm's GeGLU is gelu_pytorch_tanh(gate) * up")
+    require(hf, NAME, "attn_logit_softcapping", (None,), "attention logits are not soft-capped in meshlm")
+    require(hf, NAME, "final_logit_softcapping", (None,), "output logits are not soft-capped in meshlm")
+    require(hf, NAME, "use_bidirectional_attention", False, "meshlm attention is causal")
+    head_dim = hf["head_dim"]
+    require(hf, NAME, "query_pre_attn_scalar", (head_dim, float(head_dim)),
+            f"meshlm scales attention logits by 1/sqrt(head_dim), so query_pre_attn_scalar must equal head_dim={head_dim}")
+    types = layer_types(hf)
+    windows = window_fields(hf.get("sliding_window"), [kind == SLIDING_ATTENTION for kind in types])
+    hidden = hf["hidden_size"]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hidden, pattern="*-" * hf["num_hidden_layers"],
+        **attention_fields(hf), position_embedding="rope", qk_norm=True, **windows,
+        **rope_fields(hf_config, bool(windows)),
+        mlp_activation="geglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
+        norm="rmsnorm", norm_eps=hf["rms_norm_eps"], norm_zero_centered=True, block_output_norm=True,
+        embedding_multiplier=hidden ** 0.5, tie_embeddings=bool(hf["tie_word_embeddings"]),
+        init_std=hf["initializer_range"])
+
+
+def unsupported(config: ModelConfig) -> list[str]:
+    reasons = common_unsupported(config, gemma_layers=True)
+    reasons += blocks_of(config, r"(\*-)+", "Gemma 3 layers are attention then MLP: '*-' repeated")
+    wanted = {"mlp_activation": "geglu", "qk_norm": True, "norm_zero_centered": True, "block_output_norm": True,
+              "position_embedding": "rope", "attention_bias": False, "mlp_bias": False}
+    reasons += [f"model.{name}={getattr(config, name)!r} (Gemma 3 has {name}={value!r})"
+                for name, value in wanted.items() if getattr(config, name) != value]
+    if config.resolved_attention_output_bias:
+        reasons.append("model.attention_output_bias=True (Gemma 3's attention has no biases)")
+    if config.embedding_multiplier != config.hidden_size ** 0.5:
+        reasons.append(f"model.embedding_multiplier={config.embedding_multiplier} (Gemma 3 scales the embeddings by "
+                       f"sqrt(hidden_size) = {config.hidden_size ** 0.5})")
+    if config.rope_local_theta is None and config.sliding_window is not None:
+        reasons.append("model.rope_local_theta=None (Gemma 3's sliding layers have a RoPE base of their own; set it, "
+                       "e.g. to model.rope_theta)")
+    return reasons
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    ARCHITECTURE.check_expressible(config)
+    layers = config.num_blocks // 2
+    types = [FULL_ATTENTION if window is None else SLIDING_ATTENTION for window in layer_windows(config)]
+    full = rope_to_hf(config)
+    local_theta = config.rope_local_theta if config.rope_local_theta is not None else config.rope_theta
+    return {**hf_common_fields(config, NAME, MODEL_TYPE),
+            "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.resolved_num_kv_heads,
+            "head_dim": config.resolved_head_dim, "query_pre_attn_scalar": config.resolved_head_dim,
+            "attention_dropout": config.attention_dropout, "attention_bias": False,
+            "num_hidden_layers": layers, "intermediate_size": config.resolved_ffn_hidden_size,
+            "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": config.norm_eps,
+            "sliding_window": config.sliding_window, "layer_types": types,
+            "rope_parameters": {FULL_ATTENTION: full["rope_parameters"],
+                                SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": float(local_theta)}},
+            "attn_logit_softcapping": None, "final_logit_softcapping": None,
+            "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    maps = decoder_embedding_maps(config)
+    for layer in range(config.num_blocks // 2):
+        attention, mlp, theirs = 2 * layer, 2 * layer + 1, f"model.layers.{layer}"
+        maps += attention_maps(config, attention, layer)  # input_layernorm, q/k/v/o, q_norm/k_norm
+        maps += [rename(f"blocks.{attention}.output_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
+                 rename(f"blocks.{mlp}.norm.weight", f"{theirs}.pre_feedforward_layernorm.weight"),
+                 rename(f"blocks.{mlp}.output_norm.weight", f"{theirs}.post_feedforward_layernorm.weight")]
+        for projection in ("gate_proj", "up_proj", "down_proj"):
+            maps += linear_maps(f"blocks.{mlp}.mixer.{projection}", f"{theirs}.mlp.{projection}", False)
+    return maps
+
+
+ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported)
+state_from_hf = ARCHITECTURE.state_from_hf
+state_to_hf = ARCHITECTURE.state_to_hf
