@@ -70,3 +70,28 @@ def test_a_backend_that_cannot_compile_leaves_the_step_eager_and_says_why():
     tokens = torch.tensor([3])
     torch.testing.assert_close(step(tokens, cache), model(tokens[:, None], cache=reference).logits[:, -1])
     assert not step.compiled and len(messages) == 1 and "decoding eagerly" in messages[0]
+
+
+@torch.inference_mode()
+def test_gemma_style_blocks_step_like_the_cached_forward():
+    """Output norms after each mixer, GeGLU, scaled embeddings, sliding windows with their own RoPE
+    base: the decode step runs the same block as the model's forward."""
+    from meshlm.models.config import ModelConfig
+    from meshlm.models.language_model import LanguageModel
+
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=97, hidden_size=32, pattern="*-*-", num_attention_heads=4,
+                                      num_kv_heads=2, init_std=0.1, mlp_activation="geglu", qk_norm=True,
+                                      block_output_norm=True, norm_zero_centered=True, embedding_multiplier=32 ** 0.5,
+                                      sliding_window=3, sliding_window_pattern="SF", rope_local_theta=100.0)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.1)
+    step, cache, reference = DecodeStep(model), prefilled(model, PROMPTS), prefilled(model, PROMPTS)
+    assert step.supports(cache)
+    tokens = torch.arange(len(PROMPTS)) + 3
+    for _ in range(4):
+        logits = step(tokens, cache)
+        torch.testing.assert_close(logits, model(tokens[:, None], cache=reference).logits[:, -1], rtol=1e-5, atol=1e-5)
+        tokens = logits.argmax(-1)

@@ -75,3 +75,16 @@ def test_skip_and_its_scale_come_together():
     norm = GatedRMSNorm(8, group_size=4)
     with pytest.raises(ValueError, match="give skip and skip_scale together"):
         norm(torch.randn(2, 8), torch.randn(2, 8), skip=torch.randn(2, 8))
+
+
+def test_zero_centered_rms_norm_is_the_ordinary_one_with_weight_plus_one():
+    from meshlm.models.norms import RMSNorm
+
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    centered, ordinary = RMSNorm(16, 1e-6, zero_centered=True).double(), RMSNorm(16, 1e-6).double()
+    assert torch.equal(centered.weight, torch.zeros(16, dtype=torch.float64))  # starts at 0: scale 1
+    torch.testing.assert_close(centered(x), ordinary(x), rtol=0, atol=0)
+    with torch.no_grad():
+        centered.weight.normal_(0.0, 0.1)
+        ordinary.weight.copy_(centered.weight + 1)
+    torch.testing.assert_close(centered(x), ordinary(x), rtol=0, atol=1e-15)

@@ -3,8 +3,10 @@
 Dense models ('*-*-', vocabulary 61 so it must be padded, QK-norm on) with grouped-query
 attention whose KV heads are split over the ranks (kv 2 at tp 2, kv 4 at tp 4) or replicated on
 them (kv 2 at tp 4, kv 1 at tp 2 and 4), tied and untied embeddings, biases, LayerNorm and a
-non-gated MLP, one MTP depth, and a sliding window of 5 on alternate attention blocks (shorter
-than the 16 tokens, so the chunked windowed path runs and the cache reads only the window); and a hybrid ('M*-M', an MTP depth) with LoRA adapters on every
+non-gated MLP, one MTP depth, and a Gemma-style model (GeGLU, output norms after each mixer --
+partial gradients under SP --, zero-centered norms, scaled embeddings) with a sliding window of 5
+on alternate attention blocks, their own RoPE base (shorter than the 16 tokens, so the chunked
+windowed path runs and the cache reads only the window); and a hybrid ('M*-M', an MTP depth) with LoRA adapters on every
 targeted layer (their b drawn, as after training), of which only the adapters have gradients. One
 spawned world of 4 ranks runs tp 2 (two TP groups side by
 side) and tp 4, sequence parallelism off and on. Every rank builds the full model from a seed,
@@ -45,7 +47,9 @@ MODELS = {
     "kv2 untied biases": dict(num_kv_heads=2, attention_bias=True, mlp_bias=True),
     "mqa tied": dict(num_kv_heads=1, tie_embeddings=True),
     "kv2 qwen2 biases": dict(num_kv_heads=2, attention_bias=True, attention_output_bias=False),
-    "kv2 sliding window": dict(num_kv_heads=2, sliding_window=5, sliding_window_pattern="SF"),
+    "kv2 gemma-style sliding window": dict(num_kv_heads=2, sliding_window=5, sliding_window_pattern="SF",
+                                           rope_local_theta=500.0, mlp_activation="geglu", block_output_norm=True,
+                                           norm_zero_centered=True, embedding_multiplier=5.0),
     "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
                                     mlp_activation="squared_relu", mlp_bias=True),
     "kv2 mtp": dict(num_kv_heads=2, mtp_depth=1, mtp_pattern="*-"),
