@@ -20,6 +20,11 @@ Per (seq, window) it prints the seconds of each, ``speedup_vs_full`` and ``speed
 the windowed core and the dense band mask (they compute the same function). The chunked core does
 2 s w scores where full causal attention does s^2 (s^2 / 2 of them useful), so it should win
 once s is a few times w; below that the fused causal kernel's skipping of the upper triangle wins.
+
+``generation``: the KV cache after a prompt of each ``--seqs`` length and 32 decoded tokens, for a
+Gemma 3-shaped stack (12 attention blocks, five sliding to one full, window ``--cache-window``,
+hidden 256, 4 KV heads of 64, fp32) against the same stack without
+a window: bytes held (``InferenceCache.nbytes``, the buffers' capacity) and their ratio.
 """
 
 from __future__ import annotations
@@ -92,6 +97,27 @@ def measure(seq: int, window: int, repeats: int, dtype, device) -> dict:
             "max_difference_vs_dense_mask": difference}
 
 
+@torch.no_grad()
+def cache_bytes(prompt: int, window: int | None, new_tokens: int = 32) -> int:
+    """Bytes of the KV cache of a small Gemma 3-shaped model after ``prompt`` tokens and ``new_tokens`` steps."""
+    from meshlm.inference.decode_step import DecodeStep
+    from meshlm.inference.prefill import prefill
+    from meshlm.models.cache import InferenceCache
+    from meshlm.models.config import ModelConfig
+    from meshlm.models.language_model import LanguageModel
+
+    fields = dict(sliding_window=window, sliding_window_pattern="SSSSSF") if window else {}
+    model = LanguageModel(ModelConfig(vocab_size=256, hidden_size=256, pattern="*-" * 12, num_attention_heads=4,
+                                      num_kv_heads=4, head_dim=64, **fields)).eval()
+    ids = torch.randint(0, 256, (1, prompt))
+    cache = InferenceCache(max_tokens=prompt + new_tokens)
+    prefill(model, ids, None, cache, chunk_size=1024)
+    step, token = DecodeStep(model), torch.tensor([1])
+    for _ in range(new_tokens):
+        token = step(token, cache).argmax(-1)
+    return cache.nbytes
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192])
@@ -99,6 +125,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cache-window", type=int, default=512)
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -109,6 +136,12 @@ def main(argv=None) -> dict:
                "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "repeats": args.repeats,
                "runs": [measure(seq, window, args.repeats, dtype, device)
                         for seq in args.seqs for window in args.windows if window < seq]}
+    results["generation"] = []
+    for seq in args.seqs:
+        windowed, full = cache_bytes(seq, args.cache_window), cache_bytes(seq, None)
+        results["generation"].append({"prompt": seq, "window": args.cache_window, "pattern": "SSSSSF",
+                                      "cache_bytes": windowed, "cache_bytes_without_window": full,
+                                      "ratio": windowed / full})
     text = json.dumps(results, indent=2)
     print(text)
     if args.out is not None:

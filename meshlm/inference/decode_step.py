@@ -16,7 +16,7 @@ every step. So a step is split in two:
 
 - eager bookkeeping, a few ops whatever the context: the new token's mask and position
   (``InferenceCache.append_token_mask``), one more slot in each KV buffer
-  (``AttentionCache.reserve``);
+  (``AttentionCache.reserve``; a sliding-window block's cache drops its old keys there, in place);
 - the compiled body, with fixed shapes: embedding, blocks, final norm, head. A KV buffer enters
   whole (its capacity is fixed for the generation, ``InferenceCache(max_tokens)``) with the
   number of tokens it held as a 0-d tensor; the one op whose work depends on that number,
@@ -53,21 +53,24 @@ SUPPORTED_KINDS = frozenset("*M-L0")
 @torch.library.custom_op("meshlm::cached_attention", mutates_args=("key_buffer", "value_buffer"))
 def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_buffer: torch.Tensor,
                      value_buffer: torch.Tensor, held: torch.Tensor, mask_buffer: Optional[torch.Tensor],
-                     window: Optional[int] = None) -> torch.Tensor:
+                     window: Optional[int] = None, first_slot: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Write key/value [b, kv_heads, t, d] into the buffers after their ``held`` tokens (a 0-d
     tensor), then attend with query [b, heads, t, d] over all held tokens (``attention_core``;
-    ``mask_buffer`` [b, capacity], False on padding, or None: no padding; ``window``: the block's
-    sliding window, None for full attention -- only the last ``window`` keys are read)."""
+    ``mask_buffer`` [b, tokens], False on padding, or None: no padding; ``window``: the block's
+    sliding window, None for full attention -- only the last ``window`` keys are read;
+    ``first_slot``: the mask slot of the buffers' first key, a 0-d tensor, when a sliding-window
+    cache has dropped older ones)."""
     end = int(held) + key.shape[2]
     key_buffer[:, :, end - key.shape[2]:end] = key
     value_buffer[:, :, end - key.shape[2]:end] = value
-    key_mask = None if mask_buffer is None else mask_buffer[:, :end]
+    first = 0 if first_slot is None else int(first_slot)
+    key_mask = None if mask_buffer is None else mask_buffer[:, first:first + end]
     return attention_core(query, key_buffer[:, :, :end], value_buffer[:, :, :end], key_mask,
                           window=window).contiguous()
 
 
 @cached_attention.register_fake
-def _(query, key, value, key_buffer, value_buffer, held, mask_buffer, window=None):
+def _(query, key, value, key_buffer, value_buffer, held, mask_buffer, window=None, first_slot=None):
     return query.new_empty(query.shape)
 
 
@@ -123,12 +126,12 @@ class DecodeStep:
     def __call__(self, input_ids: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         input_ids, batch = input_ids.contiguous(), input_ids.shape[0]  # an expanded row would be another graph
         positions = cache.append_token_mask(None, batch, 1, input_ids.device)
-        kv_buffers, mamba_states, held = [], [], None
+        kv_buffers, mamba_states, held = [], [], []
         for block in self.model.blocks:
             state = cache.layers.get(block.layer_index)
             if isinstance(state, AttentionCache):
-                start = state.reserve(1)
-                held = torch.tensor(start) if held is None else held  # every attention block saw the same tokens
+                # a sliding-window cache may drop old keys here, so each block has its own count and first slot
+                held.append(torch.tensor([state.reserve(1), state.start]))
                 kv_buffers += [state.key_buffer, state.value_buffer]
             elif isinstance(state, MambaCache):
                 mamba_states += [state.conv_state.contiguous(), state.ssm_state.contiguous()]
@@ -159,14 +162,16 @@ class DecodeStep:
         """Embedding -> blocks -> head for one token per sequence; the new Mamba states, in block order."""
         model = self.model
         hidden = model.embed(input_ids[:, None])
-        kv, states, new_states = iter(kv_buffers), iter(mamba_states), []
+        kv, counts, states, new_states = iter(kv_buffers), iter(held), iter(mamba_states), []
         for block in model.blocks:
             if block.mixer is None:
                 continue
             normed = block.norm(hidden)
             if block.kind == "*":
                 query, key, value = block.mixer.project(normed, positions)
-                attended = cached_attention(query, key, value, next(kv), next(kv), held, mask_buffer, block.mixer.window)
+                held_and_first = next(counts)
+                attended = cached_attention(query, key, value, next(kv), next(kv), held_and_first[0], mask_buffer,
+                                            block.mixer.window, held_and_first[1])
                 mixed = block.mixer.o_proj(attended.transpose(1, 2).flatten(2))
             elif block.kind == "M":
                 out, conv_state, ssm_state = mamba_decode_step(block.mixer, normed[:, 0], next(states), next(states))

@@ -270,9 +270,11 @@ class SelfAttention(nn.Module):
 
         key_mask = context.token_mask
         if context.cache is not None:
-            key, value = context.cache.state_for(self.layer_index, AttentionCache).append(key, value)
-            # the cache knows whether it ever saw padding: no look over every cached token per step
-            key_mask = context.cache.token_mask if context.cache.has_padding else None
+            state = context.cache.state_for(self.layer_index, AttentionCache, self.window)
+            key, value = state.append(key, value)
+            # the cache knows whether it ever saw padding: no look over every cached token per step;
+            # a sliding-window cache holds the keys from slot ``start`` on
+            key_mask = context.cache.token_mask[:, state.start:] if context.cache.has_padding else None
         core, dropout = self.core, ()
         if self.training and self.dropout_p > 0:
             core, dropout = attention_with_dropout, (self.dropout_keep_mask(context, key.shape[2]), self.dropout_p)

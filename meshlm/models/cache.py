@@ -8,6 +8,14 @@ model's memory per generated token stays flat where a Transformer's grows.
 States are created by the blocks themselves on first use (``state_for``), keyed by block index,
 so the cache needs to know nothing about the model.
 
+**Sliding windows.** A sliding-window attention block (``model.sliding_window`` W) never reads a
+key more than W - 1 tokens back, so its cache keeps only the last W - 1 keys (plus what a
+rollback may undo) and drops older ones when its buffers run out of room: the kept keys move to
+the front, about once every W tokens, and the buffers stay about twice the window whatever the
+context (``AttentionCache.make_room``). Gemma 3's five sliding layers of six then hold a window's
+keys, not the context's (``bench/sliding_window.py``'s generation figures). The dropped keys' slots are counted (``AttentionCache.start``), so the
+padding mask, kept for all tokens, still lines up with the keys held.
+
 **Rolling back.** Speculative decoding (``meshlm/inference/speculative.py``) feeds the model
 draft tokens and then has to forget the rejected ones: ``InferenceCache.truncate`` undoes the
 latest tokens. For attention that is a count (the keys past it are overwritten later). A Mamba
@@ -60,6 +68,49 @@ class AttentionCache:
     length: int = 0
     """Tokens held (the buffers may have room for more)."""
     capacity_hint: int | None = None
+    window: int | None = None
+    """The block's sliding window (``model.sliding_window``), None for full attention: keys more
+    than ``keep`` tokens back are dropped when room is needed (``make_room``)."""
+    rollback_window: int = 0
+    """How many of the latest tokens ``forget_latest`` may undo once keys have been dropped
+    (speculative decoding; ``InferenceCache.enable_rollback``): a windowed cache keeps that many more."""
+    start: int = 0
+    """Slot, among all tokens seen, of the first key held: how many were dropped (0 without a window)."""
+
+    @property
+    def keep(self) -> int | None:
+        """How many of the latest keys a sliding-window cache must hold between forwards: the
+        window's W - 1 before the next token, and the rollback window's on top; None without a window."""
+        return None if self.window is None else self.window - 1 + self.rollback_window
+
+    def make_room(self, incoming: int) -> None:
+        """Before ``incoming`` tokens are written into a sliding-window cache: when its buffers lack
+        room for them, or hold more than a window of slack beyond ``2 keep + incoming`` (a long
+        prompt's, at the first decoding step), the keys older than the last ``keep`` are dropped and
+        the rest moved to the front -- into buffers of exactly 2 keep + incoming when they are
+        resized. Decoding then drops keys once every keep + 1 tokens, in place, and never
+        reallocates."""
+        if self.window is None or self.key_buffer is None:
+            return
+        keep, capacity = self.keep, self.key_buffer.shape[2]
+        target = 2 * keep + incoming
+        oversized = capacity > target + keep
+        if self.length + incoming <= capacity and not oversized:
+            return
+        drop = max(self.length - keep, 0)
+        held = self.length - drop
+        size = target if oversized or held + incoming > capacity else capacity
+        for name in ("key_buffer", "value_buffer"):
+            buffer = getattr(self, name)
+            kept = buffer[:, :, drop:self.length]
+            if size != capacity:
+                resized = buffer.new_zeros(*buffer.shape[:2], size, buffer.shape[3])
+                resized[:, :, :held] = kept
+                setattr(self, name, resized)
+            elif drop:
+                buffer[:, :, :held] = kept.clone()  # the two ranges may overlap
+        self.start += drop
+        self.length = held
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -71,6 +122,7 @@ class AttentionCache:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tokens' keys and values after the held ones; returns all of them (views)."""
+        self.make_room(keys.shape[2])
         needed = self.length + keys.shape[2]
         self.key_buffer = grown(self.key_buffer, keys, 2, self.length, needed, self.capacity_hint)
         self.value_buffer = grown(self.value_buffer, values, 2, self.length, needed, self.capacity_hint)
@@ -83,6 +135,7 @@ class AttentionCache:
         """Count ``num_tokens`` more tokens as held, growing the buffers if they lack room, and
         return where they start: the caller writes their keys and values there itself (the compiled
         decode step does, ``meshlm/inference/decode_step.py``). Only after a first ``append``."""
+        self.make_room(num_tokens)
         start, needed = self.length, self.length + num_tokens
         self.key_buffer = grown(self.key_buffer, self.key_buffer, 2, start, needed, self.capacity_hint)
         self.value_buffer = grown(self.value_buffer, self.value_buffer, 2, start, needed, self.capacity_hint)
@@ -90,9 +143,13 @@ class AttentionCache:
         return start
 
     def forget_latest(self, num_tokens: int) -> None:
-        """Drop the last ``num_tokens`` tokens: only the count shrinks, the next append overwrites them."""
+        """Drop the last ``num_tokens`` tokens: only the count shrinks, the next append overwrites them.
+        A sliding-window cache that has dropped keys can undo at most its rollback window."""
         if not 0 <= num_tokens <= self.length:
             raise ValueError(f"cannot forget {num_tokens} of the {self.length} cached tokens")
+        if self.start and num_tokens > self.rollback_window:
+            raise RuntimeError(f"this sliding-window cache can undo at most {self.rollback_window} tokens (its "
+                               f"rollback window), not {num_tokens}: older keys are gone")
         self.length -= num_tokens
 
     def select(self, batch_indices: torch.Tensor) -> None:
@@ -187,6 +244,8 @@ class InferenceCache:
         self.num_seen_tokens = 0
         self.real_tokens: torch.Tensor | None = None
         """[batch] int64: unmasked tokens seen per sequence (the next token's position)."""
+        self.rollback_window = 0
+        """The largest ``enable_rollback`` so far (given to attention states made later too)."""
         self.has_padding = False
         """Whether a token seen so far was padding. While it is False attention needs no key mask,
         and knowing it costs no look over the whole mask (and no device sync) per decode step."""
@@ -196,12 +255,17 @@ class InferenceCache:
         """[batch, tokens seen] bool, False on padding."""
         return None if self.mask_buffer is None else self.mask_buffer[:, :self.num_seen_tokens]
 
-    def state_for(self, layer_index: int, state_type: type):
+    def state_for(self, layer_index: int, state_type: type, window: int | None = None):
+        """Block ``layer_index``'s state, made on first use; an attention block gives its sliding
+        ``window`` (None: full attention)."""
         state = self.layers.get(layer_index)
         if state is None:
             state = self.layers[layer_index] = state_type()
             if isinstance(state, AttentionCache):
+                state.window, state.rollback_window = window, self.rollback_window
                 state.capacity_hint = self.max_tokens
+                if window is not None and self.max_tokens is not None:
+                    state.capacity_hint = min(self.max_tokens, 2 * window)
         return state
 
     def append_token_mask(self, token_mask: torch.Tensor | None, batch: int, seq: int,
@@ -226,10 +290,13 @@ class InferenceCache:
 
     def enable_rollback(self, num_tokens: int) -> None:
         """Let ``truncate`` undo up to ``num_tokens`` of the latest tokens, from the next forward on
-        (for the blocks that exist now: call it after a first forward)."""
+        (for the Mamba blocks that exist now: call it after a first forward)."""
+        self.rollback_window = max(self.rollback_window, num_tokens)
         for state in self.layers.values():
             if isinstance(state, MambaCache):
                 state.enable_rollback(num_tokens)
+            else:
+                state.rollback_window = max(state.rollback_window, num_tokens)
 
     def truncate(self, num_tokens: int) -> None:
         """Forget every token after the first ``num_tokens`` seen (rejected draft tokens), as if the

@@ -95,3 +95,28 @@ def test_gemma_style_blocks_step_like_the_cached_forward():
         logits = step(tokens, cache)
         torch.testing.assert_close(logits, model(tokens[:, None], cache=reference).logits[:, -1], rtol=1e-5, atol=1e-5)
         tokens = logits.argmax(-1)
+
+
+@torch.inference_mode()
+def test_compiled_step_keeps_one_graph_while_sliding_windows_drop_keys():
+    """A sliding block's cache drops old keys in place between steps (its buffers shrink once, at
+    the first step after a long prompt): the compiled step still needs one graph, and the logits
+    stay the cached forward's."""
+    from meshlm.models.config import ModelConfig
+    from meshlm.models.language_model import LanguageModel
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=97, hidden_size=32, pattern="*-*-", num_attention_heads=4,
+                                      num_kv_heads=2, init_std=0.1, sliding_window=3,
+                                      sliding_window_pattern="SF")).eval()
+    step = DecodeStep(model, compile=True, backend="aot_eager")
+    cache, reference = (prefilled(model, PROMPTS[:2], extra_tokens=12) for _ in range(2))
+    tokens = torch.tensor([3, 4])
+    torch.testing.assert_close(step(tokens, cache), model(tokens[:, None], cache=reference).logits[:, -1])
+    sliding = cache.layers[0]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for _ in range(10):
+            torch.testing.assert_close(step(tokens, cache), model(tokens[:, None], cache=reference).logits[:, -1])
+    assert sliding.window == 3 and sliding.start > 0 and sliding.key_buffer.shape[2] <= 4 * 2 + 2  # make_room's bound
+    assert cache.layers[2].window is None and cache.layers[2].start == 0

@@ -59,6 +59,17 @@ def test_speculative_greedy_equals_plain_greedy(name):
     assert stats.verify_forwards > 0 and stats.drafted_tokens == stats.verify_forwards * MODELS[name][2]
 
 
+@pytest.mark.parametrize("name", ["dense", "hybrid"])
+def test_sliding_window_caches_roll_back_rejected_drafts(name):
+    """Windows of 3 (every attention block, the depths' too): the caches drop old keys while drafts
+    are verified and rolled back, and the tokens stay plain greedy decoding's."""
+    model = tiny_mtp_model(name, sliding_window=3)
+    stats = GenerationStats()
+    speculative = generate(model, PROMPTS, 16, GREEDY, speculative="mtp", stats=stats)
+    assert speculative == generate(model, PROMPTS, 16, GREEDY)
+    assert stats.verify_forwards > 0
+
+
 @pytest.mark.parametrize("draft_tokens", [1, 2])
 def test_fewer_drafts_than_depths(draft_tokens):
     model = tiny_mtp_model("hybrid")

@@ -161,3 +161,36 @@ def test_reserve_counts_tokens_written_by_the_caller_and_grows_like_append():
     cache.key_buffer[:, :, 2] = 1.0  # the caller writes the reserved slot (the compiled decode step does)
     assert cache.reserve(2) == 3 and cache.key_buffer.shape[2] == 6  # doubled, the held keys kept
     assert cache.keys.shape[2] == 5 and torch.equal(cache.key_buffer[:, :, 2], torch.ones(1, 2, 4))
+
+
+# --- sliding-window caches ---------------------------------------------------------------------------------
+
+def test_a_sliding_window_cache_keeps_the_window_and_stays_twice_its_size():
+    cache = AttentionCache(window=4)
+    cache.append(torch.arange(30.0).view(1, 1, 30, 1), torch.arange(30.0).view(1, 1, 30, 1))  # a long prompt
+    assert cache.length == 30 and cache.start == 0
+    for token in range(30, 100):  # decoding: one token at a time
+        keys, _ = cache.append(torch.full((1, 1, 1, 1), float(token)), torch.full((1, 1, 1, 1), float(token)))
+        assert cache.start + cache.length == token + 1  # slots of the keys held end at the newest token
+        assert keys[0, 0, -4:, 0].tolist() == [float(t) for t in range(token - 3, token + 1)]  # its window
+        assert keys.shape[2] >= 4 and cache.key_buffer.shape[2] <= 2 * 3 + 1
+    assert cache.start > 0
+
+
+def test_a_sliding_window_cache_undoes_only_its_rollback_window_once_keys_are_dropped():
+    cache = AttentionCache(window=3, rollback_window=2)
+    for token in range(20):
+        cache.append(torch.full((1, 1, 1, 1), float(token)), torch.zeros(1, 1, 1, 1))
+    assert cache.start > 0 and cache.length >= 2 + 2
+    cache.forget_latest(2)
+    assert cache.keys[0, 0, -2:, 0].tolist() == [16.0, 17.0]  # the window before token 18 is still there
+    with pytest.raises(RuntimeError, match="can undo at most 2 tokens"):
+        cache.forget_latest(3)
+
+
+def test_inference_cache_gives_sliding_blocks_their_window_and_rollback():
+    cache = InferenceCache(max_tokens=1000)
+    cache.enable_rollback(3)
+    full, sliding = cache.state_for(0, AttentionCache), cache.state_for(1, AttentionCache, window=8)
+    assert (full.window, full.capacity_hint) == (None, 1000)
+    assert (sliding.window, sliding.rollback_window, sliding.capacity_hint) == (8, 3, 16)
