@@ -27,7 +27,7 @@ import json
 import torch
 
 from meshlm.checkpoint.locate import resolve_model_dir
-from meshlm.hf.convert import ARCHITECTURES, hf_to_meshlm, meshlm_to_hf
+from meshlm.hf.convert import EXPORTABLE, hf_to_meshlm, meshlm_to_hf
 from meshlm.hf.fp8_export import QUANTIZE_CHOICES, describe_fp8_export
 from meshlm.models.language_model import LanguageModel
 
@@ -43,9 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                   description="Convert a meshlm model or checkpoint into a Hugging Face folder.")
     to_hf.add_argument("checkpoint", metavar="CKPT", help="meshlm model folder, training checkpoint or run directory")
     to_hf.add_argument("out", metavar="HF_DIR", help="Hugging Face folder to write")
-    to_hf.add_argument("--architecture", choices=sorted(ARCHITECTURES), metavar="NAME",
+    to_hf.add_argument("--architecture", choices=sorted(EXPORTABLE), metavar="NAME",
                        help="HF architecture to write (default: chosen from the model's shape); one of "
-                            + ", ".join(sorted(ARCHITECTURES)))
+                            + ", ".join(sorted(EXPORTABLE)))
     to_hf.add_argument("--quantize", choices=QUANTIZE_CHOICES,
                        help="fp8: store the decoder blocks' linear weights as FP8 E4M3 with one fp32 scale per "
                             "128x128 block (DeepSeek-V3 layout, transformers' fine-grained FP8); the rest keeps "

@@ -47,7 +47,11 @@ from meshlm.models.lora import is_adapter_tensor, merged_weights, without_adapte
 EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE,
                                           qwen3_moe.ARCHITECTURE, mistral.ARCHITECTURE, mixtral.ARCHITECTURE,
                                           gemma3.ARCHITECTURE, mamba2.ARCHITECTURE, nemotron_h.ARCHITECTURE)
-ARCHITECTURES: dict[str, Architecture] = {architecture.name: architecture for architecture in EXPORT_ORDER}
+EXPORTABLE: dict[str, Architecture] = {architecture.name: architecture for architecture in EXPORT_ORDER}
+IMPORT_ONLY: tuple[Architecture, ...] = (gemma3.MULTIMODAL,)
+"""Folders meshlm reads part of (Gemma 3's multimodal ones: the language model) and never writes."""
+ARCHITECTURES: dict[str, Architecture] = {architecture.name: architecture
+                                          for architecture in EXPORT_ORDER + IMPORT_ONLY}
 HF_EXTRA_KEY = "hf"
 KEPT_HF_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
@@ -74,10 +78,10 @@ def choose_architecture(config: ModelConfig, requested: str | None = None, origi
         raise ConfigError("this model has model.head=reward (a reward model), which no supported Hugging Face "
                           "causal-LM architecture can hold; read it with `meshlm score` instead of exporting it.")
     if requested is not None:
-        if requested not in ARCHITECTURES:
-            raise ConfigError(f"--architecture {requested!r} is not one of {', '.join(ARCHITECTURES)}.")
-        ARCHITECTURES[requested].check_expressible(config)
-        return ARCHITECTURES[requested]
+        if requested not in EXPORTABLE:
+            raise ConfigError(f"--architecture {requested!r} is not one of {', '.join(EXPORTABLE)}.")
+        EXPORTABLE[requested].check_expressible(config)
+        return EXPORTABLE[requested]
     if original in ARCHITECTURES and not ARCHITECTURES[original].unsupported(config):
         return ARCHITECTURES[original]
     reasons = {}

@@ -20,10 +20,15 @@ rotate with their own RoPE base, 10000, unscaled (``model.rope_local_theta``), w
 layers use ``rope_theta`` (1e6) with the config's scaling (linear x8 in the 4B-27B models). The
 output head is tied to the embedding.
 
+**The multimodal folders** (``Gemma3ForConditionalGeneration``: Gemma 3 4B, 12B and 27B) hold
+the same language model beside a SigLIP vision tower. Import reads their ``text_config`` and the
+language model's tensors (``language_model.model.*`` as the hub files name them, or transformers
+v5's ``model.language_model.*``) and leaves the vision tower and its projector out: the result is
+the text model, which export writes as ``Gemma3ForCausalLM``.
+
 Not supported, refused by name: Gemma 2's logit soft-capping (``attn_logit_softcapping``,
 ``final_logit_softcapping``), a softmax scale other than 1/sqrt(head_dim)
-(``query_pre_attn_scalar`` != ``head_dim``, as in Gemma 3 27B), bidirectional attention, and the
-multimodal ``Gemma3ForConditionalGeneration`` folders (convert the text model).
+(``query_pre_attn_scalar`` != ``head_dim``, as in Gemma 3 27B), and bidirectional attention.
 """
 
 from __future__ import annotations
@@ -158,3 +163,43 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
 ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported)
 state_from_hf = ARCHITECTURE.state_from_hf
 state_to_hf = ARCHITECTURE.state_to_hf
+
+
+# --- the multimodal folders: their language model -----------------------------------------------------
+MULTIMODAL_NAME = "Gemma3ForConditionalGeneration"
+LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                           "language_model.lm_head.": "lm_head."}
+"""Where a multimodal folder keeps the language model's tensors (hub files; transformers v5), and
+where ``Gemma3ForCausalLM`` keeps them."""
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_config_from_multimodal(hf_config: dict) -> ModelConfig:
+    text = hf_config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{MULTIMODAL_NAME} config.json has no text_config; it is not a Gemma 3 folder meshlm reads.")
+    return config_from_hf(text)
+
+
+def language_model_tensors(tensors: dict) -> dict:
+    """The language model's tensors of a multimodal folder, under ``Gemma3ForCausalLM``'s names
+    (the vision tower and projector left out)."""
+    renamed = {}
+    for name, tensor in tensors.items():
+        if name.startswith(VISION_PREFIXES):
+            continue
+        for prefix, replacement in LANGUAGE_MODEL_PREFIXES.items():
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
+                break
+        renamed[name] = tensor
+    return renamed
+
+
+def multimodal_unsupported(config: ModelConfig) -> list[str]:
+    return [f"meshlm holds only the language model of a {MULTIMODAL_NAME} folder; export it as {NAME}"]
+
+
+MULTIMODAL = Architecture(MULTIMODAL_NAME, "gemma3", text_config_from_multimodal, config_to_hf, tensor_maps,
+                          multimodal_unsupported, normalize_hf_tensors=language_model_tensors)
+"""Import only: the text model of Gemma 3's multimodal folders."""

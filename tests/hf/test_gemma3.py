@@ -97,3 +97,35 @@ def test_a_meshlm_gemma_style_model_exports_as_gemma3_and_others_refuse_it(tmp_p
                              block_output_norm=True)
     with pytest.raises(ConfigError, match="model.block_output_norm=True .only Gemma3ForCausalLM"):
         choose_architecture(llama_like)
+
+
+def test_the_language_model_of_a_multimodal_folder_imports_and_exports_as_gemma3_text(tmp_path):
+    """A Gemma3ForConditionalGeneration folder (a tiny SigLIP tower beside the language model):
+    meshlm takes the language model, whose text logits equal transformers' on the whole model,
+    and writes it back as Gemma3ForCausalLM."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    from meshlm.hf import meshlm_to_hf
+    from meshlm.hf.convert import read_hf_extra
+
+    from .helpers import load_hf
+
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    text = tiny_gemma3().to_dict()
+    multimodal = Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                              boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, image_token_index=VOCAB - 1)
+    model = convert_and_compare(multimodal, tmp_path)
+    assert model.config.block_output_norm and model.config.sliding_window == 5
+    assert read_hf_extra(tmp_path / "meshlm")["architecture"] == gemma3.MULTIMODAL_NAME
+    meshlm_to_hf(tmp_path / "meshlm", tmp_path / "text")
+    text_only = load_hf(tmp_path / "text")
+    assert type(text_only).__name__ == gemma3.NAME
+    ids = torch.randint(0, VOCAB - 3, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(text_only(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    from meshlm.cli import main as meshlm_main
+
+    with pytest.raises(SystemExit):  # the CLI offers only the classes it writes
+        meshlm_main(["convert", "meshlm-to-hf", str(tmp_path / "meshlm"), str(tmp_path / "x"),
+                     "--architecture", gemma3.MULTIMODAL_NAME])
