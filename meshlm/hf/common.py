@@ -406,6 +406,9 @@ def gemma_fields_unsupported(config: ModelConfig) -> list[str]:
     if config.rope_local_theta is not None:
         reasons.append(f"model.rope_local_theta={config.rope_local_theta} (only Gemma3ForCausalLM has a RoPE base of "
                        "its own for the sliding layers)")
+    if config.attention_scale is not None:
+        reasons.append(f"model.attention_scale={config.attention_scale} (only Gemma3ForCausalLM scales attention by "
+                       "other than 1/sqrt(head_dim), through query_pre_attn_scalar)")
     return reasons
 
 

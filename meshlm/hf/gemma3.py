@@ -26,9 +26,11 @@ language model's tensors (``language_model.model.*`` as the hub files name them,
 v5's ``model.language_model.*``) and leaves the vision tower and its projector out: the result is
 the text model, which export writes as ``Gemma3ForCausalLM``.
 
+The attention logits are scaled by ``query_pre_attn_scalar ** -0.5``: 1/sqrt(head_dim) in most
+sizes, and in 27B (head_dim 128, scalar 168) ``model.attention_scale``.
+
 Not supported, refused by name: Gemma 2's logit soft-capping (``attn_logit_softcapping``,
-``final_logit_softcapping``), a softmax scale other than 1/sqrt(head_dim)
-(``query_pre_attn_scalar`` != ``head_dim``, as in Gemma 3 27B), and bidirectional attention.
+``final_logit_softcapping``) and bidirectional attention.
 """
 
 from __future__ import annotations
@@ -94,15 +96,14 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     require(hf, NAME, "attn_logit_softcapping", (None,), "attention logits are not soft-capped in meshlm")
     require(hf, NAME, "final_logit_softcapping", (None,), "output logits are not soft-capped in meshlm")
     require(hf, NAME, "use_bidirectional_attention", False, "meshlm attention is causal")
-    head_dim = hf["head_dim"]
-    require(hf, NAME, "query_pre_attn_scalar", (head_dim, float(head_dim)),
-            f"meshlm scales attention logits by 1/sqrt(head_dim), so query_pre_attn_scalar must equal head_dim={head_dim}")
+    scalar = hf["query_pre_attn_scalar"]
+    scale = None if scalar == hf["head_dim"] else scalar ** -0.5  # transformers' scaling, computed alike
     types = layer_types(hf)
     windows = window_fields(hf.get("sliding_window"), [kind == SLIDING_ATTENTION for kind in types])
     hidden = hf["hidden_size"]
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hidden, pattern="*-" * hf["num_hidden_layers"],
-        **attention_fields(hf), position_embedding="rope", qk_norm=True, **windows,
+        **attention_fields(hf), attention_scale=scale, position_embedding="rope", qk_norm=True, **windows,
         **rope_fields(hf_config, bool(windows)),
         mlp_activation="geglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], norm_zero_centered=True, block_output_norm=True,
@@ -136,7 +137,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     local_theta = config.rope_local_theta if config.rope_local_theta is not None else config.rope_theta
     return {**hf_common_fields(config, NAME, MODEL_TYPE),
             "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.resolved_num_kv_heads,
-            "head_dim": config.resolved_head_dim, "query_pre_attn_scalar": config.resolved_head_dim,
+            "head_dim": config.resolved_head_dim, "query_pre_attn_scalar": query_pre_attn_scalar(config),
             "attention_dropout": config.attention_dropout, "attention_bias": False,
             "num_hidden_layers": layers, "intermediate_size": config.resolved_ffn_hidden_size,
             "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": config.norm_eps,
@@ -145,6 +146,14 @@ def config_to_hf(config: ModelConfig) -> dict:
                                 SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": float(local_theta)}},
             "attn_logit_softcapping": None, "final_logit_softcapping": None,
             "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
+
+
+def query_pre_attn_scalar(config: ModelConfig) -> float | int:
+    """Gemma's name for the attention scale: s with scale = s ** -0.5 (a whole number when it is one)."""
+    if config.attention_scale is None:
+        return config.resolved_head_dim
+    scalar = config.attention_scale ** -2
+    return round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:

@@ -62,7 +62,7 @@ from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
 
 def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    key_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of query [b, heads, t, d] over key/value [b, kv_heads, s, d], s >= t.
 
     The t queries are the last t of the s positions (s > t while decoding with a cache).
@@ -71,6 +71,7 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ``document_ids`` [b, s] (t = s, no key mask): attend within each document only.
     ``window``: each query sees only itself and the window - 1 positions before it (by key slot,
     which is the position where padding is on the left, as generation pads); None: every earlier one.
+    ``scale``: the factor on q k^T (``model.attention_scale``); None: 1/sqrt(d).
     """
     query_len, key_len = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
@@ -79,27 +80,27 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if document_ids is not None:
         if key_mask is not None or query_len != key_len:
             raise ValueError("attention over packed documents takes whole sequences without padding or a cache")
-        return document_attention(query, key, value, document_ids, window)
+        return document_attention(query, key, value, document_ids, window, scale)
     if key_mask is None and query_len == key_len:
-        return causal_attention(query, key, value, window)
+        return causal_attention(query, key, value, window, scale)
     if window is not None:  # keys before the first query's window are never read
         first = max(key_len - query_len - window + 1, 0)
         key, value = key[:, :, first:], value[:, :, first:]
         key_mask = None if key_mask is None else key_mask[:, first:]
         key_len = key.shape[2]
     if key_mask is None and query_len == 1:  # decoding: the newest position sees every key left, no mask to build
-        return F.scaled_dot_product_attention(query, key, value, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(query, key, value, enable_gqa=gqa, scale=scale)
     allowed = allowed_keys(query_len, key_len, key_mask, query.device, window=window)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, enable_gqa=gqa, scale=scale)
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of s queries over their own s keys: whole, or within ``window``."""
     if window is None or window >= query.shape[2]:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True,
-                                              enable_gqa=query.shape[1] != key.shape[1])
-    return windowed_attention(query, key, value, window)
+                                              enable_gqa=query.shape[1] != key.shape[1], scale=scale)
+    return windowed_attention(query, key, value, window, scale)
 
 
 def window_chunks(seq_len: int, window: int) -> int:
@@ -108,7 +109,8 @@ def window_chunks(seq_len: int, window: int) -> int:
     return 1 if window >= seq_len else -(-seq_len // window)
 
 
-def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int) -> torch.Tensor:
+def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int,
+                       scale: float | None = None) -> torch.Tensor:
     """Sliding-window causal attention of query [b, heads, s, d] over key/value [b, kv_heads, s, d]
     (query i sees keys i - window + 1 .. i), chunk by chunk with one band mask (the module docstring)."""
     batch, heads, length, head_dim = query.shape
@@ -118,7 +120,7 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         query, key, value = (F.pad(tensor, (0, 0, 0, padding)) for tensor in (query, key, value))
     gqa = heads != key.shape[1]
     first = F.scaled_dot_product_attention(query[:, :, :window], key[:, :, :window], value[:, :, :window],
-                                           is_causal=True, enable_gqa=gqa)
+                                           is_causal=True, enable_gqa=gqa, scale=scale)
 
     def chunked(tensor: torch.Tensor) -> torch.Tensor:  # [b, n, c, d] per head -> [b, heads, n, c, d]
         return tensor.unflatten(2, (chunks, window))
@@ -133,7 +135,7 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     columns = torch.arange(2 * window, device=query.device)[None, :]
     band = (columns > rows) & (columns <= rows + window)  # [w, 2w]: 0 <= (w + i) - j < w
     rest = F.scaled_dot_product_attention(folded(chunked(query)[:, :, 1:]), folded(pair_keys), folded(pair_values),
-                                          attn_mask=band, enable_gqa=gqa)
+                                          attn_mask=band, enable_gqa=gqa, scale=scale)
     rest = rest.unflatten(0, (batch, chunks - 1)).transpose(1, 2).flatten(2, 3)
     return torch.cat((first, rest), dim=2)[:, :, :length]
 
@@ -149,7 +151,8 @@ def document_spans(document_ids: torch.Tensor) -> list[tuple[tuple[int, int], ..
 
 
 def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+                       document_ids: torch.Tensor, window: int | None = None,
+                       scale: float | None = None) -> torch.Tensor:
     """Causal attention within each document of ``document_ids`` [b, s]: one causal SDPA call per
     document span (``causal_attention``, within ``window`` if given), over all the rows that share
     the same spans (the module docstring)."""
@@ -163,7 +166,7 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         else:
             index = torch.tensor(rows, device=query.device)
             q, k, v = query.index_select(0, index), key.index_select(0, index), value.index_select(0, index)
-        pieces = [causal_attention(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], window)
+        pieces = [causal_attention(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], window, scale)
                   for start, stop in spans]
         outputs.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
         order += rows
@@ -193,13 +196,14 @@ def allowed_keys(query_len: int, key_len: int, key_mask: torch.Tensor | None, de
 
 def attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            key_mask: torch.Tensor | None, keep: torch.Tensor, p: float,
-                           document_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                           document_ids: torch.Tensor | None = None, window: int | None = None,
+                           scale: float | None = None) -> torch.Tensor:
     """``attention_core`` with dropout on the probabilities: softmax(q k^T / sqrt(d) + mask), then
     the ``keep`` mask [b, heads, t, s] and the 1/(1-p) scale, then times v. (It holds [t, s]
     probabilities anyway, so packed documents are a mask here.)"""
     group = query.shape[1] // key.shape[1]  # GQA: query head h reads KV head h // group
     key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-    scores = (query @ key.transpose(-2, -1)) * query.shape[-1] ** -0.5
+    scores = (query @ key.transpose(-2, -1)) * (query.shape[-1] ** -0.5 if scale is None else scale)
     allowed = allowed_keys(query.shape[2], key.shape[2], key_mask, query.device, document_ids, window)
     probabilities = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1)
     return apply_keep_mask(probabilities.to(value.dtype), keep, p) @ value
@@ -227,6 +231,8 @@ class SelfAttention(nn.Module):
         self.recompute_core = False
         """Selective recomputation (set by training.recompute): keep only q, k, v for backward and
         recompute scores, softmax and the weighted sum from them."""
+        self.scale = config.attention_scale
+        """The factor on q k^T (``model.attention_scale``), None for 1/sqrt(head_dim)."""
         self.window = config.sliding_window
         """Sliding window (tokens a query sees, itself included) of this block, None for full causal
         attention (``config`` is the block's own: ``ModelConfig.for_block``)."""
@@ -281,6 +287,8 @@ class SelfAttention(nn.Module):
         options = {} if context.document_ids is None else {"document_ids": context.document_ids}
         if self.window is not None:
             options["window"] = self.window
+        if self.scale is not None:
+            options["scale"] = self.scale
         if self.recompute_core and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(core, query, key, value, key_mask, *dropout, use_reentrant=False,
                                                     **options)

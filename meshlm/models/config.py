@@ -143,6 +143,9 @@ class ModelConfig:
     v0.1); "SF": alternating (Gemma 2, gpt-oss); "SSSSSF": five sliding to one full (Gemma 3);
     a string as long as the attention blocks lists each one (Qwen2's max_window_layers). Needs
     sliding_window."""
+    attention_scale: float | None = None
+    """The factor on the query-key products before the softmax. None: 1/sqrt(head_dim), as usual;
+    Gemma 3 27B uses query_pre_attn_scalar ** -0.5 with query_pre_attn_scalar = hidden / heads."""
     attention_kernel: str = "auto"
     """Which fused SDPA kernel attention prefers (meshlm/models/attention_kernels.py): "auto" (cuDNN's
     on Hopper GPUs, where it is faster than FlashAttention-2; PyTorch's own order elsewhere),
@@ -539,6 +542,10 @@ class ModelConfig:
             raise ConfigError(f"RoPE rotates pairs of channels, so the head dim ({self.resolved_head_dim}) must be even.")
         self._validate_rope_scaling()
         self._validate_sliding_window()
+        scale = self.attention_scale
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+            raise ConfigError(f"model.attention_scale={scale!r} must be a positive number, or null for "
+                              "1/sqrt(head_dim).")
 
     def _validate_sliding_window(self) -> None:
         window, pattern = self.sliding_window, self.sliding_window_pattern

@@ -33,7 +33,8 @@ def tiny_gemma3(**overrides) -> Gemma3TextConfig:
                                                        "sliding_attention": {"rope_type": "default",
                                                                              "rope_theta": 2e4}}},
     {"layer_types": ["sliding_attention", "full_attention"] * 3},
-], ids=["gemma3-1b-like", "untied-unscaled", "alternating"])
+    {"query_pre_attn_scalar": 24},  # 27B's scale: hidden / heads (168), not head_dim (128)
+], ids=["gemma3-1b-like", "untied-unscaled", "alternating", "27b-attention-scale"])
 def test_logits_match_transformers_and_round_trip(overrides, tmp_path):
     hf_config = tiny_gemma3(**overrides)
     model = convert_and_compare(hf_config, tmp_path)
@@ -41,6 +42,7 @@ def test_logits_match_transformers_and_round_trip(overrides, tmp_path):
     assert (config.pattern, config.mlp_activation) == ("*-" * 6, "geglu")
     assert config.qk_norm and config.block_output_norm and config.norm_zero_centered
     assert config.embedding_multiplier == 32 ** 0.5 and config.sliding_window == 5
+    assert config.attention_scale == (None if hf_config.query_pre_attn_scalar == 16 else 24 ** -0.5)
     windows = [block.mixer.window for block in model.blocks if block.kind == "*"]
     assert windows == [5 if kind == "sliding_attention" else None for kind in hf_config.layer_types]
     thetas = [block.mixer.rotary.theta for block in model.blocks if block.kind == "*"]
@@ -69,7 +71,6 @@ def test_v4_config_fields_read_as_transformers_reads_them():
 @pytest.mark.parametrize("fields, message", [
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
-    ({"query_pre_attn_scalar": 168}, "query_pre_attn_scalar must equal head_dim=8"),
     ({"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True is not supported"),
 ])

@@ -97,3 +97,29 @@ def test_a_forward_makes_the_rope_table_once_for_all_attention_blocks(monkeypatc
     own = attention.project(hidden, context.position_ids)
     assert all(torch.equal(a, b) for a, b in zip(shared, own))
     assert context.rotary_cos_sin(attention.rotary) is context.rotary_cos_sin(attention.rotary)
+
+
+def test_attention_scale_replaces_one_over_sqrt_head_dim_in_every_path():
+    """``model.attention_scale``: the causal core, the windowed core, packed documents, a cache's
+    masked path and the explicit-softmax (dropout) core all scale q k^T by it."""
+    import torch.nn.functional as F
+
+    from meshlm.models.attention import attention_with_dropout
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, count, 12, 8, generator=generator, dtype=torch.float64) for count in (4, 2, 2))
+    scaled = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True, scale=0.7)
+    assert not torch.allclose(scaled, attention_core(query, key, value))
+    torch.testing.assert_close(attention_core(query, key, value, scale=0.7), scaled)
+    torch.testing.assert_close(attention_core(query, key, value, window=12, scale=0.7), scaled)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    torch.testing.assert_close(attention_core(query[:, :, -2:], key, value, mask, scale=0.7), scaled[:, :, -2:])
+    torch.testing.assert_close(attention_core(query, key, value, document_ids=torch.zeros(2, 12, dtype=torch.long),
+                                              scale=0.7), scaled)
+    keep = torch.ones(2, 4, 12, 12, dtype=torch.bool)
+    torch.testing.assert_close(attention_with_dropout(query, key, value, None, keep, 0.0, scale=0.7), scaled,
+                               rtol=1e-6, atol=1e-6)  # its softmax is fp32
+    distance = torch.arange(12)[:, None] - torch.arange(12)[None, :]
+    band = F.scaled_dot_product_attention(query, key, value, attn_mask=(distance >= 0) & (distance < 5),
+                                          enable_gqa=True, scale=0.7)
+    torch.testing.assert_close(attention_core(query, key, value, window=5, scale=0.7), band)

@@ -49,7 +49,7 @@ MODELS = {
     "kv2 qwen2 biases": dict(num_kv_heads=2, attention_bias=True, attention_output_bias=False),
     "kv2 gemma-style sliding window": dict(num_kv_heads=2, sliding_window=5, sliding_window_pattern="SF",
                                            rope_local_theta=500.0, mlp_activation="geglu", block_output_norm=True,
-                                           norm_zero_centered=True, embedding_multiplier=5.0),
+                                           norm_zero_centered=True, embedding_multiplier=5.0, attention_scale=0.3),
     "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
                                     mlp_activation="squared_relu", mlp_bias=True),
     "kv2 mtp": dict(num_kv_heads=2, mtp_depth=1, mtp_pattern="*-"),

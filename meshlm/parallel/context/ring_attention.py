@@ -135,9 +135,9 @@ def _wait(requests) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, context, layout, chunk_documents, window):
+    def forward(ctx, query, key, value, context, layout, chunk_documents, window, scale):
         ring = Ring(context, layout)
-        scale, slot = 1.0 / math.sqrt(query.shape[-1]), query.shape[2] // 2
+        scale, slot = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale, query.shape[2] // 2
         wide = accumulation_dtype(query.dtype)
         out = torch.zeros(query.shape, dtype=wide, device=query.device)
         lse = torch.full(query.shape[:-1], float("-inf"), dtype=wide, device=query.device)
@@ -177,7 +177,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(grad_requests)
             kv = incoming
         return (grad_query.to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype), None, None, None,
-                None)
+                None, None)
 
 
 EVERY_SEQUENCE = slice(None)
@@ -260,18 +260,19 @@ def chunk_document_ids(document_ids: torch.Tensor, context, layout=paired_chunks
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context,
                    layout=paired_chunks, document_ids: torch.Tensor | None = None,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries [b, heads, 2c, d] over the whole sequence, whose
     keys/values [b, kv_heads, 2c, d] are spread over the CP group as ``layout`` says (each rank's
     two chunks of c tokens, concatenated). Returns [b, heads, 2c, d], equal to the rows of full
     causal attention at this rank's positions. Collective over the CP group. ``document_ids``
     [b, 2c] (this rank's tokens' packed documents): attend within each document only. ``window``:
-    each query sees only itself and the window - 1 positions before it."""
+    each query sees only itself and the window - 1 positions before it. ``scale``: the factor on
+    q k^T (None: 1/sqrt(d))."""
     if query.shape[2] % 2 or key.shape[2] != query.shape[2]:
         raise ValueError(f"ring attention needs two equal chunks of queries and keys per rank, got "
                          f"{query.shape[2]} queries and {key.shape[2]} keys")
     chunk_documents = None if document_ids is None else chunk_document_ids(document_ids, context, layout)
-    return _RingAttention.apply(query, key, value, context, layout, chunk_documents, window)
+    return _RingAttention.apply(query, key, value, context, layout, chunk_documents, window, scale)
 
 
 class RingAttentionCore:
@@ -281,11 +282,11 @@ class RingAttentionCore:
     def __init__(self, context, layout=paired_chunks):
         self.context, self.layout = context, layout
 
-    def __call__(self, query, key, value, key_mask=None, document_ids=None, window=None):
+    def __call__(self, query, key, value, key_mask=None, document_ids=None, window=None, scale=None):
         if key_mask is not None or key.shape[2] != query.shape[2]:
             raise ValueError("context parallelism runs training forwards only: no padding mask and no KV cache "
                              "(generate with a single-process or tensor-parallel model).")
-        return ring_attention(query, key, value, self.context, self.layout, document_ids, window)
+        return ring_attention(query, key, value, self.context, self.layout, document_ids, window, scale)
 
 
 __all__ = ["Ring", "RingAttentionCore", "SKIP", "attention_blocks", "chunk_document_ids", "merge_into",

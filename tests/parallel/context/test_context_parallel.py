@@ -50,7 +50,8 @@ MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
           "dense sliding window": [*helpers.MODELS["dense"], "model.sliding_window=6",
                                    "model.sliding_window_pattern=SF", "model.rope_local_theta=500",
                                    "model.block_output_norm=true", "model.mlp_activation=geglu",
-                                   "model.norm_zero_centered=true", "model.embedding_multiplier=4"]}
+                                   "model.norm_zero_centered=true", "model.embedding_multiplier=4",
+                                   "model.attention_scale=0.3"]}
 LAYOUTS = {
     2: {"cp2": ["parallel.cp=2"]},
     4: {"cp4": ["parallel.cp=4"], "cp2xtp2": ["parallel.cp=2", "parallel.tp=2"],
