@@ -324,6 +324,41 @@ def rope_from_hf(hf_config: dict, default_theta: float, architecture: str) -> di
     return fields
 
 
+def layered_rope_fields(hf_config: dict, architecture: str, full_theta: float, local_theta: float, v4_local_key: str,
+                        sliding: bool) -> dict:
+    """RoPE fields of a class whose full and sliding layers rotate differently (Gemma 3, OLMo 3):
+    the full layers' base and scaling, and with ``sliding`` layers ``rope_local_theta``, their
+    unscaled base. Read from v5's ``rope_parameters`` keyed by layer type, or from v4's
+    ``rope_theta``, ``rope_scaling`` and ``v4_local_key`` (the sliding base; absent: rope_theta,
+    else ``local_theta``)."""
+    parameters = hf_config.get("rope_parameters") or {}
+    if FULL_ATTENTION in parameters or SLIDING_ATTENTION in parameters:
+        fields = rope_from_hf({"rope_parameters": parameters.get(FULL_ATTENTION) or {},
+                               "max_position_embeddings": hf_config.get("max_position_embeddings")},
+                              full_theta, architecture)
+        local = parameters.get(SLIDING_ATTENTION) or {}
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"{architecture} config.json: the sliding layers' rope type {local['rope_type']!r} is "
+                              "not supported; meshlm rotates them unscaled (rope_type 'default').")
+        base = local.get("rope_theta", local_theta)
+    else:
+        fields = rope_from_hf(hf_config, full_theta, architecture)
+        base = hf_config.get(v4_local_key, hf_config.get("rope_theta", local_theta) if v4_local_key == "rope_theta"
+                             else local_theta)
+    if sliding and not (float(base) == fields["rope_theta"] and "rope_scaling" not in fields):
+        fields["rope_local_theta"] = float(base)  # (the same base, unscaled everywhere: nothing to set)
+    return fields
+
+
+def layered_rope_to_hf(config: ModelConfig) -> dict:
+    """``rope_parameters`` keyed by layer type (``layered_rope_fields`` read back), and v4's ``rope_theta``."""
+    full = rope_to_hf(config)
+    local = config.rope_local_theta if config.rope_local_theta is not None else config.rope_theta
+    return {"rope_parameters": {FULL_ATTENTION: full["rope_parameters"],
+                                SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": float(local)}},
+            "rope_theta": full["rope_theta"]}
+
+
 HF_ROPE_SCALINGS = {"linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 """HF ``rope_type`` -> ``model.rope_scaling``."""
 
@@ -375,10 +410,11 @@ def blocks_of(config: ModelConfig, pattern_regex: str, description: str) -> list
     return [f"model.pattern={config.pattern!r} ({description})"]
 
 
-def common_unsupported(config: ModelConfig, gemma_layers: bool = False) -> list[str]:
-    """Fields no HF architecture here can express (``gemma_layers``: but for Gemma's norms and
-    embedding scale, which the Gemma class checks itself)."""
-    reasons = [] if gemma_layers else gemma_fields_unsupported(config)
+def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozenset()) -> list[str]:
+    """Fields no HF architecture here can express, and the layer features of ``LAYER_FEATURES`` that
+    only some can, but for the ones named in ``supported`` (the class checks those itself)."""
+    reasons = [reason for name, (present, reason) in layer_features(config).items()
+               if present and name not in supported]
     if config.norm != "rmsnorm":
         reasons.append(f"model.norm={config.norm!r} (HF models here use RMSNorm)")
     if config.mtp_depth:
@@ -393,23 +429,27 @@ def common_unsupported(config: ModelConfig, gemma_layers: bool = False) -> list[
     return reasons
 
 
-def gemma_fields_unsupported(config: ModelConfig) -> list[str]:
-    """Reasons a model with Gemma's layer features fits no other class."""
-    reasons = []
-    if config.block_output_norm:
-        reasons.append("model.block_output_norm=True (only Gemma3ForCausalLM normalizes each block's output)")
-    if config.norm_zero_centered:
-        reasons.append("model.norm_zero_centered=True (only Gemma3ForCausalLM stores norm weights as 1 + w)")
-    if config.embedding_multiplier != 1.0:
-        reasons.append(f"model.embedding_multiplier={config.embedding_multiplier} (only Gemma3ForCausalLM scales the "
-                       "embeddings, by sqrt(hidden_size))")
-    if config.rope_local_theta is not None:
-        reasons.append(f"model.rope_local_theta={config.rope_local_theta} (only Gemma3ForCausalLM has a RoPE base of "
-                       "its own for the sliding layers)")
-    if config.attention_scale is not None:
-        reasons.append(f"model.attention_scale={config.attention_scale} (only Gemma3ForCausalLM scales attention by "
-                       "other than 1/sqrt(head_dim), through query_pre_attn_scalar)")
-    return reasons
+LAYER_FEATURES = {
+    "block_output_norm": "Gemma3ForCausalLM and Olmo2ForCausalLM normalize each block's output",
+    "block_input_norm": "Olmo2ForCausalLM leaves the blocks' inputs unnormalized",
+    "qk_norm_scope": "Olmo2ForCausalLM normalizes all query (and key) heads together",
+    "norm_zero_centered": "Gemma3ForCausalLM stores norm weights as 1 + w",
+    "embedding_multiplier": "Gemma3ForCausalLM scales the embeddings, by sqrt(hidden_size)",
+    "rope_local_theta": "Gemma3ForCausalLM and Olmo3ForCausalLM give the sliding layers a RoPE of their own",
+    "attention_scale": "Gemma3ForCausalLM scales attention by other than 1/sqrt(head_dim), through "
+                       "query_pre_attn_scalar",
+}
+"""Layer features only some HF classes hold, and which."""
+
+
+def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
+    """{field: (whether ``config`` uses it, the reason a class without it gives)} for ``LAYER_FEATURES``."""
+    used = {"block_output_norm": config.block_output_norm, "block_input_norm": not config.block_input_norm,
+            "qk_norm_scope": config.qk_norm and config.qk_norm_scope != "head",
+            "norm_zero_centered": config.norm_zero_centered, "embedding_multiplier": config.embedding_multiplier != 1.0,
+            "rope_local_theta": config.rope_local_theta is not None, "attention_scale": config.attention_scale is not None}
+    return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
+            for name, holder in LAYER_FEATURES.items()}
 
 
 # --- sliding-window attention ----------------------------------------------------------------------

@@ -14,7 +14,8 @@ Export (``meshlm_to_hf``): the architecture is, in order, the one asked for, the
 was imported from (if it can still express the model), or the first that fits of Llama (dense
 '*-' with RoPE), Qwen2 (Llama with biases on q/k/v only), Qwen3 (dense '*-' with QK-norm), Qwen3-MoE (softmax-routed '*E' with QK-norm),
 Mistral (a subset of Llama: written only when asked for or imported from; or a window in every
-layer), Mixtral (softmax-routed '*E'), Gemma 3 (sandwich norms, GeGLU, scaled embeddings), Mamba2 ('MMM...') and Nemotron-H (everything hybrid). When none fits, the error lists, per architecture, the fields that block it.
+layer), Mixtral (softmax-routed '*E'), Gemma 3 (sandwich norms, GeGLU, scaled embeddings), OLMo 2
+and 3 (norms after the sublayers, QK-norm over all heads; OLMo 3 sliding), Mamba2 ('MMM...') and Nemotron-H (everything hybrid). When none fits, the error lists, per architecture, the fields that block it.
 The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
 by chunk from a training checkpoint) when the first HF tensor cut from it is written. With
 ``quantize="fp8"`` the decoder blocks' linear weights are written as block-wise FP8, each
@@ -35,7 +36,7 @@ from meshlm.checkpoint.materialize import read_tensor
 from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_checked, read_model_config, source_file,
                                            weights_source, write_model_folder)
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.hf import gemma3, llama, mamba2, mistral, mixtral, nemotron_h, qwen2, qwen3, qwen3_moe
+from meshlm.hf import gemma3, llama, mamba2, mistral, mixtral, nemotron_h, olmo2, qwen2, qwen3, qwen3_moe
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.fp8_export import quantize_hf_export
@@ -46,7 +47,8 @@ from meshlm.models.lora import is_adapter_tensor, merged_weights, without_adapte
 
 EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE,
                                           qwen3_moe.ARCHITECTURE, mistral.ARCHITECTURE, mixtral.ARCHITECTURE,
-                                          gemma3.ARCHITECTURE, mamba2.ARCHITECTURE, nemotron_h.ARCHITECTURE)
+                                          gemma3.ARCHITECTURE, olmo2.OLMO2_ARCHITECTURE, olmo2.OLMO3_ARCHITECTURE,
+                                          mamba2.ARCHITECTURE, nemotron_h.ARCHITECTURE)
 EXPORTABLE: dict[str, Architecture] = {architecture.name: architecture for architecture in EXPORT_ORDER}
 IMPORT_ONLY: tuple[Architecture, ...] = (gemma3.MULTIMODAL,)
 """Folders meshlm reads part of (Gemma 3's multimodal ones: the language model) and never writes."""

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from meshlm.errors import ConfigError
 from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
-                              hf_common_fields, layer_windows, linear_maps, rename, require, rope_from_hf, rope_to_hf,
-                              window_fields, with_defaults)
+                              hf_common_fields, layer_windows, layered_rope_fields, layered_rope_to_hf, linear_maps,
+                              rename, require, window_fields, with_defaults)
 from meshlm.hf.llama import attention_fields, attention_maps, decoder_embedding_maps
 from meshlm.models.config import ModelConfig
 
@@ -54,6 +54,8 @@ DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216
             "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
             "use_bidirectional_attention": False, "initializer_range": 0.02, "max_position_embeddings": 131072}
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+SUPPORTED_FEATURES = frozenset({"block_output_norm", "norm_zero_centered", "embedding_multiplier", "rope_local_theta",
+                                "attention_scale"})
 
 
 def layer_types(hf: dict) -> list[str]:
@@ -67,27 +69,6 @@ def layer_types(hf: dict) -> list[str]:
         raise ConfigError(f"{NAME} config.json: layer_types={types!r} must name {layers} layers, each "
                           f"{SLIDING_ATTENTION!r} or {FULL_ATTENTION!r}.")
     return types
-
-
-def rope_fields(hf_config: dict, sliding: bool) -> dict:
-    """The full layers' RoPE (base and scaling) and the sliding layers' base: v5's
-    ``rope_parameters`` keyed by layer type, or v4's ``rope_theta``, ``rope_scaling`` and
-    ``rope_local_base_freq``."""
-    parameters = hf_config.get("rope_parameters") or {}
-    if FULL_ATTENTION in parameters or SLIDING_ATTENTION in parameters:
-        fields = rope_from_hf({"rope_parameters": parameters.get(FULL_ATTENTION) or {},
-                               "max_position_embeddings": hf_config.get("max_position_embeddings")}, GLOBAL_THETA, NAME)
-        local = parameters.get(SLIDING_ATTENTION) or {}
-        if local.get("rope_type", "default") != "default":
-            raise ConfigError(f"{NAME} config.json: the sliding layers' rope type {local['rope_type']!r} is not "
-                              "supported; meshlm rotates them unscaled (rope_type 'default').")
-        local_theta = local.get("rope_theta", LOCAL_THETA)
-    else:
-        fields = rope_from_hf(hf_config, GLOBAL_THETA, NAME)
-        local_theta = hf_config.get("rope_local_base_freq", LOCAL_THETA)
-    if sliding:
-        fields["rope_local_theta"] = float(local_theta)
-    return fields
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
@@ -104,7 +85,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hidden, pattern="*-" * hf["num_hidden_layers"],
         **attention_fields(hf), attention_scale=scale, position_embedding="rope", qk_norm=True, **windows,
-        **rope_fields(hf_config, bool(windows)),
+        **layered_rope_fields(hf_config, NAME, GLOBAL_THETA, LOCAL_THETA, "rope_local_base_freq", bool(windows)),
         mlp_activation="geglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], norm_zero_centered=True, block_output_norm=True,
         embedding_multiplier=hidden ** 0.5, tie_embeddings=bool(hf["tie_word_embeddings"]),
@@ -112,10 +93,11 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 
 
 def unsupported(config: ModelConfig) -> list[str]:
-    reasons = common_unsupported(config, gemma_layers=True)
+    reasons = common_unsupported(config, supported=SUPPORTED_FEATURES)
     reasons += blocks_of(config, r"(\*-)+", "Gemma 3 layers are attention then MLP: '*-' repeated")
     wanted = {"mlp_activation": "geglu", "qk_norm": True, "norm_zero_centered": True, "block_output_norm": True,
-              "position_embedding": "rope", "attention_bias": False, "mlp_bias": False}
+              "position_embedding": "rope", "attention_bias": False, "mlp_bias": False}  # (per-head QK-norm and
+    # block input norms: common_unsupported refuses their alternatives)
     reasons += [f"model.{name}={getattr(config, name)!r} (Gemma 3 has {name}={value!r})"
                 for name, value in wanted.items() if getattr(config, name) != value]
     if config.resolved_attention_output_bias:
@@ -123,9 +105,9 @@ def unsupported(config: ModelConfig) -> list[str]:
     if config.embedding_multiplier != config.hidden_size ** 0.5:
         reasons.append(f"model.embedding_multiplier={config.embedding_multiplier} (Gemma 3 scales the embeddings by "
                        f"sqrt(hidden_size) = {config.hidden_size ** 0.5})")
-    if config.rope_local_theta is None and config.sliding_window is not None:
-        reasons.append("model.rope_local_theta=None (Gemma 3's sliding layers have a RoPE base of their own; set it, "
-                       "e.g. to model.rope_theta)")
+    if config.rope_local_theta is None and config.sliding_window is not None and config.rope_scaling != "none":
+        reasons.append(f"model.rope_local_theta=None with model.rope_scaling={config.rope_scaling!r} (Gemma 3's "
+                       "sliding layers rotate unscaled; set model.rope_local_theta, e.g. to model.rope_theta)")
     return reasons
 
 
@@ -133,8 +115,6 @@ def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
     layers = config.num_blocks // 2
     types = [FULL_ATTENTION if window is None else SLIDING_ATTENTION for window in layer_windows(config)]
-    full = rope_to_hf(config)
-    local_theta = config.rope_local_theta if config.rope_local_theta is not None else config.rope_theta
     return {**hf_common_fields(config, NAME, MODEL_TYPE),
             "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.resolved_num_kv_heads,
             "head_dim": config.resolved_head_dim, "query_pre_attn_scalar": query_pre_attn_scalar(config),
@@ -142,8 +122,7 @@ def config_to_hf(config: ModelConfig) -> dict:
             "num_hidden_layers": layers, "intermediate_size": config.resolved_ffn_hidden_size,
             "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": config.norm_eps,
             "sliding_window": config.sliding_window, "layer_types": types,
-            "rope_parameters": {FULL_ATTENTION: full["rope_parameters"],
-                                SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": float(local_theta)}},
+            **layered_rope_to_hf(config),
             "attn_logit_softcapping": None, "final_logit_softcapping": None,
             "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 

@@ -167,7 +167,7 @@ class DecodeStep:
         for block in model.blocks:
             if block.mixer is None:
                 continue
-            normed = block.norm(hidden)
+            normed = hidden if block.norm is None else block.norm(hidden)
             if block.kind == "*":
                 query, key, value = block.mixer.project(normed, positions)
                 held_and_first = next(counts)

@@ -221,8 +221,12 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.resolved_attention_output_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_zero_centered) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_zero_centered) if config.qk_norm else None
+        self.qk_norm_all = config.qk_norm and config.qk_norm_scope == "all"
+        """QK-norm over all heads of the projection at once (OLMo 2), not over each head."""
+        widths = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim) if self.qk_norm_all else (
+            self.head_dim, self.head_dim)
+        self.q_norm, self.k_norm = ((RMSNorm(width, config.norm_eps, config.norm_zero_centered) for width in widths)
+                                    if config.qk_norm else (None, None))
         self.rotary = (RotaryEmbedding(self.head_dim, config.rope_theta, RopeScaling.from_config(config))
                        if config.position_embedding == "rope" else None)
         self.core = attention_core
@@ -250,6 +254,8 @@ class SelfAttention(nn.Module):
         (by ``rotary_cos_sin`` when given, the forward's shared table, else by ``rotary_positions``)."""
         batch, seq, _ = x.shape
         query, key, value = project_together(x, (self.q_proj, self.k_proj, self.v_proj))  # one GEMM where it can
+        if self.qk_norm_all:
+            query, key = self.q_norm(query), self.k_norm(key)
         if self.rotary is not None and (self.q_norm is None or query.dtype != torch.float32):
             # RoPE makes new queries and keys, so the values take storage of their own: a slice of the
             # fused output, saved for the attention's backward, would keep the queries and keys
@@ -257,7 +263,7 @@ class SelfAttention(nn.Module):
             # an fp32 QK-norm saves its input, the slices themselves, so there the copy would only add)
             value = value.contiguous()
         query, key, value = (part.view(batch, seq, -1, self.head_dim).transpose(1, 2) for part in (query, key, value))
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_all:
             query, key = self.q_norm(query), self.k_norm(key)
         if self.rotary is not None:
             cos, sin = rotary_cos_sin if rotary_cos_sin is not None else self.rotary(rotary_positions)

@@ -1,7 +1,8 @@
 """One residual block: ``h + dropout(mixer(norm(h)))``, the mixer chosen by a pattern symbol.
 
 With ``model.block_output_norm`` the mixer's output is normalized too before it is added,
-``h + dropout(norm2(mixer(norm(h))))`` (Gemma 2 and 3's post-attention and post-feedforward norms).
+``h + dropout(norm2(mixer(norm(h))))`` (Gemma 2 and 3's post-attention and post-feedforward norms);
+without ``model.block_input_norm`` the first norm goes, ``h + dropout(norm2(mixer(h)))`` (OLMo 2).
 
 The pattern (``meshlm/models/pattern.py``) names one block per symbol: ``*`` attention, ``-`` MLP,
 ``M`` Mamba-2, ``E`` Mixture-of-Experts, ``L`` linear, ``0`` no-op. Every block is pre-norm (the norm acts on the block's
@@ -70,7 +71,8 @@ class Block(nn.Module):
         self.layer_index = layer_index
         """The block's index in the whole model (MTP blocks count on after the main blocks), on any pipeline stage."""
         config = config.for_block(layer_index)
-        self.norm = None if kind == NO_OP else model_norm(config)
+        self.norm = model_norm(config) if config.block_input_norm and kind != NO_OP else None
+        """The pre-norm; None without one (``model.block_input_norm=false``) and in a no-op block."""
         self.output_norm = model_norm(config) if config.block_output_norm and kind != NO_OP else None
         """``model.block_output_norm``: the norm on the mixer's output, before the residual add."""
         self.mixer = None if kind == NO_OP else build_mixer(kind, config, layer_index)
@@ -80,7 +82,7 @@ class Block(nn.Module):
         and rerun norm + mixer during backward."""
 
     def norm_and_mix(self, hidden: torch.Tensor, context: SequenceContext):
-        mixed = self.mixer(self.norm(hidden), context)
+        mixed = self.mixer(hidden if self.norm is None else self.norm(hidden), context)
         if self.output_norm is None:
             return mixed
         if isinstance(mixed, tuple):  # an MoE block's output and auxiliary losses

@@ -35,6 +35,7 @@ from meshlm.models.pattern import BLOCK_KINDS, parse_pattern
 ACTIVATIONS = ("swiglu", "geglu", "squared_relu", "gelu", "relu", "silu")
 NORMS = ("rmsnorm", "layernorm")
 POSITION_EMBEDDINGS = ("rope", "none")
+QK_NORM_SCOPES = ("head", "all")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 MAMBA_SCANS = ("auto", "pytorch", "triton", "reference")
 ATTENTION_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")  # meshlm/models/attention_kernels.py
@@ -127,7 +128,11 @@ class ModelConfig:
     rope_yarn_truncate: bool = True
     """rope_scaling=yarn: round the ramp's ends to whole dims (the YaRN reference; gpt-oss does not)."""
     qk_norm: bool = False
-    """RMSNorm over head_dim on queries and keys before RoPE (Qwen3, OLMo-2)."""
+    """RMSNorm on queries and keys before RoPE (Qwen3, Gemma 3, OLMo 2); its reach: qk_norm_scope."""
+    qk_norm_scope: str = "head"
+    """What one QK-norm statistic covers: 'head' (each head's head_dim channels, one weight of
+    head_dim shared by the heads: Qwen3, Gemma 3) or 'all' (all heads of the projection together,
+    a weight per channel: OLMo 2 and 3; under tensor parallelism the sum of squares is all-reduced)."""
     attention_bias: bool = False
     """Bias terms on the q/k/v projections, and on o unless attention_output_bias says otherwise."""
     attention_output_bias: bool | None = None
@@ -175,6 +180,9 @@ class ModelConfig:
     """RMSNorm weights hold gamma - 1: each norm (block, block output, final, QK-, MTP norms; not
     Mamba's gated norm) multiplies by 1 + weight, and the weights start at 0 (Gemma's norms;
     Megatron's zero-centered gamma). Same function, another parameterization."""
+    block_input_norm: bool = True
+    """The norm on each block's input (pre-norm). False: the mixer reads the residual stream as it
+    is, and with block_output_norm its output is normalized instead (OLMo 2's reordered norm)."""
     block_output_norm: bool = False
     """A second norm on each block's mixer output, before the residual add: h + norm2(mixer(norm(h)))
     (Gemma 2 and 3's post-attention and post-feedforward norms, a "sandwich" norm)."""
@@ -415,6 +423,10 @@ class ModelConfig:
         _choice(self, "attention_kernel", ATTENTION_KERNELS)
         _choice(self, "norm", NORMS)
         _choice(self, "position_embedding", POSITION_EMBEDDINGS)
+        _choice(self, "qk_norm_scope", QK_NORM_SCOPES)
+        if self.qk_norm_scope != "head" and not self.qk_norm:
+            raise ConfigError(f"model.qk_norm_scope={self.qk_norm_scope!r} says what QK-norm covers, but model.qk_norm "
+                              "is false; set model.qk_norm=true or leave the scope at 'head'.")
         _choice(self, "moe_score_function", SCORE_FUNCTIONS)
         _choice(self, "moe_drop_policy", DROP_POLICIES)
         _choice(self, "moe_aux_loss_type", AUX_LOSS_TYPES)

@@ -15,6 +15,7 @@ from meshlm.errors import ConfigError
 from meshlm.models.attention import SelfAttention
 from meshlm.parallel.tensor.layers import (ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear,
                                            column_parallel_input)
+from meshlm.parallel.tensor.norms import ShardedRMSNorm
 from meshlm.parallel.tensor.sharding import mark_partial_grad
 
 
@@ -52,6 +53,10 @@ def parallelize_attention(attention: SelfAttention, context) -> None:
         attention.v_proj = ColumnParallelLinear.from_full(attention.v_proj, context, gather_input=False)
         attention.num_kv_heads = kv_heads // tp
     elif tp % kv_heads == 0:
+        if attention.qk_norm_all:
+            raise ConfigError(f"model.qk_norm_scope=all normalizes all key heads together, and with "
+                              f"model.num_kv_heads={kv_heads} < parallel.tp={tp} the key heads are replicated "
+                              "over the ranks; use a parallel.tp that divides the KV heads (or qk_norm_scope=head).")
         rows = kv_rows_for_rank(heads, kv_heads, attention.head_dim, context.tp_rank, tp)
         attention.k_proj = ReplicatedRowsLinear(attention.k_proj, context, rows, gather_input=False)
         attention.v_proj = ReplicatedRowsLinear(attention.v_proj, context, rows, gather_input=False)
@@ -61,7 +66,11 @@ def parallelize_attention(attention: SelfAttention, context) -> None:
                           "(kv_heads divisible by tp) or replicated (tp divisible by kv_heads); neither holds.")
     attention.o_proj = RowParallelLinear.from_full(attention.o_proj, context)
     attention.num_heads = heads // tp
-    mark_partial_grad(attention.q_norm, attention.k_norm)  # shared by all heads, applied to local ones
+    if attention.qk_norm_all:  # a weight per channel: cut with the heads, statistics over the group
+        attention.q_norm = ShardedRMSNorm.from_full(attention.q_norm, context)
+        attention.k_norm = ShardedRMSNorm.from_full(attention.k_norm, context)
+    else:
+        mark_partial_grad(attention.q_norm, attention.k_norm)  # shared by all heads, applied to local ones
     attention.__class__ = TensorParallelSelfAttention
     attention.parallel_context = context
 
