@@ -242,7 +242,8 @@ def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
     dtype_bytes, tp, h = DTYPE_BYTES[config.precision.dtype], layout.tp_size, model.hidden_size
     tokens = micro_batch * seq
     sequence_shards = tp if layout.sequence_parallel else 1
-    residual = norm_bytes(h, dtype_bytes, sequence_shards)
+    # the pre-norm, or without one (model.block_input_norm=false) the block input the first linear saves
+    residual = norm_bytes(h, dtype_bytes, sequence_shards) if model.block_input_norm else dtype_bytes * h
     if kind == "*":
         selective = train.recompute == "selective"
         query = model.num_attention_heads * model.resolved_head_dim
@@ -270,7 +271,8 @@ def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
         experts, top_k = model.moe_num_experts, model.moe_top_k
         expert_width = model.moe_latent_size or h
         router = 16 * experts + 4  # fp32 probabilities, int64 ranks, fp32 logits, logsumexp
-        norm = norm_bytes(h, dtype_bytes, sequence_shards, output_bytes=4)  # the router reads it in fp32
+        norm = (norm_bytes(h, dtype_bytes, sequence_shards, output_bytes=4)  # the router reads it in fp32
+                if model.block_input_norm else 4 * h)
         routed = top_k * (8 + 8 + 4 + expert_width * dtype_bytes  # indices, weights, the dispatched rows
                           + mlp_elements(model.resolved_moe_ffn_hidden_size, model.mlp_activation) * dtype_bytes
                           / layout.etp_size

@@ -6,7 +6,8 @@ them (kv 2 at tp 4, kv 1 at tp 2 and 4), tied and untied embeddings, biases, Lay
 non-gated MLP, one MTP depth, and a Gemma-style model (GeGLU, output norms after each mixer --
 partial gradients under SP --, zero-centered norms, scaled embeddings) with a sliding window of 5
 on alternate attention blocks, their own RoPE base (shorter than the 16 tokens, so the chunked
-windowed path runs and the cache reads only the window); and a hybrid ('M*-M', an MTP depth) with LoRA adapters on every
+windowed path runs and the cache reads only the window), and an OLMo-style model (no input norms,
+output norms, a QK-norm over all heads: cut over the ranks with its statistics all-reduced); and a hybrid ('M*-M', an MTP depth) with LoRA adapters on every
 targeted layer (their b drawn, as after training), of which only the adapters have gradients. One
 spawned world of 4 ranks runs tp 2 (two TP groups side by
 side) and tp 4, sequence parallelism off and on. Every rank builds the full model from a seed,
@@ -50,6 +51,7 @@ MODELS = {
     "kv2 gemma-style sliding window": dict(num_kv_heads=2, sliding_window=5, sliding_window_pattern="SF",
                                            rope_local_theta=500.0, mlp_activation="geglu", block_output_norm=True,
                                            norm_zero_centered=True, embedding_multiplier=5.0, attention_scale=0.3),
+    "kv4 olmo-style": dict(num_kv_heads=4, qk_norm_scope="all", block_input_norm=False, block_output_norm=True),
     "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
                                     mlp_activation="squared_relu", mlp_bias=True),
     "kv2 mtp": dict(num_kv_heads=2, mtp_depth=1, mtp_pattern="*-"),
@@ -163,6 +165,12 @@ def test_indivisible_heads_are_refused_before_any_collective():
     model = build_model({"num_kv_heads": 2})
     with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by parallel.tp=3"):
         parallelize_model(model, ParallelContext(tp_size=3, tp_rank=0))
+
+
+def test_qk_norm_over_all_heads_with_replicated_key_heads_is_refused():
+    model = build_model({"num_kv_heads": 2, "qk_norm_scope": "all"})
+    with pytest.raises(ConfigError, match="model.num_kv_heads=2 < parallel.tp=4 the key heads are replicated"):
+        parallelize_model(model, ParallelContext(tp_size=4, tp_rank=0))
 
 
 def test_sequence_not_divisible_under_sequence_parallelism_is_refused():

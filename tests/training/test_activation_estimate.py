@@ -28,6 +28,8 @@ MODELS = {
     "dense sliding window": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.sliding_window=8"],
     "gemma-style": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.mlp_activation=geglu", "model.qk_norm=true",
                     "model.block_output_norm=true", "model.norm_zero_centered=true", "model.embedding_multiplier=8"],
+    "olmo-style": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.qk_norm=true", "model.qk_norm_scope=all",
+                   "model.block_input_norm=false", "model.block_output_norm=true"],
     "moe": ["model.pattern=*E*E", "model.num_kv_heads=2", "model.moe_num_experts=4", "model.moe_top_k=2",
             "model.moe_ffn_hidden_size=64"],
 }

@@ -10,8 +10,9 @@ hybrid with full recomputation (ring attention and Mamba hand-offs rerun) and th
 with its Switch balance and z losses (the routing gathered over CP: exact, see the module
 docstring), also at cp2 x tp2 with SP; the dense model with a sliding window of 6 on alternate
 attention blocks (ring attention banding the blocks the window's edge crosses and skipping those
-beyond it) and Gemma 3's layer (own RoPE base for the sliding blocks, output norms, GeGLU,
-zero-centered norms, scaled embeddings), also at cp2 x dp2; at cp4 the dense model with a multi-token-prediction
+beyond it) and the Gemma 3 and OLMo 2 layer features (own RoPE base for the sliding blocks, an
+attention scale, output norms and no input norms, a QK-norm over all heads, GeGLU, zero-centered
+norms, scaled embeddings), also at cp2 x dp2; at cp4 the dense model with a multi-token-prediction
 depth (with 2 depths one block-0 weight of this model ends ~1e-4 apart at tp2 as well -- Adam
 amplifying fp32 rounding in near-zero gradient elements -- so 1 depth here; the shift by 2
 across 4 ranks is checked on its own). Every step's loss and global gradient norm, the validation losses and the
@@ -51,7 +52,8 @@ MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
                                    "model.sliding_window_pattern=SF", "model.rope_local_theta=500",
                                    "model.block_output_norm=true", "model.mlp_activation=geglu",
                                    "model.norm_zero_centered=true", "model.embedding_multiplier=4",
-                                   "model.attention_scale=0.3"]}
+                                   "model.attention_scale=0.3", "model.qk_norm=true", "model.qk_norm_scope=all",
+                                   "model.block_input_norm=false"]}
 LAYOUTS = {
     2: {"cp2": ["parallel.cp=2"]},
     4: {"cp4": ["parallel.cp=4"], "cp2xtp2": ["parallel.cp=2", "parallel.tp=2"],
