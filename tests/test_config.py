@@ -105,7 +105,8 @@ def test_known_keys_cover_every_section():
 
 
 @pytest.mark.parametrize("name, kinds", [("tiny", {"*", "-"}), ("hybrid-tiny", {"M", "*", "-"}),
-                                         ("moe-tiny", {"*", "E"}), ("demo-mtp", {"M", "*", "-", "E"})])
+                                         ("moe-tiny", {"*", "E"}), ("demo-mtp", {"M", "*", "-", "E"}),
+                                         ("gemma3-tiny", {"*", "-"}), ("olmo2-tiny", {"*", "-"})])
 def test_shipped_configs_load_and_match_the_demo_data(name, kinds):
     config = load_run_config(CONFIGS / f"{name}.yaml")
     assert set(config.model.block_kinds) == kinds
@@ -119,6 +120,13 @@ def test_shipped_configs_load_and_match_the_demo_data(name, kinds):
     assert config.train.run_dir == f"runs/{name}"
     if "E" in kinds:
         assert config.model.moe_aux_loss_coeff > 0 and config.model.moe_z_loss_coeff > 0
+    if name == "gemma3-tiny":  # the layer the Gemma 3 conversion writes, so it exports as one
+        from meshlm.hf import choose_architecture
+        assert config.model.embedding_multiplier == config.model.hidden_size ** 0.5
+        assert choose_architecture(config.model).name == "Gemma3ForCausalLM"
+    if name == "olmo2-tiny":
+        from meshlm.hf import choose_architecture
+        assert choose_architecture(config.model).name == "Olmo2ForCausalLM"
 
 
 def test_build_run_config_from_a_dict():

@@ -35,7 +35,8 @@ from meshlm.checkpoint.files import CONFIG_FILE
 from meshlm.checkpoint.materialize import read_tensor
 from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_checked, read_model_config, source_file,
                                            weights_source, write_model_folder)
-from meshlm.errors import CheckpointError, ConfigError
+from meshlm.data.tokenizer import load_tokenizer
+from meshlm.errors import CheckpointError, ConfigError, DataError
 from meshlm.hf import gemma3, llama, mamba2, mistral, mixtral, nemotron_h, olmo2, qwen2, qwen3, qwen3_moe
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
@@ -178,6 +179,17 @@ def export_hf(model: LanguageModel, extra: dict | None = None, architecture: str
     return hf_config, produce_all(plan), chosen
 
 
+def tokenizer_token_ids(model_dir: Path, vocab_size: int) -> dict[str, int]:
+    """``bos_token_id``/``eos_token_id``/``pad_token_id`` of the tokenizer stored with a model (those
+    it has, within the vocabulary); {} without a readable tokenizer."""
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except (FileNotFoundError, DataError):
+        return {}
+    ids = {f"{role}_token_id": getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "pad")}
+    return {name: token_id for name, token_id in ids.items() if token_id is not None and 0 <= token_id < vocab_size}
+
+
 LORA_PARTS = ("merged", "base", "adapter")
 """What ``meshlm_to_hf`` writes of a LoRA model: the adapters folded into the weights, the frozen
 base model alone, or the adapters alone as a PEFT folder (``peft_export.py``)."""
@@ -214,6 +226,9 @@ def meshlm_to_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike, archi
     else:
         config, stored, read = merged_weights(config, stored, read)  # LoRA folded in
     hf_config, plan, chosen = hf_export_plan(config, stored, read, read_hf_extra(model_dir), architecture)
+    for name, token_id in tokenizer_token_ids(model_dir, config.vocab_size).items():
+        if hf_config.get(name) is None:  # a model trained in meshlm: its tokenizer's ids, so HF generation stops
+            hf_config[name] = token_id
     if quantize is not None:
         hf_config, plan = quantize_hf_export(hf_config, plan, quantize)
     write_hf_folder(out_dir, hf_config, plan, tokenizer_dir=model_dir, overwrite=True)

@@ -66,3 +66,22 @@ def test_token_ids_travel_through_meshlm_and_back(tmp_path):
     extra = json.loads((tmp_path / "again" / "config.json").read_text())["hf"]
     assert extra == {"architecture": "LlamaForCausalLM", "bos_token_id": 7, "eos_token_id": [8, 9],
                      "max_position_embeddings": 77}
+
+
+def test_a_model_trained_in_meshlm_exports_its_tokenizers_special_ids(tmp_path):
+    """No "hf" section (a model trained here): config.json takes bos/eos/pad from the tokenizer saved
+    with the model, so transformers' generate stops at its end token."""
+    from meshlm.data.tokenizer import load_tokenizer
+    from meshlm.data.tokenizer_training import train_tokenizer
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 50)
+    torch.manual_seed(0)
+    save_model(LanguageModel(ModelConfig(**{**BASE, "vocab_size": 300}, pattern="*-")), tmp_path / "ours")
+    train_tokenizer([corpus], 300, tmp_path / "ours" / "tokenizer.json")
+    tokenizer = load_tokenizer(tmp_path / "ours")
+    meshlm_to_hf(tmp_path / "ours", tmp_path / "hf")
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf_config["bos_token_id"], hf_config["eos_token_id"], hf_config["pad_token_id"]) == (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert None not in (hf_config["bos_token_id"], hf_config["eos_token_id"])
