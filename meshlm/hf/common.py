@@ -447,7 +447,8 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
     used = {"block_output_norm": config.block_output_norm, "block_input_norm": not config.block_input_norm,
             "qk_norm_scope": config.qk_norm and config.qk_norm_scope != "head",
             "norm_zero_centered": config.norm_zero_centered, "embedding_multiplier": config.embedding_multiplier != 1.0,
-            "rope_local_theta": config.rope_local_theta is not None, "attention_scale": config.attention_scale is not None}
+            "rope_local_theta": config.rope_local_theta is not None,
+            "attention_scale": config.attention_scale is not None}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 
@@ -467,6 +468,20 @@ def window_fields(window: int | None, sliding: list[bool]) -> dict:
     period = next(length for length in range(1, len(letters) + 1)
                   if all(letters[index] == letters[index % length] for index in range(len(letters))))
     return {"sliding_window": window, "sliding_window_pattern": letters[:period]}
+
+
+def layer_types_from_hf(hf: dict, architecture: str, full_every: int | None = None) -> list[str]:
+    """Each layer's attention from an HF config: its ``layer_types``, else the class's rule -- every
+    ``full_every``-th layer full and the others sliding (Gemma 3: 6, OLMo 3: 4), or with None every
+    layer full; refused unless every entry is one of the two kinds."""
+    layers, types = hf["num_hidden_layers"], hf.get("layer_types")
+    if types is None:
+        types = [SLIDING_ATTENTION if full_every and (index + 1) % full_every else FULL_ATTENTION
+                 for index in range(layers)]
+    if len(types) != layers or set(types) - {SLIDING_ATTENTION, FULL_ATTENTION}:
+        raise ConfigError(f"{architecture} config.json: layer_types={types!r} must name {layers} layers, each "
+                          f"{SLIDING_ATTENTION!r} or {FULL_ATTENTION!r}.")
+    return list(types)
 
 
 def layer_windows(config: ModelConfig) -> list[int | None]:

@@ -36,9 +36,9 @@ Not supported, refused by name: Gemma 2's logit soft-capping (``attn_logit_softc
 from __future__ import annotations
 
 from meshlm.errors import ConfigError
-from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
-                              hf_common_fields, layer_windows, layered_rope_fields, layered_rope_to_hf, linear_maps,
-                              rename, require, window_fields, with_defaults)
+from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, blocks_of, common_unsupported,
+                              hf_common_fields, layer_types_from_hf, layer_windows, layered_rope_fields,
+                              layered_rope_to_hf, linear_maps, rename, require, TensorMap, window_fields, with_defaults)
 from meshlm.hf.llama import attention_fields, attention_maps, decoder_embedding_maps
 from meshlm.models.config import ModelConfig
 
@@ -58,19 +58,6 @@ SUPPORTED_FEATURES = frozenset({"block_output_norm", "norm_zero_centered", "embe
                                 "attention_scale"})
 
 
-def layer_types(hf: dict) -> list[str]:
-    """Each layer's attention: ``layer_types``, or v4's rule (every ``sliding_window_pattern``-th layer full)."""
-    layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types")
-    if types is None:
-        period = hf.get("sliding_window_pattern") or SLIDING_WINDOW_PATTERN
-        types = [SLIDING_ATTENTION if (index + 1) % period else FULL_ATTENTION for index in range(layers)]
-    if len(types) != layers or set(types) - {SLIDING_ATTENTION, FULL_ATTENTION}:
-        raise ConfigError(f"{NAME} config.json: layer_types={types!r} must name {layers} layers, each "
-                          f"{SLIDING_ATTENTION!r} or {FULL_ATTENTION!r}.")
-    return types
-
-
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     require(hf, NAME, "hidden_activation", GELU_TANH, "meshlm's GeGLU is gelu_pytorch_tanh(gate) * up")
@@ -79,7 +66,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     require(hf, NAME, "use_bidirectional_attention", False, "meshlm attention is causal")
     scalar = hf["query_pre_attn_scalar"]
     scale = None if scalar == hf["head_dim"] else scalar ** -0.5  # transformers' scaling, computed alike
-    types = layer_types(hf)
+    types = layer_types_from_hf(hf, NAME, hf.get("sliding_window_pattern") or SLIDING_WINDOW_PATTERN)
     windows = window_fields(hf.get("sliding_window"), [kind == SLIDING_ATTENTION for kind in types])
     hidden = hf["hidden_size"]
     return ModelConfig(

@@ -16,9 +16,10 @@ layers differ only in what follows the attention.
 from __future__ import annotations
 
 from meshlm.errors import ConfigError
-from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
-                              embedding_maps, hf_common_fields, layer_windows, linear_maps, rename, require, rope_from_hf,
-                              rope_to_hf, window_fields, window_unsupported, with_defaults)
+from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, blocks_of, common_unsupported,
+                              embedding_maps, hf_common_fields, layer_types_from_hf, layer_windows, linear_maps, rename,
+                              require, rope_from_hf, rope_to_hf, TensorMap, window_fields, window_unsupported,
+                              with_defaults)
 from meshlm.models.config import ModelConfig
 
 NAME = "LlamaForCausalLM"
@@ -108,12 +109,10 @@ def qwen_windows_from_hf(hf: dict, name: str) -> dict:
     window, layers = hf.get("sliding_window"), hf["num_hidden_layers"]
     if not hf.get("use_sliding_window") or window is None:
         return {}
-    types = hf.get("layer_types") or [SLIDING_ATTENTION if index >= hf["max_window_layers"] else FULL_ATTENTION
-                                      for index in range(layers)]
-    unknown = sorted(set(types) - {SLIDING_ATTENTION, FULL_ATTENTION})
-    if unknown or len(types) != layers:
-        raise ConfigError(f"{name} config.json: layer_types={types!r} must name {layers} layers, each "
-                          f"{SLIDING_ATTENTION!r} or {FULL_ATTENTION!r}.")
+    if hf.get("layer_types") is None:  # the layers from max_window_layers on slide
+        hf = {**hf, "layer_types": [SLIDING_ATTENTION if index >= hf["max_window_layers"] else FULL_ATTENTION
+                                    for index in range(layers)]}
+    types = layer_types_from_hf(hf, name)
     return window_fields(window, [kind == SLIDING_ATTENTION for kind in types])
 
 

@@ -63,7 +63,8 @@ def config_to_hf(config: ModelConfig) -> dict:
     return {**hf_common_fields(config, NAME, "mixtral"), **attention_to_hf(config),
             "num_hidden_layers": config.num_blocks // 2, "intermediate_size": config.resolved_moe_ffn_hidden_size,
             "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
-            "sliding_window": next(iter(layer_windows(config)), None), "num_local_experts": config.moe_num_experts, "num_experts_per_tok": config.moe_top_k,
+            "sliding_window": next(iter(layer_windows(config)), None), "num_local_experts": config.moe_num_experts,
+            "num_experts_per_tok": config.moe_top_k,
             "router_aux_loss_coef": config.moe_aux_loss_coeff, "router_jitter_noise": 0.0,
             "output_router_logits": False, "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 

@@ -22,10 +22,10 @@ the sliding ones rotate unscaled (``model.rope_local_theta``).
 from __future__ import annotations
 
 from meshlm.errors import ConfigError
-from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
-                              hf_common_fields, layer_windows, layered_rope_fields,
-                              layered_rope_to_hf, linear_maps, rename, require, rope_from_hf, rope_to_hf, window_fields,
-                              with_defaults)
+from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, blocks_of, common_unsupported,
+                              hf_common_fields, layer_types_from_hf, layer_windows, layered_rope_fields,
+                              layered_rope_to_hf, linear_maps, rename, require, rope_from_hf, rope_to_hf, TensorMap,
+                              window_fields, with_defaults)
 from meshlm.hf.llama import attention_fields, decoder_embedding_maps
 from meshlm.models.config import ModelConfig
 
@@ -56,19 +56,10 @@ def olmo2_config_from_hf(hf_config: dict) -> ModelConfig:
     return olmo_config(hf, OLMO2, **rope_from_hf(hf_config, OLMO2_THETA, OLMO2))
 
 
-def olmo3_layer_types(hf: dict) -> list[str]:
-    layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or [SLIDING_ATTENTION if (index + 1) % 4 else FULL_ATTENTION
-                                      for index in range(layers)]
-    if len(types) != layers or set(types) - {SLIDING_ATTENTION, FULL_ATTENTION}:
-        raise ConfigError(f"{OLMO3} config.json: layer_types={types!r} must name {layers} layers, each "
-                          f"{SLIDING_ATTENTION!r} or {FULL_ATTENTION!r}.")
-    return types
-
-
 def olmo3_config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, OLMO3_DEFAULTS)
-    windows = window_fields(hf["sliding_window"], [kind == SLIDING_ATTENTION for kind in olmo3_layer_types(hf)])
+    types = layer_types_from_hf(hf, OLMO3, full_every=4)
+    windows = window_fields(hf["sliding_window"], [kind == SLIDING_ATTENTION for kind in types])
     rope = layered_rope_fields(hf_config, OLMO3, OLMO3_THETA, OLMO3_THETA, "rope_theta", bool(windows))
     return olmo_config(hf, OLMO3, **windows, **rope)
 

@@ -30,7 +30,8 @@ NAME = "Qwen3ForCausalLM"
 DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu",
             "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
-            "sliding_window": 4096, "max_window_layers": 28, "initializer_range": 0.02, "max_position_embeddings": 32768}
+            "sliding_window": 4096, "max_window_layers": 28, "initializer_range": 0.02,
+            "max_position_embeddings": 32768}
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:

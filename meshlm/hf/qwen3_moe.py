@@ -32,7 +32,8 @@ NAME = "Qwen3MoeForCausalLM"
 DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
             "num_attention_heads": 32, "num_key_value_heads": 4, "hidden_act": "silu", "rms_norm_eps": 1e-6,
             "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
-            "sliding_window": 4096, "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128,
+            "sliding_window": 4096, "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
+            "num_experts": 128,
             "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "mlp_only_layers": [],
             "initializer_range": 0.02, "max_position_embeddings": 32768}
 
