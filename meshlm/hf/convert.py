@@ -15,7 +15,9 @@ was imported from (if it can still express the model), or the first that fits of
 '*-' with RoPE), Qwen2 (Llama with biases on q/k/v only), Qwen3 (dense '*-' with QK-norm), Qwen3-MoE (softmax-routed '*E' with QK-norm),
 Mistral (a subset of Llama: written only when asked for or imported from; or a window in every
 layer), Mixtral (softmax-routed '*E'), Gemma 3 (sandwich norms, GeGLU, scaled embeddings), OLMo 2
-and 3 (norms after the sublayers, QK-norm over all heads; OLMo 3 sliding), Mamba2 ('MMM...') and Nemotron-H (everything hybrid). When none fits, the error lists, per architecture, the fields that block it.
+and 3 (norms after the sublayers, QK-norm over all heads; OLMo 3 sliding), Mamba2 ('MMM...') and
+Nemotron-H (everything hybrid). When none fits, the error lists, per architecture, the fields that
+block it.
 The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
 by chunk from a training checkpoint) when the first HF tensor cut from it is written. With
 ``quantize="fp8"`` the decoder blocks' linear weights are written as block-wise FP8, each

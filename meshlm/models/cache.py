@@ -13,8 +13,9 @@ key more than W - 1 tokens back, so its cache keeps only the last W - 1 keys (pl
 rollback may undo) and drops older ones when its buffers run out of room: the kept keys move to
 the front, about once every W tokens, and the buffers stay about twice the window whatever the
 context (``AttentionCache.make_room``). Gemma 3's five sliding layers of six then hold a window's
-keys, not the context's (``bench/sliding_window.py``'s generation figures). The dropped keys' slots are counted (``AttentionCache.start``), so the
-padding mask, kept for all tokens, still lines up with the keys held.
+keys, not the context's (``bench/sliding_window.py``'s generation figures). The dropped keys'
+slots are counted (``AttentionCache.start``), so the padding mask, kept for all tokens, still
+lines up with the keys held.
 
 **Rolling back.** Speculative decoding (``meshlm/inference/speculative.py``) feeds the model
 draft tokens and then has to forget the rejected ones: ``InferenceCache.truncate`` undoes the

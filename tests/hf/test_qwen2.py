@@ -61,7 +61,8 @@ def test_sliding_window_layers_and_the_window_ignored_while_off():
                                   "sliding_window": 64, "max_window_layers": 1})
     assert (upper.sliding_window, upper.sliding_window_pattern) == (64, "FSSS")  # layers from max_window_layers on
     alternating = qwen2.config_from_hf({**HF_BASE, "num_hidden_layers": 4, "use_sliding_window": True,
-                                        "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"] * 2})
+                                        "sliding_window": 64,
+                                        "layer_types": ["sliding_attention", "full_attention"] * 2})
     assert alternating.sliding_window_pattern == "SF"  # the shortest repeating pattern
     none_slide = qwen2.config_from_hf({**HF_BASE, "use_sliding_window": True, "sliding_window": 64})
     assert none_slide.sliding_window is None  # max_window_layers defaults to 28: no layer of 2 slides

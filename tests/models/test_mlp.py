@@ -36,6 +36,7 @@ def test_moe_experts_with_geglu_equal_each_expert_as_a_dense_mlp():
         for slot in range(2):
             expert = int(chosen[token, slot])
             hidden = x[0, token]
-            mixed = F.gelu(experts.gate_weight[expert] @ hidden, approximate="tanh") * (experts.up_weight[expert] @ hidden)
+            gate, up = experts.gate_weight[expert] @ hidden, experts.up_weight[expert] @ hidden
+            mixed = F.gelu(gate, approximate="tanh") * up
             expected[token] += weights[token, slot] * (experts.down_weight[expert] @ mixed)
     torch.testing.assert_close(out.flatten(0, 1), expected, rtol=1e-6, atol=1e-9)  # the router works in fp32
