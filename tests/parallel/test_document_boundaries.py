@@ -2,15 +2,15 @@
 
 Spawned gloo ranks run the real ``Trainer`` for 5 steps of 4 micro-batches of 32 tokens on the
 trainer tests' counting corpus, cut into documents of 21-24 tokens (so every sample packs two or
-three documents, their boundaries anywhere relative to Mamba chunks, CP chunks and SP slices),
-with two models: a hybrid (Mamba-2, attention, MLP) and an attention + MoE model with a
+three documents, their boundaries anywhere relative to Mamba chunks, CP chunks and SP slices), with
+two models: a hybrid (Mamba-2, attention, MLP) and an attention + MoE model with a
 multi-token-prediction depth and a sliding window of 6 tokens in every attention block (MTP's
 included), so windows and document boundaries cut the same rows (under CP: ring attention's
-per-document sub-blocks banded and skipped by the window). At tp2 with SP, pp2 and cp2 every step's loss and global gradient
-norm, the validation losses and the final parameters equal the single-process run with boundaries
-(relative error <= 1e-5), which itself differs from the run without them (the boundaries are used).
-The single-process run is itself checked against documents run one by one in
-tests/models/test_document_boundaries.py.
+per-document sub-blocks banded and skipped by the window). At tp2 with SP, pp2 and cp2 every step's
+loss and global gradient norm, the validation losses and the final parameters equal the
+single-process run with boundaries (relative error <= 1e-5), which itself differs from the run
+without them (the boundaries are used). The single-process run is itself checked against documents
+run one by one in tests/models/test_document_boundaries.py.
 """
 
 from __future__ import annotations

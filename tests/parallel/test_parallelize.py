@@ -7,10 +7,10 @@ non-gated MLP, one MTP depth, and a Gemma-style model (GeGLU, output norms after
 partial gradients under SP --, zero-centered norms, scaled embeddings) with a sliding window of 5
 on alternate attention blocks, their own RoPE base (shorter than the 16 tokens, so the chunked
 windowed path runs and the cache reads only the window), and an OLMo-style model (no input norms,
-output norms, a QK-norm over all heads: cut over the ranks with its statistics all-reduced); and a hybrid ('M*-M', an MTP depth) with LoRA adapters on every
-targeted layer (their b drawn, as after training), of which only the adapters have gradients. One
-spawned world of 4 ranks runs tp 2 (two TP groups side by
-side) and tp 4, sequence parallelism off and on. Every rank builds the full model from a seed,
+output norms, a QK-norm over all heads: cut over the ranks with its statistics all-reduced); and
+a hybrid ('M*-M', an MTP depth) with LoRA adapters on every targeted layer (their b drawn, as
+after training), of which only the adapters have gradients. One spawned world of 4 ranks runs
+tp 2 (two TP groups side by side) and tp 4, sequence parallelism off and on. Every rank builds the full model from a seed,
 runs the single-process forward/backward itself, then parallelizes a copy and checks:
 
 - the training loss (``return_logits=False``: vocab-parallel cross-entropy, logits never
