@@ -1,7 +1,7 @@
 """Hugging Face interop: read and write ``transformers`` checkpoints (config.json + safetensors).
 
 Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
-MistralForCausalLM, MixtralForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM,
+MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM,
 Mamba2ForCausalLM and NemotronHForCausalLM, one adapter
 module each (``llama.py``, ...), sharing
 the tensor-map machinery of ``common.py``. ``convert.py`` converts whole folders and ``cli.py`` is

@@ -65,6 +65,9 @@ class TensorMap:
     ours: str
     theirs: tuple[str, ...]
     stacked: bool = False
+    rows: tuple[int, int] | None = None
+    """Rows [start, stop) of the one HF tensor that hold this meshlm tensor, when HF fuses several
+    (Phi-3's qkv_proj and gate_up_proj): cut out on import, concatenated back on export."""
 
     def describe_theirs(self) -> str:
         if not self.stacked or len(self.theirs) < 2:
@@ -78,6 +81,26 @@ def rename(ours: str, theirs: str) -> TensorMap:
 
 def stack(ours: str, theirs: list[str]) -> TensorMap:
     return TensorMap(ours, tuple(theirs), stacked=True)
+
+
+def rows_of(ours: str, theirs: str, start: int, stop: int) -> TensorMap:
+    return TensorMap(ours, (theirs,), rows=(start, stop))
+
+
+def fused_rows(pieces: list[tuple[str, int]], theirs: str) -> list[TensorMap]:
+    """Maps of meshlm tensors ``pieces`` ((name, rows), in order) fused along dim 0 into HF ``theirs``."""
+    maps, start = [], 0
+    for ours, rows in pieces:
+        maps.append(rows_of(ours, theirs, start, start + rows))
+        start += rows
+    return maps
+
+
+def _row_slice(tensor, start: int, stop: int):
+    """Rows [start, stop) of a tensor or a ``StoredTensor`` (read later, by slice)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor[start:stop]
+    return tensor.split([start, stop - start, tensor.shape[0] - stop])[1]
 
 
 def ours_only(ours: str) -> TensorMap:
@@ -158,6 +181,13 @@ def plan_from_hf(tensors: dict, config: ModelConfig, maps: list[TensorMap], arch
             missing.extend(absent)
             continue
         used.update(entry.theirs)
+        if entry.rows is not None:
+            start, stop = entry.rows
+            if found[0].shape[0] < stop:
+                wrong.append(f"{entry.theirs[0]} has {found[0].shape[0]} rows, but config.json implies at least {stop} "
+                             f"(meshlm {entry.ours} is rows {start}:{stop})")
+                continue
+            found = [_row_slice(found[0], start, stop)]
         if entry.stacked and len({tuple(tensor.shape) for tensor in found}) > 1:
             wrong.append(f"{entry.describe_theirs()} do not all have the same shape")
             continue
@@ -210,23 +240,35 @@ def plan_to_hf(stored: dict[str, tuple], read: Callable[[str], torch.Tensor], co
                maps: list[TensorMap], architecture: str) -> dict[str, PlannedTensor]:
     """Apply ``maps`` backwards: meshlm tensors ({name: (shape, dtype)}, read whole by ``read``)
     -> HF tensors, each produced when it is written."""
-    reader, plan, used = LastTensorRead(read), {}, set()
+    reader, plan, used, fused = LastTensorRead(read), {}, set(), {}
     for entry in maps:
         if entry.ours not in stored:
             raise CheckpointError(f"the meshlm state has no {entry.ours}, which {architecture} needs; "
                                   "does the checkpoint match its config.json?")
         shape, dtype = stored[entry.ours]
-        if entry.stacked:
+        if entry.rows is not None:
+            fused.setdefault(entry.theirs[0], []).append(entry)
+        elif entry.stacked:
             for index, name in enumerate(entry.theirs):
                 plan[name] = PlannedTensor(tuple(shape[1:]), dtype, partial(reader.row, entry.ours, index))
         elif entry.theirs:  # a second HF name for the same tensor (an untied copy) is read again
             plan[entry.theirs[0]] = PlannedTensor(tuple(shape), dtype, partial(reader, entry.ours))
         used.add(entry.ours)
+    for name, parts in fused.items():  # rows of one HF tensor: concatenated when it is written
+        parts.sort(key=lambda entry: entry.rows[0])
+        shapes = [stored[entry.ours][0] for entry in parts]
+        dtype = reduce(torch.promote_types, [stored[entry.ours][1] for entry in parts])
+        plan[name] = PlannedTensor((sum(shape[0] for shape in shapes), *shapes[0][1:]), dtype,
+                                   partial(_concatenated, reader, [entry.ours for entry in parts], dtype))
     left_over = sorted(name for name in stored if name not in used
                        and not (config.tie_embeddings and name == "output.weight"))
     if left_over:
         raise CheckpointError(f"{architecture} has no place for meshlm tensors {_listed(left_over)}.")
     return plan
+
+
+def _concatenated(read, names: list[str], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([read(name).to(dtype) for name in names])
 
 
 def produce_all(plan: dict[str, PlannedTensor]) -> dict[str, torch.Tensor]:

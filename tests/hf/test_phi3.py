@@ -1,0 +1,55 @@
+"""``Phi3ForCausalLM`` (Phi-3, Phi-4) <-> meshlm: Llama's layer with fused qkv_proj and gate_up_proj,
+cut into meshlm's projections on import and concatenated back on export."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import Phi3Config  # noqa: E402
+
+from meshlm.errors import ConfigError  # noqa: E402
+from meshlm.hf import choose_architecture, phi3  # noqa: E402
+from meshlm.models.config import ModelConfig  # noqa: E402
+from meshlm.models.language_model import LanguageModel  # noqa: E402
+
+from .helpers import VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, convert_and_compare  # noqa: E402
+
+
+def tiny_phi3(**overrides) -> Phi3Config:
+    values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  rope_parameters={"rope_type": "default", "rope_theta": 250000.0})
+    values.update(overrides)
+    return Phi3Config(**values)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 5}, {"num_key_value_heads": 4, "tie_word_embeddings": True}],
+                         ids=["phi4-like", "phi3-mini-sliding-window", "mha-tied"])
+def test_logits_match_transformers_and_round_trip(overrides, tmp_path):
+    model = convert_and_compare(tiny_phi3(**overrides), tmp_path)
+    config = model.config
+    assert config.pattern == "*-*-*-" and config.rope_theta == 250000.0
+    assert config.sliding_window == overrides.get("sliding_window")
+    assert_hf_round_trip(tmp_path, ("num_hidden_layers", "num_key_value_heads", "intermediate_size", "sliding_window",
+                                    "rope_parameters", "tie_word_embeddings"))
+
+
+def test_a_meshlm_model_round_trips_through_the_fused_tensors(tmp_path):
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
+                         ffn_hidden_size=40, rope_theta=1234.0)
+    assert choose_architecture(config).name == "LlamaForCausalLM"  # Phi-3 only when asked for or imported from
+    assert_meshlm_round_trip(LanguageModel(config), tmp_path, phi3.NAME, imported_from=phi3.NAME)
+
+
+def test_what_phi3_cannot_hold_is_refused_by_name():
+    with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
+        phi3.config_from_hf({"architectures": [phi3.NAME], "hidden_size": 32, "num_attention_heads": 4,
+                             "num_hidden_layers": 1, "rope_scaling": {"type": "longrope", "short_factor": [1.0],
+                                                                      "long_factor": [1.0]}})
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0.75 is not supported"):
+        phi3.config_from_hf({"architectures": [phi3.NAME], "hidden_size": 32, "num_attention_heads": 4,
+                             "num_hidden_layers": 1, "partial_rotary_factor": 0.75})
+    biased = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4, attention_bias=True)
+    with pytest.raises(ConfigError, match="Phi-3's projections have no biases"):
+        phi3.config_to_hf(biased)
