@@ -51,7 +51,8 @@ def peft_adapter_plan(config: ModelConfig, stored: dict[str, tuple], read: Calla
     (``meshlm_to_hf`` refuses a model without) whose tensors are ``stored`` ({name: (shape, dtype)},
     read by ``read``), for ``architecture``."""
     hf_names = {entry.ours: entry.theirs[0] for entry in architecture.tensor_maps(config)
-                if len(entry.theirs) == 1 and not entry.stacked}
+                if len(entry.theirs) == 1 and not entry.stacked and entry.rows is None}  # (a fused HF layer,
+    # as Phi-3's qkv_proj, is no PEFT target for one of its parts: such an adapter is refused below)
     plan, modules = {}, set()
     for layer in adapted_layer_names(stored):
         weight = hf_names.get(f"{layer}.weight")

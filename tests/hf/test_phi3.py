@@ -53,3 +53,21 @@ def test_what_phi3_cannot_hold_is_refused_by_name():
     biased = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4, attention_bias=True)
     with pytest.raises(ConfigError, match="Phi-3's projections have no biases"):
         phi3.config_to_hf(biased)
+
+
+def test_adapters_on_fused_layers_export_merged_not_as_a_peft_folder(tmp_path):
+    """PEFT targets whole modules, and Phi-3's q/k/v (and gate/up) are one module: an adapter on a
+    part of it is refused with the way out; the merged export works."""
+    from meshlm.checkpoint.model_files import save_model
+    from meshlm.errors import CheckpointError
+    from meshlm.hf import meshlm_to_hf
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4, num_kv_heads=2,
+                         lora_rank=4, lora_targets=["q_proj", "v_proj"])
+    save_model(LanguageModel(config), tmp_path / "lora")
+    with pytest.raises(CheckpointError, match="Phi3ForCausalLM has no layer for the adapter of .*export the merged"):
+        meshlm_to_hf(tmp_path / "lora", tmp_path / "adapter", architecture=phi3.NAME, part="adapter",
+                     base_model="base")
+    meshlm_to_hf(tmp_path / "lora", tmp_path / "merged", architecture=phi3.NAME)
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
