@@ -371,8 +371,7 @@ def layered_rope_fields(hf_config: dict, architecture: str, full_theta: float, l
     """RoPE fields of a class whose full and sliding layers rotate differently (Gemma 3, OLMo 3):
     the full layers' base and scaling, and with ``sliding`` layers ``rope_local_theta``, their
     unscaled base. Read from v5's ``rope_parameters`` keyed by layer type, or from v4's
-    ``rope_theta``, ``rope_scaling`` and ``v4_local_key`` (the sliding base; absent: rope_theta,
-    else ``local_theta``)."""
+    ``rope_theta``, ``rope_scaling`` and ``v4_local_key`` (the sliding base; absent: ``local_theta``)."""
     parameters = hf_config.get("rope_parameters") or {}
     if FULL_ATTENTION in parameters or SLIDING_ATTENTION in parameters:
         fields = rope_from_hf({"rope_parameters": parameters.get(FULL_ATTENTION) or {},
@@ -385,8 +384,7 @@ def layered_rope_fields(hf_config: dict, architecture: str, full_theta: float, l
         base = local.get("rope_theta", local_theta)
     else:
         fields = rope_from_hf(hf_config, full_theta, architecture)
-        base = hf_config.get(v4_local_key, hf_config.get("rope_theta", local_theta) if v4_local_key == "rope_theta"
-                             else local_theta)
+        base = hf_config.get(v4_local_key, local_theta)
     if sliding and not (float(base) == fields["rope_theta"] and "rope_scaling" not in fields):
         fields["rope_local_theta"] = float(base)  # (the same base, unscaled everywhere: nothing to set)
     return fields
@@ -529,6 +527,23 @@ def layer_types_from_hf(hf: dict, architecture: str, full_every: int | None = No
 def layer_windows(config: ModelConfig) -> list[int | None]:
     """The window of each attention block of the main stack, in order (None: full attention)."""
     return [config.attention_window(index) for index in config.attention_blocks if index < config.num_blocks]
+
+
+def layer_types_to_hf(config: ModelConfig) -> list[str]:
+    """``layer_types`` of the main stack's attention blocks (``layer_types_from_hf`` read back)."""
+    return [FULL_ATTENTION if window is None else SLIDING_ATTENTION for window in layer_windows(config)]
+
+
+def uniform_window(config: ModelConfig) -> int | None:
+    """The window every layer shares, for the classes with one ``sliding_window`` for all layers
+    (their ``window_unsupported(..., uniform_only=True)`` has checked that it is shared); None: full."""
+    return next(iter(layer_windows(config)), None)
+
+
+def fixed_fields_unsupported(config: ModelConfig, label: str, fixed: dict) -> list[str]:
+    """One reason per ``fixed`` field (name -> the only value class ``label`` has) ``config`` differs on."""
+    return [f"model.{name}={getattr(config, name)!r} ({label} has {name}={value!r})"
+            for name, value in fixed.items() if getattr(config, name) != value]
 
 
 def window_unsupported(config: ModelConfig, label: str, uniform_only: bool) -> list[str]:

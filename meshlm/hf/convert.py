@@ -10,15 +10,15 @@ does not model but generation needs (bos/eos/pad token ids, the context length) 
 meshlm config.json under ``"hf"``, together with the source architecture, so that export can
 restore them and ``meshlm generate`` can find the eos id.
 
-Export (``meshlm_to_hf``): the architecture is, in order, the one asked for, the one the model
-was imported from (if it can still express the model), or the first that fits of Llama (dense
-'*-' with RoPE), Qwen2 (Llama with biases on q/k/v only), Qwen3 (dense '*-' with QK-norm), Qwen3-MoE (softmax-routed '*E' with QK-norm),
-Mistral (a subset of Llama: written only when asked for or imported from; or a window in every
-layer), Phi-3 (Llama's layer with fused projections: likewise), Mixtral (softmax-routed '*E'), Gemma 3 (sandwich norms, GeGLU, scaled embeddings), OLMo 2
-and 3 (norms after the sublayers, QK-norm over all heads; OLMo 3 sliding), Mamba2 ('MMM...') and
+Export (``meshlm_to_hf``): the architecture is, in order, the one asked for, the one the model was
+imported from (if it can still express the model), or the first that fits of Llama (dense '*-' with
+RoPE), Qwen2 (Llama with biases on q/k/v only), Qwen3 (dense '*-' with QK-norm), Qwen3-MoE
+(softmax-routed '*E' with QK-norm), Mistral (a subset of Llama: written only when asked for or
+imported from; or a window in every layer), Phi-3 (Llama's layer with fused projections: likewise),
+Mixtral (softmax-routed '*E'), Gemma 3 (sandwich norms, GeGLU, scaled embeddings), OLMo 2 and 3
+(norms after the sublayers, QK-norm over all heads; OLMo 3 sliding), Mamba2 ('MMM...') and
 Nemotron-H (everything hybrid). When none fits, the error lists, per architecture, the fields that
-block it.
-The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
+block it. The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
 by chunk from a training checkpoint) when the first HF tensor cut from it is written. With
 ``quantize="fp8"`` the decoder blocks' linear weights are written as block-wise FP8, each
 quantized as it is written (``fp8_export.py``).

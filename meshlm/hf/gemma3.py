@@ -36,9 +36,10 @@ Not supported, refused by name: Gemma 2's logit soft-capping (``attn_logit_softc
 from __future__ import annotations
 
 from meshlm.errors import ConfigError
-from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, blocks_of, common_unsupported,
-                              hf_common_fields, layer_types_from_hf, layer_windows, layered_rope_fields,
-                              layered_rope_to_hf, linear_maps, rename, require, TensorMap, window_fields, with_defaults)
+from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
+                              fixed_fields_unsupported, hf_common_fields, layer_types_from_hf, layer_types_to_hf,
+                              layered_rope_fields, layered_rope_to_hf, linear_maps, rename, require, window_fields,
+                              with_defaults)
 from meshlm.hf.llama import attention_fields, attention_maps, decoder_embedding_maps
 from meshlm.models.config import ModelConfig
 
@@ -54,6 +55,9 @@ DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216
             "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
             "use_bidirectional_attention": False, "initializer_range": 0.02, "max_position_embeddings": 131072}
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+FIXED_FIELDS = {"mlp_activation": "geglu", "qk_norm": True, "norm_zero_centered": True, "block_output_norm": True,
+                "position_embedding": "rope", "attention_bias": False, "mlp_bias": False}
+"""What every Gemma 3 layer has."""
 SUPPORTED_FEATURES = frozenset({"block_output_norm", "norm_zero_centered", "embedding_multiplier", "rope_local_theta",
                                 "attention_scale"})
 
@@ -82,11 +86,8 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 def unsupported(config: ModelConfig) -> list[str]:
     reasons = common_unsupported(config, supported=SUPPORTED_FEATURES)
     reasons += blocks_of(config, r"(\*-)+", "Gemma 3 layers are attention then MLP: '*-' repeated")
-    wanted = {"mlp_activation": "geglu", "qk_norm": True, "norm_zero_centered": True, "block_output_norm": True,
-              "position_embedding": "rope", "attention_bias": False, "mlp_bias": False}  # (per-head QK-norm and
-    # block input norms: common_unsupported refuses their alternatives)
-    reasons += [f"model.{name}={getattr(config, name)!r} (Gemma 3 has {name}={value!r})"
-                for name, value in wanted.items() if getattr(config, name) != value]
+    # (per-head QK-norm and block input norms: common_unsupported refuses their alternatives)
+    reasons += fixed_fields_unsupported(config, "Gemma 3", FIXED_FIELDS)
     if config.resolved_attention_output_bias:
         reasons.append("model.attention_output_bias=True (Gemma 3's attention has no biases)")
     if config.embedding_multiplier != config.hidden_size ** 0.5:
@@ -101,14 +102,13 @@ def unsupported(config: ModelConfig) -> list[str]:
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
     layers = config.num_blocks // 2
-    types = [FULL_ATTENTION if window is None else SLIDING_ATTENTION for window in layer_windows(config)]
     return {**hf_common_fields(config, NAME, MODEL_TYPE),
             "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.resolved_num_kv_heads,
             "head_dim": config.resolved_head_dim, "query_pre_attn_scalar": query_pre_attn_scalar(config),
             "attention_dropout": config.attention_dropout, "attention_bias": False,
             "num_hidden_layers": layers, "intermediate_size": config.resolved_ffn_hidden_size,
             "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": config.norm_eps,
-            "sliding_window": config.sliding_window, "layer_types": types,
+            "sliding_window": config.sliding_window, "layer_types": layer_types_to_hf(config),
             **layered_rope_to_hf(config),
             "attn_logit_softcapping": None, "final_logit_softcapping": None,
             "max_position_embeddings": DEFAULTS["max_position_embeddings"]}

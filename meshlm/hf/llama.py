@@ -16,9 +16,9 @@ layers differ only in what follows the attention.
 from __future__ import annotations
 
 from meshlm.errors import ConfigError
-from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, blocks_of, common_unsupported,
-                              embedding_maps, hf_common_fields, layer_types_from_hf, layer_windows, linear_maps, rename,
-                              require, rope_from_hf, rope_to_hf, TensorMap, window_fields, window_unsupported,
+from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
+                              embedding_maps, hf_common_fields, layer_types_from_hf, layer_types_to_hf, linear_maps,
+                              rename, require, rope_from_hf, rope_to_hf, window_fields, window_unsupported,
                               with_defaults)
 from meshlm.models.config import ModelConfig
 
@@ -119,16 +119,24 @@ def qwen_windows_from_hf(hf: dict, name: str) -> dict:
 def qwen_windows_to_hf(config: ModelConfig, layers: int) -> dict:
     """A Qwen-style config.json's window fields: ``layer_types`` per layer, and ``max_window_layers``
     as the full layers before the first sliding one (what older transformers read instead)."""
-    windows = layer_windows(config)
-    if all(window is None for window in windows):
-        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
-                "layer_types": [FULL_ATTENTION] * layers}
-    types = [FULL_ATTENTION if window is None else SLIDING_ATTENTION for window in windows]
+    types = layer_types_to_hf(config)
+    if SLIDING_ATTENTION not in types:
+        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers, "layer_types": types}
     return {"use_sliding_window": True, "sliding_window": config.sliding_window,
             "max_window_layers": types.index(SLIDING_ATTENTION), "layer_types": types}
 
 
-def dense_decoder_unsupported(config: ModelConfig, label: str, qk_norm: bool, output_bias_apart: bool = False) -> list[str]:
+def dense_decoder_to_hf(config: ModelConfig, name: str, model_type: str, max_positions: int, **fields) -> dict:
+    """The config.json of a '*-' SwiGLU decoder class (``dense_decoder_config`` read back): the
+    fields every such class shares, then the class's own ``fields`` (which may replace them)."""
+    return {**hf_common_fields(config, name, model_type), **attention_to_hf(config),
+            "num_hidden_layers": config.num_blocks // 2, "intermediate_size": config.resolved_ffn_hidden_size,
+            "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "max_position_embeddings": max_positions,
+            **fields}
+
+
+def dense_decoder_unsupported(config: ModelConfig, label: str, qk_norm: bool,
+                              output_bias_apart: bool = False) -> list[str]:
     """Why ``config`` is not a '*-' SwiGLU decoder of class ``label`` (with or without QK-norm)."""
     reasons = decoder_unsupported(config, qk_norm=qk_norm, output_bias_apart=output_bias_apart)
     reasons += blocks_of(config, r"(\*-)+", f"{label} layers are attention then MLP: '*-' repeated")
@@ -153,11 +161,8 @@ def unsupported(config: ModelConfig) -> list[str]:
 
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
-    return {**hf_common_fields(config, NAME, "llama"), **attention_to_hf(config),
-            "num_hidden_layers": config.num_blocks // 2, "intermediate_size": config.resolved_ffn_hidden_size,
-            "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "attention_bias": config.attention_bias,
-            "mlp_bias": config.mlp_bias, "pretraining_tp": 1,
-            "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
+    return dense_decoder_to_hf(config, NAME, "llama", DEFAULTS["max_position_embeddings"],
+                               attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, pretraining_tp=1)
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:

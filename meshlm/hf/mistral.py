@@ -20,9 +20,8 @@ layer (and has no biases) is exported as Mistral, Llama having no window.
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, hf_common_fields, layer_windows, window_fields, window_unsupported,
-                              with_defaults)
-from meshlm.hf.llama import attention_to_hf, dense_decoder_config, dense_decoder_unsupported, tensor_maps
+from meshlm.hf.common import Architecture, uniform_window, window_fields, window_unsupported, with_defaults
+from meshlm.hf.llama import dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported, tensor_maps
 from meshlm.models.config import ModelConfig
 
 NAME = "MistralForCausalLM"
@@ -50,11 +49,8 @@ def unsupported(config: ModelConfig) -> list[str]:
 
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
-    return {**hf_common_fields(config, NAME, "mistral"), **attention_to_hf(config),
-            "num_hidden_layers": config.num_blocks // 2, "intermediate_size": config.resolved_ffn_hidden_size,
-            "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
-            "sliding_window": next(iter(layer_windows(config)), None),
-            "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
+    return dense_decoder_to_hf(config, NAME, "mistral", DEFAULTS["max_position_embeddings"],
+                               sliding_window=uniform_window(config))
 
 
 ARCHITECTURE = Architecture(NAME, "mistral", config_from_hf, config_to_hf, tensor_maps, unsupported)

@@ -16,8 +16,8 @@ the released models) applies to every layer: meshlm ``model.sliding_window``.
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, TensorMap, blocks_of, hf_common_fields, layer_windows, ours_only, rename,
-                              require, rope_from_hf, window_fields, window_unsupported, with_defaults)
+from meshlm.hf.common import (Architecture, TensorMap, blocks_of, hf_common_fields, ours_only, rename, require,
+                              rope_from_hf, uniform_window, window_fields, window_unsupported, with_defaults)
 from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_embedding_maps,
                              decoder_unsupported)
 from meshlm.hf.qwen3_moe import routed_expert_maps, softmax_moe_unsupported
@@ -63,7 +63,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     return {**hf_common_fields(config, NAME, "mixtral"), **attention_to_hf(config),
             "num_hidden_layers": config.num_blocks // 2, "intermediate_size": config.resolved_moe_ffn_hidden_size,
             "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
-            "sliding_window": next(iter(layer_windows(config)), None), "num_local_experts": config.moe_num_experts,
+            "sliding_window": uniform_window(config), "num_local_experts": config.moe_num_experts,
             "num_experts_per_tok": config.moe_top_k,
             "router_aux_loss_coef": config.moe_aux_loss_coeff, "router_jitter_noise": 0.0,
             "output_router_logits": False, "max_position_embeddings": DEFAULTS["max_position_embeddings"]}

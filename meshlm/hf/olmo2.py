@@ -22,10 +22,10 @@ the sliding ones rotate unscaled (``model.rope_local_theta``).
 from __future__ import annotations
 
 from meshlm.errors import ConfigError
-from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, blocks_of, common_unsupported,
-                              hf_common_fields, layer_types_from_hf, layer_windows, layered_rope_fields,
-                              layered_rope_to_hf, linear_maps, rename, require, rope_from_hf, rope_to_hf, TensorMap,
-                              window_fields, with_defaults)
+from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
+                              fixed_fields_unsupported, hf_common_fields, layer_types_from_hf, layer_types_to_hf,
+                              layered_rope_fields, layered_rope_to_hf, linear_maps, rename, require, rope_from_hf,
+                              rope_to_hf, window_fields, with_defaults)
 from meshlm.hf.llama import attention_fields, decoder_embedding_maps
 from meshlm.models.config import ModelConfig
 
@@ -37,7 +37,7 @@ OLMO3_DEFAULTS = {**DEFAULTS, "sliding_window": 4096}
 OLMO2_THETA, OLMO3_THETA = 10_000.0, 500_000.0
 """transformers' RoPE bases when config.json gives none."""
 SUPPORTED_FEATURES = frozenset({"block_output_norm", "block_input_norm", "qk_norm_scope"})
-WANTED = {"block_input_norm": False, "block_output_norm": True, "qk_norm": True, "qk_norm_scope": "all",
+FIXED_FIELDS = {"block_input_norm": False, "block_output_norm": True, "qk_norm": True, "qk_norm_scope": "all",
           "mlp_activation": "swiglu", "position_embedding": "rope", "mlp_bias": False}
 
 
@@ -67,8 +67,7 @@ def olmo3_config_from_hf(hf_config: dict) -> ModelConfig:
 def unsupported(config: ModelConfig, label: str, windows: bool) -> list[str]:
     reasons = common_unsupported(config, supported=SUPPORTED_FEATURES | ({"rope_local_theta"} if windows else set()))
     reasons += blocks_of(config, r"(\*-)+", f"{label} layers are attention then MLP: '*-' repeated")
-    reasons += [f"model.{name}={getattr(config, name)!r} ({label} has {name}={value!r})"
-                for name, value in WANTED.items() if getattr(config, name) != value]
+    reasons += fixed_fields_unsupported(config, label, FIXED_FIELDS)
     if config.resolved_attention_output_bias != config.attention_bias:
         reasons.append(f"model.attention_output_bias={config.attention_output_bias} ({label}'s q/k/v/o projections "
                        "all have biases or none do)")
@@ -106,10 +105,9 @@ def olmo2_config_to_hf(config: ModelConfig) -> dict:
 
 def olmo3_config_to_hf(config: ModelConfig) -> dict:
     OLMO3_ARCHITECTURE.check_expressible(config)
-    windows = layer_windows(config)
     return {**common_fields(config, OLMO3, "olmo3"), **layered_rope_to_hf(config),
             "sliding_window": config.sliding_window if config.sliding_window is not None else 4096,
-            "layer_types": [FULL_ATTENTION if window is None else SLIDING_ATTENTION for window in windows]}
+            "layer_types": layer_types_to_hf(config)}
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:

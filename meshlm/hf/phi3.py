@@ -13,9 +13,10 @@ partial rotary factor (Phi-4-mini rotates three quarters of each head).
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, TensorMap, fused_rows, hf_common_fields, layer_windows, linear_maps, rename,
-                              window_fields, window_unsupported, with_defaults)
-from meshlm.hf.llama import attention_to_hf, dense_decoder_config, dense_decoder_unsupported, decoder_embedding_maps
+from meshlm.hf.common import (Architecture, TensorMap, fused_rows, linear_maps, rename, uniform_window, window_fields,
+                              window_unsupported, with_defaults)
+from meshlm.hf.llama import (attention_to_hf, decoder_embedding_maps, dense_decoder_config, dense_decoder_to_hf,
+                             dense_decoder_unsupported)
 from meshlm.models.config import ModelConfig
 
 NAME = "Phi3ForCausalLM"
@@ -41,17 +42,13 @@ def unsupported(config: ModelConfig) -> list[str]:
 
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
-    attention = attention_to_hf(config)
-    attention["rope_parameters"] = {**attention["rope_parameters"], "partial_rotary_factor": 1.0}  # the whole head
+    rope = {**attention_to_hf(config)["rope_parameters"], "partial_rotary_factor": 1.0}  # the whole head
     # explicit nulls: Phi-3's defaults (32000) lie outside a smaller vocabulary, and transformers' embedding
     # refuses such a padding id; the model's own ids (from its "hf" record or its tokenizer) replace them
-    return {**hf_common_fields(config, NAME, "phi3"), **attention,
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-            "num_hidden_layers": config.num_blocks // 2, "intermediate_size": config.resolved_ffn_hidden_size,
-            "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
-            "sliding_window": next(iter(layer_windows(config)), None),
-            "max_position_embeddings": DEFAULTS["max_position_embeddings"],
-            "original_max_position_embeddings": DEFAULTS["max_position_embeddings"]}
+    return dense_decoder_to_hf(config, NAME, "phi3", DEFAULTS["max_position_embeddings"], rope_parameters=rope,
+                               bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                               sliding_window=uniform_window(config),
+                               original_max_position_embeddings=DEFAULTS["max_position_embeddings"])
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
@@ -62,7 +59,8 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     for layer in range(config.num_blocks // 2):
         attention, mlp, theirs = f"blocks.{2 * layer}", f"blocks.{2 * layer + 1}", f"model.layers.{layer}"
         maps.append(rename(f"{attention}.norm.weight", f"{theirs}.input_layernorm.weight"))
-        maps += fused_rows([(f"{attention}.mixer.q_proj.weight", query), (f"{attention}.mixer.k_proj.weight", key_value),
+        maps += fused_rows([(f"{attention}.mixer.q_proj.weight", query),
+                            (f"{attention}.mixer.k_proj.weight", key_value),
                             (f"{attention}.mixer.v_proj.weight", key_value)], f"{theirs}.self_attn.qkv_proj.weight")
         maps += linear_maps(f"{attention}.mixer.o_proj", f"{theirs}.self_attn.o_proj", False)
         maps.append(rename(f"{mlp}.norm.weight", f"{theirs}.post_attention_layernorm.weight"))

@@ -16,8 +16,8 @@ biases come on all four projections or none).
 
 from __future__ import annotations
 
-from meshlm.hf.common import Architecture, hf_common_fields, with_defaults
-from meshlm.hf.llama import (attention_to_hf, dense_decoder_config, dense_decoder_unsupported, qwen_windows_from_hf,
+from meshlm.hf.common import Architecture, with_defaults
+from meshlm.hf.llama import (dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported, qwen_windows_from_hf,
                              qwen_windows_to_hf, tensor_maps)
 from meshlm.models.config import ModelConfig
 
@@ -47,11 +47,8 @@ def unsupported(config: ModelConfig) -> list[str]:
 
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
-    layers = config.num_blocks // 2
-    return {**hf_common_fields(config, NAME, "qwen2"), **attention_to_hf(config),
-            "num_hidden_layers": layers, "intermediate_size": config.resolved_ffn_hidden_size,
-            "hidden_act": "silu", "rms_norm_eps": config.norm_eps, **qwen_windows_to_hf(config, layers),
-            "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
+    return dense_decoder_to_hf(config, NAME, "qwen2", DEFAULTS["max_position_embeddings"],
+                               **qwen_windows_to_hf(config, config.num_blocks // 2))
 
 
 ARCHITECTURE = Architecture(NAME, "qwen2", config_from_hf, config_to_hf, tensor_maps, unsupported)

@@ -21,9 +21,9 @@ transformers' in-memory layout (a fused ``experts.gate_up_proj`` [E, 2F, d] and 
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, TensorMap, blocks_of, hf_common_fields, layer_windows, ours_only, rename,
-                              require, rope_from_hf, split_fused_experts, stack, window_fields, window_unsupported,
-                              with_defaults)
+from meshlm.hf.common import (Architecture, TensorMap, blocks_of, hf_common_fields, ours_only, rename, require,
+                              rope_from_hf, split_fused_experts, stack, uniform_window, window_fields,
+                              window_unsupported, with_defaults)
 from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_embedding_maps,
                              decoder_unsupported, dense_mlp_maps)
 from meshlm.models.config import ModelConfig
@@ -121,8 +121,8 @@ def config_to_hf(config: ModelConfig) -> dict:
     return {**hf_common_fields(config, NAME, "qwen3_moe"), **attention_to_hf(config),
             "num_hidden_layers": len(kinds) // 2, "intermediate_size": config.resolved_ffn_hidden_size,
             "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "attention_bias": config.attention_bias,
-            "use_sliding_window": any(layer_windows(config)),
-            "sliding_window": next(iter(layer_windows(config)), None), "decoder_sparse_step": 1,
+            "use_sliding_window": uniform_window(config) is not None, "sliding_window": uniform_window(config),
+            "decoder_sparse_step": 1,
             "mlp_only_layers": [layer for layer in range(len(kinds) // 2) if kinds[2 * layer + 1] == "-"],
             "num_experts": config.moe_num_experts, "num_experts_per_tok": config.moe_top_k,
             "moe_intermediate_size": config.resolved_moe_ffn_hidden_size,

@@ -375,12 +375,12 @@ class ModelConfig:
         sliding window (``sliding_window_pattern``) gets sliding_window None; a sliding one with
         rope_local_theta gets that base and no rope_scaling."""
         values = dict(self.block_overrides.get(index) or {})
-        if self.sliding_window is not None and index in self.attention_blocks:
-            if self.attention_window(index) is None:
-                values.update(sliding_window=None, sliding_window_pattern="S", rope_local_theta=None)
-            elif self.rope_local_theta is not None:
-                values.update(rope_theta=self.rope_local_theta, rope_scaling="none", rope_local_theta=None,
-                              sliding_window_pattern="S")
+        letter = self._window_letter(index)
+        if letter == "F":
+            values.update(sliding_window=None, sliding_window_pattern="S", rope_local_theta=None)
+        elif letter == "S" and self.rope_local_theta is not None:
+            values.update(rope_theta=self.rope_local_theta, rope_scaling="none", rope_local_theta=None,
+                          sliding_window_pattern="S")
         if not values:
             return self
         if index < self.num_blocks and self.block_kinds[index] == "*" and "head_dim" not in values:
@@ -402,10 +402,18 @@ class ModelConfig:
     def attention_window(self, index: int) -> int | None:
         """The sliding window of attention block ``index`` (``sliding_window_pattern``), None where
         it attends to every earlier token (or is no attention block)."""
-        if self.sliding_window is None or index not in self.attention_blocks:
+        return self.sliding_window if self._window_letter(index) == "S" else None
+
+    def _window_letter(self, index: int) -> str | None:
+        """``sliding_window_pattern``'s letter for block ``index`` (S or F), None without a window or
+        for a block that is no attention block."""
+        if self.sliding_window is None:
+            return None
+        blocks = self.attention_blocks
+        if index not in blocks:
             return None
         pattern = self.sliding_window_pattern
-        return self.sliding_window if pattern[self.attention_blocks.index(index) % len(pattern)] == "S" else None
+        return pattern[blocks.index(index) % len(pattern)]
 
     @property
     def output_init_std(self) -> float:
@@ -461,7 +469,7 @@ class ModelConfig:
             raise ConfigError(f"model.norm_zero_centered=true is for RMSNorm, and model.norm={self.norm!r}; set "
                               "model.norm=rmsnorm or model.norm_zero_centered=false.")
         multiplier = self.embedding_multiplier
-        if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or not multiplier > 0:
+        if not _positive_number(multiplier):
             raise ConfigError(f"model.embedding_multiplier={multiplier!r} must be a positive number (1: none; Gemma: "
                               "sqrt(hidden_size)).")
         if self.norm_eps <= 0 or self.init_std <= 0:
@@ -473,7 +481,7 @@ class ModelConfig:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ConfigError(f"model.lora_rank={rank!r} must be an integer >= 0 (0: no adapters; 8 to 64 are usual).")
         alpha = self.lora_alpha
-        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
+        if alpha is not None and not _positive_number(alpha):
             raise ConfigError(f"model.lora_alpha={alpha!r} must be a positive number, or null for model.lora_rank.")
         targets = self.lora_targets
         if isinstance(targets, str) or not isinstance(targets, (list, tuple)) or not targets:
@@ -555,7 +563,7 @@ class ModelConfig:
         self._validate_rope_scaling()
         self._validate_sliding_window()
         scale = self.attention_scale
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        if scale is not None and not _positive_number(scale):
             raise ConfigError(f"model.attention_scale={scale!r} must be a positive number, or null for "
                               "1/sqrt(head_dim).")
 
@@ -575,7 +583,7 @@ class ModelConfig:
             if window is None or self.position_embedding != "rope":
                 raise ConfigError(f"model.rope_local_theta={local} is the RoPE base of sliding-window blocks; it needs "
                                   "model.sliding_window and model.position_embedding=rope (or set it to null).")
-            if isinstance(local, bool) or not isinstance(local, (int, float)) or not local > 0:
+            if not _positive_number(local):
                 raise ConfigError(f"model.rope_local_theta={local!r} must be a positive number (Gemma 3: 10000).")
 
     def _validate_rope_scaling(self) -> None:
@@ -670,6 +678,11 @@ def _positive(config: ModelConfig, *names: str) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"model.{name}={value!r} must be a positive integer.")
+
+
+def _positive_number(value) -> bool:
+    """Whether ``value`` is an int or float (not a bool) above 0 (NaN is not)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
 
 
 def _choice(config: ModelConfig, name: str, allowed: tuple[str, ...]) -> None:

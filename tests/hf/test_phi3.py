@@ -23,7 +23,8 @@ def tiny_phi3(**overrides) -> Phi3Config:
     return Phi3Config(**values)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 5}, {"num_key_value_heads": 4, "tie_word_embeddings": True}],
+@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 5},
+                                       {"num_key_value_heads": 4, "tie_word_embeddings": True}],
                          ids=["phi4-like", "phi3-mini-sliding-window", "mha-tied"])
 def test_logits_match_transformers_and_round_trip(overrides, tmp_path):
     model = convert_and_compare(tiny_phi3(**overrides), tmp_path)
