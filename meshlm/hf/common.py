@@ -470,14 +470,16 @@ def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozense
 
 
 LAYER_FEATURES = {
-    "block_output_norm": "Gemma3ForCausalLM and Olmo2ForCausalLM normalize each block's output",
+    "block_output_norm": "Gemma2ForCausalLM, Gemma3ForCausalLM and Olmo2ForCausalLM normalize each block's output",
     "block_input_norm": "Olmo2ForCausalLM leaves the blocks' inputs unnormalized",
     "qk_norm_scope": "Olmo2ForCausalLM normalizes all query (and key) heads together",
-    "norm_zero_centered": "Gemma3ForCausalLM stores norm weights as 1 + w",
-    "embedding_multiplier": "Gemma3ForCausalLM scales the embeddings, by sqrt(hidden_size)",
+    "norm_zero_centered": "Gemma2ForCausalLM and Gemma3ForCausalLM store norm weights as 1 + w",
+    "embedding_multiplier": "Gemma2ForCausalLM and Gemma3ForCausalLM scale the embeddings, by sqrt(hidden_size)",
     "rope_local_theta": "Gemma3ForCausalLM and Olmo3ForCausalLM give the sliding layers a RoPE of their own",
-    "attention_scale": "Gemma3ForCausalLM scales attention by other than 1/sqrt(head_dim), through "
-                       "query_pre_attn_scalar",
+    "attention_scale": "Gemma2ForCausalLM and Gemma3ForCausalLM scale attention by other than 1/sqrt(head_dim), "
+                       "through query_pre_attn_scalar",
+    "attention_softcap": "Gemma2ForCausalLM soft-caps attention scores",
+    "final_logit_softcap": "Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap the output logits",
 }
 """Layer features only some HF classes hold, and which."""
 
@@ -488,7 +490,9 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "qk_norm_scope": config.qk_norm and config.qk_norm_scope != "head",
             "norm_zero_centered": config.norm_zero_centered, "embedding_multiplier": config.embedding_multiplier != 1.0,
             "rope_local_theta": config.rope_local_theta is not None,
-            "attention_scale": config.attention_scale is not None}
+            "attention_scale": config.attention_scale is not None,
+            "attention_softcap": config.attention_softcap is not None,
+            "final_logit_softcap": config.final_logit_softcap is not None}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 

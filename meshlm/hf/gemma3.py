@@ -29,8 +29,11 @@ the text model, which export writes as ``Gemma3ForCausalLM``.
 The attention logits are scaled by ``query_pre_attn_scalar ** -0.5``: 1/sqrt(head_dim) in most
 sizes, and in 27B (head_dim 128, scalar 168) ``model.attention_scale``.
 
-Not supported, refused by name: Gemma 2's logit soft-capping (``attn_logit_softcapping``,
-``final_logit_softcapping``) and bidirectional attention.
+Of Gemma 2's soft-capping (``gemma2.py``), which Gemma 3's published configs leave null, the
+output logits' cap (``final_logit_softcapping``: ``model.final_logit_softcap``) is read and
+written; ``attn_logit_softcapping`` is a field of the config that transformers' Gemma 3 attention
+never reads, so import ignores it as transformers does, and a model with capped attention scores
+exports as Gemma 2, not 3. Not supported, refused by name: bidirectional attention.
 """
 
 from __future__ import annotations
@@ -59,14 +62,12 @@ FIXED_FIELDS = {"mlp_activation": "geglu", "qk_norm": True, "norm_zero_centered"
                 "position_embedding": "rope", "attention_bias": False, "mlp_bias": False}
 """What every Gemma 3 layer has."""
 SUPPORTED_FEATURES = frozenset({"block_output_norm", "norm_zero_centered", "embedding_multiplier", "rope_local_theta",
-                                "attention_scale"})
+                                "attention_scale", "final_logit_softcap"})
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     require(hf, NAME, "hidden_activation", GELU_TANH, "meshlm's GeGLU is gelu_pytorch_tanh(gate) * up")
-    require(hf, NAME, "attn_logit_softcapping", (None,), "attention logits are not soft-capped in meshlm")
-    require(hf, NAME, "final_logit_softcapping", (None,), "output logits are not soft-capped in meshlm")
     require(hf, NAME, "use_bidirectional_attention", False, "meshlm attention is causal")
     scalar = hf["query_pre_attn_scalar"]
     scale = None if scalar == hf["head_dim"] else scalar ** -0.5  # transformers' scaling, computed alike
@@ -76,6 +77,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hidden, pattern="*-" * hf["num_hidden_layers"],
         **attention_fields(hf), attention_scale=scale, position_embedding="rope", qk_norm=True, **windows,
+        final_logit_softcap=hf.get("final_logit_softcapping"),  # (attn_logit_softcapping: unread, module docstring)
         **layered_rope_fields(hf_config, NAME, GLOBAL_THETA, LOCAL_THETA, "rope_local_base_freq", bool(windows)),
         mlp_activation="geglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], norm_zero_centered=True, block_output_norm=True,
@@ -110,7 +112,7 @@ def config_to_hf(config: ModelConfig) -> dict:
             "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": config.norm_eps,
             "sliding_window": config.sliding_window, "layer_types": layer_types_to_hf(config),
             **layered_rope_to_hf(config),
-            "attn_logit_softcapping": None, "final_logit_softcapping": None,
+            "attn_logit_softcapping": None, "final_logit_softcapping": config.final_logit_softcap,
             "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 
 

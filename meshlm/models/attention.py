@@ -43,6 +43,11 @@ the chunks folded into the batch; chunk 0 has no predecessor and is plain causal
 is 2 s w scores instead of s^2 (a win once s > 4w; a sequence no longer than w is plain causal
 attention). Packed documents run it per document span; a KV cache reads only the last
 t + w - 1 keys.
+
+**Soft-capped scores** (``model.attention_softcap``, Gemma 2): every path above makes its SDPA
+call through ``scaled_dot_product``, which with a cap runs the explicit, query-chunked core of
+``meshlm/models/softcap.py`` under the same mask instead, so windows, documents, padding and the
+cache keep their structure.
 """
 
 from __future__ import annotations
@@ -58,11 +63,13 @@ from meshlm.models.dropout import apply_keep_mask, attention_keep_mask, dropout_
 from meshlm.models.fused_linear import project_together
 from meshlm.models.norms import RMSNorm
 from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
+from meshlm.models.softcap import soft_cap, softcapped_attention
 
 
 def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    key_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
-                   window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                   window: int | None = None, scale: float | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     """Causal attention of query [b, heads, t, d] over key/value [b, kv_heads, s, d], s >= t.
 
     The t queries are the last t of the s positions (s > t while decoding with a cache).
@@ -72,35 +79,47 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ``window``: each query sees only itself and the window - 1 positions before it (by key slot,
     which is the position where padding is on the left, as generation pads); None: every earlier one.
     ``scale``: the factor on q k^T (``model.attention_scale``); None: 1/sqrt(d).
+    ``softcap``: scores become softcap * tanh(score / softcap) (``model.attention_softcap``,
+    ``meshlm/models/softcap.py``); None: uncapped.
     """
     query_len, key_len = query.shape[2], key.shape[2]
-    gqa = query.shape[1] != key.shape[1]
     if window is not None and window >= key_len:
         window = None  # every query sees all its keys anyway
     if document_ids is not None:
         if key_mask is not None or query_len != key_len:
             raise ValueError("attention over packed documents takes whole sequences without padding or a cache")
-        return document_attention(query, key, value, document_ids, window, scale)
+        return document_attention(query, key, value, document_ids, window, scale, softcap)
     if key_mask is None and query_len == key_len:
-        return causal_attention(query, key, value, window, scale)
+        return causal_attention(query, key, value, window, scale, softcap)
     if window is not None:  # keys before the first query's window are never read
         first = max(key_len - query_len - window + 1, 0)
         key, value = key[:, :, first:], value[:, :, first:]
         key_mask = None if key_mask is None else key_mask[:, first:]
         key_len = key.shape[2]
     if key_mask is None and query_len == 1:  # decoding: the newest position sees every key left, no mask to build
-        return F.scaled_dot_product_attention(query, key, value, enable_gqa=gqa, scale=scale)
+        return scaled_dot_product(query, key, value, scale=scale, softcap=softcap)
     allowed = allowed_keys(query_len, key_len, key_mask, query.device, window=window)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, enable_gqa=gqa, scale=scale)
+    return scaled_dot_product(query, key, value, allowed, scale=scale, softcap=softcap)
+
+
+def scaled_dot_product(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (grouped KV heads allowed), or with ``softcap`` its explicit
+    counterpart with capped scores (``softcapped_attention``): the one call every path here makes."""
+    if softcap is not None:
+        return softcapped_attention(query, key, value, softcap, attn_mask, is_causal, scale)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=query.shape[1] != key.shape[1])
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                     window: int | None = None, scale: float | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Causal attention of s queries over their own s keys: whole, or within ``window``."""
     if window is None or window >= query.shape[2]:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True,
-                                              enable_gqa=query.shape[1] != key.shape[1], scale=scale)
-    return windowed_attention(query, key, value, window, scale)
+        return scaled_dot_product(query, key, value, is_causal=True, scale=scale, softcap=softcap)
+    return windowed_attention(query, key, value, window, scale, softcap)
 
 
 def window_chunks(seq_len: int, window: int) -> int:
@@ -110,7 +129,7 @@ def window_chunks(seq_len: int, window: int) -> int:
 
 
 def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int,
-                       scale: float | None = None) -> torch.Tensor:
+                       scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Sliding-window causal attention of query [b, heads, s, d] over key/value [b, kv_heads, s, d]
     (query i sees keys i - window + 1 .. i), chunk by chunk with one band mask (the module docstring)."""
     batch, heads, length, head_dim = query.shape
@@ -118,9 +137,8 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     padding = chunks * window - length
     if padding:  # padded keys come after every real query, so no real query sees them
         query, key, value = (F.pad(tensor, (0, 0, 0, padding)) for tensor in (query, key, value))
-    gqa = heads != key.shape[1]
-    first = F.scaled_dot_product_attention(query[:, :, :window], key[:, :, :window], value[:, :, :window],
-                                           is_causal=True, enable_gqa=gqa, scale=scale)
+    first = scaled_dot_product(query[:, :, :window], key[:, :, :window], value[:, :, :window], is_causal=True,
+                               scale=scale, softcap=softcap)
 
     def chunked(tensor: torch.Tensor) -> torch.Tensor:  # [b, n, c, d] per head -> [b, heads, n, c, d]
         return tensor.unflatten(2, (chunks, window))
@@ -134,8 +152,8 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     rows = torch.arange(window, device=query.device)[:, None]
     columns = torch.arange(2 * window, device=query.device)[None, :]
     band = (columns > rows) & (columns <= rows + window)  # [w, 2w]: 0 <= (w + i) - j < w
-    rest = F.scaled_dot_product_attention(folded(chunked(query)[:, :, 1:]), folded(pair_keys), folded(pair_values),
-                                          attn_mask=band, enable_gqa=gqa, scale=scale)
+    rest = scaled_dot_product(folded(chunked(query)[:, :, 1:]), folded(pair_keys), folded(pair_values), band,
+                              scale=scale, softcap=softcap)
     rest = rest.unflatten(0, (batch, chunks - 1)).transpose(1, 2).flatten(2, 3)
     return torch.cat((first, rest), dim=2)[:, :, :length]
 
@@ -152,7 +170,7 @@ def document_spans(document_ids: torch.Tensor) -> list[tuple[tuple[int, int], ..
 
 def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        document_ids: torch.Tensor, window: int | None = None,
-                       scale: float | None = None) -> torch.Tensor:
+                       scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention within each document of ``document_ids`` [b, s]: one causal SDPA call per
     document span (``causal_attention``, within ``window`` if given), over all the rows that share
     the same spans (the module docstring)."""
@@ -166,7 +184,8 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         else:
             index = torch.tensor(rows, device=query.device)
             q, k, v = query.index_select(0, index), key.index_select(0, index), value.index_select(0, index)
-        pieces = [causal_attention(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], window, scale)
+        pieces = [causal_attention(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], window, scale,
+                                   softcap)
                   for start, stop in spans]
         outputs.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
         order += rows
@@ -197,7 +216,7 @@ def allowed_keys(query_len: int, key_len: int, key_mask: torch.Tensor | None, de
 def attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            key_mask: torch.Tensor | None, keep: torch.Tensor, p: float,
                            document_ids: torch.Tensor | None = None, window: int | None = None,
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """``attention_core`` with dropout on the probabilities: softmax(q k^T / sqrt(d) + mask), then
     the ``keep`` mask [b, heads, t, s] and the 1/(1-p) scale, then times v. (It holds [t, s]
     probabilities anyway, so packed documents are a mask here.)"""
@@ -205,7 +224,8 @@ def attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.
     key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
     scores = (query @ key.transpose(-2, -1)) * (query.shape[-1] ** -0.5 if scale is None else scale)
     allowed = allowed_keys(query.shape[2], key.shape[2], key_mask, query.device, document_ids, window)
-    probabilities = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1)
+    scores = scores.float() if softcap is None else soft_cap(scores.float(), softcap)
+    probabilities = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return apply_keep_mask(probabilities.to(value.dtype), keep, p) @ value
 
 
@@ -237,6 +257,8 @@ class SelfAttention(nn.Module):
         recompute scores, softmax and the weighted sum from them."""
         self.scale = config.attention_scale
         """The factor on q k^T (``model.attention_scale``), None for 1/sqrt(head_dim)."""
+        self.softcap = config.attention_softcap
+        """Soft-capping of the scores (``model.attention_softcap``), None for none."""
         self.window = config.sliding_window
         """Sliding window (tokens a query sees, itself included) of this block, None for full causal
         attention (``config`` is the block's own: ``ModelConfig.for_block``)."""
@@ -295,6 +317,8 @@ class SelfAttention(nn.Module):
             options["window"] = self.window
         if self.scale is not None:
             options["scale"] = self.scale
+        if self.softcap is not None:
+            options["softcap"] = self.softcap
         if self.recompute_core and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(core, query, key, value, key_mask, *dropout, use_reentrant=False,
                                                     **options)

@@ -151,6 +151,14 @@ class ModelConfig:
     attention_scale: float | None = None
     """The factor on the query-key products before the softmax. None: 1/sqrt(head_dim), as usual;
     Gemma 3 27B uses query_pre_attn_scalar ** -0.5 with query_pre_attn_scalar = hidden / heads."""
+    attention_softcap: float | None = None
+    """Soft-capping of the attention scores (Gemma 2's attn_logit_softcapping, 50): each scaled
+    score s becomes cap * tanh(s / cap) before the mask and softmax, so no score leaves (-cap, cap).
+    SDPA has no such option, so these blocks run an explicit core, chunked over the queries
+    (meshlm/models/softcap.py). None: no capping."""
+    final_logit_softcap: float | None = None
+    """Soft-capping of the output logits (Gemma 2's final_logit_softcapping, 30): z becomes
+    cap * tanh(z / cap) before the softmax, in the loss, generation and evaluation alike. None: no capping."""
     attention_kernel: str = "auto"
     """Which fused SDPA kernel attention prefers (meshlm/models/attention_kernels.py): "auto" (cuDNN's
     on Hopper GPUs, where it is faster than FlashAttention-2; PyTorch's own order elsewhere),
@@ -442,9 +450,12 @@ class ModelConfig:
                                          if self.mtp_depth else set())
         if "*" in kinds:
             self._validate_attention()
-        elif self.sliding_window is not None:
-            raise ConfigError(f"model.sliding_window={self.sliding_window} applies to attention blocks, and "
-                              f"model.pattern={self.pattern!r} has none; set model.sliding_window=null.")
+        else:
+            for name in ("sliding_window", "attention_softcap"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"model.{name}={getattr(self, name)} applies to attention blocks, and "
+                                      f"model.pattern={self.pattern!r} has none; set model.{name}=null.")
+        _soft_cap(self, "final_logit_softcap", 30)
         if "M" in kinds:
             self._validate_mamba()
         if "E" in kinds:
@@ -566,6 +577,7 @@ class ModelConfig:
         if scale is not None and not _positive_number(scale):
             raise ConfigError(f"model.attention_scale={scale!r} must be a positive number, or null for "
                               "1/sqrt(head_dim).")
+        _soft_cap(self, "attention_softcap", 50)
 
     def _validate_sliding_window(self) -> None:
         window, pattern = self.sliding_window, self.sliding_window_pattern
@@ -678,6 +690,13 @@ def _positive(config: ModelConfig, *names: str) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"model.{name}={value!r} must be a positive integer.")
+
+
+def _soft_cap(config: ModelConfig, name: str, gemma_2: int) -> None:
+    cap = getattr(config, name)
+    if cap is not None and not _positive_number(cap):
+        raise ConfigError(f"model.{name}={cap!r} must be a positive number (Gemma 2: {gemma_2}), or null for no "
+                          "soft-capping.")
 
 
 def _positive_number(value) -> bool:

@@ -2,7 +2,7 @@
 
     h_0 = Dropout(Embed(tokens))
     h_i = h_{i-1} + Dropout(Mixer_i(Norm_i(h_{i-1})))   one pre-norm residual block per symbol
-    logits = Head(FinalNorm(h_L))
+    logits = Head(FinalNorm(h_L))                       (soft-capped: model.final_logit_softcap)
     loss = CE(logits, labels) + sum_E (aux_coeff * aux + z_coeff * z) + mtp_coeff * MTP
 
 Dropout (``model.hidden_dropout``, off by default, active in training mode only) draws its masks
@@ -43,6 +43,7 @@ from meshlm.models.losses import language_model_loss, linear_cross_entropy
 from meshlm.models.mtp import MultiTokenPrediction
 from meshlm.models.norms import model_norm
 from meshlm.models.reward_head import build_reward_head
+from meshlm.models.softcap import soft_cap
 
 
 @dataclass
@@ -121,10 +122,16 @@ class LanguageModel(nn.Module):
         return self.embedding.weight if self.output is None else self.output.weight
 
     def head_logits(self, hidden: torch.Tensor, normed: bool = False) -> torch.Tensor:
-        """Final norm (unless already applied) then the output projection, as fp32 logits."""
+        """Final norm (unless already applied) then the output projection, as fp32 logits
+        (soft-capped with ``model.final_logit_softcap``)."""
         if not normed:
             hidden = self.final_norm(hidden)
-        return F.linear(hidden, self.output_weight()).float()
+        return self.capped(F.linear(hidden, self.output_weight()).float())
+
+    def capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` soft-capped at ``model.final_logit_softcap`` (Gemma 2), or as they are."""
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else soft_cap(logits, cap)
 
     def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, normed: bool = False) -> torch.Tensor:
         """``language_model_loss(head_logits(hidden), labels)`` without materializing the logits.
@@ -133,7 +140,8 @@ class LanguageModel(nn.Module):
         """
         if not normed:
             hidden = self.final_norm(hidden)
-        return linear_cross_entropy(hidden, self.output_weight(), labels, chunk_softmax=self.loss_chunk_softmax)
+        return linear_cross_entropy(hidden, self.output_weight(), labels, chunk_softmax=self.loss_chunk_softmax,
+                                    softcap=self.config.final_logit_softcap)
 
     # --- whole model -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,

@@ -66,6 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from meshlm.models.softcap import soft_cap, soft_cap_slope
+
 IGNORE_INDEX = -100
 """Label value that contributes neither to the loss nor to the token count."""
 
@@ -109,12 +111,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     hidden [tokens, hidden_size], weight [vocab, hidden_size], labels [tokens] (IGNORE_INDEX to
     skip). With ``compute_grads`` the forward also computes both gradients (see the module
-    docstring); without it, backward is not available.
+    docstring); without it, backward is not available. ``softcap``: the logits are soft-capped
+    first (``model.final_logit_softcap``), z -> c tanh(z / c), and dloss/dz carries the cap's slope.
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                tokens_per_chunk: int, compute_grads: bool, chunk_softmax=None) -> torch.Tensor:
+                tokens_per_chunk: int, compute_grads: bool, chunk_softmax=None,
+                softcap: float | None = None) -> torch.Tensor:
         valid = (labels != IGNORE_INDEX).unsqueeze(1)
         num_valid = valid.sum()
         grad_scale = torch.where(valid, 1.0 / num_valid, 0.0)  # dloss/dloss_t: 1/N, or 0 if ignored
@@ -132,15 +136,21 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, min(start + tokens_per_chunk, num_tokens))
             logits = torch.mm(hidden[rows], weight.t(), out=logits_buffer[: rows.stop - rows.start])
             if fused:
-                chunk_loss, grad_logits = chunk_softmax(logits, safe_labels[rows], valid[rows], grad_scale[rows])
+                chunk_loss, grad_logits = chunk_softmax(logits, safe_labels[rows], valid[rows], grad_scale[rows],
+                                                        softcap)
                 loss_sum += chunk_loss
             else:
-                log_probs = torch.log_softmax(logits, dim=1, dtype=torch.float32,
+                capped = None if softcap is None else soft_cap(logits.float(), softcap)
+                log_probs = torch.log_softmax(logits if capped is None else capped, dim=1, dtype=torch.float32,
                                               out=log_probs_buffer[: len(logits)])
                 loss_sum -= torch.where(valid[rows], log_probs.gather(1, safe_labels[rows]), 0.0).sum()
                 if not compute_grads:
                     continue
-                grad_logits = softmax_minus_onehot(log_probs, safe_labels[rows], grad_scale[rows], out=logits)
+                if capped is None:
+                    grad_logits = softmax_minus_onehot(log_probs, safe_labels[rows], grad_scale[rows], out=logits)
+                else:  # dloss/dz = dloss/dcapped * (1 - (capped / c)^2), the slope made in place of capped
+                    grad_capped = softmax_minus_onehot(log_probs, safe_labels[rows], grad_scale[rows], out=log_probs)
+                    grad_logits = torch.mul(grad_capped, soft_cap_slope_(capped, softcap), out=logits)
             if grad_hidden is not None:
                 torch.mm(grad_logits, weight, out=grad_hidden[rows])
             if grad_weight is not None:
@@ -153,23 +163,32 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         scaled = [None if grad is None else grad * grad_loss.to(grad.dtype) for grad in (grad_hidden, grad_weight)]
-        return *scaled, None, None, None, None
+        return *scaled, None, None, None, None, None
+
+
+def soft_cap_slope_(capped: torch.Tensor, cap: float) -> torch.Tensor:
+    """``soft_cap_slope`` computed in the storage of ``capped`` (fp32, a chunk's, no longer needed)."""
+    return capped.div_(cap).square_().neg_().add_(1)
 
 
 def softmax_cross_entropy_chunk(logits: torch.Tensor, safe_labels: torch.Tensor, valid: torch.Tensor,
-                                grad_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                                grad_scale: torch.Tensor, softcap: float | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's summed loss terms and dloss/dlogits, in plain ops for the compiler (module docstring).
 
     logits [n, vocab] (any float dtype), safe_labels [n, 1] (ignored tokens' labels replaced by any
     valid index), valid [n, 1] bool, grad_scale [n, 1] fp32. Returns the fp32 sum over valid tokens
     of ``logsumexp(z) - z[label]`` and ``(softmax(z) - onehot(label)) * grad_scale`` in the logits'
-    dtype: what the eager path computes, to fp32 rounding.
+    dtype: what the eager path computes, to fp32 rounding. ``softcap``: of the capped logits, the
+    gradient with respect to the uncapped ones.
     """
-    logits32 = logits.float()
+    logits32 = logits.float() if softcap is None else soft_cap(logits.float(), softcap)
     log_sum_exp = torch.logsumexp(logits32, dim=1, keepdim=True)
     loss_sum = torch.where(valid, log_sum_exp - logits32.gather(1, safe_labels), 0.0).sum()
     onehot = torch.arange(logits.shape[1], device=logits.device) == safe_labels
     grad = (torch.exp(logits32 - log_sum_exp) - onehot.to(torch.float32)) * grad_scale
+    if softcap is not None:
+        grad = grad * soft_cap_slope(logits32, softcap)
     return loss_sum, grad.to(logits.dtype)
 
 
@@ -193,20 +212,22 @@ def accumulate_weight_grad(grad_weight_sum: torch.Tensor, grad_logits: torch.Ten
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         tokens_per_chunk: int | None = None, chunk_softmax=None) -> torch.Tensor:
+                         tokens_per_chunk: int | None = None, chunk_softmax=None,
+                         softcap: float | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of ``F.linear(hidden, weight)`` without the full logits.
 
     hidden [..., hidden_size], labels [...] (same leading shape), weight [vocab, hidden_size].
     Gradients are computed in the forward pass only when autograd will need them.
     ``chunk_softmax``: ``softmax_cross_entropy_chunk`` or a compiled version of it, for the
-    training forward's softmax part (None: the eager kernels; module docstring).
+    training forward's softmax part (None: the eager kernels; module docstring). ``softcap``: of
+    the logits soft-capped at it (``model.final_logit_softcap``).
     """
     hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     labels = labels.reshape(-1)
     chunk = tokens_per_chunk or even_chunks(hidden.shape[0], default_tokens_per_chunk(weight.shape[0],
                                                                                   hidden.device.type))
     compute_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk, compute_grads, chunk_softmax)
+    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk, compute_grads, chunk_softmax, softcap)
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

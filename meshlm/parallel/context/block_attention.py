@@ -40,7 +40,9 @@ call; dK/dV then sum over each group.
 **Reference path.** ``reference_block_forward``/``reference_block_backward`` are the same
 equations written as matmuls over the full [c x c] scores (the implementation ring attention
 had before the fused kernels). They compute in fp32 (fp64 for fp64) and are used when no
-fused kernel takes the block -- see ``fused_kernel`` -- and as the tests' reference.
+fused kernel takes the block -- see ``fused_kernel`` -- and as the tests' reference. Blocks with
+soft-capped scores (``model.attention_softcap``) take it too: no fused kernel applies a function to
+the scores.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from meshlm.models.softcap import soft_cap, soft_cap_slope
 
 CPU_FLASH_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 CUDA_FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -158,16 +162,18 @@ def _sum_over_groups(grad: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def block_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
-                  scale: float, band: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, band: int | None = None,
+                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of query [b, heads, t, d] over one block key/value [b, kv_heads, s, d]
     (causal: query i sees keys 0..i, with t = s; ``band``: key j is also hidden from query i when
     j - i <= band, a sliding window's edge). Returns (out [b, heads, t, d], lse [b, heads, t]):
     out in the run's dtype from a fused kernel (the accumulation dtype from the reference path,
-    which banded blocks take), lse in the accumulation dtype (-inf for a row the band hides whole)."""
-    kernel = None if band is not None else fused_kernel(query, key)
+    which banded blocks take), lse in the accumulation dtype (-inf for a row the band hides whole).
+    ``softcap``: scores capped at it (``meshlm/models/softcap.py``), on the reference path too."""
+    kernel = None if band is not None or softcap is not None else fused_kernel(query, key)
     if kernel is None:
         wide = accumulation_dtype(query.dtype)
-        return reference_block_forward(query.to(wide), key.to(wide), value.to(wide), causal, scale, band)
+        return reference_block_forward(query.to(wide), key.to(wide), value.to(wide), causal, scale, band, softcap)
     group = query.shape[1] // key.shape[1]
     return kernel.forward(query, _one_head_per_query_head(key, group), _one_head_per_query_head(value, group),
                           causal, scale)
@@ -175,15 +181,16 @@ def block_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
 
 def block_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                   band: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   band: int | None = None,
+                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block, given the FINAL output ``out`` [b, heads, t, d] and ``lse``
     [b, heads, t] of the query rows (merged over all blocks): the block's exact share of the full
     gradient. In the run's dtype from a fused kernel, the accumulation dtype from the reference."""
-    kernel = None if band is not None else fused_kernel(query, key)
+    kernel = None if band is not None or softcap is not None else fused_kernel(query, key)
     if kernel is None:
         wide = accumulation_dtype(query.dtype)
         return reference_block_backward(*(tensor.to(wide) for tensor in (grad_out, query, key, value, out, lse)),
-                                        causal, scale, band)
+                                        causal, scale, band, softcap)
     group = query.shape[1] // key.shape[1]
     dtype = query.dtype
     grad_query, grad_key, grad_value = kernel.backward(
@@ -199,11 +206,16 @@ def _grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return query.unflatten(1, (kv_heads, -1))
 
 
-def _scores(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float,
-            band: int | None = None) -> torch.Tensor:
+def _scores(query: torch.Tensor, key: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
     """S = q k^T * scale for grouped queries [b, kv, g, t, d] and keys [b, kv, s, d] -> [b, kv, g, t, s],
-    -inf where hidden: above the diagonal (causal), on or below diagonal ``band`` (j - i <= band)."""
+    capped at ``softcap`` if given."""
     scores = torch.matmul(query, key.unsqueeze(2).transpose(-1, -2)) * scale
+    return scores if softcap is None else soft_cap(scores, softcap)
+
+
+def _masked(scores: torch.Tensor, causal: bool, band: int | None = None) -> torch.Tensor:
+    """``scores`` with -inf where hidden: above the diagonal (causal), on or below diagonal ``band``
+    (j - i <= band)."""
     rows, columns = scores.shape[-2:]
     if causal:
         above = torch.ones(rows, columns, dtype=torch.bool, device=scores.device).triu(1)
@@ -215,11 +227,12 @@ def _scores(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float,
 
 
 def reference_block_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
-                            scale: float, band: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            scale: float, band: int | None = None,
+                            softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``block_forward`` as explicit matmuls in the inputs' dtype: S, lse = logsumexp(S), exp(S - lse) V
     (a row with no visible key: lse -inf and output 0)."""
     grouped = _grouped(query, key.shape[1])
-    scores = _scores(grouped, key, causal, scale, band)
+    scores = _masked(_scores(grouped, key, scale, softcap), causal, band)
     lse = torch.logsumexp(scores, dim=-1)
     divisor = lse.masked_fill(lse == float("-inf"), 0)
     out = torch.matmul(torch.exp(scores - divisor.unsqueeze(-1)), value.unsqueeze(2))
@@ -228,16 +241,22 @@ def reference_block_forward(query: torch.Tensor, key: torch.Tensor, value: torch
 
 def reference_block_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                             band: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             band: int | None = None,
+                             softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``block_backward`` as explicit matmuls in the inputs' dtype (FlashAttention's backward,
-    Dao et al. 2022, Alg. 4, with P recomputed from the final lse and D = rowsum(dO * O))."""
+    Dao et al. 2022, Alg. 4, with P recomputed from the final lse and D = rowsum(dO * O)). With
+    ``softcap``, dS (with respect to the capped scores) is carried through the cap's slope before
+    it reaches q and k."""
     kv_heads = key.shape[1]
     grouped, grad_out, out = (_grouped(tensor, kv_heads) for tensor in (query, grad_out, out))
     lse = lse.unflatten(1, (kv_heads, -1))
     delta = (grad_out * out).sum(-1)
-    probs = torch.exp(_scores(grouped, key, causal, scale, band) - lse.unsqueeze(-1))  # [b, kv, g, t, s]
+    scores = _scores(grouped, key, scale, softcap)
+    probs = torch.exp(_masked(scores, causal, band) - lse.unsqueeze(-1))  # [b, kv, g, t, s]
     grad_value = torch.matmul(probs.transpose(-1, -2), grad_out).sum(2)
     grad_scores = probs * (torch.matmul(grad_out, value.unsqueeze(2).transpose(-1, -2)) - delta.unsqueeze(-1))
+    if softcap is not None:
+        grad_scores = grad_scores * soft_cap_slope(scores, softcap)
     grad_query = torch.matmul(grad_scores, key.unsqueeze(2)) * scale
     grad_key = torch.matmul(grad_scores.transpose(-1, -2), grouped).sum(2) * scale
     return grad_query.flatten(1, 2), grad_key, grad_value

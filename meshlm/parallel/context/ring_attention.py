@@ -68,6 +68,10 @@ as before, and a block the window's edge crosses gets a band mask: with the bloc
 at global position Q and first key at K, key j is hidden from query i when j - i <= Q - K - w.
 Those edge blocks take the reference path (``block_attention.py``: explicit [c x c] scores in
 fp32), as no fused kernel here takes a mask; at most two per query chunk cross an edge.
+
+**Soft-capped scores** (``softcap``, ``model.attention_softcap``): the merge is unchanged, since
+each block's partial softmax is over its capped scores; every block takes the reference path, whose
+backward carries dS through the cap's slope.
 """
 
 from __future__ import annotations
@@ -135,7 +139,7 @@ def _wait(requests) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, context, layout, chunk_documents, window, scale):
+    def forward(ctx, query, key, value, context, layout, chunk_documents, window, scale, softcap):
         ring = Ring(context, layout)
         scale, slot = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale, query.shape[2] // 2
         wide = accumulation_dtype(query.dtype)
@@ -146,13 +150,13 @@ class _RingAttention(torch.autograd.Function):
             incoming, requests = ring.start_pass(kv, KV_TAG) if step < ring.size - 1 else (None, [])
             for batch, rows, cols, causal, band in _block_slices(ring, step, slot, chunk_documents, window):
                 block_out, block_lse = block_forward(query[batch, :, rows], kv[0][batch, :, cols], kv[1][batch, :, cols],
-                                                     causal, scale, band)
+                                                     causal, scale, band, softcap)
                 merge_into(out[batch], lse[batch], rows, block_out, block_lse)
             _wait(requests)
             kv = incoming
         output = out.to(query.dtype)  # the same tensor when the run is fp32 or fp64
         ctx.save_for_backward(query, key, value, output, lse)
-        ctx.ring, ctx.scale, ctx.chunk_documents, ctx.window = ring, scale, chunk_documents, window
+        ctx.ring, ctx.scale, ctx.chunk_documents, ctx.window, ctx.softcap = ring, scale, chunk_documents, window, softcap
         return output
 
     @staticmethod
@@ -167,7 +171,7 @@ class _RingAttention(torch.autograd.Function):
             for batch, rows, cols, causal, band in _block_slices(ring, step, slot, ctx.chunk_documents, ctx.window):
                 dq, dk, dv = block_backward(grad_output[batch, :, rows], query[batch, :, rows], kv[0][batch, :, cols],
                                             kv[1][batch, :, cols], output[batch, :, rows], lse[batch, :, rows],
-                                            causal, scale, band)
+                                            causal, scale, band, ctx.softcap)
                 grad_query[batch, :, rows] += dq
                 grad_kv[0][batch, :, cols] += dk
                 grad_kv[1][batch, :, cols] += dv
@@ -177,7 +181,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(grad_requests)
             kv = incoming
         return (grad_query.to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype), None, None, None,
-                None, None)
+                None, None, None)
 
 
 EVERY_SEQUENCE = slice(None)
@@ -260,19 +264,21 @@ def chunk_document_ids(document_ids: torch.Tensor, context, layout=paired_chunks
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context,
                    layout=paired_chunks, document_ids: torch.Tensor | None = None,
-                   window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                   window: int | None = None, scale: float | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries [b, heads, 2c, d] over the whole sequence, whose
     keys/values [b, kv_heads, 2c, d] are spread over the CP group as ``layout`` says (each rank's
     two chunks of c tokens, concatenated). Returns [b, heads, 2c, d], equal to the rows of full
     causal attention at this rank's positions. Collective over the CP group. ``document_ids``
     [b, 2c] (this rank's tokens' packed documents): attend within each document only. ``window``:
     each query sees only itself and the window - 1 positions before it. ``scale``: the factor on
-    q k^T (None: 1/sqrt(d))."""
+    q k^T (None: 1/sqrt(d)). ``softcap``: the scores capped at it (every block then takes the
+    reference path)."""
     if query.shape[2] % 2 or key.shape[2] != query.shape[2]:
         raise ValueError(f"ring attention needs two equal chunks of queries and keys per rank, got "
                          f"{query.shape[2]} queries and {key.shape[2]} keys")
     chunk_documents = None if document_ids is None else chunk_document_ids(document_ids, context, layout)
-    return _RingAttention.apply(query, key, value, context, layout, chunk_documents, window, scale)
+    return _RingAttention.apply(query, key, value, context, layout, chunk_documents, window, scale, softcap)
 
 
 class RingAttentionCore:
@@ -282,11 +288,11 @@ class RingAttentionCore:
     def __init__(self, context, layout=paired_chunks):
         self.context, self.layout = context, layout
 
-    def __call__(self, query, key, value, key_mask=None, document_ids=None, window=None, scale=None):
+    def __call__(self, query, key, value, key_mask=None, document_ids=None, window=None, scale=None, softcap=None):
         if key_mask is not None or key.shape[2] != query.shape[2]:
             raise ValueError("context parallelism runs training forwards only: no padding mask and no KV cache "
                              "(generate with a single-process or tensor-parallel model).")
-        return ring_attention(query, key, value, self.context, self.layout, document_ids, window, scale)
+        return ring_attention(query, key, value, self.context, self.layout, document_ids, window, scale, softcap)
 
 
 __all__ = ["Ring", "RingAttentionCore", "SKIP", "attention_blocks", "chunk_document_ids", "merge_into",
