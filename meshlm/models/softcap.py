@@ -63,9 +63,6 @@ def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     batch, heads, queries, head_dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     scale = head_dim ** -0.5 if scale is None else scale
-    if is_causal:
-        causal = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril()
-        attn_mask = causal if attn_mask is None else attn_mask & causal
     grouped = query.unflatten(1, (kv_heads, heads // kv_heads))  # [b, kv, g, t, d]: query head h reads KV h // g
     mask = None if attn_mask is None else _grouped_mask(attn_mask, kv_heads, heads)
     key, value = key.unsqueeze(2), value.unsqueeze(2)  # [b, kv, 1, s, d]
@@ -75,7 +72,7 @@ def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     for start in range(0, queries, rows_per_chunk):
         rows = slice(start, min(start + rows_per_chunk, queries))
         chunk_mask = None if mask is None else (mask[..., rows, :] if mask.shape[-2] > 1 else mask)
-        arguments = (grouped[..., rows, :], key, value, chunk_mask, scale, cap)
+        arguments = (grouped[..., rows, :], key, value, chunk_mask, scale, cap, start if is_causal else None)
         pieces.append(torch.utils.checkpoint.checkpoint(_attend, *arguments, use_reentrant=False)
                       if checkpointed else _attend(*arguments))
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
@@ -90,10 +87,15 @@ def _grouped_mask(mask: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-            scale: float, cap: float) -> torch.Tensor:
-    """One chunk: grouped queries [b, kv, g, r, d] over key/value [b, kv, 1, s, d]."""
+            scale: float, cap: float, causal_from: int | None) -> torch.Tensor:
+    """One chunk: grouped queries [b, kv, g, r, d] over key/value [b, kv, 1, s, d]; ``causal_from``:
+    the chunk's first query row, when queries see only keys up to their own row (the chunk's causal
+    mask is made here, so it is never held whole)."""
     wide = torch.promote_types(query.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     scores = soft_cap(torch.matmul(query, key.transpose(-1, -2)).to(wide) * scale, cap)
+    if causal_from is not None:
+        rows = torch.arange(causal_from, causal_from + query.shape[-2], device=query.device)[:, None]
+        scores = scores.masked_fill(torch.arange(key.shape[-2], device=query.device) > rows, float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)

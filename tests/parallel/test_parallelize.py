@@ -6,7 +6,9 @@ them (kv 2 at tp 4, kv 1 at tp 2 and 4), tied and untied embeddings, biases, Lay
 non-gated MLP, one MTP depth, and a Gemma-style model (GeGLU, output norms after each mixer --
 partial gradients under SP --, zero-centered norms, scaled embeddings) with a sliding window of 5
 on alternate attention blocks, their own RoPE base (shorter than the 16 tokens, so the chunked
-windowed path runs and the cache reads only the window), and an OLMo-style model (no input norms,
+windowed path runs and the cache reads only the window), a Gemma 2-style one whose attention
+scores and logits are soft-capped (caps that bend them: each rank caps its own heads' scores and its
+vocabulary slice's logits), and an OLMo-style model (no input norms,
 output norms, a QK-norm over all heads: cut over the ranks with its statistics all-reduced); and
 a hybrid ('M*-M', an MTP depth) with LoRA adapters on every targeted layer (their b drawn, as
 after training), of which only the adapters have gradients. One spawned world of 4 ranks runs
@@ -51,6 +53,9 @@ MODELS = {
     "kv2 gemma-style sliding window": dict(num_kv_heads=2, sliding_window=5, sliding_window_pattern="SF",
                                            rope_local_theta=500.0, mlp_activation="geglu", block_output_norm=True,
                                            norm_zero_centered=True, embedding_multiplier=5.0, attention_scale=0.3),
+    "kv2 gemma2-style soft caps": dict(num_kv_heads=2, sliding_window=5, sliding_window_pattern="SF",
+                                       attention_softcap=2.0, final_logit_softcap=0.3, mlp_activation="geglu",
+                                       block_output_norm=True, norm_zero_centered=True, embedding_multiplier=5.0),
     "kv4 olmo-style": dict(num_kv_heads=4, qk_norm_scope="all", block_input_norm=False, block_output_norm=True),
     "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
                                     mlp_activation="squared_relu", mlp_bias=True),

@@ -6,7 +6,8 @@ its rows of a random output gradient. Its output and dq/dk/dv must equal the row
 positions, of ``F.scaled_dot_product_attention(is_causal=True)`` on the whole sequence and of
 its gradients (fp64, 1e-12). At cp 2 and 4, with the balanced chunk pairing and with the naive
 contiguous split, and at cp2 x tp2 (each TP rank rings its own heads; CP groups {0, 2}, {1, 3}
-are not consecutive ranks). One process checks the block rule and the online-softmax merge.
+are not consecutive ranks); with soft-capped scores (``softcap``, every block on the reference
+path) against capped attention written out, at cp2, cp4 with a window and cp2 x tp2. One process checks the block rule and the online-softmax merge.
 
 The blocks go through the fused kernel (meshlm/parallel/context/block_attention.py; on CPU the
 CPU flash kernel, which takes fp64, so every exactness check here is fp64 at 1e-12): one
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from meshlm.config import ParallelConfig
 from meshlm.models.config import ModelConfig
+from meshlm.models.softcap import soft_cap
 from meshlm.parallel.context.chunks import CHUNK_LAYOUTS, local_token_positions
 from meshlm.parallel.context.block_attention import (CPU_FLASH, block_backward, block_forward, fused_kernel,
                                                      reference_block_backward, reference_block_forward)
@@ -43,13 +45,24 @@ def band_mask(window: int) -> torch.Tensor:
     return (distance >= 0) & (distance < window)
 
 
-def full_attention_and_gradients(window: int | None = None):
+def capped_attention(query, key, value, mask, cap):
+    """softmax(cap tanh(q k^T / sqrt(d) / cap), masked) v, written out (GQA by repeating K/V)."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = soft_cap(query @ key.transpose(-1, -2) * query.shape[-1] ** -0.5, cap)
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ value
+
+
+def full_attention_and_gradients(window: int | None = None, softcap: float | None = None):
     generator = torch.Generator().manual_seed(0)
     shapes = [(BATCH, HEADS, SEQ, HEAD_DIM), (BATCH, KV_HEADS, SEQ, HEAD_DIM), (BATCH, KV_HEADS, SEQ, HEAD_DIM)]
     query, key, value = (torch.randn(shape, generator=generator, dtype=torch.float64, requires_grad=True)
                          for shape in shapes)
     grad_out = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=generator, dtype=torch.float64)
-    if window is None:
+    if softcap is not None:
+        mask = band_mask(window or SEQ)
+        out = capped_attention(query, key, value, mask, softcap)
+    elif window is None:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=band_mask(window), enable_gqa=True)
@@ -57,10 +70,10 @@ def full_attention_and_gradients(window: int | None = None):
     return (query, key, value), out.detach(), grad_out
 
 
-def ring_errors(cp: int, tp: int, layout_name: str, window: int | None = None) -> dict:
+def ring_errors(cp: int, tp: int, layout_name: str, window: int | None = None, softcap: float | None = None) -> dict:
     context = build_parallel_context(ParallelConfig(cp=cp, tp=tp, check_collectives=True), ModelConfig(),
                                      torch.device("cpu"))
-    (query, key, value), out, grad_out = full_attention_and_gradients(window)
+    (query, key, value), out, grad_out = full_attention_and_gradients(window, softcap)
     layout = CHUNK_LAYOUTS[layout_name]
     positions = local_token_positions(SEQ, context.cp_rank, cp, layout)
     heads = slice(context.tp_rank * HEADS // tp, (context.tp_rank + 1) * HEADS // tp)
@@ -68,7 +81,7 @@ def ring_errors(cp: int, tp: int, layout_name: str, window: int | None = None) -
     mine = lambda tensor, rows: tensor.detach()[:, rows][:, :, positions].clone()  # noqa: E731
     local = [mine(query, heads).requires_grad_(), mine(key, kv_heads).requires_grad_(),
              mine(value, kv_heads).requires_grad_()]
-    local_out = ring_attention(*local, context, layout, window=window)
+    local_out = ring_attention(*local, context, layout, window=window, softcap=softcap)
     local_out.backward(mine(grad_out, heads))
     expected = [mine(out, heads), mine(query.grad, heads), mine(key.grad, kv_heads), mine(value.grad, kv_heads)]
     actual = [local_out, *(tensor.grad for tensor in local)]
@@ -88,6 +101,13 @@ def test_ring_attention_with_a_sliding_window_equals_banded_attention(cp, window
     # chunks of 16 / (2 cp) = 4 or 2 tokens: windows inside one chunk (the diagonal blocks banded too),
     # across a few chunks (edge blocks banded, far ones skipped, near ones whole)
     for rank, errors in enumerate(run_distributed(ring_errors, cp, cp, 1, "paired", window)):
+        assert max(errors.values()) <= 1e-12, (rank, errors)
+
+
+@pytest.mark.parametrize("cp, tp, window", [(2, 1, None), (4, 1, 3), (2, 2, 6)])
+def test_ring_attention_with_soft_capped_scores_equals_capped_attention(cp, tp, window):
+    # a cap of 1 on scores of size ~3 (unit q, k, head dim 8): the tanh bends most of them
+    for rank, errors in enumerate(run_distributed(ring_errors, cp * tp, cp, tp, "paired", window, 1.0)):
         assert max(errors.values()) <= 1e-12, (rank, errors)
 
 
