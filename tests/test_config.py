@@ -106,7 +106,8 @@ def test_known_keys_cover_every_section():
 
 @pytest.mark.parametrize("name, kinds", [("tiny", {"*", "-"}), ("hybrid-tiny", {"M", "*", "-"}),
                                          ("moe-tiny", {"*", "E"}), ("demo-mtp", {"M", "*", "-", "E"}),
-                                         ("gemma3-tiny", {"*", "-"}), ("olmo2-tiny", {"*", "-"})])
+                                         ("gemma2-tiny", {"*", "-"}), ("gemma3-tiny", {"*", "-"}),
+                                         ("olmo2-tiny", {"*", "-"})])
 def test_shipped_configs_load_and_match_the_demo_data(name, kinds):
     config = load_run_config(CONFIGS / f"{name}.yaml")
     assert set(config.model.block_kinds) == kinds
@@ -124,6 +125,10 @@ def test_shipped_configs_load_and_match_the_demo_data(name, kinds):
         from meshlm.hf import choose_architecture
         assert config.model.embedding_multiplier == config.model.hidden_size ** 0.5
         assert choose_architecture(config.model).name == "Gemma3ForCausalLM"
+    if name == "gemma2-tiny":  # the layer the Gemma 2 conversion writes, soft caps included
+        from meshlm.hf import choose_architecture
+        assert (config.model.attention_softcap, config.model.final_logit_softcap) == (50.0, 30.0)
+        assert choose_architecture(config.model).name == "Gemma2ForCausalLM"
     if name == "olmo2-tiny":
         from meshlm.hf import choose_architecture
         assert choose_architecture(config.model).name == "Olmo2ForCausalLM"

@@ -33,7 +33,7 @@ their reference path (``meshlm/parallel/context/block_attention.py``). On a GPU,
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint
+from torch.autograd.function import once_differentiable
 
 SCORES_PER_CHUNK = 2 ** 22
 """fp32 scores one chunk of ``softcapped_attention`` computes at once (16 MiB), over the whole batch
@@ -61,21 +61,13 @@ def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise TypeError("softcapped_attention takes a boolean mask (True: visible)")
     batch, heads, queries, head_dim = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
-    scale = head_dim ** -0.5 if scale is None else scale
-    grouped = query.unflatten(1, (kv_heads, heads // kv_heads))  # [b, kv, g, t, d]: query head h reads KV h // g
+    kv_heads = key.shape[1]
     mask = None if attn_mask is None else _grouped_mask(attn_mask, kv_heads, heads)
-    key, value = key.unsqueeze(2), value.unsqueeze(2)  # [b, kv, 1, s, d]
-    rows_per_chunk = max(1, SCORES_PER_CHUNK // (batch * heads * keys))
-    checkpointed = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    pieces = []
-    for start in range(0, queries, rows_per_chunk):
-        rows = slice(start, min(start + rows_per_chunk, queries))
-        chunk_mask = None if mask is None else (mask[..., rows, :] if mask.shape[-2] > 1 else mask)
-        arguments = (grouped[..., rows, :], key, value, chunk_mask, scale, cap, start if is_causal else None)
-        pieces.append(torch.utils.checkpoint.checkpoint(_attend, *arguments, use_reentrant=False)
-                      if checkpointed else _attend(*arguments))
-    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
+    rows_per_chunk = max(1, SCORES_PER_CHUNK // (batch * heads * key.shape[2]))
+    chunks = [(start, min(start + rows_per_chunk, queries)) for start in range(0, queries, rows_per_chunk)]
+    grouped = query.unflatten(1, (kv_heads, heads // kv_heads))  # [b, kv, g, t, d]: query head h reads KV h // g
+    out = _SoftcappedAttention.apply(grouped, key.unsqueeze(2), value.unsqueeze(2), mask,
+                                     head_dim ** -0.5 if scale is None else scale, cap, is_causal, chunks)
     return out.flatten(1, 2)
 
 
@@ -86,19 +78,80 @@ def _grouped_mask(mask: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor
     return mask.unflatten(-3, (kv_heads, heads // kv_heads))
 
 
-def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-            scale: float, cap: float, causal_from: int | None) -> torch.Tensor:
-    """One chunk: grouped queries [b, kv, g, r, d] over key/value [b, kv, 1, s, d]; ``causal_from``:
-    the chunk's first query row, when queries see only keys up to their own row (the chunk's causal
-    mask is made here, so it is never held whole)."""
-    wide = torch.promote_types(query.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-    scores = soft_cap(torch.matmul(query, key.transpose(-1, -2)).to(wide) * scale, cap)
-    if causal_from is not None:
-        rows = torch.arange(causal_from, causal_from + query.shape[-2], device=query.device)[:, None]
-        scores = scores.masked_fill(torch.arange(key.shape[-2], device=query.device) > rows, float("-inf"))
+class _SoftcappedAttention(torch.autograd.Function):
+    """Grouped queries [b, kv, g, t, d] over key/value [b, kv, 1, s, d], one chunk of query rows at a
+    time (``chunks``: (start, stop) rows), keeping only q, k, v, the output and each row's
+    log-sum-exp for backward. Backward recomputes each chunk's capped scores and probabilities
+    P = exp(S - lse) and forms FlashAttention's gradients (Dao et al. 2022, Alg. 4), the score
+    gradient carried through the cap's slope:
+
+        dV = P^T dO    dS = P * (dO V^T - rowsum(dO * O)) * (1 - (S / cap)^2)    dQ = dS K s    dK = dS^T Q s
+
+    The matmuls run in the inputs' dtype; scores, softmax and their statistics in fp32 (fp64 for
+    fp64), and dK, dV are summed over chunks and query groups in it."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, scale, cap, causal, chunks):
+        wide = torch.promote_types(query.dtype, torch.float32)
+        out = torch.empty_like(query)
+        lse = query.new_empty(query.shape[:-1], dtype=wide)
+        for start, stop in chunks:
+            keys = stop if causal else key.shape[-2]  # a causal chunk's later keys are hidden from every row
+            scores = _masked_(_capped_scores(query[..., start:stop, :], key[..., :keys, :], scale, cap), mask, start,
+                              stop, causal)
+            chunk_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            lse[..., start:stop] = chunk_lse.squeeze(-1)
+            probs = scores.sub_(chunk_lse.masked_fill_(chunk_lse == float("-inf"), 0)).exp_()  # in place: one buffer
+            out[..., start:stop, :] = torch.matmul(probs.to(value.dtype), value[..., :keys, :])
+        ctx.save_for_backward(query, key, value, out, lse, mask)
+        ctx.scale, ctx.cap, ctx.causal, ctx.chunks = scale, cap, causal, chunks
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, mask = ctx.saved_tensors
+        scale, cap, causal = ctx.scale, ctx.cap, ctx.causal
+        wide = lse.dtype
+        grad_query = torch.empty_like(query)
+        grad_key = torch.zeros(key.shape, dtype=wide, device=key.device)
+        grad_value = torch.zeros(value.shape, dtype=wide, device=value.device)
+        delta = (grad_out.to(wide) * out.to(wide)).sum(-1, keepdim=True)  # rowsum(dO * O)
+        for start, stop in ctx.chunks:
+            keys = stop if causal else key.shape[-2]
+            rows_query, rows_grad = query[..., start:stop, :], grad_out[..., start:stop, :]
+            capped = _capped_scores(rows_query, key[..., :keys, :], scale, cap)
+            probs = _masked_(capped.clone(), mask, start, stop, causal).sub_(lse[..., start:stop, None]).exp_()
+            grad_value[..., :keys, :] += torch.matmul(probs.to(value.dtype).transpose(-1, -2), rows_grad).sum(
+                2, keepdim=True, dtype=wide)
+            grad_scores = torch.matmul(rows_grad, value[..., :keys, :].transpose(-1, -2)).to(wide)  # dP
+            slope = capped.div_(cap).square_().neg_().add_(1)  # soft_cap_slope, in the scores' buffer
+            grad_scores = grad_scores.sub_(delta[..., start:stop, :]).mul_(probs).mul_(slope).mul_(scale)
+            grad_scores = grad_scores.to(query.dtype)
+            grad_query[..., start:stop, :] = torch.matmul(grad_scores, key[..., :keys, :])
+            grad_key[..., :keys, :] += torch.matmul(grad_scores.transpose(-1, -2), rows_query).sum(
+                2, keepdim=True, dtype=wide)
+        return (grad_query, grad_key.to(key.dtype), grad_value.to(value.dtype), None, None, None, None, None)
+
+
+def _capped_scores(query: torch.Tensor, key: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
+    """cap * tanh(q k^T * scale / cap), a new tensor in fp32 (fp64 for fp64): [b, kv, g, r, keys]."""
+    wide = torch.promote_types(query.dtype, torch.float32)
+    return torch.matmul(query, key.transpose(-1, -2)).to(wide).mul_(scale / cap).tanh_().mul_(cap)
+
+
+def _masked_(scores: torch.Tensor, mask: torch.Tensor | None, start: int, stop: int, causal: bool) -> torch.Tensor:
+    """Rows ``start:stop`` of the scores, in place, with -inf where hidden: by ``mask`` (its rows and
+    the scores' key columns), and with ``causal`` where a key comes after the row (made per chunk,
+    so no [t, s] mask is ever held)."""
+    keys = scores.shape[-1]
+    if causal:
+        rows = torch.arange(start, stop, device=scores.device)[:, None]
+        scores.masked_fill_(torch.arange(keys, device=scores.device) > rows, float("-inf"))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
+        rows = mask[..., start:stop, :] if mask.shape[-2] > 1 else mask
+        scores.masked_fill_(~rows[..., :keys], float("-inf"))
+    return scores
 
 
 __all__ = ["SCORES_PER_CHUNK", "soft_cap", "soft_cap_slope", "softcapped_attention"]

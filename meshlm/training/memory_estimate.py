@@ -54,7 +54,8 @@ them within 1% per block kind in fp32 and bf16, at every recompute setting, in o
 at tp2 with SP: ``tests/training/test_activation_estimate.py``). The attention
 score matrix [heads, seq, seq] is not stored: the SDPA kernels (flash on CPU and CUDA,
 memory-efficient) never materialise it; only ``model.attention_dropout > 0`` takes the explicit
-softmax path, which saves about 5 + 2 * dtype bytes per score. The output head fuses the
+softmax path, which saves about 5 + 2 * dtype bytes per score (the soft-capped core,
+``model.attention_softcap``, keeps what a fused kernel keeps: q, k, v, the output and LSE). The output head fuses the
 projection with the loss (``meshlm/models/losses.py``): two fp32 [chunk, vocab] buffers, the
 hidden-state gradient and an fp32 weight gradient, instead of [tokens, vocab] logits; under
 tensor parallelism the vocab-parallel loss holds about three fp32 [tokens, vocab / tp]

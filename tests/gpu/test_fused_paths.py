@@ -14,6 +14,9 @@
   Under cuDNN first, the masked calls too: a left-padded row, and one query over 128 cached keys.
 - **Sliding-window attention**: the chunked windowed core (``model.sliding_window``) in bf16
   against the explicit softmax under the band mask in fp32, with the same bound.
+- **Soft-capped attention**: the explicit capped core (``model.attention_softcap``, its own
+  chunked backward), causal and windowed, in bf16 against the explicit capped softmax in fp32,
+  with the same bound against that softmax in bf16.
 - **Ring attention's fused blocks** (``meshlm/parallel/context/block_attention.py``): on CUDA a
   block goes to FlashAttention-2's aten ops (bf16) or the memory-efficient ones (fp32), called
   by schema and never run on a GPU before this tier. Output, lse and the block backward against
@@ -124,6 +127,31 @@ def test_sliding_window_attention_matches_the_explicit_softmax(gpu_device):
             (name, max_error(got, expected), max_error(plain, expected), float(expected.abs().max()))
     full = attention_core(*inputs)
     assert max_error(full[:, :, window:], windowed[0][:, :, window:]) > 1e-2
+
+
+def test_soft_capped_attention_matches_the_explicit_capped_softmax(gpu_device):
+    """The soft-capped core (``model.attention_softcap``, meshlm/models/softcap.py: chunked explicit
+    scores, its own backward) in bf16, causal and with a window, against the explicit capped softmax
+    of ``attention_with_dropout`` in fp32, with the flash test's bound against that explicit
+    softmax in bf16; and the cap's effect: the output differs from uncapped attention."""
+    seq, cap = 96, 1.0
+    inputs = [seeded(2, 4, seq, 16, device=gpu_device, seed=0, dtype=torch.bfloat16),
+              *(seeded(2, 2, seq, 16, device=gpu_device, seed=seed, dtype=torch.bfloat16) for seed in (1, 2))]
+    grad_out = seeded(2, 4, seq, 16, device=gpu_device, seed=3)
+    keep = torch.ones(2, 4, seq, seq, dtype=torch.bool, device=gpu_device)
+    for window in (None, 20):
+        explicit = lambda q, k, v: attention_with_dropout(q, k, v, None, keep, 0.0, window=window,  # noqa: E731
+                                                          softcap=cap)
+        reference = values_and_grads(explicit, [tensor.float() for tensor in inputs], grad_out)
+        capped = values_and_grads(lambda q, k, v: attention_core(q, k, v, window=window, softcap=cap), inputs,
+                                  grad_out)
+        plain = values_and_grads(explicit, inputs, grad_out)
+        for name, got, baseline, expected in zip(("out", "dq", "dk", "dv"), capped, plain, reference):
+            assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), (window, name)
+            slack = BF16_SLACK * max(1.0, float(expected.abs().max()))
+            assert max_error(got, expected) <= 2 * max_error(baseline, expected) + slack, \
+                (window, name, max_error(got, expected), max_error(baseline, expected), float(expected.abs().max()))
+        assert max_error(attention_core(*inputs, window=window), capped[0]) > 1e-2
 
 
 KERNEL_SLACK = 1e-2

@@ -49,10 +49,13 @@ GRADIENT_CHECK_SHAPES = {
     "dense": dict(pattern="*-*-", num_kv_heads=2),
     "hybrid": dict(pattern="M*-M", mamba_head_dim=16, mamba_state_size=16, mamba_num_groups=2, mamba_chunk_size=16),
     "moe": dict(pattern="*E*-", moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32),
+    "gemma2 soft caps": dict(pattern="*-*-", num_kv_heads=2, qk_norm=True, attention_softcap=2.0,
+                             final_logit_softcap=0.3, sliding_window=12, sliding_window_pattern="SF"),
 }
 """The model kinds (hidden 64, 4 heads, FFN 128, vocabulary 64) whose compiled gradients the CPU
 suite and the GPU tier compare with the eager ones; the hybrid has the shapes the Triton SSD
-kernels take, so on CUDA its Mamba blocks run them inside the compiled graphs."""
+kernels take, so on CUDA its Mamba blocks run them inside the compiled graphs; the Gemma 2-style
+one runs the soft-capped attention core (an autograd function of its own) inside them."""
 
 
 def gradient_check_model(kind: str, device, dtype):
