@@ -24,6 +24,7 @@ import yaml
 from meshlm.errors import ConfigError, check_choice
 from meshlm.models.config import ModelConfig
 from meshlm.models.losses import DISTILL_LOSSES
+from meshlm.models.position_embedding import check_positions_fit
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -600,6 +601,8 @@ class RunConfig:
             raise ConfigError(f"model.attention_kernel={self.model.attention_kernel!r} has no effect under context "
                               f"parallelism (parallel.cp={self.parallel.cp}: ring attention computes its blocks "
                               "itself); set model.attention_kernel=auto or parallel.cp=1.")
+        check_positions_fit(self.model, train.seq_len, f"train.seq_len={train.seq_len}",
+                            "set train.seq_len to at most that, or enlarge the table (a new model)")
         validate_rl(self.rl, train)
         if self.data.weights is not None and len(self.data.weights) != len(self.data.prefixes):
             raise ConfigError(f"data.weights has {len(self.data.weights)} entries but data.prefixes has "

@@ -107,6 +107,7 @@ def test_known_keys_cover_every_section():
 @pytest.mark.parametrize("name, kinds", [("tiny", {"*", "-"}), ("hybrid-tiny", {"M", "*", "-"}),
                                          ("moe-tiny", {"*", "E"}), ("demo-mtp", {"M", "*", "-", "E"}),
                                          ("gemma2-tiny", {"*", "-"}), ("gemma3-tiny", {"*", "-"}),
+                                         ("gpt2-tiny", {"*", "-"}),
                                          ("olmo2-tiny", {"*", "-"})])
 def test_shipped_configs_load_and_match_the_demo_data(name, kinds):
     config = load_run_config(CONFIGS / f"{name}.yaml")
@@ -129,6 +130,10 @@ def test_shipped_configs_load_and_match_the_demo_data(name, kinds):
         from meshlm.hf import choose_architecture
         assert (config.model.attention_softcap, config.model.final_logit_softcap) == (50.0, 30.0)
         assert choose_architecture(config.model).name == "Gemma2ForCausalLM"
+    if name == "gpt2-tiny":  # the layer the GPT-2 conversion writes, its table as long as the samples
+        from meshlm.hf import choose_architecture
+        assert config.model.max_position_embeddings == config.train.seq_len
+        assert choose_architecture(config.model).name == "GPT2LMHeadModel"
     if name == "olmo2-tiny":
         from meshlm.hf import choose_architecture
         assert choose_architecture(config.model).name == "Olmo2ForCausalLM"

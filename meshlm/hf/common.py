@@ -47,8 +47,10 @@ from meshlm.errors import CheckpointError, ConfigError
 from meshlm.models.config import ModelConfig
 
 # HF activation name -> meshlm mlp_activation for non-gated MLPs ("relu2" is Nemotron-H's squared ReLU).
-ACTIVATION_FROM_HF = {"relu2": "squared_relu", "relu": "relu", "gelu": "gelu", "silu": "silu", "swish": "silu"}
-ACTIVATION_TO_HF = {"squared_relu": "relu2", "relu": "relu", "gelu": "gelu", "silu": "silu"}
+ACTIVATION_FROM_HF = {"relu2": "squared_relu", "relu": "relu", "gelu": "gelu", "silu": "silu", "swish": "silu",
+                      "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+ACTIVATION_TO_HF = {"squared_relu": "relu2", "relu": "relu", "gelu": "gelu", "silu": "silu",
+                    "gelu_tanh": "gelu_pytorch_tanh"}
 MAX_LISTED = 8
 
 
@@ -68,6 +70,9 @@ class TensorMap:
     rows: tuple[int, int] | None = None
     """Rows [start, stop) of the one HF tensor that hold this meshlm tensor, when HF fuses several
     (Phi-3's qkv_proj and gate_up_proj): cut out on import, concatenated back on export."""
+    transposed: bool = False
+    """The HF tensor is this meshlm weight transposed, [in, out] (GPT-2's ``Conv1D`` layers); with
+    ``rows``, those are rows of the transposed tensor (columns of the HF one)."""
 
     def describe_theirs(self) -> str:
         if not self.stacked or len(self.theirs) < 2:
@@ -101,6 +106,24 @@ def _row_slice(tensor, start: int, stop: int):
     if isinstance(tensor, torch.Tensor):
         return tensor[start:stop]
     return tensor.split([start, stop - start, tensor.shape[0] - stop])[1]
+
+
+def transposed(ours: str, theirs: str, rows: tuple[int, int] | None = None) -> TensorMap:
+    """A meshlm weight [out, in] stored by HF as [in, out] (or its ``rows`` of such a fused tensor)."""
+    return TensorMap(ours, (theirs,), rows=rows, transposed=True)
+
+
+def _transposed_columns(tensor, start: int, stop: int) -> torch.Tensor:
+    """Columns [start, stop) of an HF [in, out] tensor (or ``StoredTensor``), as a meshlm [out, in] weight."""
+    return load(tensor)[:, start:stop].t().contiguous()
+
+
+def _transposed(read, name: str) -> torch.Tensor:
+    return read(name).t().contiguous()
+
+
+def _transposed_result(produce: Callable[[], torch.Tensor]) -> torch.Tensor:
+    return produce().t().contiguous()
 
 
 def ours_only(ours: str) -> TensorMap:
@@ -181,6 +204,16 @@ def plan_from_hf(tensors: dict, config: ModelConfig, maps: list[TensorMap], arch
             missing.extend(absent)
             continue
         used.update(entry.theirs)
+        if entry.transposed:
+            hf_shape = tuple(found[0].shape)
+            start, stop = entry.rows or (0, hf_shape[-1])
+            shape = (stop - start, hf_shape[0]) if len(hf_shape) == 2 and hf_shape[1] >= stop else None
+            if shape != tuple(shapes[entry.ours]):
+                wrong.append(f"{entry.theirs[0]} has shape {hf_shape}, but config.json implies the transpose of "
+                             f"{tuple(shapes[entry.ours])} (meshlm {entry.ours}, columns {start}:{stop})")
+                continue
+            plan[entry.ours] = PlannedTensor(shape, found[0].dtype, partial(_transposed_columns, found[0], start, stop))
+            continue
         if entry.rows is not None:
             start, stop = entry.rows
             if found[0].shape[0] < stop:
@@ -251,6 +284,8 @@ def plan_to_hf(stored: dict[str, tuple], read: Callable[[str], torch.Tensor], co
         elif entry.stacked:
             for index, name in enumerate(entry.theirs):
                 plan[name] = PlannedTensor(tuple(shape[1:]), dtype, partial(reader.row, entry.ours, index))
+        elif entry.transposed:
+            plan[entry.theirs[0]] = PlannedTensor(tuple(shape)[::-1], dtype, partial(_transposed, reader, entry.ours))
         elif entry.theirs:  # a second HF name for the same tensor (an untied copy) is read again
             plan[entry.theirs[0]] = PlannedTensor(tuple(shape), dtype, partial(reader, entry.ours))
         used.add(entry.ours)
@@ -258,8 +293,12 @@ def plan_to_hf(stored: dict[str, tuple], read: Callable[[str], torch.Tensor], co
         parts.sort(key=lambda entry: entry.rows[0])
         shapes = [stored[entry.ours][0] for entry in parts]
         dtype = reduce(torch.promote_types, [stored[entry.ours][1] for entry in parts])
-        plan[name] = PlannedTensor((sum(shape[0] for shape in shapes), *shapes[0][1:]), dtype,
-                                   partial(_concatenated, reader, [entry.ours for entry in parts], dtype))
+        shape = (sum(shape[0] for shape in shapes), *shapes[0][1:])
+        concatenated = partial(_concatenated, reader, [entry.ours for entry in parts], dtype)
+        if parts[0].transposed:  # the rows of a Conv1D weight: joined, then stored [in, out]
+            plan[name] = PlannedTensor(shape[::-1], dtype, partial(_transposed_result, concatenated))
+        else:
+            plan[name] = PlannedTensor(shape, dtype, concatenated)
     left_over = sorted(name for name in stored if name not in used
                        and not (config.tie_embeddings and name == "output.weight"))
     if left_over:
@@ -455,8 +494,8 @@ def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozense
     only some can, but for the ones named in ``supported`` (the class checks those itself)."""
     reasons = [reason for name, (present, reason) in layer_features(config).items()
                if present and name not in supported]
-    if config.norm != "rmsnorm":
-        reasons.append(f"model.norm={config.norm!r} (HF models here use RMSNorm)")
+    if config.norm != "rmsnorm" and "norm" not in supported:
+        reasons.append(f"model.norm={config.norm!r} (HF models here but GPT2LMHeadModel use RMSNorm)")
     if config.mtp_depth:
         reasons.append(f"model.mtp_depth={config.mtp_depth} (multi-token-prediction heads are not exported yet)")
     if config.block_overrides:
@@ -480,6 +519,7 @@ LAYER_FEATURES = {
                        "through query_pre_attn_scalar",
     "attention_softcap": "Gemma2ForCausalLM soft-caps attention scores",
     "final_logit_softcap": "Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap the output logits",
+    "position_embedding": "GPT2LMHeadModel adds learned position embeddings",
 }
 """Layer features only some HF classes hold, and which."""
 
@@ -492,7 +532,8 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "rope_local_theta": config.rope_local_theta is not None,
             "attention_scale": config.attention_scale is not None,
             "attention_softcap": config.attention_softcap is not None,
-            "final_logit_softcap": config.final_logit_softcap is not None}
+            "final_logit_softcap": config.final_logit_softcap is not None,
+            "position_embedding": config.position_embedding == "learned"}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 

@@ -164,7 +164,7 @@ class DecodeStep:
     def run_body(self, input_ids, positions, held, kv_buffers, mamba_states, mask_buffer):
         """Embedding -> blocks -> head for one token per sequence; the new Mamba states, in block order."""
         model = self.model
-        hidden = model.embed(input_ids[:, None])
+        hidden = model.embed(input_ids[:, None], positions=positions)  # (learned positions read them)
         kv, counts, states, new_states = iter(kv_buffers), iter(held), iter(mamba_states), []
         for block in model.blocks:
             if block.mixer is None:

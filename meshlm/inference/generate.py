@@ -34,6 +34,7 @@ from meshlm.inference.sampling import SamplingConfig, restrict_vocab, sample_nex
 from meshlm.inference.speculative import check_speculative, speculative_generate
 from meshlm.inference.stats import GenerationStats
 from meshlm.models.cache import InferenceCache
+from meshlm.models.position_embedding import check_positions_fit
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
@@ -87,6 +88,10 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be a number of tokens >= 1, or None to "
                           "prefill each prompt in one forward.")
+    longest = max((len(prompt) for prompt in prompts), default=0)
+    check_positions_fit(model.config, longest + max_new_tokens,
+                        f"a prompt of {longest} tokens and max_new_tokens={max_new_tokens}",
+                        "shorten the prompt or ask for fewer new tokens")
     if speculative is not None and compile:
         raise ConfigError("compiling the decode step applies to plain decoding, not speculative decoding; "
                           "drop --compile or --speculative.")

@@ -32,9 +32,9 @@ from meshlm.errors import ConfigError, check_choice
 from meshlm.kernels import triton_installed
 from meshlm.models.pattern import BLOCK_KINDS, parse_pattern
 
-ACTIVATIONS = ("swiglu", "geglu", "squared_relu", "gelu", "relu", "silu")
+ACTIVATIONS = ("swiglu", "geglu", "squared_relu", "gelu", "gelu_tanh", "relu", "silu")
 NORMS = ("rmsnorm", "layernorm")
-POSITION_EMBEDDINGS = ("rope", "none")
+POSITION_EMBEDDINGS = ("rope", "none", "learned")
 QK_NORM_SCOPES = ("head", "all")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 MAMBA_SCANS = ("auto", "pytorch", "triton", "reference")
@@ -94,8 +94,13 @@ class ModelConfig:
     head_dim: int | None = None
     """Width of one attention head. None means hidden_size // num_attention_heads."""
     position_embedding: str = "rope"
-    """'rope' (rotary, Su et al. 2021, rotate-half layout as in Llama) or 'none' (Nemotron-H's
-    attention blocks use no positional signal; the Mamba blocks carry order)."""
+    """'rope' (rotary, Su et al. 2021, rotate-half layout as in Llama), 'learned' (a trained table of
+    max_position_embeddings vectors added to the token embeddings, as GPT-2 and BERT do;
+    meshlm/models/position_embedding.py) or 'none' (Nemotron-H's attention blocks use no
+    positional signal; the Mamba blocks carry order)."""
+    max_position_embeddings: int | None = None
+    """With position_embedding=learned: the table's length, the longest sequence the model reads
+    (GPT-2: 1024). Only that setting has a table; null otherwise."""
     rope_theta: float = 10000.0
     """RoPE base: frequency i is rope_theta ** (-2i / head_dim)."""
     rope_scaling: str = "none"
@@ -170,8 +175,9 @@ class ModelConfig:
     # --- MLP -----------------------------------------------------------------------------------
     mlp_activation: str = "swiglu"
     """'swiglu' (gated: silu(x W_gate) * x W_up), 'geglu' (gated: gelu(x W_gate) * x W_up, GELU's
-    tanh approximation as in Gemma), 'squared_relu' (Primer, Nemotron-H), 'gelu', 'relu' or
-    'silu' (non-gated). Also used by the MoE experts."""
+    tanh approximation as in Gemma), 'squared_relu' (Primer, Nemotron-H), 'gelu' (exact),
+    'gelu_tanh' (GELU's tanh approximation: GPT-2's gelu_new), 'relu' or 'silu' (non-gated). Also
+    used by the MoE experts."""
     ffn_hidden_size: int | None = None
     """Inner width of the dense MLP. None means 4*hidden for non-gated activations and
     8/3*hidden rounded up to a multiple of 64 for SwiGLU (same parameter count)."""
@@ -456,6 +462,7 @@ class ModelConfig:
                     raise ConfigError(f"model.{name}={getattr(self, name)} applies to attention blocks, and "
                                       f"model.pattern={self.pattern!r} has none; set model.{name}=null.")
         _soft_cap(self, "final_logit_softcap", 30)
+        self._validate_learned_positions()
         if "M" in kinds:
             self._validate_mamba()
         if "E" in kinds:
@@ -560,6 +567,21 @@ class ModelConfig:
             except ConfigError as error:
                 kind = self.block_kinds[index]
                 raise ConfigError(f"model.block_overrides[{index}] ({BLOCK_KINDS[kind]} block '{kind}'): {error}") from None
+
+    def _validate_learned_positions(self) -> None:
+        length = self.max_position_embeddings
+        if self.position_embedding != "learned":
+            if length is not None:
+                raise ConfigError(f"model.max_position_embeddings={length} is the length of a learned position table, "
+                                  f"and model.position_embedding={self.position_embedding!r} has none; set it to null "
+                                  "or model.position_embedding=learned.")
+            return
+        if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
+            raise ConfigError(f"model.position_embedding=learned needs model.max_position_embeddings, the longest "
+                              f"sequence the model reads (GPT-2: 1024); got {length!r}.")
+        if self.mtp_depth:
+            raise ConfigError(f"model.mtp_depth={self.mtp_depth} with model.position_embedding=learned: MTP depths "
+                              "embed future tokens without positions; use rope (or none), or model.mtp_depth=0.")
 
     def _validate_attention(self) -> None:
         heads, kv_heads = self.num_attention_heads, self.resolved_num_kv_heads

@@ -50,6 +50,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshlm.models.position_embedding import sequence_parallel_rows
+
 MASK32 = 0xFFFFFFFF
 SITE_KINDS = {"embedding": 0, "block_output": 1, "attention_probs": 2}
 """Dropout site kinds; a site is a kind and a layer index (``dropout_site``)."""
@@ -188,9 +190,7 @@ class HiddenDropout(nn.Module):
         return apply_keep_mask(x, keep, self.p)
 
     def row_positions(self, position_ids: torch.Tensor, length: int) -> torch.Tensor:
-        parallel = self.parallel_context
-        if parallel is not None and parallel.sequence_parallel and parallel.tp_size > 1:
-            position_ids = position_ids.tensor_split(parallel.tp_size, dim=1)[parallel.tp_rank]
+        position_ids = sequence_parallel_rows(position_ids, self.parallel_context)
         if position_ids.shape[1] != length:
             raise RuntimeError(f"dropout site {self.site}: the tensor has {length} positions but the context "
                                f"{position_ids.shape[1]} (is a sequence-parallel model missing its parallel_context?)")

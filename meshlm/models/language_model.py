@@ -1,6 +1,6 @@
 """The language model: embedding -> blocks from the pattern -> final norm -> output head.
 
-    h_0 = Dropout(Embed(tokens))
+    h_0 = Dropout(Embed(tokens) [+ Positions(p)])      (model.position_embedding=learned: GPT-2's table)
     h_i = h_{i-1} + Dropout(Mixer_i(Norm_i(h_{i-1})))   one pre-norm residual block per symbol
     logits = Head(FinalNorm(h_L))                       (soft-capped: model.final_logit_softcap)
     loss = CE(logits, labels) + sum_E (aux_coeff * aux + z_coeff * z) + mtp_coeff * MTP
@@ -42,6 +42,7 @@ from meshlm.models.lora import add_adapters
 from meshlm.models.losses import language_model_loss, linear_cross_entropy
 from meshlm.models.mtp import MultiTokenPrediction
 from meshlm.models.norms import model_norm
+from meshlm.models.position_embedding import LearnedPositions
 from meshlm.models.reward_head import build_reward_head
 from meshlm.models.softcap import soft_cap
 
@@ -77,6 +78,13 @@ class LanguageModel(nn.Module):
 
     def build_modules(self, config: ModelConfig) -> None:
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embedding = None
+        """``model.position_embedding=learned``: a trained vector per position, added to the token
+        embeddings (GPT-2's ``wpe``); looked up at the positions RoPE would rotate by (each token's
+        place in its document when packed documents are kept apart; the cache's count when
+        generating). None for RoPE or no positions."""
+        if config.position_embedding == "learned":
+            self.position_embedding = LearnedPositions(config.max_position_embeddings, config.hidden_size)
         self.embedding_dropout = HiddenDropout(config.hidden_dropout, dropout_site("embedding"))
         self.blocks = nn.ModuleList(Block(kind, config, index) for index, kind in enumerate(config.block_kinds))
         self.final_norm = model_norm(config)
@@ -102,12 +110,17 @@ class LanguageModel(nn.Module):
         return named
 
     # --- pieces (pipeline stages call these directly) ------------------------------------------
-    def embed(self, input_ids: torch.Tensor, context: SequenceContext | None = None) -> torch.Tensor:
-        """Token embeddings; with ``context``, after the embedding dropout (the model's input; MTP's
-        future-token embeddings are taken without)."""
+    def embed(self, input_ids: torch.Tensor, context: SequenceContext | None = None,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings, plus learned position embeddings (at ``positions``, else the context's);
+        with ``context``, after the embedding dropout (the model's input; MTP's future-token
+        embeddings are taken without, and without positions: the two are not combined)."""
         hidden = self.embedding(input_ids)
         if self.config.embedding_multiplier != 1.0:  # Gemma's sqrt(hidden), in the embedding's dtype as there
             hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
+        if self.position_embedding is not None and (positions is not None or context is not None):
+            positions = context.rotary_positions if positions is None else positions
+            hidden = hidden + self.position_embedding(positions.reshape(-1, positions.shape[-1])).to(hidden.dtype)
         return hidden if context is None else self.embedding_dropout(hidden, context)
 
     def run_blocks(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:

@@ -21,9 +21,16 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (Hendrycks & Gimpel 2016): GPT-2's ``gelu_new``, transformers'
+    ``gelu_pytorch_tanh``."""
+    return F.gelu(x, approximate="tanh")
+
+
 ELEMENTWISE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "squared_relu": squared_relu,
     "gelu": F.gelu,
+    "gelu_tanh": gelu_tanh,
     "relu": F.relu,
     "silu": F.silu,
 }
@@ -31,7 +38,7 @@ ELEMENTWISE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "swiglu": F.silu,
-    "geglu": lambda gate: F.gelu(gate, approximate="tanh"),  # Gemma's gelu_pytorch_tanh
+    "geglu": gelu_tanh,  # Gemma's gelu_pytorch_tanh
 }
 """The gated activations (Shazeer 2020, "GLU Variants Improve Transformer"): gate(x W_gate) * x W_up."""
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-EMBEDDING_NAMES = ("embedding.weight",)
-"""Names (or dotted-name suffixes) of token-embedding matrices; the tied head shares the first."""
+EMBEDDING_NAMES = ("embedding.weight", "position_embedding.weight")
+"""Names (or dotted-name suffixes) of embedding tables (tokens; learned positions); the tied head
+shares the first."""
 
 
 def decays(name: str, parameter: torch.Tensor) -> bool:

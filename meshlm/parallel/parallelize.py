@@ -5,7 +5,8 @@ sequence parallelism, shards the residual stream along the sequence (Korthikanti
 The model may be on the ``meta`` device (the trainer's way: ``meshlm/training/build.py`` then
 fills only the shards) or hold values (a test's way: the slices keep them):
 
-    embedding       vocabulary-parallel; summed over the group (SP: reduce-scattered along s)
+    embedding       vocabulary-parallel; summed over the group (SP: reduce-scattered along s);
+                    learned positions replicated (SP: the rank's slice of positions, partial gradient)
     each block      h + mixer(norm(h)); the norm is replicated (SP: runs on the rank's tokens)
       attention     split by heads (``tensor/attention.py``): q/k/v column-parallel, o row-parallel. KV heads are split
                     when tp divides them; when there are fewer KV heads than ranks every rank
@@ -43,6 +44,7 @@ import torch
 from meshlm.errors import ConfigError
 from meshlm.models.dropout import HiddenDropout
 from meshlm.models.language_model import LanguageModel
+from meshlm.models.position_embedding import LearnedPositions
 from meshlm.models.pattern import LINEAR, NO_OP
 from meshlm.parallel.expert.expert_parallel import needs_expert_parallel, parallelize_expert_moe, parallelize_experts
 from meshlm.parallel.tensor.attention import parallelize_attention
@@ -92,8 +94,10 @@ def parallelize_model(model: LanguageModel, context, vocab_pad_multiple: int = 1
         return parallelize_experts(model, context)
     if context.sequence_parallel:
         mark_partial_grad(model.final_norm)
+        if model.position_embedding is not None:  # each rank adds the rows of its slice of the sequence
+            mark_partial_grad(model.position_embedding)
     for module in model.modules():
-        if isinstance(module, HiddenDropout):  # under SP it masks this rank's slice of the sequence
+        if isinstance(module, (HiddenDropout, LearnedPositions)):  # under SP: this rank's slice of the sequence
             module.parallel_context = context
     for block in model.blocks:
         parallelize_block(block, context)

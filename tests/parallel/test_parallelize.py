@@ -8,7 +8,8 @@ partial gradients under SP --, zero-centered norms, scaled embeddings) with a sl
 on alternate attention blocks, their own RoPE base (shorter than the 16 tokens, so the chunked
 windowed path runs and the cache reads only the window), a Gemma 2-style one whose attention
 scores and logits are soft-capped (caps that bend them: each rank caps its own heads' scores and its
-vocabulary slice's logits), and an OLMo-style model (no input norms,
+vocabulary slice's logits), a GPT-2-style one (learned positions -- replicated, each rank adding its
+slice's rows under SP, a partial gradient --, LayerNorm, biases everywhere, GELU), and an OLMo-style model (no input norms,
 output norms, a QK-norm over all heads: cut over the ranks with its statistics all-reduced); and
 a hybrid ('M*-M', an MTP depth) with LoRA adapters on every targeted layer (their b drawn, as
 after training), of which only the adapters have gradients. One spawned world of 4 ranks runs
@@ -56,6 +57,11 @@ MODELS = {
     "kv2 gemma2-style soft caps": dict(num_kv_heads=2, sliding_window=5, sliding_window_pattern="SF",
                                        attention_softcap=2.0, final_logit_softcap=0.3, mlp_activation="geglu",
                                        block_output_norm=True, norm_zero_centered=True, embedding_multiplier=5.0),
+    # (QK-norm kept: without it the key bias's gradient is 0 up to rounding -- a shift of every key by
+    # the same vector moves a row's scores alike -- and no relative error of it means anything)
+    "gpt2-style learned positions": dict(position_embedding="learned", max_position_embeddings=24,
+                                         norm="layernorm", attention_bias=True, mlp_bias=True,
+                                         mlp_activation="gelu_tanh", tie_embeddings=True),
     "kv4 olmo-style": dict(num_kv_heads=4, qk_norm_scope="all", block_input_norm=False, block_output_norm=True),
     "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
                                     mlp_activation="squared_relu", mlp_bias=True),

@@ -25,8 +25,11 @@ def test_first_sentence(docstring, sentence):
 
 def test_list_keys_prints_whole_first_sentences():
     lines = {line.split(" = ")[0]: line for line in key_descriptions()}
-    assert lines["model.position_embedding"].endswith("(rotary, Su et al. 2021, rotate-half layout as in Llama) or "
-                                                       "'none' (Nemotron-H's attention blocks use no positional "
-                                                       "signal; the Mamba blocks carry order).")
+    assert lines["model.position_embedding"].endswith("(rotary, Su et al. 2021, rotate-half layout as in Llama), "
+                                                       "'learned' (a trained table of max_position_embeddings "
+                                                       "vectors added to the token embeddings, as GPT-2 and BERT "
+                                                       "do; meshlm/models/position_embedding.py) or 'none' "
+                                                       "(Nemotron-H's attention blocks use no positional signal; "
+                                                       "the Mamba blocks carry order).")
     assert lines["parallel.tp"].startswith("parallel.tp = 1  # Tensor-parallel size (Shoeybi et al. 2019): ")
     assert not [line for line in lines.values() if line.endswith((" al.", " e.g.", " i.e."))]

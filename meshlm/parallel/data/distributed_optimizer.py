@@ -549,7 +549,8 @@ def overlap_gather_with_forward(model, optimizer) -> list:
     for part in parts:
         part.defer_gather = True
     handles = []
-    units = [("embedding", getattr(model, "embedding", None))]
+    units = [("embedding", getattr(model, "embedding", None)),
+             ("position_embedding", getattr(model, "position_embedding", None))]  # learned positions, if any
     units += [(name, module) for name, module in model.named_modules() if name.count(".") == 1
               and name.startswith("blocks.")]
     for prefix, module in units:

@@ -29,9 +29,9 @@ EMBEDDING, TAIL = "embedding", "tail"
 
 
 def unit_of(name: str) -> str:
-    """The unit holding parameter ``name``: 'embedding', 'blocks.{i}' or 'tail'."""
+    """The unit holding parameter ``name``: 'embedding' (with learned positions), 'blocks.{i}' or 'tail'."""
     top, _, rest = name.partition(".")
-    if top == "embedding":
+    if top in ("embedding", "position_embedding"):
         return EMBEDDING
     if top == "blocks":
         return f"blocks.{rest.partition('.')[0]}"

@@ -154,6 +154,8 @@ def keep_stage_modules(model: nn.Module, chunks: list[ModelChunk], pp_rank: int,
     copy = last and not first and needs_embedding_copy(model.config)
     if not (first or copy):
         model.embedding = None
+    if not first:  # learned positions are added to the embedding on the first stage only
+        model.position_embedding = None
     if not last:
         model.final_norm = model.output = model.mtp = None
     layout = StageLayout(chunks, order, copy)
@@ -164,7 +166,8 @@ def keep_stage_modules(model: nn.Module, chunks: list[ModelChunk], pp_rank: int,
 def chunk_parameter_names(model: nn.Module, chunks: list[ModelChunk]) -> list[list[str]]:
     """The names of the parameters of this rank's stage ``model`` that each of its ``chunks`` runs:
     ``blocks.{i}.*`` with block i; the embedding with the first virtual stage (or, as the tied
-    copy, the last); the final norm, output head and MTP depths with the last virtual stage."""
+    copy, the last), learned positions with the first; the final norm, output head and MTP depths
+    with the last virtual stage."""
     chunk_of_block = {index: number for number, chunk in enumerate(chunks) for index in chunk.blocks}
     first = [number for number, chunk in enumerate(chunks) if chunk.is_first]
     last = [number for number, chunk in enumerate(chunks) if chunk.is_last]
@@ -175,6 +178,8 @@ def chunk_parameter_names(model: nn.Module, chunks: list[ModelChunk]) -> list[li
             owners = [chunk_of_block[int(rest.partition(".")[0])]]
         elif top == "embedding":
             owners = first or last
+        elif top == "position_embedding":
+            owners = first
         else:
             owners = last
         for number in owners:

@@ -14,7 +14,8 @@ beyond it) and the Gemma 3 and OLMo 2 layer features (own RoPE base for the slid
 attention scale, output norms and no input norms, a QK-norm over all heads, GeGLU, zero-centered
 norms, scaled embeddings), also at cp2 x dp2; a dense model with soft-capped attention scores and
 logits and a window (Gemma 2: every ring block on the reference path, with the cap's slope in its
-backward), also at cp2 x tp2 with SP; at cp4 the dense model with a multi-token-prediction
+backward), also at cp2 x tp2 with SP; a GPT-2-style model (learned positions looked up at each
+chunk's global positions, LayerNorm, biases); at cp4 the dense model with a multi-token-prediction
 depth (with 2 depths one block-0 weight of this model ends ~1e-4 apart at tp2 as well -- Adam
 amplifying fp32 rounding in near-zero gradient elements -- so 1 depth here; the shift by 2
 across 4 ranks is checked on its own). Every step's loss and global gradient norm, the validation losses and the
@@ -59,7 +60,11 @@ MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
           # caps that bend this model's scores (~3 under QK-norm) and logits (~0.4): every ring block on the
           # reference path, the capped logits in the vocab-parallel loss under tp
           "dense soft caps": [*helpers.MODELS["dense"], "model.qk_norm=true", "model.attention_softcap=2",
-                              "model.final_logit_softcap=0.3", "model.sliding_window=6"]}
+                              "model.final_logit_softcap=0.3", "model.sliding_window=6"],
+          # each rank looks its chunks' global positions up in the learned table
+          "gpt2-style": [*helpers.MODELS["dense"], "model.position_embedding=learned", "model.max_position_embeddings=32",
+                         "model.norm=layernorm", "model.attention_bias=true", "model.mlp_bias=true",
+                         "model.mlp_activation=gelu_tanh", "model.qk_norm=true"]}
 LAYOUTS = {
     2: {"cp2": ["parallel.cp=2"]},
     4: {"cp4": ["parallel.cp=4"], "cp2xtp2": ["parallel.cp=2", "parallel.tp=2"],
@@ -71,7 +76,8 @@ EXTRA_RUNS = {2: [("dense", "cp2 selective recompute", ["parallel.cp=2", "train.
                   ("moe", "cp2", ["parallel.cp=2"]),
                   ("dense yarn", "cp2", ["parallel.cp=2"]),  # scaled RoPE at each chunk's global positions
                   ("dense sliding window", "cp2", ["parallel.cp=2"]),
-                  ("dense soft caps", "cp2", ["parallel.cp=2"])],
+                  ("dense soft caps", "cp2", ["parallel.cp=2"]),
+                  ("gpt2-style", "cp2", ["parallel.cp=2"])],
               4: [("dense with mtp", "cp4", ["parallel.cp=4"]),
                   ("moe", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
                   ("dense soft caps", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),

@@ -5,7 +5,8 @@ step's schedule; the loss terms (every rank gets them), every parameter's gradie
 reduction and the tied-embedding sum, gathered by name), the global gradient norm, the per-expert
 counts and a forward-only evaluation must equal one process running the whole model. The models
 put MoE blocks (auxiliary and z losses) on a non-last stage, MTP and a tied head on the last
-(and one dense model has Gemma 2's soft-capped attention scores and logits, its MTP loss too);
+(and one dense model has Gemma 2's soft-capped attention scores and logits, its MTP loss too; a
+GPT-2-style one its learned positions on the first stage and its tied head on the last);
 layouts: pp2 (1F1B), pp2 x vp2 (interleaved), pp2 x dp2 with the distributed optimizer, and
 pp2 x tp2 with sequence parallelism. Every run has ``parallel.check_collectives`` on and compares
 the ranks' collectives and pipeline messages at the end.
@@ -47,6 +48,10 @@ MODELS = {
     # Gemma 2's caps, small enough to bend this model's scores (QK-normed) and logits; MTP's loss capped too
     "dense soft caps mtp": dict(BASE, pattern="*-*-", num_kv_heads=2, qk_norm=True, attention_softcap=2.0,
                                 final_logit_softcap=0.3, mtp_depth=1),
+    # learned positions live with the embedding on the first stage
+    "gpt2-style": dict(BASE, pattern="*-*-", position_embedding="learned", max_position_embeddings=16,
+                       norm="layernorm", attention_bias=True, mlp_bias=True, mlp_activation="gelu_tanh", qk_norm=True,
+                       tie_embeddings=True),
 }
 
 
@@ -153,7 +158,8 @@ def assert_same_step(actual: dict, expected: dict, where: str) -> None:
 def test_pipelined_step_equals_single_process_on_two_ranks():
     runs = [("moe mtp tied pp2", MODELS["moe mtp tied"], dict(pp=2)),
             ("hybrid tied pp2 vp2", MODELS["hybrid tied"], dict(pp=2, vp=2)),
-            ("dense soft caps mtp pp2", MODELS["dense soft caps mtp"], dict(pp=2))]
+            ("dense soft caps mtp pp2", MODELS["dense soft caps mtp"], dict(pp=2)),
+            ("gpt2-style pp2", MODELS["gpt2-style"], dict(pp=2))]
     results = run_distributed(pipelined_steps, 2, runs, timeout_s=120)
     for name, model_kwargs, _ in runs:
         expected = single_process_step(model_kwargs)
