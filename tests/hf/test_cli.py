@@ -70,10 +70,10 @@ def test_meshlm_to_hf_command_and_architecture_override(tmp_path, capsys):
 
 def test_unsupported_architecture_is_named(tmp_path, capsys):
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": ["BloomForCausalLM"]}))
     assert main(["convert", "hf-to-meshlm", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
     error = capsys.readouterr().err
-    assert "GPT2LMHeadModel is not supported" in error and "LlamaForCausalLM" in error
+    assert "BloomForCausalLM is not supported" in error and "LlamaForCausalLM" in error
 
 
 def test_missing_and_misshaped_tensors_are_named(tmp_path, capsys):
