@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.timing import interleaved_medians, synchronize
+from meshlm.checkpoint.files import write_json_atomic
 from meshlm.models.attention import windowed_attention
 from tests.helpers.saved_tensors import LargestTensor
 
@@ -142,13 +143,10 @@ def main(argv=None) -> dict:
         results["generation"].append({"prompt": seq, "window": args.cache_window, "pattern": "SSSSSF",
                                       "cache_bytes": windowed, "cache_bytes_without_window": full,
                                       "ratio": windowed / full})
-    text = json.dumps(results, indent=2)
-    print(text)
+    print(json.dumps(results, indent=2))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(args.out)
+        write_json_atomic(args.out, results)
     return results
 
 

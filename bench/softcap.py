@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.timing import interleaved_medians, synchronize
+from meshlm.checkpoint.files import write_json_atomic
 from meshlm.models.attention import allowed_keys, attention_core
 from meshlm.models.softcap import soft_cap
 from tests.helpers.saved_tensors import LargestTensor, SavedStorages
@@ -115,13 +116,10 @@ def main(argv=None) -> dict:
                "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "cap": CAP, "repeats": args.repeats,
                "runs": [measure(seq, window, args.repeats, dtype, device)
                         for seq in args.seqs for window in windows if window is None or window < seq]}
-    text = json.dumps(results, indent=2)
-    print(text)
+    print(json.dumps(results, indent=2))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(args.out)
+        write_json_atomic(args.out, results)
     return results
 
 

@@ -22,10 +22,9 @@ The attention scale is ``query_pre_attn_scalar ** -0.5``: 1/sqrt(head_dim) in 2B
 
 from __future__ import annotations
 
-from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, blocks_of, common_unsupported, fixed_fields_unsupported,
-                              hf_common_fields, layer_types_from_hf, layer_types_to_hf, require, rope_from_hf,
-                              rope_to_hf, window_fields, with_defaults)
-from meshlm.hf.gemma3 import GELU_TANH, query_pre_attn_scalar, tensor_maps
+from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, hf_common_fields, layer_types_from_hf, layer_types_to_hf,
+                              require, rope_from_hf, rope_to_hf, window_fields, with_defaults)
+from meshlm.hf.gemma3 import GELU_TANH, gemma_layer_fields, gemma_unsupported, query_pre_attn_scalar, tensor_maps
 from meshlm.hf.llama import attention_fields
 from meshlm.models.config import ModelConfig
 
@@ -66,28 +65,15 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     require(hf, NAME, "use_bidirectional_attention", False, "meshlm attention is causal")
     scalar = hf["query_pre_attn_scalar"]
     types = layer_types_from_hf(hf, NAME, FULL_EVERY)
-    hidden = hf["hidden_size"]
     return ModelConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hidden, pattern="*-" * hf["num_hidden_layers"],
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*-" * hf["num_hidden_layers"],
         **attention_fields(hf), attention_scale=None if scalar == hf["head_dim"] else scalar ** -0.5,
         **softcap_fields(hf_config, SOFTCAPS), position_embedding="rope", **rope_from_hf(hf_config, 10000.0, NAME),
-        **window_fields(hf["sliding_window"], [kind == SLIDING_ATTENTION for kind in types]),
-        mlp_activation="geglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
-        norm="rmsnorm", norm_eps=hf["rms_norm_eps"], norm_zero_centered=True, block_output_norm=True,
-        embedding_multiplier=hidden ** 0.5, tie_embeddings=bool(hf["tie_word_embeddings"]),
-        init_std=hf["initializer_range"])
+        **window_fields(hf["sliding_window"], [kind == SLIDING_ATTENTION for kind in types]), **gemma_layer_fields(hf))
 
 
 def unsupported(config: ModelConfig) -> list[str]:
-    reasons = common_unsupported(config, supported=SUPPORTED_FEATURES)
-    reasons += blocks_of(config, r"(\*-)+", "Gemma 2 layers are attention then MLP: '*-' repeated")
-    reasons += fixed_fields_unsupported(config, "Gemma 2", FIXED_FIELDS)
-    if config.resolved_attention_output_bias:
-        reasons.append("model.attention_output_bias=True (Gemma 2's attention has no biases)")
-    if config.embedding_multiplier != config.hidden_size ** 0.5:
-        reasons.append(f"model.embedding_multiplier={config.embedding_multiplier} (Gemma 2 scales the embeddings by "
-                       f"sqrt(hidden_size) = {config.hidden_size ** 0.5})")
-    return reasons
+    return gemma_unsupported(config, "Gemma 2", SUPPORTED_FEATURES, FIXED_FIELDS)
 
 
 def config_to_hf(config: ModelConfig) -> dict:

@@ -73,28 +73,39 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     scale = None if scalar == hf["head_dim"] else scalar ** -0.5  # transformers' scaling, computed alike
     types = layer_types_from_hf(hf, NAME, hf.get("sliding_window_pattern") or SLIDING_WINDOW_PATTERN)
     windows = window_fields(hf.get("sliding_window"), [kind == SLIDING_ATTENTION for kind in types])
-    hidden = hf["hidden_size"]
     return ModelConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hidden, pattern="*-" * hf["num_hidden_layers"],
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*-" * hf["num_hidden_layers"],
         **attention_fields(hf), attention_scale=scale, position_embedding="rope", qk_norm=True, **windows,
         final_logit_softcap=hf.get("final_logit_softcapping"),  # (attn_logit_softcapping: unread, module docstring)
         **layered_rope_fields(hf_config, NAME, GLOBAL_THETA, LOCAL_THETA, "rope_local_base_freq", bool(windows)),
-        mlp_activation="geglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
-        norm="rmsnorm", norm_eps=hf["rms_norm_eps"], norm_zero_centered=True, block_output_norm=True,
-        embedding_multiplier=hidden ** 0.5, tie_embeddings=bool(hf["tie_word_embeddings"]),
-        init_std=hf["initializer_range"])
+        **gemma_layer_fields(hf))
+
+
+def gemma_layer_fields(hf: dict) -> dict:
+    """The fields Gemma 2 and 3 set alike from config.json (``hf``, defaults filled): GeGLU MLPs,
+    zero-centered RMSNorms before and after each block, sqrt(hidden) embeddings."""
+    return dict(mlp_activation="geglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False, norm="rmsnorm",
+                norm_eps=hf["rms_norm_eps"], norm_zero_centered=True, block_output_norm=True,
+                embedding_multiplier=hf["hidden_size"] ** 0.5, tie_embeddings=bool(hf["tie_word_embeddings"]),
+                init_std=hf["initializer_range"])
+
+
+def gemma_unsupported(config: ModelConfig, label: str, supported: frozenset[str], fixed: dict) -> list[str]:
+    """Why ``config`` is not a Gemma layer stack (``label``: "Gemma 2", "Gemma 3"), by field."""
+    reasons = common_unsupported(config, supported=supported)
+    reasons += blocks_of(config, r"(\*-)+", f"{label} layers are attention then MLP: '*-' repeated")
+    # (per-head QK-norm and block input norms: common_unsupported refuses their alternatives)
+    reasons += fixed_fields_unsupported(config, label, fixed)
+    if config.resolved_attention_output_bias:
+        reasons.append(f"model.attention_output_bias=True ({label}'s attention has no biases)")
+    if config.embedding_multiplier != config.hidden_size ** 0.5:
+        reasons.append(f"model.embedding_multiplier={config.embedding_multiplier} ({label} scales the embeddings by "
+                       f"sqrt(hidden_size) = {config.hidden_size ** 0.5})")
+    return reasons
 
 
 def unsupported(config: ModelConfig) -> list[str]:
-    reasons = common_unsupported(config, supported=SUPPORTED_FEATURES)
-    reasons += blocks_of(config, r"(\*-)+", "Gemma 3 layers are attention then MLP: '*-' repeated")
-    # (per-head QK-norm and block input norms: common_unsupported refuses their alternatives)
-    reasons += fixed_fields_unsupported(config, "Gemma 3", FIXED_FIELDS)
-    if config.resolved_attention_output_bias:
-        reasons.append("model.attention_output_bias=True (Gemma 3's attention has no biases)")
-    if config.embedding_multiplier != config.hidden_size ** 0.5:
-        reasons.append(f"model.embedding_multiplier={config.embedding_multiplier} (Gemma 3 scales the embeddings by "
-                       f"sqrt(hidden_size) = {config.hidden_size ** 0.5})")
+    reasons = gemma_unsupported(config, "Gemma 3", SUPPORTED_FEATURES, FIXED_FIELDS)
     if config.rope_local_theta is None and config.sliding_window is not None and config.rope_scaling != "none":
         reasons.append(f"model.rope_local_theta=None with model.rope_scaling={config.rope_scaling!r} (Gemma 3's "
                        "sliding layers rotate unscaled; set model.rope_local_theta, e.g. to model.rope_theta)")

@@ -10,14 +10,13 @@ import torch
 
 from meshlm.config import load_run_config
 from meshlm.errors import ConfigError
-from meshlm.inference.decode_step import DecodeStep
-from meshlm.inference.generate import generate, left_pad
-from meshlm.inference.prefill import prefill
+from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
-from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.optim.adamw import decays
+from tests.helpers.cached_decoding import (PROMPTS, assert_cached_generation_equals_the_full_forward,
+                                           assert_decode_step_equals_the_cached_forward)
 
 GPT2_STYLE = dict(vocab_size=97, hidden_size=32, pattern="*-*-", num_attention_heads=4, position_embedding="learned",
                   max_position_embeddings=40, norm="layernorm", attention_bias=True, mlp_bias=True,
@@ -53,39 +52,12 @@ def test_packed_documents_restart_their_positions():
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
 
 
-PROMPTS = [[5, 17, 3, 42, 8, 1, 60, 22, 9, 31, 77, 2], [11, 2], [70, 70, 4, 13, 96]]
-
-
-def generate_without_cache(model, prompt, max_new_tokens):
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
-
-
 def test_cached_generation_equals_the_full_forward():
-    model = tiny_model()
-    expected = [generate_without_cache(model, prompt, 12) for prompt in PROMPTS]
-    assert len(set(expected[0])) > 2  # the test would be weak if the model repeated one token
-    greedy = SamplingConfig(greedy=True)
-    assert generate(model, PROMPTS, 12, greedy, pad_token_id=3) == expected  # left padding: positions from 0
-    assert generate(model, PROMPTS, 12, greedy, prefill_chunk=3) == expected
+    assert_cached_generation_equals_the_full_forward(tiny_model())  # left padding: each row's positions from 0
 
 
-@torch.inference_mode()
 def test_the_decode_step_adds_each_rows_position():
-    model = tiny_model()
-    input_ids, token_mask = left_pad(PROMPTS, 0, torch.device("cpu"))
-    caches = [InferenceCache(max_tokens=input_ids.shape[1] + 6) for _ in range(2)]
-    for cache in caches:
-        prefill(model, input_ids, token_mask, cache)
-    step, tokens = DecodeStep(model), torch.tensor([3, 4, 5])
-    for _ in range(5):
-        logits = step(tokens, caches[0])
-        torch.testing.assert_close(logits, model(tokens[:, None], cache=caches[1]).logits[:, -1],
-                                   rtol=1e-5, atol=1e-5)
-        tokens = logits.argmax(-1)
+    assert_decode_step_equals_the_cached_forward(tiny_model())
 
 
 def test_the_table_is_an_embedding_not_decayed():

@@ -13,19 +13,14 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshlm.errors import ConfigError
-from meshlm.inference.decode_step import DecodeStep
-from meshlm.inference.generate import generate, left_pad
-from meshlm.inference.prefill import prefill
-from meshlm.inference.sampling import SamplingConfig
 from meshlm.models.attention import attention_core, attention_with_dropout, windowed_attention
-from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
 from meshlm.models.flops import attended_pairs, model_flops_breakdown
 from meshlm.models.language_model import LanguageModel
+from tests.helpers.cached_decoding import (assert_cached_generation_equals_the_full_forward,
+                                           assert_decode_step_equals_the_cached_forward)
 from tests.helpers.flop_formulas import MISSING_FORMULAS
 from tests.helpers.saved_tensors import LargestTensor
-
-GREEDY = SamplingConfig(greedy=True)
 
 
 def banded_attention(query, key, value, window, document_ids=None):
@@ -159,44 +154,18 @@ def test_a_window_no_shorter_than_the_sequence_is_full_attention():
                                rtol=0, atol=0)
 
 
-PROMPTS = [[5, 17, 3, 42, 8, 1, 60, 22, 9, 31, 77, 2], [11, 2], [70, 70, 4, 13, 96]]
 MODELS = {"dense": dict(pattern="*-*-", sliding_window=4),
           "alternating": dict(pattern="*-*-", sliding_window=3, sliding_window_pattern="FS"),
           "hybrid": dict(pattern="M*-M*-", sliding_window=5)}
 
 
-def generate_without_cache(model, prompt, max_new_tokens):
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cached_generation_equals_the_full_forward(name):
-    model = tiny_model(**MODELS[name])
-    expected = [generate_without_cache(model, prompt, 12) for prompt in PROMPTS]
-    assert len(set(expected[0])) > 2  # the test would be weak if the model repeated one token
-    assert generate(model, PROMPTS, 12, GREEDY, pad_token_id=3) == expected  # left-padded batch
-    assert generate(model, PROMPTS, 12, GREEDY, prefill_chunk=3) == expected  # prefill in chunks of 3
-    assert [generate(model, [prompt], 12, GREEDY)[0] for prompt in PROMPTS] == expected
+    assert_cached_generation_equals_the_full_forward(tiny_model(**MODELS[name]))
 
 
-@torch.inference_mode()
 def test_decode_step_reads_only_the_window_and_equals_the_cached_forward():
-    model = tiny_model(**MODELS["alternating"])
-    input_ids, token_mask = left_pad(PROMPTS, 0, torch.device("cpu"))
-    caches = [InferenceCache(max_tokens=input_ids.shape[1] + 6) for _ in range(2)]
-    for cache in caches:
-        prefill(model, input_ids, token_mask, cache)
-    step, tokens = DecodeStep(model), torch.tensor([3, 4, 5])
-    assert step.supports(caches[0])
-    for _ in range(5):
-        logits = step(tokens, caches[0])
-        torch.testing.assert_close(logits, model(tokens[:, None], cache=caches[1]).logits[:, -1],
-                                   rtol=1e-5, atol=1e-5)
-        tokens = logits.argmax(-1)
+    assert_decode_step_equals_the_cached_forward(tiny_model(**MODELS["alternating"]))
 
 
 def test_flops_count_the_chunks_the_core_computes():

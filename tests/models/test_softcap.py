@@ -15,17 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.errors import ConfigError
-from meshlm.inference.decode_step import DecodeStep
-from meshlm.inference.generate import generate, left_pad
-from meshlm.inference.prefill import prefill
-from meshlm.inference.sampling import SamplingConfig
 from meshlm.models import softcap as softcap_module
 from meshlm.models.attention import allowed_keys, attention_core, attention_with_dropout
-from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.losses import IGNORE_INDEX, linear_cross_entropy, softmax_cross_entropy_chunk
 from meshlm.models.softcap import soft_cap, soft_cap_slope, softcapped_attention
+from tests.helpers.cached_decoding import (assert_cached_generation_equals_the_full_forward,
+                                           assert_decode_step_equals_the_cached_forward)
 from tests.helpers.saved_tensors import LargestTensor, SavedStorages
 
 CAP = 1.0
@@ -161,42 +158,14 @@ def test_a_capped_model_bounds_its_logits_and_its_fused_loss_equals_the_unfused_
     assert (plain(ids).logits - model(ids).logits).abs().max() > 0.1  # the caps bend this model
 
 
-PROMPTS = [[5, 17, 3, 42, 8, 1, 60, 22, 9, 31, 77, 2], [11, 2], [70, 70, 4, 13, 96]]
-
-
-def generate_without_cache(model, prompt, max_new_tokens):
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
-
-
 @pytest.mark.parametrize("overrides", [{}, {"sliding_window": 4, "sliding_window_pattern": "SF"}],
                          ids=["full", "alternating window"])
 def test_cached_generation_equals_the_full_forward(overrides):
-    model = tiny_model(**overrides)
-    expected = [generate_without_cache(model, prompt, 10) for prompt in PROMPTS]
-    assert len(set(expected[0])) > 2  # the test would be weak if the model repeated one token
-    greedy = SamplingConfig(greedy=True)
-    assert generate(model, PROMPTS, 10, greedy, pad_token_id=3) == expected  # left-padded batch
-    assert generate(model, PROMPTS, 10, greedy, prefill_chunk=3) == expected
+    assert_cached_generation_equals_the_full_forward(tiny_model(**overrides), new_tokens=10)
 
 
-@torch.inference_mode()
 def test_the_decode_step_caps_like_the_cached_forward():
-    model = tiny_model(sliding_window=4, sliding_window_pattern="SF")
-    input_ids, token_mask = left_pad(PROMPTS, 0, torch.device("cpu"))
-    caches = [InferenceCache(max_tokens=input_ids.shape[1] + 6) for _ in range(2)]
-    for cache in caches:
-        prefill(model, input_ids, token_mask, cache)
-    step, tokens = DecodeStep(model), torch.tensor([3, 4, 5])
-    assert step.supports(caches[0])
-    for _ in range(5):
-        logits = step(tokens, caches[0])
-        torch.testing.assert_close(logits, model(tokens[:, None], cache=caches[1]).logits[:, -1],
-                                   rtol=1e-5, atol=1e-5)
-        tokens = logits.argmax(-1)
+    assert_decode_step_equals_the_cached_forward(tiny_model(sliding_window=4, sliding_window_pattern="SF"))
 
 
 @pytest.mark.parametrize("fields, message", [
