@@ -513,10 +513,13 @@ LAYER_FEATURES = {
     "block_input_norm": "Olmo2ForCausalLM leaves the blocks' inputs unnormalized",
     "qk_norm_scope": "Olmo2ForCausalLM normalizes all query (and key) heads together",
     "norm_zero_centered": "Gemma2ForCausalLM and Gemma3ForCausalLM store norm weights as 1 + w",
-    "embedding_multiplier": "Gemma2ForCausalLM and Gemma3ForCausalLM scale the embeddings, by sqrt(hidden_size)",
+    "embedding_multiplier": "Gemma2ForCausalLM, Gemma3ForCausalLM (by sqrt(hidden_size)) and GraniteForCausalLM "
+                            "scale the embeddings",
+    "residual_multiplier": "GraniteForCausalLM scales each block's output before the residual add",
+    "logit_divisor": "GraniteForCausalLM divides the logits (logits_scaling)",
     "rope_local_theta": "Gemma3ForCausalLM and Olmo3ForCausalLM give the sliding layers a RoPE of their own",
-    "attention_scale": "Gemma2ForCausalLM and Gemma3ForCausalLM scale attention by other than 1/sqrt(head_dim), "
-                       "through query_pre_attn_scalar",
+    "attention_scale": "Gemma2ForCausalLM and Gemma3ForCausalLM (query_pre_attn_scalar) and GraniteForCausalLM "
+                       "(attention_multiplier) scale attention by other than 1/sqrt(head_dim)",
     "attention_softcap": "Gemma2ForCausalLM soft-caps attention scores",
     "final_logit_softcap": "Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap the output logits",
     "position_embedding": "GPT2LMHeadModel adds learned position embeddings",
@@ -531,6 +534,7 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "norm_zero_centered": config.norm_zero_centered, "embedding_multiplier": config.embedding_multiplier != 1.0,
             "rope_local_theta": config.rope_local_theta is not None,
             "attention_scale": config.attention_scale is not None,
+            "residual_multiplier": config.residual_multiplier != 1.0, "logit_divisor": config.logit_divisor != 1.0,
             "attention_softcap": config.attention_softcap is not None,
             "final_logit_softcap": config.final_logit_softcap is not None,
             "position_embedding": config.position_embedding == "learned"}

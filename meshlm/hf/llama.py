@@ -15,7 +15,6 @@ layers differ only in what follows the attention.
 
 from __future__ import annotations
 
-from meshlm.errors import ConfigError
 from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
                               embedding_maps, hf_common_fields, layer_types_from_hf, layer_types_to_hf, linear_maps,
                               rename, require, rope_from_hf, rope_to_hf, window_fields, window_unsupported,
@@ -45,10 +44,12 @@ def attention_to_hf(config: ModelConfig) -> dict:
             "head_dim": config.resolved_head_dim, "attention_dropout": config.attention_dropout, **rope_to_hf(config)}
 
 
-def decoder_unsupported(config: ModelConfig, qk_norm: bool, output_bias_apart: bool = False) -> list[str]:
+def decoder_unsupported(config: ModelConfig, qk_norm: bool, output_bias_apart: bool = False,
+                        supported: frozenset[str] = frozenset()) -> list[str]:
     """Reasons a config's attention blocks differ from an HF decoder layer's (RoPE, QK-norm; o's bias
-    follows q/k/v's unless ``output_bias_apart``: the class checks that itself)."""
-    reasons = common_unsupported(config)
+    follows q/k/v's unless ``output_bias_apart``: the class checks that itself; ``supported``: the
+    layer features of ``common.LAYER_FEATURES`` the class holds)."""
+    reasons = common_unsupported(config, supported=supported)
     if not output_bias_apart and config.resolved_attention_output_bias != config.attention_bias:
         reasons.append(f"model.attention_output_bias={config.attention_output_bias} with model.attention_bias="
                        f"{config.attention_bias} (its q/k/v/o projections all have biases or none do)")
@@ -135,10 +136,10 @@ def dense_decoder_to_hf(config: ModelConfig, name: str, model_type: str, max_pos
             **fields}
 
 
-def dense_decoder_unsupported(config: ModelConfig, label: str, qk_norm: bool,
-                              output_bias_apart: bool = False) -> list[str]:
+def dense_decoder_unsupported(config: ModelConfig, label: str, qk_norm: bool, output_bias_apart: bool = False,
+                              supported: frozenset[str] = frozenset()) -> list[str]:
     """Why ``config`` is not a '*-' SwiGLU decoder of class ``label`` (with or without QK-norm)."""
-    reasons = decoder_unsupported(config, qk_norm=qk_norm, output_bias_apart=output_bias_apart)
+    reasons = decoder_unsupported(config, qk_norm=qk_norm, output_bias_apart=output_bias_apart, supported=supported)
     reasons += blocks_of(config, r"(\*-)+", f"{label} layers are attention then MLP: '*-' repeated")
     if config.mlp_activation != "swiglu":
         reasons.append(f"model.mlp_activation={config.mlp_activation!r} ({label}'s MLP is SwiGLU)")

@@ -185,7 +185,7 @@ class DecodeStep:
                 mixed = block.mixer(normed)
             if block.output_norm is not None:
                 mixed = block.output_norm(mixed)
-            hidden = hidden + mixed
+            hidden = hidden + (mixed if block.residual_multiplier == 1.0 else mixed * block.residual_multiplier)
         return model.head_logits(hidden)[:, -1], new_states
 
 

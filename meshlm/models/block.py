@@ -1,5 +1,8 @@
 """One residual block: ``h + dropout(mixer(norm(h)))``, the mixer chosen by a pattern symbol.
 
+With ``model.residual_multiplier`` m the output is scaled before the add, ``h + m dropout(...)``
+(Granite; muP-style depth scaling).
+
 With ``model.block_output_norm`` the mixer's output is normalized too before it is added,
 ``h + dropout(norm2(mixer(norm(h))))`` (Gemma 2 and 3's post-attention and post-feedforward norms);
 without ``model.block_input_norm`` the first norm goes, ``h + dropout(norm2(mixer(h)))`` (OLMo 2).
@@ -77,6 +80,8 @@ class Block(nn.Module):
         """``model.block_output_norm``: the norm on the mixer's output, before the residual add."""
         self.mixer = None if kind == NO_OP else build_mixer(kind, config, layer_index)
         self.dropout = HiddenDropout(config.hidden_dropout, dropout_site("block_output", layer_index))
+        self.residual_multiplier = config.residual_multiplier
+        """``model.residual_multiplier``: the factor on the block's output before the residual add."""
         self.recompute = False
         """Full recomputation (set by training.recompute): keep only the block input for backward
         and rerun norm + mixer during backward."""
@@ -114,7 +119,10 @@ class Block(nn.Module):
         moe_losses = None
         if isinstance(mixed, tuple):  # MoE blocks also return their auxiliary losses
             mixed, moe_losses = mixed
-        return hidden + self.dropout(mixed, context), moe_losses
+        mixed = self.dropout(mixed, context)
+        if self.residual_multiplier != 1.0:
+            mixed = mixed * self.residual_multiplier
+        return hidden + mixed, moe_losses
 
 
 __all__ = ["Block", "LinearMixer", "build_mixer"]

@@ -201,7 +201,14 @@ class ModelConfig:
     """A second norm on each block's mixer output, before the residual add: h + norm2(mixer(norm(h)))
     (Gemma 2 and 3's post-attention and post-feedforward norms, a "sandwich" norm)."""
     embedding_multiplier: float = 1.0
-    """The token embeddings are multiplied by this before the first block (Gemma: sqrt(hidden_size))."""
+    """The token embeddings are multiplied by this before the first block (Gemma: sqrt(hidden_size);
+    Granite and muP-style models: a constant such as 12)."""
+    residual_multiplier: float = 1.0
+    """Each block's output is multiplied by this before the residual add, h + m * mixer(norm(h))
+    (Granite's residual_multiplier; MiniCPM's scale_depth / sqrt(layers))."""
+    logit_divisor: float = 1.0
+    """The output logits are divided by this (Granite's logits_scaling; muP's width multiplier),
+    before any soft-capping, in the loss, generation and evaluation alike."""
     tie_embeddings: bool = False
     """Share the input embedding matrix with the output head."""
     head: str = "lm"
@@ -486,6 +493,9 @@ class ModelConfig:
         if self.norm_zero_centered and self.norm != "rmsnorm":
             raise ConfigError(f"model.norm_zero_centered=true is for RMSNorm, and model.norm={self.norm!r}; set "
                               "model.norm=rmsnorm or model.norm_zero_centered=false.")
+        for name in ("residual_multiplier", "logit_divisor"):
+            if not _positive_number(getattr(self, name)):
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} must be a positive number (1: none).")
         multiplier = self.embedding_multiplier
         if not _positive_number(multiplier):
             raise ConfigError(f"model.embedding_multiplier={multiplier!r} must be a positive number (1: none; Gemma: "

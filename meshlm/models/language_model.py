@@ -1,8 +1,10 @@
 """The language model: embedding -> blocks from the pattern -> final norm -> output head.
 
     h_0 = Dropout(Embed(tokens) [+ Positions(p)])      (model.position_embedding=learned: GPT-2's table)
-    h_i = h_{i-1} + Dropout(Mixer_i(Norm_i(h_{i-1})))   one pre-norm residual block per symbol
-    logits = Head(FinalNorm(h_L))                       (soft-capped: model.final_logit_softcap)
+    h_i = h_{i-1} + m Dropout(Mixer_i(Norm_i(h_{i-1})))  one pre-norm residual block per symbol
+                                                         (m: model.residual_multiplier, 1 by default)
+    logits = Head(FinalNorm(h_L)) / d                   (d: model.logit_divisor; soft-capped:
+                                                         model.final_logit_softcap)
     loss = CE(logits, labels) + sum_E (aux_coeff * aux + z_coeff * z) + mtp_coeff * MTP
 
 Dropout (``model.hidden_dropout``, off by default, active in training mode only) draws its masks
@@ -139,10 +141,13 @@ class LanguageModel(nn.Module):
         (soft-capped with ``model.final_logit_softcap``)."""
         if not normed:
             hidden = self.final_norm(hidden)
-        return self.capped(F.linear(hidden, self.output_weight()).float())
+        return self.finished_logits(F.linear(hidden, self.output_weight()).float())
 
-    def capped(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` soft-capped at ``model.final_logit_softcap`` (Gemma 2), or as they are."""
+    def finished_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's raw ``logits`` divided by ``model.logit_divisor`` (Granite) and soft-capped at
+        ``model.final_logit_softcap`` (Gemma 2), where those are set."""
+        if self.config.logit_divisor != 1.0:
+            logits = logits / self.config.logit_divisor
         cap = self.config.final_logit_softcap
         return logits if cap is None else soft_cap(logits, cap)
 
@@ -153,6 +158,8 @@ class LanguageModel(nn.Module):
         """
         if not normed:
             hidden = self.final_norm(hidden)
+        if self.config.logit_divisor != 1.0:  # (h / d) W^T = (h W^T) / d: the logits' divisor, on the smaller tensor
+            hidden = hidden / self.config.logit_divisor
         return linear_cross_entropy(hidden, self.output_weight(), labels, chunk_softmax=self.loss_chunk_softmax,
                                     softcap=self.config.final_logit_softcap)
 

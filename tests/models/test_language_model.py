@@ -1,10 +1,14 @@
 import pytest
 import torch
 
+from meshlm.errors import ConfigError
 from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
+from meshlm.models.context import SequenceContext
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.losses import IGNORE_INDEX
+from tests.helpers.cached_decoding import (assert_cached_generation_equals_the_full_forward,
+                                           assert_decode_step_equals_the_cached_forward)
 
 
 def tiny(**overrides):
@@ -130,8 +134,6 @@ def test_embedding_multiplier_scales_the_embeddings_in_their_dtype():
     (dict(sliding_window=4, rope_local_theta=-1.0), "model.rope_local_theta=-1.0 must be a positive number"),
 ])
 def test_gemma_fields_are_checked_by_name(fields, message):
-    from meshlm.errors import ConfigError
-
     with pytest.raises(ConfigError, match=message):
         gemma_style(**fields)
 
@@ -143,3 +145,56 @@ def test_sliding_blocks_take_the_local_rope_base_unscaled():
     rotaries = [block.mixer.rotary for block in model.blocks if block.kind == "*"]
     assert [rotary.theta for rotary in rotaries] == [1e4, 1e4, 1e6]
     assert [rotary.scaling.kind for rotary in rotaries] == ["none", "none", "linear"]
+
+
+# --- muP-style constants (Granite): model.residual_multiplier, model.logit_divisor ------------------------
+
+def multiplied_model(**overrides) -> LanguageModel:
+    torch.manual_seed(0)
+    values = dict(vocab_size=97, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
+                  init_std=0.1, residual_multiplier=0.3, logit_divisor=2.5, embedding_multiplier=4.0)
+    return LanguageModel(ModelConfig(**{**values, **overrides}))
+
+
+def test_the_residual_multiplier_scales_each_blocks_output_and_the_divisor_the_logits():
+    model = multiplied_model().eval()
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = model.embed(ids)
+        expected = model.embed(ids)
+        context_model = LanguageModel(ModelConfig(**{**model.config.to_dict(), "residual_multiplier": 1.0,
+                                                     "logit_divisor": 1.0}))
+        context_model.load_state_dict(model.state_dict())
+        context = SequenceContext.for_tokens(ids)
+        for block, plain in zip(model.blocks, context_model.eval().blocks):
+            hidden = block(hidden, context)
+            expected = expected + 0.3 * (plain(expected, context) - expected)  # m * (what the block adds)
+        torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-6)
+        logits, plain_logits = model(ids).logits, context_model(ids).logits
+    assert not torch.allclose(logits * 2.5, plain_logits, atol=1e-3)  # the residual multiplier changes the model
+    torch.testing.assert_close(logits * 2.5, model.head_logits(hidden) * 2.5, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("softcap", [None, 0.4])
+def test_the_fused_loss_divides_and_caps_like_the_logits(softcap):
+    model = multiplied_model(final_logit_softcap=softcap).train()
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(2))
+    labels = ids.roll(-1, dims=1)
+    unfused = model(ids, labels)
+    unfused_grads = torch.autograd.grad(unfused.loss, list(model.parameters()))
+    fused = model(ids, labels, return_logits=False)
+    torch.testing.assert_close(fused.loss, unfused.loss, rtol=1e-6, atol=0)
+    for actual, wanted in zip(torch.autograd.grad(fused.loss, list(model.parameters())), unfused_grads):
+        torch.testing.assert_close(actual, wanted, rtol=1e-4, atol=1e-7)
+
+
+def test_cached_decoding_applies_the_residual_multiplier():
+    model = multiplied_model().eval()
+    assert_cached_generation_equals_the_full_forward(model)
+    assert_decode_step_equals_the_cached_forward(model)
+
+
+@pytest.mark.parametrize("field", ["residual_multiplier", "logit_divisor"])
+def test_a_multiplier_must_be_positive(field):
+    with pytest.raises(ConfigError, match=f"model.{field}=0 must be a positive number"):
+        ModelConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, **{field: 0})

@@ -9,7 +9,9 @@ on alternate attention blocks, their own RoPE base (shorter than the 16 tokens, 
 windowed path runs and the cache reads only the window), a Gemma 2-style one whose attention
 scores and logits are soft-capped (caps that bend them: each rank caps its own heads' scores and its
 vocabulary slice's logits), a GPT-2-style one (learned positions -- replicated, each rank adding its
-slice's rows under SP, a partial gradient --, LayerNorm, biases everywhere, GELU), and an OLMo-style model (no input norms,
+slice's rows under SP, a partial gradient --, LayerNorm, biases everywhere, GELU), a Granite-style
+one (muP-style multipliers on the embeddings, attention, each block's output and the logits), and an
+OLMo-style model (no input norms,
 output norms, a QK-norm over all heads: cut over the ranks with its statistics all-reduced); and
 a hybrid ('M*-M', an MTP depth) with LoRA adapters on every targeted layer (their b drawn, as
 after training), of which only the adapters have gradients. One spawned world of 4 ranks runs
@@ -62,6 +64,8 @@ MODELS = {
     "gpt2-style learned positions": dict(position_embedding="learned", max_position_embeddings=24,
                                          norm="layernorm", attention_bias=True, mlp_bias=True,
                                          mlp_activation="gelu_tanh", tie_embeddings=True),
+    "kv2 granite-style multipliers": dict(num_kv_heads=2, embedding_multiplier=6.0, residual_multiplier=0.4,
+                                          logit_divisor=2.5, attention_scale=0.2),
     "kv4 olmo-style": dict(num_kv_heads=4, qk_norm_scope="all", block_input_norm=False, block_output_norm=True),
     "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
                                     mlp_activation="squared_relu", mlp_bias=True),

@@ -38,11 +38,11 @@ class TensorParallelLanguageModel(LanguageModel):
 
     def local_logits(self, hidden: torch.Tensor, normed: bool = False) -> torch.Tensor:
         """Final norm (on this rank's tokens under SP), then this rank's logits [b, s, V'/t] in fp32
-        (soft-capped with ``model.final_logit_softcap``: elementwise, so each rank caps its own)."""
+        (divided and soft-capped as ``finished_logits`` says: elementwise, so each rank its own slice)."""
         if not normed:
             hidden = self.final_norm(hidden)
         full = column_parallel_input(hidden, self.parallel_context)
-        return self.capped(F.linear(full, self.output_weight()).float())
+        return self.finished_logits(F.linear(full, self.output_weight()).float())
 
     def head_logits(self, hidden: torch.Tensor, normed: bool = False) -> torch.Tensor:
         """The full logits [b, s, vocab] (gathered over the vocabulary, padding dropped): for
