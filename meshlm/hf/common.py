@@ -589,6 +589,28 @@ def uniform_window(config: ModelConfig) -> int | None:
     return next(iter(layer_windows(config)), None)
 
 
+def decoder_layers_unsupported(config: ModelConfig, label: str, supported: frozenset[str], fixed: dict) -> list[str]:
+    """Why ``config`` is not a stack of class ``label``'s attention-then-MLP layers: what
+    ``common_unsupported`` refuses but the ``supported`` layer features, a pattern other than '*-'
+    repeated, and each ``fixed`` field (name -> the class's only value) it differs on."""
+    reasons = common_unsupported(config, supported=supported)
+    reasons += blocks_of(config, r"(\*-)+", f"{label} layers are attention then MLP: '*-' repeated")
+    return reasons + fixed_fields_unsupported(config, label, fixed)
+
+
+def non_gated_activation_unsupported(config: ModelConfig, label: str, to_hf: dict) -> list[str]:
+    """A reason if ``config``'s MLP activation is not one of the non-gated ones class ``label``
+    writes (``to_hf``: meshlm name -> HF name)."""
+    if config.mlp_activation in to_hf:
+        return []
+    return [f"model.mlp_activation={config.mlp_activation!r} ({label}'s MLP is not gated: one of {', '.join(to_hf)})"]
+
+
+def layer_norm_maps(ours: str, theirs: str) -> list[TensorMap]:
+    """weight and bias of one LayerNorm."""
+    return [rename(f"{ours}.weight", f"{theirs}.weight"), rename(f"{ours}.bias", f"{theirs}.bias")]
+
+
 def fixed_fields_unsupported(config: ModelConfig, label: str, fixed: dict) -> list[str]:
     """One reason per ``fixed`` field (name -> the only value class ``label`` has) ``config`` differs on."""
     return [f"model.{name}={getattr(config, name)!r} ({label} has {name}={value!r})"

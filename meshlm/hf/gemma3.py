@@ -39,10 +39,9 @@ exports as Gemma 2, not 3. Not supported, refused by name: bidirectional attenti
 from __future__ import annotations
 
 from meshlm.errors import ConfigError
-from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
-                              fixed_fields_unsupported, hf_common_fields, layer_types_from_hf, layer_types_to_hf,
-                              layered_rope_fields, layered_rope_to_hf, linear_maps, rename, require, window_fields,
-                              with_defaults)
+from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, TensorMap, decoder_layers_unsupported,
+                              hf_common_fields, layer_types_from_hf, layer_types_to_hf, layered_rope_fields,
+                              layered_rope_to_hf, linear_maps, rename, require, window_fields, with_defaults)
 from meshlm.hf.llama import attention_fields, attention_maps, decoder_embedding_maps
 from meshlm.models.config import ModelConfig
 
@@ -92,10 +91,8 @@ def gemma_layer_fields(hf: dict) -> dict:
 
 def gemma_unsupported(config: ModelConfig, label: str, supported: frozenset[str], fixed: dict) -> list[str]:
     """Why ``config`` is not a Gemma layer stack (``label``: "Gemma 2", "Gemma 3"), by field."""
-    reasons = common_unsupported(config, supported=supported)
-    reasons += blocks_of(config, r"(\*-)+", f"{label} layers are attention then MLP: '*-' repeated")
     # (per-head QK-norm and block input norms: common_unsupported refuses their alternatives)
-    reasons += fixed_fields_unsupported(config, label, fixed)
+    reasons = decoder_layers_unsupported(config, label, supported, fixed)
     if config.resolved_attention_output_bias:
         reasons.append(f"model.attention_output_bias=True ({label}'s attention has no biases)")
     if config.embedding_multiplier != config.hidden_size ** 0.5:

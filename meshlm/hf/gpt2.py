@@ -31,8 +31,8 @@ Not supported, refused by name: ``scale_attn_by_inverse_layer_idx`` and cross-at
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, TensorMap, blocks_of, common_unsupported,
-                              fixed_fields_unsupported, hf_common_fields, rename, require, rows_of, transposed,
+from meshlm.hf.common import (Architecture, TensorMap, decoder_layers_unsupported, hf_common_fields, layer_norm_maps,
+                              non_gated_activation_unsupported, rename, require, rows_of, transposed,
                               window_unsupported, with_defaults)
 from meshlm.models.config import ModelConfig
 
@@ -71,13 +71,9 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 
 
 def unsupported(config: ModelConfig) -> list[str]:
-    reasons = common_unsupported(config, supported=SUPPORTED_FEATURES)
-    reasons += blocks_of(config, r"(\*-)+", "GPT-2 layers are attention then MLP: '*-' repeated")
-    reasons += fixed_fields_unsupported(config, "GPT-2", FIXED_FIELDS)
+    reasons = decoder_layers_unsupported(config, "GPT-2", SUPPORTED_FEATURES, FIXED_FIELDS)
     reasons += window_unsupported(config, "GPT-2", uniform_only=False)
-    if config.mlp_activation not in ACTIVATIONS_TO_HF:
-        reasons.append(f"model.mlp_activation={config.mlp_activation!r} (GPT-2's MLP is not gated: one of "
-                       f"{', '.join(ACTIVATIONS_TO_HF)})")
+    reasons += non_gated_activation_unsupported(config, "GPT-2", ACTIVATIONS_TO_HF)
     if config.resolved_num_kv_heads != config.num_attention_heads:
         reasons.append(f"model.num_kv_heads={config.num_kv_heads} (GPT-2 has one key/value head per query head)")
     if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
@@ -102,10 +98,6 @@ def config_to_hf(config: ModelConfig) -> dict:
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
             "attn_pdrop": config.attention_dropout, "resid_pdrop": config.hidden_dropout,
             "embd_pdrop": config.hidden_dropout}
-
-
-def layer_norm_maps(ours: str, theirs: str) -> list[TensorMap]:
-    return [rename(f"{ours}.weight", f"{theirs}.weight"), rename(f"{ours}.bias", f"{theirs}.bias")]
 
 
 def conv1d_maps(ours: str, theirs: str) -> list[TensorMap]:

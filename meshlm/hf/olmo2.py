@@ -21,7 +21,6 @@ the sliding ones rotate unscaled (``model.rope_local_theta``).
 
 from __future__ import annotations
 
-from meshlm.errors import ConfigError
 from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
                               fixed_fields_unsupported, hf_common_fields, layer_types_from_hf, layer_types_to_hf,
                               layered_rope_fields, layered_rope_to_hf, linear_maps, rename, require, rope_from_hf,

@@ -19,10 +19,10 @@ A StarCoder2 layer is attention with RoPE and grouped KV heads, then a non-gated
 
 from __future__ import annotations
 
-from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, TensorMap, blocks_of,
-                              common_unsupported, embedding_maps, fixed_fields_unsupported, hf_common_fields,
-                              linear_maps, rename, require, rope_from_hf, uniform_window, window_fields,
-                              window_unsupported, with_defaults)
+from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, TensorMap,
+                              decoder_layers_unsupported, embedding_maps, hf_common_fields, layer_norm_maps,
+                              linear_maps, non_gated_activation_unsupported, rename, require, rope_from_hf,
+                              uniform_window, window_fields, window_unsupported, with_defaults)
 from meshlm.hf.llama import attention_fields, attention_to_hf
 from meshlm.models.config import ModelConfig
 
@@ -51,13 +51,9 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 
 
 def unsupported(config: ModelConfig) -> list[str]:
-    reasons = common_unsupported(config, supported=SUPPORTED_FEATURES)
-    reasons += blocks_of(config, r"(\*-)+", "StarCoder2 layers are attention then MLP: '*-' repeated")
-    reasons += fixed_fields_unsupported(config, "StarCoder2", FIXED_FIELDS)
+    reasons = decoder_layers_unsupported(config, "StarCoder2", SUPPORTED_FEATURES, FIXED_FIELDS)
     reasons += window_unsupported(config, "StarCoder2", uniform_only=True)
-    if config.mlp_activation not in ACTIVATION_TO_HF:
-        reasons.append(f"model.mlp_activation={config.mlp_activation!r} (StarCoder2's MLP is not gated: one of "
-                       f"{', '.join(ACTIVATION_TO_HF)})")
+    reasons += non_gated_activation_unsupported(config, "StarCoder2", ACTIVATION_TO_HF)
     if not config.attention_bias == config.resolved_attention_output_bias == config.mlp_bias:
         reasons.append(f"model.attention_bias={config.attention_bias}, model.attention_output_bias="
                        f"{config.attention_output_bias}, model.mlp_bias={config.mlp_bias} (StarCoder2's use_bias puts "
@@ -73,10 +69,6 @@ def config_to_hf(config: ModelConfig) -> dict:
             "use_bias": config.attention_bias, "sliding_window": uniform_window(config),
             "residual_dropout": config.hidden_dropout, "embedding_dropout": config.hidden_dropout,
             "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
-
-
-def layer_norm_maps(ours: str, theirs: str) -> list[TensorMap]:
-    return [rename(f"{ours}.weight", f"{theirs}.weight"), rename(f"{ours}.bias", f"{theirs}.bias")]
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
