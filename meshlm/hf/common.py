@@ -118,11 +118,8 @@ def _transposed_columns(tensor, start: int, stop: int) -> torch.Tensor:
     return load(tensor)[:, start:stop].t().contiguous()
 
 
-def _transposed(read, name: str) -> torch.Tensor:
-    return read(name).t().contiguous()
-
-
-def _transposed_result(produce: Callable[[], torch.Tensor]) -> torch.Tensor:
+def _transposed(produce: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``produce()``'s meshlm [out, in] weight as HF stores it, [in, out]."""
     return produce().t().contiguous()
 
 
@@ -285,7 +282,8 @@ def plan_to_hf(stored: dict[str, tuple], read: Callable[[str], torch.Tensor], co
             for index, name in enumerate(entry.theirs):
                 plan[name] = PlannedTensor(tuple(shape[1:]), dtype, partial(reader.row, entry.ours, index))
         elif entry.transposed:
-            plan[entry.theirs[0]] = PlannedTensor(tuple(shape)[::-1], dtype, partial(_transposed, reader, entry.ours))
+            plan[entry.theirs[0]] = PlannedTensor(tuple(shape)[::-1], dtype,
+                                                  partial(_transposed, partial(reader, entry.ours)))
         elif entry.theirs:  # a second HF name for the same tensor (an untied copy) is read again
             plan[entry.theirs[0]] = PlannedTensor(tuple(shape), dtype, partial(reader, entry.ours))
         used.add(entry.ours)
@@ -296,7 +294,7 @@ def plan_to_hf(stored: dict[str, tuple], read: Callable[[str], torch.Tensor], co
         shape = (sum(shape[0] for shape in shapes), *shapes[0][1:])
         concatenated = partial(_concatenated, reader, [entry.ours for entry in parts], dtype)
         if parts[0].transposed:  # the rows of a Conv1D weight: joined, then stored [in, out]
-            plan[name] = PlannedTensor(shape[::-1], dtype, partial(_transposed_result, concatenated))
+            plan[name] = PlannedTensor(shape[::-1], dtype, partial(_transposed, concatenated))
         else:
             plan[name] = PlannedTensor(shape, dtype, concatenated)
     left_over = sorted(name for name in stored if name not in used

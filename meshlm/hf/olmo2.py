@@ -21,10 +21,10 @@ the sliding ones rotate unscaled (``model.rope_local_theta``).
 
 from __future__ import annotations
 
-from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, common_unsupported,
-                              fixed_fields_unsupported, hf_common_fields, layer_types_from_hf, layer_types_to_hf,
-                              layered_rope_fields, layered_rope_to_hf, linear_maps, rename, require, rope_from_hf,
-                              rope_to_hf, window_fields, with_defaults)
+from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, TensorMap, decoder_layers_unsupported,
+                              hf_common_fields, layer_types_from_hf, layer_types_to_hf, layered_rope_fields,
+                              layered_rope_to_hf, linear_maps, rename, require, rope_from_hf, rope_to_hf,
+                              window_fields, with_defaults)
 from meshlm.hf.llama import attention_fields, decoder_embedding_maps
 from meshlm.models.config import ModelConfig
 
@@ -64,9 +64,8 @@ def olmo3_config_from_hf(hf_config: dict) -> ModelConfig:
 
 
 def unsupported(config: ModelConfig, label: str, windows: bool) -> list[str]:
-    reasons = common_unsupported(config, supported=SUPPORTED_FEATURES | ({"rope_local_theta"} if windows else set()))
-    reasons += blocks_of(config, r"(\*-)+", f"{label} layers are attention then MLP: '*-' repeated")
-    reasons += fixed_fields_unsupported(config, label, FIXED_FIELDS)
+    supported = SUPPORTED_FEATURES | ({"rope_local_theta"} if windows else set())
+    reasons = decoder_layers_unsupported(config, label, supported, FIXED_FIELDS)
     if config.resolved_attention_output_bias != config.attention_bias:
         reasons.append(f"model.attention_output_bias={config.attention_output_bias} ({label}'s q/k/v/o projections "
                        "all have biases or none do)")

@@ -122,7 +122,7 @@ class LanguageModel(nn.Module):
             hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
         if self.position_embedding is not None and (positions is not None or context is not None):
             positions = context.rotary_positions if positions is None else positions
-            hidden = hidden + self.position_embedding(positions.reshape(-1, positions.shape[-1])).to(hidden.dtype)
+            hidden = hidden + self.position_embedding(positions).to(hidden.dtype)
         return hidden if context is None else self.embedding_dropout(hidden, context)
 
     def run_blocks(self, hidden: torch.Tensor, context: SequenceContext) -> torch.Tensor:

@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from meshlm.models.softcap import soft_cap, soft_cap_slope
+from meshlm.models.softcap import soft_cap, soft_cap_slope, soft_cap_slope_
 
 IGNORE_INDEX = -100
 """Label value that contributes neither to the loss nor to the token count."""
@@ -164,11 +164,6 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         scaled = [None if grad is None else grad * grad_loss.to(grad.dtype) for grad in (grad_hidden, grad_weight)]
         return *scaled, None, None, None, None, None
-
-
-def soft_cap_slope_(capped: torch.Tensor, cap: float) -> torch.Tensor:
-    """``soft_cap_slope`` computed in the storage of ``capped`` (fp32, a chunk's, no longer needed)."""
-    return capped.div_(cap).square_().neg_().add_(1)
 
 
 def softmax_cross_entropy_chunk(logits: torch.Tensor, safe_labels: torch.Tensor, valid: torch.Tensor,

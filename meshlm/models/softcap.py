@@ -8,7 +8,8 @@ caps the attention scores at 50 (``model.attention_softcap``) and the output log
 identity (slope 1); it bends smoothly towards +-cap, so no score or logit leaves (-cap, cap) and
 none can grow without bound during training; it is increasing, so a greedy argmax is unchanged.
 Its slope is a function of its output, so a backward that kept the capped values needs nothing else
-(``soft_cap_slope``: the fused cross-entropy, meshlm/models/losses.py, uses it on each chunk).
+(``soft_cap_slope``, or ``soft_cap_slope_`` in the capped values' own storage: the attention core
+below and the fused cross-entropy, meshlm/models/losses.py, use it on each chunk).
 
 **Attention with capped scores.** The fused attention kernels (FlashAttention, cuDNN's, the CPU
 flash kernel behind ``F.scaled_dot_product_attention``) take a mask but no function of the scores,
@@ -19,11 +20,12 @@ SDPA (grouped KV heads, a boolean mask or causal, a scale), computed explicitly 
 
 -- the scores, the tanh and the softmax in fp32 (fp64 for fp64), the matmuls in the inputs' dtype. Written the
 obvious way, autograd would keep the [t, s] scores, their tanh and the probabilities of every head
-for backward: at 8192 tokens, 3 x 256 MiB per head. Instead the queries are cut into chunks of
-rows (``SCORES_PER_CHUNK`` scores per chunk over the whole batch and all heads) and each chunk runs
-under activation checkpointing: its scores exist only while the chunk is computed, in forward and
-again in backward. Between the two, the core holds q, k, v and its output, as a fused kernel
-does, at the price of computing the scores twice (a fused kernel's backward recomputes them too).
+for backward: at 8192 tokens, 3 x 256 MiB per head. Instead an autograd function of its own cuts
+the queries into chunks of rows (``SCORES_PER_CHUNK`` scores per chunk over the whole batch and all
+heads; a causal chunk skips the keys after its last row): a chunk's scores exist only while it is
+computed, in forward and again in backward, which rebuilds the probabilities from each row's
+log-sum-exp as FlashAttention's backward does. Between the two, the core holds q, k, v, its
+output and one log-sum-exp per row, as a fused kernel does.
 Sliding windows and packed documents keep their own structure above this core
 (``meshlm/models/attention.py`` passes the cap down), and ring attention's blocks take the cap in
 their reference path (``meshlm/parallel/context/block_attention.py``). On a GPU, FlexAttention's
@@ -48,6 +50,11 @@ def soft_cap(values: torch.Tensor, cap: float) -> torch.Tensor:
 def soft_cap_slope(capped: torch.Tensor, cap: float) -> torch.Tensor:
     """The derivative of ``soft_cap`` at the point whose capped value is ``capped``: 1 - (capped / cap)^2."""
     return 1 - (capped / cap).square()
+
+
+def soft_cap_slope_(capped: torch.Tensor, cap: float) -> torch.Tensor:
+    """``soft_cap_slope`` computed in the storage of ``capped`` (a buffer no longer needed)."""
+    return capped.div_(cap).square_().neg_().add_(1)
 
 
 def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cap: float,
@@ -125,7 +132,7 @@ class _SoftcappedAttention(torch.autograd.Function):
             grad_value[..., :keys, :] += torch.matmul(probs.to(value.dtype).transpose(-1, -2), rows_grad).sum(
                 2, keepdim=True, dtype=wide)
             grad_scores = torch.matmul(rows_grad, value[..., :keys, :].transpose(-1, -2)).to(wide)  # dP
-            slope = capped.div_(cap).square_().neg_().add_(1)  # soft_cap_slope, in the scores' buffer
+            slope = soft_cap_slope_(capped, cap)  # in the scores' buffer
             grad_scores = grad_scores.sub_(delta[..., start:stop, :]).mul_(probs).mul_(slope).mul_(scale)
             grad_scores = grad_scores.to(query.dtype)
             grad_query[..., start:stop, :] = torch.matmul(grad_scores, key[..., :keys, :])
@@ -154,4 +161,4 @@ def _masked_(scores: torch.Tensor, mask: torch.Tensor | None, start: int, stop: 
     return scores
 
 
-__all__ = ["SCORES_PER_CHUNK", "soft_cap", "soft_cap_slope", "softcapped_attention"]
+__all__ = ["SCORES_PER_CHUNK", "soft_cap", "soft_cap_slope", "soft_cap_slope_", "softcapped_attention"]
