@@ -31,6 +31,7 @@ from meshlm.models.attention import SelfAttention
 from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.dropout import HiddenDropout, dropout_site
+from meshlm.models.latent_attention import LatentAttention
 from meshlm.models.mamba2 import Mamba2Mixer
 from meshlm.models.mlp import MLP
 from meshlm.models.moe.layer import MoELayer
@@ -53,7 +54,7 @@ class LinearMixer(nn.Module):
 def build_mixer(kind: str, config: ModelConfig, layer_index: int) -> nn.Module:
     """The module behind one pattern symbol."""
     if kind == "*":
-        return SelfAttention(config, layer_index)
+        return LatentAttention(config, layer_index) if config.attention_type == "mla" else SelfAttention(config, layer_index)
     if kind == "-":
         return MLP(config.hidden_size, config.resolved_ffn_hidden_size, config.mlp_activation, config.mlp_bias)
     if kind == "M":

@@ -35,6 +35,7 @@ from meshlm.models.pattern import BLOCK_KINDS, parse_pattern
 ACTIVATIONS = ("swiglu", "geglu", "squared_relu", "gelu", "gelu_tanh", "relu", "silu")
 NORMS = ("rmsnorm", "layernorm")
 POSITION_EMBEDDINGS = ("rope", "none", "learned")
+ATTENTION_TYPES = ("gqa", "mla")
 QK_NORM_SCOPES = ("head", "all")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 MAMBA_SCANS = ("auto", "pytorch", "triton", "reference")
@@ -44,7 +45,7 @@ AUX_LOSS_TYPES = ("micro_batch", "sequence", "global")
 DROP_POLICIES = ("probs", "position")
 HEADS = ("lm", "reward")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj", "out_proj",
-                "latent_in_proj", "latent_out_proj")
+                "latent_in_proj", "latent_out_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")
 """The linear layers of the blocks an adapter may be put on (``model.lora_targets``)."""
 LORA_DEFAULT_TARGETS = LORA_TARGETS[:9]
 ADAPTER_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
@@ -89,6 +90,27 @@ class ModelConfig:
     # --- attention ---------------------------------------------------------------------------
     num_attention_heads: int = 4
     """Query heads of each attention block."""
+    attention_type: str = "gqa"
+    """'gqa': multi-head attention whose keys and values are projected from the residual stream,
+    num_kv_heads of them, head_dim wide (grouped-query attention; plain multi-head when the counts
+    agree). 'mla': multi-head latent attention (DeepSeek-V2, 2024; DeepSeek-V3, Kimi K2): keys and
+    values are expanded per head from one low-rank latent of mla_kv_lora_rank channels, and one
+    rotary key of mla_qk_rope_head_dim channels is shared by all heads
+    (meshlm/models/latent_attention.py). Its head widths are the mla_* fields; head_dim and
+    num_kv_heads do not apply."""
+    mla_q_lora_rank: int | None = None
+    """attention_type=mla: the width of the queries' low-rank latent (DeepSeek-V3: 1536). None:
+    the queries are projected from the residual stream directly (DeepSeek-V2-Lite)."""
+    mla_kv_lora_rank: int = 512
+    """attention_type=mla: the width of the key/value latent, all a KV cache would need to hold
+    besides the rotary key (DeepSeek-V2 and V3: 512)."""
+    mla_qk_nope_head_dim: int = 128
+    """attention_type=mla: the channels of each query and key head that carry no position (128)."""
+    mla_qk_rope_head_dim: int = 64
+    """attention_type=mla: the rotary channels appended to each query head, and of the one rotary
+    key all heads share (64). Even: RoPE rotates pairs."""
+    mla_v_head_dim: int = 128
+    """attention_type=mla: the width of each value head, and so of each head's output (128)."""
     num_kv_heads: int | None = None
     """Key/value heads (GQA; 1 = MQA). None means num_attention_heads (plain multi-head)."""
     head_dim: int | None = None
@@ -363,7 +385,15 @@ class ModelConfig:
 
     @property
     def resolved_head_dim(self) -> int:
+        """The width of a query and key head (MLA: its unrotated and rotary channels together)."""
+        if self.attention_type == "mla":
+            return self.mla_qk_nope_head_dim + self.mla_qk_rope_head_dim
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def resolved_value_head_dim(self) -> int:
+        """The width of a value head, and of each head's output (MLA: mla_v_head_dim)."""
+        return self.mla_v_head_dim if self.attention_type == "mla" else self.resolved_head_dim
 
     @property
     def resolved_ffn_hidden_size(self) -> int:
@@ -404,7 +434,8 @@ class ModelConfig:
                           sliding_window_pattern="S")
         if not values:
             return self
-        if index < self.num_blocks and self.block_kinds[index] == "*" and "head_dim" not in values:
+        if (index < self.num_blocks and self.block_kinds[index] == "*" and "head_dim" not in values
+                and self.attention_type == "gqa"):
             values["head_dim"] = self.resolved_head_dim
         return dataclasses.replace(self, block_overrides={}, **values)
 
@@ -594,14 +625,17 @@ class ModelConfig:
                               "embed future tokens without positions; use rope (or none), or model.mtp_depth=0.")
 
     def _validate_attention(self) -> None:
+        _choice(self, "attention_type", ATTENTION_TYPES)
+        if self.attention_type == "mla":
+            self._validate_latent_attention()
         heads, kv_heads = self.num_attention_heads, self.resolved_num_kv_heads
         if kv_heads <= 0 or heads % kv_heads:
             raise ConfigError(f"model.num_kv_heads={kv_heads} must divide model.num_attention_heads={heads} "
                               "(each KV head serves a whole group of query heads).")
-        if self.head_dim is None and self.hidden_size % heads:
+        if self.head_dim is None and self.hidden_size % heads and self.attention_type == "gqa":
             raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
                               f"{heads}; set model.head_dim explicitly or change the head count.")
-        if self.position_embedding == "rope" and self.resolved_head_dim % 2:
+        if self.position_embedding == "rope" and self.resolved_head_dim % 2 and self.attention_type == "gqa":
             raise ConfigError(f"RoPE rotates pairs of channels, so the head dim ({self.resolved_head_dim}) must be even.")
         self._validate_rope_scaling()
         self._validate_sliding_window()
@@ -610,6 +644,36 @@ class ModelConfig:
             raise ConfigError(f"model.attention_scale={scale!r} must be a positive number, or null for "
                               "1/sqrt(head_dim).")
         _soft_cap(self, "attention_softcap", 50)
+
+    def _validate_latent_attention(self) -> None:
+        """attention_type=mla: the widths are positive, and the fields of the other attention unset."""
+        _positive(self, "mla_kv_lora_rank", "mla_qk_nope_head_dim", "mla_qk_rope_head_dim", "mla_v_head_dim")
+        rank = self.mla_q_lora_rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
+            raise ConfigError(f"model.mla_q_lora_rank={rank!r} must be a positive integer (DeepSeek-V3: 1536), or "
+                              "null to project the queries directly.")
+        if self.mla_qk_rope_head_dim % 2:
+            raise ConfigError(f"model.mla_qk_rope_head_dim={self.mla_qk_rope_head_dim} must be even (RoPE rotates "
+                              "pairs of channels).")
+        if self.position_embedding != "rope":
+            raise ConfigError(f"model.attention_type=mla carries positions in its rotary channels, and "
+                              f"model.position_embedding={self.position_embedding!r}; set model.position_embedding=rope.")
+        clashes = {"head_dim": self.head_dim is not None,
+                   "num_kv_heads": self.num_kv_heads not in (None, self.num_attention_heads),
+                   "qk_norm": self.qk_norm, "attention_bias": self.attention_bias,
+                   "attention_output_bias": bool(self.attention_output_bias)}
+        for name, clash in clashes.items():
+            if clash:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} does not apply to model.attention_type=mla "
+                                  "(its heads are sized by the mla_* fields, every query head has its own key and "
+                                  f"value head, and its projections have no bias or QK-norm); unset model.{name} or "
+                                  "use model.attention_type=gqa.")
+        for index, overrides in self.block_overrides.items():
+            for name in ("num_kv_heads", "head_dim"):
+                if name in (overrides or {}):
+                    raise ConfigError(f"model.block_overrides[{index}].{name} does not apply to "
+                                      "model.attention_type=mla; a latent attention block may set "
+                                      "num_attention_heads only.")
 
     def _validate_sliding_window(self) -> None:
         window, pattern = self.sliding_window, self.sliding_window_pattern

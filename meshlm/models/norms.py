@@ -33,9 +33,11 @@ class RMSNorm(nn.Module):
         return {"weight": lambda tensor, generator: tensor.fill_(1.0 - self.offset)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        scale = self.weight.float() + self.offset if self.offset else self.weight.float()
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32 statistics; fp64 stays fp64
+        x_wide = x.to(wide)
+        normed = x_wide * torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.to(wide)
+        scale = weight + self.offset if self.offset else weight
         return (scale * normed).to(x.dtype)
 
 

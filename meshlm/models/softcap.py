@@ -60,11 +60,12 @@ def soft_cap_slope_(capped: torch.Tensor, cap: float) -> torch.Tensor:
 def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cap: float,
                          attn_mask: torch.Tensor | None = None, is_causal: bool = False,
                          scale: float | None = None) -> torch.Tensor:
-    """Attention of query [b, heads, t, d] over key/value [b, kv_heads, s, d] with scores capped at
+    """Attention of query [b, heads, t, d] over key [b, kv_heads, s, d] and value [b, kv_heads, s, d_v]
+    with scores capped at
     ``cap`` (the module docstring): ``F.scaled_dot_product_attention(query, key, value, attn_mask,
     is_causal=is_causal, scale=scale, enable_gqa=True)`` with S -> cap * tanh(S / cap) before the mask.
     ``attn_mask``: boolean, True where a key is visible, broadcastable to [b, heads, t, s];
-    ``is_causal``: query i sees keys 0..i (top-left aligned, as SDPA's). Returns [b, heads, t, d]."""
+    ``is_causal``: query i sees keys 0..i (top-left aligned, as SDPA's). Returns [b, heads, t, d_v]."""
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise TypeError("softcapped_attention takes a boolean mask (True: visible)")
     batch, heads, queries, head_dim = query.shape
@@ -100,7 +101,7 @@ class _SoftcappedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, mask, scale, cap, causal, chunks):
         wide = torch.promote_types(query.dtype, torch.float32)
-        out = torch.empty_like(query)
+        out = query.new_empty((*query.shape[:-1], value.shape[-1]))  # value heads may be narrower (MLA)
         lse = query.new_empty(query.shape[:-1], dtype=wide)
         for start, stop in chunks:
             keys = stop if causal else key.shape[-2]  # a causal chunk's later keys are hidden from every row

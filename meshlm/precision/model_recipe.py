@@ -106,9 +106,10 @@ def apply_recipe(model: nn.Module, recipe: Recipe, num_blocks: int, high_precisi
             kind = getattr(module, "tensor_parallel", None)
             if kind == "replicated rows":
                 raise ConfigError(f"precision.recipe={recipe.name} cannot quantize block {block.layer_index} {name} "
-                                  f"exactly: with fewer "
-                                  f"key/value heads than parallel.tp ranks its output gradient is summed across "
-                                  "ranks after the GEMM; use parallel.tp <= model.num_kv_heads, or precision.recipe=none.")
+                                  "exactly: it is replicated over the parallel.tp ranks (key/value projections "
+                                  "with fewer KV heads than ranks; latent attention's down-projections), so its "
+                                  "output gradient is summed across ranks after the GEMM; use parallel.tp <= "
+                                  "model.num_kv_heads (for latent attention parallel.tp=1), or precision.recipe=none.")
             if isinstance(module, GroupedExperts):
                 count += quantize_experts(module, recipe, f"{block.layer_index}.{name}", context, reduce_max)
                 continue

@@ -79,6 +79,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from meshlm.parallel.collectives import all_gather_into_, send_and_receive
 from meshlm.parallel.context.block_attention import accumulation_dtype, block_backward, block_forward
@@ -273,12 +274,21 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     [b, 2c] (this rank's tokens' packed documents): attend within each document only. ``window``:
     each query sees only itself and the window - 1 positions before it. ``scale``: the factor on
     q k^T (None: 1/sqrt(d)). ``softcap``: the scores capped at it (every block then takes the
-    reference path)."""
+    reference path). Value heads narrower or wider than the query and key heads (multi-head latent
+    attention's d_v) travel zero-padded to the wider width, which changes no score and no output
+    channel; the output has the values' width."""
     if query.shape[2] % 2 or key.shape[2] != query.shape[2]:
         raise ValueError(f"ring attention needs two equal chunks of queries and keys per rank, got "
                          f"{query.shape[2]} queries and {key.shape[2]} keys")
     chunk_documents = None if document_ids is None else chunk_document_ids(document_ids, context, layout)
-    return _RingAttention.apply(query, key, value, context, layout, chunk_documents, window, scale, softcap)
+    key_width, value_width = key.shape[-1], value.shape[-1]
+    if key_width == value_width:
+        return _RingAttention.apply(query, key, value, context, layout, chunk_documents, window, scale, softcap)
+    scale = key_width ** -0.5 if scale is None else scale  # of the unpadded heads
+    width = max(key_width, value_width)
+    query, key, value = (F.pad(tensor, (0, width - tensor.shape[-1])) for tensor in (query, key, value))
+    out = _RingAttention.apply(query, key, value, context, layout, chunk_documents, window, scale, softcap)
+    return out[..., :value_width]
 
 
 class RingAttentionCore:

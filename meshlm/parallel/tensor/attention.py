@@ -5,6 +5,12 @@ region once for q, k and v. KV heads are split when tp divides them; when there 
 heads than ranks (GQA), every rank keeps the full k/v projections and computes the rows of the
 KV head its query heads share (``kv_rows_for_rank``). QK-norm weights act on local heads only,
 so their gradients are partial (summed over TP after backward).
+
+Multi-head latent attention (``meshlm/models/latent_attention.py``) splits its heads the same
+way: the up-projections W_qb (or W_q) and W_kvb are column-parallel, o row-parallel. Its
+down-projections W_qa, W_kva and the two latent norms stay whole on every rank, which computes the
+latents of the whole sequence; their gradients are partial, as each rank's heads return only
+their share of the latents' gradient.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import torch
 
 from meshlm.errors import ConfigError
 from meshlm.models.attention import SelfAttention
+from meshlm.models.latent_attention import LatentAttention
 from meshlm.parallel.tensor.layers import (ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear,
                                            column_parallel_input)
 from meshlm.parallel.tensor.norms import ShardedRMSNorm
@@ -32,6 +39,10 @@ class TensorParallelSelfAttention(SelfAttention):
         return super().forward(column_parallel_input(x, self.parallel_context), context)
 
 
+class TensorParallelLatentAttention(TensorParallelSelfAttention, LatentAttention):
+    """``LatentAttention`` over this rank's heads; the input is gathered once for both latents."""
+
+
 def kv_rows_for_rank(num_heads: int, num_kv_heads: int, head_dim: int, tp_rank: int, tp_size: int) -> slice:
     """Rows of the full k/v projection that this rank's query heads read (GQA: query head h reads
     KV head h // (num_heads / num_kv_heads))."""
@@ -41,12 +52,42 @@ def kv_rows_for_rank(num_heads: int, num_kv_heads: int, head_dim: int, tp_rank: 
     return slice(first * head_dim, (last + 1) * head_dim)
 
 
-@torch.no_grad()
-def parallelize_attention(attention: SelfAttention, context) -> None:
-    tp, heads, kv_heads = context.tp_size, attention.num_heads, attention.num_kv_heads
+def check_whole_heads(heads: int, tp: int) -> None:
     if heads % tp:
         raise ConfigError(f"model.num_attention_heads={heads} is not divisible by parallel.tp={tp}; each rank "
                           "must hold whole heads.")
+
+
+@torch.no_grad()
+def parallelize_latent_attention(attention: LatentAttention, context) -> None:
+    """Split a latent attention block's heads over the TP group, in place (module docstring)."""
+    check_whole_heads(attention.num_heads, context.tp_size)
+
+    def replicated(layer: torch.nn.Linear) -> ReplicatedRowsLinear:
+        return ReplicatedRowsLinear(layer, context, slice(0, layer.out_features), gather_input=False)
+
+    if attention.q_proj is not None:
+        attention.q_proj = ColumnParallelLinear.from_full(attention.q_proj, context, gather_input=False)
+    else:
+        attention.q_a_proj = replicated(attention.q_a_proj)
+        attention.q_b_proj = ColumnParallelLinear.from_full(attention.q_b_proj, context, gather_input=False)
+        mark_partial_grad(attention.q_a_norm)
+    attention.kv_a_proj = replicated(attention.kv_a_proj)
+    mark_partial_grad(attention.kv_a_norm)
+    attention.kv_b_proj = ColumnParallelLinear.from_full(attention.kv_b_proj, context, gather_input=False)
+    attention.o_proj = RowParallelLinear.from_full(attention.o_proj, context)
+    attention.num_heads = attention.num_kv_heads = attention.num_heads // context.tp_size
+    attention.__class__ = TensorParallelLatentAttention
+    attention.parallel_context = context
+
+
+@torch.no_grad()
+def parallelize_attention(attention: SelfAttention, context) -> None:
+    if isinstance(attention, LatentAttention):
+        parallelize_latent_attention(attention, context)
+        return
+    tp, heads, kv_heads = context.tp_size, attention.num_heads, attention.num_kv_heads
+    check_whole_heads(heads, tp)
     attention.q_proj = ColumnParallelLinear.from_full(attention.q_proj, context, gather_input=False)
     if kv_heads % tp == 0:
         attention.k_proj = ColumnParallelLinear.from_full(attention.k_proj, context, gather_input=False)
@@ -75,4 +116,5 @@ def parallelize_attention(attention: SelfAttention, context) -> None:
     attention.parallel_context = context
 
 
-__all__ = ["TensorParallelSelfAttention", "kv_rows_for_rank", "parallelize_attention"]
+__all__ = ["TensorParallelLatentAttention", "TensorParallelSelfAttention", "kv_rows_for_rank",
+           "parallelize_attention", "parallelize_latent_attention"]

@@ -1,0 +1,102 @@
+"""Multi-head latent attention (MLA; DeepSeek-AI 2024, "DeepSeek-V2", §2.1; used again by
+DeepSeek-V3, Moonlight and Kimi K2).
+
+Grouped-query attention shrinks the KV cache by sharing key/value heads among query heads. MLA
+keeps a key and a value head per query head but makes them all from one small *latent*:
+
+    c_kv, k_rope = split(x W_kva)                      c_kv: r channels, k_rope: d_r channels
+    [k_nope_h, v_h] = norm(c_kv) W_kvb (per head h)   k_nope_h: d_n, v_h: d_v channels
+    q_h = [q_nope_h, q_rope_h] = norm(x W_qa) W_qb    (or x W_q without a query latent)
+    q_rope_h, k_rope = rope(q_rope_h), rope(k_rope)   one rotary key, shared by every head
+    o_h = softmax([q_nope_h, q_rope_h] . [k_nope_h, k_rope] / sqrt(d_n + d_r)) v_h
+    y = [o_1 ... o_H] W_o
+
+RoPE cannot act on keys made from a cached latent (the rotation would have to pass through
+W_kvb), so position lives in a separate, *decoupled* set of d_r rotary channels: a slice of
+every query head, and one key slice shared by all heads, computed from x directly. Per token a
+cache then needs only c_kv and k_rope -- r + d_r = 576 numbers in DeepSeek-V3, against
+2 x 128 heads x 128 = 32768 for its multi-head equivalent. (meshlm's cache holds the expanded keys
+and values, as it does for every attention block: generation is exact, not compact. Folding W_kvb
+into the query and output projections for a latent cache is an inference-engine optimization.)
+
+Everything after the projections is ``SelfAttention``'s: the same core (so SDPA, the causal and
+sliding-window paths, packed documents, dropout, selective recompute and the KV cache), with
+value heads of their own width d_v. The scale is 1/sqrt(d_n + d_r) unless ``model.attention_scale``
+says otherwise (DeepSeek's YaRN models multiply it by mscale^2; the importer sets it).
+
+**Tensor parallelism** splits the heads: W_qb (or W_q) and W_kvb are column-parallel, W_o
+row-parallel (``meshlm/parallel/tensor/attention.py``). The down-projections W_qa and W_kva and
+the two latent norms are replicated: every rank computes the latents of the whole sequence (a few
+hundred channels), and since each rank's heads send back only their share of the latents'
+gradient, those weights' gradients are partial, summed over the group after backward.
+
+The layer names are the Hugging Face ones (``q_a_proj``, ``kv_a_proj`` for
+``kv_a_proj_with_mqa``, ...), so ``model.lora_targets`` may name them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshlm.models.attention import SelfAttention, attention_core
+from meshlm.models.dropout import dropout_site
+from meshlm.models.norms import RMSNorm
+from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
+
+
+class LatentAttention(SelfAttention):
+    """``SelfAttention`` whose queries, keys and values come from MLA's latents (module docstring)."""
+
+    def __init__(self, config, layer_index: int):
+        nn.Module.__init__(self)
+        self.layer_index = layer_index
+        self.num_heads = self.num_kv_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim = config.mla_qk_nope_head_dim, config.mla_qk_rope_head_dim
+        self.head_dim = self.nope_dim + self.rope_dim
+        """The width of a query and key head: its unrotated and its rotary channels."""
+        self.value_dim = config.mla_v_head_dim
+        self.kv_lora_rank = config.mla_kv_lora_rank
+        hidden, heads, eps, zero_centered = config.hidden_size, self.num_heads, config.norm_eps, config.norm_zero_centered
+        if config.mla_q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
+            self.q_a_proj = self.q_a_norm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(hidden, config.mla_q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(config.mla_q_lora_rank, eps, zero_centered)
+            self.q_b_proj = nn.Linear(config.mla_q_lora_rank, heads * self.head_dim, bias=False)
+        self.kv_a_proj = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_a_norm = RMSNorm(self.kv_lora_rank, eps, zero_centered)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.value_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.value_dim, hidden, bias=False)
+        self.qk_norm_all, self.q_norm, self.k_norm = False, None, None
+        self.rotary = RotaryEmbedding(self.rope_dim, config.rope_theta, RopeScaling.from_config(config))
+        self.core = attention_core
+        self.recompute_core = False
+        self.scale = config.attention_scale
+        self.softcap = config.attention_softcap
+        self.window = config.sliding_window
+        self.dropout_p = config.attention_dropout
+        self.dropout_site = dropout_site("attention_probs", layer_index)
+
+    def project(self, x: torch.Tensor, rotary_positions: torch.Tensor,
+                rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Queries and keys [b, heads, t, d_n + d_r] and values [b, heads, t, d_v] of x [b, t, hidden]."""
+        batch, seq, _ = x.shape
+        query = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        latent, rotary_key = self.kv_a_proj(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
+        key_value = self.kv_b_proj(self.kv_a_norm(latent)).view(batch, seq, -1, self.nope_dim + self.value_dim)
+        key_nope, value = key_value.transpose(1, 2).split((self.nope_dim, self.value_dim), dim=-1)
+        query_nope, query_rope = query.view(batch, seq, -1, self.head_dim).transpose(1, 2).split(
+            (self.nope_dim, self.rope_dim), dim=-1)
+        cos, sin = rotary_cos_sin if rotary_cos_sin is not None else self.rotary(rotary_positions)
+        query_rope = apply_rotary(query_rope, cos, sin)
+        rotary_key = apply_rotary(rotary_key[:, None], cos, sin)  # [b, 1, t, d_r]: one head for all
+        query = torch.cat((query_nope, query_rope), dim=-1)
+        key = torch.cat((key_nope, rotary_key.expand(-1, key_nope.shape[1], -1, -1)), dim=-1)
+        # the values' own storage: a slice of the expanded latent would keep the unrotated keys alive too
+        return query, key, value.contiguous()
+
+
+__all__ = ["LatentAttention"]
