@@ -32,6 +32,14 @@ Per block kind, for a sequence of T tokens (h hidden, a/k query/KV heads of widt
   scores and weighted sum 2 a d T^2 each. With a sliding window w < T (``model.sliding_window``)
   they count the rectangles ``windowed_attention`` computes, as FlopCounterMode does: the first
   chunk's w x w, then w x 2w for each of the other ceil(T / w) - 1 chunks (the last one padded).
+- latent attention ``*`` with ``model.attention_type=mla`` (DeepSeek-V2 §2.1,
+  ``latent_attention.py``; r the KV latent, r_q the query latent, d_n + d_r the query/key head,
+  d_v the value head): the query latent 2 h r_q T and its up-projection 2 r_q a (d_n + d_r) T
+  (or one direct 2 h a (d_n + d_r) T), the KV latent with the shared rotary key 2 h (r + d_r) T,
+  its up-projection to keys and values 2 r a (d_n + d_v) T, o 2 a d_v h T; scores 2 a (d_n + d_r)
+  per query-key pair, the weighted sum 2 a d_v. Its terms carry the layer names (``q_a_proj``,
+  ``kv_b_proj``, ...), so that a planner can tell the down-projections tensor parallelism
+  replicates from the ones it splits.
 - MLP ``-``: 2 h F T per projection; SwiGLU has three (gate, up, down), the others two.
 - MoE ``E``: router 2 h E T, plus top_k experts per token, plus the shared expert and the
   LatentMoE in/out projections. We count the *nominal* top_k: a capacity limit that drops
@@ -124,17 +132,19 @@ def attended_pairs(seq_len: int, window: int | None) -> int:
 
 
 def attention_terms(config: ModelConfig, seq_len: int) -> dict[str, int]:
-    heads, head_dim = config.num_attention_heads, config.resolved_head_dim
+    """q/kv projections (MLA: one term per layer), scores, weighted sum, o (module docstring)."""
+    heads = config.num_attention_heads
     projections = projection_flops("*", config, seq_len)
     pairs = attended_pairs(seq_len, config.sliding_window)  # the block's own config: None for full blocks
-    return {
-        "q_proj": projections["q_proj"],
-        "kv_proj": projections["k_proj"] + projections["v_proj"],
-        # Every query against every key it is scored with, then values.
-        "scores": 2 * heads * pairs * head_dim,
-        "attend": 2 * heads * pairs * head_dim,
-        "o_proj": projections["o_proj"],
-    }
+    if config.attention_type == "mla":
+        terms = {name: flops for name, flops in projections.items() if name != "o_proj"}
+    else:
+        terms = {"q_proj": projections["q_proj"], "kv_proj": projections["k_proj"] + projections["v_proj"]}
+    # Every query against every key it is scored with (heads of d_n + d_r under MLA), then values (d_v).
+    terms["scores"] = 2 * heads * pairs * config.resolved_head_dim
+    terms["attend"] = 2 * heads * pairs * config.resolved_value_head_dim
+    terms["o_proj"] = projections["o_proj"]
+    return terms
 
 
 def moe_terms(config: ModelConfig, seq_len: int) -> dict[str, int]:
@@ -249,6 +259,8 @@ def block_linear_layers(kind: str, config: ModelConfig) -> list[tuple[str, int, 
     """(name, in features, out features) of the linear layers a LoRA adapter may ride on in a block
     of ``kind`` sized by ``config`` (``model.lora_targets``' names)."""
     hidden = config.hidden_size
+    if kind == "*" and config.attention_type == "mla":
+        return latent_attention_layers(config)
     if kind == "*":
         query, key_value = config.num_attention_heads * config.resolved_head_dim, \
             config.resolved_num_kv_heads * config.resolved_head_dim
@@ -269,6 +281,21 @@ def block_linear_layers(kind: str, config: ModelConfig) -> list[tuple[str, int, 
             layers += mlp_layers(hidden, config.moe_shared_expert_ffn_hidden_size, config.mlp_activation)
         return layers
     return []
+
+
+def latent_attention_layers(config: ModelConfig) -> list[tuple[str, int, int]]:
+    """(name, in, out) of a latent attention block's linear layers (``LatentAttention``): the query
+    latent and its up-projection (or one direct q_proj), the KV latent with the shared rotary key,
+    its up-projection to each head's unrotated key and value, and o over the value heads."""
+    hidden, heads, rank = config.hidden_size, config.num_attention_heads, config.mla_kv_lora_rank
+    query = heads * config.resolved_head_dim  # d_n + d_r per head
+    if config.mla_q_lora_rank is None:
+        layers = [("q_proj", hidden, query)]
+    else:
+        layers = [("q_a_proj", hidden, config.mla_q_lora_rank), ("q_b_proj", config.mla_q_lora_rank, query)]
+    return layers + [("kv_a_proj", hidden, rank + config.mla_qk_rope_head_dim),
+                     ("kv_b_proj", rank, heads * (config.mla_qk_nope_head_dim + config.mla_v_head_dim)),
+                     ("o_proj", heads * config.mla_v_head_dim, hidden)]
 
 
 def mlp_layers(hidden_size: int, ffn_size: int, activation: str) -> list[tuple[str, int, int]]:
@@ -329,5 +356,6 @@ def model_flops_per_token(config: ModelConfig, seq_len: int, include_backward: b
 
 
 __all__ = ["ACTIVATION_TERMS", "BlockFlops", "activation_matmul_flops", "adapter_flops", "adapter_parameters",
-           "block_linear_layers", "block_flops", "model_block_flops", "model_flops_breakdown", "model_flops_per_sequence",
-           "model_flops_per_token", "ssd_scan_terms", "BACKWARD_TO_FORWARD"]
+           "block_linear_layers", "block_flops", "latent_attention_layers", "model_block_flops",
+           "model_flops_breakdown", "model_flops_per_sequence", "model_flops_per_token", "ssd_scan_terms",
+           "BACKWARD_TO_FORWARD"]

@@ -10,8 +10,10 @@ windowed path runs and the cache reads only the window), a Gemma 2-style one who
 scores and logits are soft-capped (caps that bend them: each rank caps its own heads' scores and its
 vocabulary slice's logits), a GPT-2-style one (learned positions -- replicated, each rank adding its
 slice's rows under SP, a partial gradient --, LayerNorm, biases everywhere, GELU), a Granite-style
-one (muP-style multipliers on the embeddings, attention, each block's output and the logits), and an
-OLMo-style model (no input norms,
+one (muP-style multipliers on the embeddings, attention, each block's output and the logits), two
+with DeepSeek's multi-head latent attention (heads split, the latent down-projections and norms
+replicated with partial gradients; one with a query latent and a block of 8 heads, one without, with
+LoRA adapters on its latent projections), and an OLMo-style model (no input norms,
 output norms, a QK-norm over all heads: cut over the ranks with its statistics all-reduced); and
 a hybrid ('M*-M', an MTP depth) with LoRA adapters on every targeted layer (their b drawn, as
 after training), of which only the adapters have gradients. One spawned world of 4 ranks runs
@@ -70,6 +72,13 @@ MODELS = {
     "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
                                     mlp_activation="squared_relu", mlp_bias=True),
     "kv2 mtp": dict(num_kv_heads=2, mtp_depth=1, mtp_pattern="*-"),
+    "deepseek-style latent attention": dict(attention_type="mla", qk_norm=False, mla_q_lora_rank=12,
+                                            mla_kv_lora_rank=8, mla_qk_nope_head_dim=6, mla_qk_rope_head_dim=4,
+                                            mla_v_head_dim=5, block_overrides={2: {"num_attention_heads": 8}}),
+    "lora latent attention, direct queries": dict(attention_type="mla", qk_norm=False, mla_kv_lora_rank=8,
+                                                  mla_qk_nope_head_dim=6, mla_qk_rope_head_dim=4, mla_v_head_dim=5,
+                                                  lora_rank=4, lora_targets=["q_proj", "kv_a_proj", "kv_b_proj",
+                                                                             "o_proj", "up_proj"]),
     "lora hybrid mtp": dict(pattern="M*-M", num_kv_heads=2, mamba_head_dim=8, mamba_state_size=8,
                             mamba_num_groups=4, mamba_chunk_size=8, mtp_depth=1, mtp_pattern="*-", lora_rank=4,
                             lora_alpha=8),

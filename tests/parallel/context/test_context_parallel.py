@@ -64,7 +64,14 @@ MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
           # each rank looks its chunks' global positions up in the learned table
           "gpt2-style": [*helpers.MODELS["dense"], "model.position_embedding=learned", "model.max_position_embeddings=32",
                          "model.norm=layernorm", "model.attention_bias=true", "model.mlp_bias=true",
-                         "model.mlp_activation=gelu_tanh", "model.qk_norm=true"]}
+                         "model.mlp_activation=gelu_tanh", "model.qk_norm=true"],
+          # DeepSeek-V3-shaped: latent attention (value heads narrower than the query/key heads, padded on
+          # the ring), sigmoid routing with a routed scale and a shared expert
+          "deepseek-style": [*helpers.MODELS["moe"], "model.attention_type=mla", "model.mla_q_lora_rank=16",
+                             "model.mla_kv_lora_rank=8", "model.mla_qk_nope_head_dim=8",
+                             "model.mla_qk_rope_head_dim=4", "model.mla_v_head_dim=6",
+                             "model.moe_score_function=sigmoid", "model.moe_routed_scaling_factor=2.5",
+                             "model.moe_shared_expert_ffn_hidden_size=32"]}
 LAYOUTS = {
     2: {"cp2": ["parallel.cp=2"]},
     4: {"cp4": ["parallel.cp=4"], "cp2xtp2": ["parallel.cp=2", "parallel.tp=2"],
@@ -77,10 +84,12 @@ EXTRA_RUNS = {2: [("dense", "cp2 selective recompute", ["parallel.cp=2", "train.
                   ("dense yarn", "cp2", ["parallel.cp=2"]),  # scaled RoPE at each chunk's global positions
                   ("dense sliding window", "cp2", ["parallel.cp=2"]),
                   ("dense soft caps", "cp2", ["parallel.cp=2"]),
-                  ("gpt2-style", "cp2", ["parallel.cp=2"])],
+                  ("gpt2-style", "cp2", ["parallel.cp=2"]),
+                  ("deepseek-style", "cp2", ["parallel.cp=2"])],
               4: [("dense with mtp", "cp4", ["parallel.cp=4"]),
                   ("moe", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
                   ("dense soft caps", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
+                  ("deepseek-style", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
                   ("dense sliding window", "cp2xdp2 dist-opt", ["parallel.cp=2", "parallel.dp=2",
                                                                 "parallel.distributed_optimizer=true"])]}
 

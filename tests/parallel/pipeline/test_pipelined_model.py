@@ -48,6 +48,11 @@ MODELS = {
     # Gemma 2's caps, small enough to bend this model's scores (QK-normed) and logits; MTP's loss capped too
     "dense soft caps mtp": dict(BASE, pattern="*-*-", num_kv_heads=2, qk_norm=True, attention_softcap=2.0,
                                 final_logit_softcap=0.3, mtp_depth=1),
+    # DeepSeek-V3-shaped: latent attention in the main blocks and the MTP depth, sigmoid routing
+    "deepseek-style mtp": dict(BASE, pattern="*E|*-", attention_type="mla", mla_q_lora_rank=16, mla_kv_lora_rank=8,
+                               mla_qk_nope_head_dim=8, mla_qk_rope_head_dim=4, mla_v_head_dim=6, moe_num_experts=4,
+                               moe_top_k=2, moe_ffn_hidden_size=32, moe_score_function="sigmoid",
+                               moe_shared_expert_ffn_hidden_size=32, mtp_depth=1),
     # learned positions live with the embedding on the first stage
     "gpt2-style": dict(BASE, pattern="*-*-", position_embedding="learned", max_position_embeddings=16,
                        norm="layernorm", attention_bias=True, mlp_bias=True, mlp_activation="gelu_tanh", qk_norm=True,
@@ -159,7 +164,8 @@ def test_pipelined_step_equals_single_process_on_two_ranks():
     runs = [("moe mtp tied pp2", MODELS["moe mtp tied"], dict(pp=2)),
             ("hybrid tied pp2 vp2", MODELS["hybrid tied"], dict(pp=2, vp=2)),
             ("dense soft caps mtp pp2", MODELS["dense soft caps mtp"], dict(pp=2)),
-            ("gpt2-style pp2", MODELS["gpt2-style"], dict(pp=2))]
+            ("gpt2-style pp2", MODELS["gpt2-style"], dict(pp=2)),
+            ("deepseek-style mtp pp2", MODELS["deepseek-style mtp"], dict(pp=2))]
     results = run_distributed(pipelined_steps, 2, runs, timeout_s=120)
     for name, model_kwargs, _ in runs:
         expected = single_process_step(model_kwargs)
