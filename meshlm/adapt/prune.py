@@ -31,6 +31,9 @@ size for an axis that some block overrides is refused (it might not fit that blo
   z, x and dt rows of the fused ``in_proj`` (layout z | x | B | C | dt), its x channels of the
   depthwise conv, ``dt_bias``, ``A_log``, ``D``, its channels of the gated norm and its columns
   of ``out_proj``.
+- *Latent attention* (MLA): every query head has its own key and value head, so heads are cut
+  alone: their rows of the query and key/value up-projections and their value columns of o. The
+  latents, their norms and the shared rotary key stay whole.
 - *Router groups* (``moe_router_num_groups``): each group keeps its best E' / groups experts.
 
 **Depth** (``drop_blocks``): the blocks whose skipping costs least (``Importance.blocks``) are
@@ -220,6 +223,8 @@ class Selection:
 def block_sizes(config: ModelConfig, index: int) -> dict[str, int]:
     """Block ``index``'s resolved sizes (its ``block_overrides`` applied), the fields of its kind."""
     block, kind = config.for_block(index), config.block_kinds[index]
+    if kind == "*" and block.attention_type == "mla":  # a key/value head per query head, widths of their own
+        return {"num_attention_heads": block.num_attention_heads, "num_kv_heads": block.num_attention_heads}
     if kind == "*":
         return {"num_attention_heads": block.num_attention_heads, "num_kv_heads": block.resolved_num_kv_heads,
                 "head_dim": block.resolved_head_dim}
@@ -292,7 +297,10 @@ def pruned_config(config: ModelConfig, widths: Widths, blocks: list[int], sizes:
     values = config.to_dict()
     values.update(hidden_size=widths.hidden_size, pattern=shrunk_pattern(config.pattern, blocks), block_overrides={})
     kinds = set(config.block_kinds)
-    if "*" in kinds:
+    latent = config.attention_type == "mla"
+    if "*" in kinds and latent:  # the head widths are the mla_* fields, which pruning keeps
+        values.update(num_attention_heads=widths.num_attention_heads)
+    elif "*" in kinds:
         values.update(num_attention_heads=widths.num_attention_heads, num_kv_heads=widths.num_kv_heads,
                       head_dim=config.resolved_head_dim)
     if "-" in kinds or "E" in kinds:
@@ -305,7 +313,8 @@ def pruned_config(config: ModelConfig, widths: Widths, blocks: list[int], sizes:
     overrides = {}
     for new_index, index in enumerate(blocks):
         default = block_sizes(plain, new_index)
-        differing = {name: value for name, value in sizes[index].items() if value != default[name]}
+        differing = {name: value for name, value in sizes[index].items() if value != default[name]
+                     and not (latent and name == "num_kv_heads")}  # latent attention: the query heads say it
         if differing:
             overrides[new_index] = differing
     return ModelConfig.from_dict({**values, "block_overrides": overrides}) if overrides else plain
@@ -360,6 +369,8 @@ def tensor_indices(config: ModelConfig, name: str, selection: Selection) -> dict
 
 
 def attention_indices(config, rest, index, selection):
+    if config.attention_type == "mla":
+        return latent_attention_indices(config, rest, index, selection)
     width = config.for_block(index).resolved_head_dim
     queries = heads_to_rows(selection.heads[index], width)
     kv = heads_to_rows(selection.kv_heads[index], width)
@@ -372,6 +383,22 @@ def attention_indices(config, rest, index, selection):
     if module in ("q_norm", "k_norm"):
         return {}
     return None
+
+
+def latent_attention_indices(config, rest, index, selection):
+    """Multi-head latent attention (``meshlm/models/latent_attention.py``): a head is its rows of the
+    query and key/value up-projections and its value columns of o; the latents, their norms and the
+    shared rotary key are kept whole (only their hidden-side columns are cut)."""
+    heads = selection.heads[index]
+    key_width, value_width = config.resolved_head_dim, config.mla_v_head_dim
+    module = rest.partition(".")[0]
+    rules = {"q_proj": {0: heads_to_rows(heads, key_width), 1: selection.hidden},
+             "q_a_proj": {1: selection.hidden}, "q_a_norm": {},
+             "q_b_proj": {0: heads_to_rows(heads, key_width)},
+             "kv_a_proj": {1: selection.hidden}, "kv_a_norm": {},
+             "kv_b_proj": {0: heads_to_rows(heads, config.mla_qk_nope_head_dim + value_width)},
+             "o_proj": {0: selection.hidden, 1: heads_to_rows(heads, value_width)}}
+    return rules.get(module)
 
 
 def mlp_indices(config, rest, index, selection, dense=True):

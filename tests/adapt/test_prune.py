@@ -1,5 +1,6 @@
 """Minitron pruning (``meshlm/adapt/prune.py``, ``importance.py``): the scores rank units as their
-activations do, exactly the top units survive (GQA groups and Mamba groups kept whole), pruning to
+activations do, exactly the top units survive (GQA groups and Mamba groups kept whole, latent
+attention heads cut alone with the latents kept), pruning to
 the same shape changes nothing, depth pruning drops the block that matters least, a parameter
 budget is met, and impossible sizes are refused naming the flag."""
 
@@ -257,3 +258,38 @@ def test_a_model_with_block_overrides_is_pruned_again():
         assert narrow(tokens()).logits.isfinite().all() and second(tokens()).logits.isfinite().all()
     with pytest.raises(ConfigError, match="--target-params"):
         search_widths(first.config, again, 10_000, {})
+
+
+LATENT = dict(vocab_size=64, hidden_size=32, pattern="*-*E", num_attention_heads=4, attention_type="mla",
+              mla_q_lora_rank=12, mla_kv_lora_rank=8, mla_qk_nope_head_dim=6, mla_qk_rope_head_dim=4,
+              mla_v_head_dim=5, ffn_hidden_size=48, moe_num_experts=4, moe_ffn_hidden_size=16)
+
+
+def test_latent_attention_heads_are_cut_alone_and_the_latents_kept():
+    """MLA: heads 1 and 3 survive block 0, in their rows of q_b (10 each) and kv_b (6 + 5 each) and
+    their value columns of o; the latents keep every channel, their hidden-side columns cut."""
+    model = model_of(**LATENT)
+    assert prune_model(model, collect_importance(model, batches()), original_widths(model.config)
+                       ).state_dict().keys() == model.state_dict().keys()
+    importance = Importance(hidden=torch.arange(32.), heads={0: torch.tensor([1., 9, 2, 8]), 2: torch.arange(4.)},
+                            neurons={1: torch.ones(48)}, experts={3: torch.ones(4)})
+    pruned = prune_model(model, importance, resolve_widths(model.config, dict(num_attention_heads=2, hidden_size=24)))
+    config, old, new = pruned.config, model.blocks[0].mixer, pruned.blocks[0].mixer
+    assert (config.num_attention_heads, config.num_kv_heads, config.head_dim, config.hidden_size) == (2, None, None, 24)
+    hidden = torch.arange(8, 32)
+    assert torch.equal(new.q_b_proj.weight, old.q_b_proj.weight[torch.cat([torch.arange(10, 20), torch.arange(30, 40)])])
+    assert torch.equal(new.kv_b_proj.weight, old.kv_b_proj.weight[torch.cat([torch.arange(11, 22),
+                                                                             torch.arange(33, 44)])])
+    assert torch.equal(new.o_proj.weight, old.o_proj.weight[hidden][:, torch.cat([torch.arange(5, 10),
+                                                                                   torch.arange(15, 20)])])
+    assert torch.equal(new.kv_a_proj.weight, old.kv_a_proj.weight[:, hidden])
+    assert torch.equal(new.q_a_proj.weight, old.q_a_proj.weight[:, hidden])
+    assert torch.equal(new.kv_a_norm.weight, old.kv_a_norm.weight)
+    assert ParameterCounter(config)(config) == pruned.num_parameters()
+    with torch.no_grad():
+        assert pruned(tokens()).logits.isfinite().all()
+    per_block, sizes = per_block_pruned(model, Importance(hidden=torch.ones(32), heads={
+        0: torch.ones(4), 2: torch.tensor([0.01, 0.01, 0.01, 9.0])}, neurons={1: torch.ones(48)},
+        experts={3: torch.ones(4)}), dict(num_attention_heads=2))
+    assert per_block.config.block_overrides == {0: {"num_attention_heads": 3}, 2: {"num_attention_heads": 1}}
+    assert tuple(per_block.blocks[2].mixer.kv_b_proj.weight.shape) == (11, 8)
