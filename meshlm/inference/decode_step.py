@@ -171,11 +171,12 @@ class DecodeStep:
                 continue
             normed = hidden if block.norm is None else block.norm(hidden)
             if block.kind == "*":
-                query, key, value = block.mixer.project(normed, positions)
+                query, key, value = block.mixer.cached_projection(normed, positions)
                 held_and_first = next(counts)
                 attended = cached_attention(query, key, value, next(kv), next(kv), held_and_first[0], mask_buffer,
-                                            block.mixer.window, held_and_first[1], block.mixer.scale,
+                                            block.mixer.window, held_and_first[1], block.mixer.cached_scale,
                                             block.mixer.softcap)
+                attended = block.mixer.from_cached_output(attended)
                 mixed = block.mixer.o_proj(attended.transpose(1, 2).flatten(2))
             elif block.kind == "M":
                 out, conv_state, ssm_state = mamba_decode_step(block.mixer, normed[:, 0], next(states), next(states))

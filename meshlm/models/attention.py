@@ -292,6 +292,21 @@ class SelfAttention(nn.Module):
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         return query, key, value
 
+    def cached_projection(self, x: torch.Tensor, rotary_positions: torch.Tensor,
+                          rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """What a forward with a KV cache attends with: queries, and the keys and values the cache
+        holds (here ``project``'s; latent attention caches its latents instead)."""
+        return self.project(x, rotary_positions, rotary_cos_sin)
+
+    @property
+    def cached_scale(self) -> float | None:
+        """The factor on the scores of ``cached_projection``'s queries and keys (None: 1/sqrt(width))."""
+        return self.scale
+
+    def from_cached_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [b, heads, t, value width] from the core's over ``cached_projection``."""
+        return out
+
     def prepare_context(self, context) -> None:
         """Called eagerly before the (possibly compiled) block: the forward's RoPE table, made once."""
         if self.rotary is not None:
@@ -300,10 +315,12 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, context) -> torch.Tensor:
         batch, seq, _ = x.shape
         rotary = None if self.rotary is None else context.rotary_cos_sin(self.rotary)
-        query, key, value = self.project(x, context.rotary_positions, rotary)
+        cached = context.cache is not None
+        project = self.cached_projection if cached else self.project
+        query, key, value = project(x, context.rotary_positions, rotary)
 
         key_mask = context.token_mask
-        if context.cache is not None:
+        if cached:
             state = context.cache.state_for(self.layer_index, AttentionCache, self.window)
             key, value = state.append(key, value)
             # the cache knows whether it ever saw padding: no look over every cached token per step;
@@ -315,8 +332,9 @@ class SelfAttention(nn.Module):
         options = {} if context.document_ids is None else {"document_ids": context.document_ids}
         if self.window is not None:
             options["window"] = self.window
-        if self.scale is not None:
-            options["scale"] = self.scale
+        scale = self.cached_scale if cached else self.scale
+        if scale is not None:
+            options["scale"] = scale
         if self.softcap is not None:
             options["softcap"] = self.softcap
         if self.recompute_core and torch.is_grad_enabled():
@@ -324,6 +342,8 @@ class SelfAttention(nn.Module):
                                                     **options)
         else:
             out = core(query, key, value, key_mask, *dropout, **options)
+        if cached:
+            out = self.from_cached_output(out)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def dropout_keep_mask(self, context, key_len: int) -> torch.Tensor:

@@ -15,9 +15,19 @@ RoPE cannot act on keys made from a cached latent (the rotation would have to pa
 W_kvb), so position lives in a separate, *decoupled* set of d_r rotary channels: a slice of
 every query head, and one key slice shared by all heads, computed from x directly. Per token a
 cache then needs only c_kv and k_rope -- r + d_r = 576 numbers in DeepSeek-V3, against
-2 x 128 heads x 128 = 32768 for its multi-head equivalent. (meshlm's cache holds the expanded keys
-and values, as it does for every attention block: generation is exact, not compact. Folding W_kvb
-into the query and output projections for a latent cache is an inference-engine optimization.)
+2 x 128 heads x 128 = 32768 for its multi-head equivalent.
+
+**The latent cache.** A forward with a KV cache (generation) attends in latent space, as
+DeepSeek-V2 §2.1.2 describes: W_kvb's key part W_k,h [d_n, r] is absorbed into the queries and its
+value part W_v,h [d_v, r] into the output,
+
+    q_nope_h . k_nope_h = (q_nope_h W_k,h) . norm(c_kv)       o_h = (softmax(...) norm(c_kv)) W_v,h^T
+
+so every head attends, with scores [q_nope_h W_k,h, q_rope_h] . [norm(c_kv), k_rope], to one
+cached key head of r + d_r channels and one value head of r (the same latent, held twice by the
+cache: 2r + d_r numbers per token and layer, 1088 in DeepSeek-V3's shapes). The function is the
+same, the rounding differs. When W_kvb carries a LoRA adapter or a low-precision recipe, its
+effective weight is not the stored one, and the cache holds the expanded keys and values instead.
 
 Everything after the projections is ``SelfAttention``'s: the same core (so SDPA, the causal and
 sliding-window paths, packed documents, dropout, selective recompute and the KV cache), with
@@ -41,6 +51,7 @@ from torch import nn
 
 from meshlm.models.attention import SelfAttention, attention_core
 from meshlm.models.dropout import dropout_site
+from meshlm.models.lora import ADAPTER_MODULE
 from meshlm.models.norms import RMSNorm
 from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
 
@@ -97,6 +108,50 @@ class LatentAttention(SelfAttention):
         key = torch.cat((key_nope, rotary_key.expand(-1, key_nope.shape[1], -1, -1)), dim=-1)
         # the values' own storage: a slice of the expanded latent would keep the unrotated keys alive too
         return query, key, value.contiguous()
+
+    @property
+    def caches_latents(self) -> bool:
+        """Whether a cached forward attends in latent space (the module docstring). Not when W_kvb
+        carries a LoRA adapter or a low-precision recipe: its effective weight is then not the stored
+        one, and the cache holds expanded keys and values instead."""
+        layer = self.kv_b_proj
+        return getattr(layer, ADAPTER_MODULE, None) is None and getattr(layer, "quantization", None) is None
+
+    def latent_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_kvb as this module's heads' key part [heads, d_n, r] and value part [heads, d_v, r]."""
+        weight = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.value_dim, self.kv_lora_rank)
+        return weight[:, :self.nope_dim], weight[:, self.nope_dim:]
+
+    def cached_projection(self, x: torch.Tensor, rotary_positions: torch.Tensor,
+                          rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Queries [b, heads, t, r + d_r] in latent space, and one key head [b, 1, t, r + d_r] (the
+        normalized latent and the rotary key) and one value head [b, 1, t, r] (the latent) to cache."""
+        if not self.caches_latents:
+            return self.project(x, rotary_positions, rotary_cos_sin)
+        batch, seq, _ = x.shape
+        query = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        latent, rotary_key = self.kv_a_proj(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
+        latent = self.kv_a_norm(latent)[:, None]
+        query_nope, query_rope = query.view(batch, seq, -1, self.head_dim).transpose(1, 2).split(
+            (self.nope_dim, self.rope_dim), dim=-1)
+        cos, sin = rotary_cos_sin if rotary_cos_sin is not None else self.rotary(rotary_positions)
+        query_latent = torch.einsum("bhtn,hnr->bhtr", query_nope, self.latent_weights()[0])
+        query = torch.cat((query_latent, apply_rotary(query_rope, cos, sin)), dim=-1)
+        key = torch.cat((latent, apply_rotary(rotary_key[:, None], cos, sin)), dim=-1)
+        return query, key, latent
+
+    @property
+    def cached_scale(self) -> float | None:
+        """1/sqrt(d_n + d_r), as uncached, though the latent queries are wider."""
+        if not self.caches_latents or self.scale is not None:
+            return self.scale
+        return self.head_dim ** -0.5
+
+    def from_cached_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Each head's attention-weighted latent [b, heads, t, r] through its value part of W_kvb."""
+        if not self.caches_latents:
+            return out
+        return torch.einsum("bhtr,hvr->bhtv", out, self.latent_weights()[1])
 
 
 __all__ = ["LatentAttention"]

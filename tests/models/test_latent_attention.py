@@ -1,8 +1,10 @@
 """Multi-head latent attention (``model.attention_type=mla``; meshlm/models/latent_attention.py):
 one block against MLA written out from DeepSeek-V2's equations in fp64, with and without a query
 latent, with a sliding window, soft caps and a custom scale; the shapes of what it keeps; packed
-documents against each document alone; selective and full recomputation; cached and decode-step
-generation against the full forward; and the config's refusals."""
+documents against each document alone; selective and full recomputation; the latent KV cache
+(W_kvb absorbed, one key and one value head of latents per token) and, with an adapter on W_kvb,
+the expanded one, both against the full forward; cached and decode-step generation; and the
+config's refusals."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from meshlm.errors import ConfigError
+from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.latent_attention import LatentAttention
@@ -175,3 +178,38 @@ def test_blocks_may_have_their_own_head_counts_and_gqa_stays_the_default():
     assert model.blocks[2].mixer.kv_b_proj.weight.shape == (2 * 22, 16)
     plain = dataclasses.replace(ModelConfig(**{**MLA, "attention_type": "gqa"}))
     assert type(LanguageModel(plain).blocks[0].mixer).__name__ == "SelfAttention"
+
+
+@torch.no_grad()
+def cached_logits(model, tokens):
+    """Logits of a prefill of 8 tokens, then one token at a time, and the cache they leave."""
+    cache = InferenceCache()
+    pieces = [model(tokens[:, :8], cache=cache).logits]
+    pieces += [model(tokens[:, t:t + 1], cache=cache).logits for t in range(8, tokens.shape[1])]
+    return torch.cat(pieces, dim=1), cache
+
+
+def test_the_cache_holds_latents_and_cached_logits_equal_the_full_forward():
+    """Generation attends in latent space (W_kvb absorbed): one key head of r + d_r channels and one
+    value head of r per token, the full forward's logits up to rounding (fp64)."""
+    model = mla_model(sliding_window=10)
+    tokens = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(5))
+    logits, cache = cached_logits(model, tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(tokens).logits, rtol=0, atol=1e-10)
+    state = cache.layers[0]
+    assert state.keys.shape == (2, 1, 13, 16 + 8) and state.values.shape == (2, 1, 13, 16)
+
+
+def test_with_an_adapter_on_the_latent_up_projection_the_cache_holds_expanded_heads():
+    model = mla_model(lora_rank=2, lora_targets=["kv_b_proj"])
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("lora.b"):
+                parameter.normal_()  # a trained adapter: W_kvb's effective weight is not the stored one
+    tokens = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(6))
+    logits, cache = cached_logits(model, tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(tokens).logits, rtol=0, atol=1e-10)
+    assert not model.blocks[0].mixer.caches_latents
+    assert cache.layers[0].keys.shape == (2, 4, 11, 20) and cache.layers[0].values.shape == (2, 4, 11, 10)
