@@ -96,6 +96,12 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         key, value = key[:, :, first:], value[:, :, first:]
         key_mask = None if key_mask is None else key_mask[:, first:]
         key_len = key.shape[2]
+    if query_len == 1 and key.shape[1] == 1 < query.shape[1]:
+        # decoding with one key/value head for every query head (MQA; latent attention's cache): the
+        # heads are the rows of one head's attention -- one GEMM over the keys, none repeated per head
+        allowed = None if key_mask is None else allowed_keys(1, key_len, key_mask, query.device, window=window)
+        out = scaled_dot_product(query.transpose(1, 2), key, value, allowed, scale=scale, softcap=softcap)
+        return out.transpose(1, 2)
     if key_mask is None and query_len == 1:  # decoding: the newest position sees every key left, no mask to build
         return scaled_dot_product(query, key, value, scale=scale, softcap=softcap)
     allowed = allowed_keys(query_len, key_len, key_mask, query.device, window=window)

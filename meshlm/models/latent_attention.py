@@ -90,6 +90,9 @@ class LatentAttention(SelfAttention):
         self.window = config.sliding_window
         self.dropout_p = config.attention_dropout
         self.dropout_site = dropout_site("attention_probs", layer_index)
+        self.latent_cache = True
+        """Cache latents in generation (the module docstring); False caches the expanded heads, as
+        ``bench/latent_attention.py`` does to compare the two."""
 
     def project(self, x: torch.Tensor, rotary_positions: torch.Tensor,
                 rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -115,7 +118,8 @@ class LatentAttention(SelfAttention):
         carries a LoRA adapter or a low-precision recipe: its effective weight is then not the stored
         one, and the cache holds expanded keys and values instead."""
         layer = self.kv_b_proj
-        return getattr(layer, ADAPTER_MODULE, None) is None and getattr(layer, "quantization", None) is None
+        return (self.latent_cache and getattr(layer, ADAPTER_MODULE, None) is None
+                and getattr(layer, "quantization", None) is None)
 
     def latent_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_kvb as this module's heads' key part [heads, d_n, r] and value part [heads, d_v, r]."""

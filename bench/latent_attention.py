@@ -1,0 +1,112 @@
+"""Multi-head latent attention in generation: the latent KV cache against the expanded one.
+
+    python -m bench.latent_attention [--contexts 1024 4096] [--steps 8] [--repeats 5] [--threads 2]
+                                     [--device cpu] [--out bench/results/latent_attention_cpu.json]
+
+One latent attention layer of DeepSeek-V2-Lite's shapes (hidden 2048, 16 heads, queries projected
+directly, a key/value latent of 512, 128 unrotated + 64 rotary query/key channels, values of 128;
+``meshlm/models/latent_attention.py``), batch 1, fp32 on a CPU (bf16 on a GPU), two ways in the same
+run, interleaved so machine noise hits each alike (``bench/timing.py``; medians of ``repeats``):
+
+* ``expanded``: the cache holds every head's key (192) and value (128), as a multi-head
+  attention layer of these widths would -- the baseline;
+* ``latent``: the cache holds the normalized latent and the rotary key (W_kvb absorbed into the
+  queries and the output), meshlm's default.
+
+Per context length (the prompt, prefilled once per way) it prints the cache's bytes per token, the
+seconds of ``steps`` one-token decode steps (eager forwards with the cache; the cache is rolled back
+after each round, so every round decodes at the same length), the latent way's time over the
+expanded one's, and the largest difference between their logits (the same function, rounded apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.timing import interleaved_medians, synchronize
+from meshlm.checkpoint.files import write_json_atomic
+from meshlm.models.cache import InferenceCache
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
+
+SHAPES = dict(vocab_size=256, hidden_size=2048, pattern="*", num_attention_heads=16, attention_type="mla",
+              mla_q_lora_rank=None, mla_kv_lora_rank=512, mla_qk_nope_head_dim=128, mla_qk_rope_head_dim=64,
+              mla_v_head_dim=128)
+
+
+def prefilled(model, prompt: torch.Tensor, latent: bool, steps: int):
+    """The cache after ``prompt``, with room for ``steps`` more tokens, and the way it was made."""
+    model.blocks[0].mixer.latent_cache = latent
+    cache = InferenceCache(max_tokens=prompt.shape[1] + steps)
+    with torch.no_grad():
+        model(prompt, cache=cache)
+    return cache
+
+
+def decode_round(model, cache, latent: bool, tokens: torch.Tensor, device):
+    def run() -> float:
+        model.blocks[0].mixer.latent_cache = latent
+        synchronize(device)
+        started = time.perf_counter()
+        with torch.no_grad():
+            for token in tokens:
+                model(token.view(1, 1), cache=cache)
+        synchronize(device)
+        seconds = time.perf_counter() - started
+        cache.truncate(cache.num_seen_tokens - len(tokens))  # back to the prompt
+        return seconds
+    return run
+
+
+def measure(model, context: int, steps: int, repeats: int, device) -> dict:
+    generator = torch.Generator().manual_seed(context)
+    prompt = torch.randint(0, 256, (1, context), generator=generator).to(device)
+    tokens = torch.randint(0, 256, (steps,), generator=generator).to(device)
+    caches = {"expanded": prefilled(model, prompt, False, steps), "latent": prefilled(model, prompt, True, steps)}
+    seconds = interleaved_medians({name: decode_round(model, cache, name == "latent", tokens, device)
+                                   for name, cache in caches.items()}, repeats)
+    logits = {}
+    for name, cache in caches.items():
+        model.blocks[0].mixer.latent_cache = name == "latent"
+        with torch.no_grad():
+            logits[name] = model(tokens[:1].view(1, 1), cache=cache).logits.float()
+        cache.truncate(cache.num_seen_tokens - 1)
+    per_token = {name: cache.nbytes / (context + steps) for name, cache in caches.items()}
+    return {"context": context, "steps": steps, "seconds": seconds,
+            "latent_over_expanded_time": seconds["latent"] / seconds["expanded"],
+            "cache_bytes_per_token": per_token,
+            "expanded_over_latent_bytes": per_token["expanded"] / per_token["latent"],
+            "max_logit_difference": float((logits["latent"] - logits["expanded"]).abs().max())}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = LanguageModel(ModelConfig(**SHAPES), seed=0).to(device, dtype).eval()
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "threads": args.threads, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+               "shapes": SHAPES, "repeats": args.repeats,
+               "runs": [measure(model, context, args.steps, args.repeats, device) for context in args.contexts]}
+    print(json.dumps(results, indent=2))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(args.out, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
