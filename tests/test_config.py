@@ -108,7 +108,7 @@ def test_known_keys_cover_every_section():
                                          ("moe-tiny", {"*", "E"}), ("demo-mtp", {"M", "*", "-", "E"}),
                                          ("gemma2-tiny", {"*", "-"}), ("gemma3-tiny", {"*", "-"}),
                                          ("gpt2-tiny", {"*", "-"}),
-                                         ("olmo2-tiny", {"*", "-"})])
+                                         ("olmo2-tiny", {"*", "-"}), ("deepseek-v3-tiny", {"*", "-", "E"})])
 def test_shipped_configs_load_and_match_the_demo_data(name, kinds):
     config = load_run_config(CONFIGS / f"{name}.yaml")
     assert set(config.model.block_kinds) == kinds

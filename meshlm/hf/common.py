@@ -521,6 +521,7 @@ LAYER_FEATURES = {
     "attention_softcap": "Gemma2ForCausalLM soft-caps attention scores",
     "final_logit_softcap": "Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap the output logits",
     "position_embedding": "GPT2LMHeadModel adds learned position embeddings",
+    "attention_type": "DeepseekV3ForCausalLM has multi-head latent attention",
 }
 """Layer features only some HF classes hold, and which."""
 
@@ -535,7 +536,8 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "residual_multiplier": config.residual_multiplier != 1.0, "logit_divisor": config.logit_divisor != 1.0,
             "attention_softcap": config.attention_softcap is not None,
             "final_logit_softcap": config.final_logit_softcap is not None,
-            "position_embedding": config.position_embedding == "learned"}
+            "position_embedding": config.position_embedding == "learned",
+            "attention_type": config.attention_type == "mla" and "*" in config.block_kinds}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 

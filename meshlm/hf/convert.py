@@ -14,8 +14,10 @@ Export (``meshlm_to_hf``): the architecture is, in order, the one asked for, the
 imported from (if it can still express the model), or the first that fits of Llama (dense '*-' with
 RoPE), Qwen2 (Llama with biases on q/k/v only), Qwen3 (dense '*-' with QK-norm), Qwen3-MoE
 (softmax-routed '*E' with QK-norm), Mistral (a subset of Llama: written only when asked for or
-imported from; or a window in every layer), Phi-3 (Llama's layer with fused projections: likewise),
-Mixtral (softmax-routed '*E'), Gemma 2 and 3 (sandwich norms, GeGLU, scaled embeddings, soft-capping;
+imported from; or a window in every layer), Mixtral (softmax-routed '*E'), DeepSeek-V3 (multi-head
+latent attention -- the one class here with it, every other refuses it --, dense '*-' layers, then
+sigmoid-routed '*E' with a shared expert), Phi-3 (Llama's layer with fused projections: written
+only when asked for or imported from), Gemma 2 and 3 (sandwich norms, GeGLU, scaled embeddings, soft-capping;
 Gemma 3 with QK-norm), OLMo 2 and 3
 (norms after the sublayers, QK-norm over all heads; OLMo 3 sliding), GPT-2 (learned positions,
 LayerNorm, biases, transposed Conv1D weights), StarCoder2 (RoPE with LayerNorm, biases and a
@@ -42,8 +44,8 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
                                            weights_source, write_model_folder)
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
-from meshlm.hf import (gemma2, gemma3, gpt2, granite, llama, mamba2, mistral, mixtral, nemotron_h, olmo2, phi3, qwen2, qwen3,
-                       qwen3_moe, starcoder2)
+from meshlm.hf import (deepseek_v3, gemma2, gemma3, gpt2, granite, llama, mamba2, mistral, mixtral, nemotron_h, olmo2,
+                       phi3, qwen2, qwen3, qwen3_moe, starcoder2)
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.fp8_export import quantize_hf_export
@@ -54,7 +56,7 @@ from meshlm.models.lora import is_adapter_tensor, merged_weights, without_adapte
 
 EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE,
                                           qwen3_moe.ARCHITECTURE, mistral.ARCHITECTURE, mixtral.ARCHITECTURE,
-                                          phi3.ARCHITECTURE, gemma2.ARCHITECTURE, gemma3.ARCHITECTURE,
+                                          deepseek_v3.ARCHITECTURE, phi3.ARCHITECTURE, gemma2.ARCHITECTURE, gemma3.ARCHITECTURE,
                                           olmo2.OLMO2_ARCHITECTURE,
                                           olmo2.OLMO3_ARCHITECTURE,
                                           gpt2.ARCHITECTURE, starcoder2.ARCHITECTURE, granite.ARCHITECTURE,
