@@ -14,6 +14,9 @@
   Under cuDNN first, the masked calls too: a left-padded row, and one query over 128 cached keys.
 - **Sliding-window attention**: the chunked windowed core (``model.sliding_window``) in bf16
   against the explicit softmax under the band mask in fp32, with the same bound.
+- **Value heads narrower than the keys** (multi-head latent attention): DeepSeek-V3's 192/128
+  heads in bf16 under each preferred kernel against the explicit softmax in fp32, and the latent
+  cache's decoding call (one key/value head for 16 query heads).
 - **Soft-capped attention**: the explicit capped core (``model.attention_softcap``, its own
   chunked backward), causal and windowed, in bf16 against the explicit capped softmax in fp32,
   with the same bound against that softmax in bf16.
@@ -165,6 +168,46 @@ the math path and a largest value of 3.1: over ``BF16_SLACK``'s bound (0.022), i
 KERNEL_OPS = {"flash": "_scaled_dot_product_flash_attention", "cudnn": "_scaled_dot_product_cudnn_attention",
               "efficient": "_scaled_dot_product_efficient_attention"}
 """The aten operator each preferred kernel runs as on CUDA."""
+
+
+@pytest.mark.parametrize("kernel", ["efficient", "cudnn", "auto"])
+def test_value_heads_narrower_than_the_keys_match_the_explicit_softmax(gpu_device, kernel):
+    """Multi-head latent attention's core (``model.attention_type=mla``): query/key heads of 192,
+    value heads of 128 (DeepSeek-V3's), in bf16 under each preferred kernel (flash takes no such
+    heads; SDPA falls back to one that does), against the explicit softmax in fp32 with the
+    preferred-kernel test's bound; and its decoding call (one cached key/value head of latents for every query head,
+    the heads folded into rows), against the explicit softmax of the repeated head."""
+    seq, heads = 64, 4
+    inputs = [seeded(2, heads, seq, 192, device=gpu_device, seed=0, dtype=torch.bfloat16),
+              seeded(2, heads, seq, 192, device=gpu_device, seed=1, dtype=torch.bfloat16),
+              seeded(2, heads, seq, 128, device=gpu_device, seed=2, dtype=torch.bfloat16)]
+    grad_out = seeded(2, heads, seq, 128, device=gpu_device, seed=3)
+    keep = torch.ones(2, heads, seq, seq, dtype=torch.bool, device=gpu_device)
+    reference = values_and_grads(lambda q, k, v: attention_with_dropout(q, k, v, None, keep, 0.0),
+                                 [tensor.float() for tensor in inputs], grad_out)
+    plain = values_and_grads(lambda q, k, v: attention_with_dropout(q, k, v, None, keep, 0.0), inputs, grad_out)
+    before = torch._C._get_sdp_priority_order()
+    try:
+        prefer_attention_kernel(kernel, gpu_device)  # as the trainer does for model.attention_kernel
+        got_all = values_and_grads(attention_core, inputs, grad_out)
+        query = seeded(2, 16, 1, 576, device=gpu_device, seed=4, dtype=torch.bfloat16)
+        latent_keys = seeded(2, 1, seq, 576, device=gpu_device, seed=5, dtype=torch.bfloat16)
+        latents, scale = latent_keys[..., :512], 192 ** -0.5
+        decoded = attention_core(query, latent_keys, latents, scale=scale)
+    finally:
+        torch._C._set_sdp_priority_order(before)
+    for name, got, baseline, expected in zip(("out", "dq", "dk", "dv"), got_all, plain, reference):
+        assert got.dtype == torch.bfloat16 and got.shape == expected.shape and torch.isfinite(got).all(), name
+        slack = KERNEL_SLACK * max(1.0, float(expected.abs().max()))
+        assert max_error(got, expected) <= 2 * max_error(baseline, expected) + slack, \
+            (name, max_error(got, expected), max_error(baseline, expected), float(expected.abs().max()))
+    scores = (query.float() @ latent_keys.float().transpose(-1, -2)) * scale
+    expected = torch.softmax(scores, dim=-1) @ latents.float()
+    assert decoded.shape == (2, 16, 1, 512)
+    plain_decoded = torch.softmax((query @ latent_keys.transpose(-1, -2)).float() * scale, dim=-1).to(
+        torch.bfloat16) @ latents
+    slack = KERNEL_SLACK * max(1.0, float(expected.abs().max()))
+    assert max_error(decoded, expected) <= 2 * max_error(plain_decoded, expected) + slack
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
