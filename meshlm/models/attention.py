@@ -112,11 +112,20 @@ def scaled_dot_product(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
                        softcap: float | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` (grouped KV heads allowed), or with ``softcap`` its explicit
-    counterpart with capped scores (``softcapped_attention``): the one call every path here makes."""
+    counterpart with capped scores (``softcapped_attention``): the one call every path here makes.
+
+    Value heads narrower than the query and key heads (multi-head latent attention's) are
+    zero-padded to their width and the output's padded channels (zeros) cut off again: the fused
+    kernels want one width for q, k and v, and without one SDPA would take its math path, which
+    keeps the [t, s] probabilities. The scale is q's width's either way."""
     if softcap is not None:
         return softcapped_attention(query, key, value, softcap, attn_mask, is_causal, scale)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                          enable_gqa=query.shape[1] != key.shape[1])
+    value_width = value.shape[-1]
+    if value_width < query.shape[-1]:
+        value = F.pad(value, (0, query.shape[-1] - value_width))
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out if out.shape[-1] == value_width else out[..., :value_width]
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -109,7 +109,8 @@ class LatentAttention(SelfAttention):
         rotary_key = apply_rotary(rotary_key[:, None], cos, sin)  # [b, 1, t, d_r]: one head for all
         query = torch.cat((query_nope, query_rope), dim=-1)
         key = torch.cat((key_nope, rotary_key.expand(-1, key_nope.shape[1], -1, -1)), dim=-1)
-        # the values' own storage: a slice of the expanded latent would keep the unrotated keys alive too
+        # the values' own storage: a slice of the expanded latent, saved for backward (selective
+        # recompute saves the core's inputs), would keep the unrotated keys alive too
         return query, key, value.contiguous()
 
     @property

@@ -70,8 +70,8 @@ def planning_context(config, layout) -> ParallelContext:
 @dataclass(frozen=True)
 class RankParameters:
     """One pipeline rank's trained parameters, in model order: (name, shape, is routed expert, is
-    one Muon would step), and how many frozen ones it holds besides (LoRA's base weights: weights
-    only, never sharded)."""
+    one Muon would step), how many frozen ones it holds besides (LoRA's base weights: weights
+    only, never sharded), and which have a gradient partial on each TP rank."""
 
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
@@ -80,6 +80,14 @@ class RankParameters:
     """``muon_parameter`` of each, whatever optim.optimizer is; the names and shapes are the
     trainer's after ``parallelize_model`` (the same dotted names, this rank's shard)."""
     frozen: int = 0
+    partial: tuple[bool, ...] = ()
+    """Of each, whether tensor parallelism keeps it whole on every rank with a partial gradient,
+    summed over the TP group once per step (``mark_partial_grad``: MLA's down-projections, norms
+    under SP, ...)."""
+
+    @property
+    def partial_count(self) -> int:
+        return sum(shape.numel() for shape, partial in zip(self.shapes, self.partial) if partial)
 
     @property
     def count(self) -> int:
@@ -105,7 +113,8 @@ def rank_parameters(config, layout, pp_rank: int = 0) -> RankParameters:
         frozen = sum(param.numel() for param in model.parameters() if not param.requires_grad)
         _CACHE[key] = RankParameters(tuple(name for name, _ in named), tuple(param.shape for _, param in named),
                                      tuple(bool(getattr(param, "expert_parallel", False)) for _, param in named),
-                                     tuple(muon_parameter(name, param) for name, param in named), frozen)
+                                     tuple(muon_parameter(name, param) for name, param in named), frozen,
+                                     tuple(bool(getattr(param, "tp_partial_grad", False)) for _, param in named))
     return _CACHE[key]
 
 

@@ -144,7 +144,8 @@ def plan_step(times: dict, micro_batches: int) -> list[tuple[str, float, float]]
     filling); each micro-batch's computation, with its TP communication mixed in (TP's
     all-reduces come per block, thousands of times a second: the share of the time they take,
     not a phase of their own), then its pipeline messages; the other half of the bubble
-    (draining); the exposed DP reduction and the step's scalar all-reduces; the optimizer.
+    (draining); the exposed DP reduction, the TP-partial gradients' all-reduce and the step's
+    scalar all-reduces; the optimizer.
     ``times``: ``step_time``'s items
     (``meshlm/planning/step_time.py``)."""
     bubble = times.get("bubble_s", 0.0)
@@ -154,7 +155,7 @@ def plan_step(times: dict, micro_batches: int) -> list[tuple[str, float, float]]
     parts = [("bubble", bubble / 2, 0.0)]
     for _ in range(micro_batches):
         parts += [("compute", (compute + tp) / micro_batches, tp_share), ("bubble", p2p / micro_batches, 0.0)]
-    exposed = times.get("dp_exposed_s", 0.0) + times.get("step_scalars_s", 0.0)
+    exposed = times.get("dp_exposed_s", 0.0) + times.get("tp_partial_s", 0.0) + times.get("step_scalars_s", 0.0)
     parts += [("bubble", bubble / 2, 0.0), ("communication", exposed, 0.0),
               ("optimizer", times.get("optimizer_s", 0.0), 0.0)]
     return [part for part in parts if part[1] > 0]

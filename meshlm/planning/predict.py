@@ -21,12 +21,14 @@ MICRO_BATCHES = (1, 2, 4, 8)
 
 
 def resolved_for(config, hardware):
-    """The config with ``precision.dtype=auto`` resolved as the trainer would on that device
-    (fp32 on the CPU, bf16 on a GPU)."""
-    if config.precision.dtype != "auto":
-        return config
-    dtype = "fp32" if hardware.name == "cpu" else "bf16"
-    return dataclasses.replace(config, precision=dataclasses.replace(config.precision, dtype=dtype))
+    """The config as the trainer would run it on that hardware: ``train.device`` the hardware's
+    (cpu, or cuda for a GPU row: the activation estimate depends on it, e.g. the CPU's SDPA math
+    path for MLA, the loss's chunks) and ``precision.dtype=auto`` resolved (fp32 on the CPU, bf16 on
+    a GPU)."""
+    on_cpu = hardware.name == "cpu"
+    train = dataclasses.replace(config.train, device="cpu" if on_cpu else "cuda")
+    dtype = config.precision.dtype if config.precision.dtype != "auto" else "fp32" if on_cpu else "bf16"
+    return dataclasses.replace(config, train=train, precision=dataclasses.replace(config.precision, dtype=dtype))
 
 
 def predict_at(config, layout, hardware, micro_batch: int) -> dict:
@@ -34,8 +36,9 @@ def predict_at(config, layout, hardware, micro_batch: int) -> dict:
     run = apply_layout(resolved_for(config, hardware), layout, micro_batch)
     items = memory_items(run, layout, hardware)
     total = sum(items.values())
-    parameters = max(rank_parameters(run, layout, rank).count for rank in sorted({0, layout.pp - 1}))
-    times = step_time(run, layout, hardware, parameters)
+    ranks = [rank_parameters(run, layout, rank) for rank in sorted({0, layout.pp - 1})]
+    times = step_time(run, layout, hardware, max(rank.count for rank in ranks),
+                      max(rank.partial_count for rank in ranks))
     flops = step_flops(run, layout)
     seconds, gpus = times["step_time_s"], layout.world_size
     tokens = run.train.global_batch_size * run.train.seq_len

@@ -5,10 +5,12 @@ block with each block's sizes, split into op classes (matmul, attention core, SS
 divided by the GPU's achievable rate for that class (``hardware.py``; on the calibrated CPU row,
 by the rate measured for the block's kind). A pipeline stage's
 share is the blocks ``stage_starts`` gives it (cut by FLOPs, as the trainer cuts), the head and
-MTP depths on the last stage; tensor parallelism divides the work by tp, context parallelism
-the tokens by cp. Backward is twice the forward; recomputation adds the recomputed forward
-('full': the whole block; 'selective': the attention core), which is work the GPU does but
-not model FLOPs -- it counts in the *hardware* FLOP rate, as PTD-P reports it.
+MTP depths on the last stage; tensor parallelism divides the work by tp, except the layers it
+keeps whole on every rank (``TP_REPLICATED_TERMS``: MLA's down-projections, computed by each rank
+for the whole sequence), context parallelism the tokens by cp. Backward is twice the forward;
+recomputation adds the recomputed forward ('full': the whole block; 'selective': the attention
+core), which is work the GPU does but not model FLOPs -- it counts in the *hardware* FLOP rate,
+as PTD-P reports it.
 
 **Communication**, alpha-beta per message (latency + bytes / bandwidth, the node's fabric when
 the group fits in a node, else the network), with the byte counts ``bench/communication.py``
@@ -18,14 +20,20 @@ measures:
   all-gather plus a reduce-scatter of the same bytes), ring cost 2(t-1)/t of the message; again
   in forward when the block is recomputed. Not overlapped. A reduce-scatter moves what an
   all-gather does, (t-1)/t of the message, except where the backend reduces the whole buffer
-  (``Hardware.reduce_scatter_factor``: gloo's costs an all-reduce).
+  (``Hardware.reduce_scatter_factor``: gloo's costs an all-reduce). Once per step, after the
+  pipeline, one all-reduce of the gradients that are partial on each TP rank (``tp_partial_s``:
+  replicated weights applied to this rank's heads or tokens only -- norms under SP, QK-norms, KV
+  projections shared by fewer KV heads than ranks, MLA's down-projections and latent norms),
+  fp32, this rank's 1/S of them under ZeRO (the distributed optimizer sums its shards only).
 - PP: per micro-batch and stage boundary, the b*s*h activation forward and its gradient
   backward, times vp with interleaving; on the critical path.
 - DP: the gradients (fp32, all-reduce or reduce-scatter + all-gather, the same ring bytes) once
   per step, overlapped with the last micro-batch's backward; only what sticks out counts.
 - CP: ring attention passes each K/V chunk around the ring (cp-1 hops) forward and again
   backward, where the chunk's fp32 dK/dV accumulator follows it home (cp hops), overlapped with
-  the attention core it feeds (``meshlm/parallel/context/ring_attention.py``).
+  the attention core it feeds (``meshlm/parallel/context/ring_attention.py``). A chunk is each
+  block's own KV heads of its key and value widths; MLA's keys (d_n + d_r) and values (d_v) travel
+  zero-padded to the wider of the two, one key and one value per head (``ring_kv_elements``).
 - Where the hardware cannot overlap (``Hardware.overlaps_communication``: the CPU, whose cores do
   the collectives' copies), DP and CP communication adds in full.
 - EP: an all-to-all of the routed tokens to their experts and one back, forward and backward.
@@ -78,6 +86,10 @@ FP32 = 4
 
 ATTENTION_TERMS = {"scores", "attend"}
 
+TP_REPLICATED_TERMS = {"q_a_proj", "kv_a_proj"}
+"""Block FLOP terms (``meshlm/models/flops.py``) that tensor parallelism does not split: MLA's
+down-projections, whole on every rank (``parallelize_latent_attention``)."""
+
 
 def op_class(term: str) -> str:
     if term in ATTENTION_TERMS:
@@ -97,7 +109,7 @@ def block_times(config, layout, hardware, seq: int) -> list[dict]:
         share = {}
         for term, flops in terms.items():
             # CP: this rank has seq / cp of the tokens; its attention covers them against all keys
-            share[term] = flops / layout.cp / layout.tp
+            share[term] = flops / layout.cp / (1 if term in TP_REPLICATED_TERMS else layout.tp)
         if kind in hardware.block_rates:  # measured on this CPU: forward's share of its fwd+bwd time
             forward = sum(share.values()) / hardware.block_rates[kind]
         else:
@@ -107,6 +119,16 @@ def block_times(config, layout, hardware, seq: int) -> list[dict]:
         rows.append({"kind": kind, "forward_s": forward, "recompute_s": extra, "flops": sum(share.values()),
                      "attention_s": attention, "fixed_s": hardware.block_fixed_s.get(kind, 0.0)})
     return rows
+
+
+def ring_kv_elements(block_model) -> int:
+    """Elements per token of the key and value chunk ring attention passes on (all TP ranks'
+    together): GQA's KV heads of head_dim each; MLA's key (d_n + d_r) and value (d_v) of every
+    head, zero-padded to the wider width (``ring_attention``)."""
+    heads = block_model.resolved_num_kv_heads
+    if block_model.attention_type == "mla":
+        return 2 * heads * max(block_model.resolved_head_dim, block_model.resolved_value_head_dim)
+    return 2 * heads * block_model.resolved_head_dim
 
 
 def ring_seconds(message_bytes: float, ranks: int, hardware, intra: bool, factor: float = 2.0) -> float:
@@ -132,9 +154,10 @@ def p2p_seconds(message_bytes: float, hardware, intra: bool) -> float:
     return (hardware.intra_latency_s if intra else hardware.inter_latency_s) + message_bytes / bandwidth
 
 
-def step_time(config, layout, hardware, parameter_count: int) -> dict:
+def step_time(config, layout, hardware, parameter_count: int, partial_count: int = 0) -> dict:
     """Seconds of one step and its parts, plus FLOP counts (see the module docstring).
-    ``parameter_count``: this rank's parameters (the DP gradient volume)."""
+    ``parameter_count``: this rank's parameters (the DP gradient volume); ``partial_count``: those
+    of them whose gradients are partial over TP (``RankParameters.partial_count``)."""
     model, train = config.model, config.train
     dtype_bytes = DTYPE_BYTES[config.precision.dtype]
     micro_batch, seq = train.micro_batch_size, train.seq_len
@@ -166,7 +189,7 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
             tp_comm = (2 + (train.recompute == "full")) * tp_block_s if row["kind"] != "L" else 0.0
             cp_comm = 0.0
             if row["kind"] == "*" and layout.cp > 1:  # K and V chunks around the ring, hidden behind attention
-                elements = tokens_local * 2 * model.resolved_num_kv_heads * model.resolved_head_dim / layout.tp
+                elements = tokens_local * ring_kv_elements(model.for_block(index)) / layout.tp
                 intra = layout.cp * layout.tp <= per_node
                 # K/V: cp-1 hops forward and again backward; their fp32 dK/dV accumulators: cp hops
                 ring = (2 * (layout.cp - 1) * p2p_seconds(elements * dtype_bytes, hardware, intra)
@@ -206,13 +229,23 @@ def step_time(config, layout, hardware, parameter_count: int) -> dict:
     optimizer_s = optimizer_bytes / (hardware.hbm_gbps * 1e9)
     scalars_s = step_scalar_seconds(config, layout, hardware)
     muon_s = muon_seconds(config, layout, hardware, starts) if config.optim.optimizer == "muon" else 0.0
-    total = pipeline_s + dp_exposed + optimizer_s + scalars_s + muon_s
+    tp_partial_s = tp_partial_seconds(layout, hardware, partial_count)
+    total = pipeline_s + dp_exposed + optimizer_s + scalars_s + muon_s + tp_partial_s
     return {"step_time_s": total, "pipeline_s": pipeline_s, "bubble_fraction": bubble_fraction,
             "bubble_s": (layout.pp - 1) / layout.vp * (slowest + p2p), "pp_p2p_s": p2p * micro_batches,
             "dp_comm_s": dp_s, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer_s, "step_scalars_s": scalars_s,
-            "muon_s": muon_s,
+            "muon_s": muon_s, "tp_partial_s": tp_partial_s,
             "tp_comm_s": micro_batches * tp_block_s * sum(kind not in "0L" for kind in model.block_kinds)
             * 2 / layout.pp}
+
+
+def tp_partial_seconds(layout, hardware, partial_count: int) -> float:
+    """The all-reduce over TP of the ``partial_count`` gradients a rank holds partially, once per
+    step (module docstring): fp32, this rank's 1/S share under ZeRO; none without them."""
+    if layout.tp == 1 or not partial_count:
+        return 0.0
+    shards = layout.dp * layout.cp if layout.zero >= 1 and layout.world_size > 1 else 1
+    return ring_seconds(partial_count * FP32 / shards, layout.tp, hardware, layout.tp <= hardware.gpus_per_node)
 
 
 def step_scalar_seconds(config, layout, hardware) -> float:
@@ -304,22 +337,26 @@ def muon_seconds(config, layout, hardware, starts: list[int]) -> float:
 
 def step_flops(config, layout) -> dict:
     """Model FLOPs of one step (forward + backward, no recomputation) and hardware FLOPs (with
-    the recomputed forward), over the whole run."""
+    the recomputed forward, and the tp - 1 more copies of the layers every TP rank computes whole,
+    ``TP_REPLICATED_TERMS``), over the whole run."""
     from meshlm.models.flops import model_flops_per_sequence
 
     model, train = config.model, config.train
     sequences = train.global_batch_size
     model_flops = model_flops_per_sequence(model, train.seq_len) * sequences
-    recomputed = 0.0
+    extra = 0.0
     for index, kind in enumerate(model.block_kinds):
         terms = block_flops(kind, model.for_block(index), train.seq_len).terms
         if train.recompute == "full":
-            recomputed += sum(terms.values())
+            extra += sum(terms.values())
         elif train.recompute == "selective":
-            recomputed += sum(flops for term, flops in terms.items() if term in ATTENTION_TERMS)
-    return {"model_flops": model_flops, "hardware_flops": model_flops + recomputed * sequences}
+            extra += sum(flops for term, flops in terms.items() if term in ATTENTION_TERMS)
+        replicated = sum(flops for term, flops in terms.items() if term in TP_REPLICATED_TERMS)
+        extra += (layout.tp - 1) * replicated * (1 + BACKWARD_TO_FORWARD + (train.recompute == "full"))
+    return {"model_flops": model_flops, "hardware_flops": model_flops + extra * sequences}
 
 
-__all__ = ["block_times", "fp32_matmul_rate", "muon_seconds", "newton_schulz_flops", "op_class", "p2p_seconds",
-           "ring_seconds", "scatter_and_gather_seconds", "step_flops", "step_scalar_seconds", "step_time"]
+__all__ = ["TP_REPLICATED_TERMS", "block_times", "fp32_matmul_rate", "muon_seconds", "newton_schulz_flops", "op_class",
+           "p2p_seconds", "ring_kv_elements", "ring_seconds", "scatter_and_gather_seconds", "step_flops",
+           "step_scalar_seconds", "step_time", "tp_partial_seconds"]
 

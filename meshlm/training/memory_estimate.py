@@ -8,7 +8,9 @@ about two, not a planner: it counts the big tensors and nothing else.
 
 **Parameter state**, from the parameter count of the single-process model (built on ``meta``,
 no storage) cut by the layout: block parameters / (tp * pp), routed experts / (ep * etp * pp),
-embedding and output head / tp (both counted, as if on one stage). Bytes per parameter with
+embedding and output head / tp (both counted, as if on one stage); the block parameters tensor
+parallelism keeps whole on every rank, MLA's down-projections and latent norms
+(``parallelize_latent_attention``), / pp only. Bytes per parameter with
 AdamW (see ``meshlm/precision/mixed_precision.py``):
 
     fp32:       4 weight + 4 grad               + 8 Adam moments (the weights are the masters)
@@ -40,6 +42,16 @@ k the top-k, w the expert width:
                                                           8(q + kv) + 4(a + kv heads); with a sliding window
                                                           w < s (no CP) its chunked copies, about
                                                           d(2q + 4kv) more (exactly: see the code)
+    latent attention * (MLA)    8 d_r + latents + d(4q + v) + 4a (selective recompute: d(q + k
+                                + 2v)): q = k = a(d_n + d_r), v = a d_v; RoPE cos/sin of the d_r
+                                rotary channels; narrower value heads enter SDPA zero-padded to
+                                the keys' width, so the kernel keeps v and its output q wide, and
+                                o_proj's input is a copy of the output's real channels. Latents,
+                                each like a pre-norm: query 8 r_q + 4 + d r_q, KV 4 r (fp32:
+                                4(r + d_r), the norm's input is a slice of kv_a_proj's output) +
+                                4 + 4r + d r. On the CPU, value heads wider than the query/key
+                                heads take SDPA's math path, which saves fp32 scaled q and k, v
+                                and the probabilities, 4(q + k + v) + 4 a s
     MLP         -               d * (4F gated / 2F)       gate, up, act(gate), product (or proj, act)
     MoE         E               (norm output in fp32: 12h + 4) + 16E + 4 (router) + k(20 + d*w + d*MLP
                                 + 8w) (indices, weights, dispatched rows, experts, fp32 combine)
@@ -53,20 +65,29 @@ k the top-k, w the expert width:
 them within 1% per block kind in fp32 and bf16, at every recompute setting, in one process and
 at tp2 with SP: ``tests/training/test_activation_estimate.py``). The attention
 score matrix [heads, seq, seq] is not stored: the SDPA kernels (flash on CPU and CUDA,
-memory-efficient) never materialise it; only ``model.attention_dropout > 0`` takes the explicit
-softmax path, which saves about 5 + 2 * dtype bytes per score (the soft-capped core,
-``model.attention_softcap``, keeps what a fused kernel keeps: q, k, v, the output and LSE). The output head fuses the
-projection with the loss (``meshlm/models/losses.py``): two fp32 [chunk, vocab] buffers, the
+memory-efficient) never materialise it, except SDPA's math path (MLA's wider value heads on the
+CPU, above); only
+``model.attention_dropout > 0`` takes the explicit softmax path, which saves 5 + d bytes per score
+(fp32 probabilities, the keep mask, the kept probabilities; under selective recompute the keep
+mask alone, an input of the checkpointed core), the [seq, seq] mask of visible keys, and keys and
+values repeated to every query head, but no LSE (the soft-capped core,
+``model.attention_softcap``, keeps what a fused kernel keeps: q, k, v, the output and LSE). On
+CUDA the padded MLA core goes to FlashAttention-2 or cuDNN like any other (not measured here). The output
+head fuses the projection with the loss (``meshlm/models/losses.py``): two fp32 [chunk, vocab] buffers, the
 hidden-state gradient and an fp32 weight gradient, instead of [tokens, vocab] logits; under
 tensor parallelism the vocab-parallel loss holds about three fp32 [tokens, vocab / tp]
 tensors. Each MTP depth adds its blocks, 4h and another head. The peak is at the start of the
 backward, and backward frees each block's tensors about as fast as it makes that block's
 gradients, so no working space is added, except the block being recomputed (with
-``train.recompute=full``) and the scores' temporaries in one layer (with attention dropout).
+``train.recompute=full``) and the scores' temporaries in one layer (with attention dropout, or on
+SDPA's math path).
 
 Layout: a rank holds seq_len / cp tokens of each sequence; inner widths (q, kv, F, D, experts)
 are split by tp (etp); with sequence parallelism the norm's own tensors are split by tp too, but
-not its output, which the column-parallel linear saves gathered (the whole sequence). Recomputation
+not its output, which the column-parallel linear saves gathered (the whole sequence). MLA's
+latents are not split: every TP rank computes them, and their norms, for the whole sequence
+(``parallelize_latent_attention``). Under context parallelism MLA's ring attention pads q, k and
+v to the wider head, so its core keeps 4 a max(d_n + d_r, d_v) d + the copied output + LSE. Recomputation
 (``train.recompute``) keeps only the input (h) of a fully recomputed block; 'selective' reruns the
 attention core, which then keeps only its inputs (q, k, v) and its output (o_proj's input): it
 drops the softmax statistics (LSE) and, with attention dropout, the score matrix. Under pipeline parallelism the
@@ -105,6 +126,7 @@ from meshlm.checkpoint.model_files import read_model_config
 from meshlm.data.preference import PAIRS
 from meshlm.errors import CheckpointError
 from meshlm.models.attention import window_chunks
+from meshlm.models.flops import attended_pairs
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.losses import default_tokens_per_chunk
 from meshlm.models.mlp import is_gated
@@ -116,6 +138,10 @@ from meshlm.training.memory_usage import format_bytes
 from meshlm.training.preference_data import needed_kind
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+TP_REPLICATED = ("q_a_proj", "kv_a_proj", "q_a_norm", "kv_a_norm")
+"""Block layers tensor parallelism keeps whole on every rank: MLA's down-projections (with their
+LoRA adapters) and latent norms (``meshlm/parallel/tensor/attention.py``)."""
 
 
 @dataclass(frozen=True)
@@ -146,17 +172,19 @@ class MemoryEstimate:
 def counted_parameters(model_config) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """(every parameter, the trainable ones, the trainable ones Muon would step) of the
     single-process model by group: 'vocab' (embedding and head), 'experts' (routed experts),
-    'blocks' (everything else); counted on ``meta`` in one build, no storage allocated.
+    'replicated' (``TP_REPLICATED``), 'blocks' (everything else); counted on ``meta`` in one
+    build, no storage allocated.
 
     Trainable: all of them, or under LoRA the adapters (``meshlm/models/lora.py``). Muon's: the
     blocks' and MTP depths' weight matrices ``muon_parameter`` picks, whatever optim.optimizer is
     (the caller decides whether they count as Muon's)."""
     with torch.device("meta"):
         model = LanguageModel(model_config, seed=0)
-    every, trainable, muon = ({"vocab": 0, "experts": 0, "blocks": 0} for _ in range(3))
+    every, trainable, muon = ({"vocab": 0, "experts": 0, "replicated": 0, "blocks": 0} for _ in range(3))
     for name, param in model.named_parameters():
         group = ("vocab" if name in ("embedding.weight", "output.weight") else
-                 "experts" if ".experts." in name else "blocks")
+                 "experts" if ".experts." in name else
+                 "replicated" if any(f".{layer}." in name for layer in TP_REPLICATED) else "blocks")
         every[group] += param.numel()
         trainable[group] += param.numel() if param.requires_grad else 0
         muon[group] += param.numel() if muon_parameter(name, param) else 0
@@ -174,10 +202,11 @@ def local_parameter_counts(model_config, layout) -> dict[str, float]:
 
 
 def per_rank(counts: dict[str, int], layout) -> dict[str, float]:
-    """Parameter ``counts`` by group cut down to one rank: blocks by tp * pp, routed experts by
-    ep * etp * pp, embedding and head by tp."""
+    """Parameter ``counts`` by group cut down to one rank: blocks by tp * pp (those TP replicates
+    by pp), routed experts by ep * etp * pp, embedding and head by tp."""
     return {"vocab": counts["vocab"] / layout.tp_size,
             "blocks": counts["blocks"] / (layout.tp_size * layout.pp_size),
+            "replicated": counts["replicated"] / layout.pp_size,
             "experts": counts["experts"] / (layout.ep_size * layout.etp_size * layout.pp_size)}
 
 
@@ -237,7 +266,6 @@ def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
 
 def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout, model) -> float:
     """``block_activation_bytes`` without the block output norm."""
-    train = config.train
     if kind == "0":  # a no-op block saves nothing
         return 0.0
     dtype_bytes, tp, h = DTYPE_BYTES[config.precision.dtype], layout.tp_size, model.hidden_size
@@ -246,25 +274,7 @@ def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
     # the pre-norm, or without one (model.block_input_norm=false) the block input the first linear saves
     residual = norm_bytes(h, dtype_bytes, sequence_shards) if model.block_input_norm else dtype_bytes * h
     if kind == "*":
-        selective = train.recompute == "selective"
-        query = model.num_attention_heads * model.resolved_head_dim
-        key_value = model.resolved_num_kv_heads * model.resolved_head_dim
-        rope = 8 * model.resolved_head_dim if model.position_embedding == "rope" else 0  # cos, sin
-        core = (2 * query + 2 * key_value) * dtype_bytes + (0 if selective else 4 * model.num_attention_heads)
-        if model.qk_norm:  # each of q and k: its fp32 input, the normalized product, 1/rms per head
-            core += 8 * (query + key_value) + 4 * (model.num_attention_heads + model.resolved_num_kv_heads)
-        window = model.sliding_window
-        if window is not None and window < seq and layout.cp_size == 1 and not selective:
-            # windowed_attention over P = chunks * window padded positions: q, k, v padded to P, the
-            # two outputs and LSEs over P rows, and the later chunks' folded queries and key/value pairs
-            padded = window_chunks(seq, window) * window
-            core += ((query + 2 * key_value) * (padded - seq) / seq + query * padded / seq
-                     + (query + 4 * key_value) * (padded - window) / seq) * dtype_bytes
-            core += 4 * model.num_attention_heads * (padded - seq) / seq
-        scores = 0.0
-        if model.attention_dropout > 0 and not selective:  # the explicit softmax keeps [heads, seq, seq]
-            scores = micro_batch * model.num_attention_heads / tp * seq * seq * (5 + 2 * dtype_bytes)
-        return (residual + rope + core / tp) * tokens + scores
+        return attention_bytes(config, model, micro_batch, seq, layout, residual)
     if kind == "-":
         mlp = mlp_elements(model.resolved_ffn_hidden_size, model.mlp_activation) * dtype_bytes
         return (residual + mlp / tp) * tokens
@@ -299,6 +309,115 @@ def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
         return (norm_bytes(h, dtype_bytes, sequence_shards, output_bytes=0) + h * dtype_bytes / sequence_shards) \
             * tokens
     raise ValueError(f"unknown block kind {kind!r}")
+
+
+def attention_bytes(config, model, micro_batch: int, seq: int, layout, residual: float) -> float:
+    """What an attention block saves (module docstring): its pre-norm (``residual`` bytes per
+    token), the RoPE tables, MLA's latents (whole on every TP rank, which computes them for the
+    whole sequence), QK-norm's terms and the core's tensors (split by heads over tp), and with
+    attention dropout its score matrix."""
+    dtype_bytes, tp, tokens = DTYPE_BYTES[config.precision.dtype], layout.tp_size, micro_batch * seq
+    latent = model.attention_type == "mla"
+    rotary = model.mla_qk_rope_head_dim if latent else model.resolved_head_dim
+    rope = 8 * rotary if model.position_embedding == "rope" else 0  # cos, sin
+    core = attention_core_bytes(config, model, seq, layout)
+    query, key_value = model.num_attention_heads * model.resolved_head_dim, attention_widths(model)[1]
+    if model.qk_norm:  # each of q and k: its fp32 input, the normalized product, 1/rms per head
+        core += 8 * (query + key_value) + 4 * (model.num_attention_heads + model.resolved_num_kv_heads)
+    scores = 0.0
+    if model.attention_dropout > 0:
+        # the keep mask, one byte per score (under selective recompute an input of the checkpointed
+        # core); without recompute the explicit softmax's fp32 probabilities and the kept ones in the
+        # run's dtype, and once per layer the [seq, seq] mask of visible keys
+        selective = config.train.recompute == "selective"
+        scores = (micro_batch * model.num_attention_heads / tp * seq * seq * (1 if selective else 5 + dtype_bytes)
+                  + (0 if selective else seq * seq))
+    latents = latent_bytes(model, dtype_bytes) if latent else 0.0
+    return (residual + rope + latents + core / tp) * tokens + scores
+
+
+def attention_widths(model) -> tuple[int, int, int, int]:
+    """Elements per token of the attention core's query, key, value and output: heads x head widths
+    (MLA: query and key heads of d_n + d_r, value and output heads of d_v)."""
+    heads, kv_heads = model.num_attention_heads, model.resolved_num_kv_heads
+    qk, v = model.resolved_head_dim, model.resolved_value_head_dim
+    return heads * qk, kv_heads * qk, kv_heads * v, heads * v
+
+
+def latent_bytes(model, dtype_bytes: int) -> float:
+    """Bytes per token MLA's latents save (``latent_attention.py``): each latent norm's fp32 input,
+    its normalized fp32 product, 1/rms and its output (the up-projection's input). The KV latent is
+    a slice of kv_a_proj's output, so in fp32 the norm's input keeps all of it, the rotary key's
+    d_r channels too; in bf16/fp16 the norm saves an fp32 copy of the slice alone."""
+    rank = model.mla_kv_lora_rank
+    kv_input = 4 * (rank + model.mla_qk_rope_head_dim) if dtype_bytes == 4 else 4 * rank
+    key_value = kv_input + 4 + (4 + dtype_bytes) * rank
+    query = norm_bytes(model.mla_q_lora_rank, dtype_bytes) if model.mla_q_lora_rank is not None else 0.0
+    return query + key_value
+
+
+def attention_core_bytes(config, model, seq: int, layout) -> float:
+    """Bytes per token the attention core (and o_proj's input) saves on one rank before the tp
+    split; which tensors depends on the path the core takes (module docstring)."""
+    dtype_bytes, heads = DTYPE_BYTES[config.precision.dtype], model.num_attention_heads
+    query, key, value, output = attention_widths(model)
+    # o_proj's input: under GQA a view of the core's output ([b, t, heads, d] in memory, as the
+    # queries are), under MLA a copy (its queries are built head-major, so the output is too)
+    copied_output = output if model.attention_type == "mla" else 0
+    if config.train.recompute == "selective":  # the checkpointed core keeps its inputs; o_proj its own
+        return (query + key + value + output) * dtype_bytes
+    if model.attention_dropout > 0:  # attention_with_dropout repeats k and v to every query head
+        repeat = heads / model.resolved_num_kv_heads
+        return (query + repeat * (key + value) + output) * dtype_bytes
+    if layout.cp_size > 1:  # ring attention: q, k, v and its output padded to the wider head, LSE
+        if copied_output:
+            padded = heads * max(model.resolved_head_dim, model.resolved_value_head_dim)
+            return (4 * padded + copied_output) * dtype_bytes + 4 * heads
+        return (query + key + value + output) * dtype_bytes + 4 * heads
+    window = model.sliding_window if model.sliding_window is not None and model.sliding_window < seq else seq
+    padded = window_chunks(seq, window) * window
+    if math_path(config, model):
+        return math_core_bytes(query, key, value, heads, seq, window, padded, dtype_bytes) + output * dtype_bytes
+    narrower_values = model.attention_softcap is None and value < key
+    if narrower_values:
+        # narrower value heads (MLA) enter SDPA zero-padded to the keys' width (``scaled_dot_product``):
+        # the kernel keeps v and its output that wide, and o_proj's input is the copy of the real channels
+        value, output = key, query
+    # a fused kernel: q, k, v, the output and the softmax's log-sum-exp (LSE)
+    core = (query + key + value + output + copied_output) * dtype_bytes + 4 * heads
+    if window < seq:
+        # windowed_attention over P = chunks * window padded positions: q, k, v padded to P, the
+        # two outputs and LSEs over P rows (o_proj's input is then a copy under GQA too), and the
+        # later chunks' folded queries and key/value pairs
+        core += ((query + key + value) * (padded - seq) / seq + output * padded / seq - copied_output
+                 + (query + 2 * (key + value)) * (padded - window) / seq) * dtype_bytes
+        core += 4 * heads * (padded - seq) / seq
+        if narrower_values:  # the calls keep padded copies of their values, not the values padded to P,
+            # and o_proj's input is a copy of the real channels, not one of the kernel's outputs
+            core -= (value * (padded - window) / seq + output - copied_output) * dtype_bytes
+    return core
+
+
+def math_path(config, model) -> bool:
+    """Whether the core runs SDPA's math path: on the CPU, whose flash kernel wants one width for
+    q, k and v, when MLA's value heads are wider than the query/key heads (narrower ones are
+    zero-padded to their width, ``scaled_dot_product``; CUDA's memory-efficient kernel takes
+    either; the soft-capped core is its own explicit one)."""
+    wider_values = model.resolved_value_head_dim > model.resolved_head_dim
+    return wider_values and model.attention_softcap is None and parse_device(config.train.device).type == "cpu"
+
+
+def math_core_bytes(query: int, key: int, value: int, heads: int, seq: int, window: int, padded: int,
+                    dtype_bytes: int) -> float:
+    """Bytes per token SDPA's math path saves on the CPU, in fp32 whatever the run's dtype: each
+    call's scaled queries and keys, its values and its softmax probabilities. With a sliding window
+    (``windowed_attention``, P = ``padded`` positions) the calls are the first chunk's w x w and the
+    later chunks' w x 2w; the first call's values are a slice, in fp32 of the padded values
+    themselves, in bf16/fp16 an fp32 copy of its w rows. Without one, w = P = seq."""
+    later = padded - window
+    first_values = value * (padded if dtype_bytes == 4 else window)
+    pairs = attended_pairs(seq, window)  # w x w, then w x 2w per later chunk
+    return 4 * (query * padded + key * (window + 2 * later) + first_values + value * 2 * later + heads * pairs) / seq
 
 
 def head_bytes(config, tokens: int, layout) -> float:
@@ -359,11 +478,18 @@ def rows_per_example(train) -> int:
 def score_transient_bytes(config, micro_batch: int, seq: int, layout) -> float:
     """With attention dropout, the layer being computed also holds the dropout mask's int64 hashes
     and fp32 copies of its scores (masked, softmaxed) for a moment: about 28 bytes per score of one
-    layer (measured on CPU)."""
+    layer; on SDPA's math path (MLA's wider value heads on the CPU, ``math_path``) its fp32 scores before the softmax
+    and the causal mask, about 6 bytes per score it computes (``attended_pairs``: a sliding window's
+    chunks). Both measured on CPU."""
     model = config.model
-    if model.attention_dropout == 0 or "*" not in model.block_kinds:
+    if "*" not in model.block_kinds:
         return 0.0
-    return micro_batch * model.num_attention_heads / layout.tp_size * seq * seq * 28
+    heads = micro_batch * model.num_attention_heads / layout.tp_size
+    if model.attention_dropout > 0:
+        return heads * seq * seq * 28
+    if math_path(config, model) and layout.cp_size == 1:  # ring attention under CP has its own core
+        return heads * attended_pairs(seq, model.sliding_window) * 6
+    return 0.0
 
 
 # --- the estimate and the warning ----------------------------------------------------------------------

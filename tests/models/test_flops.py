@@ -2,7 +2,10 @@
 
 FlopCounterMode counts mm / bmm / SDPA by their shapes, per module. Two gaps in torch 2.13's
 table are filled by ``tests/helpers/flop_formulas.py`` with the conventions torch uses elsewhere:
-the CPU flash-attention kernels and ``_grouped_mm`` (the MoE experts' grouped GEMM).
+the CPU flash-attention kernels and ``_grouped_mm`` (the MoE experts' grouped GEMM). Latent
+attention (MLA) is checked layer by layer, on both of its CPU paths (the flash kernel when value
+heads are as wide as query/key heads, SDPA's math path -- two bmm -- when they are not), and
+against its formulas written out from DeepSeek-V2's equations.
 """
 
 import pytest
@@ -11,8 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from meshlm.errors import ConfigError
 from meshlm.models.config import ModelConfig
-from meshlm.models.flops import (BACKWARD_TO_FORWARD, block_flops, model_flops_breakdown, model_flops_per_sequence,
-                                 model_flops_per_token)
+from meshlm.models.flops import (BACKWARD_TO_FORWARD, adapter_parameters, block_flops, block_linear_layers,
+                                 model_flops_breakdown, model_flops_per_sequence, model_flops_per_token)
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.layer import MoELayer
 from tests.helpers.flop_formulas import MISSING_FORMULAS
@@ -46,9 +49,21 @@ def count_forward(config: ModelConfig, seq_len: int, with_labels: bool = False):
 
 
 def counted_flops(kind: str, config: ModelConfig, seq_len: int) -> int:
-    """A block's FLOPs as FlopCounterMode sees them: all but the Mamba conv's elementwise multiply-adds."""
+    """A block's FLOPs as FlopCounterMode sees them: all but the Mamba conv's elementwise multiply-adds,
+    and the zero-padded channels of latent attention's narrower value heads, which the kernel
+    multiplies too (``padded_attend``)."""
     terms = block_flops(kind, config, seq_len).terms
-    return sum(value for name, value in terms.items() if not (kind == "M" and name == "conv"))
+    counted = sum(value for name, value in terms.items() if not (kind == "M" and name == "conv"))
+    return counted + (padded_attend(config, terms) - terms["attend"] if kind == "*" else 0)
+
+
+def padded_attend(config: ModelConfig, terms: dict) -> int:
+    """The weighted sum's FLOPs as run: over value heads zero-padded to the query/key width where
+    they are narrower (``attention.scaled_dot_product``; the model's count keeps their own width)."""
+    key_width, value_width = config.resolved_head_dim, config.resolved_value_head_dim
+    if value_width < key_width and config.attention_softcap is None:
+        return terms["attend"] * key_width // value_width
+    return terms["attend"]
 
 
 def assert_blocks_match(config: ModelConfig, seq_len: int, counter: FlopCounterMode) -> None:
@@ -70,6 +85,53 @@ def test_attention_block_matches_flop_counter(num_kv_heads, seq_len):
     assert module_flops(counter, "LanguageModel.blocks.0.mixer.o_proj") == terms["o_proj"] * BATCH
     sdpa = by_op[aten._scaled_dot_product_flash_attention_for_cpu]
     assert sdpa == (terms["scores"] + terms["attend"]) * BATCH  # the full square, as torch counts it
+
+
+MLA = dict(attention_type="mla", mla_kv_lora_rank=12, mla_qk_nope_head_dim=10, mla_qk_rope_head_dim=6)
+"""Latent attention with every width different (h 32, 4 heads, r 12, d_n 10, d_r 6): a mixed-up
+dimension changes a count."""
+
+
+@pytest.mark.parametrize("q_rank,v_dim,window,seq_len", [(20, 16, None, 16), (None, 16, None, 24), (20, 8, None, 24),
+                                                         (None, 14, None, 17), (20, 8, 6, 23), (None, 16, 8, 32),
+                                                         (None, 20, None, 16)])
+def test_latent_attention_block_matches_flop_counter_layer_by_layer(q_rank, v_dim, window, seq_len):
+    config = make_config(pattern="*", **MLA, mla_q_lora_rank=q_rank, mla_v_head_dim=v_dim, sliding_window=window)
+    counter = count_forward(config, seq_len)
+    assert_blocks_match(config, seq_len, counter)
+    terms = block_flops("*", config, seq_len).terms
+    layers = block_linear_layers("*", config)
+    expected = ["q_proj"] if q_rank is None else ["q_a_proj", "q_b_proj"]
+    assert [name for name, _, _ in layers] == [*expected, "kv_a_proj", "kv_b_proj", "o_proj"]
+    for name, _, _ in layers:  # each linear layer is its own term, under its own module's name
+        assert module_flops(counter, f"LanguageModel.blocks.0.mixer.{name}") == terms[name] * BATCH, name
+    by_op = counter.get_flop_counts()["LanguageModel.blocks.0.mixer"]
+    core = by_op.get(aten._scaled_dot_product_flash_attention_for_cpu, 0) + by_op.get(aten.bmm, 0)
+    # value heads as wide as the query/key heads (d_n + d_r = 16), or narrower and zero-padded to them,
+    # take the flash kernel; wider ones the math path
+    assert (aten.bmm in by_op) == (v_dim > 16)
+    assert core == (terms["scores"] + padded_attend(config, terms)) * BATCH
+
+
+def test_latent_attention_formulas_from_deepseek_v2():
+    """DeepSeek-V2 §2.1, for T tokens: c_q = x W_DQ (h -> r_q), q = c_q W_UQ (r_q -> a(d_n + d_r));
+    [c_kv, k_r] = x W_DKV (h -> r + d_r), [k_n, v] = c_kv W_UKV (r -> a(d_n + d_v)); o = W_O (a d_v -> h);
+    scores q.k over a(d_n + d_r) channels, weighted sum over a d_v, per query-key pair."""
+    h, a, r_q, r, d_n, d_r, d_v, T = 32, 4, 20, 12, 10, 6, 8, 24
+    config = make_config(pattern="*", **MLA, mla_q_lora_rank=r_q, mla_v_head_dim=d_v)
+    assert block_flops("*", config, T).terms == {
+        "q_a_proj": 2 * T * h * r_q, "q_b_proj": 2 * T * r_q * a * (d_n + d_r),
+        "kv_a_proj": 2 * T * h * (r + d_r), "kv_b_proj": 2 * T * r * a * (d_n + d_v),
+        "scores": 2 * a * T * T * (d_n + d_r), "attend": 2 * a * T * T * d_v, "o_proj": 2 * T * a * d_v * h}
+    # the layers' (in, out) are the module's own, and LoRA adapters count r (in + out) on each
+    model = LanguageModel(make_config(pattern="*", **MLA, mla_q_lora_rank=r_q, mla_v_head_dim=d_v, lora_rank=2,
+                                      lora_targets=["q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj"]))
+    mixer = model.blocks[0].mixer
+    for name, in_features, out_features in block_linear_layers("*", model.config):
+        assert (getattr(mixer, name).in_features, getattr(mixer, name).out_features) == (in_features, out_features)
+    adapters = sum(param.numel() for name, param in model.named_parameters() if ".lora." in name)
+    assert adapter_parameters(model.config) == adapters == 2 * (h + r_q + r_q + a * (d_n + d_r) + h + r + d_r
+                                                              + r + a * (d_n + d_v) + a * d_v + h)
 
 
 @pytest.mark.parametrize("activation,num_projections", [("swiglu", 3), ("squared_relu", 2), ("gelu", 2)])
@@ -128,6 +190,7 @@ WHOLE_MODELS = {
     "hybrid": dict(pattern="M-M*-", mamba_chunk_size=12, mamba_num_groups=2, mlp_activation="squared_relu"),
     "moe_mtp_tied": dict(pattern="*E|ME", moe_latent_size=16, moe_shared_expert_ffn_hidden_size=24, mtp_depth=2,
                          mtp_pattern="*E", tie_embeddings=True),
+    "mla_moe_mtp": dict(pattern="*-*E", **MLA, mla_q_lora_rank=20, mla_v_head_dim=8, mtp_depth=2, mtp_pattern="*-"),
 }
 
 
@@ -137,12 +200,22 @@ def test_whole_model_forward_matches_flop_counter(name):
     counter = count_forward(config, seq_len, with_labels=True)
     assert_blocks_match(config, seq_len, counter)
     expected = model_flops_per_sequence(config, seq_len, include_backward=False) * BATCH
-    assert counter.get_total_flops() == expected - mamba_conv_flops(config, seq_len) * BATCH
+    padding = padded_value_flops(config, seq_len)  # per attention block
+    kinds = list(config.block_kinds) + list(config.mtp_pattern) * config.mtp_depth
+    assert counter.get_total_flops() == expected - mamba_conv_flops(config, seq_len) * BATCH + \
+        kinds.count("*") * padding * BATCH
     per_token = model_flops_per_token(config, seq_len, include_backward=False)
     assert per_token * seq_len * BATCH == pytest.approx(expected, rel=1e-12)
     if config.mtp_depth:  # a depth's own modules, plus its pass through the shared head
         parts = model_flops_breakdown(config, seq_len)
-        assert module_flops(counter, "LanguageModel.mtp.depths.1") == (parts["mtp.1"] - parts["head"]) * BATCH
+        assert module_flops(counter, "LanguageModel.mtp.depths.1") == (
+            parts["mtp.1"] - parts["head"] + config.mtp_pattern.count("*") * padding) * BATCH
+
+
+def padded_value_flops(config: ModelConfig, seq_len: int) -> int:
+    """What one attention block's zero-padded value channels add to the FLOPs as run (``padded_attend``)."""
+    terms = block_flops("*", config, seq_len).terms
+    return padded_attend(config, terms) - terms["attend"]
 
 
 def mamba_conv_flops(config: ModelConfig, seq_len: int) -> int:
@@ -182,6 +255,28 @@ def test_dense_model_is_6n_plus_palm_attention_term():
     num_attention_blocks, heads, head_dim = 3, config.num_attention_heads, config.resolved_head_dim
     expected = 6 * matmul_weights + 12 * num_attention_blocks * heads * head_dim * seq_len
     assert model_flops_per_token(config, seq_len) == expected
+
+
+def test_latent_attention_model_is_6n_plus_its_attention_term():
+    """6N per token for N matmul weights (Kaplan et al. 2020), plus for each block, per token, scores
+    and weighted sum 2 a T (d_n + d_r) + 2 a T d_v forward, three times that for training."""
+    config, seq_len = make_config(pattern="*-*-", **MLA, mla_q_lora_rank=20, mla_v_head_dim=8), 40
+    model = LanguageModel(config)
+    matmul_weights = sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
+    attention = 2 * 4 * seq_len * (10 + 6) + 2 * 4 * seq_len * 8
+    assert model_flops_per_token(config, seq_len) == 6 * matmul_weights + 3 * 2 * attention
+
+
+def test_latent_attention_forward_and_backward_match_flop_counter():
+    """On SDPA's math path (value heads wider than the query/key heads, d_v > d_n + d_r) nothing is
+    recomputed: the backward is exactly twice the forward."""
+    config, seq_len = make_config(pattern="*-", **MLA, mla_q_lora_rank=20, mla_v_head_dim=20), 24
+    torch.manual_seed(0)
+    model = LanguageModel(config)
+    input_ids = torch.randint(0, config.vocab_size, (BATCH, seq_len))
+    with flop_counter() as counter:
+        model(input_ids, labels=input_ids).loss.backward()
+    assert counter.get_total_flops() == model_flops_per_sequence(config, seq_len) * BATCH
 
 
 def test_bad_block_kind_or_length_raises_config_error():

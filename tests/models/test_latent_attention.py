@@ -21,6 +21,7 @@ from meshlm.models.latent_attention import LatentAttention
 from meshlm.models.softcap import soft_cap
 from tests.helpers.cached_decoding import (assert_cached_generation_equals_the_full_forward,
                                            assert_decode_step_equals_the_cached_forward)
+from tests.helpers.saved_tensors import LargestTensor
 
 MLA = dict(vocab_size=97, hidden_size=48, pattern="*-*-", num_attention_heads=4, attention_type="mla",
            mla_q_lora_rank=24, mla_kv_lora_rank=16, mla_qk_nope_head_dim=12, mla_qk_rope_head_dim=8,
@@ -115,7 +116,6 @@ def test_the_weights_have_deepseeks_shapes_and_the_projections_their_widths():
                       "kv_b_proj.weight": (4 * (12 + 10), 16), "o_proj.weight": (48, 4 * 10)}
     query, key, value = block.project(torch.zeros(2, 5, 48, dtype=torch.float64), torch.arange(5).expand(2, -1))
     assert query.shape == key.shape == (2, 4, 5, 20) and value.shape == (2, 4, 5, 10)
-    assert value.is_contiguous()
     # the rotary key is one for all heads: its channels agree across heads
     x = torch.randn(2, 5, 48, dtype=torch.float64)
     _, key, _ = block.project(x, torch.arange(5).expand(2, -1))
@@ -213,3 +213,15 @@ def test_with_an_adapter_on_the_latent_up_projection_the_cache_holds_expanded_he
         torch.testing.assert_close(logits, model(tokens).logits, rtol=0, atol=1e-10)
     assert not model.blocks[0].mixer.caches_latents
     assert cache.layers[0].keys.shape == (2, 4, 11, 20) and cache.layers[0].values.shape == (2, 4, 11, 10)
+
+
+def test_training_keeps_no_score_matrix_the_value_heads_padded_for_the_fused_kernel():
+    """Value heads narrower than the query/key heads go to SDPA zero-padded, so its fused kernel
+    takes them: nothing of [heads, seq, seq] is made, in forward or backward, and what is saved is
+    q, k, the padded v, the output and small things -- not the math path's fp32 probabilities."""
+    model = mla_model().float().train()
+    tokens = torch.randint(0, 97, (1, 256), generator=torch.Generator().manual_seed(7))
+    scores = 4 * 256 * 256 * 4  # one fp32 [heads, seq, seq]
+    with LargestTensor() as largest:
+        model(tokens, labels=tokens).loss.backward()
+    assert largest.bytes < scores / 4

@@ -1,17 +1,23 @@
 """The planner's parameter state (meshlm/planning/memory.py) equals, to the byte, what a real
 Trainer holds after one step in real gloo processes: weights, gradient buffers and optimizer
 state, on ZeRO stages 0-3 and tp / pp / ep / cp layouts, in fp32 and bf16, with LoRA too (frozen
-weights: no gradient, no master, no moments) and with Muon (one momentum and no step counter for the
-blocks' matrices, AdamW's state for the rest), in one process too."""
+weights: no gradient, no master, no moments), latent attention under TP, and with Muon (one
+momentum and no step counter for the blocks' matrices, AdamW's state for the rest), in one
+process too."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from meshlm.config import load_run_config
+from meshlm.parallel.mesh import ParallelContext
 from meshlm.planning.hardware import GPUS
-from meshlm.planning.layouts import Layout
+from meshlm.planning.layouts import Layout, apply_layout
 from meshlm.planning.memory import memory_items, parameter_state
+from meshlm.planning.predict import predict_at
+from meshlm.training.memory_estimate import activation_items
 from tests.helpers.counting_corpus import write_corpus
 from tests.helpers.distributed import run_distributed
 
@@ -53,6 +59,9 @@ CASES = [
     ["model.pattern=*-ME", "model.moe_num_experts=4", "model.mamba_num_groups=2", "model.mamba_head_dim=8",
      "optim.optimizer=muon", "parallel.ep=2", "parallel.zero_stage=1", "precision.dtype=bf16"],
     ["model.pattern=*-*-", "optim.optimizer=muon", "parallel.dp=2", "parallel.zero_stage=3", "precision.dtype=bf16"],
+    ["model.pattern=*-*-", "model.attention_type=mla", "model.mla_q_lora_rank=16", "model.mla_kv_lora_rank=8",
+     "model.mla_qk_nope_head_dim=8", "model.mla_qk_rope_head_dim=4", "model.mla_v_head_dim=6", "parallel.tp=2",
+     "parallel.sp=true", "precision.dtype=bf16"],  # latent down-projections and norms whole on both ranks
 ]
 
 
@@ -89,3 +98,23 @@ def test_muon_state_is_exact_in_one_process(dtype, tmp_path):
         "model.mamba_head_dim=8", "model.mtp_depth=1", "optim.optimizer=muon", f"precision.dtype={dtype}"])
     assert measured["gradients"] == 0
     assert (measured["weights"], measured["optimizer"]) == (predicted["weights"], predicted["optimizer"])
+
+
+def test_a_gpu_plan_estimates_the_activations_of_a_gpu_run():
+    """Planned from a CPU machine for an H100 (``train.device=cpu`` in the config): MLA's value heads
+    wider than its query/key heads take CUDA's fused kernel (q, k, v, output, LSE), not the CPU's
+    SDPA math path, which keeps fp32 scaled q, k, v and the [seq, seq] probabilities."""
+    mla = [*BASE, "model.pattern=*-*-", "model.attention_type=mla", "model.mla_q_lora_rank=16",
+           "model.mla_kv_lora_rank=8", "model.mla_qk_nope_head_dim=8", "model.mla_qk_rope_head_dim=4",
+           "model.mla_v_head_dim=16", "precision.dtype=bf16", "train.seq_len=64"]
+    config, layout = apply_layout(load_run_config(None, mla), Layout(), 2), Layout()
+    planned = predict_at(config, layout, GPUS["h100"], 2)["memory_items"]["activations blocks *"]
+    on = {device: activation_items(dataclasses.replace(config, train=dataclasses.replace(config.train, device=device)),
+                                   ParallelContext())["blocks *"] for device in ("cpu", "cuda")}
+    assert planned == int(on["cuda"])
+    heads, seq, tokens = 4, 64, 2 * 64
+    query = key = heads * (8 + 4)
+    value = output = heads * 16
+    math = 4 * (query + key + value) + 4 * heads * seq  # per token; o_proj's input is the same on both
+    fused = 2 * (query + key + value + output) + 4 * heads  # bf16
+    assert on["cpu"] - on["cuda"] == pytest.approx(2 * tokens * (math - fused), rel=1e-12)  # two attention blocks

@@ -130,10 +130,11 @@ def test_checkpoint_pause_fades_and_climbs_back_with_ramps():
 
 
 def test_plan_step_adds_up_to_the_planner_step_time():
-    times = {"pipeline_s": 1.0, "bubble_s": 0.2, "tp_comm_s": 0.1, "pp_p2p_s": 0.05, "dp_exposed_s": 0.3,
-             "optimizer_s": 0.02}
+    times = {"pipeline_s": 1.0, "bubble_s": 0.2, "tp_comm_s": 0.1, "pp_p2p_s": 0.05, "dp_exposed_s": 0.29,
+             "tp_partial_s": 0.01, "optimizer_s": 0.02}
     parts = plan_step(times, micro_batches=4)
-    assert sum(seconds for _, seconds, _ in parts) == pytest.approx(1.0 + 0.3 + 0.02)
+    assert sum(seconds for _, seconds, _ in parts) == pytest.approx(1.0 + 0.29 + 0.01 + 0.02)
+    assert ("communication", pytest.approx(0.3), 0.0) in parts  # the exposed DP reduction and the TP-partial sum
     assert parts[0] == ("bubble", 0.1, 0.0) and parts[-1] == ("optimizer", 0.02, 0.0)
     computing = [(seconds, share) for phase, seconds, share in parts if phase == "compute"]
     assert len(computing) == 4 and sum(seconds for seconds, _ in computing) == pytest.approx(0.65 + 0.1)

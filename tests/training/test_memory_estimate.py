@@ -15,7 +15,10 @@ from meshlm.models.language_model import LanguageModel
 from meshlm.optim.muon import muon_parameter
 from meshlm.parallel.mesh import ParallelContext
 from meshlm.precision.device_defaults import resolve_precision
-from meshlm.training.memory_estimate import estimate_training_memory, frozen_items, memory_warning
+from meshlm.planning.layouts import Layout
+from meshlm.planning.memory import rank_parameters
+from meshlm.training.memory_estimate import (counted_parameters, estimate_training_memory, frozen_items,
+                                             local_parameter_counts, memory_warning)
 from meshlm.training.metrics import read_metrics
 from meshlm.training.trainer import Trainer, train
 from tests.helpers.memory import peak_allocated_bytes
@@ -85,6 +88,24 @@ def test_lora_counts_gradients_and_optimizer_state_of_the_adapters_only(make_con
     assert (estimate.weights, estimate.gradients, estimate.optimizer) == (4 * every, 4 * adapters, 8 * adapters)
     full = estimate_training_memory(dataclasses.replace(config, model=dataclasses.replace(config.model, lora_rank=0)))
     assert full.optimizer == 8 * (every - adapters)
+
+
+def test_latent_down_projections_are_whole_on_every_tensor_parallel_rank(make_config):
+    """MLA's W_qa, W_kva and latent norms are replicated over TP, the rest of its block split: the
+    estimate's per-rank count is the trainer's own split (the planner's exact one) but for the
+    pre-norms, which it divides too."""
+    config = resolved(make_config("model.pattern=*-*-", "model.hidden_size=64", "model.attention_type=mla",
+                                  "model.mla_q_lora_rank=48", "model.mla_kv_lora_rank=32",
+                                  "model.mla_qk_nope_head_dim=16", "model.mla_qk_rope_head_dim=8",
+                                  "model.mla_v_head_dim=12", "parallel.tp=2"))
+    replicated = 2 * (64 * 48 + 64 * (32 + 8) + 48 + 32)  # two attention blocks: W_qa, W_kva, the latent norms
+    assert counted_parameters(config.model)[0]["replicated"] == replicated
+    layout = Layout(tp=2, dp=1)
+    exact = rank_parameters(config, layout).count
+    context = ParallelContext(world_size=2, tp_size=2)
+    estimated = sum(local_parameter_counts(config.model, context).values())
+    assert estimated == pytest.approx(exact, rel=0.005)
+    assert abs(estimated - replicated / 2 - exact) > 0.02 * exact  # splitting them too would be off by more
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
