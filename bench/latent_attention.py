@@ -17,6 +17,16 @@ Per context length (the prompt, prefilled once per way) it prints the cache's by
 seconds of ``steps`` one-token decode steps (eager forwards with the cache; the cache is rolled back
 after each round, so every round decodes at the same length), the latent way's time over the
 expanded one's, and the largest difference between their logits (the same function, rounded apart).
+
+Then training's attention core at ``--train-seqs`` tokens, forward and backward, the same heads
+(16 query/key heads of 192, values of 128), two ways interleaved:
+
+* ``unpadded_sdpa``: ``F.scaled_dot_product_attention`` of the heads as they are -- on a CPU SDPA's
+  math path, as the fused kernels want one width for q, k and v -- the baseline;
+* ``padded``: meshlm's core (``attention.scaled_dot_product``: values zero-padded to 192, the fused
+  kernel, the output's padding cut off).
+
+with the bytes each keeps for backward and the largest tensor it makes.
 """
 
 from __future__ import annotations
@@ -27,9 +37,11 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from bench.timing import interleaved_medians, synchronize
 from meshlm.checkpoint.files import write_json_atomic
+from meshlm.models.attention import attention_core
 from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
@@ -84,10 +96,47 @@ def measure(model, context: int, steps: int, repeats: int, device) -> dict:
             "max_logit_difference": float((logits["latent"] - logits["expanded"]).abs().max())}
 
 
+def training_core(seq: int, repeats: int, dtype, device) -> dict:
+    """The attention core's forward and backward at ``seq`` tokens, padded and not (module docstring)."""
+    from tests.helpers.saved_tensors import LargestTensor, SavedStorages
+
+    heads, key_width, value_width = SHAPES["num_attention_heads"], 192, SHAPES["mla_v_head_dim"]
+    generator = torch.Generator().manual_seed(seq)
+    tensors = [torch.randn(1, heads, seq, width, generator=generator).to(device, dtype).requires_grad_()
+               for width in (key_width, key_width, value_width)]
+    grad_out = torch.randn(1, heads, seq, value_width, generator=generator).to(device, dtype)
+    cores = {"unpadded_sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+             "padded": lambda q, k, v: attention_core(q, k, v)}
+
+    def timed(core):
+        def run() -> float:
+            synchronize(device)
+            started = time.perf_counter()
+            torch.autograd.grad(core(*tensors), tensors, grad_out)
+            synchronize(device)
+            return time.perf_counter() - started
+        return run
+
+    seconds = interleaved_medians({name: timed(core) for name, core in cores.items()}, repeats)
+    memory = {}
+    for name, core in cores.items():
+        with SavedStorages(excluded={tensor.untyped_storage().data_ptr() for tensor in tensors}) as saved, \
+                LargestTensor() as largest:
+            out = core(*tensors)
+            saved_bytes = sum(saved.storages.values())
+            torch.autograd.grad(out, tensors, grad_out)
+        memory[name] = {"saved_bytes": saved_bytes, "largest_tensor_bytes": largest.bytes}
+    with torch.no_grad():
+        difference = float((cores["padded"](*tensors) - cores["unpadded_sdpa"](*tensors)).abs().max())
+    return {"seq": seq, "seconds": seconds, "padded_over_unpadded_time": seconds["padded"] / seconds["unpadded_sdpa"],
+            "memory": memory, "max_difference": difference}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--train-seqs", type=int, nargs="*", default=[2048, 4096])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -100,7 +149,8 @@ def main(argv=None) -> dict:
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "threads": args.threads, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
                "shapes": SHAPES, "repeats": args.repeats,
-               "runs": [measure(model, context, args.steps, args.repeats, device) for context in args.contexts]}
+               "runs": [measure(model, context, args.steps, args.repeats, device) for context in args.contexts],
+               "training_core": [training_core(seq, args.repeats, dtype, device) for seq in args.train_seqs]}
     print(json.dumps(results, indent=2))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

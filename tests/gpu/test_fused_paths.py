@@ -173,8 +173,8 @@ KERNEL_OPS = {"flash": "_scaled_dot_product_flash_attention", "cudnn": "_scaled_
 @pytest.mark.parametrize("kernel", ["efficient", "cudnn", "auto"])
 def test_value_heads_narrower_than_the_keys_match_the_explicit_softmax(gpu_device, kernel):
     """Multi-head latent attention's core (``model.attention_type=mla``): query/key heads of 192,
-    value heads of 128 (DeepSeek-V3's), in bf16 under each preferred kernel (flash takes no such
-    heads; SDPA falls back to one that does), against the explicit softmax in fp32 with the
+    value heads of 128 (DeepSeek-V3's), in bf16 under each preferred kernel (the values zero-padded
+    to 192 in ``scaled_dot_product``, so flash takes them too), against the explicit softmax in fp32 with the
     preferred-kernel test's bound; and its decoding call (one cached key/value head of latents for every query head,
     the heads folded into rows), against the explicit softmax of the repeated head."""
     seq, heads = 64, 4
