@@ -68,7 +68,8 @@ class LatentAttention(SelfAttention):
         """The width of a query and key head: its unrotated and its rotary channels."""
         self.value_dim = config.mla_v_head_dim
         self.kv_lora_rank = config.mla_kv_lora_rank
-        hidden, heads, eps, zero_centered = config.hidden_size, self.num_heads, config.norm_eps, config.norm_zero_centered
+        hidden, heads = config.hidden_size, self.num_heads
+        eps, zero_centered = config.norm_eps, config.norm_zero_centered
         if config.mla_q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
             self.q_a_proj = self.q_a_norm = self.q_b_proj = None
@@ -94,19 +95,26 @@ class LatentAttention(SelfAttention):
         """Cache latents in generation (the module docstring); False caches the expanded heads, as
         ``bench/latent_attention.py`` does to compare the two."""
 
+    def latents(self, x: torch.Tensor, rotary_positions: torch.Tensor,
+                rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """What both projections start from: the queries' unrotated part [b, heads, t, d_n] and rotated
+        part [b, heads, t, d_r], the normalized KV latent [b, t, r] and the rotated shared key [b, 1, t, d_r]."""
+        batch, seq, _ = x.shape
+        query = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        latent, rotary_key = self.kv_a_proj(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
+        query_nope, query_rope = query.view(batch, seq, -1, self.head_dim).transpose(1, 2).split(
+            (self.nope_dim, self.rope_dim), dim=-1)
+        cos, sin = rotary_cos_sin if rotary_cos_sin is not None else self.rotary(rotary_positions)
+        return (query_nope, apply_rotary(query_rope, cos, sin), self.kv_a_norm(latent),
+                apply_rotary(rotary_key[:, None], cos, sin))
+
     def project(self, x: torch.Tensor, rotary_positions: torch.Tensor,
                 rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Queries and keys [b, heads, t, d_n + d_r] and values [b, heads, t, d_v] of x [b, t, hidden]."""
         batch, seq, _ = x.shape
-        query = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        latent, rotary_key = self.kv_a_proj(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
-        key_value = self.kv_b_proj(self.kv_a_norm(latent)).view(batch, seq, -1, self.nope_dim + self.value_dim)
+        query_nope, query_rope, latent, rotary_key = self.latents(x, rotary_positions, rotary_cos_sin)
+        key_value = self.kv_b_proj(latent).view(batch, seq, -1, self.nope_dim + self.value_dim)
         key_nope, value = key_value.transpose(1, 2).split((self.nope_dim, self.value_dim), dim=-1)
-        query_nope, query_rope = query.view(batch, seq, -1, self.head_dim).transpose(1, 2).split(
-            (self.nope_dim, self.rope_dim), dim=-1)
-        cos, sin = rotary_cos_sin if rotary_cos_sin is not None else self.rotary(rotary_positions)
-        query_rope = apply_rotary(query_rope, cos, sin)
-        rotary_key = apply_rotary(rotary_key[:, None], cos, sin)  # [b, 1, t, d_r]: one head for all
         query = torch.cat((query_nope, query_rope), dim=-1)
         key = torch.cat((key_nope, rotary_key.expand(-1, key_nope.shape[1], -1, -1)), dim=-1)
         # the values' own storage: a slice of the expanded latent, saved for backward (selective
@@ -133,17 +141,10 @@ class LatentAttention(SelfAttention):
         normalized latent and the rotary key) and one value head [b, 1, t, r] (the latent) to cache."""
         if not self.caches_latents:
             return self.project(x, rotary_positions, rotary_cos_sin)
-        batch, seq, _ = x.shape
-        query = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        latent, rotary_key = self.kv_a_proj(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
-        latent = self.kv_a_norm(latent)[:, None]
-        query_nope, query_rope = query.view(batch, seq, -1, self.head_dim).transpose(1, 2).split(
-            (self.nope_dim, self.rope_dim), dim=-1)
-        cos, sin = rotary_cos_sin if rotary_cos_sin is not None else self.rotary(rotary_positions)
+        query_nope, query_rope, latent, rotary_key = self.latents(x, rotary_positions, rotary_cos_sin)
+        latent = latent[:, None]  # one head for all
         query_latent = torch.einsum("bhtn,hnr->bhtr", query_nope, self.latent_weights()[0])
-        query = torch.cat((query_latent, apply_rotary(query_rope, cos, sin)), dim=-1)
-        key = torch.cat((latent, apply_rotary(rotary_key[:, None], cos, sin)), dim=-1)
-        return query, key, latent
+        return torch.cat((query_latent, query_rope), dim=-1), torch.cat((latent, rotary_key), dim=-1), latent
 
     @property
     def cached_scale(self) -> float | None:
