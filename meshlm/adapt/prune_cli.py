@@ -355,7 +355,8 @@ def report(args, config, new_config, dropped, importance, out: Path, source_dir:
     from meshlm.adapt.cli import parameter_count
 
     shape = (f"hidden {new_config.hidden_size}, pattern {new_config.pattern!r}"
-             + (f", heads {new_config.num_attention_heads}/{new_config.num_kv_heads} kv" if "*" in new_config.block_kinds else "")
+             + (f", heads {new_config.num_attention_heads}/{new_config.resolved_num_kv_heads} kv"
+                if "*" in new_config.block_kinds else "")
              + (f", ffn {new_config.resolved_ffn_hidden_size}" if "-" in new_config.block_kinds else "")
              + (f", mamba heads {new_config.resolved_mamba_num_heads}" if "M" in new_config.block_kinds else "")
              + (f", experts {new_config.moe_num_experts}" if "E" in new_config.block_kinds else "")
