@@ -6,7 +6,8 @@ equal the single-process run with the same dropout: spawned gloo ranks train a h
 attention / MLP model 5 steps of 4 micro-batches at tp2 x dp2 with sequence parallelism (SP
 ranks mask their slices of the sequence, TP ranks their attention heads, DP ranks their own
 sample indices), pp2 x tp2 with SP (stages build their own contexts) and cp2 x tp2 with SP
-(zigzag chunks with global positions, then SP slices of those; hidden dropout only, 32 tokens). Losses, gradient norms,
+(zigzag chunks with global positions, then SP slices of those; hidden dropout only, 32 tokens), and
+a model of DeepSeek's latent attention at tp2 x dp2 with SP. Losses, gradient norms,
 validation losses and final parameters equal the single-process run (fp32, relative error
 <= 1e-5), on every rank. In one process: the dropout changes the training losses but not the
 validation losses (eval mode is dropout-free), and a run resumed from its step-3 checkpoint
@@ -32,6 +33,10 @@ HYBRID = HELPERS.MODELS["hybrid"]
 MODELS = {
     "hidden+attention": [*HYBRID, "model.hidden_dropout=0.1", "model.attention_dropout=0.1"],
     "hidden": [*HYBRID, "model.hidden_dropout=0.1", "train.seq_len=32"],  # ring attention: no attention dropout
+    # DeepSeek's latent attention: its explicit dropout core over value heads narrower than the keys
+    "latent attention": ["model.pattern=*-*-", "model.attention_type=mla", "model.mla_q_lora_rank=16",
+                         "model.mla_kv_lora_rank=8", "model.mla_qk_nope_head_dim=8", "model.mla_qk_rope_head_dim=4",
+                         "model.mla_v_head_dim=6", "model.hidden_dropout=0.1", "model.attention_dropout=0.1"],
 }
 """(At seq_len 16 the cp2 x tp2 + SP run's losses match to 6e-8 -- as without dropout -- but one
 Mamba weight ends 1.5e-5 apart: Adam amplifying fp32 summation noise in tiny gradient elements,
@@ -40,6 +45,7 @@ LAYOUTS = {  # world 4: name -> (model, layout)
     "tp2 dp2 sp": ("hidden+attention", ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true"]),
     "pp2 tp2 sp": ("hidden+attention", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"]),
     "cp2 tp2 sp": ("hidden", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
+    "latent attention tp2 dp2 sp": ("latent attention", ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true"]),
 }
 
 
