@@ -362,21 +362,25 @@ def with_defaults(hf_config: dict, defaults: dict) -> dict:
     return merged
 
 
-def rope_from_hf(hf_config: dict, default_theta: float, architecture: str) -> dict:
+def rope_from_hf(hf_config: dict, default_theta: float, architecture: str, partial_rotary: bool = False) -> dict:
     """``ModelConfig`` RoPE fields from ``rope_parameters`` (v5) or ``rope_theta``/``rope_scaling``
     (v4): the base, and the scaling meshlm implements (``meshlm/models/rope.py``: 'linear',
     'llama3', 'yarn', with YaRN's attention factor from ``mscale``/``mscale_all_dim`` as the HF
-    code derives it); anything else is refused by name."""
+    code derives it); with ``partial_rotary`` (a class whose attention rotates the first channels
+    only, as Phi-3's does) ``partial_rotary_factor`` as ``model.rope_fraction``; anything else is
+    refused by name."""
     parameters = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     if rope_type not in ("default",) + tuple(HF_ROPE_SCALINGS):
         raise ConfigError(f"{architecture} config.json: rope type {rope_type!r} is not supported yet; meshlm "
                           f"implements {', '.join(['default', *HF_ROPE_SCALINGS])}.")
     partial = parameters.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
+    if partial not in (None, 1, 1.0) and not partial_rotary:
         raise ConfigError(f"{architecture} config.json: partial_rotary_factor={partial} is not supported; "
-                          "meshlm rotates the whole head.")
+                          f"{architecture}'s attention rotates the whole head.")
     fields = {"rope_theta": float(parameters.get("rope_theta", hf_config.get("rope_theta", default_theta)))}
+    if partial not in (None, 1, 1.0):
+        fields["rope_fraction"] = float(partial)
     if rope_type == "default":
         return fields
     factor = parameters.get("factor")
@@ -522,6 +526,7 @@ LAYER_FEATURES = {
     "final_logit_softcap": "Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap the output logits",
     "position_embedding": "GPT2LMHeadModel adds learned position embeddings",
     "attention_type": "DeepseekV3ForCausalLM has multi-head latent attention",
+    "rope_fraction": "Phi3ForCausalLM rotates part of each head (partial_rotary_factor)",
 }
 """Layer features only some HF classes hold, and which."""
 
@@ -537,7 +542,8 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "attention_softcap": config.attention_softcap is not None,
             "final_logit_softcap": config.final_logit_softcap is not None,
             "position_embedding": config.position_embedding == "learned",
-            "attention_type": config.attention_type == "mla" and "*" in config.block_kinds}
+            "attention_type": config.attention_type == "mla" and "*" in config.block_kinds,
+            "rope_fraction": config.rope_fraction != 1.0}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 

@@ -86,15 +86,17 @@ def decoder_embedding_maps(config: ModelConfig) -> list[TensorMap]:
 
 
 # --- the dense '*-' decoders: Llama, and Mistral and Qwen3 built on it ------------------------------
-def dense_decoder_config(hf: dict, hf_config: dict, name: str, qk_norm: bool = False, **fields) -> ModelConfig:
+def dense_decoder_config(hf: dict, hf_config: dict, name: str, qk_norm: bool = False, partial_rotary: bool = False,
+                         **fields) -> ModelConfig:
     """The meshlm config of a Llama-style HF decoder (``hf``: config.json with its class's defaults
     filled in): layer i is blocks 2i ('*', RoPE attention) and 2i+1 ('-', SwiGLU MLP); ``fields``
-    replace what the class fixes (Qwen2's attention biases)."""
+    replace what the class fixes (Qwen2's attention biases); ``partial_rotary``: the class rotates
+    part of each head (``rope_from_hf``)."""
     require(hf, name, "hidden_act", "silu", "meshlm's gated MLP is SwiGLU, silu(gate) * up")
     values = dict(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*-" * hf["num_hidden_layers"],
         **attention_fields(hf), position_embedding="rope", qk_norm=qk_norm,
-        **rope_from_hf(hf_config, 10000.0, name),
+        **rope_from_hf(hf_config, 10000.0, name, partial_rotary),
         mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=bool(hf.get("mlp_bias", False)),
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
         init_std=hf["initializer_range"])

@@ -7,8 +7,9 @@ second the up projection. meshlm keeps them apart, so each is a range of rows of
 (``fused_rows``): cut out on import, concatenated back on export. Phi-3-mini (4k) attends within a
 sliding window of 2047 tokens in every layer (``model.sliding_window``); Phi-4 attends to everything.
 
-Not supported, refused by name: ``longrope`` RoPE scaling (Phi-3/3.5's 128k-context models) and a
-partial rotary factor (Phi-4-mini rotates three quarters of each head).
+Phi-4-mini rotates the first three quarters of each head (``partial_rotary_factor`` 0.75:
+``model.rope_fraction``). Not supported, refused by name: ``longrope`` RoPE scaling (Phi-3/3.5's
+128k-context models, Phi-4-mini's long context).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ DEFAULTS = {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     windows = window_fields(hf_config.get("sliding_window"), [True] * hf["num_hidden_layers"])
-    return dense_decoder_config(hf, hf_config, NAME, **windows)
+    return dense_decoder_config(hf, hf_config, NAME, partial_rotary=True, **windows)
 
 
 def unsupported(config: ModelConfig) -> list[str]:
-    reasons = dense_decoder_unsupported(config, "Phi-3", qk_norm=False)
+    reasons = dense_decoder_unsupported(config, "Phi-3", qk_norm=False, supported=frozenset({"rope_fraction"}))
     reasons += window_unsupported(config, "Phi-3", uniform_only=True)
     if config.attention_bias or config.mlp_bias:
         reasons.append(f"model.attention_bias={config.attention_bias}, model.mlp_bias={config.mlp_bias} (Phi-3's "
@@ -42,7 +43,7 @@ def unsupported(config: ModelConfig) -> list[str]:
 
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
-    rope = {**attention_to_hf(config)["rope_parameters"], "partial_rotary_factor": 1.0}  # the whole head
+    rope = {**attention_to_hf(config)["rope_parameters"], "partial_rotary_factor": float(config.rope_fraction)}
     # explicit nulls: Phi-3's defaults (32000) lie outside a smaller vocabulary, and transformers' embedding
     # refuses such a padding id; the model's own ids (from its "hf" record or its tokenizer) replace them
     return dense_decoder_to_hf(config, NAME, "phi3", DEFAULTS["max_position_embeddings"], rope_parameters=rope,

@@ -262,7 +262,7 @@ class SelfAttention(nn.Module):
             self.head_dim, self.head_dim)
         self.q_norm, self.k_norm = ((RMSNorm(width, config.norm_eps, config.norm_zero_centered) for width in widths)
                                     if config.qk_norm else (None, None))
-        self.rotary = (RotaryEmbedding(self.head_dim, config.rope_theta, RopeScaling.from_config(config))
+        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rope_theta, RopeScaling.from_config(config))
                        if config.position_embedding == "rope" else None)
         self.core = attention_core
         """The attention core; context parallelism replaces it with ring attention over its CP group

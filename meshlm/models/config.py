@@ -124,7 +124,11 @@ class ModelConfig:
     """With position_embedding=learned: the table's length, the longest sequence the model reads
     (GPT-2: 1024). Only that setting has a table; null otherwise."""
     rope_theta: float = 10000.0
-    """RoPE base: frequency i is rope_theta ** (-2i / head_dim)."""
+    """RoPE base: frequency i is rope_theta ** (-2i / d), d the rotated channels (rope_fraction)."""
+    rope_fraction: float = 1.0
+    """The fraction of each query and key head's channels RoPE rotates, the first int(head_dim *
+    rope_fraction) of them; the rest carry no position (partial rotary: Phi-4-mini 0.75, GPT-NeoX
+    and StableLM 0.25; transformers' partial_rotary_factor). 1: the whole head."""
     rope_scaling: str = "none"
     """How RoPE's frequencies are stretched for a context longer than pretraining's
     (meshlm/models/rope.py): 'none'; 'linear' (positions divided by rope_scaling_factor, Chen et al.
@@ -391,6 +395,14 @@ class ModelConfig:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
     @property
+    def rotary_dim(self) -> int:
+        """The channels of each query and key head RoPE rotates: the first int(head_dim *
+        rope_fraction) (MLA: its mla_qk_rope_head_dim rotary channels)."""
+        if self.attention_type == "mla":
+            return self.mla_qk_rope_head_dim
+        return int(self.resolved_head_dim * self.rope_fraction)
+
+    @property
     def resolved_value_head_dim(self) -> int:
         """The width of a value head, and of each head's output (MLA: mla_v_head_dim)."""
         return self.mla_v_head_dim if self.attention_type == "mla" else self.resolved_head_dim
@@ -635,8 +647,23 @@ class ModelConfig:
         if self.head_dim is None and self.hidden_size % heads and self.attention_type == "gqa":
             raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
                               f"{heads}; set model.head_dim explicitly or change the head count.")
-        if self.position_embedding == "rope" and self.resolved_head_dim % 2 and self.attention_type == "gqa":
-            raise ConfigError(f"RoPE rotates pairs of channels, so the head dim ({self.resolved_head_dim}) must be even.")
+        fraction = self.rope_fraction
+        if fraction != 1.0:
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+                raise ConfigError(f"model.rope_fraction={fraction!r} must lie in (0, 1] (the fraction of each head "
+                                  "RoPE rotates; 1: the whole head).")
+            if self.position_embedding != "rope" or self.attention_type != "gqa":
+                raise ConfigError(f"model.rope_fraction={fraction} rotates part of each head, which needs "
+                                  "model.position_embedding=rope and model.attention_type=gqa (latent attention "
+                                  "sizes its rotary channels with model.mla_qk_rope_head_dim); set it to 1.")
+        if self.position_embedding == "rope" and self.attention_type == "gqa" and (
+                self.rotary_dim % 2 or self.rotary_dim < 2):
+            if fraction == 1.0:
+                raise ConfigError(f"RoPE rotates pairs of channels, so the head dim ({self.resolved_head_dim}) must "
+                                  "be even.")
+            raise ConfigError(f"RoPE rotates pairs of channels, so the rotated channels of a head (head dim "
+                              f"{self.resolved_head_dim} x model.rope_fraction {fraction} = {self.rotary_dim}) must "
+                              "be a positive even number; change model.rope_fraction or the head dim.")
         self._validate_rope_scaling()
         self._validate_sliding_window()
         scale = self.attention_scale

@@ -22,6 +22,10 @@ the integers they are; only f_i changes):
   attention distribution, so YaRN multiplies cos and sin by an attention factor, by default
   0.1 ln(s) + 1 (the logits by its square).
 
+**Partial rotary** (``model.rope_fraction`` f): only the first d = int(f head_dim) channels of each
+head are rotated, with the frequencies of a d-channel head (pairs (i, i + d/2) of them); the other
+channels carry no position (GPT-NeoX, Phi-4-mini; transformers' ``partial_rotary_factor``).
+
 These are the formulas of the Hugging Face configurations (``rope_type`` 'linear', 'llama3',
 'yarn'), so converted checkpoints keep their logits (tests/hf). NTK-aware "dynamic" scaling,
 which changes with the sequence length at inference, is not built.
@@ -130,6 +134,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [batch, heads, seq, head_dim] by the angles of cos/sin [batch, seq, head_dim]."""
+    """Rotate x [batch, heads, seq, head_dim] by the angles of cos/sin [batch, seq, d]: the first d
+    channels of each head (all of them when d = head_dim; ``model.rope_fraction``), the rest as they are."""
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    rotated = cos.shape[-1]
+    if rotated == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    part, rest = x[..., :rotated], x[..., rotated:]
+    # joined as [batch, seq, heads, head_dim] in memory, the layout of the projection x is a view of: the
+    # attention core's output follows its queries', and o_proj then reads it without a copy
+    return torch.cat(((part * cos + rotate_half(part) * sin).transpose(1, 2), rest.transpose(1, 2)),
+                     dim=-1).transpose(1, 2)

@@ -37,8 +37,9 @@ k the top-k, w the expert width:
 
     every block (its pre-norm)  8h + 4 + d*h     input in fp32, normalized fp32, 1/rms; output in dtype
     block output norm           8h + 4           (model.block_output_norm) its fp32 input, normalized, 1/rms
-    attention   *               8hd + d(2q + 2kv) + 4a   RoPE cos/sin, q, k, v, output; LSE (not with
-                                                          selective recompute); QK-norm adds
+    attention   *               8hd + d(2q + 2kv) + 4a   RoPE cos/sin (hd: the rotated channels, fewer
+                                                          with model.rope_fraction), q, k, v, output; LSE
+                                                          (not with selective recompute); QK-norm adds
                                                           8(q + kv) + 4(a + kv heads); with a sliding window
                                                           w < s (no CP) its chunked copies, about
                                                           d(2q + 4kv) more (exactly: see the code)
@@ -318,8 +319,7 @@ def attention_bytes(config, model, micro_batch: int, seq: int, layout, residual:
     attention dropout its score matrix."""
     dtype_bytes, tp, tokens = DTYPE_BYTES[config.precision.dtype], layout.tp_size, micro_batch * seq
     latent = model.attention_type == "mla"
-    rotary = model.mla_qk_rope_head_dim if latent else model.resolved_head_dim
-    rope = 8 * rotary if model.position_embedding == "rope" else 0  # cos, sin
+    rope = 8 * model.rotary_dim if model.position_embedding == "rope" else 0  # cos, sin of the rotated channels
     core = attention_core_bytes(config, model, seq, layout)
     query, key_value = model.num_attention_heads * model.resolved_head_dim, attention_widths(model)[1]
     if model.qk_norm:  # each of q and k: its fp32 input, the normalized product, 1/rms per head

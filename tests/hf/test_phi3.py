@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 from transformers import Phi3Config  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
-from meshlm.hf import choose_architecture, phi3  # noqa: E402
+from meshlm.hf import choose_architecture, llama, phi3  # noqa: E402
 from meshlm.models.config import ModelConfig  # noqa: E402
 from meshlm.models.language_model import LanguageModel  # noqa: E402
 
@@ -24,13 +24,16 @@ def tiny_phi3(**overrides) -> Phi3Config:
 
 
 @pytest.mark.parametrize("overrides", [{}, {"sliding_window": 5},
-                                       {"num_key_value_heads": 4, "tie_word_embeddings": True}],
-                         ids=["phi4-like", "phi3-mini-sliding-window", "mha-tied"])
+                                       {"num_key_value_heads": 4, "tie_word_embeddings": True},
+                                       {"partial_rotary_factor": 0.75}],
+                         ids=["phi4-like", "phi3-mini-sliding-window", "mha-tied", "phi4-mini-partial-rotary"])
 def test_logits_match_transformers_and_round_trip(overrides, tmp_path):
     model = convert_and_compare(tiny_phi3(**overrides), tmp_path)
     config = model.config
     assert config.pattern == "*-*-*-" and config.rope_theta == 250000.0
     assert config.sliding_window == overrides.get("sliding_window")
+    assert config.rope_fraction == overrides.get("partial_rotary_factor", 1.0)
+    assert config.rotary_dim == {1.0: 8, 0.75: 6}[config.rope_fraction]
     assert_hf_round_trip(tmp_path, ("num_hidden_layers", "num_key_value_heads", "intermediate_size", "sliding_window",
                                     "rope_parameters", "tie_word_embeddings"))
 
@@ -48,9 +51,12 @@ def test_what_phi3_cannot_hold_is_refused_by_name():
         phi3.config_from_hf({"architectures": [phi3.NAME], "hidden_size": 32, "num_attention_heads": 4,
                              "num_hidden_layers": 1, "rope_scaling": {"type": "longrope", "short_factor": [1.0],
                                                                       "long_factor": [1.0]}})
-    with pytest.raises(ConfigError, match="partial_rotary_factor=0.75 is not supported"):
-        phi3.config_from_hf({"architectures": [phi3.NAME], "hidden_size": 32, "num_attention_heads": 4,
-                             "num_hidden_layers": 1, "partial_rotary_factor": 0.75})
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0.75 is not supported; LlamaForCausalLM's"):
+        llama.config_from_hf({"architectures": [llama.NAME], "hidden_size": 32, "num_attention_heads": 4,
+                              "num_hidden_layers": 1, "partial_rotary_factor": 0.75})
+    partial = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4, rope_fraction=0.5)
+    assert "rope_fraction" in " ".join(llama.ARCHITECTURE.unsupported(partial))
+    assert choose_architecture(partial).name == phi3.NAME  # the one class here that rotates part of a head
     biased = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4, attention_bias=True)
     with pytest.raises(ConfigError, match="Phi-3's projections have no biases"):
         phi3.config_to_hf(biased)

@@ -82,7 +82,46 @@ def test_cached_decoding_of_a_scaled_model_equals_the_full_forward(scaling):
     torch.testing.assert_close(torch.cat(stepped, dim=1), full, atol=1e-5, rtol=1e-4)
 
 
+def test_partial_rotary_rotates_the_first_channels_as_a_narrower_head_and_keeps_the_rest():
+    """``model.rope_fraction``: the first d of each head's channels turn as a d-channel head's would
+    (d = int(head_dim * fraction)), the others pass unchanged; scores of the rotated part still
+    depend on the positions' difference only, those of the rest not at all."""
+    from meshlm.models.rope import apply_rotary
+    config = ModelConfig(vocab_size=97, hidden_size=32, pattern="*-", num_attention_heads=2, rope_fraction=0.25)
+    attention = LanguageModel(config).blocks[0].mixer
+    assert config.rotary_dim == attention.rotary.head_dim == 4
+    x = torch.randn(1, 2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(6)[None]
+    cos, sin = attention.rotary(positions)
+    rotated = apply_rotary(x, cos, sin)
+    narrow_cos, narrow_sin = RotaryEmbedding(4, config.rope_theta)(positions)
+    torch.testing.assert_close(rotated[..., :4], apply_rotary(x[..., :4], narrow_cos, narrow_sin), rtol=0, atol=0)
+    assert torch.equal(rotated[..., 4:], x[..., 4:])
+    shifted_cos, shifted_sin = attention.rotary(positions + 7)
+    shifted = apply_rotary(x, shifted_cos, shifted_sin)
+    torch.testing.assert_close(shifted @ shifted.transpose(-1, -2), rotated @ rotated.transpose(-1, -2),
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(shifted, rotated)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_cached_decoding_with_partial_rotary_equals_the_full_forward(fraction):
+    from tests.helpers.cached_decoding import (assert_cached_generation_equals_the_full_forward,
+                                               assert_decode_step_equals_the_cached_forward)
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=97, hidden_size=64, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
+                         init_std=0.1, rope_fraction=fraction)
+    model = LanguageModel(config).eval()
+    assert_cached_generation_equals_the_full_forward(model)
+    assert_decode_step_equals_the_cached_forward(model)
+
+
 @pytest.mark.parametrize("fields,match", [
+    ({"rope_fraction": 0.0}, "model.rope_fraction=0.0 must lie in"),
+    ({"rope_fraction": 1.5}, "model.rope_fraction=1.5 must lie in"),
+    ({"rope_fraction": 0.4}, "= 3\) must be a positive even number"),
+    ({"rope_fraction": 0.1}, "a positive even number"),
+    ({"rope_fraction": 0.5, "position_embedding": "none"}, "needs model.position_embedding=rope"),
     ({"rope_scaling": "dynamic"}, "model.rope_scaling='dynamic' is not one of"),
     ({"rope_scaling": "linear", "rope_scaling_factor": 0.5}, "model.rope_scaling_factor=0.5 must be >= 1"),
     ({"rope_scaling": "yarn", "rope_original_max_positions": 0}, "model.rope_original_max_positions=0 must be"),

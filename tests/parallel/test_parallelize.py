@@ -3,7 +3,7 @@
 Dense models ('*-*-', vocabulary 61 so it must be padded, QK-norm on) with grouped-query
 attention whose KV heads are split over the ranks (kv 2 at tp 2, kv 4 at tp 4) or replicated on
 them (kv 2 at tp 4, kv 1 at tp 2 and 4), tied and untied embeddings, biases, LayerNorm and a
-non-gated MLP, one MTP depth, and a Gemma-style model (GeGLU, output norms after each mixer --
+non-gated MLP, one MTP depth (with RoPE on half of each head's channels), and a Gemma-style model (GeGLU, output norms after each mixer --
 partial gradients under SP --, zero-centered norms, scaled embeddings) with a sliding window of 5
 on alternate attention blocks, their own RoPE base (shorter than the 16 tokens, so the chunked
 windowed path runs and the cache reads only the window), a Gemma 2-style one whose attention
@@ -71,7 +71,7 @@ MODELS = {
     "kv4 olmo-style": dict(num_kv_heads=4, qk_norm_scope="all", block_input_norm=False, block_output_norm=True),
     "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
                                     mlp_activation="squared_relu", mlp_bias=True),
-    "kv2 mtp": dict(num_kv_heads=2, mtp_depth=1, mtp_pattern="*-"),
+    "kv2 mtp partial rotary": dict(num_kv_heads=2, mtp_depth=1, mtp_pattern="*-", rope_fraction=0.5),
     "deepseek-style latent attention": dict(attention_type="mla", qk_norm=False, mla_q_lora_rank=12,
                                             mla_kv_lora_rank=8, mla_qk_nope_head_dim=6, mla_qk_rope_head_dim=4,
                                             mla_v_head_dim=5, block_overrides={2: {"num_attention_heads": 8}}),
@@ -172,7 +172,7 @@ def run_all_cases() -> dict:
 
 
 def test_parallel_model_matches_single_process():
-    every_rank = run_distributed(run_all_cases, 4, timeout_s=180)
+    every_rank = run_distributed(run_all_cases, 4, timeout_s=420)
     for rank, errors in enumerate(every_rank):
         assert len(errors) > len(MODELS) * 4 * 20
         bad = {case: error for case, error in errors.items() if not error <= TOLERANCE}

@@ -24,6 +24,7 @@ from tests.helpers.saved_tensors import SavedStorages, saved_bytes_by_block_kind
 
 MODELS = {
     "dense": ["model.pattern=*-*-", "model.num_kv_heads=2"],
+    "dense partial rotary": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.rope_fraction=0.25"],
     "hybrid": ["model.pattern=M*-M-", "model.position_embedding=none", "model.mamba_state_size=16",
                "model.mamba_head_dim=16", "model.mamba_chunk_size=16", "model.mamba_num_groups=2",
                "model.mlp_activation=squared_relu",
@@ -38,8 +39,8 @@ MODELS = {
                    "model.block_input_norm=false", "model.block_output_norm=true"],
     "moe": ["model.pattern=*E*E", "model.num_kv_heads=2", "model.moe_num_experts=4", "model.moe_top_k=2",
             "model.moe_ffn_hidden_size=64"],
-    # DeepSeek-V3's shape, small: query latent, value heads narrower than the query/key heads (on the
-    # CPU SDPA's math path, which keeps the probabilities)
+    # DeepSeek-V3's shape, small: query latent, value heads narrower than the query/key heads (zero-padded
+    # into SDPA's fused kernel)
     "mla": ["model.pattern=*-*-", "model.attention_type=mla", "model.mla_q_lora_rank=24", "model.mla_kv_lora_rank=16",
             "model.mla_qk_nope_head_dim=16", "model.mla_qk_rope_head_dim=8", "model.mla_v_head_dim=12"],
     # no query latent, value heads as wide as the query/key heads (the flash kernel), sliding windows

@@ -48,8 +48,9 @@ SEQ_LEN = ["train.seq_len=32"]  # chunks of 4 tokens at cp 4: at least the Mamba
 MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
           "dense with mtp": [*helpers.MODELS["dense"], "model.mtp_depth=1"],
           "moe": helpers.MODELS["moe"],
-          "dense yarn": [*helpers.MODELS["dense"], "model.rope_scaling=yarn", "model.rope_scaling_factor=4",
-                         "model.rope_original_max_positions=8"],
+          "dense yarn partial rotary": [*helpers.MODELS["dense"], "model.rope_scaling=yarn",
+                                        "model.rope_scaling_factor=4", "model.rope_original_max_positions=8",
+                                        "model.rope_fraction=0.5"],
           # chunks of 8 tokens at cp2: a window of 6 bands the diagonal and the next blocks, skips the rest
           "dense sliding window": [*helpers.MODELS["dense"], "model.sliding_window=6",
                                    "model.sliding_window_pattern=SF", "model.rope_local_theta=500",
@@ -81,7 +82,8 @@ LAYOUTS = {
 EXTRA_RUNS = {2: [("dense", "cp2 selective recompute", ["parallel.cp=2", "train.recompute=selective"]),
                   ("hybrid", "cp2 full recompute", ["parallel.cp=2", "train.recompute=full"]),
                   ("moe", "cp2", ["parallel.cp=2"]),
-                  ("dense yarn", "cp2", ["parallel.cp=2"]),  # scaled RoPE at each chunk's global positions
+                  # scaled RoPE on half of each head, at each chunk's global positions
+                  ("dense yarn partial rotary", "cp2", ["parallel.cp=2"]),
                   ("dense sliding window", "cp2", ["parallel.cp=2"]),
                   ("dense soft caps", "cp2", ["parallel.cp=2"]),
                   ("gpt2-style", "cp2", ["parallel.cp=2"]),
