@@ -684,7 +684,8 @@ class ModelConfig:
                               "pairs of channels).")
         if self.position_embedding != "rope":
             raise ConfigError(f"model.attention_type=mla carries positions in its rotary channels, and "
-                              f"model.position_embedding={self.position_embedding!r}; set model.position_embedding=rope.")
+                              f"model.position_embedding={self.position_embedding!r}; set "
+                              "model.position_embedding=rope.")
         clashes = {"head_dim": self.head_dim is not None,
                    "num_kv_heads": self.num_kv_heads not in (None, self.num_attention_heads),
                    "qk_norm": self.qk_norm, "attention_bias": self.attention_bias,
