@@ -99,8 +99,10 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if query_len == 1 and key.shape[1] == 1 < query.shape[1]:
         # decoding with one key/value head for every query head (MQA; latent attention's cache): the
         # heads are the rows of one head's attention -- one GEMM over the keys, none repeated per head
+        # (values as they are: a few rows of scores, and padding would copy the whole cache every step)
         allowed = None if key_mask is None else allowed_keys(1, key_len, key_mask, query.device, window=window)
-        out = scaled_dot_product(query.transpose(1, 2), key, value, allowed, scale=scale, softcap=softcap)
+        out = scaled_dot_product(query.transpose(1, 2), key, value, allowed, scale=scale, softcap=softcap,
+                                 pad_values=False)
         return out.transpose(1, 2)
     if key_mask is None and query_len == 1:  # decoding: the newest position sees every key left, no mask to build
         return scaled_dot_product(query, key, value, scale=scale, softcap=softcap)
@@ -110,18 +112,18 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def scaled_dot_product(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
-                       softcap: float | None = None) -> torch.Tensor:
+                       softcap: float | None = None, pad_values: bool = True) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` (grouped KV heads allowed), or with ``softcap`` its explicit
     counterpart with capped scores (``softcapped_attention``): the one call every path here makes.
 
     Value heads narrower than the query and key heads (multi-head latent attention's) are
-    zero-padded to their width and the output's padded channels (zeros) cut off again: the fused
-    kernels want one width for q, k and v, and without one SDPA would take its math path, which
-    keeps the [t, s] probabilities. The scale is q's width's either way."""
+    zero-padded to their width (unless ``pad_values`` is false) and the output's padded channels
+    (zeros) cut off again: the fused kernels want one width for q, k and v, and without one SDPA
+    would take its math path, which keeps the [t, s] probabilities. The scale is q's width's either way."""
     if softcap is not None:
         return softcapped_attention(query, key, value, softcap, attn_mask, is_causal, scale)
     value_width = value.shape[-1]
-    if value_width < query.shape[-1]:
+    if pad_values and value_width < query.shape[-1]:
         value = F.pad(value, (0, query.shape[-1] - value_width))
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                          enable_gqa=query.shape[1] != key.shape[1])
