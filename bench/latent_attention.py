@@ -32,15 +32,13 @@ with the bytes each keeps for backward and the largest tensor it makes.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.attention_runs import add_run_options, emit, run_setting
 from bench.timing import interleaved_medians, synchronize
-from meshlm.checkpoint.files import write_json_atomic
 from meshlm.models.attention import attention_core
 from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
@@ -137,25 +135,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--train-seqs", type=int, nargs="*", default=[2048, 4096])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    add_run_options(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype, header = run_setting(args)
     model = LanguageModel(ModelConfig(**SHAPES), seed=0).to(device, dtype).eval()
-    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "threads": args.threads, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-               "shapes": SHAPES, "repeats": args.repeats,
+    results = {**header, "shapes": SHAPES, "repeats": args.repeats,
                "runs": [measure(model, context, args.steps, args.repeats, device) for context in args.contexts],
                "training_core": [training_core(seq, args.repeats, dtype, device) for seq in args.train_seqs]}
-    print(json.dumps(results, indent=2))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(args.out, results)
-    return results
+    return emit(results, args.out)
 
 
 if __name__ == "__main__":

@@ -30,15 +30,13 @@ a window: bytes held (``InferenceCache.nbytes``, the buffers' capacity) and thei
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.attention_runs import add_run_options, emit, run_setting
 from bench.timing import interleaved_medians, synchronize
-from meshlm.checkpoint.files import write_json_atomic
 from meshlm.models.attention import windowed_attention
 from tests.helpers.saved_tensors import LargestTensor
 
@@ -123,18 +121,11 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--windows", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_run_options(parser)
     parser.add_argument("--cache-window", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "threads": args.threads, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-               "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "repeats": args.repeats,
+    device, dtype, header = run_setting(args)
+    results = {**header, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "repeats": args.repeats,
                "runs": [measure(seq, window, args.repeats, dtype, device)
                         for seq in args.seqs for window in args.windows if window < seq]}
     results["generation"] = []
@@ -143,11 +134,7 @@ def main(argv=None) -> dict:
         results["generation"].append({"prompt": seq, "window": args.cache_window, "pattern": "SSSSSF",
                                       "cache_bytes": windowed, "cache_bytes_without_window": full,
                                       "ratio": windowed / full})
-    print(json.dumps(results, indent=2))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(args.out, results)
-    return results
+    return emit(results, args.out)
 
 
 if __name__ == "__main__":

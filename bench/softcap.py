@@ -25,14 +25,12 @@ one (they compute the same function). With ``--window`` the same for a sliding-w
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
+from bench.attention_runs import add_run_options, emit, run_setting
 from bench.timing import interleaved_medians, synchronize
-from meshlm.checkpoint.files import write_json_atomic
 from meshlm.models.attention import allowed_keys, attention_core
 from meshlm.models.softcap import soft_cap
 from tests.helpers.saved_tensors import LargestTensor, SavedStorages
@@ -102,25 +100,15 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--window", type=int, default=1024, help="also a sliding-window layer (0: not)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    add_run_options(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype, header = run_setting(args)
     windows = [None] + ([args.window] if args.window else [])
-    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "threads": args.threads, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-               "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "cap": CAP, "repeats": args.repeats,
+    results = {**header, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "cap": CAP,
+               "repeats": args.repeats,
                "runs": [measure(seq, window, args.repeats, dtype, device)
                         for seq in args.seqs for window in windows if window is None or window < seq]}
-    print(json.dumps(results, indent=2))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(args.out, results)
-    return results
+    return emit(results, args.out)
 
 
 if __name__ == "__main__":
