@@ -23,8 +23,8 @@ MICRO_BATCHES = (1, 2, 4, 8)
 def resolved_for(config, hardware):
     """The config as the trainer would run it on that hardware: ``train.device`` the hardware's
     (cpu, or cuda for a GPU row: the activation estimate depends on it, e.g. the CPU's SDPA math
-    path for MLA, the loss's chunks) and ``precision.dtype=auto`` resolved (fp32 on the CPU, bf16 on
-    a GPU)."""
+    path for MLA's value heads wider than its keys, the loss's chunks) and ``precision.dtype=auto``
+    resolved (fp32 on the CPU, bf16 on a GPU)."""
     on_cpu = hardware.name == "cpu"
     train = dataclasses.replace(config.train, device="cpu" if on_cpu else "cuda")
     dtype = config.precision.dtype if config.precision.dtype != "auto" else "fp32" if on_cpu else "bf16"

@@ -321,7 +321,7 @@ def attention_bytes(config, model, micro_batch: int, seq: int, layout, residual:
     latent = model.attention_type == "mla"
     rope = 8 * model.rotary_dim if model.position_embedding == "rope" else 0  # cos, sin of the rotated channels
     core = attention_core_bytes(config, model, seq, layout)
-    query, key_value = model.num_attention_heads * model.resolved_head_dim, attention_widths(model)[1]
+    query, key_value = attention_widths(model)[:2]
     if model.qk_norm:  # each of q and k: its fp32 input, the normalized product, 1/rms per head
         core += 8 * (query + key_value) + 4 * (model.num_attention_heads + model.resolved_num_kv_heads)
     scores = 0.0

@@ -286,7 +286,8 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         return _RingAttention.apply(query, key, value, context, layout, chunk_documents, window, scale, softcap)
     scale = key_width ** -0.5 if scale is None else scale  # of the unpadded heads
     width = max(key_width, value_width)
-    query, key, value = (F.pad(tensor, (0, width - tensor.shape[-1])) for tensor in (query, key, value))
+    query, key, value = (tensor if tensor.shape[-1] == width else F.pad(tensor, (0, width - tensor.shape[-1]))
+                         for tensor in (query, key, value))  # only the narrower side is copied
     out = _RingAttention.apply(query, key, value, context, layout, chunk_documents, window, scale, softcap)
     return out[..., :value_width]
 
