@@ -264,6 +264,11 @@ class SelfAttention(nn.Module):
             self.head_dim, self.head_dim)
         self.q_norm, self.k_norm = ((RMSNorm(width, config.norm_eps, config.norm_zero_centered) for width in widths)
                                     if config.qk_norm else (None, None))
+        self.init_core(config, layer_index)
+
+    def init_core(self, config, layer_index: int) -> None:
+        """What every attention block holds besides its projections (latent attention's too): the
+        rotary table of its ``config.rotary_dim`` channels, the core and its settings."""
         self.rotary = (RotaryEmbedding(config.rotary_dim, config.rope_theta, RopeScaling.from_config(config))
                        if config.position_embedding == "rope" else None)
         self.core = attention_core

@@ -49,11 +49,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshlm.models.attention import SelfAttention, attention_core
-from meshlm.models.dropout import dropout_site
+from meshlm.models.attention import SelfAttention
 from meshlm.models.lora import ADAPTER_MODULE
 from meshlm.models.norms import RMSNorm
-from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
+from meshlm.models.rope import apply_rotary
 
 
 class LatentAttention(SelfAttention):
@@ -83,14 +82,7 @@ class LatentAttention(SelfAttention):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.value_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.value_dim, hidden, bias=False)
         self.qk_norm_all, self.q_norm, self.k_norm = False, None, None
-        self.rotary = RotaryEmbedding(self.rope_dim, config.rope_theta, RopeScaling.from_config(config))
-        self.core = attention_core
-        self.recompute_core = False
-        self.scale = config.attention_scale
-        self.softcap = config.attention_softcap
-        self.window = config.sliding_window
-        self.dropout_p = config.attention_dropout
-        self.dropout_site = dropout_site("attention_probs", layer_index)
+        self.init_core(config, layer_index)  # the rotary table of the mla_qk_rope_head_dim channels
         self.latent_cache = True
         """Cache latents in generation (the module docstring); False caches the expanded heads, as
         ``bench/latent_attention.py`` does to compare the two."""
