@@ -119,7 +119,7 @@ def test_cached_decoding_with_partial_rotary_equals_the_full_forward(fraction):
 @pytest.mark.parametrize("fields,match", [
     ({"rope_fraction": 0.0}, "model.rope_fraction=0.0 must lie in"),
     ({"rope_fraction": 1.5}, "model.rope_fraction=1.5 must lie in"),
-    ({"rope_fraction": 0.4}, "= 3\) must be a positive even number"),
+    ({"rope_fraction": 0.4}, r"= 3\) must be a positive even number"),
     ({"rope_fraction": 0.1}, "a positive even number"),
     ({"rope_fraction": 0.5, "position_embedding": "none"}, "needs model.position_embedding=rope"),
     ({"rope_scaling": "dynamic"}, "model.rope_scaling='dynamic' is not one of"),
