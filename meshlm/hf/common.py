@@ -123,6 +123,16 @@ def _transposed(produce: Callable[[], torch.Tensor]) -> torch.Tensor:
     return produce().t().contiguous()
 
 
+def _rows_in_order(produce: Callable[[], torch.Tensor], order: torch.Tensor) -> torch.Tensor:
+    return produce()[order]
+
+
+def reordered(entry: PlannedTensor, order: torch.Tensor) -> PlannedTensor:
+    """``entry`` with its rows taken in ``order`` when it is produced (row r is the produced row
+    ``order[r]``; ``torch.argsort(order)`` undoes it)."""
+    return PlannedTensor(entry.shape, entry.dtype, partial(_rows_in_order, entry.produce, order))
+
+
 def ours_only(ours: str) -> TensorMap:
     return TensorMap(ours, ())
 
@@ -497,7 +507,7 @@ def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozense
     reasons = [reason for name, (present, reason) in layer_features(config).items()
                if present and name not in supported]
     if config.norm != "rmsnorm" and "norm" not in supported:
-        reasons.append(f"model.norm={config.norm!r} (HF models here but GPT2LMHeadModel use RMSNorm)")
+        reasons.append(f"model.norm={config.norm!r} (the HF classes here other than GPT-2, StarCoder2 and GPT-NeoX use RMSNorm)")
     if config.mtp_depth:
         reasons.append(f"model.mtp_depth={config.mtp_depth} (multi-token-prediction heads are not exported yet)")
     if config.block_overrides:
@@ -526,7 +536,8 @@ LAYER_FEATURES = {
     "final_logit_softcap": "Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap the output logits",
     "position_embedding": "GPT2LMHeadModel adds learned position embeddings",
     "attention_type": "DeepseekV3ForCausalLM has multi-head latent attention",
-    "rope_fraction": "Phi3ForCausalLM rotates part of each head (partial_rotary_factor)",
+    "rope_fraction": "Phi3ForCausalLM and GPTNeoXForCausalLM rotate part of each head (partial_rotary_factor)",
+    "parallel_residual": "GPTNeoXForCausalLM runs attention and MLP side by side (use_parallel_residual)",
 }
 """Layer features only some HF classes hold, and which."""
 
@@ -543,7 +554,7 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "final_logit_softcap": config.final_logit_softcap is not None,
             "position_embedding": config.position_embedding == "learned",
             "attention_type": config.attention_type == "mla" and "*" in config.block_kinds,
-            "rope_fraction": config.rope_fraction != 1.0}
+            "rope_fraction": config.rope_fraction != 1.0, "parallel_residual": config.parallel_residual}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 

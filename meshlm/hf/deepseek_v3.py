@@ -60,15 +60,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from meshlm.checkpoint.safetensors_stream import PlannedTensor
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.hf.common import (Architecture, TensorMap, blocks_of, common_unsupported, embedding_maps,
-                              hf_common_fields, linear_maps, rename, require, rope_from_hf, rope_to_hf, rows_of,
-                              split_fused_experts, window_unsupported, with_defaults)
+                              hf_common_fields, linear_maps, rename, reordered, require, rope_from_hf, rope_to_hf,
+                              rows_of, split_fused_experts, window_unsupported, with_defaults)
 from meshlm.hf.llama import dense_mlp_maps
 from meshlm.hf.qwen3_moe import routed_expert_maps
 from meshlm.models.config import ModelConfig
@@ -374,15 +373,6 @@ def normalize_hf_tensors(tensors: dict) -> dict:
         (f"{prefix}experts.{e}.gate_proj.weight", 0), (f"{prefix}experts.{e}.up_proj.weight", 0)])
     return split_fused_experts(tensors, "experts.down_proj", lambda prefix, e: [
         (f"{prefix}experts.{e}.down_proj.weight", 0)])
-
-
-def _rows_in_order(produce, order: torch.Tensor) -> torch.Tensor:
-    return produce()[order]
-
-
-def reordered(entry: PlannedTensor, order: torch.Tensor) -> PlannedTensor:
-    """``entry`` with its rows taken in ``order`` when it is produced."""
-    return PlannedTensor(entry.shape, entry.dtype, partial(_rows_in_order, entry.produce, order))
 
 
 @dataclass(frozen=True)

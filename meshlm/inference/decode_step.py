@@ -166,10 +166,16 @@ class DecodeStep:
         model = self.model
         hidden = model.embed(input_ids[:, None], positions=positions)  # (learned positions read them)
         kv, counts, states, new_states = iter(kv_buffers), iter(held), iter(mamba_states), []
+        pair_input = None  # model.parallel_residual: the input the attention block shares with its partner
         for block in model.blocks:
             if block.mixer is None:
                 continue
-            normed = hidden if block.norm is None else block.norm(hidden)
+            mixer_input = hidden
+            if block.parallel_residual_role == "first":
+                pair_input = hidden
+            elif block.parallel_residual_role == "second":
+                mixer_input = pair_input
+            normed = mixer_input if block.norm is None else block.norm(mixer_input)
             if block.kind == "*":
                 query, key, value = block.mixer.cached_projection(normed, positions)
                 held_and_first = next(counts)

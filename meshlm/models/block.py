@@ -7,6 +7,13 @@ With ``model.block_output_norm`` the mixer's output is normalized too before it 
 ``h + dropout(norm2(mixer(norm(h))))`` (Gemma 2 and 3's post-attention and post-feedforward norms);
 without ``model.block_input_norm`` the first norm goes, ``h + dropout(norm2(mixer(h)))`` (OLMo 2).
 
+With ``model.parallel_residual`` an attention block and the MLP or MoE block right after it read
+the same input (GPT-J, GPT-NeoX): ``h + attn(norm1(h)) + mlp(norm2(h))``. They stay two blocks --
+two norms, two residual adds, their own names, caches, recomputation and compiled steps -- and the
+attention block hands its input to its partner through the ``SequenceContext``: the first adds
+``attn(norm1(h))`` to h, the second adds ``mlp(norm2(h))`` to that sum. Autograd sees the same
+graph as the fused layer, so gradients are the paired layer's.
+
 The pattern (``meshlm/models/pattern.py``) names one block per symbol: ``*`` attention, ``-`` MLP,
 ``M`` Mamba-2, ``E`` Mixture-of-Experts, ``L`` linear, ``0`` no-op. Every block is pre-norm (the norm acts on the block's
 input, the residual stream is never normalized in place), as in GPT-2 and Llama. The main stack
@@ -36,7 +43,7 @@ from meshlm.models.mamba2 import Mamba2Mixer
 from meshlm.models.mlp import MLP
 from meshlm.models.moe.layer import MoELayer
 from meshlm.models.norms import model_norm
-from meshlm.models.pattern import LINEAR, NO_OP
+from meshlm.models.pattern import LINEAR, NO_OP, parallel_residual_pairs
 
 
 class LinearMixer(nn.Module):
@@ -86,6 +93,9 @@ class Block(nn.Module):
         self.recompute = False
         """Full recomputation (set by training.recompute): keep only the block input for backward
         and rerun norm + mixer during backward."""
+        self.parallel_residual_role: str | None = None
+        """``model.parallel_residual``: "first" for an attention block whose partner runs beside it,
+        "second" for that partner, None for a sequential block (``pair_parallel_residual_blocks``)."""
 
     def norm_and_mix(self, hidden: torch.Tensor, context: SequenceContext):
         mixed = self.mixer(hidden if self.norm is None else self.norm(hidden), context)
@@ -101,22 +111,33 @@ class Block(nn.Module):
         prepare_context = getattr(self.mixer, "prepare_context", None)
         if prepare_context is not None:  # eagerly, outside a compiled residual_step: what blocks share
             prepare_context(context)
-        output, moe_losses = self.residual_step(hidden, context)
+        mixer_input = hidden
+        if self.parallel_residual_role == "first":
+            context.parallel_residual_input = hidden
+        elif self.parallel_residual_role == "second":
+            mixer_input, context.parallel_residual_input = context.parallel_residual_input, None
+            if mixer_input is None:
+                raise RuntimeError(f"block {self.layer_index} runs beside the attention block before it "
+                                   "(model.parallel_residual), which has not run in this forward; run the pair "
+                                   "together.")
+        output, moe_losses = self.residual_step(hidden, context, mixer_input)
         if moe_losses is not None:
             context.moe_losses.append(moe_losses)
         return output
 
-    def residual_step(self, hidden: torch.Tensor, context: SequenceContext):
-        """``hidden + dropout(mixer(norm(hidden)))`` and an MoE block's auxiliary losses (None for
-        other kinds). This is what ``train.compile`` compiles (meshlm/training/compile.py): it
+    def residual_step(self, hidden: torch.Tensor, context: SequenceContext, mixer_input: torch.Tensor | None = None):
+        """``hidden + dropout(mixer(norm(mixer_input)))`` and an MoE block's auxiliary losses (None
+        for other kinds); ``mixer_input`` is ``hidden`` except in the second block of a parallel
+        residual pair. This is what ``train.compile`` compiles (meshlm/training/compile.py): it
         changes nothing outside the block, whereas appending to ``context.moe_losses`` inside the
         graph would make Dynamo guard on the list's length and compile each MoE block anew for
         every MoE block before it."""
+        mixer_input = hidden if mixer_input is None else mixer_input
         if self.recompute and torch.is_grad_enabled() and context.cache is None:
             # MoE losses come back from the first run only; the rerun in backward is discarded.
-            mixed = torch.utils.checkpoint.checkpoint(self.norm_and_mix, hidden, context, use_reentrant=False)
+            mixed = torch.utils.checkpoint.checkpoint(self.norm_and_mix, mixer_input, context, use_reentrant=False)
         else:
-            mixed = self.norm_and_mix(hidden, context)
+            mixed = self.norm_and_mix(mixer_input, context)
         moe_losses = None
         if isinstance(mixed, tuple):  # MoE blocks also return their auxiliary losses
             mixed, moe_losses = mixed
@@ -126,4 +147,13 @@ class Block(nn.Module):
         return hidden + mixed, moe_losses
 
 
-__all__ = ["Block", "LinearMixer", "build_mixer"]
+def pair_parallel_residual_blocks(blocks, config: ModelConfig) -> None:
+    """Mark the blocks of one stack (the main blocks, or one MTP depth's) that run side by side
+    under ``model.parallel_residual`` (``pattern.parallel_residual_pairs``); a no-op otherwise."""
+    if not config.parallel_residual:
+        return
+    for first, second in parallel_residual_pairs([block.kind for block in blocks]):
+        blocks[first].parallel_residual_role, blocks[second].parallel_residual_role = "first", "second"
+
+
+__all__ = ["Block", "LinearMixer", "build_mixer", "pair_parallel_residual_blocks"]

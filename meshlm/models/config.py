@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from meshlm.errors import ConfigError, check_choice
 from meshlm.kernels import triton_installed
-from meshlm.models.pattern import BLOCK_KINDS, parse_pattern
+from meshlm.models.pattern import BLOCK_KINDS, parallel_residual_pairs, parse_pattern
 
 ACTIVATIONS = ("swiglu", "geglu", "squared_relu", "gelu", "gelu_tanh", "relu", "silu")
 NORMS = ("rmsnorm", "layernorm")
@@ -226,6 +226,12 @@ class ModelConfig:
     block_output_norm: bool = False
     """A second norm on each block's mixer output, before the residual add: h + norm2(mixer(norm(h)))
     (Gemma 2 and 3's post-attention and post-feedforward norms, a "sandwich" norm)."""
+    parallel_residual: bool = False
+    """Run each attention block and the MLP or MoE block right after it side by side, both on the
+    same input: h + attn(norm1(h)) + mlp(norm2(h)) in place of h' = h + attn(norm1(h)), h' +
+    mlp(norm2(h')) (GPT-J; GPT-NeoX and Pythia's use_parallel_residual; PaLM). Each keeps its own
+    norm. Pairs are ``*`` followed by ``-`` or ``E`` in the pattern (and in ``mtp_pattern``); other
+    blocks stay sequential. Pipeline stages never split a pair."""
     embedding_multiplier: float = 1.0
     """The token embeddings are multiplied by this before the first block (Gemma: sqrt(hidden_size);
     Granite and muP-style models: a constant such as 12)."""
@@ -512,6 +518,10 @@ class ModelConfig:
                     raise ConfigError(f"model.{name}={getattr(self, name)} applies to attention blocks, and "
                                       f"model.pattern={self.pattern!r} has none; set model.{name}=null.")
         _soft_cap(self, "final_logit_softcap", 30)
+        if self.parallel_residual and not parallel_residual_pairs(self.block_kinds):
+            raise ConfigError(f"model.parallel_residual=true runs each attention block ('*') beside the MLP or MoE "
+                              f"block ('-' or 'E') right after it, and model.pattern={self.pattern!r} has no such "
+                              "pair; write the pattern as '*-*-...' or set model.parallel_residual=false.")
         self._validate_learned_positions()
         if "M" in kinds:
             self._validate_mamba()

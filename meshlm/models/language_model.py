@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.errors import ConfigError
-from meshlm.models.block import Block
+from meshlm.models.block import Block, pair_parallel_residual_blocks
 from meshlm.models.cache import InferenceCache
 from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
@@ -89,6 +89,7 @@ class LanguageModel(nn.Module):
             self.position_embedding = LearnedPositions(config.max_position_embeddings, config.hidden_size)
         self.embedding_dropout = HiddenDropout(config.hidden_dropout, dropout_site("embedding"))
         self.blocks = nn.ModuleList(Block(kind, config, index) for index, kind in enumerate(config.block_kinds))
+        pair_parallel_residual_blocks(self.blocks, config)
         self.final_norm = model_norm(config)
         self.output = (None if config.tie_embeddings or config.head == "reward"
                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshlm.models.block import Block
+from meshlm.models.block import Block, pair_parallel_residual_blocks
 from meshlm.models.losses import IGNORE_INDEX, language_model_loss
 from meshlm.models.norms import model_norm
 from meshlm.models.pattern import parse_pattern
@@ -46,6 +46,7 @@ class MTPDepth(nn.Module):
         self.projection = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         kinds = parse_pattern(config.mtp_pattern, "model.mtp_pattern").kinds
         self.blocks = nn.ModuleList(Block(kind, config, first_layer_index + i) for i, kind in enumerate(kinds))
+        pair_parallel_residual_blocks(self.blocks, config)
 
     def forward(self, previous_hidden: torch.Tensor, future_embeddings: torch.Tensor, context) -> torch.Tensor:
         combined = torch.cat((self.hidden_norm(previous_hidden), self.embedding_norm(future_embeddings)), dim=-1)

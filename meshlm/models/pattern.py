@@ -61,3 +61,17 @@ def parse_pattern(pattern: str, field_name: str = "pattern") -> ParsedPattern:
     if len(stage_starts) > 1 and stage_starts[-1] == len(kinds):
         raise ConfigError(f"{field_name}={pattern!r} ends with '|', which would make an empty last stage.")
     return ParsedPattern(tuple(kinds), tuple(stage_starts))
+
+
+def parallel_residual_pairs(kinds) -> list[tuple[int, int]]:
+    """The blocks ``model.parallel_residual`` runs side by side: each attention block (``*``) and
+    the MLP or MoE block (``-``, ``E``) right after it, as (attention, feed-forward) positions in
+    ``kinds``, left to right. ``"*-*-"`` pairs (0, 1) and (2, 3); in ``"M*-*0-"`` only (1, 2)."""
+    pairs, index = [], 0
+    while index < len(kinds) - 1:
+        if kinds[index] == "*" and kinds[index + 1] in ("-", "E"):
+            pairs.append((index, index + 1))
+            index += 2
+        else:
+            index += 1
+    return pairs

@@ -36,6 +36,7 @@ Mamba inner width, GN its B/C width, H its heads, N its state size, c its chunk,
 k the top-k, w the expert width:
 
     every block (its pre-norm)  8h + 4 + d*h     input in fp32, normalized fp32, 1/rms; output in dtype
+                                                 (LayerNorm: d*h + 8 + d*h, its input, mean and 1/std)
     block output norm           8h + 4           (model.block_output_norm) its fp32 input, normalized, 1/rms
     attention   *               8hd + d(2q + 2kv) + 4a   RoPE cos/sin (hd: the rotated channels, fewer
                                                           with model.rope_fraction), q, k, v, output; LSE
@@ -81,7 +82,9 @@ tensors. Each MTP depth adds its blocks, 4h and another head. The peak is at the
 backward, and backward frees each block's tensors about as fast as it makes that block's
 gradients, so no working space is added, except the block being recomputed (with
 ``train.recompute=full``) and the scores' temporaries in one layer (with attention dropout, or on
-SDPA's math path).
+SDPA's math path). A tensor two blocks save counts for each, a small over-count: the RoPE tables
+every attention block reads, and under ``model.parallel_residual`` the input an attention block
+shares with its partner, whose norm saves it again (LayerNorm in any dtype, RMSNorm in fp32).
 
 Layout: a rank holds seq_len / cp tokens of each sequence; inner widths (q, kv, F, D, experts)
 are split by tp (etp); with sequence parallelism the norm's own tensors are split by tp too, but
@@ -242,13 +245,21 @@ def mlp_elements(width: int, activation: str) -> int:
     return (4 if is_gated(activation) else 2) * width
 
 
-def norm_bytes(h: int, dtype_bytes: int, sequence_shards: int = 1, output_bytes: int | None = None) -> float:
-    """Bytes per token a block's pre-norm saves: the input in fp32 (a copy under bf16/fp16), the
-    normalized fp32 product and 1/rms, on this rank's sequence shard (``sequence_shards``: tp
-    with sequence parallelism); and the output the next linear reads, whole-sequence (under SP
-    the gathered input of the column-parallel linear), ``output_bytes`` per element (default: the
-    run's dtype)."""
-    return (8 * h + 4) / sequence_shards + (dtype_bytes if output_bytes is None else output_bytes) * h
+def norm_bytes(h: int, dtype_bytes: int, sequence_shards: int = 1, output_bytes: int | None = None,
+               norm: str = "rmsnorm") -> float:
+    """Bytes per token a block's pre-norm saves on this rank's sequence shard (``sequence_shards``:
+    tp with sequence parallelism) -- ``own_norm_bytes`` -- and the output the next linear reads,
+    whole-sequence (under SP the gathered input of the column-parallel linear), ``output_bytes``
+    per element (default: the run's dtype)."""
+    return own_norm_bytes(h, dtype_bytes, norm) / sequence_shards + (
+        dtype_bytes if output_bytes is None else output_bytes) * h
+
+
+def own_norm_bytes(h: int, dtype_bytes: int, norm: str = "rmsnorm") -> float:
+    """Bytes per token a norm keeps besides its output: RMSNorm (``models/norms.py``) its input in
+    fp32 (a copy under bf16/fp16), the normalized fp32 product and 1/rms; PyTorch's LayerNorm its
+    input as it is and the mean and 1/std (fp32 on CUDA; the input's dtype on the CPU)."""
+    return dtype_bytes * h + 8 if norm == "layernorm" else 8 * h + 4
 
 
 def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout, block_model=None) -> float:
@@ -262,7 +273,8 @@ def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
     # the output norm: its input in fp32 (a copy under bf16/fp16), the normalized fp32 product and 1/rms,
     # on this rank's sequence shard (under SP the row-parallel output is reduce-scattered)
     shards = layout.tp_size if layout.sequence_parallel else 1
-    return mixer + (8 * model.hidden_size + 4) / shards * micro_batch * seq
+    return mixer + own_norm_bytes(model.hidden_size, DTYPE_BYTES[config.precision.dtype], model.norm) / shards \
+        * micro_batch * seq
 
 
 def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout, model) -> float:
@@ -273,7 +285,7 @@ def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
     tokens = micro_batch * seq
     sequence_shards = tp if layout.sequence_parallel else 1
     # the pre-norm, or without one (model.block_input_norm=false) the block input the first linear saves
-    residual = norm_bytes(h, dtype_bytes, sequence_shards) if model.block_input_norm else dtype_bytes * h
+    residual = norm_bytes(h, dtype_bytes, sequence_shards, norm=model.norm) if model.block_input_norm else dtype_bytes * h
     if kind == "*":
         return attention_bytes(config, model, micro_batch, seq, layout, residual)
     if kind == "-":
@@ -283,7 +295,7 @@ def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
         experts, top_k = model.moe_num_experts, model.moe_top_k
         expert_width = model.moe_latent_size or h
         router = 16 * experts + 4  # fp32 probabilities, int64 ranks, fp32 logits, logsumexp
-        norm = (norm_bytes(h, dtype_bytes, sequence_shards, output_bytes=4)  # the router reads it in fp32
+        norm = (norm_bytes(h, dtype_bytes, sequence_shards, output_bytes=4, norm=model.norm)  # the router: fp32
                 if model.block_input_norm else 4 * h)
         routed = top_k * (8 + 8 + 4 + expert_width * dtype_bytes  # indices, weights, the dispatched rows
                           + mlp_elements(model.resolved_moe_ffn_hidden_size, model.mlp_activation) * dtype_bytes
@@ -307,7 +319,8 @@ def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
         mamba = projected + convolved + step_sizes + chunk_states + gated_norm
         return (residual + mamba / tp) * tokens
     if kind == "L":  # the norm's terms and the replicated linear's input
-        return (norm_bytes(h, dtype_bytes, sequence_shards, output_bytes=0) + h * dtype_bytes / sequence_shards) \
+        return (norm_bytes(h, dtype_bytes, sequence_shards, output_bytes=0, norm=model.norm)
+                + h * dtype_bytes / sequence_shards) \
             * tokens
     raise ValueError(f"unknown block kind {kind!r}")
 

@@ -13,12 +13,13 @@ slice's rows under SP, a partial gradient --, LayerNorm, biases everywhere, GELU
 one (muP-style multipliers on the embeddings, attention, each block's output and the logits), two
 with DeepSeek's multi-head latent attention (heads split, the latent down-projections and norms
 replicated with partial gradients; one with a query latent and a block of 8 heads, one without, with
-LoRA adapters on its latent projections), and an OLMo-style model (no input norms,
-output norms, a QK-norm over all heads: cut over the ranks with its statistics all-reduced); and
-a hybrid ('M*-M', an MTP depth) with LoRA adapters on every targeted layer (their b drawn, as
-after training), of which only the adapters have gradients. One spawned world of 4 ranks runs
-tp 2 (two TP groups side by side) and tp 4, sequence parallelism off and on. Every rank builds the full model from a seed,
-runs the single-process forward/backward itself, then parallelizes a copy and checks:
+LoRA adapters on its latent projections), an OLMo-style model (no input norms, output norms, a
+QK-norm over all heads: cut over the ranks with its statistics all-reduced), a GPT-NeoX-style one
+(each attention block beside its MLP on one input, a parallel residual; a quarter of each head
+rotated); and a hybrid ('M*-M', an MTP depth) with LoRA adapters on every targeted layer (their b
+drawn, as after training), of which only the adapters have gradients. One spawned world of 4 ranks
+runs tp 2 (two TP groups side by side) and tp 4, sequence parallelism off and on. Every rank builds
+the full model from a seed, runs the single-process forward/backward itself, then parallelizes a copy and checks:
 
 - the training loss (``return_logits=False``: vocab-parallel cross-entropy, logits never
   gathered), and the loss and full logits of ``return_logits=True``;
@@ -72,6 +73,9 @@ MODELS = {
     "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
                                     mlp_activation="squared_relu", mlp_bias=True),
     "kv2 mtp partial rotary": dict(num_kv_heads=2, mtp_depth=1, mtp_pattern="*-", rope_fraction=0.5),
+    "gpt-neox-style parallel residual": dict(norm="layernorm", attention_bias=True, mlp_bias=True,
+                                             mlp_activation="gelu", rope_fraction=0.25, parallel_residual=True,
+                                             qk_norm=False),
     "deepseek-style latent attention": dict(attention_type="mla", qk_norm=False, mla_q_lora_rank=12,
                                             mla_kv_lora_rank=8, mla_qk_nope_head_dim=6, mla_qk_rope_head_dim=4,
                                             mla_v_head_dim=5, block_overrides={2: {"num_attention_heads": 8}}),

@@ -150,10 +150,12 @@ def compiled_twice_like_eager(model: LanguageModel):
     return counter, expected, outputs
 
 
-@pytest.mark.parametrize("shape", [MOE, HYBRID], ids=["moe", "hybrid"])
+@pytest.mark.parametrize("shape", [MOE, HYBRID, dict(MOE, pattern="*E*E*-", parallel_residual=True)],
+                         ids=["moe", "hybrid", "moe parallel residual"])
 def test_each_block_kind_compiles_once_wherever_it_sits(shape):
     """In bf16 (the dtype whose grouped GEMM the compiler traces on CPU), one graph per block kind
-    and no graph breaks. Before: an MoE block appended to ``context.moe_losses`` inside its graph
+    and no graph breaks (with ``model.parallel_residual`` too: the feed-forward blocks take their
+    partner's input as one more tensor). Before: an MoE block appended to ``context.moe_losses`` inside its graph
     (one compile per MoE block before it), ``torch.bincount``'s data-dependent shape broke the
     graph at dispatch, and the Mamba mixer's gated norm (a Function whose backward runs autograd)
     broke it in the middle."""

@@ -12,8 +12,10 @@ virtual stage c * pp + r (with vp = 1: rank r holds stage r). Where the cuts go:
   FFNs, fewer KV heads, linear or no-op blocks -- is cut where the work, not the block count, is
   even; a no-op block weighs nothing.
 
-Every virtual stage needs at least one block. The first virtual stage also embeds the tokens;
-the last one also runs the final norm, the output head, the loss and the MTP depths.
+Every virtual stage needs at least one block. The blocks ``model.parallel_residual`` runs side by
+side share one input, so a stage holds both or neither (the cuts fall between pairs). The first
+virtual stage also embeds the tokens; the last one also runs the final norm, the output head, the
+loss and the MTP depths.
 
 **One module per rank, single-process names.** Every rank builds the whole model on the
 ``meta`` device (and tensor-parallelizes it) as without pipelining, then ``keep_stage_modules``
@@ -40,7 +42,7 @@ from torch import nn
 
 from meshlm.errors import ConfigError
 from meshlm.models.flops import head_flops, model_block_flops, mtp_flops
-from meshlm.models.pattern import parse_pattern
+from meshlm.models.pattern import parallel_residual_pairs, parse_pattern
 from meshlm.parallel.groups import Group, group_of
 from meshlm.parallel.pipeline.schedules import check_microbatches
 
@@ -96,18 +98,33 @@ def balanced_starts(costs: list[float], num_parts: int, last_extra: float = 0.0)
 def stage_starts(config, num_stages: int, seq_len: int) -> list[int]:
     """Index of the first block of each virtual stage (see the module docstring)."""
     marked = parse_pattern(config.pattern, "model.pattern").stage_starts
+    paired = dict(parallel_residual_pairs(config.block_kinds)) if config.parallel_residual else {}
     if len(marked) > 1:
         if len(marked) != num_stages:
             raise ConfigError(f"model.pattern={config.pattern!r} marks {len(marked)} pipeline stages with '|', but "
                               f"parallel.pp * parallel.vp = {num_stages}; mark {num_stages} stages or remove the "
                               "'|' marks to split by FLOPs.")
+        for first, second in paired.items():
+            if second in marked:
+                raise ConfigError(f"model.pattern={config.pattern!r} puts a pipeline-stage boundary between blocks "
+                                  f"{first} and {second}, which model.parallel_residual runs side by side on one "
+                                  "input; move that '|' before the attention block or after its partner.")
         return list(marked)
-    if config.num_blocks < num_stages:
-        raise ConfigError(f"model.pattern has {config.num_blocks} blocks, fewer than the parallel.pp * parallel.vp = "
-                          f"{num_stages} pipeline stages; every stage needs a block (lower pp or vp).")
+    # the units a stage is cut into: single blocks, and the pairs model.parallel_residual keeps together
+    units = [[index] for index in range(config.num_blocks) if index not in paired.values()]
+    for unit in units:
+        if unit[0] in paired:
+            unit.append(paired[unit[0]])
+    if len(units) < num_stages:
+        held = (f"{config.num_blocks} blocks make {len(units)} units a stage can hold (model.parallel_residual keeps "
+                f"each of its {len(paired)} attention/feed-forward pairs on one stage)" if paired
+                else f"{config.num_blocks} blocks")
+        raise ConfigError(f"model.pattern's {held}, fewer than the parallel.pp * parallel.vp = {num_stages} pipeline "
+                          "stages; every stage needs a block (lower pp or vp).")
     costs = [flops.per_sequence for flops in model_block_flops(config, seq_len)]  # each block by its own sizes
     head = head_flops(config, seq_len) + mtp_flops(config, seq_len)
-    return balanced_starts(costs, num_stages, head)
+    starts = balanced_starts([sum(costs[index] for index in unit) for unit in units], num_stages, head)
+    return [units[start][0] for start in starts]
 
 
 def rank_chunks(config, pp_size: int, vp_size: int, pp_rank: int, seq_len: int) -> list[ModelChunk]:

@@ -5,7 +5,8 @@ step's schedule; the loss terms (every rank gets them), every parameter's gradie
 reduction and the tied-embedding sum, gathered by name), the global gradient norm, the per-expert
 counts and a forward-only evaluation must equal one process running the whole model. The models
 put MoE blocks (auxiliary and z losses) on a non-last stage, MTP and a tied head on the last
-(and one dense model has Gemma 2's soft-capped attention scores and logits, its MTP loss too; a
+(and one dense model has Gemma 2's soft-capped attention scores and logits, its MTP loss too, and
+GPT-NeoX's parallel residual, each attention block beside its MLP on one stage; a
 GPT-2-style one its learned positions on the first stage and its tied head on the last);
 layouts: pp2 (1F1B), pp2 x vp2 (interleaved), pp2 x dp2 with the distributed optimizer, and
 pp2 x tp2 with sequence parallelism. Every run has ``parallel.check_collectives`` on and compares
@@ -45,9 +46,10 @@ MODELS = {
     "hybrid tied": dict(BASE, pattern="M*-M", mamba_head_dim=8, mamba_state_size=8, mamba_num_groups=4,
                         mamba_chunk_size=8, tie_embeddings=True),
     "dense": dict(BASE, pattern="*-*-", num_kv_heads=2),
-    # Gemma 2's caps, small enough to bend this model's scores (QK-normed) and logits; MTP's loss capped too
+    # Gemma 2's caps, small enough to bend this model's scores (QK-normed) and logits; MTP's loss capped too;
+    # attention and MLP side by side (GPT-NeoX's parallel residual) in the main blocks and the MTP depth
     "dense soft caps mtp": dict(BASE, pattern="*-*-", num_kv_heads=2, qk_norm=True, attention_softcap=2.0,
-                                final_logit_softcap=0.3, mtp_depth=1),
+                                final_logit_softcap=0.3, mtp_depth=1, parallel_residual=True),
     # DeepSeek-V3-shaped: latent attention in the main blocks and the MTP depth, sigmoid routing
     "deepseek-style mtp": dict(BASE, pattern="*E|*-", attention_type="mla", mla_q_lora_rank=16, mla_kv_lora_rank=8,
                                mla_qk_nope_head_dim=8, mla_qk_rope_head_dim=4, mla_v_head_dim=6, moe_num_experts=4,
