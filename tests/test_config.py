@@ -107,7 +107,7 @@ def test_known_keys_cover_every_section():
 @pytest.mark.parametrize("name, kinds", [("tiny", {"*", "-"}), ("hybrid-tiny", {"M", "*", "-"}),
                                          ("moe-tiny", {"*", "E"}), ("demo-mtp", {"M", "*", "-", "E"}),
                                          ("gemma2-tiny", {"*", "-"}), ("gemma3-tiny", {"*", "-"}),
-                                         ("gpt2-tiny", {"*", "-"}),
+                                         ("gpt2-tiny", {"*", "-"}), ("pythia-tiny", {"*", "-"}),
                                          ("olmo2-tiny", {"*", "-"}), ("deepseek-v3-tiny", {"*", "-", "E"})])
 def test_shipped_configs_load_and_match_the_demo_data(name, kinds):
     config = load_run_config(CONFIGS / f"{name}.yaml")
@@ -134,6 +134,10 @@ def test_shipped_configs_load_and_match_the_demo_data(name, kinds):
         from meshlm.hf import choose_architecture
         assert config.model.max_position_embeddings == config.train.seq_len
         assert choose_architecture(config.model).name == "GPT2LMHeadModel"
+    if name == "pythia-tiny":  # the layer the GPT-NeoX conversion writes
+        from meshlm.hf import choose_architecture
+        assert config.model.parallel_residual and config.model.rotary_dim == 6
+        assert choose_architecture(config.model).name == "GPTNeoXForCausalLM"
     if name == "olmo2-tiny":
         from meshlm.hf import choose_architecture
         assert choose_architecture(config.model).name == "Olmo2ForCausalLM"

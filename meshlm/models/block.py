@@ -12,7 +12,9 @@ the same input (GPT-J, GPT-NeoX): ``h + attn(norm1(h)) + mlp(norm2(h))``. They s
 two norms, two residual adds, their own names, caches, recomputation and compiled steps -- and the
 attention block hands its input to its partner through the ``SequenceContext``: the first adds
 ``attn(norm1(h))`` to h, the second adds ``mlp(norm2(h))`` to that sum. Autograd sees the same
-graph as the fused layer, so gradients are the paired layer's.
+graph as the fused layer, so gradients are the paired layer's. Where the attention block is
+skipped (the identity, as when an importance score leaves one block out), its input is the
+partner's own, which the partner then reads.
 
 The pattern (``meshlm/models/pattern.py``) names one block per symbol: ``*`` attention, ``-`` MLP,
 ``M`` Mamba-2, ``E`` Mixture-of-Experts, ``L`` linear, ``0`` no-op. Every block is pre-norm (the norm acts on the block's
@@ -113,13 +115,12 @@ class Block(nn.Module):
             prepare_context(context)
         mixer_input = hidden
         if self.parallel_residual_role == "first":
-            context.parallel_residual_input = hidden
+            context.parallel_residual_input = (self.layer_index, hidden)
         elif self.parallel_residual_role == "second":
-            mixer_input, context.parallel_residual_input = context.parallel_residual_input, None
-            if mixer_input is None:
-                raise RuntimeError(f"block {self.layer_index} runs beside the attention block before it "
-                                   "(model.parallel_residual), which has not run in this forward; run the pair "
-                                   "together.")
+            shared, context.parallel_residual_input = context.parallel_residual_input, None
+            if shared is not None and shared[0] == self.layer_index - 1:
+                mixer_input = shared[1]
+            # else the partner was skipped (an importance score's identity block): its input is this one
         output, moe_losses = self.residual_step(hidden, context, mixer_input)
         if moe_losses is not None:
             context.moe_losses.append(moe_losses)

@@ -49,9 +49,9 @@ class SequenceContext:
     document_ids: torch.Tensor | None = None
     document_positions: torch.Tensor | None = None
     rotary_tables: dict = field(default_factory=dict)
-    parallel_residual_input: torch.Tensor | None = None
-    """``model.parallel_residual``: the input of the attention block that runs beside the next
-    block, set by the attention block and taken (and cleared) by its partner (``models/block.py``)."""
+    parallel_residual_input: tuple[int, torch.Tensor] | None = None
+    """``model.parallel_residual``: (layer index, input) of the attention block that runs beside the
+    next block, set by the attention block and taken (and cleared) by its partner (``models/block.py``)."""
 
     @property
     def rotary_positions(self) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import LlamaConfig, Mamba2Config, NemotronHConfig  # noqa: E402
+from transformers import GPTNeoXConfig, LlamaConfig, Mamba2Config, NemotronHConfig  # noqa: E402
 
 from meshlm.cli import main  # noqa: E402
 
@@ -20,6 +20,9 @@ NO_SPECIAL_IDS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  
 HF_CONFIGS = {
     "llama": lambda: LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1, **NO_SPECIAL_IDS),
+    # a parallel residual and a quarter of each head rotated: the cached path and the decode step
+    "gpt_neox": lambda: GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, initializer_range=0.1, **NO_SPECIAL_IDS),
     "mamba2": lambda: Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_heads=8, head_dim=8, state_size=16,
                                    n_groups=2, num_hidden_layers=2, chunk_size=4, **NO_SPECIAL_IDS),
     # time_step_min is also Nemotron-H's dt clamp, which transformers skips in single-token decoding;

@@ -6,6 +6,7 @@ decode step; pipeline stages that never split a pair."""
 import pytest
 import torch
 
+from meshlm.adapt.importance import forward_loss
 from meshlm.errors import ConfigError
 from meshlm.inference.decode_step import DecodeStep
 from meshlm.models.cache import InferenceCache
@@ -78,6 +79,21 @@ def test_forward_and_gradients_are_the_written_out_parallel_layer():
         if "router" in name and expected_grad is None:
             continue
         torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_skipping_an_attention_block_leaves_its_partner_on_its_own_input():
+    """An importance score's left-out block (``adapt/importance.forward_loss``) is the identity: the
+    MLP beside it then reads its own input, as in the model with that block removed ('0')."""
+    model = neox_like()
+    removed = neox_like("*0-*E-")
+    state = {name: value for name, value in model.state_dict().items() if not name.startswith("blocks.1.")}
+    removed.load_state_dict(state)
+    assert [block.parallel_residual_role for block in removed.blocks][1:3] == [None, None]
+    input_ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        skipped = forward_loss(model, input_ids, input_ids, skip=1)
+        torch.testing.assert_close(skipped, removed(input_ids, labels=input_ids).losses["lm"], rtol=1e-6, atol=1e-6)
+        assert abs(skipped - forward_loss(model, input_ids, input_ids)) > 1e-3
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
