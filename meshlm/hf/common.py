@@ -507,7 +507,7 @@ def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozense
     reasons = [reason for name, (present, reason) in layer_features(config).items()
                if present and name not in supported]
     if config.norm != "rmsnorm" and "norm" not in supported:
-        reasons.append(f"model.norm={config.norm!r} (the HF classes here other than GPT-2, StarCoder2 and GPT-NeoX use RMSNorm)")
+        reasons.append(f"model.norm={config.norm!r} (the HF classes here other than GPT-2, StarCoder2, GPT-NeoX and StableLM use RMSNorm)")
     if config.mtp_depth:
         reasons.append(f"model.mtp_depth={config.mtp_depth} (multi-token-prediction heads are not exported yet)")
     if config.block_overrides:
@@ -536,7 +536,8 @@ LAYER_FEATURES = {
     "final_logit_softcap": "Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap the output logits",
     "position_embedding": "GPT2LMHeadModel adds learned position embeddings",
     "attention_type": "DeepseekV3ForCausalLM has multi-head latent attention",
-    "rope_fraction": "Phi3ForCausalLM and GPTNeoXForCausalLM rotate part of each head (partial_rotary_factor)",
+    "rope_fraction": "Phi3ForCausalLM, GPTNeoXForCausalLM and StableLmForCausalLM rotate part of each head "
+                     "(partial_rotary_factor)",
     "parallel_residual": "GPTNeoXForCausalLM runs attention and MLP side by side (use_parallel_residual)",
 }
 """Layer features only some HF classes hold, and which."""
@@ -621,6 +622,17 @@ def non_gated_activation_unsupported(config: ModelConfig, label: str, to_hf: dic
     if config.mlp_activation in to_hf:
         return []
     return [f"model.mlp_activation={config.mlp_activation!r} ({label}'s MLP is not gated: one of {', '.join(to_hf)})"]
+
+
+def multi_head_unsupported(config: ModelConfig, label: str) -> list[str]:
+    """Why ``config``'s attention is not class ``label``'s multi-head attention: one key/value head
+    per query head, the heads splitting the hidden size."""
+    reasons = []
+    if config.resolved_num_kv_heads != config.num_attention_heads:
+        reasons.append(f"model.num_kv_heads={config.num_kv_heads} ({label} has one key/value head per query head)")
+    if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
+        reasons.append(f"model.head_dim={config.head_dim} ({label}'s heads split the hidden size)")
+    return reasons
 
 
 def layer_norm_maps(ours: str, theirs: str) -> list[TensorMap]:

@@ -32,8 +32,8 @@ Not supported, refused by name: ``scale_attn_by_inverse_layer_idx`` and cross-at
 from __future__ import annotations
 
 from meshlm.hf.common import (Architecture, TensorMap, decoder_layers_unsupported, hf_common_fields, layer_norm_maps,
-                              non_gated_activation_unsupported, rename, require, rows_of, transposed,
-                              window_unsupported, with_defaults)
+                              multi_head_unsupported, non_gated_activation_unsupported, rename, require, rows_of,
+                              transposed, window_unsupported, with_defaults)
 from meshlm.models.config import ModelConfig
 
 NAME = "GPT2LMHeadModel"
@@ -74,10 +74,7 @@ def unsupported(config: ModelConfig) -> list[str]:
     reasons = decoder_layers_unsupported(config, "GPT-2", SUPPORTED_FEATURES, FIXED_FIELDS)
     reasons += window_unsupported(config, "GPT-2", uniform_only=False)
     reasons += non_gated_activation_unsupported(config, "GPT-2", ACTIVATIONS_TO_HF)
-    if config.resolved_num_kv_heads != config.num_attention_heads:
-        reasons.append(f"model.num_kv_heads={config.num_kv_heads} (GPT-2 has one key/value head per query head)")
-    if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
-        reasons.append(f"model.head_dim={config.head_dim} (GPT-2's heads split the hidden size)")
+    reasons += multi_head_unsupported(config, "GPT-2")
     if not config.resolved_attention_output_bias:
         reasons.append("model.attention_output_bias=False (GPT-2's c_proj has a bias)")
     if config.attention_scale not in (None, 1.0):

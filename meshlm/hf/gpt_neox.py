@@ -39,8 +39,8 @@ from meshlm.checkpoint.safetensors_stream import PlannedTensor, load
 from meshlm.errors import CheckpointError
 from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, TensorMap,
                               decoder_layers_unsupported, fused_rows, hf_common_fields, layer_norm_maps, linear_maps,
-                              non_gated_activation_unsupported, rename, reordered, require, rope_from_hf, rope_to_hf,
-                              window_unsupported, with_defaults)
+                              multi_head_unsupported, non_gated_activation_unsupported, rename, reordered, require,
+                              rope_from_hf, rope_to_hf, window_unsupported, with_defaults)
 from meshlm.models.config import ModelConfig
 
 NAME = "GPTNeoXForCausalLM"
@@ -86,10 +86,7 @@ def unsupported(config: ModelConfig) -> list[str]:
     reasons = decoder_layers_unsupported(config, "GPT-NeoX", SUPPORTED_FEATURES, FIXED_FIELDS)
     reasons += window_unsupported(config, "GPT-NeoX", uniform_only=False)
     reasons += non_gated_activation_unsupported(config, "GPT-NeoX", ACTIVATION_TO_HF)
-    if config.resolved_num_kv_heads != config.num_attention_heads:
-        reasons.append(f"model.num_kv_heads={config.num_kv_heads} (GPT-NeoX has one key/value head per query head)")
-    if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
-        reasons.append(f"model.head_dim={config.head_dim} (GPT-NeoX's heads split the hidden size)")
+    reasons += multi_head_unsupported(config, "GPT-NeoX")
     if config.resolved_attention_output_bias != config.attention_bias:
         reasons.append(f"model.attention_output_bias={config.attention_output_bias} with model.attention_bias="
                        f"{config.attention_bias} (GPT-NeoX's attention_bias is on query_key_value and dense alike)")

@@ -1,0 +1,106 @@
+"""``StableLmForCausalLM`` <-> meshlm (Bellagente et al. 2024, "Stable LM 2 1.6B Technical Report";
+Stability AI's StableLM-3B-4E1T): StableLM 2 1.6B, StableLM-3B-4E1T, StableLM Zephyr 3B, Stable
+Code 3B.
+
+A StableLM layer is Llama's -- RoPE attention with grouped KV heads, then a SwiGLU MLP without
+biases -- with:
+
+- **LayerNorm** with a bias (``model.norm=layernorm``, eps ``layer_norm_eps``) before each block
+  and at the end, where Llama has RMSNorm;
+- **partial rotary**: RoPE on the first quarter of each head's channels (``partial_rotary_factor``
+  0.25: ``model.rope_fraction``), rotate-half pairs as meshlm's;
+- biases on q, k and v only with ``use_qkv_bias`` (StableLM 2: ``model.attention_bias=true``,
+  ``model.attention_output_bias=false``), none on o and the MLP.
+
+``attention_dropout`` is ``model.attention_dropout`` and ``hidden_dropout`` (StableLM's, after the
+MLP alone) ``model.hidden_dropout`` (after the embedding and every block). Training only.
+
+Not supported, refused by name: ``qk_layernorm`` (StableLM 2 12B's LayerNorm on each head of q
+and k, one norm per head) and ``use_parallel_residual`` (its attention and MLP share one norm, where
+meshlm's parallel residual gives each its own: ``gpt_neox.py``).
+"""
+
+from __future__ import annotations
+
+from meshlm.hf.common import (Architecture, TensorMap, embedding_maps, layer_norm_maps, linear_maps, rename,
+                              require, window_unsupported, with_defaults)
+from meshlm.hf.llama import attention_to_hf, dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported
+from meshlm.models.config import ModelConfig
+
+NAME = "StableLmForCausalLM"
+MODEL_TYPE = "stablelm"
+DEFAULTS = {"vocab_size": 50304, "intermediate_size": 6912, "hidden_size": 2560, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu",
+            "max_position_embeddings": 4096, "initializer_range": 0.02, "layer_norm_eps": 1e-5,
+            "tie_word_embeddings": False, "use_qkv_bias": False, "qk_layernorm": False,
+            "use_parallel_residual": False, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+            "partial_rotary_factor": 0.25}
+
+
+def rope_config(hf_config: dict) -> dict:
+    """``hf_config`` with StableLM's default partial rotary factor (0.25) where it gives none."""
+    parameters = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    parameters.setdefault("partial_rotary_factor",
+                          hf_config.get("partial_rotary_factor", DEFAULTS["partial_rotary_factor"]))
+    parameters.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    return {**hf_config, "rope_parameters": parameters, "rope_scaling": None}
+
+
+def config_from_hf(hf_config: dict) -> ModelConfig:
+    hf = with_defaults(hf_config, DEFAULTS)
+    require(hf, NAME, "qk_layernorm", False, "meshlm's QK-norm is one RMSNorm shared by the heads, not a LayerNorm "
+            "per head")
+    require(hf, NAME, "use_parallel_residual", False, "StableLM's parallel layer feeds one norm's output to both "
+            "attention and MLP; meshlm's parallel residual (model.parallel_residual) gives each its own norm")
+    bias = bool(hf["use_qkv_bias"])
+    return dense_decoder_config({**hf, "rms_norm_eps": hf["layer_norm_eps"]}, rope_config(hf_config), NAME,
+                                partial_rotary=True, norm="layernorm", attention_bias=bias,
+                                attention_output_bias=False if bias else None,
+                                hidden_dropout=float(hf["hidden_dropout"]))
+
+
+def unsupported(config: ModelConfig) -> list[str]:
+    reasons = dense_decoder_unsupported(config, "StableLM", qk_norm=False, output_bias_apart=True,
+                                        supported=frozenset({"norm", "rope_fraction"}))
+    reasons += window_unsupported(config, "StableLM", uniform_only=False)
+    if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
+        reasons.append(f"model.head_dim={config.head_dim} (StableLM's heads split the hidden size)")
+    if config.norm != "layernorm":
+        reasons.append(f"model.norm={config.norm!r} (StableLM's norms are LayerNorms)")
+    if config.resolved_attention_output_bias or config.mlp_bias:
+        reasons.append(f"model.attention_output_bias={config.attention_output_bias}, model.mlp_bias="
+                       f"{config.mlp_bias} (StableLM's o_proj and MLP have no biases)")
+    return reasons
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    ARCHITECTURE.check_expressible(config)
+    rope = attention_to_hf(config)["rope_parameters"]
+    values = dense_decoder_to_hf(config, NAME, MODEL_TYPE, DEFAULTS["max_position_embeddings"],
+                                 rope_parameters={**rope, "partial_rotary_factor": float(config.rope_fraction)},
+                                 partial_rotary_factor=float(config.rope_fraction), layer_norm_eps=config.norm_eps,
+                                 use_qkv_bias=config.attention_bias, qk_layernorm=False, use_parallel_residual=False,
+                                 hidden_dropout=config.hidden_dropout)
+    del values["rms_norm_eps"], values["head_dim"]  # StableLM's heads always split the hidden size
+    return values
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    maps = embedding_maps(config, "model.embed_tokens.weight", "model.norm.weight")
+    maps.append(rename("final_norm.bias", "model.norm.bias"))
+    for layer in range(config.num_blocks // 2):
+        attention, mlp, theirs = f"blocks.{2 * layer}", f"blocks.{2 * layer + 1}", f"model.layers.{layer}"
+        maps += layer_norm_maps(f"{attention}.norm", f"{theirs}.input_layernorm")
+        for projection in ("q_proj", "k_proj", "v_proj"):
+            maps += linear_maps(f"{attention}.mixer.{projection}", f"{theirs}.self_attn.{projection}",
+                                config.attention_bias)
+        maps += linear_maps(f"{attention}.mixer.o_proj", f"{theirs}.self_attn.o_proj", False)
+        maps += layer_norm_maps(f"{mlp}.norm", f"{theirs}.post_attention_layernorm")
+        for projection in ("gate_proj", "up_proj", "down_proj"):
+            maps += linear_maps(f"{mlp}.mixer.{projection}", f"{theirs}.mlp.{projection}", False)
+    return maps
+
+
+ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported)
+state_from_hf = ARCHITECTURE.state_from_hf
+state_to_hf = ARCHITECTURE.state_to_hf

@@ -1,0 +1,64 @@
+"""``StableLmForCausalLM`` (StableLM 2, StableLM-3B-4E1T) <-> meshlm: Llama's layer with LayerNorm
+(with biases), RoPE on a quarter of each head, and biases on q/k/v alone (``use_qkv_bias``)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import StableLmConfig  # noqa: E402
+
+from meshlm.errors import ConfigError  # noqa: E402
+from meshlm.hf import choose_architecture, stablelm  # noqa: E402
+from meshlm.models.config import ModelConfig  # noqa: E402
+from meshlm.models.language_model import LanguageModel  # noqa: E402
+
+from .helpers import VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, convert_and_compare  # noqa: E402
+
+
+def tiny_stablelm(**overrides) -> StableLmConfig:
+    values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, bos_token_id=0, eos_token_id=2)
+    values.update(overrides)
+    return StableLmConfig(**values)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"use_qkv_bias": True},
+    {"num_key_value_heads": 4, "tie_word_embeddings": True, "layer_norm_eps": 1e-6,
+     "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}},
+], ids=["stablelm2-like", "stablelm-3b-like-half-rotary-tied"])
+def test_logits_match_transformers_and_round_trip(overrides, tmp_path):
+    hf_config = tiny_stablelm(**overrides)
+    model = convert_and_compare(hf_config, tmp_path)
+    config = model.config
+    assert (config.pattern, config.norm, config.mlp_activation) == ("*-" * 3, "layernorm", "swiglu")
+    assert config.rope_fraction == hf_config.rope_parameters["partial_rotary_factor"]
+    assert config.attention_bias == hf_config.use_qkv_bias and not config.resolved_attention_output_bias
+    assert_hf_round_trip(tmp_path, ("num_hidden_layers", "num_key_value_heads", "intermediate_size", "layer_norm_eps",
+                                    "use_qkv_bias", "tie_word_embeddings", "rope_parameters"))
+
+
+def test_a_layernorm_swiglu_meshlm_model_exports_as_stablelm_and_back(tmp_path):
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
+                         norm="layernorm", rope_fraction=0.25, attention_bias=True, attention_output_bias=False,
+                         ffn_hidden_size=48)
+    model = LanguageModel(config)
+    with torch.no_grad():  # trained norms and biases: a mapping mistake cannot hide behind ones and zeros
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    assert choose_architecture(config).name == stablelm.NAME
+    assert_meshlm_round_trip(model, tmp_path, stablelm.NAME)
+
+
+def test_what_stablelm_cannot_hold_is_refused_by_name():
+    base = {"architectures": [stablelm.NAME], "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1}
+    with pytest.raises(ConfigError, match="qk_layernorm=True is not supported"):
+        stablelm.config_from_hf({**base, "qk_layernorm": True})
+    with pytest.raises(ConfigError, match="use_parallel_residual=True is not supported.*own norm"):
+        stablelm.config_from_hf({**base, "use_parallel_residual": True})
+    biased = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4, norm="layernorm",
+                         mlp_bias=True)
+    with pytest.raises(ConfigError, match="StableLM's o_proj and MLP have no biases"):
+        choose_architecture(biased, requested=stablelm.NAME)
