@@ -507,7 +507,8 @@ def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozense
     reasons = [reason for name, (present, reason) in layer_features(config).items()
                if present and name not in supported]
     if config.norm != "rmsnorm" and "norm" not in supported:
-        reasons.append(f"model.norm={config.norm!r} (the HF classes here other than GPT-2, StarCoder2, GPT-NeoX and StableLM use RMSNorm)")
+        reasons.append(f"model.norm={config.norm!r} (the HF classes here other than GPT-2, StarCoder2, GPT-NeoX and "
+                       "StableLM use RMSNorm)")
     if config.mtp_depth:
         reasons.append(f"model.mtp_depth={config.mtp_depth} (multi-token-prediction heads are not exported yet)")
     if config.block_overrides:

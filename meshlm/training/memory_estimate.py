@@ -285,7 +285,8 @@ def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
     tokens = micro_batch * seq
     sequence_shards = tp if layout.sequence_parallel else 1
     # the pre-norm, or without one (model.block_input_norm=false) the block input the first linear saves
-    residual = norm_bytes(h, dtype_bytes, sequence_shards, norm=model.norm) if model.block_input_norm else dtype_bytes * h
+    residual = (norm_bytes(h, dtype_bytes, sequence_shards, norm=model.norm) if model.block_input_norm
+                else dtype_bytes * h)
     if kind == "*":
         return attention_bytes(config, model, micro_batch, seq, layout, residual)
     if kind == "-":

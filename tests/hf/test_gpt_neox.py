@@ -76,7 +76,7 @@ def test_pythia_files_with_v4_names_and_buffers_import(tmp_path):
     assert torch.equal(imported["blocks.0.mixer.q_proj.weight"][8:16], fused[24:32])
     assert torch.equal(imported["blocks.0.mixer.v_proj.weight"][:8], fused[16:24])
     name = "gpt_neox.layers.1.attention.query_key_value.weight"
-    with pytest.raises(CheckpointError, match="query_key_value.weight has 88 rows, but config.json implies at least 96"):
+    with pytest.raises(CheckpointError, match="query_key_value.weight has 88 rows, but config.json implies at least"):
         gpt_neox.state_from_hf({**state, name: fused[:-8]}, config)
     with pytest.raises(CheckpointError, match="query_key_value.weight has 104 rows, but config.json implies 96"):
         gpt_neox.state_from_hf({**state, name: torch.cat((fused, fused[:8]))}, config)

@@ -144,5 +144,5 @@ def test_pipeline_stages_never_split_a_pair():
 
 
 def test_a_pattern_without_a_pair_is_refused_by_name():
-    with pytest.raises(ConfigError, match="model.parallel_residual=true runs each attention block .*model.pattern='-M-M' has no such pair"):
+    with pytest.raises(ConfigError, match="parallel_residual=true runs each attention block .*'-M-M' has no such pair"):
         ModelConfig(pattern="-M-M", parallel_residual=True)
