@@ -539,7 +539,9 @@ LAYER_FEATURES = {
     "attention_type": "DeepseekV3ForCausalLM has multi-head latent attention",
     "rope_fraction": "Phi3ForCausalLM, GPTNeoXForCausalLM and StableLmForCausalLM rotate part of each head "
                      "(partial_rotary_factor)",
-    "parallel_residual": "GPTNeoXForCausalLM runs attention and MLP side by side (use_parallel_residual)",
+    "parallel_residual": "GPTNeoXForCausalLM and StableLmForCausalLM run attention and MLP side by side "
+                         "(use_parallel_residual)",
+    "parallel_residual_shared_norm": "StableLmForCausalLM's parallel layer has one norm for attention and MLP",
 }
 """Layer features only some HF classes hold, and which."""
 
@@ -556,7 +558,8 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "final_logit_softcap": config.final_logit_softcap is not None,
             "position_embedding": config.position_embedding == "learned",
             "attention_type": config.attention_type == "mla" and "*" in config.block_kinds,
-            "rope_fraction": config.rope_fraction != 1.0, "parallel_residual": config.parallel_residual}
+            "rope_fraction": config.rope_fraction != 1.0, "parallel_residual": config.parallel_residual,
+            "parallel_residual_shared_norm": config.parallel_residual_shared_norm}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 

@@ -15,9 +15,12 @@ biases -- with:
 ``attention_dropout`` is ``model.attention_dropout`` and ``hidden_dropout`` (StableLM's, after the
 MLP alone) ``model.hidden_dropout`` (after the embedding and every block). Training only.
 
+With ``use_parallel_residual`` (StableLM 2 12B) attention and MLP read the same input through one
+norm, ``h + attn(ln(h)) + mlp(ln(h))``: ``model.parallel_residual`` with
+``model.parallel_residual_shared_norm``, the layer having no ``post_attention_layernorm``.
+
 Not supported, refused by name: ``qk_layernorm`` (StableLM 2 12B's LayerNorm on each head of q
-and k, one norm per head) and ``use_parallel_residual`` (its attention and MLP share one norm, where
-meshlm's parallel residual gives each its own: ``gpt_neox.py``).
+and k, one norm per head).
 """
 
 from __future__ import annotations
@@ -50,18 +53,21 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     require(hf, NAME, "qk_layernorm", False, "meshlm's QK-norm is one RMSNorm shared by the heads, not a LayerNorm "
             "per head")
-    require(hf, NAME, "use_parallel_residual", False, "StableLM's parallel layer feeds one norm's output to both "
-            "attention and MLP; meshlm's parallel residual (model.parallel_residual) gives each its own norm")
-    bias = bool(hf["use_qkv_bias"])
+    bias, parallel = bool(hf["use_qkv_bias"]), bool(hf["use_parallel_residual"])
     return dense_decoder_config({**hf, "rms_norm_eps": hf["layer_norm_eps"]}, rope_config(hf_config), NAME,
                                 partial_rotary=True, norm="layernorm", attention_bias=bias,
                                 attention_output_bias=False if bias else None,
-                                hidden_dropout=float(hf["hidden_dropout"]))
+                                hidden_dropout=float(hf["hidden_dropout"]), parallel_residual=parallel,
+                                parallel_residual_shared_norm=parallel)
 
 
 def unsupported(config: ModelConfig) -> list[str]:
     reasons = dense_decoder_unsupported(config, "StableLM", qk_norm=False, output_bias_apart=True,
-                                        supported=frozenset({"norm", "rope_fraction"}))
+                                        supported=frozenset({"norm", "rope_fraction", "parallel_residual",
+                                                             "parallel_residual_shared_norm"}))
+    if config.parallel_residual != config.parallel_residual_shared_norm:
+        reasons.append("model.parallel_residual=true with model.parallel_residual_shared_norm=false (StableLM's "
+                       "parallel layer has one norm for attention and MLP; GPTNeoXForCausalLM gives each its own)")
     reasons += window_unsupported(config, "StableLM", uniform_only=False)
     if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
         reasons.append(f"model.head_dim={config.head_dim} (StableLM's heads split the hidden size)")
@@ -79,7 +85,8 @@ def config_to_hf(config: ModelConfig) -> dict:
     values = dense_decoder_to_hf(config, NAME, MODEL_TYPE, DEFAULTS["max_position_embeddings"],
                                  rope_parameters={**rope, "partial_rotary_factor": float(config.rope_fraction)},
                                  partial_rotary_factor=float(config.rope_fraction), layer_norm_eps=config.norm_eps,
-                                 use_qkv_bias=config.attention_bias, qk_layernorm=False, use_parallel_residual=False,
+                                 use_qkv_bias=config.attention_bias, qk_layernorm=False,
+                                 use_parallel_residual=config.parallel_residual,
                                  hidden_dropout=config.hidden_dropout)
     del values["rms_norm_eps"], values["head_dim"]  # StableLM's heads always split the hidden size
     return values
@@ -95,7 +102,8 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
             maps += linear_maps(f"{attention}.mixer.{projection}", f"{theirs}.self_attn.{projection}",
                                 config.attention_bias)
         maps += linear_maps(f"{attention}.mixer.o_proj", f"{theirs}.self_attn.o_proj", False)
-        maps += layer_norm_maps(f"{mlp}.norm", f"{theirs}.post_attention_layernorm")
+        if not config.parallel_residual_shared_norm:  # else the MLP applies the attention block's norm
+            maps += layer_norm_maps(f"{mlp}.norm", f"{theirs}.post_attention_layernorm")
         for projection in ("gate_proj", "up_proj", "down_proj"):
             maps += linear_maps(f"{mlp}.mixer.{projection}", f"{theirs}.mlp.{projection}", False)
     return maps

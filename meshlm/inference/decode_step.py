@@ -175,7 +175,8 @@ class DecodeStep:
                 pair_input = hidden
             elif block.parallel_residual_role == "second":
                 mixer_input = pair_input
-            normed = mixer_input if block.norm is None else block.norm(mixer_input)
+            norm = block.input_norm
+            normed = mixer_input if norm is None else norm(mixer_input)
             if block.kind == "*":
                 query, key, value = block.mixer.cached_projection(normed, positions)
                 held_and_first = next(counts)

@@ -12,7 +12,10 @@ the same input (GPT-J, GPT-NeoX): ``h + attn(norm1(h)) + mlp(norm2(h))``. They s
 two norms, two residual adds, their own names, caches, recomputation and compiled steps -- and the
 attention block hands its input to its partner through the ``SequenceContext``: the first adds
 ``attn(norm1(h))`` to h, the second adds ``mlp(norm2(h))`` to that sum. Autograd sees the same
-graph as the fused layer, so gradients are the paired layer's. Where the attention block is
+graph as the fused layer, so gradients are the paired layer's. With
+``model.parallel_residual_shared_norm`` the pair has one norm, the attention block's: the partner
+has none of its own and applies that one to the shared input (the norm is computed twice, a
+small cost for keeping the blocks apart). Where the attention block is
 skipped (the identity, as when an importance score leaves one block out), its input is the
 partner's own, which the partner then reads.
 
@@ -99,8 +102,16 @@ class Block(nn.Module):
         """``model.parallel_residual``: "first" for an attention block whose partner runs beside it,
         "second" for that partner, None for a sequential block (``pair_parallel_residual_blocks``)."""
 
+    @property
+    def input_norm(self) -> nn.Module | None:
+        """The norm on the mixer's input: the block's own, or the one it shares with the attention
+        block beside it (``model.parallel_residual_shared_norm``: not a submodule of this block, so
+        its parameters stay the attention block's), or None."""
+        return self.norm if self.norm is not None else self.__dict__.get("shared_norm")
+
     def norm_and_mix(self, hidden: torch.Tensor, context: SequenceContext):
-        mixed = self.mixer(hidden if self.norm is None else self.norm(hidden), context)
+        norm = self.input_norm
+        mixed = self.mixer(hidden if norm is None else norm(hidden), context)
         if self.output_norm is None:
             return mixed
         if isinstance(mixed, tuple):  # an MoE block's output and auxiliary losses
@@ -155,6 +166,9 @@ def pair_parallel_residual_blocks(blocks, config: ModelConfig) -> None:
         return
     for first, second in parallel_residual_pairs([block.kind for block in blocks]):
         blocks[first].parallel_residual_role, blocks[second].parallel_residual_role = "first", "second"
+        if config.parallel_residual_shared_norm:
+            blocks[second].norm = None
+            object.__setattr__(blocks[second], "shared_norm", blocks[first].norm)  # a reference, not a submodule
 
 
 __all__ = ["Block", "LinearMixer", "build_mixer", "pair_parallel_residual_blocks"]

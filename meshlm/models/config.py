@@ -232,6 +232,10 @@ class ModelConfig:
     mlp(norm2(h')) (GPT-J; GPT-NeoX and Pythia's use_parallel_residual; PaLM). Each keeps its own
     norm. Pairs are ``*`` followed by ``-`` or ``E`` in the pattern (and in ``mtp_pattern``); other
     blocks stay sequential. Pipeline stages never split a pair."""
+    parallel_residual_shared_norm: bool = False
+    """With ``parallel_residual``: one norm for each pair, the attention block's, whose output both
+    mixers read, h + attn(norm(h)) + mlp(norm(h)) (GPT-J, Falcon-7B, StableLM's parallel layers);
+    the feed-forward block of a pair has no norm of its own."""
     embedding_multiplier: float = 1.0
     """The token embeddings are multiplied by this before the first block (Gemma: sqrt(hidden_size);
     Granite and muP-style models: a constant such as 12)."""
@@ -522,6 +526,13 @@ class ModelConfig:
             raise ConfigError(f"model.parallel_residual=true runs each attention block ('*') beside the MLP or MoE "
                               f"block ('-' or 'E') right after it, and model.pattern={self.pattern!r} has no such "
                               "pair; write the pattern as '*-*-...' or set model.parallel_residual=false.")
+        if self.parallel_residual_shared_norm and not self.parallel_residual:
+            raise ConfigError("model.parallel_residual_shared_norm=true shares each attention block's norm with the "
+                              "block beside it, and model.parallel_residual is false; set it true too, or the shared "
+                              "norm false.")
+        if self.parallel_residual_shared_norm and not self.block_input_norm:
+            raise ConfigError("model.parallel_residual_shared_norm=true shares the blocks' input norms, and "
+                              "model.block_input_norm is false (there are none); set one of them the other way.")
         self._validate_learned_positions()
         if "M" in kinds:
             self._validate_mamba()

@@ -252,6 +252,10 @@ def check_layout(parallel, model, world_size: int, seq_len: int | None = None,
                           "train.global_batch_size a multiple of micro_batch_size * dp.")
     check_pipeline_layout(parallel, model, seq_len,
                           micro_batches_per_step // dp if micro_batches_per_step is not None else None)
+    if parallel.zero_stage == 3 and dp > 1 and model.parallel_residual_shared_norm:
+        raise ConfigError("parallel.zero_stage=3 gathers each block's weights for its own forward alone, and "
+                          "model.parallel_residual_shared_norm=true has the block beside each attention block use "
+                          "that block's norm; use parallel.zero_stage=2 (or 1) with a shared norm.")
     return dp
 
 

@@ -104,6 +104,9 @@ def test_what_gpt_neox_cannot_hold_is_refused_by_name():
                           norm="layernorm", mlp_bias=True, parallel_residual=True)
     with pytest.raises(ConfigError, match="num_kv_heads=2 .GPT-NeoX has one key/value head per query head"):
         choose_architecture(grouped)
+    shared = ModelConfig(**{**grouped.to_dict(), "num_kv_heads": None, "parallel_residual_shared_norm": True})
+    with pytest.raises(ConfigError, match="parallel_residual_shared_norm=True .only StableLmForCausalLM"):
+        choose_architecture(shared, requested=gpt_neox.NAME)
     with pytest.raises(ConfigError, match="hidden_act='gelu_fast' is not supported"):
         gpt_neox.config_from_hf({"architectures": [gpt_neox.NAME], "hidden_size": 32, "num_attention_heads": 4,
                                  "num_hidden_layers": 2, "hidden_act": "gelu_fast"})

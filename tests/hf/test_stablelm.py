@@ -26,7 +26,8 @@ def tiny_stablelm(**overrides) -> StableLmConfig:
     {"use_qkv_bias": True},
     {"num_key_value_heads": 4, "tie_word_embeddings": True, "layer_norm_eps": 1e-6,
      "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}},
-], ids=["stablelm2-like", "stablelm-3b-like-half-rotary-tied"])
+    {"use_qkv_bias": True, "use_parallel_residual": True},
+], ids=["stablelm2-like", "stablelm-3b-like-half-rotary-tied", "stablelm2-12b-like-parallel"])
 def test_logits_match_transformers_and_round_trip(overrides, tmp_path):
     hf_config = tiny_stablelm(**overrides)
     model = convert_and_compare(hf_config, tmp_path)
@@ -34,8 +35,9 @@ def test_logits_match_transformers_and_round_trip(overrides, tmp_path):
     assert (config.pattern, config.norm, config.mlp_activation) == ("*-" * 3, "layernorm", "swiglu")
     assert config.rope_fraction == hf_config.rope_parameters["partial_rotary_factor"]
     assert config.attention_bias == hf_config.use_qkv_bias and not config.resolved_attention_output_bias
+    assert config.parallel_residual == config.parallel_residual_shared_norm == hf_config.use_parallel_residual
     assert_hf_round_trip(tmp_path, ("num_hidden_layers", "num_key_value_heads", "intermediate_size", "layer_norm_eps",
-                                    "use_qkv_bias", "tie_word_embeddings", "rope_parameters"))
+                                    "use_qkv_bias", "tie_word_embeddings", "rope_parameters", "use_parallel_residual"))
 
 
 def test_a_layernorm_swiglu_meshlm_model_exports_as_stablelm_and_back(tmp_path):
@@ -56,8 +58,10 @@ def test_what_stablelm_cannot_hold_is_refused_by_name():
     base = {"architectures": [stablelm.NAME], "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1}
     with pytest.raises(ConfigError, match="qk_layernorm=True is not supported"):
         stablelm.config_from_hf({**base, "qk_layernorm": True})
-    with pytest.raises(ConfigError, match="use_parallel_residual=True is not supported.*own norm"):
-        stablelm.config_from_hf({**base, "use_parallel_residual": True})
+    own_norms = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4, norm="layernorm",
+                            parallel_residual=True)
+    with pytest.raises(ConfigError, match="StableLM's parallel layer has one norm for attention and MLP"):
+        choose_architecture(own_norms, requested=stablelm.NAME)
     biased = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4, norm="layernorm",
                          mlp_bias=True)
     with pytest.raises(ConfigError, match="StableLM's o_proj and MLP have no biases"):

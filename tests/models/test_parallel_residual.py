@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from meshlm.adapt.importance import forward_loss
+from meshlm.config import ParallelConfig
 from meshlm.errors import ConfigError
 from meshlm.inference.decode_step import DecodeStep
 from meshlm.models.cache import InferenceCache
@@ -14,6 +15,7 @@ from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.pattern import parallel_residual_pairs
+from meshlm.parallel.mesh import check_layout
 from meshlm.parallel.pipeline.stages import stage_starts
 from meshlm.training.recompute import apply_recompute
 
@@ -42,7 +44,8 @@ def written_out(model: LanguageModel, input_ids: torch.Tensor) -> torch.Tensor:
         mixed = block.mixer(block.norm(hidden), context)
         if index in pairs:
             partner = model.blocks[pairs[index]]
-            feed_forward = partner.mixer(partner.norm(hidden), context)
+            norm = block.norm if model.config.parallel_residual_shared_norm else partner.norm
+            feed_forward = partner.mixer(norm(hidden), context)
             feed_forward = feed_forward[0] if isinstance(feed_forward, tuple) else feed_forward  # MoE losses
             hidden = hidden + mixed + feed_forward
             index += 2
@@ -62,14 +65,24 @@ def test_pairs_are_each_attention_block_and_the_feed_forward_block_after_it():
     assert [block.parallel_residual_role for block in neox_like(parallel_residual=False).blocks] == [None] * 6
 
 
-def test_forward_and_gradients_are_the_written_out_parallel_layer():
-    model = neox_like()
+@pytest.mark.parametrize("shared_norm", [False, True], ids=["own norms", "shared norm"])
+def test_forward_and_gradients_are_the_written_out_parallel_layer(shared_norm):
+    model = neox_like(parallel_residual_shared_norm=shared_norm)
+    with torch.no_grad():  # norms that differ: a partner using the wrong one changes the logits
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
     input_ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     logits = model(input_ids).logits
     expected = written_out(model, input_ids)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-    # the sequential model (same weights) computes another function: the test can tell them apart
+    if shared_norm:  # the feed-forward blocks of the pairs own no norm; the attention blocks' serve both
+        names = {name for name, _ in model.named_parameters()}
+        assert "blocks.2.norm.weight" not in names and "blocks.1.norm.weight" in names
+        assert model.blocks[2].input_norm is model.blocks[1].norm
+    # the sequential model computes another function: the test can tell them apart
     sequential = neox_like(parallel_residual=False)
+    sequential.load_state_dict(model.state_dict(), strict=not shared_norm)
     assert (sequential(input_ids).logits - expected).abs().max() > 1e-2
     weights = torch.randn_like(logits)
     grads = torch.autograd.grad((logits * weights).sum(), list(model.parameters()))
@@ -111,9 +124,10 @@ def test_recomputation_keeps_the_loss_and_gradients(recompute):
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("shared_norm", [False, True], ids=["own norms", "shared norm"])
 @torch.inference_mode()
-def test_cached_generation_and_the_decode_step_match_the_full_forward():
-    model = neox_like("*-*-").eval()
+def test_cached_generation_and_the_decode_step_match_the_full_forward(shared_norm):
+    model = neox_like("*-*-", parallel_residual_shared_norm=shared_norm).eval()
     input_ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
     full = model(input_ids).logits
     cache, stepped = InferenceCache(max_tokens=16), InferenceCache(max_tokens=16)
@@ -141,6 +155,18 @@ def test_pipeline_stages_never_split_a_pair():
     with pytest.raises(ConfigError, match="between blocks 2 and 3, which model.parallel_residual runs side by side"):
         stage_starts(marked, 2, seq_len=16)
     assert stage_starts(neox_like("*-|*-*-").config, 2, seq_len=16) == [0, 2]
+
+
+def test_a_shared_norm_is_refused_where_it_cannot_work():
+    with pytest.raises(ConfigError, match="parallel_residual_shared_norm=true .* model.parallel_residual is false"):
+        ModelConfig(pattern="*-", parallel_residual_shared_norm=True)
+    with pytest.raises(ConfigError, match="block_input_norm is false"):
+        ModelConfig(pattern="*-", parallel_residual=True, parallel_residual_shared_norm=True, block_input_norm=False,
+                    block_output_norm=True)
+    config = ModelConfig(pattern="*-", parallel_residual=True, parallel_residual_shared_norm=True)
+    with pytest.raises(ConfigError, match="zero_stage=3 gathers each block's weights .* use parallel.zero_stage=2"):
+        check_layout(ParallelConfig(zero_stage=3), config, world_size=2)
+    assert check_layout(ParallelConfig(zero_stage=2), config, world_size=2) == 2
 
 
 def test_a_pattern_without_a_pair_is_refused_by_name():

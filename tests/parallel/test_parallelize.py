@@ -16,7 +16,8 @@ replicated with partial gradients; one with a query latent and a block of 8 head
 LoRA adapters on its latent projections), an OLMo-style model (no input norms, output norms, a
 QK-norm over all heads: cut over the ranks with its statistics all-reduced), a GPT-NeoX-style one
 (each attention block beside its MLP on one input, a parallel residual; a quarter of each head
-rotated); and a hybrid ('M*-M', an MTP depth) with LoRA adapters on every targeted layer (their b
+rotated) and a StableLM-style one (the same with one norm per pair, which the MLP block applies
+too: its gradient partial under SP from both blocks); and a hybrid ('M*-M', an MTP depth) with LoRA adapters on every targeted layer (their b
 drawn, as after training), of which only the adapters have gradients. One spawned world of 4 ranks
 runs tp 2 (two TP groups side by side) and tp 4, sequence parallelism off and on. Every rank builds
 the full model from a seed, runs the single-process forward/backward itself, then parallelizes a copy and checks:
@@ -76,6 +77,9 @@ MODELS = {
     "gpt-neox-style parallel residual": dict(norm="layernorm", attention_bias=True, mlp_bias=True,
                                              mlp_activation="gelu", rope_fraction=0.25, parallel_residual=True,
                                              qk_norm=False),
+    "kv2 stablelm-style shared norm": dict(num_kv_heads=2, norm="layernorm", parallel_residual=True,
+                                           parallel_residual_shared_norm=True, rope_fraction=0.25,
+                                           attention_bias=True, attention_output_bias=False, qk_norm=False),
     "deepseek-style latent attention": dict(attention_type="mla", qk_norm=False, mla_q_lora_rank=12,
                                             mla_kv_lora_rank=8, mla_qk_nope_head_dim=6, mla_qk_rope_head_dim=4,
                                             mla_v_head_dim=5, block_overrides={2: {"num_attention_heads": 8}}),

@@ -7,8 +7,10 @@ tied embedding: the last stage's copy is summed with the first stage's on their 
 cp2 x dp2 (dense weights sharded over the DP and CP ranks together), and, for the MoE model,
 ep2 x edp2 (experts sharded over edp, dense weights over dp) and the
 hybrid at pp2 x vp2 x dp2 with full recomputation (a block's forward rerun inside its backward,
-gathered); a GPT-2-style model (learned positions: their table shares the embedding's unit) at
-tp2 x dp2 with SP and stage 3, and at dp2 with stage 1 whose all-gathers overlap the forward. Every step's loss and global gradient norm, the validation losses and the final
+gathered); a GPT-2-style model (learned positions: their table shares the embedding's unit; a
+parallel residual) at tp2 x dp2 with SP and stage 3, and at dp2 with stage 1 whose all-gathers
+overlap the forward; a model whose MLP blocks apply the norm of the attention block beside them
+(``model.parallel_residual_shared_norm``) at dp2 with stage 2. Every step's loss and global gradient norm, the validation losses and the final
 parameters must equal the single-process run (relative error <= 1e-5) on every rank. A stage-3
 checkpoint written at dp4 resumes at stage 1 (dp2) and at tp2 with stage 3, with the
 uninterrupted run's losses. (The run helpers are those of tests/training/test_parallel_training.py.)
@@ -28,10 +30,15 @@ HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", 
 """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
 MODELS = {**HELPERS.MODELS,
           "dense tied": ["model.pattern=*-*-*-*-", "model.num_kv_heads=2", "model.tie_embeddings=true"],
-          # learned positions: their table is part of the embedding's unit (gathered before the lookup)
+          # learned positions: their table is part of the embedding's unit (gathered before the lookup);
+          # attention beside the MLP (a parallel residual: the MLP block reads the attention block's input)
           "gpt2-style": ["model.pattern=*-*-", "model.position_embedding=learned", "model.max_position_embeddings=32",
                          "model.norm=layernorm", "model.attention_bias=true", "model.mlp_bias=true",
-                         "model.mlp_activation=gelu_tanh", "model.qk_norm=true", "model.tie_embeddings=true"]}
+                         "model.mlp_activation=gelu_tanh", "model.qk_norm=true", "model.tie_embeddings=true",
+                         "model.parallel_residual=true"],
+          # one norm per pair, the attention block's, which the MLP block beside it applies too
+          "shared norm": ["model.pattern=*-*-", "model.norm=layernorm", "model.parallel_residual=true",
+                          "model.parallel_residual_shared_norm=true", "model.rope_fraction=0.5"]}
 Z2, Z3 = "parallel.zero_stage=2", "parallel.zero_stage=3"
 WORLD2 = {"dp2 zero2": ["parallel.dp=2", Z2], "dp2 zero3": ["parallel.dp=2", Z3]}
 WORLD2_MODELS = ("dense", "hybrid", "moe")
@@ -51,6 +58,9 @@ WORLD4 = {  # name -> (model, layout)
 POSITIONS_ZERO1 = ("gpt2-style dp2 zero1", ["parallel.dp=2", "parallel.distributed_optimizer=true"])
 """ZeRO-1 with its parameter all-gathers overlapping the forward: the table's bucket is waited for
 before the positions are looked up."""
+SHARED_NORM_ZERO2 = ("shared norm dp2 zero2", ["parallel.dp=2", Z2])
+"""A norm two blocks apply, its gradient complete before its block's unit is reduce-scattered
+(stage 3, which gathers a block for its own forward alone, refuses it)."""
 SAVED = "dense dp4 zero3"
 """Its step-3 checkpoint resumes at stage 1 and at another layout."""
 RESUMED = {"resumed dp2 zero1": ["parallel.dp=2", "parallel.zero_stage=1"],
@@ -80,6 +90,7 @@ def runs(tmp_path_factory) -> dict:
               for model in WORLD2_MODELS for layout, overrides in WORLD2.items()]
     world2 += [(name, model_overrides("dense", overrides)) for name, overrides in RESUMED.items()]
     world2.append((POSITIONS_ZERO1[0], model_overrides("gpt2-style", POSITIONS_ZERO1[1])))
+    world2.append((SHARED_NORM_ZERO2[0], model_overrides("shared norm", SHARED_NORM_ZERO2[1])))
     results2 = run_distributed(HELPERS.train_runs, 2, str(blend), str(root), world2, timeout_s=600)
     return dict(single=single, results4=results4, results2=results2)
 
@@ -106,6 +117,12 @@ def test_learned_positions_under_zero_1_with_overlapped_gathers_equal_single_pro
     name = POSITIONS_ZERO1[0]
     for rank, results in enumerate(runs["results2"]):
         HELPERS.assert_same_run(results[name], runs["single"]["gpt2-style"], f"{name} rank {rank}")
+
+
+def test_a_shared_parallel_residual_norm_under_zero_2_equals_single_process(runs):
+    name = SHARED_NORM_ZERO2[0]
+    for rank, results in enumerate(runs["results2"]):
+        HELPERS.assert_same_run(results[name], runs["single"]["shared norm"], f"{name} rank {rank}")
 
 
 @pytest.mark.parametrize("name", list(RESUMED))
