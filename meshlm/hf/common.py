@@ -507,8 +507,8 @@ def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozense
     reasons = [reason for name, (present, reason) in layer_features(config).items()
                if present and name not in supported]
     if config.norm != "rmsnorm" and "norm" not in supported:
-        reasons.append(f"model.norm={config.norm!r} (the HF classes here other than GPT-2, StarCoder2, GPT-NeoX and "
-                       "StableLM use RMSNorm)")
+        reasons.append(f"model.norm={config.norm!r} (the HF classes here other than GPT-2, StarCoder2, GPT-NeoX, "
+                       "StableLM and Falcon use RMSNorm)")
     if config.mtp_depth:
         reasons.append(f"model.mtp_depth={config.mtp_depth} (multi-token-prediction heads are not exported yet)")
     if config.block_overrides:
@@ -539,9 +539,10 @@ LAYER_FEATURES = {
     "attention_type": "DeepseekV3ForCausalLM has multi-head latent attention",
     "rope_fraction": "Phi3ForCausalLM, GPTNeoXForCausalLM and StableLmForCausalLM rotate part of each head "
                      "(partial_rotary_factor)",
-    "parallel_residual": "GPTNeoXForCausalLM and StableLmForCausalLM run attention and MLP side by side "
-                         "(use_parallel_residual)",
-    "parallel_residual_shared_norm": "StableLmForCausalLM's parallel layer has one norm for attention and MLP",
+    "parallel_residual": "GPTNeoXForCausalLM, StableLmForCausalLM and FalconForCausalLM run attention and MLP "
+                         "side by side (use_parallel_residual, parallel_attn)",
+    "parallel_residual_shared_norm": "StableLmForCausalLM's and FalconForCausalLM's parallel layers have one norm for "
+                                     "attention and MLP",
 }
 """Layer features only some HF classes hold, and which."""
 
