@@ -1,26 +1,27 @@
 """A whole tensor-(and sequence-)parallel model against the single-process model, in gloo processes.
 
-Dense models ('*-*-', vocabulary 61 so it must be padded, QK-norm on) with grouped-query
-attention whose KV heads are split over the ranks (kv 2 at tp 2, kv 4 at tp 4) or replicated on
-them (kv 2 at tp 4, kv 1 at tp 2 and 4), tied and untied embeddings, biases, LayerNorm and a
-non-gated MLP, one MTP depth (with RoPE on half of each head's channels), and a Gemma-style model (GeGLU, output norms after each mixer --
-partial gradients under SP --, zero-centered norms, scaled embeddings) with a sliding window of 5
-on alternate attention blocks, their own RoPE base (shorter than the 16 tokens, so the chunked
-windowed path runs and the cache reads only the window), a Gemma 2-style one whose attention
-scores and logits are soft-capped (caps that bend them: each rank caps its own heads' scores and its
-vocabulary slice's logits), a GPT-2-style one (learned positions -- replicated, each rank adding its
-slice's rows under SP, a partial gradient --, LayerNorm, biases everywhere, GELU), a Granite-style
-one (muP-style multipliers on the embeddings, attention, each block's output and the logits), two
-with DeepSeek's multi-head latent attention (heads split, the latent down-projections and norms
-replicated with partial gradients; one with a query latent and a block of 8 heads, one without, with
-LoRA adapters on its latent projections), an OLMo-style model (no input norms, output norms, a
-QK-norm over all heads: cut over the ranks with its statistics all-reduced), a GPT-NeoX-style one
-(each attention block beside its MLP on one input, a parallel residual; a quarter of each head
-rotated) and a StableLM-style one (the same with one norm per pair, which the MLP block applies
-too: its gradient partial under SP from both blocks); and a hybrid ('M*-M', an MTP depth) with LoRA adapters on every targeted layer (their b
-drawn, as after training), of which only the adapters have gradients. One spawned world of 4 ranks
-runs tp 2 (two TP groups side by side) and tp 4, sequence parallelism off and on. Every rank builds
-the full model from a seed, runs the single-process forward/backward itself, then parallelizes a copy and checks:
+Dense models ('*-*-', vocabulary 61 so it must be padded, QK-norm on) with grouped-query attention
+whose KV heads are split over the ranks (kv 2 at tp 2, kv 4 at tp 4) or replicated on them (kv 2 at
+tp 4, kv 1 at tp 2 and 4), tied and untied embeddings, biases, LayerNorm and a non-gated MLP, one
+MTP depth (with RoPE on half of each head's channels), and a Gemma-style model (GeGLU, output norms
+after each mixer -- partial gradients under SP --, zero-centered norms, scaled embeddings) with a
+sliding window of 5 on alternate attention blocks, their own RoPE base (shorter than the 16 tokens,
+so the chunked windowed path runs and the cache reads only the window), a Gemma 2-style one whose
+attention scores and logits are soft-capped (caps that bend them: each rank caps its own heads'
+scores and its vocabulary slice's logits), a GPT-2-style one (learned positions -- replicated, each
+rank adding its slice's rows under SP, a partial gradient --, LayerNorm, biases everywhere, GELU), a
+Granite-style one (muP-style multipliers on the embeddings, attention, each block's output and the
+logits), two with DeepSeek's multi-head latent attention (heads split, the latent down-projections
+and norms replicated with partial gradients; one with a query latent and a block of 8 heads, one
+without, with LoRA adapters on its latent projections), an OLMo-style model (no input norms, output
+norms, a QK-norm over all heads: cut over the ranks with its statistics all-reduced), a GPT-NeoX-
+style one (each attention block beside its MLP on one input, a parallel residual; a quarter of each
+head rotated) and a StableLM-style one (the same with one norm per pair, which the MLP block applies
+too: its gradient partial under SP from both blocks); and a hybrid ('M*-M', an MTP depth) with LoRA
+adapters on every targeted layer (their b drawn, as after training), of which only the adapters have
+gradients. One spawned world of 4 ranks runs tp 2 (two TP groups side by side) and tp 4, sequence
+parallelism off and on. Every rank builds the full model from a seed, runs the single-process
+forward/backward itself, then parallelizes a copy and checks:
 
 - the training loss (``return_logits=False``: vocab-parallel cross-entropy, logits never
   gathered), and the loss and full logits of ``return_logits=True``;

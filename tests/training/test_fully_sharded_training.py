@@ -1,19 +1,19 @@
 """The trainer with ZeRO stages 2 and 3 (``parallel.zero_stage``) equals the single-process trainer.
 
 Spawned gloo ranks run ``Trainer`` for 5 steps of 4 micro-batches on the tiny corpus with
-``parallel.check_collectives`` on: a dense, a hybrid Mamba and an MoE model at dp2 with stage 2
-and stage 3 (world 2), and at world 4: dp4, tp2 x dp2 with sequence parallelism, pp2 x dp2 (a
-tied embedding: the last stage's copy is summed with the first stage's on their reduced shards)
-cp2 x dp2 (dense weights sharded over the DP and CP ranks together), and, for the MoE model,
-ep2 x edp2 (experts sharded over edp, dense weights over dp) and the
-hybrid at pp2 x vp2 x dp2 with full recomputation (a block's forward rerun inside its backward,
-gathered); a GPT-2-style model (learned positions: their table shares the embedding's unit; a
-parallel residual) at tp2 x dp2 with SP and stage 3, and at dp2 with stage 1 whose all-gathers
-overlap the forward; a model whose MLP blocks apply the norm of the attention block beside them
-(``model.parallel_residual_shared_norm``) at dp2 with stage 2. Every step's loss and global gradient norm, the validation losses and the final
+``parallel.check_collectives`` on: a dense, a hybrid Mamba and an MoE model at dp2 with stage 2 and
+stage 3 (world 2), and at world 4: dp4, tp2 x dp2 with sequence parallelism, pp2 x dp2 (a tied
+embedding: the last stage's copy is summed with the first stage's on their reduced shards) cp2 x dp2
+(dense weights sharded over the DP and CP ranks together), and, for the MoE model, ep2 x edp2
+(experts sharded over edp, dense weights over dp) and the hybrid at pp2 x vp2 x dp2 with full
+recomputation (a block's forward rerun inside its backward, gathered); a GPT-2-style model (learned
+positions: their table shares the embedding's unit; a parallel residual) at tp2 x dp2 with SP and
+stage 3, and at dp2 with stage 1 whose all-gathers overlap the forward; a model whose MLP blocks
+apply the norm of the attention block beside them (``model.parallel_residual_shared_norm``) at dp2
+with stage 2. Every step's loss and global gradient norm, the validation losses and the final
 parameters must equal the single-process run (relative error <= 1e-5) on every rank. A stage-3
-checkpoint written at dp4 resumes at stage 1 (dp2) and at tp2 with stage 3, with the
-uninterrupted run's losses. (The run helpers are those of tests/training/test_parallel_training.py.)
+checkpoint written at dp4 resumes at stage 1 (dp2) and at tp2 with stage 3, with the uninterrupted
+run's losses. (The run helpers are those of tests/training/test_parallel_training.py.)
 """
 
 from __future__ import annotations
