@@ -72,7 +72,7 @@ from meshlm.models.block import Block
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.norms import make_norm
-from meshlm.models.pattern import STAGE_BOUNDARY
+from meshlm.models.pattern import STAGE_BOUNDARY, parallel_residual_pairs
 
 FLAGS = {"hidden_size": "--hidden", "ffn_hidden_size": "--ffn", "num_attention_heads": "--heads",
          "num_kv_heads": "--kv-heads", "mamba_num_heads": "--mamba-heads", "moe_num_experts": "--experts"}
@@ -518,6 +518,8 @@ class ParameterCounter:
         with torch.device("meta"):
             norm = sum(p.numel() for p in make_norm(config.norm, hidden, config.norm_eps).parameters())
         total = config.vocab_size * hidden * (1 if config.tie_embeddings else 2) + norm
+        if config.parallel_residual_shared_norm:  # each pair's feed-forward block applies its partner's norm
+            total -= norm * len(parallel_residual_pairs(list(kinds)))
         return total + sum(self.block(kind, widths) for kind in kinds)
 
     def __call__(self, config: ModelConfig) -> int:

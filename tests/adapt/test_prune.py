@@ -165,6 +165,22 @@ def test_parameter_counter_agrees_with_the_model():
     assert ParameterCounter(config)(config) == LanguageModel(config).num_parameters()
 
 
+def test_a_model_with_shared_parallel_norms_prunes_and_is_counted():
+    """Falcon-7B's layer: the MLP beside each attention block applies that block's LayerNorm, and
+    has none to prune or count; the importance scores (which leave one block out at a time) run."""
+    model = model_of(vocab_size=64, hidden_size=32, pattern="*-*E", num_attention_heads=4, num_kv_heads=1,
+                     norm="layernorm", mlp_activation="gelu", ffn_hidden_size=48, moe_num_experts=4,
+                     moe_ffn_hidden_size=16, parallel_residual=True, parallel_residual_shared_norm=True)
+    assert ParameterCounter(model.config)(model.config) == model.num_parameters()
+    importance = collect_importance(model, batches())
+    pruned = prune_model(model, importance, resolve_widths(model.config, dict(hidden_size=24, ffn_hidden_size=32)))
+    assert not any(name.startswith(("blocks.1.norm", "blocks.3.norm")) for name in pruned.state_dict())
+    assert pruned.blocks[1].input_norm is pruned.blocks[0].norm and pruned.blocks[0].norm.weight.shape == (24,)
+    assert ParameterCounter(model.config)(pruned.config) == pruned.num_parameters()
+    with torch.no_grad():
+        assert pruned(tokens()).logits.isfinite().all()
+
+
 @pytest.mark.parametrize("requested, words", [
     (dict(num_attention_heads=3), "--heads 3 must be a multiple of --kv-heads 2"),
     (dict(num_attention_heads=8), "--heads 8 must lie in [1, 4]"),
