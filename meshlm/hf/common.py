@@ -541,8 +541,9 @@ LAYER_FEATURES = {
                      "(partial_rotary_factor)",
     "parallel_residual": "GPTNeoXForCausalLM, StableLmForCausalLM and FalconForCausalLM run attention and MLP "
                          "side by side (use_parallel_residual, parallel_attn)",
-    "parallel_residual_shared_norm": "StableLmForCausalLM's and FalconForCausalLM's parallel layers have one norm for "
-                                     "attention and MLP",
+    "parallel_residual_shared_norm": "StableLmForCausalLM's, FalconForCausalLM's and PhiForCausalLM's parallel "
+                                     "layers have one norm for attention and MLP",
+    "output_bias": "PhiForCausalLM has a bias on lm_head",
 }
 """Layer features only some HF classes hold, and which."""
 
@@ -560,7 +561,7 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "position_embedding": config.position_embedding == "learned",
             "attention_type": config.attention_type == "mla" and "*" in config.block_kinds,
             "rope_fraction": config.rope_fraction != 1.0, "parallel_residual": config.parallel_residual,
-            "parallel_residual_shared_norm": config.parallel_residual_shared_norm}
+            "parallel_residual_shared_norm": config.parallel_residual_shared_norm, "output_bias": config.output_bias}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 

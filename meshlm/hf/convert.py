@@ -24,7 +24,8 @@ LayerNorm, biases, transposed Conv1D weights), StarCoder2 (RoPE with LayerNorm, 
 non-gated MLP), GPT-NeoX (StarCoder2's layer with one head per key/value head, partial rotary and a
 parallel residual -- the one class here with it --, q/k/v rows grouped per head), StableLM
 (Llama's layer with LayerNorm and partial rotary), Falcon (parallel layers with one norm or two,
-sequential ones; MQA or grouped KV heads in a fused tensor), Granite (Llama with muP-style multipliers), Mamba2 ('MMM...') and
+sequential ones; MQA or grouped KV heads in a fused tensor), Phi (phi-1 to Phi-2: a parallel layer
+with one norm, partial rotary, a bias on the output head -- the one class here with it), Granite (Llama with muP-style multipliers), Mamba2 ('MMM...') and
 Nemotron-H (everything hybrid). When none fits, the error lists, per architecture, the fields that
 block it. The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
 by chunk from a training checkpoint) when the first HF tensor cut from it is written. With
@@ -48,7 +49,7 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
 from meshlm.hf import (deepseek_v3, falcon, gemma2, gemma3, gpt2, gpt_neox, granite, llama, mamba2, mistral,
-                       mixtral, nemotron_h, olmo2, phi3, qwen2, qwen3, qwen3_moe, stablelm, starcoder2)
+                       mixtral, nemotron_h, olmo2, phi, phi3, qwen2, qwen3, qwen3_moe, stablelm, starcoder2)
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.fp8_export import quantize_hf_export
@@ -62,7 +63,8 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           deepseek_v3.ARCHITECTURE, phi3.ARCHITECTURE, gemma2.ARCHITECTURE,
                                           gemma3.ARCHITECTURE, olmo2.OLMO2_ARCHITECTURE, olmo2.OLMO3_ARCHITECTURE,
                                           gpt2.ARCHITECTURE, starcoder2.ARCHITECTURE, gpt_neox.ARCHITECTURE,
-                                          stablelm.ARCHITECTURE, falcon.ARCHITECTURE, granite.ARCHITECTURE,
+                                          stablelm.ARCHITECTURE, falcon.ARCHITECTURE, phi.ARCHITECTURE,
+                                          granite.ARCHITECTURE,
                                           mamba2.ARCHITECTURE,
                                           nemotron_h.ARCHITECTURE)
 EXPORTABLE: dict[str, Architecture] = {architecture.name: architecture for architecture in EXPORT_ORDER}

@@ -247,6 +247,9 @@ class ModelConfig:
     before any soft-capping, in the loss, generation and evaluation alike."""
     tie_embeddings: bool = False
     """Share the input embedding matrix with the output head."""
+    output_bias: bool = False
+    """A bias on the output head, one per vocabulary entry, added to the logits (Phi-1, 1.5 and 2;
+    GPT-J). Needs an untied head (``tie_embeddings`` false)."""
     head: str = "lm"
     """'lm' (next-token logits over the vocabulary) or 'reward' (a reward model, as Nemotron-4
     340B-Reward: the LM head is replaced by one linear map hidden -> len(reward_attributes), read
@@ -603,6 +606,10 @@ class ModelConfig:
             raise ConfigError(f"model.reward_attributes={attributes!r} must be a non-empty list of distinct names, "
                               "e.g. [reward] or [helpfulness, correctness].")
         self.reward_attributes = list(attributes)
+        if self.output_bias and (self.tie_embeddings or self.head == "reward"):
+            raise ConfigError("model.output_bias=true puts a bias on the untied language-model head, and "
+                              f"model.tie_embeddings={self.tie_embeddings}, model.head={self.head!r}; set "
+                              "model.tie_embeddings=false and model.head=lm, or model.output_bias=false.")
         if self.head == "reward" and self.mtp_depth:
             raise ConfigError(f"model.head=reward has no next-token logits, so model.mtp_depth={self.mtp_depth} has "
                               "nothing to predict; set model.mtp_depth=0.")

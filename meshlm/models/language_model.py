@@ -92,7 +92,7 @@ class LanguageModel(nn.Module):
         pair_parallel_residual_blocks(self.blocks, config)
         self.final_norm = model_norm(config)
         self.output = (None if config.tie_embeddings or config.head == "reward"
-                       else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                       else nn.Linear(config.hidden_size, config.vocab_size, bias=config.output_bias))
         self.reward_head = None  # model.head=reward: scores at the last token instead of logits (reward_head.py)
         if config.head == "reward":
             self.reward_head = build_reward_head(config.hidden_size, len(config.reward_attributes))
@@ -137,12 +137,16 @@ class LanguageModel(nn.Module):
                               "cannot generate or compute a language-model loss; read it with `meshlm score`.")
         return self.embedding.weight if self.output is None else self.output.weight
 
+    def output_bias(self) -> torch.Tensor | None:
+        """The output head's bias (``model.output_bias``), or None."""
+        return None if self.output is None else self.output.bias
+
     def head_logits(self, hidden: torch.Tensor, normed: bool = False) -> torch.Tensor:
         """Final norm (unless already applied) then the output projection, as fp32 logits
         (soft-capped with ``model.final_logit_softcap``)."""
         if not normed:
             hidden = self.final_norm(hidden)
-        return self.finished_logits(F.linear(hidden, self.output_weight()).float())
+        return self.finished_logits(F.linear(hidden, self.output_weight(), self.output_bias()).float())
 
     def finished_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's raw ``logits`` divided by ``model.logit_divisor`` (Granite) and soft-capped at
@@ -159,10 +163,12 @@ class LanguageModel(nn.Module):
         """
         if not normed:
             hidden = self.final_norm(hidden)
-        if self.config.logit_divisor != 1.0:  # (h / d) W^T = (h W^T) / d: the logits' divisor, on the smaller tensor
+        bias = self.output_bias()
+        if self.config.logit_divisor != 1.0:  # (h / d) W^T + b / d = (h W^T + b) / d: on the smaller tensors
             hidden = hidden / self.config.logit_divisor
+            bias = None if bias is None else bias / self.config.logit_divisor
         return linear_cross_entropy(hidden, self.output_weight(), labels, chunk_softmax=self.loss_chunk_softmax,
-                                    softcap=self.config.final_logit_softcap)
+                                    softcap=self.config.final_logit_softcap, bias=bias)
 
     # --- whole model -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,

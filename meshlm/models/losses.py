@@ -2,7 +2,7 @@
 
 The language-model loss is
 
-    loss = 1/N * sum_t [ logsumexp_v(z_tv) - z_t,y_t ],      z = H W^T   ([tokens, vocab])
+    loss = 1/N * sum_t [ logsumexp_v(z_tv) - z_t,y_t ],      z = H W^T (+ b)   ([tokens, vocab])
 
 over the N tokens whose label is not ignored. Written the obvious way it materializes z in
 fp32, then its log-softmax, and in backward a gradient of the same size: for 2048 tokens and a
@@ -12,7 +12,7 @@ gradient of the loss with respect to the logits has a closed form that the forwa
 has all the ingredients for:
 
     dloss/dz_t = (softmax(z_t) - onehot(y_t)) / N             (0 for ignored tokens)
-    dloss/dH   = dloss/dz W            dloss/dW = (dloss/dz)^T H
+    dloss/dH   = dloss/dz W            dloss/dW = (dloss/dz)^T H        dloss/db = sum_t dloss/dz_t
 
 So the forward pass walks over the tokens a chunk at a time (a chunk's logits are a few MB): it
 computes the chunk's logits, their fp32 log-softmax and the chunk's loss terms and, when
@@ -107,16 +107,16 @@ def even_chunks(num_tokens: int, most_tokens_per_chunk: int) -> int:
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of ``hidden @ weight^T`` against ``labels``, computed chunk by chunk.
+    """Mean cross-entropy of ``hidden @ weight^T (+ bias)`` against ``labels``, computed chunk by chunk.
 
-    hidden [tokens, hidden_size], weight [vocab, hidden_size], labels [tokens] (IGNORE_INDEX to
-    skip). With ``compute_grads`` the forward also computes both gradients (see the module
+    hidden [tokens, hidden_size], weight [vocab, hidden_size], bias [vocab] or None (an output
+    head's bias, ``model.output_bias``), labels [tokens] (IGNORE_INDEX to skip). With ``compute_grads`` the forward also computes both gradients (see the module
     docstring); without it, backward is not available. ``softcap``: the logits are soft-capped
     first (``model.final_logit_softcap``), z -> c tanh(z / c), and dloss/dz carries the cap's slope.
     """
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                 tokens_per_chunk: int, compute_grads: bool, chunk_softmax=None,
                 softcap: float | None = None) -> torch.Tensor:
         valid = (labels != IGNORE_INDEX).unsqueeze(1)
@@ -131,10 +131,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if compute_grads and ctx.needs_input_grad[0] else None
         grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) \
             if compute_grads and ctx.needs_input_grad[1] else None
+        grad_bias = bias.new_zeros(bias.shape, dtype=torch.float32) \
+            if bias is not None and compute_grads and ctx.needs_input_grad[2] else None
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, num_tokens, tokens_per_chunk):
             rows = slice(start, min(start + tokens_per_chunk, num_tokens))
-            logits = torch.mm(hidden[rows], weight.t(), out=logits_buffer[: rows.stop - rows.start])
+            out = logits_buffer[: rows.stop - rows.start]
+            logits = (torch.mm(hidden[rows], weight.t(), out=out) if bias is None
+                      else torch.addmm(bias, hidden[rows], weight.t(), out=out))
             if fused:
                 chunk_loss, grad_logits = chunk_softmax(logits, safe_labels[rows], valid[rows], grad_scale[rows],
                                                         softcap)
@@ -155,14 +159,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(grad_logits, weight, out=grad_hidden[rows])
             if grad_weight is not None:
                 accumulate_weight_grad(grad_weight, grad_logits, hidden[rows])
-        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0, dtype=torch.float32)
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                              None if grad_bias is None else grad_bias.to(bias.dtype))
         return loss_sum / num_valid
 
     @staticmethod
     @once_differentiable  # the stored gradients are constants: no gradient of gradients
     def backward(ctx, grad_loss: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        scaled = [None if grad is None else grad * grad_loss.to(grad.dtype) for grad in (grad_hidden, grad_weight)]
+        scaled = [None if grad is None else grad * grad_loss.to(grad.dtype) for grad in ctx.saved_tensors]
         return *scaled, None, None, None, None, None
 
 
@@ -208,10 +214,11 @@ def accumulate_weight_grad(grad_weight_sum: torch.Tensor, grad_logits: torch.Ten
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          tokens_per_chunk: int | None = None, chunk_softmax=None,
-                         softcap: float | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``F.linear(hidden, weight)`` without the full logits.
+                         softcap: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``F.linear(hidden, weight, bias)`` without the full logits.
 
-    hidden [..., hidden_size], labels [...] (same leading shape), weight [vocab, hidden_size].
+    hidden [..., hidden_size], labels [...] (same leading shape), weight [vocab, hidden_size], bias
+    [vocab] or None.
     Gradients are computed in the forward pass only when autograd will need them.
     ``chunk_softmax``: ``softmax_cross_entropy_chunk`` or a compiled version of it, for the
     training forward's softmax part (None: the eager kernels; module docstring). ``softcap``: of
@@ -221,8 +228,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     labels = labels.reshape(-1)
     chunk = tokens_per_chunk or even_chunks(hidden.shape[0], default_tokens_per_chunk(weight.shape[0],
                                                                                   hidden.device.type))
-    compute_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk, compute_grads, chunk_softmax, softcap)
+    compute_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                                 or (bias is not None and bias.requires_grad))
+    return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, chunk, compute_grads, chunk_softmax, softcap)
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -186,7 +186,7 @@ def counted_parameters(model_config) -> tuple[dict[str, int], dict[str, int], di
         model = LanguageModel(model_config, seed=0)
     every, trainable, muon = ({"vocab": 0, "experts": 0, "replicated": 0, "blocks": 0} for _ in range(3))
     for name, param in model.named_parameters():
-        group = ("vocab" if name in ("embedding.weight", "output.weight") else
+        group = ("vocab" if name in ("embedding.weight", "output.weight", "output.bias") else
                  "experts" if ".experts." in name else
                  "replicated" if any(f".{layer}." in name for layer in TP_REPLICATED) else "blocks")
         every[group] += param.numel()

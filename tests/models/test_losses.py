@@ -38,6 +38,31 @@ def test_fp32_loss_and_gradients_equal_unfused(tokens_per_chunk):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item(), msg=name)
 
 
+@pytest.mark.parametrize("tokens_per_chunk", [5, 1000])
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["uncapped", "capped"])
+@pytest.mark.parametrize("compiled_softmax", [False, True], ids=["eager", "plain-ops softmax"])
+def test_a_bias_on_the_logits_gets_its_gradient(tokens_per_chunk, softcap, compiled_softmax):
+    """``model.output_bias``: z = H W^T + b, dloss/db the sum of dloss/dz over the tokens."""
+    hidden, weight, labels = inputs()
+    bias = torch.randn(VOCAB, generator=torch.Generator().manual_seed(3)).requires_grad_()
+
+    def unfused(h, w, y):
+        logits = F.linear(h, w, bias).float()
+        return F.cross_entropy(logits if softcap is None else softcap * torch.tanh(logits / softcap), y,
+                               ignore_index=IGNORE_INDEX)
+
+    softmax = losses.softmax_cross_entropy_chunk if compiled_softmax else None
+    fused = lambda h, w, y: linear_cross_entropy(h, w, y, tokens_per_chunk, softmax, softcap, bias=bias)  # noqa: E731
+    for name, got, want in zip(("loss", "grad hidden", "grad weight", "grad bias"),
+                               (fused(hidden, weight, labels), *torch.autograd.grad(
+                                   2.5 * fused(hidden, weight, labels), (hidden, weight, bias))),
+                               (unfused(hidden, weight, labels), *torch.autograd.grad(
+                                   2.5 * unfused(hidden, weight, labels), (hidden, weight, bias)))):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item(), msg=name)
+    assert (linear_cross_entropy(hidden, weight, labels, bias=bias) - linear_cross_entropy(hidden, weight, labels)
+            ).abs() > 1e-3  # the bias changes the loss
+
+
 def test_leading_dimensions_are_flattened():
     hidden, weight, labels = inputs()
     loss = linear_cross_entropy(hidden[:36].reshape(4, 9, HIDDEN), weight, labels[:36].reshape(4, 9), 7)
@@ -153,12 +178,17 @@ def test_the_loss_chunks_by_the_tensors_device(monkeypatch):
     assert seen == [3] * 6  # each chunk's logits and hidden-gradient matmuls
 
 
-@pytest.mark.parametrize("tie_embeddings", [True, False])
-def test_language_model_fused_loss_and_grads_equal_the_logits_path(tie_embeddings):
+@pytest.mark.parametrize("tie_embeddings, output_bias", [(True, False), (False, False), (False, True)],
+                         ids=["tied", "untied", "untied with a bias, divided logits"])
+def test_language_model_fused_loss_and_grads_equal_the_logits_path(tie_embeddings, output_bias):
     config = ModelConfig(vocab_size=64, hidden_size=32, pattern="*-", num_attention_heads=4, num_kv_heads=2,
-                         tie_embeddings=tie_embeddings, mtp_depth=1, mtp_loss_coeff=0.5)
+                         tie_embeddings=tie_embeddings, mtp_depth=1, mtp_loss_coeff=0.5, output_bias=output_bias,
+                         logit_divisor=2.0 if output_bias else 1.0)
     torch.manual_seed(0)
     model = LanguageModel(config)
+    if output_bias:
+        with torch.no_grad():
+            model.output.bias.normal_(0.0, 1.0)
     tokens = torch.randint(0, 64, (2, 12))
     labels = tokens.roll(-1, 1)
     labels[:, -1] = IGNORE_INDEX

@@ -42,7 +42,7 @@ class TensorParallelLanguageModel(LanguageModel):
         if not normed:
             hidden = self.final_norm(hidden)
         full = column_parallel_input(hidden, self.parallel_context)
-        return self.finished_logits(F.linear(full, self.output_weight()).float())
+        return self.finished_logits(F.linear(full, self.output_weight(), self.output_bias()).float())
 
     def head_logits(self, hidden: torch.Tensor, normed: bool = False) -> torch.Tensor:
         """The full logits [b, s, vocab] (gathered over the vocabulary, padding dropped): for

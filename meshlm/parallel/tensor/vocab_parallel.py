@@ -64,8 +64,8 @@ def padded_vocab_size(vocab_size: int, tp_size: int, pad_multiple: int = 1) -> i
 
 
 def pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """``weight`` with zero rows appended up to ``rows`` rows."""
-    return F.pad(weight.detach(), (0, 0, 0, rows - weight.shape[0]))
+    """``weight`` (or a bias) with zero rows appended up to ``rows`` rows."""
+    return F.pad(weight.detach(), (0, 0) * (weight.dim() - 1) + (0, rows - weight.shape[0]))
 
 
 def vocab_range(local_vocab: int, context) -> tuple[int, int]:
@@ -105,13 +105,16 @@ class VocabParallelEmbedding(nn.Module):
 
 @torch.no_grad()
 def vocab_parallel_head(output: nn.Linear, context, padded_size: int) -> ColumnParallelLinear:
-    """The untied output head, padded to ``padded_size`` rows and split by vocabulary."""
-    padded = nn.Linear(output.in_features, padded_size, bias=False, device=output.weight.device,
+    """The untied output head (and its bias, ``model.output_bias``), padded to ``padded_size`` rows
+    (a padded entry's logit is masked wherever it is read) and split by vocabulary."""
+    padded = nn.Linear(output.in_features, padded_size, bias=output.bias is not None, device=output.weight.device,
                        dtype=output.weight.dtype)
-    padded.weight.copy_(pad_rows(output.weight, padded_size))
-    padded.weight.requires_grad_(output.weight.requires_grad)
+    for name in ("weight", "bias") if output.bias is not None else ("weight",):
+        getattr(padded, name).copy_(pad_rows(getattr(output, name), padded_size))
+        getattr(padded, name).requires_grad_(getattr(output, name).requires_grad)
     head = ColumnParallelLinear.from_full(padded, context)
-    mark_shard(head.weight, 0, [padded_size], unpadded_size=output.out_features)
+    for param in (head.weight, head.bias) if head.bias is not None else (head.weight,):
+        mark_shard(param, 0, [padded_size], unpadded_size=output.out_features)
     return head
 
 
