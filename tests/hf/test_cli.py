@@ -7,7 +7,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import FalconConfig, GPTNeoXConfig, LlamaConfig, Mamba2Config, NemotronHConfig  # noqa: E402
+from transformers import (FalconConfig, GPTNeoXConfig, LlamaConfig, Mamba2Config, NemotronHConfig,  # noqa: E402
+                          PhiConfig)
 
 from meshlm.cli import main  # noqa: E402
 
@@ -26,6 +27,11 @@ HF_CONFIGS = {
     # one key/value head, one norm for attention and MLP side by side (Falcon-7B's layer)
     "falcon": lambda: FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                    ffn_hidden_size=64, initializer_range=0.1, **NO_SPECIAL_IDS),
+    # one norm for attention and MLP, a bias on the output head, 0.4 of each head rotated (Phi-2's layer)
+    "phi": lambda: PhiConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, initializer_range=0.1, **NO_SPECIAL_IDS,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.4}),
     "mamba2": lambda: Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_heads=8, head_dim=8, state_size=16,
                                    n_groups=2, num_hidden_layers=2, chunk_size=4, **NO_SPECIAL_IDS),
     # time_step_min is also Nemotron-H's dt clamp, which transformers skips in single-token decoding;
