@@ -123,6 +123,14 @@ def _transposed(produce: Callable[[], torch.Tensor]) -> torch.Tensor:
     return produce().t().contiguous()
 
 
+def half_from_interleaved(rope_dim: int) -> torch.Tensor:
+    """The interleaved positions of the rotate-half channels: [0, 2, 4, ..., 1, 3, 5, ...]. A
+    checkpoint that rotates interleaved pairs (2j, 2j + 1) at frequency j (DeepSeek-V3, GPT-J) gives
+    meshlm's rotate-half layout, pairs (j, j + d/2), when its query and key rows are taken in this
+    order: the same permutation on q and k leaves every score unchanged."""
+    return torch.cat((torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)))
+
+
 def _rows_in_order(produce: Callable[[], torch.Tensor], order: torch.Tensor) -> torch.Tensor:
     return produce()[order]
 
@@ -508,7 +516,7 @@ def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozense
                if present and name not in supported]
     if config.norm != "rmsnorm" and "norm" not in supported:
         reasons.append(f"model.norm={config.norm!r} (the HF classes here other than GPT-2, StarCoder2, GPT-NeoX, "
-                       "StableLM and Falcon use RMSNorm)")
+                       "StableLM, Falcon, Phi and GPT-J use RMSNorm)")
     if config.mtp_depth:
         reasons.append(f"model.mtp_depth={config.mtp_depth} (multi-token-prediction heads are not exported yet)")
     if config.block_overrides:
@@ -537,13 +545,13 @@ LAYER_FEATURES = {
     "final_logit_softcap": "Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap the output logits",
     "position_embedding": "GPT2LMHeadModel adds learned position embeddings",
     "attention_type": "DeepseekV3ForCausalLM has multi-head latent attention",
-    "rope_fraction": "Phi3ForCausalLM, GPTNeoXForCausalLM and StableLmForCausalLM rotate part of each head "
-                     "(partial_rotary_factor)",
-    "parallel_residual": "GPTNeoXForCausalLM, StableLmForCausalLM and FalconForCausalLM run attention and MLP "
-                         "side by side (use_parallel_residual, parallel_attn)",
-    "parallel_residual_shared_norm": "StableLmForCausalLM's, FalconForCausalLM's and PhiForCausalLM's parallel "
-                                     "layers have one norm for attention and MLP",
-    "output_bias": "PhiForCausalLM has a bias on lm_head",
+    "rope_fraction": "Phi3ForCausalLM, GPTNeoXForCausalLM, StableLmForCausalLM, PhiForCausalLM and "
+                     "GPTJForCausalLM rotate part of each head (partial_rotary_factor, rotary_dim)",
+    "parallel_residual": "GPTNeoXForCausalLM, StableLmForCausalLM, FalconForCausalLM, PhiForCausalLM and "
+                         "GPTJForCausalLM run attention and MLP side by side",
+    "parallel_residual_shared_norm": "StableLmForCausalLM's, FalconForCausalLM's, PhiForCausalLM's and "
+                                     "GPTJForCausalLM's parallel layers have one norm for attention and MLP",
+    "output_bias": "PhiForCausalLM and GPTJForCausalLM have a bias on lm_head",
 }
 """Layer features only some HF classes hold, and which."""
 

@@ -66,8 +66,9 @@ import torch
 from meshlm.checkpoint.safetensors_stream import PlannedTensor
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.hf.common import (Architecture, TensorMap, blocks_of, common_unsupported, embedding_maps,
-                              hf_common_fields, linear_maps, rename, reordered, require, rope_from_hf, rope_to_hf,
-                              rows_of, split_fused_experts, window_unsupported, with_defaults)
+                              half_from_interleaved, hf_common_fields, linear_maps, rename, reordered, require,
+                              rope_from_hf, rope_to_hf, rows_of, split_fused_experts, window_unsupported,
+                              with_defaults)
 from meshlm.hf.llama import dense_mlp_maps
 from meshlm.hf.qwen3_moe import routed_expert_maps
 from meshlm.models.config import ModelConfig
@@ -286,11 +287,6 @@ def unsupported(config: ModelConfig) -> list[str]:
 
 
 # --- tensors ------------------------------------------------------------------------------------
-def half_from_interleaved(rope_dim: int) -> torch.Tensor:
-    """The interleaved positions of the rotate-half channels: [0, 2, 4, ..., 1, 3, 5, ...]."""
-    return torch.cat((torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)))
-
-
 def rotary_row_orders(config: ModelConfig) -> dict[str, torch.Tensor]:
     """{projection: order} for the two projections of an MLA block that make rotary channels ("q",
     q_b_proj or q_proj; "kv", kv_a_proj): meshlm's row r is HF's row order[r]."""
