@@ -516,7 +516,8 @@ class ParameterCounter:
     def count(self, widths: Widths, kinds) -> int:
         config, hidden = self.config, widths.hidden_size
         with torch.device("meta"):
-            norm = sum(p.numel() for p in make_norm(config.norm, hidden, config.norm_eps).parameters())
+            norm = sum(p.numel() for p in make_norm(config.norm, hidden, config.norm_eps,
+                                                    bias=config.norm_bias).parameters())
         total = config.vocab_size * hidden * (1 if config.tie_embeddings else 2) + norm
         if config.parallel_residual_shared_norm:  # each pair's feed-forward block applies its partner's norm
             total -= norm * len(parallel_residual_pairs(list(kinds)))

@@ -516,7 +516,7 @@ def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozense
                if present and name not in supported]
     if config.norm != "rmsnorm" and "norm" not in supported:
         reasons.append(f"model.norm={config.norm!r} (the HF classes here other than GPT-2, StarCoder2, GPT-NeoX, "
-                       "StableLM, Falcon, Phi and GPT-J use RMSNorm)")
+                       "StableLM, Falcon, Phi, GPT-J and Command R use RMSNorm)")
     if config.mtp_depth:
         reasons.append(f"model.mtp_depth={config.mtp_depth} (multi-token-prediction heads are not exported yet)")
     if config.block_overrides:
@@ -537,7 +537,7 @@ LAYER_FEATURES = {
     "embedding_multiplier": "Gemma2ForCausalLM, Gemma3ForCausalLM (by sqrt(hidden_size)) and GraniteForCausalLM "
                             "scale the embeddings",
     "residual_multiplier": "GraniteForCausalLM scales each block's output before the residual add",
-    "logit_divisor": "GraniteForCausalLM divides the logits (logits_scaling)",
+    "logit_divisor": "GraniteForCausalLM and CohereForCausalLM scale the logits (logits_scaling, logit_scale)",
     "rope_local_theta": "Gemma3ForCausalLM and Olmo3ForCausalLM give the sliding layers a RoPE of their own",
     "attention_scale": "Gemma2ForCausalLM and Gemma3ForCausalLM (query_pre_attn_scalar) and GraniteForCausalLM "
                        "(attention_multiplier) scale attention by other than 1/sqrt(head_dim)",
@@ -547,10 +547,12 @@ LAYER_FEATURES = {
     "attention_type": "DeepseekV3ForCausalLM has multi-head latent attention",
     "rope_fraction": "Phi3ForCausalLM, GPTNeoXForCausalLM, StableLmForCausalLM, PhiForCausalLM and "
                      "GPTJForCausalLM rotate part of each head (partial_rotary_factor, rotary_dim)",
-    "parallel_residual": "GPTNeoXForCausalLM, StableLmForCausalLM, FalconForCausalLM, PhiForCausalLM and "
-                         "GPTJForCausalLM run attention and MLP side by side",
-    "parallel_residual_shared_norm": "StableLmForCausalLM's, FalconForCausalLM's, PhiForCausalLM's and "
-                                     "GPTJForCausalLM's parallel layers have one norm for attention and MLP",
+    "parallel_residual": "GPTNeoXForCausalLM, StableLmForCausalLM, FalconForCausalLM, PhiForCausalLM, "
+                         "GPTJForCausalLM and CohereForCausalLM run attention and MLP side by side",
+    "parallel_residual_shared_norm": "StableLmForCausalLM's, FalconForCausalLM's, PhiForCausalLM's, "
+                                     "GPTJForCausalLM's and CohereForCausalLM's parallel layers have one norm for "
+                                     "attention and MLP",
+    "norm_bias": "CohereForCausalLM's LayerNorms have no bias",
     "output_bias": "PhiForCausalLM and GPTJForCausalLM have a bias on lm_head",
 }
 """Layer features only some HF classes hold, and which."""
@@ -569,7 +571,8 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "position_embedding": config.position_embedding == "learned",
             "attention_type": config.attention_type == "mla" and "*" in config.block_kinds,
             "rope_fraction": config.rope_fraction != 1.0, "parallel_residual": config.parallel_residual,
-            "parallel_residual_shared_norm": config.parallel_residual_shared_norm, "output_bias": config.output_bias}
+            "parallel_residual_shared_norm": config.parallel_residual_shared_norm, "output_bias": config.output_bias,
+            "norm_bias": not config.norm_bias}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 

@@ -216,6 +216,9 @@ class ModelConfig:
     """'rmsnorm' or 'layernorm', for block pre-norms and the final norm."""
     norm_eps: float = 1e-5
     """Epsilon of every norm (block, final, QK-norm, Mamba's gated norm)."""
+    norm_bias: bool = True
+    """With ``norm=layernorm``: its bias (beta). False: LayerNorm without one, y = w (x - mean) / std
+    (Cohere's Command R). RMSNorm has none either way."""
     norm_zero_centered: bool = False
     """RMSNorm weights hold gamma - 1: each norm (block, block output, final, QK-, MTP norms; not
     Mamba's gated norm) multiplies by 1 + weight, and the weights start at 0 (Gemma's norms;
@@ -557,6 +560,9 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ConfigError(f"model.{name}={value!r} must be a probability in [0, 1) (0 turns it off).")
+        if not self.norm_bias and self.norm != "layernorm":
+            raise ConfigError(f"model.norm_bias=false drops LayerNorm's bias, and model.norm={self.norm!r} has none; "
+                              "set model.norm=layernorm or model.norm_bias=true.")
         if self.norm_zero_centered and self.norm != "rmsnorm":
             raise ConfigError(f"model.norm_zero_centered=true is for RMSNorm, and model.norm={self.norm!r}; set "
                               "model.norm=rmsnorm or model.norm_zero_centered=false.")

@@ -160,13 +160,15 @@ class _SkipGatedRMSNorm(torch.autograd.Function):
 
 def model_norm(config, size: int | None = None) -> nn.Module:
     """The norm ``config`` (a ``ModelConfig``) asks for, over ``size`` channels (default hidden_size)."""
-    return make_norm(config.norm, size or config.hidden_size, config.norm_eps, config.norm_zero_centered)
+    return make_norm(config.norm, size or config.hidden_size, config.norm_eps, config.norm_zero_centered,
+                     config.norm_bias)
 
 
-def make_norm(kind: str, size: int, eps: float, zero_centered: bool = False) -> nn.Module:
-    """The block/final norm chosen by ``ModelConfig.norm`` (zero-centered: RMSNorm only)."""
+def make_norm(kind: str, size: int, eps: float, zero_centered: bool = False, bias: bool = True) -> nn.Module:
+    """The block/final norm chosen by ``ModelConfig.norm`` (zero-centered: RMSNorm only; ``bias``:
+    LayerNorm's, ``model.norm_bias``)."""
     if kind == "rmsnorm":
         return RMSNorm(size, eps, zero_centered)
     if kind == "layernorm":
-        return nn.LayerNorm(size, eps=eps)
+        return nn.LayerNorm(size, eps=eps, bias=bias)
     raise ValueError(f"unknown norm {kind!r}; use 'rmsnorm' or 'layernorm'")

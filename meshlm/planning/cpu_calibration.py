@@ -109,7 +109,7 @@ def block_rates(config, repeats: int = 5) -> tuple[dict[str, float], dict[str, f
         if kind not in modules and kind != "0":
             block_config = model.for_block(index)
             modules[kind] = (Block(kind, block_config, index).to(dtype), block_config)
-    norm = make_norm(model.norm, model.hidden_size, model.norm_eps).to(dtype)
+    norm = make_norm(model.norm, model.hidden_size, model.norm_eps, bias=model.norm_bias).to(dtype)
     head = torch.nn.Linear(model.hidden_size, model.vocab_size, bias=False, dtype=dtype)
     points = {kind: [] for kind in [*modules, "head"]}
     for micro_batch, seq in calibration_shapes(config):

@@ -1,0 +1,132 @@
+"""``CohereForCausalLM`` <-> meshlm (Cohere's Command R and Command R+, Aya 23 and Aya Expanse).
+
+A Command R layer runs attention and a SwiGLU MLP side by side through one norm,
+``h + attn(ln(h)) + mlp(ln(h))`` (``model.parallel_residual`` with
+``model.parallel_residual_shared_norm``), with:
+
+- **LayerNorm without a bias** (``model.norm=layernorm``, ``model.norm_bias=false``), before each
+  layer and at the end;
+- **RoPE over interleaved pairs** (2j, 2j + 1) of each whole head, where meshlm rotates (j, j + d/2):
+  import takes the rows of ``q_proj`` and ``k_proj`` in the order ``half_from_interleaved`` gives,
+  the same on both, so no score changes, and export puts them back;
+- grouped KV heads, biases on q/k/v/o or none (``attention_bias``), a tied head, and logits
+  multiplied by ``logit_scale`` (0.0625): ``model.logit_divisor`` = 1 / logit_scale.
+
+``attention_dropout`` is ``model.attention_dropout``. Not supported, refused by name: ``use_qk_norm``
+(Command R+'s LayerNorm per head of q and k) and Cohere2's sliding layers (another class).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshlm.checkpoint.safetensors_stream import PlannedTensor
+from meshlm.errors import CheckpointError
+from meshlm.hf.common import (Architecture, TensorMap, half_from_interleaved, linear_maps, rename, reordered, require,
+                              rows_of, window_unsupported, with_defaults)
+from meshlm.hf.llama import dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported
+from meshlm.models.config import ModelConfig
+
+NAME = "CohereForCausalLM"
+MODEL_TYPE = "cohere"
+DEFAULTS = {"vocab_size": 256000, "hidden_size": 8192, "intermediate_size": 22528, "logit_scale": 0.0625,
+            "num_hidden_layers": 40, "num_attention_heads": 64, "hidden_act": "silu", "max_position_embeddings": 8192,
+            "initializer_range": 0.02, "layer_norm_eps": 1e-5, "tie_word_embeddings": True, "attention_bias": False,
+            "attention_dropout": 0.0, "use_qk_norm": False}
+SUPPORTED_FEATURES = frozenset({"norm", "norm_bias", "parallel_residual", "parallel_residual_shared_norm",
+                                "logit_divisor"})
+
+
+def config_from_hf(hf_config: dict) -> ModelConfig:
+    hf = with_defaults(hf_config, DEFAULTS)
+    require(hf, NAME, "use_qk_norm", False, "meshlm's QK-norm is an RMSNorm shared by the heads, not a LayerNorm with "
+            "weights per head")
+    scale = float(hf["logit_scale"])
+    return dense_decoder_config({**hf, "rms_norm_eps": hf["layer_norm_eps"]}, hf_config, NAME, norm="layernorm",
+                                norm_bias=False, parallel_residual=True, parallel_residual_shared_norm=True,
+                                logit_divisor=1.0 / scale)
+
+
+def unsupported(config: ModelConfig) -> list[str]:
+    reasons = dense_decoder_unsupported(config, "Command R", qk_norm=False, supported=SUPPORTED_FEATURES)
+    reasons += window_unsupported(config, "Command R", uniform_only=False)
+    wanted = {"norm": "layernorm", "norm_bias": False, "parallel_residual": True,
+              "parallel_residual_shared_norm": True, "mlp_bias": False}
+    reasons += [f"model.{name}={getattr(config, name)!r} (Command R has {name}={value!r})"
+                for name, value in wanted.items() if getattr(config, name) != value]
+    if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
+        reasons.append(f"model.head_dim={config.head_dim} (Command R's heads split the hidden size)")
+    return reasons
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    ARCHITECTURE.check_expressible(config)
+    values = dense_decoder_to_hf(config, NAME, MODEL_TYPE, DEFAULTS["max_position_embeddings"],
+                                 layer_norm_eps=config.norm_eps, logit_scale=1.0 / config.logit_divisor,
+                                 attention_bias=config.attention_bias, use_qk_norm=False)
+    del values["rms_norm_eps"], values["head_dim"]
+    return values
+
+
+def rotary_row_order(config: ModelConfig, heads: int) -> torch.Tensor:
+    """Row r of meshlm's q_proj (``heads`` = query heads) or k_proj (KV heads) is row ``order[r]`` of
+    Command R's: each head's rows de-interleaved (module docstring)."""
+    head_dim = config.resolved_head_dim
+    return torch.cat([index * head_dim + half_from_interleaved(head_dim) for index in range(heads)])
+
+
+def rotary_projections(config: ModelConfig) -> list[tuple[str, str, int]]:
+    """(meshlm name, HF name, heads) of every weight (and bias) whose rows are reordered."""
+    out = []
+    for layer in range(config.num_blocks // 2):
+        for projection, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.resolved_num_kv_heads)):
+            for kind in ("weight", "bias") if config.attention_bias else ("weight",):
+                out.append((f"blocks.{2 * layer}.mixer.{projection}.{kind}",
+                            f"model.layers.{layer}.self_attn.{projection}.{kind}", heads))
+    return out
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    maps = [rename("embedding.weight", "model.embed_tokens.weight"), rename("final_norm.weight", "model.norm.weight")]
+    if not config.tie_embeddings:
+        maps.append(rename("output.weight", "lm_head.weight"))
+    head_dim = config.resolved_head_dim
+    # rows of their HF tensors, not renames: a PEFT adapter export finds no such layer and refuses
+    maps += [rows_of(ours, theirs, 0, heads * head_dim) for ours, theirs, heads in rotary_projections(config)]
+    for layer in range(config.num_blocks // 2):
+        attention, mlp, theirs = f"blocks.{2 * layer}", f"blocks.{2 * layer + 1}", f"model.layers.{layer}"
+        maps.append(rename(f"{attention}.norm.weight", f"{theirs}.input_layernorm.weight"))  # the MLP's too
+        for projection in ("v_proj", "o_proj"):
+            maps += linear_maps(f"{attention}.mixer.{projection}", f"{theirs}.self_attn.{projection}",
+                                config.attention_bias)
+        for projection in ("gate_proj", "up_proj", "down_proj"):
+            maps += linear_maps(f"{mlp}.mixer.{projection}", f"{theirs}.mlp.{projection}", False)
+    return maps
+
+
+@dataclass(frozen=True)
+class CohereArchitecture(Architecture):
+    """``Architecture`` whose plans de-interleave the rows of q_proj and k_proj on import and
+    interleave them again on export (module docstring)."""
+
+    def plan_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, PlannedTensor]:
+        plan = super().plan_from_hf(tensors, config)
+        for ours, theirs, heads in rotary_projections(config):
+            if tensors[theirs].shape[0] != plan[ours].shape[0]:  # rows_of would have cut a longer one
+                raise CheckpointError(f"the {NAME} weights do not match their config.json: {theirs} has "
+                                      f"{tensors[theirs].shape[0]} rows, but config.json implies {plan[ours].shape[0]}")
+            plan[ours] = reordered(plan[ours], rotary_row_order(config, heads))
+        return plan
+
+    def plan_to_hf(self, stored: dict[str, tuple], read, config: ModelConfig) -> dict[str, PlannedTensor]:
+        plan = super().plan_to_hf(stored, read, config)
+        for _, theirs, heads in rotary_projections(config):
+            plan[theirs] = reordered(plan[theirs], torch.argsort(rotary_row_order(config, heads)))
+        return plan
+
+
+ARCHITECTURE = CohereArchitecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported)
+state_from_hf = ARCHITECTURE.state_from_hf
+state_to_hf = ARCHITECTURE.state_to_hf
