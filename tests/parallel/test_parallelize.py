@@ -16,13 +16,14 @@ and norms replicated with partial gradients; one with a query latent and a block
 without, with LoRA adapters on its latent projections), an OLMo-style model (no input norms, output
 norms, a QK-norm over all heads: cut over the ranks with its statistics all-reduced), a GPT-NeoX-
 style one (each attention block beside its MLP on one input, a parallel residual; a quarter of each
-head rotated) and a Phi-style one (the same with one norm per pair, which the MLP block applies too:
-its gradient partial under SP from both blocks; a bias on the output head, split and padded with the
-vocabulary); and a hybrid ('M*-M', an MTP depth) with LoRA adapters on every targeted layer (their b
-drawn, as after training), of which only the adapters have gradients. One spawned world of 4 ranks
-runs each model at tp 2 (two TP groups side by side) and at tp 4, one of the two with sequence
-parallelism (which one alternates from model to model). Every rank builds the full model from a
-seed, runs the single-process forward/backward itself, then parallelizes a copy and checks:
+head rotated) and a Phi- and Command R-style one (the same with one LayerNorm per pair, without a
+bias, which the MLP block applies too: its gradient partial under SP from both blocks; a bias on the
+output head, split and padded with the vocabulary); and a hybrid ('M*-M', an MTP depth) with LoRA
+adapters on every targeted layer (their b drawn, as after training), of which only the adapters have
+gradients. One spawned world of 4 ranks runs each model at tp 2 (two TP groups side by side) and at
+tp 4, one of the two with sequence parallelism (which one alternates from model to model). Every
+rank builds the full model from a seed, runs the single-process forward/backward itself, then
+parallelizes a copy and checks:
 
 - the training loss (``return_logits=False``: vocab-parallel cross-entropy, logits never
   gathered), and the loss and full logits of ``return_logits=True``;
@@ -79,10 +80,10 @@ MODELS = {
     "gpt-neox-style parallel residual": dict(norm="layernorm", attention_bias=True, mlp_bias=True,
                                              mlp_activation="gelu", rope_fraction=0.25, parallel_residual=True,
                                              qk_norm=False),
-    "kv2 phi-style shared norm, biased head": dict(num_kv_heads=2, norm="layernorm", parallel_residual=True,
-                                                   parallel_residual_shared_norm=True, rope_fraction=0.25,
-                                                   attention_bias=True, mlp_bias=True, output_bias=True,
-                                                   qk_norm=False),
+    "kv2 shared bias-free norm, biased head": dict(num_kv_heads=2, norm="layernorm", norm_bias=False,
+                                                   parallel_residual=True, parallel_residual_shared_norm=True,
+                                                   rope_fraction=0.25, attention_bias=True, mlp_bias=True,
+                                                   output_bias=True, qk_norm=False),
     "deepseek-style latent attention": dict(attention_type="mla", qk_norm=False, mla_q_lora_rank=12,
                                             mla_kv_lora_rank=8, mla_qk_nope_head_dim=6, mla_qk_rope_head_dim=4,
                                             mla_v_head_dim=5, block_overrides={2: {"num_attention_heads": 8}}),
