@@ -18,14 +18,11 @@ A Command R layer runs attention and a SwiGLU MLP side by side through one norm,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
-from meshlm.checkpoint.safetensors_stream import PlannedTensor
-from meshlm.errors import CheckpointError
-from meshlm.hf.common import (Architecture, TensorMap, half_from_interleaved, linear_maps, rename, reordered, require,
-                              rows_of, window_unsupported, with_defaults)
+from meshlm.hf.common import (Architecture, RegroupedRows, TensorMap, half_from_interleaved, linear_maps, rename,
+                              require, rows_of, window_unsupported, with_defaults)
 from meshlm.hf.llama import dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported
 from meshlm.models.config import ModelConfig
 
@@ -93,7 +90,7 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     if not config.tie_embeddings:
         maps.append(rename("output.weight", "lm_head.weight"))
     head_dim = config.resolved_head_dim
-    # rows of their HF tensors, not renames: a PEFT adapter export finds no such layer and refuses
+    # rows of their HF tensors, then reordered (regrouped_rows)
     maps += [rows_of(ours, theirs, 0, heads * head_dim) for ours, theirs, heads in rotary_projections(config)]
     for layer in range(config.num_blocks // 2):
         attention, mlp, theirs = f"blocks.{2 * layer}", f"blocks.{2 * layer + 1}", f"model.layers.{layer}"
@@ -106,27 +103,14 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     return maps
 
 
-@dataclass(frozen=True)
-class CohereArchitecture(Architecture):
-    """``Architecture`` whose plans de-interleave the rows of q_proj and k_proj on import and
-    interleave them again on export (module docstring)."""
-
-    def plan_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, PlannedTensor]:
-        plan = super().plan_from_hf(tensors, config)
-        for ours, theirs, heads in rotary_projections(config):
-            if tensors[theirs].shape[0] != plan[ours].shape[0]:  # rows_of would have cut a longer one
-                raise CheckpointError(f"the {NAME} weights do not match their config.json: {theirs} has "
-                                      f"{tensors[theirs].shape[0]} rows, but config.json implies {plan[ours].shape[0]}")
-            plan[ours] = reordered(plan[ours], rotary_row_order(config, heads))
-        return plan
-
-    def plan_to_hf(self, stored: dict[str, tuple], read, config: ModelConfig) -> dict[str, PlannedTensor]:
-        plan = super().plan_to_hf(stored, read, config)
-        for _, theirs, heads in rotary_projections(config):
-            plan[theirs] = reordered(plan[theirs], torch.argsort(rotary_row_order(config, heads)))
-        return plan
+def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
+    """q_proj and k_proj (weights and biases) of every layer, de-interleaved (``rotary_row_order``)."""
+    head_dim = config.resolved_head_dim
+    return [RegroupedRows(((ours, heads * head_dim),), theirs, rotary_row_order(config, heads))
+            for ours, theirs, heads in rotary_projections(config)]
 
 
-ARCHITECTURE = CohereArchitecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported)
+ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,
+                            regrouped_rows=regrouped_rows)
 state_from_hf = ARCHITECTURE.state_from_hf
 state_to_hf = ARCHITECTURE.state_to_hf

@@ -141,6 +141,33 @@ def reordered(entry: PlannedTensor, order: torch.Tensor) -> PlannedTensor:
     return PlannedTensor(entry.shape, entry.dtype, partial(_rows_in_order, entry.produce, order))
 
 
+@dataclass(frozen=True)
+class RegroupedRows:
+    """One HF tensor whose rows meshlm holds in another order: meshlm's tensors ``ours`` ((name,
+    rows), in order) concatenated are the HF tensor's rows in ``order`` (row r is HF row
+    ``order[r]``). The tensor maps map them as ``fused_rows`` (or one ``rows_of``) of the HF tensor,
+    which checks their shapes and joins them on export; the plans then reorder. Used where q, k and v
+    are fused per head (GPT-NeoX, Falcon) and where RoPE rotates interleaved pairs (DeepSeek-V3,
+    GPT-J, Command R: ``half_from_interleaved``). A map of rows, not a rename, also keeps code that
+    copies renamed tensors as they are (a PEFT adapter export) from finding such a layer."""
+
+    ours: tuple[tuple[str, int], ...]
+    theirs: str
+    order: torch.Tensor
+
+    def regroup_from_hf(self, plan: dict[str, PlannedTensor], tensors: dict, architecture: str) -> None:
+        """Replace the plan's entries for ``ours`` (cut from the HF tensor as it is) by the reordered rows."""
+        rows = sum(count for _, count in self.ours)
+        if tensors[self.theirs].shape[0] != rows:  # the maps accept a longer tensor; this one is exact
+            raise CheckpointError(f"the {architecture} weights do not match their config.json: {self.theirs} has "
+                                  f"{tensors[self.theirs].shape[0]} rows, but config.json implies {rows}")
+        start = 0
+        for name, count in self.ours:  # its rows of the whole HF tensor, in order
+            whole = PlannedTensor(plan[name].shape, plan[name].dtype, partial(load, tensors[self.theirs]))
+            plan[name] = reordered(whole, self.order[start:start + count])
+            start += count
+
+
 def ours_only(ours: str) -> TensorMap:
     return TensorMap(ours, ())
 
@@ -161,15 +188,24 @@ class Architecture:
     normalize_hf_tensors: Callable[[dict], dict] = field(default=lambda tensors: tensors)
     """Rewrites alternative HF layouts (other prefixes, fused expert tensors) into the
     canonical per-expert hub layout the tensor maps use."""
+    regrouped_rows: Callable[[ModelConfig], list["RegroupedRows"]] = field(default=lambda config: [])
+    """The HF tensors whose rows meshlm keeps in another order (``RegroupedRows``)."""
 
     def plan_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, PlannedTensor]:
         """The meshlm tensors of HF ``tensors`` (in memory or ``StoredTensor`` handles), as a plan."""
-        return plan_from_hf(self.normalize_hf_tensors(dict(tensors)), config, self.tensor_maps(config), self.name)
+        tensors = self.normalize_hf_tensors(dict(tensors))
+        plan = plan_from_hf(tensors, config, self.tensor_maps(config), self.name)
+        for group in self.regrouped_rows(config):
+            group.regroup_from_hf(plan, tensors, self.name)
+        return plan
 
     def plan_to_hf(self, stored: dict[str, tuple], read: Callable[[str], torch.Tensor], config: ModelConfig
                    ) -> dict[str, PlannedTensor]:
         """The HF tensors of a meshlm model ({name: (shape, dtype)}, each read by ``read``), as a plan."""
-        return plan_to_hf(stored, read, config, self.tensor_maps(config), self.name)
+        plan = plan_to_hf(stored, read, config, self.tensor_maps(config), self.name)
+        for group in self.regrouped_rows(config):  # the concatenation of group.ours, rows put back in HF's order
+            plan[group.theirs] = reordered(plan[group.theirs], torch.argsort(group.order))
+        return plan
 
     def state_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
         return produce_all(self.plan_from_hf(tensors, config))

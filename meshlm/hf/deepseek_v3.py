@@ -59,16 +59,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 
 import torch
 
-from meshlm.checkpoint.safetensors_stream import PlannedTensor
-from meshlm.errors import CheckpointError, ConfigError
-from meshlm.hf.common import (Architecture, TensorMap, blocks_of, common_unsupported, embedding_maps,
-                              half_from_interleaved, hf_common_fields, linear_maps, rename, reordered, require,
-                              rope_from_hf, rope_to_hf, rows_of, split_fused_experts, window_unsupported,
-                              with_defaults)
+from meshlm.errors import ConfigError
+from meshlm.hf.common import (Architecture, RegroupedRows, TensorMap, blocks_of, common_unsupported, embedding_maps,
+                              half_from_interleaved, hf_common_fields, linear_maps, rename, require, rope_from_hf,
+                              rope_to_hf, rows_of, split_fused_experts, window_unsupported, with_defaults)
 from meshlm.hf.llama import dense_mlp_maps
 from meshlm.hf.qwen3_moe import routed_expert_maps
 from meshlm.models.config import ModelConfig
@@ -309,10 +306,8 @@ def rotary_projections(config: ModelConfig) -> list[tuple[str, str, torch.Tensor
 
 
 def rotary_reordered(ours: str, theirs: str, rows: int) -> TensorMap:
-    """A weight whose rows are reordered on the way (``DeepseekV3Architecture``). It is mapped as
-    rows [0, rows) of its HF tensor, not as a rename, so that code which copies a renamed layer's
-    tensors as they are -- a PEFT adapter export (``peft_export.py``) -- finds no layer here and
-    refuses, instead of writing adapter rows in the wrong order."""
+    """A weight whose rows are reordered on the way (``regrouped_rows``), mapped as rows [0, rows)
+    of its HF tensor (``common.RegroupedRows`` says why not as a rename)."""
     return rows_of(ours, theirs, 0, rows)
 
 
@@ -371,29 +366,12 @@ def normalize_hf_tensors(tensors: dict) -> dict:
         (f"{prefix}experts.{e}.down_proj.weight", 0)])
 
 
-@dataclass(frozen=True)
-class DeepseekV3Architecture(Architecture):
-    """``Architecture`` whose plans reorder the rotary rows of the query and shared-key projections:
-    interleaved pairs in the HF files, rotate-half pairs in meshlm (module docstring)."""
-
-    def plan_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, PlannedTensor]:
-        plan = super().plan_from_hf(tensors, config)
-        for ours, theirs, order in rotary_projections(config):
-            if tensors[theirs].shape[0] != plan[ours].shape[0]:  # rows_of would have cut a longer one
-                raise CheckpointError(f"the {NAME} weights do not match their config.json: {theirs} has "
-                                      f"{tensors[theirs].shape[0]} rows, but config.json implies {plan[ours].shape[0]} "
-                                      f"(meshlm {ours})")
-            plan[ours] = reordered(plan[ours], order)
-        return plan
-
-    def plan_to_hf(self, stored: dict[str, tuple], read, config: ModelConfig) -> dict[str, PlannedTensor]:
-        plan = super().plan_to_hf(stored, read, config)
-        for _, theirs, order in rotary_projections(config):
-            plan[theirs] = reordered(plan[theirs], torch.argsort(order))
-        return plan
+def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
+    """The query and shared-key projections, their rotary rows de-interleaved (module docstring)."""
+    return [RegroupedRows(((ours, len(order)),), theirs, order) for ours, theirs, order in rotary_projections(config)]
 
 
-ARCHITECTURE = DeepseekV3Architecture(NAME, "deepseek_v3", config_from_hf, config_to_hf, tensor_maps, unsupported,
-                                      normalize_hf_tensors)
+ARCHITECTURE = Architecture(NAME, "deepseek_v3", config_from_hf, config_to_hf, tensor_maps, unsupported,
+                            normalize_hf_tensors, regrouped_rows)
 state_from_hf = ARCHITECTURE.state_from_hf
 state_to_hf = ARCHITECTURE.state_to_hf

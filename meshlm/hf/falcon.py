@@ -29,15 +29,12 @@ position biases) and a sequential layer with grouped KV heads (which Falcon cann
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from meshlm.checkpoint.safetensors_stream import PlannedTensor, load
-from meshlm.errors import CheckpointError
-from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, TensorMap,
+from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, RegroupedRows, TensorMap,
                               decoder_layers_unsupported, fused_rows, hf_common_fields, layer_norm_maps, linear_maps,
-                              non_gated_activation_unsupported, rename, reordered, require, rope_from_hf, rope_to_hf,
+                              non_gated_activation_unsupported, rename, require, rope_from_hf, rope_to_hf,
                               window_unsupported, with_defaults)
 from meshlm.models.config import ModelConfig
 
@@ -170,7 +167,7 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
         maps.append(rename("output.weight", "lm_head.weight"))
     query, key_value = config.hidden_size, config.resolved_num_kv_heads * config.resolved_head_dim
     for (q, k, v), theirs in qkv_tensors(config):
-        maps += fused_rows([(q, query), (k, key_value), (v, key_value)], theirs)  # reordered by the plans
+        maps += fused_rows([(q, query), (k, key_value), (v, key_value)], theirs)  # then regrouped (regrouped_rows)
     layout, bias = Layout.for_model(config), config.attention_bias
     for layer in range(config.num_blocks // 2):
         attention, mlp, theirs = f"blocks.{2 * layer}", f"blocks.{2 * layer + 1}", f"{PREFIX}h.{layer}"
@@ -187,35 +184,14 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     return maps
 
 
-@dataclass(frozen=True)
-class FalconArchitecture(Architecture):
-    """``Architecture`` whose plans regroup ``query_key_value``'s rows between Falcon's layout and
-    meshlm's [q; k; v] (module docstring)."""
-
-    def plan_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, PlannedTensor]:
-        tensors = self.normalize_hf_tensors(dict(tensors))
-        plan = super().plan_from_hf(tensors, config)
-        order = qkv_row_order(config, Layout.for_model(config))
-        rows = [config.hidden_size] + 2 * [config.resolved_num_kv_heads * config.resolved_head_dim]
-        for names, theirs in qkv_tensors(config):
-            if tensors[theirs].shape[0] != sum(rows):  # fused_rows would have cut a longer one
-                raise CheckpointError(f"the {NAME} weights do not match their config.json: {theirs} has "
-                                      f"{tensors[theirs].shape[0]} rows, but config.json implies {sum(rows)}")
-            start = 0
-            for ours, count in zip(names, rows):  # this projection's rows of the whole HF tensor, in order
-                whole = PlannedTensor(plan[ours].shape, plan[ours].dtype, partial(load, tensors[theirs]))
-                plan[ours] = reordered(whole, order[start:start + count])
-                start += count
-        return plan
-
-    def plan_to_hf(self, stored: dict[str, tuple], read, config: ModelConfig) -> dict[str, PlannedTensor]:
-        plan = super().plan_to_hf(stored, read, config)
-        inverse = torch.argsort(qkv_row_order(config, Layout.for_model(config)))
-        for _, theirs in qkv_tensors(config):
-            plan[theirs] = reordered(plan[theirs], inverse)
-        return plan
+def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
+    """Each ``query_key_value``: meshlm's q, k, v are its rows regrouped from the layout's order."""
+    order = qkv_row_order(config, Layout.for_model(config))
+    rows = (config.hidden_size, *2 * [config.resolved_num_kv_heads * config.resolved_head_dim])
+    return [RegroupedRows(tuple(zip(names, rows)), theirs, order) for names, theirs in qkv_tensors(config)]
 
 
-ARCHITECTURE = FalconArchitecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported)
+ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,
+                            regrouped_rows=regrouped_rows)
 state_from_hf = ARCHITECTURE.state_from_hf
 state_to_hf = ARCHITECTURE.state_to_hf

@@ -30,17 +30,13 @@ them apart, and export joins them and puts each head's rows back together
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from meshlm.checkpoint.safetensors_stream import PlannedTensor, load
-from meshlm.errors import CheckpointError
-from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, TensorMap,
+from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, RegroupedRows, TensorMap,
                               decoder_layers_unsupported, fused_rows, hf_common_fields, layer_norm_maps, linear_maps,
-                              multi_head_unsupported, non_gated_activation_unsupported, rename, reordered, require,
-                              rope_from_hf, rope_to_hf, window_unsupported, with_defaults)
+                              multi_head_unsupported, non_gated_activation_unsupported, rename, require, rope_from_hf,
+                              rope_to_hf, window_unsupported, with_defaults)
 from meshlm.models.config import ModelConfig
 
 NAME = "GPTNeoXForCausalLM"
@@ -135,7 +131,7 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
         maps.append(rename("output.weight", HEAD_NAMES[0]))
     hidden, bias = config.hidden_size, config.attention_bias
     for (q, k, v), theirs in qkv_tensors(config):
-        maps += fused_rows([(q, hidden), (k, hidden), (v, hidden)], theirs)  # reordered by the plans
+        maps += fused_rows([(q, hidden), (k, hidden), (v, hidden)], theirs)  # then regrouped (regrouped_rows)
     for layer in range(config.num_blocks // 2):
         attention, mlp, theirs = f"blocks.{2 * layer}", f"blocks.{2 * layer + 1}", f"{PREFIX}layers.{layer}"
         maps += layer_norm_maps(f"{attention}.norm", f"{theirs}.input_layernorm")
@@ -157,33 +153,13 @@ def canonical_tensors(tensors: dict) -> dict:
     return named
 
 
-@dataclass(frozen=True)
-class GPTNeoXArchitecture(Architecture):
-    """``Architecture`` whose plans regroup ``query_key_value``'s rows: per head in the HF files,
-    all queries, then keys, then values in meshlm (module docstring)."""
-
-    def plan_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, PlannedTensor]:
-        tensors = self.normalize_hf_tensors(dict(tensors))
-        plan = super().plan_from_hf(tensors, config)
-        order, rows = qkv_row_order(config), config.hidden_size
-        for names, theirs in qkv_tensors(config):
-            if tensors[theirs].shape[0] != 3 * rows:  # fused_rows would have cut a longer one
-                raise CheckpointError(f"the {NAME} weights do not match their config.json: {theirs} has "
-                                      f"{tensors[theirs].shape[0]} rows, but config.json implies {3 * rows}")
-            for part, ours in enumerate(names):  # this projection's rows of the whole HF tensor, in order
-                whole = PlannedTensor(plan[ours].shape, plan[ours].dtype, partial(load, tensors[theirs]))
-                plan[ours] = reordered(whole, order[part * rows:(part + 1) * rows])
-        return plan
-
-    def plan_to_hf(self, stored: dict[str, tuple], read, config: ModelConfig) -> dict[str, PlannedTensor]:
-        plan = super().plan_to_hf(stored, read, config)
-        inverse = torch.argsort(qkv_row_order(config))
-        for _, theirs in qkv_tensors(config):
-            plan[theirs] = reordered(plan[theirs], inverse)
-        return plan
+def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
+    """Each ``query_key_value``: meshlm's q, k, v are its rows regrouped (``qkv_row_order``)."""
+    order, rows = qkv_row_order(config), config.hidden_size
+    return [RegroupedRows(tuple((name, rows) for name in names), theirs, order) for names, theirs in qkv_tensors(config)]
 
 
-ARCHITECTURE = GPTNeoXArchitecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,
-                                   normalize_hf_tensors=canonical_tensors)
+ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,
+                            normalize_hf_tensors=canonical_tensors, regrouped_rows=regrouped_rows)
 state_from_hf = ARCHITECTURE.state_from_hf
 state_to_hf = ARCHITECTURE.state_to_hf

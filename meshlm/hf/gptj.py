@@ -22,16 +22,14 @@ tied head (its bias has no place there).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
-from meshlm.checkpoint.safetensors_stream import PlannedTensor
-from meshlm.errors import CheckpointError, ConfigError
-from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, TensorMap,
+from meshlm.errors import ConfigError
+from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, RegroupedRows, TensorMap,
                               decoder_layers_unsupported, half_from_interleaved, hf_common_fields, layer_norm_maps,
-                              linear_maps, multi_head_unsupported, non_gated_activation_unsupported, rename, reordered,
-                              require, rows_of, window_unsupported, with_defaults)
+                              linear_maps, multi_head_unsupported, non_gated_activation_unsupported, rename, require,
+                              rows_of, window_unsupported, with_defaults)
 from meshlm.models.config import ModelConfig
 
 NAME = "GPTJForCausalLM"
@@ -114,8 +112,7 @@ def rotary_projections(config: ModelConfig) -> list[tuple[str, str]]:
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     maps = [rename("embedding.weight", f"{PREFIX}wte.weight"), *layer_norm_maps("final_norm", f"{PREFIX}ln_f"),
             *linear_maps("output", "lm_head", True)]
-    # mapped as rows of their HF tensors, not renamed: code that copies a renamed layer's tensors as they
-    # are (a PEFT adapter export) finds no layer here and refuses, rather than write rows in the wrong order
+    # rows of their HF tensors, then reordered (regrouped_rows)
     maps += [rows_of(ours, theirs, 0, config.hidden_size) for ours, theirs in rotary_projections(config)]
     for layer in range(config.num_blocks // 2):
         attention, mlp, theirs = f"blocks.{2 * layer}", f"blocks.{2 * layer + 1}", f"{PREFIX}h.{layer}"
@@ -132,30 +129,13 @@ def canonical_tensors(tensors: dict) -> dict:
     return {name: tensor for name, tensor in tensors.items() if not name.endswith(BUFFER_SUFFIXES)}
 
 
-@dataclass(frozen=True)
-class GPTJArchitecture(Architecture):
-    """``Architecture`` whose plans de-interleave the rotary rows of q_proj and k_proj on import and
-    interleave them again on export (module docstring)."""
-
-    def plan_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, PlannedTensor]:
-        plan = super().plan_from_hf(tensors, config)
-        order = rotary_row_order(config)
-        for ours, theirs in rotary_projections(config):
-            if tensors[theirs].shape[0] != plan[ours].shape[0]:  # rows_of would have cut a longer one
-                raise CheckpointError(f"the {NAME} weights do not match their config.json: {theirs} has "
-                                      f"{tensors[theirs].shape[0]} rows, but config.json implies {plan[ours].shape[0]}")
-            plan[ours] = reordered(plan[ours], order)
-        return plan
-
-    def plan_to_hf(self, stored: dict[str, tuple], read, config: ModelConfig) -> dict[str, PlannedTensor]:
-        plan = super().plan_to_hf(stored, read, config)
-        inverse = torch.argsort(rotary_row_order(config))
-        for _, theirs in rotary_projections(config):
-            plan[theirs] = reordered(plan[theirs], inverse)
-        return plan
+def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
+    """q_proj and k_proj of every layer, their rotary rows de-interleaved (``rotary_row_order``)."""
+    order = rotary_row_order(config)
+    return [RegroupedRows(((ours, config.hidden_size),), theirs, order) for ours, theirs in rotary_projections(config)]
 
 
-ARCHITECTURE = GPTJArchitecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,
-                                normalize_hf_tensors=canonical_tensors)
+ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,
+                            normalize_hf_tensors=canonical_tensors, regrouped_rows=regrouped_rows)
 state_from_hf = ARCHITECTURE.state_from_hf
 state_to_hf = ARCHITECTURE.state_to_hf
