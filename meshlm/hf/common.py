@@ -461,6 +461,29 @@ def rope_from_hf(hf_config: dict, default_theta: float, architecture: str, parti
     return fields
 
 
+def rope_with_defaults(hf_config: dict, partial_rotary: float, theta: float, partial_key: str = "partial_rotary_factor",
+                       theta_key: str = "rope_theta") -> dict:
+    """``hf_config`` with its RoPE fraction and base in v5's ``rope_parameters``, where
+    ``rope_from_hf`` reads them: from there, else from v4's top-level ``partial_key`` and
+    ``theta_key``, else the class's defaults (``partial_rotary``, ``theta``)."""
+    parameters = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    parameters.setdefault("partial_rotary_factor", hf_config.get(partial_key, partial_rotary))
+    parameters.setdefault("rope_theta", hf_config.get(theta_key, theta))
+    return {**hf_config, "rope_parameters": parameters, "rope_scaling": None}
+
+
+def fused_qkv_tensors(config: ModelConfig, fused_name: Callable[[int], str]) -> list[tuple[list[str], str]]:
+    """([meshlm q, k, v names], HF name) of each fused q/k/v weight (and bias, with
+    ``model.attention_bias``), layer i's fused module named ``fused_name(i)``."""
+    out = []
+    for layer in range(config.num_blocks // 2):
+        mixer = f"blocks.{2 * layer}.mixer"
+        for kind in ("weight", "bias") if config.attention_bias else ("weight",):
+            out.append(([f"{mixer}.{projection}.{kind}" for projection in ("q_proj", "k_proj", "v_proj")],
+                        f"{fused_name(layer)}.{kind}"))
+    return out
+
+
 def layered_rope_fields(hf_config: dict, architecture: str, full_theta: float, local_theta: float, v4_local_key: str,
                         sliding: bool) -> dict:
     """RoPE fields of a class whose full and sliding layers rotate differently (Gemma 3, OLMo 3):

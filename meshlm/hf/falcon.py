@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, RegroupedRows, TensorMap,
-                              decoder_layers_unsupported, fused_rows, hf_common_fields, layer_norm_maps, linear_maps,
-                              non_gated_activation_unsupported, rename, require, rope_from_hf, rope_to_hf,
-                              window_unsupported, with_defaults)
+                              decoder_layers_unsupported, fused_qkv_tensors, fused_rows, hf_common_fields,
+                              layer_norm_maps, linear_maps, non_gated_activation_unsupported, rename, require,
+                              rope_from_hf, rope_to_hf, window_unsupported, with_defaults)
 from meshlm.models.config import ModelConfig
 
 NAME = "FalconForCausalLM"
@@ -151,13 +151,7 @@ def qkv_row_order(config: ModelConfig, layout: Layout) -> torch.Tensor:
 
 def qkv_tensors(config: ModelConfig) -> list[tuple[list[str], str]]:
     """([meshlm q, k, v names], HF name) of each fused ``query_key_value`` weight (and bias)."""
-    out = []
-    for layer in range(config.num_blocks // 2):
-        mixer, theirs = f"blocks.{2 * layer}.mixer", f"{PREFIX}h.{layer}.self_attention.query_key_value"
-        for kind in ("weight", "bias") if config.attention_bias else ("weight",):
-            out.append(([f"{mixer}.{projection}.{kind}" for projection in ("q_proj", "k_proj", "v_proj")],
-                        f"{theirs}.{kind}"))
-    return out
+    return fused_qkv_tensors(config, lambda layer: f"{PREFIX}h.{layer}.self_attention.query_key_value")
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:

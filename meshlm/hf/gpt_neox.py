@@ -34,9 +34,10 @@ from __future__ import annotations
 import torch
 
 from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, RegroupedRows, TensorMap,
-                              decoder_layers_unsupported, fused_rows, hf_common_fields, layer_norm_maps, linear_maps,
-                              multi_head_unsupported, non_gated_activation_unsupported, rename, require, rope_from_hf,
-                              rope_to_hf, window_unsupported, with_defaults)
+                              decoder_layers_unsupported, fused_qkv_tensors, fused_rows, hf_common_fields,
+                              layer_norm_maps, linear_maps, multi_head_unsupported, non_gated_activation_unsupported,
+                              rename, require, rope_from_hf, rope_to_hf, rope_with_defaults, window_unsupported,
+                              with_defaults)
 from meshlm.models.config import ModelConfig
 
 NAME = "GPTNeoXForCausalLM"
@@ -55,23 +56,15 @@ reads it) and in transformers v5's own state dict (``lm_head``)."""
 BUFFER_SUFFIXES = (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
 
 
-def rope_config(hf_config: dict) -> dict:
-    """``hf_config`` with GPT-NeoX's v4 RoPE names (``rotary_pct``, ``rotary_emb_base``) under the
-    names ``rope_from_hf`` reads, their defaults (a quarter of each head, base 10000) filled in."""
-    parameters = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
-    parameters.setdefault("partial_rotary_factor", hf_config.get("rotary_pct", DEFAULTS["rotary_pct"]))
-    parameters.setdefault("rope_theta", hf_config.get("rotary_emb_base", DEFAULTS["rotary_emb_base"]))
-    return {**hf_config, "rope_parameters": parameters, "rope_scaling": None}
-
-
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     require(hf, NAME, "hidden_act", tuple(ACTIVATION_FROM_HF), "meshlm's non-gated MLPs")
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*-" * hf["num_hidden_layers"],
         num_attention_heads=hf["num_attention_heads"], attention_bias=bool(hf["attention_bias"]),
-        position_embedding="rope", **rope_from_hf(rope_config(hf_config), DEFAULTS["rotary_emb_base"], NAME,
-                                                  partial_rotary=True),
+        position_embedding="rope", **rope_from_hf(rope_with_defaults(
+            hf_config, DEFAULTS["rotary_pct"], DEFAULTS["rotary_emb_base"], "rotary_pct", "rotary_emb_base"),
+            DEFAULTS["rotary_emb_base"], NAME, partial_rotary=True),
         parallel_residual=bool(hf["use_parallel_residual"]), attention_dropout=float(hf["attention_dropout"]),
         hidden_dropout=float(hf["hidden_dropout"]), mlp_activation=ACTIVATION_FROM_HF[hf["hidden_act"]],
         ffn_hidden_size=hf["intermediate_size"], mlp_bias=True, norm="layernorm", norm_eps=hf["layer_norm_eps"],
@@ -115,13 +108,7 @@ def qkv_row_order(config: ModelConfig) -> torch.Tensor:
 
 def qkv_tensors(config: ModelConfig) -> list[tuple[list[str], str]]:
     """([meshlm q, k, v names], HF name) of each fused ``query_key_value`` weight and bias."""
-    out = []
-    for layer in range(config.num_blocks // 2):
-        mixer, theirs = f"blocks.{2 * layer}.mixer", f"{PREFIX}layers.{layer}.attention.query_key_value"
-        for kind in ("weight", "bias") if config.attention_bias else ("weight",):
-            out.append(([f"{mixer}.{projection}.{kind}" for projection in ("q_proj", "k_proj", "v_proj")],
-                        f"{theirs}.{kind}"))
-    return out
+    return fused_qkv_tensors(config, lambda layer: f"{PREFIX}layers.{layer}.attention.query_key_value")
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
@@ -156,7 +143,8 @@ def canonical_tensors(tensors: dict) -> dict:
 def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
     """Each ``query_key_value``: meshlm's q, k, v are its rows regrouped (``qkv_row_order``)."""
     order, rows = qkv_row_order(config), config.hidden_size
-    return [RegroupedRows(tuple((name, rows) for name in names), theirs, order) for names, theirs in qkv_tensors(config)]
+    return [RegroupedRows(tuple((name, rows) for name in names), theirs, order)
+            for names, theirs in qkv_tensors(config)]
 
 
 ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,

@@ -21,10 +21,9 @@ Not supported, refused by name: ``qk_layernorm`` (a LayerNorm on the queries and
 
 from __future__ import annotations
 
-from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, TensorMap,
-                              decoder_layers_unsupported, hf_common_fields, layer_norm_maps, linear_maps,
-                              non_gated_activation_unsupported, rename, require, rope_from_hf, window_unsupported,
-                              with_defaults)
+from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, TensorMap, decoder_layers_unsupported,
+                              hf_common_fields, layer_norm_maps, linear_maps, non_gated_activation_unsupported, rename,
+                              require, rope_from_hf, rope_with_defaults, window_unsupported, with_defaults)
 from meshlm.hf.llama import attention_fields, attention_to_hf
 from meshlm.models.config import ModelConfig
 
@@ -42,15 +41,6 @@ SUPPORTED_FEATURES = frozenset({"norm", "rope_fraction", "parallel_residual", "p
                                 "output_bias"})
 
 
-def rope_config(hf_config: dict) -> dict:
-    """``hf_config`` with Phi's default partial rotary factor (0.5) where it gives none."""
-    parameters = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
-    parameters.setdefault("partial_rotary_factor",
-                          hf_config.get("partial_rotary_factor", DEFAULTS["partial_rotary_factor"]))
-    parameters.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    return {**hf_config, "rope_parameters": parameters, "rope_scaling": None}
-
-
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     require(hf, NAME, "qk_layernorm", False, "meshlm's QK-norm is an RMSNorm, not Phi's LayerNorm on q and k")
@@ -60,7 +50,8 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*-" * hf["num_hidden_layers"],
         **{**attention_fields(hf), "attention_bias": True}, position_embedding="rope",
-        **rope_from_hf(rope_config(hf_config), 10000.0, NAME, partial_rotary=True),
+        **rope_from_hf(rope_with_defaults(hf_config, DEFAULTS["partial_rotary_factor"], 10000.0), 10000.0, NAME,
+                       partial_rotary=True),
         parallel_residual=True, parallel_residual_shared_norm=True, hidden_dropout=float(hf["resid_pdrop"]),
         mlp_activation=ACTIVATION_FROM_HF[hf["hidden_act"]], ffn_hidden_size=hf["intermediate_size"], mlp_bias=True,
         norm="layernorm", norm_eps=hf["layer_norm_eps"], output_bias=True, init_std=hf["initializer_range"])

@@ -25,8 +25,8 @@ and k, one norm per head).
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, TensorMap, embedding_maps, layer_norm_maps, linear_maps, rename,
-                              require, window_unsupported, with_defaults)
+from meshlm.hf.common import (Architecture, TensorMap, embedding_maps, layer_norm_maps, linear_maps, rename, require,
+                              rope_with_defaults, window_unsupported, with_defaults)
 from meshlm.hf.llama import attention_to_hf, dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported
 from meshlm.models.config import ModelConfig
 
@@ -40,21 +40,13 @@ DEFAULTS = {"vocab_size": 50304, "intermediate_size": 6912, "hidden_size": 2560,
             "partial_rotary_factor": 0.25}
 
 
-def rope_config(hf_config: dict) -> dict:
-    """``hf_config`` with StableLM's default partial rotary factor (0.25) where it gives none."""
-    parameters = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
-    parameters.setdefault("partial_rotary_factor",
-                          hf_config.get("partial_rotary_factor", DEFAULTS["partial_rotary_factor"]))
-    parameters.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    return {**hf_config, "rope_parameters": parameters, "rope_scaling": None}
-
-
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     require(hf, NAME, "qk_layernorm", False, "meshlm's QK-norm is one RMSNorm shared by the heads, not a LayerNorm "
             "per head")
     bias, parallel = bool(hf["use_qkv_bias"]), bool(hf["use_parallel_residual"])
-    return dense_decoder_config({**hf, "rms_norm_eps": hf["layer_norm_eps"]}, rope_config(hf_config), NAME,
+    rope = rope_with_defaults(hf_config, DEFAULTS["partial_rotary_factor"], 10000.0)
+    return dense_decoder_config({**hf, "rms_norm_eps": hf["layer_norm_eps"]}, rope, NAME,
                                 partial_rotary=True, norm="layernorm", attention_bias=bias,
                                 attention_output_bias=False if bias else None,
                                 hidden_dropout=float(hf["hidden_dropout"]), parallel_residual=parallel,
