@@ -55,13 +55,17 @@ GRADIENT_CHECK_SHAPES = {
                                       mla_qk_nope_head_dim=16, mla_qk_rope_head_dim=16, mla_v_head_dim=8,
                                       moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32,
                                       moe_score_function="sigmoid", moe_shared_expert_ffn_hidden_size=32),
+    "command-r parallel residual": dict(pattern="*-*-", num_kv_heads=2, norm="layernorm", norm_bias=False,
+                                        parallel_residual=True, parallel_residual_shared_norm=True,
+                                        rope_fraction=0.5, output_bias=True),
 }
 """The model kinds (hidden 64, 4 heads, FFN 128, vocabulary 64) whose compiled gradients the CPU
 suite and the GPU tier compare with the eager ones; the hybrid has the shapes the Triton SSD
 kernels take, so on CUDA its Mamba blocks run them inside the compiled graphs; the Gemma 2-style
 one runs the soft-capped attention core (an autograd function of its own) inside them; the
 DeepSeek-style one runs latent attention (value heads narrower than the query and key heads) and
-sigmoid routing with a shared expert."""
+sigmoid routing with a shared expert; the Command R-style one runs each MLP block beside its attention
+block, on the attention block's input through its bias-free LayerNorm (a parallel residual)."""
 
 
 def gradient_check_model(kind: str, device, dtype):

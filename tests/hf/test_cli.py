@@ -7,8 +7,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import (FalconConfig, GPTNeoXConfig, LlamaConfig, Mamba2Config, NemotronHConfig,  # noqa: E402
-                          PhiConfig)
+from transformers import (CohereConfig, FalconConfig, GPTNeoXConfig, LlamaConfig, Mamba2Config,  # noqa: E402
+                          NemotronHConfig, PhiConfig)
 
 from meshlm.cli import main  # noqa: E402
 
@@ -32,6 +32,10 @@ HF_CONFIGS = {
                              num_attention_heads=4, initializer_range=0.1, **NO_SPECIAL_IDS,
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                               "partial_rotary_factor": 0.4}),
+    # interleaved rotary pairs (reordered on import), scaled logits, one bias-free LayerNorm (Command R)
+    "cohere": lambda: CohereConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, logit_scale=2.0,
+                                   initializer_range=0.2, **NO_SPECIAL_IDS),
     "mamba2": lambda: Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_heads=8, head_dim=8, state_size=16,
                                    n_groups=2, num_hidden_layers=2, chunk_size=4, **NO_SPECIAL_IDS),
     # time_step_min is also Nemotron-H's dt clamp, which transformers skips in single-token decoding;
