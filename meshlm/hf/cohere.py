@@ -18,11 +18,9 @@ A Command R layer runs attention and a SwiGLU MLP side by side through one norm,
 
 from __future__ import annotations
 
-
-import torch
-
-from meshlm.hf.common import (Architecture, RegroupedRows, TensorMap, half_from_interleaved, linear_maps, rename,
-                              require, rows_of, window_unsupported, with_defaults)
+from meshlm.hf.common import (Architecture, RegroupedRows, TensorMap, deinterleaved_rotary_rows,
+                              fixed_fields_unsupported, linear_maps, rename, require, rows_of, split_heads_unsupported,
+                              window_unsupported, with_defaults)
 from meshlm.hf.llama import dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported
 from meshlm.models.config import ModelConfig
 
@@ -32,6 +30,9 @@ DEFAULTS = {"vocab_size": 256000, "hidden_size": 8192, "intermediate_size": 2252
             "num_hidden_layers": 40, "num_attention_heads": 64, "hidden_act": "silu", "max_position_embeddings": 8192,
             "initializer_range": 0.02, "layer_norm_eps": 1e-5, "tie_word_embeddings": True, "attention_bias": False,
             "attention_dropout": 0.0, "use_qk_norm": False}
+FIXED_FIELDS = {"norm": "layernorm", "norm_bias": False, "parallel_residual": True,
+                "parallel_residual_shared_norm": True, "mlp_bias": False}
+"""What every Command R layer has."""
 SUPPORTED_FEATURES = frozenset({"norm", "norm_bias", "parallel_residual", "parallel_residual_shared_norm",
                                 "logit_divisor"})
 
@@ -49,13 +50,8 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 def unsupported(config: ModelConfig) -> list[str]:
     reasons = dense_decoder_unsupported(config, "Command R", qk_norm=False, supported=SUPPORTED_FEATURES)
     reasons += window_unsupported(config, "Command R", uniform_only=False)
-    wanted = {"norm": "layernorm", "norm_bias": False, "parallel_residual": True,
-              "parallel_residual_shared_norm": True, "mlp_bias": False}
-    reasons += [f"model.{name}={getattr(config, name)!r} (Command R has {name}={value!r})"
-                for name, value in wanted.items() if getattr(config, name) != value]
-    if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
-        reasons.append(f"model.head_dim={config.head_dim} (Command R's heads split the hidden size)")
-    return reasons
+    reasons += fixed_fields_unsupported(config, "Command R", FIXED_FIELDS)
+    return reasons + split_heads_unsupported(config, "Command R")
 
 
 def config_to_hf(config: ModelConfig) -> dict:
@@ -65,13 +61,6 @@ def config_to_hf(config: ModelConfig) -> dict:
                                  attention_bias=config.attention_bias, use_qk_norm=False)
     del values["rms_norm_eps"], values["head_dim"]
     return values
-
-
-def rotary_row_order(config: ModelConfig, heads: int) -> torch.Tensor:
-    """Row r of meshlm's q_proj (``heads`` = query heads) or k_proj (KV heads) is row ``order[r]`` of
-    Command R's: each head's rows de-interleaved (module docstring)."""
-    head_dim = config.resolved_head_dim
-    return torch.cat([index * head_dim + half_from_interleaved(head_dim) for index in range(heads)])
 
 
 def rotary_projections(config: ModelConfig) -> list[tuple[str, str, int]]:
@@ -104,9 +93,9 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
 
 
 def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
-    """q_proj and k_proj (weights and biases) of every layer, de-interleaved (``rotary_row_order``)."""
+    """q_proj and k_proj (weights and biases) of every layer, each head's rows de-interleaved."""
     head_dim = config.resolved_head_dim
-    return [RegroupedRows(((ours, heads * head_dim),), theirs, rotary_row_order(config, heads))
+    return [RegroupedRows(((ours, heads * head_dim),), theirs, deinterleaved_rotary_rows(heads, head_dim, head_dim))
             for ours, theirs, heads in rotary_projections(config)]
 
 

@@ -51,6 +51,8 @@ ACTIVATION_FROM_HF = {"relu2": "squared_relu", "relu": "relu", "gelu": "gelu", "
                       "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 ACTIVATION_TO_HF = {"squared_relu": "relu2", "relu": "relu", "gelu": "gelu", "silu": "silu",
                     "gelu_tanh": "gelu_pytorch_tanh"}
+ACTIVATION_TO_HF_GELU_NEW = {**ACTIVATION_TO_HF, "gelu_tanh": "gelu_new"}
+"""``ACTIVATION_TO_HF`` for classes whose configs name GELU's tanh approximation ``gelu_new`` (Phi, GPT-J)."""
 MAX_LISTED = 8
 
 
@@ -125,10 +127,32 @@ def _transposed(produce: Callable[[], torch.Tensor]) -> torch.Tensor:
 
 def half_from_interleaved(rope_dim: int) -> torch.Tensor:
     """The interleaved positions of the rotate-half channels: [0, 2, 4, ..., 1, 3, 5, ...]. A
-    checkpoint that rotates interleaved pairs (2j, 2j + 1) at frequency j (DeepSeek-V3, GPT-J) gives
-    meshlm's rotate-half layout, pairs (j, j + d/2), when its query and key rows are taken in this
-    order: the same permutation on q and k leaves every score unchanged."""
+    checkpoint that rotates interleaved pairs (2j, 2j + 1) at frequency j (DeepSeek-V3, GPT-J,
+    Command R) gives meshlm's rotate-half layout, pairs (j, j + d/2), when its query and key rows are
+    taken in this order: the same permutation on q and k leaves every score unchanged."""
     return torch.cat((torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)))
+
+
+def deinterleaved_rotary_rows(heads: int, head_dim: int, rotary: int, offset: int = 0) -> torch.Tensor:
+    """The row order (row r is the checkpoint's row ``order[r]``) of a query or key projection of
+    ``heads`` heads of ``head_dim`` rows whose ``rotary`` channels from ``offset`` in each head are
+    stored in interleaved pairs: those rows in ``half_from_interleaved`` order, the others as they are."""
+    head = torch.arange(head_dim)
+    head[offset:offset + rotary] = offset + half_from_interleaved(rotary)
+    return torch.cat([index * head_dim + head for index in range(heads)])
+
+
+def grouped_qkv_row_order(heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Row r of meshlm's [q; k; v] (heads, KV heads, KV heads; head_dim rows each) is row ``order[r]``
+    of a fused q/k/v laid out per KV head g: the query heads of its group, its key, its value. With
+    one query head per KV head that is [q_i; k_i; v_i] head by head (GPT-NeoX, Falcon without
+    multi_query); with one KV head, every query head then the key and the value (Falcon's
+    multi_query); in between, Falcon's new decoder architecture."""
+    group = heads // kv_heads
+    blocks = ([head // group * (group + 2) + head % group for head in range(heads)]
+              + [g * (group + 2) + group for g in range(kv_heads)]
+              + [g * (group + 2) + group + 1 for g in range(kv_heads)])
+    return (torch.tensor(blocks)[:, None] * head_dim + torch.arange(head_dim)).flatten()
 
 
 def _rows_in_order(produce: Callable[[], torch.Tensor], order: torch.Tensor) -> torch.Tensor:
@@ -700,15 +724,20 @@ def non_gated_activation_unsupported(config: ModelConfig, label: str, to_hf: dic
     return [f"model.mlp_activation={config.mlp_activation!r} ({label}'s MLP is not gated: one of {', '.join(to_hf)})"]
 
 
+def split_heads_unsupported(config: ModelConfig, label: str) -> list[str]:
+    """A reason if ``config``'s query heads do not split the hidden size, as class ``label``'s do."""
+    if config.resolved_head_dim * config.num_attention_heads == config.hidden_size:
+        return []
+    return [f"model.head_dim={config.head_dim} ({label}'s heads split the hidden size)"]
+
+
 def multi_head_unsupported(config: ModelConfig, label: str) -> list[str]:
     """Why ``config``'s attention is not class ``label``'s multi-head attention: one key/value head
     per query head, the heads splitting the hidden size."""
     reasons = []
     if config.resolved_num_kv_heads != config.num_attention_heads:
         reasons.append(f"model.num_kv_heads={config.num_kv_heads} ({label} has one key/value head per query head)")
-    if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
-        reasons.append(f"model.head_dim={config.head_dim} ({label}'s heads split the hidden size)")
-    return reasons
+    return reasons + split_heads_unsupported(config, label)
 
 
 def layer_norm_maps(ours: str, theirs: str) -> list[TensorMap]:

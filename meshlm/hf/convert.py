@@ -21,13 +21,13 @@ only when asked for or imported from), Gemma 2 and 3 (sandwich norms, GeGLU, sca
 Gemma 3 with QK-norm), OLMo 2 and 3
 (norms after the sublayers, QK-norm over all heads; OLMo 3 sliding), GPT-2 (learned positions,
 LayerNorm, biases, transposed Conv1D weights), StarCoder2 (RoPE with LayerNorm, biases and a
-non-gated MLP), GPT-NeoX (StarCoder2's layer with one head per key/value head, partial rotary and a
-parallel residual -- the one class here with it --, q/k/v rows grouped per head), StableLM
-(Llama's layer with LayerNorm and partial rotary), Falcon (parallel layers with one norm or two,
-sequential ones; MQA or grouped KV heads in a fused tensor), Phi (phi-1 to Phi-2: a parallel layer
-with one norm, partial rotary, a bias on the output head), GPT-J (Phi's layer without attention
-biases, its rotary pairs interleaved), Command R (the parallel layer with a bias-free LayerNorm,
-SwiGLU and interleaved rotary pairs, scaled logits), Granite (Llama with muP-style multipliers), Mamba2 ('MMM...') and
+non-gated MLP), GPT-NeoX (StarCoder2's layer with one head per key/value head, partial rotary and
+attention beside the MLP, a parallel residual; q/k/v rows grouped per head), StableLM (Llama's layer
+with LayerNorm and partial rotary), Falcon (parallel layers with one norm or two, sequential ones;
+MQA or grouped KV heads in a fused tensor), Phi (phi-1 to Phi-2: a parallel layer with one norm,
+partial rotary, a bias on the output head), GPT-J (Phi's layer without attention biases, its rotary
+pairs interleaved), Command R (the parallel layer with a bias-free LayerNorm, SwiGLU and interleaved
+rotary pairs, scaled logits), Granite (Llama with muP-style multipliers), Mamba2 ('MMM...') and
 Nemotron-H (everything hybrid). When none fits, the error lists, per architecture, the fields that
 block it. The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
 by chunk from a training checkpoint) when the first HF tensor cut from it is written. With

@@ -63,9 +63,9 @@ import re
 import torch
 
 from meshlm.errors import ConfigError
-from meshlm.hf.common import (Architecture, RegroupedRows, TensorMap, blocks_of, common_unsupported, embedding_maps,
-                              half_from_interleaved, hf_common_fields, linear_maps, rename, require, rope_from_hf,
-                              rope_to_hf, rows_of, split_fused_experts, window_unsupported, with_defaults)
+from meshlm.hf.common import (Architecture, RegroupedRows, TensorMap, blocks_of, common_unsupported,
+                              deinterleaved_rotary_rows, embedding_maps, hf_common_fields, linear_maps, rename, require,
+                              rope_from_hf, rope_to_hf, rows_of, split_fused_experts, window_unsupported, with_defaults)
 from meshlm.hf.llama import dense_mlp_maps
 from meshlm.hf.qwen3_moe import routed_expert_maps
 from meshlm.models.config import ModelConfig
@@ -287,11 +287,9 @@ def unsupported(config: ModelConfig) -> list[str]:
 def rotary_row_orders(config: ModelConfig) -> dict[str, torch.Tensor]:
     """{projection: order} for the two projections of an MLA block that make rotary channels ("q",
     q_b_proj or q_proj; "kv", kv_a_proj): meshlm's row r is HF's row order[r]."""
-    nope, rope = config.mla_qk_nope_head_dim, config.mla_qk_rope_head_dim
-    head = torch.cat((torch.arange(nope), nope + half_from_interleaved(rope)))
-    query = torch.cat([index * (nope + rope) + head for index in range(config.num_attention_heads)])
-    latent = config.mla_kv_lora_rank
-    return {"q": query, "kv": torch.cat((torch.arange(latent), latent + half_from_interleaved(rope)))}
+    nope, rope, latent = config.mla_qk_nope_head_dim, config.mla_qk_rope_head_dim, config.mla_kv_lora_rank
+    return {"q": deinterleaved_rotary_rows(config.num_attention_heads, nope + rope, rope, offset=nope),
+            "kv": deinterleaved_rotary_rows(1, latent + rope, rope, offset=latent)}
 
 
 def rotary_projections(config: ModelConfig) -> list[tuple[str, str, torch.Tensor]]:

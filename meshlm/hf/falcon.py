@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, RegroupedRows, TensorMap,
-                              decoder_layers_unsupported, fused_qkv_tensors, fused_rows, hf_common_fields,
-                              layer_norm_maps, linear_maps, non_gated_activation_unsupported, rename, require,
-                              rope_from_hf, rope_to_hf, window_unsupported, with_defaults)
+                              decoder_layers_unsupported, fused_qkv_tensors, fused_rows, grouped_qkv_row_order,
+                              hf_common_fields, layer_norm_maps, linear_maps, non_gated_activation_unsupported, rename,
+                              require, rope_from_hf, rope_to_hf, split_heads_unsupported, window_unsupported,
+                              with_defaults)
 from meshlm.models.config import ModelConfig
 
 NAME = "FalconForCausalLM"
@@ -104,8 +105,7 @@ def unsupported(config: ModelConfig) -> list[str]:
     reasons = decoder_layers_unsupported(config, "Falcon", SUPPORTED_FEATURES, FIXED_FIELDS)
     reasons += window_unsupported(config, "Falcon", uniform_only=False)
     reasons += non_gated_activation_unsupported(config, "Falcon", ACTIVATION_TO_HF)
-    if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
-        reasons.append(f"model.head_dim={config.head_dim} (Falcon's heads split the hidden size)")
+    reasons += split_heads_unsupported(config, "Falcon")
     if not config.attention_bias == config.resolved_attention_output_bias == config.mlp_bias:
         reasons.append(f"model.attention_bias={config.attention_bias}, model.attention_output_bias="
                        f"{config.attention_output_bias}, model.mlp_bias={config.mlp_bias} (Falcon's bias puts "
@@ -113,8 +113,6 @@ def unsupported(config: ModelConfig) -> list[str]:
     if not config.parallel_residual and config.resolved_num_kv_heads not in (1, config.num_attention_heads):
         reasons.append(f"model.num_kv_heads={config.num_kv_heads} with model.parallel_residual=false (Falcon groups "
                        "KV heads only in its new decoder architecture, whose layers are parallel)")
-    if config.attention_scale is not None:
-        reasons.append(f"model.attention_scale={config.attention_scale} (Falcon scales by 1/sqrt(head_dim))")
     return reasons
 
 
@@ -133,20 +131,11 @@ def config_to_hf(config: ModelConfig) -> dict:
             "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 
 
-def qkv_row_order(config: ModelConfig, layout: Layout) -> torch.Tensor:
-    """Row r of meshlm's [q; k; v] (heads, then KV heads, then KV heads, head_dim rows each) is row
-    ``order[r]`` of Falcon's ``query_key_value`` in ``layout`` (module docstring)."""
-    heads, kv_heads, head_dim = config.num_attention_heads, config.resolved_num_kv_heads, config.resolved_head_dim
-    if layout.new_decoder_architecture:  # per KV head g: its group's query heads, its key, its value
-        group = heads // kv_heads
-        blocks = ([head // group * (group + 2) + head % group for head in range(heads)]
-                  + [g * (group + 2) + group for g in range(kv_heads)]
-                  + [g * (group + 2) + group + 1 for g in range(kv_heads)])
-    elif layout.multi_query or kv_heads == 1:  # every query head, then the key and the value
-        blocks = list(range(heads + 2 * kv_heads))
-    else:  # per head: [q_i; k_i; v_i]
-        blocks = [head * 3 + part for part in range(3) for head in range(heads)]
-    return (torch.tensor(blocks)[:, None] * head_dim + torch.arange(head_dim)).flatten()
+def qkv_row_order(config: ModelConfig) -> torch.Tensor:
+    """Row r of meshlm's [q; k; v] is row ``order[r]`` of Falcon's ``query_key_value``: one layout,
+    grouped per KV head, covers all three (``common.grouped_qkv_row_order``), since multi_query means
+    one KV head and the old layout without it one KV head per query head."""
+    return grouped_qkv_row_order(config.num_attention_heads, config.resolved_num_kv_heads, config.resolved_head_dim)
 
 
 def qkv_tensors(config: ModelConfig) -> list[tuple[list[str], str]]:
@@ -180,7 +169,7 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
 
 def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
     """Each ``query_key_value``: meshlm's q, k, v are its rows regrouped from the layout's order."""
-    order = qkv_row_order(config, Layout.for_model(config))
+    order = qkv_row_order(config)
     rows = (config.hidden_size, *2 * [config.resolved_num_kv_heads * config.resolved_head_dim])
     return [RegroupedRows(tuple(zip(names, rows)), theirs, order) for names, theirs in qkv_tensors(config)]
 

@@ -21,7 +21,7 @@ A GPT-NeoX layer is an attention block and an MLP block, meshlm's ``*-``, with:
 query, key and value rows, then head i + 1's (``[q_0 k_0 v_0 q_1 k_1 v_1 ...]``, each head_dim
 rows). meshlm keeps three projections, so import reorders the rows into ``[q; k; v]`` and cuts
 them apart, and export joins them and puts each head's rows back together
-(``qkv_row_order``). Older files (Pythia's) hold each layer's causal mask (``attention.bias``,
+(``common.grouped_qkv_row_order``). Older files (Pythia's) hold each layer's causal mask (``attention.bias``,
 ``attention.masked_bias``) and RoPE frequencies (``rotary_emb.inv_freq``): buffers, left out.
 
 ``attention_dropout`` is ``model.attention_dropout`` and ``hidden_dropout`` ``model.hidden_dropout``
@@ -30,14 +30,11 @@ them apart, and export joins them and puts each head's rows back together
 
 from __future__ import annotations
 
-
-import torch
-
 from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, RegroupedRows, TensorMap,
-                              decoder_layers_unsupported, fused_qkv_tensors, fused_rows, hf_common_fields,
-                              layer_norm_maps, linear_maps, multi_head_unsupported, non_gated_activation_unsupported,
-                              rename, require, rope_from_hf, rope_to_hf, rope_with_defaults, window_unsupported,
-                              with_defaults)
+                              decoder_layers_unsupported, fused_qkv_tensors, fused_rows, grouped_qkv_row_order,
+                              hf_common_fields, layer_norm_maps, linear_maps, multi_head_unsupported,
+                              non_gated_activation_unsupported, rename, require, rope_from_hf, rope_to_hf,
+                              rope_with_defaults, window_unsupported, with_defaults)
 from meshlm.models.config import ModelConfig
 
 NAME = "GPTNeoXForCausalLM"
@@ -79,8 +76,6 @@ def unsupported(config: ModelConfig) -> list[str]:
     if config.resolved_attention_output_bias != config.attention_bias:
         reasons.append(f"model.attention_output_bias={config.attention_output_bias} with model.attention_bias="
                        f"{config.attention_bias} (GPT-NeoX's attention_bias is on query_key_value and dense alike)")
-    if config.attention_scale is not None:
-        reasons.append(f"model.attention_scale={config.attention_scale} (GPT-NeoX scales by 1/sqrt(head_dim))")
     return reasons
 
 
@@ -96,14 +91,6 @@ def config_to_hf(config: ModelConfig) -> dict:
             "use_parallel_residual": config.parallel_residual, "attention_bias": config.attention_bias,
             "layer_norm_eps": config.norm_eps, "attention_dropout": config.attention_dropout,
             "hidden_dropout": config.hidden_dropout, "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
-
-
-def qkv_row_order(config: ModelConfig) -> torch.Tensor:
-    """Row r of meshlm's [q; k; v] (each heads x head_dim rows) is row ``order[r]`` of GPT-NeoX's
-    ``query_key_value``, whose rows go head by head, [q_i; k_i; v_i]."""
-    heads, head_dim = config.num_attention_heads, config.resolved_head_dim
-    part, head, channel = torch.meshgrid(torch.arange(3), torch.arange(heads), torch.arange(head_dim), indexing="ij")
-    return (head * 3 * head_dim + part * head_dim + channel).flatten()
 
 
 def qkv_tensors(config: ModelConfig) -> list[tuple[list[str], str]]:
@@ -141,8 +128,9 @@ def canonical_tensors(tensors: dict) -> dict:
 
 
 def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
-    """Each ``query_key_value``: meshlm's q, k, v are its rows regrouped (``qkv_row_order``)."""
-    order, rows = qkv_row_order(config), config.hidden_size
+    """Each ``query_key_value``: meshlm's q, k, v are its rows regrouped from head-by-head order."""
+    heads, rows = config.num_attention_heads, config.hidden_size
+    order = grouped_qkv_row_order(heads, heads, config.resolved_head_dim)
     return [RegroupedRows(tuple((name, rows) for name in names), theirs, order)
             for names, theirs in qkv_tensors(config)]
 

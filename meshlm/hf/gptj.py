@@ -22,12 +22,9 @@ tied head (its bias has no place there).
 
 from __future__ import annotations
 
-
-import torch
-
 from meshlm.errors import ConfigError
-from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, RegroupedRows, TensorMap,
-                              decoder_layers_unsupported, half_from_interleaved, hf_common_fields, layer_norm_maps,
+from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF_GELU_NEW, Architecture, RegroupedRows, TensorMap,
+                              decoder_layers_unsupported, deinterleaved_rotary_rows, hf_common_fields, layer_norm_maps,
                               linear_maps, multi_head_unsupported, non_gated_activation_unsupported, rename, require,
                               rows_of, window_unsupported, with_defaults)
 from meshlm.models.config import ModelConfig
@@ -45,7 +42,6 @@ FIXED_FIELDS = {"norm": "layernorm", "position_embedding": "rope", "qk_norm": Fa
 """What every GPT-J layer has."""
 SUPPORTED_FEATURES = frozenset({"norm", "rope_fraction", "parallel_residual", "parallel_residual_shared_norm",
                                 "output_bias"})
-TO_HF_ACTIVATIONS = {**ACTIVATION_TO_HF, "gelu_tanh": "gelu_new"}
 PREFIX = "transformer."
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
@@ -73,12 +69,10 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 def unsupported(config: ModelConfig) -> list[str]:
     reasons = decoder_layers_unsupported(config, "GPT-J", SUPPORTED_FEATURES, FIXED_FIELDS)
     reasons += window_unsupported(config, "GPT-J", uniform_only=False)
-    reasons += non_gated_activation_unsupported(config, "GPT-J", TO_HF_ACTIVATIONS)
+    reasons += non_gated_activation_unsupported(config, "GPT-J", ACTIVATION_TO_HF_GELU_NEW)
     reasons += multi_head_unsupported(config, "GPT-J")
     if config.resolved_attention_output_bias:
         reasons.append("model.attention_output_bias=True (GPT-J's out_proj has no bias)")
-    if config.attention_scale is not None:
-        reasons.append(f"model.attention_scale={config.attention_scale} (GPT-J scales by 1/sqrt(head_dim))")
     return reasons
 
 
@@ -90,21 +84,14 @@ def config_to_hf(config: ModelConfig) -> dict:
     return {**common, "n_embd": config.hidden_size, "n_layer": config.num_blocks // 2,
             "n_head": config.num_attention_heads, "rotary_dim": config.rotary_dim,
             "n_inner": None if width == 4 * config.hidden_size else width,
-            "activation_function": TO_HF_ACTIVATIONS[config.mlp_activation], "layer_norm_epsilon": config.norm_eps,
-            "n_positions": DEFAULTS["n_positions"], "attn_pdrop": config.attention_dropout,
+            "activation_function": ACTIVATION_TO_HF_GELU_NEW[config.mlp_activation],
+            "layer_norm_epsilon": config.norm_eps, "n_positions": DEFAULTS["n_positions"],
+            "attn_pdrop": config.attention_dropout,
             "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout}
 
 
-def rotary_row_order(config: ModelConfig) -> torch.Tensor:
-    """Row r of meshlm's q_proj (and k_proj) is row ``order[r]`` of GPT-J's: in each head the first
-    rotary_dim rows de-interleaved (module docstring), the others as they are."""
-    head_dim = config.resolved_head_dim
-    head = torch.cat((half_from_interleaved(config.rotary_dim), torch.arange(config.rotary_dim, head_dim)))
-    return torch.cat([index * head_dim + head for index in range(config.num_attention_heads)])
-
-
 def rotary_projections(config: ModelConfig) -> list[tuple[str, str]]:
-    """(meshlm name, HF name) of every weight whose rows ``rotary_row_order`` reorders."""
+    """(meshlm name, HF name) of every weight whose rows ``regrouped_rows`` reorders."""
     return [(f"blocks.{2 * layer}.mixer.{projection}.weight", f"{PREFIX}h.{layer}.attn.{projection}.weight")
             for layer in range(config.num_blocks // 2) for projection in ("q_proj", "k_proj")]
 
@@ -130,8 +117,9 @@ def canonical_tensors(tensors: dict) -> dict:
 
 
 def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
-    """q_proj and k_proj of every layer, their rotary rows de-interleaved (``rotary_row_order``)."""
-    order = rotary_row_order(config)
+    """q_proj and k_proj of every layer, the first rotary_dim rows of each head de-interleaved (module
+    docstring), the others as they are."""
+    order = deinterleaved_rotary_rows(config.num_attention_heads, config.resolved_head_dim, config.rotary_dim)
     return [RegroupedRows(((ours, config.hidden_size),), theirs, order) for ours, theirs in rotary_projections(config)]
 
 

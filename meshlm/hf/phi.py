@@ -21,9 +21,10 @@ Not supported, refused by name: ``qk_layernorm`` (a LayerNorm on the queries and
 
 from __future__ import annotations
 
-from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF, Architecture, TensorMap, decoder_layers_unsupported,
-                              hf_common_fields, layer_norm_maps, linear_maps, non_gated_activation_unsupported, rename,
-                              require, rope_from_hf, rope_with_defaults, window_unsupported, with_defaults)
+from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF_GELU_NEW, Architecture, TensorMap,
+                              decoder_layers_unsupported, hf_common_fields, layer_norm_maps, linear_maps,
+                              non_gated_activation_unsupported, rename, require, rope_from_hf, rope_with_defaults,
+                              split_heads_unsupported, window_unsupported, with_defaults)
 from meshlm.hf.llama import attention_fields, attention_to_hf
 from meshlm.models.config import ModelConfig
 
@@ -60,13 +61,10 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 def unsupported(config: ModelConfig) -> list[str]:
     reasons = decoder_layers_unsupported(config, "Phi", SUPPORTED_FEATURES, FIXED_FIELDS)
     reasons += window_unsupported(config, "Phi", uniform_only=False)
-    reasons += non_gated_activation_unsupported(config, "Phi", ACTIVATION_TO_HF | {"gelu_tanh": "gelu_new"})
-    if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
-        reasons.append(f"model.head_dim={config.head_dim} (Phi's heads split the hidden size)")
+    reasons += non_gated_activation_unsupported(config, "Phi", ACTIVATION_TO_HF_GELU_NEW)
+    reasons += split_heads_unsupported(config, "Phi")
     if not config.resolved_attention_output_bias:
         reasons.append("model.attention_output_bias=False (Phi's dense has a bias)")
-    if config.attention_scale is not None:
-        reasons.append(f"model.attention_scale={config.attention_scale} (Phi scales by 1/sqrt(head_dim))")
     return reasons
 
 
@@ -78,7 +76,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     return {**hf_common_fields(config, NAME, MODEL_TYPE), **attention,
             "partial_rotary_factor": float(config.rope_fraction), "num_hidden_layers": config.num_blocks // 2,
             "intermediate_size": config.resolved_ffn_hidden_size,
-            "hidden_act": {**ACTIVATION_TO_HF, "gelu_tanh": "gelu_new"}[config.mlp_activation],
+            "hidden_act": ACTIVATION_TO_HF_GELU_NEW[config.mlp_activation],
             "layer_norm_eps": config.norm_eps, "qk_layernorm": False, "resid_pdrop": config.hidden_dropout,
             "embd_pdrop": config.hidden_dropout, "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 

@@ -26,7 +26,7 @@ and k, one norm per head).
 from __future__ import annotations
 
 from meshlm.hf.common import (Architecture, TensorMap, embedding_maps, layer_norm_maps, linear_maps, rename, require,
-                              rope_with_defaults, window_unsupported, with_defaults)
+                              rope_with_defaults, split_heads_unsupported, window_unsupported, with_defaults)
 from meshlm.hf.llama import attention_to_hf, dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported
 from meshlm.models.config import ModelConfig
 
@@ -61,8 +61,7 @@ def unsupported(config: ModelConfig) -> list[str]:
         reasons.append("model.parallel_residual=true with model.parallel_residual_shared_norm=false (StableLM's "
                        "parallel layer has one norm for attention and MLP; GPTNeoXForCausalLM gives each its own)")
     reasons += window_unsupported(config, "StableLM", uniform_only=False)
-    if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
-        reasons.append(f"model.head_dim={config.head_dim} (StableLM's heads split the hidden size)")
+    reasons += split_heads_unsupported(config, "StableLM")
     if config.norm != "layernorm":
         reasons.append(f"model.norm={config.norm!r} (StableLM's norms are LayerNorms)")
     if config.resolved_attention_output_bias or config.mlp_bias:

@@ -15,9 +15,9 @@ attention block hands its input to its partner through the ``SequenceContext``: 
 graph as the fused layer, so gradients are the paired layer's. With
 ``model.parallel_residual_shared_norm`` the pair has one norm, the attention block's: the partner
 has none of its own and applies that one to the shared input (the norm is computed twice, a
-small cost for keeping the blocks apart). Where the attention block is
-skipped (the identity, as when an importance score leaves one block out), its input is the
-partner's own, which the partner then reads.
+small cost for keeping the blocks apart). Where the attention block is skipped (the identity, as
+when an importance score leaves one block out), its input is the partner's own, which the partner
+then reads.
 
 The pattern (``meshlm/models/pattern.py``) names one block per symbol: ``*`` attention, ``-`` MLP,
 ``M`` Mamba-2, ``E`` Mixture-of-Experts, ``L`` linear, ``0`` no-op. Every block is pre-norm (the norm acts on the block's
@@ -137,14 +137,13 @@ class Block(nn.Module):
             context.moe_losses.append(moe_losses)
         return output
 
-    def residual_step(self, hidden: torch.Tensor, context: SequenceContext, mixer_input: torch.Tensor | None = None):
+    def residual_step(self, hidden: torch.Tensor, context: SequenceContext, mixer_input: torch.Tensor):
         """``hidden + dropout(mixer(norm(mixer_input)))`` and an MoE block's auxiliary losses (None
         for other kinds); ``mixer_input`` is ``hidden`` except in the second block of a parallel
         residual pair. This is what ``train.compile`` compiles (meshlm/training/compile.py): it
         changes nothing outside the block, whereas appending to ``context.moe_losses`` inside the
         graph would make Dynamo guard on the list's length and compile each MoE block anew for
         every MoE block before it."""
-        mixer_input = hidden if mixer_input is None else mixer_input
         if self.recompute and torch.is_grad_enabled() and context.cache is None:
             # MoE losses come back from the first run only; the rerun in backward is discarded.
             mixed = torch.utils.checkpoint.checkpoint(self.norm_and_mix, mixer_input, context, use_reentrant=False)

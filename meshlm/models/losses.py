@@ -110,8 +110,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``hidden @ weight^T (+ bias)`` against ``labels``, computed chunk by chunk.
 
     hidden [tokens, hidden_size], weight [vocab, hidden_size], bias [vocab] or None (an output
-    head's bias, ``model.output_bias``), labels [tokens] (IGNORE_INDEX to skip). With ``compute_grads`` the forward also computes both gradients (see the module
-    docstring); without it, backward is not available. ``softcap``: the logits are soft-capped
+    head's bias, ``model.output_bias``), labels [tokens] (IGNORE_INDEX to skip). With
+    ``compute_grads`` the forward also computes the gradients (see the module docstring); without
+    it, backward is not available. ``softcap``: the logits are soft-capped
     first (``model.final_logit_softcap``), z -> c tanh(z / c), and dloss/dz carries the cap's slope.
     """
 

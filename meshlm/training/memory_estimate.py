@@ -270,8 +270,8 @@ def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
     mixer = mixer_activation_bytes(kind, config, micro_batch, seq, layout, model)
     if not model.block_output_norm or kind == "0":
         return mixer
-    # the output norm: its input in fp32 (a copy under bf16/fp16), the normalized fp32 product and 1/rms,
-    # on this rank's sequence shard (under SP the row-parallel output is reduce-scattered)
+    # the output norm's own tensors (own_norm_bytes), on this rank's sequence shard (under SP the
+    # row-parallel output is reduce-scattered)
     shards = layout.tp_size if layout.sequence_parallel else 1
     return mixer + own_norm_bytes(model.hidden_size, DTYPE_BYTES[config.precision.dtype], model.norm) / shards \
         * micro_batch * seq

@@ -30,6 +30,16 @@ def save_random_hf_model(hf_config, directory: Path, seed: int = 0, noise: float
     return model
 
 
+def with_trained_norms_and_biases(model: LanguageModel) -> LanguageModel:
+    """``model`` with its norm weights and biases drawn from N(0, 0.1), as after training: a mapping
+    mistake cannot hide behind the ones and zeros they start at."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return model
+
+
 def load_hf(directory: Path):
     """transformers' model from ``directory``, after checking nothing was missing or unexpected."""
     from transformers import AutoModelForCausalLM

@@ -13,7 +13,8 @@ from meshlm.hf import choose_architecture, falcon  # noqa: E402
 from meshlm.models.config import ModelConfig  # noqa: E402
 from meshlm.models.language_model import LanguageModel  # noqa: E402
 
-from .helpers import VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, convert_and_compare  # noqa: E402
+from .helpers import (VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, convert_and_compare,  # noqa: E402
+                      with_trained_norms_and_biases)
 
 LAYOUT_FIELDS = ("new_decoder_architecture", "multi_query", "parallel_attn", "bias", "num_hidden_layers",
                  "ffn_hidden_size", "activation", "layer_norm_epsilon", "tie_word_embeddings")
@@ -53,11 +54,7 @@ def test_meshlm_models_export_as_falcon_and_back(fields, layout, tmp_path):
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-*-", num_attention_heads=4, norm="layernorm",
                          mlp_activation="gelu", ffn_hidden_size=48, **fields)
-    model = LanguageModel(config)
-    with torch.no_grad():  # trained norms and biases: a mapping mistake cannot hide behind ones and zeros
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
+    model = with_trained_norms_and_biases(LanguageModel(config))
     assert choose_architecture(config).name == falcon.NAME
     hf_config = falcon.config_to_hf(config)
     assert hf_config["new_decoder_architecture"] == (layout == "new_decoder_architecture")
@@ -71,12 +68,12 @@ def test_the_fused_rows_follow_each_layout():
     base = dict(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4, norm="layernorm",
                 mlp_activation="gelu")
     grouped = ModelConfig(**base, num_kv_heads=2, parallel_residual=True)
-    blocks = falcon.qkv_row_order(grouped, falcon.Layout.for_model(grouped))[::8] // 8
+    blocks = falcon.qkv_row_order(grouped)[::8] // 8
     assert blocks.tolist() == [0, 1, 4, 5, 2, 6, 3, 7]
     single = ModelConfig(**base, num_kv_heads=1, parallel_residual=True, parallel_residual_shared_norm=True)
-    assert (falcon.qkv_row_order(single, falcon.Layout.for_model(single))[::8] // 8).tolist() == list(range(6))
+    assert (falcon.qkv_row_order(single)[::8] // 8).tolist() == list(range(6))
     per_head = ModelConfig(**base)
-    assert (falcon.qkv_row_order(per_head, falcon.Layout.for_model(per_head))[::8] // 8).tolist() == \
+    assert (falcon.qkv_row_order(per_head)[::8] // 8).tolist() == \
         [0, 3, 6, 9, 1, 4, 7, 10, 2, 5, 8, 11]
 
 

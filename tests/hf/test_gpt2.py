@@ -14,7 +14,8 @@ from meshlm.models.config import ModelConfig  # noqa: E402
 from meshlm.models.language_model import LanguageModel  # noqa: E402
 
 from .helpers import (VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, assert_same_logits,  # noqa: E402
-                      convert_and_compare, random_ids, save_random_hf_model)
+                      convert_and_compare, random_ids, save_random_hf_model,
+                      with_trained_norms_and_biases)
 
 
 def tiny_gpt2(**overrides) -> GPT2Config:
@@ -64,11 +65,7 @@ def test_a_gpt2_shaped_meshlm_model_exports_as_gpt2_and_others_refuse_its_positi
                          position_embedding="learned", max_position_embeddings=32, norm="layernorm",
                          attention_bias=True, mlp_bias=True, mlp_activation="gelu_tanh", ffn_hidden_size=128,
                          tie_embeddings=True)
-    model = LanguageModel(config)
-    with torch.no_grad():  # trained norms and biases: a mapping mistake cannot hide behind ones and zeros
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
+    model = with_trained_norms_and_biases(LanguageModel(config))
     assert choose_architecture(config).name == gpt2.NAME
     assert_meshlm_round_trip(model, tmp_path, gpt2.NAME)
     with pytest.raises(ConfigError, match=r"model.position_embedding='learned' \(only GPT2LMHeadModel"):

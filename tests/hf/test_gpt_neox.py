@@ -17,7 +17,7 @@ from meshlm.models.config import ModelConfig  # noqa: E402
 from meshlm.models.language_model import LanguageModel  # noqa: E402
 
 from .helpers import (VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, convert_and_compare,  # noqa: E402
-                      save_random_hf_model)
+                      save_random_hf_model, with_trained_norms_and_biases)
 
 
 def tiny_neox(**overrides) -> GPTNeoXConfig:
@@ -87,11 +87,7 @@ def test_a_parallel_residual_model_exports_as_gpt_neox_and_back(tmp_path):
     config = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-*-", num_attention_heads=4, norm="layernorm",
                          attention_bias=True, mlp_bias=True, mlp_activation="gelu", ffn_hidden_size=64,
                          rope_fraction=0.25, parallel_residual=True)
-    model = LanguageModel(config)
-    with torch.no_grad():  # trained norms and biases: a mapping mistake cannot hide behind ones and zeros
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
+    model = with_trained_norms_and_biases(LanguageModel(config))
     assert choose_architecture(config).name == gpt_neox.NAME
     assert_meshlm_round_trip(model, tmp_path, gpt_neox.NAME)
     for other in (llama.NAME, starcoder2.NAME):

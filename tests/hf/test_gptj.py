@@ -14,7 +14,7 @@ from meshlm.models.config import ModelConfig  # noqa: E402
 from meshlm.models.language_model import LanguageModel  # noqa: E402
 
 from .helpers import (VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, convert_and_compare,  # noqa: E402
-                      save_random_hf_model)
+                      save_random_hf_model, with_trained_norms_and_biases)
 
 
 def tiny_gptj(**overrides) -> GPTJConfig:
@@ -54,11 +54,7 @@ def test_a_gptj_shaped_meshlm_model_exports_as_gptj_and_back(tmp_path):
     config = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-*-", num_attention_heads=4, norm="layernorm",
                          mlp_bias=True, mlp_activation="gelu_tanh", ffn_hidden_size=48, rope_fraction=0.5,
                          parallel_residual=True, parallel_residual_shared_norm=True, output_bias=True)
-    model = LanguageModel(config)
-    with torch.no_grad():  # trained norms and biases: a mapping mistake cannot hide behind ones and zeros
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
+    model = with_trained_norms_and_biases(LanguageModel(config))
     assert choose_architecture(config).name == gptj.NAME  # Phi's layer has attention biases; this has none
     assert "model.attention_bias=False (Phi has attention_bias=True)" in phi.ARCHITECTURE.unsupported(config)
     assert_meshlm_round_trip(model, tmp_path, gptj.NAME)

@@ -12,7 +12,8 @@ from meshlm.hf import choose_architecture, stablelm  # noqa: E402
 from meshlm.models.config import ModelConfig  # noqa: E402
 from meshlm.models.language_model import LanguageModel  # noqa: E402
 
-from .helpers import VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, convert_and_compare  # noqa: E402
+from .helpers import (VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, convert_and_compare,  # noqa: E402
+                      with_trained_norms_and_biases)
 
 
 def tiny_stablelm(**overrides) -> StableLmConfig:
@@ -45,11 +46,7 @@ def test_a_layernorm_swiglu_meshlm_model_exports_as_stablelm_and_back(tmp_path):
     config = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
                          norm="layernorm", rope_fraction=0.25, attention_bias=True, attention_output_bias=False,
                          ffn_hidden_size=48)
-    model = LanguageModel(config)
-    with torch.no_grad():  # trained norms and biases: a mapping mistake cannot hide behind ones and zeros
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
+    model = with_trained_norms_and_biases(LanguageModel(config))
     assert choose_architecture(config).name == stablelm.NAME
     assert_meshlm_round_trip(model, tmp_path, stablelm.NAME)
 

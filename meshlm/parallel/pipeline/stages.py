@@ -111,10 +111,9 @@ def stage_starts(config, num_stages: int, seq_len: int) -> list[int]:
                                   "input; move that '|' before the attention block or after its partner.")
         return list(marked)
     # the units a stage is cut into: single blocks, and the pairs model.parallel_residual keeps together
-    units = [[index] for index in range(config.num_blocks) if index not in paired.values()]
-    for unit in units:
-        if unit[0] in paired:
-            unit.append(paired[unit[0]])
+    seconds = set(paired.values())
+    units = [[index, paired[index]] if index in paired else [index]
+             for index in range(config.num_blocks) if index not in seconds]
     if len(units) < num_stages:
         held = (f"{config.num_blocks} blocks make {len(units)} units a stage can hold (model.parallel_residual keeps "
                 f"each of its {len(paired)} attention/feed-forward pairs on one stage)" if paired

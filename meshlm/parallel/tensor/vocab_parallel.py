@@ -109,11 +109,10 @@ def vocab_parallel_head(output: nn.Linear, context, padded_size: int) -> ColumnP
     (a padded entry's logit is masked wherever it is read) and split by vocabulary."""
     padded = nn.Linear(output.in_features, padded_size, bias=output.bias is not None, device=output.weight.device,
                        dtype=output.weight.dtype)
-    for name in ("weight", "bias") if output.bias is not None else ("weight",):
-        getattr(padded, name).copy_(pad_rows(getattr(output, name), padded_size))
-        getattr(padded, name).requires_grad_(getattr(output, name).requires_grad)
+    for name, param in output.named_parameters(recurse=False):  # the weight, and the bias if there is one
+        getattr(padded, name).copy_(pad_rows(param, padded_size)).requires_grad_(param.requires_grad)
     head = ColumnParallelLinear.from_full(padded, context)
-    for param in (head.weight, head.bias) if head.bias is not None else (head.weight,):
+    for param in head.parameters(recurse=False):
         mark_shard(param, 0, [padded_size], unpadded_size=output.out_features)
     return head
 
