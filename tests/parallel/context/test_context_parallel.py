@@ -15,7 +15,8 @@ attention scale, output norms and no input norms, a QK-norm over all heads, GeGL
 norms, scaled embeddings), also at cp2 x dp2; a dense model with soft-capped attention scores and
 logits and a window (Gemma 2: every ring block on the reference path, with the cap's slope in its
 backward), also at cp2 x tp2 with SP; a GPT-2-style model (learned positions looked up at each
-chunk's global positions, LayerNorm, biases); at cp4 the dense model with a multi-token-prediction
+chunk's global positions, LayerNorm, biases; attention beside the MLP through one norm, a bias on
+the output head); at cp4 the dense model with a multi-token-prediction
 depth (with 2 depths one block-0 weight of this model ends ~1e-4 apart at tp2 as well -- Adam
 amplifying fp32 rounding in near-zero gradient elements -- so 1 depth here; the shift by 2
 across 4 ranks is checked on its own). Every step's loss and global gradient norm, the validation losses and the
@@ -62,10 +63,12 @@ MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
           # reference path, the capped logits in the vocab-parallel loss under tp
           "dense soft caps": [*helpers.MODELS["dense"], "model.qk_norm=true", "model.attention_softcap=2",
                               "model.final_logit_softcap=0.3", "model.sliding_window=6"],
-          # each rank looks its chunks' global positions up in the learned table
+          # each rank looks its chunks' global positions up in the learned table; attention beside the MLP
+          # through one norm (a parallel residual) and a bias on the output head, as Phi's
           "gpt2-style": [*helpers.MODELS["dense"], "model.position_embedding=learned", "model.max_position_embeddings=32",
                          "model.norm=layernorm", "model.attention_bias=true", "model.mlp_bias=true",
-                         "model.mlp_activation=gelu_tanh", "model.qk_norm=true"],
+                         "model.mlp_activation=gelu_tanh", "model.qk_norm=true", "model.parallel_residual=true",
+                         "model.parallel_residual_shared_norm=true", "model.output_bias=true"],
           # DeepSeek-V3-shaped: latent attention (value heads narrower than the query/key heads, padded on
           # the ring), sigmoid routing with a routed scale and a shared expert
           "deepseek-style": [*helpers.MODELS["moe"], "model.attention_type=mla", "model.mla_q_lora_rank=16",
