@@ -380,8 +380,9 @@ def attention_indices(config, rest, index, selection):
         return {0: rows[module], 1: selection.hidden} if parameter == "weight" else {0: rows[module]}
     if module == "o_proj":
         return {0: selection.hidden, 1: queries} if parameter == "weight" else {0: selection.hidden}
-    if module in ("q_norm", "k_norm"):
-        return {}
+    if module in ("q_norm", "k_norm"):  # per head (model.qk_norm_per_head): a row per head, kept with it
+        kept = selection.heads[index] if module == "q_norm" else selection.kv_heads[index]
+        return {0: kept} if config.qk_norm_per_head else {}
     return None
 
 

@@ -12,15 +12,20 @@ A Command R layer runs attention and a SwiGLU MLP side by side through one norm,
 - grouped KV heads, biases on q/k/v/o or none (``attention_bias``), a tied head, and logits
   multiplied by ``logit_scale`` (0.0625): ``model.logit_divisor`` = 1 / logit_scale.
 
-``attention_dropout`` is ``model.attention_dropout``. Not supported, refused by name: ``use_qk_norm``
-(Command R+'s LayerNorm per head of q and k) and Cohere2's sliding layers (another class).
+With ``use_qk_norm`` (Command R+) each head of q and k has a LayerNorm weight of its own, no bias,
+before RoPE: ``model.qk_norm`` with ``qk_norm_type=layernorm`` and ``qk_norm_per_head``. Its
+weights [heads, head_dim] take their channels in the order of the head's reordered rows.
+
+``attention_dropout`` is ``model.attention_dropout``. Not supported: Cohere2's sliding layers
+(another class).
 """
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, RegroupedRows, TensorMap, deinterleaved_rotary_rows,
-                              fixed_fields_unsupported, linear_maps, rename, require, rows_of, split_heads_unsupported,
-                              window_unsupported, with_defaults)
+from meshlm.hf.common import (QK_LAYERNORM_FEATURES, Architecture, RegroupedRows, TensorMap,
+                              deinterleaved_rotary_rows, fixed_fields_unsupported, half_from_interleaved, linear_maps,
+                              qk_layernorm_unsupported, rename, rows_of, split_heads_unsupported, window_unsupported,
+                              with_defaults)
 from meshlm.hf.llama import dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported
 from meshlm.models.config import ModelConfig
 
@@ -34,21 +39,21 @@ FIXED_FIELDS = {"norm": "layernorm", "norm_bias": False, "parallel_residual": Tr
                 "parallel_residual_shared_norm": True, "mlp_bias": False}
 """What every Command R layer has."""
 SUPPORTED_FEATURES = frozenset({"norm", "norm_bias", "parallel_residual", "parallel_residual_shared_norm",
-                                "logit_divisor"})
+                                "logit_divisor"}) | QK_LAYERNORM_FEATURES
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
-    require(hf, NAME, "use_qk_norm", False, "meshlm's QK-norm is an RMSNorm shared by the heads, not a LayerNorm with "
-            "weights per head")
-    scale = float(hf["logit_scale"])
+    scale, qk_norm = float(hf["logit_scale"]), bool(hf["use_qk_norm"])
     return dense_decoder_config({**hf, "rms_norm_eps": hf["layer_norm_eps"]}, hf_config, NAME, norm="layernorm",
                                 norm_bias=False, parallel_residual=True, parallel_residual_shared_norm=True,
-                                logit_divisor=1.0 / scale)
+                                logit_divisor=1.0 / scale, qk_norm=qk_norm,
+                                qk_norm_type="layernorm" if qk_norm else "rmsnorm", qk_norm_per_head=qk_norm)
 
 
 def unsupported(config: ModelConfig) -> list[str]:
-    reasons = dense_decoder_unsupported(config, "Command R", qk_norm=False, supported=SUPPORTED_FEATURES)
+    reasons = dense_decoder_unsupported(config, "Command R", qk_norm=config.qk_norm, supported=SUPPORTED_FEATURES)
+    reasons += qk_layernorm_unsupported(config, "Command R", per_head=True, bias=False)
     reasons += window_unsupported(config, "Command R", uniform_only=False)
     reasons += fixed_fields_unsupported(config, "Command R", FIXED_FIELDS)
     return reasons + split_heads_unsupported(config, "Command R")
@@ -58,7 +63,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
     values = dense_decoder_to_hf(config, NAME, MODEL_TYPE, DEFAULTS["max_position_embeddings"],
                                  layer_norm_eps=config.norm_eps, logit_scale=1.0 / config.logit_divisor,
-                                 attention_bias=config.attention_bias, use_qk_norm=False)
+                                 attention_bias=config.attention_bias, use_qk_norm=config.qk_norm)
     del values["rms_norm_eps"], values["head_dim"]
     return values
 
@@ -74,6 +79,15 @@ def rotary_projections(config: ModelConfig) -> list[tuple[str, str, int]]:
     return out
 
 
+def qk_norm_weights(config: ModelConfig) -> list[tuple[str, str, int]]:
+    """(meshlm name, HF name, heads) of every per-head QK-norm weight [heads, head_dim] (none without)."""
+    if not config.qk_norm:
+        return []
+    return [(f"blocks.{2 * layer}.mixer.{norm}.weight", f"model.layers.{layer}.self_attn.{norm}.weight", heads)
+            for layer in range(config.num_blocks // 2)
+            for norm, heads in (("q_norm", config.num_attention_heads), ("k_norm", config.resolved_num_kv_heads))]
+
+
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     maps = [rename("embedding.weight", "model.embed_tokens.weight"), rename("final_norm.weight", "model.norm.weight")]
     if not config.tie_embeddings:
@@ -81,6 +95,7 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     head_dim = config.resolved_head_dim
     # rows of their HF tensors, then reordered (regrouped_rows)
     maps += [rows_of(ours, theirs, 0, heads * head_dim) for ours, theirs, heads in rotary_projections(config)]
+    maps += [rows_of(ours, theirs, 0, heads) for ours, theirs, heads in qk_norm_weights(config)]
     for layer in range(config.num_blocks // 2):
         attention, mlp, theirs = f"blocks.{2 * layer}", f"blocks.{2 * layer + 1}", f"model.layers.{layer}"
         maps.append(rename(f"{attention}.norm.weight", f"{theirs}.input_layernorm.weight"))  # the MLP's too
@@ -93,10 +108,13 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
 
 
 def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
-    """q_proj and k_proj (weights and biases) of every layer, each head's rows de-interleaved."""
+    """q_proj and k_proj (weights and biases) of every layer, each head's rows de-interleaved, and
+    the channels of the per-head QK-norm weights in the same order."""
     head_dim = config.resolved_head_dim
-    return [RegroupedRows(((ours, heads * head_dim),), theirs, deinterleaved_rotary_rows(heads, head_dim, head_dim))
-            for ours, theirs, heads in rotary_projections(config)]
+    return ([RegroupedRows(((ours, heads * head_dim),), theirs, deinterleaved_rotary_rows(heads, head_dim, head_dim))
+             for ours, theirs, heads in rotary_projections(config)]
+            + [RegroupedRows(((ours, head_dim),), theirs, half_from_interleaved(head_dim), dim=1)
+               for ours, theirs, _ in qk_norm_weights(config)])
 
 
 ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,

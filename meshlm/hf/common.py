@@ -155,14 +155,14 @@ def grouped_qkv_row_order(heads: int, kv_heads: int, head_dim: int) -> torch.Ten
     return (torch.tensor(blocks)[:, None] * head_dim + torch.arange(head_dim)).flatten()
 
 
-def _rows_in_order(produce: Callable[[], torch.Tensor], order: torch.Tensor) -> torch.Tensor:
-    return produce()[order]
+def _rows_in_order(produce: Callable[[], torch.Tensor], order: torch.Tensor, dim: int) -> torch.Tensor:
+    return produce().index_select(dim, order)
 
 
-def reordered(entry: PlannedTensor, order: torch.Tensor) -> PlannedTensor:
-    """``entry`` with its rows taken in ``order`` when it is produced (row r is the produced row
-    ``order[r]``; ``torch.argsort(order)`` undoes it)."""
-    return PlannedTensor(entry.shape, entry.dtype, partial(_rows_in_order, entry.produce, order))
+def reordered(entry: PlannedTensor, order: torch.Tensor, dim: int = 0) -> PlannedTensor:
+    """``entry`` with its rows (its entries along ``dim``) taken in ``order`` when it is produced
+    (row r is the produced row ``order[r]``; ``torch.argsort(order)`` undoes it)."""
+    return PlannedTensor(entry.shape, entry.dtype, partial(_rows_in_order, entry.produce, order, dim))
 
 
 @dataclass(frozen=True)
@@ -178,17 +178,21 @@ class RegroupedRows:
     ours: tuple[tuple[str, int], ...]
     theirs: str
     order: torch.Tensor
+    dim: int = 0
+    """The dim reordered: 0, rows; 1, the channels of a per-head QK-norm weight [heads, head_dim],
+    which follow its head's reordered query or key rows (Command R+); one meshlm tensor then."""
 
     def regroup_from_hf(self, plan: dict[str, PlannedTensor], tensors: dict, architecture: str) -> None:
         """Replace the plan's entries for ``ours`` (cut from the HF tensor as it is) by the reordered rows."""
         rows = sum(count for _, count in self.ours)
-        if tensors[self.theirs].shape[0] != rows:  # the maps accept a longer tensor; this one is exact
+        if tensors[self.theirs].shape[self.dim] != rows:  # the maps accept a longer tensor; this one is exact
+            what = "rows" if self.dim == 0 else f"entries along dim {self.dim}"
             raise CheckpointError(f"the {architecture} weights do not match their config.json: {self.theirs} has "
-                                  f"{tensors[self.theirs].shape[0]} rows, but config.json implies {rows}")
+                                  f"{tensors[self.theirs].shape[self.dim]} {what}, but config.json implies {rows}")
         start = 0
         for name, count in self.ours:  # its rows of the whole HF tensor, in order
             whole = PlannedTensor(plan[name].shape, plan[name].dtype, partial(load, tensors[self.theirs]))
-            plan[name] = reordered(whole, self.order[start:start + count])
+            plan[name] = reordered(whole, self.order[start:start + count], self.dim)
             start += count
 
 
@@ -228,7 +232,7 @@ class Architecture:
         """The HF tensors of a meshlm model ({name: (shape, dtype)}, each read by ``read``), as a plan."""
         plan = plan_to_hf(stored, read, config, self.tensor_maps(config), self.name)
         for group in self.regrouped_rows(config):  # the concatenation of group.ours, rows put back in HF's order
-            plan[group.theirs] = reordered(plan[group.theirs], torch.argsort(group.order))
+            plan[group.theirs] = reordered(plan[group.theirs], torch.argsort(group.order), group.dim)
         return plan
 
     def state_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -636,6 +640,9 @@ LAYER_FEATURES = {
                                      "GPTJForCausalLM's and CohereForCausalLM's parallel layers have one norm for "
                                      "attention and MLP",
     "norm_bias": "CohereForCausalLM's LayerNorms have no bias",
+    "qk_norm_type": "StableLmForCausalLM, PhiForCausalLM and CohereForCausalLM normalize q and k with LayerNorms",
+    "qk_norm_bias": "PhiForCausalLM's q/k LayerNorms have biases",
+    "qk_norm_per_head": "StableLmForCausalLM and CohereForCausalLM give each head a q/k norm weight of its own",
     "output_bias": "PhiForCausalLM and GPTJForCausalLM have a bias on lm_head",
 }
 """Layer features only some HF classes hold, and which."""
@@ -655,7 +662,8 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "attention_type": config.attention_type == "mla" and "*" in config.block_kinds,
             "rope_fraction": config.rope_fraction != 1.0, "parallel_residual": config.parallel_residual,
             "parallel_residual_shared_norm": config.parallel_residual_shared_norm, "output_bias": config.output_bias,
-            "norm_bias": not config.norm_bias}
+            "norm_bias": not config.norm_bias, "qk_norm_type": config.qk_norm and config.qk_norm_type != "rmsnorm",
+            "qk_norm_bias": config.qk_norm_bias, "qk_norm_per_head": config.qk_norm_per_head}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 
@@ -738,6 +746,27 @@ def multi_head_unsupported(config: ModelConfig, label: str) -> list[str]:
     if config.resolved_num_kv_heads != config.num_attention_heads:
         reasons.append(f"model.num_kv_heads={config.num_kv_heads} ({label} has one key/value head per query head)")
     return reasons + split_heads_unsupported(config, label)
+
+
+QK_LAYERNORM_FEATURES = frozenset({"qk_norm_type", "qk_norm_bias", "qk_norm_per_head"})
+"""The ``LAYER_FEATURES`` of a QK LayerNorm, which ``qk_layernorm_unsupported`` checks."""
+
+
+def qk_layernorm_unsupported(config: ModelConfig, label: str, per_head: bool, bias: bool) -> list[str]:
+    """Why ``config``'s QK-norm, if it has one, is not class ``label``'s optional LayerNorm on q and
+    k: a weight per head (``per_head``) or one shared by the heads, with a bias or without."""
+    if not config.qk_norm:
+        return []
+    reasons = []
+    if config.qk_norm_type != "layernorm":
+        reasons.append(f"model.qk_norm_type={config.qk_norm_type!r} ({label}'s QK-norm is a LayerNorm)")
+    if config.qk_norm_per_head != per_head:
+        reasons.append(f"model.qk_norm_per_head={config.qk_norm_per_head} ({label}'s q/k LayerNorms have "
+                       f"{'a weight per head' if per_head else 'one weight shared by the heads'})")
+    if config.qk_norm_bias != bias:
+        reasons.append(f"model.qk_norm_bias={config.qk_norm_bias} ({label}'s q/k LayerNorms have "
+                       f"{'a bias' if bias else 'no bias'})")
+    return reasons
 
 
 def layer_norm_maps(ours: str, theirs: str) -> list[TensorMap]:

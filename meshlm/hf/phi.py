@@ -15,16 +15,19 @@ A Phi layer runs attention and the MLP side by side through one LayerNorm,
 ``resid_pdrop`` is ``model.hidden_dropout`` (``embd_pdrop`` too: meshlm's hidden dropout covers the
 embeddings) and ``attention_dropout`` ``model.attention_dropout``. Training only.
 
-Not supported, refused by name: ``qk_layernorm`` (a LayerNorm on the queries and keys) and
-``tie_word_embeddings`` (a tied head with a bias of its own).
+With ``qk_layernorm`` one LayerNorm with a bias, shared by the heads, normalizes each head of q
+and of k before RoPE: ``model.qk_norm`` with ``qk_norm_type=layernorm`` and ``qk_norm_bias``.
+
+Not supported, refused by name: ``tie_word_embeddings`` (a tied head with a bias of its own).
 """
 
 from __future__ import annotations
 
-from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF_GELU_NEW, Architecture, TensorMap,
-                              decoder_layers_unsupported, hf_common_fields, layer_norm_maps, linear_maps,
-                              non_gated_activation_unsupported, rename, require, rope_from_hf, rope_with_defaults,
-                              split_heads_unsupported, window_unsupported, with_defaults)
+from meshlm.hf.common import (ACTIVATION_FROM_HF, ACTIVATION_TO_HF_GELU_NEW, QK_LAYERNORM_FEATURES, Architecture,
+                              TensorMap, decoder_layers_unsupported, hf_common_fields, layer_norm_maps, linear_maps,
+                              non_gated_activation_unsupported, qk_layernorm_unsupported, rename, require,
+                              rope_from_hf, rope_with_defaults, split_heads_unsupported, window_unsupported,
+                              with_defaults)
 from meshlm.hf.llama import attention_fields, attention_to_hf
 from meshlm.models.config import ModelConfig
 
@@ -34,17 +37,16 @@ DEFAULTS = {"vocab_size": 51200, "hidden_size": 2048, "intermediate_size": 8192,
             "num_attention_heads": 32, "resid_pdrop": 0.0, "attention_dropout": 0.0, "hidden_act": "gelu_new",
             "max_position_embeddings": 2048, "initializer_range": 0.02, "layer_norm_eps": 1e-5,
             "tie_word_embeddings": False, "qk_layernorm": False, "partial_rotary_factor": 0.5}
-FIXED_FIELDS = {"norm": "layernorm", "position_embedding": "rope", "qk_norm": False, "parallel_residual": True,
+FIXED_FIELDS = {"norm": "layernorm", "position_embedding": "rope", "parallel_residual": True,
                 "parallel_residual_shared_norm": True, "attention_bias": True, "mlp_bias": True,
                 "output_bias": True}
 """What every Phi layer has."""
 SUPPORTED_FEATURES = frozenset({"norm", "rope_fraction", "parallel_residual", "parallel_residual_shared_norm",
-                                "output_bias"})
+                                "output_bias"}) | QK_LAYERNORM_FEATURES
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
-    require(hf, NAME, "qk_layernorm", False, "meshlm's QK-norm is an RMSNorm, not Phi's LayerNorm on q and k")
     require(hf, NAME, "hidden_act", tuple(ACTIVATION_FROM_HF), "meshlm's non-gated MLPs")
     require(hf, NAME, "tie_word_embeddings", False, "Phi's lm_head has a bias of its own, and meshlm's tied head has "
             "none (model.output_bias needs an untied head)")
@@ -55,7 +57,13 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
                        partial_rotary=True),
         parallel_residual=True, parallel_residual_shared_norm=True, hidden_dropout=float(hf["resid_pdrop"]),
         mlp_activation=ACTIVATION_FROM_HF[hf["hidden_act"]], ffn_hidden_size=hf["intermediate_size"], mlp_bias=True,
-        norm="layernorm", norm_eps=hf["layer_norm_eps"], output_bias=True, init_std=hf["initializer_range"])
+        norm="layernorm", norm_eps=hf["layer_norm_eps"], output_bias=True, init_std=hf["initializer_range"],
+        **qk_layernorm_fields(bool(hf["qk_layernorm"])))
+
+
+def qk_layernorm_fields(qk_layernorm: bool) -> dict:
+    """Phi's optional QK-norm: one LayerNorm with a bias, shared by the heads."""
+    return {"qk_norm": True, "qk_norm_type": "layernorm", "qk_norm_bias": True} if qk_layernorm else {}
 
 
 def unsupported(config: ModelConfig) -> list[str]:
@@ -63,6 +71,7 @@ def unsupported(config: ModelConfig) -> list[str]:
     reasons += window_unsupported(config, "Phi", uniform_only=False)
     reasons += non_gated_activation_unsupported(config, "Phi", ACTIVATION_TO_HF_GELU_NEW)
     reasons += split_heads_unsupported(config, "Phi")
+    reasons += qk_layernorm_unsupported(config, "Phi", per_head=False, bias=True)
     if not config.resolved_attention_output_bias:
         reasons.append("model.attention_output_bias=False (Phi's dense has a bias)")
     return reasons
@@ -77,7 +86,7 @@ def config_to_hf(config: ModelConfig) -> dict:
             "partial_rotary_factor": float(config.rope_fraction), "num_hidden_layers": config.num_blocks // 2,
             "intermediate_size": config.resolved_ffn_hidden_size,
             "hidden_act": ACTIVATION_TO_HF_GELU_NEW[config.mlp_activation],
-            "layer_norm_eps": config.norm_eps, "qk_layernorm": False, "resid_pdrop": config.hidden_dropout,
+            "layer_norm_eps": config.norm_eps, "qk_layernorm": config.qk_norm, "resid_pdrop": config.hidden_dropout,
             "embd_pdrop": config.hidden_dropout, "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 
 
@@ -90,6 +99,9 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
         for projection in ("q_proj", "k_proj", "v_proj"):
             maps += linear_maps(f"{attention}.mixer.{projection}", f"{theirs}.self_attn.{projection}", True)
         maps += linear_maps(f"{attention}.mixer.o_proj", f"{theirs}.self_attn.dense", True)
+        if config.qk_norm:
+            maps += layer_norm_maps(f"{attention}.mixer.q_norm", f"{theirs}.self_attn.q_layernorm")
+            maps += layer_norm_maps(f"{attention}.mixer.k_norm", f"{theirs}.self_attn.k_layernorm")
         maps += linear_maps(f"{mlp}.mixer.up_proj", f"{theirs}.mlp.fc1", True)
         maps += linear_maps(f"{mlp}.mixer.down_proj", f"{theirs}.mlp.fc2", True)
     return maps

@@ -19,14 +19,16 @@ With ``use_parallel_residual`` (StableLM 2 12B) attention and MLP read the same 
 norm, ``h + attn(ln(h)) + mlp(ln(h))``: ``model.parallel_residual`` with
 ``model.parallel_residual_shared_norm``, the layer having no ``post_attention_layernorm``.
 
-Not supported, refused by name: ``qk_layernorm`` (StableLM 2 12B's LayerNorm on each head of q
-and k, one norm per head).
+With ``qk_layernorm`` (StableLM 2 12B) each head of q and k has a LayerNorm of its own, without a
+bias, before RoPE: ``model.qk_norm`` with ``qk_norm_type=layernorm`` and ``qk_norm_per_head``, its
+weight [heads, head_dim] the checkpoint's ``q_layernorm.norms.{h}.weight`` stacked.
 """
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, TensorMap, embedding_maps, layer_norm_maps, linear_maps, rename, require,
-                              rope_with_defaults, split_heads_unsupported, window_unsupported, with_defaults)
+from meshlm.hf.common import (QK_LAYERNORM_FEATURES, Architecture, TensorMap, embedding_maps, layer_norm_maps,
+                              linear_maps, qk_layernorm_unsupported, rename, rope_with_defaults,
+                              split_heads_unsupported, stack, window_unsupported, with_defaults)
 from meshlm.hf.llama import attention_to_hf, dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported
 from meshlm.models.config import ModelConfig
 
@@ -42,21 +44,21 @@ DEFAULTS = {"vocab_size": 50304, "intermediate_size": 6912, "hidden_size": 2560,
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
-    require(hf, NAME, "qk_layernorm", False, "meshlm's QK-norm is one RMSNorm shared by the heads, not a LayerNorm "
-            "per head")
-    bias, parallel = bool(hf["use_qkv_bias"]), bool(hf["use_parallel_residual"])
+    bias, parallel, qk_norm = bool(hf["use_qkv_bias"]), bool(hf["use_parallel_residual"]), bool(hf["qk_layernorm"])
     rope = rope_with_defaults(hf_config, DEFAULTS["partial_rotary_factor"], 10000.0)
     return dense_decoder_config({**hf, "rms_norm_eps": hf["layer_norm_eps"]}, rope, NAME,
                                 partial_rotary=True, norm="layernorm", attention_bias=bias,
                                 attention_output_bias=False if bias else None,
                                 hidden_dropout=float(hf["hidden_dropout"]), parallel_residual=parallel,
-                                parallel_residual_shared_norm=parallel)
+                                parallel_residual_shared_norm=parallel, qk_norm=qk_norm,
+                                qk_norm_type="layernorm" if qk_norm else "rmsnorm", qk_norm_per_head=qk_norm)
 
 
 def unsupported(config: ModelConfig) -> list[str]:
-    reasons = dense_decoder_unsupported(config, "StableLM", qk_norm=False, output_bias_apart=True,
+    reasons = dense_decoder_unsupported(config, "StableLM", qk_norm=config.qk_norm, output_bias_apart=True,
                                         supported=frozenset({"norm", "rope_fraction", "parallel_residual",
-                                                             "parallel_residual_shared_norm"}))
+                                                             "parallel_residual_shared_norm"}) | QK_LAYERNORM_FEATURES)
+    reasons += qk_layernorm_unsupported(config, "StableLM", per_head=True, bias=False)
     if config.parallel_residual != config.parallel_residual_shared_norm:
         reasons.append("model.parallel_residual=true with model.parallel_residual_shared_norm=false (StableLM's "
                        "parallel layer has one norm for attention and MLP; GPTNeoXForCausalLM gives each its own)")
@@ -76,7 +78,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     values = dense_decoder_to_hf(config, NAME, MODEL_TYPE, DEFAULTS["max_position_embeddings"],
                                  rope_parameters={**rope, "partial_rotary_factor": float(config.rope_fraction)},
                                  partial_rotary_factor=float(config.rope_fraction), layer_norm_eps=config.norm_eps,
-                                 use_qkv_bias=config.attention_bias, qk_layernorm=False,
+                                 use_qkv_bias=config.attention_bias, qk_layernorm=config.qk_norm,
                                  use_parallel_residual=config.parallel_residual,
                                  hidden_dropout=config.hidden_dropout)
     del values["rms_norm_eps"], values["head_dim"]  # StableLM's heads always split the hidden size
@@ -93,6 +95,10 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
             maps += linear_maps(f"{attention}.mixer.{projection}", f"{theirs}.self_attn.{projection}",
                                 config.attention_bias)
         maps += linear_maps(f"{attention}.mixer.o_proj", f"{theirs}.self_attn.o_proj", False)
+        if config.qk_norm:  # one LayerNorm per head, their weights stacked
+            for norm, heads in (("q", config.num_attention_heads), ("k", config.resolved_num_kv_heads)):
+                per_head = [f"{theirs}.self_attn.{norm}_layernorm.norms.{head}.weight" for head in range(heads)]
+                maps.append(stack(f"{attention}.mixer.{norm}_norm.weight", per_head))
         if not config.parallel_residual_shared_norm:  # else the MLP applies the attention block's norm
             maps += layer_norm_maps(f"{mlp}.norm", f"{theirs}.post_attention_layernorm")
         for projection in ("gate_proj", "up_proj", "down_proj"):

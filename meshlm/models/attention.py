@@ -61,7 +61,7 @@ from meshlm.errors import ConfigError
 from meshlm.models.cache import AttentionCache
 from meshlm.models.dropout import apply_keep_mask, attention_keep_mask, dropout_site, required_key
 from meshlm.models.fused_linear import project_together
-from meshlm.models.norms import RMSNorm
+from meshlm.models.norms import HeadNorm, RMSNorm
 from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
 from meshlm.models.softcap import soft_cap, softcapped_attention
 
@@ -246,6 +246,18 @@ def attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.
     return apply_keep_mask(probabilities.to(value.dtype), keep, p) @ value
 
 
+def qk_norms(config, heads: int, kv_heads: int, head_dim: int) -> tuple[nn.Module | None, nn.Module | None]:
+    """The query and key norms ``config``'s ``qk_norm*`` fields ask for, (None, None) without QK-norm:
+    one RMSNorm over all heads' channels (scope 'all'), else a ``HeadNorm`` of each head."""
+    if not config.qk_norm:
+        return None, None
+    if config.qk_norm_scope == "all":
+        return (RMSNorm(heads * head_dim, config.norm_eps, config.norm_zero_centered),
+                RMSNorm(kv_heads * head_dim, config.norm_eps, config.norm_zero_centered))
+    return tuple(HeadNorm(config.qk_norm_type, head_dim, config.norm_eps, count if config.qk_norm_per_head else None,
+                          config.norm_zero_centered, config.qk_norm_bias) for count in (heads, kv_heads))
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config, layer_index: int):
         super().__init__()
@@ -260,10 +272,7 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.resolved_attention_output_bias)
         self.qk_norm_all = config.qk_norm and config.qk_norm_scope == "all"
         """QK-norm over all heads of the projection at once (OLMo 2), not over each head."""
-        widths = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim) if self.qk_norm_all else (
-            self.head_dim, self.head_dim)
-        self.q_norm, self.k_norm = ((RMSNorm(width, config.norm_eps, config.norm_zero_centered) for width in widths)
-                                    if config.qk_norm else (None, None))
+        self.q_norm, self.k_norm = qk_norms(config, self.num_heads, self.num_kv_heads, self.head_dim)
         self.init_core(config, layer_index)
 
     def init_core(self, config, layer_index: int) -> None:

@@ -164,6 +164,17 @@ class ModelConfig:
     """What one QK-norm statistic covers: 'head' (each head's head_dim channels, one weight of
     head_dim shared by the heads: Qwen3, Gemma 3) or 'all' (all heads of the projection together,
     a weight per channel: OLMo 2 and 3; under tensor parallelism the sum of squares is all-reduced)."""
+    qk_norm_type: str = "rmsnorm"
+    """The QK-norm's kind: 'rmsnorm' (Qwen3, Gemma 3, OLMo 2) or 'layernorm' (mean subtracted too:
+    Phi's qk_layernorm, StableLM 2 12B, Command R+), statistics in fp32 either way. LayerNorm
+    needs qk_norm_scope=head."""
+    qk_norm_bias: bool = False
+    """With qk_norm_type=layernorm: a bias after the weight (Phi's q/k LayerNorms have one)."""
+    qk_norm_per_head: bool = False
+    """A weight (and bias) of its own for each query head and each key head, shapes [heads,
+    head_dim] and [kv_heads, head_dim] (StableLM 2 12B, Command R+), instead of one head_dim
+    weight shared by all heads. Needs qk_norm_scope=head; tensor parallelism splits them with
+    the heads."""
     attention_bias: bool = False
     """Bias terms on the q/k/v projections, and on o unless attention_output_bias says otherwise."""
     attention_output_bias: bool | None = None
@@ -512,9 +523,7 @@ class ModelConfig:
         _choice(self, "norm", NORMS)
         _choice(self, "position_embedding", POSITION_EMBEDDINGS)
         _choice(self, "qk_norm_scope", QK_NORM_SCOPES)
-        if self.qk_norm_scope != "head" and not self.qk_norm:
-            raise ConfigError(f"model.qk_norm_scope={self.qk_norm_scope!r} says what QK-norm covers, but model.qk_norm "
-                              "is false; set model.qk_norm=true or leave the scope at 'head'.")
+        self._validate_qk_norm()
         _choice(self, "moe_score_function", SCORE_FUNCTIONS)
         _choice(self, "moe_drop_policy", DROP_POLICIES)
         _choice(self, "moe_aux_loss_type", AUX_LOSS_TYPES)
@@ -576,6 +585,26 @@ class ModelConfig:
         if self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} and model.init_std={self.init_std} must be > 0.")
         self._validate_block_overrides()
+
+    def _validate_qk_norm(self) -> None:
+        _choice(self, "qk_norm_type", NORMS)
+        shaped = {"qk_norm_scope": self.qk_norm_scope != "head", "qk_norm_type": self.qk_norm_type != "rmsnorm",
+                  "qk_norm_bias": self.qk_norm_bias, "qk_norm_per_head": self.qk_norm_per_head}
+        for name, changed in shaped.items():
+            if changed and not self.qk_norm:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} shapes the QK-norm, and model.qk_norm is "
+                                  f"false; set model.qk_norm=true or leave model.{name} at its default.")
+        if self.qk_norm_bias and self.qk_norm_type != "layernorm":
+            raise ConfigError("model.qk_norm_bias=true adds a LayerNorm's bias to the QK-norm, and model.qk_norm_type="
+                              f"{self.qk_norm_type!r} has none; set model.qk_norm_type=layernorm or the bias false.")
+        if self.qk_norm_scope == "all" and (self.qk_norm_type != "rmsnorm" or self.qk_norm_per_head):
+            field = "qk_norm_type=layernorm" if self.qk_norm_type != "rmsnorm" else "qk_norm_per_head=true"
+            raise ConfigError(f"model.qk_norm_scope=all normalizes all heads together with an RMSNorm, and "
+                              f"model.{field} is for a norm of each head; set model.qk_norm_scope=head or drop the "
+                              "other field.")
+        if self.qk_norm_type == "layernorm" and self.norm_zero_centered:
+            raise ConfigError("model.norm_zero_centered=true stores RMSNorm weights as w - 1, and model.qk_norm_type="
+                              "layernorm has a LayerNorm; set model.qk_norm_type=rmsnorm or norm_zero_centered=false.")
 
     def _validate_lora(self) -> None:
         rank = self.lora_rank

@@ -41,6 +41,59 @@ class RMSNorm(nn.Module):
         return (scale * normed).to(x.dtype)
 
 
+class HeadNorm(nn.Module):
+    """QK-norm over each head's channels: RMSNorm or LayerNorm of the last dim of [b, heads, t,
+    head_dim], statistics in fp32, then a weight (and with ``bias`` a bias) that is one [head_dim]
+    vector shared by the heads, or with ``heads`` one row per head, [heads, head_dim].
+
+    Qwen3 and Gemma 3 share an RMSNorm weight (Yang et al. 2025; Gemma Team 2025); Phi's
+    ``qk_layernorm`` shares a LayerNorm with a bias; StableLM 2 12B and Command R+ give every head
+    a LayerNorm weight of its own, without a bias (Dehghani et al. 2023 introduced the QK LayerNorm
+    to keep attention logits from growing without bound at scale). A per-head weight scales head h
+    of x by row h: under tensor parallelism each rank holds the rows of its heads, or, where key
+    heads are replicated over the ranks, the whole weight of which ``head_rows`` is what it reads.
+    """
+
+    def __init__(self, kind: str, head_dim: int, eps: float, heads: int | None = None, zero_centered: bool = False,
+                 bias: bool = False):
+        super().__init__()
+        if kind not in ("rmsnorm", "layernorm"):
+            raise ValueError(f"unknown QK-norm {kind!r}; use 'rmsnorm' or 'layernorm'")
+        shape = (head_dim,) if heads is None else (heads, head_dim)
+        self.kind, self.eps = kind, eps
+        self.offset = 1.0 if zero_centered else 0.0
+        self.weight = nn.Parameter(torch.full(shape, 1.0 - self.offset))
+        self.bias = nn.Parameter(torch.zeros(shape)) if bias else None
+        self.head_rows: slice | None = None
+        """The rows of a per-head weight this module applies, in order, to x's heads (None: all)."""
+
+    def init_rules(self, config) -> dict:
+        return {"weight": lambda tensor, generator: tensor.fill_(1.0 - self.offset)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32 statistics; fp64 stays fp64
+        x_wide = x.to(wide)
+        if self.kind == "layernorm":
+            normed = F.layer_norm(x_wide, x.shape[-1:], eps=self.eps)
+        else:
+            normed = x_wide * torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.per_token(self.weight).to(wide)
+        out = (weight + self.offset if self.offset else weight) * normed
+        if self.bias is not None:
+            out = out + self.per_token(self.bias).to(wide)
+        return out.to(x.dtype)
+
+    def per_token(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A weight or bias as it broadcasts over [b, heads, t, head_dim]: a per-head one as [heads, 1, head_dim]."""
+        if tensor.dim() == 1:
+            return tensor
+        return (tensor if self.head_rows is None else tensor[self.head_rows]).unsqueeze(-2)
+
+    def extra_repr(self) -> str:
+        heads = "" if self.weight.dim() == 1 else f", {self.weight.shape[0]} heads"
+        return f"{self.kind}, {self.weight.shape[-1]}{heads}, bias={self.bias is not None}"
+
+
 class GatedRMSNorm(nn.Module):
     """Mamba-2's output norm: ``RMSNorm(y * silu(z))`` with statistics per group of channels.
 

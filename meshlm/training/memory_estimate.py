@@ -336,8 +336,9 @@ def attention_bytes(config, model, micro_batch: int, seq: int, layout, residual:
     rope = 8 * model.rotary_dim if model.position_embedding == "rope" else 0  # cos, sin of the rotated channels
     core = attention_core_bytes(config, model, seq, layout)
     query, key_value = attention_widths(model)[:2]
-    if model.qk_norm:  # each of q and k: its fp32 input, the normalized product, 1/rms per head
-        core += 8 * (query + key_value) + 4 * (model.num_attention_heads + model.resolved_num_kv_heads)
+    if model.qk_norm:  # q and k: fp32 input, normalized product, per head 1/rms (LayerNorm: mean, 1/std)
+        per_head = 8 if model.qk_norm_type == "layernorm" else 4
+        core += 8 * (query + key_value) + per_head * (model.num_attention_heads + model.resolved_num_kv_heads)
     scores = 0.0
     if model.attention_dropout > 0:
         # the keep mask, one byte per score (under selective recompute an input of the checkpointed

@@ -126,6 +126,29 @@ def test_gqa_keeps_whole_groups_and_mamba_keeps_every_b_c_group():
         assert pruned(tokens()).logits.isfinite().all()
 
 
+def test_a_per_head_qk_norm_keeps_the_rows_of_the_kept_heads():
+    """StableLM 2 12B's and Command R+'s QK-norms have a weight row per head: pruning heads keeps
+    exactly those heads' rows (the query norm's of the query heads, the key norm's of the KV heads)."""
+    values = {**HYBRID, "qk_norm_type": "layernorm", "qk_norm_per_head": True, "qk_norm_bias": True}
+    model = model_of(**values)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "_norm." in name:
+                param.normal_(1.0, 0.3)
+    importance = Importance(hidden=torch.arange(32.), blocks=torch.zeros(6), heads={1: torch.tensor([9., 0, 5, 5])},
+                            neurons={2: torch.arange(128.), 5: torch.arange(128.)},
+                            mamba_heads={0: torch.arange(8.)}, experts={3: torch.arange(4.)})
+    pruned = prune_model(model, importance, resolve_widths(model.config, dict(num_kv_heads=1)))
+    old, new = model.blocks[1].mixer, pruned.blocks[1].mixer
+    assert new.q_norm.weight.shape == (2, 8) and new.k_norm.bias.shape == (1, 8)
+    for part in ("weight", "bias"):
+        assert torch.equal(getattr(new.q_norm, part), getattr(old.q_norm, part)[2:])  # query heads 2, 3
+        assert torch.equal(getattr(new.k_norm, part), getattr(old.k_norm, part)[1:])  # KV head 1
+    assert ParameterCounter(model.config)(pruned.config) == pruned.num_parameters()
+    with torch.no_grad():
+        assert pruned(tokens()).logits.isfinite().all()
+
+
 @pytest.mark.parametrize("metric", ["cosine", "loss"])
 def test_depth_pruning_drops_the_block_whose_removal_changes_the_output_least(metric):
     model = model_of(vocab_size=64, hidden_size=32, pattern="*-*-*-", num_attention_heads=4, ffn_hidden_size=64)

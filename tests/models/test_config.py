@@ -47,6 +47,13 @@ def test_defaults_are_resolved_in_one_place():
     (dict(vocab_size=0), "model.vocab_size=0"),
     (dict(hidden_size="64"), "model.hidden_size='64'"),
     (dict(head_dim=7, position_embedding="rope", num_attention_heads=2, hidden_size=14), "head dim (7)"),
+    (dict(qk_norm_type="layernorm"), "model.qk_norm_type='layernorm' shapes the QK-norm, and model.qk_norm is false"),
+    (dict(qk_norm_per_head=True), "model.qk_norm_per_head=True shapes the QK-norm"),
+    (dict(qk_norm=True, qk_norm_type="groupnorm"), "model.qk_norm_type='groupnorm'"),
+    (dict(qk_norm=True, qk_norm_bias=True), "model.qk_norm_type='rmsnorm' has none"),
+    (dict(qk_norm=True, qk_norm_scope="all", qk_norm_per_head=True), "model.qk_norm_per_head=true is for a norm"),
+    (dict(qk_norm=True, qk_norm_scope="all", qk_norm_type="layernorm"), "set model.qk_norm_scope=head"),
+    (dict(qk_norm=True, qk_norm_type="layernorm", norm_zero_centered=True), "model.qk_norm_type=layernorm has a"),
 ])
 def test_invalid_fields_are_named(overrides, fragment):
     with pytest.raises(ConfigError) as error:

@@ -1,5 +1,7 @@
 """Mamba-2's gated, grouped RMSNorm with its D skip: a hand-written backward that recomputes from
-the inputs, equal to autograd's gradients of the formula, saving the inputs as they came."""
+the inputs, equal to autograd's gradients of the formula, saving the inputs as they came. The
+QK-norm of each head (``HeadNorm``): RMSNorm or LayerNorm, a weight shared or per head, against a
+loop over heads."""
 
 import pytest
 import torch
@@ -88,3 +90,66 @@ def test_zero_centered_rms_norm_is_the_ordinary_one_with_weight_plus_one():
         centered.weight.normal_(0.0, 0.1)
         ordinary.weight.copy_(centered.weight + 1)
     torch.testing.assert_close(centered(x), ordinary(x), rtol=0, atol=1e-15)
+
+
+# --- QK-norm over each head (HeadNorm) ------------------------------------------------------------
+
+
+def reference_qk_norm(x, kind, weight, bias, eps):
+    """The per-head norms as transformers writes them: StableLM's ModuleList of one nn.LayerNorm per
+    head, Command R's fp32 LayerNorm over [heads, head_dim] weights, Phi's one nn.LayerNorm shared
+    by the heads, Qwen3's RMSNorm -- here one loop over heads with torch's own ops."""
+    heads = []
+    for head in range(x.shape[1]):
+        w = weight if weight.dim() == 1 else weight[head]
+        b = None if bias is None else (bias if bias.dim() == 1 else bias[head])
+        part = x[:, head]
+        if kind == "layernorm":
+            heads.append(F.layer_norm(part, part.shape[-1:], w, b, eps))
+        else:
+            heads.append(w * part * torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + eps))
+    return torch.stack(heads, dim=1)
+
+
+@pytest.mark.parametrize("kind, per_head, bias", [
+    ("layernorm", True, False), ("layernorm", False, True), ("rmsnorm", True, False), ("layernorm", True, True),
+], ids=["stablelm-12b/command-r+", "phi", "rmsnorm-per-head", "layernorm-per-head-biased"])
+def test_head_norm_matches_a_norm_per_head_in_values_and_gradients(kind, per_head, bias):
+    from meshlm.models.norms import HeadNorm
+
+    generator = torch.Generator().manual_seed(3)
+    norm = HeadNorm(kind, 8, 1e-5, heads=3 if per_head else None, bias=bias).double()
+    with torch.no_grad():  # trained: every head's row differs
+        norm.weight.uniform_(0.5, 1.5, generator=generator)
+        if bias:
+            norm.bias.normal_(0.0, 0.5, generator=generator)
+    assert norm.weight.shape == ((3, 8) if per_head else (8,))
+    x = (torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64) * 3 + 1).requires_grad_()
+    ours = norm(x)
+    weight = norm.weight.detach().clone().requires_grad_()
+    bias_copy = norm.bias.detach().clone().requires_grad_() if bias else None
+    x_copy = x.detach().clone().requires_grad_()
+    theirs = reference_qk_norm(x_copy, kind, weight, bias_copy, 1e-5)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+    grad = torch.randn(ours.shape, generator=generator, dtype=torch.float64)
+    ours.backward(grad)
+    theirs.backward(grad)
+    torch.testing.assert_close(x.grad, x_copy.grad, rtol=0, atol=1e-11)
+    torch.testing.assert_close(norm.weight.grad, weight.grad, rtol=0, atol=1e-11)
+    if bias:
+        torch.testing.assert_close(norm.bias.grad, bias_copy.grad, rtol=0, atol=1e-11)
+
+
+def test_head_norm_takes_bf16_statistics_in_fp32_and_reads_the_rows_it_is_given():
+    from meshlm.models.norms import HeadNorm
+
+    norm = HeadNorm("layernorm", 8, 1e-5, heads=4)
+    with torch.no_grad():
+        norm.weight.copy_(torch.arange(1.0, 5.0)[:, None].expand(4, 8))
+    x = (torch.randn(2, 4, 3, 8) * 50 + 200).bfloat16()  # a large mean: bf16 sums would lose the spread
+    expected = reference_qk_norm(x.float(), "layernorm", norm.weight.detach(), None, 1e-5)
+    out = norm(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=1e-6)  # one rounding of the output
+    norm.head_rows = slice(2, 4)  # tensor parallelism with replicated key heads: this rank's heads 2 and 3
+    torch.testing.assert_close(norm(x[:, 2:].float()), expected[:, 2:], rtol=0, atol=1e-5)

@@ -57,7 +57,8 @@ TOLERANCE = 1e-5
 BATCH, SEQ, VOCAB = 2, 16, 61
 BASE = dict(vocab_size=VOCAB, hidden_size=32, pattern="*-*-", num_attention_heads=4, qk_norm=True)
 MODELS = {
-    "kv2 untied biases": dict(num_kv_heads=2, attention_bias=True, mlp_bias=True),
+    "kv2 untied biases, rmsnorm weight per head": dict(num_kv_heads=2, attention_bias=True, mlp_bias=True,
+                                                       qk_norm_per_head=True),
     "mqa tied": dict(num_kv_heads=1, tie_embeddings=True),
     "kv2 qwen2 biases": dict(num_kv_heads=2, attention_bias=True, attention_output_bias=False),
     "kv2 gemma-style sliding window": dict(num_kv_heads=2, sliding_window=5, sliding_window_pattern="SF",
@@ -74,16 +75,17 @@ MODELS = {
     "kv2 granite-style multipliers": dict(num_kv_heads=2, embedding_multiplier=6.0, residual_multiplier=0.4,
                                           logit_divisor=2.5, attention_scale=0.2),
     "kv4 olmo-style": dict(num_kv_heads=4, qk_norm_scope="all", block_input_norm=False, block_output_norm=True),
-    "kv4 tied layernorm relu": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
-                                    mlp_activation="squared_relu", mlp_bias=True),
+    "kv4 tied layernorm relu, phi-style qk layernorm": dict(num_kv_heads=4, tie_embeddings=True, norm="layernorm",
+                                                            mlp_activation="squared_relu", mlp_bias=True,
+                                                            qk_norm_type="layernorm", qk_norm_bias=True),
     "kv2 mtp partial rotary": dict(num_kv_heads=2, mtp_depth=1, mtp_pattern="*-", rope_fraction=0.5),
     "gpt-neox-style parallel residual": dict(norm="layernorm", attention_bias=True, mlp_bias=True,
                                              mlp_activation="gelu", rope_fraction=0.25, parallel_residual=True,
                                              qk_norm=False),
-    "kv2 shared bias-free norm, biased head": dict(num_kv_heads=2, norm="layernorm", norm_bias=False,
-                                                   parallel_residual=True, parallel_residual_shared_norm=True,
-                                                   rope_fraction=0.25, attention_bias=True, mlp_bias=True,
-                                                   output_bias=True, qk_norm=False),
+    "kv2 shared bias-free norm, biased head, layernorm per head": dict(
+        num_kv_heads=2, norm="layernorm", norm_bias=False, parallel_residual=True, parallel_residual_shared_norm=True,
+        rope_fraction=0.25, attention_bias=True, mlp_bias=True, output_bias=True, qk_norm_type="layernorm",
+        qk_norm_per_head=True),
     "deepseek-style latent attention": dict(attention_type="mla", qk_norm=False, mla_q_lora_rank=12,
                                             mla_kv_lora_rank=8, mla_qk_nope_head_dim=6, mla_qk_rope_head_dim=4,
                                             mla_v_head_dim=5, block_overrides={2: {"num_attention_heads": 8}}),
@@ -108,6 +110,8 @@ def build_model(overrides: dict) -> LanguageModel:
         for name, param in model.named_parameters():
             if name.endswith(".lora.b"):
                 param.normal_(0.0, 0.1)
+            elif ".q_norm." in name or ".k_norm." in name:  # trained QK-norms: a head given another's row shows
+                param.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
     return model
 
 

@@ -25,11 +25,13 @@ from tests.helpers.saved_tensors import SavedStorages, saved_bytes_by_block_kind
 MODELS = {
     "dense": ["model.pattern=*-*-", "model.num_kv_heads=2"],
     # GPT-NeoX-style: a quarter of each head rotated, attention beside the MLP on one input (the MLP's
-    # norm reads the attention block's input), LayerNorm, GELU, biases
-    "gpt-neox-style parallel residual": ["model.pattern=*-*-", "model.rope_fraction=0.25",
-                                         "model.parallel_residual=true", "model.norm=layernorm",
-                                         "model.mlp_activation=gelu", "model.attention_bias=true",
-                                         "model.mlp_bias=true"],
+    # norm reads the attention block's input), LayerNorm, GELU, biases; with StableLM 2 12B's QK
+    # LayerNorm of a weight per head
+    "gpt-neox-style parallel residual, qk layernorm": ["model.pattern=*-*-", "model.rope_fraction=0.25",
+                                                       "model.parallel_residual=true", "model.norm=layernorm",
+                                                       "model.mlp_activation=gelu", "model.attention_bias=true",
+                                                       "model.mlp_bias=true", "model.qk_norm=true",
+                                                       "model.qk_norm_type=layernorm", "model.qk_norm_per_head=true"],
     "hybrid": ["model.pattern=M*-M-", "model.position_embedding=none", "model.mamba_state_size=16",
                "model.mamba_head_dim=16", "model.mamba_chunk_size=16", "model.mamba_num_groups=2",
                "model.mlp_activation=squared_relu",

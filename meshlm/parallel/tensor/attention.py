@@ -22,7 +22,7 @@ from meshlm.models.attention import SelfAttention
 from meshlm.models.latent_attention import LatentAttention
 from meshlm.parallel.tensor.layers import (ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear,
                                            column_parallel_input)
-from meshlm.parallel.tensor.norms import ShardedRMSNorm
+from meshlm.parallel.tensor.norms import ShardedRMSNorm, parallelize_head_norm
 from meshlm.parallel.tensor.sharding import mark_partial_grad
 
 
@@ -88,6 +88,7 @@ def parallelize_attention(attention: SelfAttention, context) -> None:
         return
     tp, heads, kv_heads = context.tp_size, attention.num_heads, attention.num_kv_heads
     check_whole_heads(heads, tp)
+    replicated_kv_heads = None
     attention.q_proj = ColumnParallelLinear.from_full(attention.q_proj, context, gather_input=False)
     if kv_heads % tp == 0:
         attention.k_proj = ColumnParallelLinear.from_full(attention.k_proj, context, gather_input=False)
@@ -102,6 +103,7 @@ def parallelize_attention(attention: SelfAttention, context) -> None:
         attention.k_proj = ReplicatedRowsLinear(attention.k_proj, context, rows, gather_input=False)
         attention.v_proj = ReplicatedRowsLinear(attention.v_proj, context, rows, gather_input=False)
         attention.num_kv_heads = (rows.stop - rows.start) // attention.head_dim
+        replicated_kv_heads = slice(rows.start // attention.head_dim, rows.stop // attention.head_dim)
     else:
         raise ConfigError(f"model.num_kv_heads={kv_heads} and parallel.tp={tp}: KV heads are either split "
                           "(kv_heads divisible by tp) or replicated (tp divisible by kv_heads); neither holds.")
@@ -111,7 +113,8 @@ def parallelize_attention(attention: SelfAttention, context) -> None:
         attention.q_norm = ShardedRMSNorm.from_full(attention.q_norm, context)
         attention.k_norm = ShardedRMSNorm.from_full(attention.k_norm, context)
     else:
-        mark_partial_grad(attention.q_norm, attention.k_norm)  # shared by all heads, applied to local ones
+        parallelize_head_norm(attention.q_norm, context)
+        parallelize_head_norm(attention.k_norm, context, replicated_kv_heads)
     attention.__class__ = TensorParallelSelfAttention
     attention.parallel_context = context
 

@@ -1,4 +1,5 @@
-"""An RMSNorm whose channels are split over the tensor-parallel group: OLMo 2's QK-norm.
+"""QK-norms under tensor parallelism: an RMSNorm whose channels are split over the group (OLMo 2),
+and the per-head weights of a ``HeadNorm`` cut with the heads.
 
 OLMo 2 normalizes the whole query projection -- all heads' channels at once, with a weight per
 channel (``model.qk_norm_scope=all``) -- and likewise the keys. Tensor parallelism gives each rank
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from meshlm.models.norms import RMSNorm
+from meshlm.models.norms import HeadNorm, RMSNorm
 from meshlm.parallel.collectives import copy_to_group, reduce_from_group
-from meshlm.parallel.tensor.sharding import shard_parameter
+from meshlm.parallel.tensor.sharding import mark_partial_grad, shard_parameter
 
 
 class ShardedRMSNorm(RMSNorm):
@@ -47,4 +48,26 @@ class ShardedRMSNorm(RMSNorm):
         return (scale * normed).to(x.dtype)
 
 
-__all__ = ["ShardedRMSNorm"]
+@torch.no_grad()
+def parallelize_head_norm(norm: HeadNorm | None, context, replicated_heads: slice | None = None) -> None:
+    """Give a per-head QK-norm (``model.qk_norm_per_head``) this rank's heads; mark a shared one's
+    gradient partial.
+
+    Statistics are per head, so nothing is communicated. A weight (and bias) of one row per head
+    is cut along the heads like the projection's rows; where the key heads are replicated over
+    the ranks (fewer KV heads than ranks), the rank keeps the whole weight and reads the rows of
+    ``replicated_heads``, its gradient then partial like the replicated key projection's. A weight
+    shared by all heads sees only this rank's heads: partial too, summed after backward.
+    """
+    if norm is None:
+        return
+    if norm.weight.dim() == 1 or replicated_heads is not None:
+        norm.head_rows = replicated_heads if norm.weight.dim() == 2 else None
+        mark_partial_grad(norm)
+        return
+    norm.weight = shard_parameter(norm.weight, 0, context, what="the per-head QK-norm weight")
+    if norm.bias is not None:
+        norm.bias = shard_parameter(norm.bias, 0, context, what="the per-head QK-norm bias")
+
+
+__all__ = ["ShardedRMSNorm", "parallelize_head_norm"]
