@@ -57,7 +57,8 @@ GRADIENT_CHECK_SHAPES = {
                                       moe_score_function="sigmoid", moe_shared_expert_ffn_hidden_size=32),
     "command-r parallel residual": dict(pattern="*-*-", num_kv_heads=2, norm="layernorm", norm_bias=False,
                                         parallel_residual=True, parallel_residual_shared_norm=True,
-                                        rope_fraction=0.5, output_bias=True),
+                                        rope_fraction=0.5, output_bias=True, qk_norm=True, qk_norm_type="layernorm",
+                                        qk_norm_per_head=True),
 }
 """The model kinds (hidden 64, 4 heads, FFN 128, vocabulary 64) whose compiled gradients the CPU
 suite and the GPU tier compare with the eager ones; the hybrid has the shapes the Triton SSD
@@ -65,7 +66,8 @@ kernels take, so on CUDA its Mamba blocks run them inside the compiled graphs; t
 one runs the soft-capped attention core (an autograd function of its own) inside them; the
 DeepSeek-style one runs latent attention (value heads narrower than the query and key heads) and
 sigmoid routing with a shared expert; the Command R-style one runs each MLP block beside its attention
-block, on the attention block's input through its bias-free LayerNorm (a parallel residual)."""
+block, on the attention block's input through its bias-free LayerNorm (a parallel residual), and
+normalizes each head of q and k with a LayerNorm weight of its own (Command R+)."""
 
 
 def gradient_check_model(kind: str, device, dtype):

@@ -31,10 +31,13 @@ HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", 
 MODELS = {**HELPERS.MODELS,
           "dense tied": ["model.pattern=*-*-*-*-", "model.num_kv_heads=2", "model.tie_embeddings=true"],
           # learned positions: their table is part of the embedding's unit (gathered before the lookup);
-          # attention beside the MLP (a parallel residual: the MLP block reads the attention block's input)
+          # attention beside the MLP (a parallel residual: the MLP block reads the attention block's input);
+          # a QK LayerNorm with a weight per head (split with the heads under TP; no bias: without RoPE a
+          # key bias moves all of a query's scores alike, its gradient is rounding noise that Adam amplifies)
           "gpt2-style": ["model.pattern=*-*-", "model.position_embedding=learned", "model.max_position_embeddings=32",
                          "model.norm=layernorm", "model.attention_bias=true", "model.mlp_bias=true",
-                         "model.mlp_activation=gelu_tanh", "model.qk_norm=true", "model.tie_embeddings=true",
+                         "model.mlp_activation=gelu_tanh", "model.qk_norm=true", "model.qk_norm_type=layernorm",
+                         "model.qk_norm_per_head=true", "model.tie_embeddings=true",
                          "model.parallel_residual=true"],
           # one norm per pair, the attention block's, which the MLP block beside it applies too
           "shared norm": ["model.pattern=*-*-", "model.norm=layernorm", "model.parallel_residual=true",
