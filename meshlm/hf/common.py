@@ -644,6 +644,7 @@ LAYER_FEATURES = {
     "qk_norm_bias": "PhiForCausalLM's q/k LayerNorms have biases",
     "qk_norm_per_head": "StableLmForCausalLM and CohereForCausalLM give each head a q/k norm weight of its own",
     "output_bias": "PhiForCausalLM and GPTJForCausalLM have a bias on lm_head",
+    "rope_pattern": "SmolLM3ForCausalLM and Cohere2ForCausalLM leave some layers without RoPE",
 }
 """Layer features only some HF classes hold, and which."""
 
@@ -663,7 +664,8 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "rope_fraction": config.rope_fraction != 1.0, "parallel_residual": config.parallel_residual,
             "parallel_residual_shared_norm": config.parallel_residual_shared_norm, "output_bias": config.output_bias,
             "norm_bias": not config.norm_bias, "qk_norm_type": config.qk_norm and config.qk_norm_type != "rmsnorm",
-            "qk_norm_bias": config.qk_norm_bias, "qk_norm_per_head": config.qk_norm_per_head}
+            "qk_norm_bias": config.qk_norm_bias, "qk_norm_per_head": config.qk_norm_per_head,
+            "rope_pattern": config.rope_pattern != "R"}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 
@@ -674,15 +676,32 @@ SLIDING_ATTENTION, FULL_ATTENTION = "sliding_attention", "full_attention"
 that attends to every earlier token."""
 
 
+def shortest_period(letters: str) -> str:
+    """The shortest string that, repeated, gives ``letters`` (meshlm's per-attention-block patterns)."""
+    period = next(length for length in range(1, len(letters) + 1)
+                  if all(letters[index] == letters[index % length] for index in range(len(letters))))
+    return letters[:period]
+
+
 def window_fields(window: int | None, sliding: list[bool]) -> dict:
     """meshlm's ``sliding_window`` fields for HF attention layers that slide (True) or not, in order,
     with window ``window``: the pattern is the shortest string that repeats to the layers' letters."""
     if window is None or not any(sliding):
         return {}
-    letters = "".join("S" if slides else "F" for slides in sliding)
-    period = next(length for length in range(1, len(letters) + 1)
-                  if all(letters[index] == letters[index % length] for index in range(len(letters))))
-    return {"sliding_window": window, "sliding_window_pattern": letters[:period]}
+    return {"sliding_window": window,
+            "sliding_window_pattern": shortest_period("".join("S" if slides else "F" for slides in sliding))}
+
+
+def rope_pattern_fields(rotates: list[bool]) -> dict:
+    """meshlm's ``rope_pattern`` for HF attention layers that apply RoPE (True) or not, in order."""
+    if all(rotates):
+        return {}
+    return {"rope_pattern": shortest_period("".join("R" if rotate else "N" for rotate in rotates))}
+
+
+def layer_rotates(config: ModelConfig) -> list[bool]:
+    """Whether each main-stack attention block applies RoPE (``rope_pattern_fields`` read back)."""
+    return [config.block_rotates(index) for index, kind in enumerate(config.block_kinds) if kind == "*"]
 
 
 def layer_types_from_hf(hf: dict, architecture: str, full_every: int | None = None) -> list[str]:

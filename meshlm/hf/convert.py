@@ -27,7 +27,9 @@ with LayerNorm and partial rotary), Falcon (parallel layers with one norm or two
 MQA or grouped KV heads in a fused tensor), Phi (phi-1 to Phi-2: a parallel layer with one norm,
 partial rotary, a bias on the output head), GPT-J (Phi's layer without attention biases, its rotary
 pairs interleaved), Command R (the parallel layer with a bias-free LayerNorm, SwiGLU and interleaved
-rotary pairs, scaled logits), Granite (Llama with muP-style multipliers), Mamba2 ('MMM...') and
+rotary pairs, scaled logits), Cohere2 (Command R's layer, three sliding layers with RoPE to one full
+without), SmolLM3 (Llama's layer, some layers without RoPE), Granite (Llama with
+muP-style multipliers), Mamba2 ('MMM...') and
 Nemotron-H (everything hybrid). When none fits, the error lists, per architecture, the fields that
 block it. The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
 by chunk from a training checkpoint) when the first HF tensor cut from it is written. With
@@ -50,8 +52,9 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
                                            weights_source, write_model_folder)
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
-from meshlm.hf import (cohere, deepseek_v3, falcon, gemma2, gemma3, gpt2, gpt_neox, gptj, granite, llama, mamba2,
-                       mistral, mixtral, nemotron_h, olmo2, phi, phi3, qwen2, qwen3, qwen3_moe, stablelm, starcoder2)
+from meshlm.hf import (cohere, cohere2, deepseek_v3, falcon, gemma2, gemma3, gpt2, gpt_neox, gptj, granite, llama, mamba2,
+                       mistral, mixtral, nemotron_h, olmo2, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm,
+                       starcoder2)
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.fp8_export import quantize_hf_export
@@ -66,7 +69,9 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           gemma3.ARCHITECTURE, olmo2.OLMO2_ARCHITECTURE, olmo2.OLMO3_ARCHITECTURE,
                                           gpt2.ARCHITECTURE, starcoder2.ARCHITECTURE, gpt_neox.ARCHITECTURE,
                                           stablelm.ARCHITECTURE, falcon.ARCHITECTURE, phi.ARCHITECTURE,
-                                          gptj.ARCHITECTURE, cohere.ARCHITECTURE, granite.ARCHITECTURE,
+                                          gptj.ARCHITECTURE, cohere.ARCHITECTURE, cohere2.ARCHITECTURE,
+                                          smollm3.ARCHITECTURE,
+                                          granite.ARCHITECTURE,
                                           mamba2.ARCHITECTURE,
                                           nemotron_h.ARCHITECTURE)
 EXPORTABLE: dict[str, Architecture] = {architecture.name: architecture for architecture in EXPORT_ORDER}

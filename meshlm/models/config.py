@@ -190,6 +190,12 @@ class ModelConfig:
     v0.1); "SF": alternating (Gemma 2, gpt-oss); "SSSSSF": five sliding to one full (Gemma 3);
     a string as long as the attention blocks lists each one (Qwen2's max_window_layers). Needs
     sliding_window."""
+    rope_pattern: str = "R"
+    """Which attention blocks rotate their queries and keys, one letter per attention block in order
+    (as sliding_window_pattern), repeated: R with RoPE, N with no position encoding at all (NoPE,
+    Kazemnejad et al. 2023: causal attention still tells positions apart). "RRRN": every fourth
+    block without RoPE (SmolLM3, Llama 4); with sliding_window_pattern "SSSF", the full blocks
+    (Cohere2, Command A). Needs position_embedding=rope."""
     attention_scale: float | None = None
     """The factor on the query-key products before the softmax. None: 1/sqrt(head_dim), as usual;
     Gemma 3 27B uses query_pre_attn_scalar ** -0.5 with query_pre_attn_scalar = hidden / heads."""
@@ -463,7 +469,8 @@ class ModelConfig:
         An attention block that changes its head count keeps the model's head_dim (as in
         Llama-Nemotron) unless it sets head_dim too. A full-attention block of a model with a
         sliding window (``sliding_window_pattern``) gets sliding_window None; a sliding one with
-        rope_local_theta gets that base and no rope_scaling."""
+        rope_local_theta gets that base and no rope_scaling. A block without RoPE (``rope_pattern``
+        N) gets position_embedding none."""
         values = dict(self.block_overrides.get(index) or {})
         letter = self._window_letter(index)
         if letter == "F":
@@ -471,6 +478,9 @@ class ModelConfig:
         elif letter == "S" and self.rope_local_theta is not None:
             values.update(rope_theta=self.rope_local_theta, rope_scaling="none", rope_local_theta=None,
                           sliding_window_pattern="S")
+        if self._pattern_letter(self.rope_pattern, index) == "N":
+            values.update(position_embedding="none", rope_pattern="R", rope_fraction=1.0, rope_scaling="none",
+                          rope_local_theta=None)
         if not values:
             return self
         if (index < self.num_blocks and self.block_kinds[index] == "*" and "head_dim" not in values
@@ -500,11 +510,19 @@ class ModelConfig:
         for a block that is no attention block."""
         if self.sliding_window is None:
             return None
+        return self._pattern_letter(self.sliding_window_pattern, index)
+
+    def _pattern_letter(self, pattern: str, index: int) -> str | None:
+        """The letter of a per-attention-block ``pattern`` (repeated) for block ``index``, None for a
+        block that is no attention block."""
         blocks = self.attention_blocks
         if index not in blocks:
             return None
-        pattern = self.sliding_window_pattern
         return pattern[blocks.index(index) % len(pattern)]
+
+    def block_rotates(self, index: int) -> bool:
+        """Whether attention block ``index`` applies RoPE (``position_embedding`` and ``rope_pattern``)."""
+        return self.position_embedding == "rope" and self._pattern_letter(self.rope_pattern, index) != "N"
 
     @property
     def output_init_std(self) -> float:
@@ -536,6 +554,9 @@ class ModelConfig:
                 if getattr(self, name) is not None:
                     raise ConfigError(f"model.{name}={getattr(self, name)} applies to attention blocks, and "
                                       f"model.pattern={self.pattern!r} has none; set model.{name}=null.")
+            if self.rope_pattern != "R":
+                raise ConfigError(f"model.rope_pattern={self.rope_pattern!r} chooses the attention blocks that rotate, "
+                                  f"and model.pattern={self.pattern!r} has none; drop model.rope_pattern.")
         _soft_cap(self, "final_logit_softcap", 30)
         if self.parallel_residual and not parallel_residual_pairs(self.block_kinds):
             raise ConfigError(f"model.parallel_residual=true runs each attention block ('*') beside the MLP or MoE "
@@ -729,6 +750,7 @@ class ModelConfig:
                               "be a positive even number; change model.rope_fraction or the head dim.")
         self._validate_rope_scaling()
         self._validate_sliding_window()
+        self._validate_rope_pattern()
         scale = self.attention_scale
         if scale is not None and not _positive_number(scale):
             raise ConfigError(f"model.attention_scale={scale!r} must be a positive number, or null for "
@@ -784,6 +806,16 @@ class ModelConfig:
                                   "model.sliding_window and model.position_embedding=rope (or set it to null).")
             if not _positive_number(local):
                 raise ConfigError(f"model.rope_local_theta={local!r} must be a positive number (Gemma 3: 10000).")
+
+    def _validate_rope_pattern(self) -> None:
+        pattern = self.rope_pattern
+        if not isinstance(pattern, str) or not pattern or set(pattern) - {"R", "N"}:
+            raise ConfigError(f"model.rope_pattern={pattern!r} must be a string of R (RoPE) and N (no position "
+                              "encoding) letters, one per attention block, repeated: e.g. 'R' (all), 'RRRN'.")
+        if pattern != "R" and (self.position_embedding != "rope" or self.attention_type != "gqa"):
+            raise ConfigError(f"model.rope_pattern={pattern!r} leaves some attention blocks without RoPE, which needs "
+                              f"model.position_embedding=rope (it is {self.position_embedding!r}) and "
+                              f"model.attention_type=gqa (it is {self.attention_type!r}); drop model.rope_pattern.")
 
     def _validate_rope_scaling(self) -> None:
         _choice(self, "rope_scaling", ROPE_SCALINGS)

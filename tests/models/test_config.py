@@ -54,6 +54,7 @@ def test_defaults_are_resolved_in_one_place():
     (dict(qk_norm=True, qk_norm_scope="all", qk_norm_per_head=True), "model.qk_norm_per_head=true is for a norm"),
     (dict(qk_norm=True, qk_norm_scope="all", qk_norm_type="layernorm"), "set model.qk_norm_scope=head"),
     (dict(qk_norm=True, qk_norm_type="layernorm", norm_zero_centered=True), "model.qk_norm_type=layernorm has a"),
+    (dict(pattern="M-", rope_pattern="N"), "model.pattern='M-' has none; drop model.rope_pattern"),
 ])
 def test_invalid_fields_are_named(overrides, fragment):
     with pytest.raises(ConfigError) as error:

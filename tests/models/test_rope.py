@@ -1,6 +1,7 @@
 """RoPE scaling (meshlm/models/rope.py): the frequencies and attention factor of each scaling
 against transformers' RoPE functions and against the formulas by hand, cached decoding with a
-scaled model, and the settings the configuration refuses. (Logits of converted Llama checkpoints
+scaled model, attention blocks without RoPE (``model.rope_pattern``), and the settings the
+configuration refuses. (Logits of converted Llama checkpoints
 with each scaling: tests/hf/test_llama.py; context parallelism: tests/parallel/context.)"""
 
 from __future__ import annotations
@@ -116,6 +117,40 @@ def test_cached_decoding_with_partial_rotary_equals_the_full_forward(fraction):
     assert_decode_step_equals_the_cached_forward(model)
 
 
+def test_rope_pattern_leaves_the_n_blocks_unrotated_and_only_those():
+    """'RN' cycles over the attention blocks, MTP's included: blocks 0 and 4 rotate, block 2 and the
+    MTP depth's second attention block do not. The same weights with only block 2's rotation taken
+    out by hand give the same logits; with it left in they differ."""
+    torch.manual_seed(0)
+    fields = dict(vocab_size=97, hidden_size=64, pattern="*-*-*-", num_attention_heads=4, num_kv_heads=2,
+                  init_std=0.1, rope_fraction=0.5, rope_scaling="linear", rope_scaling_factor=2.0)
+    nope = LanguageModel(ModelConfig(**fields, rope_pattern="RN")).eval()
+    assert [block.mixer.rotary is None for block in nope.blocks if hasattr(block.mixer, "rotary")] == [False, True,
+                                                                                                        False]
+    assert nope.config.for_block(2).position_embedding == "none" and nope.config.for_block(4).rope_fraction == 0.5
+    rotating = LanguageModel(ModelConfig(**fields)).eval()
+    rotating.load_state_dict(nope.state_dict())
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = nope(ids).logits
+        assert not torch.allclose(rotating(ids).logits, expected, atol=1e-4)
+        rotating.blocks[2].mixer.rotary = None
+        torch.testing.assert_close(rotating(ids).logits, expected, rtol=0, atol=0)
+    mtp = ModelConfig(**{**fields, "pattern": "*-"}, rope_pattern="RN", mtp_depth=1, mtp_pattern="*-")
+    assert [mtp.block_rotates(index) for index in mtp.attention_blocks] == [True, False]
+
+
+def test_cached_decoding_with_unrotated_blocks_equals_the_full_forward():
+    from tests.helpers.cached_decoding import (assert_cached_generation_equals_the_full_forward,
+                                               assert_decode_step_equals_the_cached_forward)
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=97, hidden_size=64, pattern="*-*-*-*-", num_attention_heads=4, num_kv_heads=2,
+                         init_std=0.1, rope_pattern="RRRN", sliding_window=6, sliding_window_pattern="SSSF")
+    model = LanguageModel(config).eval()
+    assert_cached_generation_equals_the_full_forward(model)
+    assert_decode_step_equals_the_cached_forward(model)
+
+
 @pytest.mark.parametrize("fields,match", [
     ({"rope_fraction": 0.0}, "model.rope_fraction=0.0 must lie in"),
     ({"rope_fraction": 1.5}, "model.rope_fraction=1.5 must lie in"),
@@ -129,6 +164,10 @@ def test_cached_decoding_with_partial_rotary_equals_the_full_forward(fraction):
     ({"rope_scaling": "yarn", "rope_beta_fast": 1.0, "rope_beta_slow": 2.0}, "need 0 < slow < fast"),
     ({"rope_scaling": "yarn", "rope_attention_factor": 0.0}, "model.rope_attention_factor=0.0 must be > 0"),
     ({"rope_scaling": "linear", "position_embedding": "none"}, "model.position_embedding='none'; set model.rope_scaling=none"),
+    ({"rope_pattern": "RS"}, "model.rope_pattern='RS' must be a string of R"),
+    ({"rope_pattern": ""}, "model.rope_pattern='' must be a string of R"),
+    ({"rope_pattern": "RN", "position_embedding": "learned", "max_position_embeddings": 8},
+     "needs model.position_embedding=rope .it is 'learned'"),
 ])
 def test_bad_rope_scaling_is_refused_by_field(fields, match):
     with pytest.raises(ConfigError, match=match):

@@ -36,7 +36,9 @@ MODELS = {
                "model.mamba_head_dim=16", "model.mamba_chunk_size=16", "model.mamba_num_groups=2",
                "model.mlp_activation=squared_relu",
                "model.ffn_hidden_size=128"],
-    "dense sliding window": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.sliding_window=8"],
+    # and the second attention block without RoPE (model.rope_pattern)
+    "dense sliding window": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.sliding_window=8",
+                             "model.rope_pattern=RN"],
     "gemma-style": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.mlp_activation=geglu", "model.qk_norm=true",
                     "model.block_output_norm=true", "model.norm_zero_centered=true", "model.embedding_multiplier=8"],
     "gemma2-style soft caps": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.mlp_activation=geglu",

@@ -60,9 +60,10 @@ MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
                                    "model.attention_scale=0.3", "model.qk_norm=true", "model.qk_norm_scope=all",
                                    "model.block_input_norm=false"],
           # caps that bend this model's scores (~3 under QK-norm) and logits (~0.4): every ring block on the
-          # reference path, the capped logits in the vocab-parallel loss under tp
+          # reference path, the capped logits in the vocab-parallel loss under tp; the first attention
+          # block without RoPE (its ring blocks see raw queries and keys)
           "dense soft caps": [*helpers.MODELS["dense"], "model.qk_norm=true", "model.attention_softcap=2",
-                              "model.final_logit_softcap=0.3", "model.sliding_window=6"],
+                              "model.final_logit_softcap=0.3", "model.sliding_window=6", "model.rope_pattern=NR"],
           # each rank looks its chunks' global positions up in the learned table; attention beside the MLP
           # through one norm (a parallel residual) and a bias on the output head, as Phi's
           "gpt2-style": [*helpers.MODELS["dense"], "model.position_embedding=learned", "model.max_position_embeddings=32",
