@@ -692,7 +692,7 @@ def validate_objective(config: RunConfig) -> None:
 
 def validate_optimizer(config: RunConfig) -> None:
     """optim.optimizer and Muon's settings, and the layouts Muon cannot step (meshlm/optim/muon.py)."""
-    optim, parallel = config.optim, config.parallel
+    optim = config.optim
     check_choice("optim.optimizer", optim.optimizer, ("adamw", "muon"))
     if optim.optimizer != "muon":
         return

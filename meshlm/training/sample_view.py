@@ -34,7 +34,6 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import torch
 
 from meshlm.data.blend import BlendedDataset
 from meshlm.data.preference import PAIRS, PreferenceDataset

@@ -1,7 +1,7 @@
 import json
 
-import pytest
 import torch
+
 from meshlm.checkpoint.model_files import load_model, save_model
 from meshlm.cli import main
 from meshlm.data.tokenizer import load_tokenizer

@@ -12,7 +12,6 @@ import pytest
 from meshlm.checkpoint.folders import checkpoint_dirs
 from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.cli import main
-from meshlm.config import load_run_config
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.training.metrics import read_metrics
 from meshlm.training.status_cli import describe, run_status

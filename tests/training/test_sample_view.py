@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from meshlm.cli import main
 from meshlm.config import load_run_config
 from meshlm.data.chat_preprocess import preprocess_chat
 from meshlm.data.indexed import TokenStore
-from meshlm.errors import ConfigError
 from meshlm.training.data_loading import build_training_data
 from meshlm.training.sample_view import DIM, RowView, render_row, view_samples
 from tests.helpers.preference_data import CHOSEN_MARKER, REJECTED_MARKER, separable_pairs, write_store
