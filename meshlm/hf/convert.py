@@ -29,7 +29,8 @@ partial rotary, a bias on the output head), GPT-J (Phi's layer without attention
 pairs interleaved), Command R (the parallel layer with a bias-free LayerNorm, SwiGLU and interleaved
 rotary pairs, scaled logits), Cohere2 (Command R's layer, three sliding layers with RoPE to one full
 without), SmolLM3 (Llama's layer, some layers without RoPE), Granite (Llama with
-muP-style multipliers), Mamba2 ('MMM...') and
+muP-style multipliers), GLM and GLM-4-0414 (Llama's layer rotating half of each head in interleaved
+pairs, biases on q/k/v, a fused gate_up_proj; GLM-4-0414 with norms after the sublayers), Mamba2 ('MMM...') and
 Nemotron-H (everything hybrid). When none fits, the error lists, per architecture, the fields that
 block it. The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
 by chunk from a training checkpoint) when the first HF tensor cut from it is written. With
@@ -52,7 +53,7 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
                                            weights_source, write_model_folder)
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
-from meshlm.hf import (cohere, cohere2, deepseek_v3, falcon, gemma2, gemma3, gpt2, gpt_neox, gptj, granite, llama, mamba2,
+from meshlm.hf import (cohere, cohere2, deepseek_v3, falcon, gemma2, gemma3, glm, gpt2, gpt_neox, gptj, granite, llama, mamba2,
                        mistral, mixtral, nemotron_h, olmo2, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm,
                        starcoder2)
 from meshlm.hf.common import Architecture, produce_all
@@ -71,7 +72,7 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           stablelm.ARCHITECTURE, falcon.ARCHITECTURE, phi.ARCHITECTURE,
                                           gptj.ARCHITECTURE, cohere.ARCHITECTURE, cohere2.ARCHITECTURE,
                                           smollm3.ARCHITECTURE,
-                                          granite.ARCHITECTURE,
+                                          granite.ARCHITECTURE, glm.GLM_ARCHITECTURE, glm.GLM4_ARCHITECTURE,
                                           mamba2.ARCHITECTURE,
                                           nemotron_h.ARCHITECTURE)
 EXPORTABLE: dict[str, Architecture] = {architecture.name: architecture for architecture in EXPORT_ORDER}
