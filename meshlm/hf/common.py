@@ -448,7 +448,7 @@ def rope_from_hf(hf_config: dict, default_theta: float, architecture: str, parti
     """``ModelConfig`` RoPE fields from ``rope_parameters`` (v5) or ``rope_theta``/``rope_scaling``
     (v4): the base, and the scaling meshlm implements (``meshlm/models/rope.py``: 'linear',
     'llama3', 'yarn', with YaRN's attention factor from ``mscale``/``mscale_all_dim`` as the HF
-    code derives it); with ``partial_rotary`` (a class whose attention rotates the first channels
+    code derives it, and 'longrope' -- older files: 'su' -- with its short and long factors); with ``partial_rotary`` (a class whose attention rotates the first channels
     only, as Phi-3's does) ``partial_rotary_factor`` as ``model.rope_fraction``; anything else is
     refused by name."""
     parameters = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
@@ -466,13 +466,24 @@ def rope_from_hf(hf_config: dict, default_theta: float, architecture: str, parti
     if rope_type == "default":
         return fields
     factor = parameters.get("factor")
-    original = parameters.get("original_max_position_embeddings") or hf_config.get("max_position_embeddings")
-    if factor is None and rope_type == "yarn" and original and hf_config.get("max_position_embeddings"):
-        factor = hf_config["max_position_embeddings"] / original  # DeepSeek-V3's implicit factor
+    original = (parameters.get("original_max_position_embeddings") or hf_config.get("original_max_position_embeddings")
+                or hf_config.get("max_position_embeddings"))
+    implicit = rope_type in ("yarn", "longrope", "su") and original and hf_config.get("max_position_embeddings")
+    if factor is None and implicit:
+        factor = hf_config["max_position_embeddings"] / original  # DeepSeek-V3's and Phi-3's implicit factor
     if factor is None:
         raise ConfigError(f"{architecture} config.json: rope type {rope_type!r} without a 'factor'; give the "
                           "scaling factor in rope_parameters.")
     fields.update(rope_scaling=HF_ROPE_SCALINGS[rope_type], rope_scaling_factor=float(factor))
+    if rope_type in ("longrope", "su"):
+        if parameters.get("short_factor") is None or parameters.get("long_factor") is None:
+            raise ConfigError(f"{architecture} config.json: rope type {rope_type!r} needs its short_factor and "
+                              "long_factor lists in rope_parameters (or rope_scaling).")
+        fields.update(rope_original_max_positions=int(original), rope_short_factors=list(parameters["short_factor"]),
+                      rope_long_factors=list(parameters["long_factor"]))
+        if parameters.get("attention_factor") is not None:
+            fields["rope_attention_factor"] = float(parameters["attention_factor"])
+        return fields
     if rope_type in ("llama3", "yarn"):
         if not original:
             raise ConfigError(f"{architecture} config.json: rope type {rope_type!r} needs "
@@ -545,7 +556,7 @@ def layered_rope_to_hf(config: ModelConfig) -> dict:
             "rope_theta": full["rope_theta"]}
 
 
-HF_ROPE_SCALINGS = {"linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+HF_ROPE_SCALINGS = {"linear": "linear", "llama3": "llama3", "yarn": "yarn", "longrope": "longrope", "su": "longrope"}
 """HF ``rope_type`` -> ``model.rope_scaling``."""
 
 
@@ -567,8 +578,12 @@ def rope_to_hf(config: ModelConfig) -> dict:
     parameters = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
     if config.rope_scaling != "none":
         parameters.update(rope_type=config.rope_scaling, factor=float(config.rope_scaling_factor))
-    if config.rope_scaling in ("llama3", "yarn"):
+    if config.rope_scaling in ("llama3", "yarn", "longrope"):
         parameters["original_max_position_embeddings"] = config.rope_original_max_positions
+    if config.rope_scaling == "longrope":
+        parameters.update(short_factor=list(config.rope_short_factors), long_factor=list(config.rope_long_factors))
+        if config.rope_attention_factor is not None:
+            parameters["attention_factor"] = config.rope_attention_factor
     if config.rope_scaling == "llama3":
         parameters.update(low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor)
     if config.rope_scaling == "yarn":

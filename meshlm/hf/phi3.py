@@ -8,8 +8,10 @@ second the up projection. meshlm keeps them apart, so each is a range of rows of
 sliding window of 2047 tokens in every layer (``model.sliding_window``); Phi-4 attends to everything.
 
 Phi-4-mini rotates the first three quarters of each head (``partial_rotary_factor`` 0.75:
-``model.rope_fraction``). Not supported, refused by name: ``longrope`` RoPE scaling (Phi-3/3.5's
-128k-context models, Phi-4-mini's long context).
+``model.rope_fraction``). The 128k-context models (Phi-3-mini/medium-128k, Phi-3.5, Phi-4-mini)
+stretch RoPE with ``longrope`` (``model.rope_scaling=longrope``: a short and a long factor per
+rotated pair, the long ones past ``original_max_position_embeddings``); as transformers' Phi-3
+config does, a ``su`` or ``yarn`` type there means ``longrope``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,23 @@ DEFAULTS = {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     windows = window_fields(hf_config.get("sliding_window"), [True] * hf["num_hidden_layers"])
-    return dense_decoder_config(hf, hf_config, NAME, partial_rotary=True, **windows)
+    contexts = {"max_position_embeddings": hf["max_position_embeddings"],  # LongRoPE's factor is their ratio
+                "original_max_position_embeddings": hf_config.get("original_max_position_embeddings",
+                                                                  DEFAULTS["max_position_embeddings"])}
+    return dense_decoder_config(hf, with_longrope_named({**hf_config, **contexts}), NAME, partial_rotary=True,
+                                **windows)
+
+
+def with_longrope_named(hf_config: dict) -> dict:
+    """``hf_config`` with a RoPE type of ``su`` or ``yarn`` named ``longrope``: transformers' Phi-3
+    config reads both so (older Phi-3 files say ``su``)."""
+    key = "rope_parameters" if hf_config.get("rope_parameters") else "rope_scaling"
+    parameters = hf_config.get(key) or {}
+    kind = parameters.get("rope_type", parameters.get("type"))
+    if kind not in ("su", "yarn"):
+        return hf_config
+    return {**hf_config, key: {**{name: value for name, value in parameters.items() if name != "type"},
+                               "rope_type": "longrope"}}
 
 
 def unsupported(config: ModelConfig) -> list[str]:
@@ -49,7 +67,9 @@ def config_to_hf(config: ModelConfig) -> dict:
     return dense_decoder_to_hf(config, NAME, "phi3", DEFAULTS["max_position_embeddings"], rope_parameters=rope,
                                bos_token_id=None, eos_token_id=None, pad_token_id=None,
                                sliding_window=uniform_window(config),
-                               original_max_position_embeddings=DEFAULTS["max_position_embeddings"])
+                               original_max_position_embeddings=(config.rope_original_max_positions
+                                                                 if config.rope_scaling == "longrope"
+                                                                 else DEFAULTS["max_position_embeddings"]))
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:

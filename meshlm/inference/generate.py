@@ -62,6 +62,30 @@ def left_pad(prompts: list[list[int]], pad_token_id: int,
     return input_ids.to(device), (None if bool(token_mask.all()) else token_mask.to(device))
 
 
+def check_rope_factors_stay(config, longest: int, new_tokens: int, prefill_chunk: int | None) -> None:
+    """Refuse a generation over which LongRoPE would change factors (``models/rope.py``).
+
+    A forward rotates with the short factors while its largest position stays below the original
+    context L and with the long ones, every position anew, from there on. transformers meets that
+    by recomputing its whole cache when a sequence first passes L; a cache here keeps the keys as
+    rotated when they came in, so it holds one set: a generation must stay within L, or start past
+    it (a prompt longer than L, prefilled in chunks longer than L or in one piece)."""
+    if config.rope_scaling != "longrope":
+        return
+    original = config.rope_original_max_positions
+    furthest = longest + new_tokens - 1  # the longest sequence a forward of this generation rotates
+    if longest <= original < furthest:
+        raise ConfigError(f"a prompt of {longest} tokens and {new_tokens - 1} tokens more would take this model's "
+                          f"LongRoPE (model.rope_scaling=longrope) past its original context of {original} tokens, "
+                          "where it rotates every cached key anew with its long factors (transformers recomputes "
+                          f"its cache there; meshlm does not yet); keep the prompt plus the new tokens within "
+                          f"{original + 1}, or start from a prompt longer than {original}.")
+    if prefill_chunk is not None and prefill_chunk <= original < longest:
+        raise ConfigError(f"prefill_chunk={prefill_chunk}: the first chunk of this {longest}-token prompt would "
+                          f"rotate with LongRoPE's short factors and the prompt as a whole with its long ones (past "
+                          f"{original} tokens); prefill in one piece or in chunks longer than {original}.")
+
+
 def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
              eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
              valid_vocab_size: int | None = None, prefill_chunk: int | None = None,
@@ -92,6 +116,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     check_positions_fit(model.config, longest + max_new_tokens,
                         f"a prompt of {longest} tokens and max_new_tokens={max_new_tokens}",
                         "shorten the prompt or ask for fewer new tokens")
+    drafts = (draft_tokens or model.config.mtp_depth) if speculative is not None else 0
+    check_rope_factors_stay(model.config, longest, max_new_tokens + drafts, prefill_chunk)
     if speculative is not None and compile:
         raise ConfigError("compiling the decode step applies to plain decoding, not speculative decoding; "
                           "drop --compile or --speculative.")

@@ -37,7 +37,7 @@ NORMS = ("rmsnorm", "layernorm")
 POSITION_EMBEDDINGS = ("rope", "none", "learned")
 ATTENTION_TYPES = ("gqa", "mla")
 QK_NORM_SCOPES = ("head", "all")
-ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
 MAMBA_SCANS = ("auto", "pytorch", "triton", "reference")
 ATTENTION_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")  # meshlm/models/attention_kernels.py
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -135,11 +135,14 @@ class ModelConfig:
     2023); 'llama3' (Llama 3.1: low frequencies divided by the factor, high ones kept, a smooth
     ramp between, set by rope_low/high_freq_factor); 'yarn' (Peng et al. 2023: NTK-by-parts
     between rope_beta_fast and rope_beta_slow rotations, and cos/sin scaled by
-    rope_attention_factor). `meshlm convert hf-to-meshlm` sets these from config.json."""
+    rope_attention_factor); 'longrope' (Ding et al. 2024, Phi-3.5 and Phi-4-mini: each frequency
+    divided by a searched factor of its own, rope_short_factors while a sequence fits
+    rope_original_max_positions, rope_long_factors beyond). `meshlm convert hf-to-meshlm` sets
+    these from config.json."""
     rope_scaling_factor: float = 1.0
     """rope_scaling: how many times longer the context is than rope_original_max_positions."""
     rope_original_max_positions: int = 8192
-    """rope_scaling llama3 / yarn: the context length the model was pretrained at."""
+    """rope_scaling llama3 / yarn / longrope: the context length the model was pretrained at."""
     rope_low_freq_factor: float = 1.0
     """rope_scaling=llama3: wavelengths above rope_original_max_positions / this are scaled whole."""
     rope_high_freq_factor: float = 4.0
@@ -150,8 +153,16 @@ class ModelConfig:
     rope_beta_slow: float = 1.0
     """rope_scaling=yarn: dims rotating fewer times than this are divided by the factor (interpolate)."""
     rope_attention_factor: float | None = None
-    """rope_scaling=yarn: the factor on cos and sin (so on the attention logits, squared). None means
-    YaRN's 0.1 ln(rope_scaling_factor) + 1."""
+    """rope_scaling yarn / longrope: the factor on cos and sin (so on the attention logits, squared).
+    None means YaRN's 0.1 ln(rope_scaling_factor) + 1, or LongRoPE's
+    sqrt(1 + ln(rope_scaling_factor) / ln(rope_original_max_positions))."""
+    rope_short_factors: list[float] | None = None
+    """rope_scaling=longrope: one divisor per rotated pair of channels (rotary_dim / 2 of them) for a
+    sequence of at most rope_original_max_positions tokens."""
+    rope_long_factors: list[float] | None = None
+    """rope_scaling=longrope: the divisors for a longer sequence. Which set a forward uses depends on
+    its largest position, as in transformers: a sequence that grows past the original context is
+    rotated anew with these."""
     rope_local_theta: float | None = None
     """RoPE base of the sliding-window attention blocks, which then rotate without rope_scaling
     (Gemma 3: 10000 in the sliding blocks, 1e6 scaled linearly in the full ones). None: every
@@ -477,10 +488,10 @@ class ModelConfig:
             values.update(sliding_window=None, sliding_window_pattern="S", rope_local_theta=None)
         elif letter == "S" and self.rope_local_theta is not None:
             values.update(rope_theta=self.rope_local_theta, rope_scaling="none", rope_local_theta=None,
-                          sliding_window_pattern="S")
+                          sliding_window_pattern="S", rope_short_factors=None, rope_long_factors=None)
         if self._pattern_letter(self.rope_pattern, index) == "N":
             values.update(position_embedding="none", rope_pattern="R", rope_fraction=1.0, rope_scaling="none",
-                          rope_local_theta=None)
+                          rope_local_theta=None, rope_short_factors=None, rope_long_factors=None)
         if not values:
             return self
         if (index < self.num_blocks and self.block_kinds[index] == "*" and "head_dim" not in values
@@ -819,6 +830,7 @@ class ModelConfig:
 
     def _validate_rope_scaling(self) -> None:
         _choice(self, "rope_scaling", ROPE_SCALINGS)
+        self._validate_longrope_factors()
         if self.rope_scaling == "none":
             return
         if self.position_embedding != "rope":
@@ -839,6 +851,21 @@ class ModelConfig:
         if self.rope_attention_factor is not None and not self.rope_attention_factor > 0:
             raise ConfigError(f"model.rope_attention_factor={self.rope_attention_factor} must be > 0, or null for "
                               "YaRN's 0.1 ln(factor) + 1.")
+
+    def _validate_longrope_factors(self) -> None:
+        for name in ("rope_short_factors", "rope_long_factors"):
+            factors = getattr(self, name)
+            if self.rope_scaling != "longrope":
+                if factors is not None:
+                    raise ConfigError(f"model.{name} holds LongRoPE's divisors, and model.rope_scaling="
+                                      f"{self.rope_scaling!r}; set model.rope_scaling=longrope or model.{name}=null.")
+                continue
+            pairs = self.rotary_dim // 2
+            if (not isinstance(factors, (list, tuple)) or len(factors) != pairs
+                    or not all(_positive_number(factor) for factor in factors)):
+                raise ConfigError(f"model.{name} must list {pairs} positive numbers with model.rope_scaling=longrope, "
+                                  f"one per rotated pair of channels (rotary_dim {self.rotary_dim} / 2); it is "
+                                  f"{factors!r}.")
 
     def _validate_mamba(self) -> None:
         heads, groups = self.resolved_mamba_num_heads, self.mamba_num_groups

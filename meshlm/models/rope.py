@@ -21,13 +21,21 @@ the integers they are; only f_i changes):
   whole dims unless ``rope_yarn_truncate=false``). Stretched low frequencies flatten the
   attention distribution, so YaRN multiplies cos and sin by an attention factor, by default
   0.1 ln(s) + 1 (the logits by its square).
+- ``longrope`` (Ding et al. 2024, "LongRoPE: Extending LLM Context Window Beyond 2 Million
+  Tokens"; Phi-3.5, Phi-4-mini): each f_i is divided by a factor of its own, found by search --
+  ``rope_short_factors`` while the sequence fits the original context L, ``rope_long_factors``
+  once its largest position reaches L -- and cos and sin are multiplied by
+  sqrt(1 + ln(s) / ln(L)). The choice is per forward, by the largest position it rotates, as
+  transformers makes it: a sequence that grows past L is rotated anew, all of it, with the long
+  factors. Both sets are computed and one picked on the device (``torch.where``), so the choice
+  costs no host sync and a compiled graph holds both.
 
 **Partial rotary** (``model.rope_fraction`` f): only the first d = int(f head_dim) channels of each
 head are rotated, with the frequencies of a d-channel head (pairs (i, i + d/2) of them); the other
 channels carry no position (GPT-NeoX, Phi-4-mini; transformers' ``partial_rotary_factor``).
 
 These are the formulas of the Hugging Face configurations (``rope_type`` 'linear', 'llama3',
-'yarn'), so converted checkpoints keep their logits (tests/hf). NTK-aware "dynamic" scaling,
+'yarn', 'longrope'), so converted checkpoints keep their logits (tests/hf). NTK-aware "dynamic" scaling,
 which changes with the sequence length at inference, is not built.
 """
 
@@ -54,18 +62,23 @@ class RopeScaling:
     beta_slow: float = 1.0
     attention_factor: float | None = None
     yarn_truncate: bool = True
+    short_factors: tuple[float, ...] | None = None
+    long_factors: tuple[float, ...] | None = None
 
     @staticmethod
     def from_config(config) -> "RopeScaling":
+        short, long = config.rope_short_factors, config.rope_long_factors
         return RopeScaling(config.rope_scaling, config.rope_scaling_factor, config.rope_original_max_positions,
                            config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_beta_fast,
-                           config.rope_beta_slow, config.rope_attention_factor, config.rope_yarn_truncate)
+                           config.rope_beta_slow, config.rope_attention_factor, config.rope_yarn_truncate,
+                           None if short is None else tuple(float(factor) for factor in short),
+                           None if long is None else tuple(float(factor) for factor in long))
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(),
-                     device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+                     device: torch.device | None = None, long: bool = False) -> tuple[torch.Tensor, float]:
     """(f_i for i < head_dim / 2 in fp32 on ``device``, the factor on cos and sin): see the module
-    docstring."""
+    docstring; ``long``: LongRoPE's long factors rather than its short ones."""
     base = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
     if scaling.kind == "linear":
         return base / scaling.factor, 1.0
@@ -73,6 +86,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeSca
         return llama3_frequencies(base, scaling), 1.0
     if scaling.kind == "yarn":
         return yarn_frequencies(base, head_dim, theta, scaling), yarn_attention_factor(scaling)
+    if scaling.kind == "longrope":
+        factors = torch.tensor(scaling.long_factors if long else scaling.short_factors, device=device)
+        return base / factors, longrope_attention_factor(scaling)
     return base, 1.0
 
 
@@ -106,6 +122,14 @@ def yarn_attention_factor(scaling: RopeScaling) -> float:
     return 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
 
 
+def longrope_attention_factor(scaling: RopeScaling) -> float:
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.factor <= 1:
+        return 1.0
+    return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_positions))
+
+
 class RotaryEmbedding(nn.Module):
     """Holds no tensors: the frequencies are recomputed per call (a few hundred flops), so the
     module is the same on any device, including the meta device used to build large models."""
@@ -121,6 +145,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [batch, seq, head_dim] (fp32) for integer positions [batch, seq]."""
         frequencies, factor = rope_frequencies(self.head_dim, self.theta, self.scaling, position_ids.device)
+        if self.scaling.kind == "longrope":  # the long factors once the sequence passes the original context
+            long, _ = rope_frequencies(self.head_dim, self.theta, self.scaling, position_ids.device, long=True)
+            frequencies = torch.where(position_ids.max() + 1 > self.scaling.original_max_positions, long, frequencies)
         angles = position_ids[..., None].float() * frequencies
         angles = torch.cat((angles, angles), dim=-1)
         if factor == 1.0:

@@ -246,6 +246,10 @@ def check_layout(parallel, model, world_size: int, seq_len: int | None = None,
                           f"{'*tp' if parallel.sp else ''}); context parallelism splits each sequence into 2*cp "
                           f"chunks{' and sequence parallelism each chunk pair over tp' if parallel.sp else ''}. "
                           f"Use {_seq_len_choices(seq_len, multiple)}.")
+    if parallel.cp > 1 and model.rope_scaling == "longrope":
+        raise ConfigError("model.rope_scaling=longrope picks its factors by the largest position a forward rotates, "
+                          "and context parallelism gives each rank only some chunks of the sequence (their largest "
+                          "positions differ); use parallel.cp=1 with LongRoPE.")
     if micro_batches_per_step is not None and micro_batches_per_step % dp:
         raise ConfigError(f"the {micro_batches_per_step} micro-batches of a step (train.global_batch_size / "
                           f"train.micro_batch_size) do not split evenly over parallel.dp={dp} ranks; make "

@@ -12,7 +12,8 @@ from meshlm.hf import choose_architecture, llama, phi3  # noqa: E402
 from meshlm.models.config import ModelConfig  # noqa: E402
 from meshlm.models.language_model import LanguageModel  # noqa: E402
 
-from .helpers import VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, convert_and_compare  # noqa: E402
+from .helpers import (VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, assert_same_logits,  # noqa: E402
+                      convert_and_compare, load_hf, random_ids)
 
 
 def tiny_phi3(**overrides) -> Phi3Config:
@@ -38,6 +39,31 @@ def test_logits_match_transformers_and_round_trip(overrides, tmp_path):
                                     "rope_parameters", "tie_word_embeddings"))
 
 
+@pytest.mark.parametrize("partial", [1.0, 0.75], ids=["phi3.5-like", "phi4-mini-like"])
+def test_longrope_logits_match_transformers_within_and_past_the_original_context(partial, tmp_path):
+    """Phi-3.5 and Phi-4-mini stretch RoPE with LongRoPE: a sequence of 24 tokens rotates with the long
+    factors (past the original 16), one of 12 with the short ones; both match transformers."""
+    pairs = int(8 * partial) // 2
+    rope = {"rope_type": "longrope", "rope_theta": 250000.0, "partial_rotary_factor": partial,
+            "short_factor": [1.0 + 0.1 * pair for pair in range(pairs)],
+            "long_factor": [1.0 + 2.5 * pair for pair in range(pairs)]}
+    hf_config = tiny_phi3(rope_parameters=rope, max_position_embeddings=64, original_max_position_embeddings=16)
+    model = convert_and_compare(hf_config, tmp_path, seq=24)
+    config = model.config
+    assert (config.rope_scaling, config.rope_scaling_factor, config.rope_original_max_positions) == ("longrope", 4.0, 16)
+    assert config.rope_long_factors == rope["long_factor"] and config.rotary_dim == 2 * pairs
+    assert_same_logits(load_hf(tmp_path / "hf"), model, random_ids(seq=12))
+    assert_hf_round_trip(tmp_path, ("original_max_position_embeddings", "max_position_embeddings"))
+
+
+def test_older_phi3_files_name_longrope_su():
+    config = phi3.config_from_hf({"architectures": [phi3.NAME], "hidden_size": 32, "num_attention_heads": 4,
+                                  "num_hidden_layers": 1, "max_position_embeddings": 128,
+                                  "original_max_position_embeddings": 32,
+                                  "rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}})
+    assert (config.rope_scaling, config.rope_scaling_factor, config.rope_short_factors) == ("longrope", 4.0, [1.0] * 4)
+
+
 def test_a_meshlm_model_round_trips_through_the_fused_tensors(tmp_path):
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
@@ -47,10 +73,13 @@ def test_a_meshlm_model_round_trips_through_the_fused_tensors(tmp_path):
 
 
 def test_what_phi3_cannot_hold_is_refused_by_name():
-    with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
+    with pytest.raises(ConfigError, match="model.rope_short_factors must list 4 positive numbers"):
         phi3.config_from_hf({"architectures": [phi3.NAME], "hidden_size": 32, "num_attention_heads": 4,
                              "num_hidden_layers": 1, "rope_scaling": {"type": "longrope", "short_factor": [1.0],
                                                                       "long_factor": [1.0]}})
+    with pytest.raises(ConfigError, match="needs its short_factor and long_factor"):
+        phi3.config_from_hf({"architectures": [phi3.NAME], "hidden_size": 32, "num_attention_heads": 4,
+                             "num_hidden_layers": 1, "rope_scaling": {"type": "longrope", "short_factor": [1.0]}})
     with pytest.raises(ConfigError, match="partial_rotary_factor=0.75 is not supported; LlamaForCausalLM's"):
         llama.config_from_hf({"architectures": [llama.NAME], "hidden_size": 32, "num_attention_heads": 4,
                               "num_hidden_layers": 1, "partial_rotary_factor": 0.75})

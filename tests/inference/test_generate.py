@@ -191,3 +191,33 @@ def test_compiled_decoding_gives_the_same_tokens_and_times_compiling_apart(monke
     assert stats.compile_seconds > 0 and stats.summary()["compile_seconds"] >= 0
     with pytest.raises(ConfigError, match="drop --compile or --speculative"):
         generate(tiny_model("M*-"), PROMPTS[:1], 4, GREEDY, speculative="mtp", compile=True)
+
+
+def longrope_model() -> LanguageModel:
+    """Phi-3.5's LongRoPE in small: the long factors past 12 positions."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=97, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
+                         init_std=0.1, rope_scaling="longrope", rope_scaling_factor=4.0, rope_original_max_positions=12,
+                         rope_short_factors=[1.0, 1.1, 1.3, 1.6], rope_long_factors=[1.0, 3.0, 9.0, 27.0])
+    return LanguageModel(config).eval()
+
+
+def test_longrope_generation_within_and_past_the_original_context_equals_the_full_forward():
+    """Cached generation with one set of factors throughout -- the short within 12 positions, the long
+    from a prompt past them -- gives the tokens of a full forward over each prefix (transformers' rule)."""
+    model = longrope_model()
+    within, past = PROMPTS[0], PROMPTS[0] + PROMPTS[2]  # 9 tokens (+4 new: up to 12 positions), 14 tokens
+    assert generate(model, [within], 4, GREEDY) == [generate_without_cache(model, within, 4)]
+    assert generate(model, [past], 6, GREEDY) == [generate_without_cache(model, past, 6)]
+    assert generate(model, [past], 6, GREEDY, prefill_chunk=13) == [generate_without_cache(model, past, 6)]
+    ids = torch.tensor([past])
+    with torch.no_grad():  # the factors matter: the 14-token prefix's last logits change with its first 12 tokens'
+        assert not torch.allclose(model(ids[:, :12]).logits[:, -1], model(ids[:, :13]).logits[:, -2], atol=1e-4)
+
+
+def test_longrope_generation_that_would_change_factors_is_refused():
+    model = longrope_model()
+    with pytest.raises(ConfigError, match="past its original context of 12 tokens.*within 13"):
+        generate(model, [PROMPTS[0]], 5, GREEDY)
+    with pytest.raises(ConfigError, match="prefill_chunk=4: the first chunk of this 14-token prompt"):
+        generate(model, [PROMPTS[0] + PROMPTS[2]], 2, GREEDY, prefill_chunk=4)

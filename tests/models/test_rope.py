@@ -44,6 +44,46 @@ def test_frequencies_equal_transformers(name):
     assert factor == pytest.approx(expected_factor, rel=1e-12)
 
 
+SHORT = [1.0 + 0.05 * pair for pair in range(32)]
+LONG = [1.0 + 0.9 * pair for pair in range(32)]
+
+
+@pytest.mark.parametrize("attention_factor", [None, 1.2])
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
+def test_longrope_frequencies_equal_transformers(long, attention_factor):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    parameters = {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG,
+                  "original_max_position_embeddings": 64}
+    if attention_factor is not None:
+        parameters["attention_factor"] = attention_factor
+    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=512,
+                                      rope_parameters={"rope_theta": 10000.0, **parameters})
+    expected, expected_factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=65 if long else 64)
+    scaling = RopeScaling("longrope", 512 / 64, 64, attention_factor=attention_factor, short_factors=tuple(SHORT),
+                          long_factors=tuple(LONG))
+    frequencies, factor = rope_frequencies(64, 10000.0, scaling, long=long)
+    torch.testing.assert_close(frequencies, expected.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(expected_factor, rel=1e-12)  # sqrt(1 + ln 8 / ln 64) without one given
+
+
+def test_longrope_switches_to_the_long_factors_past_the_original_context():
+    """A forward whose largest position is below L rotates with the short factors, one that reaches L
+    with the long ones -- every position of it, as transformers does."""
+    scaling = RopeScaling("longrope", 8.0, 64, short_factors=tuple(SHORT), long_factors=tuple(LONG))
+    rotary = RotaryEmbedding(64, 10000.0, scaling)
+    short_frequencies, factor = rope_frequencies(64, 10000.0, scaling)
+    long_frequencies, _ = rope_frequencies(64, 10000.0, scaling, long=True)
+    for length, frequencies in ((64, short_frequencies), (65, long_frequencies)):
+        positions = torch.arange(length)[None]
+        cos, sin = rotary(positions)
+        angles = positions[..., None].float() * frequencies
+        torch.testing.assert_close(cos, torch.cat((angles, angles), -1).cos() * factor, rtol=0, atol=0)
+        torch.testing.assert_close(sin, torch.cat((angles, angles), -1).sin() * factor, rtol=0, atol=0)
+    assert not torch.allclose(short_frequencies, long_frequencies)
+
+
 def test_llama3_keeps_short_wavelengths_and_divides_long_ones():
     """By hand: wavelengths under L / high keep their frequency, over L / low are divided by s, and
     those between blend; YaRN's default factor is 0.1 ln(s) + 1."""
@@ -165,6 +205,12 @@ def test_cached_decoding_with_unrotated_blocks_equals_the_full_forward():
     ({"rope_scaling": "yarn", "rope_attention_factor": 0.0}, "model.rope_attention_factor=0.0 must be > 0"),
     ({"rope_scaling": "linear", "position_embedding": "none"}, "model.position_embedding='none'; set model.rope_scaling=none"),
     ({"rope_pattern": "RS"}, "model.rope_pattern='RS' must be a string of R"),
+    ({"rope_scaling": "longrope", "rope_short_factors": [1.0] * 4}, "model.rope_long_factors must list 4 positive"),
+    ({"rope_scaling": "longrope", "rope_short_factors": [1.0] * 3, "rope_long_factors": [1.0] * 4},
+     r"model.rope_short_factors must list 4 positive numbers .* \(rotary_dim 8 / 2\)"),
+    ({"rope_scaling": "longrope", "rope_short_factors": [1.0, 0.0, 1.0, 1.0], "rope_long_factors": [1.0] * 4},
+     "model.rope_short_factors must list 4 positive"),
+    ({"rope_short_factors": [1.0] * 4}, "model.rope_short_factors holds LongRoPE's divisors"),
     ({"rope_pattern": ""}, "model.rope_pattern='' must be a string of R"),
     ({"rope_pattern": "RN", "position_embedding": "learned", "max_position_embeddings": 8},
      "needs model.position_embedding=rope .it is 'learned'"),

@@ -170,3 +170,11 @@ def test_nccl_is_refused_where_it_cannot_run(monkeypatch):
     with pytest.raises(ConfigError, match="parallel.backend=nccl moves CUDA tensors only, but this run is on cpu"):
         check_backend_available("nccl", cpu)
     check_backend_available("nccl", cuda)
+
+
+def test_longrope_under_context_parallelism_is_refused():
+    longrope = ModelConfig(pattern="*-", hidden_size=32, num_attention_heads=4, rope_scaling="longrope",
+                           rope_original_max_positions=8, rope_short_factors=[1.0] * 4, rope_long_factors=[2.0] * 4)
+    message = refusal(ParallelConfig(cp=2), longrope, world_size=2, seq_len=16)
+    assert "model.rope_scaling=longrope" in message and "use parallel.cp=1" in message
+    assert check_layout(ParallelConfig(tp=2), longrope, 2, seq_len=16) == 1  # other layouts take it
