@@ -448,7 +448,8 @@ def rope_from_hf(hf_config: dict, default_theta: float, architecture: str, parti
     """``ModelConfig`` RoPE fields from ``rope_parameters`` (v5) or ``rope_theta``/``rope_scaling``
     (v4): the base, and the scaling meshlm implements (``meshlm/models/rope.py``: 'linear',
     'llama3', 'yarn', with YaRN's attention factor from ``mscale``/``mscale_all_dim`` as the HF
-    code derives it, and 'longrope' -- older files: 'su' -- with its short and long factors); with ``partial_rotary`` (a class whose attention rotates the first channels
+    code derives it, and 'longrope' -- older files: 'su' -- with its short and long factors);
+    with ``partial_rotary`` (a class whose attention rotates the first channels
     only, as Phi-3's does) ``partial_rotary_factor`` as ``model.rope_fraction``; anything else is
     refused by name."""
     parameters = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}

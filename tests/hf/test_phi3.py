@@ -50,7 +50,8 @@ def test_longrope_logits_match_transformers_within_and_past_the_original_context
     hf_config = tiny_phi3(rope_parameters=rope, max_position_embeddings=64, original_max_position_embeddings=16)
     model = convert_and_compare(hf_config, tmp_path, seq=24)
     config = model.config
-    assert (config.rope_scaling, config.rope_scaling_factor, config.rope_original_max_positions) == ("longrope", 4.0, 16)
+    assert config.rope_scaling == "longrope" and config.rope_scaling_factor == 4.0
+    assert config.rope_original_max_positions == 16
     assert config.rope_long_factors == rope["long_factor"] and config.rotary_dim == 2 * pairs
     assert_same_logits(load_hf(tmp_path / "hf"), model, random_ids(seq=12))
     assert_hf_round_trip(tmp_path, ("original_max_position_embeddings", "max_position_embeddings"))
