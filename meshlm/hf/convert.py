@@ -14,7 +14,8 @@ Export (``meshlm_to_hf``): the architecture is, in order, the one asked for, the
 imported from (if it can still express the model), or the first that fits of Llama (dense '*-' with
 RoPE), Qwen2 (Llama with biases on q/k/v only), Qwen3 (dense '*-' with QK-norm), Qwen3-MoE
 (softmax-routed '*E' with QK-norm), Mistral (a subset of Llama: written only when asked for or
-imported from; or a window in every layer), Mixtral (softmax-routed '*E'), DeepSeek-V3 (multi-head
+imported from; or a window in every layer), Mixtral (softmax-routed '*E'), OLMoE (softmax-routed '*E'
+with QK-norm over all heads), DeepSeek-V3 (multi-head
 latent attention -- the one class here with it, every other refuses it --, dense '*-' layers, then
 sigmoid-routed '*E' with a shared expert), Phi-3 (Llama's layer with fused projections: written
 only when asked for or imported from), Gemma 2 and 3 (sandwich norms, GeGLU, scaled embeddings, soft-capping;
@@ -54,7 +55,7 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
 from meshlm.hf import (cohere, cohere2, deepseek_v3, falcon, gemma2, gemma3, glm, gpt2, gpt_neox, gptj, granite, llama, mamba2,
-                       mistral, mixtral, nemotron_h, olmo2, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm,
+                       mistral, mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm,
                        starcoder2)
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
@@ -66,6 +67,7 @@ from meshlm.models.lora import is_adapter_tensor, merged_weights, without_adapte
 
 EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE,
                                           qwen3_moe.ARCHITECTURE, mistral.ARCHITECTURE, mixtral.ARCHITECTURE,
+                                          olmoe.ARCHITECTURE,
                                           deepseek_v3.ARCHITECTURE, phi3.ARCHITECTURE, gemma2.ARCHITECTURE,
                                           gemma3.ARCHITECTURE, olmo2.OLMO2_ARCHITECTURE, olmo2.OLMO3_ARCHITECTURE,
                                           gpt2.ARCHITECTURE, starcoder2.ARCHITECTURE, gpt_neox.ARCHITECTURE,
