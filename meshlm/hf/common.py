@@ -618,8 +618,8 @@ def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozense
     reasons = [reason for name, (present, reason) in layer_features(config).items()
                if present and name not in supported]
     if config.norm != "rmsnorm" and "norm" not in supported:
-        reasons.append(f"model.norm={config.norm!r} (the HF classes here other than GPT-2, StarCoder2, GPT-NeoX, "
-                       "StableLM, Falcon, Phi, GPT-J and Command R use RMSNorm)")
+        reasons.append(f"model.norm={config.norm!r} (the HF classes here other than GPT-2, GPTBigCode, StarCoder2, "
+                       "GPT-NeoX, StableLM, Falcon, Phi, GPT-J and Command R use RMSNorm)")
     if config.mtp_depth:
         reasons.append(f"model.mtp_depth={config.mtp_depth} (multi-token-prediction heads are not exported yet)")
     if config.block_overrides:
@@ -646,7 +646,7 @@ LAYER_FEATURES = {
                        "(attention_multiplier) scale attention by other than 1/sqrt(head_dim)",
     "attention_softcap": "Gemma2ForCausalLM soft-caps attention scores",
     "final_logit_softcap": "Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap the output logits",
-    "position_embedding": "GPT2LMHeadModel adds learned position embeddings",
+    "position_embedding": "GPT2LMHeadModel and GPTBigCodeForCausalLM add learned position embeddings",
     "attention_type": "DeepseekV3ForCausalLM has multi-head latent attention",
     "rope_fraction": "Phi3ForCausalLM, GPTNeoXForCausalLM, StableLmForCausalLM, PhiForCausalLM and "
                      "GPTJForCausalLM rotate part of each head (partial_rotary_factor, rotary_dim)",
