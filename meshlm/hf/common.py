@@ -633,7 +633,8 @@ def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozense
 
 
 LAYER_FEATURES = {
-    "block_output_norm": "Gemma2ForCausalLM, Gemma3ForCausalLM and Olmo2ForCausalLM normalize each block's output",
+    "block_output_norm": "Gemma2ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM and Glm4ForCausalLM normalize each "
+                         "block's output",
     "block_input_norm": "Olmo2ForCausalLM leaves the blocks' inputs unnormalized",
     "qk_norm_scope": "Olmo2ForCausalLM normalizes all query (and key) heads together",
     "norm_zero_centered": "Gemma2ForCausalLM and Gemma3ForCausalLM store norm weights as 1 + w",
@@ -648,8 +649,8 @@ LAYER_FEATURES = {
     "final_logit_softcap": "Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap the output logits",
     "position_embedding": "GPT2LMHeadModel and GPTBigCodeForCausalLM add learned position embeddings",
     "attention_type": "DeepseekV3ForCausalLM has multi-head latent attention",
-    "rope_fraction": "Phi3ForCausalLM, GPTNeoXForCausalLM, StableLmForCausalLM, PhiForCausalLM and "
-                     "GPTJForCausalLM rotate part of each head (partial_rotary_factor, rotary_dim)",
+    "rope_fraction": "Phi3ForCausalLM, GPTNeoXForCausalLM, StableLmForCausalLM, PhiForCausalLM, GPTJForCausalLM, "
+                     "GlmForCausalLM and Glm4ForCausalLM rotate part of each head (partial_rotary_factor, rotary_dim)",
     "parallel_residual": "GPTNeoXForCausalLM, StableLmForCausalLM, FalconForCausalLM, PhiForCausalLM, "
                          "GPTJForCausalLM and CohereForCausalLM run attention and MLP side by side",
     "parallel_residual_shared_norm": "StableLmForCausalLM's, FalconForCausalLM's, PhiForCausalLM's, "

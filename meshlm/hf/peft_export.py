@@ -73,7 +73,8 @@ def peft_adapter_plan(config: ModelConfig, stored: dict[str, tuple], read: Calla
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": config.lora_rank, "lora_alpha": config.resolved_lora_alpha,
-        "target_modules": sorted(modules), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": sorted(modules), "lora_dropout": config.lora_dropout, "bias": "none",
+        "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {},

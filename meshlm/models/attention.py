@@ -61,6 +61,7 @@ from meshlm.errors import ConfigError
 from meshlm.models.cache import AttentionCache
 from meshlm.models.dropout import apply_keep_mask, attention_keep_mask, dropout_site, required_key
 from meshlm.models.fused_linear import project_together
+from meshlm.models.lora import adapted, lora_coordinates
 from meshlm.models.norms import HeadNorm, RMSNorm
 from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
 from meshlm.models.softcap import soft_cap, softcapped_attention
@@ -295,6 +296,8 @@ class SelfAttention(nn.Module):
         attention (``config`` is the block's own: ``ModelConfig.for_block``)."""
         self.dropout_p = config.attention_dropout
         self.dropout_site = dropout_site("attention_probs", layer_index)
+        self.lora_dropout = config.lora_dropout
+        """``model.lora_dropout``: whether the projections' adapters need the tokens' coordinates."""
 
     @property
     def head_offset(self) -> int:
@@ -302,11 +305,13 @@ class SelfAttention(nn.Module):
         return 0
 
     def project(self, x: torch.Tensor, rotary_positions: torch.Tensor,
-                rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None):
+                rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None, coordinates=None):
         """Queries, keys and values [b, heads, t, head_dim] of x [b, t, hidden], QK-normed and rotated
-        (by ``rotary_cos_sin`` when given, the forward's shared table, else by ``rotary_positions``)."""
+        (by ``rotary_cos_sin`` when given, the forward's shared table, else by ``rotary_positions``;
+        ``coordinates``: x's tokens', for the adapters' dropout)."""
         batch, seq, _ = x.shape
-        query, key, value = project_together(x, (self.q_proj, self.k_proj, self.v_proj))  # one GEMM where it can
+        layers = (self.q_proj, self.k_proj, self.v_proj)
+        query, key, value = project_together(x, layers, coordinates)  # one GEMM where it can
         if self.qk_norm_all:
             query, key = self.q_norm(query), self.k_norm(key)
         if self.rotary is not None and (self.q_norm is None or query.dtype != torch.float32):
@@ -324,10 +329,10 @@ class SelfAttention(nn.Module):
         return query, key, value
 
     def cached_projection(self, x: torch.Tensor, rotary_positions: torch.Tensor,
-                          rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None):
+                          rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None, coordinates=None):
         """What a forward with a KV cache attends with: queries, and the keys and values the cache
         holds (here ``project``'s; latent attention caches its latents instead)."""
-        return self.project(x, rotary_positions, rotary_cos_sin)
+        return self.project(x, rotary_positions, rotary_cos_sin, coordinates)
 
     @property
     def cached_scale(self) -> float | None:
@@ -348,7 +353,8 @@ class SelfAttention(nn.Module):
         rotary = None if self.rotary is None else context.rotary_cos_sin(self.rotary)
         cached = context.cache is not None
         project = self.cached_projection if cached else self.project
-        query, key, value = project(x, context.rotary_positions, rotary)
+        coordinates = lora_coordinates(self, context)  # (None unless adapters drop their inputs)
+        query, key, value = project(x, context.rotary_positions, rotary, coordinates)
 
         key_mask = context.token_mask
         if cached:
@@ -375,7 +381,7 @@ class SelfAttention(nn.Module):
             out = core(query, key, value, key_mask, *dropout, **options)
         if cached:
             out = self.from_cached_output(out)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return adapted(self.o_proj, out.transpose(1, 2).reshape(batch, seq, -1), coordinates)
 
     def dropout_keep_mask(self, context, key_len: int) -> torch.Tensor:
         """The attention-dropout mask [b, heads, t, s] of this forward (training, no cache)."""

@@ -44,6 +44,7 @@ from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
 from meshlm.models.dropout import HiddenDropout, dropout_site
 from meshlm.models.latent_attention import LatentAttention
+from meshlm.models.lora import adapted, lora_coordinates
 from meshlm.models.mamba2 import Mamba2Mixer
 from meshlm.models.mlp import MLP
 from meshlm.models.moe.layer import MoELayer
@@ -55,12 +56,16 @@ class LinearMixer(nn.Module):
     """Puzzle's linear replacement of a mixer: y = x W^T, W [hidden, hidden], no bias. Named
     ``out_proj`` because it writes into the residual stream (scaled init, ``models/init.py``)."""
 
-    def __init__(self, hidden_size: int):
+    parallel_context = None
+    """Set by tensor parallelism: under SP the input is this rank's slice of the sequence."""
+
+    def __init__(self, hidden_size: int, lora_dropout: float = 0.0):
         super().__init__()
         self.out_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.lora_dropout = lora_dropout
 
     def forward(self, x: torch.Tensor, context=None) -> torch.Tensor:
-        return self.out_proj(x)
+        return adapted(self.out_proj, x, lora_coordinates(self, context, self.parallel_context))
 
 
 def build_mixer(kind: str, config: ModelConfig, layer_index: int) -> nn.Module:
@@ -68,13 +73,14 @@ def build_mixer(kind: str, config: ModelConfig, layer_index: int) -> nn.Module:
     if kind == "*":
         return LatentAttention(config, layer_index) if config.attention_type == "mla" else SelfAttention(config, layer_index)
     if kind == "-":
-        return MLP(config.hidden_size, config.resolved_ffn_hidden_size, config.mlp_activation, config.mlp_bias)
+        return MLP(config.hidden_size, config.resolved_ffn_hidden_size, config.mlp_activation, config.mlp_bias,
+                   config.lora_dropout)
     if kind == "M":
         return Mamba2Mixer(config, layer_index)
     if kind == "E":
         return MoELayer(config)
     if kind == LINEAR:
-        return LinearMixer(config.hidden_size)
+        return LinearMixer(config.hidden_size, config.lora_dropout)
     raise ValueError(f"unknown block kind {kind!r}")
 
 

@@ -62,7 +62,7 @@ BLOCK_OVERRIDE_FIELDS = {
 """The fields ``model.block_overrides`` may set for one block, by the block's pattern symbol
 (linear ``L`` and no-op ``0`` blocks have none)."""
 
-TRAINING_ONLY_FIELDS = ("hidden_dropout", "attention_dropout", "mamba_scan", "attention_kernel")
+TRAINING_ONLY_FIELDS = ("hidden_dropout", "attention_dropout", "lora_dropout", "mamba_scan", "attention_kernel")
 """Fields that change neither the parameters nor the inference function: a checkpoint may be
 resumed with other values (and a checkpoint written before they existed has their defaults).
 mamba_scan and attention_kernel change only how the same function is computed."""
@@ -411,6 +411,11 @@ class ModelConfig:
     k_proj, v_proj, o_proj (attention), gate_proj, up_proj, down_proj (MLPs, shared experts),
     in_proj, out_proj (Mamba-2), latent_in_proj, latent_out_proj (LatentMoE). The default is all
     of these but the LatentMoE projections. Routed experts, routers, embeddings and the head have none."""
+    lora_dropout: float = 0.0
+    """Dropout on each adapter's input, training only: y = x W^T + s B A dropout(x) (PEFT's
+    lora_dropout; 0.05 to 0.1 are usual). Each adapted layer draws a mask of its own, keyed by the
+    element's global coordinates (meshlm/models/dropout.py), so every layout trains alike.
+    Not for the LatentMoE projections."""
 
     # ------------------------------------------------------------------------------------------
     block_kinds: tuple[str, ...] = field(init=False, repr=False, compare=False)
@@ -653,6 +658,16 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"model.lora_targets names {unknown}, which are not linear layers of the blocks; "
                               f"choose from {list(LORA_TARGETS)}.")
+        dropout = self.lora_dropout
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise ConfigError(f"model.lora_dropout={dropout!r} must be a probability in [0, 1) (0 turns it off).")
+        if dropout and not rank:
+            raise ConfigError(f"model.lora_dropout={dropout} drops an adapter's inputs, and model.lora_rank=0 adds "
+                              "no adapters; set model.lora_rank or model.lora_dropout=0.")
+        latent = [name for name in targets if name in ("latent_in_proj", "latent_out_proj")]
+        if dropout and latent:
+            raise ConfigError(f"model.lora_dropout={dropout} is not built for the LatentMoE projections in "
+                              f"model.lora_targets ({latent}); drop them from the targets or set model.lora_dropout=0.")
 
     @property
     def resolved_lora_alpha(self) -> float:

@@ -36,11 +36,14 @@ leaves int64's range and nothing relies on overflow wrapping. Cost: about 20 ele
 ops per masked element (unfused in eager PyTorch: a reference, not a fast kernel), memory: the
 bool mask kept for backward, as ``nn.Dropout``.
 
-Two kinds of dropout use it (``ModelConfig.hidden_dropout`` / ``attention_dropout``):
-``HiddenDropout`` on [batch, seq, hidden] residual-stream tensors (the embedding output and each
-block's mixer output before the residual add: the regions sequence parallelism shards along the
-sequence), and ``attention_keep_mask`` on the attention probabilities [batch, heads, query, key]
-(see ``meshlm.models.attention.attention_with_dropout``).
+Three kinds of dropout use it (``ModelConfig.hidden_dropout`` / ``attention_dropout`` /
+``lora_dropout``): ``HiddenDropout`` on [batch, seq, hidden] residual-stream tensors (the embedding
+output and each block's mixer output before the residual add: the regions sequence parallelism
+shards along the sequence), ``attention_keep_mask`` on the attention probabilities [batch, heads,
+query, key] (see ``meshlm.models.attention.attention_with_dropout``), and ``input_keep_mask`` on a
+LoRA adapter's input (``meshlm/models/lora.py``), whose tokens a mixer describes with
+``TokenCoordinates`` -- a [b, t] tensor, the tokens flattened, or this rank's sequence slice -- and
+whose channels the adapter names globally (a row-parallel shard holds some of them).
 """
 
 from __future__ import annotations
@@ -53,8 +56,10 @@ from torch import nn
 from meshlm.models.position_embedding import sequence_parallel_rows
 
 MASK32 = 0xFFFFFFFF
-SITE_KINDS = {"embedding": 0, "block_output": 1, "attention_probs": 2}
-"""Dropout site kinds; a site is a kind and a layer index (``dropout_site``)."""
+SITE_KINDS = {"embedding": 0, "block_output": 1, "attention_probs": 2, "lora_input": 16}
+"""Dropout site kinds; a site is a kind and a layer index (``dropout_site``). A LoRA adapter's input
+is kind 16 + the adapted layer's index in ``model.LORA_TARGETS`` (``lora_dropout_site``), so the
+q, k and v adapters of one block draw masks of their own, as PEFT's separate dropouts do."""
 
 
 # --- the counter-based hash -------------------------------------------------------------------------
@@ -97,6 +102,14 @@ def dropout_site(kind: str, layer_index: int = 0) -> int:
     if not 0 <= layer_index < 2**24:
         raise ValueError(f"layer index {layer_index} does not fit a dropout site (< 2**24)")
     return (SITE_KINDS[kind] << 24) | layer_index
+
+
+def lora_dropout_site(layer_index: int, target_index: int) -> int:
+    """The dropout site of the input of block ``layer_index``'s adapted layer number ``target_index``
+    (its position in ``LORA_TARGETS``)."""
+    if not 0 <= target_index < 2**8 - SITE_KINDS["lora_input"]:
+        raise ValueError(f"LoRA target index {target_index} does not fit a dropout site")
+    return ((SITE_KINDS["lora_input"] + target_index) << 24) | dropout_site("embedding", layer_index)
 
 
 # --- which draw a forward is -----------------------------------------------------------------------
@@ -159,6 +172,42 @@ def attention_keep_mask(key: DropoutKey, site: int, heads: torch.Tensor, query_p
     return mix32(per_query[..., None] ^ keys[:, None, None, :]) >= drop_threshold(p)
 
 
+@dataclass
+class TokenCoordinates:
+    """Where each token of an activation sits in the run, for masks that do not depend on the layout:
+    its row of the batch (an index into ``DropoutKey.sample_ids``) and its global position, both
+    shaped like the activation's token dims -- [b, t], or [n] with the tokens flattened."""
+
+    key: DropoutKey
+    rows: torch.Tensor
+    positions: torch.Tensor
+
+    @staticmethod
+    def of(context, parallel_context=None) -> "TokenCoordinates | None":
+        """The tokens of a [b, t, ...] activation of the forward ``context`` describes (None outside
+        training, where nothing drops): the whole (CP-local) sequence, or with a sequence-parallel
+        ``parallel_context`` this rank's slice of it, the rows of the residual stream it holds."""
+        key = getattr(context, "dropout_key", None)
+        if key is None:
+            return None
+        positions = sequence_parallel_rows(context.position_ids, parallel_context)
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
+        return TokenCoordinates(key, rows, positions)
+
+    def flattened(self) -> "TokenCoordinates":
+        """The same tokens as a flat [b * t] list (an MoE layer's token order)."""
+        return TokenCoordinates(self.key, self.rows.reshape(-1), self.positions.reshape(-1))
+
+
+def input_keep_mask(coordinates: TokenCoordinates, site: int, channels: torch.Tensor, p: float) -> torch.Tensor:
+    """[..., channels] bool: keep input channel ``channels[c]`` (global indices) of each token of
+    ``coordinates`` at dropout ``site``."""
+    device = coordinates.positions.device
+    rows = coordinates.key.row_states(site, device)[coordinates.rows]
+    tokens = fold(rows, coordinates.positions.to(device=device, dtype=torch.int64))
+    return mix32(tokens[..., None] ^ mix32(channels.to(device=device, dtype=torch.int64))) >= drop_threshold(p)
+
+
 def apply_keep_mask(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
     """x where kept, scaled by 1/(1-p); 0 where dropped (backward: the same mask and scale)."""
     return x.masked_fill(~keep, 0) * (1.0 / (1.0 - p))
@@ -197,5 +246,7 @@ class HiddenDropout(nn.Module):
         return position_ids
 
 
-__all__ = ["DropoutKey", "HiddenDropout", "SITE_KINDS", "apply_keep_mask", "attention_keep_mask", "drop_threshold",
-           "dropout_site", "fold", "fold_wide", "hidden_keep_mask", "mix32", "multiply_mod32", "required_key"]
+__all__ = ["DropoutKey", "HiddenDropout", "SITE_KINDS", "TokenCoordinates", "apply_keep_mask", "attention_keep_mask",
+           "drop_threshold", "dropout_site", "fold", "fold_wide", "hidden_keep_mask", "input_keep_mask",
+           "lora_dropout_site", "mix32",
+           "multiply_mod32", "required_key"]

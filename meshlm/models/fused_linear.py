@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.models.lora import with_adapter
+from meshlm.models.dropout import TokenCoordinates
+from meshlm.models.lora import adapted, with_adapter
 
 
 def runs_fused(layer: nn.Module) -> bool:
@@ -55,11 +56,12 @@ def reads_input_as_given(layer: nn.Module) -> bool:
     return getattr(layer, "tensor_parallel", None) == "column" and not getattr(layer, "gather_input", True)
 
 
-def project_together(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+def project_together(x: torch.Tensor, layers: tuple[nn.Module, ...],
+                     coordinates: TokenCoordinates | None = None) -> tuple[torch.Tensor, ...]:
     """Each of ``layers`` applied to ``x``: one GEMM over their concatenated weights when every
     layer ``runs_fused`` (same dtype, all with a bias or none); under a per-tensor FP8 recipe on
     the hardware GEMM, one cast of ``x`` for all of them (``meshlm/precision/quantized_projections.py``);
-    else each layer's own forward."""
+    else each layer's own forward. ``coordinates``: x's tokens', for the adapters' dropout."""
     weights = [layer.weight for layer in layers]
     biases = [layer.bias for layer in layers]
     alike = (len(layers) > 1 and all(reads_input_as_given(layer) for layer in layers)
@@ -69,20 +71,21 @@ def project_together(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[to
     if alike and all(quantization is not None for quantization in quantizations):
         together = quantizations[0].linear_together(x, weights, biases, quantizations)
         if together is not None:
-            return with_adapters(layers, x, together)
+            return with_adapters(layers, x, together, coordinates)
     if not (alike and all(runs_fused(layer) for layer in layers)):
-        return tuple(layer(x) for layer in layers)
+        return tuple(adapted(layer, x, coordinates) for layer in layers)
     has_bias = biases[0] is not None
     if not torch.is_grad_enabled():  # evaluation and generation: nothing to save, no autograd function
         out = F.linear(x, torch.cat(weights), torch.cat(biases) if has_bias else None)
     else:
         out = _FusedLinear.apply(x, has_bias, *weights, *(biases if has_bias else ()))
-    return with_adapters(layers, x, out.split([weight.shape[0] for weight in weights], dim=-1))
+    return with_adapters(layers, x, out.split([weight.shape[0] for weight in weights], dim=-1), coordinates)
 
 
-def with_adapters(layers: tuple[nn.Module, ...], x: torch.Tensor, outputs) -> tuple[torch.Tensor, ...]:
+def with_adapters(layers: tuple[nn.Module, ...], x: torch.Tensor, outputs,
+                  coordinates: TokenCoordinates | None = None) -> tuple[torch.Tensor, ...]:
     """Each layer's output from the shared GEMM plus its LoRA adapter's detour, where it has one (``lora.py``)."""
-    return tuple(with_adapter(layer, x, out) for layer, out in zip(layers, outputs))
+    return tuple(with_adapter(layer, x, out, coordinates=coordinates) for layer, out in zip(layers, outputs))
 
 
 class _FusedLinear(torch.autograd.Function):

@@ -184,7 +184,9 @@ class LanguageModel(nn.Module):
         documents, kept apart as if each were run on its own (``SequenceContext``; the labels at
         boundaries are the data's business: ``meshlm/data/gpt_dataset.py`` ignores them).
         """
-        if dropout_key is None and self.training and (self.config.hidden_dropout or self.config.attention_dropout):
+        config = self.config
+        if dropout_key is None and self.training and (config.hidden_dropout or config.attention_dropout
+                                                      or config.lora_dropout):
             dropout_key = DropoutKey.draw(input_ids.shape[0], input_ids.device)
         context = SequenceContext.for_tokens(input_ids, token_mask, cache, position_ids, dropout_key,
                                              document_ids, document_positions)

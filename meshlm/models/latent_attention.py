@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from meshlm.models.attention import SelfAttention
-from meshlm.models.lora import ADAPTER_MODULE
+from meshlm.models.lora import ADAPTER_MODULE, adapted
 from meshlm.models.norms import RMSNorm
 from meshlm.models.rope import apply_rotary
 
@@ -88,12 +88,16 @@ class LatentAttention(SelfAttention):
         ``bench/latent_attention.py`` does to compare the two."""
 
     def latents(self, x: torch.Tensor, rotary_positions: torch.Tensor,
-                rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None):
+                rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None, coordinates=None):
         """What both projections start from: the queries' unrotated part [b, heads, t, d_n] and rotated
-        part [b, heads, t, d_r], the normalized KV latent [b, t, r] and the rotated shared key [b, 1, t, d_r]."""
+        part [b, heads, t, d_r], the normalized KV latent [b, t, r] and the rotated shared key [b, 1, t, d_r]
+        (``coordinates``: x's tokens', for the adapters' dropout)."""
         batch, seq, _ = x.shape
-        query = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        latent, rotary_key = self.kv_a_proj(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
+        if self.q_proj is not None:
+            query = adapted(self.q_proj, x, coordinates)
+        else:
+            query = adapted(self.q_b_proj, self.q_a_norm(adapted(self.q_a_proj, x, coordinates)), coordinates)
+        latent, rotary_key = adapted(self.kv_a_proj, x, coordinates).split((self.kv_lora_rank, self.rope_dim), dim=-1)
         query_nope, query_rope = query.view(batch, seq, -1, self.head_dim).transpose(1, 2).split(
             (self.nope_dim, self.rope_dim), dim=-1)
         cos, sin = rotary_cos_sin if rotary_cos_sin is not None else self.rotary(rotary_positions)
@@ -101,11 +105,11 @@ class LatentAttention(SelfAttention):
                 apply_rotary(rotary_key[:, None], cos, sin))
 
     def project(self, x: torch.Tensor, rotary_positions: torch.Tensor,
-                rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None):
+                rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None, coordinates=None):
         """Queries and keys [b, heads, t, d_n + d_r] and values [b, heads, t, d_v] of x [b, t, hidden]."""
         batch, seq, _ = x.shape
-        query_nope, query_rope, latent, rotary_key = self.latents(x, rotary_positions, rotary_cos_sin)
-        key_value = self.kv_b_proj(latent).view(batch, seq, -1, self.nope_dim + self.value_dim)
+        query_nope, query_rope, latent, rotary_key = self.latents(x, rotary_positions, rotary_cos_sin, coordinates)
+        key_value = adapted(self.kv_b_proj, latent, coordinates).view(batch, seq, -1, self.nope_dim + self.value_dim)
         key_nope, value = key_value.transpose(1, 2).split((self.nope_dim, self.value_dim), dim=-1)
         query = torch.cat((query_nope, query_rope), dim=-1)
         key = torch.cat((key_nope, rotary_key.expand(-1, key_nope.shape[1], -1, -1)), dim=-1)
@@ -128,12 +132,12 @@ class LatentAttention(SelfAttention):
         return weight[:, :self.nope_dim], weight[:, self.nope_dim:]
 
     def cached_projection(self, x: torch.Tensor, rotary_positions: torch.Tensor,
-                          rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None):
+                          rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None, coordinates=None):
         """Queries [b, heads, t, r + d_r] in latent space, and one key head [b, 1, t, r + d_r] (the
         normalized latent and the rotary key) and one value head [b, 1, t, r] (the latent) to cache."""
         if not self.caches_latents:
-            return self.project(x, rotary_positions, rotary_cos_sin)
-        query_nope, query_rope, latent, rotary_key = self.latents(x, rotary_positions, rotary_cos_sin)
+            return self.project(x, rotary_positions, rotary_cos_sin, coordinates)
+        query_nope, query_rope, latent, rotary_key = self.latents(x, rotary_positions, rotary_cos_sin, coordinates)
         latent = latent[:, None]  # one head for all
         query_latent = torch.einsum("bhtn,hnr->bhtr", query_nope, self.latent_weights()[0])
         return torch.cat((query_latent, query_rope), dim=-1), torch.cat((latent, rotary_key), dim=-1), latent

@@ -24,6 +24,14 @@ splits A by input features and adds this rank's partial detour before the same a
 weight's partial product (B replicated, partial gradient). Layers that read one input together
 (q, k, v; gate, up) still run their frozen weights as one GEMM (``fused_linear.py``) and add each
 adapter after it.
+
+**Dropout** (``model.lora_dropout`` p, training only): the detour reads dropout(x), x's elements
+zeroed with probability p and the rest scaled by 1/(1-p), as PEFT's ``lora_dropout``; the frozen
+path reads x itself. Each adapter draws its own mask from the element's global coordinates --
+sample, position, input channel, and a site naming the block and the layer
+(``dropout.lora_dropout_site``) -- so that every layout drops the same elements: the mixer hands
+its layers the tokens' coordinates (``TokenCoordinates``, through ``adapted``), and a row-parallel
+shard's adapter knows which global input channels it holds (``input_channels``).
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.models.config import LORA_DEFAULT_TARGETS
+from meshlm.models.config import LORA_DEFAULT_TARGETS, LORA_TARGETS
+from meshlm.models.dropout import (TokenCoordinates, apply_keep_mask, input_keep_mask, lora_dropout_site,
+                                   required_key)
 from meshlm.models.init import constant, uniform
 
 ADAPTER_MODULE = "lora"
@@ -47,33 +57,68 @@ ADAPTER_MODULE = "lora"
 class LowRankAdapter(nn.Module):
     """The detour ``scale * (x a^T) b^T`` of one linear layer (a: [rank, in], b: [out, rank])."""
 
-    def __init__(self, in_features: int, out_features: int, rank: int, scale: float):
+    def __init__(self, in_features: int, out_features: int, rank: int, scale: float, dropout: float = 0.0,
+                 site: int = 0):
         super().__init__()
         self.a = nn.Parameter(torch.empty(rank, in_features))
         self.b = nn.Parameter(torch.empty(out_features, rank))
         self.scale = scale
         self.full_in_features = in_features
         """The single-process layer's input width (a's init bound), kept when a is sharded."""
+        self.dropout = dropout
+        """``model.lora_dropout``: the probability of dropping an input element (training only)."""
+        self.site = site
+        """The dropout site of this adapter's input (``dropout.lora_dropout_site``)."""
+        self.input_channels: torch.Tensor | None = None
+        """The global indices of the input channels this adapter reads (on the host; moved where x is
+        when used): set for a row-parallel shard (a cut by input features), None for all in order."""
 
     def init_rules(self, config) -> dict:
         bound = 1.0 / math.sqrt(self.full_in_features)  # nn.Linear's default: kaiming_uniform(a=sqrt(5))
         return {"a": uniform(-bound, bound), "b": constant(0.0)}
 
-    def forward(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-        """The detour for input ``x`` [..., in]; ``rows``: only these output features."""
+    def forward(self, x: torch.Tensor, rows: slice | None = None,
+                coordinates: TokenCoordinates | None = None) -> torch.Tensor:
+        """The detour for input ``x`` [..., in]; ``rows``: only these output features; ``coordinates``:
+        where x's tokens sit in the run (needed for dropout in training)."""
+        if self.dropout and self.training:
+            if coordinates is None:
+                raise RuntimeError("model.lora_dropout needs the tokens' coordinates, and this layer was called "
+                                   "without them; its mixer must call it through lora.adapted(layer, x, coordinates)")
+            channels = (torch.arange(x.shape[-1], device=x.device) if self.input_channels is None
+                        else self.input_channels)
+            x = apply_keep_mask(x, input_keep_mask(coordinates, self.site, channels, self.dropout), self.dropout)
         b = self.b if rows is None else self.b[rows]
         return F.linear(F.linear(x, self.a), b) * self.scale
 
     def extra_repr(self) -> str:
-        return f"rank={self.a.shape[0]}, scale={self.scale:g}"
+        return f"rank={self.a.shape[0]}, scale={self.scale:g}" + (f", dropout={self.dropout:g}" if self.dropout else "")
 
 
-def with_adapter(layer: nn.Module, x: torch.Tensor, out: torch.Tensor,
-                 rows: slice | None = None) -> torch.Tensor:
+def with_adapter(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, rows: slice | None = None,
+                 coordinates: TokenCoordinates | None = None) -> torch.Tensor:
     """``out`` (the layer's frozen-weight output for input ``x``, or its ``rows``) plus its adapter's
-    detour, if it has one."""
+    detour, if it has one (``coordinates``: x's tokens', for its dropout)."""
     adapter = getattr(layer, ADAPTER_MODULE, None)
-    return out if adapter is None else out + adapter(x, rows)
+    return out if adapter is None else out + adapter(x, rows, coordinates)
+
+
+def lora_coordinates(mixer: nn.Module, context, parallel_context=None) -> TokenCoordinates | None:
+    """What a mixer hands its adaptable layers for their dropout: the coordinates of the [b, t, ...]
+    activations ``context`` describes (this rank's sequence slice under a sequence-parallel
+    ``parallel_context``) in training with ``model.lora_dropout`` (``mixer.lora_dropout``), else None."""
+    if not (mixer.training and getattr(mixer, "lora_dropout", 0.0) and context is not None):
+        return None
+    required_key(context)  # a clear error where a training forward comes without one
+    return TokenCoordinates.of(context, parallel_context)
+
+
+def adapted(layer: nn.Module, x: torch.Tensor, coordinates: TokenCoordinates | None) -> torch.Tensor:
+    """``layer(x)``, handing its adapter (if it has one, and there are any) the coordinates of x's
+    tokens for its dropout: how a mixer calls its adaptable layers."""
+    if coordinates is None or getattr(layer, ADAPTER_MODULE, None) is None:
+        return layer(x)
+    return layer(x, coordinates=coordinates)
 
 
 class AdaptedLinear(nn.Linear):
@@ -84,18 +129,18 @@ class AdaptedLinear(nn.Linear):
     """Its forward is its linear map plus its adapter, which ``fused_linear.project_together`` adds
     after running the frozen weights of several layers as one GEMM."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora(x)
+    def forward(self, x: torch.Tensor, coordinates: TokenCoordinates | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora(x, coordinates=coordinates)
 
 
-def adapted_layers(blocks, targets) -> list[tuple[str, nn.Linear]]:
-    """(name, layer) of every ``nn.Linear`` in ``blocks`` ((name, block) pairs) whose own name is
-    in ``targets``."""
+def adapted_layers(blocks, targets) -> list[tuple[str, nn.Linear, int]]:
+    """(name, layer, its block's layer index) of every ``nn.Linear`` in ``blocks`` ((name, block)
+    pairs) whose own name is in ``targets``."""
     found = []
     for block_name, block in blocks:
         for name, module in block.named_modules():
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
-                found.append((f"{block_name}.{name}", module))
+                found.append((f"{block_name}.{name}", module, block.layer_index))
     return found
 
 
@@ -108,18 +153,19 @@ def add_adapters(model: nn.Module, config, blocks) -> int:
     if not config.lora_rank:
         return 0
     layers = adapted_layers(blocks, config.lora_targets)
-    present = {name.rsplit(".", 1)[-1] for name, _ in layers}
+    present = {name.rsplit(".", 1)[-1] for name, _, _ in layers}
     absent = [target for target in config.lora_targets if target not in present]
     if not layers or (absent and list(config.lora_targets) != list(LORA_DEFAULT_TARGETS)):  # default: those present
         raise ConfigError(f"model.lora_targets names {absent}, which no block of this model (pattern "
                           f"{config.pattern!r}) has; drop them (its layers: {sorted(present) or 'none'}).")
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    for _, layer in layers:
+    for name, layer, layer_index in layers:
         if type(layer) is nn.Linear:
             layer.__class__ = AdaptedLinear
+        site = lora_dropout_site(layer_index, LORA_TARGETS.index(name.rsplit(".", 1)[-1]))
         layer.add_module(ADAPTER_MODULE, LowRankAdapter(layer.in_features, layer.out_features, config.lora_rank,
-                                                        config.lora_scale))
+                                                        config.lora_scale, config.lora_dropout, site))
     head = getattr(model, "reward_head", None)
     if head is not None:  # a new head cannot be frozen: it has nothing to start from
         head.requires_grad_(True)
@@ -139,7 +185,8 @@ def adapted_layer_names(names) -> list[str]:
 
 def without_adapters(config):
     """``config`` (a ModelConfig) with no adapters: the model a merge leaves."""
-    return dataclasses.replace(config, lora_rank=0, lora_alpha=None, lora_targets=list(LORA_DEFAULT_TARGETS))
+    return dataclasses.replace(config, lora_rank=0, lora_alpha=None, lora_targets=list(LORA_DEFAULT_TARGETS),
+                               lora_dropout=0.0)
 
 
 def merged_weights(config, stored: dict[str, tuple], read: Callable[[str], torch.Tensor]):
@@ -181,5 +228,6 @@ def require_no_adapters(config, source, command: str) -> None:
 
 
 __all__ = ["ADAPTER_MODULE", "AdaptedLinear", "LowRankAdapter", "adapted_layer_names", "adapted_layers",
-           "add_adapters", "is_adapter_tensor", "merged_state", "merged_weights", "require_no_adapters", "with_adapter",
+           "adapted", "add_adapters", "is_adapter_tensor", "lora_coordinates", "merged_state", "merged_weights",
+           "require_no_adapters", "with_adapter",
            "without_adapters"]

@@ -57,6 +57,7 @@ from torch import nn
 from meshlm.models.cache import MambaCache
 from meshlm.models.causal_conv import causal_conv_silu
 from meshlm.models.init import constant, initialize_own_tensors
+from meshlm.models.lora import adapted, lora_coordinates
 from meshlm.models.mamba_decode import decodes_one_token, mamba_decode_step
 from meshlm.models.norms import GatedRMSNorm
 from meshlm.models.ssd import ssd_chunked_scan, ssd_recurrent_step
@@ -80,6 +81,8 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, config, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
+        self.lora_dropout = config.lora_dropout
+        """``model.lora_dropout``: whether in_proj's and out_proj's adapters need the tokens' coordinates."""
         self.hidden_size = config.hidden_size
         self.num_heads = config.resolved_mamba_num_heads
         self.head_dim = config.mamba_head_dim
@@ -202,7 +205,8 @@ class Mamba2Mixer(nn.Module):
                                                                        state.ssm_state)
             return out[:, None]
 
-        z, xBC, dt_raw = self.split_projection(self.in_proj(zero_padding(hidden, token_mask)))
+        coordinates = lora_coordinates(self, context)
+        z, xBC, dt_raw = self.split_projection(adapted(self.in_proj, zero_padding(hidden, token_mask), coordinates))
         # xBC holds the whole sequence, also when in_proj gathers a sequence-parallel slice
         # packed documents: passed only when present, so a subclass's conv/scan without them still fits
         documents, positions = {}, {}
@@ -223,7 +227,7 @@ class Mamba2Mixer(nn.Module):
         # y + D x, gated and normalized in fp32 from the tensors as they are (norms._SkipGatedRMSNorm)
         out = self.norm(y.flatten(-2), z, skip=x.flatten(-2), skip_scale=self.D.repeat_interleave(self.head_dim),
                         out_dtype=hidden.dtype)
-        return self.out_proj(out)
+        return adapted(self.out_proj, out, coordinates)
 
 
 __all__ = ["Mamba2Mixer", "zero_padding"]

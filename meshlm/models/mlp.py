@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.models.fused_linear import project_together
+from meshlm.models.lora import adapted, lora_coordinates
 
 
 def squared_relu(x: torch.Tensor) -> torch.Tensor:
@@ -55,15 +56,21 @@ def activate(activation: str, up: torch.Tensor, gate: torch.Tensor | None = None
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str, bias: bool = False):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str, bias: bool = False,
+                 lora_dropout: float = 0.0):
         super().__init__()
         self.activation = activation
+        self.lora_dropout = lora_dropout
+        """``model.lora_dropout``: whether the projections' adapters need the tokens' coordinates."""
         self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=bias) if is_gated(activation) else None
         self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
         self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, context=None) -> torch.Tensor:
+        """x [b, t, hidden]; ``context`` describes its tokens (their coordinates feed the adapters' dropout)."""
+        coordinates = lora_coordinates(self, context)
         if self.gate_proj is None:
-            return self.down_proj(activate(self.activation, self.up_proj(x), None))
-        gate, up = project_together(x, (self.gate_proj, self.up_proj))  # one GEMM where it can
-        return self.down_proj(activate(self.activation, up, gate))
+            return adapted(self.down_proj, activate(self.activation, adapted(self.up_proj, x, coordinates), None),
+                           coordinates)
+        gate, up = project_together(x, (self.gate_proj, self.up_proj), coordinates)  # one GEMM where it can
+        return adapted(self.down_proj, activate(self.activation, up, gate), coordinates)

@@ -69,6 +69,7 @@ def parallelize_block(block, context) -> None:
     elif block.kind == NO_OP:
         return
     elif block.kind == LINEAR:
+        block.mixer.parallel_context = context  # (its adapter's dropout keys this rank's sequence slice)
         if context.sequence_parallel:
             mark_partial_grad(block.mixer)
     else:

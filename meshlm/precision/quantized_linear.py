@@ -291,12 +291,13 @@ class QuantizedLinear(nn.Linear):
     """Its forward is the (quantized) linear map of its input and nothing else, so the layers
     that read one input may run together (``meshlm/models/fused_linear.project_together``)."""
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, coordinates=None) -> torch.Tensor:
         if self.quantization is None:
             out = F.linear(inputs, self.weight, self.bias)
         else:
             out = self.quantization.linear(inputs, self.weight, self.bias)
-        return with_adapter(self, inputs, out)  # a LoRA adapter stays in high precision
+        # a LoRA adapter stays in high precision (``coordinates``: the tokens', for its dropout)
+        return with_adapter(self, inputs, out, coordinates=coordinates)
 
 
 __all__ = ["LinearQuantization", "QuantizedLinear", "ROLES", "USES", "hardware_gemm", "kept_or_cast",

@@ -94,8 +94,9 @@ def test_a_meshlm_gemma_style_model_exports_as_gemma3_and_others_refuse_it(tmp_p
     assert_meshlm_round_trip(model, tmp_path, gemma3.NAME)
     llama_like = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4,
                              block_output_norm=True)
+    assert choose_architecture(llama_like).name == "Glm4ForCausalLM"  # a SwiGLU layer with sandwich norms
     with pytest.raises(ConfigError, match="model.block_output_norm=True .only Gemma2ForCausalLM, Gemma3ForCausalLM"):
-        choose_architecture(llama_like)
+        choose_architecture(llama_like, requested="LlamaForCausalLM")
 
 
 def test_the_language_model_of_a_multimodal_folder_imports_and_exports_as_gemma3_text(tmp_path):

@@ -47,13 +47,14 @@ def test_peft_loads_the_adapter_folder_onto_the_base_and_computes_our_logits(kin
 
     targets = {"lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "in_proj"]} \
         if kind == "nemotron_h" else {}  # PEFT refuses Mamba's out_proj (see the refusal test)
-    model = lora_model(kind, tmp_path / "lora", lora_alpha=12, **targets)
+    model = lora_model(kind, tmp_path / "lora", lora_alpha=12, lora_dropout=0.05, **targets)
     assert main(["convert", "meshlm-to-hf", str(tmp_path / "lora"), str(tmp_path / "base"), "--base-only"]) == 0
     assert main(["convert", "meshlm-to-hf", str(tmp_path / "lora"), str(tmp_path / "adapter"), "--adapter-only",
                  "--base-model", "org/base"]) == 0
     assert "wrote PEFT LoRA adapter folder" in capsys.readouterr().out
     adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (adapter_config["r"], adapter_config["lora_alpha"], adapter_config["peft_type"]) == (4, 12, "LORA")
+    assert adapter_config["lora_dropout"] == 0.05  # (training only: the logits below are eval mode's)
     assert adapter_config["base_model_name_or_path"] == "org/base"
     base = load_hf(tmp_path / "base")
     ids = random_ids()

@@ -1,4 +1,5 @@
-"""LoRA adapters (meshlm/models/lora.py): where they sit, what trains, the merge, the FLOPs."""
+"""LoRA adapters (meshlm/models/lora.py): where they sit, what trains, the merge, the FLOPs, and
+the dropout on their inputs."""
 
 from __future__ import annotations
 
@@ -103,6 +104,8 @@ def test_targets_choose_the_layers_and_a_target_the_model_lacks_is_refused():
     ("lora_targets", "q_proj", "must be a non-empty list"),
     ("lora_targets", [], "must be a non-empty list"),
     ("lora_targets", ["query"], "not linear layers of the blocks"),
+    ("lora_dropout", 1.0, "must be a probability in"),
+    ("lora_dropout", -0.1, "must be a probability in"),
 ])
 def test_bad_lora_fields_are_refused_by_name(field, value, words):
     with pytest.raises(ConfigError, match=f"model.{field}=.*{words}|model.{field} names .*{words}"):
@@ -130,3 +133,107 @@ def test_adapter_flops_and_the_training_step_without_frozen_weight_gradients():
     attention = 2 * 2 * 4 * seq_len * seq_len * 8  # scores and weighted sum: 4 heads of 8
     assert model_flops_per_sequence(dense, seq_len) == (2 * weights + attention
                                                         + (1 + BACKWARD_TO_FORWARD) * adapter_flops(dense, seq_len))
+
+
+# --- dropout on the adapters' inputs (model.lora_dropout) -------------------------------------------
+
+
+def adapter_with_dropout(p: float = 0.3, site: int = 7) -> LowRankAdapter:
+    adapter = LowRankAdapter(16, 12, 4, 2.0, dropout=p, site=site)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        adapter.a.copy_(torch.randn(adapter.a.shape, generator=generator))
+        adapter.b.copy_(torch.randn(adapter.b.shape, generator=generator))
+    return adapter
+
+
+def coordinates_of(batch: int, seq: int, step: int = 0, first_sample: int = 0):
+    from meshlm.models.context import SequenceContext
+    from meshlm.models.dropout import DropoutKey, TokenCoordinates
+
+    key = DropoutKey(seed=5, step=step, sample_ids=torch.arange(first_sample, first_sample + batch))
+    return TokenCoordinates.of(SequenceContext.for_tokens(torch.zeros(batch, seq, dtype=torch.long), dropout_key=key))
+
+
+def test_dropout_scales_the_kept_inputs_and_drops_about_p_of_them():
+    """With a = b = I the detour is what the adapter read: about p of the elements zeroed, the rest
+    x / (1 - p); the gradient flows through the kept ones only."""
+    adapter = LowRankAdapter(16, 16, 16, 1.0, dropout=0.3, site=7)
+    with torch.no_grad():
+        adapter.a.copy_(torch.eye(16))
+        adapter.b.copy_(torch.eye(16))
+    x = (torch.rand(4, 64, 16) + 1.0).requires_grad_()  # no zeros of its own
+    read = adapter(x, coordinates=coordinates_of(4, 64))
+    kept = read != 0
+    assert abs(1 - kept.float().mean().item() - 0.3) < 0.03  # 4096 elements
+    torch.testing.assert_close(read[kept], (x / 0.7)[kept], rtol=1e-6, atol=0)
+    read.sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() / 0.7, rtol=1e-6, atol=0)
+
+
+def test_dropout_keys_on_coordinates_so_slices_shards_and_flattening_agree():
+    """A token's mask depends on its sample, position and channel only: a slice of the sequence,
+    the tokens flattened (an MoE layer's order) and a row-parallel shard's channels (two partitions,
+    as Mamba's split input) all drop what the whole drops."""
+    adapter = adapter_with_dropout()
+    x, coordinates = torch.randn(2, 10, 16), coordinates_of(2, 10)
+    whole = adapter(x, coordinates=coordinates)
+    sliced = coordinates_of(2, 10)
+    sliced.rows, sliced.positions = sliced.rows[:, 3:7], sliced.positions[:, 3:7]
+    torch.testing.assert_close(adapter(x[:, 3:7], coordinates=sliced), whole[:, 3:7], rtol=0, atol=1e-6)
+    flat = adapter(x.reshape(20, 16), coordinates=coordinates.flattened())
+    torch.testing.assert_close(flat, whole.reshape(20, 12), rtol=0, atol=1e-6)
+    shards = [torch.cat((torch.arange(0, 4), torch.arange(8, 12))),
+              torch.cat((torch.arange(4, 8), torch.arange(12, 16)))]
+    summed = 0
+    for channels in shards:
+        shard = LowRankAdapter(8, 12, 4, 2.0, dropout=0.3, site=7)
+        with torch.no_grad():
+            shard.a.copy_(adapter.a[:, channels])
+            shard.b.copy_(adapter.b)
+        shard.input_channels = channels
+        summed = summed + shard(x[..., channels], coordinates=coordinates)
+    torch.testing.assert_close(summed, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_each_site_step_and_sample_draws_its_own_mask_and_evaluation_none():
+    adapter, x = adapter_with_dropout(), torch.randn(2, 10, 16)
+    base = adapter(x, coordinates=coordinates_of(2, 10))
+    other_site = adapter_with_dropout(site=8)(x, coordinates=coordinates_of(2, 10))
+    other_step = adapter(x, coordinates=coordinates_of(2, 10, step=1))
+    other_samples = adapter(x, coordinates=coordinates_of(2, 10, first_sample=2))
+    for different in (other_site, other_step, other_samples):
+        assert not torch.allclose(different, base)
+    with pytest.raises(RuntimeError, match="model.lora_dropout needs the tokens' coordinates"):
+        adapter(x)
+    adapter.eval()
+    plain = LowRankAdapter(16, 12, 4, 2.0)
+    plain.load_state_dict(adapter.state_dict())
+    torch.testing.assert_close(adapter(x), plain(x), rtol=0, atol=0)
+
+
+def test_a_model_with_lora_dropout_trains_differently_and_evaluates_alike():
+    """Every adapter of the hybrid (Mamba in/out, attention q/k/v/o, MLP and shared expert, the MTP
+    depth's) drops its inputs in training; q's, k's and v's masks differ (sites of their own);
+    evaluation is the model without dropout."""
+    from meshlm.models.dropout import DropoutKey
+
+    dropping = trained_adapters(lora_model(lora_dropout=0.2))
+    plain = lora_model()
+    plain.load_state_dict(dropping.state_dict())
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    key = DropoutKey(seed=1, step=0, sample_ids=torch.arange(2))
+    first = dropping(ids, ids, dropout_key=key).loss
+    assert first.item() != plain(ids, ids, dropout_key=key).loss.item()
+    assert dropping(ids, ids, dropout_key=key).loss.item() == first.item()  # the same key, the same masks
+    first.backward()
+    assert all(parameter.grad is not None for name, parameter in dropping.named_parameters() if ".lora." in name)
+    sites = {module.site for module in dropping.modules() if isinstance(module, LowRankAdapter)}
+    assert len(sites) == sum(isinstance(module, LowRankAdapter) for module in dropping.modules())
+    dropping.eval(), plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(dropping(ids).logits, plain(ids).logits, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="model.lora_dropout=0.1 drops an adapter's inputs, and model.lora_rank=0"):
+        ModelConfig(lora_dropout=0.1)
+    with pytest.raises(ConfigError, match="not built for the LatentMoE projections"):
+        ModelConfig(lora_rank=4, lora_dropout=0.1, lora_targets=["q_proj", "latent_in_proj"])

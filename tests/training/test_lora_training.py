@@ -8,7 +8,9 @@ with SP and the distributed optimizer (column-parallel b, row-parallel a, replic
 partial gradients), tp4 with SP (the dense model's 2 KV heads replicated: both halves partial),
 pp2 x dp2 with ZeRO-3, cp2 and ep2, and the hybrid with an MTP depth at tp2 x pp2 x vp2 + SP
 (adapters in the MTP depth's blocks, interleaved stages) and a heterogeneous stack (per-block KV
-heads and MLP width) at tp2 x dp2 + ZeRO-1. Every step's loss and gradient norm, the validation
+heads and MLP width) at tp2 x dp2 + ZeRO-1. The adapters drop 10% of their inputs
+(``model.lora_dropout``): every layout must draw the same masks -- sequence slices, CP chunks,
+row-parallel shards of the inputs, MoE tokens and the shared expert's. Every step's loss and gradient norm, the validation
 losses and the final parameters must equal the single-process run's (relative error <= 1e-5),
 and the frozen weights must be exactly the folder's.
 """
@@ -33,7 +35,7 @@ MODELS = {
     "heterogeneous": ["model.pattern=*-*-", "model.num_kv_heads=2",
                       "model.block_overrides={2: {num_kv_heads: 1}, 1: {ffn_hidden_size: 32}}"],
 }
-LORA = ["model.lora_rank=4", "model.lora_alpha=8", "optim.lr=5e-3", "optim.eps=1e-3"]
+LORA = ["model.lora_rank=4", "model.lora_alpha=8", "model.lora_dropout=0.1", "optim.lr=5e-3", "optim.eps=1e-3"]
 """``optim.eps=1e-3``: AdamW turns a gradient element near eps into an update of about lr * g / eps,
 so eps bounds how much the last-bit differences that the layouts' fp32 summation orders leave in
 a gradient are amplified (``run_config``'s note). The adapters' gradients are small (b starts at
@@ -98,6 +100,17 @@ def test_only_the_adapters_train(runs, model):
         assert final[name].equal(value), f"{name} is frozen but changed"
     moved = [name for name in adapters if name.endswith(".lora.b") and final[name].abs().max() > 0]
     assert len(moved) == len(adapters) // 2, "every adapter's b (zero at the start) must have trained"
+
+
+def test_lora_dropout_changes_the_training(runs, tmp_path):
+    """The runs above drop 10% of the adapters' inputs, and it shows: step 1's loss is the base
+    model's either way (b starts at zero, so the detour adds nothing yet), but b's first update reads
+    the dropped inputs, and every later loss differs from the run without dropout."""
+    overrides = [override for override in lora_overrides(runs["root"], "dense") if "lora_dropout" not in override]
+    plain = HELPERS.train_once(runs["blend"], tmp_path / "plain", overrides)
+    dropping = runs["single"]["dense"]
+    assert plain["losses"][1] == dropping["losses"][1]
+    assert all(plain["losses"][step] != dropping["losses"][step] for step in (2, 3, 4, 5))
 
 
 BF16_LAYOUTS = {"dp2 zero1": ["parallel.dp=2", "parallel.distributed_optimizer=true"],

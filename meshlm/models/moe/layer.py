@@ -56,7 +56,7 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(config, model_size=latent or hidden)
         self.latent_out_proj = nn.Linear(latent, hidden, bias=config.mlp_bias) if latent else None
         shared_size = config.moe_shared_expert_ffn_hidden_size
-        self.shared_expert = (MLP(hidden, shared_size, config.mlp_activation, config.mlp_bias)
+        self.shared_expert = (MLP(hidden, shared_size, config.mlp_activation, config.mlp_bias, config.lora_dropout)
                               if shared_size > 0 else None)
 
     def forward(self, x: torch.Tensor, context=None) -> tuple[torch.Tensor, MoELosses]:
@@ -65,8 +65,8 @@ class MoELayer(nn.Module):
         tokens = x.reshape(batch * seq, hidden)
         routing = self.router(tokens)
         routed, dropped = self.routed_experts(tokens, routing)
-        if self.shared_expert is not None:
-            routed = routed + self.shared_expert(tokens)
+        if self.shared_expert is not None:  # token by token: fed x as [b, t, h], whose tokens context describes
+            routed = routed + self.shared_expert(x, context).reshape(batch * seq, hidden)
         return routed.reshape(batch, seq, hidden), self.losses(routing, dropped, num_sequences=batch)
 
     def routed_experts(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:

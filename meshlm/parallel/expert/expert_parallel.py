@@ -169,7 +169,7 @@ class ExpertParallelMoELayer(MoELayer):
         expert_input = self.latent_in_proj(tokens) if self.latent_in_proj is not None else tokens
         dispatched = self.dispatcher.dispatch(expert_input, expert_ids)
         rows = None if self.overlap_shared_expert else dispatched.expert_rows()
-        shared = self.shared_expert(x) if self.shared_expert is not None else None  # while the rows travel
+        shared = self.shared_expert(x, context) if self.shared_expert is not None else None  # while rows travel
         rows = dispatched.expert_rows() if rows is None else rows
         expert_output = self.experts(rows, dispatched.tokens_per_local_expert, dispatched.rows_per_source)
         routed = self.dispatcher.combine(expert_output, dispatched, routing.weights)

@@ -43,9 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.models.dropout import TokenCoordinates
 from meshlm.models.lora import ADAPTER_MODULE, with_adapter
 from meshlm.parallel.collectives import all_gather_along, copy_to_group, reduce_from_group, reduce_scatter_along
-from meshlm.parallel.tensor.sharding import mark_partial_grad, shard_parameter
+from meshlm.parallel.tensor.sharding import mark_partial_grad, shard_parameter, shard_tensor
 
 # --- entering and leaving a tensor-parallel region ---------------------------------------------
 
@@ -90,6 +91,10 @@ def carry_adapter(full: nn.Module, layer: nn.Module, split: str | None, context=
                               f"{what} lora.{split}")
         setattr(adapter, split, cut)
         mark_partial_grad(adapter.a if split == "b" else adapter.b)
+        if split == "a":  # its dropout masks the input channels by their global indices (kept on the
+            channels = torch.arange(full.in_features)  # host: a model built on meta is materialized later)
+            adapter.input_channels = shard_tensor(channels, 0, sizes or [full.in_features], context.tp_rank,
+                                                  context.tp_size)
     layer.lora = adapter
 
 
@@ -127,10 +132,10 @@ class ColumnParallelLinear(nn.Module):
         carry_adapter(full, layer, "b", context, sizes, what)  # b split like the weight's rows
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, coordinates: TokenCoordinates | None = None) -> torch.Tensor:
         if self.gather_input:
             x = column_parallel_input(x, self.context)
-        return with_adapter(self, x, _linear(self, x, self.bias))
+        return with_adapter(self, x, _linear(self, x, self.bias), coordinates=coordinates)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, local_out={self.out_features}, tp={self.context.tp_size}"
@@ -165,8 +170,9 @@ class RowParallelLinear(nn.Module):
         carry_adapter(full, layer, "a", context, sizes, what)  # a split like the weight's columns
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = row_parallel_output(with_adapter(self, x, _linear(self, x, None)), self.context)
+    def forward(self, x: torch.Tensor, coordinates: TokenCoordinates | None = None) -> torch.Tensor:
+        out = row_parallel_output(with_adapter(self, x, _linear(self, x, None), coordinates=coordinates),
+                                  self.context)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:
@@ -190,11 +196,11 @@ class ReplicatedRowsLinear(nn.Module):
         carry_adapter(full, self, None)  # LoRA: a and b whole, b read at the same rows
         self.context, self.rows, self.gather_input = context, rows, gather_input
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, coordinates: TokenCoordinates | None = None) -> torch.Tensor:
         if self.gather_input:
             x = column_parallel_input(x, self.context)
         bias = self.bias[self.rows] if self.bias is not None else None
-        return with_adapter(self, x, F.linear(x, self.weight[self.rows], bias), self.rows)
+        return with_adapter(self, x, F.linear(x, self.weight[self.rows], bias), self.rows, coordinates)
 
     def extra_repr(self) -> str:
         return f"rows={self.rows.start}:{self.rows.stop} of {self.weight.shape[0]}"

@@ -92,7 +92,7 @@ class TensorParallelMoELayer(MoELayer):
         if self.latent_out_proj is not None:
             routed = self.latent_out_proj(routed)
         if self.shared_expert is not None:  # column layers read the gathered input; down reduces
-            routed = routed + self.shared_expert(full)
+            routed = routed + self.shared_expert(full, context)
         return routed, self.replicated_losses(routing, dropped, num_sequences=full.shape[0])
 
     def replicated_losses(self, routing: Routing, dropped: torch.Tensor, num_sequences: int = 1) -> MoELosses:
