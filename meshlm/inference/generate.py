@@ -62,28 +62,36 @@ def left_pad(prompts: list[list[int]], pad_token_id: int,
     return input_ids.to(device), (None if bool(token_mask.all()) else token_mask.to(device))
 
 
-def check_rope_factors_stay(config, longest: int, new_tokens: int, prefill_chunk: int | None) -> None:
-    """Refuse a generation over which LongRoPE would change factors (``models/rope.py``).
+def check_rope_factors_stay(config, longest: int, new_tokens: int, prefill_chunk: int | None,
+                            speculative: bool = False) -> None:
+    """Refuse a generation over which LongRoPE would change factors where the cache cannot follow
+    (``models/rope.py``).
 
     A forward rotates with the short factors while its largest position stays below the original
-    context L and with the long ones, every position anew, from there on. transformers meets that
-    by recomputing its whole cache when a sequence first passes L; a cache here keeps the keys as
-    rotated when they came in, so it holds one set: a generation must stay within L, or start past
-    it (a prompt longer than L, prefilled in chunks longer than L or in one piece)."""
+    context L and with the long ones, every position anew, from there on. Plain decoding meets that
+    as transformers does, by running the whole sequence again when it first passes L
+    (``longrope_crossing``); speculative decoding does not, and a chunked prefill of a prompt past L
+    would rotate its first chunks with the short factors."""
     if config.rope_scaling != "longrope":
         return
     original = config.rope_original_max_positions
     furthest = longest + new_tokens - 1  # the longest sequence a forward of this generation rotates
-    if longest <= original < furthest:
+    if speculative and longest <= original < furthest:
         raise ConfigError(f"a prompt of {longest} tokens and {new_tokens - 1} tokens more would take this model's "
                           f"LongRoPE (model.rope_scaling=longrope) past its original context of {original} tokens, "
-                          "where it rotates every cached key anew with its long factors (transformers recomputes "
-                          f"its cache there; meshlm does not yet); keep the prompt plus the new tokens within "
-                          f"{original + 1}, or start from a prompt longer than {original}.")
+                          "where every cached key is rotated anew with its long factors, which speculative "
+                          f"decoding does not do; keep the prompt plus the new tokens within {original + 1}, start "
+                          f"from a prompt longer than {original}, or decode without --speculative.")
     if prefill_chunk is not None and prefill_chunk <= original < longest:
         raise ConfigError(f"prefill_chunk={prefill_chunk}: the first chunk of this {longest}-token prompt would "
                           f"rotate with LongRoPE's short factors and the prompt as a whole with its long ones (past "
                           f"{original} tokens); prefill in one piece or in chunks longer than {original}.")
+
+
+def longrope_crossing(config, length: int) -> bool:
+    """Whether a forward over sequences of at most ``length`` tokens is LongRoPE's first past the
+    original context (the one before it, a token shorter, rotated with the short factors)."""
+    return config.rope_scaling == "longrope" and length - 1 <= config.rope_original_max_positions < length
 
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
@@ -117,7 +125,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
                         f"a prompt of {longest} tokens and max_new_tokens={max_new_tokens}",
                         "shorten the prompt or ask for fewer new tokens")
     drafts = (draft_tokens or model.config.mtp_depth) if speculative is not None else 0
-    check_rope_factors_stay(model.config, longest, max_new_tokens + drafts, prefill_chunk)
+    check_rope_factors_stay(model.config, longest, max_new_tokens + drafts, prefill_chunk, speculative is not None)
     if speculative is not None and compile:
         raise ConfigError("compiling the decode step applies to plain decoding, not speculative decoding; "
                           "drop --compile or --speculative.")
@@ -175,6 +183,15 @@ def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id
                     cache.select(unfinished)
             if not rows or step == max_new_tokens - 1:
                 break
+            sequences = [prompts[row] + new_tokens[row] for row in rows]
+            if longrope_crossing(model.config, max(len(sequence) for sequence in sequences)):
+                # LongRoPE's first forward past the original context rotates every position anew: run
+                # the whole sequences again into a fresh cache, as transformers does
+                input_ids, token_mask = left_pad(sequences, pad_token_id, device)
+                cache = InferenceCache(max_tokens=input_ids.shape[1] + max_new_tokens - step - 1)
+                logits = model.head_logits(prefill(model, input_ids, token_mask, cache))[:, -1]
+                stats.prefill_tokens += sum(len(sequence) for sequence in sequences)
+                continue
             # the new column holds no padding (no mask): nothing in a step looks at all cached tokens
             if compiled_step is not None and compiled_step.supports(cache):
                 logits = compiled_step(next_ids, cache)

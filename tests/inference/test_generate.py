@@ -193,12 +193,12 @@ def test_compiled_decoding_gives_the_same_tokens_and_times_compiling_apart(monke
         generate(tiny_model("M*-"), PROMPTS[:1], 4, GREEDY, speculative="mtp", compile=True)
 
 
-def longrope_model() -> LanguageModel:
+def longrope_model(**overrides) -> LanguageModel:
     """Phi-3.5's LongRoPE in small: the long factors past 12 positions."""
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=97, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
                          init_std=0.1, rope_scaling="longrope", rope_scaling_factor=4.0, rope_original_max_positions=12,
-                         rope_short_factors=[1.0, 1.1, 1.3, 1.6], rope_long_factors=[1.0, 3.0, 9.0, 27.0])
+                         rope_short_factors=[1.0, 1.1, 1.3, 1.6], rope_long_factors=[1.0, 3.0, 9.0, 27.0], **overrides)
     return LanguageModel(config).eval()
 
 
@@ -215,9 +215,19 @@ def test_longrope_generation_within_and_past_the_original_context_equals_the_ful
         assert not torch.allclose(model(ids[:, :12]).logits[:, -1], model(ids[:, :13]).logits[:, -2], atol=1e-4)
 
 
-def test_longrope_generation_that_would_change_factors_is_refused():
+def test_longrope_generation_past_the_original_context_runs_the_sequence_again():
+    """A generation whose sequence grows past 12 positions switches to the long factors there and
+    runs every position again, as transformers does: the tokens of a full forward over each prefix.
+    In a batch the longest row decides (transformers' rule, the batch's largest position): that row
+    gets its own tokens."""
     model = longrope_model()
-    with pytest.raises(ConfigError, match="past its original context of 12 tokens.*within 13"):
-        generate(model, [PROMPTS[0]], 5, GREEDY)
+    assert generate(model, [PROMPTS[0]], 8, GREEDY) == [generate_without_cache(model, PROMPTS[0], 8)]
+    stats = GenerationStats()
+    batched = generate(model, [PROMPTS[0], PROMPTS[1]], 8, GREEDY, stats=stats, compile=False)
+    assert batched[0] == generate_without_cache(model, PROMPTS[0], 8)
+    assert stats.prefill_tokens == 9 + 2 + (9 + 4) + (2 + 4)  # the prompts, then both rows again at 13 tokens
     with pytest.raises(ConfigError, match="prefill_chunk=4: the first chunk of this 14-token prompt"):
         generate(model, [PROMPTS[0] + PROMPTS[2]], 2, GREEDY, prefill_chunk=4)
+    drafting = longrope_model(mtp_depth=1, mtp_pattern="*-")
+    with pytest.raises(ConfigError, match="which speculative decoding does not do"):
+        generate(drafting, [PROMPTS[0]], 5, GREEDY, speculative="mtp")
