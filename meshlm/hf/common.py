@@ -633,9 +633,9 @@ def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozense
 
 
 LAYER_FEATURES = {
-    "block_output_norm": "Gemma2ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM and Glm4ForCausalLM normalize each "
-                         "block's output",
-    "block_input_norm": "Olmo2ForCausalLM leaves the blocks' inputs unnormalized",
+    "block_output_norm": "Gemma2ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM, Glm4ForCausalLM and "
+                         "Exaone4ForCausalLM normalize each block's output",
+    "block_input_norm": "Olmo2ForCausalLM and Exaone4ForCausalLM leave the blocks' inputs unnormalized",
     "qk_norm_scope": "Olmo2ForCausalLM normalizes all query (and key) heads together",
     "norm_zero_centered": "Gemma2ForCausalLM and Gemma3ForCausalLM store norm weights as 1 + w",
     "embedding_multiplier": "Gemma2ForCausalLM, Gemma3ForCausalLM (by sqrt(hidden_size)) and GraniteForCausalLM "
@@ -661,7 +661,7 @@ LAYER_FEATURES = {
     "qk_norm_bias": "PhiForCausalLM's q/k LayerNorms have biases",
     "qk_norm_per_head": "StableLmForCausalLM and CohereForCausalLM give each head a q/k norm weight of its own",
     "output_bias": "PhiForCausalLM and GPTJForCausalLM have a bias on lm_head",
-    "rope_pattern": "SmolLM3ForCausalLM and Cohere2ForCausalLM leave some layers without RoPE",
+    "rope_pattern": "SmolLM3ForCausalLM, Cohere2ForCausalLM and Exaone4ForCausalLM leave some layers without RoPE",
 }
 """Layer features only some HF classes hold, and which."""
 

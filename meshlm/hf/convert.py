@@ -20,7 +20,8 @@ latent attention -- the one class here with it, every other refuses it --, dense
 sigmoid-routed '*E' with a shared expert), Phi-3 (Llama's layer with fused projections: written
 only when asked for or imported from), Gemma 2 and 3 (sandwich norms, GeGLU, scaled embeddings, soft-capping;
 Gemma 3 with QK-norm), OLMo 2 and 3
-(norms after the sublayers, QK-norm over all heads; OLMo 3 sliding), GPT-2 (learned positions,
+(norms after the sublayers, QK-norm over all heads; OLMo 3 sliding), EXAONE 4.0 (OLMo 2's layer with
+a QK-norm per head, sliding layers with RoPE and full ones without), GPT-2 (learned positions,
 LayerNorm, biases, transposed Conv1D weights), GPTBigCode (StarCoder: GPT-2's layer with multi-query
 attention and plain linear weights), StarCoder2 (RoPE with LayerNorm, biases and a
 non-gated MLP), GPT-NeoX (StarCoder2's layer with one head per key/value head, partial rotary and
@@ -55,7 +56,7 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
                                            weights_source, write_model_folder)
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
-from meshlm.hf import (cohere, cohere2, deepseek_v3, falcon, gemma2, gemma3, glm, gpt2, gpt_bigcode, gpt_neox, gptj, granite, llama, mamba2,
+from meshlm.hf import (cohere, cohere2, deepseek_v3, exaone4, falcon, gemma2, gemma3, glm, gpt2, gpt_bigcode, gpt_neox, gptj, granite, llama, mamba2,
                        mistral, mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm,
                        starcoder2)
 from meshlm.hf.common import Architecture, produce_all
@@ -71,6 +72,7 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           olmoe.ARCHITECTURE,
                                           deepseek_v3.ARCHITECTURE, phi3.ARCHITECTURE, gemma2.ARCHITECTURE,
                                           gemma3.ARCHITECTURE, olmo2.OLMO2_ARCHITECTURE, olmo2.OLMO3_ARCHITECTURE,
+                                          exaone4.ARCHITECTURE,
                                           gpt2.ARCHITECTURE, gpt_bigcode.ARCHITECTURE, starcoder2.ARCHITECTURE, gpt_neox.ARCHITECTURE,
                                           stablelm.ARCHITECTURE, falcon.ARCHITECTURE, phi.ARCHITECTURE,
                                           gptj.ARCHITECTURE, cohere.ARCHITECTURE, cohere2.ARCHITECTURE,

@@ -70,5 +70,6 @@ def test_what_smollm3_cannot_hold_is_refused_by_name():
     with pytest.raises(ConfigError, match="layer_types marks sliding layers but use_sliding_window is false"):
         smollm3.config_from_hf({**base, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]})
     unrotated = ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4, rope_pattern="N")
-    with pytest.raises(ConfigError, match="model.rope_pattern='N' .only SmolLM3ForCausalLM and Cohere2ForCausalLM"):
+    with pytest.raises(ConfigError, match="model.rope_pattern='N' .only SmolLM3ForCausalLM, Cohere2ForCausalLM and "
+                                          "Exaone4ForCausalLM"):
         choose_architecture(unrotated, requested="LlamaForCausalLM")
