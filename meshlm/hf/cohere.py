@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from meshlm.hf.common import (QK_LAYERNORM_FEATURES, Architecture, RegroupedRows, TensorMap,
                               deinterleaved_rotary_rows, fixed_fields_unsupported, half_from_interleaved, linear_maps,
-                              qk_layernorm_unsupported, rename, rows_of, split_heads_unsupported, window_unsupported,
-                              with_defaults)
+                              qk_layernorm_unsupported, query_key_tensors, rename, rows_of, split_heads_unsupported,
+                              window_unsupported, with_defaults)
 from meshlm.hf.llama import dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported
 from meshlm.models.config import ModelConfig
 
@@ -68,17 +68,6 @@ def config_to_hf(config: ModelConfig) -> dict:
     return values
 
 
-def rotary_projections(config: ModelConfig) -> list[tuple[str, str, int]]:
-    """(meshlm name, HF name, heads) of every weight (and bias) whose rows are reordered."""
-    out = []
-    for layer in range(config.num_blocks // 2):
-        for projection, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.resolved_num_kv_heads)):
-            for kind in ("weight", "bias") if config.attention_bias else ("weight",):
-                out.append((f"blocks.{2 * layer}.mixer.{projection}.{kind}",
-                            f"model.layers.{layer}.self_attn.{projection}.{kind}", heads))
-    return out
-
-
 def qk_norm_weights(config: ModelConfig) -> list[tuple[str, str, int]]:
     """(meshlm name, HF name, heads) of every per-head QK-norm weight [heads, head_dim] (none without)."""
     if not config.qk_norm:
@@ -94,7 +83,7 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
         maps.append(rename("output.weight", "lm_head.weight"))
     head_dim = config.resolved_head_dim
     # rows of their HF tensors, then reordered (regrouped_rows)
-    maps += [rows_of(ours, theirs, 0, heads * head_dim) for ours, theirs, heads in rotary_projections(config)]
+    maps += [rows_of(ours, theirs, 0, heads * head_dim) for ours, theirs, heads in query_key_tensors(config)]
     maps += [rows_of(ours, theirs, 0, heads) for ours, theirs, heads in qk_norm_weights(config)]
     for layer in range(config.num_blocks // 2):
         attention, mlp, theirs = f"blocks.{2 * layer}", f"blocks.{2 * layer + 1}", f"model.layers.{layer}"
@@ -112,7 +101,7 @@ def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
     the channels of the per-head QK-norm weights in the same order."""
     head_dim = config.resolved_head_dim
     return ([RegroupedRows(((ours, heads * head_dim),), theirs, deinterleaved_rotary_rows(heads, head_dim, head_dim))
-             for ours, theirs, heads in rotary_projections(config)]
+             for ours, theirs, heads in query_key_tensors(config)]
             + [RegroupedRows(((ours, head_dim),), theirs, half_from_interleaved(head_dim), dim=1)
                for ours, theirs, _ in qk_norm_weights(config)])
 

@@ -133,6 +133,19 @@ def half_from_interleaved(rope_dim: int) -> torch.Tensor:
     return torch.cat((torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)))
 
 
+def query_key_tensors(config: ModelConfig) -> list[tuple[str, str, int]]:
+    """(meshlm name, HF name, heads) of the q_proj and k_proj weight (and bias, with
+    ``model.attention_bias``) of every layer of a '*-' stack under Llama's HF names: the tensors
+    whose rows a class rotating interleaved pairs reorders (``deinterleaved_rotary_rows``)."""
+    out = []
+    for layer in range(config.num_blocks // 2):
+        for projection, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.resolved_num_kv_heads)):
+            for kind in ("weight", "bias") if config.attention_bias else ("weight",):
+                out.append((f"blocks.{2 * layer}.mixer.{projection}.{kind}",
+                            f"model.layers.{layer}.self_attn.{projection}.{kind}", heads))
+    return out
+
+
 def deinterleaved_rotary_rows(heads: int, head_dim: int, rotary: int, offset: int = 0) -> torch.Tensor:
     """The row order (row r is the checkpoint's row ``order[r]``) of a query or key projection of
     ``heads`` heads of ``head_dim`` rows whose ``rotary`` channels from ``offset`` in each head are

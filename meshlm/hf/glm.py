@@ -24,8 +24,8 @@ from functools import partial
 
 from meshlm.errors import ConfigError
 from meshlm.hf.common import (Architecture, RegroupedRows, TensorMap, deinterleaved_rotary_rows, embedding_maps,
-                              fused_rows, linear_maps, rename, rope_with_defaults, rows_of, window_unsupported,
-                              with_defaults)
+                              fused_rows, linear_maps, query_key_tensors, rename, rope_with_defaults, rows_of,
+                              window_unsupported, with_defaults)
 from meshlm.hf.llama import dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported
 from meshlm.models.config import ModelConfig
 
@@ -71,22 +71,11 @@ def config_to_hf(config: ModelConfig, name: str, model_type: str, label: str, po
     return values
 
 
-def rotary_projections(config: ModelConfig) -> list[tuple[str, str, int]]:
-    """(meshlm name, HF name, heads) of every q/k weight and bias whose rotary rows are reordered."""
-    out = []
-    for layer in range(config.num_blocks // 2):
-        for projection, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.resolved_num_kv_heads)):
-            for kind in ("weight", "bias") if config.attention_bias else ("weight",):
-                out.append((f"blocks.{2 * layer}.mixer.{projection}.{kind}",
-                            f"model.layers.{layer}.self_attn.{projection}.{kind}", heads))
-    return out
-
-
 def tensor_maps(config: ModelConfig, post_norms: bool) -> list[TensorMap]:
     maps = embedding_maps(config, "model.embed_tokens.weight", "model.norm.weight")
     head_dim, width = config.resolved_head_dim, config.resolved_ffn_hidden_size
     # rows of their HF tensors, then reordered (regrouped_rows)
-    maps += [rows_of(ours, theirs, 0, heads * head_dim) for ours, theirs, heads in rotary_projections(config)]
+    maps += [rows_of(ours, theirs, 0, heads * head_dim) for ours, theirs, heads in query_key_tensors(config)]
     for layer in range(config.num_blocks // 2):
         attention, mlp, theirs = f"blocks.{2 * layer}", f"blocks.{2 * layer + 1}", f"model.layers.{layer}"
         maps.append(rename(f"{attention}.norm.weight", f"{theirs}.input_layernorm.weight"))
@@ -107,7 +96,7 @@ def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
     head_dim = config.resolved_head_dim
     return [RegroupedRows(((ours, heads * head_dim),), theirs,
                           deinterleaved_rotary_rows(heads, head_dim, config.rotary_dim))
-            for ours, theirs, heads in rotary_projections(config)]
+            for ours, theirs, heads in query_key_tensors(config)]
 
 
 def architecture(name: str, model_type: str, label: str, post_norms: bool) -> Architecture:

@@ -75,10 +75,17 @@ def unsupported(config: ModelConfig) -> list[str]:
     reasons += window_unsupported(config, "GPT-2", uniform_only=False)
     reasons += non_gated_activation_unsupported(config, "GPT-2", ACTIVATIONS_TO_HF)
     reasons += multi_head_unsupported(config, "GPT-2")
+    return reasons + gpt2_attention_unsupported(config, "GPT-2")
+
+
+def gpt2_attention_unsupported(config: ModelConfig, label: str) -> list[str]:
+    """Why ``config``'s attention is not GPT-2's (class ``label``, GPT-2's or GPTBigCode's): a biased
+    output projection, scaled by 1/sqrt(head_dim) or, with ``scale_attn_weights`` false, not at all."""
+    reasons = []
     if not config.resolved_attention_output_bias:
-        reasons.append("model.attention_output_bias=False (GPT-2's c_proj has a bias)")
+        reasons.append(f"model.attention_output_bias=False ({label}'s c_proj has a bias)")
     if config.attention_scale not in (None, 1.0):
-        reasons.append(f"model.attention_scale={config.attention_scale} (GPT-2 scales by 1/sqrt(head_dim) or, "
+        reasons.append(f"model.attention_scale={config.attention_scale} ({label} scales by 1/sqrt(head_dim) or, "
                        "with scale_attn_weights=false, not at all)")
     return reasons
 

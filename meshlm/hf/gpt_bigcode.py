@@ -22,7 +22,7 @@ from __future__ import annotations
 from meshlm.hf.common import (Architecture, RegroupedRows, TensorMap, decoder_layers_unsupported, fused_qkv_tensors,
                               fused_rows, grouped_qkv_row_order, hf_common_fields, layer_norm_maps, linear_maps,
                               non_gated_activation_unsupported, rename, require, window_unsupported, with_defaults)
-from meshlm.hf.gpt2 import ACTIVATIONS, canonical_tensors
+from meshlm.hf.gpt2 import ACTIVATIONS, canonical_tensors, gpt2_attention_unsupported
 from meshlm.models.config import ModelConfig
 
 NAME = "GPTBigCodeForCausalLM"
@@ -64,12 +64,7 @@ def unsupported(config: ModelConfig) -> list[str]:
                        "or one per query head)")
     if config.resolved_head_dim * config.num_attention_heads != config.hidden_size:
         reasons.append(f"model.head_dim={config.head_dim} (GPTBigCode's heads split the hidden size)")
-    if not config.resolved_attention_output_bias:
-        reasons.append("model.attention_output_bias=False (GPTBigCode's c_proj has a bias)")
-    if config.attention_scale not in (None, 1.0):
-        reasons.append(f"model.attention_scale={config.attention_scale} (GPTBigCode scales by 1/sqrt(head_dim) or, "
-                       "with scale_attn_weights=false, not at all)")
-    return reasons
+    return reasons + gpt2_attention_unsupported(config, "GPTBigCode")
 
 
 def config_to_hf(config: ModelConfig) -> dict:
@@ -80,7 +75,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     return {**common, "n_embd": config.hidden_size, "n_layer": config.num_blocks // 2,
             "n_head": config.num_attention_heads, "n_positions": config.max_position_embeddings,
             "n_inner": None if width == 4 * config.hidden_size else width,
-            "multi_query": config.resolved_num_kv_heads == 1 and config.num_attention_heads > 1,
+            "multi_query": multi_query(config),
             "activation_function": ACTIVATIONS_TO_HF[config.mlp_activation], "layer_norm_epsilon": config.norm_eps,
             "scale_attn_weights": config.attention_scale is None, "attn_pdrop": config.attention_dropout,
             "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout}
