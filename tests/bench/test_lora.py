@@ -21,10 +21,14 @@ def test_a_tiny_run_records_both_trainers(capsys):
     assert record["speedup"] == pytest.approx(record["seconds_per_step"]["full"] / record["seconds_per_step"]["lora"])
     assert record["flops_per_token"]["lora"] < record["flops_per_token"]["full"]
     assert 0 < record["trainable_fraction"] < 0.2
+    seconds = record["seconds_per_step"]  # the third run, with the adapters' inputs dropped
+    assert record["dropout"] == 0.1
+    assert record["dropout_cost"] == pytest.approx(seconds["lora_dropout"] / seconds["lora"])
 
 
 @pytest.mark.parametrize("argv, message", [(["--hidden", "100"], "--hidden 100 must be a positive multiple of 64"),
-                                           (["--rank", "0"], "--rank 0 must be at least 1")])
+                                           (["--rank", "0"], "--rank 0 must be at least 1"),
+                                           (["--dropout", "1"], "--dropout 1.0 must be a probability in [0, 1)")])
 def test_bad_flags_are_refused_with_one_sentence(argv, message, capsys):
     assert main(argv) == 2
     error = capsys.readouterr().err.strip()
