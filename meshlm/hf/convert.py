@@ -33,7 +33,8 @@ pairs interleaved), Command R (the parallel layer with a bias-free LayerNorm, Sw
 rotary pairs, scaled logits), Cohere2 (Command R's layer, three sliding layers with RoPE to one full
 without), SmolLM3 (Llama's layer, some layers without RoPE), Granite (Llama with
 muP-style multipliers), GLM and GLM-4-0414 (Llama's layer rotating half of each head in interleaved
-pairs, biases on q/k/v, a fused gate_up_proj; GLM-4-0414 with norms after the sublayers), Mamba2 ('MMM...') and
+pairs, biases on q/k/v, a fused gate_up_proj; GLM-4-0414 with norms after the sublayers), Seed-OSS
+(Llama with q/k/v, o and MLP biases each on or off), Mamba2 ('MMM...') and
 Nemotron-H (everything hybrid). When none fits, the error lists, per architecture, the fields that
 block it. The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
 by chunk from a training checkpoint) when the first HF tensor cut from it is written. With
@@ -56,9 +57,9 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
                                            weights_source, write_model_folder)
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
-from meshlm.hf import (cohere, cohere2, deepseek_v3, exaone4, falcon, gemma2, gemma3, glm, gpt2, gpt_bigcode, gpt_neox, gptj, granite, llama, mamba2,
-                       mistral, mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm,
-                       starcoder2)
+from meshlm.hf import (cohere, cohere2, deepseek_v3, exaone4, falcon, gemma2, gemma3, glm, gpt2, gpt_bigcode,
+                       gpt_neox, gptj, granite, llama, mamba2, mistral, mixtral, nemotron_h, olmo2, olmoe, phi, phi3,
+                       qwen2, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2)
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.fp8_export import quantize_hf_export
@@ -73,11 +74,13 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           deepseek_v3.ARCHITECTURE, phi3.ARCHITECTURE, gemma2.ARCHITECTURE,
                                           gemma3.ARCHITECTURE, olmo2.OLMO2_ARCHITECTURE, olmo2.OLMO3_ARCHITECTURE,
                                           exaone4.ARCHITECTURE,
-                                          gpt2.ARCHITECTURE, gpt_bigcode.ARCHITECTURE, starcoder2.ARCHITECTURE, gpt_neox.ARCHITECTURE,
+                                          gpt2.ARCHITECTURE, gpt_bigcode.ARCHITECTURE, starcoder2.ARCHITECTURE,
+                                          gpt_neox.ARCHITECTURE,
                                           stablelm.ARCHITECTURE, falcon.ARCHITECTURE, phi.ARCHITECTURE,
                                           gptj.ARCHITECTURE, cohere.ARCHITECTURE, cohere2.ARCHITECTURE,
                                           smollm3.ARCHITECTURE,
                                           granite.ARCHITECTURE, glm.GLM_ARCHITECTURE, glm.GLM4_ARCHITECTURE,
+                                          seed_oss.ARCHITECTURE,
                                           mamba2.ARCHITECTURE,
                                           nemotron_h.ARCHITECTURE)
 EXPORTABLE: dict[str, Architecture] = {architecture.name: architecture for architecture in EXPORT_ORDER}
