@@ -61,7 +61,7 @@ class TensorMap:
     """One meshlm tensor and where it lives in an HF checkpoint.
 
     ``theirs`` holds one HF name (a rename), several names stacked along a new dim 0
-    (``stacked``: the per-expert weights of an MoE block), or nothing (a meshlm buffer HF does
+    (``stacked``: the per-expert weights of an MoE block, StableLM's per-head QK LayerNorms), or nothing (a meshlm buffer HF does
     not have, such as the unused expert bias of a softmax router: zeros on import, dropped on
     export).
     """
@@ -79,7 +79,7 @@ class TensorMap:
     def describe_theirs(self) -> str:
         if not self.stacked or len(self.theirs) < 2:
             return ", ".join(self.theirs) or "(none)"
-        return f"{self.theirs[0]} .. {self.theirs[-1]} ({len(self.theirs)} experts)"
+        return f"{self.theirs[0]} .. {self.theirs[-1]} ({len(self.theirs)} stacked: experts, or heads' norms)"
 
 
 def rename(ours: str, theirs: str) -> TensorMap:
