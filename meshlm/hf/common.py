@@ -61,9 +61,9 @@ class TensorMap:
     """One meshlm tensor and where it lives in an HF checkpoint.
 
     ``theirs`` holds one HF name (a rename), several names stacked along a new dim 0
-    (``stacked``: the per-expert weights of an MoE block, StableLM's per-head QK LayerNorms), or nothing (a meshlm buffer HF does
-    not have, such as the unused expert bias of a softmax router: zeros on import, dropped on
-    export).
+    (``stacked``: the per-expert weights of an MoE block, StableLM's per-head QK LayerNorms), or
+    nothing (a meshlm buffer HF does not have, such as the unused expert bias of a softmax router:
+    zeros on import, dropped on export).
     """
 
     ours: str
