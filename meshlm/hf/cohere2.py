@@ -15,7 +15,7 @@ letter for letter.
 from __future__ import annotations
 
 from meshlm.hf import cohere
-from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, fixed_fields_unsupported,
+from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, fixed_fields_unsupported,
                               layer_rotates, layer_types_from_hf, layer_types_to_hf, layer_windows,
                               rope_pattern_fields, split_heads_unsupported, window_fields, with_defaults)
 from meshlm.hf.llama import dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported
@@ -31,11 +31,9 @@ SUPPORTED_FEATURES = frozenset({"norm", "norm_bias", "parallel_residual", "paral
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
-    if hf.get("layer_types") is None:  # the older field: every sliding_window_pattern-th layer full
-        every = hf.get("sliding_window_pattern", 4)
-        hf["layer_types"] = [SLIDING_ATTENTION if (index + 1) % every else FULL_ATTENTION
-                             for index in range(hf["num_hidden_layers"])]
-    sliding = [kind == SLIDING_ATTENTION for kind in layer_types_from_hf(hf, NAME)]
+    # without layer_types, the older field: every sliding_window_pattern-th layer full
+    types = layer_types_from_hf(hf, NAME, full_every=hf.get("sliding_window_pattern", 4))
+    sliding = [kind == SLIDING_ATTENTION for kind in types]
     return dense_decoder_config({**hf, "rms_norm_eps": hf["layer_norm_eps"]}, hf_config, NAME, norm="layernorm",
                                 norm_bias=False, parallel_residual=True, parallel_residual_shared_norm=True,
                                 logit_divisor=1.0 / float(hf["logit_scale"]),

@@ -13,7 +13,7 @@ in full and rotates. The tensors are OLMo 2's.
 
 from __future__ import annotations
 
-from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, decoder_layers_unsupported,
+from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, decoder_layers_unsupported,
                               hf_common_fields, layer_rotates, layer_types_from_hf, layer_types_to_hf, layer_windows,
                               require, rope_from_hf, rope_pattern_fields, window_fields, with_defaults)
 from meshlm.hf.llama import attention_fields, attention_to_hf
@@ -38,11 +38,9 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
         hf["sliding_window"] = None  # no window: every layer full, and rotating
     require(hf, NAME, "hidden_act", "silu", "meshlm's gated MLP is SwiGLU, silu(gate) * up")
     window = hf["sliding_window"]
-    if hf.get("layer_types") is None:  # transformers' rule: every sliding_window_pattern-th layer full
-        every = hf["sliding_window_pattern"] if window is not None else None
-        hf["layer_types"] = [SLIDING_ATTENTION if every and (index + 1) % every else FULL_ATTENTION
-                             for index in range(hf["num_hidden_layers"])]
-    sliding = [kind == SLIDING_ATTENTION for kind in layer_types_from_hf(hf, NAME)]
+    # without layer_types, transformers' rule: every sliding_window_pattern-th layer full (no window: all)
+    every = hf["sliding_window_pattern"] if window is not None else None
+    sliding = [kind == SLIDING_ATTENTION for kind in layer_types_from_hf(hf, NAME, full_every=every)]
     rotates = [window is None or slides for slides in sliding]
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern="*-" * hf["num_hidden_layers"],

@@ -183,10 +183,10 @@ def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id
                     cache.select(unfinished)
             if not rows or step == max_new_tokens - 1:
                 break
-            sequences = [prompts[row] + new_tokens[row] for row in rows]
-            if longrope_crossing(model.config, max(len(sequence) for sequence in sequences)):
+            if longrope_crossing(model.config, max(len(prompts[row]) + len(new_tokens[row]) for row in rows)):
                 # LongRoPE's first forward past the original context rotates every position anew: run
                 # the whole sequences again into a fresh cache, as transformers does
+                sequences = [prompts[row] + new_tokens[row] for row in rows]
                 input_ids, token_mask = left_pad(sequences, pad_token_id, device)
                 cache = InferenceCache(max_tokens=input_ids.shape[1] + max_new_tokens - step - 1)
                 logits = model.head_logits(prefill(model, input_ids, token_mask, cache))[:, -1]

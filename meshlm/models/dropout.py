@@ -109,7 +109,7 @@ def lora_dropout_site(layer_index: int, target_index: int) -> int:
     (its position in ``LORA_TARGETS``)."""
     if not 0 <= target_index < 2**8 - SITE_KINDS["lora_input"]:
         raise ValueError(f"LoRA target index {target_index} does not fit a dropout site")
-    return ((SITE_KINDS["lora_input"] + target_index) << 24) | dropout_site("embedding", layer_index)
+    return dropout_site("lora_input", layer_index) + (target_index << 24)
 
 
 # --- which draw a forward is -----------------------------------------------------------------------
@@ -183,13 +183,11 @@ class TokenCoordinates:
     positions: torch.Tensor
 
     @staticmethod
-    def of(context, parallel_context=None) -> "TokenCoordinates | None":
-        """The tokens of a [b, t, ...] activation of the forward ``context`` describes (None outside
-        training, where nothing drops): the whole (CP-local) sequence, or with a sequence-parallel
+    def of(context, parallel_context=None) -> "TokenCoordinates":
+        """The tokens of a [b, t, ...] activation of the training forward ``context`` describes (its
+        dropout key required): the whole (CP-local) sequence, or with a sequence-parallel
         ``parallel_context`` this rank's slice of it, the rows of the residual stream it holds."""
-        key = getattr(context, "dropout_key", None)
-        if key is None:
-            return None
+        key = required_key(context)
         positions = sequence_parallel_rows(context.position_ids, parallel_context)
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
         return TokenCoordinates(key, rows, positions)

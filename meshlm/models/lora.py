@@ -46,8 +46,7 @@ from torch import nn
 
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.models.config import LORA_DEFAULT_TARGETS, LORA_TARGETS
-from meshlm.models.dropout import (TokenCoordinates, apply_keep_mask, input_keep_mask, lora_dropout_site,
-                                   required_key)
+from meshlm.models.dropout import TokenCoordinates, apply_keep_mask, input_keep_mask, lora_dropout_site
 from meshlm.models.init import constant, uniform
 
 ADAPTER_MODULE = "lora"
@@ -109,8 +108,7 @@ def lora_coordinates(mixer: nn.Module, context, parallel_context=None) -> TokenC
     ``parallel_context``) in training with ``model.lora_dropout`` (``mixer.lora_dropout``), else None."""
     if not (mixer.training and getattr(mixer, "lora_dropout", 0.0) and context is not None):
         return None
-    required_key(context)  # a clear error where a training forward comes without one
-    return TokenCoordinates.of(context, parallel_context)
+    return TokenCoordinates.of(context, parallel_context)  # (a training forward without a dropout key: refused)
 
 
 def adapted(layer: nn.Module, x: torch.Tensor, coordinates: TokenCoordinates | None) -> torch.Tensor:

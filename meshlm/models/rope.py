@@ -27,8 +27,9 @@ the integers they are; only f_i changes):
   once its largest position reaches L -- and cos and sin are multiplied by
   sqrt(1 + ln(s) / ln(L)). The choice is per forward, by the largest position it rotates, as
   transformers makes it: a sequence that grows past L is rotated anew, all of it, with the long
-  factors (generation runs it again then: ``inference/generate.longrope_crossing``). Both sets are computed and one picked on the device (``torch.where``), so the choice
-  costs no host sync and a compiled graph holds both.
+  factors (generation runs it again then: ``inference/generate.longrope_crossing``). Both sets
+  are computed and one picked on the device (``torch.where``), so the choice costs no host sync
+  and a compiled graph holds both.
 
 **Partial rotary** (``model.rope_fraction`` f): only the first d = int(f head_dim) channels of each
 head are rotated, with the frequencies of a d-channel head (pairs (i, i + d/2) of them); the other
