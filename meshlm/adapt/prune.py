@@ -434,7 +434,7 @@ def moe_indices(config, rest, index, selection):
              "experts.gate_weight": {0: experts} if latent else {0: experts, 2: hidden},
              "experts.up_weight": {0: experts} if latent else {0: experts, 2: hidden},
              "experts.down_weight": {0: experts} if latent else {0: experts, 1: hidden},
-             "latent_in_proj.weight": {1: hidden}, "latent_in_proj.bias": {},
+             "latent_in_proj.weight": {1: hidden}, "latent_in_proj.bias": {}, "shared_expert_gate.weight": {1: hidden},
              "latent_out_proj.weight": {0: hidden}, "latent_out_proj.bias": {0: hidden}}
     return rules.get(rest)
 

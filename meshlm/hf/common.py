@@ -675,6 +675,7 @@ LAYER_FEATURES = {
     "qk_norm_per_head": "StableLmForCausalLM and CohereForCausalLM give each head a q/k norm weight of its own",
     "output_bias": "PhiForCausalLM and GPTJForCausalLM have a bias on lm_head",
     "rope_pattern": "SmolLM3ForCausalLM, Cohere2ForCausalLM and Exaone4ForCausalLM leave some layers without RoPE",
+    "moe_shared_expert_gate": "Qwen2MoeForCausalLM gates its shared expert",
 }
 """Layer features only some HF classes hold, and which."""
 
@@ -695,7 +696,8 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "parallel_residual_shared_norm": config.parallel_residual_shared_norm, "output_bias": config.output_bias,
             "norm_bias": not config.norm_bias, "qk_norm_type": config.qk_norm and config.qk_norm_type != "rmsnorm",
             "qk_norm_bias": config.qk_norm_bias, "qk_norm_per_head": config.qk_norm_per_head,
-            "rope_pattern": config.rope_pattern != "R"}
+            "rope_pattern": config.rope_pattern != "R",
+            "moe_shared_expert_gate": config.moe_shared_expert_gate and "E" in config.block_kinds}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 

@@ -52,9 +52,11 @@ def routed_expert_maps(block: int, router: str, expert_names, num_experts: int, 
     return maps
 
 
-def softmax_moe_unsupported(config: ModelConfig, architecture: str, normalize_topk: bool | None) -> list[str]:
+def softmax_moe_unsupported(config: ModelConfig, architecture: str, normalize_topk: bool | None,
+                            gated_shared_expert: bool = False) -> list[str]:
     """Reasons a config's MoE blocks differ from a softmax-then-top-k router over biasless SwiGLU
-    experts (``normalize_topk`` None: either is fine)."""
+    experts (``normalize_topk`` None: either is fine), without a shared expert or, with
+    ``gated_shared_expert``, always with a gated one (Qwen2-MoE)."""
     if "E" not in config.block_kinds:
         return []
     reasons = []
@@ -68,9 +70,13 @@ def softmax_moe_unsupported(config: ModelConfig, architecture: str, normalize_to
     if config.moe_routed_scaling_factor != 1.0:
         reasons.append(f"model.moe_routed_scaling_factor={config.moe_routed_scaling_factor} ({architecture} "
                        "has no routed scaling)")
-    if config.moe_shared_expert_ffn_hidden_size:
-        reasons.append(f"model.moe_shared_expert_ffn_hidden_size={config.moe_shared_expert_ffn_hidden_size} "
-                       f"({architecture} has no shared expert)")
+    shared = config.moe_shared_expert_ffn_hidden_size
+    if gated_shared_expert and not (shared and config.moe_shared_expert_gate):
+        reasons.append(f"model.moe_shared_expert_ffn_hidden_size={shared}, model.moe_shared_expert_gate="
+                       f"{config.moe_shared_expert_gate} ({architecture}'s MoE blocks always have a gated shared "
+                       "expert: a positive width and true)")
+    elif shared and not gated_shared_expert:
+        reasons.append(f"model.moe_shared_expert_ffn_hidden_size={shared} ({architecture} has no shared expert)")
     if config.moe_latent_size is not None:
         reasons.append(f"model.moe_latent_size={config.moe_latent_size} ({architecture} has no latent projection)")
     return reasons

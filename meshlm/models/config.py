@@ -352,6 +352,9 @@ class ModelConfig:
     """Inner width of one routed expert. None means ffn_hidden_size."""
     moe_shared_expert_ffn_hidden_size: int = 0
     """Inner width of the always-on shared expert; 0 means no shared expert."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output per token by sigmoid(x w), w a learned [hidden] vector
+    (Qwen1.5-MoE / Qwen2-MoE's ``shared_expert_gate``). Needs a shared expert."""
     moe_score_function: str = "softmax"
     """Router score: 'softmax' over experts, or 'sigmoid' per expert (DeepSeek-V3, Nemotron 3)."""
     moe_softmax_before_topk: bool = True
@@ -598,6 +601,9 @@ class ModelConfig:
         if self.moe_shared_expert_ffn_hidden_size < 0:
             raise ConfigError(f"model.moe_shared_expert_ffn_hidden_size={self.moe_shared_expert_ffn_hidden_size} "
                               "must be >= 0 (0 means no shared expert).")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_ffn_hidden_size:
+            raise ConfigError("model.moe_shared_expert_gate=true gates the shared expert, and there is none: set "
+                              "model.moe_shared_expert_ffn_hidden_size > 0 or the gate to false.")
         if self.mtp_depth < 0:
             raise ConfigError(f"model.mtp_depth={self.mtp_depth} must be >= 0 (0 turns MTP off).")
         self._validate_head()

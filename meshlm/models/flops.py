@@ -160,6 +160,8 @@ def moe_terms(config: ModelConfig, seq_len: int) -> dict[str, int]:
     if config.moe_shared_expert_ffn_hidden_size:
         shared = mlp_terms(hidden, config.moe_shared_expert_ffn_hidden_size, config.mlp_activation, seq_len)
         terms["shared_expert"] = sum(shared.values())
+    if config.moe_shared_expert_gate:
+        terms["shared_expert_gate"] = linear_flops(hidden, 1, seq_len)
     return terms
 
 

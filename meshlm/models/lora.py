@@ -69,8 +69,9 @@ class LowRankAdapter(nn.Module):
         self.site = site
         """The dropout site of this adapter's input (``dropout.lora_dropout_site``)."""
         self.input_channels: torch.Tensor | None = None
-        """The global indices of the input channels this adapter reads (on the host; moved where x is
-        when used): set for a row-parallel shard (a cut by input features), None for all in order."""
+        """The global indices of the input channels this adapter reads (set on the host, since a model
+        built on ``meta`` is materialized later; moved where x is by the first forward that needs
+        them): set for a row-parallel shard (a cut by input features), None for all in order."""
 
     def init_rules(self, config) -> dict:
         bound = 1.0 / math.sqrt(self.full_in_features)  # nn.Linear's default: kaiming_uniform(a=sqrt(5))
@@ -84,8 +85,11 @@ class LowRankAdapter(nn.Module):
             if coordinates is None:
                 raise RuntimeError("model.lora_dropout needs the tokens' coordinates, and this layer was called "
                                    "without them; its mixer must call it through lora.adapted(layer, x, coordinates)")
-            channels = (torch.arange(x.shape[-1], device=x.device) if self.input_channels is None
-                        else self.input_channels)
+            channels = self.input_channels
+            if channels is None:
+                channels = torch.arange(x.shape[-1], device=x.device)
+            elif channels.device != x.device:  # moved once: later forwards find it where x is
+                channels = self.input_channels = channels.to(x.device)
             x = apply_keep_mask(x, input_keep_mask(coordinates, self.site, channels, self.dropout), self.dropout)
         b = self.b if rows is None else self.b[rows]
         return F.linear(F.linear(x, self.a), b) * self.scale

@@ -143,9 +143,10 @@ from meshlm.training.preference_data import needed_kind
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-TP_REPLICATED = ("q_a_proj", "kv_a_proj", "q_a_norm", "kv_a_norm")
+TP_REPLICATED = ("q_a_proj", "kv_a_proj", "q_a_norm", "kv_a_norm", "shared_expert_gate")
 """Block layers tensor parallelism keeps whole on every rank: MLA's down-projections (with their
-LoRA adapters) and latent norms (``meshlm/parallel/tensor/attention.py``)."""
+LoRA adapters) and latent norms (``meshlm/parallel/tensor/attention.py``), an MoE block's shared
+expert gate (``meshlm/parallel/tensor/moe.py``)."""
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,8 @@ def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
         shared_width = model.moe_shared_expert_ffn_hidden_size
         shared = (h * dtype_bytes + mlp_elements(shared_width, model.mlp_activation) * dtype_bytes / tp
                   if shared_width else 0.0)
+        if model.moe_shared_expert_gate:  # the gate's logit and sigmoid, the gated output
+            shared += (2 + h) * dtype_bytes / sequence_shards
         latent = 2 * (model.moe_latent_size or 0) * dtype_bytes
         return (norm + router + routed + shared + latent) * tokens
     if kind == "M":

@@ -18,7 +18,7 @@ from meshlm.models.language_model import LanguageModel
 
 HYBRID = dict(vocab_size=64, hidden_size=32, pattern="M*-E|L-", num_attention_heads=4, num_kv_heads=2,
               mamba_head_dim=8, mamba_num_groups=2, mamba_state_size=8, mamba_chunk_size=8, moe_num_experts=4,
-              moe_shared_expert_ffn_hidden_size=16, qk_norm=True)
+              moe_shared_expert_ffn_hidden_size=16, moe_shared_expert_gate=True, qk_norm=True)
 
 
 def model_of(**values) -> LanguageModel:

@@ -188,8 +188,8 @@ def test_moe_with_capacity_counts_the_nominal_top_k_and_torch_counts_what_is_kep
 WHOLE_MODELS = {
     "dense": dict(pattern="*-*-", num_kv_heads=2),
     "hybrid": dict(pattern="M-M*-", mamba_chunk_size=12, mamba_num_groups=2, mlp_activation="squared_relu"),
-    "moe_mtp_tied": dict(pattern="*E|ME", moe_latent_size=16, moe_shared_expert_ffn_hidden_size=24, mtp_depth=2,
-                         mtp_pattern="*E", tie_embeddings=True),
+    "moe_mtp_tied": dict(pattern="*E|ME", moe_latent_size=16, moe_shared_expert_ffn_hidden_size=24,
+                         moe_shared_expert_gate=True, mtp_depth=2, mtp_pattern="*E", tie_embeddings=True),
     "mla_moe_mtp": dict(pattern="*-*E", **MLA, mla_q_lora_rank=20, mla_v_head_dim=8, mtp_depth=2, mtp_pattern="*-"),
 }
 

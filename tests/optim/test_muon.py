@@ -24,7 +24,8 @@ def hybrid_moe_model() -> LanguageModel:
     config = ModelConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_kv_heads=2, pattern="M*E-",
                          mamba_head_dim=8, mamba_state_size=8, mamba_num_groups=4, mamba_chunk_size=8,
                          moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16,
-                         moe_shared_expert_ffn_hidden_size=16, mtp_depth=1, tie_embeddings=False)
+                         moe_shared_expert_ffn_hidden_size=16, moe_shared_expert_gate=True, mtp_depth=1,
+                         tie_embeddings=False)
     return LanguageModel(config, seed=0)
 
 
@@ -108,7 +109,8 @@ def test_muon_takes_the_blocks_matrices_and_adamw_everything_else():
         *(f"mtp.depths.0.blocks.1.mixer.{name}_proj.weight" for name in ("gate", "up", "down"))}
     assert groups[MUON_GROUP] == expected_muon
     # AdamW's own split (adamw.py): matrices decay, the embedding, norms and 1-D parameters do not
-    assert {"output.weight", "blocks.2.mixer.router.weight", "blocks.0.mixer.conv1d.weight"} <= groups["decay"]
+    assert {"output.weight", "blocks.2.mixer.router.weight", "blocks.2.mixer.shared_expert_gate.weight",
+            "blocks.0.mixer.conv1d.weight"} <= groups["decay"]
     assert {"embedding.weight", "blocks.0.mixer.A_log", "blocks.0.norm.weight"} <= groups["no_decay"]
     every = {name for name, _ in model.named_parameters()}
     assert sum(len(names) for names in groups.values()) == len(every) and set().union(*groups.values()) == every

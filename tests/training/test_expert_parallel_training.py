@@ -1,6 +1,6 @@
 """The trainer under expert parallelism (folded onto dp, tp, cp; with pp) equals one process.
 
-An MoE hybrid (Mamba, attention, two MoE blocks of 4 experts, top-2, a shared expert, aux and
+An MoE hybrid (Mamba, attention, two MoE blocks of 4 experts, top-2, a gated shared expert, aux and
 z-losses on) trains for 5 steps of 4 micro-batches at expert layouts on 4 spawned gloo ranks --
 EP folded onto DP, onto TP with and without SP, onto CP, inside a pipeline stage; ETP 1 and 2;
 each dispatcher; with and without the distributed optimizer (ZeRO-1 over dp_cp for dense
@@ -21,7 +21,8 @@ from tests.helpers.distributed import import_test_file, run_distributed
 HELPERS = import_test_file(Path(__file__).parent / "test_parallel_training.py", "parallel_training_helpers")
 """tests/training/test_parallel_training.py's run helpers (test files cannot import each other)."""
 MOE_HYBRID = ["model.pattern=ME*E", "model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32",
-              "model.moe_shared_expert_ffn_hidden_size=32", "model.moe_aux_loss_coeff=0.01",
+              "model.moe_shared_expert_ffn_hidden_size=32", "model.moe_shared_expert_gate=true",
+              "model.moe_aux_loss_coeff=0.01",
               "model.moe_z_loss_coeff=0.001", "model.mamba_head_dim=8", "model.mamba_state_size=8",
               "model.mamba_num_groups=4", "model.mamba_chunk_size=8"]
 DIST_OPT = "parallel.distributed_optimizer=true"

@@ -6,7 +6,7 @@
     rows = permute(z, plan)                            [m, d] grouped by expert (m <= n*k)
     y = unpermute(experts(rows), plan, weights)        sum_k weight * expert output, [n, d]
     y = latent_out(y)                                  [n, h]       (LatentMoE only)
-    out = y + shared_expert(tokens)                    (only with a shared expert)
+    out = y + gate(tokens) * shared_expert(tokens)     (only with a shared expert; gate only if set)
 
 This is a sparse replacement for the dense MLP (Shazeer et al. 2017; Switch Transformer; Mixtral;
 Qwen3-MoE): each token pays for k experts of width F while the layer holds E of them. Two
@@ -17,7 +17,9 @@ variations of recent models are built in:
 - *LatentMoE* (Nemotron 3): tokens are projected from the hidden size h down to a smaller latent
   size before the experts and back up after the weighted sum, so the experts (and, under expert
   parallelism, the all-to-all traffic) work at the latent width. The router and the shared
-  expert still see the full hidden state (like Hugging Face's NemotronHMoE fc1/fc2_latent_proj).
+  expert still see the full hidden state (like Hugging Face's NemotronHMoE fc1/fc2_latent_proj);
+- a *gated* shared expert (Qwen1.5-MoE, Qwen2-MoE; ``moe_shared_expert_gate``): each token scales
+  the shared expert's output by sigmoid(x w), so it can lean on the shared expert more or less.
 
 The block returns its output and a ``MoELosses`` (load-balancing and z-loss, unscaled, and the
 per-expert traffic); the language model weights and sums the losses over blocks. Which tokens
@@ -30,13 +32,35 @@ and the latent projections; routed experts have none.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from meshlm.models.init import initialize_own_tensors, normal
 from meshlm.models.mlp import MLP
 from meshlm.models.moe.dispatch import count_per_expert, expert_capacity, permute, plan_dispatch, unpermute
 from meshlm.models.moe.experts import GroupedExperts
 from meshlm.models.moe.balancing import balance_loss, router_z_loss
 from meshlm.models.moe.router import MoELosses, Routing, TopKRouter
+
+
+class SharedExpertGate(nn.Module):
+    """sigmoid(x w^T), one scale in (0, 1) per token for the shared expert's output: transformers'
+    Qwen2-MoE ``shared_expert_gate``, an ``nn.Linear(hidden, 1, bias=False)``. Its own class rather
+    than an ``nn.Linear`` so that low-precision recipes and LoRA leave this one-output layer alone.
+    Under tensor parallelism it is replicated and reads the block's input in attention's layout,
+    so under sequence parallelism each rank gates its own tokens (its gradient then partial)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, config.hidden_size))
+        initialize_own_tensors(self, config)
+
+    def init_rules(self, config) -> dict:
+        return {"weight": normal(config.init_std)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hidden] -> [..., 1]."""
+        return torch.sigmoid(F.linear(x, self.weight))
 
 
 class MoELayer(nn.Module):
@@ -58,6 +82,7 @@ class MoELayer(nn.Module):
         shared_size = config.moe_shared_expert_ffn_hidden_size
         self.shared_expert = (MLP(hidden, shared_size, config.mlp_activation, config.mlp_bias, config.lora_dropout)
                               if shared_size > 0 else None)
+        self.shared_expert_gate = SharedExpertGate(config) if config.moe_shared_expert_gate else None
 
     def forward(self, x: torch.Tensor, context=None) -> tuple[torch.Tensor, MoELosses]:
         """x [batch, seq, hidden] -> (MoE output [batch, seq, hidden], MoELosses)."""
@@ -66,8 +91,14 @@ class MoELayer(nn.Module):
         routing = self.router(tokens)
         routed, dropped = self.routed_experts(tokens, routing)
         if self.shared_expert is not None:  # token by token: fed x as [b, t, h], whose tokens context describes
-            routed = routed + self.shared_expert(x, context).reshape(batch * seq, hidden)
+            routed = routed + self.gated_shared_expert(x, x, context).reshape(batch * seq, hidden)
         return routed.reshape(batch, seq, hidden), self.losses(routing, dropped, num_sequences=batch)
+
+    def gated_shared_expert(self, x: torch.Tensor, gate_input: torch.Tensor, context=None) -> torch.Tensor:
+        """The shared expert's output for ``x``, scaled by the gate of ``gate_input`` (the same
+        tokens, in the layout of the output) when the block has one."""
+        shared = self.shared_expert(x, context)
+        return shared if self.shared_expert_gate is None else self.shared_expert_gate(gate_input) * shared
 
     def routed_experts(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """Weighted sum of each token's expert outputs [n, hidden], and the dropped count."""

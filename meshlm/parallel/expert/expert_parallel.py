@@ -169,7 +169,7 @@ class ExpertParallelMoELayer(MoELayer):
         expert_input = self.latent_in_proj(tokens) if self.latent_in_proj is not None else tokens
         dispatched = self.dispatcher.dispatch(expert_input, expert_ids)
         rows = None if self.overlap_shared_expert else dispatched.expert_rows()
-        shared = self.shared_expert(x, context) if self.shared_expert is not None else None  # while rows travel
+        shared = None if self.shared_expert is None else self.gated_shared_expert(x, x, context)  # while rows travel
         rows = dispatched.expert_rows() if rows is None else rows
         expert_output = self.experts(rows, dispatched.tokens_per_local_expert, dispatched.rows_per_source)
         routed = self.dispatcher.combine(expert_output, dispatched, routing.weights)
@@ -235,6 +235,8 @@ def parallelize_expert_moe(layer: MoELayer, context) -> MoELayer:
         parallelize_mlp(layer.shared_expert, context)
     if context.tp_size > 1:  # applied to this rank's own tokens: a share of the gradient
         mark_partial_grad(layer.router, layer.latent_in_proj, layer.latent_out_proj)
+    if context.sequence_parallel:  # reads x in attention's layout: whole over TP without SP
+        mark_partial_grad(layer.shared_expert_gate)
     layer.__class__ = ExpertParallelMoELayer
     layer.parallel_context = context
     layer.dispatcher = build_dispatcher(context.moe_dispatcher, context, layer.num_experts)

@@ -14,7 +14,7 @@ Token flow on each rank of a TP group (n = all tokens of the micro-batch):
                                            every rank routes (and drops) exactly alike
     partial = unpermute(local_expert_shards(permute(latent_in(tokens))), routing.weights)
     routed = reduce_scatter_along(partial, seq)  (SP)  |  reduce_from_group(partial)
-    out = latent_out(routed) + shared_expert(tokens)      (each only when configured)
+    out = latent_out(routed) + gate(x) * shared_expert(tokens)      (each only when configured)
 
 The layer enters the parallel region once: the router, the experts and the shared expert's
 column-parallel gate/up all read the same gathered ``tokens``, so the backward sums all their
@@ -45,6 +45,11 @@ Consequently:
   would need an all-gather before the experts, which read the whole latent vector.
 - The shared expert is an ordinary column/row-parallel MLP (its down bias is flagged by
   ``RowParallelLinear`` under SP, where it is added to the rank's tokens only).
+- The shared expert's gate (``moe_shared_expert_gate``) is replicated and reads the block's input
+  ``x`` as it arrives, outside the parallel region: the whole sequence without SP (every rank
+  computes the full gradient, no flag), the rank's slice under SP (partial: flagged). Its
+  gradient into ``x`` is whole for the tokens it reads, and adds to what the region's entry hands
+  back.
 
 The parallel block keeps the full block's parameter names (only the class is swapped, as
 FSDP2's ``fully_shard`` does), so checkpoints stay in the single-process format.
@@ -92,7 +97,7 @@ class TensorParallelMoELayer(MoELayer):
         if self.latent_out_proj is not None:
             routed = self.latent_out_proj(routed)
         if self.shared_expert is not None:  # column layers read the gathered input; down reduces
-            routed = routed + self.shared_expert(full, context)
+            routed = routed + self.gated_shared_expert(full, x, context)  # the gate reads this rank's tokens
         return routed, self.replicated_losses(routing, dropped, num_sequences=full.shape[0])
 
     def replicated_losses(self, routing: Routing, dropped: torch.Tensor, num_sequences: int = 1) -> MoELosses:
@@ -125,7 +130,7 @@ def parallelize_moe(layer: MoELayer, context) -> MoELayer:
         shared.down_proj = RowParallelLinear.from_full(shared.down_proj, context)
     mark_partial_grad(layer.router, layer.latent_in_proj)
     if context.sequence_parallel:
-        mark_partial_grad(layer.latent_out_proj)
+        mark_partial_grad(layer.latent_out_proj, layer.shared_expert_gate)
     layer.__class__ = TensorParallelMoELayer
     layer.parallel_context = context
     return layer

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from meshlm.errors import ConfigError
 from meshlm.models.block import Block
 from meshlm.models.config import ModelConfig
 from meshlm.models.context import SequenceContext
@@ -38,7 +39,9 @@ def token_by_token_reference(layer, x):
             y = y + weight * (experts.down_weight[expert] @ hidden)
         y = layer.latent_out_proj(y) if layer.latent_out_proj is not None else y
         if layer.shared_expert is not None:
-            y = y + layer.shared_expert(token)
+            gate = layer.shared_expert_gate
+            scale = 1.0 if gate is None else torch.sigmoid(gate.weight[0] @ token)
+            y = y + scale * layer.shared_expert(token)
         outputs.append(y)
     return torch.stack(outputs).reshape(x.shape)
 
@@ -63,6 +66,7 @@ def test_one_expert_top_1_equals_the_dense_mlp(activation):
     dict(mlp_activation="squared_relu", moe_score_function="sigmoid", moe_normalize_topk=True,
          moe_routed_scaling_factor=2.5),
     dict(moe_shared_expert_ffn_hidden_size=24),
+    dict(moe_shared_expert_ffn_hidden_size=24, moe_shared_expert_gate=True),
     dict(moe_latent_size=16, moe_shared_expert_ffn_hidden_size=24, mlp_bias=True, mlp_activation="squared_relu"),
 ])
 def test_layer_matches_the_token_by_token_definition(overrides):
@@ -78,6 +82,26 @@ def test_shared_expert_is_added_to_the_routed_output():
     shared = layer.shared_expert
     layer.shared_expert = None
     torch.testing.assert_close(with_shared, layer(x)[0] + shared(x))
+
+
+def test_the_shared_expert_gate_scales_its_output_per_token_and_learns():
+    layer = make_layer(moe_shared_expert_ffn_hidden_size=24, moe_shared_expert_gate=True)
+    x = torch.randn(2, 5, 32)
+    gated = layer(x)[0]
+    scale = torch.sigmoid(x @ layer.shared_expert_gate.weight[0])[..., None]
+    assert 0.05 < float(scale.detach().std())  # a different scale per token, not a constant
+    gate, layer.shared_expert_gate = layer.shared_expert_gate, None
+    ungated = layer(x)[0]
+    shared = layer.shared_expert(x)
+    torch.testing.assert_close(gated, ungated - shared + scale * shared)
+    layer.shared_expert_gate = gate
+    layer(x)[0].square().sum().backward()
+    assert gate.weight.grad is not None and gate.weight.grad.abs().sum() > 0
+
+
+def test_a_shared_expert_gate_without_a_shared_expert_is_refused():
+    with pytest.raises(ConfigError, match="model.moe_shared_expert_ffn_hidden_size > 0"):
+        make_config(moe_shared_expert_gate=True)
 
 
 def test_latent_moe_shapes():

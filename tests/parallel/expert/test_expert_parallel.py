@@ -39,7 +39,8 @@ BATCH, SEQ, HIDDEN = 2, 8, 32
 AUX_COEFF, Z_COEFF = 0.3, 0.05
 
 LAYER_CASES = {
-    "softmax top-2, shared expert": dict(moe_shared_expert_ffn_hidden_size=32, moe_normalize_topk=True),
+    "softmax top-2, gated shared expert": dict(moe_shared_expert_ffn_hidden_size=32, moe_shared_expert_gate=True,
+                                               moe_normalize_topk=True),
     "sigmoid top-1, expert bias, sequence aux": dict(moe_score_function="sigmoid", moe_top_k=1,
                                                      moe_routed_scaling_factor=2.5, moe_aux_loss_type="sequence"),
     "capacity 1.0 by probs": dict(moe_capacity_factor=1.0),

@@ -2,8 +2,8 @@
 
 One spawned world of 4 ranks runs every case at tp 2 (two TP groups side by side) and tp 4,
 sequence parallelism off and on: top-1 and top-2, softmax (before and after top-k) and sigmoid
-routers (with a non-zero expert bias), a shared expert, capacity dropping by both policies,
-LatentMoE with biases, and non-zero aux and z-loss coefficients. Every rank builds the full block
+routers (with a non-zero expert bias), a shared expert with and without its gate, capacity
+dropping by both policies, LatentMoE with biases, and non-zero aux and z-loss coefficients. Every rank builds the full block
 (or model) from a seed, computes the single-process reference itself, then splits a copy with
 ``parallelize_moe`` (or ``parallelize_model``) and compares the output, the losses, the expert
 traffic and dropped count, the input gradient and every parameter gradient (shards gathered to
@@ -32,7 +32,8 @@ BATCH, SEQ, HIDDEN = 2, 16, 32
 AUX_COEFF, Z_COEFF = 0.3, 0.05
 
 LAYER_CASES = {
-    "softmax top-2, shared expert": dict(moe_shared_expert_ffn_hidden_size=32, moe_normalize_topk=True),
+    "softmax top-2, gated shared expert": dict(moe_shared_expert_ffn_hidden_size=32, moe_shared_expert_gate=True,
+                                               moe_normalize_topk=True),
     "sigmoid top-1, expert bias": dict(moe_score_function="sigmoid", moe_top_k=1, moe_routed_scaling_factor=2.5),
     "top-k then softmax, squared relu": dict(moe_softmax_before_topk=False, mlp_activation="squared_relu"),
     "capacity 1.0 by probs": dict(moe_capacity_factor=1.0),
@@ -103,6 +104,8 @@ def check_layer(context, overrides: dict, seed: int) -> dict:
     assert torch.equal(losses.dropped_tokens, expected_losses.dropped_tokens)
     flagged = {name for name, p in parallel.named_parameters() if getattr(p, "tp_partial_grad", False)}
     assert "router.weight" in flagged and not any(name.startswith("experts.") for name in flagged)
+    if parallel.shared_expert_gate is not None:  # partial only when it reads a sequence slice
+        assert ("shared_expert_gate.weight" in flagged) == context.sequence_parallel
     return {"output": relative_error(out, sequence_slice(expected.detach(), context)),
             "aux loss": relative_error(losses.aux_loss, expected_losses.aux_loss.detach()),
             "z loss": relative_error(losses.z_loss, expected_losses.z_loss.detach()),
@@ -115,7 +118,8 @@ def check_model(context, pattern: str, seed: int) -> dict:
     torch.manual_seed(seed)
     config = make_config(pattern=pattern, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
                          mamba_head_dim=8, mamba_state_size=8, mamba_num_groups=4, mamba_chunk_size=5,
-                         moe_shared_expert_ffn_hidden_size=32, moe_capacity_factor=1.25)
+                         moe_shared_expert_ffn_hidden_size=32, moe_shared_expert_gate=pattern == "ME",
+                         moe_capacity_factor=1.25)
     reference = LanguageModel(config)
     perturb(reference, seed)
     parallel = parallelize_model(copy.deepcopy(reference), context)
