@@ -57,11 +57,21 @@ k the top-k, w the expert width:
     MLP         -               d * (4F gated / 2F)       gate, up, act(gate), product (or proj, act)
     MoE         E               (norm output in fp32: 12h + 4) + 16E + 4 (router) + k(20 + d*w + d*MLP
                                 + 8w) (indices, weights, dispatched rows, experts, fp32 combine)
-                                + shared expert's input and MLP + 2 d * latent
+                                + shared expert's input (in fp32 the router's) and MLP, with
+                                its gate d(1 + h) + 2 d * latent
     Mamba-2     M               d(2D + 2GN + H) + d(D + 2GN) + 12H + 4DN/c + 2dD + 4G: in_proj
                                 output, conv output, dt terms, chunk states, the scan's output
                                 (the gated norm's input) and out_proj's input, the norm's 1/rms
                                 per group (G groups)
+
+Under LoRA (``model.lora_rank``) the frozen layers keep only what their inputs' gradients need
+(``lora_bytes``): an RMSNorm no normalized product (4h less, the QK- and latent norms' likewise),
+the router no fp32 input, the routed experts neither their rows nor their down projections'
+inputs, and a frozen linear that reads its input alone (o, down, Mamba's in/out, a non-gated
+up, MLA's projections) no input, which its adapter keeps instead; q/k/v and gate/up run as one
+GEMM that keeps its input anyway. Each adapter adds x A^T, r d, and with ``model.lora_dropout``
+its masked input and the mask, (d + 1) per input channel. In fp32 a QK-norm keeps an unadapted
+q or k projection's output as it is, a view that holds all of the joint q/k/v output.
 
 (read off the tensors autograd saves with torch 2.13 on CPU and the PyTorch SSD path; equal to
 them within 1% per block kind in fp32 and bf16, at every recompute setting, in one process and
@@ -256,11 +266,31 @@ def norm_bytes(h: int, dtype_bytes: int, sequence_shards: int = 1, output_bytes:
         dtype_bytes if output_bytes is None else output_bytes) * h
 
 
-def own_norm_bytes(h: int, dtype_bytes: int, norm: str = "rmsnorm") -> float:
+def latent_attention_lora_bytes(model, dtype_bytes: int, output: float, adapter, input_dropped) -> float:
+    """``lora_bytes`` of an MLA block past its pre-norm (``latent_bytes``' terms; ``output``: o_proj's
+    input width on this rank): the down-projections read the norm's output, which only their
+    adapters keep; the frozen latent norms keep no normalized product, and their outputs stay only
+    for the up-projections' adapters, as o_proj's input (a copy) for its own."""
+    h, q_rank, kv_rank = model.hidden_size, model.mla_q_lora_rank, model.mla_kv_lora_rank
+    if q_rank is None:
+        change, query_down = adapter("q_proj", h), "q_proj"
+    else:
+        change, query_down = adapter("q_a_proj", h) + adapter("q_b_proj", q_rank) - 4 * q_rank \
+            - input_dropped("q_b_proj", q_rank), "q_a_proj"
+    change += adapter("kv_a_proj", h) + adapter("kv_b_proj", kv_rank) - 4 * kv_rank - input_dropped("kv_b_proj", kv_rank)
+    if input_dropped(query_down, h) and input_dropped("kv_a_proj", h):  # no adapter keeps the norm's output
+        change -= h * dtype_bytes
+    return change + adapter("o_proj", output) - input_dropped("o_proj", output)
+
+
+def own_norm_bytes(h: int, dtype_bytes: int, norm: str = "rmsnorm", frozen: bool = False) -> float:
     """Bytes per token a norm keeps besides its output: RMSNorm (``models/norms.py``) its input in
-    fp32 (a copy under bf16/fp16), the normalized fp32 product and 1/rms; PyTorch's LayerNorm its
-    input as it is and the mean and 1/std (fp32 on CUDA; the input's dtype on the CPU)."""
-    return dtype_bytes * h + 8 if norm == "layernorm" else 8 * h + 4
+    fp32 (a copy under bf16/fp16), the normalized fp32 product (not with a ``frozen`` weight, whose
+    gradient it is for) and 1/rms; PyTorch's LayerNorm its input as it is and the mean and 1/std
+    (fp32 on CUDA; the input's dtype on the CPU)."""
+    if norm == "layernorm":
+        return dtype_bytes * h + 8
+    return (4 if frozen else 8) * h + 4
 
 
 def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout, block_model=None) -> float:
@@ -269,13 +299,81 @@ def block_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
     (``config.model.for_block(i)``); None: ``config.model``."""
     model = config.model if block_model is None else block_model
     mixer = mixer_activation_bytes(kind, config, micro_batch, seq, layout, model)
+    mixer += lora_bytes(kind, config, model, layout) * micro_batch * seq
     if not model.block_output_norm or kind == "0":
         return mixer
     # the output norm's own tensors (own_norm_bytes), on this rank's sequence shard (under SP the
     # row-parallel output is reduce-scattered)
     shards = layout.tp_size if layout.sequence_parallel else 1
-    return mixer + own_norm_bytes(model.hidden_size, DTYPE_BYTES[config.precision.dtype], model.norm) / shards \
-        * micro_batch * seq
+    return mixer + own_norm_bytes(model.hidden_size, DTYPE_BYTES[config.precision.dtype], model.norm,
+                                  frozen=bool(model.lora_rank)) / shards * micro_batch * seq
+
+
+def lora_bytes(kind: str, config, model, layout) -> float:
+    """What LoRA (``model.lora_rank``) changes in the bytes per token a block of ``kind`` saves
+    (module docstring): frozen layers keep less, adapters add their rank-wide activations and,
+    with ``model.lora_dropout``, their masked inputs and masks. 0 without LoRA."""
+    if not model.lora_rank or kind == "0":
+        return 0.0
+    dtype_bytes, tp, h = DTYPE_BYTES[config.precision.dtype], layout.tp_size, model.hidden_size
+    shards = tp if layout.sequence_parallel else 1
+    targets, dropout = set(model.lora_targets), model.lora_dropout > 0
+
+    def adapter(name: str, width: float) -> float:
+        """An adapter on the layer ``name`` whose input is ``width`` wide on this rank: x A^T (rank
+        wide, b's input), and with dropout the masked input and its boolean mask."""
+        if name not in targets:
+            return 0.0
+        return model.lora_rank * dtype_bytes + ((dtype_bytes + 1) * width if dropout else 0.0)
+
+    def input_dropped(name: str, width: float) -> float:
+        """The input of a frozen layer nothing else saves, which only its adapter without dropout keeps."""
+        return 0.0 if name in targets and not dropout else width * dtype_bytes
+
+    norm = -4 * h / shards if model.block_input_norm and model.norm == "rmsnorm" else 0.0  # no normalized product
+    if kind == "*":
+        query, key_value, _, output = attention_widths(model)
+        if model.attention_type == "mla":
+            return norm + latent_attention_lora_bytes(model, dtype_bytes, output / tp, adapter, input_dropped)
+        change = norm + sum(adapter(name, h) for name in ("q_proj", "k_proj", "v_proj")) \
+            + adapter("o_proj", output / tp)  # q/k/v run together: their GEMM saves the input anyway
+        if model.qk_norm:  # their frozen weights keep no normalized product either
+            change -= 4 * (query + key_value) / tp
+            unadapted = [width for name, width in (("q_proj", query), ("k_proj", key_value)) if name not in targets]
+            if dtype_bytes == 4 and unadapted:  # the norm keeps an unadapted one's fp32 output as it is: a
+                # view of q, k and v's joint GEMM output, which it keeps whole (an adapted one is a sum of its own)
+                change += 4 * (query + 2 * key_value - sum(unadapted)) / tp
+        if config.train.recompute == "selective":  # o_proj's input is its own to keep, not the core's output
+            change -= input_dropped("o_proj", output / tp)
+        return change
+    if kind in ("-", "E"):
+        width = (model.resolved_ffn_hidden_size if kind == "-" else model.moe_shared_expert_ffn_hidden_size) / tp
+        gated = is_gated(model.mlp_activation)  # gate and up then run together, and save the input anyway
+        change = norm
+        if width:
+            change += adapter("up_proj", h) + adapter("gate_proj", h) * gated \
+                + adapter("down_proj", width) - input_dropped("down_proj", width)
+        if kind == "-":
+            return change - (0.0 if gated else input_dropped("up_proj", h))
+        # the frozen router keeps no fp32 input, and the frozen experts neither their rows nor the
+        # products their down projections read; the norm's output stays if the shared expert keeps it
+        full_inputs = 4 * h + (h * dtype_bytes if width and dtype_bytes != 4 else 0)
+        shared_keeps = width and (gated or not input_dropped("up_proj", h))
+        kept_inputs = h * dtype_bytes if shared_keeps or "latent_in_proj" in targets else 0
+        latent = model.moe_latent_size or 0
+        experts = model.moe_top_k * ((latent or h) + model.resolved_moe_ffn_hidden_size / layout.etp_size) * dtype_bytes
+        if latent:  # full training's 2 d latent goes; latent_out_proj's input stays for its adapter alone
+            # (theirs have no dropout: refused)
+            change += adapter("latent_in_proj", h) + adapter("latent_out_proj", latent) - 2 * latent * dtype_bytes \
+                + (latent * dtype_bytes if "latent_out_proj" in targets else 0)
+        return change + kept_inputs - full_inputs - experts
+    if kind == "M":
+        inner = model.mamba_inner_size / tp
+        return (norm + adapter("in_proj", h) - input_dropped("in_proj", h)
+                + adapter("out_proj", inner) - input_dropped("out_proj", inner))
+    if kind == "L":  # a replicated linear on this rank's tokens
+        return norm + (adapter("out_proj", h) - input_dropped("out_proj", h)) / shards
+    raise ValueError(f"unknown block kind {kind!r}")
 
 
 def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout, model) -> float:
@@ -304,8 +402,9 @@ def mixer_activation_bytes(kind: str, config, micro_batch: int, seq: int, layout
                           / layout.etp_size
                           + 8 * expert_width)  # the experts' outputs and their weighted sum, in fp32
         shared_width = model.moe_shared_expert_ffn_hidden_size
-        shared = (h * dtype_bytes + mlp_elements(shared_width, model.mlp_activation) * dtype_bytes / tp
-                  if shared_width else 0.0)
+        # the shared expert's input: in fp32 the very tensor the router keeps (counted in ``norm``)
+        shared = ((h * dtype_bytes if dtype_bytes != 4 else 0)
+                  + mlp_elements(shared_width, model.mlp_activation) * dtype_bytes / tp if shared_width else 0.0)
         if model.moe_shared_expert_gate:  # the gate's logit and sigmoid, the gated output
             shared += (2 + h) * dtype_bytes / sequence_shards
         latent = 2 * (model.moe_latent_size or 0) * dtype_bytes

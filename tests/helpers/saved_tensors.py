@@ -51,11 +51,14 @@ def saved_bytes_by_block_kind(model, micro_batch: int, seq: int, dtype: torch.dt
                               sequence_shards: int = 1) -> dict[str, int]:
     """Bytes each block kind of ``model`` saves for backward in one forward over random hidden
     states of ``micro_batch`` x ``seq`` tokens (``seq / sequence_shards`` of them on this rank under
-    sequence parallelism); distinct storages, parameters not counted."""
+    sequence parallelism); distinct storages, parameters not counted. A training forward: any
+    dropout the model has draws its masks."""
     from meshlm.models.context import SequenceContext
+    from meshlm.models.dropout import DropoutKey
 
     parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
-    context = SequenceContext.for_tokens(torch.zeros(micro_batch, seq, dtype=torch.long))
+    context = SequenceContext.for_tokens(torch.zeros(micro_batch, seq, dtype=torch.long),
+                                         dropout_key=DropoutKey(seed=0, step=0, sample_ids=torch.arange(micro_batch)))
     hidden = torch.randn(micro_batch, seq // sequence_shards, model.config.hidden_size, dtype=dtype,
                          requires_grad=True)
     found: dict[str, int] = {}

@@ -1,6 +1,7 @@
 """The activation terms of the memory estimate (``memory_estimate.activation_items``, which
 ``meshlm plan`` adds up) against the bytes autograd really saves for backward, block by block:
-dense, hybrid (Mamba-2), MoE and latent-attention (MLA) models, fp32 and bf16, each recompute
+dense, hybrid (Mamba-2), MoE and latent-attention (MLA) models, each also under LoRA (with and
+without adapter dropout), fp32 and bf16, each recompute
 setting, in one process and at tp2 with sequence parallelism on two gloo ranks. Target (issue 19):
 within 5% per block kind."""
 
@@ -60,6 +61,29 @@ MODELS = {
     "mla sliding window": ["model.pattern=*-*-", "model.attention_type=mla", "model.mla_q_lora_rank=24",
                            "model.mla_kv_lora_rank=16", "model.mla_qk_nope_head_dim=16",
                            "model.mla_qk_rope_head_dim=8", "model.mla_v_head_dim=12", "model.sliding_window=12"],
+    # LoRA: frozen weights keep less, adapters add their rank-wide activations and, with dropout,
+    # their masked inputs; PEFT's classic q/v targets leave k's output a view of the joint q/k/v GEMM's
+    "dense lora": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.lora_rank=8"],
+    "qk-norm lora q/v dropout": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.qk_norm=true",
+                                 "model.lora_rank=8", "model.lora_dropout=0.1",
+                                 "model.lora_targets=[q_proj,v_proj,down_proj]"],
+    "hybrid lora dropout": ["model.pattern=M*-M-", "model.position_embedding=none", "model.mamba_state_size=16",
+                            "model.mamba_head_dim=16", "model.mamba_chunk_size=16", "model.mamba_num_groups=2",
+                            "model.mlp_activation=squared_relu", "model.ffn_hidden_size=128", "model.lora_rank=8",
+                            "model.lora_dropout=0.1"],
+    "moe gated shared expert lora dropout": ["model.pattern=*E*E", "model.num_kv_heads=2", "model.moe_num_experts=4",
+                                             "model.moe_top_k=2", "model.moe_ffn_hidden_size=64",
+                                             "model.moe_shared_expert_ffn_hidden_size=48",
+                                             "model.moe_shared_expert_gate=true", "model.lora_rank=8",
+                                             "model.lora_dropout=0.1"],
+    "latent moe lora": ["model.pattern=*E*E", "model.moe_num_experts=4", "model.moe_top_k=2",
+                        "model.moe_ffn_hidden_size=64", "model.moe_latent_size=32",
+                        "model.moe_shared_expert_ffn_hidden_size=48", "model.lora_rank=8",
+                        "model.lora_targets=[q_proj,latent_out_proj]"],
+    "mla lora dropout": ["model.pattern=*-*-", "model.attention_type=mla", "model.mla_q_lora_rank=24",
+                         "model.mla_kv_lora_rank=16", "model.mla_qk_nope_head_dim=16", "model.mla_qk_rope_head_dim=8",
+                         "model.mla_v_head_dim=12", "model.lora_rank=8", "model.lora_dropout=0.1",
+                         "model.lora_targets=[q_a_proj,kv_b_proj,o_proj,down_proj]"],
 }
 SEQ, MICRO_BATCH = 32, 2
 
