@@ -122,13 +122,17 @@ class StoredTensor:
     unchanged; only the final ``load()`` reads, and only this handle's rows."""
 
     def __init__(self, files: SafetensorsFiles, path: Path, name: str, shape, dtype: torch.dtype,
-                 index: tuple = ()):
+                 index: tuple = (), narrowable: bool = True):
         self.files, self.path, self.name, self.dtype, self.index = files, path, name, dtype, index
         self.shape = torch.Size(shape)
+        self.narrowable = narrowable
+        """False for a piece split along a later dim, whose index no longer ends at its dim 0."""
 
     def _narrowed(self, index, shape) -> StoredTensor:
         """Narrow this handle's dim 0 by ``index`` (an int or a slice), kept as one index of the file's
         tensor: its dim 0 is the last slice of ``self.index`` if there is one, else the next dim."""
+        if not self.narrowable:
+            raise ValueError(f"{self.name}: a piece split along a later dim is read whole, not narrowed")
         if self.index and isinstance(self.index[-1], slice):
             outer = self.index[-1]
             inner = outer.start + index if isinstance(index, int) else slice(outer.start + index.start,
@@ -145,11 +149,19 @@ class StoredTensor:
         return self._narrowed(index % self.shape[0], self.shape[1:])
 
     def split(self, sizes: list[int], dim: int = 0) -> list[StoredTensor]:
-        """Consecutive pieces along dim 0 of the given sizes (like ``torch.split``)."""
-        if dim != 0 or sum(sizes) != self.shape[0]:
+        """Consecutive pieces along ``dim`` of the given sizes (like ``torch.split``). Along a later
+        dim only a handle of whole trailing dims splits (the file's tensor or rows picked by
+        index), and its pieces are read whole, not narrowed again."""
+        if not 0 <= dim < len(self.shape) or sum(sizes) != self.shape[dim] or (
+                dim and not all(isinstance(entry, int) for entry in self.index)):
             raise ValueError(f"{self.name}: cannot split {tuple(self.shape)} into {sizes} along dim {dim}")
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return [self._narrowed(slice(start, start + size), (size, *self.shape[1:]))
+        if dim == 0:
+            return [self._narrowed(slice(start, start + size), (size, *self.shape[1:]))
+                    for start, size in zip(starts, sizes)]
+        return [StoredTensor(self.files, self.path, self.name, (*self.shape[:dim], size, *self.shape[dim + 1:]),
+                             self.dtype, self.index + (slice(None),) * dim + (slice(start, start + size),),
+                             narrowable=False)
                 for start, size in zip(starts, sizes)]
 
     def load(self) -> torch.Tensor:

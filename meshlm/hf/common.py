@@ -72,6 +72,9 @@ class TensorMap:
     rows: tuple[int, int] | None = None
     """Rows [start, stop) of the one HF tensor that hold this meshlm tensor, when HF fuses several
     (Phi-3's qkv_proj and gate_up_proj): cut out on import, concatenated back on export."""
+    rows_dim: int = 0
+    """The dim ``rows`` counts along: 1 for the halves of stacked experts' fused [E, 2F, d] gate
+    and up weights (Granite MoE's ``input_linear``)."""
     transposed: bool = False
     """The HF tensor is this meshlm weight transposed, [in, out] (GPT-2's ``Conv1D`` layers); with
     ``rows``, those are rows of the transposed tensor (columns of the HF one)."""
@@ -90,24 +93,24 @@ def stack(ours: str, theirs: list[str]) -> TensorMap:
     return TensorMap(ours, tuple(theirs), stacked=True)
 
 
-def rows_of(ours: str, theirs: str, start: int, stop: int) -> TensorMap:
-    return TensorMap(ours, (theirs,), rows=(start, stop))
+def rows_of(ours: str, theirs: str, start: int, stop: int, dim: int = 0) -> TensorMap:
+    return TensorMap(ours, (theirs,), rows=(start, stop), rows_dim=dim)
 
 
-def fused_rows(pieces: list[tuple[str, int]], theirs: str) -> list[TensorMap]:
-    """Maps of meshlm tensors ``pieces`` ((name, rows), in order) fused along dim 0 into HF ``theirs``."""
+def fused_rows(pieces: list[tuple[str, int]], theirs: str, dim: int = 0) -> list[TensorMap]:
+    """Maps of meshlm tensors ``pieces`` ((name, rows), in order) fused along ``dim`` into HF ``theirs``."""
     maps, start = [], 0
     for ours, rows in pieces:
-        maps.append(rows_of(ours, theirs, start, start + rows))
+        maps.append(rows_of(ours, theirs, start, start + rows, dim))
         start += rows
     return maps
 
 
-def _row_slice(tensor, start: int, stop: int):
-    """Rows [start, stop) of a tensor or a ``StoredTensor`` (read later, by slice)."""
+def _row_slice(tensor, start: int, stop: int, dim: int = 0):
+    """Entries [start, stop) along ``dim`` of a tensor or a ``StoredTensor`` (read later, by slice)."""
     if isinstance(tensor, torch.Tensor):
-        return tensor[start:stop]
-    return tensor.split([start, stop - start, tensor.shape[0] - stop])[1]
+        return tensor.narrow(dim, start, stop - start)
+    return tensor.split([start, stop - start, tensor.shape[dim] - stop], dim)[1]
 
 
 def transposed(ours: str, theirs: str, rows: tuple[int, int] | None = None) -> TensorMap:
@@ -307,12 +310,13 @@ def plan_from_hf(tensors: dict, config: ModelConfig, maps: list[TensorMap], arch
             plan[entry.ours] = PlannedTensor(shape, found[0].dtype, partial(_transposed_columns, found[0], start, stop))
             continue
         if entry.rows is not None:
-            start, stop = entry.rows
-            if found[0].shape[0] < stop:
-                wrong.append(f"{entry.theirs[0]} has {found[0].shape[0]} rows, but config.json implies at least {stop} "
-                             f"(meshlm {entry.ours} is rows {start}:{stop})")
+            (start, stop), dim = entry.rows, entry.rows_dim
+            if found[0].shape[dim] < stop:
+                what = "rows" if dim == 0 else f"entries along dim {dim}"
+                wrong.append(f"{entry.theirs[0]} has {found[0].shape[dim]} {what}, but config.json implies at least "
+                             f"{stop} (meshlm {entry.ours} is {what} {start}:{stop})")
                 continue
-            found = [_row_slice(found[0], start, stop)]
+            found = [_row_slice(found[0], start, stop, dim)]
         if entry.stacked and len({tuple(tensor.shape) for tensor in found}) > 1:
             wrong.append(f"{entry.describe_theirs()} do not all have the same shape")
             continue
@@ -384,10 +388,10 @@ def plan_to_hf(stored: dict[str, tuple], read: Callable[[str], torch.Tensor], co
         used.add(entry.ours)
     for name, parts in fused.items():  # rows of one HF tensor: concatenated when it is written
         parts.sort(key=lambda entry: entry.rows[0])
-        shapes = [stored[entry.ours][0] for entry in parts]
+        shapes, dim = [stored[entry.ours][0] for entry in parts], parts[0].rows_dim
         dtype = reduce(torch.promote_types, [stored[entry.ours][1] for entry in parts])
-        shape = (sum(shape[0] for shape in shapes), *shapes[0][1:])
-        concatenated = partial(_concatenated, reader, [entry.ours for entry in parts], dtype)
+        shape = (*shapes[0][:dim], sum(shape[dim] for shape in shapes), *shapes[0][dim + 1:])
+        concatenated = partial(_concatenated, reader, [entry.ours for entry in parts], dtype, dim)
         if parts[0].transposed:  # the rows of a Conv1D weight: joined, then stored [in, out]
             plan[name] = PlannedTensor(shape[::-1], dtype, partial(_transposed, concatenated))
         else:
@@ -399,8 +403,8 @@ def plan_to_hf(stored: dict[str, tuple], read: Callable[[str], torch.Tensor], co
     return plan
 
 
-def _concatenated(read, names: list[str], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat([read(name).to(dtype) for name in names])
+def _concatenated(read, names: list[str], dtype: torch.dtype, dim: int = 0) -> torch.Tensor:
+    return torch.cat([read(name).to(dtype) for name in names], dim=dim)
 
 
 def produce_all(plan: dict[str, PlannedTensor]) -> dict[str, torch.Tensor]:

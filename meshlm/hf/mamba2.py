@@ -36,15 +36,17 @@ DEFAULTS = {"num_heads": 128, "head_dim": 64, "vocab_size": 32768, "hidden_size"
 
 
 # --- the Mamba mixer, shared with Nemotron-H --------------------------------------------------------
-def mamba_mixer_maps(config: ModelConfig, block: int, theirs: str) -> list[TensorMap]:
-    """Norm and mixer tensors of Mamba block ``block``, stored under HF prefix ``theirs``."""
-    ours = f"blocks.{block}"
-    maps = [rename(f"{ours}.norm.weight", f"{theirs}.norm.weight")]
-    maps += linear_maps(f"{ours}.mixer.in_proj", f"{theirs}.mixer.in_proj", config.mamba_proj_bias)
-    maps += linear_maps(f"{ours}.mixer.conv1d", f"{theirs}.mixer.conv1d", config.mamba_conv_bias)
-    maps += [rename(f"{ours}.mixer.{name}", f"{theirs}.mixer.{name}") for name in ("dt_bias", "A_log", "D")]
-    maps.append(rename(f"{ours}.mixer.norm.weight", f"{theirs}.mixer.norm.weight"))
-    maps += linear_maps(f"{ours}.mixer.out_proj", f"{theirs}.mixer.out_proj", config.mamba_proj_bias)
+def mamba_mixer_maps(config: ModelConfig, block: int, theirs: str, mixer: str = "mixer", norm: str = "norm"
+                     ) -> list[TensorMap]:
+    """Norm and mixer tensors of Mamba block ``block``, stored under HF prefix ``theirs`` as
+    ``{theirs}.{norm}`` and ``{theirs}.{mixer}.*`` (Granite 4.0: ``input_layernorm``, ``mamba``)."""
+    ours, mixer = f"blocks.{block}", f"{theirs}.{mixer}"
+    maps = [rename(f"{ours}.norm.weight", f"{theirs}.{norm}.weight")]
+    maps += linear_maps(f"{ours}.mixer.in_proj", f"{mixer}.in_proj", config.mamba_proj_bias)
+    maps += linear_maps(f"{ours}.mixer.conv1d", f"{mixer}.conv1d", config.mamba_conv_bias)
+    maps += [rename(f"{ours}.mixer.{name}", f"{mixer}.{name}") for name in ("dt_bias", "A_log", "D")]
+    maps.append(rename(f"{ours}.mixer.norm.weight", f"{mixer}.norm.weight"))
+    maps += linear_maps(f"{ours}.mixer.out_proj", f"{mixer}.out_proj", config.mamba_proj_bias)
     return maps
 
 

@@ -75,3 +75,10 @@ def test_stored_tensors_narrow_like_tensors(tmp_path):
         assert torch.equal(up.split([1, 3])[1][2].load(), value[1, 2:][1:][2])
         with pytest.raises(IndexError):
             fused[2]
+        gates, ups = fused.split([2, 4], dim=1)  # stacked experts' fused gate/up halves
+        assert tuple(ups.shape) == (2, 4, 3) and torch.equal(ups.load(), value[:, 2:])
+        assert torch.equal(fused[0].split([1, 2], dim=1)[1].load(), value[0, :, 1:])
+        with pytest.raises(ValueError, match="read whole, not narrowed"):
+            gates[0]
+        with pytest.raises(ValueError, match="cannot split"):
+            up.split([1, 3])[1].split([1, 1, 1], dim=1)
