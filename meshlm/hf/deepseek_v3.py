@@ -253,19 +253,20 @@ def attention_unsupported(config: ModelConfig) -> list[str]:
     return reasons
 
 
-def moe_unsupported(config: ModelConfig) -> list[str]:
+def moe_unsupported(config: ModelConfig, name: str = NAME) -> list[str]:
+    """Why ``config``'s MoE blocks are not DeepSeek-V3's (class ``name``: GLM-4.5's are the same)."""
     if "E" not in config.block_kinds:
         return []
     reasons, width, shared = [], config.resolved_moe_ffn_hidden_size, config.moe_shared_expert_ffn_hidden_size
     if config.moe_score_function != "sigmoid":
-        reasons.append(f"model.moe_score_function={config.moe_score_function!r} ({NAME} routes by sigmoid scores)")
+        reasons.append(f"model.moe_score_function={config.moe_score_function!r} ({name} routes by sigmoid scores)")
     if shared <= 0 or shared % width:
-        reasons.append(f"model.moe_shared_expert_ffn_hidden_size={shared} ({NAME}'s shared expert is "
+        reasons.append(f"model.moe_shared_expert_ffn_hidden_size={shared} ({name}'s shared expert is "
                        f"n_shared_experts >= 1 experts wide: a multiple of model.moe_ffn_hidden_size={width})")
     if config.moe_latent_size is not None:
-        reasons.append(f"model.moe_latent_size={config.moe_latent_size} ({NAME} has no latent projection)")
+        reasons.append(f"model.moe_latent_size={config.moe_latent_size} ({name} has no latent projection)")
     if config.moe_router_num_groups and config.moe_num_experts // config.moe_router_num_groups < 2:
-        reasons.append(f"model.moe_router_num_groups={config.moe_router_num_groups} ({NAME} scores a group by its "
+        reasons.append(f"model.moe_router_num_groups={config.moe_router_num_groups} ({name} scores a group by its "
                        "two best experts, so each group needs at least 2)")
     return reasons
 
