@@ -234,11 +234,24 @@ class Architecture:
     canonical per-expert hub layout the tensor maps use."""
     regrouped_rows: Callable[[ModelConfig], list["RegroupedRows"]] = field(default=lambda config: [])
     """The HF tensors whose rows meshlm keeps in another order (``RegroupedRows``)."""
+    skipped_hf_tensors: Callable[[ModelConfig, set], Callable[[str], bool]] = field(
+        default=lambda config, names: lambda name: False)
+    """Which HF tensors import leaves out for a config, given the names the files hold
+    (DeepSeek-V3's MTP layers past ``model.mtp_depth``, as transformers leaves them all out)."""
+    fit_config: Callable[[ModelConfig, set], ModelConfig] = field(default=lambda config, names: config)
+    """The config of ``config_from_hf`` fitted to the tensor names the files hold (MTP layers a
+    config.json counts but a folder lacks, as transformers writes them)."""
+    export_copies: Callable[[ModelConfig], list[tuple[str, str]]] = field(default=lambda config: [])
+    """(meshlm name, HF name) of extra copies export writes and import skips (an MTP layer's own
+    embedding and head, which repeat the model's)."""
 
     def plan_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, PlannedTensor]:
         """The meshlm tensors of HF ``tensors`` (in memory or ``StoredTensor`` handles), as a plan."""
         tensors = self.normalize_hf_tensors(dict(tensors))
-        plan = plan_from_hf(tensors, config, self.tensor_maps(config), self.name)
+        skipped = self.skipped_hf_tensors(config, set(tensors))
+        copies = {theirs for _, theirs in self.export_copies(config)}
+        plan = plan_from_hf(tensors, config, self.tensor_maps(config), self.name,
+                            lambda name: default_ignorable(config, name) or skipped(name) or name in copies)
         for group in self.regrouped_rows(config):
             group.regroup_from_hf(plan, tensors, self.name)
         return plan
@@ -249,6 +262,9 @@ class Architecture:
         plan = plan_to_hf(stored, read, config, self.tensor_maps(config), self.name)
         for group in self.regrouped_rows(config):  # the concatenation of group.ours, rows put back in HF's order
             plan[group.theirs] = reordered(plan[group.theirs], torch.argsort(group.order), group.dim)
+        for ours, theirs in self.export_copies(config):
+            shape, dtype = stored[ours]
+            plan[theirs] = PlannedTensor(tuple(shape), dtype, partial(read, ours))
         return plan
 
     def state_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -329,8 +345,7 @@ def plan_from_hf(tensors: dict, config: ModelConfig, maps: list[TensorMap], arch
         dtype = reduce(torch.promote_types, [tensor.dtype for tensor in found])
         produce = partial(_stacked, found, shape, dtype) if entry.stacked else partial(load, found[0])
         plan[entry.ours] = PlannedTensor(shape, dtype, produce)
-    ignorable = ignorable or (lambda name: name.endswith("rotary_emb.inv_freq")
-                              or (config.tie_embeddings and name == "lm_head.weight"))
+    ignorable = ignorable or partial(default_ignorable, config)
     unexpected = sorted(name for name in tensors if name not in used and not ignorable(name))
     problems = []
     if missing:
@@ -346,6 +361,11 @@ def plan_from_hf(tensors: dict, config: ModelConfig, maps: list[TensorMap], arch
     if unmapped:  # an adapter bug, not a user error: the map forgot part of the model
         raise RuntimeError(f"{architecture} adapter does not map meshlm tensors {_listed(unmapped)}")
     return plan
+
+
+def default_ignorable(config: ModelConfig, name: str) -> bool:
+    """HF tensors import may find and leave: rotary tables, a tied model's copy of its head."""
+    return name.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and name == "lm_head.weight")
 
 
 class LastTensorRead:
@@ -637,8 +657,9 @@ def common_unsupported(config: ModelConfig, supported: frozenset[str] = frozense
     if config.norm != "rmsnorm" and "norm" not in supported:
         reasons.append(f"model.norm={config.norm!r} (the HF classes here other than GPT-2, GPTBigCode, StarCoder2, "
                        "GPT-NeoX, StableLM, Falcon, Phi, GPT-J and Command R use RMSNorm)")
-    if config.mtp_depth:
-        reasons.append(f"model.mtp_depth={config.mtp_depth} (multi-token-prediction heads are not exported yet)")
+    if config.mtp_depth and "mtp_depth" not in supported:
+        reasons.append(f"model.mtp_depth={config.mtp_depth} (only DeepseekV3ForCausalLM and Glm4MoeForCausalLM "
+                       "hold multi-token-prediction layers)")
     if config.block_overrides:
         blocks = "; ".join(f"block {index} sets {', '.join(fields)}" for index, fields in config.block_overrides.items())
         reasons.append(f"model.block_overrides ({blocks}: these formats have one size per field for all layers)")

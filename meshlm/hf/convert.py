@@ -162,6 +162,7 @@ def load_hf_model(hf_dir: str | os.PathLike) -> tuple[LanguageModel, dict]:
     hf_dir = Path(hf_dir)
     hf_config, architecture, config = read_hf_model_config(hf_dir)
     with open_hf_tensors(hf_dir) as files:
+        config = architecture.fit_config(config, set(files.tensors))
         state = produce_all(hf_plan(architecture, files.tensors, config, hf_dir))
     with torch.device("meta"):
         model = LanguageModel(config)
@@ -178,6 +179,7 @@ def hf_to_meshlm(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrit
     hf_config, architecture, config = read_hf_model_config(hf_dir)
     extra = kept_hf_fields(hf_config, architecture)
     with open_hf_tensors(hf_dir) as files:
+        config = architecture.fit_config(config, set(files.tensors))
         plan = hf_plan(architecture, files.tensors, config, hf_dir)
         write_model_folder(out_dir, config, plan, extra_config={HF_EXTRA_KEY: extra}, tokenizer_dir=hf_dir)
     return out_dir, config, extra

@@ -49,14 +49,26 @@ and ``moe_aux_loss_type=sequence``; DeepSeek's bias-update speed has no config.j
 others ``rms_norm_eps``; meshlm has one ``model.norm_eps``, so both directions need it to be 1e-6
 (the value of every released model).
 
-Multi-token-prediction layers in the files (DeepSeek-V3's layer 61: ``eh_proj``, ``enorm``, ...)
-are skipped, as transformers skips them. Refused: ``rope_interleave`` false (import cannot see the
+**Multi-token prediction.** The files keep ``num_nextn_predict_layers`` MTP layers after the last
+decoder layer (DeepSeek-V3's layer 61), which transformers skips; meshlm imports them as its MTP
+depths (``model.mtp_depth``, ``mtp_pattern='*E'``; ``meshlm/models/mtp.py`` is DeepSeek-V3's
+design), so a converted model trains them and drafts with them (``--speculative mtp``):
+
+    model.layers.{L+d}.hnorm, enorm, shared_head.norm     mtp.depths.{d}.hidden_norm, embedding_norm, final_norm
+    model.layers.{L+d}.eh_proj                            mtp.depths.{d}.projection (its two column halves
+                                                          swapped: DeepSeek concatenates [embedding; hidden])
+    model.layers.{L+d}.<decoder layer>                    mtp.depths.{d}.blocks.0 (attention), blocks.1 (MoE)
+
+Each MTP layer's own ``embed_tokens`` and ``shared_head.head`` repeat the model's embedding and
+head: import skips them, export writes them. A folder without the layers (transformers writes
+none) imports without MTP, whatever its config.json counts. Refused: ``rope_interleave`` false (import cannot see the
 flag when it reorders the tensors), ``moe_layer_freq`` other than 1, biases, activations other than
 silu, FP8 checkpoints (``quantization_config``: convert a bf16 copy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -146,6 +158,14 @@ def moe_fields(hf: dict, hf_config: dict) -> dict:
                 moe_aux_loss_type="sequence" if hf_config.get("seq_aux") else "micro_batch")
 
 
+def mtp_fields(hf_config: dict) -> dict:
+    """``model.mtp_depth`` and ``mtp_pattern`` of the MTP layers a config.json counts
+    (``num_nextn_predict_layers``, transformers' GLM-4.5 also ``num_mtp_layers``): each is a decoder
+    layer past ``first_k_dense_replace``, an MoE one."""
+    depth = int(hf_config.get("num_nextn_predict_layers", hf_config.get("num_mtp_layers", 0)) or 0)
+    return {"mtp_depth": depth, "mtp_pattern": "*E"} if depth > 0 else {}
+
+
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     if "num_local_experts" in hf_config:  # transformers' attribute-mapped name for n_routed_experts
@@ -154,6 +174,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     layers = hf["num_hidden_layers"]
     dense = min(hf["first_k_dense_replace"], layers)
     pattern = "*-" * dense + "*E" * (layers - dense)
+    mtp = mtp_fields(hf_config)
     rope = rope_from_hf(hf_config, 10000.0, NAME)
     qk_head_dim = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
     return ModelConfig(
@@ -166,7 +187,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
         position_embedding="rope", **rope, attention_scale=attention_scale_from_hf(hf_config, rope, qk_head_dim),
         mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
-        init_std=hf["initializer_range"], **(moe_fields(hf, hf_config) if "E" in pattern else {}))
+        init_std=hf["initializer_range"], **(moe_fields(hf, hf_config) if "E" in pattern or mtp else {}), **mtp)
 
 
 def exact(value: float, reproduces) -> float | None:
@@ -216,7 +237,7 @@ def max_positions(config: ModelConfig) -> int:
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
     kinds = config.block_kinds
-    moe = "E" in kinds
+    moe = "E" in kinds or config.mtp_depth > 0
     groups = config.moe_router_num_groups or 1
     return {**hf_common_fields(config, NAME, "deepseek_v3"), "num_hidden_layers": len(kinds) // 2,
             "first_k_dense_replace": kinds.count("-"), "moe_layer_freq": 1,
@@ -233,7 +254,7 @@ def config_to_hf(config: ModelConfig) -> dict:
             "n_group": groups, "topk_group": config.moe_router_group_top_k or 1,
             "norm_topk_prob": config.moe_normalize_topk, "routed_scaling_factor": config.moe_routed_scaling_factor,
             "scoring_func": "sigmoid", "topk_method": "noaux_tc", "aux_loss_alpha": config.moe_aux_loss_coeff,
-            "seq_aux": config.moe_aux_loss_type == "sequence", "num_nextn_predict_layers": 0}
+            "seq_aux": config.moe_aux_loss_type == "sequence", "num_nextn_predict_layers": config.mtp_depth}
 
 
 # --- what cannot be written -------------------------------------------------------------------------
@@ -271,8 +292,16 @@ def moe_unsupported(config: ModelConfig, name: str = NAME) -> list[str]:
     return reasons
 
 
+def mtp_unsupported(config: ModelConfig, name: str = NAME) -> list[str]:
+    """Why ``config``'s MTP depths are not the class's MTP layers (decoder layers with an MoE block)."""
+    if config.mtp_depth and config.mtp_pattern != "*E":
+        return [f"model.mtp_pattern={config.mtp_pattern!r} ({name}'s MTP layers are attention then MoE: '*E')"]
+    return []
+
+
 def unsupported(config: ModelConfig) -> list[str]:
-    reasons = common_unsupported(config, supported=frozenset({"attention_scale", "attention_type"}))
+    reasons = common_unsupported(config, supported=frozenset({"attention_scale", "attention_type", "mtp_depth"}))
+    reasons += mtp_unsupported(config)
     reasons += blocks_of(config, r"(\*-)*(\*E)*", "DeepSeek-V3 layers are attention then MLP in the first "
                          "first_k_dense_replace layers, attention then MoE after: '*-' repeated, then '*E' repeated")
     reasons += window_unsupported(config, "DeepSeek-V3", uniform_only=False)
@@ -296,9 +325,12 @@ def rotary_row_orders(config: ModelConfig) -> dict[str, torch.Tensor]:
 def rotary_projections(config: ModelConfig) -> list[tuple[str, str, torch.Tensor]]:
     """(meshlm name, HF name, order) of every weight whose rows ``rotary_row_orders`` reorders."""
     orders, query = rotary_row_orders(config), "q_proj" if config.mla_q_lora_rank is None else "q_b_proj"
+    layers = config.num_blocks // 2
+    attention = [(f"blocks.{2 * layer}.mixer", layer) for layer in range(layers)]
+    attention += [(f"mtp.depths.{depth}.blocks.0.mixer", layers + depth) for depth in range(config.mtp_depth)]
     out = []
-    for layer in range(config.num_blocks // 2):
-        ours, theirs = f"blocks.{2 * layer}.mixer", f"model.layers.{layer}.self_attn"
+    for ours, layer in attention:
+        theirs = f"model.layers.{layer}.self_attn"
         out += [(f"{ours}.{query}.weight", f"{theirs}.{query}.weight", orders["q"]),
                 (f"{ours}.kv_a_proj.weight", f"{theirs}.kv_a_proj_with_mqa.weight", orders["kv"])]
     return out
@@ -347,18 +379,81 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
         maps += attention_maps(config, layer)
         maps += moe_maps(config, layer) if config.block_kinds[2 * layer + 1] == "E" else dense_mlp_maps(
             config, 2 * layer + 1, layer)
+    return maps + mtp_maps(config, lambda layer: attention_maps(config, layer) + moe_maps(config, layer))
+
+
+# --- multi-token prediction -----------------------------------------------------------------------
+MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.weight$")
+"""A multi-token-prediction layer's mark: its projection of [embedding; hidden state]."""
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def mtp_layers_in(names) -> set[int]:
+    """The HF layer indices of the MTP layers among tensor ``names``."""
+    return {int(match.group(1)) for match in map(MTP_LAYER.match, names) if match}
+
+
+def mtp_maps(config: ModelConfig, decoder_layer_maps) -> list[TensorMap]:
+    """MTP depth d as HF layer L + d (L decoder layers; module docstring); ``decoder_layer_maps(i)``:
+    the maps of HF decoder layer i as meshlm blocks 2i and 2i + 1, moved here into the depth."""
+    maps, layers, hidden = [], config.num_blocks // 2, config.hidden_size
+    for depth in range(config.mtp_depth):
+        layer, ours = layers + depth, f"mtp.depths.{depth}"
+        theirs = f"model.layers.{layer}"
+        maps += [rename(f"{ours}.hidden_norm.weight", f"{theirs}.hnorm.weight"),
+                 rename(f"{ours}.embedding_norm.weight", f"{theirs}.enorm.weight"),
+                 rows_of(f"{ours}.projection.weight", f"{theirs}.eh_proj.weight", 0, hidden),  # halves swapped
+                 rename(f"{ours}.final_norm.weight", f"{theirs}.shared_head.norm.weight")]
+        moved = {f"blocks.{2 * layer}.": f"{ours}.blocks.0.", f"blocks.{2 * layer + 1}.": f"{ours}.blocks.1."}
+        for entry in decoder_layer_maps(layer):
+            prefix = next(old for old in moved if entry.ours.startswith(old))
+            maps.append(dataclasses.replace(entry, ours=moved[prefix] + entry.ours[len(prefix):]))
     return maps
 
 
-MTP_LAYER = re.compile(r"^(model\.layers\.\d+\.)eh_proj\.weight$")
-"""A multi-token-prediction layer's mark: its projection of [embedding; hidden state]."""
+def mtp_projection_halves(config: ModelConfig) -> list[RegroupedRows]:
+    """Each depth's projection: meshlm concatenates [hidden; embedding], DeepSeek [embedding; hidden]."""
+    hidden, layers = config.hidden_size, config.num_blocks // 2
+    order = torch.cat((torch.arange(hidden, 2 * hidden), torch.arange(hidden)))
+    return [RegroupedRows(((f"mtp.depths.{depth}.projection.weight", 2 * hidden),),
+                          f"model.layers.{layers + depth}.eh_proj.weight", order, dim=1)
+            for depth in range(config.mtp_depth)]
+
+
+def fit_mtp_depth(config: ModelConfig, names: set) -> ModelConfig:
+    """``config`` with the MTP depths the files hold, in a row after the last decoder layer (no
+    more than config.json counts): none in a folder transformers wrote."""
+    present, first = mtp_layers_in(names), config.num_blocks // 2
+    depth = 0
+    while depth < config.mtp_depth and first + depth in present:
+        depth += 1
+    if depth == config.mtp_depth:
+        return config
+    unset = {} if depth else {"mtp_pattern": ModelConfig.__dataclass_fields__["mtp_pattern"].default}
+    return dataclasses.replace(config, mtp_depth=depth, **unset)
+
+
+def skipped_mtp_layers(config: ModelConfig, names: set):
+    """The files' MTP layers past the depths ``config`` keeps (all of them with mtp_depth 0)."""
+    skipped = {layer for layer in mtp_layers_in(names) if layer >= config.num_blocks // 2 + config.mtp_depth}
+
+    def is_skipped(name: str) -> bool:
+        match = LAYER_INDEX.match(name)
+        return match is not None and int(match.group(1)) in skipped
+    return is_skipped
+
+
+def mtp_copies(config: ModelConfig) -> list[tuple[str, str]]:
+    """Each MTP layer's own embedding and head: copies of the model's (``Architecture.export_copies``)."""
+    head = "embedding.weight" if config.tie_embeddings else "output.weight"
+    layers = config.num_blocks // 2
+    return [pair for depth in range(config.mtp_depth)
+            for pair in (("embedding.weight", f"model.layers.{layers + depth}.embed_tokens.weight"),
+                         (head, f"model.layers.{layers + depth}.shared_head.head.weight"))]
 
 
 def normalize_hf_tensors(tensors: dict) -> dict:
-    """Drop the MTP layers (transformers drops them too) and split transformers' fused in-memory
-    expert tensors into the hub's per-expert names."""
-    mtp = tuple(match.group(1) for match in map(MTP_LAYER.match, tensors) if match)
-    tensors = {name: tensor for name, tensor in tensors.items() if not name.startswith(mtp or ("\0",))}
+    """Split transformers' fused in-memory expert tensors into the hub's per-expert names."""
     tensors = split_fused_experts(tensors, "experts.gate_up_proj", lambda prefix, e: [
         (f"{prefix}experts.{e}.gate_proj.weight", 0), (f"{prefix}experts.{e}.up_proj.weight", 0)])
     return split_fused_experts(tensors, "experts.down_proj", lambda prefix, e: [
@@ -366,11 +461,13 @@ def normalize_hf_tensors(tensors: dict) -> dict:
 
 
 def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
-    """The query and shared-key projections, their rotary rows de-interleaved (module docstring)."""
-    return [RegroupedRows(((ours, len(order)),), theirs, order) for ours, theirs, order in rotary_projections(config)]
+    """The query and shared-key projections, their rotary rows de-interleaved (module docstring),
+    and the MTP projections' halves."""
+    return ([RegroupedRows(((ours, len(order)),), theirs, order) for ours, theirs, order in rotary_projections(config)]
+            + mtp_projection_halves(config))
 
 
 ARCHITECTURE = Architecture(NAME, "deepseek_v3", config_from_hf, config_to_hf, tensor_maps, unsupported,
-                            normalize_hf_tensors, regrouped_rows)
+                            normalize_hf_tensors, regrouped_rows, skipped_mtp_layers, fit_mtp_depth, mtp_copies)
 state_from_hf = ARCHITECTURE.state_from_hf
 state_to_hf = ARCHITECTURE.state_to_hf

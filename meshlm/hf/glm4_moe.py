@@ -15,8 +15,9 @@ shared expert ``n_shared_experts`` experts wide. HF layer i is blocks 2i ('*') a
     model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj        blocks.{2i+1}.mixer.experts.*_weight[e]
     model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj     blocks.{2i+1}.mixer.shared_expert.*
 
-The multi-token-prediction layer the files carry after the last layer (``num_nextn_predict_layers``)
-is skipped, as transformers skips it; export writes none. The balance loss's weight travels as
+The multi-token-prediction layers the files carry after the last layer (``num_nextn_predict_layers``),
+which transformers skips, are meshlm's MTP depths, mapped as DeepSeek-V3's are
+(``deepseek_v3.py``). The balance loss's weight travels as
 DeepSeek's ``aux_loss_alpha`` and ``seq_aux`` (transformers keeps fields it does not use).
 """
 
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 from meshlm.hf.common import (Architecture, TensorMap, blocks_of, embedding_maps, hf_common_fields, require,
                               rope_from_hf, rope_with_defaults, window_unsupported, with_defaults)
-from meshlm.hf.deepseek_v3 import moe_fields, moe_maps, moe_unsupported, normalize_hf_tensors
+from meshlm.hf.deepseek_v3 import (fit_mtp_depth, moe_fields, moe_maps, moe_unsupported, mtp_copies, mtp_fields,
+                                   mtp_maps, mtp_projection_halves, mtp_unsupported, normalize_hf_tensors,
+                                   skipped_mtp_layers)
 from meshlm.hf.llama import attention_fields, attention_maps, attention_to_hf, decoder_unsupported, dense_mlp_maps
 from meshlm.models.config import ModelConfig
 
@@ -48,7 +51,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     layers = hf["num_hidden_layers"]
     dense = min(hf["first_k_dense_replace"], layers)
     pattern = "*-" * dense + "*E" * (layers - dense)
-    bias = bool(hf["attention_bias"])
+    bias, mtp = bool(hf["attention_bias"]), mtp_fields(hf_config)
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern=pattern, **attention_fields(hf),
         attention_output_bias=False if bias else None, qk_norm=bool(hf["use_qk_norm"]), position_embedding="rope",
@@ -56,12 +59,13 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
                        partial_rotary=True),
         mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False, norm="rmsnorm",
         norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]), init_std=hf["initializer_range"],
-        **(moe_fields(hf, hf_config) if "E" in pattern else {}))
+        **(moe_fields(hf, hf_config) if "E" in pattern or mtp else {}), **mtp)
 
 
 def unsupported(config: ModelConfig) -> list[str]:
     reasons = decoder_unsupported(config, qk_norm=config.qk_norm, output_bias_apart=True,
-                                  supported=frozenset({"rope_fraction"}))
+                                  supported=frozenset({"rope_fraction", "mtp_depth"}))
+    reasons += mtp_unsupported(config, NAME)
     reasons += blocks_of(config, r"(\*-)*(\*E)*", "GLM-4.5 layers are attention then MLP in the first "
                          "first_k_dense_replace layers, attention then MoE after: '*-' repeated, then '*E' repeated")
     reasons += window_unsupported(config, "GLM-4.5", uniform_only=False)
@@ -76,7 +80,7 @@ def unsupported(config: ModelConfig) -> list[str]:
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
     kinds = config.block_kinds
-    moe = "E" in kinds
+    moe = "E" in kinds or config.mtp_depth > 0
     values = {**hf_common_fields(config, NAME, MODEL_TYPE), **attention_to_hf(config),
               "num_hidden_layers": len(kinds) // 2, "first_k_dense_replace": kinds.count("-"),
               "hidden_act": "silu", "intermediate_size": config.resolved_ffn_hidden_size,
@@ -89,7 +93,8 @@ def config_to_hf(config: ModelConfig) -> dict:
               "n_group": config.moe_router_num_groups or 1, "topk_group": config.moe_router_group_top_k or 1,
               "norm_topk_prob": config.moe_normalize_topk, "routed_scaling_factor": config.moe_routed_scaling_factor,
               "aux_loss_alpha": config.moe_aux_loss_coeff, "seq_aux": config.moe_aux_loss_type == "sequence",
-              "num_nextn_predict_layers": 0, "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
+              "num_nextn_predict_layers": config.mtp_depth,
+              "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
     values["rope_parameters"] = {**values["rope_parameters"], "partial_rotary_factor": float(config.rope_fraction)}
     return values
 
@@ -100,10 +105,12 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
         maps += attention_maps(config, 2 * layer, layer)
         maps += moe_maps(config, layer) if config.block_kinds[2 * layer + 1] == "E" else dense_mlp_maps(
             config, 2 * layer + 1, layer)
-    return maps
+    return maps + mtp_maps(config, lambda layer: attention_maps(config, 2 * layer, layer)
+                           + moe_maps(config, layer))
 
 
 ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,
-                            normalize_hf_tensors)
+                            normalize_hf_tensors, mtp_projection_halves, skipped_mtp_layers, fit_mtp_depth,
+                            mtp_copies)
 state_from_hf = ARCHITECTURE.state_from_hf
 state_to_hf = ARCHITECTURE.state_to_hf

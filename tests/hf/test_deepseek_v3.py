@@ -4,6 +4,7 @@ routing with a non-zero expert bias, two shared experts' width) converts to mesh
 transformers' logits and greedy tokens, and back to the same tensors and config fields."""
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
 from transformers import DeepseekV3Config  # noqa: E402
 
 import meshlm  # noqa: E402
@@ -215,3 +217,53 @@ def test_shipped_config_is_a_deepseek_v3():
     config = load_run_config(Path(__file__).resolve().parents[2] / "configs" / "deepseek-v3-tiny.yaml").model
     assert config.attention_type == "mla" and config.pattern.startswith("*-*E")
     assert choose_architecture(config).name == "DeepseekV3ForCausalLM"
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+
+def test_mtp_layers_import_as_mtp_depths_and_export_as_the_hub_writes_them(tmp_path):
+    """DeepSeek-V3's MTP layer L: h' = eh_proj([enorm(embedding); hnorm(hidden)]), then a decoder layer
+    and shared_head.norm -- meshlm's depth 0, whose projection reads [hidden; embedding]."""
+    torch.manual_seed(0)
+    config = tiny_meshlm_config(mtp_depth=1, mtp_pattern="*E", init_std=0.2)
+    model = LanguageModel(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.2)
+    folder = tmp_path / "hf"
+    save_model(model, tmp_path / "ours")
+    _, chosen = meshlm_to_hf(tmp_path / "ours", folder)
+    assert chosen.name == "DeepseekV3ForCausalLM"
+    hub = {}
+    for path in folder.glob("*.safetensors"):
+        hub.update(load_file(path))
+    mtp = "model.layers.2."  # after the two decoder layers
+    assert {f"{mtp}{name}.weight" for name in ("eh_proj", "enorm", "hnorm", "shared_head.norm", "shared_head.head",
+                                               "embed_tokens", "input_layernorm", "mlp.gate")} <= set(hub)
+    assert torch.equal(hub[f"{mtp}embed_tokens.weight"], hub["model.embed_tokens.weight"])
+    assert torch.equal(hub[f"{mtp}shared_head.head.weight"], hub["lm_head.weight"])
+    hidden, embedded = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    depth = model.mtp.depths[0]
+    with torch.no_grad():
+        ours = depth.projection(torch.cat((depth.hidden_norm(hidden), depth.embedding_norm(embedded)), dim=-1))
+        theirs = torch.nn.functional.linear(torch.cat((rms(embedded, hub[f"{mtp}enorm.weight"]),
+                                                       rms(hidden, hub[f"{mtp}hnorm.weight"])), dim=-1),
+                                            hub[f"{mtp}eh_proj.weight"])
+    torch.testing.assert_close(ours, theirs)
+    written = json.loads((folder / "config.json").read_text())
+    assert written["num_nextn_predict_layers"] == 1
+    back = load_model(hf_to_meshlm(folder, tmp_path / "back")[0])
+    assert back.config == model.config
+    assert all(torch.equal(back.state_dict()[name], tensor) for name, tensor in model.state_dict().items())
+    # the imported depth drafts for self-speculative decoding, which keeps the greedy tokens
+    assert meshlm.generate(back, PROMPT, max_new_tokens=6, greedy=True, speculative="mtp") == \
+        meshlm.generate(model, PROMPT, max_new_tokens=6, greedy=True)
+
+
+def test_a_folder_without_its_counted_mtp_layer_imports_without_mtp(tmp_path):
+    """transformers writes no MTP layer, though its config.json keeps num_nextn_predict_layers: 1."""
+    _, model = convert(tiny_deepseek_v3(num_nextn_predict_layers=1), tmp_path)
+    assert model.config.mtp_depth == 0 and model.config.mtp_pattern == ModelConfig().mtp_pattern

@@ -77,3 +77,22 @@ def test_what_glm45_cannot_hold_is_named():
         glm4_moe.config_to_hf(config)
     message = str(refused.value)
     assert "o_proj has no bias" in message and "Glm4MoeForCausalLM's shared expert is n_shared_experts" in message
+
+
+def test_mtp_depths_round_trip_as_the_files_mtp_layers(tmp_path):
+    """GLM-4.5's MTP layer (num_nextn_predict_layers) is meshlm's MTP depth, named as DeepSeek-V3's."""
+    torch.manual_seed(0)
+    config = glm4_moe.config_from_hf(tiny_glm45().to_dict())
+    config = ModelConfig(**{**config.to_dict(), "mtp_depth": 1, "mtp_pattern": "*E"})
+    state = LanguageModel(config, seed=0).state_dict()
+    hub = glm4_moe.state_to_hf(state, config)
+    assert {"model.layers.3.eh_proj.weight", "model.layers.3.mlp.gate.e_score_correction_bias",
+            "model.layers.3.shared_head.head.weight", "model.layers.3.self_attn.q_norm.weight"} <= set(hub)
+    assert glm4_moe.config_to_hf(config)["num_nextn_predict_layers"] == 1
+    fitted = glm4_moe.ARCHITECTURE.fit_config(glm4_moe.config_from_hf({**tiny_glm45().to_dict(),
+                                                                        "num_nextn_predict_layers": 1}), set(hub))
+    assert fitted == config
+    back = glm4_moe.state_from_hf(hub, fitted)
+    assert all(torch.equal(back[name], tensor) for name, tensor in state.items())
+    with pytest.raises(ConfigError, match="MTP layers are attention then MoE"):
+        glm4_moe.config_to_hf(ModelConfig(**{**config.to_dict(), "mtp_pattern": "*-"}))
