@@ -1,7 +1,7 @@
 """Self-speculative decoding with a model's MTP depths against plain greedy decoding.
 
     python -m bench.speculative [--checkpoint RUN_OR_MODEL_DIR] [--steps 100] [--repeats 5]
-                                [--max-new-tokens 64] [--data-dir data/demo]
+                                [--max-new-tokens 64] [--data-dir data/demo] [--temperature T --top-k K]
 
 Without ``--checkpoint`` the script builds the demo corpus (``meshlm data demo`` into
 ``--data-dir``; skipped when it is there) and trains ``configs/demo-mtp.yaml`` -- the demo's
@@ -15,8 +15,10 @@ decoding drafting one token (depth 1) and two tokens (depths 1 and 2) a step. Th
 timed alternately, ``--repeats`` times after a warm-up, so machine noise hits all alike; the
 report has the medians of decode tokens/s, the speed-up over plain decoding (median of the
 per-repeat ratios), the acceptance rate (accepted / drafted), the tokens emitted per forward
-of the main model, and whether every token equals plain greedy decoding's. One JSON object
-on stdout.
+of the main model, and whether every token equals plain greedy decoding's. With
+``--temperature`` (and ``--top-k``) every way samples instead, speculative decoding by the
+speculative-sampling rule: its tokens share plain sampling's distribution, not its draws, so
+the report has no token comparison then. One JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -61,18 +63,18 @@ def train_mtp_model(data_dir: Path, run_dir: Path, steps: int, minutes: float) -
 
 
 def decode_all(model, prompts: list[list[int]], max_new_tokens: int, eos_token_id, valid_vocab_size: int,
-               draft_tokens: int | None) -> tuple[list[list[int]], GenerationStats]:
+               draft_tokens: int | None, sampling: SamplingConfig = GREEDY) -> tuple[list[list[int]], GenerationStats]:
     """Every prompt decoded alone, plain (``draft_tokens`` None) or speculatively; tokens and stats."""
     stats, outputs = GenerationStats(), []
     speculative = None if draft_tokens is None else "mtp"
     for prompt in prompts:
-        outputs += generate(model, [prompt], max_new_tokens, GREEDY, eos_token_id=eos_token_id,
+        outputs += generate(model, [prompt], max_new_tokens, sampling, eos_token_id=eos_token_id,
                             valid_vocab_size=valid_vocab_size, speculative=speculative,
                             draft_tokens=draft_tokens, stats=stats)
     return outputs, stats
 
 
-def measure(model, tokenizer, max_new_tokens: int, repeats: int) -> dict:
+def measure(model, tokenizer, max_new_tokens: int, repeats: int, sampling: SamplingConfig = GREEDY) -> dict:
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     valid_vocab_size = min(tokenizer.vocab_size, model.config.vocab_size)
     methods = {"plain": None, **{f"mtp_{k}_drafts": k for k in range(1, model.config.mtp_depth + 1)}}
@@ -82,7 +84,7 @@ def measure(model, tokenizer, max_new_tokens: int, repeats: int) -> dict:
     for repeat in range(repeats + 1):  # the first round warms up and is not counted
         for name, draft_tokens in methods.items():
             outputs[name], stats = decode_all(model, prompts, max_new_tokens, tokenizer.eos_token_id,
-                                              valid_vocab_size, draft_tokens)
+                                              valid_vocab_size, draft_tokens, sampling)
             if repeat:
                 rates[name].append(stats.decode_tokens / stats.decode_seconds)
                 for field in ("decode_tokens", "drafted_tokens", "accepted_tokens", "verify_forwards"):
@@ -99,9 +101,12 @@ def measure(model, tokenizer, max_new_tokens: int, repeats: int) -> dict:
             "acceptance_rate": round(total.accepted_tokens / total.drafted_tokens, 3),
             "tokens_per_verify_forward": round((total.accepted_tokens + total.verify_forwards) / total.verify_forwards,
                                                3),
-            "same_tokens_as_plain": outputs[name] == outputs["plain"],
         }
+        if sampling.greedy:
+            report[name]["same_tokens_as_plain"] = outputs[name] == outputs["plain"]
     report["setup"] = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats,
+                       "sampling": "greedy" if sampling.greedy else {"temperature": sampling.temperature,
+                                                                     "top_k": sampling.top_k},
                        "generated_tokens_per_run": totals["plain"].decode_tokens // repeats,
                        "threads": torch.get_num_threads(), "parameters": model.num_parameters()}
     return report
@@ -115,7 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-minutes", type=float, default=4.0, help="stop training after this long")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely tokens")
     args = parser.parse_args(argv)
+    sampling = GREEDY if args.temperature is None else SamplingConfig(temperature=args.temperature, top_k=args.top_k)
     with tempfile.TemporaryDirectory() as directory:
         training = None
         checkpoint = args.checkpoint
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = resolve_model_dir(checkpoint)
         model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
         print("decoding ...", file=sys.stderr, flush=True)
-        report = {"training": training, **measure(model, tokenizer, args.max_new_tokens, args.repeats)}
+        report = {"training": training, **measure(model, tokenizer, args.max_new_tokens, args.repeats, sampling)}
     print(json.dumps(report))
 
 

@@ -29,11 +29,13 @@ answer (with ``--json``: a ``"thinking"`` field, and ``"text"`` holds the answer
 
 ``--prefill-chunk N`` runs each prompt through the model N tokens per forward (memory bounded for
 long prompts; the same tokens). ``--speculative mtp`` drafts tokens with the model's
-multi-token-prediction depths and verifies them in one forward (greedy only, the same tokens as
-plain greedy decoding; ``meshlm/inference/speculative.py``). ``--stats`` prints one JSON line to
+multi-token-prediction depths and verifies them in one forward (greedy: the same tokens as plain
+greedy decoding; sampled: tokens with plain sampling's distribution, by the speculative-sampling
+rule; ``meshlm/inference/speculative.py``). ``--stats`` prints one JSON line to
 stderr: prefill and decode tokens/s and cache bytes (``meshlm/inference/stats.py``); with
-``--speculative`` also the drafts accepted, and the speed-up over plain greedy decoding of the
-same prompts, which it then runs too (one prompt at a time, as speculative decoding does).
+``--speculative`` also the drafts accepted, and the speed-up over plain decoding of the same
+prompts with the same settings, which it then runs too (one prompt at a time, as speculative
+decoding does).
 ``--input FILE --output FILE`` generates for a file of prompt records in batches, appending to the
 output as it goes and continuing there when rerun (``meshlm/inference/batch_generate.py``).
 ``--compile`` decodes with the per-token step under torch.compile (``meshlm/inference/decode_step.py``):
@@ -90,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run prompts through the model N tokens per forward (default: whole prompts)")
     parser.add_argument("--speculative", choices=SPECULATIVE_METHODS,
                         help="mtp: draft with the model's multi-token-prediction depths, verify in one forward "
-                             "(greedy only)")
+                             "(greedy or sampled)")
     parser.add_argument("--draft-tokens", type=int, metavar="K",
                         help="with --speculative mtp: tokens drafted a step, 1 to model.mtp_depth (default: all)")
     parser.add_argument("--compile", action="store_true",
@@ -243,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
     if stats is not None:
         report = stats.summary()
         if args.speculative is not None:
-            report.update(compare_with_plain_greedy(model, prompts, args.max_new_tokens, results, stats, settings))
+            report.update(compare_with_plain(model, prompts, args.max_new_tokens, sampling, results, stats,
+                                             settings))
         print(json.dumps(report), file=sys.stderr)
     return 0
 
@@ -265,16 +268,16 @@ def generate_from_file(args, model, tokenizer, sampling, eos_token_id, valid_voc
     return generate_file(args, model, tokenizer, sampling, stops, settings)
 
 
-def compare_with_plain_greedy(model, prompts: list[list[int]], max_new_tokens: int, speculative_results,
-                              speculative_stats: GenerationStats, settings: dict) -> dict:
-    """Decode the prompts again with plain greedy decoding, one at a time as speculative decoding
-    does: its decode tokens/s, the speed-up, and whether the tokens are the same."""
+def compare_with_plain(model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+                       speculative_results, speculative_stats: GenerationStats, settings: dict) -> dict:
+    """Decode the prompts again plainly with the same ``sampling``, one at a time as speculative
+    decoding does: its decode tokens/s, the speed-up, and whether the tokens are the same (greedy
+    only: sampled tokens share a distribution, not the random draws)."""
     plain_stats, plain_results = GenerationStats(), []
     for prompt in prompts:
-        plain_results += generate(model, [prompt], max_new_tokens, SamplingConfig(greedy=True), stats=plain_stats,
-                                  **settings)
+        plain_results += generate(model, [prompt], max_new_tokens, sampling, stats=plain_stats, **settings)
     plain_rate = plain_stats.summary()["decode_tokens_per_s"]
     speculative_rate = speculative_stats.summary()["decode_tokens_per_s"]
     return {"plain_decode_tokens_per_s": plain_rate,
             "speedup": round(speculative_rate / plain_rate, 3) if plain_rate and speculative_rate else None,
-            "same_tokens_as_plain": plain_results == speculative_results}
+            "same_tokens_as_plain": plain_results == speculative_results if sampling.greedy else None}

@@ -105,7 +105,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     ``valid_vocab_size`` limits sampling to the first ids of a padded vocabulary. The eos token,
     when drawn, is included as the last token of its row. ``prefill_chunk``: run the prompts
     this many tokens per forward (None: all at once). ``speculative="mtp"``: draft with the
-    model's MTP depths and verify (greedy only; prompts decoded one at a time), ``draft_tokens``
+    model's MTP depths and verify (greedy or sampled; prompts decoded one at a time), ``draft_tokens``
     a step (default: one per depth). ``stats``, if given, is added to. ``compile``: decode with
     the compiled step (``decode_step.py``; plain decoding only), whose compile time ``stats`` keeps
     apart from the decode time.
@@ -145,7 +145,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
             if speculative is not None:
                 for row, prompt in enumerate(prompts):
                     new_tokens[row] = speculative_generate(model, prompt, max_new_tokens, eos_token_id,
-                                                           valid_vocab_size, prefill_chunk, stats, draft_tokens)
+                                                           valid_vocab_size, prefill_chunk, stats, draft_tokens,
+                                                           sampling)
             else:
                 _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id,
                         valid_vocab_size, prefill_chunk, stats, new_tokens, compile)

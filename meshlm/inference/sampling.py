@@ -89,12 +89,18 @@ def restrict_vocab(logits: torch.Tensor, valid_vocab_size: int | None) -> torch.
                               float("-inf"))
 
 
+def token_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """The distribution [..., vocab] a sampling ``config`` draws from: the softmax of the logits
+    scaled by the temperature and filtered by top-k, then top-p (rows of [b, vocab] at a time)."""
+    scaled = logits.float() / config.temperature
+    shape = scaled.shape
+    flat = scaled.reshape(-1, shape[-1])
+    return top_p_filter(top_k_filter(flat, config.top_k), config.top_p).softmax(dim=-1).reshape(shape)
+
+
 def sample_next(logits: torch.Tensor, config: SamplingConfig,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """The next token id [b] for each row of ``logits`` [b, vocab]."""
     if config.greedy:
         return logits.argmax(dim=-1)
-    scaled = logits.float() / config.temperature
-    filtered = top_p_filter(top_k_filter(scaled, config.top_k), config.top_p)
-    probs = filtered.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return torch.multinomial(token_probs(logits, config), num_samples=1, generator=generator).squeeze(-1)

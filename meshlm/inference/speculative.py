@@ -16,6 +16,10 @@ Nemotron 3). One step, for K drafts (``draft_tokens``: the first K depths, by de
    Transformers via Speculative Decoding"; Chen et al. 2023): drafts only decide how many
    forwards it takes. Up to rounding: K+1 queries in one forward may round differently from one
    query per forward, so a near-tie of the two best logits could break the other way.
+   **Sampling** (temperature, top-k, top-p): each depth *draws* its draft from its own distribution
+   q_i under the same settings, and the verification keeps drafts by the speculative-sampling rule
+   (``speculative_sampling.py``: accept d_i with probability min(1, p(d_i)/q_i(d_i)), else draw
+   the token from max(0, p - q_i)), so every emitted token is distributed as plain sampling's.
 4. **Roll back** the main cache past the accepted tokens with ``InferenceCache.truncate``: a count
    for attention; for Mamba the SSM state kept after each verified token and a wider conv window
    (``enable_rollback(K + 1)`` after the prefill; see ``meshlm/models/cache.py``).
@@ -38,10 +42,9 @@ committed sequence would put there -- so nothing a rejected draft touched outliv
 - A depth whose cache is empty runs its true positions first (a Mamba state can roll back only
   after a first forward) and, with no true position at all yet, drafts on a scratch cache.
 
-Only greedy decoding is supported: sampling needs the speculative-sampling acceptance rule
-(accept d with probability min(1, p(d)/q(d)), else draw from max(0, p - q)), which is not
-implemented, so ``speculative="mtp"`` with sampling is refused. Prompts are decoded one at a
-time (batch 1): the rows of a batch would accept different numbers of drafts.
+Prompts are decoded one at a time (batch 1): the rows of a batch would accept different numbers
+of drafts. With sampling the tokens follow the model's distribution but are not the ones plain
+sampling with the same seed draws (the drafts and acceptances take their own random numbers).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ import torch
 
 from meshlm.errors import ConfigError
 from meshlm.inference.prefill import column_slices, hidden_states, prefill
-from meshlm.inference.sampling import SamplingConfig, restrict_vocab
+from meshlm.inference.sampling import SamplingConfig, restrict_vocab, sample_next, token_probs
+from meshlm.inference.speculative_sampling import accept_or_resample
 from meshlm.inference.stats import GenerationStats
 from meshlm.models.cache import InferenceCache
 from meshlm.models.context import SequenceContext
@@ -68,9 +72,6 @@ def check_speculative(model, method: str, sampling: SamplingConfig, draft_tokens
         raise ConfigError("speculative decoding 'mtp' drafts with the model's multi-token-prediction depths, "
                           "but this model has model.mtp_depth=0; use a model trained with model.mtp_depth >= 1 "
                           "(e.g. configs/demo-mtp.yaml), or drop --speculative.")
-    if not sampling.greedy:
-        raise ConfigError("speculative decoding 'mtp' verifies drafts against greedy decoding only (its tokens "
-                          "equal plain greedy decoding); pass --greedy, or drop --speculative to sample.")
     depths = model.config.mtp_depth
     if draft_tokens is not None and (isinstance(draft_tokens, bool) or not 1 <= draft_tokens <= depths):
         raise ConfigError(f"draft_tokens={draft_tokens!r}: the model's {depths} MTP depths (model.mtp_depth) draft "
@@ -91,8 +92,13 @@ class MTPDrafter:
     """The model's MTP depths as a draft model, each depth with a cache of its true positions."""
 
     def __init__(self, model, num_drafts: int, valid_vocab_size: int | None, chunk_size: int | None,
-                 max_tokens: int):
+                 max_tokens: int, sampling: SamplingConfig | None = None, generator: torch.Generator | None = None):
         self.model = model
+        self.sampling = SamplingConfig(greedy=True) if sampling is None else sampling
+        self.generator = generator
+        """Draws the drafts when sampling (``sampling`` not greedy)."""
+        self.draft_probs: list[torch.Tensor] = []
+        """With sampling: each draft's distribution [1, vocab] in the last ``draft``."""
         self.depths = list(model.mtp.depths)[:num_drafts]
         self.caches = [InferenceCache(max_tokens) for _ in self.depths]
         self.pending: list[torch.Tensor | None] = [None for _ in self.depths]
@@ -113,6 +119,7 @@ class MTPDrafter:
         self.recent_tokens = torch.cat((self.recent_tokens, new_tokens), dim=1)
         last_committed = self.recent_start + self.recent_tokens.shape[1] - 1  # c
         inputs, drafts = main_hidden, []
+        self.draft_probs = []
         for k, (depth, cache) in enumerate(zip(self.depths, self.caches), start=1):
             # h^{k-1} at positions start .. c-1: true up to c-1 (k = 1) or c-k+1, then speculative
             hidden = inputs if self.pending[k - 1] is None else torch.cat((self.pending[k - 1], inputs), dim=1)
@@ -123,13 +130,22 @@ class MTPDrafter:
             outputs = self.run_and_keep(depth, hidden, ids, cache, true_count)
             last_true_input = min(last_committed - 1, last_committed - k + 1) - start
             self.pending[k - 1] = hidden[:, true_count:last_true_input + 1]
-            drafts.append(greedy_tokens(self.model, depth.final_norm(outputs[:, -1:]), self.valid_vocab_size,
-                                        normed=True))
+            drafts.append(self.choose(depth.final_norm(outputs[:, -1:])))
             inputs = outputs
         still_needed = min(cache.num_seen_tokens + k for k, cache in enumerate(self.caches, start=1))
         self.recent_tokens = self.recent_tokens[:, still_needed - self.recent_start:]
         self.recent_start = still_needed
         return torch.cat(drafts, dim=1)
+
+    def choose(self, normed_hidden: torch.Tensor) -> torch.Tensor:
+        """A depth's draft [1, 1] after its last position: its most likely token, or with sampling one
+        drawn from its distribution (kept in ``draft_probs`` for the verification)."""
+        logits = restrict_vocab(self.model.head_logits(normed_hidden, normed=True), self.valid_vocab_size)
+        if self.sampling.greedy:
+            return logits.argmax(-1)
+        probs = token_probs(logits[:, -1], self.sampling)
+        self.draft_probs.append(probs)
+        return torch.multinomial(probs, 1, generator=self.generator)
 
     def run(self, depth, hidden: torch.Tensor, ids: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         """Depth outputs [1, t, hidden] for inputs ``hidden`` and future tokens ``ids`` [1, t], after
@@ -162,20 +178,23 @@ class MTPDrafter:
 
 def speculative_generate(model, prompt: list[int], max_new_tokens: int, eos_token_id: int | list[int] | None,
                          valid_vocab_size: int | None, prefill_chunk: int | None, stats: GenerationStats,
-                         draft_tokens: int | None = None) -> list[int]:
-    """Greedy new tokens for one prompt (as ``generate``), ``draft_tokens`` (default: every MTP
-    depth) drafted by the first MTP depths each step and verified."""
+                         draft_tokens: int | None = None, sampling: SamplingConfig | None = None) -> list[int]:
+    """New tokens for one prompt (as ``generate``; greedy unless ``sampling`` samples),
+    ``draft_tokens`` (default: every MTP depth) drafted by the first MTP depths each step and verified."""
     device = next(model.parameters()).device
+    sampling = SamplingConfig(greedy=True) if sampling is None else sampling
+    generator = sampling.make_generator(device)
     num_drafts = draft_tokens or model.config.mtp_depth
     eos_ids = set(torch.tensor(eos_token_id).reshape(-1).tolist()) if eos_token_id is not None else set()
     max_tokens = len(prompt) + max_new_tokens + num_drafts
     cache = InferenceCache(max_tokens)
-    drafter = MTPDrafter(model, num_drafts, valid_vocab_size, prefill_chunk, max_tokens)
+    drafter = MTPDrafter(model, num_drafts, valid_vocab_size, prefill_chunk, max_tokens, sampling, generator)
     prompt_ids = torch.tensor([prompt], device=device)
 
     with stats.timing("prefill", device):  # the main model's and the depths' (in the first draft)
         hidden = prefill(model, prompt_ids, None, cache, prefill_chunk, keep_all=True)
-        next_token = greedy_tokens(model, hidden[:, -1:], valid_vocab_size)
+        logits = restrict_vocab(model.head_logits(hidden[:, -1]), valid_vocab_size)
+        next_token = sample_next(logits, sampling, generator).view(1, 1)
         generated = next_token[0].tolist()
         finished = max_new_tokens == 1 or generated[0] in eos_ids
         if not finished:
@@ -186,10 +205,15 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, eos_toke
     with stats.timing("decode", device):
         while not finished:
             hidden = hidden_states(model, torch.cat((next_token, drafts), dim=1), cache)
-            verified = greedy_tokens(model, hidden, valid_vocab_size)
-            accepted = accepted_drafts(drafts, verified[:, :-1])
+            if sampling.greedy:
+                verified = greedy_tokens(model, hidden, valid_vocab_size)
+                accepted = accepted_drafts(drafts, verified[:, :-1])
+                next_token = verified[:, accepted:accepted + 1]
+            else:  # the speculative-sampling rule (speculative_sampling.py)
+                target = token_probs(restrict_vocab(model.head_logits(hidden), valid_vocab_size)[0], sampling)
+                accepted, token = accept_or_resample(drafts[0], torch.cat(drafter.draft_probs), target, generator)
+                next_token = token.view(1, 1)
             cache.truncate(cache.num_seen_tokens - (num_drafts - accepted))
-            next_token = verified[:, accepted:accepted + 1]
             new_tokens = torch.cat((drafts[:, :accepted], next_token), dim=1)
             generated += new_tokens[0].tolist()
             stats.verify_forwards += 1

@@ -164,8 +164,16 @@ def test_speculative_prefill_chunk_and_stats_flags(capsys, tmp_path, tokenizer_d
     code, out, err = run_cli(capsys, directory, *prompt_args, "--stats")
     assert code == 0 and out == plain and "acceptance_rate" not in json.loads(err)
 
+    sampled_args = ("--prompt-ids", "1,2,3", "--max-new-tokens", 9, "--temperature", "0.8", "--top-k", 5,
+                    "--seed", 4, "--json", "--speculative", "mtp", "--stats")
+    code, out, err = run_cli(capsys, directory, *sampled_args)
+    stats = json.loads(err)
+    assert code == 0 and len(json.loads(out)["ids"]) == 9 and stats["drafted_tokens"] > 0
+    assert stats["same_tokens_as_plain"] is None and "speedup" in stats  # sampled: a distribution, not the draws
+    assert run_cli(capsys, directory, *sampled_args)[1] == out  # the seed repeats the tokens
 
-def test_speculative_needs_mtp_depths_and_greedy_decoding(capsys, model_dir):
+
+def test_speculative_needs_mtp_depths(capsys, model_dir):
     code, _, err = run_cli(capsys, model_dir, "--prompt-ids", "1,2", "--max-new-tokens", 4, "--greedy",
                            "--speculative", "mtp")
     assert code == 2 and "model.mtp_depth=0" in err

@@ -141,7 +141,6 @@ def test_drafts_equal_a_full_forward_over_the_committed_tokens(name, request, mo
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(model="plain", sampling=GREEDY), "model.mtp_depth=0"),
-    (dict(model="mtp", sampling=SamplingConfig(temperature=0.7)), "--greedy"),
     (dict(model="mtp", sampling=GREEDY, speculative="medusa"), "'mtp'"),
     (dict(model="mtp", sampling=GREEDY, draft_tokens=3), "draft_tokens=3.*1 to 2"),
     (dict(model="mtp", sampling=GREEDY, draft_tokens=1, speculative=None), "--speculative mtp"),
