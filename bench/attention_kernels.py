@@ -27,7 +27,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.timing import synchronize, time_kernel
+from bench.timing import time_kernel
 from meshlm.models.attention import attention_core
 from meshlm.models.attention_kernels import PRIORITY_SUPPORTED, prefer_attention_kernel
 
