@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from meshlm.errors import ConfigError
 from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, TensorMap, blocks_of,
-                              hf_common_fields, linear_maps, ours_only, rename, require, rope_from_hf, with_defaults)
-from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_embedding_maps,
-                             decoder_unsupported, dense_mlp_maps, qwen_windows_from_hf, qwen_windows_to_hf)
-from meshlm.hf.qwen3_moe import is_sparse_layer, normalize_hf_tensors, routed_expert_maps, softmax_moe_unsupported
+                              hf_common_fields, linear_maps, rename, require, rope_from_hf, with_defaults)
+from meshlm.hf.llama import (attention_fields, attention_to_hf, decoder_unsupported, qwen_windows_from_hf,
+                             qwen_windows_to_hf)
+from meshlm.hf.qwen3_moe import (is_sparse_layer, normalize_hf_tensors, softmax_moe_unsupported, sparse_layers_to_hf,
+                                 tensor_maps as qwen_moe_tensor_maps)
 from meshlm.models.config import ModelConfig
 
 NAME = "Qwen2MoeForCausalLM"
@@ -95,37 +96,24 @@ def unsupported(config: ModelConfig) -> list[str]:
 
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
-    kinds, layers = config.block_kinds, config.num_blocks // 2
+    layers = config.num_blocks // 2
     return {**hf_common_fields(config, NAME, MODEL_TYPE), **attention_to_hf(config),
             "num_hidden_layers": layers, "intermediate_size": config.resolved_ffn_hidden_size,
             "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "qkv_bias": config.attention_bias,
-            **qwen_windows_to_hf(config, layers), "decoder_sparse_step": 1,
-            "mlp_only_layers": [layer for layer in range(layers) if kinds[2 * layer + 1] == "-"],
-            "num_experts": config.moe_num_experts, "num_experts_per_tok": config.moe_top_k,
-            "moe_intermediate_size": config.resolved_moe_ffn_hidden_size,
-            "shared_expert_intermediate_size": config.moe_shared_expert_ffn_hidden_size,
-            "norm_topk_prob": config.moe_normalize_topk, "router_aux_loss_coef": config.moe_aux_loss_coeff,
-            "output_router_logits": False, "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
+            **qwen_windows_to_hf(config, layers), **sparse_layers_to_hf(config),
+            "shared_expert_intermediate_size": config.moe_shared_expert_ffn_hidden_size}
+
+
+def gated_shared_expert_maps(ours: str, theirs: str) -> list[TensorMap]:
+    """An MoE block's shared expert and its gate, meshlm's under mixer ``ours``, HF's under ``theirs``."""
+    maps = []
+    for projection in ("gate_proj", "up_proj", "down_proj"):
+        maps += linear_maps(f"{ours}.shared_expert.{projection}", f"{theirs}.shared_expert.{projection}", False)
+    return maps + [rename(f"{ours}.shared_expert_gate.weight", f"{theirs}.shared_expert_gate.weight")]
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
-    maps = decoder_embedding_maps(config)
-    for layer in range(config.num_blocks // 2):
-        block, theirs = 2 * layer + 1, f"model.layers.{layer}.mlp"
-        maps += attention_maps(config, 2 * layer, layer)
-        if config.block_kinds[block] == "-":
-            maps += dense_mlp_maps(config, block, layer)
-            continue
-        ours = f"blocks.{block}.mixer"
-        maps.append(rename(f"blocks.{block}.norm.weight", f"model.layers.{layer}.post_attention_layernorm.weight"))
-        maps += routed_expert_maps(block, f"{theirs}.gate.weight", lambda e, mlp=theirs: tuple(
-            f"{mlp}.experts.{e}.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")),
-            config.moe_num_experts)
-        for projection in ("gate_proj", "up_proj", "down_proj"):
-            maps += linear_maps(f"{ours}.shared_expert.{projection}", f"{theirs}.shared_expert.{projection}", False)
-        maps.append(rename(f"{ours}.shared_expert_gate.weight", f"{theirs}.shared_expert_gate.weight"))
-        maps.append(ours_only(f"{ours}.router.expert_bias"))  # unused by softmax routing
-    return maps
+    return qwen_moe_tensor_maps(config, gated_shared_expert_maps)
 
 
 ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,

@@ -128,7 +128,14 @@ def config_to_hf(config: ModelConfig) -> dict:
             "num_hidden_layers": len(kinds) // 2, "intermediate_size": config.resolved_ffn_hidden_size,
             "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "attention_bias": config.attention_bias,
             "use_sliding_window": uniform_window(config) is not None, "sliding_window": uniform_window(config),
-            "decoder_sparse_step": 1,
+            **sparse_layers_to_hf(config)}
+
+
+def sparse_layers_to_hf(config: ModelConfig) -> dict:
+    """The config.json fields of Qwen-MoE's sparse blocks (Qwen2-MoE's and Qwen3-MoE's): which layers
+    hold one, and the router and experts."""
+    kinds = config.block_kinds
+    return {"decoder_sparse_step": 1,
             "mlp_only_layers": [layer for layer in range(len(kinds) // 2) if kinds[2 * layer + 1] == "-"],
             "num_experts": config.moe_num_experts, "num_experts_per_tok": config.moe_top_k,
             "moe_intermediate_size": config.resolved_moe_ffn_hidden_size,
@@ -136,7 +143,9 @@ def config_to_hf(config: ModelConfig) -> dict:
             "output_router_logits": False, "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 
 
-def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+def tensor_maps(config: ModelConfig, more_moe_maps=None) -> list[TensorMap]:
+    """Qwen-MoE's tensors; ``more_moe_maps(ours, theirs)``: an MoE block's further tensors, meshlm's
+    under mixer ``ours`` and HF's under ``theirs`` (Qwen2-MoE's gated shared expert)."""
     maps = decoder_embedding_maps(config)
     for layer in range(config.num_blocks // 2):
         block = 2 * layer + 1
@@ -149,6 +158,8 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
         maps += routed_expert_maps(block, f"{theirs}.gate.weight", lambda e: tuple(
             f"{theirs}.experts.{e}.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")),
             config.moe_num_experts)
+        if more_moe_maps is not None:
+            maps += more_moe_maps(f"blocks.{block}.mixer", theirs)
         maps.append(ours_only(f"blocks.{block}.mixer.router.expert_bias"))  # unused by softmax routing
     return maps
 
