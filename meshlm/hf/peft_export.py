@@ -18,7 +18,8 @@ Mamba-2 and Nemotron-H models, so such an export is refused with the two ways ou
 each adapted layer is the one its weight is written to by the architecture's tensor maps
 (``meshlm/hf/common.py``), which rename every linear layer of the blocks, so the adapter folder
 fits the HF folder ``meshlm convert`` writes for the same model (with ``--base-only``: the frozen
-weights, without the adapters).
+weights, without the adapters). The adapters of MTP depths (DeepSeek-V3's and GLM-4.5's MTP
+layers) are left out: transformers builds no MTP layer for PEFT to load them onto.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def peft_adapter_plan(config: ModelConfig, stored: dict[str, tuple], read: Calla
     # as Phi-3's qkv_proj, is no PEFT target for one of its parts: such an adapter is refused below)
     plan, modules = {}, set()
     for layer in adapted_layer_names(stored):
+        if layer.startswith("mtp."):  # transformers builds no MTP layer for PEFT to put these on; the
+            continue  # merged export keeps the MTP depths, adapters merged in
         weight = hf_names.get(f"{layer}.weight")
         if weight is None:
             raise CheckpointError(f"{architecture.name} has no layer for the adapter of {layer}; export the merged "

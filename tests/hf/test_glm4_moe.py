@@ -6,6 +6,7 @@ from transformers import Glm4MoeConfig  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.hf import choose_architecture, glm4_moe  # noqa: E402
+from meshlm.hf.peft_export import peft_adapter_plan  # noqa: E402
 from meshlm.models.config import ModelConfig  # noqa: E402
 from meshlm.models.language_model import LanguageModel  # noqa: E402
 
@@ -96,3 +97,14 @@ def test_mtp_depths_round_trip_as_the_files_mtp_layers(tmp_path):
     assert all(torch.equal(back[name], tensor) for name, tensor in state.items())
     with pytest.raises(ConfigError, match="MTP layers are attention then MoE"):
         glm4_moe.config_to_hf(ModelConfig(**{**config.to_dict(), "mtp_pattern": "*-"}))
+
+
+def test_a_lora_models_peft_export_leaves_the_mtp_depths_adapters_out():
+    config = glm4_moe.config_from_hf(tiny_glm45().to_dict())
+    config = ModelConfig(**{**config.to_dict(), "mtp_depth": 1, "mtp_pattern": "*E", "lora_rank": 2})
+    state = LanguageModel(config, seed=0).state_dict()
+    stored = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
+    assert any(name.startswith("mtp.") and ".lora." in name for name in state)
+    _, plan = peft_adapter_plan(config, stored, state.__getitem__, glm4_moe.ARCHITECTURE)
+    assert "base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight" in plan
+    assert not any(".layers.3." in key for key in plan)  # the MTP layer's
