@@ -57,7 +57,7 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
                                            weights_source, write_model_folder)
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
-from meshlm.hf import (cohere, cohere2, deepseek_v3, exaone4, falcon, gemma2, gemma3, glm, glm4_moe, gpt2,
+from meshlm.hf import (cohere, cohere2, deepseek_v3, exaone4, falcon, gemma, gemma2, gemma3, glm, glm4_moe, gpt2,
                        gpt_bigcode, gpt_neox, gptj, granite, granite_moe, llama, mamba2, mistral, mixtral, nemotron_h,
                        olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm,
                        starcoder2)
@@ -73,7 +73,7 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           qwen3_moe.ARCHITECTURE, mistral.ARCHITECTURE, mixtral.ARCHITECTURE,
                                           olmoe.ARCHITECTURE, qwen2_moe.ARCHITECTURE,
                                           deepseek_v3.ARCHITECTURE, glm4_moe.ARCHITECTURE,
-                                          phi3.ARCHITECTURE, gemma2.ARCHITECTURE,
+                                          phi3.ARCHITECTURE, gemma.ARCHITECTURE, gemma2.ARCHITECTURE,
                                           gemma3.ARCHITECTURE, olmo2.OLMO2_ARCHITECTURE, olmo2.OLMO3_ARCHITECTURE,
                                           exaone4.ARCHITECTURE,
                                           gpt2.ARCHITECTURE, gpt_bigcode.ARCHITECTURE, starcoder2.ARCHITECTURE,
