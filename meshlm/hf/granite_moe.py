@@ -100,15 +100,6 @@ def hybrid_config_from_hf(hf_config: dict) -> ModelConfig:
     if unknown or len(types) != hf["num_hidden_layers"]:
         raise ConfigError(f"{HYBRID_NAME} config.json: layer_types must list num_hidden_layers="
                           f"{hf['num_hidden_layers']} entries of {sorted(MIXERS)}; it holds {types}.")
-    clamp_min, clamp_max = hf["time_step_limit"]
-    if clamp_max != math.inf:
-        raise ConfigError(f"{HYBRID_NAME} config.json: time_step_limit={list(hf['time_step_limit'])} is not "
-                          "supported (meshlm clamps dt from below only); use an upper limit of Infinity.")
-    inner = hf["mamba_expand"] * hf["hidden_size"]
-    head_dim = inner // hf["mamba_n_heads"] if hf["mamba_d_head"] == "auto" else hf["mamba_d_head"]
-    mamba = {"hidden_size": hf["hidden_size"], "expand": hf["mamba_expand"], "n_groups": hf["mamba_n_groups"],
-             "conv_kernel": hf["mamba_d_conv"], "chunk_size": hf["mamba_chunk_size"],
-             "use_conv_bias": hf["mamba_conv_bias"], "use_bias": hf["mamba_proj_bias"], **MAMBA_INIT}
     experts = hf["num_local_experts"] > 0
     shared = hf["shared_intermediate_size"]
     rope = hf["position_embedding_type"] == "rope"
@@ -117,7 +108,40 @@ def hybrid_config_from_hf(hf_config: dict) -> ModelConfig:
         position_embedding="rope" if rope else "none",
         **(rope_from_hf(hf_config, 10000.0, HYBRID_NAME) if rope else {}), **granite_fields(hf),
         ffn_hidden_size=None if experts else shared, moe_shared_expert_ffn_hidden_size=shared if experts else 0,
-        **mamba_fields(mamba, hf["mamba_n_heads"], head_dim, hf["mamba_d_state"], clamp_min))
+        **hybrid_mamba_fields(hf, HYBRID_NAME))
+
+
+def hybrid_mamba_fields(hf: dict, name: str) -> dict:
+    """meshlm's Mamba fields from the ``mamba_*`` fields IBM's hybrids share (Granite 4.0-H, Bamba;
+    ``hf`` with the class's defaults): ``mamba_d_head`` 'auto' is the inner width over the heads,
+    ``time_step_limit[0]`` the lower clamp of dt (an upper one is refused)."""
+    clamp_min, clamp_max = hf["time_step_limit"]
+    if clamp_max != math.inf:
+        raise ConfigError(f"{name} config.json: time_step_limit={list(hf['time_step_limit'])} is not "
+                          "supported (meshlm clamps dt from below only); use an upper limit of Infinity.")
+    inner = hf["mamba_expand"] * hf["hidden_size"]
+    head_dim = inner // hf["mamba_n_heads"] if hf["mamba_d_head"] == "auto" else hf["mamba_d_head"]
+    mamba = {"hidden_size": hf["hidden_size"], "expand": hf["mamba_expand"], "n_groups": hf["mamba_n_groups"],
+             "conv_kernel": hf["mamba_d_conv"], "chunk_size": hf["mamba_chunk_size"],
+             "use_conv_bias": hf["mamba_conv_bias"], "use_bias": hf["mamba_proj_bias"], **MAMBA_INIT}
+    return mamba_fields(mamba, hf["mamba_n_heads"], head_dim, hf["mamba_d_state"], clamp_min)
+
+
+def hybrid_mamba_to_hf(config: ModelConfig) -> dict:
+    """``hybrid_mamba_fields`` read back."""
+    return {"mamba_n_heads": config.resolved_mamba_num_heads, "mamba_n_groups": config.mamba_num_groups,
+            "mamba_d_state": config.mamba_state_size, "mamba_d_head": config.mamba_head_dim,
+            "mamba_d_conv": config.mamba_conv_kernel, "mamba_expand": config.mamba_expand,
+            "mamba_chunk_size": config.mamba_chunk_size, "mamba_conv_bias": config.mamba_conv_bias,
+            "mamba_proj_bias": config.mamba_proj_bias, "time_step_limit": [config.mamba_dt_clamp_min, math.inf]}
+
+
+def hybrid_mamba_unsupported(config: ModelConfig, label: str) -> list[str]:
+    """Why ``config``'s Mamba blocks do not fit IBM's hybrids (their inner width is expand x hidden)."""
+    if "M" in config.block_kinds and config.mamba_inner_size != config.mamba_expand * config.hidden_size:
+        return [f"model.mamba_num_heads * model.mamba_head_dim = {config.mamba_inner_size} ({label} needs "
+                f"model.mamba_expand * hidden_size = {config.mamba_expand * config.hidden_size})"]
+    return []
 
 
 # --- what each class can hold ------------------------------------------------------------------------
@@ -183,10 +207,7 @@ def hybrid_unsupported(config: ModelConfig) -> list[str]:
                        "nothing)")
     if "E" in config.block_kinds and config.moe_shared_expert_ffn_hidden_size <= 0:
         reasons.append(f"model.moe_shared_expert_ffn_hidden_size=0 ({label}'s MoE blocks always have a shared expert)")
-    if "M" in config.block_kinds and config.mamba_inner_size != config.mamba_expand * config.hidden_size:
-        reasons.append(f"model.mamba_num_heads * model.mamba_head_dim = {config.mamba_inner_size} ({label} needs "
-                       f"model.mamba_expand * hidden_size = {config.mamba_expand * config.hidden_size})")
-    return reasons
+    return reasons + hybrid_mamba_unsupported(config, label)
 
 
 # --- config.json out ---------------------------------------------------------------------------------
@@ -221,11 +242,7 @@ def hybrid_config_to_hf(config: ModelConfig) -> dict:
     fields = {**granite_to_hf(config, HYBRID_NAME, "granitemoehybrid"), "shared_intermediate_size": shared,
               "layer_types": [LAYER_TYPES[kind] for kind in kinds[::2]],
               "position_embedding_type": "rope" if config.position_embedding == "rope" else "nope",
-              "mamba_n_heads": config.resolved_mamba_num_heads, "mamba_n_groups": config.mamba_num_groups,
-              "mamba_d_state": config.mamba_state_size, "mamba_d_head": config.mamba_head_dim,
-              "mamba_d_conv": config.mamba_conv_kernel, "mamba_expand": config.mamba_expand,
-              "mamba_chunk_size": config.mamba_chunk_size, "mamba_conv_bias": config.mamba_conv_bias,
-              "mamba_proj_bias": config.mamba_proj_bias, "time_step_limit": [config.mamba_dt_clamp_min, math.inf]}
+              **hybrid_mamba_to_hf(config)}
     return fields
 
 
