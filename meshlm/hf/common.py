@@ -701,6 +701,7 @@ LAYER_FEATURES = {
     "output_bias": "PhiForCausalLM and GPTJForCausalLM have a bias on lm_head",
     "rope_pattern": "SmolLM3ForCausalLM, Cohere2ForCausalLM and Exaone4ForCausalLM leave some layers without RoPE",
     "moe_shared_expert_gate": "Qwen2MoeForCausalLM gates its shared expert",
+    "query_scale_beta": "Ministral3ForCausalLM scales its queries by position (llama_4_scaling_beta)",
 }
 """Layer features only some HF classes hold, and which."""
 
@@ -722,7 +723,8 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "norm_bias": not config.norm_bias, "qk_norm_type": config.qk_norm and config.qk_norm_type != "rmsnorm",
             "qk_norm_bias": config.qk_norm_bias, "qk_norm_per_head": config.qk_norm_per_head,
             "rope_pattern": config.rope_pattern != "R",
-            "moe_shared_expert_gate": config.moe_shared_expert_gate and "E" in config.block_kinds}
+            "moe_shared_expert_gate": config.moe_shared_expert_gate and "E" in config.block_kinds,
+            "query_scale_beta": config.query_scale_beta != 0 and "*" in config.block_kinds}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 

@@ -247,6 +247,14 @@ def attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.
     return apply_keep_mask(probabilities.to(value.dtype), keep, p) @ value
 
 
+def query_position_scale(positions: torch.Tensor, beta: float, length: int) -> torch.Tensor:
+    """[b, 1, t, 1] fp32: 1 + beta * ln(1 + floor(p / length)) for the positions p [b, t] of the
+    queries (``model.query_scale_beta``; Llama 4's attention temperature tuning). A temperature on
+    each query's scores, exact under every layout: it reads the same global positions RoPE does."""
+    steps = torch.floor(positions.to(torch.float32) / length)
+    return (1.0 + beta * torch.log1p(steps))[:, None, :, None]
+
+
 def qk_norms(config, heads: int, kv_heads: int, head_dim: int) -> tuple[nn.Module | None, nn.Module | None]:
     """The query and key norms ``config``'s ``qk_norm*`` fields ask for, (None, None) without QK-norm:
     one RMSNorm over all heads' channels (scope 'all'), else a ``HeadNorm`` of each head."""
@@ -289,6 +297,8 @@ class SelfAttention(nn.Module):
         recompute scores, softmax and the weighted sum from them."""
         self.scale = config.attention_scale
         """The factor on q k^T (``model.attention_scale``), None for 1/sqrt(head_dim)."""
+        self.query_scale_beta, self.query_scale_length = config.query_scale_beta, config.query_scale_length
+        """``model.query_scale_beta`` and its length: the queries' scale by position (``query_position_scale``)."""
         self.softcap = config.attention_softcap
         """Soft-capping of the scores (``model.attention_softcap``), None for none."""
         self.window = config.sliding_window
@@ -326,6 +336,9 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             cos, sin = rotary_cos_sin if rotary_cos_sin is not None else self.rotary(rotary_positions)
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        if self.query_scale_beta:
+            query = query * query_position_scale(rotary_positions, self.query_scale_beta,
+                                                 self.query_scale_length).to(query.dtype)
         return query, key, value
 
     def cached_projection(self, x: torch.Tensor, rotary_positions: torch.Tensor,

@@ -210,6 +210,14 @@ class ModelConfig:
     attention_scale: float | None = None
     """The factor on the query-key products before the softmax. None: 1/sqrt(head_dim), as usual;
     Gemma 3 27B uses query_pre_attn_scalar ** -0.5 with query_pre_attn_scalar = hidden / heads."""
+    query_scale_beta: float = 0.0
+    """Scale the query at position p by 1 + beta * ln(1 + floor(p / query_scale_length)), after
+    RoPE: attention sharpens at long range, where the scores of many distant keys would otherwise
+    flatten it (Llama 4's attention temperature tuning, as Ministral 3 writes it:
+    llama_4_scaling_beta, 0.1). 0 turns it off."""
+    query_scale_length: int = 8192
+    """Positions per step of query_scale_beta's logarithm (Ministral 3: its YaRN
+    original_max_position_embeddings); the queries before it keep scale 1."""
     attention_softcap: float | None = None
     """Soft-capping of the attention scores (Gemma 2's attn_logit_softcapping, 50): each scaled
     score s becomes cap * tanh(s / cap) before the mask and softmax, so no score leaves (-cap, cap).
@@ -752,6 +760,16 @@ class ModelConfig:
             raise ConfigError(f"model.mtp_depth={self.mtp_depth} with model.position_embedding=learned: MTP depths "
                               "embed future tokens without positions; use rope (or none), or model.mtp_depth=0.")
 
+    def _validate_query_scale(self) -> None:
+        beta, length = self.query_scale_beta, self.query_scale_length
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < math.inf:
+            raise ConfigError(f"model.query_scale_beta={beta!r} must be a number >= 0 (0 turns the query scale off).")
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ConfigError(f"model.query_scale_length={length!r} must be a whole number of positions >= 1.")
+        if beta and self.attention_type == "mla":
+            raise ConfigError(f"model.query_scale_beta={beta} scales the queries of grouped-query attention; latent "
+                              "attention (model.attention_type=mla) has no such scale here: set it to 0.")
+
     def _validate_attention(self) -> None:
         _choice(self, "attention_type", ATTENTION_TYPES)
         if self.attention_type == "mla":
@@ -783,6 +801,7 @@ class ModelConfig:
         self._validate_rope_scaling()
         self._validate_sliding_window()
         self._validate_rope_pattern()
+        self._validate_query_scale()
         scale = self.attention_scale
         if scale is not None and not _positive_number(scale):
             raise ConfigError(f"model.attention_scale={scale!r} must be a positive number, or null for "

@@ -123,3 +123,28 @@ def test_attention_scale_replaces_one_over_sqrt_head_dim_in_every_path():
     band = F.scaled_dot_product_attention(query, key, value, attn_mask=(distance >= 0) & (distance < 5),
                                           enable_gqa=True, scale=0.7)
     torch.testing.assert_close(attention_core(query, key, value, window=5, scale=0.7), band)
+
+
+def test_query_scale_by_position_and_a_cache_take_the_same_positions():
+    """``model.query_scale_beta``: the query at position p is scaled by 1 + beta ln(1 + floor(p / L))
+    after RoPE, so the scores of q scaled by s equal attention at temperature 1/s; decoding with a
+    cache scales each new query at its own position, giving the full forward's logits."""
+    from meshlm.models.attention import query_position_scale
+    from meshlm.models.cache import InferenceCache
+    from meshlm.models.config import ModelConfig
+    from meshlm.models.language_model import LanguageModel
+
+    scale = query_position_scale(torch.arange(12)[None], 0.5, 4)[0, 0, :, 0]
+    expected = [1 + 0.5 * math.log(1 + p // 4) for p in range(12)]
+    torch.testing.assert_close(scale, torch.tensor(expected, dtype=torch.float32))
+    config = ModelConfig(vocab_size=64, hidden_size=32, pattern="*-*-", num_attention_heads=4, num_kv_heads=2,
+                         init_std=0.2, query_scale_beta=2.0, query_scale_length=3)
+    model = LanguageModel(config, seed=0).eval()
+    ids = torch.randint(0, 64, (2, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits
+        plain = LanguageModel(ModelConfig(**{**config.to_dict(), "query_scale_beta": 0.0}), seed=0).eval()(ids).logits
+        assert (full - plain).abs().max() > 1e-2  # the scale changes the model
+        cache = InferenceCache(14)
+        steps = [model(ids[:, position:position + 1], cache=cache).logits for position in range(14)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)

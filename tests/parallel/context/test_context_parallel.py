@@ -49,9 +49,11 @@ SEQ_LEN = ["train.seq_len=32"]  # chunks of 4 tokens at cp 4: at least the Mamba
 MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
           "dense with mtp": [*helpers.MODELS["dense"], "model.mtp_depth=1"],
           "moe": helpers.MODELS["moe"],
+          # and Ministral 3's query scale by position, which each chunk takes at its global positions
           "dense yarn partial rotary": [*helpers.MODELS["dense"], "model.rope_scaling=yarn",
                                         "model.rope_scaling_factor=4", "model.rope_original_max_positions=8",
-                                        "model.rope_fraction=0.5"],
+                                        "model.rope_fraction=0.5", "model.query_scale_beta=0.5",
+                                        "model.query_scale_length=4"],
           # chunks of 8 tokens at cp2: a window of 6 bands the diagonal and the next blocks, skips the rest
           "dense sliding window": [*helpers.MODELS["dense"], "model.sliding_window=6",
                                    "model.sliding_window_pattern=SF", "model.rope_local_theta=500",
