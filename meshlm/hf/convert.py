@@ -59,8 +59,8 @@ from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
 from meshlm.hf import (bamba, cohere, cohere2, deepseek_v3, exaone4, falcon, gemma, gemma2, gemma3, glm, glm4_moe,
                        gpt2, gpt_bigcode, gpt_neox, gptj, granite, granite_moe, llama, mamba2, ministral3, mistral,
-                       mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss,
-                       smollm3, stablelm, starcoder2)
+                       mistral3, mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
+                       seed_oss, smollm3, stablelm, starcoder2)
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.fp8_export import quantize_hf_export
@@ -88,8 +88,9 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           mamba2.ARCHITECTURE, bamba.ARCHITECTURE,
                                           nemotron_h.ARCHITECTURE)
 EXPORTABLE: dict[str, Architecture] = {architecture.name: architecture for architecture in EXPORT_ORDER}
-IMPORT_ONLY: tuple[Architecture, ...] = (gemma3.MULTIMODAL,)
-"""Folders meshlm reads part of (Gemma 3's multimodal ones: the language model) and never writes."""
+IMPORT_ONLY: tuple[Architecture, ...] = (gemma3.MULTIMODAL, mistral3.ARCHITECTURE)
+"""Folders meshlm reads part of (Gemma 3's and Mistral 3's multimodal ones: the language model) and
+never writes."""
 ARCHITECTURES: dict[str, Architecture] = {architecture.name: architecture
                                           for architecture in EXPORT_ORDER + IMPORT_ONLY}
 HF_EXTRA_KEY = "hf"

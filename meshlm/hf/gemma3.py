@@ -43,6 +43,7 @@ from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, TensorMap, decode
                               hf_common_fields, layer_types_from_hf, layer_types_to_hf, layered_rope_fields,
                               layered_rope_to_hf, linear_maps, rename, require, window_fields, with_defaults)
 from meshlm.hf.llama import attention_fields, attention_maps, decoder_embedding_maps
+from meshlm.hf.multimodal import language_model_tensors
 from meshlm.models.config import ModelConfig
 
 NAME = "Gemma3ForCausalLM"
@@ -152,33 +153,11 @@ state_to_hf = ARCHITECTURE.state_to_hf
 
 # --- the multimodal folders: their language model -----------------------------------------------------
 MULTIMODAL_NAME = "Gemma3ForConditionalGeneration"
-LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
-                           "language_model.lm_head.": "lm_head."}
-"""Where a multimodal folder keeps the language model's tensors (hub files; transformers v5), and
-where ``Gemma3ForCausalLM`` keeps them."""
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
-
 def text_config_from_multimodal(hf_config: dict) -> ModelConfig:
     text = hf_config.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{MULTIMODAL_NAME} config.json has no text_config; it is not a Gemma 3 folder meshlm reads.")
     return config_from_hf(text)
-
-
-def language_model_tensors(tensors: dict) -> dict:
-    """The language model's tensors of a multimodal folder, under ``Gemma3ForCausalLM``'s names
-    (the vision tower and projector left out)."""
-    renamed = {}
-    for name, tensor in tensors.items():
-        if name.startswith(VISION_PREFIXES):
-            continue
-        for prefix, replacement in LANGUAGE_MODEL_PREFIXES.items():
-            if name.startswith(prefix):
-                name = replacement + name[len(prefix):]
-                break
-        renamed[name] = tensor
-    return renamed
 
 
 def multimodal_unsupported(config: ModelConfig) -> list[str]:

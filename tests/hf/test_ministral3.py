@@ -65,3 +65,38 @@ def test_meshlm_query_scale_exports_as_ministral3_and_only_there(tmp_path):
                           "rope_original_max_positions": 8})
     with pytest.raises(ConfigError, match="make them equal"):
         ministral3.config_to_hf(yarn)
+
+
+def test_the_language_model_of_a_mistral3_vision_folder_imports_and_exports_as_text(tmp_path):
+    """A Mistral3ForConditionalGeneration folder (a tiny Pixtral tower beside a Ministral 3 language
+    model): meshlm takes the language model, whose text logits equal transformers' on the whole
+    model, and writes it back as Ministral3ForCausalLM."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+
+    from meshlm.checkpoint.model_files import load_model
+    from meshlm.hf import hf_to_meshlm, meshlm_to_hf
+
+    from .helpers import assert_same_logits, load_hf
+
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=28, patch_size=14, head_dim=8)
+    multimodal = Mistral3Config(text_config=tiny_ministral3().to_dict(), vision_config=vision.to_dict(),
+                                image_token_index=VOCAB - 1, spatial_merge_size=1)
+    torch.manual_seed(0)
+    whole = Mistral3ForConditionalGeneration(multimodal).eval()  # (no AutoModelForCausalLM for this class)
+    with torch.no_grad():
+        for tensor in whole.state_dict().values():
+            tensor.add_(0.05 * torch.randn_like(tensor))
+    whole.save_pretrained(tmp_path / "hf")
+    model = load_model(hf_to_meshlm(tmp_path / "hf", tmp_path / "meshlm")[0])
+    assert_same_logits(whole, model, random_ids())
+    assert model.config.query_scale_beta == 0.8
+    _, chosen = meshlm_to_hf(tmp_path / "meshlm", tmp_path / "text")
+    assert chosen.name == "Ministral3ForCausalLM"
+    text_only = load_hf(tmp_path / "text")
+    ids = torch.randint(0, VOCAB - 1, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(text_only(ids).logits, model.eval()(ids).logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConfigError, match="text_config has model_type 'qwen3'"):
+        from meshlm.hf import mistral3
+        mistral3.config_from_hf({"text_config": {"model_type": "qwen3"}})
