@@ -702,6 +702,7 @@ LAYER_FEATURES = {
     "rope_pattern": "SmolLM3ForCausalLM, Cohere2ForCausalLM and Exaone4ForCausalLM leave some layers without RoPE",
     "moe_shared_expert_gate": "Qwen2MoeForCausalLM gates its shared expert",
     "query_scale_beta": "Ministral3ForCausalLM scales its queries by position (llama_4_scaling_beta)",
+    "qk_norm_after_rope": "HunYuanDenseV1ForCausalLM normalizes q and k after RoPE",
 }
 """Layer features only some HF classes hold, and which."""
 
@@ -724,7 +725,8 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "qk_norm_bias": config.qk_norm_bias, "qk_norm_per_head": config.qk_norm_per_head,
             "rope_pattern": config.rope_pattern != "R",
             "moe_shared_expert_gate": config.moe_shared_expert_gate and "E" in config.block_kinds,
-            "query_scale_beta": config.query_scale_beta != 0 and "*" in config.block_kinds}
+            "query_scale_beta": config.query_scale_beta != 0 and "*" in config.block_kinds,
+            "qk_norm_after_rope": config.qk_norm and config.qk_norm_after_rope}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 

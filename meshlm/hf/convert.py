@@ -58,9 +58,9 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
 from meshlm.hf import (bamba, cohere, cohere2, deepseek_v3, exaone4, falcon, gemma, gemma2, gemma3, glm, glm4_moe,
-                       gpt2, gpt_bigcode, gpt_neox, gptj, granite, granite_moe, llama, mamba2, ministral3, mistral,
-                       mistral3, mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
-                       seed_oss, smollm3, stablelm, starcoder2)
+                       gpt2, gpt_bigcode, gpt_neox, gptj, granite, granite_moe, hunyuan, llama, mamba2, ministral3,
+                       mistral, mistral3, mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3,
+                       qwen3_moe, seed_oss, smollm3, stablelm, starcoder2)
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.fp8_export import quantize_hf_export
@@ -84,7 +84,7 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           smollm3.ARCHITECTURE,
                                           granite.ARCHITECTURE, granite_moe.MOE, granite_moe.SHARED, granite_moe.HYBRID,
                                           glm.GLM_ARCHITECTURE, glm.GLM4_ARCHITECTURE,
-                                          seed_oss.ARCHITECTURE,
+                                          seed_oss.ARCHITECTURE, hunyuan.ARCHITECTURE,
                                           mamba2.ARCHITECTURE, bamba.ARCHITECTURE,
                                           nemotron_h.ARCHITECTURE)
 EXPORTABLE: dict[str, Architecture] = {architecture.name: architecture for architecture in EXPORT_ORDER}

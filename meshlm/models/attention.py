@@ -281,6 +281,8 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.resolved_attention_output_bias)
         self.qk_norm_all = config.qk_norm and config.qk_norm_scope == "all"
         """QK-norm over all heads of the projection at once (OLMo 2), not over each head."""
+        self.qk_norm_after_rope = config.qk_norm_after_rope
+        """QK-norm of the rotated heads (Hunyuan), not before RoPE."""
         self.q_norm, self.k_norm = qk_norms(config, self.num_heads, self.num_kv_heads, self.head_dim)
         self.init_core(config, layer_index)
 
@@ -324,18 +326,20 @@ class SelfAttention(nn.Module):
         query, key, value = project_together(x, layers, coordinates)  # one GEMM where it can
         if self.qk_norm_all:
             query, key = self.q_norm(query), self.k_norm(key)
-        if self.rotary is not None and (self.q_norm is None or query.dtype != torch.float32):
+        if self.rotary is not None and (self.q_norm is None or self.qk_norm_after_rope or query.dtype != torch.float32):
             # RoPE makes new queries and keys, so the values take storage of their own: a slice of the
             # fused output, saved for the attention's backward, would keep the queries and keys
             # before RoPE alive with it (a no-op when unfused; without RoPE all three are the slices;
             # an fp32 QK-norm saves its input, the slices themselves, so there the copy would only add)
             value = value.contiguous()
         query, key, value = (part.view(batch, seq, -1, self.head_dim).transpose(1, 2) for part in (query, key, value))
-        if self.q_norm is not None and not self.qk_norm_all:
+        if self.q_norm is not None and not self.qk_norm_all and not self.qk_norm_after_rope:
             query, key = self.q_norm(query), self.k_norm(key)
         if self.rotary is not None:
             cos, sin = rotary_cos_sin if rotary_cos_sin is not None else self.rotary(rotary_positions)
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        if self.qk_norm_after_rope:  # Hunyuan's order
+            query, key = self.q_norm(query), self.k_norm(key)
         if self.query_scale_beta:
             query = query * query_position_scale(rotary_positions, self.query_scale_beta,
                                                  self.query_scale_length).to(query.dtype)

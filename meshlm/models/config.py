@@ -186,6 +186,9 @@ class ModelConfig:
     head_dim] and [kv_heads, head_dim] (StableLM 2 12B, Command R+), instead of one head_dim
     weight shared by all heads. Needs qk_norm_scope=head; tensor parallelism splits them with
     the heads."""
+    qk_norm_after_rope: bool = False
+    """Normalize the rotated queries and keys (Hunyuan's query_layernorm and key_layernorm)
+    instead of normalizing before RoPE. Needs qk_norm_scope=head."""
     attention_bias: bool = False
     """Bias terms on the q/k/v projections, and on o unless attention_output_bias says otherwise."""
     attention_output_bias: bool | None = None
@@ -640,7 +643,8 @@ class ModelConfig:
     def _validate_qk_norm(self) -> None:
         _choice(self, "qk_norm_type", NORMS)
         shaped = {"qk_norm_scope": self.qk_norm_scope != "head", "qk_norm_type": self.qk_norm_type != "rmsnorm",
-                  "qk_norm_bias": self.qk_norm_bias, "qk_norm_per_head": self.qk_norm_per_head}
+                  "qk_norm_bias": self.qk_norm_bias, "qk_norm_per_head": self.qk_norm_per_head,
+                  "qk_norm_after_rope": self.qk_norm_after_rope}
         for name, changed in shaped.items():
             if changed and not self.qk_norm:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} shapes the QK-norm, and model.qk_norm is "
@@ -653,6 +657,9 @@ class ModelConfig:
             raise ConfigError(f"model.qk_norm_scope=all normalizes all heads together with an RMSNorm, and "
                               f"model.{field} is for a norm of each head; set model.qk_norm_scope=head or drop the "
                               "other field.")
+        if self.qk_norm_after_rope and (self.qk_norm_scope != "head" or self.attention_type != "gqa"):
+            raise ConfigError("model.qk_norm_after_rope=true normalizes each rotated head, which needs "
+                              "model.qk_norm_scope=head and model.attention_type=gqa; set it to false.")
         if self.qk_norm_type == "layernorm" and self.norm_zero_centered:
             raise ConfigError("model.norm_zero_centered=true stores RMSNorm weights as w - 1, and model.qk_norm_type="
                               "layernorm has a LayerNorm; set model.qk_norm_type=rmsnorm or norm_zero_centered=false.")

@@ -61,6 +61,10 @@ MODELS = {
                                                        qk_norm_per_head=True),
     "mqa tied": dict(num_kv_heads=1, tie_embeddings=True),
     "kv2 qwen2 biases": dict(num_kv_heads=2, attention_bias=True, attention_output_bias=False),
+    # Hunyuan's QK-norm of the rotated heads, Ministral 3's query scale by position
+    "kv2 hunyuan-style qk-norm after rope, query scale": dict(num_kv_heads=2, attention_bias=True,
+                                                               qk_norm_after_rope=True, query_scale_beta=0.5,
+                                                               query_scale_length=4),
     "kv2 gemma-style sliding window": dict(num_kv_heads=2, sliding_window=5, sliding_window_pattern="SF",
                                            rope_local_theta=500.0, mlp_activation="geglu", block_output_norm=True,
                                            norm_zero_centered=True, embedding_multiplier=5.0, attention_scale=0.3),

@@ -45,6 +45,9 @@ MODELS = {
     "gemma2-style soft caps": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.mlp_activation=geglu",
                                "model.block_output_norm=true", "model.norm_zero_centered=true",
                                "model.sliding_window=12", "model.attention_softcap=50", "model.final_logit_softcap=30"],
+    # Hunyuan's QK-norm of the rotated heads, and Ministral 3's query scale by position
+    "hunyuan-style": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.qk_norm=true",
+                      "model.qk_norm_after_rope=true", "model.query_scale_beta=0.5", "model.query_scale_length=4"],
     "olmo-style": ["model.pattern=*-*-", "model.num_kv_heads=2", "model.qk_norm=true", "model.qk_norm_scope=all",
                    "model.block_input_norm=false", "model.block_output_norm=true"],
     "moe": ["model.pattern=*E*E", "model.num_kv_heads=2", "model.moe_num_experts=4", "model.moe_top_k=2",
