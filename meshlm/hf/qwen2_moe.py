@@ -30,8 +30,8 @@ from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, T
                               hf_common_fields, linear_maps, rename, require, rope_from_hf, with_defaults)
 from meshlm.hf.llama import (attention_fields, attention_to_hf, decoder_unsupported, qwen_windows_from_hf,
                              qwen_windows_to_hf)
-from meshlm.hf.qwen3_moe import (is_sparse_layer, normalize_hf_tensors, softmax_moe_unsupported, sparse_layers_to_hf,
-                                 tensor_maps as qwen_moe_tensor_maps)
+from meshlm.hf.qwen3_moe import (is_sparse_layer, normalize_hf_tensors, softmax_moe_unsupported,
+                                 sparse_layer_fields, sparse_layers_to_hf, tensor_maps as qwen_moe_tensor_maps)
 from meshlm.models.config import ModelConfig
 
 NAME = "Qwen2MoeForCausalLM"
@@ -71,11 +71,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
         position_embedding="rope", qk_norm=False, **rope_from_hf(hf_config, 10000.0, NAME),
         mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
-        init_std=hf["initializer_range"],
-        moe_num_experts=hf["num_experts"], moe_top_k=hf["num_experts_per_tok"],
-        moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_score_function="softmax",
-        moe_softmax_before_topk=True, moe_normalize_topk=bool(hf["norm_topk_prob"]),
-        moe_aux_loss_coeff=hf["router_aux_loss_coef"],
+        init_std=hf["initializer_range"], **sparse_layer_fields(hf),
         moe_shared_expert_ffn_hidden_size=hf["shared_expert_intermediate_size"] if moe else 0,
         moe_shared_expert_gate=moe, **windows_from_hf(hf))
 

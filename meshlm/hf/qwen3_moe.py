@@ -88,6 +88,15 @@ def is_sparse_layer(hf: dict, layer: int) -> bool:
             and (layer + 1) % hf["decoder_sparse_step"] == 0)
 
 
+def sparse_layer_fields(hf: dict) -> dict:
+    """meshlm's MoE fields of a Qwen-MoE config.json (Qwen2-MoE's and Qwen3-MoE's): softmax over all
+    experts, then the top ``num_experts_per_tok``, renormalized iff ``norm_topk_prob``."""
+    return dict(moe_num_experts=hf["num_experts"], moe_top_k=hf["num_experts_per_tok"],
+                moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_score_function="softmax",
+                moe_softmax_before_topk=True, moe_normalize_topk=bool(hf["norm_topk_prob"]),
+                moe_aux_loss_coeff=hf["router_aux_loss_coef"])
+
+
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     if "num_local_experts" in hf_config:  # transformers v5 saves the attribute-mapped name
@@ -101,10 +110,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
         mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
         init_std=hf["initializer_range"],
-        moe_num_experts=hf["num_experts"], moe_top_k=hf["num_experts_per_tok"],
-        moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_score_function="softmax",
-        moe_softmax_before_topk=True, moe_normalize_topk=bool(hf["norm_topk_prob"]),
-        moe_aux_loss_coeff=hf["router_aux_loss_coef"],
+        **sparse_layer_fields(hf),
         # with use_sliding_window every layer attends within sliding_window (transformers' Qwen3-MoE)
         **window_fields(hf["sliding_window"] if hf["use_sliding_window"] else None,
                         [True] * hf["num_hidden_layers"]))
