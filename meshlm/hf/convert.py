@@ -39,10 +39,10 @@ pairs, biases on q/k/v, a fused gate_up_proj; GLM-4-0414 with norms after the su
 (Llama with q/k/v, o and MLP biases each on or off), Hunyuan (QK-norm after RoPE), GLM-4.5 (GQA
 then DeepSeek-V3's MoE: after the dense classes, since it holds their stacks too), Mamba2 ('MMM...'),
 Bamba (Mamba-2 and attention layers with MLPs) and Nemotron-H (everything hybrid). When none fits,
-the error lists, per architecture, the fields that block it. The same streaming applies: each meshlm tensor is read whole (by slice from model.safetensors,
-by chunk from a training checkpoint) when the first HF tensor cut from it is written. With
-``quantize="fp8"`` the decoder blocks' linear weights are written as block-wise FP8, each
-quantized as it is written (``fp8_export.py``).
+the error lists, per architecture, the fields that block it. The same streaming applies: each
+meshlm tensor is read whole (by slice from model.safetensors, by chunk from a training checkpoint)
+when the first HF tensor cut from it is written. With ``quantize="fp8"`` the decoder blocks' linear
+weights are written as block-wise FP8, each quantized as it is written (``fp8_export.py``).
 """
 
 from __future__ import annotations
