@@ -33,8 +33,8 @@ partial rotary, a bias on the output head), GPT-J (Phi's layer without attention
 pairs interleaved), Command R (the parallel layer with a bias-free LayerNorm, SwiGLU and interleaved
 rotary pairs, scaled logits), Cohere2 (Command R's layer, three sliding layers with RoPE to one full
 without), SmolLM3 (Llama's layer, some layers without RoPE), Granite (Llama with
-muP-style multipliers), Granite MoE, MoE-shared and 4.0-H (top-k-then-softmax routing; the hybrid
-with Mamba-2 layers), GLM and GLM-4-0414 (Llama's layer rotating half of each head in interleaved
+muP-style multipliers), Arcee (Llama's attention, a non-gated MLP), Granite MoE, MoE-shared and
+4.0-H (top-k-then-softmax routing; the hybrid with Mamba-2 layers), GLM and GLM-4-0414 (Llama's layer rotating half of each head in interleaved
 pairs, biases on q/k/v, a fused gate_up_proj; GLM-4-0414 with norms after the sublayers), Seed-OSS
 (Llama with q/k/v, o and MLP biases each on or off), Hunyuan (QK-norm after RoPE), GLM-4.5 (GQA
 then DeepSeek-V3's MoE: after the dense classes, since it holds their stacks too), Mamba2 ('MMM...'),
@@ -60,10 +60,10 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
                                            weights_source, write_model_folder)
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
-from meshlm.hf import (bamba, cohere, cohere2, deepseek_v3, exaone4, falcon, gemma, gemma2, gemma3, glm, glm4_moe,
-                       gpt2, gpt_bigcode, gpt_neox, gptj, granite, granite_moe, hunyuan, llama, mamba2, ministral3,
-                       mistral, mistral3, mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3,
-                       qwen3_moe, seed_oss, smollm3, stablelm, starcoder2)
+from meshlm.hf import (arcee, bamba, cohere, cohere2, deepseek_v3, exaone4, falcon, gemma, gemma2, gemma3, glm,
+                       glm4_moe, gpt2, gpt_bigcode, gpt_neox, gptj, granite, granite_moe, hunyuan, llama, mamba2,
+                       ministral3, mistral, mistral3, mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe,
+                       qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2)
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.fp8_export import quantize_hf_export
@@ -85,7 +85,8 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           stablelm.ARCHITECTURE, falcon.ARCHITECTURE, phi.ARCHITECTURE,
                                           gptj.ARCHITECTURE, cohere.ARCHITECTURE, cohere2.ARCHITECTURE,
                                           smollm3.ARCHITECTURE,
-                                          granite.ARCHITECTURE, granite_moe.MOE, granite_moe.SHARED, granite_moe.HYBRID,
+                                          granite.ARCHITECTURE, arcee.ARCHITECTURE, granite_moe.MOE, granite_moe.SHARED,
+                                          granite_moe.HYBRID,
                                           glm.GLM_ARCHITECTURE, glm.GLM4_ARCHITECTURE,
                                           seed_oss.ARCHITECTURE, hunyuan.ARCHITECTURE,
                                           glm4_moe.ARCHITECTURE,  # after the dense classes: it holds '*-' stacks too
