@@ -16,33 +16,33 @@ RoPE), Qwen2 (Llama with biases on q/k/v only), Qwen3 (dense '*-' with QK-norm),
 (softmax-routed '*E' with QK-norm), Mistral (a subset of Llama: written only when asked for or
 imported from; or a window in every layer), Ministral 3 (Mistral with a query scale by position),
 Mixtral (softmax-routed '*E'), OLMoE (softmax-routed '*E' with QK-norm over all heads), Qwen2-MoE
-(Qwen3-MoE's routing without QK-norm, a gated shared expert), DeepSeek-V3 (multi-head
-latent attention -- the one class here with it, every other refuses it --, dense '*-' layers, then
-sigmoid-routed '*E' with a shared expert), Phi-3 (Llama's layer with fused projections: written
-only when asked for or imported from), Gemma (GeGLU, zero-centered norms, scaled embeddings), Gemma
-2 and 3 (sandwich norms, soft-capping; Gemma 3 with QK-norm), OLMo 2 and 3
-(norms after the sublayers, QK-norm over all heads; OLMo 3 sliding), EXAONE 4.0 (OLMo 2's layer with
-a QK-norm per head, sliding layers with RoPE and full ones without), GPT-2 (learned positions,
-LayerNorm, biases, transposed Conv1D weights), GPTBigCode (StarCoder: GPT-2's layer with multi-query
-attention and plain linear weights), StarCoder2 (RoPE with LayerNorm, biases and a
-non-gated MLP), GPT-NeoX (StarCoder2's layer with one head per key/value head, partial rotary and
-attention beside the MLP, a parallel residual; q/k/v rows grouped per head), StableLM (Llama's layer
-with LayerNorm and partial rotary), Falcon (parallel layers with one norm or two, sequential ones;
-MQA or grouped KV heads in a fused tensor), Phi (phi-1 to Phi-2: a parallel layer with one norm,
-partial rotary, a bias on the output head), GPT-J (Phi's layer without attention biases, its rotary
-pairs interleaved), Command R (the parallel layer with a bias-free LayerNorm, SwiGLU and interleaved
-rotary pairs, scaled logits), Cohere2 (Command R's layer, three sliding layers with RoPE to one full
-without), SmolLM3 (Llama's layer, some layers without RoPE), Granite (Llama with
-muP-style multipliers), Arcee (Llama's attention, a non-gated MLP), Granite MoE, MoE-shared and
-4.0-H (top-k-then-softmax routing; the hybrid with Mamba-2 layers), GLM and GLM-4-0414 (Llama's layer rotating half of each head in interleaved
-pairs, biases on q/k/v, a fused gate_up_proj; GLM-4-0414 with norms after the sublayers), Seed-OSS
-(Llama with q/k/v, o and MLP biases each on or off), Hunyuan (QK-norm after RoPE), GLM-4.5 (GQA
-then DeepSeek-V3's MoE: after the dense classes, since it holds their stacks too), Mamba2 ('MMM...'),
+(Qwen3-MoE's routing without QK-norm, a gated shared expert), DeepSeek-V3 (multi-head latent
+attention -- the one class here with it, every other refuses it --, dense '*-' layers, then
+sigmoid-routed '*E' with a shared expert), Phi-3 (Llama's layer with fused projections: written only
+when asked for or imported from), Gemma (GeGLU, zero-centered norms, scaled embeddings), Gemma 2 and
+3 (sandwich norms, soft-capping; Gemma 3 with QK-norm), OLMo 2 and 3 (norms after the sublayers,
+QK-norm over all heads; OLMo 3 sliding), EXAONE 4.0 (OLMo 2's layer with a QK-norm per head, sliding
+layers with RoPE and full ones without), GPT-2 (learned positions, LayerNorm, biases, transposed
+Conv1D weights), GPTBigCode (StarCoder: GPT-2's layer with multi-query attention and plain linear
+weights), StarCoder2 (RoPE with LayerNorm, biases and a non-gated MLP), GPT-NeoX (StarCoder2's layer
+with one head per key/value head, partial rotary and attention beside the MLP, a parallel residual;
+q/k/v rows grouped per head), StableLM (Llama's layer with LayerNorm and partial rotary), Falcon
+(parallel layers with one norm or two, sequential ones; MQA or grouped KV heads in a fused tensor),
+Phi (phi-1 to Phi-2: a parallel layer with one norm, partial rotary, a bias on the output head),
+GPT-J (Phi's layer without attention biases, its rotary pairs interleaved), Command R (the parallel
+layer with a bias-free LayerNorm, SwiGLU and interleaved rotary pairs, scaled logits), Cohere2
+(Command R's layer, three sliding layers with RoPE to one full without), SmolLM3 (Llama's layer,
+some layers without RoPE), Granite (Llama with muP-style multipliers), Arcee (Llama's attention, a
+non-gated MLP), Granite MoE, MoE-shared and 4.0-H (top-k-then-softmax routing; the hybrid with
+Mamba-2 layers), GLM and GLM-4-0414 (Llama's layer rotating half of each head in interleaved pairs,
+biases on q/k/v, a fused gate_up_proj; GLM-4-0414 with norms after the sublayers), Seed-OSS (Llama
+with q/k/v, o and MLP biases each on or off), Hunyuan (QK-norm after RoPE), GLM-4.5 (GQA then
+DeepSeek-V3's MoE: after the dense classes, since it holds their stacks too), Mamba2 ('MMM...'),
 Bamba (Mamba-2 and attention layers with MLPs) and Nemotron-H (everything hybrid). When none fits,
-the error lists, per architecture, the fields that block it. The same streaming applies: each
-meshlm tensor is read whole (by slice from model.safetensors, by chunk from a training checkpoint)
-when the first HF tensor cut from it is written. With ``quantize="fp8"`` the decoder blocks' linear
-weights are written as block-wise FP8, each quantized as it is written (``fp8_export.py``).
+the error lists, per architecture, the fields that block it. The same streaming applies: each meshlm
+tensor is read whole (by slice from model.safetensors, by chunk from a training checkpoint) when the
+first HF tensor cut from it is written. With ``quantize="fp8"`` the decoder blocks' linear weights
+are written as block-wise FP8, each quantized as it is written (``fp8_export.py``).
 """
 
 from __future__ import annotations
