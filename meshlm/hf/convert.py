@@ -36,13 +36,14 @@ some layers without RoPE), Granite (Llama with muP-style multipliers), Arcee (Ll
 non-gated MLP), Granite MoE, MoE-shared and 4.0-H (top-k-then-softmax routing; the hybrid with
 Mamba-2 layers), GLM and GLM-4-0414 (Llama's layer rotating half of each head in interleaved pairs,
 biases on q/k/v, a fused gate_up_proj; GLM-4-0414 with norms after the sublayers), Seed-OSS (Llama
-with q/k/v, o and MLP biases each on or off), Hunyuan (QK-norm after RoPE), GLM-4.5 (GQA then
-DeepSeek-V3's MoE: after the dense classes, since it holds their stacks too), Mamba2 ('MMM...'),
-Bamba (Mamba-2 and attention layers with MLPs) and Nemotron-H (everything hybrid). When none fits,
-the error lists, per architecture, the fields that block it. The same streaming applies: each meshlm
-tensor is read whole (by slice from model.safetensors, by chunk from a training checkpoint) when the
-first HF tensor cut from it is written. With ``quantize="fp8"`` the decoder blocks' linear weights
-are written as block-wise FP8, each quantized as it is written (``fp8_export.py``).
+with q/k/v, o and MLP biases each on or off), Hunyuan (QK-norm after RoPE), dots.llm1 (Qwen3's
+attention then DeepSeek-V3's MoE), GLM-4.5 (GQA then DeepSeek-V3's MoE: after the dense classes,
+since it holds their stacks too), Mamba2 ('MMM...'), Bamba (Mamba-2 and attention layers with MLPs)
+and Nemotron-H (everything hybrid). When none fits, the error lists, per architecture, the fields
+that block it. The same streaming applies: each meshlm tensor is read whole (by slice from
+model.safetensors, by chunk from a training checkpoint) when the first HF tensor cut from it is
+written. With ``quantize="fp8"`` the decoder blocks' linear weights are written as block-wise FP8,
+each quantized as it is written (``fp8_export.py``).
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
                                            weights_source, write_model_folder)
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
-from meshlm.hf import (arcee, bamba, cohere, cohere2, deepseek_v3, exaone4, falcon, gemma, gemma2, gemma3, glm,
-                       glm4_moe, gpt2, gpt_bigcode, gpt_neox, gptj, granite, granite_moe, hunyuan, llama, mamba2,
+from meshlm.hf import (arcee, bamba, cohere, cohere2, deepseek_v3, dots1, exaone4, falcon, gemma, gemma2, gemma3,
+                       glm, glm4_moe, gpt2, gpt_bigcode, gpt_neox, gptj, granite, granite_moe, hunyuan, llama, mamba2,
                        ministral3, mistral, mistral3, mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe,
                        qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2)
 from meshlm.hf.common import Architecture, produce_all
@@ -89,7 +90,8 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           granite_moe.HYBRID,
                                           glm.GLM_ARCHITECTURE, glm.GLM4_ARCHITECTURE,
                                           seed_oss.ARCHITECTURE, hunyuan.ARCHITECTURE,
-                                          glm4_moe.ARCHITECTURE,  # after the dense classes: it holds '*-' stacks too
+                                          dots1.ARCHITECTURE, glm4_moe.ARCHITECTURE,  # after the dense classes:
+                                          # they hold '*-' stacks too
                                           mamba2.ARCHITECTURE, bamba.ARCHITECTURE,
                                           nemotron_h.ARCHITECTURE)
 EXPORTABLE: dict[str, Architecture] = {architecture.name: architecture for architecture in EXPORT_ORDER}

@@ -1,0 +1,101 @@
+"""``Dots1ForCausalLM`` <-> meshlm (rednote hi lab 2025, dots.llm1: a 142B-parameter MoE, 14B active).
+
+A dots.llm1 layer is Qwen3's attention (``qwen3.py``: RoPE with a QK-norm of each head, grouped KV
+heads, biases on q/k/v/o iff ``attention_bias``) followed by a SwiGLU MLP in the first
+``first_k_dense_replace`` layers and by DeepSeek-V3's MoE block after (``deepseek_v3.py``: sigmoid
+scores, ``e_score_correction_bias`` steering the choice, group-limited top-k, a shared expert
+``n_shared_experts`` wide; the same tensor names, as ``glm4_moe.py`` reads them). Layers from
+``max_window_layers`` on attend within ``sliding_window`` when ``layer_types`` does not say
+otherwise (transformers' rule).
+"""
+
+from __future__ import annotations
+
+from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, embedding_maps,
+                              hf_common_fields, layer_types_from_hf, layer_types_to_hf, require, rope_from_hf,
+                              window_fields, with_defaults)
+from meshlm.hf.deepseek_v3 import moe_fields, moe_maps, moe_unsupported, normalize_hf_tensors
+from meshlm.hf.llama import attention_fields, attention_maps, attention_to_hf, decoder_unsupported, dense_mlp_maps
+from meshlm.models.config import ModelConfig
+
+NAME = "Dots1ForCausalLM"
+MODEL_TYPE = "dots1"
+DEFAULTS = {"vocab_size": 152064, "hidden_size": 4608, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+            "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 32, "n_shared_experts": 1,
+            "n_routed_experts": 128, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
+            "first_k_dense_replace": 0, "norm_topk_prob": False, "hidden_act": "silu", "initializer_range": 0.02,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
+            "routed_scaling_factor": 1.0, "max_window_layers": 62, "max_position_embeddings": 2048}
+
+
+def windows_from_hf(hf: dict, hf_config: dict) -> dict:
+    """meshlm's window fields: ``layer_types``, else the layers from ``max_window_layers`` on slide
+    (when config.json gives a ``sliding_window``: its class default is 4096)."""
+    window = hf_config.get("sliding_window", 4096)
+    if window is None:
+        return {}
+    if hf.get("layer_types") is None:
+        hf = {**hf, "layer_types": [SLIDING_ATTENTION if layer >= hf["max_window_layers"] else FULL_ATTENTION
+                                    for layer in range(hf["num_hidden_layers"])]}
+    return window_fields(window, [kind == SLIDING_ATTENTION for kind in layer_types_from_hf(hf, NAME)])
+
+
+def config_from_hf(hf_config: dict) -> ModelConfig:
+    hf = with_defaults(hf_config, DEFAULTS)
+    if "num_local_experts" in hf_config:  # transformers' attribute-mapped name for n_routed_experts
+        hf["n_routed_experts"] = hf_config["num_local_experts"]
+    require(hf, NAME, "hidden_act", "silu", "meshlm's MLPs and experts are SwiGLU")
+    layers = hf["num_hidden_layers"]
+    dense = min(hf["first_k_dense_replace"], layers)
+    pattern = "*-" * dense + "*E" * (layers - dense)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern=pattern, **attention_fields(hf),
+        qk_norm=True, position_embedding="rope", **rope_from_hf(hf_config, 10000.0, NAME),
+        mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False, norm="rmsnorm",
+        norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]), init_std=hf["initializer_range"],
+        **(moe_fields(hf, hf_config) if "E" in pattern else {}), **windows_from_hf(hf, hf_config))
+
+
+def unsupported(config: ModelConfig) -> list[str]:
+    reasons = decoder_unsupported(config, qk_norm=True)
+    reasons += blocks_of(config, r"(\*-)*(\*E)*", "dots.llm1 layers are attention then MLP in the first "
+                         "first_k_dense_replace layers, attention then MoE after: '*-' repeated, then '*E' repeated")
+    if config.mlp_activation != "swiglu" or config.mlp_bias:
+        reasons.append(f"model.mlp_activation={config.mlp_activation!r}, model.mlp_bias={config.mlp_bias} "
+                       "(dots.llm1's MLPs and experts are SwiGLU without biases)")
+    return reasons + moe_unsupported(config, NAME)
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    ARCHITECTURE.check_expressible(config)
+    kinds = config.block_kinds
+    moe = "E" in kinds
+    types = layer_types_to_hf(config)
+    return {**hf_common_fields(config, NAME, MODEL_TYPE), **attention_to_hf(config),
+            "num_hidden_layers": len(kinds) // 2, "first_k_dense_replace": kinds.count("-"), "hidden_act": "silu",
+            "intermediate_size": config.resolved_ffn_hidden_size, "rms_norm_eps": config.norm_eps,
+            "attention_bias": config.attention_bias, "n_routed_experts": config.moe_num_experts,
+            "num_experts_per_tok": config.moe_top_k, "moe_intermediate_size": config.resolved_moe_ffn_hidden_size,
+            "n_shared_experts": (config.moe_shared_expert_ffn_hidden_size // config.resolved_moe_ffn_hidden_size
+                                 if moe else 1),
+            "n_group": config.moe_router_num_groups or 1, "topk_group": config.moe_router_group_top_k or 1,
+            "norm_topk_prob": config.moe_normalize_topk, "routed_scaling_factor": config.moe_routed_scaling_factor,
+            "aux_loss_alpha": config.moe_aux_loss_coeff, "seq_aux": config.moe_aux_loss_type == "sequence",
+            "sliding_window": config.sliding_window, "layer_types": types,
+            "max_window_layers": types.index(SLIDING_ATTENTION) if SLIDING_ATTENTION in types else len(types),
+            "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    maps = embedding_maps(config, "model.embed_tokens.weight", "model.norm.weight")
+    for layer in range(config.num_blocks // 2):
+        maps += attention_maps(config, 2 * layer, layer)
+        maps += moe_maps(config, layer) if config.block_kinds[2 * layer + 1] == "E" else dense_mlp_maps(
+            config, 2 * layer + 1, layer)
+    return maps
+
+
+ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,
+                            normalize_hf_tensors)
+state_from_hf = ARCHITECTURE.state_from_hf
+state_to_hf = ARCHITECTURE.state_to_hf
