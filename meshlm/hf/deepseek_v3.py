@@ -158,6 +158,26 @@ def moe_fields(hf: dict, hf_config: dict) -> dict:
                 moe_aux_loss_type="sequence" if hf_config.get("seq_aux") else "micro_batch")
 
 
+def dense_then_moe_pattern(hf: dict) -> str:
+    """'*-' for the first ``first_k_dense_replace`` layers, then '*E' (DeepSeek-V3's layout, and
+    GLM-4.5's and dots.llm1's)."""
+    layers = hf["num_hidden_layers"]
+    dense = min(hf["first_k_dense_replace"], layers)
+    return "*-" * dense + "*E" * (layers - dense)
+
+
+def moe_fields_to_hf(config: ModelConfig) -> dict:
+    """``moe_fields`` read back, with ``first_k_dense_replace`` (the '*-' layers)."""
+    moe = "E" in config.block_kinds or config.mtp_depth > 0
+    return {"first_k_dense_replace": config.block_kinds.count("-"), "n_routed_experts": config.moe_num_experts,
+            "num_experts_per_tok": config.moe_top_k, "moe_intermediate_size": config.resolved_moe_ffn_hidden_size,
+            "n_shared_experts": (config.moe_shared_expert_ffn_hidden_size // config.resolved_moe_ffn_hidden_size
+                                 if moe else 1),
+            "n_group": config.moe_router_num_groups or 1, "topk_group": config.moe_router_group_top_k or 1,
+            "norm_topk_prob": config.moe_normalize_topk, "routed_scaling_factor": config.moe_routed_scaling_factor,
+            "aux_loss_alpha": config.moe_aux_loss_coeff, "seq_aux": config.moe_aux_loss_type == "sequence"}
+
+
 def mtp_fields(hf_config: dict) -> dict:
     """``model.mtp_depth`` and ``mtp_pattern`` of the MTP layers a config.json counts
     (``num_nextn_predict_layers``, transformers' GLM-4.5 also ``num_mtp_layers``): each is a decoder
@@ -171,9 +191,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     if "num_local_experts" in hf_config:  # transformers' attribute-mapped name for n_routed_experts
         hf["n_routed_experts"] = hf_config["num_local_experts"]
     check_importable(hf, hf_config)
-    layers = hf["num_hidden_layers"]
-    dense = min(hf["first_k_dense_replace"], layers)
-    pattern = "*-" * dense + "*E" * (layers - dense)
+    pattern = dense_then_moe_pattern(hf)
     mtp = mtp_fields(hf_config)
     rope = rope_from_hf(hf_config, 10000.0, NAME)
     qk_head_dim = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
@@ -236,25 +254,15 @@ def max_positions(config: ModelConfig) -> int:
 
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
-    kinds = config.block_kinds
-    moe = "E" in kinds or config.mtp_depth > 0
-    groups = config.moe_router_num_groups or 1
-    return {**hf_common_fields(config, NAME, "deepseek_v3"), "num_hidden_layers": len(kinds) // 2,
-            "first_k_dense_replace": kinds.count("-"), "moe_layer_freq": 1,
+    return {**hf_common_fields(config, NAME, "deepseek_v3"), "num_hidden_layers": config.num_blocks // 2,
+            **moe_fields_to_hf(config), "moe_layer_freq": 1,
             "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_attention_heads,
             "q_lora_rank": config.mla_q_lora_rank, "kv_lora_rank": config.mla_kv_lora_rank,
             "qk_nope_head_dim": config.mla_qk_nope_head_dim, "qk_rope_head_dim": config.mla_qk_rope_head_dim,
             "v_head_dim": config.mla_v_head_dim, "attention_bias": False, "attention_dropout": config.attention_dropout,
             "rope_interleave": True, **rope_parameters_to_hf(config), "max_position_embeddings": max_positions(config),
             "hidden_act": "silu", "intermediate_size": config.resolved_ffn_hidden_size, "rms_norm_eps": config.norm_eps,
-            "n_routed_experts": config.moe_num_experts, "num_experts_per_tok": config.moe_top_k,
-            "moe_intermediate_size": config.resolved_moe_ffn_hidden_size,
-            "n_shared_experts": (config.moe_shared_expert_ffn_hidden_size // config.resolved_moe_ffn_hidden_size
-                                 if moe else 1),
-            "n_group": groups, "topk_group": config.moe_router_group_top_k or 1,
-            "norm_topk_prob": config.moe_normalize_topk, "routed_scaling_factor": config.moe_routed_scaling_factor,
-            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "aux_loss_alpha": config.moe_aux_loss_coeff,
-            "seq_aux": config.moe_aux_loss_type == "sequence", "num_nextn_predict_layers": config.mtp_depth}
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": config.mtp_depth}
 
 
 # --- what cannot be written -------------------------------------------------------------------------
@@ -373,12 +381,19 @@ def moe_maps(config: ModelConfig, layer: int) -> list[TensorMap]:
     return maps
 
 
-def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+def decoder_maps(config: ModelConfig, layer_attention_maps) -> list[TensorMap]:
+    """The embedding, the final norm and every decoder layer: ``layer_attention_maps(i)`` (HF layer i's
+    attention as block 2i), then its MoE block or dense MLP (DeepSeek-V3's, GLM-4.5's, dots.llm1's)."""
     maps = embedding_maps(config, "model.embed_tokens.weight", "model.norm.weight")
     for layer in range(config.num_blocks // 2):
-        maps += attention_maps(config, layer)
+        maps += layer_attention_maps(layer)
         maps += moe_maps(config, layer) if config.block_kinds[2 * layer + 1] == "E" else dense_mlp_maps(
             config, 2 * layer + 1, layer)
+    return maps
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    maps = decoder_maps(config, lambda layer: attention_maps(config, layer))
     return maps + mtp_maps(config, lambda layer: attention_maps(config, layer) + moe_maps(config, layer))
 
 

@@ -11,11 +11,11 @@ otherwise (transformers' rule).
 
 from __future__ import annotations
 
-from meshlm.hf.common import (FULL_ATTENTION, SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, embedding_maps,
-                              hf_common_fields, layer_types_from_hf, layer_types_to_hf, require, rope_from_hf,
-                              window_fields, with_defaults)
-from meshlm.hf.deepseek_v3 import moe_fields, moe_maps, moe_unsupported, normalize_hf_tensors
-from meshlm.hf.llama import attention_fields, attention_maps, attention_to_hf, decoder_unsupported, dense_mlp_maps
+from meshlm.hf.common import Architecture, TensorMap, blocks_of, hf_common_fields, require, rope_from_hf, with_defaults
+from meshlm.hf.deepseek_v3 import (decoder_maps, dense_then_moe_pattern, moe_fields, moe_fields_to_hf,
+                                   moe_unsupported, normalize_hf_tensors)
+from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_unsupported,
+                             qwen_windows_from_hf, qwen_windows_to_hf)
 from meshlm.models.config import ModelConfig
 
 NAME = "Dots1ForCausalLM"
@@ -29,15 +29,11 @@ DEFAULTS = {"vocab_size": 152064, "hidden_size": 4608, "intermediate_size": 1094
 
 
 def windows_from_hf(hf: dict, hf_config: dict) -> dict:
-    """meshlm's window fields: ``layer_types``, else the layers from ``max_window_layers`` on slide
-    (when config.json gives a ``sliding_window``: its class default is 4096)."""
-    window = hf_config.get("sliding_window", 4096)
-    if window is None:
-        return {}
-    if hf.get("layer_types") is None:
-        hf = {**hf, "layer_types": [SLIDING_ATTENTION if layer >= hf["max_window_layers"] else FULL_ATTENTION
-                                    for layer in range(hf["num_hidden_layers"])]}
-    return window_fields(window, [kind == SLIDING_ATTENTION for kind in layer_types_from_hf(hf, NAME)])
+    """meshlm's window fields: Qwen2's rule (``qwen_windows_from_hf``), always on: ``layer_types``,
+    else the layers from ``max_window_layers`` on slide, when config.json gives a ``sliding_window``
+    (its class default is 4096; null: none)."""
+    return qwen_windows_from_hf({**hf, "use_sliding_window": True,
+                                 "sliding_window": hf_config.get("sliding_window", 4096)}, NAME)
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
@@ -45,9 +41,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     if "num_local_experts" in hf_config:  # transformers' attribute-mapped name for n_routed_experts
         hf["n_routed_experts"] = hf_config["num_local_experts"]
     require(hf, NAME, "hidden_act", "silu", "meshlm's MLPs and experts are SwiGLU")
-    layers = hf["num_hidden_layers"]
-    dense = min(hf["first_k_dense_replace"], layers)
-    pattern = "*-" * dense + "*E" * (layers - dense)
+    pattern = dense_then_moe_pattern(hf)
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern=pattern, **attention_fields(hf),
         qk_norm=True, position_embedding="rope", **rope_from_hf(hf_config, 10000.0, NAME),
@@ -68,31 +62,17 @@ def unsupported(config: ModelConfig) -> list[str]:
 
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
-    kinds = config.block_kinds
-    moe = "E" in kinds
-    types = layer_types_to_hf(config)
-    return {**hf_common_fields(config, NAME, MODEL_TYPE), **attention_to_hf(config),
-            "num_hidden_layers": len(kinds) // 2, "first_k_dense_replace": kinds.count("-"), "hidden_act": "silu",
-            "intermediate_size": config.resolved_ffn_hidden_size, "rms_norm_eps": config.norm_eps,
-            "attention_bias": config.attention_bias, "n_routed_experts": config.moe_num_experts,
-            "num_experts_per_tok": config.moe_top_k, "moe_intermediate_size": config.resolved_moe_ffn_hidden_size,
-            "n_shared_experts": (config.moe_shared_expert_ffn_hidden_size // config.resolved_moe_ffn_hidden_size
-                                 if moe else 1),
-            "n_group": config.moe_router_num_groups or 1, "topk_group": config.moe_router_group_top_k or 1,
-            "norm_topk_prob": config.moe_normalize_topk, "routed_scaling_factor": config.moe_routed_scaling_factor,
-            "aux_loss_alpha": config.moe_aux_loss_coeff, "seq_aux": config.moe_aux_loss_type == "sequence",
-            "sliding_window": config.sliding_window, "layer_types": types,
-            "max_window_layers": types.index(SLIDING_ATTENTION) if SLIDING_ATTENTION in types else len(types),
-            "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
+    layers = config.num_blocks // 2
+    values = {**hf_common_fields(config, NAME, MODEL_TYPE), **attention_to_hf(config), **moe_fields_to_hf(config),
+              "num_hidden_layers": layers, "hidden_act": "silu", "intermediate_size": config.resolved_ffn_hidden_size,
+              "rms_norm_eps": config.norm_eps, "attention_bias": config.attention_bias,
+              **qwen_windows_to_hf(config, layers), "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
+    values.pop("use_sliding_window")  # (dots.llm1 has no such field: its window is on when set)
+    return values
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
-    maps = embedding_maps(config, "model.embed_tokens.weight", "model.norm.weight")
-    for layer in range(config.num_blocks // 2):
-        maps += attention_maps(config, 2 * layer, layer)
-        maps += moe_maps(config, layer) if config.block_kinds[2 * layer + 1] == "E" else dense_mlp_maps(
-            config, 2 * layer + 1, layer)
-    return maps
+    return decoder_maps(config, lambda layer: attention_maps(config, 2 * layer, layer))
 
 
 ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,

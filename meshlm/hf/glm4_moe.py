@@ -23,12 +23,12 @@ DeepSeek's ``aux_loss_alpha`` and ``seq_aux`` (transformers keeps fields it does
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, TensorMap, blocks_of, embedding_maps, hf_common_fields, require,
-                              rope_from_hf, rope_with_defaults, window_unsupported, with_defaults)
-from meshlm.hf.deepseek_v3 import (fit_mtp_depth, moe_fields, moe_maps, moe_unsupported, mtp_copies, mtp_fields,
-                                   mtp_maps, mtp_projection_halves, mtp_unsupported, normalize_hf_tensors,
-                                   skipped_mtp_layers)
-from meshlm.hf.llama import attention_fields, attention_maps, attention_to_hf, decoder_unsupported, dense_mlp_maps
+from meshlm.hf.common import (Architecture, TensorMap, blocks_of, hf_common_fields, require, rope_from_hf,
+                              rope_with_defaults, window_unsupported, with_defaults)
+from meshlm.hf.deepseek_v3 import (decoder_maps, dense_then_moe_pattern, fit_mtp_depth, moe_fields, moe_fields_to_hf,
+                                   moe_maps, moe_unsupported, mtp_copies, mtp_fields, mtp_maps, mtp_projection_halves,
+                                   mtp_unsupported, normalize_hf_tensors, skipped_mtp_layers)
+from meshlm.hf.llama import attention_fields, attention_maps, attention_to_hf, decoder_unsupported
 from meshlm.models.config import ModelConfig
 
 NAME = "Glm4MoeForCausalLM"
@@ -48,9 +48,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     if "num_local_experts" in hf_config:  # transformers' attribute-mapped name for n_routed_experts
         hf["n_routed_experts"] = hf_config["num_local_experts"]
     require(hf, NAME, "hidden_act", "silu", "meshlm's MLPs and experts are SwiGLU")
-    layers = hf["num_hidden_layers"]
-    dense = min(hf["first_k_dense_replace"], layers)
-    pattern = "*-" * dense + "*E" * (layers - dense)
+    pattern = dense_then_moe_pattern(hf)
     bias, mtp = bool(hf["attention_bias"]), mtp_fields(hf_config)
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern=pattern, **attention_fields(hf),
@@ -79,32 +77,18 @@ def unsupported(config: ModelConfig) -> list[str]:
 
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
-    kinds = config.block_kinds
-    moe = "E" in kinds or config.mtp_depth > 0
-    values = {**hf_common_fields(config, NAME, MODEL_TYPE), **attention_to_hf(config),
-              "num_hidden_layers": len(kinds) // 2, "first_k_dense_replace": kinds.count("-"),
-              "hidden_act": "silu", "intermediate_size": config.resolved_ffn_hidden_size,
-              "rms_norm_eps": config.norm_eps, "attention_bias": config.attention_bias, "use_qk_norm": config.qk_norm,
-              "partial_rotary_factor": float(config.rope_fraction),
-              "n_routed_experts": config.moe_num_experts, "num_experts_per_tok": config.moe_top_k,
-              "moe_intermediate_size": config.resolved_moe_ffn_hidden_size,
-              "n_shared_experts": (config.moe_shared_expert_ffn_hidden_size // config.resolved_moe_ffn_hidden_size
-                                   if moe else 1),
-              "n_group": config.moe_router_num_groups or 1, "topk_group": config.moe_router_group_top_k or 1,
-              "norm_topk_prob": config.moe_normalize_topk, "routed_scaling_factor": config.moe_routed_scaling_factor,
-              "aux_loss_alpha": config.moe_aux_loss_coeff, "seq_aux": config.moe_aux_loss_type == "sequence",
-              "num_nextn_predict_layers": config.mtp_depth,
+    values = {**hf_common_fields(config, NAME, MODEL_TYPE), **attention_to_hf(config), **moe_fields_to_hf(config),
+              "num_hidden_layers": config.num_blocks // 2, "hidden_act": "silu",
+              "intermediate_size": config.resolved_ffn_hidden_size, "rms_norm_eps": config.norm_eps,
+              "attention_bias": config.attention_bias, "use_qk_norm": config.qk_norm,
+              "partial_rotary_factor": float(config.rope_fraction), "num_nextn_predict_layers": config.mtp_depth,
               "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
     values["rope_parameters"] = {**values["rope_parameters"], "partial_rotary_factor": float(config.rope_fraction)}
     return values
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
-    maps = embedding_maps(config, "model.embed_tokens.weight", "model.norm.weight")
-    for layer in range(config.num_blocks // 2):
-        maps += attention_maps(config, 2 * layer, layer)
-        maps += moe_maps(config, layer) if config.block_kinds[2 * layer + 1] == "E" else dense_mlp_maps(
-            config, 2 * layer + 1, layer)
+    maps = decoder_maps(config, lambda layer: attention_maps(config, 2 * layer, layer))
     return maps + mtp_maps(config, lambda layer: attention_maps(config, 2 * layer, layer)
                            + moe_maps(config, layer))
 
