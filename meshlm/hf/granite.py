@@ -29,14 +29,26 @@ DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008
 SUPPORTED_FEATURES = frozenset({"embedding_multiplier", "attention_scale", "residual_multiplier", "logit_divisor"})
 
 
-def config_from_hf(hf_config: dict) -> ModelConfig:
-    hf = with_defaults(hf_config, DEFAULTS)
+def mup_fields(hf: dict) -> dict:
+    """meshlm's fields of Granite's four muP constants (``hf``: config.json with the defaults); an
+    attention_multiplier of 1/sqrt(head_dim) reads as the default scale."""
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     scale = float(hf["attention_multiplier"])
-    return dense_decoder_config(hf, hf_config, NAME, attention_scale=None if scale == head_dim ** -0.5 else scale,
-                                embedding_multiplier=float(hf["embedding_multiplier"]),
-                                residual_multiplier=float(hf["residual_multiplier"]),
-                                logit_divisor=float(hf["logits_scaling"]))
+    return {"attention_scale": None if scale == head_dim ** -0.5 else scale,
+            "embedding_multiplier": float(hf["embedding_multiplier"]),
+            "residual_multiplier": float(hf["residual_multiplier"]), "logit_divisor": float(hf["logits_scaling"])}
+
+
+def mup_to_hf(config: ModelConfig) -> dict:
+    """``mup_fields`` read back."""
+    scale = config.resolved_head_dim ** -0.5 if config.attention_scale is None else config.attention_scale
+    return {"embedding_multiplier": config.embedding_multiplier, "attention_multiplier": scale,
+            "residual_multiplier": config.residual_multiplier, "logits_scaling": config.logit_divisor}
+
+
+def config_from_hf(hf_config: dict) -> ModelConfig:
+    hf = with_defaults(hf_config, DEFAULTS)
+    return dense_decoder_config(hf, hf_config, NAME, **mup_fields(hf))
 
 
 def unsupported(config: ModelConfig) -> list[str]:
@@ -47,11 +59,8 @@ def unsupported(config: ModelConfig) -> list[str]:
 
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
-    scale = config.resolved_head_dim ** -0.5 if config.attention_scale is None else config.attention_scale
     return dense_decoder_to_hf(config, NAME, MODEL_TYPE, DEFAULTS["max_position_embeddings"],
-                               attention_bias=config.attention_bias, mlp_bias=config.mlp_bias,
-                               embedding_multiplier=config.embedding_multiplier, attention_multiplier=scale,
-                               residual_multiplier=config.residual_multiplier, logits_scaling=config.logit_divisor)
+                               attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, **mup_to_hf(config))
 
 
 ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported)

@@ -38,6 +38,7 @@ from meshlm.errors import ConfigError
 from meshlm.hf.common import (Architecture, TensorMap, common_unsupported, embedding_maps, fused_rows,
                               hf_common_fields, linear_maps, ours_only, rename, require, rope_from_hf,
                               window_unsupported, with_defaults)
+from meshlm.hf.granite import mup_fields, mup_to_hf
 from meshlm.hf.llama import attention_fields, attention_maps, attention_to_hf
 from meshlm.hf.mamba2 import mamba_fields, mamba_mixer_maps
 from meshlm.models.config import ModelConfig
@@ -65,12 +66,7 @@ MAMBA_INIT = {"time_step_min": 0.001, "time_step_max": 0.1, "time_step_floor": 1
 # --- config ------------------------------------------------------------------------------------------
 def granite_fields(hf: dict) -> dict:
     """The muP constants and the attention, MLP and (with experts) MoE fields all three classes share."""
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    scale = float(hf["attention_multiplier"])
-    return dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], **attention_fields(hf),
-                attention_scale=None if scale == head_dim ** -0.5 else scale,
-                embedding_multiplier=float(hf["embedding_multiplier"]),
-                residual_multiplier=float(hf["residual_multiplier"]), logit_divisor=float(hf["logits_scaling"]),
+    return dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], **attention_fields(hf), **mup_fields(hf),
                 mlp_activation="swiglu", mlp_bias=False, norm="rmsnorm", norm_eps=hf["rms_norm_eps"],
                 tie_embeddings=bool(hf["tie_word_embeddings"]), init_std=hf["initializer_range"],
                 **(dict(moe_num_experts=hf["num_local_experts"], moe_top_k=hf["num_experts_per_tok"],
@@ -212,13 +208,10 @@ def hybrid_unsupported(config: ModelConfig) -> list[str]:
 
 # --- config.json out ---------------------------------------------------------------------------------
 def granite_to_hf(config: ModelConfig, name: str, model_type: str) -> dict:
-    scale = config.resolved_head_dim ** -0.5 if config.attention_scale is None else config.attention_scale
     moe = "E" in config.block_kinds
-    return {**hf_common_fields(config, name, model_type), **attention_to_hf(config),
+    return {**hf_common_fields(config, name, model_type), **attention_to_hf(config), **mup_to_hf(config),
             "num_hidden_layers": config.num_blocks // 2, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
-            "attention_bias": config.attention_bias, "embedding_multiplier": config.embedding_multiplier,
-            "attention_multiplier": scale, "residual_multiplier": config.residual_multiplier,
-            "logits_scaling": config.logit_divisor, "intermediate_size": config.resolved_moe_ffn_hidden_size,
+            "attention_bias": config.attention_bias, "intermediate_size": config.resolved_moe_ffn_hidden_size,
             "num_local_experts": config.moe_num_experts if moe else 0, "num_experts_per_tok": config.moe_top_k,
             "router_aux_loss_coef": config.moe_aux_loss_coeff, "output_router_logits": False,
             "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
