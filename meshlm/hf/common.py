@@ -675,20 +675,23 @@ LAYER_FEATURES = {
                          "Exaone4ForCausalLM normalize each block's output",
     "block_input_norm": "Olmo2ForCausalLM and Exaone4ForCausalLM leave the blocks' inputs unnormalized",
     "qk_norm_scope": "Olmo2ForCausalLM normalizes all query (and key) heads together",
-    "norm_zero_centered": "Gemma2ForCausalLM and Gemma3ForCausalLM store norm weights as 1 + w",
-    "embedding_multiplier": "Gemma2ForCausalLM, Gemma3ForCausalLM (by sqrt(hidden_size)) and GraniteForCausalLM "
-                            "scale the embeddings",
-    "residual_multiplier": "GraniteForCausalLM scales each block's output before the residual add",
-    "logit_divisor": "GraniteForCausalLM and CohereForCausalLM scale the logits (logits_scaling, logit_scale)",
+    "norm_zero_centered": "GemmaForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM store norm weights as 1 + w",
+    "embedding_multiplier": "GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (by sqrt(hidden_size)), "
+                            "GraniteForCausalLM and the Granite MoE classes scale the embeddings",
+    "residual_multiplier": "GraniteForCausalLM and the Granite MoE classes scale each block's output before the "
+                           "residual add",
+    "logit_divisor": "GraniteForCausalLM, the Granite MoE classes and CohereForCausalLM scale the logits "
+                     "(logits_scaling, logit_scale)",
     "rope_local_theta": "Gemma3ForCausalLM and Olmo3ForCausalLM give the sliding layers a RoPE of their own",
-    "attention_scale": "Gemma2ForCausalLM and Gemma3ForCausalLM (query_pre_attn_scalar) and GraniteForCausalLM "
-                       "(attention_multiplier) scale attention by other than 1/sqrt(head_dim)",
+    "attention_scale": "Gemma2ForCausalLM and Gemma3ForCausalLM (query_pre_attn_scalar), GraniteForCausalLM and "
+                       "the Granite MoE classes (attention_multiplier) scale attention by other than 1/sqrt(head_dim)",
     "attention_softcap": "Gemma2ForCausalLM soft-caps attention scores",
     "final_logit_softcap": "Gemma2ForCausalLM and Gemma3ForCausalLM soft-cap the output logits",
     "position_embedding": "GPT2LMHeadModel and GPTBigCodeForCausalLM add learned position embeddings",
     "attention_type": "DeepseekV3ForCausalLM has multi-head latent attention",
     "rope_fraction": "Phi3ForCausalLM, GPTNeoXForCausalLM, StableLmForCausalLM, PhiForCausalLM, GPTJForCausalLM, "
-                     "GlmForCausalLM and Glm4ForCausalLM rotate part of each head (partial_rotary_factor, rotary_dim)",
+                     "GlmForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM and BambaForCausalLM rotate part of each "
+                     "head (partial_rotary_factor, rotary_dim)",
     "parallel_residual": "GPTNeoXForCausalLM, StableLmForCausalLM, FalconForCausalLM, PhiForCausalLM, "
                          "GPTJForCausalLM and CohereForCausalLM run attention and MLP side by side",
     "parallel_residual_shared_norm": "StableLmForCausalLM's, FalconForCausalLM's, PhiForCausalLM's, "

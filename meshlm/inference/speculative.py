@@ -140,9 +140,9 @@ class MTPDrafter:
     def choose(self, normed_hidden: torch.Tensor) -> torch.Tensor:
         """A depth's draft [1, 1] after its last position: its most likely token, or with sampling one
         drawn from its distribution (kept in ``draft_probs`` for the verification)."""
-        logits = restrict_vocab(self.model.head_logits(normed_hidden, normed=True), self.valid_vocab_size)
         if self.sampling.greedy:
-            return logits.argmax(-1)
+            return greedy_tokens(self.model, normed_hidden, self.valid_vocab_size, normed=True)
+        logits = restrict_vocab(self.model.head_logits(normed_hidden, normed=True), self.valid_vocab_size)
         probs = token_probs(logits[:, -1], self.sampling)
         self.draft_probs.append(probs)
         return torch.multinomial(probs, 1, generator=self.generator)

@@ -277,7 +277,8 @@ def latent_attention_lora_bytes(model, dtype_bytes: int, output: float, adapter,
     else:
         change, query_down = adapter("q_a_proj", h) + adapter("q_b_proj", q_rank) - 4 * q_rank \
             - input_dropped("q_b_proj", q_rank), "q_a_proj"
-    change += adapter("kv_a_proj", h) + adapter("kv_b_proj", kv_rank) - 4 * kv_rank - input_dropped("kv_b_proj", kv_rank)
+    change += adapter("kv_a_proj", h) + adapter("kv_b_proj", kv_rank) - 4 * kv_rank \
+        - input_dropped("kv_b_proj", kv_rank)
     if input_dropped(query_down, h) and input_dropped("kv_a_proj", h):  # no adapter keeps the norm's output
         change -= h * dtype_bytes
     return change + adapter("o_proj", output) - input_dropped("o_proj", output)
@@ -330,7 +331,8 @@ def lora_bytes(kind: str, config, model, layout) -> float:
         """The input of a frozen layer nothing else saves, which only its adapter without dropout keeps."""
         return 0.0 if name in targets and not dropout else width * dtype_bytes
 
-    norm = -4 * h / shards if model.block_input_norm and model.norm == "rmsnorm" else 0.0  # no normalized product
+    norm = ((own_norm_bytes(h, dtype_bytes, model.norm, frozen=True) - own_norm_bytes(h, dtype_bytes, model.norm))
+            / shards if model.block_input_norm else 0.0)  # a frozen norm keeps no normalized product
     if kind == "*":
         query, key_value, _, output = attention_widths(model)
         if model.attention_type == "mla":

@@ -9,7 +9,7 @@
     out = y + gate(tokens) * shared_expert(tokens)     (only with a shared expert; gate only if set)
 
 This is a sparse replacement for the dense MLP (Shazeer et al. 2017; Switch Transformer; Mixtral;
-Qwen3-MoE): each token pays for k experts of width F while the layer holds E of them. Two
+Qwen3-MoE): each token pays for k experts of width F while the layer holds E of them. Three
 variations of recent models are built in:
 
 - a *shared expert* (DeepSeekMoE, Nemotron 3): an ordinary MLP every token goes through, added
