@@ -173,8 +173,9 @@ class StoredTensor:
 
 
 def load(value) -> torch.Tensor:
-    """A tensor in memory as it is; a ``StoredTensor`` read from its file."""
-    return value.load() if isinstance(value, StoredTensor) else value
+    """A tensor in memory as it is; a ``StoredTensor`` read from its file (and any other handle with a
+    ``load()``, such as an HF adapter's tensor computed from stored ones, read when asked)."""
+    return value if isinstance(value, torch.Tensor) else value.load()
 
 
 class SafetensorsReader:

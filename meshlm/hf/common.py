@@ -706,6 +706,9 @@ LAYER_FEATURES = {
     "moe_shared_expert_gate": "Qwen2MoeForCausalLM gates its shared expert",
     "query_scale_beta": "Ministral3ForCausalLM scales its queries by position (llama_4_scaling_beta)",
     "qk_norm_after_rope": "HunYuanDenseV1ForCausalLM normalizes q and k after RoPE",
+    "attention_sinks": "GptOssForCausalLM adds a learned sink to each head's softmax",
+    "moe_router_bias": "GptOssForCausalLM's router has a bias",
+    "moe_expert_linear_bias": "GptOssForCausalLM's experts have biases",
 }
 """Layer features only some HF classes hold, and which."""
 
@@ -729,7 +732,9 @@ def layer_features(config: ModelConfig) -> dict[str, tuple[bool, str]]:
             "rope_pattern": config.rope_pattern != "R",
             "moe_shared_expert_gate": config.moe_shared_expert_gate and "E" in config.block_kinds,
             "query_scale_beta": config.query_scale_beta != 0 and "*" in config.block_kinds,
-            "qk_norm_after_rope": config.qk_norm and config.qk_norm_after_rope}
+            "qk_norm_after_rope": config.qk_norm and config.qk_norm_after_rope,
+            "attention_sinks": config.attention_sinks,
+            "moe_router_bias": config.moe_router_bias, "moe_expert_linear_bias": config.moe_expert_linear_bias}
     return {name: (used[name], f"model.{name}={getattr(config, name)!r} (only {holder})")
             for name, holder in LAYER_FEATURES.items()}
 

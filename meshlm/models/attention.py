@@ -61,16 +61,18 @@ from meshlm.errors import ConfigError
 from meshlm.models.cache import AttentionCache
 from meshlm.models.dropout import apply_keep_mask, attention_keep_mask, dropout_site, required_key
 from meshlm.models.fused_linear import project_together
+from meshlm.models.init import constant
 from meshlm.models.lora import adapted, lora_coordinates
 from meshlm.models.norms import HeadNorm, RMSNorm
 from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
-from meshlm.models.softcap import soft_cap, softcapped_attention
+from meshlm.models.explicit_attention import explicit_attention
+from meshlm.models.softcap import soft_cap
 
 
 def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    key_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
                    window: int | None = None, scale: float | None = None,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of query [b, heads, t, d] over key/value [b, kv_heads, s, d], s >= t.
 
     The t queries are the last t of the s positions (s > t while decoding with a cache).
@@ -82,16 +84,19 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ``scale``: the factor on q k^T (``model.attention_scale``); None: 1/sqrt(d).
     ``softcap``: scores become softcap * tanh(score / softcap) (``model.attention_softcap``,
     ``meshlm/models/softcap.py``); None: uncapped.
+    ``sinks`` [heads]: each head's sink logit joins its softmax denominators (``model.attention_sinks``,
+    ``meshlm/models/explicit_attention.py``); None: none.
     """
     query_len, key_len = query.shape[2], key.shape[2]
+    head_sinks = None if sinks is None else sinks[:, None]  # a logit per row of each head's [t, s] scores
     if window is not None and window >= key_len:
         window = None  # every query sees all its keys anyway
     if document_ids is not None:
         if key_mask is not None or query_len != key_len:
             raise ValueError("attention over packed documents takes whole sequences without padding or a cache")
-        return document_attention(query, key, value, document_ids, window, scale, softcap)
+        return document_attention(query, key, value, document_ids, window, scale, softcap, sinks)
     if key_mask is None and query_len == key_len:
-        return causal_attention(query, key, value, window, scale, softcap)
+        return causal_attention(query, key, value, window, scale, softcap, sinks)
     if window is not None:  # keys before the first query's window are never read
         first = max(key_len - query_len - window + 1, 0)
         key, value = key[:, :, first:], value[:, :, first:]
@@ -103,26 +108,28 @@ def attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # (values as they are: a few rows of scores, and padding would copy the whole cache every step)
         allowed = None if key_mask is None else allowed_keys(1, key_len, key_mask, query.device, window=window)
         out = scaled_dot_product(query.transpose(1, 2), key, value, allowed, scale=scale, softcap=softcap,
-                                 pad_values=False)
+                                 pad_values=False, sinks=sinks)  # the heads are the rows here
         return out.transpose(1, 2)
     if key_mask is None and query_len == 1:  # decoding: the newest position sees every key left, no mask to build
-        return scaled_dot_product(query, key, value, scale=scale, softcap=softcap)
+        return scaled_dot_product(query, key, value, scale=scale, softcap=softcap, sinks=head_sinks)
     allowed = allowed_keys(query_len, key_len, key_mask, query.device, window=window)
-    return scaled_dot_product(query, key, value, allowed, scale=scale, softcap=softcap)
+    return scaled_dot_product(query, key, value, allowed, scale=scale, softcap=softcap, sinks=head_sinks)
 
 
 def scaled_dot_product(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
-                       softcap: float | None = None, pad_values: bool = True) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` (grouped KV heads allowed), or with ``softcap`` its explicit
-    counterpart with capped scores (``softcapped_attention``): the one call every path here makes.
+                       softcap: float | None = None, pad_values: bool = True,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (grouped KV heads allowed), or with ``softcap`` or ``sinks``
+    (a logit per row, broadcastable to [b, heads, t]) its explicit counterpart with capped scores or
+    sinks in the denominators (``explicit_attention``): the one call every path here makes.
 
     Value heads narrower than the query and key heads (multi-head latent attention's) are
     zero-padded to their width (unless ``pad_values`` is false) and the output's padded channels
     (zeros) cut off again: the fused kernels want one width for q, k and v, and without one SDPA
     would take its math path, which keeps the [t, s] probabilities. The scale is q's width's either way."""
-    if softcap is not None:
-        return softcapped_attention(query, key, value, softcap, attn_mask, is_causal, scale)
+    if softcap is not None or sinks is not None:
+        return explicit_attention(query, key, value, attn_mask, is_causal, scale, softcap, sinks)
     value_width = value.shape[-1]
     if pad_values and value_width < query.shape[-1]:
         value = F.pad(value, (0, query.shape[-1] - value_width))
@@ -133,11 +140,13 @@ def scaled_dot_product(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      window: int | None = None, scale: float | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
-    """Causal attention of s queries over their own s keys: whole, or within ``window``."""
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of s queries over their own s keys: whole, or within ``window`` (``sinks``:
+    [heads], as ``attention_core``'s)."""
+    head_sinks = None if sinks is None else sinks[:, None]
     if window is None or window >= query.shape[2]:
-        return scaled_dot_product(query, key, value, is_causal=True, scale=scale, softcap=softcap)
-    return windowed_attention(query, key, value, window, scale, softcap)
+        return scaled_dot_product(query, key, value, is_causal=True, scale=scale, softcap=softcap, sinks=head_sinks)
+    return windowed_attention(query, key, value, window, scale, softcap, sinks)
 
 
 def window_chunks(seq_len: int, window: int) -> int:
@@ -147,7 +156,8 @@ def window_chunks(seq_len: int, window: int) -> int:
 
 
 def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int,
-                       scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                       scale: float | None = None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Sliding-window causal attention of query [b, heads, s, d] over key/value [b, kv_heads, s, d]
     (query i sees keys i - window + 1 .. i), chunk by chunk with one band mask (the module docstring)."""
     batch, heads, length, head_dim = query.shape
@@ -155,8 +165,9 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     padding = chunks * window - length
     if padding:  # padded keys come after every real query, so no real query sees them
         query, key, value = (F.pad(tensor, (0, 0, 0, padding)) for tensor in (query, key, value))
+    head_sinks = None if sinks is None else sinks[:, None]
     first = scaled_dot_product(query[:, :, :window], key[:, :, :window], value[:, :, :window], is_causal=True,
-                               scale=scale, softcap=softcap)
+                               scale=scale, softcap=softcap, sinks=head_sinks)
 
     def chunked(tensor: torch.Tensor) -> torch.Tensor:  # [b, n, c, d] per head -> [b, heads, n, c, d]
         return tensor.unflatten(2, (chunks, window))
@@ -171,7 +182,7 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     columns = torch.arange(2 * window, device=query.device)[None, :]
     band = (columns > rows) & (columns <= rows + window)  # [w, 2w]: 0 <= (w + i) - j < w
     rest = scaled_dot_product(folded(chunked(query)[:, :, 1:]), folded(pair_keys), folded(pair_values), band,
-                              scale=scale, softcap=softcap)
+                              scale=scale, softcap=softcap, sinks=head_sinks)
     rest = rest.unflatten(0, (batch, chunks - 1)).transpose(1, 2).flatten(2, 3)
     return torch.cat((first, rest), dim=2)[:, :, :length]
 
@@ -188,7 +199,8 @@ def document_spans(document_ids: torch.Tensor) -> list[tuple[tuple[int, int], ..
 
 def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        document_ids: torch.Tensor, window: int | None = None,
-                       scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                       scale: float | None = None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within each document of ``document_ids`` [b, s]: one causal SDPA call per
     document span (``causal_attention``, within ``window`` if given), over all the rows that share
     the same spans (the module docstring)."""
@@ -203,7 +215,7 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             index = torch.tensor(rows, device=query.device)
             q, k, v = query.index_select(0, index), key.index_select(0, index), value.index_select(0, index)
         pieces = [causal_attention(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], window, scale,
-                                   softcap)
+                                   softcap, sinks)
                   for start, stop in spans]
         outputs.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
         order += rows
@@ -234,7 +246,8 @@ def allowed_keys(query_len: int, key_len: int, key_mask: torch.Tensor | None, de
 def attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            key_mask: torch.Tensor | None, keep: torch.Tensor, p: float,
                            document_ids: torch.Tensor | None = None, window: int | None = None,
-                           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``attention_core`` with dropout on the probabilities: softmax(q k^T / sqrt(d) + mask), then
     the ``keep`` mask [b, heads, t, s] and the 1/(1-p) scale, then times v. (It holds [t, s]
     probabilities anyway, so packed documents are a mask here.)"""
@@ -243,7 +256,12 @@ def attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.
     scores = (query @ key.transpose(-2, -1)) * (query.shape[-1] ** -0.5 if scale is None else scale)
     allowed = allowed_keys(query.shape[2], key.shape[2], key_mask, query.device, document_ids, window)
     scores = scores.float() if softcap is None else soft_cap(scores.float(), softcap)
-    probabilities = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        probabilities = torch.softmax(scores, dim=-1)
+    else:  # the sink is one more column, with no value: dropped after the softmax
+        sink_column = sinks.float()[:, None, None].expand(*scores.shape[:-1], 1)
+        probabilities = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1]
     return apply_keep_mask(probabilities.to(value.dtype), keep, p) @ value
 
 
@@ -306,10 +324,17 @@ class SelfAttention(nn.Module):
         self.window = config.sliding_window
         """Sliding window (tokens a query sees, itself included) of this block, None for full causal
         attention (``config`` is the block's own: ``ModelConfig.for_block``)."""
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
+        """[heads]: each query head's sink logit (``model.attention_sinks``), None without sinks; under
+        tensor parallelism the rank's heads' (split with them)."""
         self.dropout_p = config.attention_dropout
         self.dropout_site = dropout_site("attention_probs", layer_index)
         self.lora_dropout = config.lora_dropout
         """``model.lora_dropout``: whether the projections' adapters need the tokens' coordinates."""
+
+    def init_rules(self, config) -> dict:
+        """The sinks start at 0: each row's denominator gains exp(0) = 1, as if one more key scored 0."""
+        return {"sinks": constant(0.0)}
 
     @property
     def head_offset(self) -> int:
@@ -391,6 +416,8 @@ class SelfAttention(nn.Module):
             options["scale"] = scale
         if self.softcap is not None:
             options["softcap"] = self.softcap
+        if self.sinks is not None:
+            options["sinks"] = self.sinks
         if self.recompute_core and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(core, query, key, value, key_mask, *dropout, use_reentrant=False,
                                                     **options)

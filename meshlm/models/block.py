@@ -74,7 +74,7 @@ def build_mixer(kind: str, config: ModelConfig, layer_index: int) -> nn.Module:
         return LatentAttention(config, layer_index) if config.attention_type == "mla" else SelfAttention(config, layer_index)
     if kind == "-":
         return MLP(config.hidden_size, config.resolved_ffn_hidden_size, config.mlp_activation, config.mlp_bias,
-                   config.lora_dropout)
+                   config.lora_dropout, config.swiglu_limit, config.swiglu_alpha)
     if kind == "M":
         return Mamba2Mixer(config, layer_index)
     if kind == "E":

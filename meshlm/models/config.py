@@ -32,7 +32,7 @@ from meshlm.errors import ConfigError, check_choice
 from meshlm.kernels import triton_installed
 from meshlm.models.pattern import BLOCK_KINDS, parallel_residual_pairs, parse_pattern
 
-ACTIVATIONS = ("swiglu", "geglu", "squared_relu", "gelu", "gelu_tanh", "relu", "silu")
+ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu", "squared_relu", "gelu", "gelu_tanh", "relu", "silu")
 NORMS = ("rmsnorm", "layernorm")
 POSITION_EMBEDDINGS = ("rope", "none", "learned")
 ATTENTION_TYPES = ("gqa", "mla")
@@ -226,6 +226,11 @@ class ModelConfig:
     score s becomes cap * tanh(s / cap) before the mask and softmax, so no score leaves (-cap, cap).
     SDPA has no such option, so these blocks run an explicit core, chunked over the queries
     (meshlm/models/softcap.py). None: no capping."""
+    attention_sinks: bool = False
+    """A learned logit per query head joins every softmax denominator of its attention, as a key that
+    every query sees and whose value is zero, so a head may attend "nowhere" (gpt-oss's sinks;
+    Xiao et al. 2023). The fused kernels take no such term, so these blocks run the explicit core
+    (meshlm/models/explicit_attention.py). False: none."""
     final_logit_softcap: float | None = None
     """Soft-capping of the output logits (Gemma 2's final_logit_softcapping, 30): z becomes
     cap * tanh(z / cap) before the softmax, in the loss, generation and evaluation alike. None: no capping."""
@@ -240,9 +245,16 @@ class ModelConfig:
     # --- MLP -----------------------------------------------------------------------------------
     mlp_activation: str = "swiglu"
     """'swiglu' (gated: silu(x W_gate) * x W_up), 'geglu' (gated: gelu(x W_gate) * x W_up, GELU's
-    tanh approximation as in Gemma), 'squared_relu' (Primer, Nemotron-H), 'gelu' (exact),
-    'gelu_tanh' (GELU's tanh approximation: GPT-2's gelu_new), 'relu' or 'silu' (non-gated). Also
-    used by the MoE experts."""
+    tanh approximation as in Gemma), 'clamped_swiglu' (gated, gpt-oss's: with g = min(x W_gate,
+    swiglu_limit) and u = x W_up clamped to +-swiglu_limit, g sigmoid(swiglu_alpha g) (u + 1)),
+    'squared_relu' (Primer, Nemotron-H), 'gelu' (exact), 'gelu_tanh' (GELU's tanh approximation:
+    GPT-2's gelu_new), 'relu' or 'silu' (non-gated). Also used by the MoE experts."""
+    swiglu_limit: float = 7.0
+    """With mlp_activation=clamped_swiglu: the clamp on the gate (from above) and on the up projection
+    (both sides) before they combine (gpt-oss: 7)."""
+    swiglu_alpha: float = 1.702
+    """With mlp_activation=clamped_swiglu: the gain in the gate's g sigmoid(alpha g) (gpt-oss: 1.702,
+    the sigmoid approximation of GELU's)."""
     ffn_hidden_size: int | None = None
     """Inner width of the dense MLP. None means 4*hidden for non-gated activations and
     8/3*hidden rounded up to a multiple of 64 for SwiGLU (same parameter count)."""
@@ -366,6 +378,13 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False
     """Scale the shared expert's output per token by sigmoid(x w), w a learned [hidden] vector
     (Qwen1.5-MoE / Qwen2-MoE's ``shared_expert_gate``). Needs a shared expert."""
+    moe_router_bias: bool = False
+    """A learned bias on the router logits, one per expert, in the choice and in the weights alike
+    (gpt-oss's router). Unlike the balancing expert bias (moe_bias_update_rate), it is trained by
+    the gradient."""
+    moe_expert_linear_bias: bool = False
+    """Bias terms on the routed experts' gate, up and down projections, one set per expert
+    (gpt-oss's experts; Mixtral's, Qwen3-MoE's and Nemotron-H's have none)."""
     moe_score_function: str = "softmax"
     """Router score: 'softmax' over experts, or 'sigmoid' per expert (DeepSeek-V3, Nemotron 3)."""
     moe_softmax_before_topk: bool = True
@@ -474,7 +493,7 @@ class ModelConfig:
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
-        if self.mlp_activation in ("swiglu", "geglu"):
+        if self.mlp_activation in ("swiglu", "geglu", "clamped_swiglu"):
             return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
         return 4 * self.hidden_size
 
@@ -580,6 +599,9 @@ class ModelConfig:
         if "*" in kinds:
             self._validate_attention()
         else:
+            if self.attention_sinks:
+                raise ConfigError(f"model.attention_sinks=true applies to attention blocks, and model.pattern="
+                                  f"{self.pattern!r} has none; set model.attention_sinks=false.")
             for name in ("sliding_window", "attention_softcap"):
                 if getattr(self, name) is not None:
                     raise ConfigError(f"model.{name}={getattr(self, name)} applies to attention blocks, and "
@@ -604,6 +626,11 @@ class ModelConfig:
             self._validate_mamba()
         if "E" in kinds:
             self._validate_moe()
+        else:
+            for name in ("moe_router_bias", "moe_expert_linear_bias"):
+                if getattr(self, name):
+                    raise ConfigError(f"model.{name}=true applies to MoE blocks, and model.pattern={self.pattern!r} "
+                                      f"has none; set model.{name}=false.")
         for name in ("ffn_hidden_size", "moe_ffn_hidden_size", "head_dim", "num_kv_heads",
                      "mamba_num_heads", "moe_latent_size", "moe_router_num_groups", "moe_router_group_top_k"):
             value = getattr(self, name)
@@ -617,6 +644,10 @@ class ModelConfig:
                               "model.moe_shared_expert_ffn_hidden_size > 0 or the gate to false.")
         if self.mtp_depth < 0:
             raise ConfigError(f"model.mtp_depth={self.mtp_depth} must be >= 0 (0 turns MTP off).")
+        if self.mlp_activation == "clamped_swiglu" and not (_positive_number(self.swiglu_limit)
+                                                            and _positive_number(self.swiglu_alpha)):
+            raise ConfigError(f"model.swiglu_limit={self.swiglu_limit!r} and model.swiglu_alpha={self.swiglu_alpha!r} "
+                              "must be positive numbers (gpt-oss: 7 and 1.702).")
         self._validate_head()
         self._validate_lora()
         for name in ("hidden_dropout", "attention_dropout"):

@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.errors import ConfigError
-from meshlm.models import softcap as softcap_module
+from meshlm.models import explicit_attention as explicit_attention_module
 from meshlm.models.attention import allowed_keys, attention_core, attention_with_dropout
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.losses import IGNORE_INDEX, linear_cross_entropy, softmax_cross_entropy_chunk
-from meshlm.models.softcap import soft_cap, soft_cap_slope, softcapped_attention
+from meshlm.models.explicit_attention import softcapped_attention
+from meshlm.models.softcap import soft_cap, soft_cap_slope
 from tests.helpers.cached_decoding import (assert_cached_generation_equals_the_full_forward,
                                            assert_decode_step_equals_the_cached_forward)
 from tests.helpers.saved_tensors import LargestTensor, SavedStorages
@@ -67,7 +68,7 @@ CHUNKINGS = {"one chunk": 2 ** 22, "chunks of 3 rows": 2 * 4 * 24 * 3}
 @pytest.mark.parametrize("chunking", list(CHUNKINGS))
 @pytest.mark.parametrize("window", [None, 5, 30])
 def test_the_capped_core_equals_capped_attention_written_out(monkeypatch, chunking, window):
-    monkeypatch.setattr(softcap_module, "SCORES_PER_CHUNK", CHUNKINGS[chunking])
+    monkeypatch.setattr(explicit_attention_module, "SCORES_PER_CHUNK", CHUNKINGS[chunking])
     inputs = random_qkv(24)
     ours = attention_core(*inputs, window=window, softcap=CAP, scale=0.4)
     expected = capped_reference(*inputs, allowed_keys(24, 24, None, "cpu", window=window), scale=0.4)
@@ -106,7 +107,7 @@ def test_the_capped_core_keeps_only_its_inputs_and_makes_no_sequence_by_sequence
     """Between forward and backward only q, k, v, the output and one log-sum-exp per row are held (no
     scores), and no op of forward or backward returns more than one chunk's scores."""
     seq, rows = 256, 16
-    monkeypatch.setattr(softcap_module, "SCORES_PER_CHUNK", 4 * seq * rows)
+    monkeypatch.setattr(explicit_attention_module, "SCORES_PER_CHUNK", 4 * seq * rows)
     query, key, value = (tensor.detach().float().requires_grad_() for tensor in random_qkv(seq, batch=1))
     with SavedStorages() as saved, LargestTensor() as largest:
         out = softcapped_attention(query, key, value, CAP, is_causal=True)

@@ -18,8 +18,20 @@ the rows times W[e]^T. Two implementations compute it:
 - a loop over *experts* (never over tokens): split the rows into the E contiguous segments and
   do one ordinary matmul per segment.
 
-Both give the same numbers; an expert with zero rows simply contributes an empty segment. The
-experts carry no biases, like the Mixtral, Qwen3-MoE and Nemotron-H experts. Under a low-precision
+Both give the same numbers; an expert with zero rows simply contributes an empty segment.
+
+**Biases** (``model.moe_expert_linear_bias``, gpt-oss's experts). The Mixtral, Qwen3-MoE and
+Nemotron-H experts carry none; gpt-oss's carry one per projection and expert, [E, F] for gate and
+up and [E, d] for down. Each row of segment e gets expert e's bias, gathered by the rows' expert
+index (``bias_rows``). Where the experts are split on their width F (expert tensor parallelism),
+each rank's down projection yields a partial sum over its share of F, and the ranks' partials are
+summed afterwards: the down bias must enter that sum once. So only the first rank of the split
+adds it (``adds_down_bias``), and ``add_once`` hands the rows' gradient to the bias on every rank
+alike -- the rows' gradient is the same on all of them (the sum's backward copies it), so each
+rank's copy of the bias gets the whole, exact gradient and the copies stay equal, as the
+replicated weights of a tensor-parallel layer do.
+
+Under a low-precision
 recipe each stacked weight carries a quantization (``meshlm/precision/quantized_experts.py``)
 that runs the three grouped GEMMs on quantized operands, each expert scaled on its own.
 """
@@ -30,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.models.init import initialize_own_tensors, normal
+from meshlm.models.init import constant, initialize_own_tensors, normal
 from meshlm.models.mlp import activate, is_gated
 
 
@@ -68,6 +80,30 @@ def grouped_linear(tokens: torch.Tensor, weight: torch.Tensor, tokens_per_expert
     return torch.cat([segment @ weight[expert].T for expert, segment in enumerate(segments)])
 
 
+def expert_of_each_row(tokens_per_expert: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[m] int64: the expert of each row of the permuted tokens (segment e is expert e's rows)."""
+    experts = torch.arange(tokens_per_expert.shape[0], device=tokens_per_expert.device)
+    return experts.repeat_interleave(tokens_per_expert, output_size=num_rows)
+
+
+class AddOnce(torch.autograd.Function):
+    """rows + bias on the rank that ``adds`` it, rows elsewhere; the bias's gradient is the rows'
+    on every rank (the module docstring's expert tensor parallelism; in one process, a plain add)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, bias: torch.Tensor, adds: bool) -> torch.Tensor:
+        return rows + bias if adds else rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad, None
+
+
+def add_once(rows: torch.Tensor, bias: torch.Tensor, adds: bool) -> torch.Tensor:
+    """``AddOnce``: the bias added by one rank of a split, its gradient on all of them."""
+    return AddOnce.apply(rows, bias, adds)
+
+
 class GroupedExperts(nn.Module):
     """E expert MLPs over permuted tokens: [m, d] with ``tokens_per_expert`` [E] -> [m, d]."""
 
@@ -84,12 +120,23 @@ class GroupedExperts(nn.Module):
                             if is_gated(config.mlp_activation) else None)
         self.up_weight = nn.Parameter(torch.empty(num_experts, ffn_size, model_size))
         self.down_weight = nn.Parameter(torch.empty(num_experts, model_size, ffn_size))
+        self.swiglu_limit, self.swiglu_alpha = config.swiglu_limit, config.swiglu_alpha
+        """``clamped_swiglu``'s clamp and gain (``model.swiglu_limit``, ``model.swiglu_alpha``)."""
+        with_bias = config.moe_expert_linear_bias
+        self.gate_bias = (nn.Parameter(torch.empty(num_experts, ffn_size))
+                          if with_bias and self.gate_weight is not None else None)
+        self.up_bias = nn.Parameter(torch.empty(num_experts, ffn_size)) if with_bias else None
+        self.down_bias = nn.Parameter(torch.empty(num_experts, model_size)) if with_bias else None
+        self.adds_down_bias = True
+        """Whether this rank adds the down bias to its rows: False on all but the first rank of an
+        expert-tensor-parallel split, whose partial sums meet afterwards (module docstring)."""
         initialize_own_tensors(self, config)
 
     def init_rules(self, config) -> dict:
-        """N(0, init_std) for gate/up; the scaled output std for down (it feeds the residual)."""
+        """N(0, init_std) for gate/up; the scaled output std for down (it feeds the residual); biases 0."""
         return {"gate_weight": normal(config.init_std), "up_weight": normal(config.init_std),
-                "down_weight": normal(config.output_init_std)}
+                "down_weight": normal(config.output_init_std), "gate_bias": constant(0.0),
+                "up_bias": constant(0.0), "down_bias": constant(0.0)}
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
                 rows_per_source: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,9 +148,16 @@ class GroupedExperts(nn.Module):
                 return self.quantizations[name].linear(inputs, weight, tokens_per_expert, rows_per_source)
             return grouped_linear(inputs, weight, tokens_per_expert, self.use_grouped_mm)
 
+        experts_of_rows = None if self.up_bias is None else expert_of_each_row(tokens_per_expert, tokens.shape[0])
         up = linear(tokens, "up_weight")
         gate = linear(tokens, "gate_weight") if self.gate_weight is not None else None
-        return linear(activate(self.activation, up, gate), "down_weight")
+        if experts_of_rows is not None:
+            up = up + self.up_bias[experts_of_rows]
+            gate = gate if gate is None else gate + self.gate_bias[experts_of_rows]
+        out = linear(activate(self.activation, up, gate, self.swiglu_limit, self.swiglu_alpha), "down_weight")
+        if experts_of_rows is None:
+            return out
+        return add_once(out, self.down_bias[experts_of_rows], self.adds_down_bias)
 
     def extra_repr(self) -> str:
         num_experts, ffn_size, model_size = self.up_weight.shape

@@ -80,7 +80,8 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(config, model_size=latent or hidden)
         self.latent_out_proj = nn.Linear(latent, hidden, bias=config.mlp_bias) if latent else None
         shared_size = config.moe_shared_expert_ffn_hidden_size
-        self.shared_expert = (MLP(hidden, shared_size, config.mlp_activation, config.mlp_bias, config.lora_dropout)
+        self.shared_expert = (MLP(hidden, shared_size, config.mlp_activation, config.mlp_bias, config.lora_dropout,
+                                  config.swiglu_limit, config.swiglu_alpha)
                               if shared_size > 0 else None)
         self.shared_expert_gate = SharedExpertGate(config) if config.moe_shared_expert_gate else None
 

@@ -2,7 +2,7 @@
 
 A Mixture-of-Experts layer (Shazeer et al. 2017) sends each token to k of E expert MLPs and
 adds their outputs, weighted by the router. The router is one linear map, logits = x W^T
-([tokens, E]), computed in fp32 even inside a bf16/fp16 autocast region, because small
+([tokens, E]; plus a learned bias b_r with ``model.moe_router_bias``, gpt-oss's), computed in fp32 even inside a bf16/fp16 autocast region, because small
 differences between logits decide which expert a token visits. Three ways to turn logits into
 a choice and weights are in use:
 
@@ -117,6 +117,8 @@ class TopKRouter(nn.Module):
         self.group_top_k = config.moe_router_group_top_k
         self.bias_update_rate = config.moe_bias_update_rate
         self.weight = nn.Parameter(torch.empty(config.moe_num_experts, config.hidden_size))
+        self.bias = nn.Parameter(torch.empty(config.moe_num_experts)) if config.moe_router_bias else None
+        """[E]: the logits' learned bias (``model.moe_router_bias``), None without one."""
         self.register_buffer("expert_bias", torch.zeros(config.moe_num_experts), persistent=True)
         self.recorded_load: torch.Tensor | None = None
         """[E] float: assignments made in training forwards since the last bias update (only
@@ -124,13 +126,13 @@ class TopKRouter(nn.Module):
         initialize_own_tensors(self, config)
 
     def init_rules(self, config) -> dict:
-        return {"weight": normal(config.init_std), "expert_bias": constant(0.0)}
+        return {"weight": normal(config.init_std), "bias": constant(0.0), "expert_bias": constant(0.0)}
 
     def forward(self, tokens: torch.Tensor, record_load: bool = True) -> Routing:
         """Route ``tokens`` [n, hidden]. ``record_load=False``: the caller records the load itself
         (expert parallelism routes a share of the micro-batch and records the whole one's)."""
         with full_precision(tokens.device.type):
-            logits = F.linear(tokens.float(), self.weight.float())
+            logits = F.linear(tokens.float(), self.weight.float(), None if self.bias is None else self.bias.float())
             if self.score_function == "sigmoid":
                 choice_scores = logits.sigmoid()
                 probs = choice_scores / choice_scores.sum(dim=-1, keepdim=True)
