@@ -54,26 +54,27 @@ SUPPORTED_KINDS = frozenset("*M-L0")
 def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_buffer: torch.Tensor,
                      value_buffer: torch.Tensor, held: torch.Tensor, mask_buffer: Optional[torch.Tensor],
                      window: Optional[int] = None, first_slot: Optional[torch.Tensor] = None,
-                     scale: Optional[float] = None, softcap: Optional[float] = None) -> torch.Tensor:
+                     scale: Optional[float] = None, softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Write key/value [b, kv_heads, t, d] into the buffers after their ``held`` tokens (a 0-d
     tensor), then attend with query [b, heads, t, d] over all held tokens (``attention_core``;
     ``mask_buffer`` [b, tokens], False on padding, or None: no padding; ``window``: the block's
     sliding window, None for full attention -- only the last ``window`` keys are read;
     ``first_slot``: the mask slot of the buffers' first key, a 0-d tensor, when a sliding-window
     cache has dropped older ones; ``scale``: the factor on q k^T, None for 1/sqrt(d); ``softcap``: the
-    scores' soft cap, None for none)."""
+    scores' soft cap, None for none; ``sinks``: the heads' attention sinks, None for none)."""
     end = int(held) + key.shape[2]
     key_buffer[:, :, end - key.shape[2]:end] = key
     value_buffer[:, :, end - key.shape[2]:end] = value
     first = 0 if first_slot is None else int(first_slot)
     key_mask = None if mask_buffer is None else mask_buffer[:, first:first + end]
     return attention_core(query, key_buffer[:, :, :end], value_buffer[:, :, :end], key_mask,
-                          window=window, scale=scale, softcap=softcap).contiguous()
+                          window=window, scale=scale, softcap=softcap, sinks=sinks).contiguous()
 
 
 @cached_attention.register_fake
 def _(query, key, value, key_buffer, value_buffer, held, mask_buffer, window=None, first_slot=None, scale=None,
-      softcap=None):
+      softcap=None, sinks=None):
     return query.new_empty(query.shape)
 
 
@@ -182,7 +183,7 @@ class DecodeStep:
                 held_and_first = next(counts)
                 attended = cached_attention(query, key, value, next(kv), next(kv), held_and_first[0], mask_buffer,
                                             block.mixer.window, held_and_first[1], block.mixer.cached_scale,
-                                            block.mixer.softcap)
+                                            block.mixer.softcap, block.mixer.sinks)
                 attended = block.mixer.from_cached_output(attended)
                 mixed = block.mixer.o_proj(attended.transpose(1, 2).flatten(2))
             elif block.kind == "M":

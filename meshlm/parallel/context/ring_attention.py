@@ -72,6 +72,13 @@ fp32), as no fused kernel here takes a mask; at most two per query chunk cross a
 **Soft-capped scores** (``softcap``, ``model.attention_softcap``): the merge is unchanged, since
 each block's partial softmax is over its capped scores; every block takes the reference path, whose
 backward carries dS through the cap's slope.
+
+**Attention sinks** (``sinks``, ``model.attention_sinks``): a sink is one more column of every row's
+softmax, with a zero value, so it is merged once after the ring like one more block with no output:
+lse' = logaddexp(lse, sink), out' = exp(lse - lse') out. The backward runs as before with the final
+out' and lse' (P = exp(S - lse') are then the sink softmax's columns), and the sink's gradient is
+its column's dS = -exp(sink - lse') rowsum(dO * O), summed over the rows: summed over the CP ranks
+(each holds its own rows) with the other dense gradients.
 """
 
 from __future__ import annotations
@@ -140,7 +147,7 @@ def _wait(requests) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, context, layout, chunk_documents, window, scale, softcap):
+    def forward(ctx, query, key, value, sinks, context, layout, chunk_documents, window, scale, softcap):
         ring = Ring(context, layout)
         scale, slot = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale, query.shape[2] // 2
         wide = accumulation_dtype(query.dtype)
@@ -155,14 +162,18 @@ class _RingAttention(torch.autograd.Function):
                 merge_into(out[batch], lse[batch], rows, block_out, block_lse)
             _wait(requests)
             kv = incoming
+        if sinks is not None:  # one more column of every row's softmax, with no value
+            with_sink = torch.logaddexp(lse, sinks.to(wide)[:, None])
+            out *= torch.exp(lse - with_sink).unsqueeze(-1)
+            lse = with_sink
         output = out.to(query.dtype)  # the same tensor when the run is fp32 or fp64
-        ctx.save_for_backward(query, key, value, output, lse)
+        ctx.save_for_backward(query, key, value, output, lse, sinks)
         ctx.ring, ctx.scale, ctx.chunk_documents, ctx.window, ctx.softcap = ring, scale, chunk_documents, window, softcap
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, key, value, output, lse = ctx.saved_tensors
+        query, key, value, output, lse, sinks = ctx.saved_tensors
         ring, scale, slot = ctx.ring, ctx.scale, query.shape[2] // 2
         grad_query = torch.zeros(query.shape, dtype=lse.dtype, device=query.device)
         kv = torch.stack((key, value)).contiguous()
@@ -181,8 +192,12 @@ class _RingAttention(torch.autograd.Function):
             _wait(requests)
             _wait(grad_requests)
             kv = incoming
-        return (grad_query.to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype), None, None, None,
-                None, None, None)
+        grad_sinks = None
+        if sinks is not None:  # the sink column's dS = -P_sink rowsum(dO * O), summed over the rows
+            delta = (grad_output.to(lse.dtype) * output.to(lse.dtype)).sum(-1)
+            grad_sinks = -(torch.exp(sinks.to(lse.dtype)[:, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
+        return (grad_query.to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype), grad_sinks, None,
+                None, None, None, None, None)
 
 
 EVERY_SEQUENCE = slice(None)
@@ -266,7 +281,7 @@ def chunk_document_ids(document_ids: torch.Tensor, context, layout=paired_chunks
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context,
                    layout=paired_chunks, document_ids: torch.Tensor | None = None,
                    window: int | None = None, scale: float | None = None,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries [b, heads, 2c, d] over the whole sequence, whose
     keys/values [b, kv_heads, 2c, d] are spread over the CP group as ``layout`` says (each rank's
     two chunks of c tokens, concatenated). Returns [b, heads, 2c, d], equal to the rows of full
@@ -274,7 +289,8 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     [b, 2c] (this rank's tokens' packed documents): attend within each document only. ``window``:
     each query sees only itself and the window - 1 positions before it. ``scale``: the factor on
     q k^T (None: 1/sqrt(d)). ``softcap``: the scores capped at it (every block then takes the
-    reference path). Value heads narrower or wider than the query and key heads (multi-head latent
+    reference path). ``sinks`` [heads]: each head's sink logit in its softmax denominators (applied
+    once the blocks are merged; ``meshlm/models/explicit_attention.py``). Value heads narrower or wider than the query and key heads (multi-head latent
     attention's d_v) travel zero-padded to the wider width, which changes no score and no output
     channel; the output has the values' width."""
     if query.shape[2] % 2 or key.shape[2] != query.shape[2]:
@@ -283,12 +299,12 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     chunk_documents = None if document_ids is None else chunk_document_ids(document_ids, context, layout)
     key_width, value_width = key.shape[-1], value.shape[-1]
     if key_width == value_width:
-        return _RingAttention.apply(query, key, value, context, layout, chunk_documents, window, scale, softcap)
+        return _RingAttention.apply(query, key, value, sinks, context, layout, chunk_documents, window, scale, softcap)
     scale = key_width ** -0.5 if scale is None else scale  # of the unpadded heads
     width = max(key_width, value_width)
     query, key, value = (tensor if tensor.shape[-1] == width else F.pad(tensor, (0, width - tensor.shape[-1]))
                          for tensor in (query, key, value))  # only the narrower side is copied
-    out = _RingAttention.apply(query, key, value, context, layout, chunk_documents, window, scale, softcap)
+    out = _RingAttention.apply(query, key, value, sinks, context, layout, chunk_documents, window, scale, softcap)
     return out[..., :value_width]
 
 
@@ -299,11 +315,13 @@ class RingAttentionCore:
     def __init__(self, context, layout=paired_chunks):
         self.context, self.layout = context, layout
 
-    def __call__(self, query, key, value, key_mask=None, document_ids=None, window=None, scale=None, softcap=None):
+    def __call__(self, query, key, value, key_mask=None, document_ids=None, window=None, scale=None, softcap=None,
+                 sinks=None):
         if key_mask is not None or key.shape[2] != query.shape[2]:
             raise ValueError("context parallelism runs training forwards only: no padding mask and no KV cache "
                              "(generate with a single-process or tensor-parallel model).")
-        return ring_attention(query, key, value, self.context, self.layout, document_ids, window, scale, softcap)
+        return ring_attention(query, key, value, self.context, self.layout, document_ids, window, scale, softcap,
+                              sinks)
 
 
 __all__ = ["Ring", "RingAttentionCore", "SKIP", "attention_blocks", "chunk_document_ids", "merge_into",

@@ -4,7 +4,8 @@ q/k/v are column-parallel (split by heads), o is row-parallel; the input enters 
 region once for q, k and v. KV heads are split when tp divides them; when there are fewer KV
 heads than ranks (GQA), every rank keeps the full k/v projections and computes the rows of the
 KV head its query heads share (``kv_rows_for_rank``). QK-norm weights act on local heads only,
-so their gradients are partial (summed over TP after backward).
+so their gradients are partial (summed over TP after backward). Attention sinks
+(``model.attention_sinks``), one logit per query head, are cut with the heads.
 
 Multi-head latent attention (``meshlm/models/latent_attention.py``) splits its heads the same
 way: the up-projections W_qb (or W_q) and W_kvb are column-parallel, o row-parallel. Its
@@ -23,7 +24,7 @@ from meshlm.models.latent_attention import LatentAttention
 from meshlm.parallel.tensor.layers import (ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear,
                                            column_parallel_input)
 from meshlm.parallel.tensor.norms import ShardedRMSNorm, parallelize_head_norm
-from meshlm.parallel.tensor.sharding import mark_partial_grad
+from meshlm.parallel.tensor.sharding import mark_partial_grad, shard_parameter
 
 
 class TensorParallelSelfAttention(SelfAttention):
@@ -76,6 +77,8 @@ def parallelize_latent_attention(attention: LatentAttention, context) -> None:
     mark_partial_grad(attention.kv_a_norm)
     attention.kv_b_proj = ColumnParallelLinear.from_full(attention.kv_b_proj, context, gather_input=False)
     attention.o_proj = RowParallelLinear.from_full(attention.o_proj, context)
+    if attention.sinks is not None:
+        attention.sinks = shard_parameter(attention.sinks, 0, context, what="the attention sinks")
     attention.num_heads = attention.num_kv_heads = attention.num_heads // context.tp_size
     attention.__class__ = TensorParallelLatentAttention
     attention.parallel_context = context
@@ -109,6 +112,8 @@ def parallelize_attention(attention: SelfAttention, context) -> None:
                           "(kv_heads divisible by tp) or replicated (tp divisible by kv_heads); neither holds.")
     attention.o_proj = RowParallelLinear.from_full(attention.o_proj, context)
     attention.num_heads = heads // tp
+    if attention.sinks is not None:  # one logit per query head: cut with the heads
+        attention.sinks = shard_parameter(attention.sinks, 0, context, what="the attention sinks")
     if attention.qk_norm_all:  # a weight per channel: cut with the heads, statistics over the group
         attention.q_norm = ShardedRMSNorm.from_full(attention.q_norm, context)
         attention.k_norm = ShardedRMSNorm.from_full(attention.k_norm, context)

@@ -35,7 +35,10 @@ by 1/tp (``scale_gradient``); then every term reaching the router is partial and
 is exact up to summation order (the 1/tp scaling itself is exact when tp is a power of two).
 Consequently:
 
-- ``router.weight`` gets a partial gradient on every rank (``tp_partial_grad``).
+- ``router.weight`` (and its bias) gets a partial gradient on every rank (``tp_partial_grad``).
+- The experts' biases (``model.moe_expert_linear_bias``): gate and up biases are cut on F with their
+  weights; the down bias is whole on every rank and added by TP rank 0 only, while every rank gets
+  its full gradient (``experts.add_once``), so it carries no flag.
 - ``latent_in_proj`` (LatentMoE) is replicated and fed by the partial expert gradient: partial.
 - ``latent_out_proj`` is replicated and runs *after* the reduction, at the latent width (so the
   reduction moves n * latent numbers, not n * h). Without SP every rank applies it to the same
@@ -118,9 +121,11 @@ def parallelize_moe(layer: MoELayer, context) -> MoELayer:
     if context.tp_size == 1:
         return layer
     experts = layer.experts
-    for name, ffn_dim in (("gate_weight", 1), ("up_weight", 1), ("down_weight", 2)):  # [E, F, d], [E, d, F]
+    for name, ffn_dim in (("gate_weight", 1), ("up_weight", 1), ("down_weight", 2),  # [E, F, d], [E, d, F]
+                          ("gate_bias", 1), ("up_bias", 1)):  # [E, F]
         if getattr(experts, name) is not None:
             setattr(experts, name, shard_parameter(getattr(experts, name), ffn_dim, context, what=f"experts.{name}"))
+    experts.adds_down_bias = context.tp_rank == 0  # the partial sums meet in the reduction: added once
     experts.tensor_parallel = "ffn"  # how the experts are cut, for a low-precision recipe (precision/model_recipe.py)
     shared = layer.shared_expert
     if shared is not None:  # an MLP split on its width, fed the input the layer already gathered

@@ -7,7 +7,10 @@ positions, of ``F.scaled_dot_product_attention(is_causal=True)`` on the whole se
 its gradients (fp64, 1e-12). At cp 2 and 4, with the balanced chunk pairing and with the naive
 contiguous split, and at cp2 x tp2 (each TP rank rings its own heads; CP groups {0, 2}, {1, 3}
 are not consecutive ranks); with soft-capped scores (``softcap``, every block on the reference
-path) against capped attention written out, at cp2, cp4 with a window and cp2 x tp2. One process checks the block rule and the online-softmax merge.
+path) against capped attention written out, at cp2, cp4 with a window and cp2 x tp2; with attention
+sinks (``sinks``, merged after the ring) against the sink softmax written out, their gradient summed
+over the CP ranks, at cp2 x tp2, cp4 with a window and cp2 with a cap. One process checks the block
+rule and the online-softmax merge.
 
 The blocks go through the fused kernel (meshlm/parallel/context/block_attention.py; on CPU the
 CPU flash kernel, which takes fp64, so every exactness check here is fp64 at 1e-12): one
@@ -45,35 +48,42 @@ def band_mask(window: int) -> torch.Tensor:
     return (distance >= 0) & (distance < window)
 
 
-def capped_attention(query, key, value, mask, cap):
-    """softmax(cap tanh(q k^T / sqrt(d) / cap), masked) v, written out (GQA by repeating K/V)."""
+def capped_attention(query, key, value, mask, cap, sinks=None):
+    """softmax(cap tanh(q k^T / sqrt(d) / cap), masked) v, written out (GQA by repeating K/V); no cap
+    with ``cap`` None; ``sinks`` [heads]: one more softmax column per head, with no value."""
     group = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-    scores = soft_cap(query @ key.transpose(-1, -2) * query.shape[-1] ** -0.5, cap)
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ value
+    scores = query @ key.transpose(-1, -2) * query.shape[-1] ** -0.5
+    scores = (scores if cap is None else soft_cap(scores, cap)).masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ value
+    sink_column = sinks[:, None, None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1] @ value
 
 
-def full_attention_and_gradients(window: int | None = None, softcap: float | None = None):
+def full_attention_and_gradients(window: int | None = None, softcap: float | None = None, sinks: bool = False):
     generator = torch.Generator().manual_seed(0)
     shapes = [(BATCH, HEADS, SEQ, HEAD_DIM), (BATCH, KV_HEADS, SEQ, HEAD_DIM), (BATCH, KV_HEADS, SEQ, HEAD_DIM)]
     query, key, value = (torch.randn(shape, generator=generator, dtype=torch.float64, requires_grad=True)
                          for shape in shapes)
     grad_out = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=generator, dtype=torch.float64)
-    if softcap is not None:
+    sink_logits = torch.randn(HEADS, generator=generator, dtype=torch.float64, requires_grad=True) if sinks else None
+    if softcap is not None or sinks:
         mask = band_mask(window or SEQ)
-        out = capped_attention(query, key, value, mask, softcap)
+        out = capped_attention(query, key, value, mask, softcap, sink_logits)
     elif window is None:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=band_mask(window), enable_gqa=True)
     out.backward(grad_out)
-    return (query, key, value), out.detach(), grad_out
+    return (query, key, value), out.detach(), grad_out, sink_logits
 
 
-def ring_errors(cp: int, tp: int, layout_name: str, window: int | None = None, softcap: float | None = None) -> dict:
+def ring_errors(cp: int, tp: int, layout_name: str, window: int | None = None, softcap: float | None = None,
+                sinks: bool = False) -> dict:
     context = build_parallel_context(ParallelConfig(cp=cp, tp=tp, check_collectives=True), ModelConfig(),
                                      torch.device("cpu"))
-    (query, key, value), out, grad_out = full_attention_and_gradients(window, softcap)
+    (query, key, value), out, grad_out, sink_logits = full_attention_and_gradients(window, softcap, sinks)
     layout = CHUNK_LAYOUTS[layout_name]
     positions = local_token_positions(SEQ, context.cp_rank, cp, layout)
     heads = slice(context.tp_rank * HEADS // tp, (context.tp_rank + 1) * HEADS // tp)
@@ -81,12 +91,20 @@ def ring_errors(cp: int, tp: int, layout_name: str, window: int | None = None, s
     mine = lambda tensor, rows: tensor.detach()[:, rows][:, :, positions].clone()  # noqa: E731
     local = [mine(query, heads).requires_grad_(), mine(key, kv_heads).requires_grad_(),
              mine(value, kv_heads).requires_grad_()]
-    local_out = ring_attention(*local, context, layout, window=window, softcap=softcap)
+    local_sinks = None if sink_logits is None else sink_logits.detach()[heads].clone().requires_grad_()
+    local_out = ring_attention(*local, context, layout, window=window, softcap=softcap, sinks=local_sinks)
     local_out.backward(mine(grad_out, heads))
     expected = [mine(out, heads), mine(query.grad, heads), mine(key.grad, kv_heads), mine(value.grad, kv_heads)]
     actual = [local_out, *(tensor.grad for tensor in local)]
+    names = ["out", "dq", "dk", "dv"]
+    if local_sinks is not None:  # each CP rank's rows give a share of the sinks' gradient
+        grad_sinks = local_sinks.grad.clone()
+        torch.distributed.all_reduce(grad_sinks, group=context.cp_group.process_group)
+        expected.append(sink_logits.grad[heads])
+        actual.append(grad_sinks)
+        names.append("dsinks")
     compare_collectives(context, "after ring attention")  # the ring's messages match, in order
-    return {name: float((a - e).abs().max()) for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected)}
+    return {name: float((a - e).abs().max()) for name, a, e in zip(names, actual, expected)}
 
 
 @pytest.mark.parametrize("cp, tp, layout", [(2, 1, "paired"), (4, 1, "paired"), (4, 1, "contiguous"),
@@ -108,6 +126,13 @@ def test_ring_attention_with_a_sliding_window_equals_banded_attention(cp, window
 def test_ring_attention_with_soft_capped_scores_equals_capped_attention(cp, tp, window):
     # a cap of 1 on scores of size ~3 (unit q, k, head dim 8): the tanh bends most of them
     for rank, errors in enumerate(run_distributed(ring_errors, cp * tp, cp, tp, "paired", window, 1.0)):
+        assert max(errors.values()) <= 1e-12, (rank, errors)
+
+
+@pytest.mark.parametrize("cp, tp, window, softcap", [(2, 2, None, None), (4, 1, 3, None), (2, 1, None, 1.0)])
+def test_ring_attention_with_sinks_equals_the_sink_softmax(cp, tp, window, softcap):
+    for rank, errors in enumerate(run_distributed(ring_errors, cp * tp, cp, tp, "paired", window, softcap, True)):
+        assert set(errors) == {"out", "dq", "dk", "dv", "dsinks"}
         assert max(errors.values()) <= 1e-12, (rank, errors)
 
 
