@@ -32,9 +32,10 @@ shares the first."""
 
 
 def decays(name: str, parameter: torch.Tensor) -> bool:
-    """Whether weight decay applies to this parameter by default: matrices, not embeddings."""
+    """Whether weight decay applies to this parameter by default: matrices, not embeddings, and not
+    biases -- the stacked experts' biases (``experts.down_bias`` [E, d]) are matrices only in shape."""
     is_embedding = any(name == suffix or name.endswith("." + suffix) for suffix in EMBEDDING_NAMES)
-    return parameter.ndim >= 2 and not is_embedding
+    return parameter.ndim >= 2 and not is_embedding and not name.endswith("bias")
 
 
 def build_adamw_groups(parameters_by_name: list[tuple[str, torch.nn.Parameter]], config) -> list[dict]:

@@ -70,10 +70,11 @@ MUON_GROUP = "muon"
 """The name of the parameter group Muon steps; the others are AdamW's ("decay", "no_decay")."""
 MOMENTUM_KEY = "momentum_buffer"
 """The state key of a Muon parameter's momentum (and its checkpoint key, ``optim/NAME/momentum_buffer``)."""
-ADAMW_EXCLUDED_SUFFIXES = ("router.weight", "shared_expert_gate.weight", "conv1d.weight")
+ADAMW_EXCLUDED_SUFFIXES = ("router.weight", "shared_expert_gate.weight", "conv1d.weight", "bias")
 """Matrices (or stacked filters) inside the blocks that stay with AdamW: an MoE router's logits
 (a classifier over experts, sensitive to scale), the shared expert's one-row gate (a logit, not a
-map between hidden spaces) and Mamba's depthwise convolution (one small filter per channel)."""
+map between hidden spaces), Mamba's depthwise convolution (one small filter per channel) and the
+stacked experts' biases ([E, F], [E, d]: one vector per expert, not a map)."""
 
 
 def muon_parameter(name: str, parameter: torch.Tensor) -> bool:

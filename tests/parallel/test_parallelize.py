@@ -101,6 +101,13 @@ MODELS = {
                                                   mla_qk_nope_head_dim=6, mla_qk_rope_head_dim=4, mla_v_head_dim=5,
                                                   lora_rank=4, lora_targets=["q_proj", "kv_a_proj", "kv_b_proj",
                                                                              "o_proj", "up_proj"]),
+    # gpt-oss: sinks cut with the heads, a biased router, biased experts cut on their width (the down
+    # bias added by one TP rank), the clamped SwiGLU bending some of the experts' values
+    "kv2 gpt-oss-style sinks and biased experts": dict(
+        pattern="*E*E", num_kv_heads=2, attention_bias=True, attention_sinks=True, sliding_window=5,
+        sliding_window_pattern="SF", moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16,
+        moe_softmax_before_topk=False, moe_router_bias=True, moe_expert_linear_bias=True,
+        mlp_activation="clamped_swiglu", swiglu_limit=1.0),
     "lora hybrid mtp": dict(pattern="M*-M", num_kv_heads=2, mamba_head_dim=8, mamba_state_size=8,
                             mamba_num_groups=4, mamba_chunk_size=8, mtp_depth=1, mtp_pattern="*-", lora_rank=4,
                             lora_alpha=8),
@@ -120,6 +127,8 @@ def build_model(overrides: dict) -> LanguageModel:
                 param.normal_(0.0, 0.1)
             elif ".q_norm." in name or ".k_norm." in name:  # trained QK-norms: a head given another's row shows
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+            elif name.endswith(".sinks") or ".experts." in name and "bias" in name:  # trained sinks and biases
+                param.normal_(0.0, 0.5)
     return model
 
 

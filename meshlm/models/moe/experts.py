@@ -23,13 +23,12 @@ Both give the same numbers; an expert with zero rows simply contributes an empty
 **Biases** (``model.moe_expert_linear_bias``, gpt-oss's experts). The Mixtral, Qwen3-MoE and
 Nemotron-H experts carry none; gpt-oss's carry one per projection and expert, [E, F] for gate and
 up and [E, d] for down. Each row of segment e gets expert e's bias, gathered by the rows' expert
-index (``bias_rows``). Where the experts are split on their width F (expert tensor parallelism),
-each rank's down projection yields a partial sum over its share of F, and the ranks' partials are
-summed afterwards: the down bias must enter that sum once. So only the first rank of the split
-adds it (``adds_down_bias``), and ``add_once`` hands the rows' gradient to the bias on every rank
-alike -- the rows' gradient is the same on all of them (the sum's backward copies it), so each
-rank's copy of the bias gets the whole, exact gradient and the copies stay equal, as the
-replicated weights of a tensor-parallel layer do.
+index (``expert_of_each_row``). Where the experts are split on their width F (expert tensor
+parallelism), gate and up biases split with their rows; but each rank's down projection yields a
+*partial* sum of the whole d-vector, and the ranks' partials are summed afterwards, so the down bias
+must enter that sum once. It is split on d instead: rank r holds, and adds, the bias's r-th share of
+the d columns (``down_bias_columns``), zero elsewhere; the sum of the partials then holds the whole
+bias, and each share gets exactly its columns' gradient, with no communication of its own.
 
 Under a low-precision
 recipe each stacked weight carries a quantization (``meshlm/precision/quantized_experts.py``)
@@ -86,24 +85,6 @@ def expert_of_each_row(tokens_per_expert: torch.Tensor, num_rows: int) -> torch.
     return experts.repeat_interleave(tokens_per_expert, output_size=num_rows)
 
 
-class AddOnce(torch.autograd.Function):
-    """rows + bias on the rank that ``adds`` it, rows elsewhere; the bias's gradient is the rows'
-    on every rank (the module docstring's expert tensor parallelism; in one process, a plain add)."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, bias: torch.Tensor, adds: bool) -> torch.Tensor:
-        return rows + bias if adds else rows.view_as(rows)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, grad, None
-
-
-def add_once(rows: torch.Tensor, bias: torch.Tensor, adds: bool) -> torch.Tensor:
-    """``AddOnce``: the bias added by one rank of a split, its gradient on all of them."""
-    return AddOnce.apply(rows, bias, adds)
-
-
 class GroupedExperts(nn.Module):
     """E expert MLPs over permuted tokens: [m, d] with ``tokens_per_expert`` [E] -> [m, d]."""
 
@@ -127,9 +108,9 @@ class GroupedExperts(nn.Module):
                           if with_bias and self.gate_weight is not None else None)
         self.up_bias = nn.Parameter(torch.empty(num_experts, ffn_size)) if with_bias else None
         self.down_bias = nn.Parameter(torch.empty(num_experts, model_size)) if with_bias else None
-        self.adds_down_bias = True
-        """Whether this rank adds the down bias to its rows: False on all but the first rank of an
-        expert-tensor-parallel split, whose partial sums meet afterwards (module docstring)."""
+        self.down_bias_columns: tuple[int, int] | None = None
+        """(start, stop): the output columns this rank's share of the down bias covers, where expert
+        tensor parallelism splits it on d (module docstring); None: the whole bias."""
         initialize_own_tensors(self, config)
 
     def init_rules(self, config) -> dict:
@@ -157,7 +138,11 @@ class GroupedExperts(nn.Module):
         out = linear(activate(self.activation, up, gate, self.swiglu_limit, self.swiglu_alpha), "down_weight")
         if experts_of_rows is None:
             return out
-        return add_once(out, self.down_bias[experts_of_rows], self.adds_down_bias)
+        bias_rows = self.down_bias[experts_of_rows]
+        if self.down_bias_columns is not None:  # this rank's share of the columns, zero elsewhere
+            start, stop = self.down_bias_columns
+            bias_rows = F.pad(bias_rows, (start, out.shape[-1] - stop))
+        return out + bias_rows
 
     def extra_repr(self) -> str:
         num_experts, ffn_size, model_size = self.up_weight.shape

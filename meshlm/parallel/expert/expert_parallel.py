@@ -39,10 +39,9 @@ single process drops. ``dropped_tokens`` is the micro-batch's; ``tokens_per_expe
 load recorded for the aux-loss-free bias) counts the CP rank's tokens, which the trainer sums
 over dp_cp.
 
-The experts' biases (``model.moe_expert_linear_bias``) go with their experts over ep. With etp > 1
-the down bias [E, d] would be replicated over the etp ranks, a kind of expert tensor the grid (its
-gradient norm, its checkpoints) does not hold, so that layout is refused; the plain tensor-parallel
-split of the experts (ep = 1, etp = tp, ``meshlm/parallel/tensor/moe.py``) takes them.
+The experts' biases (``model.moe_expert_linear_bias``) go with their experts over ep; over etp the
+gate and up biases split on F with their rows, and the down bias on d, each etp rank adding its
+share of the columns to its partial sums (``meshlm/models/moe/experts.py``).
 
 **Gradients.** Expert weights carry ``expert_parallel`` (and ``expert_partition_dim`` /
 ``expert_partition_sizes`` when etp splits them) and are summed over ``edp`` (the folding makes
@@ -210,16 +209,17 @@ class ExpertParallelMoELayer(MoELayer):
 
 # --- splitting a full layer ----------------------------------------------------------------------------------
 
-def shard_expert_weight(full: nn.Parameter, ffn_dim: int | None, context, what: str) -> nn.Parameter:
+def shard_expert_weight(full: nn.Parameter, ffn_dim: int, context, what: str) -> nn.Parameter:
     """This rank's experts (dim 0 over ep) of a stacked [E, ...] weight, split on ``ffn_dim`` over etp
-    (None: not split, the experts' down bias, with etp = 1)."""
+    (the FFN width; the model width of the experts' down bias)."""
     num_local = full.shape[0] // context.ep_size
     local = full.detach().narrow(0, context.ep_rank * num_local, num_local)
-    sizes = [full.shape[ffn_dim if ffn_dim is not None else -1]]
+    sizes = [full.shape[ffn_dim]]
     if context.etp_size > 1:
         if sizes[0] % context.etp_size:
-            raise ConfigError(f"{what}: the expert FFN width {sizes[0]} is not divisible by parallel.etp="
-                              f"{context.etp_size}; choose an etp that divides model.moe_ffn_hidden_size.")
+            raise ConfigError(f"{what}: its split dim of {sizes[0]} is not divisible by parallel.etp="
+                              f"{context.etp_size}; choose an etp that divides model.moe_ffn_hidden_size (and, "
+                              "with model.moe_expert_linear_bias, the hidden size).")
         local = shard_tensor(local, ffn_dim, sizes, context.etp_rank, context.etp_size)
     shard = nn.Parameter(local.clone(), requires_grad=full.requires_grad)
     mark_expert_shard(shard, ffn_dim if context.etp_size > 1 else None, sizes)
@@ -233,15 +233,13 @@ def parallelize_expert_moe(layer: MoELayer, context) -> MoELayer:
         raise ConfigError(f"model.moe_num_experts={layer.num_experts} is not divisible by parallel.ep="
                           f"{context.ep_size}; each expert-parallel rank holds whole experts.")
     experts = layer.experts
-    if experts.down_bias is not None and context.etp_size > 1:
-        raise ConfigError(f"model.moe_expert_linear_bias=true with parallel.etp={context.etp_size}: the experts' "
-                          "down bias would be replicated over the etp ranks, which the expert grid does not hold; "
-                          "set parallel.etp=1 (expert parallelism keeps whole experts) or use parallel.tp with "
-                          "ep=1 and etp=tp.")
     for name, ffn_dim in (("gate_weight", 1), ("up_weight", 1), ("down_weight", 2),  # [E, F, d], [E, d, F]
-                          ("gate_bias", 1), ("up_bias", 1), ("down_bias", None)):  # [E, F], [E, d]: d is whole
+                          ("gate_bias", 1), ("up_bias", 1), ("down_bias", 1)):  # [E, F]; [E, d]: a share of d
         if getattr(experts, name) is not None:
             setattr(experts, name, shard_expert_weight(getattr(experts, name), ffn_dim, context, f"experts.{name}"))
+    if experts.down_bias is not None and context.etp_size > 1:  # its columns of the partial sums (experts.py)
+        share = experts.down_bias.shape[1]
+        experts.down_bias_columns = (context.etp_rank * share, (context.etp_rank + 1) * share)
     experts.tensor_parallel = "expert grid"  # for a low-precision recipe (precision/model_recipe.py)
     if layer.shared_expert is not None and context.tp_size > 1:
         parallelize_mlp(layer.shared_expert, context)

@@ -37,8 +37,8 @@ Consequently:
 
 - ``router.weight`` (and its bias) gets a partial gradient on every rank (``tp_partial_grad``).
 - The experts' biases (``model.moe_expert_linear_bias``): gate and up biases are cut on F with their
-  weights; the down bias is whole on every rank and added by TP rank 0 only, while every rank gets
-  its full gradient (``experts.add_once``), so it carries no flag.
+  weights; the down bias [E, d] is cut on d, each rank adding its share of the columns to its partial
+  sum (``meshlm/models/moe/experts.py``): shards, not flagged.
 - ``latent_in_proj`` (LatentMoE) is replicated and fed by the partial expert gradient: partial.
 - ``latent_out_proj`` is replicated and runs *after* the reduction, at the latent width (so the
   reduction moves n * latent numbers, not n * h). Without SP every rank applies it to the same
@@ -122,10 +122,12 @@ def parallelize_moe(layer: MoELayer, context) -> MoELayer:
         return layer
     experts = layer.experts
     for name, ffn_dim in (("gate_weight", 1), ("up_weight", 1), ("down_weight", 2),  # [E, F, d], [E, d, F]
-                          ("gate_bias", 1), ("up_bias", 1)):  # [E, F]
+                          ("gate_bias", 1), ("up_bias", 1), ("down_bias", 1)):  # [E, F]; [E, d]: a share of d
         if getattr(experts, name) is not None:
             setattr(experts, name, shard_parameter(getattr(experts, name), ffn_dim, context, what=f"experts.{name}"))
-    experts.adds_down_bias = context.tp_rank == 0  # the partial sums meet in the reduction: added once
+    if experts.down_bias is not None:  # added to its columns of the partial sums (models/moe/experts.py)
+        share = experts.down_bias.shape[1]
+        experts.down_bias_columns = (context.tp_rank * share, (context.tp_rank + 1) * share)
     experts.tensor_parallel = "ffn"  # how the experts are cut, for a low-precision recipe (precision/model_recipe.py)
     shared = layer.shared_expert
     if shared is not None:  # an MLP split on its width, fed the input the layer already gathered

@@ -72,6 +72,13 @@ MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
                          "model.norm=layernorm", "model.attention_bias=true", "model.mlp_bias=true",
                          "model.mlp_activation=gelu_tanh", "model.qk_norm=true", "model.parallel_residual=true",
                          "model.parallel_residual_shared_norm=true", "model.output_bias=true"],
+          # gpt-oss-shaped: sinks merged after the ring (and cut with the heads under tp), biased router and
+          # experts, the clamped SwiGLU, alternating windows
+          "gpt-oss-style": [*helpers.MODELS["moe"], "model.pattern=*E*E", "model.attention_bias=true",
+                            "model.attention_sinks=true", "model.sliding_window=6", "model.sliding_window_pattern=SF",
+                            "model.moe_softmax_before_topk=false", "model.moe_router_bias=true",
+                            "model.moe_expert_linear_bias=true", "model.mlp_activation=clamped_swiglu",
+                            "model.swiglu_limit=1"],
           # DeepSeek-V3-shaped: latent attention (value heads narrower than the query/key heads, padded on
           # the ring), sigmoid routing with a routed scale and a shared expert
           "deepseek-style": [*helpers.MODELS["moe"], "model.attention_type=mla", "model.mla_q_lora_rank=16",
@@ -93,11 +100,13 @@ EXTRA_RUNS = {2: [("dense", "cp2 selective recompute", ["parallel.cp=2", "train.
                   ("dense sliding window", "cp2", ["parallel.cp=2"]),
                   ("dense soft caps", "cp2", ["parallel.cp=2"]),
                   ("gpt2-style", "cp2", ["parallel.cp=2"]),
-                  ("deepseek-style", "cp2", ["parallel.cp=2"])],
+                  ("deepseek-style", "cp2", ["parallel.cp=2"]),
+                  ("gpt-oss-style", "cp2", ["parallel.cp=2"])],
               4: [("dense with mtp", "cp4", ["parallel.cp=4"]),
                   ("moe", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
                   ("dense soft caps", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
                   ("deepseek-style", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
+                  ("gpt-oss-style", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
                   ("dense sliding window", "cp2xdp2 dist-opt", ["parallel.cp=2", "parallel.dp=2",
                                                                 "parallel.distributed_optimizer=true"])]}
 

@@ -196,6 +196,30 @@ def test_expert_parallel_layer_folded_onto_cp_matches_single_process():
     assert_all_within_tolerance(every_rank, TOLERANCE)
 
 
+GPT_OSS_EXPERTS = dict(moe_softmax_before_topk=False, moe_router_bias=True, moe_expert_linear_bias=True,
+                       mlp_activation="clamped_swiglu", swiglu_limit=0.5)
+"""gpt-oss's MoE block: a router with a bias, experts with biases and the clamped SwiGLU."""
+
+
+def run_biased_expert_cases(layouts: list[str]) -> dict:
+    errors = {}
+    for layout in layouts:
+        context = context_for(LAYOUTS[layout])
+        for quantity, error in check_layer(context, "gpt-oss", GPT_OSS_EXPERTS, seed=len(errors)).items():
+            errors[f"{layout}: {quantity}"] = error
+        compare_collectives(context, f"after the gpt-oss case at {layout}")
+    dist.barrier()
+    return errors
+
+
+def test_experts_with_biases_over_the_expert_grid_match_single_process():
+    """Experts carry their biases over ep and etp (the down bias split on d), folded onto tp and cp."""
+    layouts = ["ep2 etp2", "tp2 sp ep4 etp1", "tp2 cp2 ep2 etp2 (no sp)"]
+    every_rank = run_distributed(run_biased_expert_cases, 4, layouts)
+    assert all(sum(case.endswith("experts.down_bias") for case in errors) == len(layouts) for errors in every_rank)
+    assert_all_within_tolerance(every_rank, TOLERANCE)
+
+
 def check_state_dict(layout: str) -> dict:
     """Metadata of the expert shards; gather_full_state_dict / load_full_state_dict round trip."""
     context = context_for(LAYOUTS[layout])

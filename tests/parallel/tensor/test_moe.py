@@ -42,6 +42,9 @@ LAYER_CASES = {
     "latent, biases, shared expert": dict(moe_latent_size=16, mlp_bias=True, moe_shared_expert_ffn_hidden_size=32),
     "sequence aux loss, group-limited top-k": dict(moe_aux_loss_type="sequence", moe_router_num_groups=4,
                                                    moe_router_group_top_k=2),
+    "gpt-oss: biased router and experts, clamped swiglu": dict(moe_softmax_before_topk=False, moe_router_bias=True,
+                                                               moe_expert_linear_bias=True,
+                                                               mlp_activation="clamped_swiglu", swiglu_limit=0.5),
 }
 MODEL_PATTERNS = ("*E*-", "ME")
 
