@@ -383,6 +383,8 @@ def attention_indices(config, rest, index, selection):
     if module in ("q_norm", "k_norm"):  # per head (model.qk_norm_per_head): a row per head, kept with it
         kept = selection.heads[index] if module == "q_norm" else selection.kv_heads[index]
         return {0: kept} if config.qk_norm_per_head else {}
+    if rest == "sinks":  # one logit per query head (model.attention_sinks), kept with it
+        return {0: selection.heads[index]}
     return None
 
 
@@ -398,7 +400,7 @@ def latent_attention_indices(config, rest, index, selection):
              "q_b_proj": {0: heads_to_rows(heads, key_width)},
              "kv_a_proj": {1: selection.hidden}, "kv_a_norm": {},
              "kv_b_proj": {0: heads_to_rows(heads, config.mla_qk_nope_head_dim + value_width)},
-             "o_proj": {0: selection.hidden, 1: heads_to_rows(heads, value_width)}}
+             "o_proj": {0: selection.hidden, 1: heads_to_rows(heads, value_width)}, "sinks": {0: heads}}
     return rules.get(module)
 
 
@@ -430,7 +432,9 @@ def moe_indices(config, rest, index, selection):
     latent = config.moe_latent_size is not None  # the experts then work at the latent width, not cut
     if rest.startswith("shared_expert."):
         return mlp_indices(config, rest.removeprefix("shared_expert."), index, selection, dense=False)
-    rules = {"router.weight": {0: experts, 1: hidden}, "router.expert_bias": {0: experts},
+    rules = {"router.weight": {0: experts, 1: hidden}, "router.expert_bias": {0: experts}, "router.bias": {0: experts},
+             "experts.gate_bias": {0: experts}, "experts.up_bias": {0: experts},
+             "experts.down_bias": {0: experts} if latent else {0: experts, 1: hidden},
              "experts.gate_weight": {0: experts} if latent else {0: experts, 2: hidden},
              "experts.up_weight": {0: experts} if latent else {0: experts, 2: hidden},
              "experts.down_weight": {0: experts} if latent else {0: experts, 1: hidden},

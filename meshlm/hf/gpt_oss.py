@@ -204,7 +204,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
         **attention_fields(hf), position_embedding="rope", qk_norm=False, attention_sinks=True,
         **rope_from_hf(hf_config, 150000.0, NAME),
         mlp_activation="clamped_swiglu", swiglu_limit=float(hf["swiglu_limit"]),
-        swiglu_alpha=float(hf["swiglu_alpha"]), ffn_hidden_size=hf["intermediate_size"],
+        swiglu_alpha=float(hf["swiglu_alpha"]),
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
         init_std=hf["initializer_range"],
         moe_num_experts=hf["num_local_experts"], moe_top_k=hf["num_experts_per_tok"],

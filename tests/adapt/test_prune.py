@@ -149,6 +149,35 @@ def test_a_per_head_qk_norm_keeps_the_rows_of_the_kept_heads():
         assert pruned(tokens()).logits.isfinite().all()
 
 
+def test_gpt_oss_sinks_and_expert_biases_follow_their_heads_experts_and_hidden_channels():
+    """gpt-oss: a sink per query head, a router bias per expert, experts' gate/up biases per expert and a
+    down bias per expert and hidden channel -- each cut with what it belongs to."""
+    values = dict(vocab_size=64, hidden_size=32, pattern="*E", num_attention_heads=4, num_kv_heads=2,
+                  attention_bias=True, attention_sinks=True, moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16,
+                  moe_softmax_before_topk=False, moe_router_bias=True, moe_expert_linear_bias=True,
+                  mlp_activation="clamped_swiglu")
+    model = model_of(**values)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                param.normal_(0.0, 0.5)
+    importance = Importance(hidden=torch.arange(32.), blocks=torch.zeros(2), heads={0: torch.tensor([9., 0, 5, 5])},
+                            neurons={}, mamba_heads={}, experts={1: torch.tensor([1., 7, 0, 3])})
+    pruned = prune_model(model, importance, resolve_widths(model.config, dict(num_kv_heads=1, moe_num_experts=2,
+                                                                             hidden_size=24)))
+    old, new = model.blocks[0].mixer, pruned.blocks[0].mixer
+    assert torch.equal(new.sinks, old.sinks[2:])  # query heads 2, 3 (KV head 1)
+    kept_experts, kept_hidden = torch.tensor([1, 3]), torch.arange(8, 32)
+    old_moe, new_moe = model.blocks[1].mixer, pruned.blocks[1].mixer
+    assert torch.equal(new_moe.router.bias, old_moe.router.bias[kept_experts])
+    assert torch.equal(new_moe.experts.up_bias, old_moe.experts.up_bias[kept_experts])
+    assert torch.equal(new_moe.experts.gate_bias, old_moe.experts.gate_bias[kept_experts])
+    assert torch.equal(new_moe.experts.down_bias, old_moe.experts.down_bias[kept_experts][:, kept_hidden])
+    assert ParameterCounter(model.config)(pruned.config) == pruned.num_parameters()
+    with torch.no_grad():
+        assert pruned(tokens()).logits.isfinite().all()
+
+
 @pytest.mark.parametrize("metric", ["cosine", "loss"])
 def test_depth_pruning_drops_the_block_whose_removal_changes_the_output_least(metric):
     model = model_of(vocab_size=64, hidden_size=32, pattern="*-*-*-", num_attention_heads=4, ffn_hidden_size=64)

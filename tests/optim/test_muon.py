@@ -25,7 +25,8 @@ def hybrid_moe_model() -> LanguageModel:
                          mamba_head_dim=8, mamba_state_size=8, mamba_num_groups=4, mamba_chunk_size=8,
                          moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16,
                          moe_shared_expert_ffn_hidden_size=16, moe_shared_expert_gate=True, mtp_depth=1,
-                         tie_embeddings=False)
+                         tie_embeddings=False, attention_sinks=True, moe_router_bias=True,
+                         moe_expert_linear_bias=True)
     return LanguageModel(config, seed=0)
 
 
@@ -112,6 +113,9 @@ def test_muon_takes_the_blocks_matrices_and_adamw_everything_else():
     assert {"output.weight", "blocks.2.mixer.router.weight", "blocks.2.mixer.shared_expert_gate.weight",
             "blocks.0.mixer.conv1d.weight"} <= groups["decay"]
     assert {"embedding.weight", "blocks.0.mixer.A_log", "blocks.0.norm.weight"} <= groups["no_decay"]
+    # gpt-oss's sinks, router bias and the stacked experts' biases ([E, F], [E, d]: matrices in shape only)
+    assert {"blocks.1.mixer.sinks", "blocks.2.mixer.router.bias", "blocks.2.mixer.experts.gate_bias",
+            "blocks.2.mixer.experts.down_bias"} <= groups["no_decay"]
     every = {name for name, _ in model.named_parameters()}
     assert sum(len(names) for names in groups.values()) == len(every) and set().union(*groups.values()) == every
 
