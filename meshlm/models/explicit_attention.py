@@ -105,7 +105,10 @@ class _ExplicitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, mask, sinks, scale, cap, causal, chunks):
         wide = torch.promote_types(query.dtype, torch.float32)
-        out = query.new_empty((*query.shape[:-1], value.shape[-1]))  # value heads may be narrower (MLA)
+        # value heads may be narrower (MLA); laid out [b, t, heads, d_v] in memory, as SDPA's output is, so
+        # that the heads' outputs side by side (o_proj's input) are a view of it, not a copy
+        batch, kv_heads, group, rows = query.shape[:4]
+        out = query.new_empty((batch, rows, kv_heads, group, value.shape[-1])).permute(0, 2, 3, 1, 4)
         lse = query.new_empty(query.shape[:-1], dtype=wide)
         for start, stop in chunks:
             keys = stop if causal else key.shape[-2]  # a causal chunk's later keys are hidden from every row

@@ -82,8 +82,9 @@ CPU, above); only
 ``model.attention_dropout > 0`` takes the explicit softmax path, which saves 5 + d bytes per score
 (fp32 probabilities, the keep mask, the kept probabilities; under selective recompute the keep
 mask alone, an input of the checkpointed core), the [seq, seq] mask of visible keys, and keys and
-values repeated to every query head, but no LSE (the soft-capped core,
-``model.attention_softcap``, keeps what a fused kernel keeps: q, k, v, the output and LSE). On
+values repeated to every query head, but no LSE (the explicit core of soft-capped scores and
+attention sinks, ``model.attention_softcap`` and ``model.attention_sinks``, keeps what a fused
+kernel keeps: q, k, v, the output and LSE). On
 CUDA the padded MLA core goes to FlashAttention-2 or cuDNN like any other (not measured here). The output
 head fuses the projection with the loss (``meshlm/models/losses.py``): two fp32 [chunk, vocab] buffers, the
 hidden-state gradient and an fp32 weight gradient, instead of [tokens, vocab] logits; under
@@ -252,7 +253,10 @@ def parameter_state_bytes(config, layout, zero_stage: int) -> tuple[int, int, in
 # --- activations ---------------------------------------------------------------------------------------
 def mlp_elements(width: int, activation: str) -> int:
     """Elements per token an MLP of inner ``width`` saves: gate, up, silu(gate) and their product
-    (SwiGLU), or the projection and the activation's output."""
+    (SwiGLU); gpt-oss's clamped SwiGLU gate, up, the clamped gate, its sigmoid, their product, the
+    shifted up and the output; or the projection and the activation's output."""
+    if activation == "clamped_swiglu":
+        return 7 * width
     return (4 if is_gated(activation) else 2) * width
 
 
@@ -497,7 +501,7 @@ def attention_core_bytes(config, model, seq: int, layout) -> float:
     padded = window_chunks(seq, window) * window
     if math_path(config, model):
         return math_core_bytes(query, key, value, heads, seq, window, padded, dtype_bytes) + output * dtype_bytes
-    narrower_values = model.attention_softcap is None and value < key
+    narrower_values = not explicit_core(model) and value < key
     if narrower_values:
         # narrower value heads (MLA) enter SDPA zero-padded to the keys' width (``scaled_dot_product``):
         # the kernel keeps v and its output that wide, and o_proj's input is the copy of the real channels
@@ -523,7 +527,13 @@ def math_path(config, model) -> bool:
     zero-padded to their width, ``scaled_dot_product``; CUDA's memory-efficient kernel takes
     either; the soft-capped core is its own explicit one)."""
     wider_values = model.resolved_value_head_dim > model.resolved_head_dim
-    return wider_values and model.attention_softcap is None and parse_device(config.train.device).type == "cpu"
+    return wider_values and not explicit_core(model) and parse_device(config.train.device).type == "cpu"
+
+
+def explicit_core(model) -> bool:
+    """Whether attention runs the explicit core (``meshlm/models/explicit_attention.py``: soft-capped
+    scores, sinks), which takes any value width and keeps what a fused kernel keeps."""
+    return model.attention_softcap is not None or model.attention_sinks
 
 
 def math_core_bytes(query: int, key: int, value: int, heads: int, seq: int, window: int, padded: int,

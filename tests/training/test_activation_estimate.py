@@ -52,6 +52,13 @@ MODELS = {
                    "model.block_input_norm=false", "model.block_output_norm=true"],
     "moe": ["model.pattern=*E*E", "model.num_kv_heads=2", "model.moe_num_experts=4", "model.moe_top_k=2",
             "model.moe_ffn_hidden_size=64"],
+    # gpt-oss's shape: sinks (the explicit core), alternating windows, a biased router, biased experts and
+    # the clamped SwiGLU
+    "gpt-oss-style": ["model.pattern=*E*E", "model.num_kv_heads=2", "model.attention_bias=true",
+                      "model.attention_sinks=true", "model.sliding_window=12", "model.sliding_window_pattern=SF",
+                      "model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=64",
+                      "model.moe_softmax_before_topk=false", "model.moe_router_bias=true",
+                      "model.moe_expert_linear_bias=true", "model.mlp_activation=clamped_swiglu"],
     # DeepSeek-V3's shape, small: query latent, value heads narrower than the query/key heads (zero-padded
     # into SDPA's fused kernel)
     "mla": ["model.pattern=*-*-", "model.attention_type=mla", "model.mla_q_lora_rank=24", "model.mla_kv_lora_rank=16",
