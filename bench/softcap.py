@@ -1,4 +1,5 @@
-"""Soft-capped attention (Gemma 2's ``attn_logit_softcapping``): what the cap costs, time and memory.
+"""Soft-capped attention (Gemma 2's ``attn_logit_softcapping``) and attention sinks (gpt-oss's): what
+the explicit core they run costs, time and memory.
 
     python -m bench.softcap [--seqs 1024 4096] [--window 1024] [--repeats 5] [--threads 2]
                             [--device cpu] [--out bench/results/softcap_cpu.json]
@@ -12,10 +13,13 @@ interleaved so machine noise hits each alike (``bench/timing.py``; medians of ``
 * ``capped``: meshlm's core with ``softcap=50`` (``meshlm.models.attention.attention_core``:
   explicit scores, chunked over the queries under activation checkpointing, ``softcap.py``);
 * ``capped_eager``: the same function written the obvious way, as transformers' eager Gemma 2
-  attention does: the [s, s] scores, the tanh and the softmax kept by autograd for backward.
+  attention does: the [s, s] scores, the tanh and the softmax kept by autograd for backward;
+* ``sinks``: meshlm's core with a sink per head and no cap (``model.attention_sinks``, the same
+  explicit core, ``meshlm/models/explicit_attention.py``).
 
 Per sequence length it prints each one's seconds, the capped core's time over the baseline's
-(``capped_over_uncapped``) and over the eager one's, the bytes each keeps for backward
+(``capped_over_uncapped``) and over the eager one's, the sinks' over the baseline's
+(``sinks_over_uncapped``), the bytes each keeps for backward
 (``saved_bytes``: distinct storages autograd saves, ``tests/helpers/saved_tensors.py``) and the
 largest tensor any op returns, and the maximum difference between the capped core and the eager
 one (they compute the same function). With ``--window`` the same for a sliding-window layer
@@ -47,10 +51,11 @@ def capped_eager(query, key, value, window):
     return torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1).to(value.dtype) @ value
 
 
-def cores(window: int | None) -> dict:
+def cores(window: int | None, sinks: torch.Tensor) -> dict:
     return {"uncapped_sdpa": lambda q, k, v: attention_core(q, k, v, window=window),
             "capped": lambda q, k, v: attention_core(q, k, v, window=window, softcap=CAP),
-            "capped_eager": lambda q, k, v: capped_eager(q, k, v, window)}
+            "capped_eager": lambda q, k, v: capped_eager(q, k, v, window),
+            "sinks": lambda q, k, v: attention_core(q, k, v, window=window, sinks=sinks)}
 
 
 def inputs(seq: int, dtype, device):
@@ -83,7 +88,7 @@ def memory(core, tensors, grad_out) -> dict:
 def measure(seq: int, window: int | None, repeats: int, dtype, device) -> dict:
     tensors = inputs(seq, dtype, device)
     grad_out = torch.randn(1, HEADS, seq, HEAD_DIM, device=device, dtype=dtype)
-    runs = cores(window)
+    runs = cores(window, torch.zeros(HEADS, device=device, dtype=dtype))
     seconds = interleaved_medians({name: timed(core, tensors, grad_out, device) for name, core in runs.items()},
                                   repeats)
     with torch.no_grad():
@@ -92,6 +97,7 @@ def measure(seq: int, window: int | None, repeats: int, dtype, device) -> dict:
     return {"seq": seq, "window": window, "seconds": seconds,
             "capped_over_uncapped": seconds["capped"] / seconds["uncapped_sdpa"],
             "capped_over_eager": seconds["capped"] / seconds["capped_eager"],
+            "sinks_over_uncapped": seconds["sinks"] / seconds["uncapped_sdpa"],
             "memory": {name: memory(core, tensors, grad_out) for name, core in runs.items()},
             "max_difference_vs_eager": difference, "max_difference_vs_uncapped": uncapped}
 

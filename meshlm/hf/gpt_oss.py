@@ -52,7 +52,8 @@ from meshlm.errors import ConfigError
 from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, fixed_fields_unsupported,
                               hf_common_fields, layer_types_from_hf, layer_types_to_hf, layer_windows, ours_only,
                               rename, rope_from_hf, window_fields, with_defaults)
-from meshlm.hf.llama import attention_fields, attention_maps, attention_to_hf, decoder_embedding_maps, decoder_unsupported
+from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_embedding_maps,
+                             decoder_unsupported)
 from meshlm.models.config import ModelConfig
 
 NAME = "GptOssForCausalLM"

@@ -19,6 +19,7 @@ from meshlm.models.language_model import LanguageModel
 from meshlm.models.softcap import soft_cap
 from tests.helpers.cached_decoding import (assert_cached_generation_equals_the_full_forward,
                                            assert_decode_step_equals_the_cached_forward)
+from tests.helpers.gradients import assert_same_with_gradients
 from tests.helpers.saved_tensors import SavedStorages
 
 
@@ -38,14 +39,6 @@ def sink_reference(query, key, value, sinks, allowed, cap=None, scale=None):
     scores = (scores if cap is None else soft_cap(scores, cap)).masked_fill(~allowed, float("-inf"))
     sink_column = sinks[:, None, None].expand(*scores.shape[:-1], 1)
     return torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1] @ value
-
-
-def assert_same_with_gradients(ours, expected, inputs):
-    grad_out = torch.randn(ours.shape, generator=torch.Generator().manual_seed(9), dtype=ours.dtype)
-    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)
-    for actual, wanted in zip(torch.autograd.grad(ours, inputs, grad_out), torch.autograd.grad(expected, inputs,
-                                                                                               grad_out)):
-        torch.testing.assert_close(actual, wanted, rtol=0, atol=1e-12)
 
 
 CHUNKINGS = {"one chunk": 2 ** 22, "chunks of 3 rows": 2 * 4 * 24 * 3}

@@ -24,6 +24,7 @@ from meshlm.models.explicit_attention import softcapped_attention
 from meshlm.models.softcap import soft_cap, soft_cap_slope
 from tests.helpers.cached_decoding import (assert_cached_generation_equals_the_full_forward,
                                            assert_decode_step_equals_the_cached_forward)
+from tests.helpers.gradients import assert_same_with_gradients
 from tests.helpers.saved_tensors import LargestTensor, SavedStorages
 
 CAP = 1.0
@@ -43,14 +44,6 @@ def random_qkv(queries, keys=None, heads=4, kv_heads=2, batch=2, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(batch, count, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
             for count, length in ((heads, queries), (kv_heads, keys or queries), (kv_heads, keys or queries))]
-
-
-def assert_same_with_gradients(ours, expected, inputs):
-    grad_out = torch.randn(ours.shape, generator=torch.Generator().manual_seed(9), dtype=ours.dtype)
-    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)
-    for actual, wanted in zip(torch.autograd.grad(ours, inputs, grad_out), torch.autograd.grad(expected, inputs,
-                                                                                               grad_out)):
-        torch.testing.assert_close(actual, wanted, rtol=0, atol=1e-12)
 
 
 def test_the_cap_bounds_values_keeps_small_ones_and_its_slope_is_its_derivative():

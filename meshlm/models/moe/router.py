@@ -2,9 +2,9 @@
 
 A Mixture-of-Experts layer (Shazeer et al. 2017) sends each token to k of E expert MLPs and
 adds their outputs, weighted by the router. The router is one linear map, logits = x W^T
-([tokens, E]; plus a learned bias b_r with ``model.moe_router_bias``, gpt-oss's), computed in fp32 even inside a bf16/fp16 autocast region, because small
-differences between logits decide which expert a token visits. Three ways to turn logits into
-a choice and weights are in use:
+([tokens, E]; plus a learned bias b_r with ``model.moe_router_bias``, gpt-oss's), computed in
+fp32 even inside a bf16/fp16 autocast region, because small differences between logits decide
+which expert a token visits. Three ways to turn logits into a choice and weights are in use:
 
 - softmax, then top-k (Mixtral, Qwen3-MoE): p = softmax(logits) over all E; the k largest p
   are chosen and are the weights, optionally renormalized to sum to one over the k.

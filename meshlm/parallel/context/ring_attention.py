@@ -290,9 +290,9 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     each query sees only itself and the window - 1 positions before it. ``scale``: the factor on
     q k^T (None: 1/sqrt(d)). ``softcap``: the scores capped at it (every block then takes the
     reference path). ``sinks`` [heads]: each head's sink logit in its softmax denominators (applied
-    once the blocks are merged; ``meshlm/models/explicit_attention.py``). Value heads narrower or wider than the query and key heads (multi-head latent
-    attention's d_v) travel zero-padded to the wider width, which changes no score and no output
-    channel; the output has the values' width."""
+    once the blocks are merged; ``meshlm/models/explicit_attention.py``). Value heads narrower or
+    wider than the query and key heads (multi-head latent attention's d_v) travel zero-padded to the
+    wider width, which changes no score and no output channel; the output has the values' width."""
     if query.shape[2] % 2 or key.shape[2] != query.shape[2]:
         raise ValueError(f"ring attention needs two equal chunks of queries and keys per rank, got "
                          f"{query.shape[2]} queries and {key.shape[2]} keys")
