@@ -44,10 +44,13 @@ is 2 s w scores instead of s^2 (a win once s > 4w; a sequence no longer than w i
 attention). Packed documents run it per document span; a KV cache reads only the last
 t + w - 1 keys.
 
-**Soft-capped scores** (``model.attention_softcap``, Gemma 2): every path above makes its SDPA
-call through ``scaled_dot_product``, which with a cap runs the explicit, query-chunked core of
-``meshlm/models/softcap.py`` under the same mask instead, so windows, documents, padding and the
-cache keep their structure.
+**Soft-capped scores and attention sinks** (``model.attention_softcap``, Gemma 2;
+``model.attention_sinks``, gpt-oss): every path above makes its SDPA call through
+``scaled_dot_product``, which with a cap or sinks runs the explicit, query-chunked core of
+``meshlm/models/explicit_attention.py`` under the same mask instead, so windows, documents, padding
+and the cache keep their structure. Causal attention with sinks over whole sequences (no window)
+runs a fused kernel that returns each row's log-sum-exp, the sink merged afterwards
+(``meshlm/models/sink_attention.py``).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from meshlm.models.init import constant
 from meshlm.models.lora import adapted, lora_coordinates
 from meshlm.models.norms import HeadNorm, RMSNorm
 from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
+from meshlm.models.sink_attention import fused_sink_attention, fused_sinks_supported
 from meshlm.models.explicit_attention import explicit_attention
 from meshlm.models.softcap import soft_cap
 
@@ -145,6 +149,9 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     [heads], as ``attention_core``'s)."""
     head_sinks = None if sinks is None else sinks[:, None]
     if window is None or window >= query.shape[2]:
+        if (sinks is not None and softcap is None and value.shape[-1] == query.shape[-1]
+                and fused_sinks_supported(query, key)):  # the sinks merged into a fused kernel's rows
+            return fused_sink_attention(query, key, value, sinks, scale)
         return scaled_dot_product(query, key, value, is_causal=True, scale=scale, softcap=softcap, sinks=head_sinks)
     return windowed_attention(query, key, value, window, scale, softcap, sinks)
 
