@@ -108,7 +108,8 @@ def test_known_keys_cover_every_section():
                                          ("moe-tiny", {"*", "E"}), ("demo-mtp", {"M", "*", "-", "E"}),
                                          ("gemma2-tiny", {"*", "-"}), ("gemma3-tiny", {"*", "-"}),
                                          ("gpt2-tiny", {"*", "-"}), ("pythia-tiny", {"*", "-"}),
-                                         ("olmo2-tiny", {"*", "-"}), ("deepseek-v3-tiny", {"*", "-", "E"})])
+                                         ("olmo2-tiny", {"*", "-"}), ("deepseek-v3-tiny", {"*", "-", "E"}),
+                                         ("gpt-oss-tiny", {"*", "E"})])
 def test_shipped_configs_load_and_match_the_demo_data(name, kinds):
     config = load_run_config(CONFIGS / f"{name}.yaml")
     assert set(config.model.block_kinds) == kinds
@@ -126,6 +127,10 @@ def test_shipped_configs_load_and_match_the_demo_data(name, kinds):
         from meshlm.hf import choose_architecture
         assert config.model.embedding_multiplier == config.model.hidden_size ** 0.5
         assert choose_architecture(config.model).name == "Gemma3ForCausalLM"
+    if name == "gpt-oss-tiny":  # the layer the gpt-oss conversion writes, sinks and biased experts included
+        from meshlm.hf import choose_architecture
+        assert config.model.attention_sinks and config.model.moe_expert_linear_bias
+        assert choose_architecture(config.model).name == "GptOssForCausalLM"
     if name == "gemma2-tiny":  # the layer the Gemma 2 conversion writes, soft caps included
         from meshlm.hf import choose_architecture
         assert (config.model.attention_softcap, config.model.final_logit_softcap) == (50.0, 30.0)
