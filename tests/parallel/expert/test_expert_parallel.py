@@ -224,8 +224,10 @@ def check_state_dict(layout: str) -> dict:
     """Metadata of the expert shards; gather_full_state_dict / load_full_state_dict round trip."""
     context = context_for(LAYOUTS[layout])
     torch.manual_seed(0)
-    config = make_config(pattern="*E", num_attention_heads=4, moe_shared_expert_ffn_hidden_size=32)
+    config = make_config(pattern="*E", num_attention_heads=4, moe_shared_expert_ffn_hidden_size=32,
+                         attention_sinks=True, moe_router_bias=True, moe_expert_linear_bias=True)  # gpt-oss's too
     reference = LanguageModel(config)
+    perturb(reference, 5)  # biases and sinks away from their zero start
     parallel = parallelize_model(copy.deepcopy(reference), context)
     experts = dict(parallel.named_parameters())["blocks.1.mixer.experts.down_weight"]
     full_state = gather_full_state_dict(parallel, context)
@@ -235,8 +237,10 @@ def check_state_dict(layout: str) -> dict:
     load_full_state_dict(parallelize_model(other, context), full_state, context)
     errors.update({f"reloaded {name}": relative_error(value, full_state[name])
                    for name, value in gather_full_state_dict(other, context).items()})
+    down_bias = dict(parallel.named_parameters())["blocks.1.mixer.experts.down_bias"]
     return {"errors": errors, "local experts": experts.shape[0], "expert_parallel": experts.expert_parallel,
-            "etp dim": getattr(experts, "expert_partition_dim", None), "ffn": experts.shape[2]}
+            "etp dim": getattr(experts, "expert_partition_dim", None), "ffn": experts.shape[2],
+            "down bias": tuple(down_bias.shape), "down bias etp dim": getattr(down_bias, "expert_partition_dim", None)}
 
 
 def run_state_dict_checks() -> dict:
@@ -249,5 +253,8 @@ def test_expert_shards_round_trip_the_full_state_dict():
         assert (results["ep4"]["local experts"], results["ep4"]["etp dim"], results["ep4"]["ffn"]) == (2, None, 16)
         assert (results["ep2 etp2"]["local experts"], results["ep2 etp2"]["etp dim"]) == (4, 2)
         assert results["ep2 etp2"]["ffn"] == 8 and results["ep4"]["expert_parallel"] is True
+        # the experts' down bias [E, d]: whole experts over ep, its d split over etp (each rank adds its share)
+        assert (results["ep4"]["down bias"], results["ep4"]["down bias etp dim"]) == ((2, 32), None)
+        assert (results["ep2 etp2"]["down bias"], results["ep2 etp2"]["down bias etp dim"]) == ((4, 16), 1)
         for result in results.values():
             assert max(result["errors"].values()) == 0.0
