@@ -217,6 +217,32 @@ def ours_only(ours: str) -> TensorMap:
 
 
 @dataclass(frozen=True)
+class DerivedTensor:
+    """An HF tensor computed from stored ones when read -- dequantized (``fp8_import.py``, gpt-oss's
+    MXFP4), or a part of one in meshlm's layout: its shape and dtype now, ``load()`` its values. Where
+    an adapter cuts it (``split``) each piece computes the whole and keeps its part."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    produce: Callable[[], torch.Tensor]
+
+    def load(self) -> torch.Tensor:
+        return self.produce()
+
+    def split(self, sizes: list[int], dim: int = 0) -> list["DerivedTensor"]:
+        pieces, start = [], 0
+        for size in sizes:
+            shape = (*self.shape[:dim], size, *self.shape[dim + 1:])
+            pieces.append(DerivedTensor(shape, self.dtype, partial(_narrowed, self.produce, dim, start, size)))
+            start += size
+        return pieces
+
+
+def _narrowed(produce: Callable[[], torch.Tensor], dim: int, start: int, size: int) -> torch.Tensor:
+    return produce().narrow(dim, start, size).contiguous()
+
+
+@dataclass(frozen=True)
 class Architecture:
     """An HF causal-LM architecture meshlm can read and write (see the per-architecture modules)."""
 
@@ -244,6 +270,9 @@ class Architecture:
     export_copies: Callable[[ModelConfig], list[tuple[str, str]]] = field(default=lambda config: [])
     """(meshlm name, HF name) of extra copies export writes and import skips (an MTP layer's own
     embedding and head, which repeat the model's)."""
+    quantizations: tuple[str, ...] = ()
+    """``quantization_config.quant_method`` values this adapter's own ``normalize_hf_tensors`` reads
+    (gpt-oss's "mxfp4"); block-wise "fp8" every adapter takes (``fp8_import.py``)."""
 
     def plan_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, PlannedTensor]:
         """The meshlm tensors of HF ``tensors`` (in memory or ``StoredTensor`` handles), as a plan."""

@@ -68,6 +68,7 @@ from meshlm.hf import (arcee, bamba, cohere, cohere2, deepseek_v3, dots1, exaone
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.fp8_export import quantize_hf_export
+from meshlm.hf.fp8_import import dequantized_dtype, dequantized_tensors, fp8_blocks
 from meshlm.hf.peft_export import peft_adapter_plan, write_adapter_folder
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
@@ -154,8 +155,12 @@ def read_hf_model_config(hf_dir: Path) -> tuple[dict, Architecture, ModelConfig]
         raise ConfigError(f"{hf_dir / CONFIG_FILE}: {error}") from error
 
 
-def hf_plan(architecture: Architecture, tensors: dict, config: ModelConfig, hf_dir: Path) -> dict:
-    """The meshlm tensors of an HF folder's tensors, as a plan (errors name the folder)."""
+def hf_plan(architecture: Architecture, tensors: dict, config: ModelConfig, hf_dir: Path, hf_config: dict) -> dict:
+    """The meshlm tensors of an HF folder's tensors, as a plan (errors name the folder); block-wise FP8
+    weights are dequantized as they are read (``fp8_import.py``)."""
+    block = fp8_blocks(hf_config, architecture.quantizations, str(hf_dir / CONFIG_FILE))
+    if block is not None:
+        tensors = dequantized_tensors(tensors, block, dequantized_dtype(hf_config), hf_dir)
     try:
         return architecture.plan_from_hf(tensors, config)
     except CheckpointError as error:
@@ -173,7 +178,7 @@ def load_hf_model(hf_dir: str | os.PathLike) -> tuple[LanguageModel, dict]:
     hf_config, architecture, config = read_hf_model_config(hf_dir)
     with open_hf_tensors(hf_dir) as files:
         config = architecture.fit_config(config, set(files.tensors))
-        state = produce_all(hf_plan(architecture, files.tensors, config, hf_dir))
+        state = produce_all(hf_plan(architecture, files.tensors, config, hf_dir, hf_config))
     with torch.device("meta"):
         model = LanguageModel(config)
     load_state_checked(model, state, str(hf_dir))
@@ -190,7 +195,7 @@ def hf_to_meshlm(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrit
     extra = kept_hf_fields(hf_config, architecture)
     with open_hf_tensors(hf_dir) as files:
         config = architecture.fit_config(config, set(files.tensors))
-        plan = hf_plan(architecture, files.tensors, config, hf_dir)
+        plan = hf_plan(architecture, files.tensors, config, hf_dir, hf_config)
         write_model_folder(out_dir, config, plan, extra_config={HF_EXTRA_KEY: extra}, tokenizer_dir=hf_dir)
     return out_dir, config, extra
 

@@ -61,9 +61,10 @@ design), so a converted model trains them and drafts with them (``--speculative 
 
 Each MTP layer's own ``embed_tokens`` and ``shared_head.head`` repeat the model's embedding and
 head: import skips them, export writes them. A folder without the layers (transformers writes
-none) imports without MTP, whatever its config.json counts. Refused: ``rope_interleave`` false (import cannot see the
-flag when it reorders the tensors), ``moe_layer_freq`` other than 1, biases, activations other than
-silu, FP8 checkpoints (``quantization_config``: convert a bf16 copy).
+none) imports without MTP, whatever its config.json counts. The released FP8 folders (block-wise
+E4M3 with 128 x 128 scales) are dequantized as they are read (``fp8_import.py``). Refused:
+``rope_interleave`` false (import cannot see the flag when it reorders the tensors),
+``moe_layer_freq`` other than 1, biases, activations other than silu.
 """
 
 from __future__ import annotations
@@ -121,10 +122,6 @@ def attention_scale_from_hf(hf_config: dict, rope: dict, qk_head_dim: int) -> fl
 
 def check_importable(hf: dict, hf_config: dict) -> None:
     """Refuse what meshlm's layer does not compute (one ConfigError naming the field)."""
-    if hf_config.get("quantization_config"):
-        method = hf_config["quantization_config"].get("quant_method")
-        raise ConfigError(f"{NAME} config.json: quantization_config (quant_method={method!r}) is not read yet; "
-                          "convert a bf16 copy of the checkpoint (DeepSeek's fp8_cast_bf16.py writes one).")
     require(hf, NAME, "hidden_act", "silu", "meshlm's MLPs and experts are SwiGLU")
     require(hf, NAME, "attention_bias", False, "meshlm's latent attention has no biases")
     # read as written: transformers takes a null rope_interleave as false, with_defaults would make it true

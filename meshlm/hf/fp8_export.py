@@ -28,7 +28,8 @@ GPU of compute capability 8.9 or more, and elsewhere -- on CPU -- dequantizes ev
 model's dtype while it loads.
 
 What is quantized: the 2-D weights of the linear layers inside the decoder blocks (``layers.{i}``)
--- attention q/k/v/o, MLP gate/up/down (Mixtral's w1/w2/w3), Mamba in_proj/out_proj, each MoE
+-- attention q/k/v/o (and multi-head latent attention's q_a/q_b/kv_a/kv_b projections, as
+DeepSeek-V3's release), MLP gate/up/down (Mixtral's w1/w2/w3), Mamba in_proj/out_proj, each MoE
 expert's linears and LatentMoE's fc1/fc2 latent projections -- and only when both dimensions are
 multiples of 128. Embeddings, lm_head, norms, conv1d, routers, biases, A_log, D and dt_bias keep
 the export dtype. The block rule is a loader constraint, not the format's: the format allows a
@@ -67,6 +68,7 @@ FP8_BLOCK_SIZE = 128
 SCALE_SUFFIX = "_scale_inv"
 """``X.weight`` -> ``X.weight_scale_inv``."""
 BLOCK_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
                            "w1", "w2", "w3", "in_proj", "out_proj", "fc1_latent_proj", "fc2_latent_proj"})
 """Last name of the HF ``nn.Linear`` modules inside a decoder block whose weights are quantized
 (a router is ``gate``, and stays out)."""

@@ -48,10 +48,9 @@ from typing import Callable
 import torch
 
 from meshlm.checkpoint.safetensors_stream import PlannedTensor, load
-from meshlm.errors import ConfigError
-from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, TensorMap, blocks_of, fixed_fields_unsupported,
-                              hf_common_fields, layer_types_from_hf, layer_types_to_hf, layer_windows, ours_only,
-                              rename, rope_from_hf, window_fields, with_defaults)
+from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, DerivedTensor, TensorMap, blocks_of,
+                              fixed_fields_unsupported, hf_common_fields, layer_types_from_hf, layer_types_to_hf,
+                              layer_windows, ours_only, rename, rope_from_hf, window_fields, with_defaults)
 from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_embedding_maps,
                              decoder_unsupported)
 from meshlm.models.config import ModelConfig
@@ -72,18 +71,6 @@ E8M0_BIAS = 127
 """An MXFP4 scale byte s means 2^(s - 127)."""
 EXPERT_PARTS = ("gate", "up")
 """The interleaved halves of ``gate_up_proj``, in order: column 2j + index."""
-
-
-@dataclass(frozen=True)
-class DerivedTensor:
-    """An HF tensor's part in meshlm's layout, computed when read: ``load()`` produces it."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    produce: Callable[[], torch.Tensor]
-
-    def load(self) -> torch.Tensor:
-        return self.produce()
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -190,11 +177,6 @@ def join_experts_for_hf(plan: dict[str, PlannedTensor]) -> dict[str, PlannedTens
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
-    quantization = hf_config.get("quantization_config") or {}
-    if quantization and quantization.get("quant_method") != "mxfp4":
-        raise ConfigError(f"{NAME} config.json: quantization_config (quant_method="
-                          f"{quantization.get('quant_method')!r}) is not read; meshlm reads bf16 and MXFP4 gpt-oss "
-                          "folders.")
     if not (hf_config.get("rope_parameters") or hf_config.get("rope_scaling")):
         hf_config = {**hf_config, "rope_parameters": {**DEFAULT_ROPE,
                                                       "rope_theta": hf_config.get("rope_theta", 150000.0)}}
@@ -273,10 +255,10 @@ class GptOssArchitecture(Architecture):
 
 
 ARCHITECTURE = GptOssArchitecture(NAME, "gpt_oss", config_from_hf, config_to_hf, tensor_maps, unsupported,
-                                  experts_from_hf)
+                                  experts_from_hf, quantizations=("mxfp4",))
 state_from_hf = ARCHITECTURE.state_from_hf
 state_to_hf = ARCHITECTURE.state_to_hf
 
-__all__ = ["ARCHITECTURE", "DerivedTensor", "FP4_VALUES", "NAME", "config_from_hf", "config_to_hf",
+__all__ = ["ARCHITECTURE", "FP4_VALUES", "NAME", "config_from_hf", "config_to_hf",
            "dequantize_mxfp4", "experts_from_hf", "join_experts_for_hf", "state_from_hf", "state_to_hf",
            "tensor_maps", "unsupported"]

@@ -17,6 +17,7 @@ from meshlm.checkpoint.model_files import load_model  # noqa: E402
 from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.hf import choose_architecture, gpt_oss, hf_to_meshlm  # noqa: E402
 from meshlm.hf.files import write_hf_folder  # noqa: E402
+from meshlm.hf.fp8_import import fp8_blocks  # noqa: E402
 from meshlm.models.config import ModelConfig  # noqa: E402
 from meshlm.models.language_model import LanguageModel  # noqa: E402
 
@@ -97,10 +98,11 @@ def test_an_mxfp4_folder_imports_as_the_model_transformers_dequantizes(tmp_path)
     assert_same_logits(hf_model.eval(), model.float(), random_ids())
 
 
-def test_a_quantization_other_than_mxfp4_is_refused(tmp_path):
-    hf = tiny_gpt_oss().to_dict()
-    with pytest.raises(ConfigError, match="quant_method='fp8'.* meshlm reads bf16 and MXFP4 gpt-oss folders"):
-        gpt_oss.config_from_hf({**hf, "quantization_config": {"quant_method": "fp8"}})
+def test_quantizations_gpt_oss_reads_are_mxfp4_and_block_fp8():
+    assert gpt_oss.ARCHITECTURE.quantizations == ("mxfp4",)
+    hf = {**tiny_gpt_oss().to_dict(), "quantization_config": {"quant_method": "awq"}}
+    with pytest.raises(ConfigError, match="quant_method='awq' is not read; meshlm reads 'fp8', 'mxfp4' folders"):
+        fp8_blocks(hf, gpt_oss.ARCHITECTURE.quantizations, "config.json")
 
 
 def test_without_rope_parameters_gpt_oss_yarn_is_assumed():
