@@ -703,7 +703,7 @@ LAYER_FEATURES = {
     "block_output_norm": "Gemma2ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM, Glm4ForCausalLM and "
                          "Exaone4ForCausalLM normalize each block's output",
     "block_input_norm": "Olmo2ForCausalLM and Exaone4ForCausalLM leave the blocks' inputs unnormalized",
-    "qk_norm_scope": "Olmo2ForCausalLM normalizes all query (and key) heads together",
+    "qk_norm_scope": "Olmo2ForCausalLM and MiniMaxM2ForCausalLM normalize all query (and key) heads together",
     "norm_zero_centered": "GemmaForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM store norm weights as 1 + w",
     "embedding_multiplier": "GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (by sqrt(hidden_size)), "
                             "GraniteForCausalLM and the Granite MoE classes scale the embeddings",
@@ -719,8 +719,8 @@ LAYER_FEATURES = {
     "position_embedding": "GPT2LMHeadModel and GPTBigCodeForCausalLM add learned position embeddings",
     "attention_type": "DeepseekV3ForCausalLM has multi-head latent attention",
     "rope_fraction": "Phi3ForCausalLM, GPTNeoXForCausalLM, StableLmForCausalLM, PhiForCausalLM, GPTJForCausalLM, "
-                     "GlmForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM and BambaForCausalLM rotate part of each "
-                     "head (partial_rotary_factor, rotary_dim)",
+                     "GlmForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM and BambaForCausalLM "
+                     "rotate part of each head (partial_rotary_factor, rotary_dim)",
     "parallel_residual": "GPTNeoXForCausalLM, StableLmForCausalLM, FalconForCausalLM, PhiForCausalLM, "
                          "GPTJForCausalLM and CohereForCausalLM run attention and MLP side by side",
     "parallel_residual_shared_norm": "StableLmForCausalLM's, FalconForCausalLM's, PhiForCausalLM's, "
