@@ -120,25 +120,22 @@ def attention_scale_from_hf(hf_config: dict, rope: dict, qk_head_dim: int) -> fl
     return scale_from_mscale(qk_head_dim, rope["rope_scaling_factor"], mscale_all_dim)
 
 
-def check_importable(hf: dict, hf_config: dict) -> None:
-    """Refuse what meshlm's layer does not compute (one ConfigError naming the field)."""
-    require(hf, NAME, "hidden_act", "silu", "meshlm's MLPs and experts are SwiGLU")
-    require(hf, NAME, "attention_bias", False, "meshlm's latent attention has no biases")
+def check_importable(hf: dict, hf_config: dict, name: str = NAME) -> None:
+    """Refuse what meshlm's layer does not compute (one ConfigError naming the field; ``name``: the
+    class, DeepSeek-V3 or one built on its layer)."""
+    require(hf, name, "hidden_act", "silu", "meshlm's MLPs and experts are SwiGLU")
+    require(hf, name, "attention_bias", False, "meshlm's latent attention has no biases")
     # read as written: transformers takes a null rope_interleave as false, with_defaults would make it true
-    require({"rope_interleave": hf_config.get("rope_interleave", True)}, NAME, "rope_interleave", True,
+    require({"rope_interleave": hf_config.get("rope_interleave", True)}, name, "rope_interleave", True,
             "meshlm reorders the rotary rows of interleaved checkpoints, the layout of every released DeepSeek-V3, "
             "Kimi K2 and Moonlight model")
-    require(hf, NAME, "moe_layer_freq", 1, "transformers' DeepSeek-V3 makes every layer after "
+    require(hf, name, "moe_layer_freq", 1, "transformers' DeepSeek-V3 makes every layer after "
             "first_k_dense_replace an MoE layer")
-    require(hf, NAME, "scoring_func", "sigmoid", "DeepSeek-V3 routes by sigmoid scores")
-    require(hf, NAME, "topk_method", "noaux_tc", "DeepSeek-V3 picks experts by group-limited top-k of the biased "
+    require(hf, name, "scoring_func", "sigmoid", "DeepSeek-V3 routes by sigmoid scores")
+    require(hf, name, "topk_method", "noaux_tc", "DeepSeek-V3 picks experts by group-limited top-k of the biased "
             "scores")
-    if hf["rms_norm_eps"] != LATENT_NORM_EPS:
-        raise ConfigError(f"{NAME} config.json: rms_norm_eps={hf['rms_norm_eps']} is not supported: transformers' "
-                          f"latent norms always use {LATENT_NORM_EPS} and meshlm has one model.norm_eps for every "
-                          f"norm, so only rms_norm_eps={LATENT_NORM_EPS} converts exactly.")
     if hf["n_shared_experts"] < 1:
-        raise ConfigError(f"{NAME} config.json: n_shared_experts={hf['n_shared_experts']} is not supported; "
+        raise ConfigError(f"{name} config.json: n_shared_experts={hf['n_shared_experts']} is not supported; "
                           "meshlm reads DeepSeek-V3 MoE layers with a shared expert (n_shared_experts >= 1).")
 
 
@@ -188,21 +185,34 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     if "num_local_experts" in hf_config:  # transformers' attribute-mapped name for n_routed_experts
         hf["n_routed_experts"] = hf_config["num_local_experts"]
     check_importable(hf, hf_config)
-    pattern = dense_then_moe_pattern(hf)
+    return latent_moe_config(hf, hf_config, dense_then_moe_pattern(hf), NAME, DEFAULTS["q_lora_rank"])
+
+
+def latent_moe_config(hf: dict, hf_config: dict, pattern: str, name: str, default_q_lora_rank: int | None
+                      ) -> ModelConfig:
+    """The meshlm config of DeepSeek-V3's layer read from ``hf`` (config.json with the class's
+    defaults) in the layer ``pattern``: latent attention, SwiGLU MLPs, DeepSeek's MoE, MTP layers."""
     mtp = mtp_fields(hf_config)
-    rope = rope_from_hf(hf_config, 10000.0, NAME)
+    rope = rope_from_hf(hf_config, 10000.0, name)
     qk_head_dim = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], pattern=pattern,
         num_attention_heads=hf["num_attention_heads"], attention_type="mla",
         # a null q_lora_rank means q_proj (DeepSeek-V2-Lite's shape); with_defaults would replace it
-        mla_q_lora_rank=hf_config.get("q_lora_rank", DEFAULTS["q_lora_rank"]), mla_kv_lora_rank=hf["kv_lora_rank"],
+        mla_q_lora_rank=hf_config.get("q_lora_rank", default_q_lora_rank), mla_kv_lora_rank=hf["kv_lora_rank"],
         mla_qk_nope_head_dim=hf["qk_nope_head_dim"], mla_qk_rope_head_dim=hf["qk_rope_head_dim"],
         mla_v_head_dim=hf["v_head_dim"], attention_dropout=float(hf["attention_dropout"] or 0.0),
         position_embedding="rope", **rope, attention_scale=attention_scale_from_hf(hf_config, rope, qk_head_dim),
         mlp_activation="swiglu", ffn_hidden_size=hf["intermediate_size"], mlp_bias=False,
         norm="rmsnorm", norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
+        mla_latent_norm_eps=latent_norm_eps(hf["rms_norm_eps"]),
         init_std=hf["initializer_range"], **(moe_fields(hf, hf_config) if "E" in pattern or mtp else {}), **mtp)
+
+
+def latent_norm_eps(rms_norm_eps: float) -> float | None:
+    """``model.mla_latent_norm_eps`` for a config.json's ``rms_norm_eps``: transformers' latent norms use
+    1e-6 whatever it says (None where the two agree)."""
+    return None if rms_norm_eps == LATENT_NORM_EPS else LATENT_NORM_EPS
 
 
 def exact(value: float, reproduces) -> float | None:
@@ -251,29 +261,37 @@ def max_positions(config: ModelConfig) -> int:
 
 def config_to_hf(config: ModelConfig) -> dict:
     ARCHITECTURE.check_expressible(config)
-    return {**hf_common_fields(config, NAME, "deepseek_v3"), "num_hidden_layers": config.num_blocks // 2,
-            **moe_fields_to_hf(config), "moe_layer_freq": 1,
+    return {**latent_moe_config_to_hf(config, NAME, "deepseek_v3"), "moe_layer_freq": 1, "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc"}
+
+
+def latent_moe_config_to_hf(config: ModelConfig, name: str, model_type: str) -> dict:
+    """config.json of DeepSeek-V3's layer for class ``name`` (``latent_moe_config`` read back)."""
+    return {**hf_common_fields(config, name, model_type), "num_hidden_layers": config.num_blocks // 2,
+            **moe_fields_to_hf(config),
             "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_attention_heads,
             "q_lora_rank": config.mla_q_lora_rank, "kv_lora_rank": config.mla_kv_lora_rank,
             "qk_nope_head_dim": config.mla_qk_nope_head_dim, "qk_rope_head_dim": config.mla_qk_rope_head_dim,
             "v_head_dim": config.mla_v_head_dim, "attention_bias": False, "attention_dropout": config.attention_dropout,
             "rope_interleave": True, **rope_parameters_to_hf(config), "max_position_embeddings": max_positions(config),
             "hidden_act": "silu", "intermediate_size": config.resolved_ffn_hidden_size, "rms_norm_eps": config.norm_eps,
-            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": config.mtp_depth}
+            "num_nextn_predict_layers": config.mtp_depth}
 
 
 # --- what cannot be written -------------------------------------------------------------------------
-def attention_unsupported(config: ModelConfig) -> list[str]:
+def attention_unsupported(config: ModelConfig, name: str = NAME) -> list[str]:
     if config.attention_type != "mla":
-        return [f"model.attention_type={config.attention_type!r} ({NAME}'s attention is multi-head latent "
+        return [f"model.attention_type={config.attention_type!r} ({name}'s attention is multi-head latent "
                 "attention: model.attention_type=mla)"]
     reasons = []
-    if config.norm_eps != LATENT_NORM_EPS:
-        reasons.append(f"model.norm_eps={config.norm_eps} ({NAME}'s latent norms always use {LATENT_NORM_EPS}; "
-                       f"set model.norm_eps={LATENT_NORM_EPS})")
+    latent_eps = config.norm_eps if config.mla_latent_norm_eps is None else config.mla_latent_norm_eps
+    if latent_eps != LATENT_NORM_EPS:
+        reasons.append(f"model.mla_latent_norm_eps={config.mla_latent_norm_eps} with model.norm_eps={config.norm_eps} "
+                       f"({name}'s latent norms always use {LATENT_NORM_EPS}; set model.mla_latent_norm_eps="
+                       f"{LATENT_NORM_EPS})")
     scaled = config.rope_scaling != "none" and config.rope_scaling_factor > 1
     if config.attention_scale is not None and not scaled:
-        reasons.append(f"model.attention_scale={config.attention_scale} ({NAME} scales attention by "
+        reasons.append(f"model.attention_scale={config.attention_scale} ({name} scales attention by "
                        "1/sqrt(mla_qk_nope_head_dim + mla_qk_rope_head_dim), changed only by YaRN's mscale_all_dim "
                        "when the RoPE is scaled)")
     return reasons
@@ -304,18 +322,19 @@ def mtp_unsupported(config: ModelConfig, name: str = NAME) -> list[str]:
     return []
 
 
-def unsupported(config: ModelConfig) -> list[str]:
+def unsupported(config: ModelConfig, name: str = NAME, label: str = "DeepSeek-V3") -> list[str]:
+    """Why ``config`` is not DeepSeek-V3's layer (for class ``name``, called ``label`` in prose)."""
     reasons = common_unsupported(config, supported=frozenset({"attention_scale", "attention_type", "mtp_depth"}))
-    reasons += mtp_unsupported(config)
-    reasons += blocks_of(config, r"(\*-)*(\*E)*", "DeepSeek-V3 layers are attention then MLP in the first "
-                         "first_k_dense_replace layers, attention then MoE after: '*-' repeated, then '*E' repeated")
-    reasons += window_unsupported(config, "DeepSeek-V3", uniform_only=False)
-    reasons += attention_unsupported(config)
+    reasons += mtp_unsupported(config, name)
+    reasons += blocks_of(config, r"(\*-)*(\*E)*", f"{label} layers are attention then MLP in the first dense "
+                         "layers, attention then MoE after: '*-' repeated, then '*E' repeated")
+    reasons += window_unsupported(config, label, uniform_only=False)
+    reasons += attention_unsupported(config, name)
     if config.mlp_activation != "swiglu":
-        reasons.append(f"model.mlp_activation={config.mlp_activation!r} ({NAME}'s MLPs and experts are SwiGLU)")
+        reasons.append(f"model.mlp_activation={config.mlp_activation!r} ({name}'s MLPs and experts are SwiGLU)")
     if config.mlp_bias:
-        reasons.append(f"model.mlp_bias=True ({NAME}'s MLPs have no biases)")
-    return reasons + moe_unsupported(config)
+        reasons.append(f"model.mlp_bias=True ({name}'s MLPs have no biases)")
+    return reasons + moe_unsupported(config, name)
 
 
 # --- tensors ------------------------------------------------------------------------------------

@@ -111,6 +111,10 @@ class ModelConfig:
     key all heads share (64). Even: RoPE rotates pairs."""
     mla_v_head_dim: int = 128
     """attention_type=mla: the width of each value head, and so of each head's output (128)."""
+    mla_latent_norm_eps: float | None = None
+    """attention_type=mla: the epsilon of the query and key/value latents' RMSNorms. None: norm_eps.
+    transformers' DeepSeek-V3 attention always uses 1e-6 there, whatever its other norms use
+    (GLM-4.7-Flash: 1e-5 elsewhere)."""
     num_kv_heads: int | None = None
     """Key/value heads (GQA; 1 = MQA). None means num_attention_heads (plain multi-head)."""
     head_dim: int | None = None
@@ -849,6 +853,10 @@ class ModelConfig:
     def _validate_latent_attention(self) -> None:
         """attention_type=mla: the widths are positive, and the fields of the other attention unset."""
         _positive(self, "mla_kv_lora_rank", "mla_qk_nope_head_dim", "mla_qk_rope_head_dim", "mla_v_head_dim")
+        latent_eps = self.mla_latent_norm_eps
+        if latent_eps is not None and not _positive_number(latent_eps):
+            raise ConfigError(f"model.mla_latent_norm_eps={latent_eps!r} must be a positive number, or null for "
+                              "model.norm_eps.")
         rank = self.mla_q_lora_rank
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
             raise ConfigError(f"model.mla_q_lora_rank={rank!r} must be a positive integer (DeepSeek-V3: 1536), or "

@@ -68,7 +68,8 @@ class LatentAttention(SelfAttention):
         self.value_dim = config.mla_v_head_dim
         self.kv_lora_rank = config.mla_kv_lora_rank
         hidden, heads = config.hidden_size, self.num_heads
-        eps, zero_centered = config.norm_eps, config.norm_zero_centered
+        eps = config.norm_eps if config.mla_latent_norm_eps is None else config.mla_latent_norm_eps
+        zero_centered = config.norm_zero_centered
         if config.mla_q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
             self.q_a_proj = self.q_a_norm = self.q_b_proj = None

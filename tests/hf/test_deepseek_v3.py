@@ -61,6 +61,14 @@ def convert(hf_config, tmp_path):
     return hf_model, model
 
 
+def test_other_block_norm_eps_keeps_the_latent_norms_at_transformers_1e_6(tmp_path):
+    """transformers' latent norms use 1e-6 whatever rms_norm_eps says: ``model.mla_latent_norm_eps``."""
+    _, model = convert(tiny_deepseek_v3(rms_norm_eps=1e-2), tmp_path)  # large, so a wrong eps would show
+    assert (model.config.norm_eps, model.config.mla_latent_norm_eps) == (1e-2, 1e-6)
+    assert model.blocks[0].mixer.kv_a_norm.eps == 1e-6 and model.blocks[0].norm.eps == 1e-2
+    assert_hf_round_trip(tmp_path, ROUND_TRIP_FIELDS)
+
+
 @pytest.mark.parametrize("q_lora_rank", [32, None], ids=["query-latent", "q_proj"])
 def test_logits_and_greedy_tokens_match_transformers_and_round_trip(q_lora_rank, tmp_path):
     hf_model, model = convert(tiny_deepseek_v3(q_lora_rank=q_lora_rank), tmp_path)
@@ -175,7 +183,6 @@ def test_adapters_on_reordered_projections_are_refused_for_peft(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("rms_norm_eps", 1e-5, r"rms_norm_eps=1e-05 is not supported: transformers' latent norms always use 1e-06"),
     ("rope_interleave", False, r"rope_interleave=False is not supported yet"),
     ("moe_layer_freq", 2, r"moe_layer_freq=2 is not supported yet"),
     ("hidden_act", "gelu", r"hidden_act='gelu' is not supported yet"),
@@ -201,7 +208,8 @@ def test_config_details_from_config_json():
 @pytest.mark.parametrize("overrides, message", [
     ({"attention_type": "gqa", "mla_q_lora_rank": None}, "model.attention_type='gqa'"),
     ({"moe_score_function": "softmax"}, "model.moe_score_function='softmax'"),
-    ({"norm_eps": 1e-5}, r"model.norm_eps=1e-05 \(DeepseekV3ForCausalLM's latent norms always use 1e-06"),
+    ({"norm_eps": 1e-5}, r"model.mla_latent_norm_eps=None with model.norm_eps=1e-05 \(DeepseekV3ForCausalLM's "
+                         r"latent norms always use 1e-06"),
     ({"attention_scale": 0.25}, r"model.attention_scale=0.25"),
     ({"pattern": "*E*-"}, r"model.pattern='\*E\*-'"),
     ({"moe_shared_expert_ffn_hidden_size": 12}, "model.moe_shared_expert_ffn_hidden_size=12"),

@@ -109,7 +109,8 @@ def test_fp8_weights_become_the_dtype_config_json_names(tmp_path):
     save_random_hf_model(CASES["llama"](), tmp_path / "hf")
     quiet("convert", "hf-to-meshlm", str(tmp_path / "hf"), str(tmp_path / "meshlm"))
     extra = json.loads((tmp_path / "meshlm" / "config.json").read_text())["hf"]
-    source = save_model(load_model(tmp_path / "meshlm").to(torch.bfloat16), tmp_path / "bf16", extra_config={"hf": extra})
+    source = save_model(load_model(tmp_path / "meshlm").to(torch.bfloat16), tmp_path / "bf16",
+                        extra_config={"hf": extra})
     plain_dir, fp8_dir = export_plain_and_fp8(source, tmp_path)
     out, _, _ = hf_to_meshlm(fp8_dir, tmp_path / "imported")
     model = load_model(out)
