@@ -48,9 +48,9 @@ t + w - 1 keys.
 ``model.attention_sinks``, gpt-oss): every path above makes its SDPA call through
 ``scaled_dot_product``, which with a cap or sinks runs the explicit, query-chunked core of
 ``meshlm/models/explicit_attention.py`` under the same mask instead, so windows, documents, padding
-and the cache keep their structure. Causal attention with sinks over whole sequences (no window)
-runs a fused kernel that returns each row's log-sum-exp, the sink merged afterwards
-(``meshlm/models/sink_attention.py``).
+and the cache keep their structure. Causal attention with sinks over whole sequences, with or
+without a window, runs a fused kernel that returns each row's log-sum-exp, the sink merged
+afterwards (``meshlm/models/sink_attention.py``).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from meshlm.models.init import constant
 from meshlm.models.lora import adapted, lora_coordinates
 from meshlm.models.norms import HeadNorm, RMSNorm
 from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
-from meshlm.models.sink_attention import fused_sink_attention, fused_sinks_supported
+from meshlm.models.sink_attention import fused_sink_attention, fused_sinks_supported, windowed_sink_attention
 from meshlm.models.explicit_attention import explicit_attention
 from meshlm.models.softcap import soft_cap
 
@@ -148,10 +148,12 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Causal attention of s queries over their own s keys: whole, or within ``window`` (``sinks``:
     [heads], as ``attention_core``'s)."""
     head_sinks = None if sinks is None else sinks[:, None]
-    if window is None or window >= query.shape[2]:
-        if (sinks is not None and softcap is None and value.shape[-1] == query.shape[-1]
-                and fused_sinks_supported(query, key)):  # the sinks merged into a fused kernel's rows
-            return fused_sink_attention(query, key, value, sinks, scale)
+    whole = window is None or window >= query.shape[2]
+    if (sinks is not None and softcap is None and value.shape[-1] == query.shape[-1]
+            and fused_sinks_supported(query, key)):  # the sinks merged into a fused kernel's rows
+        return (fused_sink_attention(query, key, value, sinks, scale) if whole
+                else windowed_sink_attention(query, key, value, sinks, window, scale))
+    if whole:
         return scaled_dot_product(query, key, value, is_causal=True, scale=scale, softcap=softcap, sinks=head_sinks)
     return windowed_attention(query, key, value, window, scale, softcap, sinks)
 

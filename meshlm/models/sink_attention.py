@@ -14,14 +14,13 @@ softmax's columns -- and D = rowsum(dO * o') of the whole row, so it returns the
 the sink's gradient is its column's dS = -exp(sink - lse') D, summed over the rows. Between forward
 and backward only q, k, v, o' and lse' are kept, as for plain fused attention.
 
-``causal_attention`` takes this path for causal attention over a whole sequence (training and
-prefill without padding), the hot path; where no fused kernel takes the inputs, and for windows,
-masks and caches, the sinks go through the explicit core. Measured on a 2-core CPU (fp32, 8 heads
-over 2 KV heads of 64, forward and backward, ``python -m bench.softcap``, medians of 5): 1.06x and
-1.07x plain SDPA's time at 1024 and 4096 tokens, against 1.6x and 2.2x for the explicit core; a
-sliding-window layer (1024 of 4096) still runs the explicit core, 2.5x SDPA's time (its chunk pairs'
-band masks would need the previous chunk as a shifted causal block of its own, merged like ring
-attention's blocks: not done).
+``causal_attention`` takes this path for causal attention over whole sequences (training and
+prefill without padding), the hot path, with or without a sliding window: a window's chunks of w
+queries are two causal blocks each, their own chunk and the previous one's later keys with both
+chunks' rows reversed (``windowed_sink_attention``), merged by their lse before the sink. Where no
+fused kernel takes the inputs, and for masks and caches, the sinks go through the explicit core.
+Measured on a 2-core CPU (fp32, 8 heads over 2 KV heads of 64, forward and backward, ``python -m
+bench.softcap``, medians of 5): see ``bench/results/softcap_cpu.json`` (``sinks_over_uncapped``).
 """
 
 from __future__ import annotations
@@ -60,6 +59,118 @@ class _FusedSinkAttention(torch.autograd.Function):
                 grad_sinks.to(sinks.dtype), None)
 
 
+# --- sliding windows: each chunk of w queries over its own chunk (causal) and the one before it ----------
+
+def _chunks(tensor: torch.Tensor, window: int) -> torch.Tensor:
+    """[b, n, P, ...] (P = chunks * window) -> [b, chunks, n, window, ...]."""
+    return tensor.unflatten(2, (tensor.shape[2] // window, window)).transpose(1, 2)
+
+
+def _unchunked(tensor: torch.Tensor) -> torch.Tensor:
+    """``_chunks`` undone: [b, chunks, n, window, ...] -> [b, n, P, ...]."""
+    return tensor.transpose(1, 2).flatten(2, 3)
+
+
+def _previous_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """The query side of the previous-chunk block: chunks 1.. of [b, chunks, n, w, ...], rows reversed,
+    the first reversed row (the chunk's last query, which sees no earlier chunk's key) dropped,
+    folded to [b (chunks - 1), n, w - 1, ...]."""
+    return tensor[:, 1:].flip(3)[:, :, :, 1:].flatten(0, 1)
+
+
+def _previous_keys(tensor: torch.Tensor) -> torch.Tensor:
+    """The key side of the previous-chunk block: chunks ..-1, rows reversed, the last reversed row
+    (the chunk's first key, out of every later query's window) dropped, folded."""
+    return tensor[:, :-1].flip(3)[:, :, :, :-1].flatten(0, 1)
+
+
+def _previous_rows_back(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    """``_previous_rows`` undone for a result [b (chunks - 1), n, w - 1, ...]: [b, chunks - 1, n, w, ...]
+    in the original row order, a zero row for each chunk's last query."""
+    rows = tensor.unflatten(0, (batch, -1))
+    return torch.cat((rows.new_zeros(*rows.shape[:3], 1, *rows.shape[4:]), rows), dim=3).flip(3)
+
+
+def _previous_keys_back(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    """``_previous_keys`` undone for a gradient [b (chunks - 1), n, w - 1, ...]."""
+    rows = tensor.unflatten(0, (batch, -1))
+    return torch.cat((rows, rows.new_zeros(*rows.shape[:3], 1, *rows.shape[4:])), dim=3).flip(3)
+
+
+class _FusedWindowedSinkAttention(torch.autograd.Function):
+    """Sliding-window causal attention (query p sees keys p - w < q <= p) with ``sinks`` through the
+    fused kernel, as two causal blocks per chunk of w queries (``windowed_sink_attention``)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, sinks, window, scale):
+        length = query.shape[2]
+        padding = -length % window
+        q, k, v = (torch.nn.functional.pad(tensor, (0, 0, 0, padding)) for tensor in (query, key, value))
+        batch, wide = q.shape[0], accumulation_dtype(query.dtype)
+        q5, k5, v5 = _chunks(q, window), _chunks(k, window), _chunks(v, window)
+        own_out, own_lse = block_forward(q5.flatten(0, 1), k5.flatten(0, 1), v5.flatten(0, 1), True, scale)
+        out = own_out.to(wide).unflatten(0, (batch, -1))
+        lse = own_lse.to(wide).unflatten(0, (batch, -1))
+        if q5.shape[1] > 1 and window > 1:  # the previous chunk's keys after each query's own position
+            prev_out, prev_lse = block_forward(_previous_rows(q5), _previous_keys(k5), _previous_keys(v5), True,
+                                               scale)
+            prev_out = _previous_rows_back(prev_out.to(wide), batch)
+            prev_lse = _previous_rows_back(prev_lse.to(wide).unsqueeze(-1), batch).squeeze(-1)
+            prev_lse[..., -1] = float("-inf")  # each chunk's last query sees none of them
+            merged = torch.logaddexp(lse[:, 1:], prev_lse)
+            out[:, 1:] = (out[:, 1:] * torch.exp(lse[:, 1:] - merged).unsqueeze(-1)
+                          + prev_out * torch.exp(prev_lse - merged).unsqueeze(-1))
+            lse[:, 1:] = merged
+        out, lse = _unchunked(out)[:, :, :length], _unchunked(lse)[:, :, :length]
+        with_sink = torch.logaddexp(lse, sinks.to(wide)[:, None])
+        output = (out * torch.exp(lse - with_sink).unsqueeze(-1)).to(query.dtype)
+        ctx.save_for_backward(query, key, value, output, with_sink, sinks)
+        ctx.window, ctx.scale = window, scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, output, lse, sinks = ctx.saved_tensors
+        window, scale = ctx.window, ctx.scale
+        length, batch = query.shape[2], query.shape[0]
+        padding = -length % window
+        # padded rows: zero gradient and output, lse 0 -- they contribute nothing to any gradient
+        q, k, v, grad, out = (torch.nn.functional.pad(tensor, (0, 0, 0, padding))
+                              for tensor in (query, key, value, grad_output, output))
+        lse_padded = torch.nn.functional.pad(lse, (0, padding))
+        q5, k5, v5, grad5, out5 = (_chunks(tensor, window) for tensor in (q, k, v, grad, out))
+        lse5 = _chunks(lse_padded.unsqueeze(-1), window).squeeze(-1)
+        dq, dk, dv = block_backward(grad5.flatten(0, 1), q5.flatten(0, 1), k5.flatten(0, 1), v5.flatten(0, 1),
+                                    out5.flatten(0, 1), lse5.flatten(0, 1), True, scale)
+        wide = lse.dtype
+        dq, dk, dv = (tensor.to(wide).unflatten(0, (batch, -1)) for tensor in (dq, dk, dv))
+        if q5.shape[1] > 1 and window > 1:
+            pdq, pdk, pdv = block_backward(_previous_rows(grad5), _previous_rows(q5), _previous_keys(k5),
+                                           _previous_keys(v5), _previous_rows(out5),
+                                           _previous_rows(lse5.unsqueeze(-1)).squeeze(-1), True, scale)
+            dq[:, 1:] += _previous_rows_back(pdq.to(wide), batch)
+            dk[:, :-1] += _previous_keys_back(pdk.to(wide), batch)
+            dv[:, :-1] += _previous_keys_back(pdv.to(wide), batch)
+        dq, dk, dv = (_unchunked(tensor)[:, :, :length] for tensor in (dq, dk, dv))
+        delta = (grad_output.to(wide) * output.to(wide)).sum(-1)
+        grad_sinks = -(torch.exp(sinks.to(wide)[:, None] - lse) * delta).sum((0, 2))
+        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), grad_sinks.to(sinks.dtype), None, None)
+
+
+def windowed_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor,
+                            window: int, scale: float | None = None) -> torch.Tensor:
+    """Sliding-window causal attention over whole sequences with ``sinks`` [heads], through a fused kernel
+    (``fused_sinks_supported`` must hold). The sequence is cut into chunks of ``window`` queries, as
+    ``attention.windowed_attention`` cuts it; chunk a's queries see their own chunk's keys causally --
+    one causal block -- and the keys of chunk a - 1 after their own offset, key j visible from query
+    i when j > i. Reversing both chunks' rows turns that into j' < i', causal attention of rows
+    1..w-1 over keys 0..w-2: a second causal block, the last query of each chunk left out (it sees
+    none of them). The two blocks' rows merge by their lse, as ring attention's blocks do, the sink
+    after; backward gives each block the final output and lse (the module docstring)."""
+    return _FusedWindowedSinkAttention.apply(query, key, value, sinks, window,
+                                             query.shape[-1] ** -0.5 if scale is None else scale)
+
+
 def fused_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor,
                          scale: float | None = None) -> torch.Tensor:
     """Causal attention over whole sequences with ``sinks`` [heads] in the denominators, through a
@@ -67,4 +178,4 @@ def fused_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return _FusedSinkAttention.apply(query, key, value, sinks, query.shape[-1] ** -0.5 if scale is None else scale)
 
 
-__all__ = ["fused_sink_attention", "fused_sinks_supported"]
+__all__ = ["fused_sink_attention", "fused_sinks_supported", "windowed_sink_attention"]

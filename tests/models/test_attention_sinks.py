@@ -113,30 +113,32 @@ def test_the_core_keeps_only_its_inputs_the_output_and_one_lse_per_row(monkeypat
     assert sinks.grad is not None and sinks.grad.abs().sum() > 0
 
 
-def test_causal_sinks_over_whole_sequences_run_a_fused_kernel_keeping_what_it_keeps(monkeypatch):
-    """No window, no mask, no cache: the fused kernel's rows with the sink merged after
-    (meshlm/models/sink_attention.py), never the explicit core; it keeps q, k, v, its output and an
-    fp32 lse per row; in bf16 it is as close to fp32 attention as bf16 SDPA is."""
+@pytest.mark.parametrize("seq, window, kv_heads", [(24, None, 2), (24, 5, 2), (23, 6, 1), (24, 1, 4), (9, 3, 2)])
+def test_sinks_over_whole_sequences_run_a_fused_kernel_keeping_what_it_keeps(monkeypatch, seq, window, kv_heads):
+    """No mask, no cache, with or without a window (the last chunk padded or not, a window of one):
+    the fused kernel's rows with the sink merged after (meshlm/models/sink_attention.py), never the
+    explicit core; it keeps q, k, v, its output and an fp32 lse per row; in bf16 it is as close to
+    fp32 attention as bf16 SDPA is."""
     def refuse(*args):
         raise AssertionError("the explicit core ran")
 
     monkeypatch.setattr(explicit_attention_module._ExplicitAttention, "apply", refuse)
-    *qkv, sinks = inputs = random_inputs(24)
-    assert_same_with_gradients(attention_core(*qkv, sinks=sinks, scale=0.4),
-                               sink_reference(*qkv, sinks, allowed_keys(24, 24, None, "cpu"), scale=0.4), inputs)
+    *qkv, sinks = inputs = random_inputs(seq, kv_heads=kv_heads)
+    allowed = allowed_keys(seq, seq, None, "cpu", window=window)
+    assert_same_with_gradients(attention_core(*qkv, window=window, sinks=sinks, scale=0.4),
+                               sink_reference(*qkv, sinks, allowed, scale=0.4), inputs)
     query, key, value, sinks = (tensor.detach().float().requires_grad_() for tensor in inputs)
     with SavedStorages() as saved:
-        out = attention_core(query, key, value, sinks=sinks)
+        out = attention_core(query, key, value, window=window, sinks=sinks)
         out.sum().backward()
     held = {tensor.untyped_storage().data_ptr() for tensor in (query, key, value, sinks)}
     extra = sum(size for pointer, size in saved.storages.items() if pointer not in held)
-    assert extra == out.numel() * 4 + 2 * 4 * 24 * 4, extra  # the output and 2 x 4 x 24 fp32 lse
-    exact = sink_reference(query, key, value, sinks, allowed_keys(24, 24, None, "cpu")).detach()
+    assert extra == out.numel() * 4 + 2 * 4 * seq * 4, extra  # the output and 2 x 4 x seq fp32 lse
+    exact = sink_reference(query, key, value, sinks, allowed).detach()
     low = [tensor.detach().bfloat16() for tensor in (query, key, value, sinks)]
-    ours = attention_core(*low[:3], sinks=low[3]).float()
-    plain_error = (torch.nn.functional.scaled_dot_product_attention(*low[:3], is_causal=True, enable_gqa=True).float()
-                   - torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True,
-                                                                      enable_gqa=True)).abs().max()
+    ours = attention_core(*low[:3], window=window, sinks=low[3]).float()
+    plain_error = (attention_core(*low[:3], window=window).float()
+                   - attention_core(query, key, value, window=window)).abs().max()
     assert (ours - exact).abs().max() <= 2 * plain_error + 2e-3
 
 
