@@ -20,6 +20,8 @@
 - **Soft-capped attention**: the explicit capped core (``model.attention_softcap``, its own
   chunked backward), causal and windowed, in bf16 against the explicit capped softmax in fp32,
   with the same bound against that softmax in bf16.
+- **Attention sinks on the fused kernels** (``meshlm/models/sink_attention.py``): whole sequences
+  and sliding windows in bf16 against the explicit sink softmax in fp32, the sinks' gradient too.
 - **Ring attention's fused blocks** (``meshlm/parallel/context/block_attention.py``): on CUDA a
   block goes to FlashAttention-2's aten ops (bf16) or the memory-efficient ones (fp32), called
   by schema and never run on a GPU before this tier. Output, lse and the block backward against
@@ -155,6 +157,36 @@ def test_soft_capped_attention_matches_the_explicit_capped_softmax(gpu_device):
             assert max_error(got, expected) <= 2 * max_error(baseline, expected) + slack, \
                 (window, name, max_error(got, expected), max_error(baseline, expected), float(expected.abs().max()))
         assert max_error(attention_core(*inputs, window=window), capped[0]) > 1e-2
+
+
+def test_attention_sinks_on_the_fused_kernels_match_the_explicit_sink_softmax(gpu_device):
+    """Attention sinks (``model.attention_sinks``): whole sequences and sliding windows run the fused
+    kernels with the sink merged after (``meshlm/models/sink_attention.py``: FlashAttention-2's aten
+    ops in bf16 on CUDA, called by schema and first run on a GPU here); against the explicit sink
+    softmax of ``attention_with_dropout`` in fp32, with the flash test's bound against that softmax
+    in bf16. The sinks' gradient too; and the sinks' effect: the output differs from plain attention."""
+    seq = 96
+    inputs = [seeded(2, 4, seq, 16, device=gpu_device, seed=0, dtype=torch.bfloat16),
+              *(seeded(2, 2, seq, 16, device=gpu_device, seed=seed, dtype=torch.bfloat16) for seed in (1, 2)),
+              seeded(4, device=gpu_device, seed=4, dtype=torch.bfloat16)]
+    grad_out = seeded(2, 4, seq, 16, device=gpu_device, seed=3)
+    keep = torch.ones(2, 4, seq, seq, dtype=torch.bool, device=gpu_device)
+    for window in (None, 20):
+        explicit = lambda q, k, v, sinks: attention_with_dropout(q, k, v, None, keep, 0.0,  # noqa: E731
+                                                                 window=window, sinks=sinks)
+        reference = values_and_grads(explicit, [tensor.float() for tensor in inputs], grad_out)
+        fused = values_and_grads(lambda q, k, v, sinks: attention_core(q, k, v, window=window, sinks=sinks), inputs,
+                                 grad_out)
+        plain = values_and_grads(explicit, inputs, grad_out)
+        for name, got, baseline, expected in zip(("out", "dq", "dk", "dv", "dsinks"), fused, plain, reference):
+            assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), (window, name)
+            # a sink's gradient sums a term of every row (2 x 96 here) from the bf16 output, as the fused
+            # backward's D = rowsum(dO * O) does: a bf16 ulp of the sum (2^-7 relative), not half of one
+            units = 4 if name == "dsinks" else 1
+            slack = units * BF16_SLACK * max(1.0, float(expected.abs().max()))
+            assert max_error(got, expected) <= 2 * max_error(baseline, expected) + slack, \
+                (window, name, max_error(got, expected), max_error(baseline, expected), float(expected.abs().max()))
+        assert max_error(attention_core(*inputs[:3], window=window), fused[0]) > 1e-2
 
 
 KERNEL_SLACK = 1e-2
