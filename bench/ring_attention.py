@@ -7,7 +7,7 @@ make three blocks -- (chunk 0, chunk 0) causal, (1, 0) full, (1, 1) causal -- co
 ``ring_attention`` computes every step (``meshlm/parallel/context/ring_attention.py``): each
 block's partial result merged into fp32 accumulators (``merge_into``), then each block's
 backward given the final output and lse, dQ/dK/dV summed in fp32. Two block paths
-(``meshlm/parallel/context/block_attention.py``):
+(``meshlm/models/block_attention.py``):
 
 * ``fused``: ``block_forward``/``block_backward``, the fused attention kernel in the run's dtype
   (on CPU the CPU flash kernel; ``kernel`` says which ran);
@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from meshlm.parallel.context.block_attention import (accumulation_dtype, block_backward, block_forward, fused_kernel,
+from meshlm.models.block_attention import (accumulation_dtype, block_backward, block_forward, fused_kernel,
                                                      reference_block_backward, reference_block_forward)
 from meshlm.parallel.context.ring_attention import merge_into, ring_attention
 from meshlm.parallel.mesh import ParallelContext

@@ -3,7 +3,7 @@
 A sink (``model.attention_sinks``, ``meshlm/models/explicit_attention.py``) is one more column of
 every row's softmax, with a zero value. The fused attention kernels take no such column, but some
 return each row's log-sum-exp over its real keys, lse, beside the output o (FlashAttention-2's row
-statistic; the aten ops ``meshlm/parallel/context/block_attention.py`` calls, the CPU flash kernel
+statistic; the aten ops ``meshlm/models/block_attention.py`` calls, the CPU flash kernel
 and CUDA's flash and memory-efficient ones). The sink then merges into the finished row exactly,
 as ring attention merges a block (``meshlm/parallel/context/ring_attention.py``):
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from meshlm.parallel.context.block_attention import accumulation_dtype, block_backward, block_forward, fused_kernel
+from meshlm.models.block_attention import accumulation_dtype, block_backward, block_forward, fused_kernel
 
 
 def fused_sinks_supported(query: torch.Tensor, key: torch.Tensor) -> bool:

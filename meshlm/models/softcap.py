@@ -14,7 +14,7 @@ core and the fused cross-entropy, meshlm/models/losses.py, use it on each chunk)
 **Attention with capped scores.** The fused attention kernels take a mask but no function of the
 scores, so a block with ``model.attention_softcap`` runs the explicit, query-chunked attention core
 of ``meshlm/models/explicit_attention.py`` with the cap; ring attention's blocks take the cap in
-their reference path (``meshlm/parallel/context/block_attention.py``).
+their reference path (``meshlm/models/block_attention.py``).
 """
 
 from __future__ import annotations

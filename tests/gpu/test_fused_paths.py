@@ -22,7 +22,7 @@
   with the same bound against that softmax in bf16.
 - **Attention sinks on the fused kernels** (``meshlm/models/sink_attention.py``): whole sequences
   and sliding windows in bf16 against the explicit sink softmax in fp32, the sinks' gradient too.
-- **Ring attention's fused blocks** (``meshlm/parallel/context/block_attention.py``): on CUDA a
+- **Ring attention's fused blocks** (``meshlm/models/block_attention.py``): on CUDA a
   block goes to FlashAttention-2's aten ops (bf16) or the memory-efficient ones (fp32), called
   by schema and never run on a GPU before this tier. Output, lse and the block backward against
   the explicit-matmul reference in fp64, causal and not, GQA.
@@ -60,7 +60,7 @@ from meshlm.models.language_model import LanguageModel
 from meshlm.models.moe.experts import GroupedExperts, grouped_linear, grouped_mm_supported
 from meshlm.models.ssd import ssd_chunked_scan
 from meshlm.models.ssd_fast import ssd_chunked_scan_fast
-from meshlm.parallel.context.block_attention import (CUDA_EFFICIENT, CUDA_FLASH, block_backward, block_forward,
+from meshlm.models.block_attention import (CUDA_EFFICIENT, CUDA_FLASH, block_backward, block_forward,
                                                      fused_kernel, reference_block_backward,
                                                      reference_block_forward)
 from meshlm.training.trainer import Trainer

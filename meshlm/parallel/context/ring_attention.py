@@ -89,7 +89,7 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.parallel.collectives import all_gather_into_, send_and_receive
-from meshlm.parallel.context.block_attention import accumulation_dtype, block_backward, block_forward
+from meshlm.models.block_attention import accumulation_dtype, block_backward, block_forward
 from meshlm.parallel.context.chunks import chunk_owner, paired_chunks
 
 KV_TAG, GRAD_TAG = 0, 1

@@ -12,7 +12,7 @@ sinks (``sinks``, merged after the ring) against the sink softmax written out, t
 over the CP ranks, at cp2 x tp2, cp4 with a window and cp2 with a cap. One process checks the block
 rule and the online-softmax merge.
 
-The blocks go through the fused kernel (meshlm/parallel/context/block_attention.py; on CPU the
+The blocks go through the fused kernel (meshlm/models/block_attention.py; on CPU the
 CPU flash kernel, which takes fp64, so every exactness check here is fp64 at 1e-12): one
 process checks that the fused block forward/backward equal the explicit-matmul reference, that
 per-block backwards given the FINAL output and lse add up to the full gradient, that a block
@@ -31,7 +31,7 @@ from meshlm.config import ParallelConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.softcap import soft_cap
 from meshlm.parallel.context.chunks import CHUNK_LAYOUTS, local_token_positions
-from meshlm.parallel.context.block_attention import (CPU_FLASH, block_backward, block_forward, fused_kernel,
+from meshlm.models.block_attention import (CPU_FLASH, block_backward, block_forward, fused_kernel,
                                                      reference_block_backward, reference_block_forward)
 from meshlm.parallel.context.ring_attention import attention_blocks, merge_into, ring_attention
 from meshlm.parallel.collective_checks import compare_collectives

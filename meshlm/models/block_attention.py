@@ -1,6 +1,8 @@
-"""One block of ring attention -- a query chunk over one key/value chunk -- through a fused kernel.
+"""One block of attention and its rows' log-sum-exp, through a fused kernel that returns both.
 
-Ring attention (``ring_attention.py``) cuts causal attention into blocks: c queries against the
+Ring attention (``meshlm/parallel/context/ring_attention.py``) cuts causal attention into blocks,
+and attention sinks (``sink_attention.py``) merge their sink into a block's finished rows; both
+need a block's output *and* its rows' log-sum-exp. Ring attention's blocks: c queries against the
 c keys of one chunk, either whole (the key chunk comes earlier) or causal (the same chunk). A
 block's result is a *partial* softmax: per query row, the output over its keys only and the
 log-sum-exp lse = log sum_j exp(S_j) of its scores, so that blocks merge exactly afterwards.
