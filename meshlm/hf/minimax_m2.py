@@ -27,9 +27,8 @@ from typing import Callable
 
 from meshlm.hf.common import (Architecture, TensorMap, blocks_of, fixed_fields_unsupported, hf_common_fields, rename,
                               require, rope_from_hf, window_unsupported, with_defaults)
-from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_embedding_maps,
-                             decoder_unsupported)
-from meshlm.hf.qwen3_moe import routed_expert_maps
+from meshlm.hf.llama import attention_fields, attention_to_hf, decoder_embedding_maps, decoder_unsupported
+from meshlm.hf.mixtral import sparse_layer_maps
 from meshlm.models.config import ModelConfig
 
 NAME = "MiniMaxM2ForCausalLM"
@@ -93,14 +92,12 @@ def config_to_hf(config: ModelConfig) -> dict:
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    """Mixtral's layers (``mixtral.sparse_layer_maps``) with the score-correction bias as the router's expert bias."""
     maps = decoder_embedding_maps(config)
     for layer in range(config.num_blocks // 2):
-        block, theirs = 2 * layer + 1, f"model.layers.{layer}.block_sparse_moe"
-        maps += attention_maps(config, 2 * layer, layer)
-        maps.append(rename(f"blocks.{block}.norm.weight", f"model.layers.{layer}.post_attention_layernorm.weight"))
-        maps += routed_expert_maps(block, f"{theirs}.gate.weight", lambda e, theirs=theirs: tuple(
-            f"{theirs}.experts.{e}.{name}.weight" for name in ("w1", "w3", "w2")), config.moe_num_experts)
-        maps.append(rename(f"blocks.{block}.mixer.router.expert_bias", f"{theirs}.e_score_correction_bias"))
+        maps += sparse_layer_maps(config, layer)
+        maps.append(rename(f"blocks.{2 * layer + 1}.mixer.router.expert_bias",
+                           f"model.layers.{layer}.block_sparse_moe.e_score_correction_bias"))
     return maps
 
 

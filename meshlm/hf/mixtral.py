@@ -69,15 +69,22 @@ def config_to_hf(config: ModelConfig) -> dict:
             "output_router_logits": False, "max_position_embeddings": DEFAULTS["max_position_embeddings"]}
 
 
+def sparse_layer_maps(config: ModelConfig, layer: int) -> list[TensorMap]:
+    """HF layer ``layer`` in Mixtral's hub names: attention, its norm, the router and the ``w1``/``w3``/
+    ``w2`` experts under ``block_sparse_moe`` (the router's expert bias is the caller's: unused here,
+    MiniMax-M2's score-correction bias)."""
+    block, theirs = 2 * layer + 1, f"model.layers.{layer}.block_sparse_moe"
+    maps = attention_maps(config, 2 * layer, layer)
+    maps.append(rename(f"blocks.{block}.norm.weight", f"model.layers.{layer}.post_attention_layernorm.weight"))
+    return maps + routed_expert_maps(block, f"{theirs}.gate.weight", lambda e: tuple(
+        f"{theirs}.experts.{e}.{name}.weight" for name in ("w1", "w3", "w2")), config.moe_num_experts)
+
+
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     maps = decoder_embedding_maps(config)
     for layer in range(config.num_blocks // 2):
-        block, theirs = 2 * layer + 1, f"model.layers.{layer}.block_sparse_moe"
-        maps += attention_maps(config, 2 * layer, layer)
-        maps.append(rename(f"blocks.{block}.norm.weight", f"model.layers.{layer}.post_attention_layernorm.weight"))
-        maps += routed_expert_maps(block, f"{theirs}.gate.weight", lambda e: tuple(
-            f"{theirs}.experts.{e}.{name}.weight" for name in ("w1", "w3", "w2")), config.moe_num_experts)
-        maps.append(ours_only(f"blocks.{block}.mixer.router.expert_bias"))  # unused by softmax routing
+        maps += sparse_layer_maps(config, layer)
+        maps.append(ours_only(f"blocks.{2 * layer + 1}.mixer.router.expert_bias"))  # unused by softmax routing
     return maps
 
 
