@@ -20,9 +20,9 @@ queries are two causal blocks each, their own chunk and the previous one's later
 chunks' rows reversed (``windowed_sink_attention``), merged by their lse before the sink. Where no
 fused kernel takes the inputs, and for masks and caches, the sinks go through the explicit core.
 Measured on a 2-core CPU (fp32, 8 heads over 2 KV heads of 64, forward and backward, ``python -m
-bench.softcap``, medians of 5, ``bench/results/softcap_cpu.json``): 1.07x and 1.06x plain causal
+bench.softcap``, medians of 5, ``bench/results/softcap_cpu.json``): 1.06x and 1.01x plain causal
 SDPA's time at 1024 and 4096 tokens (the explicit core took 1.6x and 2.2x), and with a window of
-1024 of 4096 tokens 0.78x the time of windowed attention without sinks (SDPA over chunk pairs under
+1024 of 4096 tokens 0.79x the time of windowed attention without sinks (SDPA over chunk pairs under
 a band mask, which the CPU's flash kernel does not take), keeping 8.5 MB for backward against its
 23 MB. Plain windowed attention would gain the same way, once the CUDA calls of
 ``block_attention.py`` have run on a GPU (they have not yet).
@@ -128,7 +128,9 @@ class _FusedWindowedSinkAttention(torch.autograd.Function):
             lse[:, 1:] = merged
         out, lse = _unchunked(out)[:, :, :length], _unchunked(lse)[:, :, :length]
         with_sink = torch.logaddexp(lse, sinks.to(wide)[:, None])
-        output = (out * torch.exp(lse - with_sink).unsqueeze(-1)).to(query.dtype)
+        # laid out [b, t, heads, d] in memory, as SDPA's output is: o_proj's input is then a view of it
+        output = query.new_empty((query.shape[0], length, query.shape[1], value.shape[-1])).transpose(1, 2)
+        output.copy_(out * torch.exp(lse - with_sink).unsqueeze(-1))
         ctx.save_for_backward(query, key, value, output, with_sink, sinks)
         ctx.window, ctx.scale = window, scale
         return output

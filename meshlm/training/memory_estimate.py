@@ -497,6 +497,10 @@ def attention_core_bytes(config, model, seq: int, layout) -> float:
             padded = heads * max(model.resolved_head_dim, model.resolved_value_head_dim)
             return (4 * padded + copied_output) * dtype_bytes + 4 * heads
         return (query + key + value + output) * dtype_bytes + 4 * heads
+    if model.attention_sinks and model.attention_softcap is None and value == key:
+        # sinks on the fused kernel (meshlm/models/sink_attention.py), windowed or not: q, k, v, the
+        # output and the log-sum-exp, nothing padded (a window's blocks are made again in backward)
+        return (query + key + value + output + copied_output) * dtype_bytes + 4 * heads
     window = model.sliding_window if model.sliding_window is not None and model.sliding_window < seq else seq
     padded = window_chunks(seq, window) * window
     if math_path(config, model):
