@@ -180,10 +180,18 @@ def mtp_fields(hf_config: dict) -> dict:
     return {"mtp_depth": depth, "mtp_pattern": "*E"} if depth > 0 else {}
 
 
-def config_from_hf(hf_config: dict) -> ModelConfig:
-    hf = with_defaults(hf_config, DEFAULTS)
-    if "num_local_experts" in hf_config:  # transformers' attribute-mapped name for n_routed_experts
+def moe_config_with_defaults(hf_config: dict, defaults: dict) -> dict:
+    """``hf_config`` with the class's ``defaults`` filled in, the routed experts' count read under either
+    name (transformers v5 saves the attribute-mapped ``num_local_experts`` for ``n_routed_experts``):
+    DeepSeek-V3's config, and GLM-4.5's, GLM-4.7-Flash's and dots.llm1's, which share it."""
+    hf = with_defaults(hf_config, defaults)
+    if "num_local_experts" in hf_config:
         hf["n_routed_experts"] = hf_config["num_local_experts"]
+    return hf
+
+
+def config_from_hf(hf_config: dict) -> ModelConfig:
+    hf = moe_config_with_defaults(hf_config, DEFAULTS)
     check_importable(hf, hf_config)
     return latent_moe_config(hf, hf_config, dense_then_moe_pattern(hf), NAME, DEFAULTS["q_lora_rank"])
 
@@ -326,15 +334,21 @@ def unsupported(config: ModelConfig, name: str = NAME, label: str = "DeepSeek-V3
     """Why ``config`` is not DeepSeek-V3's layer (for class ``name``, called ``label`` in prose)."""
     reasons = common_unsupported(config, supported=frozenset({"attention_scale", "attention_type", "mtp_depth"}))
     reasons += mtp_unsupported(config, name)
-    reasons += blocks_of(config, r"(\*-)*(\*E)*", f"{label} layers are attention then MLP in the first dense "
-                         "layers, attention then MoE after: '*-' repeated, then '*E' repeated")
+    reasons += dense_then_moe_unsupported(config, label)
     reasons += window_unsupported(config, label, uniform_only=False)
     reasons += attention_unsupported(config, name)
-    if config.mlp_activation != "swiglu":
-        reasons.append(f"model.mlp_activation={config.mlp_activation!r} ({name}'s MLPs and experts are SwiGLU)")
-    if config.mlp_bias:
-        reasons.append(f"model.mlp_bias=True ({name}'s MLPs have no biases)")
     return reasons + moe_unsupported(config, name)
+
+
+def dense_then_moe_unsupported(config: ModelConfig, label: str) -> list[str]:
+    """Why ``config``'s blocks are not DeepSeek-V3's stack (also GLM-4.5's and dots.llm1's, called
+    ``label``): attention then a SwiGLU MLP without biases in the first layers, attention then MoE after."""
+    reasons = blocks_of(config, r"(\*-)*(\*E)*", f"{label} layers are attention then MLP in the first "
+                        "first_k_dense_replace layers, attention then MoE after: '*-' repeated, then '*E' repeated")
+    if config.mlp_activation != "swiglu" or config.mlp_bias:
+        reasons.append(f"model.mlp_activation={config.mlp_activation!r}, model.mlp_bias={config.mlp_bias} ({label}'s "
+                       "MLPs and experts are SwiGLU without biases)")
+    return reasons
 
 
 # --- tensors ------------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ otherwise (transformers' rule).
 
 from __future__ import annotations
 
-from meshlm.hf.common import Architecture, TensorMap, blocks_of, hf_common_fields, require, rope_from_hf, with_defaults
-from meshlm.hf.deepseek_v3 import (decoder_maps, dense_then_moe_pattern, moe_fields, moe_fields_to_hf,
-                                   moe_unsupported, normalize_hf_tensors)
+from meshlm.hf.common import Architecture, TensorMap, hf_common_fields, require, rope_from_hf
+from meshlm.hf.deepseek_v3 import (decoder_maps, dense_then_moe_pattern, dense_then_moe_unsupported,
+                                   moe_config_with_defaults, moe_fields, moe_fields_to_hf, moe_unsupported,
+                                   normalize_hf_tensors)
 from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_unsupported,
                              qwen_windows_from_hf, qwen_windows_to_hf)
 from meshlm.models.config import ModelConfig
@@ -37,9 +38,7 @@ def windows_from_hf(hf: dict, hf_config: dict) -> dict:
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
-    hf = with_defaults(hf_config, DEFAULTS)
-    if "num_local_experts" in hf_config:  # transformers' attribute-mapped name for n_routed_experts
-        hf["n_routed_experts"] = hf_config["num_local_experts"]
+    hf = moe_config_with_defaults(hf_config, DEFAULTS)
     require(hf, NAME, "hidden_act", "silu", "meshlm's MLPs and experts are SwiGLU")
     pattern = dense_then_moe_pattern(hf)
     return ModelConfig(
@@ -51,12 +50,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 
 
 def unsupported(config: ModelConfig) -> list[str]:
-    reasons = decoder_unsupported(config, qk_norm=True)
-    reasons += blocks_of(config, r"(\*-)*(\*E)*", "dots.llm1 layers are attention then MLP in the first "
-                         "first_k_dense_replace layers, attention then MoE after: '*-' repeated, then '*E' repeated")
-    if config.mlp_activation != "swiglu" or config.mlp_bias:
-        reasons.append(f"model.mlp_activation={config.mlp_activation!r}, model.mlp_bias={config.mlp_bias} "
-                       "(dots.llm1's MLPs and experts are SwiGLU without biases)")
+    reasons = decoder_unsupported(config, qk_norm=True) + dense_then_moe_unsupported(config, "dots.llm1")
     return reasons + moe_unsupported(config, NAME)
 
 

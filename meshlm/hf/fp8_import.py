@@ -71,15 +71,20 @@ def dequantized_dtype(hf_config: dict) -> torch.dtype:
     return DEQUANTIZED_DTYPES.get(str(name), torch.bfloat16)
 
 
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The shape of the scales of weights ``shape`` [..., out, in]: [..., ceil(out / b0), ceil(in / b1)]."""
+    return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+
+
 def dequantize_blocks(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                       dtype: torch.dtype) -> torch.Tensor:
     """codes [..., out, in] times their block's scale, scale_inv [..., ceil(out / b0), ceil(in / b1)],
     in fp32, then ``dtype`` (the module docstring)."""
     rows, columns = codes.shape[-2:]
-    grid = (-(-rows // block[0]), -(-columns // block[1]))
-    if tuple(scale_inv.shape) != (*codes.shape[:-2], *grid):
+    grid = scale_grid(tuple(codes.shape), block)
+    if tuple(scale_inv.shape) != grid:
         raise ValueError(f"a scale grid of shape {tuple(scale_inv.shape)} does not fit weights of shape "
-                         f"{tuple(codes.shape)} in blocks of {block[0]} x {block[1]} (expected {grid})")
+                         f"{tuple(codes.shape)} in blocks of {block[0]} x {block[1]} (expected {grid[-2:]})")
     per_weight = scale_inv.float().repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
     return (codes.float() * per_weight[..., :rows, :columns]).to(dtype)
 
@@ -99,8 +104,7 @@ def dequantized_tensors(tensors: dict, block: tuple[int, int], dtype: torch.dtyp
         if scale is None:
             raise ConfigError(f"{where}: {name} is stored in {codes.dtype} without its {name + SCALE_SUFFIX}; the "
                               "folder is not a block-wise FP8 checkpoint meshlm can read.")
-        rows, columns = codes.shape[-2:]
-        grid = (*codes.shape[:-2], -(-rows // block[0]), -(-columns // block[1]))
+        grid = scale_grid(tuple(codes.shape), block)
         if tuple(scale.shape) != grid:
             raise CheckpointError(f"{where}: {name + SCALE_SUFFIX} has shape {tuple(scale.shape)}, but {name} "
                                   f"{tuple(codes.shape)} in blocks of {block[0]} x {block[1]} needs {grid}.")
@@ -109,4 +113,4 @@ def dequantized_tensors(tensors: dict, block: tuple[int, int], dtype: torch.dtyp
     return out
 
 
-__all__ = ["dequantize_blocks", "dequantized_dtype", "dequantized_tensors", "fp8_blocks"]
+__all__ = ["dequantize_blocks", "dequantized_dtype", "dequantized_tensors", "fp8_blocks", "scale_grid"]

@@ -23,11 +23,12 @@ DeepSeek's ``aux_loss_alpha`` and ``seq_aux`` (transformers keeps fields it does
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, TensorMap, blocks_of, hf_common_fields, require, rope_from_hf,
-                              rope_with_defaults, window_unsupported, with_defaults)
-from meshlm.hf.deepseek_v3 import (decoder_maps, dense_then_moe_pattern, fit_mtp_depth, moe_fields, moe_fields_to_hf,
-                                   moe_maps, moe_unsupported, mtp_copies, mtp_fields, mtp_maps, mtp_projection_halves,
-                                   mtp_unsupported, normalize_hf_tensors, skipped_mtp_layers)
+from meshlm.hf.common import (Architecture, TensorMap, hf_common_fields, require, rope_from_hf, rope_with_defaults,
+                              window_unsupported)
+from meshlm.hf.deepseek_v3 import (decoder_maps, dense_then_moe_pattern, dense_then_moe_unsupported, fit_mtp_depth,
+                                   moe_config_with_defaults, moe_fields, moe_fields_to_hf, moe_maps, moe_unsupported,
+                                   mtp_copies, mtp_fields, mtp_maps, mtp_projection_halves, mtp_unsupported,
+                                   normalize_hf_tensors, skipped_mtp_layers)
 from meshlm.hf.llama import attention_fields, attention_maps, attention_to_hf, decoder_unsupported
 from meshlm.models.config import ModelConfig
 
@@ -44,9 +45,7 @@ PARTIAL_ROTARY, ROPE_THETA = 0.5, 10000.0
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
-    hf = with_defaults(hf_config, DEFAULTS)
-    if "num_local_experts" in hf_config:  # transformers' attribute-mapped name for n_routed_experts
-        hf["n_routed_experts"] = hf_config["num_local_experts"]
+    hf = moe_config_with_defaults(hf_config, DEFAULTS)
     require(hf, NAME, "hidden_act", "silu", "meshlm's MLPs and experts are SwiGLU")
     pattern = dense_then_moe_pattern(hf)
     bias, mtp = bool(hf["attention_bias"]), mtp_fields(hf_config)
@@ -64,14 +63,10 @@ def unsupported(config: ModelConfig) -> list[str]:
     reasons = decoder_unsupported(config, qk_norm=config.qk_norm, output_bias_apart=True,
                                   supported=frozenset({"rope_fraction", "mtp_depth"}))
     reasons += mtp_unsupported(config, NAME)
-    reasons += blocks_of(config, r"(\*-)*(\*E)*", "GLM-4.5 layers are attention then MLP in the first "
-                         "first_k_dense_replace layers, attention then MoE after: '*-' repeated, then '*E' repeated")
+    reasons += dense_then_moe_unsupported(config, "GLM-4.5")
     reasons += window_unsupported(config, "GLM-4.5", uniform_only=False)
     if config.resolved_attention_output_bias:
         reasons.append(f"model.attention_output_bias={config.attention_output_bias} (GLM-4.5's o_proj has no bias)")
-    if config.mlp_activation != "swiglu" or config.mlp_bias:
-        reasons.append(f"model.mlp_activation={config.mlp_activation!r}, model.mlp_bias={config.mlp_bias} (GLM-4.5's "
-                       "MLPs and experts are SwiGLU without biases)")
     return reasons + moe_unsupported(config, NAME)
 
 

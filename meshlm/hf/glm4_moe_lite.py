@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from meshlm.errors import ConfigError
 from meshlm.hf import deepseek_v3
-from meshlm.hf.common import Architecture, with_defaults
+from meshlm.hf.common import Architecture
 from meshlm.models.config import ModelConfig
 
 NAME = "Glm4MoeLiteForCausalLM"
@@ -51,9 +51,7 @@ def layer_pattern(hf: dict, hf_config: dict) -> str:
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
-    hf = with_defaults(hf_config, DEFAULTS)
-    if "num_local_experts" in hf_config:  # transformers' attribute-mapped name for n_routed_experts
-        hf["n_routed_experts"] = hf_config["num_local_experts"]
+    hf = deepseek_v3.moe_config_with_defaults(hf_config, DEFAULTS)
     deepseek_v3.check_importable(hf, hf_config, NAME)
     return deepseek_v3.latent_moe_config(hf, hf_config, layer_pattern(hf, hf_config), NAME, DEFAULTS["q_lora_rank"])
 

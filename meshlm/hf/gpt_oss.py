@@ -123,25 +123,30 @@ def experts_from_hf(tensors: dict) -> dict:
     for name in [name for name in tensors if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
         tensor = out.pop(name)
         experts, inputs, outputs = tensor.shape
-        parts = [(label, part) for part, label in enumerate(EXPERT_PARTS)] if name.endswith("gate_up_proj") else [
-            ("meshlm", None)]
-        for label, part in parts:
-            shape = (experts, outputs // 2 if part is not None else outputs, inputs)
-            out[f"{name}[{label}]"] = DerivedTensor(shape, tensor.dtype, partial(
-                _per_expert, shape, tensor.dtype, experts, partial(_fused_expert, tensor, part)))
+        out.update(_weight_parts(name, experts, outputs, inputs, tensor.dtype, partial(_fused_expert, tensor)))
     for name in [name for name in tensors if name.endswith("_blocks")]:
         stem = name[: -len("_blocks")]
         if stem + "_scales" not in tensors:
             continue  # left for the map to report as unexpected
         blocks, scales = out.pop(name), out.pop(stem + "_scales")
         experts, outputs, groups, width = blocks.shape
-        parts = [(label, part) for part, label in enumerate(EXPERT_PARTS)] if stem.endswith("gate_up_proj") else [
-            ("meshlm", None)]
-        for label, part in parts:
-            shape = (experts, outputs // 2 if part is not None else outputs, groups * width * 2)
-            out[f"{stem}[{label}]"] = DerivedTensor(shape, torch.bfloat16, partial(
-                _per_expert, shape, torch.bfloat16, experts, partial(_mxfp4_expert, blocks, scales, part)))
+        out.update(_weight_parts(stem, experts, outputs, groups * width * 2, torch.bfloat16,
+                                 partial(_mxfp4_expert, blocks, scales)))
     return out
+
+
+def _weight_parts(stem: str, experts: int, outputs: int, inputs: int, dtype: torch.dtype,
+                  expert: Callable[[int | None, int], torch.Tensor]) -> dict[str, DerivedTensor]:
+    """The ``DerivedTensor``s of a stacked expert weight ``stem`` (HF outputs x inputs per expert) in
+    meshlm's [E, out, in] layout: the gate and up halves of a ``gate_up_proj`` (its rows ::2, 1::2), or
+    the whole weight (``[meshlm]``); ``expert(part, index)`` gives one expert's part (None: whole)."""
+    parts = list(enumerate(EXPERT_PARTS)) if stem.endswith("gate_up_proj") else [(None, "meshlm")]
+    derived = {}
+    for part, label in parts:
+        shape = (experts, outputs if part is None else outputs // 2, inputs)
+        derived[f"{stem}[{label}]"] = DerivedTensor(shape, dtype, partial(_per_expert, shape, dtype, experts,
+                                                                          partial(expert, part)))
+    return derived
 
 
 def _interleaved(gate: PlannedTensor, up: PlannedTensor, dtype: torch.dtype, weights: bool) -> torch.Tensor:

@@ -35,6 +35,22 @@ import torch
 from meshlm.models.block_attention import accumulation_dtype, block_backward, block_forward, fused_kernel
 
 
+def merged_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o', lse') of finished rows (out [b, heads, t, d], lse [b, heads, t], in the accumulation
+    dtype) with each head's sink merged in: lse' = logaddexp(lse, sink), o' = exp(lse - lse') o."""
+    with_sink = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
+    return out * torch.exp(lse - with_sink).unsqueeze(-1), with_sink
+
+
+def sink_gradient(grad_output: torch.Tensor, output: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+                  ) -> torch.Tensor:
+    """The sinks' gradient [heads], given the rows' gradient, final output o' and lse': the sink
+    column's dS = -exp(sink - lse') rowsum(dO * o'), summed over the rows (over this rank's rows,
+    under context parallelism: the ranks' shares are summed with the other dense gradients)."""
+    delta = (grad_output.to(lse.dtype) * output.to(lse.dtype)).sum(-1)
+    return (-(torch.exp(sinks.to(lse.dtype)[:, None] - lse) * delta).sum((0, 2))).to(sinks.dtype)
+
+
 def fused_sinks_supported(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether a fused kernel returning lse takes these queries and keys (``block_attention.fused_kernel``)."""
     return fused_kernel(query, key) is not None
@@ -48,8 +64,8 @@ class _FusedSinkAttention(torch.autograd.Function):
     def forward(ctx, query, key, value, sinks, scale):
         out, lse = block_forward(query, key, value, True, scale)
         wide = accumulation_dtype(query.dtype)
-        with_sink = torch.logaddexp(lse.to(wide), sinks.to(wide)[:, None])
-        output = (out.to(wide) * torch.exp(lse.to(wide) - with_sink).unsqueeze(-1)).to(query.dtype)
+        merged, with_sink = merged_sink(out.to(wide), lse.to(wide), sinks)
+        output = merged.to(query.dtype)
         ctx.save_for_backward(query, key, value, output, with_sink, sinks)
         ctx.scale = scale
         return output
@@ -58,10 +74,8 @@ class _FusedSinkAttention(torch.autograd.Function):
     def backward(ctx, grad_output):
         query, key, value, output, lse, sinks = ctx.saved_tensors
         grad_query, grad_key, grad_value = block_backward(grad_output, query, key, value, output, lse, True, ctx.scale)
-        delta = (grad_output.to(lse.dtype) * output.to(lse.dtype)).sum(-1)  # rowsum(dO * O')
-        grad_sinks = -(torch.exp(sinks.to(lse.dtype)[:, None] - lse) * delta).sum((0, 2))
         return (grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
-                grad_sinks.to(sinks.dtype), None)
+                sink_gradient(grad_output, output, lse, sinks), None)
 
 
 # --- sliding windows: each chunk of w queries over its own chunk (causal) and the one before it ----------
@@ -127,10 +141,10 @@ class _FusedWindowedSinkAttention(torch.autograd.Function):
                           + prev_out * torch.exp(prev_lse - merged).unsqueeze(-1))
             lse[:, 1:] = merged
         out, lse = _unchunked(out)[:, :, :length], _unchunked(lse)[:, :, :length]
-        with_sink = torch.logaddexp(lse, sinks.to(wide)[:, None])
+        merged, with_sink = merged_sink(out, lse, sinks)
         # laid out [b, t, heads, d] in memory, as SDPA's output is: o_proj's input is then a view of it
         output = query.new_empty((query.shape[0], length, query.shape[1], value.shape[-1])).transpose(1, 2)
-        output.copy_(out * torch.exp(lse - with_sink).unsqueeze(-1))
+        output.copy_(merged)
         ctx.save_for_backward(query, key, value, output, with_sink, sinks)
         ctx.window, ctx.scale = window, scale
         return output
@@ -159,9 +173,8 @@ class _FusedWindowedSinkAttention(torch.autograd.Function):
             dk[:, :-1] += _previous_keys_back(pdk.to(wide), batch)
             dv[:, :-1] += _previous_keys_back(pdv.to(wide), batch)
         dq, dk, dv = (_unchunked(tensor)[:, :, :length] for tensor in (dq, dk, dv))
-        delta = (grad_output.to(wide) * output.to(wide)).sum(-1)
-        grad_sinks = -(torch.exp(sinks.to(wide)[:, None] - lse) * delta).sum((0, 2))
-        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), grad_sinks.to(sinks.dtype), None, None)
+        grad_sinks = sink_gradient(grad_output, output, lse, sinks)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), grad_sinks, None, None
 
 
 def windowed_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor,
@@ -185,4 +198,4 @@ def fused_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return _FusedSinkAttention.apply(query, key, value, sinks, query.shape[-1] ** -0.5 if scale is None else scale)
 
 
-__all__ = ["fused_sink_attention", "fused_sinks_supported", "windowed_sink_attention"]
+__all__ = ["fused_sink_attention", "fused_sinks_supported", "merged_sink", "sink_gradient", "windowed_sink_attention"]

@@ -90,6 +90,7 @@ import torch.nn.functional as F
 
 from meshlm.parallel.collectives import all_gather_into_, send_and_receive
 from meshlm.models.block_attention import accumulation_dtype, block_backward, block_forward
+from meshlm.models.sink_attention import merged_sink, sink_gradient
 from meshlm.parallel.context.chunks import chunk_owner, paired_chunks
 
 KV_TAG, GRAD_TAG = 0, 1
@@ -163,9 +164,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(requests)
             kv = incoming
         if sinks is not None:  # one more column of every row's softmax, with no value
-            with_sink = torch.logaddexp(lse, sinks.to(wide)[:, None])
-            out *= torch.exp(lse - with_sink).unsqueeze(-1)
-            lse = with_sink
+            out, lse = merged_sink(out, lse, sinks)
         output = out.to(query.dtype)  # the same tensor when the run is fp32 or fp64
         ctx.save_for_backward(query, key, value, output, lse, sinks)
         ctx.ring, ctx.scale, ctx.chunk_documents, ctx.window, ctx.softcap = ring, scale, chunk_documents, window, softcap
@@ -192,10 +191,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(requests)
             _wait(grad_requests)
             kv = incoming
-        grad_sinks = None
-        if sinks is not None:  # the sink column's dS = -P_sink rowsum(dO * O), summed over the rows
-            delta = (grad_output.to(lse.dtype) * output.to(lse.dtype)).sum(-1)
-            grad_sinks = -(torch.exp(sinks.to(lse.dtype)[:, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
+        grad_sinks = None if sinks is None else sink_gradient(grad_output, output, lse, sinks)
         return (grad_query.to(query.dtype), grad_kv[0].to(key.dtype), grad_kv[1].to(value.dtype), grad_sinks, None,
                 None, None, None, None, None)
 
