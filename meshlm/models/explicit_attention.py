@@ -74,13 +74,6 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return out.flatten(1, 2)
 
 
-def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cap: float,
-                         attn_mask: torch.Tensor | None = None, is_causal: bool = False,
-                         scale: float | None = None) -> torch.Tensor:
-    """``explicit_attention`` with the scores capped at ``cap`` and no sinks."""
-    return explicit_attention(query, key, value, attn_mask, is_causal, scale, softcap=cap)
-
-
 def _grouped_mask(mask: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
     """A mask broadcastable to [b, heads, t, s] as one broadcastable to [b, kv_heads, group, t, s]."""
     if mask.dim() < 3 or mask.shape[-3] == 1:  # the same for every head
@@ -180,4 +173,4 @@ def _masked_(scores: torch.Tensor, mask: torch.Tensor | None, start: int, stop: 
     return scores
 
 
-__all__ = ["SCORES_PER_CHUNK", "explicit_attention", "softcapped_attention"]
+__all__ = ["SCORES_PER_CHUNK", "explicit_attention"]

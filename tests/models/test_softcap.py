@@ -20,7 +20,7 @@ from meshlm.models.attention import allowed_keys, attention_core, attention_with
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.losses import IGNORE_INDEX, linear_cross_entropy, softmax_cross_entropy_chunk
-from meshlm.models.explicit_attention import softcapped_attention
+from meshlm.models.explicit_attention import explicit_attention
 from meshlm.models.softcap import soft_cap, soft_cap_slope
 from tests.helpers.cached_decoding import (assert_cached_generation_equals_the_full_forward,
                                            assert_decode_step_equals_the_cached_forward)
@@ -103,7 +103,7 @@ def test_the_capped_core_keeps_only_its_inputs_and_makes_no_sequence_by_sequence
     monkeypatch.setattr(explicit_attention_module, "SCORES_PER_CHUNK", 4 * seq * rows)
     query, key, value = (tensor.detach().float().requires_grad_() for tensor in random_qkv(seq, batch=1))
     with SavedStorages() as saved, LargestTensor() as largest:
-        out = softcapped_attention(query, key, value, CAP, is_causal=True)
+        out = explicit_attention(query, key, value, is_causal=True, softcap=CAP)
         out.sum().backward()
     inputs = {tensor.untyped_storage().data_ptr() for tensor in (query, key, value)}
     assert inputs <= set(saved.storages)  # the hooks saw the inputs being kept ...
