@@ -87,6 +87,7 @@ NVFP4 = ["precision.recipe=nvfp4", "precision.high_precision_layers=1", "precisi
 CONFIGS = {
     "bf16": ["precision.recipe=none"],
     "fp8_tensorwise": ["precision.recipe=fp8_tensorwise"],
+    "fp8_tensorwise_split_accumulation": ["precision.recipe=fp8_tensorwise", "precision.fp8_fast_accumulation=none"],
     "fp8_delayed": ["precision.recipe=fp8_delayed"],
     "fp8_blockwise": ["precision.recipe=fp8_blockwise"],
     "mxfp8": ["precision.recipe=mxfp8"],
@@ -95,7 +96,7 @@ CONFIGS = {
     "nvfp4_no_stochastic_rounding": [*NVFP4, "precision.nvfp4_stochastic_rounding=false"],
     "nvfp4_all_layers": [*NVFP4, "precision.high_precision_layers=0"],
 }
-FP8_CONFIGS = ("fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "mxfp8")
+FP8_CONFIGS = ("fp8_tensorwise", "fp8_tensorwise_split_accumulation", "fp8_delayed", "fp8_blockwise", "mxfp8")
 ABLATIONS = {"nvfp4_no_hadamard": "random Hadamard transform", "nvfp4_no_stochastic_rounding": "stochastic rounding",
              "nvfp4_all_layers": "bf16 first and last block"}
 MAX_LOSS_INCREASE_PERCENT = {**{name: 1.0 for name in FP8_CONFIGS}, "nvfp4": 3.0}

@@ -64,12 +64,16 @@ class DelayedScaling:
         """This rank's running max of the step under way (not yet reduced)."""
         self.formats = tuple(formats)
         """Each operand's FP8 format, in ``OPERANDS`` order (as the recipe assigns them)."""
-        self.scales = torch.ones_like(self.step_amax)
-        """Each operand's scale from its window (experts: per global expert): ``scale_from_amax`` of
-        ``window_amax`` in its format. Made whenever the history moves (``begin_step``,
-        ``finish_step``: ``refresh_scales``) and read by every GEMM of the step, which would
-        otherwise each reduce the window and divide again: small kernels, several per operand
-        and micro-batch, that a compiled step launches one after another."""
+        self.scales = tuple(torch.ones(experts, dtype=torch.float32, device=device) for _ in OPERANDS)
+        """Each operand's scale from its window (0-dim; experts: [E], per global expert):
+        ``scale_from_amax`` of ``window_amax`` in its format. Made whenever the history moves
+        (``begin_step``, ``finish_step``: ``refresh_scales``) and read by every GEMM of the step,
+        which would otherwise each reduce the window and divide again: small kernels, several per
+        operand and micro-batch, that a compiled step launches one after another. One tensor per
+        operand, not columns of one: a column is a view 4 or 8 bytes into its storage, which
+        ``torch._scaled_mm`` takes as a scale eagerly only once copied (``fp8_gemm._aligned``) and
+        which Inductor's lowering of it on CUDA refused (torch 2.11, H200: "LoweringException:
+        AssertionError", and the whole block ran eagerly); each tensor here starts its own storage."""
         self.empty = True
         """No step recorded yet: quantize with current scaling (refreshed by ``begin_step``)."""
         self.filled: list[list[bool]] | None = None
@@ -92,13 +96,13 @@ class DelayedScaling:
 
     def scale(self, operand: str) -> torch.Tensor:
         """``operand``'s scale from its window (0-dim fp32; experts: [E]), as of ``refresh_scales``."""
-        return self.scales[..., OPERANDS.index(operand)]
+        return self.scales[OPERANDS.index(operand)]
 
     @torch.no_grad()
     def refresh_scales(self) -> None:
         """``scales`` from the history as it stands, in place (a compiled graph reads the same tensor)."""
-        self.scales.copy_(torch.stack([scale_from_amax(self.window_amax(operand), fmt)
-                                       for operand, fmt in zip(OPERANDS, self.formats)], dim=-1))
+        for scale, operand, fmt in zip(self.scales, OPERANDS, self.formats):
+            scale.copy_(scale_from_amax(self.window_amax(operand), fmt))
 
     def window_amax(self, operand: str) -> torch.Tensor:
         """The largest recorded amax of ``operand`` over the history (0-dim fp32; experts: [E])."""

@@ -22,7 +22,8 @@ from torch._dynamo.utils import counters
 
 from tests.gpu.support import (FIRST_STEP_TOLERANCE, HELPERS, LOSS_TOLERANCE, MODEL_KINDS, SIZE, losses_in_order,
                                on_device, relative_gaps)
-from tests.helpers.compiled_graphs import GRADIENT_CHECK_SHAPES, compiled_gradient_gaps, gradient_check_model
+from tests.helpers.compiled_graphs import (GRADIENT_CHECK_SHAPES, bf16_gradient_gaps, compiled_gradient_gaps,
+                                          gradient_check_model)
 from tests.helpers.counting_corpus import write_corpus
 
 STEPS = 4
@@ -62,22 +63,52 @@ def test_compiled_blocks_train_like_eager_without_graph_breaks(kind, corpus, gpu
         assert gaps[0] <= FIRST_STEP_TOLERANCE, (kind, key, gaps[0])
 
 
-GRADIENT_TOLERANCE = 0.1
-"""The largest |compiled - eager| / |eager| (norms over one parameter's gradient) in bf16: the
-two round differently, by about a percent; a gradient lost on the way is off by 1 (the whole of it)."""
+GRADIENT_TOLERANCE = 1e-3
+"""The largest |compiled - eager| / |eager| (norms over one parameter's gradient) in fp32 without
+TF32: the two differ in summation order only (below 1e-4 on the CPU, tests/training/test_compile.py);
+a gradient lost on the way is off by 1 (the whole of it)."""
+
+BF16_GRADIENT_TOLERANCE = 0.25
+"""The largest |bf16 - fp32| / |fp32| of a parameter's gradient, eager or compiled. bf16 rounding
+moves them by about a percent (up to 5% on the CPU for the Mamba blocks' dt_bias and A_log, sums
+over every token with much cancelling), and a router's top-k choice may flip for a token near a
+tie (the DeepSeek-style model's compiled and eager bf16 router gradients were 13% apart on an
+H200); a wrong gradient is off by 1 or more (the hybrid's dt_bias: compiled and eager bf16 8.4x
+apart on the same H200, before this test asked which of them is off)."""
+
+
+@pytest.fixture
+def no_tf32():
+    """fp32 matmuls in fp32 (the tier's trainer runs may have left TF32 on); the SSD kernels follow."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @pytest.mark.parametrize("kind", list(GRADIENT_CHECK_SHAPES))
-def test_compiled_blocks_give_every_parameter_the_eager_gradient(kind, gpu_device):
-    """Inductor's blocks against the eager ones, parameter by parameter, after one backward: the
-    losses of four steps (the test above) barely move when one path's gradient is lost, as the
+def test_compiled_blocks_give_every_parameter_the_eager_gradient(kind, gpu_device, no_tf32):
+    """Inductor's blocks against the eager ones, parameter by parameter, after one backward, in fp32:
+    the losses of four steps (the test above) barely move when one path's gradient is lost, as the
     Mamba-2 scan's was under torch.compile on torch 2.11 (meshlm/models/function_outputs.py: its
     output, the same tensor object as one computed just before it, got zero gradient)."""
     from meshlm.models.scan_kernels import choose_scan_kernels
 
-    model, input_ids = gradient_check_model(kind, gpu_device, torch.bfloat16)
+    model, input_ids = gradient_check_model(kind, gpu_device, torch.float32)
     assert choose_scan_kernels(model, gpu_device) is None  # on CUDA the hybrid's kernels pass their check
     gaps, parameters = compiled_gradient_gaps(model, input_ids, gpu_device)
-    assert len(gaps) > parameters // 2
+    assert len(gaps) == parameters  # in fp32 every parameter of these models has a gradient
     worst = sorted(gaps.items(), key=lambda item: item[1])[-3:]
     assert max(gaps.values()) <= GRADIENT_TOLERANCE, (kind, worst)
+
+
+@pytest.mark.parametrize("kind", list(GRADIENT_CHECK_SHAPES))
+def test_bf16_gradients_eager_and_compiled_stay_near_fp32(kind, gpu_device, no_tf32):
+    """The run's dtype: eager and compiled bf16 gradients each against the fp32 ones, so that a
+    failure names the path that is off (the message gives both paths' three worst parameters)."""
+    eager, compiled = bf16_gradient_gaps(kind, gpu_device)
+    assert len(eager) > len(compiled) // 2 > 0
+    worst = {path: sorted(gaps.items(), key=lambda item: item[1])[-3:]
+             for path, gaps in (("eager", eager), ("compiled", compiled))}
+    assert max(eager.values()) <= BF16_GRADIENT_TOLERANCE and max(compiled.values()) <= BF16_GRADIENT_TOLERANCE, \
+        (kind, worst)

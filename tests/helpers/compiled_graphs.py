@@ -90,6 +90,14 @@ def parameter_gradients(model, input_ids) -> dict[str, torch.Tensor]:
             if parameter.grad is not None}
 
 
+def relative_gradient_gaps(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
+    """{name: |actual - expected| / |expected|} (norms over one parameter's gradient), over the
+    parameters whose expected gradient is not zero."""
+    assert actual.keys() == expected.keys()
+    return {name: ((actual[name] - gradient).norm() / gradient.norm()).item()
+            for name, gradient in expected.items() if gradient.norm() > 0}
+
+
 def compiled_gradient_gaps(model, input_ids, device) -> tuple[dict[str, float], int]:
     """Compile ``model``'s blocks in place (``train.compile``'s ``compile_blocks``) and compare each
     parameter's gradient with the eager one taken first: {name: |compiled - eager| / |eager|} over
@@ -103,8 +111,17 @@ def compiled_gradient_gaps(model, input_ids, device) -> tuple[dict[str, float], 
     notices = []
     compiled = compile_blocks(model, device, notices.append)
     assert notices == [] and compiled == len(model.config.pattern.replace("|", "")), (compiled, notices)
-    actual = parameter_gradients(model, input_ids)
-    assert actual.keys() == expected.keys()
-    gaps = {name: ((actual[name] - gradient).norm() / gradient.norm()).item()
-            for name, gradient in expected.items() if gradient.norm() > 0}
-    return gaps, len(expected)
+    return relative_gradient_gaps(parameter_gradients(model, input_ids), expected), len(expected)
+
+
+def bf16_gradient_gaps(kind: str, device) -> tuple[dict[str, float], dict[str, float]]:
+    """A ``GRADIENT_CHECK_SHAPES`` model's bf16 gradients, eager and with its blocks compiled, each
+    against the fp32 eager gradients of the same values (``relative_gradient_gaps``): which of the
+    two paths a gap between them comes from. Run with TF32 off, so the reference is fp32's."""
+    reference_model, input_ids = gradient_check_model(kind, device, torch.float32)
+    reference = parameter_gradients(reference_model, input_ids)
+    model, _ = gradient_check_model(kind, device, torch.bfloat16)
+    eager = parameter_gradients(model, input_ids)
+    compiled_gradient_gaps(model, input_ids, device)  # compiles the blocks in place
+    return (relative_gradient_gaps(eager, reference),
+            relative_gradient_gaps(parameter_gradients(model, input_ids), reference))

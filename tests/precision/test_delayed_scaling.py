@@ -47,10 +47,10 @@ def test_scales_move_with_the_history_at_every_step_boundary():
     layer = OneLayer(LinearQuantization(recipe, 0, {name: () for name in OPERANDS}, state))
     state.history[2] = torch.tensor([448.0, 896.0, 57344.0])  # as a checkpoint restores it
     begin_step(layer)
-    assert not state.empty and state.scales.tolist() == [1.0, 2.0, 1.0]
+    assert not state.empty and [state.scale(operand).item() for operand in OPERANDS] == [1.0, 2.0, 1.0]
     state.record("input", torch.tensor(4480.0))
     finish_step(layer)
-    assert state.scales.tolist() == [10.0, 2.0, 1.0]
+    assert [state.scale(operand).item() for operand in OPERANDS] == [10.0, 2.0, 1.0]
 
 
 def test_one_format_per_operand_is_required():
@@ -88,3 +88,19 @@ def test_evaluation_under_no_grad_records_no_amax(fp8_gemm):
     layer(torch.randn(2, 8, 32)).sum().backward()
     experts(tokens, counts).sum().backward()
     assert all(state.step_amax[..., 0].max() > 0 for state in histories)  # the inputs' amaxes
+
+
+@pytest.mark.parametrize("num_experts", [0, 3])
+def test_each_operands_scale_starts_a_storage_of_its_own(num_experts):
+    """A layer's scales go to ``torch._scaled_mm`` as they are inside a compiled graph, where a view
+    4 or 8 bytes into a shared storage (the columns of one tensor, as they were) made Inductor's
+    lowering fail on an H200 and the block run eagerly; refreshed in place, they stay those tensors."""
+    state = DelayedScaling(4, CPU, num_experts, formats=delayed_formats(Recipe("fp8_delayed")))
+    before = [state.scale(operand) for operand in OPERANDS]
+    state.history[0] = 448.0
+    state.refresh_scales()
+    for operand, tensor in zip(OPERANDS, before):
+        scale = state.scale(operand)
+        assert scale is tensor and scale.storage_offset() == 0 and scale.is_contiguous(), operand
+        assert scale.untyped_storage().nbytes() == scale.numel() * 4, operand
+        assert scale.shape == ((num_experts,) if num_experts else ()), operand

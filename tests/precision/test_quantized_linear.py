@@ -256,3 +256,32 @@ def test_fast_accumulation_setting_is_checked():
     assert [recipe.accumulates_fast(gemm) for gemm in ("fprop", "dgrad", "wgrad")] == [True, False, False]
     with pytest.raises(ValueError, match="gemm='forward': expected 'fprop', 'dgrad' or 'wgrad'"):
         recipe.accumulates_fast("forward")
+
+
+def test_delayed_scales_reach_the_hardware_gemm_as_tensors_of_their_own(monkeypatch):
+    """Under fp8_delayed each GEMM's scales are the layer's window scales, handed to
+    ``torch._scaled_mm`` as they are inside a compiled graph. There a view into a shared storage (the
+    three operands' scales were columns of one tensor) failed Inductor's CUDA lowering on an H200
+    and sent the block back to eager, so every scale that reaches the GEMM starts its own storage."""
+    from meshlm.precision import fp8_gemm
+    from meshlm.precision.delayed_scaling import OPERANDS, DelayedScaling
+    from meshlm.precision.model_recipe import delayed_formats
+    from meshlm.precision.quantized_linear import LinearQuantization
+
+    if not fp8_gemm.hardware_fp8_supported("cpu", "tensorwise", out_dtype=torch.bfloat16):
+        pytest.skip(f"torch {torch.__version__} runs no tensorwise torch._scaled_mm on this CPU")
+    recipe = Recipe("fp8_delayed", fp8_gemm="hardware")
+    delayed = DelayedScaling(4, torch.device("cpu"), formats=delayed_formats(recipe))
+    delayed.history[1] = torch.tensor([7.0, 0.5, 3.0])
+    delayed.refresh_scales()
+    delayed.empty = False
+    quantization = LinearQuantization(recipe, 0, {name: () for name in OPERANDS}, delayed, hardware=True)
+    scales, real = [], fp8_gemm._scaled_mm_padded
+    monkeypatch.setattr(fp8_gemm, "_scaled_mm_padded",
+                        lambda a_codes, a_scale, b_codes, b_scale, *rest: scales.extend((a_scale, b_scale)) or
+                        real(a_codes, a_scale, b_codes, b_scale, *rest))
+    inputs, weight, bias, grad_out = (tensor.to(torch.bfloat16).requires_grad_() for tensor in operands(seed=4))
+    torch.autograd.grad(quantization.linear(inputs, weight, bias), (inputs, weight), grad_out.detach())
+    assert len(scales) == 6  # fprop, dgrad, wgrad
+    assert {id(scale) for scale in scales} == {id(delayed.scale(operand)) for operand in OPERANDS}
+    assert all(scale.storage_offset() == 0 and scale.untyped_storage().nbytes() == 4 for scale in scales)
