@@ -82,7 +82,8 @@ blocks' tier first (issue 14's "done when" asks for the tier to pass, and the fo
 of it left the hybrid's compiled bf16 gradients in question), then the FP8 step on the wide model
 (issue 15's step-time target, met there, with the loss gap and the delayed recipe's compile to
 settle), then the throughput benches (both measured in the fourth session), the rest of the CUDA
-tier, the other FP8 measurements, and issue 20's GPU run last (that issue is resolved). A stage is given its estimate plus half again (at most what is left of the
+tier, the other FP8 measurements, and issue 20's GPU run last (that issue is resolved). A stage
+is given its estimate plus half again (at most what is left of the
 budget) before it is stopped; what a bench wrote before that stays (``bench.gpu_throughput`` rewrites its JSON after every variant).
 
 **Across sessions.** Everything goes under ``--out`` (on the device tool: ``$OUT``, whose files
