@@ -54,6 +54,11 @@ stage                         issue  what it runs
                                      bf16 and on FP8 codes (split and fast accumulation) and what
                                      quantizing an operand costs: how much of 1.3x the GEMMs allow
 ``fp8_dense_recipes``         15     ``bench.low_precision --model dense``: every FP8 recipe, eager
+``sliding_window``            14     ``bench.sliding_window --device cuda``: a window's two fused causal
+                                     blocks a chunk against its band-masked chunks, full causal
+                                     attention and the dense band mask, in bf16: whether every
+                                     window should run fused on a GPU (on the CPU only windows of
+                                     1024 and more do, ``attention.FUSED_WINDOW_MIN_ON_CPU``)
 ``local_sgd``                 20     ``bench.local_sgd --device cuda --model moe``: DDP, DiLoCo and
                                      PALSGD at H=8 (also with the outer sync overlapped) over a
                                      simulated 1 Gbps link, 4 ranks on the GPU, on the 13.5M-parameter
@@ -221,6 +226,10 @@ def plan(out: Path) -> list[Stage]:
               [*low_precision, "--device", "cuda", "--configs", "bf16,fp8_tensorwise,fp8_delayed,fp8_blockwise",
                "--out", str(out / "low_precision_eager.json")],
               [*low_precision_dry, "--configs", "bf16,fp8_delayed", "--out", str(out / "low_precision_eager.json")]),
+        Stage("sliding_window", 14, 60,
+              [python, "-m", "bench.sliding_window", "--device", "cuda", "--out", str(out / "sliding_window_gpu.json")],
+              [python, "-m", "bench.sliding_window", "--device", "cpu", "--seqs", "256", "--windows", "64",
+               "--repeats", "1", "--out", str(out / "sliding_window_gpu.json")]),
         Stage("local_sgd", 20, 300,
               [python, "-m", "bench.local_sgd", "--device", "cuda", "--model", "moe", "--sync-every", "8",
                "--methods", "diloco", "palsgd", "--overlap-at", "8", "--out", str(out / "local_sgd.json"),

@@ -12,12 +12,17 @@ hits each alike (``bench/timing.py``; medians of ``repeats``):
 * ``windowed``: ``meshlm.models.attention.windowed_attention`` (chunks of w queries against the
   2w keys of their chunk and the one before, one band mask shared by all chunks);
 * ``dense_band_mask``: SDPA with the whole [s, s] band mask, the obvious way to get the same
-  numbers (and the way transformers' SDPA path does it).
+  numbers (and the way transformers' SDPA path does it);
+* ``fused_windowed``: ``meshlm.models.sink_attention.fused_windowed_attention``, what a layer
+  without a soft cap runs (``attention.causal_attention``): the same chunks as two *causal* blocks
+  each on the fused kernel that returns each row's log-sum-exp, merged by it, no mask.
 
 Per (seq, window) it prints the seconds of each, ``speedup_vs_full`` and ``speedup_vs_dense_mask``
-(their seconds over the windowed core's), the largest tensor any op returned (a
+(their seconds over the windowed core's), ``fused_speedup_vs_windowed`` (the band-mask core's
+seconds over the fused one's), the bytes each keeps for backward (``saved_bytes``: distinct
+storages autograd saves, ``tests/helpers/saved_tensors.py``), the largest tensor any op returned (a
 ``TorchDispatchMode`` sees op outputs, not a kernel's tiles), and the maximum difference between
-the windowed core and the dense band mask (they compute the same function). The chunked core does
+the windowed core and the fused one and the dense band mask (they compute the same function). The chunked core does
 2 s w scores where full causal attention does s^2 (s^2 / 2 of them useful), so it should win
 once s is a few times w; below that the fused causal kernel's skipping of the upper triangle wins.
 
@@ -38,7 +43,8 @@ import torch.nn.functional as F
 from bench.attention_runs import add_run_options, emit, run_setting
 from bench.timing import interleaved_medians, synchronize
 from meshlm.models.attention import windowed_attention
-from tests.helpers.saved_tensors import LargestTensor
+from meshlm.models.sink_attention import fused_windowed_attention
+from tests.helpers.saved_tensors import LargestTensor, SavedStorages
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 
@@ -54,6 +60,7 @@ def cores(window: int, seq: int, device) -> dict:
         "full_causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
         "windowed": lambda q, k, v: windowed_attention(q, k, v, window),
         "dense_band_mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+        "fused_windowed": lambda q, k, v: fused_windowed_attention(q, k, v, window),
     }
 
 
@@ -81,6 +88,15 @@ def largest_bytes(core, tensors, grad_out) -> int:
     return largest.bytes
 
 
+def saved_bytes(core, tensors) -> int:
+    """Bytes of the storages autograd keeps for backward beyond the inputs' own."""
+    with SavedStorages() as saved:
+        out = core(*tensors)
+    inputs = {tensor.untyped_storage().data_ptr() for tensor in tensors}
+    del out
+    return sum(size for pointer, size in saved.storages.items() if pointer not in inputs)
+
+
 def measure(seq: int, window: int, repeats: int, dtype, device) -> dict:
     tensors = inputs(seq, dtype, device)
     grad_out = torch.randn(1, HEADS, seq, HEAD_DIM, device=device, dtype=dtype)
@@ -88,12 +104,16 @@ def measure(seq: int, window: int, repeats: int, dtype, device) -> dict:
     seconds = interleaved_medians({name: timed(core, tensors, grad_out, device) for name, core in runs.items()},
                                   repeats)
     with torch.no_grad():
-        difference = float((runs["windowed"](*tensors) - runs["dense_band_mask"](*tensors)).abs().max())
+        masked = runs["dense_band_mask"](*tensors)
+        difference = float((runs["windowed"](*tensors) - masked).abs().max())
+        fused_difference = float((runs["fused_windowed"](*tensors) - masked).abs().max())
     return {"seq": seq, "window": window, "seconds": seconds,
             "speedup_vs_full": seconds["full_causal"] / seconds["windowed"],
             "speedup_vs_dense_mask": seconds["dense_band_mask"] / seconds["windowed"],
+            "fused_speedup_vs_windowed": seconds["windowed"] / seconds["fused_windowed"],
+            "saved_bytes": {name: saved_bytes(core, tensors) for name, core in runs.items()},
             "largest_tensor_bytes": {name: largest_bytes(core, tensors, grad_out) for name, core in runs.items()},
-            "max_difference_vs_dense_mask": difference}
+            "max_difference_vs_dense_mask": difference, "fused_max_difference_vs_dense_mask": fused_difference}
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ import torch
 
 from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.hf.convert import EXPORTABLE, hf_to_meshlm, meshlm_to_hf
-from meshlm.hf.fp8_export import QUANTIZE_CHOICES, describe_fp8_export
+from meshlm.hf.quantized_export import QUANTIZE_CHOICES, describe_quantized_export
 from meshlm.models.language_model import LanguageModel
 
 
@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             + ", ".join(sorted(EXPORTABLE)))
     to_hf.add_argument("--quantize", choices=QUANTIZE_CHOICES,
                        help="fp8: store the decoder blocks' linear weights as FP8 E4M3 with one fp32 scale per "
-                            "128x128 block (DeepSeek-V3 layout, transformers' fine-grained FP8); the rest keeps "
-                            "its stored dtype")
+                            "128x128 block (DeepSeek-V3 layout, transformers' fine-grained FP8); mxfp4: a gpt-oss "
+                            "model's MoE experts in MXFP4, as gpt-oss was released; the rest keeps its stored dtype")
     lora = to_hf.add_mutually_exclusive_group()
     lora.add_argument("--adapter-only", action="store_true",
                       help="of a LoRA model: its adapters alone, as a PEFT adapter folder (adapter_config.json, "
@@ -80,5 +80,5 @@ def run(args: argparse.Namespace) -> int:
             part, f"{architecture.name}")
         print(f"wrote {what} folder {out} from {source}")
         if args.quantize:
-            print(describe_fp8_export(json.loads((out / "config.json").read_text())))
+            print(describe_quantized_export(json.loads((out / "config.json").read_text())))
     return 0

@@ -43,7 +43,8 @@ and Nemotron-H (everything hybrid). When none fits, the error lists, per archite
 that block it. The same streaming applies: each meshlm tensor is read whole (by slice from
 model.safetensors, by chunk from a training checkpoint) when the first HF tensor cut from it is
 written. With ``quantize="fp8"`` the decoder blocks' linear weights are written as block-wise FP8,
-each quantized as it is written (``fp8_export.py``).
+each quantized as it is written (``fp8_export.py``); with ``quantize="mxfp4"`` a gpt-oss model's
+experts in MXFP4, as gpt-oss was released (``mxfp4_export.py``).
 """
 
 from __future__ import annotations
@@ -61,13 +62,14 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
                                            weights_source, write_model_folder)
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
-from meshlm.hf import (arcee, bamba, cohere, cohere2, deepseek_v3, dots1, exaone4, falcon, gemma, gemma2, gemma3,
-                       glm, glm4_moe, glm4_moe_lite, gpt2, gpt_bigcode, gpt_neox, gpt_oss, gptj, granite, granite_moe,
-                       hunyuan, llama, mamba2, minimax_m2, ministral3, mistral, mistral3, mixtral, nemotron_h, olmo2,
-                       olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2)
+from meshlm.hf import (arcee, bamba, cohere, cohere2, deepseek_v3, dots1, ernie4_5, exaone4, falcon, gemma, gemma2,
+                       gemma3, glm, glm4_moe, glm4_moe_lite, gpt2, gpt_bigcode, gpt_neox, gpt_oss, gptj, granite,
+                       granite_moe, hunyuan, llama, mamba2, minimax_m2, ministral3, mistral, mistral3, mixtral,
+                       nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3,
+                       stablelm, starcoder2)
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
-from meshlm.hf.fp8_export import quantize_hf_export
+from meshlm.hf.quantized_export import quantize_hf_export
 from meshlm.hf.fp8_import import dequantized_dtype, dequantized_tensors, fp8_blocks
 from meshlm.hf.peft_export import peft_adapter_plan, write_adapter_folder
 from meshlm.models.config import ModelConfig
@@ -90,7 +92,7 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           granite.ARCHITECTURE, arcee.ARCHITECTURE, granite_moe.MOE, granite_moe.SHARED,
                                           granite_moe.HYBRID,
                                           glm.GLM_ARCHITECTURE, glm.GLM4_ARCHITECTURE,
-                                          seed_oss.ARCHITECTURE, hunyuan.ARCHITECTURE,
+                                          seed_oss.ARCHITECTURE, hunyuan.ARCHITECTURE, ernie4_5.ARCHITECTURE,
                                           dots1.ARCHITECTURE, glm4_moe.ARCHITECTURE,  # after the dense classes:
                                           # they hold '*-' stacks too
                                           gpt_oss.ARCHITECTURE, minimax_m2.ARCHITECTURE,
@@ -253,7 +255,8 @@ def meshlm_to_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike, archi
                  overwrite: bool = False, quantize: str | None = None, part: str = "merged",
                  base_model: str | None = None) -> tuple[Path, Architecture]:
     """Convert a meshlm model folder (or training checkpoint) into an HF folder, one tensor at a time;
-    ``quantize="fp8"`` writes the block linears in block-wise FP8 (``fp8_export.py``). Of a LoRA
+    ``quantize="fp8"`` writes the block linears in block-wise FP8 (``fp8_export.py``), ``"mxfp4"`` a
+    gpt-oss model's experts in MXFP4 (``mxfp4_export.py``). Of a LoRA
     model, ``part`` (``LORA_PARTS``) says what: ``adapter`` writes a PEFT adapter folder whose
     ``base_model_name_or_path`` is ``base_model``."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)

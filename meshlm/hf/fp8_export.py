@@ -61,8 +61,6 @@ from meshlm.errors import ConfigError
 from meshlm.precision.formats.blockwise import quantize_fp8_weight_blocks
 from meshlm.precision.formats.fp8 import E4M3
 
-QUANTIZE_CHOICES = ("fp8",)
-"""Values of ``meshlm convert meshlm-to-hf --quantize``."""
 FP8_BLOCK_SIZE = 128
 """Side of a weight block: one fp32 scale per 128 x 128 weights (DeepSeek-V3)."""
 SCALE_SUFFIX = "_scale_inv"
@@ -150,12 +148,8 @@ def fp8_quantization_config(modules_to_not_convert: list[str]) -> dict:
             "weight_block_size": [FP8_BLOCK_SIZE, FP8_BLOCK_SIZE], "modules_to_not_convert": modules_to_not_convert}
 
 
-def quantize_hf_export(hf_config: dict, plan: dict[str, PlannedTensor], quantize: str
-                       ) -> tuple[dict, dict[str, PlannedTensor]]:
-    """(config.json, tensor plan) of an HF export, quantized as ``--quantize`` asks."""
-    if quantize not in QUANTIZE_CHOICES:
-        raise ConfigError(f"--quantize {quantize!r} is not supported; use --quantize fp8, or leave it out to "
-                          "export the weights as they are stored.")
+def quantize_fp8_export(hf_config: dict, plan: dict[str, PlannedTensor]) -> tuple[dict, dict[str, PlannedTensor]]:
+    """(config.json, tensor plan) of an HF export with its block linears in block-wise FP8."""
     dequantized_on_load = bool(set(hf_config.get("architectures") or []) & EXPERTS_DEQUANTIZED_ON_LOAD)
     quantized, kept = quantize_plan(plan, experts_dequantized_on_load=dequantized_on_load)
     if len(quantized) == len(plan):

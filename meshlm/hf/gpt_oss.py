@@ -28,10 +28,10 @@ row j) and every weight transposed, [in, out]:
 Microscaling formats 1.0): ``gate_up_proj_blocks`` [E, 2F, d/32, 16] and ``down_proj_blocks``
 [E, d, F/32, 16] hold two FP4 (E2M1) values per byte, the low nibble first, in the [out, in]
 layout, and ``*_scales`` [E, out, in/32] one power of two per 32 values, an E8M0 byte with bias
-127: value = FP4_VALUES[nibble] * 2^(scale - 127). Import dequantizes them to bf16, one expert at a
-time, as transformers' ``Mxfp4Config(dequantize=True)`` does; export writes the bf16 tensors (a
-folder transformers reads with no quantization config). Training and converting back to MXFP4
-are not done here.
+127: value = E2M1[nibble] * 2^(scale - 127) (``meshlm/precision/formats/mxfp4.py``). Import
+dequantizes them to bf16, one expert at a time, as transformers' ``Mxfp4Config(dequantize=True)``
+does; export writes the bf16 tensors (a folder transformers reads with no quantization config),
+or with ``--quantize mxfp4`` the released MXFP4 layout again (``meshlm/hf/mxfp4_export.py``).
 
 Import reads each HF form through a ``DerivedTensor`` (its shape and dtype now, its values when
 the writer asks, an expert at a time), named after the HF tensor and the part it takes (for
@@ -54,6 +54,7 @@ from meshlm.hf.common import (SLIDING_ATTENTION, Architecture, DerivedTensor, Te
 from meshlm.hf.llama import (attention_fields, attention_maps, attention_to_hf, decoder_embedding_maps,
                              decoder_unsupported)
 from meshlm.models.config import ModelConfig
+from meshlm.precision.formats.mxfp4 import dequantize_mxfp4
 
 NAME = "GptOssForCausalLM"
 DEFAULTS = {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
@@ -65,25 +66,8 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
 """transformers' RoPE for a gpt-oss config.json that names none."""
 
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-"""The 16 FP4 (E2M1) values by their 4-bit code: sign bit, two exponent bits, one mantissa bit."""
-E8M0_BIAS = 127
-"""An MXFP4 scale byte s means 2^(s - 127)."""
 EXPERT_PARTS = ("gate", "up")
 """The interleaved halves of ``gate_up_proj``, in order: column 2j + index."""
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """MXFP4 ``blocks`` [..., G, 16] (uint8, two FP4 codes per byte, low nibble first) with ``scales``
-    [..., G] (E8M0 bytes) -> [..., G * 32] values in ``dtype`` (the module docstring)."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
-                         f"{scales.dtype} must be uint8, the scales one per block")
-    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., G, 16, 2]: low nibble first
-    values = table[codes].flatten(-2)  # [..., G, 32]
-    exponents = scales.to(torch.int32) - E8M0_BIAS
-    return torch.ldexp(values, exponents[..., None].to(torch.float32)).flatten(-2).to(dtype)
 
 
 def _per_expert(shape: tuple[int, ...], dtype: torch.dtype, experts: int, expert: Callable[[int], torch.Tensor]
@@ -264,6 +248,6 @@ ARCHITECTURE = GptOssArchitecture(NAME, "gpt_oss", config_from_hf, config_to_hf,
 state_from_hf = ARCHITECTURE.state_from_hf
 state_to_hf = ARCHITECTURE.state_to_hf
 
-__all__ = ["ARCHITECTURE", "FP4_VALUES", "NAME", "config_from_hf", "config_to_hf",
+__all__ = ["ARCHITECTURE", "NAME", "config_from_hf", "config_to_hf",
            "dequantize_mxfp4", "experts_from_hf", "join_experts_for_hf", "state_from_hf", "state_to_hf",
            "tensor_maps", "unsupported"]

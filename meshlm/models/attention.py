@@ -42,15 +42,23 @@ attends to the 2w keys of chunks a - 1 and a under one [w, 2w] band mask shared 
 the chunks folded into the batch; chunk 0 has no predecessor and is plain causal attention. That
 is 2 s w scores instead of s^2 (a win once s > 4w; a sequence no longer than w is plain causal
 attention). Packed documents run it per document span; a KV cache reads only the last
-t + w - 1 keys.
+t + w - 1 keys. Whole sequences without a cap take another form of the same chunking where a
+fused kernel returning each row's log-sum-exp takes the inputs (``block_attention.fused_kernel``:
+CPU flash; CUDA flash and memory-efficient, head dims up to 128): each chunk's two parts are two
+*causal* blocks -- its own keys, and the previous chunk's with both chunks' rows reversed --
+merged by their lse (``sink_attention.fused_windowed_attention``), so no band mask is built, the
+kernels skip what the mask would have hidden, and half the bytes are kept for backward. On a GPU
+always; on the CPU, whose flash kernel is slow on small blocks, from windows of
+``FUSED_WINDOW_MIN_ON_CPU`` on. (Its second block scores (w - 1)^2 pairs a chunk where the band
+scores w^2; the FLOP count keeps the band's, within 1/w.)
 
 **Soft-capped scores and attention sinks** (``model.attention_softcap``, Gemma 2;
 ``model.attention_sinks``, gpt-oss): every path above makes its SDPA call through
 ``scaled_dot_product``, which with a cap or sinks runs the explicit, query-chunked core of
 ``meshlm/models/explicit_attention.py`` under the same mask instead, so windows, documents, padding
 and the cache keep their structure. Causal attention with sinks over whole sequences, with or
-without a window, runs a fused kernel that returns each row's log-sum-exp, the sink merged
-afterwards (``meshlm/models/sink_attention.py``).
+without a window, runs the fused kernels too, the sink merged after the rows' lse
+(``meshlm/models/sink_attention.py``).
 """
 
 from __future__ import annotations
@@ -68,7 +76,7 @@ from meshlm.models.init import constant
 from meshlm.models.lora import adapted, lora_coordinates
 from meshlm.models.norms import HeadNorm, RMSNorm
 from meshlm.models.rope import RopeScaling, RotaryEmbedding, apply_rotary
-from meshlm.models.sink_attention import fused_sink_attention, fused_sinks_supported, windowed_sink_attention
+from meshlm.models.sink_attention import fused_sink_attention, fused_sinks_supported, fused_windowed_attention
 from meshlm.models.explicit_attention import explicit_attention
 from meshlm.models.softcap import soft_cap
 
@@ -149,13 +157,31 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     [heads], as ``attention_core``'s)."""
     head_sinks = None if sinks is None else sinks[:, None]
     whole = window is None or window >= query.shape[2]
-    if (sinks is not None and softcap is None and value.shape[-1] == query.shape[-1]
-            and fused_sinks_supported(query, key)):  # the sinks merged into a fused kernel's rows
-        return (fused_sink_attention(query, key, value, sinks, scale) if whole
-                else windowed_sink_attention(query, key, value, sinks, window, scale))
+    fused = softcap is None and value.shape[-1] == query.shape[-1] and fused_sinks_supported(query, key)
+    if fused and not whole and (sinks is not None or fused_window_applies(window, query.device.type)):
+        # two causal blocks per chunk of w queries, merged by lse (and the sinks)
+        return fused_windowed_attention(query, key, value, window, scale, sinks)
+    if fused and sinks is not None:  # the sinks merged into a fused kernel's rows
+        return fused_sink_attention(query, key, value, sinks, scale)
     if whole:
         return scaled_dot_product(query, key, value, is_causal=True, scale=scale, softcap=softcap, sinks=head_sinks)
     return windowed_attention(query, key, value, window, scale, softcap, sinks)
+
+
+FUSED_WINDOW_MIN_ON_CPU = 1024
+"""The smallest sliding window the CPU runs as two causal blocks a chunk on its flash kernel
+(``fused_windowed_attention``) rather than as ``windowed_attention``'s band-masked chunks. Both
+keep one output and lse per row, the fused form about half the bytes for backward (no padded
+copies, no chunk pairs), but the CPU's flash kernel is slow on small blocks: measured (``python
+-m bench.sliding_window``, fp32, 8 heads over 2 KV heads of 64, a 2-core CPU, medians of 9) at
+0.71x-0.83x the band core's speed for windows of 256, 0.81x-0.90x for 384 and 512, and 1.20x-1.28x
+for 1024, at 2048 to 8192 tokens. Other devices run every window fused (there the band mask
+keeps SDPA off its flash and cuDNN kernels); sinks run fused whatever the window."""
+
+
+def fused_window_applies(window: int, device_type: str) -> bool:
+    """Whether a sliding ``window`` without sinks runs fused on ``device_type`` (``FUSED_WINDOW_MIN_ON_CPU``)."""
+    return device_type != "cpu" or window >= FUSED_WINDOW_MIN_ON_CPU
 
 
 def window_chunks(seq_len: int, window: int) -> int:

@@ -1,4 +1,4 @@
-"""Attention sinks on a fused kernel: causal attention over whole sequences, the sink merged after.
+"""Attention sinks, and sliding windows, on a fused kernel: the sink merged after the rows' lse.
 
 A sink (``model.attention_sinks``, ``meshlm/models/explicit_attention.py``) is one more column of
 every row's softmax, with a zero value. The fused attention kernels take no such column, but some
@@ -17,15 +17,21 @@ and backward only q, k, v, o' and lse' are kept, as for plain fused attention.
 ``causal_attention`` takes this path for causal attention over whole sequences (training and
 prefill without padding), the hot path, with or without a sliding window: a window's chunks of w
 queries are two causal blocks each, their own chunk and the previous one's later keys with both
-chunks' rows reversed (``windowed_sink_attention``), merged by their lse before the sink. Where no
+chunks' rows reversed (``fused_windowed_attention``), merged by their lse before the sink. Where no
 fused kernel takes the inputs, and for masks and caches, the sinks go through the explicit core.
 Measured on a 2-core CPU (fp32, 8 heads over 2 KV heads of 64, forward and backward, ``python -m
 bench.softcap``, medians of 5, ``bench/results/softcap_cpu.json``): 1.06x and 1.01x plain causal
 SDPA's time at 1024 and 4096 tokens (the explicit core took 1.6x and 2.2x), and with a window of
 1024 of 4096 tokens 0.79x the time of windowed attention without sinks (SDPA over chunk pairs under
 a band mask, which the CPU's flash kernel does not take), keeping 8.5 MB for backward against its
-23 MB. Plain windowed attention would gain the same way, once the CUDA calls of
-``block_attention.py`` have run on a GPU (they have not yet).
+23 MB.
+
+Plain sliding windows (no sinks, no cap) take the same two blocks a chunk
+(``fused_windowed_attention`` with ``sinks=None``; ``attention.causal_attention`` chooses it on a
+GPU, and on the CPU for windows from ``attention.FUSED_WINDOW_MIN_ON_CPU``): measured on the same
+CPU (``python -m bench.sliding_window``, 8192 tokens, medians of 9) 1.28x the band-masked chunks'
+speed with a window of 1024 and half their bytes kept for backward, but 0.71x with a window of 256,
+where the CPU's flash kernel runs small blocks slowly.
 """
 
 from __future__ import annotations
@@ -116,9 +122,10 @@ def _previous_keys_back(tensor: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.cat((rows, rows.new_zeros(*rows.shape[:3], 1, *rows.shape[4:])), dim=3).flip(3)
 
 
-class _FusedWindowedSinkAttention(torch.autograd.Function):
-    """Sliding-window causal attention (query p sees keys p - w < q <= p) with ``sinks`` through the
-    fused kernel, as two causal blocks per chunk of w queries (``windowed_sink_attention``)."""
+class _FusedWindowedAttention(torch.autograd.Function):
+    """Sliding-window causal attention (query p sees keys p - w < q <= p), with ``sinks`` or without
+    (None), through the fused kernel, as two causal blocks per chunk of w queries
+    (``fused_windowed_attention``)."""
 
     @staticmethod
     def forward(ctx, query, key, value, sinks, window, scale):
@@ -141,7 +148,8 @@ class _FusedWindowedSinkAttention(torch.autograd.Function):
                           + prev_out * torch.exp(prev_lse - merged).unsqueeze(-1))
             lse[:, 1:] = merged
         out, lse = _unchunked(out)[:, :, :length], _unchunked(lse)[:, :, :length]
-        merged, with_sink = merged_sink(out, lse, sinks)
+        # without sinks the rows' lse is kept as it is, cut to the real rows (not a view of the padded ones)
+        merged, with_sink = (out, lse.contiguous()) if sinks is None else merged_sink(out, lse, sinks)
         # laid out [b, t, heads, d] in memory, as SDPA's output is: o_proj's input is then a view of it
         output = query.new_empty((query.shape[0], length, query.shape[1], value.shape[-1])).transpose(1, 2)
         output.copy_(merged)
@@ -173,22 +181,24 @@ class _FusedWindowedSinkAttention(torch.autograd.Function):
             dk[:, :-1] += _previous_keys_back(pdk.to(wide), batch)
             dv[:, :-1] += _previous_keys_back(pdv.to(wide), batch)
         dq, dk, dv = (_unchunked(tensor)[:, :, :length] for tensor in (dq, dk, dv))
-        grad_sinks = sink_gradient(grad_output, output, lse, sinks)
+        grad_sinks = None if sinks is None else sink_gradient(grad_output, output, lse, sinks)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), grad_sinks, None, None
 
 
-def windowed_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor,
-                            window: int, scale: float | None = None) -> torch.Tensor:
-    """Sliding-window causal attention over whole sequences with ``sinks`` [heads], through a fused kernel
-    (``fused_sinks_supported`` must hold). The sequence is cut into chunks of ``window`` queries, as
-    ``attention.windowed_attention`` cuts it; chunk a's queries see their own chunk's keys causally --
-    one causal block -- and the keys of chunk a - 1 after their own offset, key j visible from query
-    i when j > i. Reversing both chunks' rows turns that into j' < i', causal attention of rows
-    1..w-1 over keys 0..w-2: a second causal block, the last query of each chunk left out (it sees
-    none of them). The two blocks' rows merge by their lse, as ring attention's blocks do, the sink
-    after; backward gives each block the final output and lse (the module docstring)."""
-    return _FusedWindowedSinkAttention.apply(query, key, value, sinks, window,
-                                             query.shape[-1] ** -0.5 if scale is None else scale)
+def fused_windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int,
+                             scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Sliding-window causal attention over whole sequences, with ``sinks`` [heads] or without (None),
+    through a fused kernel (``fused_sinks_supported`` must hold). The sequence is cut into chunks of
+    ``window`` queries, as ``attention.windowed_attention`` cuts it; chunk a's queries see their own
+    chunk's keys causally -- one causal block -- and the keys of chunk a - 1 after their own offset,
+    key j visible from query i when j > i. Reversing both chunks' rows turns that into j' < i',
+    causal attention of rows 1..w-1 over keys 0..w-2: a second causal block, the last query of each
+    chunk left out (it sees none of them). The two blocks' rows merge by their lse, as ring
+    attention's blocks do, the sink after; backward gives each block the final output and lse (the
+    module docstring). Both blocks are causal, so the kernels skip their upper triangles, and no
+    band mask is built: the masked SDPA call ``windowed_attention`` makes runs no fused kernel."""
+    return _FusedWindowedAttention.apply(query, key, value, sinks, window,
+                                         query.shape[-1] ** -0.5 if scale is None else scale)
 
 
 def fused_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor,
@@ -198,4 +208,5 @@ def fused_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return _FusedSinkAttention.apply(query, key, value, sinks, query.shape[-1] ** -0.5 if scale is None else scale)
 
 
-__all__ = ["fused_sink_attention", "fused_sinks_supported", "merged_sink", "sink_gradient", "windowed_sink_attention"]
+__all__ = ["fused_sink_attention", "fused_sinks_supported", "fused_windowed_attention", "merged_sink",
+           "sink_gradient"]

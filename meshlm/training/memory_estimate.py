@@ -140,7 +140,7 @@ from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.model_files import read_model_config
 from meshlm.data.preference import PAIRS
 from meshlm.errors import CheckpointError
-from meshlm.models.attention import window_chunks
+from meshlm.models.attention import fused_window_applies, window_chunks
 from meshlm.models.flops import attended_pairs
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.losses import default_tokens_per_chunk
@@ -497,11 +497,13 @@ def attention_core_bytes(config, model, seq: int, layout) -> float:
             padded = heads * max(model.resolved_head_dim, model.resolved_value_head_dim)
             return (4 * padded + copied_output) * dtype_bytes + 4 * heads
         return (query + key + value + output) * dtype_bytes + 4 * heads
-    if model.attention_sinks and model.attention_softcap is None and value == key:
-        # sinks on the fused kernel (meshlm/models/sink_attention.py), windowed or not: q, k, v, the
-        # output and the log-sum-exp, nothing padded (a window's blocks are made again in backward)
-        return (query + key + value + output + copied_output) * dtype_bytes + 4 * heads
     window = model.sliding_window if model.sliding_window is not None and model.sliding_window < seq else seq
+    fused_window = window < seq and fused_window_applies(window, parse_device(config.train.device).type)
+    if model.attention_softcap is None and value == key and (model.attention_sinks or fused_window):
+        # sinks or a window on the fused kernel (meshlm/models/sink_attention.py): q, k, v, the
+        # output and the log-sum-exp, nothing padded (a window's blocks are made again in backward);
+        # a window's output is laid out [b, t, heads, d], so o_proj's input is a view of it under MLA too
+        return (query + key + value + output + (0 if window < seq else copied_output)) * dtype_bytes + 4 * heads
     padded = window_chunks(seq, window) * window
     if math_path(config, model):
         return math_core_bytes(query, key, value, heads, seq, window, padded, dtype_bytes) + output * dtype_bytes

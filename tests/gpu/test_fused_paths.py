@@ -189,6 +189,30 @@ def test_attention_sinks_on_the_fused_kernels_match_the_explicit_sink_softmax(gp
         assert max_error(attention_core(*inputs[:3], window=window), fused[0]) > 1e-2
 
 
+
+def test_sliding_windows_on_the_fused_kernels_match_the_band_mask(gpu_device):
+    """A sliding window without sinks or a cap (Mistral, Gemma 3, Qwen windows): whole sequences run
+    two causal blocks a chunk on the fused kernels, merged by their lse
+    (``sink_attention.fused_windowed_attention``), against the explicit softmax under the band mask
+    in fp32, with the flash test's bound against that softmax in bf16; a window of 20 over 96
+    tokens (the last chunk padded) and one of 32 (chunks that fit)."""
+    seq = 96
+    inputs = [seeded(2, 4, seq, 16, device=gpu_device, seed=0, dtype=torch.bfloat16),
+              *(seeded(2, 2, seq, 16, device=gpu_device, seed=seed, dtype=torch.bfloat16) for seed in (1, 2))]
+    grad_out = seeded(2, 4, seq, 16, device=gpu_device, seed=3)
+    keep = torch.ones(2, 4, seq, seq, dtype=torch.bool, device=gpu_device)
+    for window in (20, 32):
+        explicit = lambda q, k, v: attention_with_dropout(q, k, v, None, keep, 0.0, window=window)  # noqa: E731
+        reference = values_and_grads(explicit, [tensor.float() for tensor in inputs], grad_out)
+        fused = values_and_grads(lambda q, k, v: attention_core(q, k, v, window=window), inputs, grad_out)
+        plain = values_and_grads(explicit, inputs, grad_out)
+        for name, got, baseline, expected in zip(("out", "dq", "dk", "dv"), fused, plain, reference):
+            assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), (window, name)
+            slack = BF16_SLACK * max(1.0, float(expected.abs().max()))
+            assert max_error(got, expected) <= 2 * max_error(baseline, expected) + slack, \
+                (window, name, max_error(got, expected), max_error(baseline, expected))
+        assert max_error(attention_core(*inputs), fused[0]) > 1e-2  # the window cuts
+
 KERNEL_SLACK = 1e-2
 """The slack of the preferred-kernel test, larger than ``BF16_SLACK`` because its shapes are the
 real ones (128 tokens, head sizes up to 128): a fused kernel rounds the probabilities to bf16 and

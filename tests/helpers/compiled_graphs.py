@@ -51,6 +51,7 @@ GRADIENT_CHECK_SHAPES = {
     "moe": dict(pattern="*E*-", moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32),
     "gemma2 soft caps": dict(pattern="*-*-", num_kv_heads=2, qk_norm=True, attention_softcap=2.0,
                              final_logit_softcap=0.3, sliding_window=12, sliding_window_pattern="SF"),
+    "mistral sliding window": dict(pattern="*-*-", num_kv_heads=2, sliding_window=12),
     "deepseek latent attention": dict(pattern="*E*-", attention_type="mla", mla_q_lora_rank=32, mla_kv_lora_rank=32,
                                       mla_qk_nope_head_dim=16, mla_qk_rope_head_dim=16, mla_v_head_dim=8,
                                       moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32,
@@ -64,6 +65,8 @@ GRADIENT_CHECK_SHAPES = {
 suite and the GPU tier compare with the eager ones; the hybrid has the shapes the Triton SSD
 kernels take, so on CUDA its Mamba blocks run them inside the compiled graphs; the Gemma 2-style
 one runs the soft-capped attention core (an autograd function of its own) inside them; the
+Mistral-style one a sliding window of 12 over the 32 tokens on the fused kernels (two causal
+blocks a chunk, ``sink_attention.fused_windowed_attention``, another autograd function); the
 DeepSeek-style one runs latent attention (value heads narrower than the query and key heads) and
 sigmoid routing with a shared expert; the Command R-style one runs each MLP block beside its attention
 block, on the attention block's input through its bias-free LayerNorm (a parallel residual), and

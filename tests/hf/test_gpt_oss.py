@@ -2,7 +2,8 @@
 (sinks, biased router and experts, the clamped SwiGLU, alternating windows, YaRN) reproduced
 after import, and the round trip; an MXFP4 folder (the released checkpoints' expert format)
 dequantized as transformers' own ``convert_moe_packed_tensors`` does, with the logits of the model
-transformers builds from the same numbers; a meshlm model exported and read back; the refusals."""
+transformers builds from the same numbers; a meshlm model exported and read back, in bf16 and with
+its experts in MXFP4 (``--quantize mxfp4``); the refusals."""
 
 import json
 
@@ -20,6 +21,7 @@ from meshlm.hf.files import write_hf_folder  # noqa: E402
 from meshlm.hf.fp8_import import fp8_blocks  # noqa: E402
 from meshlm.models.config import ModelConfig  # noqa: E402
 from meshlm.models.language_model import LanguageModel  # noqa: E402
+from meshlm.precision.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 
 from .helpers import (VOCAB, assert_hf_round_trip, assert_meshlm_round_trip, assert_same_logits,  # noqa: E402
                       convert_and_compare, exported_logits_match, random_ids, save_random_hf_model,
@@ -64,13 +66,13 @@ def random_mxfp4(shape: tuple, generator: torch.Generator) -> tuple[torch.Tensor
 def test_dequantization_is_transformers_own():
     generator = torch.Generator().manual_seed(0)
     blocks, scales = random_mxfp4((3, 10, 2), generator)
-    ours = gpt_oss.dequantize_mxfp4(blocks, scales, torch.float32)  # [3, 10, 64], the [out, in] layout
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)  # [3, 10, 64], the [out, in] layout
     theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [3, 64, 10], transposed
     assert torch.equal(ours, theirs.transpose(1, 2))
     assert set(ours.abs().unique().tolist()) > {0.0, 0.0625, 6.0}  # codes 0 .. 15 at scales 2^-3 .. 2^0
-    assert torch.equal(gpt_oss.dequantize_mxfp4(blocks, scales), ours.to(torch.bfloat16))  # bf16 holds them exactly
+    assert torch.equal(dequantize_mxfp4(blocks, scales), ours.to(torch.bfloat16))  # bf16 holds them exactly
     with pytest.raises(ValueError, match="must be uint8"):
-        gpt_oss.dequantize_mxfp4(blocks.float(), scales)
+        dequantize_mxfp4(blocks.float(), scales)
 
 
 def test_an_mxfp4_folder_imports_as_the_model_transformers_dequantizes(tmp_path):
@@ -132,6 +134,65 @@ def test_meshlm_model_exports_as_gpt_oss(tmp_path):
     exported = json.loads((tmp_path / "hf_export" / "config.json").read_text())
     assert exported["layer_types"] == ["full_attention", "sliding_attention"] and "quantization_config" not in exported
     exported_logits_match(model, tmp_path)
+
+
+def test_an_mxfp4_export_is_the_released_layout_and_loads_as_the_quantized_model(tmp_path):
+    """``--quantize mxfp4``: each layer's experts as ``*_blocks`` / ``*_scales`` uint8 in the [out, in]
+    layout (gate and up rows interleaved), the rest in bf16, the release's quantization config;
+    transformers (dequantizing on this CPU) and ``hf-to-meshlm`` both read back the model whose
+    expert weights are the MXFP4 values, bit for bit, and its logits."""
+    from safetensors import safe_open
+
+    from meshlm.checkpoint.model_files import save_model
+    from meshlm.hf import meshlm_to_hf
+    from meshlm.hf.mxfp4_export import NOT_CONVERTED
+
+    torch.manual_seed(0)
+    model = with_trained_norms_and_biases(LanguageModel(gpt_oss_config(moe_ffn_hidden_size=32))).to(torch.bfloat16)
+    save_model(model, tmp_path / "ours")
+    meshlm_to_hf(tmp_path / "ours", tmp_path / "mxfp4", quantize="mxfp4")
+    config_json = json.loads((tmp_path / "mxfp4" / "config.json").read_text())
+    assert config_json["quantization_config"] == {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
+    expected = LanguageModel(model.config).to(torch.bfloat16)
+    expected.load_state_dict(model.state_dict())
+    with safe_open(tmp_path / "mxfp4" / "model.safetensors", "pt") as stored:
+        names = set(stored.keys())
+        blocks = stored.get_tensor("model.layers.0.mlp.experts.gate_up_proj_blocks")
+        assert blocks.dtype == torch.uint8 and blocks.shape == (4, 64, 1, 16)  # [E, 2F, d / 32, 16]
+        assert stored.get_tensor("model.layers.0.mlp.experts.down_proj_scales").shape == (4, 32, 1)
+        assert stored.get_tensor("model.layers.0.mlp.experts.gate_up_proj_bias").dtype == torch.bfloat16
+    assert not {name for name in names if name.endswith(("gate_up_proj", "down_proj"))}
+    with torch.no_grad():  # the same weights through the format: expert by expert, [out, in] rows
+        for block in (1, 3):
+            experts = expected.blocks[block].mixer.experts
+            for name in ("gate_weight", "up_weight", "down_weight"):
+                weight = getattr(experts, name)
+                weight.copy_(dequantize_mxfp4(*quantize_mxfp4(weight)))
+    assert not torch.equal(expected.blocks[1].mixer.experts.gate_weight, model.blocks[1].mixer.experts.gate_weight)
+    out, _, _ = hf_to_meshlm(tmp_path / "mxfp4", tmp_path / "back")
+    back = load_model(out)
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "mxfp4", dtype=torch.float32).eval()
+    assert_same_logits(hf_model, expected.float(), random_ids())
+
+
+def test_mxfp4_export_is_gpt_oss_only_and_needs_whole_blocks(tmp_path):
+    from meshlm.checkpoint.model_files import save_model
+    from meshlm.hf import meshlm_to_hf
+
+    save_model(LanguageModel(gpt_oss_config()), tmp_path / "narrow")  # experts of 16 inputs to down_proj
+    with pytest.raises(ConfigError, match=r"down_proj has 16 input features, not a multiple of 32"):
+        meshlm_to_hf(tmp_path / "narrow", tmp_path / "out", quantize="mxfp4")
+    save_model(LanguageModel(ModelConfig(vocab_size=VOCAB, hidden_size=32, pattern="*-", num_attention_heads=4)),
+               tmp_path / "llama")
+    with pytest.raises(ConfigError, match=r"reads for GptOssForCausalLM only; this export is LlamaForCausalLM. "
+                                          r"Use --quantize fp8"):
+        meshlm_to_hf(tmp_path / "llama", tmp_path / "out2", quantize="mxfp4")
+    with pytest.raises(ConfigError, match=r"--quantize 'int4' is not supported; use --quantize fp8 or mxfp4"):
+        meshlm_to_hf(tmp_path / "llama", tmp_path / "out3", quantize="int4")
 
 
 def test_what_gpt_oss_cannot_hold_is_refused_and_its_features_elsewhere():

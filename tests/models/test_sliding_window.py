@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshlm.errors import ConfigError
+from meshlm.models import attention as attention_module
 from meshlm.models.attention import attention_core, attention_with_dropout, windowed_attention
 from meshlm.models.config import ModelConfig
 from meshlm.models.flops import attended_pairs, model_flops_breakdown
@@ -20,7 +21,7 @@ from meshlm.models.language_model import LanguageModel
 from tests.helpers.cached_decoding import (assert_cached_generation_equals_the_full_forward,
                                            assert_decode_step_equals_the_cached_forward)
 from tests.helpers.flop_formulas import MISSING_FORMULAS
-from tests.helpers.saved_tensors import LargestTensor
+from tests.helpers.saved_tensors import LargestTensor, SavedStorages
 
 
 def banded_attention(query, key, value, window, document_ids=None):
@@ -41,11 +42,24 @@ def random_qkv(seq, heads=4, kv_heads=2, batch=2, seed=0):
             for count in (heads, kv_heads, kv_heads)]
 
 
+CORES = {"fused": lambda q, k, v, window: attention_core(q, k, v, window=window),
+         "band mask": lambda q, k, v, window: windowed_attention(q, k, v, window) if window < q.shape[2]
+         else attention_core(q, k, v)}
+"""The two forms of the windowed core: two causal blocks a chunk on the fused kernel, which
+``attention_core`` runs for whole sequences (``sink_attention.fused_windowed_attention``), and
+the band-masked chunks of ``windowed_attention``, which a soft cap, MLA's narrower value heads or
+a head size no fused kernel takes fall back to."""
+
+
+@pytest.mark.parametrize("core", list(CORES))
 @pytest.mark.parametrize("seq, window", [(16, 4), (16, 5), (17, 4), (33, 8), (16, 1), (16, 15), (16, 16), (16, 40)])
-def test_windowed_core_equals_attention_under_the_band_mask(seq, window):
+def test_windowed_core_equals_attention_under_the_band_mask(monkeypatch, core, seq, window):
+    if core == "fused":  # every window fused, as on a GPU; attention_core must not fall back to the band
+        monkeypatch.setattr(attention_module, "FUSED_WINDOW_MIN_ON_CPU", 1)
+        monkeypatch.setattr(attention_module, "windowed_attention", refuse)
     inputs = random_qkv(seq)
     grad_out = torch.randn(2, 4, seq, 8, dtype=torch.float64)
-    ours = attention_core(*inputs, window=window)
+    ours = CORES[core](*inputs, window)
     ours_grads = torch.autograd.grad(ours, inputs, grad_out)
     expected = banded_attention(*inputs, window)
     expected_grads = torch.autograd.grad(expected, inputs, grad_out)
@@ -54,6 +68,49 @@ def test_windowed_core_equals_attention_under_the_band_mask(seq, window):
         torch.testing.assert_close(actual, wanted, rtol=0, atol=1e-12)
     if window < seq:  # the window really cuts: full causal attention differs
         assert not torch.allclose(ours, attention_core(*inputs))
+
+
+def refuse(*args, **kwargs):
+    raise AssertionError("the band-masked windowed core ran")
+
+
+def test_the_cpu_runs_small_windows_as_band_masked_chunks_and_large_ones_fused(monkeypatch):
+    """``FUSED_WINDOW_MIN_ON_CPU``: below it the CPU's faster form for small windows, the band-masked
+    chunks; from it on (and on any other device) the fused blocks; sinks fused whatever the window."""
+    calls = []
+    band, fused = attention_module.windowed_attention, attention_module.fused_windowed_attention
+    monkeypatch.setattr(attention_module, "windowed_attention",
+                        lambda *args, **kwargs: calls.append("band") or band(*args, **kwargs))
+    monkeypatch.setattr(attention_module, "fused_windowed_attention",
+                        lambda *args, **kwargs: calls.append("fused") or fused(*args, **kwargs))
+    assert attention_module.FUSED_WINDOW_MIN_ON_CPU == 1024 and attention_module.fused_window_applies(4, "cuda")
+    monkeypatch.setattr(attention_module, "FUSED_WINDOW_MIN_ON_CPU", 8)
+    query, key, value = (tensor.detach().float() for tensor in random_qkv(40, batch=1))
+    for window in (4, 7, 8, 20):
+        attention_core(query, key, value, window=window)
+    attention_core(query, key, value, window=4, sinks=torch.zeros(4))
+    assert calls == ["band", "band", "fused", "fused", "fused"]
+
+
+@pytest.mark.parametrize("seq, window, kv_heads", [(64, 16, 2), (61, 12, 1), (64, 1, 4)])
+def test_the_fused_window_keeps_only_its_inputs_the_output_and_lse(monkeypatch, seq, window, kv_heads):
+    """What the fused windowed core keeps for backward: q, k, v, its output and an fp32 lse per row,
+    nothing padded and no band of scores (the band-masked core keeps padded copies, its chunk
+    pairs and the kernel's own outputs); in bf16 it is as close to fp32 attention as the band core."""
+    monkeypatch.setattr(attention_module, "FUSED_WINDOW_MIN_ON_CPU", 1)
+    monkeypatch.setattr(attention_module, "windowed_attention", refuse)
+    query, key, value = (tensor.detach().float().requires_grad_()
+                         for tensor in random_qkv(seq, kv_heads=kv_heads, batch=1))
+    with SavedStorages() as saved:
+        out = attention_core(query, key, value, window=window)
+    held = {tensor.untyped_storage().data_ptr() for tensor in (query, key, value)}
+    extra = sum(size for pointer, size in saved.storages.items() if pointer not in held)
+    assert extra == out.numel() * 4 + 4 * seq * 4, extra  # the output and 4 heads x seq fp32 lse
+    exact = banded_attention(query, key, value, window).detach()
+    low = [tensor.detach().bfloat16() for tensor in (query, key, value)]
+    fused_error = (attention_core(*low, window=window).float() - exact).abs().max()
+    band_error = (windowed_attention(*low, window).float() - exact).abs().max()
+    assert fused_error <= 2 * band_error + 2e-3, (fused_error, band_error)
 
 
 def test_windowed_core_never_builds_a_sequence_by_sequence_tensor():

@@ -124,6 +124,18 @@ def test_each_block_kind_is_predicted_within_5_percent(model, dtype):
         assert all(abs(error) <= 0.05 for error in found.values()), (recompute, found)
 
 
+@pytest.mark.parametrize("model", ["dense sliding window", "mla equal widths sliding window"])
+def test_windows_on_the_fused_kernel_are_predicted_within_5_percent(monkeypatch, model):
+    """Every window fused, as on a GPU (``attention.FUSED_WINDOW_MIN_ON_CPU``; the CPU runs windows
+    this small as band-masked chunks): the core keeps q, k, v, its output and lse, nothing padded."""
+    from meshlm.models import attention as attention_module
+
+    monkeypatch.setattr(attention_module, "FUSED_WINDOW_MIN_ON_CPU", 1)
+    for dtype in ("fp32", "bf16"):
+        found = errors(run_config(model, dtype, "none"), ParallelContext())
+        assert all(abs(error) <= 0.05 for error in found.values()), (dtype, found)
+
+
 def tensor_parallel_errors(model: str, dtype: str) -> dict[str, float]:
     torch.set_num_threads(1)
     config = run_config(model, dtype, "none", "parallel.tp=2", "parallel.sp=true")
