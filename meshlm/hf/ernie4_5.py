@@ -8,7 +8,7 @@ tied head by default -- with two differences:
   (2j, 2j + 1) by frequency j (GLM's ``rotate_half`` at full width), where meshlm rotates
   (j, j + d/2). Import takes the rows of ``q_proj`` and ``k_proj`` (and their biases) in the
   order ``half_from_interleaved`` gives, the same on both, so no score changes; export puts them
-  back (``regrouped_rows``, as ``glm.py`` does for half of each head).
+  back (``glm.regrouped_rows``, which GLM applies to half of each head).
 - **one switch for every bias** (``use_bias``): q, k, v, o and the MLP's gate, up and down all
   have one or none do (``model.attention_bias``, ``model.attention_output_bias`` and
   ``model.mlp_bias`` all alike).
@@ -20,9 +20,9 @@ layer, a layer step between MoE layers) are not read.
 
 from __future__ import annotations
 
-from meshlm.hf.common import (Architecture, RegroupedRows, TensorMap, deinterleaved_rotary_rows, embedding_maps,
-                              linear_maps, query_key_tensors, rename, rope_with_defaults, rows_of, window_unsupported,
-                              with_defaults)
+from meshlm.hf.common import (Architecture, TensorMap, embedding_maps, linear_maps, query_key_tensors, rename,
+                              rope_with_defaults, rows_of, window_unsupported, with_defaults)
+from meshlm.hf.glm import regrouped_rows  # each head's rotary rows de-interleaved: here the whole head
 from meshlm.hf.llama import dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported, dense_mlp_maps
 from meshlm.models.config import ModelConfig
 
@@ -74,13 +74,6 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
             maps += linear_maps(f"{ours}.mixer.{projection}", f"{theirs}.self_attn.{projection}", config.attention_bias)
         maps += dense_mlp_maps(config, 2 * layer + 1, layer)
     return maps
-
-
-def regrouped_rows(config: ModelConfig) -> list[RegroupedRows]:
-    """q_proj and k_proj (weights and biases) of every layer, each head's rows de-interleaved."""
-    head_dim = config.resolved_head_dim
-    return [RegroupedRows(((ours, heads * head_dim),), theirs, deinterleaved_rotary_rows(heads, head_dim, head_dim))
-            for ours, theirs, heads in query_key_tensors(config)]
 
 
 ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tensor_maps, unsupported,

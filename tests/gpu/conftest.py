@@ -57,3 +57,13 @@ def pytest_collection_modifyitems(config, items):
 def gpu_device() -> torch.device:
     """``cuda:0``; the CPU in a dry run (``MESHLM_GPU_TESTS_ON_CPU=1``, see the module docstring)."""
     return tier_device()
+
+
+@pytest.fixture
+def exact_fp32_cuda():
+    """fp32 products on CUDA (no TF32 in matmuls or cuDNN convolutions) while a test runs: the tier's
+    trainer runs may have left TF32 on, and the Triton SSD kernels follow the same switch."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

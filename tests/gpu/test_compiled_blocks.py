@@ -77,17 +77,8 @@ H200); a wrong gradient is off by 1 or more (the hybrid's dt_bias: compiled and 
 apart on the same H200, before this test asked which of them is off)."""
 
 
-@pytest.fixture
-def no_tf32():
-    """fp32 matmuls in fp32 (the tier's trainer runs may have left TF32 on); the SSD kernels follow."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 @pytest.mark.parametrize("kind", list(GRADIENT_CHECK_SHAPES))
-def test_compiled_blocks_give_every_parameter_the_eager_gradient(kind, gpu_device, no_tf32):
+def test_compiled_blocks_give_every_parameter_the_eager_gradient(kind, gpu_device, exact_fp32_cuda):
     """Inductor's blocks against the eager ones, parameter by parameter, after one backward, in fp32:
     the losses of four steps (the test above) barely move when one path's gradient is lost, as the
     Mamba-2 scan's was under torch.compile on torch 2.11 (meshlm/models/function_outputs.py: its
@@ -103,7 +94,7 @@ def test_compiled_blocks_give_every_parameter_the_eager_gradient(kind, gpu_devic
 
 
 @pytest.mark.parametrize("kind", list(GRADIENT_CHECK_SHAPES))
-def test_bf16_gradients_eager_and_compiled_stay_near_fp32(kind, gpu_device, no_tf32):
+def test_bf16_gradients_eager_and_compiled_stay_near_fp32(kind, gpu_device, exact_fp32_cuda):
     """The run's dtype: eager and compiled bf16 gradients each against the fp32 ones, so that a
     failure names the path that is off (the message gives both paths' three worst parameters)."""
     eager, compiled = bf16_gradient_gaps(kind, gpu_device)

@@ -426,7 +426,7 @@ def test_triton_ssd_scan_equals_the_pytorch_scan(gpu_device, dtype, chunk):
 
 @pytest.mark.parametrize("chunk", [32, 64], ids=["fixed_tile", "autotuned_tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_ssd_scan_compiled_gives_the_eager_scan(gpu_device, dtype, chunk):
+def test_triton_ssd_scan_compiled_gives_the_eager_scan(gpu_device, exact_fp32_cuda, dtype, chunk):
     """The Triton scan inside an Inductor graph (as ``train.compile`` runs a Mamba-2 block) against
     the same kernels run eagerly, every output and gradient: the decays' gradients dt and A most of
     all, where an H200's compiled and eager bf16 hybrid blocks put dt_bias and A_log 1.9x to 8.4x
@@ -440,16 +440,11 @@ def test_triton_ssd_scan_compiled_gives_the_eager_scan(gpu_device, dtype, chunk)
     def scan(x, dt, A, B, C):
         return ssd_chunked_scan_fast(x, dt, A, B, C, chunk, use_triton=True)[0]
 
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        torch._dynamo.reset()
-        reference = values_and_grads(lambda *args: ssd_chunked_scan(*args, chunk)[0],
-                                     [tensor.float() for tensor in inputs], grad_y)
-        eager = values_and_grads(scan, inputs, grad_y)
-        compiled = values_and_grads(torch.compile(scan, fullgraph=True), inputs, grad_y)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+    torch._dynamo.reset()
+    reference = values_and_grads(lambda *args: ssd_chunked_scan(*args, chunk)[0], [tensor.float() for tensor in inputs],
+                                 grad_y)
+    eager = values_and_grads(scan, inputs, grad_y)
+    compiled = values_and_grads(torch.compile(scan, fullgraph=True), inputs, grad_y)
     for name, got, plain, expected in zip(("y", "dx", "d dt", "dA", "dB", "dC"), compiled, eager, reference):
         assert torch.isfinite(got).all(), name
         scale = max(1.0, float(expected.abs().max()))

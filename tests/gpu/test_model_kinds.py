@@ -122,15 +122,6 @@ generate_without_cache = import_test_file(Path(__file__).parents[1] / "inference
 """tests/inference/test_generate.py's reference: greedy decoding by a full forward every step."""
 
 
-@pytest.fixture
-def exact_fp32_cuda():
-    """fp32 products on CUDA (no TF32 in matmuls or cuDNN convolutions) while a test runs."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 @pytest.mark.parametrize("kind", list(MODEL_KINDS))
 def test_cached_greedy_equals_full_forward_greedy_in_fp32(kind, gpu_device, exact_fp32_cuda):
     model = tiny_model(kind, gpu_device, torch.float32)
