@@ -62,11 +62,11 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
                                            weights_source, write_model_folder)
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
-from meshlm.hf import (arcee, bamba, cohere, cohere2, deepseek_v3, dots1, ernie4_5, exaone4, falcon, gemma, gemma2,
-                       gemma3, glm, glm4_moe, glm4_moe_lite, gpt2, gpt_bigcode, gpt_neox, gpt_oss, gptj, granite,
-                       granite_moe, hunyuan, llama, mamba2, minimax_m2, ministral3, mistral, mistral3, mixtral,
-                       nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3,
-                       stablelm, starcoder2)
+from meshlm.hf import (arcee, bamba, cohere, cohere2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone4, falcon,
+                       gemma, gemma2, gemma3, glm, glm4_moe, glm4_moe_lite, gpt2, gpt_bigcode, gpt_neox, gpt_oss, gptj,
+                       granite, granite_moe, hunyuan, llama, mamba2, minimax_m2, ministral3, mistral, mistral3,
+                       mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss,
+                       smollm3, stablelm, starcoder2)
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.quantized_export import quantize_hf_export
@@ -95,7 +95,7 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           seed_oss.ARCHITECTURE, hunyuan.ARCHITECTURE, ernie4_5.ARCHITECTURE,
                                           dots1.ARCHITECTURE, glm4_moe.ARCHITECTURE,  # after the dense classes:
                                           # they hold '*-' stacks too
-                                          gpt_oss.ARCHITECTURE, minimax_m2.ARCHITECTURE,
+                                          gpt_oss.ARCHITECTURE, minimax_m2.ARCHITECTURE, ernie4_5_moe.ARCHITECTURE,
                                           glm4_moe_lite.ARCHITECTURE,  # DeepSeek-V3's layer: chosen when asked
                                           mamba2.ARCHITECTURE, bamba.ARCHITECTURE,
                                           nemotron_h.ARCHITECTURE)

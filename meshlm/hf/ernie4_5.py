@@ -14,14 +14,13 @@ tied head by default -- with two differences:
   ``model.mlp_bias`` all alike).
 
 transformers computes the rotation in fp32 and casts back, as meshlm does. The MoE models
-(``Ernie4_5_MoeForCausalLM``: experts split between text and vision, a shared expert every
-layer, a layer step between MoE layers) are not read.
+(``Ernie4_5_MoeForCausalLM``) are ``ernie4_5_moe.py``.
 """
 
 from __future__ import annotations
 
 from meshlm.hf.common import (Architecture, TensorMap, embedding_maps, linear_maps, query_key_tensors, rename,
-                              rope_with_defaults, rows_of, window_unsupported, with_defaults)
+                              rope_from_hf, rope_with_defaults, rows_of, window_unsupported, with_defaults)
 from meshlm.hf.glm import regrouped_rows  # each head's rotary rows de-interleaved: here the whole head
 from meshlm.hf.llama import dense_decoder_config, dense_decoder_to_hf, dense_decoder_unsupported, dense_mlp_maps
 from meshlm.models.config import ModelConfig
@@ -36,11 +35,21 @@ ROPE_THETA = 500000.0
 """transformers' ``Ernie4_5Config.default_theta``."""
 
 
+def with_rope_defaults(hf_config: dict) -> dict:
+    """config.json with the class's RoPE base (500000) where it names none, the whole head rotated."""
+    return rope_with_defaults(hf_config, 1.0, ROPE_THETA)
+
+
+def rope_fields(hf_config: dict) -> dict:
+    """meshlm's RoPE fields of an ERNIE 4.5 config.json (dense or MoE)."""
+    return rope_from_hf(with_rope_defaults(hf_config), ROPE_THETA, NAME)
+
+
 def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = with_defaults(hf_config, DEFAULTS)
     bias = bool(hf["use_bias"])
-    return dense_decoder_config({**hf, "attention_bias": bias, "mlp_bias": bias}, rope_with_defaults(
-        hf_config, 1.0, ROPE_THETA), NAME, attention_bias=bias)
+    return dense_decoder_config({**hf, "attention_bias": bias, "mlp_bias": bias}, with_rope_defaults(hf_config), NAME,
+                                attention_bias=bias)
 
 
 def unsupported(config: ModelConfig) -> list[str]:
@@ -62,17 +71,26 @@ def config_to_hf(config: ModelConfig) -> dict:
     return values
 
 
-def tensor_maps(config: ModelConfig) -> list[TensorMap]:
-    maps = embedding_maps(config, "model.embed_tokens.weight", "model.norm.weight")
+def query_key_maps(config: ModelConfig) -> list[TensorMap]:
+    """Every layer's q_proj and k_proj (weights and biases) as rows of their HF tensors, which
+    ``regrouped_rows`` then reorders."""
     head_dim = config.resolved_head_dim
-    # rows of their HF tensors, then reordered (regrouped_rows)
-    maps += [rows_of(ours, theirs, 0, heads * head_dim) for ours, theirs, heads in query_key_tensors(config)]
+    return [rows_of(ours, theirs, 0, heads * head_dim) for ours, theirs, heads in query_key_tensors(config)]
+
+
+def attention_maps(config: ModelConfig, layer: int) -> list[TensorMap]:
+    """HF layer ``layer``'s attention as block 2 * layer, but for q and k (``query_key_maps``)."""
+    ours, theirs = f"blocks.{2 * layer}", f"model.layers.{layer}"
+    maps = [rename(f"{ours}.norm.weight", f"{theirs}.input_layernorm.weight")]
+    for projection in ("v_proj", "o_proj"):
+        maps += linear_maps(f"{ours}.mixer.{projection}", f"{theirs}.self_attn.{projection}", config.attention_bias)
+    return maps
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    maps = embedding_maps(config, "model.embed_tokens.weight", "model.norm.weight") + query_key_maps(config)
     for layer in range(config.num_blocks // 2):
-        ours, theirs = f"blocks.{2 * layer}", f"model.layers.{layer}"
-        maps.append(rename(f"{ours}.norm.weight", f"{theirs}.input_layernorm.weight"))
-        for projection in ("v_proj", "o_proj"):
-            maps += linear_maps(f"{ours}.mixer.{projection}", f"{theirs}.self_attn.{projection}", config.attention_bias)
-        maps += dense_mlp_maps(config, 2 * layer + 1, layer)
+        maps += attention_maps(config, layer) + dense_mlp_maps(config, 2 * layer + 1, layer)
     return maps
 
 
@@ -81,5 +99,5 @@ ARCHITECTURE = Architecture(NAME, MODEL_TYPE, config_from_hf, config_to_hf, tens
 state_from_hf = ARCHITECTURE.state_from_hf
 state_to_hf = ARCHITECTURE.state_to_hf
 
-__all__ = ["ARCHITECTURE", "NAME", "config_from_hf", "config_to_hf", "state_from_hf", "state_to_hf", "tensor_maps",
-           "unsupported"]
+__all__ = ["ARCHITECTURE", "NAME", "attention_maps", "config_from_hf", "config_to_hf", "query_key_maps", "rope_fields",
+           "state_from_hf", "state_to_hf", "tensor_maps", "unsupported"]

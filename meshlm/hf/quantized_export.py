@@ -13,7 +13,8 @@ from meshlm.errors import ConfigError
 from meshlm.hf.fp8_export import describe_fp8_export, quantize_fp8_export
 from meshlm.hf.mxfp4_export import describe_mxfp4_export, quantize_mxfp4_export
 
-QUANTIZERS = {"fp8": (quantize_fp8_export, describe_fp8_export), "mxfp4": (quantize_mxfp4_export, describe_mxfp4_export)}
+QUANTIZERS = {"fp8": (quantize_fp8_export, describe_fp8_export),
+              "mxfp4": (quantize_mxfp4_export, describe_mxfp4_export)}
 QUANTIZE_CHOICES = tuple(QUANTIZERS)
 """Values of ``meshlm convert meshlm-to-hf --quantize``."""
 
