@@ -30,6 +30,7 @@ COMMANDS = {
     "convert": ("meshlm.hf.cli", "convert between Hugging Face and meshlm checkpoints"),
     "generate": ("meshlm.inference.cli", "generate text from a meshlm model or checkpoint"),
     "chat": ("meshlm.inference.chat_session", "chat with a fine-tuned model, turn by turn (/think, /no_think, /reset)"),
+    "serve": ("meshlm.inference.serve_cli", "serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions)"),
     "train": ("meshlm.training.cli", "train (or resume) a model from a YAML config and dotted overrides"),
     "status": ("meshlm.training.status_cli", "where a run stands: finished, stopped or not, loss, speed, time left, checkpoints"),
     "plot": ("meshlm.training.plot_cli", "plot the metrics of one or more runs side by side (loss, grad norm, lr, tokens/s, ...)"),

@@ -25,6 +25,8 @@ Either way a ``GenerationStats`` passed in collects speed and cache size (``stat
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from meshlm.errors import ConfigError
@@ -98,7 +100,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
              eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
              valid_vocab_size: int | None = None, prefill_chunk: int | None = None,
              speculative: str | None = None, draft_tokens: int | None = None,
-             stats: GenerationStats | None = None, compile: bool = False) -> list[list[int]]:
+             stats: GenerationStats | None = None, compile: bool = False,
+             on_token: Callable[[int, int], bool] | None = None) -> list[list[int]]:
     """The new tokens of each prompt: at most ``max_new_tokens``, ending at eos if one is drawn.
 
     ``eos_token_id`` may be one id or several (Hugging Face configs list several end tokens).
@@ -108,7 +111,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     model's MTP depths and verify (greedy or sampled; prompts decoded one at a time), ``draft_tokens``
     a step (default: one per depth). ``stats``, if given, is added to. ``compile``: decode with
     the compiled step (``decode_step.py``; plain decoding only), whose compile time ``stats`` keeps
-    apart from the decode time.
+    apart from the decode time. ``on_token(prompt index, token)`` is called for each new token as
+    it is drawn (plain decoding only: a server streams with it); returning True ends that prompt
+    there, the token kept, as an eos would (a stop string found in the text so far).
     """
     vocab_size = model.config.vocab_size
     check_prompts(prompts, vocab_size)
@@ -126,6 +131,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
                         "shorten the prompt or ask for fewer new tokens")
     drafts = (draft_tokens or model.config.mtp_depth) if speculative is not None else 0
     check_rope_factors_stay(model.config, longest, max_new_tokens + drafts, prefill_chunk, speculative is not None)
+    if speculative is not None and on_token is not None:
+        raise ConfigError("streaming each token (on_token) applies to plain decoding, not speculative decoding.")
     if speculative is not None and compile:
         raise ConfigError("compiling the decode step applies to plain decoding, not speculative decoding; "
                           "drop --compile or --speculative.")
@@ -149,14 +156,15 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
                                                            sampling)
             else:
                 _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id,
-                        valid_vocab_size, prefill_chunk, stats, new_tokens, compile)
+                        valid_vocab_size, prefill_chunk, stats, new_tokens, compile, on_token)
     finally:
         model.train(was_training)
     return new_tokens
 
 
 def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, valid_vocab_size,
-            prefill_chunk, stats: GenerationStats, new_tokens: list[list[int]], compile: bool = False) -> None:
+            prefill_chunk, stats: GenerationStats, new_tokens: list[list[int]], compile: bool = False,
+            on_token: Callable[[int, int], bool] | None = None) -> None:
     """Prefill the padded batch, then decode one token per step, appending into ``new_tokens``
     (with ``compile``, by the compiled ``DecodeStep`` where the model and cache allow it)."""
     device = next(model.parameters()).device
@@ -173,15 +181,21 @@ def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id
     with stats.timing("decode", device):
         for step in range(max_new_tokens):
             next_ids = sample_next(restrict_vocab(logits, valid_vocab_size), sampling, generator)
-            for row, token in zip(rows, next_ids.tolist()):
+            tokens = next_ids.tolist()
+            for row, token in zip(rows, tokens):
                 new_tokens[row].append(token)
             stats.decode_tokens += len(rows)
+            going = torch.ones_like(next_ids, dtype=torch.bool)
             if eos_ids is not None:
-                unfinished = (~torch.isin(next_ids, eos_ids)).nonzero().squeeze(-1)
-                if len(unfinished) < len(rows):
-                    rows = [rows[i] for i in unfinished.tolist()]
-                    next_ids = next_ids[unfinished]
-                    cache.select(unfinished)
+                going &= ~torch.isin(next_ids, eos_ids)
+            if on_token is not None:  # every row's callback, eos or not: each sees all of its tokens
+                going &= torch.tensor([not on_token(row, token) for row, token in zip(rows, tokens)],
+                                      device=next_ids.device)
+            if not bool(going.all()):
+                unfinished = going.nonzero().squeeze(-1)
+                rows = [rows[i] for i in unfinished.tolist()]
+                next_ids = next_ids[unfinished]
+                cache.select(unfinished)
             if not rows or step == max_new_tokens - 1:
                 break
             if longrope_crossing(model.config, max(len(prompts[row]) + len(new_tokens[row]) for row in rows)):

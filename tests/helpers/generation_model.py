@@ -34,3 +34,31 @@ def write_sentence_tokenizer(directory: Path) -> Path:
 
 
 __all__ = ["SENTENCES", "tiny_model", "write_sentence_tokenizer"]
+
+
+def word_ids(tokenizer) -> list[int]:
+    """The single token ids of " cat", " dog" and " mat" in the small BPE."""
+    ids = [tokenizer.encode(word, add_special_tokens=False) for word in (" cat", " dog", " mat")]
+    assert all(len(piece) == 1 for piece in ids)
+    return [piece[0] for piece in ids]
+
+
+def thinking_model(tokenizer) -> LanguageModel:
+    """A model that always answers ``<think> cat dog</think> mat<|end|>`` after a prompt ending in a
+    newline (its blocks add nothing; each chain token's one-hot embedding picks its successor's
+    output row). ``tokenizer``: the chat BPE with the think tags (tests/helpers/chat_tokenizers.py)."""
+    from meshlm.data.chat import token_id
+
+    cat, dog, mat = word_ids(tokenizer)
+    chain = tokenizer.encode("\n", add_special_tokens=False) + [
+        token_id(tokenizer, "<think>"), cat, dog, token_id(tokenizer, "</think>"), mat, token_id(tokenizer, "<|end|>")]
+    model = LanguageModel(ModelConfig(vocab_size=320, hidden_size=32, pattern="*-", num_attention_heads=4,
+                                      num_kv_heads=2, tie_embeddings=False))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")) or name == "output.weight":
+                parameter.zero_()
+        for k, (token, successor) in enumerate(zip(chain, chain[1:])):
+            model.embedding.weight[token] = torch.nn.functional.one_hot(torch.tensor(k), 32).float()
+            model.output.weight[successor, k] = 1.0
+    return model

@@ -7,7 +7,7 @@ import pytest
 from meshlm.checkpoint.model_files import save_model
 from meshlm.data.tokenizer import load_tokenizer
 from tests.helpers.chat_tokenizers import write_reasoning_chat_tokenizer
-from tests.helpers.generation_model import tiny_model, write_sentence_tokenizer
+from tests.helpers.generation_model import thinking_model, tiny_model, write_sentence_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -29,3 +29,10 @@ def tokenizer_dir(tmp_path):
 @pytest.fixture
 def model_dir(tmp_path, tokenizer_dir):
     return save_model(tiny_model(), tmp_path / "model", tokenizer_dir=tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def thinking_model_dir(tmp_path_factory, chat_tokenizer_dir, tokenizer):
+    """A saved model that always answers ``<think> cat dog</think> mat<|end|>`` (``thinking_model``)."""
+    return save_model(thinking_model(tokenizer), tmp_path_factory.mktemp("thinking_model") / "model",
+                      tokenizer_dir=chat_tokenizer_dir)

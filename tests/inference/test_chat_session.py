@@ -29,31 +29,6 @@ def model_dir(tmp_path_factory, chat_tokenizer_dir):
     return save_model(model, tmp_path_factory.mktemp("session_model") / "model", tokenizer_dir=chat_tokenizer_dir)
 
 
-@pytest.fixture(scope="module")
-def thinking_model_dir(tmp_path_factory, chat_tokenizer_dir, tokenizer):
-    """A model that always answers ``<think> cat dog</think> mat<|end|>`` (its blocks add nothing;
-    each chain token's one-hot embedding picks its successor's output row)."""
-    cat, dog, mat = word_ids(tokenizer)
-    chain = tokenizer.encode("\n", add_special_tokens=False) + [
-        token_id(tokenizer, "<think>"), cat, dog, token_id(tokenizer, "</think>"), mat, token_id(tokenizer, "<|end|>")]
-    model = LanguageModel(ModelConfig(vocab_size=320, hidden_size=32, pattern="*-", num_attention_heads=4,
-                                      num_kv_heads=2, tie_embeddings=False))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")) or name == "output.weight":
-                parameter.zero_()
-        for k, (token, successor) in enumerate(zip(chain, chain[1:])):
-            model.embedding.weight[token] = torch.nn.functional.one_hot(torch.tensor(k), 32).float()
-            model.output.weight[successor, k] = 1.0
-    return save_model(model, tmp_path_factory.mktemp("session_thinking") / "model", tokenizer_dir=chat_tokenizer_dir)
-
-
-def word_ids(tokenizer) -> list[int]:
-    ids = [tokenizer.encode(word, add_special_tokens=False) for word in (" cat", " dog", " mat")]
-    assert all(len(piece) == 1 for piece in ids)
-    return [piece[0] for piece in ids]
-
-
 def run_chat(monkeypatch, capsys, lines: list[str], *argv) -> tuple[int, list[dict], str]:
     """``meshlm chat ... --json`` with ``lines`` piped to stdin: (status, reply records, stderr)."""
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))

@@ -1,0 +1,62 @@
+"""``meshlm serve``: the command around ``server.py`` (an OpenAI-compatible HTTP server for one model)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from meshlm.checkpoint.locate import resolve_model_dir
+from meshlm.checkpoint.model_files import load_model
+from meshlm.errors import ConfigError
+from meshlm.inference.cli import choose_eos, find_tokenizer
+from meshlm.inference.server import ServedModel, make_server
+
+DEFAULT_PORT = 8000
+DEFAULT_MAX_TOKENS = 256
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT",
+                        help="model directory, training checkpoint, or run directory (latest step_N is used)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
+    parser.add_argument("--name", metavar="NAME",
+                        help="the model's name in requests and responses (default: the checkpoint folder's name)")
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                        help=f"new tokens of a reply when a request names no max_tokens (default {DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory holding one")
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens {args.max_tokens} leaves no room for a reply; use 1 or more.")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} is not a port number; use 1 to 65535 (0: any free port).")
+    model_dir = resolve_model_dir(args.checkpoint)
+    tokenizer = find_tokenizer(args.tokenizer, model_dir, Path(args.checkpoint))
+    if tokenizer is None:
+        raise FileNotFoundError(f"no tokenizer found in {model_dir}: a server takes and returns text; pass "
+                                "--tokenizer PATH.")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(model_dir, map_location=device, merge_lora=True).eval()  # LoRA: adapters folded in
+    name = args.name or Path(args.checkpoint).resolve().name
+    served = ServedModel(name, model, tokenizer, choose_eos(None, tokenizer, model_dir), args.max_tokens)
+    server = make_server(served, args.host, args.port)
+    host, port = server.server_address[:2]
+    print(f"meshlm serve: {name} ({model_dir}, {device}) on http://{host}:{port}: POST /v1/completions, "
+          "/v1/chat/completions; GET /v1/models, /health; Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("meshlm serve: stopped", file=sys.stderr)
+    finally:
+        server.server_close()
+    return 0
+
+
+__all__ = ["add_arguments", "run"]

@@ -1,0 +1,390 @@
+"""``meshlm serve``: a model behind an OpenAI-compatible HTTP API, for the clients and tools that speak it.
+
+    meshlm serve runs/sft [--host 127.0.0.1] [--port 8000] [--name sft] [--max-tokens 256]
+    curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+
+Endpoints (JSON in, JSON out; the request and response fields of OpenAI's API that apply):
+
+* ``POST /v1/completions``: ``prompt`` (one string) continued as text;
+* ``POST /v1/chat/completions``: ``messages`` (``role`` and ``content`` strings) rendered by the
+  checkpoint tokenizer's chat template (``meshlm/inference/chat.py``, as ``meshlm chat`` renders
+  them), the reply cut at the template's end of turn; a reply that opens with a think block comes
+  back as ``reasoning_content`` beside ``content``, as reasoning models' APIs return it;
+* ``GET /v1/models`` (the one model, by ``--name``) and ``GET /health``.
+
+Sampling: ``max_tokens`` (or ``max_completion_tokens``; default ``--max-tokens``), ``temperature``
+(0 is greedy decoding, as OpenAI defines it; default 1), ``top_p``, ``top_k`` (an extension, as
+vLLM's), ``seed`` (default 0: the same request gives the same reply), ``stop`` (up to 4 strings:
+the text ends before the first one found, which is not returned), ``n`` (1 only) and ``stream``.
+With ``"stream": true`` the reply comes as server-sent events, one ``data: {chunk}`` per piece of
+new text (``delta`` in chat, ``text`` in completions), a last chunk with ``finish_reason`` and
+``usage``, then ``data: [DONE]``. Text is held back while it could still become a stop string or
+ends inside a UTF-8 character, so the streamed pieces join to exactly the non-streamed text.
+``finish_reason`` is ``stop`` (end of turn, eos or a stop string) or ``length`` (``max_tokens``
+reached). ``usage`` counts the prompt's and the reply's tokens.
+
+Fields meshlm cannot honour are refused rather than ignored -- ``n`` above 1, non-zero
+``presence_penalty``/``frequency_penalty``, ``logprobs``, ``tools`` -- with status 400 and one
+sentence naming the field (OpenAI's error object: ``{"error": {"message", "type", "param"}}``);
+unknown fields are ignored, as OpenAI's clients send many. A prompt that does not fit the model's
+positions, or a bad value, is a 400 too; nothing a request does stops the server.
+
+Requests are served one at a time, in the order they arrive (a lock around the model: on one GPU
+or CPU, batching concurrent requests would be the next step); each is decoded with the KV cache
+(``generate.py``), its tokens handed to the response as they are drawn (``on_token``). A client
+that closes a streamed reply's connection stops its generation at the next token.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from meshlm.data.chat import token_id
+from meshlm.data.reasoning import THINK_END, THINK_START
+from meshlm.data.tokenizer import Tokenizer
+from meshlm.errors import ConfigError
+from meshlm.inference.chat import conversation_prompt, stop_ids
+from meshlm.inference.generate import generate
+from meshlm.inference.sampling import SamplingConfig
+
+MAX_STOP_STRINGS = 4
+REFUSED = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "top_logprobs": None, "tools": None,
+           "functions": None, "logit_bias": None, "echo": False, "best_of": None, "suffix": None}
+"""Fields meshlm does not implement, and the value each may have (OpenAI's default) without being refused."""
+
+
+class RequestError(Exception):
+    """A request meshlm refuses: the HTTP status, one sentence, and the field it is about."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param}}
+
+
+@dataclass
+class ServedModel:
+    """What the server answers with: the model, its tokenizer and the defaults of ``meshlm serve``."""
+
+    name: str
+    model: object
+    tokenizer: Tokenizer
+    eos_token_id: int | list[int] | None
+    max_tokens: int = 256
+    """New tokens when a request names no ``max_tokens``."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def valid_vocab_size(self) -> int:
+        return min(self.tokenizer.vocab_size, self.model.config.vocab_size)
+
+
+@dataclass
+class CompletionRequest:
+    """One request's prompt ids, the ids that end its reply, and how to sample it."""
+
+    prompt_ids: list[int]
+    end_ids: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    stop: list[str]
+    stream: bool
+    chat: bool
+
+
+def _number(body: dict, name: str, default, kind=float, low=None, high=None, low_open: bool = False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    whole = isinstance(value, (int, float)) and float(value).is_integer()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not whole):
+        raise RequestError(f"{name} must be {'an integer' if kind is int else 'a number'}, not {value!r}.", name)
+    value = kind(value)
+    if low is not None and (value <= low if low_open else value < low) or high is not None and value > high:
+        bounds = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+        raise RequestError(f"{name}={value} must be {bounds}.", name)
+    return value
+
+
+def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
+    """A request's JSON body checked field by field (the module docstring); RequestError names the field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object.")
+    for name, allowed in REFUSED.items():
+        if body.get(name) and body[name] != allowed:  # 0, false, null and [] are the defaults: accepted
+            raise RequestError(f"{name} is not supported by meshlm serve; leave it out.", name)
+    if _number(body, "n", 1, int, low=1) != 1:
+        raise RequestError("n must be 1: meshlm serve returns one choice a request.", "n")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str) for message in messages):
+            raise RequestError("messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects.",
+                               "messages")
+        try:
+            prompt_ids, end_ids = conversation_prompt(served.tokenizer, messages), stop_ids(served.tokenizer)
+        except ConfigError as error:
+            raise RequestError(str(error), "messages") from error
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise RequestError("prompt must be one string (meshlm serve answers one prompt a request).", "prompt")
+        prompt_ids = served.tokenizer.encode(prompt)
+        eos = served.eos_token_id
+        end_ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    if not prompt_ids:
+        raise RequestError("the prompt is empty: give at least one token of text.", "messages" if chat else "prompt")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, name, served.max_tokens, int, low=1)
+    temperature = _number(body, "temperature", 1.0, float, low=0.0, high=2.0)
+    top_p = _number(body, "top_p", 1.0, float, low=0.0, high=1.0, low_open=True)
+    top_k = _number(body, "top_k", 0, int, low=0)
+    seed = _number(body, "seed", 0, int)
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them.", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false, not {stream!r}.", "stream")
+    sampling = (SamplingConfig(greedy=True, seed=seed) if temperature == 0 else
+                SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+    return CompletionRequest(prompt_ids, end_ids, max_tokens, sampling, list(stop), stream, chat)
+
+
+class ReplyText:
+    """The reply as its tokens arrive: the text so far, the stop strings looked for in it, and how
+    much of it may be sent (not what could still grow into a stop string or a UTF-8 character).
+
+    In chat, where the tokenizer has ``<think>`` and ``</think>`` as single tokens (``meshlm
+    preprocess --chat`` adds them), a reply opening with ``<think>`` is its reasoning up to
+    ``</think>`` and its answer after, each stripped of the whitespace around it (trailing
+    whitespace is held back until more text follows); elsewhere the reply is all answer."""
+
+    def __init__(self, tokenizer: Tokenizer, end_ids: list[int], stop: list[str], chat: bool):
+        self.tokenizer, self.end_ids, self.stop = tokenizer, end_ids, stop
+        self.ids: list[int] = []
+        self.text, self.reasoning, self.stopped = "", "", False
+        self.sent = self.reasoning_sent = 0
+        start, end = token_id(tokenizer, THINK_START), token_id(tokenizer, THINK_END)
+        self.think = (start, end) if chat and start is not None and end is not None else None
+
+    def add(self, token: int) -> bool:
+        """Take one token; True when the reply has ended (end id or stop string)."""
+        if token in self.end_ids:
+            return True
+        self.ids.append(token)
+        answer = self.ids
+        if self.think is not None and self.ids[0] == self.think[0]:
+            close = self.ids.index(self.think[1]) if self.think[1] in self.ids else len(self.ids)
+            self.reasoning = self.tokenizer.decode(self.ids[1:close]).strip()
+            answer = self.ids[close + 1:]
+            self.text = self.tokenizer.decode(answer).lstrip()
+        else:
+            self.text = self.tokenizer.decode(answer)
+        found = [index for index in (self.text.find(stop) for stop in self.stop) if index >= 0]
+        if found:
+            self.text, self.stopped = self.text[:min(found)], True
+        return self.stopped
+
+    def _sendable(self, text: str, final: bool, stops: list[str]) -> int:
+        if final:
+            return len(text)
+        end = len(text) - 1 if text.endswith("\ufffd") else len(text)  # a character still being spelt
+        held = max((size for stop in stops for size in range(len(stop) - 1, 0, -1)
+                    if text[:end].endswith(stop[:size])), default=0)
+        return end - held
+
+    def new_pieces(self, final: bool = False) -> tuple[str, str]:
+        """(reasoning, answer) text not sent yet that can be sent now."""
+        reasoning_done = final or (self.think is not None and self.think[1] in self.ids)
+        reasoning_end = self._sendable(self.reasoning, reasoning_done, [])
+        answer_end = self._sendable(self.text, final, self.stop)
+        pieces = (self.reasoning[self.reasoning_sent:reasoning_end], self.text[self.sent:answer_end])
+        self.reasoning_sent, self.sent = max(self.reasoning_sent, reasoning_end), max(self.sent, answer_end)
+        return pieces
+
+
+def run_completion(served: ServedModel, request: CompletionRequest,
+                   on_pieces: Callable[[str, str], None] | None = None) -> dict:
+    """Generate a request's reply (``on_pieces(reasoning, answer)`` with each sendable piece, to
+    stream it): ``{"text", "reasoning", "finish_reason", "prompt_tokens", "completion_tokens"}``."""
+    reply = ReplyText(served.tokenizer, request.end_ids, request.stop, request.chat)
+    count = [0]
+
+    def on_token(row: int, token: int) -> bool:
+        count[0] += 1
+        ended = reply.add(token)
+        if on_pieces is not None:
+            pieces = reply.new_pieces(final=ended)
+            if any(pieces):
+                on_pieces(*pieces)
+        return ended
+
+    with served.lock:
+        try:
+            new_ids = generate(served.model, [request.prompt_ids], request.max_tokens, request.sampling,
+                               eos_token_id=request.end_ids or None, valid_vocab_size=served.valid_vocab_size,
+                               on_token=on_token)[0]
+        except ConfigError as error:  # a prompt too long for the model's positions, say
+            raise RequestError(str(error), "messages" if request.chat else "prompt") from error
+    ended = reply.stopped or bool(new_ids and new_ids[-1] in request.end_ids)
+    if on_pieces is not None:
+        pieces = reply.new_pieces(final=True)
+        if any(pieces):
+            on_pieces(*pieces)
+    return {"text": reply.text, "reasoning": reply.reasoning, "finish_reason": "stop" if ended else "length",
+            "prompt_tokens": len(request.prompt_ids), "completion_tokens": count[0]}
+
+
+def completion_body(served: ServedModel, request: CompletionRequest, result: dict, reply_id: str, created: int
+                    ) -> dict:
+    """The non-streamed response object."""
+    usage = {"prompt_tokens": result["prompt_tokens"], "completion_tokens": result["completion_tokens"],
+             "total_tokens": result["prompt_tokens"] + result["completion_tokens"]}
+    if request.chat:
+        message = {"role": "assistant", "content": result["text"]}
+        if result["reasoning"]:
+            message["reasoning_content"] = result["reasoning"]
+        choice = {"index": 0, "message": message, "finish_reason": result["finish_reason"]}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": result["text"], "finish_reason": result["finish_reason"]}
+        kind = "text_completion"
+    return {"id": reply_id, "object": kind, "created": created, "model": served.name, "choices": [choice],
+            "usage": usage}
+
+
+def chunk_body(served: ServedModel, request: CompletionRequest, reply_id: str, created: int, reasoning: str = "",
+               text: str = "", finish_reason: str | None = None, usage: dict | None = None,
+               first: bool = False) -> dict:
+    """One streamed chunk: new text (``delta`` in chat, the ``role`` in the first), or the last one
+    with ``finish_reason``."""
+    if request.chat:
+        delta = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason}
+        kind = "text_completion"
+    body = {"id": reply_id, "object": kind, "created": created, "model": served.name, "choices": [choice]}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+class ClientGone(Exception):
+    """The client closed the connection of a streamed reply: its generation stops there."""
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One HTTP request: routes, JSON bodies, errors as OpenAI's error object."""
+
+    served: ServedModel
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format, *args):  # noqa: A002 -- the base class's name
+        pass  # one line per request would flood a terminal; errors are returned to the client
+
+    def _send_json(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802 -- the base class's name
+        if self.path == "/v1/models":
+            self._send_json(200, {"object": "list", "data": [{"id": self.served.name, "object": "model",
+                                                               "created": 0, "owned_by": "meshlm"}]})
+        elif self.path == "/health":
+            self._send_json(200, {"status": "ok"})
+        else:
+            self._send_json(404, RequestError(f"no route GET {self.path}; use /v1/models or /health.",
+                                              status=404).body())
+
+    def do_POST(self):  # noqa: N802 -- the base class's name
+        routes = {"/v1/completions": False, "/v1/chat/completions": True}
+        if self.path not in routes:
+            self._send_json(404, RequestError(f"no route POST {self.path}; use /v1/completions or "
+                                              "/v1/chat/completions.", status=404).body())
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                body = json.loads(self.rfile.read(length) or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise RequestError(f"the request body is not valid JSON ({error}).") from error
+            request = parse_request(body, routes[self.path], self.served)
+            reply_id, created = f"{'chatcmpl' if request.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
+            if request.stream:
+                self._stream(request, reply_id, created)
+                return
+            result = run_completion(self.served, request)
+            self._send_json(200, completion_body(self.served, request, result, reply_id, created))
+        except RequestError as error:
+            self._send_json(error.status, error.body())
+
+    def _stream(self, request: CompletionRequest, reply_id: str, created: int) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+        sent = [0]
+
+        def event(body) -> None:
+            try:
+                self.wfile.write(f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n".encode())
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError) as error:  # the client went away: stop generating
+                raise ClientGone from error
+            sent[0] += 1
+
+        def pieces(reasoning: str, text: str) -> None:
+            event(chunk_body(self.served, request, reply_id, created, reasoning, text, first=sent[0] == 0))
+
+        try:
+            try:
+                result = run_completion(self.served, request, pieces)
+            except RequestError as error:  # after the headers: the error goes as one event
+                event(error.body())
+                return
+            usage = {"prompt_tokens": result["prompt_tokens"], "completion_tokens": result["completion_tokens"],
+                     "total_tokens": result["prompt_tokens"] + result["completion_tokens"]}
+            event(chunk_body(self.served, request, reply_id, created, finish_reason=result["finish_reason"],
+                             usage=usage, first=sent[0] == 0))
+            event("[DONE]")
+        except ClientGone:
+            pass
+
+
+def make_server(served: ServedModel, host: str, port: int) -> ThreadingHTTPServer:
+    """An HTTP server (not yet serving) answering for ``served`` on ``host``:``port`` (0: any free port)."""
+    handler = type("ServedHandler", (Handler,), {"served": served})
+    try:
+        return ThreadingHTTPServer((host, port), handler)
+    except OSError as error:
+        raise ConfigError(f"cannot listen on {host}:{port} ({error.strerror or error}); choose another --port or "
+                          "--host.") from error
+
+
+__all__ = ["RequestError", "ServedModel", "make_server", "parse_request", "run_completion"]

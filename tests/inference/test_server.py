@@ -1,0 +1,207 @@
+"""``meshlm serve`` (meshlm/inference/server.py) over real HTTP on a free port: completions and chat
+completions equal what ``generate`` gives the same prompt, streamed pieces join to the same text,
+stop strings cut it (also when streamed a token at a time), a think block comes back as
+``reasoning_content``, and bad requests get a 400 naming the field while the server goes on."""
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from meshlm.checkpoint.model_files import load_model, save_model
+from meshlm.data.chat import token_id
+from meshlm.data.tokenizer import load_tokenizer
+from meshlm.inference.chat import conversation_prompt, reply_ids
+from meshlm.inference.generate import generate
+from meshlm.inference.sampling import SamplingConfig
+from meshlm.inference.server import ServedModel, make_server
+from tests.helpers.generation_model import tiny_model
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory, chat_tokenizer_dir):
+    return save_model(tiny_model(), tmp_path_factory.mktemp("served") / "model", tokenizer_dir=chat_tokenizer_dir)
+
+
+def serving(model_dir, tokenizer):
+    """A running server for the model in ``model_dir`` (stop it with ``.shutdown()``) and its base URL."""
+    served = ServedModel("tiny", load_model(model_dir).eval(), tokenizer, tokenizer.eos_token_id, MAX_TOKENS)
+    server = make_server(served, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+@pytest.fixture(scope="module")
+def url(chat_model_dir, tokenizer):
+    server, base = serving(chat_model_dir, tokenizer)
+    yield base
+    server.shutdown()
+    server.server_close()
+
+
+def post(url: str, path: str, body) -> tuple[int, object]:
+    """(status, JSON body) of a POST, or (status, [chunk, ...]) of a streamed one."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            raw = response.read().decode()
+            if response.headers["Content-Type"] == "text/event-stream":
+                events = [line[len("data: "):] for line in raw.split("\n\n") if line]
+                assert events[-1] == "[DONE]"
+                return response.status, [json.loads(event) for event in events[:-1]]
+            return response.status, json.loads(raw)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read().decode())
+
+
+def expected_ids(model_dir, prompt: list[int], stop: list[int], max_tokens: int = MAX_TOKENS, **sampling):
+    """What ``generate`` gives the prompt, sampling the tokenizer's ids only (the model's vocabulary is padded)."""
+    tokenizer = load_tokenizer(model_dir / "tokenizer.json")
+    [new] = generate(load_model(model_dir), [prompt], max_tokens, SamplingConfig(**sampling), eos_token_id=stop,
+                     valid_vocab_size=tokenizer.vocab_size)
+    return new
+
+
+def test_a_completion_is_what_generate_gives_the_prompt(url, chat_model_dir, tokenizer):
+    status, body = post(url, "/v1/completions", {"model": "tiny", "prompt": "the cat", "temperature": 0})
+    assert status == 200 and body["object"] == "text_completion" and body["model"] == "tiny"
+    prompt = tokenizer.encode("the cat")
+    new = expected_ids(chat_model_dir, prompt, [tokenizer.eos_token_id], greedy=True)
+    choice = body["choices"][0]
+    assert choice["text"] == tokenizer.decode([token for token in new if token != tokenizer.eos_token_id])
+    assert choice["finish_reason"] == ("stop" if new[-1] == tokenizer.eos_token_id else "length")
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(new),
+                             "total_tokens": len(prompt) + len(new)}
+    status, sampled = post(url, "/v1/completions", {"prompt": "the cat", "temperature": 0.8, "top_p": 0.9,
+                                                    "seed": 3, "max_tokens": 5})
+    new = expected_ids(chat_model_dir, prompt, [tokenizer.eos_token_id], 5, temperature=0.8, top_p=0.9, seed=3)
+    assert sampled["choices"][0]["text"] == tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
+
+
+def test_a_chat_reply_is_the_templated_prompt_continued_to_its_end_of_turn(url, chat_model_dir, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a dog sat"}]
+    status, body = post(url, "/v1/chat/completions", {"messages": messages, "temperature": 0, "max_tokens": 8})
+    assert status == 200 and body["object"] == "chat.completion"
+    stop = [token_id(tokenizer, "<|end|>"), tokenizer.eos_token_id]
+    new = expected_ids(chat_model_dir, conversation_prompt(tokenizer, messages), stop, 8, greedy=True)
+    message = body["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": tokenizer.decode(reply_ids(new, stop))}
+    assert body["usage"]["prompt_tokens"] == len(conversation_prompt(tokenizer, messages))
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "the dog", "temperature": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the mat"}], "temperature": 0}),
+])
+def test_streamed_pieces_join_to_the_reply_and_end_with_its_reason(url, path, body):
+    _, whole = post(url, path, body)
+    status, chunks = post(url, path, {**body, "stream": True})
+    assert status == 200 and len(chunks) >= 2
+    chat = path.endswith("chat/completions")
+    pieces = [chunk["choices"][0]["delta"].get("content", "") if chat else chunk["choices"][0]["text"]
+              for chunk in chunks]
+    expected = whole["choices"][0]["message"]["content"] if chat else whole["choices"][0]["text"]
+    assert "".join(pieces) == expected and len([piece for piece in pieces if piece]) > 1  # more than one piece
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks][:-1] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == whole["usage"]
+    if chat:  # the role once, in the first chunk
+        assert [chunk["choices"][0]["delta"].get("role") for chunk in chunks] == ["assistant"] + [None] * (
+            len(chunks) - 1)
+
+
+def test_a_stop_string_ends_the_text_before_it_streamed_or_not(url, tokenizer):
+    _, free = post(url, "/v1/completions", {"prompt": "the cat", "temperature": 0, "max_tokens": 20})
+    text = free["choices"][0]["text"]
+    assert len(text) > 6
+    stop = text[3:6]  # three characters from inside the text, wherever the tokens split them
+    _, cut = post(url, "/v1/completions", {"prompt": "the cat", "temperature": 0, "max_tokens": 20, "stop": [stop]})
+    assert cut["choices"][0] == {"index": 0, "text": text[:text.find(stop)], "finish_reason": "stop"}
+    _, chunks = post(url, "/v1/completions", {"prompt": "the cat", "temperature": 0, "max_tokens": 20,
+                                              "stop": stop, "stream": True})
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == text[:text.find(stop)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_think_block_comes_back_as_reasoning_content(thinking_model_dir, tokenizer):
+    server, base = serving(thinking_model_dir, tokenizer)
+    try:
+        body = {"messages": [{"role": "user", "content": "the cat"}], "temperature": 0}
+        _, whole = post(base, "/v1/chat/completions", body)
+        assert whole["choices"][0]["message"] == {"role": "assistant", "content": "mat",
+                                                  "reasoning_content": "cat dog"}
+        assert whole["choices"][0]["finish_reason"] == "stop"
+        _, chunks = post(base, "/v1/chat/completions", {**body, "stream": True})
+        deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+        assert "".join(delta.get("reasoning_content", "") for delta in deltas) == "cat dog"
+        assert "".join(delta.get("content", "") for delta in deltas) == "mat"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("path, body, status, message", [
+    ("/v1/completions", b"{not json", 400, "the request body is not valid JSON"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt must be one string"),
+    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n must be 1"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens=0 must be >= 1"),
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature=-1.0 must be >= 0.0"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p=0.0 must be > 0.0"),
+    ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+    ("/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream must be true or false"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages must be a non-empty list"),
+    ("/v1/embeddings", {"input": "a"}, 404, "no route POST /v1/embeddings"),
+])
+def test_bad_requests_are_refused_by_field_and_the_server_goes_on(url, path, body, status, message):
+    got, reply = post(url, path, body)
+    assert got == status and message in reply["error"]["message"], reply
+    assert post(url, "/v1/completions", {"prompt": "the", "max_tokens": 2, "presence_penalty": 0,
+                                         "logprobs": None})[0] == 200
+
+
+def test_a_client_leaving_a_stream_stops_its_generation(url):
+    """The connection closed after the first piece: the server stops generating there (the next
+    request is answered at once, the lock free) and prints no traceback."""
+    import http.client
+    import time
+
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("POST", "/v1/completions", json.dumps({"prompt": "the", "max_tokens": 100_000, "stream": True}))
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    connection.close()
+    started = time.perf_counter()
+    assert post(url, "/v1/completions", {"prompt": "the", "max_tokens": 2})[0] == 200
+    assert time.perf_counter() - started < 30  # 100,000 tokens would take minutes on this CPU
+
+
+def test_models_and_health(url):
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
+        assert json.loads(response.read())["data"] == [{"id": "tiny", "object": "model", "created": 0,
+                                                        "owned_by": "meshlm"}]
+    with urllib.request.urlopen(url + "/health", timeout=10) as response:
+        assert json.loads(response.read()) == {"status": "ok"}
+
+
+def test_the_command_refuses_a_taken_port_and_bad_settings(chat_model_dir, tokenizer):
+    from meshlm.cli import main
+    from meshlm.errors import ConfigError
+
+    server, base = serving(chat_model_dir, tokenizer)
+    try:
+        port = base.rsplit(":", 1)[1]
+        assert main(["serve", str(chat_model_dir), "--port", port, "--device", "cpu"]) == 2  # one clear line
+        with pytest.raises(ConfigError, match="cannot listen on 127.0.0.1"):
+            make_server(ServedModel("tiny", torch.nn.Linear(1, 1), tokenizer, None), "127.0.0.1", int(port))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert main(["serve", str(chat_model_dir), "--max-tokens", "0"]) == 2
