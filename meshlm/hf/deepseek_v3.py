@@ -399,15 +399,19 @@ def attention_maps(config: ModelConfig, layer: int) -> list[TensorMap]:
                    rename(f"{mixer}.o_proj.weight", f"{attention}.o_proj.weight")]
 
 
-def moe_maps(config: ModelConfig, layer: int) -> list[TensorMap]:
+def moe_maps(config: ModelConfig, layer: int, bias: str = "gate.e_score_correction_bias") -> list[TensorMap]:
+    """HF layer ``layer``'s MoE block under DeepSeek-V3's names (``bias``: where the correction bias
+    lives under ``mlp``; ERNIE 4.5 keeps it in ``moe_statics``), the shared expert when it has one."""
     block, theirs = 2 * layer + 1, f"model.layers.{layer}.mlp"
     maps = [rename(f"blocks.{block}.norm.weight", f"model.layers.{layer}.post_attention_layernorm.weight")]
     maps += routed_expert_maps(block, f"{theirs}.gate.weight", lambda e: tuple(
         f"{theirs}.experts.{e}.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")),
         config.moe_num_experts)
-    maps.append(rename(f"blocks.{block}.mixer.router.expert_bias", f"{theirs}.gate.e_score_correction_bias"))
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        maps += linear_maps(f"blocks.{block}.mixer.shared_expert.{name}", f"{theirs}.shared_experts.{name}", False)
+    maps.append(rename(f"blocks.{block}.mixer.router.expert_bias", f"{theirs}.{bias}"))
+    if config.moe_shared_expert_ffn_hidden_size:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            maps += linear_maps(f"blocks.{block}.mixer.shared_expert.{name}", f"{theirs}.shared_experts.{name}",
+                                False)
     return maps
 
 

@@ -40,10 +40,10 @@ from meshlm.checkpoint.safetensors_stream import PlannedTensor, load
 from meshlm.errors import ConfigError
 from meshlm.hf import ernie4_5
 from meshlm.hf.common import (Architecture, DerivedTensor, TensorMap, blocks_of, embedding_maps, hf_common_fields,
-                              linear_maps, rename, require, window_unsupported, with_defaults)
+                              require, window_unsupported, with_defaults)
+from meshlm.hf.deepseek_v3 import moe_maps
 from meshlm.hf.deepseek_v3 import normalize_hf_tensors as split_fused_experts
 from meshlm.hf.llama import attention_fields, attention_to_hf, decoder_unsupported, dense_mlp_maps
-from meshlm.hf.qwen3_moe import routed_expert_maps
 from meshlm.models.config import ModelConfig
 
 NAME = "Ernie4_5_MoeForCausalLM"
@@ -156,24 +156,11 @@ def config_to_hf(config: ModelConfig) -> dict:
     return values
 
 
-def moe_maps(config: ModelConfig, layer: int) -> list[TensorMap]:
-    block, theirs = 2 * layer + 1, f"model.layers.{layer}.mlp"
-    maps = [rename(f"blocks.{block}.norm.weight", f"model.layers.{layer}.post_attention_layernorm.weight")]
-    maps += routed_expert_maps(block, f"{theirs}.gate.weight", lambda e: tuple(
-        f"{theirs}.experts.{e}.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")),
-        config.moe_num_experts)
-    maps.append(rename(f"blocks.{block}.mixer.router.expert_bias", f"{theirs}.{BIAS}"))
-    if config.moe_shared_expert_ffn_hidden_size:
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            maps += linear_maps(f"blocks.{block}.mixer.shared_expert.{name}", f"{theirs}.shared_experts.{name}", False)
-    return maps
-
-
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     maps = embedding_maps(config, "model.embed_tokens.weight", "model.norm.weight") + ernie4_5.query_key_maps(config)
     for layer in range(config.num_blocks // 2):
         maps += ernie4_5.attention_maps(config, layer)
-        maps += moe_maps(config, layer) if config.block_kinds[2 * layer + 1] == "E" else dense_mlp_maps(
+        maps += moe_maps(config, layer, BIAS) if config.block_kinds[2 * layer + 1] == "E" else dense_mlp_maps(
             config, 2 * layer + 1, layer)
     return maps
 

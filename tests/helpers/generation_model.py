@@ -43,15 +43,10 @@ def word_ids(tokenizer) -> list[int]:
     return [piece[0] for piece in ids]
 
 
-def thinking_model(tokenizer) -> LanguageModel:
-    """A model that always answers ``<think> cat dog</think> mat<|end|>`` after a prompt ending in a
-    newline (its blocks add nothing; each chain token's one-hot embedding picks its successor's
-    output row). ``tokenizer``: the chat BPE with the think tags (tests/helpers/chat_tokenizers.py)."""
-    from meshlm.data.chat import token_id
-
-    cat, dog, mat = word_ids(tokenizer)
-    chain = tokenizer.encode("\n", add_special_tokens=False) + [
-        token_id(tokenizer, "<think>"), cat, dog, token_id(tokenizer, "</think>"), mat, token_id(tokenizer, "<|end|>")]
+def scripted_model(chain: list[int]) -> LanguageModel:
+    """A model whose greedy next token after ``chain[i]`` is ``chain[i + 1]``: its blocks add nothing
+    (zero output projections), so the last hidden state is the normalized embedding of the last token;
+    each chain token's embedding is its own unit vector, and the output row of its successor is that vector."""
     model = LanguageModel(ModelConfig(vocab_size=320, hidden_size=32, pattern="*-", num_attention_heads=4,
                                       num_kv_heads=2, tie_embeddings=False))
     with torch.no_grad():
@@ -62,3 +57,14 @@ def thinking_model(tokenizer) -> LanguageModel:
             model.embedding.weight[token] = torch.nn.functional.one_hot(torch.tensor(k), 32).float()
             model.output.weight[successor, k] = 1.0
     return model
+
+
+def thinking_model(tokenizer) -> LanguageModel:
+    """A model that always answers ``<think> cat dog</think> mat<|end|>`` after a prompt ending in a
+    newline (``scripted_model``). ``tokenizer``: the chat BPE with the think tags
+    (tests/helpers/chat_tokenizers.py)."""
+    from meshlm.data.chat import token_id
+
+    cat, dog, mat = word_ids(tokenizer)
+    return scripted_model(tokenizer.encode("\n", add_special_tokens=False) + [
+        token_id(tokenizer, "<think>"), cat, dog, token_id(tokenizer, "</think>"), mat, token_id(tokenizer, "<|end|>")])

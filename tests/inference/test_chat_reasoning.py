@@ -16,6 +16,7 @@ from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.models.config import ModelConfig
 from meshlm.models.language_model import LanguageModel
+from tests.helpers.generation_model import scripted_model
 
 
 
@@ -23,22 +24,6 @@ def tiny_model() -> LanguageModel:
     torch.manual_seed(0)
     return LanguageModel(ModelConfig(vocab_size=320, hidden_size=32, pattern="*-*-", num_attention_heads=4,
                                      num_kv_heads=2, init_std=0.1))
-
-
-def scripted_model(chain: list[int]) -> LanguageModel:
-    """A model whose greedy next token after ``chain[i]`` is ``chain[i + 1]``: its blocks add nothing
-    (zero output projections), so the last hidden state is the normalized embedding of the last token;
-    each chain token's embedding is its own unit vector, and the output row of its successor is that vector."""
-    model = LanguageModel(ModelConfig(vocab_size=320, hidden_size=32, pattern="*-", num_attention_heads=4,
-                                      num_kv_heads=2, tie_embeddings=False))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")) or name == "output.weight":
-                parameter.zero_()
-        for k, (token, successor) in enumerate(zip(chain, chain[1:])):
-            model.embedding.weight[token] = torch.nn.functional.one_hot(torch.tensor(k), 32).float()
-            model.output.weight[successor, k] = 1.0
-    return model
 
 
 @pytest.fixture(scope="module")
