@@ -65,8 +65,8 @@ from meshlm.errors import CheckpointError, ConfigError, DataError
 from meshlm.hf import (arcee, bamba, cohere, cohere2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone4, falcon,
                        gemma, gemma2, gemma3, glm, glm4_moe, glm4_moe_lite, gpt2, gpt_bigcode, gpt_neox, gpt_oss, gptj,
                        granite, granite_moe, hunyuan, llama, mamba2, minimax_m2, ministral3, mistral, mistral3,
-                       mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss,
-                       smollm3, stablelm, starcoder2)
+                       mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen_vl,
+                       seed_oss, smollm3, stablelm, starcoder2)
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.quantized_export import quantize_hf_export
@@ -100,9 +100,9 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           mamba2.ARCHITECTURE, bamba.ARCHITECTURE,
                                           nemotron_h.ARCHITECTURE)
 EXPORTABLE: dict[str, Architecture] = {architecture.name: architecture for architecture in EXPORT_ORDER}
-IMPORT_ONLY: tuple[Architecture, ...] = (gemma3.MULTIMODAL, mistral3.ARCHITECTURE)
-"""Folders meshlm reads part of (Gemma 3's and Mistral 3's multimodal ones: the language model) and
-never writes."""
+IMPORT_ONLY: tuple[Architecture, ...] = (gemma3.MULTIMODAL, mistral3.ARCHITECTURE, *qwen_vl.ARCHITECTURES)
+"""Folders meshlm reads part of (Gemma 3's, Mistral 3's and Qwen-VL's multimodal ones: the language
+model) and never writes."""
 ARCHITECTURES: dict[str, Architecture] = {architecture.name: architecture
                                           for architecture in EXPORT_ORDER + IMPORT_ONLY}
 HF_EXTRA_KEY = "hf"

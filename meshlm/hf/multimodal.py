@@ -1,4 +1,4 @@
-"""The language model inside a vision-language folder (Gemma 3's, Mistral 3's: Llava's layout).
+"""The language model inside a vision-language folder (Gemma 3's, Mistral 3's: Llava's layout; Qwen-VL's).
 
 Such a folder keeps a vision tower and a projector beside a causal language model whose tensors
 carry a prefix: ``language_model.model.*`` and ``language_model.lm_head.*`` in the hub files,
@@ -13,8 +13,10 @@ LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_mo
                            "language_model.lm_head.": "lm_head."}
 """Where a multimodal folder keeps the language model's tensors (hub files; transformers v5), and
 where the text-only class keeps them."""
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-"""The tensors of the vision tower and the projector, which meshlm leaves out."""
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                   "visual.", "model.visual.")
+"""The tensors of the vision tower and the projector (Qwen-VL's vision encoder: ``visual``), which
+meshlm leaves out."""
 
 
 def language_model_tensors(tensors: dict) -> dict:
