@@ -114,6 +114,20 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None, low
     return value
 
 
+def message_text(content) -> str:
+    """A message's ``content``: a string, or OpenAI's list of parts of which meshlm takes the text ones."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        kinds = {part.get("type") for part in content}
+        if kinds <= {"text"} and all(isinstance(part.get("text"), str) for part in content):
+            return "".join(part["text"] for part in content)
+        raise RequestError(f"message content parts of type {sorted(map(str, kinds - {'text'}))} are not supported: "
+                           "meshlm serve reads text parts only.", "messages")
+    raise RequestError("messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects.",
+                       "messages")
+
+
 def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     """A request's JSON body checked field by field (the module docstring); RequestError names the field."""
     if not isinstance(body, dict):
@@ -126,10 +140,10 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str) for message in messages):
+                isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages):
             raise RequestError("messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects.",
                                "messages")
+        messages = [{"role": message["role"], "content": message_text(message.get("content"))} for message in messages]
         try:
             prompt_ids, end_ids = conversation_prompt(served.tokenizer, messages), stop_ids(served.tokenizer)
         except ConfigError as error:
@@ -150,7 +164,7 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     temperature = _number(body, "temperature", 1.0, float, low=0.0, high=2.0)
     top_p = _number(body, "top_p", 1.0, float, low=0.0, high=1.0, low_open=True)
     top_k = _number(body, "top_k", 0, int, low=0)
-    seed = _number(body, "seed", 0, int)
+    seed = _number(body, "seed", 0, int, low=0, high=2 ** 63 - 1)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
@@ -340,6 +354,10 @@ class Handler(BaseHTTPRequestHandler):
             self._send_json(200, completion_body(self.served, request, result, reply_id, created))
         except RequestError as error:
             self._send_json(error.status, error.body())
+        except Exception as error:  # noqa: BLE001 -- a bug: the client hears of it, the server goes on
+            self._send_json(500, {"error": {"message": f"meshlm serve failed on this request: "
+                                                       f"{type(error).__name__}: {error}", "type": "server_error",
+                                            "param": None}})
 
     def _stream(self, request: CompletionRequest, reply_id: str, created: int) -> None:
         self.send_response(200)

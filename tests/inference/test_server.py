@@ -95,6 +95,14 @@ def test_a_chat_reply_is_the_templated_prompt_continued_to_its_end_of_turn(url, 
     assert body["usage"]["prompt_tokens"] == len(conversation_prompt(tokenizer, messages))
 
 
+def test_text_content_parts_read_as_one_string(url):
+    plain = {"messages": [{"role": "user", "content": "the cat sat"}], "temperature": 0, "max_tokens": 5}
+    parts = {**plain, "messages": [{"role": "user", "content": [{"type": "text", "text": "the cat"},
+                                                                 {"type": "text", "text": " sat"}]}]}
+    assert post(url, "/v1/chat/completions", parts)[1]["choices"] == post(url, "/v1/chat/completions", plain)[1][
+        "choices"]
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"prompt": "the dog", "temperature": 0}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the mat"}], "temperature": 0}),
@@ -157,6 +165,9 @@ def test_a_think_block_comes_back_as_reasoning_content(thinking_model_dir, token
     ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
     ("/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream must be true or false"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "content parts of type ['image_url'] are not supported"),
+    ("/v1/completions", {"prompt": "a", "seed": -1}, 400, "seed=-1 must be >= 0"),
     ("/v1/embeddings", {"input": "a"}, 404, "no route POST /v1/embeddings"),
 ])
 def test_bad_requests_are_refused_by_field_and_the_server_goes_on(url, path, body, status, message):
@@ -164,6 +175,20 @@ def test_bad_requests_are_refused_by_field_and_the_server_goes_on(url, path, bod
     assert got == status and message in reply["error"]["message"], reply
     assert post(url, "/v1/completions", {"prompt": "the", "max_tokens": 2, "presence_penalty": 0,
                                          "logprobs": None})[0] == 200
+
+
+def test_a_failure_inside_is_a_500_and_the_server_goes_on(url, monkeypatch):
+    from meshlm.inference import server
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(server, "generate", broken)
+    status, reply = post(url, "/v1/completions", {"prompt": "the"})
+    assert status == 500 and reply["error"] == {"message": "meshlm serve failed on this request: RuntimeError: boom",
+                                                "type": "server_error", "param": None}
+    monkeypatch.undo()
+    assert post(url, "/v1/completions", {"prompt": "the", "max_tokens": 2})[0] == 200
 
 
 def test_a_client_leaving_a_stream_stops_its_generation(url):
