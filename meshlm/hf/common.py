@@ -242,6 +242,26 @@ def _narrowed(produce: Callable[[], torch.Tensor], dim: int, start: int, size: i
     return produce().narrow(dim, start, size).contiguous()
 
 
+class WrittenPair:
+    """Two HF tensors computed together from one meshlm tensor (a quantized weight's codes and
+    scales), for two plan entries written one after the other: ``first()`` computes both and keeps
+    only the second, which ``second()`` hands over, so an export still holds one tensor at a time.
+    ``compute()`` returns the pair."""
+
+    def __init__(self, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]):
+        self.compute, self.kept = compute, None
+
+    def first(self) -> torch.Tensor:
+        first, self.kept = self.compute()
+        return first
+
+    def second(self) -> torch.Tensor:
+        if self.kept is None:  # asked out of order: compute again rather than guess
+            self.first()
+        kept, self.kept = self.kept, None
+        return kept
+
+
 @dataclass(frozen=True)
 class Architecture:
     """An HF causal-LM architecture meshlm can read and write (see the per-architecture modules)."""

@@ -53,11 +53,13 @@ does every weight on CPU.
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 
 from meshlm.checkpoint.safetensors_stream import PlannedTensor
 from meshlm.errors import ConfigError
+from meshlm.hf.common import WrittenPair
 from meshlm.precision.formats.blockwise import quantize_fp8_weight_blocks
 from meshlm.precision.formats.fp8 import E4M3
 
@@ -101,25 +103,10 @@ def module_of(name: str) -> str:
     return expert.group(1) if expert else name.rpartition(".")[0]
 
 
-class BlockQuantizedWeight:
-    """One weight's FP8 codes and block scales, computed once for the two tensors written from them.
-
-    The writer asks for the codes, then (next in the plan) for the scales; in between only the
-    scales are held, so the export still holds one tensor at a time."""
-
-    def __init__(self, produce):
-        self.produce, self.scales = produce, None
-
-    def codes(self) -> torch.Tensor:
-        quantized = quantize_fp8_weight_blocks(self.produce(), E4M3, power_of_two=False, block_size=FP8_BLOCK_SIZE)
-        self.scales = quantized.scales
-        return quantized.codes
-
-    def scale_inv(self) -> torch.Tensor:
-        if self.scales is None:  # asked out of order: quantize again rather than guess
-            self.codes()
-        scales, self.scales = self.scales, None
-        return scales
+def fp8_blocks_of(produce) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 codes, fp32 block scales) of the weight ``produce()`` gives."""
+    quantized = quantize_fp8_weight_blocks(produce(), E4M3, power_of_two=False, block_size=FP8_BLOCK_SIZE)
+    return quantized.codes, quantized.scales
 
 
 def quantize_plan(plan: dict[str, PlannedTensor], experts_dequantized_on_load: bool = False
@@ -130,9 +117,9 @@ def quantize_plan(plan: dict[str, PlannedTensor], experts_dequantized_on_load: b
     quantized, kept = {}, {OUTPUT_HEAD: None}
     for name, entry in plan.items():
         if is_block_linear(name) and fits_blocks(entry.shape):
-            weight = BlockQuantizedWeight(entry.produce)
-            quantized[name] = PlannedTensor(entry.shape, E4M3.dtype, weight.codes)
-            quantized[name + SCALE_SUFFIX] = PlannedTensor(scale_grid(entry.shape), torch.float32, weight.scale_inv)
+            weight = WrittenPair(partial(fp8_blocks_of, entry.produce))  # codes, then their scales
+            quantized[name] = PlannedTensor(entry.shape, E4M3.dtype, weight.first)
+            quantized[name + SCALE_SUFFIX] = PlannedTensor(scale_grid(entry.shape), torch.float32, weight.second)
             if experts_dequantized_on_load and EXPERT.match(name):
                 kept[module_of(name)] = None
             continue

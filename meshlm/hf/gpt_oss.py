@@ -248,6 +248,5 @@ ARCHITECTURE = GptOssArchitecture(NAME, "gpt_oss", config_from_hf, config_to_hf,
 state_from_hf = ARCHITECTURE.state_from_hf
 state_to_hf = ARCHITECTURE.state_to_hf
 
-__all__ = ["ARCHITECTURE", "NAME", "config_from_hf", "config_to_hf",
-           "dequantize_mxfp4", "experts_from_hf", "join_experts_for_hf", "state_from_hf", "state_to_hf",
-           "tensor_maps", "unsupported"]
+__all__ = ["ARCHITECTURE", "NAME", "config_from_hf", "config_to_hf", "experts_from_hf", "join_experts_for_hf",
+           "state_from_hf", "state_to_hf", "tensor_maps", "unsupported"]

@@ -32,11 +32,13 @@ projection) must be multiples of 32, MXFP4's block (2880 in both released models
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 
 from meshlm.checkpoint.safetensors_stream import PlannedTensor
 from meshlm.errors import ConfigError
+from meshlm.hf.common import WrittenPair
 from meshlm.precision.formats.mxfp4 import MXFP4_BLOCK_SIZE, quantize_mxfp4
 
 GPT_OSS = "GptOssForCausalLM"
@@ -46,23 +48,12 @@ NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model
 """``modules_to_not_convert`` of the released gpt-oss configs."""
 
 
-class QuantizedExperts:
-    """One stacked expert weight's MXFP4 blocks and scales, made once for the two tensors written from them."""
-
-    def __init__(self, produce):
-        self.produce, self.scales = produce, None
-
-    def blocks(self) -> torch.Tensor:
-        weights = self.produce()  # [E, in, out], as transformers holds them
-        parts = [quantize_mxfp4(weights[expert].t()) for expert in range(weights.shape[0])]  # [out, in]: rows
-        self.scales = torch.stack([part.scales for part in parts])
-        return torch.stack([part.blocks for part in parts])
-
-    def scale_bytes(self) -> torch.Tensor:
-        if self.scales is None:  # asked out of order: quantize again rather than guess
-            self.blocks()
-        scales, self.scales = self.scales, None
-        return scales
+def mxfp4_experts_of(produce) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks [E, out, in / 32, 16], scales [E, out, in / 32]) of the stacked expert weight
+    ``produce()`` gives as transformers holds it, [E, in, out]: quantized one expert at a time."""
+    weights = produce()
+    parts = [quantize_mxfp4(weights[expert].t()) for expert in range(weights.shape[0])]  # [out, in]: rows
+    return torch.stack([part.blocks for part in parts]), torch.stack([part.scales for part in parts])
 
 
 def quantize_mxfp4_export(hf_config: dict, plan: dict[str, PlannedTensor]) -> tuple[dict, dict[str, PlannedTensor]]:
@@ -83,11 +74,11 @@ def quantize_mxfp4_export(hf_config: dict, plan: dict[str, PlannedTensor]) -> tu
             raise ConfigError(f"--quantize mxfp4: {name} has {inputs} input features, not a multiple of "
                               f"{MXFP4_BLOCK_SIZE} (MXFP4's block); give the model a hidden size and "
                               "model.moe_ffn_hidden_size that are, or leave --quantize out.")
-        weight = QuantizedExperts(entry.produce)
+        weight = WrittenPair(partial(mxfp4_experts_of, entry.produce))  # blocks, then their scales
         groups = inputs // MXFP4_BLOCK_SIZE
         quantized[name + "_blocks"] = PlannedTensor((experts, outputs, groups, MXFP4_BLOCK_SIZE // 2), torch.uint8,
-                                                    weight.blocks)
-        quantized[name + "_scales"] = PlannedTensor((experts, outputs, groups), torch.uint8, weight.scale_bytes)
+                                                    weight.first)
+        quantized[name + "_scales"] = PlannedTensor((experts, outputs, groups), torch.uint8, weight.second)
     if len(quantized) == len(plan):
         raise ConfigError("--quantize mxfp4: this gpt-oss export has no expert weights to quantize.")
     return {**hf_config, "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}

@@ -54,20 +54,28 @@ from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 
 MAX_STOP_STRINGS = 4
-REFUSED = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "top_logprobs": None, "tools": None,
-           "functions": None, "logit_bias": None, "echo": False, "best_of": None, "suffix": None}
-"""Fields meshlm does not implement, and the value each may have (OpenAI's default) without being refused."""
+REFUSED = ("presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "tools", "functions", "logit_bias",
+           "echo", "best_of", "suffix")
+"""Fields meshlm does not implement: refused unless they hold their default (0, false, null, empty)."""
+MESSAGES_FORMAT = "messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects."
 
 
 class RequestError(Exception):
     """A request meshlm refuses: the HTTP status, one sentence, and the field it is about."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 error_type: str = "invalid_request_error"):
         super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+        self.message, self.param, self.status, self.error_type = message, param, status, error_type
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param}}
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param}}
+
+
+def server_failure(error: Exception) -> RequestError:
+    """A failure inside meshlm (a bug) as the 500 its client gets."""
+    return RequestError(f"meshlm serve failed on this request: {type(error).__name__}: {error}", status=500,
+                        error_type="server_error")
 
 
 @dataclass
@@ -124,16 +132,15 @@ def message_text(content) -> str:
             return "".join(part["text"] for part in content)
         raise RequestError(f"message content parts of type {sorted(map(str, kinds - {'text'}))} are not supported: "
                            "meshlm serve reads text parts only.", "messages")
-    raise RequestError("messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects.",
-                       "messages")
+    raise RequestError(MESSAGES_FORMAT, "messages")
 
 
 def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     """A request's JSON body checked field by field (the module docstring); RequestError names the field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object.")
-    for name, allowed in REFUSED.items():
-        if body.get(name) and body[name] != allowed:  # 0, false, null and [] are the defaults: accepted
+    for name in REFUSED:
+        if body.get(name):  # 0, false, null and [] are the defaults: accepted
             raise RequestError(f"{name} is not supported by meshlm serve; leave it out.", name)
     if _number(body, "n", 1, int, low=1) != 1:
         raise RequestError("n must be 1: meshlm serve returns one choice a request.", "n")
@@ -141,8 +148,7 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages):
-            raise RequestError("messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects.",
-                               "messages")
+            raise RequestError(MESSAGES_FORMAT, "messages")
         messages = [{"role": message["role"], "content": message_text(message.get("content"))} for message in messages]
         try:
             prompt_ids, end_ids = conversation_prompt(served.tokenizer, messages), stop_ids(served.tokenizer)
@@ -189,7 +195,8 @@ class ReplyText:
     def __init__(self, tokenizer: Tokenizer, end_ids: list[int], stop: list[str], chat: bool):
         self.tokenizer, self.end_ids, self.stop = tokenizer, end_ids, stop
         self.ids: list[int] = []
-        self.text, self.reasoning, self.stopped = "", "", False
+        self.text, self.reasoning, self.ended = "", "", False
+        """``ended``: by an end id or a stop string (else the reply ran to max_tokens)."""
         self.sent = self.reasoning_sent = 0
         start, end = token_id(tokenizer, THINK_START), token_id(tokenizer, THINK_END)
         self.think = (start, end) if chat and start is not None and end is not None else None
@@ -197,6 +204,7 @@ class ReplyText:
     def add(self, token: int) -> bool:
         """Take one token; True when the reply has ended (end id or stop string)."""
         if token in self.end_ids:
+            self.ended = True
             return True
         self.ids.append(token)
         answer = self.ids
@@ -209,8 +217,8 @@ class ReplyText:
             self.text = self.tokenizer.decode(answer)
         found = [index for index in (self.text.find(stop) for stop in self.stop) if index >= 0]
         if found:
-            self.text, self.stopped = self.text[:min(found)], True
-        return self.stopped
+            self.text, self.ended = self.text[:min(found)], True
+        return self.ended
 
     def _sendable(self, text: str, final: bool, stops: list[str]) -> int:
         if final:
@@ -233,17 +241,19 @@ class ReplyText:
 def run_completion(served: ServedModel, request: CompletionRequest,
                    on_pieces: Callable[[str, str], None] | None = None) -> dict:
     """Generate a request's reply (``on_pieces(reasoning, answer)`` with each sendable piece, to
-    stream it): ``{"text", "reasoning", "finish_reason", "prompt_tokens", "completion_tokens"}``."""
+    stream it): ``{"text", "reasoning", "finish_reason", "usage"}``."""
     reply = ReplyText(served.tokenizer, request.end_ids, request.stop, request.chat)
-    count = [0]
+
+    def send(final: bool) -> None:
+        if on_pieces is None:
+            return
+        pieces = reply.new_pieces(final)
+        if any(pieces):
+            on_pieces(*pieces)
 
     def on_token(row: int, token: int) -> bool:
-        count[0] += 1
         ended = reply.add(token)
-        if on_pieces is not None:
-            pieces = reply.new_pieces(final=ended)
-            if any(pieces):
-                on_pieces(*pieces)
+        send(final=ended)
         return ended
 
     with served.lock:
@@ -253,20 +263,15 @@ def run_completion(served: ServedModel, request: CompletionRequest,
                                on_token=on_token)[0]
         except ConfigError as error:  # a prompt too long for the model's positions, say
             raise RequestError(str(error), "messages" if request.chat else "prompt") from error
-    ended = reply.stopped or bool(new_ids and new_ids[-1] in request.end_ids)
-    if on_pieces is not None:
-        pieces = reply.new_pieces(final=True)
-        if any(pieces):
-            on_pieces(*pieces)
-    return {"text": reply.text, "reasoning": reply.reasoning, "finish_reason": "stop" if ended else "length",
-            "prompt_tokens": len(request.prompt_ids), "completion_tokens": count[0]}
+    send(final=True)  # what the last token left held back (a reply that ran to max_tokens)
+    prompt, completion = len(request.prompt_ids), len(new_ids)
+    return {"text": reply.text, "reasoning": reply.reasoning, "finish_reason": "stop" if reply.ended else "length",
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
 
 
 def completion_body(served: ServedModel, request: CompletionRequest, result: dict, reply_id: str, created: int
                     ) -> dict:
     """The non-streamed response object."""
-    usage = {"prompt_tokens": result["prompt_tokens"], "completion_tokens": result["completion_tokens"],
-             "total_tokens": result["prompt_tokens"] + result["completion_tokens"]}
     if request.chat:
         message = {"role": "assistant", "content": result["text"]}
         if result["reasoning"]:
@@ -277,7 +282,7 @@ def completion_body(served: ServedModel, request: CompletionRequest, result: dic
         choice = {"index": 0, "text": result["text"], "finish_reason": result["finish_reason"]}
         kind = "text_completion"
     return {"id": reply_id, "object": kind, "created": created, "model": served.name, "choices": [choice],
-            "usage": usage}
+            "usage": result["usage"]}
 
 
 def chunk_body(served: ServedModel, request: CompletionRequest, reply_id: str, created: int, reasoning: str = "",
@@ -355,9 +360,8 @@ class Handler(BaseHTTPRequestHandler):
         except RequestError as error:
             self._send_json(error.status, error.body())
         except Exception as error:  # noqa: BLE001 -- a bug: the client hears of it, the server goes on
-            self._send_json(500, {"error": {"message": f"meshlm serve failed on this request: "
-                                                       f"{type(error).__name__}: {error}", "type": "server_error",
-                                            "param": None}})
+            failure = server_failure(error)
+            self._send_json(failure.status, failure.body())
 
     def _stream(self, request: CompletionRequest, reply_id: str, created: int) -> None:
         self.send_response(200)
@@ -383,13 +387,16 @@ class Handler(BaseHTTPRequestHandler):
         try:
             try:
                 result = run_completion(self.served, request, pieces)
+            except ClientGone:
+                raise
             except RequestError as error:  # after the headers: the error goes as one event
                 event(error.body())
                 return
-            usage = {"prompt_tokens": result["prompt_tokens"], "completion_tokens": result["completion_tokens"],
-                     "total_tokens": result["prompt_tokens"] + result["completion_tokens"]}
+            except Exception as error:  # noqa: BLE001 -- a bug, after the headers: one event too
+                event(server_failure(error).body())
+                return
             event(chunk_body(self.served, request, reply_id, created, finish_reason=result["finish_reason"],
-                             usage=usage, first=sent[0] == 0))
+                             usage=result["usage"], first=sent[0] == 0))
             event("[DONE]")
         except ClientGone:
             pass

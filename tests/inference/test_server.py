@@ -185,8 +185,13 @@ def test_a_failure_inside_is_a_500_and_the_server_goes_on(url, monkeypatch):
 
     monkeypatch.setattr(server, "generate", broken)
     status, reply = post(url, "/v1/completions", {"prompt": "the"})
-    assert status == 500 and reply["error"] == {"message": "meshlm serve failed on this request: RuntimeError: boom",
-                                                "type": "server_error", "param": None}
+    expected = {"message": "meshlm serve failed on this request: RuntimeError: boom", "type": "server_error",
+                "param": None}
+    assert status == 500 and reply["error"] == expected
+    streamed = json.dumps({"prompt": "the", "stream": True}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=streamed)
+    with urllib.request.urlopen(request, timeout=60) as response:  # after the headers: the error as one event
+        assert response.read().decode() == f"data: {json.dumps({'error': expected})}\n\n"
     monkeypatch.undo()
     assert post(url, "/v1/completions", {"prompt": "the", "max_tokens": 2})[0] == 200
 
