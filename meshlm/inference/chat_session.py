@@ -38,18 +38,14 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 from typing import Callable, Iterator
 
-import torch
-
-from meshlm.checkpoint.locate import resolve_model_dir
-from meshlm.checkpoint.model_files import load_model, trained_seq_len
+from meshlm.checkpoint.model_files import trained_seq_len
 from meshlm.data.reasoning import NO_THINK, THINK, with_reasoning
 from meshlm.data.tokenizer import Tokenizer
 from meshlm.errors import ConfigError
 from meshlm.inference.chat import conversation_prompt, reply_ids, reply_record, show_reply, stop_ids
-from meshlm.inference.cli import add_sampling_arguments, find_tokenizer, sampling_from_args
+from meshlm.inference.cli import add_sampling_arguments, load_generation_model, sampling_from_args
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 
@@ -158,13 +154,8 @@ def read_turns(interactive: bool) -> Iterator[str]:
 
 def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
-    model_dir = resolve_model_dir(args.checkpoint)
-    tokenizer = find_tokenizer(args.tokenizer, model_dir, Path(args.checkpoint))
-    if tokenizer is None:
-        raise FileNotFoundError(f"no tokenizer found in {model_dir}: a chat needs the tokenizer written by "
-                                "`meshlm preprocess --chat`; pass --tokenizer PATH.")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(model_dir, map_location=device, merge_lora=True)  # LoRA: adapters folded in
+    model_dir, tokenizer, _, model = load_generation_model(
+        args, "a chat needs the tokenizer written by `meshlm preprocess --chat`; pass --tokenizer PATH.")
     interactive = sys.stdin.isatty()
     note = (lambda text: print(text, file=sys.stderr, flush=True)) if interactive else (
         lambda text: print(f"note: {text}", file=sys.stderr, flush=True))

@@ -189,6 +189,19 @@ def find_tokenizer(explicit: str | None, model_dir: Path, given_path: Path) -> T
     return None
 
 
+def load_generation_model(args: argparse.Namespace, missing_tokenizer: str | None):
+    """(model folder, tokenizer or None, device, model) of ``args.checkpoint``: the tokenizer named by
+    ``--tokenizer`` or saved with the model, the device ``--device`` names (default: cuda when there is
+    one), the model loaded there with its LoRA adapters folded in. ``missing_tokenizer``: what the
+    error says after "no tokenizer found in MODEL_DIR: " when there is none (None: go on without one)."""
+    model_dir = resolve_model_dir(args.checkpoint)
+    tokenizer = find_tokenizer(args.tokenizer, model_dir, Path(args.checkpoint))
+    if tokenizer is None and missing_tokenizer is not None:
+        raise FileNotFoundError(f"no tokenizer found in {model_dir}: {missing_tokenizer}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model_dir, tokenizer, device, load_model(model_dir, map_location=device, merge_lora=True)
+
+
 def choose_eos(explicit: int | None, tokenizer: Tokenizer | None, model_dir: Path) -> int | list[int] | None:
     """``--eos-id``, else the tokenizer's eos, else the one a converted Hugging Face model declared."""
     if explicit is not None:
@@ -209,13 +222,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         args.prompt = read_prompts(args.prompt)
     sampling = sampling_from_args(args)
-    model_dir = resolve_model_dir(args.checkpoint)
-    tokenizer = find_tokenizer(args.tokenizer, model_dir, Path(args.checkpoint))
-    if args.prompt is not None and tokenizer is None:
-        raise FileNotFoundError(f"no tokenizer found in {model_dir}: text prompts need one; pass "
-                                "--tokenizer PATH, or give token ids with --prompt-ids.")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(model_dir, map_location=device, merge_lora=True)  # LoRA: adapters folded in
+    model_dir, tokenizer, _, model = load_generation_model(args, None if args.prompt is None else (
+        "text prompts need one; pass --tokenizer PATH, or give token ids with --prompt-ids."))
     prompts = (args.prompt_ids if args.prompt is None else [tokenizer.encode(text) for text in args.prompt]
                ) if args.input is None else []
     eos_token_id = choose_eos(args.eos_id, tokenizer, model_dir)

@@ -6,12 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from meshlm.checkpoint.locate import resolve_model_dir
-from meshlm.checkpoint.model_files import load_model
 from meshlm.errors import ConfigError
-from meshlm.inference.cli import choose_eos, find_tokenizer
+from meshlm.inference.cli import choose_eos, load_generation_model
 from meshlm.inference.server import ServedModel, make_server
 
 DEFAULT_PORT = 8000
@@ -37,13 +33,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-tokens {args.max_tokens} leaves no room for a reply; use 1 or more.")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port} is not a port number; use 1 to 65535 (0: any free port).")
-    model_dir = resolve_model_dir(args.checkpoint)
-    tokenizer = find_tokenizer(args.tokenizer, model_dir, Path(args.checkpoint))
-    if tokenizer is None:
-        raise FileNotFoundError(f"no tokenizer found in {model_dir}: a server takes and returns text; pass "
-                                "--tokenizer PATH.")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(model_dir, map_location=device, merge_lora=True).eval()  # LoRA: adapters folded in
+    model_dir, tokenizer, device, model = load_generation_model(
+        args, "a server takes and returns text; pass --tokenizer PATH.")
+    model.eval()
     name = args.name or Path(args.checkpoint).resolve().name
     served = ServedModel(name, model, tokenizer, choose_eos(None, tokenizer, model_dir), args.max_tokens)
     server = make_server(served, args.host, args.port)
