@@ -159,24 +159,33 @@ def test_soft_capped_attention_matches_the_explicit_capped_softmax(gpu_device):
         assert max_error(attention_core(*inputs, window=window), capped[0]) > 1e-2
 
 
-def test_attention_sinks_on_the_fused_kernels_match_the_explicit_sink_softmax(gpu_device):
-    """Attention sinks (``model.attention_sinks``): whole sequences and sliding windows run the fused
-    kernels with the sink merged after (``meshlm/models/sink_attention.py``: FlashAttention-2's aten
-    ops in bf16 on CUDA, called by schema and first run on a GPU here); against the explicit sink
-    softmax of ``attention_with_dropout`` in fp32, with the flash test's bound against that softmax
-    in bf16. The sinks' gradient too; and the sinks' effect: the output differs from plain attention."""
+@pytest.mark.parametrize("with_sinks, windows", [(True, (None, 20)), (False, (20, 32))],
+                         ids=["sinks", "plain-window"])
+def test_sinks_and_windows_on_the_fused_kernels_match_the_explicit_softmax(gpu_device, with_sinks, windows):
+    """The fused kernels' paths that merge rows by their lse (``meshlm/models/sink_attention.py``:
+    FlashAttention-2's aten ops in bf16 on CUDA, called by schema, first run on a GPU on 2026-11-30),
+    against the explicit softmax of ``attention_with_dropout`` in fp32 with the flash test's bound
+    against that softmax in bf16:
+
+    - attention sinks (``model.attention_sinks``) over whole sequences and a window of 20, the sink
+      merged after; the sinks' gradient too, and their effect (the output differs from plain attention);
+    - a sliding window without sinks or a cap (Mistral, Gemma 3, Qwen windows): two causal blocks a
+      chunk (``fused_windowed_attention``), a window of 20 over 96 tokens (the last chunk padded) and
+      one of 32 (chunks that fit); and the window's effect."""
     seq = 96
     inputs = [seeded(2, 4, seq, 16, device=gpu_device, seed=0, dtype=torch.bfloat16),
-              *(seeded(2, 2, seq, 16, device=gpu_device, seed=seed, dtype=torch.bfloat16) for seed in (1, 2)),
-              seeded(4, device=gpu_device, seed=4, dtype=torch.bfloat16)]
+              *(seeded(2, 2, seq, 16, device=gpu_device, seed=seed, dtype=torch.bfloat16) for seed in (1, 2))]
+    if with_sinks:
+        inputs.append(seeded(4, device=gpu_device, seed=4, dtype=torch.bfloat16))
     grad_out = seeded(2, 4, seq, 16, device=gpu_device, seed=3)
     keep = torch.ones(2, 4, seq, seq, dtype=torch.bool, device=gpu_device)
-    for window in (None, 20):
-        explicit = lambda q, k, v, sinks: attention_with_dropout(q, k, v, None, keep, 0.0,  # noqa: E731
-                                                                 window=window, sinks=sinks)
+    for window in windows:
+        explicit = lambda q, k, v, *sinks: attention_with_dropout(  # noqa: E731
+            q, k, v, None, keep, 0.0, window=window, sinks=sinks[0] if sinks else None)
         reference = values_and_grads(explicit, [tensor.float() for tensor in inputs], grad_out)
-        fused = values_and_grads(lambda q, k, v, sinks: attention_core(q, k, v, window=window, sinks=sinks), inputs,
-                                 grad_out)
+        fused = values_and_grads(lambda q, k, v, *sinks: attention_core(q, k, v, window=window,
+                                                                         sinks=sinks[0] if sinks else None),
+                                 inputs, grad_out)
         plain = values_and_grads(explicit, inputs, grad_out)
         for name, got, baseline, expected in zip(("out", "dq", "dk", "dv", "dsinks"), fused, plain, reference):
             assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), (window, name)
@@ -186,32 +195,10 @@ def test_attention_sinks_on_the_fused_kernels_match_the_explicit_sink_softmax(gp
             slack = units * BF16_SLACK * max(1.0, float(expected.abs().max()))
             assert max_error(got, expected) <= 2 * max_error(baseline, expected) + slack, \
                 (window, name, max_error(got, expected), max_error(baseline, expected), float(expected.abs().max()))
-        assert max_error(attention_core(*inputs[:3], window=window), fused[0]) > 1e-2
+        # the sinks' effect (the same window without them), or the window's (whole attention)
+        without = attention_core(*inputs[:3], window=window) if with_sinks else attention_core(*inputs)
+        assert max_error(without, fused[0]) > 1e-2
 
-
-
-def test_sliding_windows_on_the_fused_kernels_match_the_band_mask(gpu_device):
-    """A sliding window without sinks or a cap (Mistral, Gemma 3, Qwen windows): whole sequences run
-    two causal blocks a chunk on the fused kernels, merged by their lse
-    (``sink_attention.fused_windowed_attention``), against the explicit softmax under the band mask
-    in fp32, with the flash test's bound against that softmax in bf16; a window of 20 over 96
-    tokens (the last chunk padded) and one of 32 (chunks that fit)."""
-    seq = 96
-    inputs = [seeded(2, 4, seq, 16, device=gpu_device, seed=0, dtype=torch.bfloat16),
-              *(seeded(2, 2, seq, 16, device=gpu_device, seed=seed, dtype=torch.bfloat16) for seed in (1, 2))]
-    grad_out = seeded(2, 4, seq, 16, device=gpu_device, seed=3)
-    keep = torch.ones(2, 4, seq, seq, dtype=torch.bool, device=gpu_device)
-    for window in (20, 32):
-        explicit = lambda q, k, v: attention_with_dropout(q, k, v, None, keep, 0.0, window=window)  # noqa: E731
-        reference = values_and_grads(explicit, [tensor.float() for tensor in inputs], grad_out)
-        fused = values_and_grads(lambda q, k, v: attention_core(q, k, v, window=window), inputs, grad_out)
-        plain = values_and_grads(explicit, inputs, grad_out)
-        for name, got, baseline, expected in zip(("out", "dq", "dk", "dv"), fused, plain, reference):
-            assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), (window, name)
-            slack = BF16_SLACK * max(1.0, float(expected.abs().max()))
-            assert max_error(got, expected) <= 2 * max_error(baseline, expected) + slack, \
-                (window, name, max_error(got, expected), max_error(baseline, expected))
-        assert max_error(attention_core(*inputs), fused[0]) > 1e-2  # the window cuts
 
 KERNEL_SLACK = 1e-2
 """The slack of the preferred-kernel test, larger than ``BF16_SLACK`` because its shapes are the
