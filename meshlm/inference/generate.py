@@ -185,13 +185,12 @@ def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id
             for row, token in zip(rows, tokens):
                 new_tokens[row].append(token)
             stats.decode_tokens += len(rows)
-            going = torch.ones_like(next_ids, dtype=torch.bool)
-            if eos_ids is not None:
-                going &= ~torch.isin(next_ids, eos_ids)
+            going = None if eos_ids is None else ~torch.isin(next_ids, eos_ids)
             if on_token is not None:  # every row's callback, eos or not: each sees all of its tokens
-                going &= torch.tensor([not on_token(row, token) for row, token in zip(rows, tokens)],
+                called = torch.tensor([not on_token(row, token) for row, token in zip(rows, tokens)],
                                       device=next_ids.device)
-            if not bool(going.all()):
+                going = called if going is None else going & called
+            if going is not None and not bool(going.all()):
                 unfinished = going.nonzero().squeeze(-1)
                 rows = [rows[i] for i in unfinished.tolist()]
                 next_ids = next_ids[unfinished]
