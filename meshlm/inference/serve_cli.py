@@ -8,6 +8,7 @@ from pathlib import Path
 
 from meshlm.errors import ConfigError
 from meshlm.inference.cli import choose_eos, load_generation_model
+from meshlm.inference.continuous_batching import DEFAULT_MAX_BATCH_SIZE, ContinuousBatcher
 from meshlm.inference.server import ServedModel, make_server
 
 DEFAULT_PORT = 8000
@@ -24,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model's name in requests and responses (default: the checkpoint folder's name)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                         help=f"new tokens of a reply when a request names no max_tokens (default {DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, metavar="N",
+                        help="most requests decoded together by continuous batching (default "
+                             f"{DEFAULT_MAX_BATCH_SIZE}; 1: one at a time, in the order they arrive)")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory holding one")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
 
@@ -33,14 +37,23 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-tokens {args.max_tokens} leaves no room for a reply; use 1 or more.")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port} is not a port number; use 1 to 65535 (0: any free port).")
+    if args.max_batch_size < 1:
+        raise ConfigError(f"--max-batch-size {args.max_batch_size} leaves no room for a request; use 1 or more.")
     model_dir, tokenizer, device, model = load_generation_model(
         args, "a server takes and returns text; pass --tokenizer PATH.")
     model.eval()
     name = args.name or Path(args.checkpoint).resolve().name
     served = ServedModel(name, model, tokenizer, choose_eos(None, tokenizer, model_dir), args.max_tokens)
     server = make_server(served, args.host, args.port)
+    batching = f"up to {args.max_batch_size} requests decoded together"
+    if args.max_batch_size > 1 and model.config.rope_scaling == "longrope":
+        batching = "one request at a time (LongRoPE re-runs a sequence past its original context: no shared batch)"
+    elif args.max_batch_size > 1:
+        served.batcher = ContinuousBatcher(model, args.max_batch_size, served.valid_vocab_size)
+    else:
+        batching = "one request at a time"
     host, port = server.server_address[:2]
-    print(f"meshlm serve: {name} ({model_dir}, {device}) on http://{host}:{port}: POST /v1/completions, "
+    print(f"meshlm serve: {name} ({model_dir}, {device}) on http://{host}:{port}, {batching}: POST /v1/completions, "
           "/v1/chat/completions; GET /v1/models, /health; Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         server.serve_forever()
@@ -48,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         print("meshlm serve: stopped", file=sys.stderr)
     finally:
         server.server_close()
+        if served.batcher is not None:
+            served.batcher.close()
     return 0
 
 

@@ -29,15 +29,20 @@ sentence naming the field (OpenAI's error object: ``{"error": {"message", "type"
 unknown fields are ignored, as OpenAI's clients send many. A prompt that does not fit the model's
 positions, or a bad value, is a 400 too; nothing a request does stops the server.
 
-Requests are served one at a time, in the order they arrive (a lock around the model: on one GPU
-or CPU, batching concurrent requests would be the next step); each is decoded with the KV cache
-(``generate.py``), its tokens handed to the response as they are drawn (``on_token``). A client
-that closes a streamed reply's connection stops its generation at the next token.
+Concurrent requests are decoded together by continuous batching (``continuous_batching.py``): a
+request joins the running batch before the next decode step and leaves it when its reply ends, up
+to ``--max-batch-size`` at once (default 8), and gets the tokens it would get alone. Its tokens
+reach the response as they are drawn: the batcher's thread turns them into text and hands the
+pieces to the request's own thread, which writes them, so a slow client never holds up the
+batch. With ``--max-batch-size 1`` (and for a LongRoPE model, whose batch cannot be shared)
+requests are served one at a time in the order they arrive, each by ``generate`` under a lock. A
+client that closes a streamed reply's connection stops its generation at the next token.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 import uuid
@@ -50,6 +55,7 @@ from meshlm.data.reasoning import THINK_END, THINK_START
 from meshlm.data.tokenizer import Tokenizer
 from meshlm.errors import ConfigError
 from meshlm.inference.chat import conversation_prompt, stop_ids
+from meshlm.inference.continuous_batching import ContinuousBatcher, GenerationRequest
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 
@@ -88,6 +94,9 @@ class ServedModel:
     eos_token_id: int | list[int] | None
     max_tokens: int = 256
     """New tokens when a request names no ``max_tokens``."""
+    batcher: ContinuousBatcher | None = None
+    """Decodes concurrent requests together (``meshlm serve --max-batch-size``); None: one at a time,
+    each by ``generate`` under ``lock``."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -256,17 +265,49 @@ def run_completion(served: ServedModel, request: CompletionRequest,
         send(final=ended)
         return ended
 
-    with served.lock:
-        try:
-            new_ids = generate(served.model, [request.prompt_ids], request.max_tokens, request.sampling,
-                               eos_token_id=request.end_ids or None, valid_vocab_size=served.valid_vocab_size,
-                               on_token=on_token)[0]
-        except ConfigError as error:  # a prompt too long for the model's positions, say
-            raise RequestError(str(error), "messages" if request.chat else "prompt") from error
+    try:
+        if served.batcher is not None:
+            new_ids = batched_completion(served.batcher, request, reply, on_pieces)
+        else:
+            with served.lock:
+                new_ids = generate(served.model, [request.prompt_ids], request.max_tokens, request.sampling,
+                                   eos_token_id=request.end_ids or None, valid_vocab_size=served.valid_vocab_size,
+                                   on_token=on_token)[0]
+    except ConfigError as error:  # a prompt too long for the model's positions, say
+        raise RequestError(str(error), "messages" if request.chat else "prompt") from error
     send(final=True)  # what the last token left held back (a reply that ran to max_tokens)
     prompt, completion = len(request.prompt_ids), len(new_ids)
     return {"text": reply.text, "reasoning": reply.reasoning, "finish_reason": "stop" if reply.ended else "length",
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+
+
+def batched_completion(batcher: ContinuousBatcher, request: CompletionRequest, reply: ReplyText,
+                       on_pieces: Callable[[str, str], None] | None) -> list[int]:
+    """``request``'s new ids from the batcher: its thread adds each token to ``reply`` and queues the
+    sendable pieces, which this (the request's) thread hands to ``on_pieces`` as they come. Should
+    ``on_pieces`` raise (the client went away), the request is cancelled: it leaves the batch at its
+    next token."""
+    pieces: queue.SimpleQueue = queue.SimpleQueue()
+    finished = object()
+
+    def on_token(token: int) -> bool:
+        ended = reply.add(token)
+        if on_pieces is not None:
+            new = reply.new_pieces(final=ended)
+            if any(new):
+                pieces.put(new)
+        return ended
+
+    job = GenerationRequest(request.prompt_ids, request.max_tokens, request.sampling, request.end_ids, on_token,
+                            on_done=lambda: pieces.put(finished))
+    batcher.submit(job)
+    try:
+        while (item := pieces.get()) is not finished:
+            on_pieces(*item)
+    except BaseException:
+        job.cancel()
+        raise
+    return job.wait()
 
 
 def completion_body(served: ServedModel, request: CompletionRequest, result: dict, reply_id: str, created: int

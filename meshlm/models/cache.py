@@ -23,6 +23,15 @@ latest tokens. For attention that is a count (the keys past it are overwritten l
 state cannot be run backwards, so after ``enable_rollback(n)`` each Mamba cache keeps what it
 needs to undo up to n tokens: its SSM state before and after each of the latest n tokens, and
 n more columns of conv inputs (``MambaCache``). Until then generation keeps nothing extra.
+
+**Joining and trimming batches.** A server that batches requests as they come
+(``meshlm/inference/continuous_batching.py``) adds sequences to a batch that is already decoding:
+``InferenceCache.join`` appends another cache's sequences as rows, both right-aligned on their
+latest token -- the shorter side is left-padded, as a prompt shorter than its batch's longest is,
+so the rows decode exactly as they would alone. Sequences leave when they finish (``select``), and
+the columns before every remaining row's first real token then hold padding only:
+``drop_leading_padding`` cuts them off, so the cache stays as long as its longest live sequence,
+not as long as the server has been running.
 """
 
 from __future__ import annotations
@@ -157,6 +166,40 @@ class AttentionCache:
         if self.key_buffer is not None:
             self.key_buffer, self.value_buffer = self.key_buffer[batch_indices], self.value_buffer[batch_indices]
 
+    def joined(self, other: AttentionCache, seen: int, other_seen: int, total: int,
+               capacity: int | None) -> AttentionCache:
+        """This cache's sequences and then ``other``'s in one cache whose slots run to ``total``, each
+        side's latest key in slot ``total - 1`` (``seen`` and ``other_seen``: the tokens each side
+        has seen); slots a side never held are zeros (its padding mask is False there, or, under a
+        sliding window, they are older than the window). ``capacity``: slots to allocate at least."""
+        starts = (self.start + total - seen, other.start + total - other_seen)
+        start = min(starts)
+        length = total - start
+        key_shape = (self.key_buffer.shape[0] + other.key_buffer.shape[0], *self.key_buffer.shape[1:2],
+                     max(length, capacity or 0), self.key_buffer.shape[3])
+        merged = AttentionCache(capacity_hint=self.capacity_hint, window=self.window, start=start, length=length,
+                                rollback_window=max(self.rollback_window, other.rollback_window))
+        for name in ("key_buffer", "value_buffer"):
+            buffer = getattr(self, name).new_zeros(key_shape)
+            rows = 0
+            for side, side_start in ((self, starts[0]), (other, starts[1])):
+                held = getattr(side, name)[:, :, :side.length]
+                first = side_start - start
+                buffer[rows:rows + held.shape[0], :, first:first + side.length] = held
+                rows += held.shape[0]
+            setattr(merged, name, buffer)
+        return merged
+
+    def drop_slots(self, count: int) -> None:
+        """Forget the first ``count`` slots of every sequence (padding everywhere: ``InferenceCache.
+        drop_leading_padding``); the slots after them are numbered from 0."""
+        dropped_keys = max(count - self.start, 0)
+        self.start = max(self.start - count, 0)
+        if dropped_keys and self.key_buffer is not None:
+            self.length -= dropped_keys
+            self.key_buffer = self.key_buffer[:, :, dropped_keys:].clone()
+            self.value_buffer = self.value_buffer[:, :, dropped_keys:].clone()
+
     @property
     def nbytes(self) -> int:
         """Bytes allocated (capacity, not only the tokens held)."""
@@ -226,6 +269,14 @@ class MambaCache:
             self.ssm_state = self.recent_ssm_states[-1]
         elif self.ssm_state is not None:
             self.ssm_state = self.ssm_state[batch_indices]
+
+    def joined(self, other: MambaCache) -> MambaCache:
+        """This cache's sequences and then ``other``'s: a recurrent state has no length, so the rows
+        only stack (caches that can roll back are not joined)."""
+        if self.rollback_window or other.rollback_window:
+            raise RuntimeError("Mamba caches that can roll back tokens (speculative decoding) cannot be joined")
+        return MambaCache(conv_state=torch.cat([self.conv_state, other.conv_state]),
+                          ssm_state=torch.cat([self.ssm_state, other.ssm_state]))
 
     @property
     def nbytes(self) -> int:
@@ -319,6 +370,54 @@ class InferenceCache:
         if self.mask_buffer is not None:
             self.mask_buffer = self.mask_buffer[batch_indices]
             self.real_tokens = self.real_tokens[batch_indices]
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.mask_buffer is None else self.mask_buffer.shape[0]
+
+    def join(self, other: InferenceCache, capacity: int | None = None) -> None:
+        """Append ``other``'s sequences to this cache's batch, as rows after its own (module
+        docstring): both sides right-aligned on their latest token, the shorter left-padded, so that
+        every row's next token attends to and continues from exactly what it did before. Both must
+        come from the same model, with every block's state made (a forward seen). ``capacity``:
+        token slots to allocate at least (the longest the joined sequences may grow to)."""
+        if set(self.layers) != set(other.layers) or self.mask_buffer is None or other.mask_buffer is None:
+            raise ValueError("only caches of the same model that have both seen a forward can be joined")
+        seen, other_seen = self.num_seen_tokens, other.num_seen_tokens
+        total = max(seen, other_seen)
+        mask = self.mask_buffer.new_zeros(self.batch_size + other.batch_size, max(total, capacity or 0))
+        mask[:self.batch_size, total - seen:total] = self.token_mask
+        mask[self.batch_size:, total - other_seen:total] = other.token_mask
+        for index, state in self.layers.items():
+            other_state = other.layers[index]
+            if type(state) is not type(other_state):
+                raise ValueError(f"block {index} holds different kinds of state in the two caches")
+            self.layers[index] = (state.joined(other_state, seen, other_seen, total, capacity)
+                                  if isinstance(state, AttentionCache) else state.joined(other_state))
+        self.mask_buffer, self.num_seen_tokens = mask, total
+        self.real_tokens = torch.cat([self.real_tokens, other.real_tokens])
+        self.has_padding = self.has_padding or other.has_padding or seen != other_seen
+        self.rollback_window = max(self.rollback_window, other.rollback_window)
+        self.max_tokens = None if self.max_tokens is None or other.max_tokens is None else max(
+            self.max_tokens, other.max_tokens)
+
+    def drop_leading_padding(self) -> int:
+        """Cut off the columns before the first real token of any sequence (padding in every row,
+        left behind by sequences that have left the batch); returns how many. Looks at the whole
+        mask once: call it when the batch changes, not every step."""
+        if self.mask_buffer is None or not self.num_seen_tokens:
+            return 0
+        real_columns = self.token_mask.any(0).nonzero()
+        count = int(real_columns[0]) if len(real_columns) else self.num_seen_tokens
+        if count == 0:
+            return 0
+        self.mask_buffer = self.mask_buffer[:, count:].clone()
+        self.num_seen_tokens -= count
+        self.has_padding = not bool(self.token_mask.all())
+        for state in self.layers.values():
+            if isinstance(state, AttentionCache):
+                state.drop_slots(count)
+        return count
 
     @property
     def nbytes(self) -> int:

@@ -146,6 +146,22 @@ def test_cached_greedy_in_bf16_picks_the_full_forward_top_token(kind, gpu_device
         assert float(shortfall.max()) <= BF16_LOGIT_GAP, (kind, prompt, shortfall.tolist())
 
 
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_continuous_batching_gives_each_request_its_tokens_alone(kind, gpu_device, exact_fp32_cuda):
+    """``meshlm serve``'s batcher on CUDA tensors: the requests, submitted together and joining the
+    decoding batch from its thread, get what ``generate`` gives each alone."""
+    from meshlm.inference.continuous_batching import ContinuousBatcher, GenerationRequest
+
+    model = tiny_model(kind, gpu_device, torch.float32)
+    alone = [generate(model, [prompt], NEW_TOKENS, GREEDY)[0] for prompt in PROMPTS]
+    batcher = ContinuousBatcher(model, max_batch_size=len(PROMPTS))
+    try:
+        requests = [batcher.submit(GenerationRequest(prompt, NEW_TOKENS, GREEDY)) for prompt in PROMPTS]
+        assert [request.wait() for request in requests] == alone, kind
+    finally:
+        batcher.close()
+
+
 def test_mtp_speculative_decoding_equals_plain_greedy(gpu_device, exact_fp32_cuda):
     model = tiny_model("mtp", gpu_device, torch.float32)
     for prompt in PROMPTS:

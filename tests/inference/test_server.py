@@ -15,6 +15,7 @@ from meshlm.checkpoint.model_files import load_model, save_model
 from meshlm.data.chat import token_id
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.inference.chat import conversation_prompt, reply_ids
+from meshlm.inference.continuous_batching import ContinuousBatcher
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.inference.server import ServedModel, make_server
@@ -28,20 +29,40 @@ def chat_model_dir(tmp_path_factory, chat_tokenizer_dir):
     return save_model(tiny_model(), tmp_path_factory.mktemp("served") / "model", tokenizer_dir=chat_tokenizer_dir)
 
 
-def serving(model_dir, tokenizer):
-    """A running server for the model in ``model_dir`` (stop it with ``.shutdown()``) and its base URL."""
+def serving(model_dir, tokenizer, max_batch_size: int = 8):
+    """A running server for the model in ``model_dir`` (stop it with ``stop``) and its base URL;
+    ``max_batch_size`` as ``meshlm serve --max-batch-size`` (1: one request at a time)."""
     served = ServedModel("tiny", load_model(model_dir).eval(), tokenizer, tokenizer.eos_token_id, MAX_TOKENS)
+    if max_batch_size > 1:
+        served.batcher = ContinuousBatcher(served.model, max_batch_size, served.valid_vocab_size)
     server = make_server(served, "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
-@pytest.fixture(scope="module")
-def url(chat_model_dir, tokenizer):
-    server, base = serving(chat_model_dir, tokenizer)
-    yield base
+def served_by(server) -> ServedModel:
+    return server.RequestHandlerClass.served
+
+
+def stop(server) -> None:
     server.shutdown()
     server.server_close()
+    if served_by(server).batcher is not None:
+        served_by(server).batcher.close()
+
+
+SERVERS = {}
+"""Base URL -> the running server of the module's ``url`` fixture."""
+
+
+@pytest.fixture(scope="module", params=[8, 1], ids=["batched", "one_at_a_time"])
+def url(chat_model_dir, tokenizer, request):
+    """Every test of a served reply runs against both kinds of server: the continuous batcher and
+    one request at a time (``generate`` under a lock)."""
+    server, base = serving(chat_model_dir, tokenizer, request.param)
+    SERVERS[base] = server
+    yield base
+    stop(server)
 
 
 def post(url: str, path: str, body) -> tuple[int, object]:
@@ -150,8 +171,7 @@ def test_a_think_block_comes_back_as_reasoning_content(thinking_model_dir, token
         assert "".join(delta.get("reasoning_content", "") for delta in deltas) == "cat dog"
         assert "".join(delta.get("content", "") for delta in deltas) == "mat"
     finally:
-        server.shutdown()
-        server.server_close()
+        stop(server)
 
 
 @pytest.mark.parametrize("path, body, status, message", [
@@ -178,12 +198,13 @@ def test_bad_requests_are_refused_by_field_and_the_server_goes_on(url, path, bod
 
 
 def test_a_failure_inside_is_a_500_and_the_server_goes_on(url, monkeypatch):
-    from meshlm.inference import server
+    from meshlm.inference import continuous_batching, server
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(server, "generate", broken)
+    monkeypatch.setattr(server, "generate", broken)  # one at a time
+    monkeypatch.setattr(continuous_batching, "prefill", broken)  # batched
     status, reply = post(url, "/v1/completions", {"prompt": "the"})
     expected = {"message": "meshlm serve failed on this request: RuntimeError: boom", "type": "server_error",
                 "param": None}
@@ -211,6 +232,45 @@ def test_a_client_leaving_a_stream_stops_its_generation(url):
     started = time.perf_counter()
     assert post(url, "/v1/completions", {"prompt": "the", "max_tokens": 2})[0] == 200
     assert time.perf_counter() - started < 30  # 100,000 tokens would take minutes on this CPU
+    batcher = served_by(SERVERS[url]).batcher
+    if batcher is not None:  # the other request did not have to wait: the row itself has left the batch
+        while batcher.rows and time.perf_counter() - started < 30:
+            time.sleep(0.05)
+        assert not batcher.rows
+
+
+def test_concurrent_requests_are_decoded_together_each_as_alone(chat_model_dir, tokenizer):
+    """Six requests at once, greedy and sampled, streamed and not, to a batching server: each reply is
+    what ``generate`` gives its prompt alone, and the batcher did decode several at a time."""
+    server, base = serving(chat_model_dir, tokenizer, max_batch_size=4)
+    bodies = [{"prompt": prompt, "max_tokens": 24, **sampling, "stream": stream}
+              for prompt, sampling, stream in [("the cat", {"temperature": 0}, False), ("a dog", {"seed": 5}, True),
+                                                ("the mat and the", {"temperature": 0}, True),
+                                                ("a", {"seed": 1, "top_k": 20}, False),
+                                                ("the dog sat on a log", {"temperature": 0.7, "seed": 2}, False),
+                                                ("cat", {"temperature": 0}, True)]]
+    replies = [None] * len(bodies)
+
+    def ask(index):
+        replies[index] = post(base, "/v1/completions", bodies[index])
+
+    try:
+        threads = [threading.Thread(target=ask, args=(index,)) for index in range(len(bodies))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert served_by(server).batcher.largest_batch > 1
+    finally:
+        stop(server)
+    for body, (status, reply) in zip(bodies, replies):
+        assert status == 200
+        sampling = {"greedy": True} if body.get("temperature") == 0 else {
+            "temperature": body.get("temperature", 1.0), "top_k": body.get("top_k", 0), "seed": body["seed"]}
+        new = expected_ids(chat_model_dir, tokenizer.encode(body["prompt"]), [tokenizer.eos_token_id], 24, **sampling)
+        text = tokenizer.decode([token for token in new if token != tokenizer.eos_token_id])
+        got = "".join(chunk["choices"][0]["text"] for chunk in reply) if body["stream"] else reply["choices"][0]["text"]
+        assert got == text, body
 
 
 def test_models_and_health(url):
@@ -232,6 +292,6 @@ def test_the_command_refuses_a_taken_port_and_bad_settings(chat_model_dir, token
         with pytest.raises(ConfigError, match="cannot listen on 127.0.0.1"):
             make_server(ServedModel("tiny", torch.nn.Linear(1, 1), tokenizer, None), "127.0.0.1", int(port))
     finally:
-        server.shutdown()
-        server.server_close()
+        stop(server)
     assert main(["serve", str(chat_model_dir), "--max-tokens", "0"]) == 2
+    assert main(["serve", str(chat_model_dir), "--max-batch-size", "0"]) == 2

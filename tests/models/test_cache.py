@@ -194,3 +194,80 @@ def test_inference_cache_gives_sliding_blocks_their_window_and_rollback():
     full, sliding = cache.state_for(0, AttentionCache), cache.state_for(1, AttentionCache, window=8)
     assert (full.window, full.capacity_hint) == (None, 1000)
     assert (sliding.window, sliding.rollback_window, sliding.capacity_hint) == (8, 3, 16)
+
+
+# --- joining and trimming batches (continuous batching) -----------------------------------------------------
+
+JOIN_MODELS = {"dense": {"pattern": "*-*-"}, "hybrid": {"pattern": "M*-M-"},
+               "sliding": {"pattern": "*-*-", "sliding_window": 3, "sliding_window_pattern": "SF"}}
+
+
+def join_model(name: str) -> LanguageModel:
+    torch.manual_seed(0)
+    return LanguageModel(ModelConfig(vocab_size=97, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
+                                     init_std=0.1, mamba_head_dim=8, mamba_chunk_size=8, **JOIN_MODELS[name])).eval()
+
+
+def fed(model, prompts: list[list[int]], decoded: int) -> tuple[InferenceCache, list[list[int]]]:
+    """A cache that has seen ``prompts`` (left-padded) and ``decoded`` tokens more per row, and the
+    tokens each row was fed."""
+    from meshlm.inference.generate import left_pad
+
+    cache, input_ids = InferenceCache(), None
+    input_ids, mask = left_pad(prompts, 0, torch.device("cpu"))
+    model(input_ids, token_mask=mask, cache=cache)
+    sequences = [list(prompt) for prompt in prompts]
+    for step in range(decoded):
+        tokens = [(7 * row + 11 * step + 5) % 97 for row in range(len(prompts))]
+        model(torch.tensor(tokens)[:, None], cache=cache)
+        for sequence, token in zip(sequences, tokens):
+            sequence.append(token)
+    return cache, sequences
+
+
+@pytest.mark.parametrize("name", JOIN_MODELS)
+@pytest.mark.parametrize("longer_first", [True, False])
+@torch.inference_mode()
+def test_joined_caches_decode_each_sequence_as_its_own_cache_does(name, longer_first):
+    """A batch that has decoded past a sliding window joins one just prefilled (and the other way
+    round): every row's logits from then on equal those of its own cache, and when the longest row
+    leaves, the columns only it used are cut off and the others still decode the same."""
+    model = join_model(name)
+    running, running_sequences = fed(model, [[5, 17, 3, 42, 8, 1, 60], [11, 2]], decoded=6)
+    joining, joining_sequences = fed(model, [[70, 4, 13], [33, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 90]], 0)
+    if not longer_first:
+        running, joining = joining, running
+        running_sequences, joining_sequences = joining_sequences, running_sequences
+    alone = [fed(model, [sequence], 0)[0] for sequence in running_sequences + joining_sequences]
+    if name == "sliding":  # the decoded batch has dropped keys older than its window
+        assert any(state.start for cache in (running, joining) for state in cache.layers.values())
+    running.join(joining, capacity=40)
+    assert running.batch_size == 4 and running.has_padding
+    for step in range(8):
+        tokens = torch.tensor([(13 * row + 3 * step + 1) % 97 for row in range(4)])
+        joined = model(tokens[:, None], cache=running).logits[:, -1]
+        for row, cache in enumerate(alone):
+            torch.testing.assert_close(joined[row], model(tokens[row:row + 1, None], cache=cache).logits[0, -1],
+                                       rtol=1e-5, atol=1e-5)
+    longest = max(range(4), key=lambda row: len((running_sequences + joining_sequences)[row]))
+    kept = [row for row in range(4) if row != longest]
+    seen_before = running.num_seen_tokens
+    running.select(torch.tensor(kept))
+    assert running.drop_leading_padding() > 0 and running.num_seen_tokens < seen_before
+    for step in range(4):
+        tokens = torch.tensor([(5 * row + step) % 97 for row in kept])
+        joined = model(tokens[:, None], cache=running).logits[:, -1]
+        for index, row in enumerate(kept):
+            torch.testing.assert_close(joined[index], model(tokens[index:index + 1, None], cache=alone[row]).logits[
+                0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_joining_refuses_caches_of_other_models_and_rolling_back_mamba_states():
+    dense, hybrid = join_model("dense"), join_model("hybrid")
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="same model"):
+            fed(dense, [[1, 2]], 0)[0].join(fed(hybrid, [[1, 2]], 0)[0])
+        rolling = fed(hybrid, [[1, 2]], 0)[0]
+        rolling.enable_rollback(2)
+        with pytest.raises(RuntimeError, match="cannot be joined"):
+            rolling.join(fed(hybrid, [[3]], 0)[0])

@@ -1,0 +1,138 @@
+"""Serving many requests: continuous batching against one request at a time.
+
+    python -m bench.serving [--requests 16] [--max-new-tokens 64] [--batch-sizes 4,16] [--repeats 3]
+                            [--arrival-ms 0] [--device cpu]
+
+The model is the demo's (``configs/demo.yaml``: a 3.1M-parameter hybrid of Mamba-2, attention,
+MLP and MoE blocks) with random weights -- decoding speed does not depend on what the weights
+know -- and the requests are ``--requests`` random prompts of 16 to 128 tokens, each decoded
+greedily for ``--max-new-tokens`` tokens (no end token, so every reply has the same length). They
+arrive all at once, or one every ``--arrival-ms`` milliseconds.
+
+Served two ways, as ``meshlm serve`` serves them:
+
+* ``one_at_a_time`` (``--max-batch-size 1``): each request by ``generate`` in arrival order;
+* ``batched_N`` (``--max-batch-size N``, for each N of ``--batch-sizes``): ``ContinuousBatcher``,
+  requests joining and leaving the batch step by step.
+
+The ways are timed alternately, ``--repeats`` times after a warm-up (``bench/timing.py``), so
+machine noise hits them alike. For each: the median wall time from the first arrival to the
+last reply, the generated tokens per second, the median over requests of the latency (arrival
+to last token), the speed-up over one at a time, and whether every reply equals the one-at-a-
+time reply token for token. One JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from meshlm.config import load_run_config
+from meshlm.inference.continuous_batching import ContinuousBatcher, GenerationRequest
+from meshlm.inference.generate import generate
+from meshlm.inference.sampling import SamplingConfig
+from meshlm.models.language_model import LanguageModel
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+GREEDY = SamplingConfig(greedy=True)
+
+
+def random_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    generator = random.Random(seed)
+    return [[generator.randrange(vocab_size) for _ in range(generator.randint(16, 128))] for _ in range(count)]
+
+
+def serve_one_at_a_time(model, prompts, new_tokens: int, arrival_s: float) -> tuple[float, list[float], list]:
+    """Seconds from the first arrival to the last reply, each request's latency, and the replies."""
+    started = time.perf_counter()
+    latencies, replies = [], []
+    for index, prompt in enumerate(prompts):
+        arrival = started + index * arrival_s
+        time.sleep(max(0.0, arrival - time.perf_counter()))
+        replies.append(generate(model, [prompt], new_tokens, GREEDY)[0])
+        latencies.append(time.perf_counter() - arrival)
+    return time.perf_counter() - started, latencies, replies
+
+
+def serve_batched(batcher: ContinuousBatcher, prompts, new_tokens: int, arrival_s: float
+                  ) -> tuple[float, list[float], list]:
+    started = time.perf_counter()
+    finished = [0.0] * len(prompts)
+    requests = []
+    for index, prompt in enumerate(prompts):
+        time.sleep(max(0.0, started + index * arrival_s - time.perf_counter()))
+        request = GenerationRequest(prompt, new_tokens, GREEDY)
+        request.on_done = lambda index=index: finished.__setitem__(index, time.perf_counter())
+        requests.append(batcher.submit(request))
+    replies = [request.wait() for request in requests]
+    latencies = [finished[index] - (started + index * arrival_s) for index in range(len(prompts))]
+    return max(finished) - started, latencies, replies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", default="4,16", help="comma-separated --max-batch-size values")
+    parser.add_argument("--arrival-ms", type=float, default=0.0, help="one request every this many ms (0: all at once)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = LanguageModel(load_run_config(CONFIG, []).model).to(args.device).eval()
+    prompts = random_prompts(args.requests, model.config.vocab_size)
+    arrival_s = args.arrival_ms / 1000
+    batchers = {f"batched_{size}": ContinuousBatcher(model, int(size)) for size in args.batch_sizes.split(",")}
+    results: dict[str, list] = {name: [] for name in ["one_at_a_time", *batchers]}
+
+    def timed(name):
+        def run() -> float:
+            if name == "one_at_a_time":
+                outcome = serve_one_at_a_time(model, prompts, args.max_new_tokens, arrival_s)
+            else:
+                outcome = serve_batched(batchers[name], prompts, args.max_new_tokens, arrival_s)
+            results[name].append(outcome)
+            return outcome[0]
+        return run
+
+    try:
+        for run in map(timed, results):  # warm-up, not counted
+            run()
+        for outcomes in results.values():
+            outcomes.clear()
+        for _ in range(args.repeats):
+            for name in results:
+                timed(name)()
+    finally:
+        for batcher in batchers.values():
+            batcher.close()
+    reference = results["one_at_a_time"][0][2]
+    base_seconds = [outcome[0] for outcome in results["one_at_a_time"]]
+    report = {"bench": "serving", "device": args.device, "threads": torch.get_num_threads(),
+              "model": f"configs/demo.yaml, random weights, {sum(p.numel() for p in model.parameters())} parameters",
+              "requests": args.requests, "prompt_tokens": "16-128", "new_tokens_each": args.max_new_tokens,
+              "arrival_ms": args.arrival_ms, "repeats": args.repeats, "ways": {}}
+    generated = args.requests * args.max_new_tokens
+    for name, outcomes in results.items():
+        seconds = [outcome[0] for outcome in outcomes]
+        entry = {"seconds": round(statistics.median(seconds), 3),
+                 "tokens_per_s": round(generated / statistics.median(seconds), 1),
+                 "median_latency_s": round(statistics.median(
+                     statistics.median(outcome[1]) for outcome in outcomes), 3),
+                 "same_tokens_as_one_at_a_time": all(outcome[2] == reference for outcome in outcomes)}
+        if name != "one_at_a_time":
+            entry["speedup"] = round(statistics.median(base / own for base, own in zip(base_seconds, seconds)), 2)
+            entry["largest_batch"] = batchers[name].largest_batch
+        report["ways"][name] = entry
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

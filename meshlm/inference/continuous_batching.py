@@ -1,0 +1,274 @@
+"""Continuous batching: requests join a decoding batch as they arrive and leave it as they finish.
+
+A server answering one request at a time leaves most of the hardware idle: a decode step of one
+sequence reads every weight to produce one token, and a step of 16 sequences reads the same
+weights for 16 tokens, in little more time while decoding is bound by reading weights (on a GPU
+up to batches of dozens or hundreds). Batching the requests that happen to be waiting together
+(*static* batching) helps, but a batch then runs until its longest reply is done: a short reply
+holds its row empty, and a request arriving meanwhile waits for the whole batch. *Continuous*
+batching schedules every decode step instead (Yu et al. 2022, "Orca: A Distributed Serving
+System for Transformer-Based Generative Models", §3.2, iteration-level scheduling; what vLLM
+and SGLang do): before each step the requests that arrived are prefilled and join the batch,
+and after it the finished ones leave, so the batch is as full as the load allows at every step.
+
+``ContinuousBatcher`` runs that loop on one worker thread that owns the model:
+
+1. **Admit**: the waiting requests (up to ``max_batch_size`` rows in all) are prefilled together,
+   left-padded as ``generate`` pads a batch, and each draws its first token; those not finished
+   by it join the running batch's cache (``InferenceCache.join``: right-aligned on the latest
+   token, the shorter side left-padded), their drawn token waiting to be fed like everyone else's.
+2. **Step**: one forward of every row's latest token; each row draws its next token with its own
+   sampling settings and random generator (``SamplingConfig.make_generator``), so a request's
+   draws do not depend on who else is in the batch.
+3. **Leave**: a row ends at an end id, at its ``max_new_tokens``, when its ``on_token`` callback
+   says so (a stop string) or when it is cancelled (a client that went away); it is dropped from
+   the cache (``InferenceCache.select``) and the columns that now hold padding in every row are
+   cut off (``drop_leading_padding``), so the cache is as long as its longest live sequence.
+
+Every row attends to exactly its own tokens and positions count real tokens only (``generate``'s
+left padding), so a request gets the tokens it would get alone: greedy replies are the same, and
+sampled ones too for the same seed -- up to the rounding of a batched matmul against a single
+row's, which can only matter where two logits tie to the last bits.
+
+Memory: the rows share one set of KV buffers as long as the longest live sequence (left padding,
+not paging): a long request makes every row's buffers that long while it lasts. vLLM's paged
+attention (Kwon et al. 2023) removes that waste with per-block KV allocation and a kernel that
+reads scattered blocks; here ``max_batch_size`` bounds it. Speculative decoding, LongRoPE's
+re-prefill past the original context and the compiled decode step are ``generate``'s alone: a
+server of such a model answers one request at a time (``max_batch_size`` 1).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from meshlm.errors import ConfigError
+from meshlm.inference.generate import check_prompts, left_pad
+from meshlm.inference.prefill import hidden_states, prefill
+from meshlm.inference.sampling import SamplingConfig, restrict_vocab, sample_next
+from meshlm.models.cache import InferenceCache
+from meshlm.models.position_embedding import check_positions_fit
+
+DEFAULT_MAX_BATCH_SIZE = 8
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    """One prompt to continue, how, and (filled in by the batcher) what came of it."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    end_ids: list[int] = field(default_factory=list)
+    """Ids that end the reply when drawn (kept as its last token, as ``generate`` keeps an eos)."""
+    on_token: Callable[[int], bool] | None = None
+    """Called on the batcher's thread with each new token; returning True ends the reply there."""
+    new_ids: list[int] = field(default_factory=list)
+    """The tokens drawn so far."""
+    error: BaseException | None = None
+    """What stopped the batcher on this request's batch, if anything did."""
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+    """Set by another thread (``cancel``): the request leaves the batch before its next token."""
+    on_done: Callable[[], None] | None = None
+    """Called on the batcher's thread once the request has finished, failed or been dropped."""
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Mark the request done (the batcher calls it once): ``wait`` returns, ``on_done`` is called."""
+        self.error = error
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done()
+
+    def wait(self) -> list[int]:
+        """The new tokens, once the request has finished (re-raising what failed it)."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.new_ids
+
+
+@dataclass(eq=False)
+class _Row:
+    """A request in the running batch: its random generator and the token it drew last (not yet fed)."""
+
+    request: GenerationRequest
+    generator: torch.Generator | None
+    last_token: int = 0
+
+
+class ContinuousBatcher:
+    """Serves ``GenerationRequest``s from any number of threads on one worker thread that batches
+    them step by step (module docstring). ``valid_vocab_size``: draw only from the first ids of a
+    padded vocabulary. ``close()`` stops the worker (requests still waiting get an error)."""
+
+    def __init__(self, model, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, valid_vocab_size: int | None = None,
+                 pad_token_id: int = 0):
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ConfigError(f"max_batch_size={max_batch_size!r} must be a whole number of sequences >= 1.")
+        if model.config.rope_scaling == "longrope":
+            raise ConfigError("this model's LongRoPE (model.rope_scaling=longrope) re-runs a sequence when it "
+                              "first passes the original context, which a shared batch cannot do; serve it one "
+                              "request at a time (max batch size 1).")
+        self.model, self.max_batch_size = model, max_batch_size
+        self.valid_vocab_size, self.pad_token_id = valid_vocab_size, pad_token_id
+        self.device = next(model.parameters()).device
+        self.waiting: queue.Queue[GenerationRequest | None] = queue.Queue()
+        self.rows: list[_Row] = []
+        self.cache: InferenceCache | None = None
+        self.steps = 0
+        """Decode steps run (a batch of any size is one)."""
+        self.largest_batch = 0
+        """The most rows one step has decoded together."""
+        self._closed = False
+        self._worker = threading.Thread(target=self._serve, name="meshlm-batcher", daemon=True)
+        self._worker.start()
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise ConfigError for a request the model cannot serve (on the caller's thread, before it queues)."""
+        check_prompts([request.prompt_ids], self.model.config.vocab_size)
+        if request.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={request.max_new_tokens} must be >= 1.")
+        check_positions_fit(self.model.config, len(request.prompt_ids) + request.max_new_tokens,
+                            f"a prompt of {len(request.prompt_ids)} tokens and max_tokens={request.max_new_tokens}",
+                            "shorten the prompt or ask for fewer new tokens")
+
+    def submit(self, request: GenerationRequest) -> GenerationRequest:
+        """Queue ``request`` (checked first); it joins the batch before the next decode step."""
+        self.check(request)
+        if self._closed:
+            raise RuntimeError("this batcher is closed")
+        self.waiting.put(request)
+        return request
+
+    def generate(self, request: GenerationRequest) -> list[int]:
+        """Submit ``request`` and wait for its new tokens."""
+        return self.submit(request).wait()
+
+    def close(self) -> None:
+        self._closed = True
+        self.waiting.put(None)
+        self._worker.join()
+
+    # --- the worker thread --------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        model_was_training = self.model.training
+        self.model.eval()
+        try:
+            while True:
+                admitted = self._take_waiting(block=not self.rows)
+                if admitted is None:
+                    break
+                try:
+                    with torch.inference_mode():
+                        if admitted:
+                            self._admit(admitted)
+                        if self.rows:
+                            self._step()
+                except Exception as error:  # noqa: BLE001 -- fail the batch's requests, keep serving
+                    for request in admitted + [row.request for row in self.rows]:
+                        if not request.done.is_set():
+                            request.finish(error)
+                    self.rows, self.cache = [], None
+        finally:
+            self.model.train(model_was_training)
+            self._fail_waiting(RuntimeError("the batcher was closed before this request ran"))
+
+    def _take_waiting(self, block: bool) -> list[GenerationRequest] | None:
+        """The requests that may join now (up to the free rows; None once closed)."""
+        taken = []
+        while len(self.rows) + len(taken) < self.max_batch_size:
+            try:
+                request = self.waiting.get(block=block and not taken)
+            except queue.Empty:
+                break
+            if request is None:
+                return None
+            if request.cancelled:
+                request.finish()
+                continue
+            taken.append(request)
+        return taken
+
+    def _fail_waiting(self, error: Exception) -> None:
+        while True:
+            try:
+                request = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            if request is not None:
+                request.finish(error)
+
+    def _admit(self, requests: list[GenerationRequest]) -> None:
+        """Prefill ``requests`` as one batch, draw their first tokens, and join the unfinished ones to
+        the running batch."""
+        prompts = [request.prompt_ids for request in requests]
+        input_ids, token_mask = left_pad(prompts, self.pad_token_id, self.device)
+        longest_reply = max(request.max_new_tokens for request in requests)
+        cache = InferenceCache(max_tokens=input_ids.shape[1] + longest_reply)
+        logits = self.model.head_logits(prefill(self.model, input_ids, token_mask, cache))[:, -1]
+        rows = [_Row(request, request.sampling.make_generator(self.device)) for request in requests]
+        staying = self._draw(rows, logits)
+        if not staying:
+            return
+        if len(staying) < len(rows):
+            cache.select(torch.tensor([rows.index(row) for row in staying], device=self.device))
+        if self.cache is None:
+            self.cache = cache
+        else:
+            to_feed = max(row.request.max_new_tokens - len(row.request.new_ids) for row in self.rows + staying)
+            self.cache.join(cache, capacity=max(self.cache.num_seen_tokens, cache.num_seen_tokens) + to_feed)
+        self.rows += staying
+
+    def _step(self) -> None:
+        """Feed every row its last token, draw the next, and let the finished rows leave."""
+        tokens = torch.tensor([[row.last_token] for row in self.rows], device=self.device)
+        logits = self.model.head_logits(hidden_states(self.model, tokens, self.cache))[:, -1]
+        self.steps += 1
+        self.largest_batch = max(self.largest_batch, len(self.rows))
+        staying = self._draw(self.rows, logits)
+        if len(staying) < len(self.rows):
+            if staying:
+                self.cache.select(torch.tensor([self.rows.index(row) for row in staying], device=self.device))
+                self.cache.drop_leading_padding()
+            else:
+                self.cache = None
+        self.rows = staying
+
+    def _draw(self, rows: list[_Row], logits: torch.Tensor) -> list[_Row]:
+        """Each row's next token from its logits row, handed to its request; the rows that go on."""
+        logits = restrict_vocab(logits, self.valid_vocab_size)
+        greedy = [i for i, row in enumerate(rows) if row.request.sampling.greedy]
+        tokens = [0] * len(rows)
+        if greedy:  # one argmax for all greedy rows
+            for i, token in zip(greedy, logits[greedy].argmax(-1).tolist()):
+                tokens[i] = token
+        for i, row in enumerate(rows):
+            if not row.request.sampling.greedy:
+                tokens[i] = int(sample_next(logits[i:i + 1], row.request.sampling, row.generator))
+        staying = []
+        for row, token in zip(rows, tokens):
+            request = row.request
+            if request.cancelled:
+                request.finish()
+                continue
+            request.new_ids.append(token)
+            ended = request.on_token is not None and request.on_token(token)
+            if ended or token in request.end_ids or len(request.new_ids) >= request.max_new_tokens:
+                request.finish()
+                continue
+            row.last_token = token
+            staying.append(row)
+        return staying
+
+
+__all__ = ["ContinuousBatcher", "DEFAULT_MAX_BATCH_SIZE", "GenerationRequest"]

@@ -1,0 +1,163 @@
+"""Continuous batching (meshlm/inference/continuous_batching.py): requests that join a decoding batch
+at any step -- shorter or longer than what it holds, greedy or sampled, through full attention,
+sliding windows, Mamba and experts -- get exactly the tokens ``generate`` gives each alone; a
+request ends at its end id, its token budget, its callback or a cancel without disturbing the
+others; a failure fails its batch only; bad requests are refused before they queue."""
+
+import threading
+
+import pytest
+import torch
+
+from meshlm.errors import ConfigError
+from meshlm.inference.continuous_batching import ContinuousBatcher, GenerationRequest
+from meshlm.inference.generate import generate
+from meshlm.inference.sampling import SamplingConfig
+from meshlm.models.config import ModelConfig
+from meshlm.models.language_model import LanguageModel
+from tests.inference.test_generate import GREEDY, PATTERNS, PROMPTS, longrope_model, tiny_model
+
+LONG_PROMPT = [9, 8, 7, 6, 5, 4, 3, 2, 1, 12, 14, 16, 18, 20, 22, 24, 26]
+
+
+def sliding_model() -> LanguageModel:
+    torch.manual_seed(0)
+    return LanguageModel(ModelConfig(vocab_size=97, hidden_size=32, pattern="*-*-", num_attention_heads=4,
+                                     num_kv_heads=2, init_std=0.1, sliding_window=3,
+                                     sliding_window_pattern="SF")).eval()
+
+
+MODELS = {**{name: (lambda name=name: tiny_model(PATTERNS[name])) for name in ("dense", "hybrid", "hybrid_moe")},
+          "sliding": sliding_model}
+
+
+def staggered(batcher: ContinuousBatcher, requests: list[GenerationRequest], after: int = 3) -> list[list[int]]:
+    """Submit the first request, and each next one when the one before has drawn ``after`` tokens
+    (from the batcher's thread: it joins while the others decode); the new tokens of all."""
+    submitted = [threading.Event() for _ in requests]
+
+    def chain(index: int):
+        own = requests[index].on_token
+
+        def on_token(token: int) -> bool:
+            if len(requests[index].new_ids) == after and index + 1 < len(requests):
+                batcher.submit(requests[index + 1])
+                submitted[index + 1].set()
+            return own(token) if own is not None else False
+        return on_token
+
+    for index, request in enumerate(requests):
+        request.on_token = chain(index)
+    batcher.submit(requests[0])
+    submitted[0].set()
+    for event in submitted:
+        assert event.wait(60), "a request was never submitted: the one before it ended too early"
+    return [request.wait() for request in requests]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_requests_joining_mid_decoding_get_the_tokens_they_get_alone(name):
+    """Prompts of 9, 2, 5 and 1 tokens join one after another, then a 17-token prompt joins a batch
+    whose sequences are shorter (the batch is padded to it), each budget different."""
+    model = MODELS[name]()
+    prompts, budgets = PROMPTS + [LONG_PROMPT], [12, 9, 14, 6, 10]
+    alone = [generate(model, [prompt], budget, GREEDY)[0] for prompt, budget in zip(prompts, budgets)]
+    batcher = ContinuousBatcher(model, max_batch_size=8)
+    try:
+        requests = [GenerationRequest(prompt, budget, GREEDY) for prompt, budget in zip(prompts, budgets)]
+        assert staggered(batcher, requests) == alone
+        assert batcher.largest_batch >= 3 and not batcher.rows
+    finally:
+        batcher.close()
+
+
+def test_sampled_requests_draw_as_alone_whoever_shares_their_batch():
+    model = tiny_model(PATTERNS["hybrid"])
+    samplings = [SamplingConfig(temperature=0.9, seed=1), GREEDY, SamplingConfig(top_k=5, seed=7),
+                 SamplingConfig(top_p=0.8, temperature=1.3, seed=2)]
+    alone = [generate(model, [prompt], 10, sampling)[0] for prompt, sampling in zip(PROMPTS, samplings)]
+    batcher = ContinuousBatcher(model, max_batch_size=4)
+    try:
+        requests = [GenerationRequest(prompt, 10, sampling) for prompt, sampling in zip(PROMPTS, samplings)]
+        assert staggered(batcher, requests, after=2) == alone
+    finally:
+        batcher.close()
+
+
+def test_end_ids_callbacks_and_cancels_end_a_row_and_the_others_go_on():
+    model = tiny_model(PATTERNS["dense"])
+    free = [generate(model, [prompt], 12, GREEDY)[0] for prompt in PROMPTS[:3]]
+    end_id = free[0][4]
+    batcher = ContinuousBatcher(model, max_batch_size=3)
+    try:
+        ended_by_id = GenerationRequest(PROMPTS[0], 12, GREEDY, end_ids=[end_id])
+        stopped = GenerationRequest(PROMPTS[1], 12, GREEDY)
+        stopped_at = [3]
+        cancelled = GenerationRequest(PROMPTS[2], 12, GREEDY)
+        callbacks = {id(stopped): lambda token: len(stopped.new_ids) == stopped_at[0]}
+
+        def cancel_after_two(token: int) -> bool:
+            if len(cancelled.new_ids) == 2:
+                cancelled.cancel()  # as a server's thread does when the client leaves
+            return False
+
+        callbacks[id(cancelled)] = cancel_after_two
+        for request in (ended_by_id, stopped, cancelled):
+            request.on_token = callbacks.get(id(request))
+        staggered(batcher, [ended_by_id, stopped, cancelled], after=1)
+    finally:
+        batcher.close()
+    assert ended_by_id.new_ids == free[0][:free[0].index(end_id) + 1]  # the end id kept, as generate keeps eos
+    assert stopped.new_ids == free[1][:3]
+    assert cancelled.new_ids == free[2][:2]  # left before its next token
+
+
+def test_a_failure_fails_its_batch_and_the_batcher_goes_on(monkeypatch):
+    from meshlm.inference import continuous_batching
+
+    model = tiny_model(PATTERNS["dense"])
+    batcher = ContinuousBatcher(model, max_batch_size=2)
+    try:
+        real_prefill = continuous_batching.prefill
+
+        def failing_once(*args, **kwargs):
+            monkeypatch.setattr(continuous_batching, "prefill", real_prefill)
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(continuous_batching, "prefill", failing_once)
+        with pytest.raises(RuntimeError, match="boom"):
+            batcher.generate(GenerationRequest(PROMPTS[0], 5, GREEDY))
+        assert batcher.generate(GenerationRequest(PROMPTS[0], 5, GREEDY)) == generate(model, [PROMPTS[0]], 5,
+                                                                                     GREEDY)[0]
+    finally:
+        batcher.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.submit(GenerationRequest(PROMPTS[0], 5, GREEDY))
+
+
+def test_bad_requests_and_settings_are_refused_before_they_queue():
+    model = tiny_model(PATTERNS["dense"])
+    batcher = ContinuousBatcher(model, max_batch_size=2)
+    try:
+        with pytest.raises(ConfigError, match="outside the model's vocabulary"):
+            batcher.submit(GenerationRequest([5, 500], 4, GREEDY))
+        with pytest.raises(ConfigError, match="empty"):
+            batcher.submit(GenerationRequest([], 4, GREEDY))
+        with pytest.raises(ConfigError, match="max_new_tokens=0"):
+            batcher.submit(GenerationRequest([5], 0, GREEDY))
+        assert batcher.waiting.empty()
+    finally:
+        batcher.close()
+    with pytest.raises(ConfigError, match="max_batch_size=0"):
+        ContinuousBatcher(model, max_batch_size=0)
+    torch.manual_seed(0)
+    learned = LanguageModel(ModelConfig(vocab_size=97, hidden_size=32, pattern="*-", num_attention_heads=4,
+                                        num_kv_heads=2, position_embedding="learned", max_position_embeddings=16))
+    batcher = ContinuousBatcher(learned)
+    try:
+        with pytest.raises(ConfigError, match="max_tokens=12 needs 17 positions"):
+            batcher.submit(GenerationRequest([1, 2, 3, 4, 5], 12, GREEDY))
+    finally:
+        batcher.close()
+    with pytest.raises(ConfigError, match="one request at a time"):
+        ContinuousBatcher(longrope_model())
