@@ -122,6 +122,7 @@ def _model_dirs(path: Path) -> list[Path]:
 
 def generate(model, prompt, max_new_tokens: int = 64, tokenizer=None, *, greedy: bool = False,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              eos_token_id: int | list[int] | None = None, prefill_chunk: int | None = None,
              speculative: str | None = None, draft_tokens: int | None = None):
     """Continue ``prompt`` by at most ``max_new_tokens`` tokens; returns only the new ones.
@@ -131,7 +132,9 @@ def generate(model, prompt, max_new_tokens: int = 64, tokenizer=None, *, greedy:
     a path for ``load_model`` (then its own tokenizer is used unless one is given). ``tokenizer``
     is a ``Tokenizer`` or a path for ``load_tokenizer``; text prompts need one. Generation stops
     at ``eos_token_id`` (default: the tokenizer's). Sampling: ``greedy``, or ``temperature``,
-    ``top_k`` (0 = all), ``top_p`` (1 = off) and ``seed``; ``prefill_chunk``, ``speculative="mtp"``
+    ``top_k`` (0 = all), ``top_p`` (1 = off) and ``seed``; ``repetition_penalty``, ``presence_penalty``
+    and ``frequency_penalty`` lower the logits of tokens already seen (meshlm/inference/penalties.py),
+    greedy or sampled; ``prefill_chunk``, ``speculative="mtp"``
     and ``draft_tokens`` as in ``meshlm generate`` (docs/generation.md)."""
     from meshlm.inference.generate import generate as generate_ids
     from meshlm.inference.sampling import SamplingConfig
@@ -153,7 +156,9 @@ def generate(model, prompt, max_new_tokens: int = 64, tokenizer=None, *, greedy:
     ids = [tokenizer.encode(item) if isinstance(item, str) else list(item) for item in prompts]
     if eos_token_id is None and tokenizer is not None:
         eos_token_id = tokenizer.eos_token_id
-    sampling = SamplingConfig(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = SamplingConfig(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty)
     valid_vocab_size = min(tokenizer.vocab_size, model.config.vocab_size) if tokenizer is not None else None
     new_ids = generate_ids(model, ids, max_new_tokens, sampling, eos_token_id=eos_token_id,
                            valid_vocab_size=valid_vocab_size, prefill_chunk=prefill_chunk, speculative=speculative,

@@ -157,11 +157,20 @@ def read_prompts(prompts: list[str]) -> list[str]:
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """--greedy, --temperature, --top-k, --top-p (read back by ``sampling_from_args``)."""
+    """--greedy, --temperature, --top-k, --top-p and the penalties on repeated tokens (read back by
+    ``sampling_from_args``)."""
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
     parser.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
     parser.add_argument("--top-k", type=int, help="sample among the K most likely tokens (default: all)")
     parser.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1.0: off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                        help="divide the logits of tokens in the prompt or text so far by R (default 1.0: off; "
+                             "1.1-1.3 discourages loops; greedy or sampled)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                        help="subtract P from the logits of tokens generated so far (OpenAI's, -2 to 2; default 0)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                        help="subtract F times its count from each generated token's logit (OpenAI's, -2 to 2; "
+                             "default 0)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
@@ -171,10 +180,22 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
         if chosen:
             raise ConfigError(f"--greedy always takes the most likely token, so {', '.join(chosen)} "
                               "cannot apply; drop --greedy to sample, or drop the sampling flags.")
-        return SamplingConfig(greedy=True, seed=args.seed)
+        return SamplingConfig(greedy=True, seed=args.seed, **penalties_from_args(args))
     return SamplingConfig(temperature=1.0 if args.temperature is None else args.temperature,
                           top_k=0 if args.top_k is None else args.top_k,
-                          top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed)
+                          top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed, **penalties_from_args(args))
+
+
+def penalties_from_args(args: argparse.Namespace) -> dict:
+    """The SamplingConfig fields of --repetition-penalty, --presence-penalty and --frequency-penalty,
+    whose errors name the flags."""
+    values = {"repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+              "frequency_penalty": args.frequency_penalty}
+    try:
+        SamplingConfig(greedy=True, **values)
+    except ConfigError as error:
+        raise ConfigError(f"--{str(error).replace('_', '-')}") from error
+    return values
 
 
 def find_tokenizer(explicit: str | None, model_dir: Path, given_path: Path) -> Tokenizer | None:

@@ -49,6 +49,7 @@ import torch
 
 from meshlm.errors import ConfigError
 from meshlm.inference.generate import check_prompts, left_pad
+from meshlm.inference.penalties import TokenPenalties
 from meshlm.inference.prefill import hidden_states, prefill
 from meshlm.inference.sampling import SamplingConfig, restrict_vocab, sample_next
 from meshlm.models.cache import InferenceCache
@@ -102,6 +103,8 @@ class _Row:
 
     request: GenerationRequest
     generator: torch.Generator | None
+    penalties: TokenPenalties | None = None
+    """The counts behind the request's repetition, presence and frequency penalties, if it has any."""
     last_token: int = 0
 
 
@@ -216,7 +219,10 @@ class ContinuousBatcher:
         longest_reply = max(request.max_new_tokens for request in requests)
         cache = InferenceCache(max_tokens=input_ids.shape[1] + longest_reply)
         logits = self.model.head_logits(prefill(self.model, input_ids, token_mask, cache))[:, -1]
-        rows = [_Row(request, request.sampling.make_generator(self.device)) for request in requests]
+        vocab_size = logits.shape[-1]
+        rows = [_Row(request, request.sampling.make_generator(self.device),
+                     TokenPenalties(request.sampling, [request.prompt_ids], vocab_size, self.device)
+                     if request.sampling.penalized else None) for request in requests]
         staying = self._draw(rows, logits)
         if not staying:
             return
@@ -247,14 +253,18 @@ class ContinuousBatcher:
     def _draw(self, rows: list[_Row], logits: torch.Tensor) -> list[_Row]:
         """Each row's next token from its logits row, handed to its request; the rows that go on."""
         logits = restrict_vocab(logits, self.valid_vocab_size)
-        greedy = [i for i, row in enumerate(rows) if row.request.sampling.greedy]
+        greedy = [i for i, row in enumerate(rows) if row.request.sampling.greedy and row.penalties is None]
         tokens = [0] * len(rows)
-        if greedy:  # one argmax for all greedy rows
+        if greedy:  # one argmax for all plain greedy rows
             for i, token in zip(greedy, logits[greedy].argmax(-1).tolist()):
                 tokens[i] = token
-        for i, row in enumerate(rows):
-            if not row.request.sampling.greedy:
-                tokens[i] = int(sample_next(logits[i:i + 1], row.request.sampling, row.generator))
+        for i in sorted(set(range(len(rows))) - set(greedy)):
+            row = rows[i]
+            row_logits = logits[i:i + 1] if row.penalties is None else row.penalties.apply(logits[i:i + 1])
+            drawn = sample_next(row_logits, row.request.sampling, row.generator)
+            if row.penalties is not None:
+                row.penalties.add(drawn)
+            tokens[i] = int(drawn)
         staying = []
         for row, token in zip(rows, tokens):
             request = row.request

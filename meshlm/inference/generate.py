@@ -31,6 +31,7 @@ import torch
 
 from meshlm.errors import ConfigError
 from meshlm.inference.decode_step import DecodeStep
+from meshlm.inference.penalties import TokenPenalties
 from meshlm.inference.prefill import hidden_states, prefill
 from meshlm.inference.sampling import SamplingConfig, restrict_vocab, sample_next
 from meshlm.inference.speculative import check_speculative, speculative_generate
@@ -131,6 +132,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
                         "shorten the prompt or ask for fewer new tokens")
     drafts = (draft_tokens or model.config.mtp_depth) if speculative is not None else 0
     check_rope_factors_stay(model.config, longest, max_new_tokens + drafts, prefill_chunk, speculative is not None)
+    if speculative is not None and sampling.penalized:
+        raise ConfigError("repetition, presence and frequency penalties apply to plain decoding, not speculative "
+                          "decoding; drop the penalties or --speculative.")
     if speculative is not None and on_token is not None:
         raise ConfigError("streaming each token (on_token) applies to plain decoding, not speculative decoding.")
     if speculative is not None and compile:
@@ -178,9 +182,13 @@ def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id
     eos_ids = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)
     rows = list(range(len(prompts)))  # the prompt each batch row belongs to
     compiled_step = DecodeStep(model, compile=True) if compile else None
+    penalties = TokenPenalties(sampling, prompts, logits.shape[-1], device) if sampling.penalized else None
     with stats.timing("decode", device):
         for step in range(max_new_tokens):
-            next_ids = sample_next(restrict_vocab(logits, valid_vocab_size), sampling, generator)
+            logits = restrict_vocab(logits, valid_vocab_size)
+            next_ids = sample_next(logits if penalties is None else penalties.apply(logits), sampling, generator)
+            if penalties is not None:
+                penalties.add(next_ids)
             tokens = next_ids.tolist()
             for row, token in zip(rows, tokens):
                 new_tokens[row].append(token)
@@ -195,6 +203,8 @@ def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id
                 rows = [rows[i] for i in unfinished.tolist()]
                 next_ids = next_ids[unfinished]
                 cache.select(unfinished)
+                if penalties is not None:
+                    penalties.select(unfinished)
             if not rows or step == max_new_tokens - 1:
                 break
             if longrope_crossing(model.config, max(len(prompts[row]) + len(new_tokens[row]) for row in rows)):

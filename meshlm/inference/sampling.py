@@ -11,7 +11,9 @@ Given fp32 logits z over the vocabulary for each sequence of the batch:
     sample          next ~ Categorical(softmax(filtered z / T))
 
 The filters are applied in that order (temperature, then top-k, then top-p on what is left),
-as most inference stacks do. Sampling draws from a ``torch.Generator`` seeded from the
+as most inference stacks do. Before them, and before greedy decoding's argmax, the decoding loop
+may lower the logits of tokens already seen (``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty``: ``penalties.py``). Sampling draws from a ``torch.Generator`` seeded from the
 config, so the same seed, model and prompts give the same tokens on the same device.
 """
 
@@ -39,6 +41,21 @@ class SamplingConfig:
     the filter off."""
     seed: int = 0
     """Seed of the random generator used for sampling."""
+    repetition_penalty: float = 1.0
+    """Divide the positive logits (multiply the negative ones) of every token in the prompt or the
+    text generated so far by this (Keskar et al. 2019, CTRL; transformers' and vLLM's
+    ``repetition_penalty``); must be > 0, 1 turns it off, above 1 discourages repeats."""
+    presence_penalty: float = 0.0
+    """Subtract this from the logit of every token generated so far (OpenAI's ``presence_penalty``,
+    in [-2, 2]; 0 turns it off)."""
+    frequency_penalty: float = 0.0
+    """Subtract this times its count from the logit of every token generated so far (OpenAI's
+    ``frequency_penalty``, in [-2, 2]; 0 turns it off)."""
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty on repeated tokens applies (``penalties.TokenPenalties``)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -48,6 +65,12 @@ class SamplingConfig:
             raise ConfigError(f"top_k={self.top_k!r} must be an integer >= 0 (0 turns the filter off).")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (1 turns the filter off).")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 turns it off; above 1 "
+                              "discourages repeated tokens).")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [-2, 2] (0 turns it off).")
 
     def make_generator(self, device: torch.device | str) -> torch.Generator | None:
         """A generator seeded from ``seed`` on ``device``, or None for greedy decoding."""

@@ -14,20 +14,22 @@ Endpoints (JSON in, JSON out; the request and response fields of OpenAI's API th
 
 Sampling: ``max_tokens`` (or ``max_completion_tokens``; default ``--max-tokens``), ``temperature``
 (0 is greedy decoding, as OpenAI defines it; default 1), ``top_p``, ``top_k`` (an extension, as
-vLLM's), ``seed`` (default 0: the same request gives the same reply), ``stop`` (up to 4 strings:
-the text ends before the first one found, which is not returned), ``n`` (1 only) and ``stream``.
-With ``"stream": true`` the reply comes as server-sent events, one ``data: {chunk}`` per piece of
-new text (``delta`` in chat, ``text`` in completions), a last chunk with ``finish_reason`` and
-``usage``, then ``data: [DONE]``. Text is held back while it could still become a stop string or
-ends inside a UTF-8 character, so the streamed pieces join to exactly the non-streamed text.
-``finish_reason`` is ``stop`` (end of turn, eos or a stop string) or ``length`` (``max_tokens``
-reached). ``usage`` counts the prompt's and the reply's tokens.
+vLLM's), ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in [-2, 2]),
+``repetition_penalty`` (an extension, as vLLM's; ``penalties.py``), ``seed`` (default 0: the same
+request gives the same reply), ``stop`` (up to 4 strings: the text ends before the first one found,
+which is not returned), ``n`` (1 only) and ``stream``. With ``"stream": true`` the reply comes as
+server-sent events, one ``data: {chunk}`` per piece of new text (``delta`` in chat, ``text`` in
+completions), a last chunk with ``finish_reason`` and ``usage``, then ``data: [DONE]``. Text is
+held back while it could still become a stop string or ends inside a UTF-8 character, so the
+streamed pieces join to exactly the non-streamed text. ``finish_reason`` is ``stop`` (end of turn,
+eos or a stop string) or ``length`` (``max_tokens`` reached). ``usage`` counts the prompt's and the
+reply's tokens.
 
-Fields meshlm cannot honour are refused rather than ignored -- ``n`` above 1, non-zero
-``presence_penalty``/``frequency_penalty``, ``logprobs``, ``tools`` -- with status 400 and one
-sentence naming the field (OpenAI's error object: ``{"error": {"message", "type", "param"}}``);
-unknown fields are ignored, as OpenAI's clients send many. A prompt that does not fit the model's
-positions, or a bad value, is a 400 too; nothing a request does stops the server.
+Fields meshlm cannot honour are refused rather than ignored -- ``n`` above 1, ``logprobs``,
+``tools``, ``logit_bias`` -- with status 400 and one sentence naming the field (OpenAI's error
+object: ``{"error": {"message", "type", "param"}}``); unknown fields are ignored, as OpenAI's
+clients send many. A prompt that does not fit the model's positions, or a bad value, is a 400 too;
+nothing a request does stops the server.
 
 Concurrent requests are decoded together by continuous batching (``continuous_batching.py``): a
 request joins the running batch before the next decode step and leaves it when its reply ends, up
@@ -60,7 +62,7 @@ from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 
 MAX_STOP_STRINGS = 4
-REFUSED = ("presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "tools", "functions", "logit_bias",
+REFUSED = ("logprobs", "top_logprobs", "tools", "functions", "logit_bias",
            "echo", "best_of", "suffix")
 """Fields meshlm does not implement: refused unless they hold their default (0, false, null, empty)."""
 MESSAGES_FORMAT = "messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects."
@@ -180,6 +182,9 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     top_p = _number(body, "top_p", 1.0, float, low=0.0, high=1.0, low_open=True)
     top_k = _number(body, "top_k", 0, int, low=0)
     seed = _number(body, "seed", 0, int, low=0, high=2 ** 63 - 1)
+    penalties = {"presence_penalty": _number(body, "presence_penalty", 0.0, float, low=-2.0, high=2.0),
+                 "frequency_penalty": _number(body, "frequency_penalty", 0.0, float, low=-2.0, high=2.0),
+                 "repetition_penalty": _number(body, "repetition_penalty", 1.0, float, low=0.0, low_open=True)}
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
@@ -187,8 +192,8 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(f"stream must be true or false, not {stream!r}.", "stream")
-    sampling = (SamplingConfig(greedy=True, seed=seed) if temperature == 0 else
-                SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+    sampling = (SamplingConfig(greedy=True, seed=seed, **penalties) if temperature == 0 else
+                SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **penalties))
     return CompletionRequest(prompt_ids, end_ids, max_tokens, sampling, list(stop), stream, chat)
 
 

@@ -103,6 +103,11 @@ def test_a_completion_is_what_generate_gives_the_prompt(url, chat_model_dir, tok
                                                     "seed": 3, "max_tokens": 5})
     new = expected_ids(chat_model_dir, prompt, [tokenizer.eos_token_id], 5, temperature=0.8, top_p=0.9, seed=3)
     assert sampled["choices"][0]["text"] == tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
+    penalties = {"presence_penalty": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.4}
+    status, penalized = post(url, "/v1/completions", {"prompt": "the cat", "temperature": 0, "max_tokens": 10,
+                                                      **penalties})
+    new = expected_ids(chat_model_dir, prompt, [tokenizer.eos_token_id], 10, greedy=True, **penalties)
+    assert penalized["choices"][0]["text"] == tokenizer.decode([t for t in new if t != tokenizer.eos_token_id])
 
 
 def test_a_chat_reply_is_the_templated_prompt_continued_to_its_end_of_turn(url, chat_model_dir, tokenizer):
@@ -182,7 +187,10 @@ def test_a_think_block_comes_back_as_reasoning_content(thinking_model_dir, token
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature=-1.0 must be >= 0.0"),
     ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p=0.0 must be > 0.0"),
     ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
-    ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 2.5}, 400,
+     "presence_penalty=2.5 must be >= -2.0 and <= 2.0"),
+    ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty=0.0 must be > 0.0"),
+    ("/v1/completions", {"prompt": "a", "logprobs": True}, 400, "logprobs is not supported"),
     ("/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream must be true or false"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages must be a non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
