@@ -175,6 +175,17 @@ def _rows_in_order(produce: Callable[[], torch.Tensor], order: torch.Tensor, dim
     return produce().index_select(dim, order)
 
 
+def _scaled_by(produce: Callable[[], torch.Tensor], factor) -> torch.Tensor:
+    tensor = produce()
+    return (tensor.float() * factor).to(tensor.dtype)
+
+
+def scaled(entry: PlannedTensor, factor: float | torch.Tensor) -> PlannedTensor:
+    """``entry`` multiplied by ``factor`` when it is produced (in fp32, then back to its dtype): a
+    number, or a tensor broadcast against it (a factor per row: [rows, 1])."""
+    return PlannedTensor(entry.shape, entry.dtype, partial(_scaled_by, entry.produce, factor))
+
+
 def reordered(entry: PlannedTensor, order: torch.Tensor, dim: int = 0) -> PlannedTensor:
     """``entry`` with its rows (its entries along ``dim``) taken in ``order`` when it is produced
     (row r is the produced row ``order[r]``; ``torch.argsort(order)`` undoes it)."""
@@ -290,12 +301,20 @@ class Architecture:
     export_copies: Callable[[ModelConfig], list[tuple[str, str]]] = field(default=lambda config: [])
     """(meshlm name, HF name) of extra copies export writes and import skips (an MTP layer's own
     embedding and head, which repeat the model's)."""
+    folded_multipliers: Callable[[dict, ModelConfig], dict[str, float | torch.Tensor]] = field(
+        default=lambda hf_config, config: {})
+    """Factors config.json applies to some tensors' outputs, which import folds into those tensors
+    (meshlm name -> a number, or a [rows, 1] tensor of one per row): Falcon-H1's muP multipliers.
+    Export writes the folded tensors with multipliers of 1."""
     quantizations: tuple[str, ...] = ()
     """``quantization_config.quant_method`` values this adapter's own ``normalize_hf_tensors`` reads
     (gpt-oss's "mxfp4"); block-wise "fp8" every adapter takes (``fp8_import.py``)."""
 
-    def plan_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, PlannedTensor]:
-        """The meshlm tensors of HF ``tensors`` (in memory or ``StoredTensor`` handles), as a plan."""
+    def plan_from_hf(self, tensors: dict, config: ModelConfig, hf_config: dict | None = None
+                     ) -> dict[str, PlannedTensor]:
+        """The meshlm tensors of HF ``tensors`` (in memory or ``StoredTensor`` handles), as a plan;
+        ``hf_config`` (their config.json) gives the multipliers folded in (``folded_multipliers``;
+        None: all 1)."""
         tensors = self.normalize_hf_tensors(dict(tensors))
         skipped = self.skipped_hf_tensors(config, set(tensors))
         copies = {theirs for _, theirs in self.export_copies(config)}
@@ -303,6 +322,9 @@ class Architecture:
                             lambda name: default_ignorable(config, name) or skipped(name) or name in copies)
         for group in self.regrouped_rows(config):
             group.regroup_from_hf(plan, tensors, self.name)
+        for name, factor in (self.folded_multipliers(hf_config, config) if hf_config is not None else {}).items():
+            if name in plan:
+                plan[name] = scaled(plan[name], factor)
         return plan
 
     def plan_to_hf(self, stored: dict[str, tuple], read: Callable[[str], torch.Tensor], config: ModelConfig
@@ -316,8 +338,9 @@ class Architecture:
             plan[theirs] = PlannedTensor(tuple(shape), dtype, partial(read, ours))
         return plan
 
-    def state_from_hf(self, tensors: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
-        return produce_all(self.plan_from_hf(tensors, config))
+    def state_from_hf(self, tensors: dict, config: ModelConfig, hf_config: dict | None = None
+                      ) -> dict[str, torch.Tensor]:
+        return produce_all(self.plan_from_hf(tensors, config, hf_config))
 
     def state_to_hf(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
         stored = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}

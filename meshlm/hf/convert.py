@@ -63,10 +63,10 @@ from meshlm.checkpoint.model_files import (check_stored_tensors, load_state_chec
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError, DataError
 from meshlm.hf import (arcee, bamba, cohere, cohere2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone4, falcon,
-                       gemma, gemma2, gemma3, glm, glm4_moe, glm4_moe_lite, gpt2, gpt_bigcode, gpt_neox, gpt_oss, gptj,
-                       granite, granite_moe, hunyuan, llama, mamba2, minimax_m2, ministral3, mistral, mistral3,
-                       mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen_vl,
-                       seed_oss, smollm3, stablelm, starcoder2)
+                       falcon_h1, gemma, gemma2, gemma3, glm, glm4_moe, glm4_moe_lite, gpt2, gpt_bigcode, gpt_neox,
+                       gpt_oss, gptj, granite, granite_moe, hunyuan, llama, mamba2, minimax_m2, ministral3, mistral,
+                       mistral3, mixtral, nemotron_h, olmo2, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
+                       qwen_vl, seed_oss, smollm3, stablelm, starcoder2)
 from meshlm.hf.common import Architecture, produce_all
 from meshlm.hf.files import check_output_dir, open_hf_tensors, read_hf_config, write_hf_folder
 from meshlm.hf.quantized_export import quantize_hf_export
@@ -86,7 +86,8 @@ EXPORT_ORDER: tuple[Architecture, ...] = (llama.ARCHITECTURE, qwen2.ARCHITECTURE
                                           exaone4.ARCHITECTURE,
                                           gpt2.ARCHITECTURE, gpt_bigcode.ARCHITECTURE, starcoder2.ARCHITECTURE,
                                           gpt_neox.ARCHITECTURE,
-                                          stablelm.ARCHITECTURE, falcon.ARCHITECTURE, phi.ARCHITECTURE,
+                                          stablelm.ARCHITECTURE, falcon.ARCHITECTURE, falcon_h1.ARCHITECTURE,
+                                          phi.ARCHITECTURE,
                                           gptj.ARCHITECTURE, cohere.ARCHITECTURE, cohere2.ARCHITECTURE,
                                           smollm3.ARCHITECTURE,
                                           granite.ARCHITECTURE, arcee.ARCHITECTURE, granite_moe.MOE, granite_moe.SHARED,
@@ -165,7 +166,7 @@ def hf_plan(architecture: Architecture, tensors: dict, config: ModelConfig, hf_d
     if block is not None:
         tensors = dequantized_tensors(tensors, block, dequantized_dtype(hf_config), hf_dir)
     try:
-        return architecture.plan_from_hf(tensors, config)
+        return architecture.plan_from_hf(tensors, config, hf_config)
     except CheckpointError as error:
         raise CheckpointError(f"{hf_dir}: {error}") from error
 

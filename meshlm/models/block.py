@@ -7,8 +7,9 @@ With ``model.block_output_norm`` the mixer's output is normalized too before it 
 ``h + dropout(norm2(mixer(norm(h))))`` (Gemma 2 and 3's post-attention and post-feedforward norms);
 without ``model.block_input_norm`` the first norm goes, ``h + dropout(norm2(mixer(h)))`` (OLMo 2).
 
-With ``model.parallel_residual`` an attention block and the MLP or MoE block right after it read
-the same input (GPT-J, GPT-NeoX): ``h + attn(norm1(h)) + mlp(norm2(h))``. They stay two blocks --
+With ``model.parallel_residual`` an attention block and the MLP, MoE or Mamba-2 block right after it
+read the same input (GPT-J, GPT-NeoX; attention beside Mamba is Falcon-H1's parallel hybrid):
+``h + attn(norm1(h)) + mlp(norm2(h))``. They stay two blocks --
 two norms, two residual adds, their own names, caches, recomputation and compiled steps -- and the
 attention block hands its input to its partner through the ``SequenceContext``: the first adds
 ``attn(norm1(h))`` to h, the second adds ``mlp(norm2(h))`` to that sum. Autograd sees the same

@@ -288,8 +288,10 @@ class ModelConfig:
     """Run each attention block and the MLP or MoE block right after it side by side, both on the
     same input: h + attn(norm1(h)) + mlp(norm2(h)) in place of h' = h + attn(norm1(h)), h' +
     mlp(norm2(h')) (GPT-J; GPT-NeoX and Pythia's use_parallel_residual; PaLM). Each keeps its own
-    norm. Pairs are ``*`` followed by ``-`` or ``E`` in the pattern (and in ``mtp_pattern``); other
-    blocks stay sequential. Pipeline stages never split a pair."""
+    norm. Pairs are ``*`` followed by ``-``, ``E`` or ``M`` in the pattern (and in ``mtp_pattern``):
+    an attention block beside a Mamba-2 block is Falcon-H1's parallel hybrid, h + attn(norm(h)) +
+    mamba(norm(h)), then its MLP in turn; other blocks stay sequential. Pipeline stages never split
+    a pair."""
     parallel_residual_shared_norm: bool = False
     """With ``parallel_residual``: one norm for each pair, the attention block's, whose output both
     mixers read, h + attn(norm(h)) + mlp(norm(h)) (GPT-J, Falcon-7B, StableLM's parallel layers);
@@ -360,6 +362,10 @@ class ModelConfig:
     """Bias on the depthwise convolution."""
     mamba_proj_bias: bool = False
     """Bias on the in/out projections."""
+    mamba_gated_norm: bool = True
+    """Normalize the gated SSM output, RMSNorm((y + D x) * silu(z)) per group (Mamba-2 as released,
+    Nemotron-H); false hands (y + D x) * silu(z) to out_proj as it is (Falcon-H1's
+    ``mamba_rms_norm: false``), with no norm weight."""
     mamba_dt_min: float = 0.001
     """Smallest time step drawn at init (dt is log-uniform in [dt_min, dt_max])."""
     mamba_dt_max: float = 0.1
@@ -615,9 +621,9 @@ class ModelConfig:
                                   f"and model.pattern={self.pattern!r} has none; drop model.rope_pattern.")
         _soft_cap(self, "final_logit_softcap", 30)
         if self.parallel_residual and not parallel_residual_pairs(self.block_kinds):
-            raise ConfigError(f"model.parallel_residual=true runs each attention block ('*') beside the MLP or MoE "
-                              f"block ('-' or 'E') right after it, and model.pattern={self.pattern!r} has no such "
-                              "pair; write the pattern as '*-*-...' or set model.parallel_residual=false.")
+            raise ConfigError(f"model.parallel_residual=true runs each attention block ('*') beside the MLP, MoE or "
+                              f"Mamba block ('-', 'E' or 'M') right after it, and model.pattern={self.pattern!r} has "
+                              "no such pair; write the pattern as '*-*-...' or set model.parallel_residual=false.")
         if self.parallel_residual_shared_norm and not self.parallel_residual:
             raise ConfigError("model.parallel_residual_shared_norm=true shares each attention block's norm with the "
                               "block beside it, and model.parallel_residual is false; set it true too, or the shared "

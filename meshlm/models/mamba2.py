@@ -25,6 +25,7 @@ What each piece is for:
 - **Gate and grouped norm.** The z branch gates the output as in gated MLPs; the product is
   RMS-normalized per group of d_inner / G channels (not over all of d_inner) so that a tensor-
   parallel rank holding whole groups can normalize without communicating (Dao & Gu 2024, §8).
+  ``model.mamba_gated_norm=false`` keeps the gate and drops the norm (Falcon-H1's mixers).
 
 Parameter names and layouts follow Hugging Face's Mamba2 / Nemotron-H mixers one to one (in_proj
 output order z, x, B, C, dt; conv channels x, B, C), so checkpoints convert by renaming only.
@@ -59,7 +60,7 @@ from meshlm.models.causal_conv import causal_conv_silu
 from meshlm.models.init import constant, initialize_own_tensors
 from meshlm.models.lora import adapted, lora_coordinates
 from meshlm.models.mamba_decode import decodes_one_token, mamba_decode_step
-from meshlm.models.norms import GatedRMSNorm
+from meshlm.models.norms import GatedRMSNorm, SiluGate
 from meshlm.models.ssd import ssd_chunked_scan, ssd_recurrent_step
 from meshlm.models.ssd_fast import ssd_chunked_scan_fast
 
@@ -104,7 +105,7 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.norm = GatedRMSNorm(self.inner_size, group_size=self.inner_size // self.num_groups,
-                                 eps=config.norm_eps)
+                                 eps=config.norm_eps) if config.mamba_gated_norm else SiluGate()
         self.out_proj = nn.Linear(self.inner_size, self.hidden_size, bias=config.mamba_proj_bias)
         initialize_own_tensors(self, config)
 

@@ -127,6 +127,19 @@ class GatedRMSNorm(nn.Module):
         return _SkipGatedRMSNorm.apply(y, gate, skip, skip_scale, self.weight, self.group_size, self.eps, out_dtype)
 
 
+class SiluGate(nn.Module):
+    """``GatedRMSNorm``'s gate without the norm: ``(y [+ skip_scale * skip]) * silu(z)``, in fp32
+    (``model.mamba_gated_norm=false``: Falcon-H1's Mamba mixers, ``mamba_rms_norm: false``, and the
+    original Mamba-2 without its output norm). No parameters; the same call as ``GatedRMSNorm``."""
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor, skip: torch.Tensor | None = None,
+                skip_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if (skip is None) != (skip_scale is None):
+            raise ValueError("SiluGate: give skip and skip_scale together")
+        summed = y.float() if skip is None else y.float() + skip_scale.float() * skip.float()
+        return (summed * F.silu(gate.float())).to(out_dtype or y.dtype)
+
+
 def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int,
                    eps: float, skip: torch.Tensor | None = None, skip_scale: torch.Tensor | None = None
                    ) -> torch.Tensor:

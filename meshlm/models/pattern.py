@@ -65,11 +65,12 @@ def parse_pattern(pattern: str, field_name: str = "pattern") -> ParsedPattern:
 
 def parallel_residual_pairs(kinds) -> list[tuple[int, int]]:
     """The blocks ``model.parallel_residual`` runs side by side: each attention block (``*``) and
-    the MLP or MoE block (``-``, ``E``) right after it, as (attention, feed-forward) positions in
-    ``kinds``, left to right. ``"*-*-"`` pairs (0, 1) and (2, 3); in ``"M*-*0-"`` only (1, 2)."""
+    the MLP, MoE or Mamba-2 block (``-``, ``E``, ``M``) right after it, as (attention, partner)
+    positions in ``kinds``, left to right. ``"*-*-"`` pairs (0, 1) and (2, 3); in ``"M*-*0-"`` only
+    (1, 2); Falcon-H1's ``"*M-*M-"`` pairs (0, 1) and (3, 4), each MLP after its pair."""
     pairs, index = [], 0
     while index < len(kinds) - 1:
-        if kinds[index] == "*" and kinds[index + 1] in ("-", "E"):
+        if kinds[index] == "*" and kinds[index + 1] in ("-", "E", "M"):
             pairs.append((index, index + 1))
             index += 2
         else:

@@ -1,5 +1,5 @@
-"""``model.parallel_residual``: an attention block and the MLP or MoE block after it read one input,
-h + attn(norm1(h)) + mlp(norm2(h)) (GPT-J, GPT-NeoX), checked against that formula written out from
+"""``model.parallel_residual``: an attention block and the MLP, MoE or Mamba block after it read one
+input, h + attn(norm1(h)) + mlp(norm2(h)) (GPT-J, GPT-NeoX; Falcon-H1 with Mamba), checked against that formula written out from
 the model's own modules; the same function under recomputation, in cached generation and in the
 decode step; pipeline stages that never split a pair."""
 
@@ -55,19 +55,27 @@ def written_out(model: LanguageModel, input_ids: torch.Tensor) -> torch.Tensor:
     return model.head_logits(hidden)
 
 
-def test_pairs_are_each_attention_block_and_the_feed_forward_block_after_it():
+def test_pairs_are_each_attention_block_and_the_block_after_it():
     assert parallel_residual_pairs("*-*-") == [(0, 1), (2, 3)]
     assert parallel_residual_pairs("**-*E-") == [(1, 2), (3, 4)]
     assert parallel_residual_pairs("M*-*0-") == [(1, 2)]
-    assert parallel_residual_pairs("-*M*") == []
+    assert parallel_residual_pairs("*M-*M-") == [(0, 1), (3, 4)]  # Falcon-H1: attention beside Mamba
+    assert parallel_residual_pairs("-M*0*") == []
     roles = [block.parallel_residual_role for block in neox_like().blocks]
     assert roles == [None, "first", "second", "first", "second", None]
     assert [block.parallel_residual_role for block in neox_like(parallel_residual=False).blocks] == [None] * 6
 
 
+FALCON_H1_LIKE = dict(pattern="**M-*M-", mamba_head_dim=8, mamba_state_size=8, mamba_chunk_size=8,
+                     mamba_gated_norm=False)
+"""Attention beside Mamba (Falcon-H1's layer, its Mamba without an output norm), after a lone attention block."""
+
+
+@pytest.mark.parametrize("shape", ["neox", "falcon-h1"])
 @pytest.mark.parametrize("shared_norm", [False, True], ids=["own norms", "shared norm"])
-def test_forward_and_gradients_are_the_written_out_parallel_layer(shared_norm):
-    model = neox_like(parallel_residual_shared_norm=shared_norm)
+def test_forward_and_gradients_are_the_written_out_parallel_layer(shared_norm, shape):
+    shape = FALCON_H1_LIKE if shape == "falcon-h1" else {}
+    model = neox_like(parallel_residual_shared_norm=shared_norm, **shape)
     with torch.no_grad():  # norms that differ: a partner using the wrong one changes the logits
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -81,7 +89,7 @@ def test_forward_and_gradients_are_the_written_out_parallel_layer(shared_norm):
         assert "blocks.2.norm.weight" not in names and "blocks.1.norm.weight" in names
         assert model.blocks[2].input_norm is model.blocks[1].norm
     # the sequential model computes another function: the test can tell them apart
-    sequential = neox_like(parallel_residual=False)
+    sequential = neox_like(parallel_residual=False, **shape)
     sequential.load_state_dict(model.state_dict(), strict=not shared_norm)
     assert (sequential(input_ids).logits - expected).abs().max() > 1e-2
     weights = torch.randn_like(logits)
@@ -124,10 +132,12 @@ def test_recomputation_keeps_the_loss_and_gradients(recompute):
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("shape", ["neox", "falcon-h1"])
 @pytest.mark.parametrize("shared_norm", [False, True], ids=["own norms", "shared norm"])
 @torch.inference_mode()
-def test_cached_generation_and_the_decode_step_match_the_full_forward(shared_norm):
-    model = neox_like("*-*-", parallel_residual_shared_norm=shared_norm).eval()
+def test_cached_generation_and_the_decode_step_match_the_full_forward(shared_norm, shape):
+    shape = {**FALCON_H1_LIKE, "pattern": "*M-*M-"} if shape == "falcon-h1" else {"pattern": "*-*-"}
+    model = neox_like(parallel_residual_shared_norm=shared_norm, **shape).eval()
     input_ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
     full = model(input_ids).logits
     cache, stepped = InferenceCache(max_tokens=16), InferenceCache(max_tokens=16)

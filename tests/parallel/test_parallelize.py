@@ -20,9 +20,11 @@ head rotated) and a Phi- and Command R-style one (the same with one LayerNorm pe
 bias, which the MLP block applies too: its gradient partial under SP from both blocks; a bias on the
 output head, split and padded with the vocabulary); and a hybrid ('M*-M', an MTP depth) with LoRA
 adapters on every targeted layer (their b drawn, as after training), of which only the adapters have
-gradients. One spawned world of 4 ranks runs each model at tp 2 (two TP groups side by side) and at
-tp 4, one of the two with sequence parallelism (which one alternates from model to model). Every
-rank builds the full model from a seed, runs the single-process forward/backward itself, then
+gradients; and a Falcon-H1-style parallel hybrid (each attention block beside a Mamba block on one
+norm, the Mamba mixers without their output norm). One spawned world of 4 ranks runs each model at
+tp 2 (two TP groups side by side) and at tp 4, one of the two with sequence parallelism (which one
+alternates from model to model). Every rank builds the full model from a seed, runs the
+single-process forward/backward itself, then
 parallelizes a copy and checks:
 
 - the training loss (``return_logits=False``: vocab-parallel cross-entropy, logits never
@@ -108,6 +110,12 @@ MODELS = {
         sliding_window_pattern="SF", moe_num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16,
         moe_softmax_before_topk=False, moe_router_bias=True, moe_expert_linear_bias=True,
         mlp_activation="clamped_swiglu", swiglu_limit=1.0),
+    # Falcon-H1: attention beside Mamba on one norm (the shared norm's gradient partial under SP from
+    # both blocks), Mamba without its output norm, muP-style embedding and logit multipliers
+    "falcon-h1-style parallel hybrid": dict(pattern="*M-*M-", num_kv_heads=2, mamba_head_dim=8, mamba_state_size=8,
+                                            mamba_num_groups=4, mamba_chunk_size=8, parallel_residual=True,
+                                            parallel_residual_shared_norm=True, mamba_gated_norm=False,
+                                            embedding_multiplier=2.0, logit_divisor=2.5),
     "lora hybrid mtp": dict(pattern="M*-M", num_kv_heads=2, mamba_head_dim=8, mamba_state_size=8,
                             mamba_num_groups=4, mamba_chunk_size=8, mtp_depth=1, mtp_pattern="*-", lora_rank=4,
                             lora_alpha=8),

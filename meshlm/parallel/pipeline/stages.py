@@ -116,7 +116,7 @@ def stage_starts(config, num_stages: int, seq_len: int) -> list[int]:
              for index in range(config.num_blocks) if index not in seconds]
     if len(units) < num_stages:
         held = (f"{config.num_blocks} blocks make {len(units)} units a stage can hold (model.parallel_residual keeps "
-                f"each of its {len(paired)} attention/feed-forward pairs on one stage)" if paired
+                f"each of its {len(paired)} attention/partner pairs on one stage)" if paired
                 else f"{config.num_blocks} blocks")
         raise ConfigError(f"model.pattern's {held}, fewer than the parallel.pp * parallel.vp = {num_stages} pipeline "
                           "stages; every stage needs a block (lower pp or vp).")

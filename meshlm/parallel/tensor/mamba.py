@@ -72,7 +72,8 @@ def parallelize_mamba(mixer, context) -> None:
     mixer.conv1d = shard_depthwise_conv(mixer.conv1d, [inner, bc, bc], context)
     for name in ("dt_bias", "A_log", "D"):  # one value per head
         setattr(mixer, name, shard_parameter(getattr(mixer, name), 0, context, what=f"Mamba {name}"))
-    mixer.norm.weight = shard_parameter(mixer.norm.weight, 0, context, what="Mamba norm.weight")
+    if hasattr(mixer.norm, "weight"):  # a gated norm (model.mamba_gated_norm); the plain gate has none
+        mixer.norm.weight = shard_parameter(mixer.norm.weight, 0, context, what="Mamba norm.weight")
     mixer.out_proj = RowParallelLinear.from_full(mixer.out_proj, context)
 
     # The forward reads only these sizes, so from here on it runs on the shard unchanged.

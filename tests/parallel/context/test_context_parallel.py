@@ -16,7 +16,8 @@ norms, scaled embeddings), also at cp2 x dp2; a dense model with soft-capped att
 logits and a window (Gemma 2: every ring block on the reference path, with the cap's slope in its
 backward), also at cp2 x tp2 with SP; a GPT-2-style model (learned positions looked up at each
 chunk's global positions, LayerNorm, biases; attention beside the MLP through one norm, a bias on
-the output head); at cp4 the dense model with a multi-token-prediction
+the output head); a Falcon-H1-style parallel hybrid (attention beside Mamba on one norm, Mamba
+without its output norm), also at cp2 x tp2 with SP; at cp4 the dense model with a multi-token-prediction
 depth (with 2 depths one block-0 weight of this model ends ~1e-4 apart at tp2 as well -- Adam
 amplifying fp32 rounding in near-zero gradient elements -- so 1 depth here; the shift by 2
 across 4 ranks is checked on its own). Every step's loss and global gradient norm, the validation losses and the
@@ -72,6 +73,10 @@ MODELS = {"dense": helpers.MODELS["dense"], "hybrid": helpers.MODELS["hybrid"],
                          "model.norm=layernorm", "model.attention_bias=true", "model.mlp_bias=true",
                          "model.mlp_activation=gelu_tanh", "model.qk_norm=true", "model.parallel_residual=true",
                          "model.parallel_residual_shared_norm=true", "model.output_bias=true"],
+          # Falcon-H1-shaped: attention beside Mamba on one norm (the ring and the Mamba state exchange on
+          # one input), the Mamba mixers without their output norm
+          "falcon-h1-style": [*helpers.MODELS["hybrid"], "model.pattern=*M-*M-", "model.parallel_residual=true",
+                              "model.parallel_residual_shared_norm=true", "model.mamba_gated_norm=false"],
           # gpt-oss-shaped: sinks merged after the ring (and cut with the heads under tp), biased router and
           # experts, the clamped SwiGLU, alternating windows
           "gpt-oss-style": [*helpers.MODELS["moe"], "model.pattern=*E*E", "model.attention_bias=true",
@@ -100,6 +105,7 @@ EXTRA_RUNS = {2: [("dense", "cp2 selective recompute", ["parallel.cp=2", "train.
                   ("dense sliding window", "cp2", ["parallel.cp=2"]),
                   ("dense soft caps", "cp2", ["parallel.cp=2"]),
                   ("gpt2-style", "cp2", ["parallel.cp=2"]),
+                  ("falcon-h1-style", "cp2", ["parallel.cp=2"]),
                   ("deepseek-style", "cp2", ["parallel.cp=2"]),
                   ("gpt-oss-style", "cp2", ["parallel.cp=2"])],
               4: [("dense with mtp", "cp4", ["parallel.cp=4"]),
@@ -107,6 +113,7 @@ EXTRA_RUNS = {2: [("dense", "cp2 selective recompute", ["parallel.cp=2", "train.
                   ("dense soft caps", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
                   ("deepseek-style", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
                   ("gpt-oss-style", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
+                  ("falcon-h1-style", "cp2xtp2 sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
                   ("dense sliding window", "cp2xdp2 dist-opt", ["parallel.cp=2", "parallel.dp=2",
                                                                 "parallel.distributed_optimizer=true"])]}
 
