@@ -9,10 +9,10 @@ larger GEMM instead of several:
 - forward, [tokens x hidden] by [hidden x (q + k + v)]: the key and value projections are narrow
   (4 KV heads of 128: 512 columns at the 1B dense shape of ``bench.gpu_throughput``), too narrow
   to keep a GPU's tensor cores busy on their own;
-- backward, the input's gradient is one GEMM summing over all the outputs (in its fp32
-  accumulator), where separate layers give one GEMM each and autograd adds their results, one
-  more pass over [tokens x hidden] per extra layer; the weights' gradients come out as slices of
-  one GEMM's result.
+- backward, the input's gradient is summed by the GEMMs themselves, each layer's adding the first's
+  result into its own (``addmm``), where separate layers give one result each and autograd adds
+  them, one more pass over [tokens x hidden] per extra layer; each output's gradient arrives on
+  its own, so no concatenation of them is made (``_FusedLinear``).
 
 The concatenated weight is a copy made each forward and again in backward (the weights' bytes,
 small beside the activations: 12.6 MB for q, k, v at the 1B shape against 134 MB of input at 8 x
@@ -76,10 +76,11 @@ def project_together(x: torch.Tensor, layers: tuple[nn.Module, ...],
         return tuple(adapted(layer, x, coordinates) for layer in layers)
     has_bias = biases[0] is not None
     if not torch.is_grad_enabled():  # evaluation and generation: nothing to save, no autograd function
-        out = F.linear(x, torch.cat(weights), torch.cat(biases) if has_bias else None)
+        outputs = F.linear(x, torch.cat(weights), torch.cat(biases) if has_bias else None).split(
+            [weight.shape[0] for weight in weights], dim=-1)
     else:
-        out = _FusedLinear.apply(x, has_bias, *weights, *(biases if has_bias else ()))
-    return with_adapters(layers, x, out.split([weight.shape[0] for weight in weights], dim=-1), coordinates)
+        outputs = _FusedLinear.apply(x, has_bias, *weights, *(biases if has_bias else ()))
+    return with_adapters(layers, x, outputs, coordinates)
 
 
 def with_adapters(layers: tuple[nn.Module, ...], x: torch.Tensor, outputs,
@@ -89,9 +90,13 @@ def with_adapters(layers: tuple[nn.Module, ...], x: torch.Tensor, outputs,
 
 
 class _FusedLinear(torch.autograd.Function):
-    """y = x [W_1; ...; W_n]^T (+ [b_1; ...; b_n]), saving x and the separate weights rather than
-    their concatenation (which autograd would keep for the input's gradient): the concatenation is
-    made again in backward. dx = dy [W_1; ...], each dW_i a slice of dy^T x, each db_i of sum dy."""
+    """(y_1, ..., y_n) = x [W_1; ...; W_n]^T (+ [b_1; ...; b_n]) split into each layer's output, saving x
+    and the separate weights rather than their concatenation (which autograd would keep for the
+    input's gradient). The outputs' gradients come back one per layer: dx = sum_i dy_i W_i (one GEMM
+    each, accumulated in place), dW_i = dy_i^T x, db_i = sum dy_i. Taking them apart, rather than as
+    the gradient of one concatenated output, spares backward the concatenation autograd would make
+    of them -- which a compiler fuses into the kernel producing them (the SwiGLU or RoPE backward),
+    there writing each half while reading every input of both."""
 
     @staticmethod
     def forward(ctx, x, has_bias, *parameters):
@@ -99,18 +104,25 @@ class _FusedLinear(torch.autograd.Function):
         weights, biases = parameters[:count], parameters[count:]
         ctx.save_for_backward(x, *weights)
         ctx.has_bias = has_bias
-        return F.linear(x, torch.cat(weights), torch.cat(biases) if has_bias else None)
+        out = F.linear(x, torch.cat(weights), torch.cat(biases) if has_bias else None)
+        return tuple(out.split([weight.shape[0] for weight in weights], dim=-1))
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grad_outputs):
         x, *weights = ctx.saved_tensors
-        rows = [weight.shape[0] for weight in weights]
-        grad_x = grad_out.matmul(torch.cat(weights)) if ctx.needs_input_grad[0] else None
-        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_weights = [None] * len(weights)
-        if any(ctx.needs_input_grad[2:2 + len(weights)]):  # frozen weights (fine-tuning a part): no dW GEMM
-            grad_weights = flat_grad.t().matmul(x.reshape(-1, x.shape[-1])).split(rows)
-        grad_biases = flat_grad.sum(0).split(rows) if ctx.has_bias else ()
+        grads = [torch.zeros(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device) if grad is None
+                 else grad for grad, weight in zip(grad_outputs, weights)]  # an output left unused
+        flat_x = x.reshape(-1, x.shape[-1])
+        flat_grads = [grad.reshape(-1, grad.shape[-1]) for grad in grads]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = flat_grads[0].mm(weights[0])
+            for grad, weight in zip(flat_grads[1:], weights[1:]):
+                grad_x = torch.addmm(grad_x, grad, weight)  # summed in the GEMM: no separate addition pass
+            grad_x = grad_x.view(x.shape)
+        grad_weights = [grad.t().mm(flat_x) if needed else None
+                        for grad, needed in zip(flat_grads, ctx.needs_input_grad[2:2 + len(weights)])]
+        grad_biases = [grad.sum(0) for grad in flat_grads] if ctx.has_bias else []
         return (grad_x, None, *grad_weights, *grad_biases)
 
 
