@@ -3,7 +3,8 @@
 A model only ever sees integer ids; the tokenizer it was trained with fixes what each id
 means. meshlm reads three file formats, and everything past loading sees the same
 ``Tokenizer`` interface (``encode``, ``encode_batch``, ``decode``, ``vocab_size``, and
-``bos_token_id``/``eos_token_id``/``pad_token_id``, None when absent):
+``bos_token_id``/``eos_token_id``/``pad_token_id``, None when absent; ``token_bytes`` for the
+raw bytes one token stands for):
 
 - **Hugging Face ``tokenizers``** (``tokenizer.json``): one file holding the normalizer,
   pre-tokenizer, model (usually byte-level BPE, Sennrich et al. 2016, "Neural Machine
@@ -54,6 +55,32 @@ DEFAULT_TIKTOKEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{
                             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 """Pre-tokenizer regex of GPT-4's cl100k and Llama 3: words, up to 3 digits, punctuation runs, spaces."""
 TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/=]+ \d+")
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+"""SentencePiece's (and its Hugging Face conversions') byte-fallback pieces: one raw byte each."""
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet read backwards: the printable character that stands for each
+    byte in a token's spelling (Radford et al. 2019's ``bytes_to_unicode``) -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    shifted = [byte for byte in range(256) if byte not in printable]
+    characters = {byte: chr(byte) for byte in printable} | {byte: chr(256 + n) for n, byte in enumerate(shifted)}
+    return {character: byte for byte, character in characters.items()}
+
+
+BYTE_LEVEL_ALPHABET = byte_level_alphabet()
+
+
+def piece_bytes(piece: str, byte_level: bool) -> bytes:
+    """The bytes a vocabulary entry spells: a byte-fallback piece's byte, a byte-level BPE token's
+    bytes (``byte_level``), else its text with SentencePiece's word marker as a space."""
+    byte = BYTE_PIECE.fullmatch(piece)
+    if byte is not None:
+        return bytes([int(byte.group(1), 16)])
+    if byte_level and all(character in BYTE_LEVEL_ALPHABET for character in piece):
+        return bytes(BYTE_LEVEL_ALPHABET[character] for character in piece)
+    return piece.replace("\u2581", " ").encode("utf-8")
 
 
 class Tokenizer:
@@ -85,6 +112,24 @@ class Tokenizer:
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` stands for: with byte-level BPE a token may hold part of
+        a UTF-8 character, which ``decode`` of it alone would show as U+FFFD."""
+        piece = self.backend.id_to_token(int(token_id))
+        if piece is None:
+            raise ValueError(f"token id {token_id} is outside this tokenizer's vocabulary of {self.vocab_size}")
+        special = self.backend.get_added_tokens_decoder().get(int(token_id))
+        return piece.encode("utf-8") if special is not None else piece_bytes(piece, self._byte_level)
+
+    @property
+    def _byte_level(self) -> bool:
+        """Whether the file's decoder is byte-level (GPT-2's alphabet), read from it once."""
+        if not hasattr(self, "_byte_level_decoder"):
+            decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+            kinds = [decoder.get("type")] + [step.get("type") for step in decoder.get("decoders") or []]
+            self._byte_level_decoder = "ByteLevel" in kinds
+        return self._byte_level_decoder
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({str(self.source)!r}, vocab_size={self.vocab_size}, "
@@ -138,6 +183,9 @@ class SentencePieceTokenizer(AddsSpecialTokensByFlag):
         token_id = self.backend.piece_to_id(token)  # unknown pieces map to the unk id
         return token_id if self.backend.id_to_piece(token_id) == token else None
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return piece_bytes(self.backend.id_to_piece(int(token_id)), byte_level=False)
+
 
 class TiktokenTokenizer(AddsSpecialTokensByFlag):
     """A tiktoken BPE (``backend`` is a ``tiktoken.Encoding``); special tokens in text are kept
@@ -163,6 +211,9 @@ class TiktokenTokenizer(AddsSpecialTokensByFlag):
             return self.backend.encode_single_token(token)
         except KeyError:
             return None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.backend.decode_single_token_bytes(int(token_id))
 
 
 def find_tokenizer_file(path: str | os.PathLike) -> Path:

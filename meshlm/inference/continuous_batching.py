@@ -30,6 +30,10 @@ left padding), so a request gets the tokens it would get alone: greedy replies a
 sampled ones too for the same seed -- up to the rounding of a batched matmul against a single
 row's, which can only matter where two logits tie to the last bits.
 
+Other work with the model -- scoring a sequence's log-probabilities for a request that asks for
+them -- runs on the same thread between two steps (``call``), so nothing else touches the model
+while it decodes.
+
 Memory: the rows share one set of KV buffers as long as the longest live sequence (left padding,
 not paging): a long request makes every row's buffers that long while it lasts. vLLM's paged
 attention (Kwon et al. 2023) removes that waste with per-block KV allocation and a kernel that
@@ -56,6 +60,8 @@ from meshlm.models.cache import InferenceCache
 from meshlm.models.position_embedding import check_positions_fit
 
 DEFAULT_MAX_BATCH_SIZE = 8
+_WAKE = object()
+"""Put in ``waiting`` by ``call``: wakes a worker blocked waiting for requests."""
 
 
 @dataclass(eq=False)
@@ -98,6 +104,17 @@ class GenerationRequest:
 
 
 @dataclass(eq=False)
+class _Call:
+    """Work other than decoding that must run on the batcher's thread, which owns the model
+    (``ContinuousBatcher.call``: scoring a sequence's log-probabilities)."""
+
+    function: Callable[[], object]
+    result: object = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(eq=False)
 class _Row:
     """A request in the running batch: its random generator and the token it drew last (not yet fed)."""
 
@@ -124,7 +141,10 @@ class ContinuousBatcher:
         self.model, self.max_batch_size = model, max_batch_size
         self.valid_vocab_size, self.pad_token_id = valid_vocab_size, pad_token_id
         self.device = next(model.parameters()).device
-        self.waiting: queue.Queue[GenerationRequest | None] = queue.Queue()
+        self.waiting: queue.Queue[GenerationRequest | object | None] = queue.Queue()
+        """Requests to admit (``_WAKE``: look at ``calls``; None: stop)."""
+        self.calls: queue.Queue[_Call] = queue.Queue()
+        """Functions to run on this thread between decode steps (``call``)."""
         self.rows: list[_Row] = []
         self.cache: InferenceCache | None = None
         self.steps = 0
@@ -156,6 +176,21 @@ class ContinuousBatcher:
         """Submit ``request`` and wait for its new tokens."""
         return self.submit(request).wait()
 
+    def call(self, function: Callable[[], object]):
+        """Run ``function()`` on the batcher's thread between two decode steps and return what it
+        returns (raising what it raises): other uses of the model never run beside decoding."""
+        if self._closed:
+            raise RuntimeError("this batcher is closed")
+        task = _Call(function)
+        self.calls.put(task)
+        self.waiting.put(_WAKE)  # a worker waiting for requests runs the call at once
+        while not task.done.wait(0.5):
+            if not self._worker.is_alive():
+                raise RuntimeError("this batcher was closed before the call ran")
+        if task.error is not None:
+            raise task.error
+        return task.result
+
     def close(self) -> None:
         self._closed = True
         self.waiting.put(None)
@@ -168,6 +203,7 @@ class ContinuousBatcher:
         self.model.eval()
         try:
             while True:
+                self._run_calls()
                 admitted = self._take_waiting(block=not self.rows)
                 if admitted is None:
                     break
@@ -196,20 +232,45 @@ class ContinuousBatcher:
                 break
             if request is None:
                 return None
+            if request is _WAKE:  # a call came: run it before waiting any longer
+                if block:
+                    break
+                continue
             if request.cancelled:
                 request.finish()
                 continue
             taken.append(request)
         return taken
 
+    def _run_calls(self) -> None:
+        """Run the functions handed to ``call`` so far."""
+        while True:
+            try:
+                task = self.calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                with torch.inference_mode():
+                    task.result = task.function()
+            except Exception as error:  # noqa: BLE001 -- the caller's to handle
+                task.error = error
+            task.done.set()
+
     def _fail_waiting(self, error: Exception) -> None:
         while True:
             try:
                 request = self.waiting.get_nowait()
             except queue.Empty:
-                return
-            if request is not None:
+                break
+            if isinstance(request, GenerationRequest):
                 request.finish(error)
+        while True:
+            try:
+                task = self.calls.get_nowait()
+            except queue.Empty:
+                return
+            task.error = error
+            task.done.set()
 
     def _admit(self, requests: list[GenerationRequest]) -> None:
         """Prefill ``requests`` as one batch, draw their first tokens, and join the unfinished ones to

@@ -25,11 +25,21 @@ streamed pieces join to exactly the non-streamed text. ``finish_reason`` is ``st
 eos or a stop string) or ``length`` (``max_tokens`` reached). ``usage`` counts the prompt's and the
 reply's tokens.
 
-Fields meshlm cannot honour are refused rather than ignored -- ``n`` above 1, ``logprobs``,
-``tools``, ``logit_bias`` -- with status 400 and one sentence naming the field (OpenAI's error
-object: ``{"error": {"message", "type", "param"}}``); unknown fields are ignored, as OpenAI's
-clients send many. A prompt that does not fit the model's positions, or a bad value, is a 400 too;
-nothing a request does stops the server.
+Log-probabilities (``logprobs.py``): chat's ``logprobs: true`` with ``top_logprobs`` (0-20) returns
+``logprobs.content``, one ``{token, logprob, bytes, top_logprobs}`` per reply token; completions'
+``logprobs: N`` (0-20) returns the legacy parallel lists (``tokens``, ``token_logprobs``,
+``top_logprobs`` -- the N likeliest plus the chosen token --, ``text_offset``: offsets into the
+joined token texts), and ``echo: true`` puts the prompt before the reply and scores its tokens too
+(the first one's is null), with ``max_tokens`` 0 for the prompt alone: how evaluation harnesses
+read a continuation's log-likelihood. They are the model's own distribution (before temperature,
+top-k/p and penalties), scored by one forward over prompt and reply; the end token is not listed.
+Not with ``stream``.
+
+Fields meshlm cannot honour are refused rather than ignored -- ``n`` above 1, ``tools``,
+``logit_bias``, ``best_of``, ``suffix`` -- with status 400 and one sentence naming the field
+(OpenAI's error object: ``{"error": {"message", "type", "param"}}``); unknown fields are ignored,
+as OpenAI's clients send many. A prompt that does not fit the model's positions, or a bad value,
+is a 400 too; nothing a request does stops the server.
 
 Concurrent requests are decoded together by continuous batching (``continuous_batching.py``): a
 request joins the running batch before the next decode step and leaves it when its reply ends, up
@@ -59,11 +69,13 @@ from meshlm.errors import ConfigError
 from meshlm.inference.chat import conversation_prompt, stop_ids
 from meshlm.inference.continuous_batching import ContinuousBatcher, GenerationRequest
 from meshlm.inference.generate import generate
+from meshlm.inference.logprobs import TokenLogProb, sequence_log_probs
 from meshlm.inference.sampling import SamplingConfig
 
 MAX_STOP_STRINGS = 4
-REFUSED = ("logprobs", "top_logprobs", "tools", "functions", "logit_bias",
-           "echo", "best_of", "suffix")
+REFUSED = ("tools", "functions", "logit_bias", "best_of", "suffix")
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a token's log-probabilities list (OpenAI's bound for chat's ``top_logprobs``)."""
 """Fields meshlm does not implement: refused unless they hold their default (0, false, null, empty)."""
 MESSAGES_FORMAT = "messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects."
 
@@ -117,6 +129,11 @@ class CompletionRequest:
     stop: list[str]
     stream: bool
     chat: bool
+    top_logprobs: int | None = None
+    """Return each reply token's log-probability and this many likeliest alternatives (None: no
+    log-probabilities; chat's ``logprobs`` + ``top_logprobs``, completions' ``logprobs``)."""
+    echo: bool = False
+    """Completions: the prompt comes back before the reply, its tokens scored too with logprobs."""
 
 
 def _number(body: dict, name: str, default, kind=float, low=None, high=None, low_open: bool = False):
@@ -176,8 +193,9 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
         end_ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
     if not prompt_ids:
         raise RequestError("the prompt is empty: give at least one token of text.", "messages" if chat else "prompt")
+    top_logprobs, echo = log_prob_fields(body, chat)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, name, served.max_tokens, int, low=1)
+    max_tokens = _number(body, name, served.max_tokens, int, low=0 if echo else 1)
     temperature = _number(body, "temperature", 1.0, float, low=0.0, high=2.0)
     top_p = _number(body, "top_p", 1.0, float, low=0.0, high=1.0, low_open=True)
     top_k = _number(body, "top_k", 0, int, low=0)
@@ -192,9 +210,35 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(f"stream must be true or false, not {stream!r}.", "stream")
+    if stream and (top_logprobs is not None or echo):
+        raise RequestError("logprobs and echo come with whole replies only; set stream to false to get them.",
+                           "logprobs" if top_logprobs is not None else "echo")
     sampling = (SamplingConfig(greedy=True, seed=seed, **penalties) if temperature == 0 else
                 SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **penalties))
-    return CompletionRequest(prompt_ids, end_ids, max_tokens, sampling, list(stop), stream, chat)
+    return CompletionRequest(prompt_ids, end_ids, max_tokens, sampling, list(stop), stream, chat, top_logprobs, echo)
+
+
+def log_prob_fields(body: dict, chat: bool) -> tuple[int | None, bool]:
+    """(how many alternatives each token's log-probabilities list, None: none; echo): chat's
+    ``logprobs`` (true/false) with ``top_logprobs``, completions' ``logprobs`` (a count) and ``echo``."""
+    if chat:
+        wanted = body.get("logprobs") or False
+        if not isinstance(wanted, bool):
+            raise RequestError(f"logprobs must be true or false in chat, not {wanted!r}.", "logprobs")
+        top = _number(body, "top_logprobs", 0, int, low=0, high=MAX_TOP_LOGPROBS)
+        if body.get("top_logprobs") is not None and not wanted:
+            raise RequestError("top_logprobs needs logprobs: true.", "top_logprobs")
+        if body.get("echo"):
+            raise RequestError("echo belongs to /v1/completions; chat replies never repeat the messages.", "echo")
+        return (top if wanted else None), False
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise RequestError(f"echo must be true or false, not {echo!r}.", "echo")
+    if body.get("top_logprobs") is not None:
+        raise RequestError("top_logprobs belongs to chat; in /v1/completions logprobs is the count.", "top_logprobs")
+    logprobs = body.get("logprobs")
+    return (None if logprobs is None or logprobs is False
+            else _number(body, "logprobs", 0, int, low=0, high=MAX_TOP_LOGPROBS)), echo
 
 
 class ReplyText:
@@ -271,7 +315,9 @@ def run_completion(served: ServedModel, request: CompletionRequest,
         return ended
 
     try:
-        if served.batcher is not None:
+        if request.max_tokens == 0:  # echo alone: the prompt scored, nothing generated
+            new_ids = []
+        elif served.batcher is not None:
             new_ids = batched_completion(served.batcher, request, reply, on_pieces)
         else:
             with served.lock:
@@ -282,8 +328,27 @@ def run_completion(served: ServedModel, request: CompletionRequest,
         raise RequestError(str(error), "messages" if request.chat else "prompt") from error
     send(final=True)  # what the last token left held back (a reply that ran to max_tokens)
     prompt, completion = len(request.prompt_ids), len(new_ids)
-    return {"text": reply.text, "reasoning": reply.reasoning, "finish_reason": "stop" if reply.ended else "length",
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+    result = {"text": reply.text, "reasoning": reply.reasoning, "finish_reason": "stop" if reply.ended else "length",
+              "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+    if request.top_logprobs is not None:
+        kept = new_ids[:-1] if new_ids and new_ids[-1] in request.end_ids else new_ids  # not the end token
+        result["logprobs"] = scored_tokens(served, request, kept)
+    return result
+
+
+def scored_tokens(served: ServedModel, request: CompletionRequest, reply_ids: list[int]) -> list[TokenLogProb]:
+    """The reply's tokens (with ``echo`` the prompt's first) and their log-probabilities, scored in
+    one forward on the thread that owns the model (``logprobs.py``)."""
+    first = 0 if request.echo else len(request.prompt_ids)
+
+    def score():
+        return sequence_log_probs(served.model, request.prompt_ids + reply_ids, first, request.top_logprobs,
+                                  served.valid_vocab_size)
+
+    if served.batcher is not None:
+        return served.batcher.call(score)
+    with served.lock:
+        return score()
 
 
 def batched_completion(batcher: ContinuousBatcher, request: CompletionRequest, reply: ReplyText,
@@ -323,12 +388,56 @@ def completion_body(served: ServedModel, request: CompletionRequest, result: dic
         if result["reasoning"]:
             message["reasoning_content"] = result["reasoning"]
         choice = {"index": 0, "message": message, "finish_reason": result["finish_reason"]}
+        if "logprobs" in result:
+            choice["logprobs"] = chat_logprobs(served.tokenizer, result["logprobs"])
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": result["text"], "finish_reason": result["finish_reason"]}
+        prompt_text = served.tokenizer.decode(request.prompt_ids) if request.echo else ""
+        choice = {"index": 0, "text": prompt_text + result["text"], "finish_reason": result["finish_reason"]}
+        if "logprobs" in result:
+            choice["logprobs"] = completion_logprobs(served.tokenizer, result["logprobs"], request.top_logprobs)
+        elif request.echo:
+            choice["logprobs"] = None
         kind = "text_completion"
     return {"id": reply_id, "object": kind, "created": created, "model": served.name, "choices": [choice],
             "usage": result["usage"]}
+
+
+def token_entry(tokenizer: Tokenizer, token: int, logprob: float) -> dict:
+    """One token as chat's logprobs spell it: its text, log-probability and raw bytes (a token may hold
+    part of a UTF-8 character, whose text is then U+FFFD)."""
+    raw = tokenizer.token_bytes(token)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def chat_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb]) -> dict:
+    """Chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``."""
+    return {"content": [{**token_entry(tokenizer, item.token, item.logprob),
+                         "top_logprobs": [token_entry(tokenizer, token, logprob) for token, logprob in item.top]}
+                        for item in scored]}
+
+
+def completion_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb], top: int) -> dict:
+    """Completions' ``logprobs``: parallel lists of the tokens' text, log-probabilities (None for the
+    prompt's first token), the ``top`` likeliest alternatives plus the chosen token ({text:
+    log-probability}), and each token's character offset in the returned text."""
+    tokens, offsets, length = [], [], 0
+    for item in scored:
+        text = tokenizer.token_bytes(item.token).decode("utf-8", errors="replace")
+        tokens.append(text)
+        offsets.append(length)
+        length += len(text)
+    alternatives = []
+    for item, text in zip(scored, tokens):
+        if item.logprob is None:
+            alternatives.append(None)
+            continue
+        choices = {tokenizer.token_bytes(token).decode("utf-8", errors="replace"): logprob
+                   for token, logprob in item.top[:top]}
+        choices.setdefault(text, item.logprob)
+        alternatives.append(choices)
+    return {"tokens": tokens, "token_logprobs": [item.logprob for item in scored], "top_logprobs": alternatives,
+            "text_offset": offsets}
 
 
 def chunk_body(served: ServedModel, request: CompletionRequest, reply_id: str, created: int, reasoning: str = "",

@@ -105,3 +105,27 @@ def test_corrupt_files_name_the_file(tmp_path):
     (tmp_path / "broken.tiktoken").write_text("dGhl 0\nnot base64!! x\n")
     with pytest.raises(DataError, match=r"broken\.tiktoken, line 2: expected 'BASE64TOKEN RANK'"):
         load_tokenizer(tmp_path / "broken.tiktoken")
+
+
+@pytest.mark.parametrize("kind", ["huggingface byte-level", "sentencepiece byte fallback", "tiktoken"])
+def test_token_bytes_join_to_the_text_also_inside_utf8_characters(kind, tmp_path):
+    """``token_bytes`` of each token of a text with characters the vocabulary splits into bytes
+    joins to the text's UTF-8 bytes, where decoding a lone token would give U+FFFD."""
+    if kind == "tiktoken":
+        pytest.importorskip("tiktoken")
+        write_tiktoken_ranks(tmp_path / "tokenizer.tiktoken")
+    elif kind.startswith("sentencepiece"):
+        write_sentencepiece_model(tmp_path)
+    else:
+        from tests.helpers.generation_model import write_sentence_tokenizer
+
+        write_sentence_tokenizer(tmp_path / "hf")
+        tmp_path = tmp_path / "hf"
+    tokenizer = load_tokenizer(tmp_path)
+    text = "the cat sat on a log, Ünïcödé 🙂"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.token_bytes(token) for token in ids]
+    assert b"".join(pieces).decode("utf-8").strip() == text  # (SentencePiece marks the first word with a space)
+    assert any(len(piece) == 1 and piece[0] >= 0x80 for piece in pieces)  # a lone byte of a character
+    if tokenizer.eos_token_id is not None and kind != "sentencepiece byte fallback":
+        assert tokenizer.token_bytes(tokenizer.eos_token_id).decode() in ("<|endoftext|>", "</s>")

@@ -66,7 +66,7 @@ def test_requests_joining_mid_decoding_get_the_tokens_they_get_alone(name):
     try:
         requests = [GenerationRequest(prompt, budget, GREEDY) for prompt, budget in zip(prompts, budgets)]
         assert staggered(batcher, requests) == alone
-        assert batcher.largest_batch >= 3 and not batcher.rows
+        assert batcher.largest_batch >= 3
     finally:
         batcher.close()
 
@@ -161,3 +161,30 @@ def test_bad_requests_and_settings_are_refused_before_they_queue():
         batcher.close()
     with pytest.raises(ConfigError, match="one request at a time"):
         ContinuousBatcher(longrope_model())
+
+
+def test_calls_run_on_the_batchers_thread_between_steps_and_return_or_raise():
+    """``call`` (the server scores log-probabilities with it) runs on the thread that owns the model,
+    also while a request is decoding, which goes on undisturbed."""
+    model = tiny_model(PATTERNS["hybrid"])
+    alone = generate(model, [PROMPTS[0]], 12, GREEDY)[0]
+    batcher = ContinuousBatcher(model, max_batch_size=2)
+    seen = []
+    try:
+        decoding = GenerationRequest(PROMPTS[0], 12, GREEDY)
+
+        def call_while_decoding(token: int) -> bool:
+            if len(decoding.new_ids) == 3:  # from another thread, mid-request
+                threading.Thread(target=lambda: seen.append(batcher.call(threading.current_thread))).start()
+            return False
+
+        decoding.on_token = call_while_decoding
+        assert batcher.generate(decoding) == alone
+        assert batcher.call(lambda: 6 * 7) == 42
+        with pytest.raises(ZeroDivisionError):
+            batcher.call(lambda: 1 / 0)
+    finally:
+        batcher.close()
+    assert [thread.name for thread in seen] == ["meshlm-batcher"]
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.call(lambda: 0)

@@ -190,7 +190,14 @@ def test_a_think_block_comes_back_as_reasoning_content(thinking_model_dir, token
     ("/v1/completions", {"prompt": "a", "presence_penalty": 2.5}, 400,
      "presence_penalty=2.5 must be >= -2.0 and <= 2.0"),
     ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty=0.0 must be > 0.0"),
-    ("/v1/completions", {"prompt": "a", "logprobs": True}, 400, "logprobs is not supported"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 1}}, 400, "logit_bias is not supported"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs=21 must be >= 0 and <= 20"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 2, "stream": True}, 400, "set stream to false"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0, "logprobs": 1}, 400, "max_tokens=0 must be >= 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400,
+     "top_logprobs needs logprobs: true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": 3}, 400,
+     "logprobs must be true or false in chat"),
     ("/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream must be true or false"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages must be a non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -303,3 +310,58 @@ def test_the_command_refuses_a_taken_port_and_bad_settings(chat_model_dir, token
         stop(server)
     assert main(["serve", str(chat_model_dir), "--max-tokens", "0"]) == 2
     assert main(["serve", str(chat_model_dir), "--max-batch-size", "0"]) == 2
+
+
+def reference_log_probs(model_dir, ids: list[int], vocab: int) -> torch.Tensor:
+    """log-softmax of a plain full forward's logits over the tokenizer's ids: row i scores ids[i + 1]."""
+    with torch.no_grad():
+        logits = load_model(model_dir)(torch.tensor([ids])).logits[0, :-1, :vocab].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_logprobs_score_the_reply_and_echo_scores_the_prompt(url, chat_model_dir, tokenizer):
+    prompt = tokenizer.encode("the cat sat")
+    status, body = post(url, "/v1/completions", {"prompt": "the cat sat", "temperature": 0, "max_tokens": 6,
+                                                 "logprobs": 3})
+    assert status == 200
+    new = expected_ids(chat_model_dir, prompt, [tokenizer.eos_token_id], 6, greedy=True)
+    reply = [token for token in new if token != tokenizer.eos_token_id]
+    reference = reference_log_probs(chat_model_dir, prompt + reply, tokenizer.vocab_size)
+    logprobs = body["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(reply) > 0
+    for index, token in enumerate(reply):
+        row = reference[len(prompt) + index - 1]
+        assert logprobs["token_logprobs"][index] == pytest.approx(row[token].item(), abs=1e-4)
+        assert logprobs["tokens"][index] == tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+        top = logprobs["top_logprobs"][index]  # greedy: the chosen token is the likeliest
+        assert max(top.values()) == pytest.approx(row.max().item(), abs=1e-4)
+        assert 1 <= len(top) <= 3  # (tokens that are parts of one character share the text U+FFFD)
+    assert "".join(logprobs["tokens"]) == body["choices"][0]["text"]
+    assert logprobs["text_offset"][1] == len(logprobs["tokens"][0])
+    # echo with no new tokens: the prompt's log-likelihood, its first token unscored
+    status, echoed = post(url, "/v1/completions", {"prompt": "the cat sat", "max_tokens": 0, "echo": True,
+                                                   "logprobs": 0})
+    assert status == 200 and echoed["choices"][0]["text"] == "the cat sat"
+    scored = echoed["choices"][0]["logprobs"]["token_logprobs"]
+    assert scored[0] is None and len(scored) == len(prompt) and echoed["usage"]["completion_tokens"] == 0
+    assert scored[1:] == pytest.approx([reference[i - 1, prompt[i]].item() for i in range(1, len(prompt))], abs=1e-4)
+
+
+def test_chat_logprobs_list_each_reply_token_with_its_bytes_and_alternatives(url, chat_model_dir, tokenizer):
+    messages = [{"role": "user", "content": "a dog sat"}]
+    status, body = post(url, "/v1/chat/completions", {"messages": messages, "temperature": 0, "max_tokens": 6,
+                                                      "logprobs": True, "top_logprobs": 2})
+    assert status == 200
+    stop = [token_id(tokenizer, "<|end|>"), tokenizer.eos_token_id]
+    prompt = conversation_prompt(tokenizer, messages)
+    new = expected_ids(chat_model_dir, prompt, stop, 6, greedy=True)
+    reply = new[:-1] if new[-1] in stop else new
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [bytes(entry["bytes"]) for entry in content] == [tokenizer.token_bytes(token) for token in reply]
+    reference = reference_log_probs(chat_model_dir, prompt + reply, tokenizer.vocab_size)
+    for index, (entry, token) in enumerate(zip(content, reply)):
+        assert entry["logprob"] == pytest.approx(reference[len(prompt) + index - 1, token].item(), abs=1e-4)
+        assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1][
+            "logprob"]
+    plain = post(url, "/v1/chat/completions", {"messages": messages, "temperature": 0, "max_tokens": 6})[1]
+    assert "logprobs" not in plain["choices"][0] and plain["choices"][0]["message"] == body["choices"][0]["message"]
