@@ -38,10 +38,10 @@ import math
 import torch
 
 from meshlm.errors import ConfigError
-from meshlm.hf.common import (Architecture, TensorMap, common_unsupported, embedding_maps, hf_common_fields,
-                              linear_maps, rename, require, rope_from_hf, rope_to_hf, with_defaults)
+from meshlm.hf.common import (Architecture, TensorMap, embedding_maps, hf_common_fields, linear_maps, rename, require,
+                              rope_from_hf, rope_to_hf, with_defaults)
 from meshlm.hf.granite_moe import MAMBA_INIT
-from meshlm.hf.llama import attention_fields
+from meshlm.hf.llama import attention_fields, decoder_unsupported
 from meshlm.hf.mamba2 import mamba_fields
 from meshlm.models.config import ModelConfig
 
@@ -104,21 +104,13 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 
 def unsupported(config: ModelConfig) -> list[str]:
     kinds = config.block_kinds
-    reasons = common_unsupported(config, supported=SUPPORTED_FEATURES)
+    reasons = decoder_unsupported(config, qk_norm=False, supported=SUPPORTED_FEATURES)  # RoPE on whole heads
     if len(kinds) % 3 or config.pattern != "*M-" * (len(kinds) // 3):
         reasons.append(f"model.pattern={config.pattern!r} (Falcon-H1 layers are attention beside Mamba, then an "
                        "MLP: '*M-' per layer)")
     if not (config.parallel_residual and config.parallel_residual_shared_norm):
         reasons.append("model.parallel_residual and model.parallel_residual_shared_norm must both be true (Falcon-H1 "
                        "runs attention and Mamba side by side on one norm)")
-    if config.position_embedding != "rope" or config.rope_fraction != 1.0:
-        reasons.append(f"model.position_embedding={config.position_embedding!r}, model.rope_fraction="
-                       f"{config.rope_fraction} (Falcon-H1 rotates whole heads)")
-    if config.qk_norm:
-        reasons.append("model.qk_norm=True (Falcon-H1 attention has no QK-norm)")
-    if config.resolved_attention_output_bias != config.attention_bias:
-        reasons.append(f"model.attention_output_bias={config.attention_output_bias} with model.attention_bias="
-                       f"{config.attention_bias} (Falcon-H1's q/k/v/o projections all have biases or none do)")
     if config.sliding_window is not None:
         reasons.append(f"model.sliding_window={config.sliding_window} (Falcon-H1 attends to every earlier token)")
     if config.mlp_activation != "swiglu":

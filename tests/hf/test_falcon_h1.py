@@ -82,3 +82,10 @@ def test_what_falcon_h1_cannot_hold_is_named():
         falcon_h1.config_from_hf(tiny_falcon_h1(mamba_rms_norm=True, mamba_norm_before_gate=True).to_dict())
     with pytest.raises(ConfigError, match="mamba_proj_bias=True .* and projectors_bias=False"):
         falcon_h1.config_from_hf(tiny_falcon_h1(mamba_proj_bias=True).to_dict())
+
+
+def test_attention_falcon_h1_cannot_hold_is_named_too():
+    with pytest.raises(ConfigError, match="qk_norm=True"):
+        falcon_h1.config_to_hf(falcon_h1_shaped(qk_norm=True))
+    with pytest.raises(ConfigError, match="rope_fraction"):
+        falcon_h1.config_to_hf(falcon_h1_shaped(rope_fraction=0.5))
