@@ -157,11 +157,11 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     [heads], as ``attention_core``'s)."""
     head_sinks = None if sinks is None else sinks[:, None]
     whole = window is None or window >= query.shape[2]
-    fused = softcap is None and value.shape[-1] == query.shape[-1] and fused_sinks_supported(query, key)
-    if fused and not whole and (sinks is not None or fused_window_applies(window, query.device.type)):
-        # two causal blocks per chunk of w queries, merged by lse (and the sinks)
+    fused = fused_core_applies(softcap is not None, value.shape[-1] == query.shape[-1], sinks is not None,
+                               None if whole else window, query.device.type) and fused_sinks_supported(query, key)
+    if fused and not whole:  # two causal blocks per chunk of w queries, merged by lse (and the sinks)
         return fused_windowed_attention(query, key, value, window, scale, sinks)
-    if fused and sinks is not None:  # the sinks merged into a fused kernel's rows
+    if fused:  # the sinks merged into a fused kernel's rows
         return fused_sink_attention(query, key, value, sinks, scale)
     if whole:
         return scaled_dot_product(query, key, value, is_causal=True, scale=scale, softcap=softcap, sinks=head_sinks)
@@ -182,6 +182,17 @@ keeps SDPA off its flash and cuDNN kernels); sinks run fused whatever the window
 def fused_window_applies(window: int, device_type: str) -> bool:
     """Whether a sliding ``window`` without sinks runs fused on ``device_type`` (``FUSED_WINDOW_MIN_ON_CPU``)."""
     return device_type != "cpu" or window >= FUSED_WINDOW_MIN_ON_CPU
+
+
+def fused_core_applies(softcap: bool, equal_widths: bool, sinks: bool, window: int | None, device_type: str) -> bool:
+    """Whether ``causal_attention`` runs sinks or a sliding ``window`` (None: the whole sequence) on a
+    fused kernel merged by log-sum-exp (``sink_attention.py``), given a kernel that takes the
+    tensors: not with soft-capped scores, only where values are as wide as queries and keys, and
+    for a window without sinks only where ``fused_window_applies``. The memory estimate follows the
+    same rule (``meshlm/training/memory_estimate.py``)."""
+    if softcap or not equal_widths:
+        return False
+    return sinks or (window is not None and fused_window_applies(window, device_type))
 
 
 def window_chunks(seq_len: int, window: int) -> int:

@@ -140,7 +140,7 @@ from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.model_files import read_model_config
 from meshlm.data.preference import PAIRS
 from meshlm.errors import CheckpointError
-from meshlm.models.attention import fused_window_applies, window_chunks
+from meshlm.models.attention import fused_core_applies, window_chunks
 from meshlm.models.flops import attended_pairs
 from meshlm.models.language_model import LanguageModel
 from meshlm.models.losses import default_tokens_per_chunk
@@ -498,8 +498,8 @@ def attention_core_bytes(config, model, seq: int, layout) -> float:
             return (4 * padded + copied_output) * dtype_bytes + 4 * heads
         return (query + key + value + output) * dtype_bytes + 4 * heads
     window = model.sliding_window if model.sliding_window is not None and model.sliding_window < seq else seq
-    fused_window = window < seq and fused_window_applies(window, parse_device(config.train.device).type)
-    if model.attention_softcap is None and value == key and (model.attention_sinks or fused_window):
+    if fused_core_applies(model.attention_softcap is not None, value == key, model.attention_sinks,
+                          window if window < seq else None, parse_device(config.train.device).type):
         # sinks or a window on the fused kernel (meshlm/models/sink_attention.py): q, k, v, the
         # output and the log-sum-exp, nothing padded (a window's blocks are made again in backward);
         # a window's output is laid out [b, t, heads, d], so o_proj's input is a view of it under MLA too
