@@ -17,6 +17,10 @@ and after it the finished ones leave, so the batch is as full as the load allows
    left-padded as ``generate`` pads a batch, and each draws its first token; those not finished
    by it join the running batch's cache (``InferenceCache.join``: right-aligned on the latest
    token, the shorter side left-padded), their drawn token waiting to be fed like everyone else's.
+   With ``prefill_chunk`` the prompts run that many columns an iteration, each chunk followed by a
+   decode step of the running batch (*chunked prefill*, as vLLM and SGLang schedule it): a long
+   prompt arriving costs the others' replies a pause of one chunk, not of the whole prompt.
+   Requests arriving meanwhile wait for the next admission.
 2. **Step**: one forward of every row's latest token; each row draws its next token with its own
    sampling settings and random generator (``SamplingConfig.make_generator``), so a request's
    draws do not depend on who else is in the batch.
@@ -115,6 +119,18 @@ class _Call:
 
 
 @dataclass(eq=False)
+class _Prefill:
+    """Admitted requests whose prompts are being run into their own cache, ``prefill_chunk`` columns
+    an iteration, between the running batch's decode steps."""
+
+    requests: list[GenerationRequest]
+    input_ids: torch.Tensor
+    token_mask: torch.Tensor | None
+    cache: InferenceCache
+    columns_done: int = 0
+
+
+@dataclass(eq=False)
 class _Row:
     """A request in the running batch: its random generator and the token it drew last (not yet fed)."""
 
@@ -131,14 +147,18 @@ class ContinuousBatcher:
     padded vocabulary. ``close()`` stops the worker (requests still waiting get an error)."""
 
     def __init__(self, model, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, valid_vocab_size: int | None = None,
-                 pad_token_id: int = 0):
+                 pad_token_id: int = 0, prefill_chunk: int | None = None):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ConfigError(f"max_batch_size={max_batch_size!r} must be a whole number of sequences >= 1.")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be a number of tokens >= 1, or None to prefill "
+                              "each prompt in one forward.")
         if model.config.rope_scaling == "longrope":
             raise ConfigError("this model's LongRoPE (model.rope_scaling=longrope) re-runs a sequence when it "
                               "first passes the original context, which a shared batch cannot do; serve it one "
                               "request at a time (max batch size 1).")
-        self.model, self.max_batch_size = model, max_batch_size
+        self.model, self.max_batch_size, self.prefill_chunk = model, max_batch_size, prefill_chunk
         self.valid_vocab_size, self.pad_token_id = valid_vocab_size, pad_token_id
         self.device = next(model.parameters()).device
         self.waiting: queue.Queue[GenerationRequest | object | None] = queue.Queue()
@@ -147,6 +167,8 @@ class ContinuousBatcher:
         """Functions to run on this thread between decode steps (``call``)."""
         self.rows: list[_Row] = []
         self.cache: InferenceCache | None = None
+        self.prefilling: _Prefill | None = None
+        """The admitted requests whose prompts are still being run, a chunk an iteration."""
         self.steps = 0
         """Decode steps run (a batch of any size is one)."""
         self.largest_batch = 0
@@ -204,20 +226,23 @@ class ContinuousBatcher:
         try:
             while True:
                 self._run_calls()
-                admitted = self._take_waiting(block=not self.rows)
+                admitted = [] if self.prefilling is not None else self._take_waiting(block=not self.rows)
                 if admitted is None:
                     break
                 try:
                     with torch.inference_mode():
                         if admitted:
-                            self._admit(admitted)
+                            self.prefilling = self._start_prefill(admitted)
+                        if self.prefilling is not None:
+                            self._prefill_step()
                         if self.rows:
                             self._step()
                 except Exception as error:  # noqa: BLE001 -- fail the batch's requests, keep serving
-                    for request in admitted + [row.request for row in self.rows]:
+                    prefilling = [] if self.prefilling is None else self.prefilling.requests
+                    for request in admitted + prefilling + [row.request for row in self.rows]:
                         if not request.done.is_set():
                             request.finish(error)
-                    self.rows, self.cache = [], None
+                    self.rows, self.cache, self.prefilling = [], None, None
         finally:
             self.model.train(model_was_training)
             self._fail_waiting(RuntimeError("the batcher was closed before this request ran"))
@@ -272,14 +297,29 @@ class ContinuousBatcher:
             task.error = error
             task.done.set()
 
-    def _admit(self, requests: list[GenerationRequest]) -> None:
-        """Prefill ``requests`` as one batch, draw their first tokens, and join the unfinished ones to
-        the running batch."""
-        prompts = [request.prompt_ids for request in requests]
-        input_ids, token_mask = left_pad(prompts, self.pad_token_id, self.device)
+    def _start_prefill(self, requests: list[GenerationRequest]) -> _Prefill:
+        """``requests`` left-padded into one batch, with a cache of their own to run them into."""
+        input_ids, token_mask = left_pad([request.prompt_ids for request in requests], self.pad_token_id, self.device)
         longest_reply = max(request.max_new_tokens for request in requests)
-        cache = InferenceCache(max_tokens=input_ids.shape[1] + longest_reply)
-        logits = self.model.head_logits(prefill(self.model, input_ids, token_mask, cache))[:, -1]
+        return _Prefill(requests, input_ids, token_mask, InferenceCache(max_tokens=input_ids.shape[1] + longest_reply))
+
+    def _prefill_step(self) -> None:
+        """Run the next ``prefill_chunk`` columns of the prompts being admitted (all that are left
+        without a chunk); after the last, admit them (``_admit``)."""
+        pending = self.prefilling
+        length = pending.input_ids.shape[1]
+        columns = slice(pending.columns_done, length if self.prefill_chunk is None
+                        else min(pending.columns_done + self.prefill_chunk, length))
+        mask = None if pending.token_mask is None else pending.token_mask[:, columns]
+        hidden = prefill(self.model, pending.input_ids[:, columns], mask, pending.cache)
+        pending.columns_done = columns.stop
+        if pending.columns_done == length:
+            self.prefilling = None
+            self._admit(pending.requests, pending.cache, self.model.head_logits(hidden)[:, -1])
+
+    def _admit(self, requests: list[GenerationRequest], cache: InferenceCache, logits: torch.Tensor) -> None:
+        """Draw the first tokens of the prefilled ``requests`` from their last ``logits``, and join the
+        unfinished ones (their ``cache``) to the running batch."""
         vocab_size = logits.shape[-1]
         rows = [_Row(request, request.sampling.make_generator(self.device),
                      TokenPenalties(request.sampling, [request.prompt_ids], vocab_size, self.device)

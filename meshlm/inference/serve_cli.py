@@ -13,6 +13,7 @@ from meshlm.inference.server import ServedModel, make_server
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_PREFILL_CHUNK = 2048
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, metavar="N",
                         help="most requests decoded together by continuous batching (default "
                              f"{DEFAULT_MAX_BATCH_SIZE}; 1: one at a time, in the order they arrive)")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                        help="run an arriving prompt N tokens at a time, the running replies decoding a token "
+                             f"between chunks (default {DEFAULT_PREFILL_CHUNK}; 0: whole prompts at once)")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory holding one")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
 
@@ -39,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port} is not a port number; use 1 to 65535 (0: any free port).")
     if args.max_batch_size < 1:
         raise ConfigError(f"--max-batch-size {args.max_batch_size} leaves no room for a request; use 1 or more.")
+    if args.prefill_chunk < 0:
+        raise ConfigError(f"--prefill-chunk {args.prefill_chunk} is not a number of tokens; use 1 or more, or 0 "
+                          "to run whole prompts at once.")
     model_dir, tokenizer, device, model = load_generation_model(
         args, "a server takes and returns text; pass --tokenizer PATH.")
     model.eval()
@@ -49,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch_size > 1 and model.config.rope_scaling == "longrope":
         batching = "one request at a time (LongRoPE re-runs a sequence past its original context: no shared batch)"
     elif args.max_batch_size > 1:
-        served.batcher = ContinuousBatcher(model, args.max_batch_size, served.valid_vocab_size)
+        served.batcher = ContinuousBatcher(model, args.max_batch_size, served.valid_vocab_size,
+                                           prefill_chunk=args.prefill_chunk or None)
     else:
         batching = "one request at a time"
     host, port = server.server_address[:2]

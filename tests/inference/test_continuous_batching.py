@@ -55,20 +55,47 @@ def staggered(batcher: ContinuousBatcher, requests: list[GenerationRequest], aft
     return [request.wait() for request in requests]
 
 
+@pytest.mark.parametrize("prefill_chunk", [None, 4], ids=["whole prompts", "chunked prefill"])
 @pytest.mark.parametrize("name", MODELS)
-def test_requests_joining_mid_decoding_get_the_tokens_they_get_alone(name):
+def test_requests_joining_mid_decoding_get_the_tokens_they_get_alone(name, prefill_chunk):
     """Prompts of 9, 2, 5 and 1 tokens join one after another, then a 17-token prompt joins a batch
-    whose sequences are shorter (the batch is padded to it), each budget different."""
+    whose sequences are shorter (the batch is padded to it), each budget different; prompts run
+    whole or 4 columns an iteration between the batch's steps."""
     model = MODELS[name]()
     prompts, budgets = PROMPTS + [LONG_PROMPT], [12, 9, 14, 6, 10]
     alone = [generate(model, [prompt], budget, GREEDY)[0] for prompt, budget in zip(prompts, budgets)]
-    batcher = ContinuousBatcher(model, max_batch_size=8)
+    batcher = ContinuousBatcher(model, max_batch_size=8, prefill_chunk=prefill_chunk)
     try:
         requests = [GenerationRequest(prompt, budget, GREEDY) for prompt, budget in zip(prompts, budgets)]
         assert staggered(batcher, requests) == alone
         assert batcher.largest_batch >= 3
     finally:
         batcher.close()
+
+
+def test_a_long_prompt_prefills_a_chunk_at_a_time_while_the_batch_goes_on_decoding():
+    model = tiny_model(PATTERNS["hybrid"])
+    batcher = ContinuousBatcher(model, max_batch_size=2, prefill_chunk=4)
+    long = GenerationRequest(LONG_PROMPT, 5, GREEDY)  # 17 tokens: 5 chunks of at most 4
+    waiting_for_long = []
+    try:
+        running = GenerationRequest(PROMPTS[0], 30, GREEDY)
+
+        def on_token(token: int) -> bool:
+            if len(running.new_ids) == 2:
+                batcher.submit(long)
+            elif len(running.new_ids) > 2 and not long.new_ids:
+                waiting_for_long.append(token)  # drawn while the long prompt was still prefilling
+            return False
+
+        running.on_token = on_token
+        assert batcher.generate(running) == generate(model, [PROMPTS[0]], 30, GREEDY)[0]
+        assert long.wait() == generate(model, [LONG_PROMPT], 5, GREEDY)[0]
+    finally:
+        batcher.close()
+    assert len(waiting_for_long) >= 4  # one decode step after each of the first chunks
+    with pytest.raises(ConfigError, match="prefill_chunk=0"):
+        ContinuousBatcher(model, prefill_chunk=0)
 
 
 def test_sampled_requests_draw_as_alone_whoever_shares_their_batch():

@@ -310,6 +310,7 @@ def test_the_command_refuses_a_taken_port_and_bad_settings(chat_model_dir, token
         stop(server)
     assert main(["serve", str(chat_model_dir), "--max-tokens", "0"]) == 2
     assert main(["serve", str(chat_model_dir), "--max-batch-size", "0"]) == 2
+    assert main(["serve", str(chat_model_dir), "--prefill-chunk", "-1"]) == 2
 
 
 def reference_log_probs(model_dir, ids: list[int], vocab: int) -> torch.Tensor:
