@@ -17,13 +17,14 @@ Sampling: ``max_tokens`` (or ``max_completion_tokens``; default ``--max-tokens``
 vLLM's), ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in [-2, 2]),
 ``repetition_penalty`` (an extension, as vLLM's; ``penalties.py``), ``seed`` (default 0: the same
 request gives the same reply), ``stop`` (up to 4 strings: the text ends before the first one found,
-which is not returned), ``n`` (1 only) and ``stream``. With ``"stream": true`` the reply comes as
-server-sent events, one ``data: {chunk}`` per piece of new text (``delta`` in chat, ``text`` in
-completions), a last chunk with ``finish_reason`` and ``usage``, then ``data: [DONE]``. Text is
-held back while it could still become a stop string or ends inside a UTF-8 character, so the
-streamed pieces join to exactly the non-streamed text. ``finish_reason`` is ``stop`` (end of turn,
-eos or a stop string) or ``length`` (``max_tokens`` reached). ``usage`` counts the prompt's and the
-reply's tokens.
+which is not returned), ``n`` (up to 16 replies, choice i sampled with seed + i; streamed as chunks
+of each choice's index, then one with the usage alone) and ``stream``. With ``"stream": true`` the
+reply comes as server-sent events, one ``data: {chunk}`` per piece of new text (``delta`` in chat,
+``text`` in completions), a last chunk with ``finish_reason`` and ``usage``, then ``data: [DONE]``.
+Text is held back while it could still become a stop string or ends inside a UTF-8 character, so
+the streamed pieces join to exactly the non-streamed text. ``finish_reason`` is ``stop`` (end of
+turn, eos or a stop string) or ``length`` (``max_tokens`` reached). ``usage`` counts the prompt's
+and the reply's tokens.
 
 Log-probabilities (``logprobs.py``): chat's ``logprobs: true`` with ``top_logprobs`` (0-20) returns
 ``logprobs.content``, one ``{token, logprob, bytes, top_logprobs}`` per reply token; completions'
@@ -35,11 +36,11 @@ read a continuation's log-likelihood. They are the model's own distribution (bef
 top-k/p and penalties), scored by one forward over prompt and reply; the end token is not listed.
 Not with ``stream``.
 
-Fields meshlm cannot honour are refused rather than ignored -- ``n`` above 1, ``tools``,
-``logit_bias``, ``best_of``, ``suffix`` -- with status 400 and one sentence naming the field
-(OpenAI's error object: ``{"error": {"message", "type", "param"}}``); unknown fields are ignored,
-as OpenAI's clients send many. A prompt that does not fit the model's positions, or a bad value,
-is a 400 too; nothing a request does stops the server.
+Fields meshlm cannot honour are refused rather than ignored -- ``tools``, ``logit_bias``,
+``best_of``, ``suffix`` -- with status 400 and one sentence naming the field (OpenAI's error
+object: ``{"error": {"message", "type", "param"}}``); unknown fields are ignored, as OpenAI's
+clients send many. A prompt that does not fit the model's positions, or a bad value, is a 400 too;
+nothing a request does stops the server.
 
 Concurrent requests are decoded together by continuous batching (``continuous_batching.py``): a
 request joins the running batch before the next decode step and leaves it when its reply ends, up
@@ -53,6 +54,7 @@ client that closes a streamed reply's connection stops its generation at the nex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import threading
@@ -74,6 +76,8 @@ from meshlm.inference.sampling import SamplingConfig
 
 MAX_STOP_STRINGS = 4
 REFUSED = ("tools", "functions", "logit_bias", "best_of", "suffix")
+MAX_CHOICES = 16
+"""The most replies (``n``) one request may ask for."""
 MAX_TOP_LOGPROBS = 20
 """The most alternatives a token's log-probabilities list (OpenAI's bound for chat's ``top_logprobs``)."""
 """Fields meshlm does not implement: refused unless they hold their default (0, false, null, empty)."""
@@ -134,6 +138,12 @@ class CompletionRequest:
     log-probabilities; chat's ``logprobs`` + ``top_logprobs``, completions' ``logprobs``)."""
     echo: bool = False
     """Completions: the prompt comes back before the reply, its tokens scored too with logprobs."""
+    n: int = 1
+    """Replies (choices) to the one prompt; choice i samples with seed ``seed + i``."""
+
+    def choice_sampling(self, index: int) -> SamplingConfig:
+        """Choice ``index``'s sampling: the request's, its seed moved on by the index."""
+        return dataclasses.replace(self.sampling, seed=self.sampling.seed + index)
 
 
 def _number(body: dict, name: str, default, kind=float, low=None, high=None, low_open: bool = False):
@@ -170,8 +180,7 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     for name in REFUSED:
         if body.get(name):  # 0, false, null and [] are the defaults: accepted
             raise RequestError(f"{name} is not supported by meshlm serve; leave it out.", name)
-    if _number(body, "n", 1, int, low=1) != 1:
-        raise RequestError("n must be 1: meshlm serve returns one choice a request.", "n")
+    choices = _number(body, "n", 1, int, low=1, high=MAX_CHOICES)
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -215,7 +224,8 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
                            "logprobs" if top_logprobs is not None else "echo")
     sampling = (SamplingConfig(greedy=True, seed=seed, **penalties) if temperature == 0 else
                 SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **penalties))
-    return CompletionRequest(prompt_ids, end_ids, max_tokens, sampling, list(stop), stream, chat, top_logprobs, echo)
+    return CompletionRequest(prompt_ids, end_ids, max_tokens, sampling, list(stop), stream, chat, top_logprobs, echo,
+                             choices)
 
 
 def log_prob_fields(body: dict, chat: bool) -> tuple[int | None, bool]:
@@ -297,43 +307,93 @@ class ReplyText:
 
 
 def run_completion(served: ServedModel, request: CompletionRequest,
-                   on_pieces: Callable[[str, str], None] | None = None) -> dict:
-    """Generate a request's reply (``on_pieces(reasoning, answer)`` with each sendable piece, to
-    stream it): ``{"text", "reasoning", "finish_reason", "usage"}``."""
-    reply = ReplyText(served.tokenizer, request.end_ids, request.stop, request.chat)
-
-    def send(final: bool) -> None:
-        if on_pieces is None:
-            return
-        pieces = reply.new_pieces(final)
-        if any(pieces):
-            on_pieces(*pieces)
-
-    def on_token(row: int, token: int) -> bool:
-        ended = reply.add(token)
-        send(final=ended)
-        return ended
-
+                   on_pieces: Callable[[int, str, str], None] | None = None) -> dict:
+    """Generate a request's ``n`` replies (``on_pieces(choice, reasoning, answer)`` with each sendable
+    piece, to stream them): ``{"choices": [{"text", "reasoning", "finish_reason"[, "logprobs"]}],
+    "usage"}``."""
+    replies = [ReplyText(served.tokenizer, request.end_ids, request.stop, request.chat) for _ in range(request.n)]
     try:
         if request.max_tokens == 0:  # echo alone: the prompt scored, nothing generated
-            new_ids = []
+            new_ids = [[] for _ in replies]
         elif served.batcher is not None:
-            new_ids = batched_completion(served.batcher, request, reply, on_pieces)
+            new_ids = batched_choices(served.batcher, request, replies, on_pieces)
         else:
-            with served.lock:
-                new_ids = generate(served.model, [request.prompt_ids], request.max_tokens, request.sampling,
-                                   eos_token_id=request.end_ids or None, valid_vocab_size=served.valid_vocab_size,
-                                   on_token=on_token)[0]
+            new_ids = sequential_choices(served, request, replies, on_pieces)
     except ConfigError as error:  # a prompt too long for the model's positions, say
         raise RequestError(str(error), "messages" if request.chat else "prompt") from error
-    send(final=True)  # what the last token left held back (a reply that ran to max_tokens)
-    prompt, completion = len(request.prompt_ids), len(new_ids)
-    result = {"text": reply.text, "reasoning": reply.reasoning, "finish_reason": "stop" if reply.ended else "length",
-              "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
-    if request.top_logprobs is not None:
-        kept = new_ids[:-1] if new_ids and new_ids[-1] in request.end_ids else new_ids  # not the end token
-        result["logprobs"] = scored_tokens(served, request, kept)
-    return result
+    choices = []
+    for index, (reply, ids) in enumerate(zip(replies, new_ids)):
+        if on_pieces is not None:  # what the last token left held back (a reply that ran to max_tokens)
+            rest = reply.new_pieces(final=True)
+            if any(rest):
+                on_pieces(index, *rest)
+        choice = {"text": reply.text, "reasoning": reply.reasoning,
+                  "finish_reason": "stop" if reply.ended else "length"}
+        if request.top_logprobs is not None:
+            kept = ids[:-1] if ids and ids[-1] in request.end_ids else ids  # not the end token
+            choice["logprobs"] = scored_tokens(served, request, kept)
+        choices.append(choice)
+    prompt, completion = len(request.prompt_ids), sum(len(ids) for ids in new_ids)
+    return {"choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+
+
+def token_handler(reply: ReplyText, index: int, send: Callable[[int, str, str], None] | None) -> Callable[[int], bool]:
+    """The per-token callback of choice ``index``: ``reply`` takes the token, the pieces it makes
+    sendable go to ``send``; True once the reply has ended."""
+    def on_token(token: int) -> bool:
+        ended = reply.add(token)
+        if send is not None:
+            pieces = reply.new_pieces(final=ended)
+            if any(pieces):
+                send(index, *pieces)
+        return ended
+    return on_token
+
+
+def sequential_choices(served: ServedModel, request: CompletionRequest, replies: list[ReplyText],
+                       on_pieces: Callable[[int, str, str], None] | None) -> list[list[int]]:
+    """The choices' new ids one after another by ``generate`` under the model's lock (one request at
+    a time), pieces handed to ``on_pieces`` as they are drawn."""
+    new_ids = []
+    with served.lock:
+        for index, reply in enumerate(replies):
+            on_token = token_handler(reply, index, on_pieces)
+            new_ids.append(generate(served.model, [request.prompt_ids], request.max_tokens,
+                                    request.choice_sampling(index), eos_token_id=request.end_ids or None,
+                                    valid_vocab_size=served.valid_vocab_size,
+                                    on_token=lambda row, token: on_token(token))[0])
+    return new_ids
+
+
+def batched_choices(batcher: ContinuousBatcher, request: CompletionRequest, replies: list[ReplyText],
+                    on_pieces: Callable[[int, str, str], None] | None) -> list[list[int]]:
+    """The choices' new ids from the batcher, decoded side by side: its thread adds each token to its
+    reply and queues the sendable pieces, which this (the request's) thread hands to ``on_pieces``
+    as they come. Should ``on_pieces`` raise (the client went away), the choices are cancelled:
+    they leave the batch at their next token."""
+    pieces: queue.SimpleQueue = queue.SimpleQueue()
+    finished = object()
+    queued = None if on_pieces is None else lambda *item: pieces.put(item)
+    jobs = [GenerationRequest(request.prompt_ids, request.max_tokens, request.choice_sampling(index),
+                              request.end_ids, token_handler(reply, index, queued),
+                              on_done=lambda: pieces.put(finished)) for index, reply in enumerate(replies)]
+    batcher.check(jobs[0])  # the same prompt for all: refused before any is queued
+    for job in jobs:
+        batcher.submit(job)
+    try:
+        remaining = len(jobs)
+        while remaining:
+            item = pieces.get()
+            if item is finished:
+                remaining -= 1
+            else:
+                on_pieces(*item)
+    except BaseException:
+        for job in jobs:
+            job.cancel()
+        raise
+    return [job.wait() for job in jobs]
 
 
 def scored_tokens(served: ServedModel, request: CompletionRequest, reply_ids: list[int]) -> list[TokenLogProb]:
@@ -351,56 +411,28 @@ def scored_tokens(served: ServedModel, request: CompletionRequest, reply_ids: li
         return score()
 
 
-def batched_completion(batcher: ContinuousBatcher, request: CompletionRequest, reply: ReplyText,
-                       on_pieces: Callable[[str, str], None] | None) -> list[int]:
-    """``request``'s new ids from the batcher: its thread adds each token to ``reply`` and queues the
-    sendable pieces, which this (the request's) thread hands to ``on_pieces`` as they come. Should
-    ``on_pieces`` raise (the client went away), the request is cancelled: it leaves the batch at its
-    next token."""
-    pieces: queue.SimpleQueue = queue.SimpleQueue()
-    finished = object()
-
-    def on_token(token: int) -> bool:
-        ended = reply.add(token)
-        if on_pieces is not None:
-            new = reply.new_pieces(final=ended)
-            if any(new):
-                pieces.put(new)
-        return ended
-
-    job = GenerationRequest(request.prompt_ids, request.max_tokens, request.sampling, request.end_ids, on_token,
-                            on_done=lambda: pieces.put(finished))
-    batcher.submit(job)
-    try:
-        while (item := pieces.get()) is not finished:
-            on_pieces(*item)
-    except BaseException:
-        job.cancel()
-        raise
-    return job.wait()
-
-
 def completion_body(served: ServedModel, request: CompletionRequest, result: dict, reply_id: str, created: int
                     ) -> dict:
     """The non-streamed response object."""
-    if request.chat:
-        message = {"role": "assistant", "content": result["text"]}
-        if result["reasoning"]:
-            message["reasoning_content"] = result["reasoning"]
-        choice = {"index": 0, "message": message, "finish_reason": result["finish_reason"]}
-        if "logprobs" in result:
-            choice["logprobs"] = chat_logprobs(served.tokenizer, result["logprobs"])
-        kind = "chat.completion"
-    else:
-        prompt_text = served.tokenizer.decode(request.prompt_ids) if request.echo else ""
-        choice = {"index": 0, "text": prompt_text + result["text"], "finish_reason": result["finish_reason"]}
-        if "logprobs" in result:
-            choice["logprobs"] = completion_logprobs(served.tokenizer, result["logprobs"], request.top_logprobs)
-        elif request.echo:
-            choice["logprobs"] = None
-        kind = "text_completion"
-    return {"id": reply_id, "object": kind, "created": created, "model": served.name, "choices": [choice],
-            "usage": result["usage"]}
+    choices = []
+    for index, reply in enumerate(result["choices"]):
+        if request.chat:
+            message = {"role": "assistant", "content": reply["text"]}
+            if reply["reasoning"]:
+                message["reasoning_content"] = reply["reasoning"]
+            choice = {"index": index, "message": message, "finish_reason": reply["finish_reason"]}
+            if "logprobs" in reply:
+                choice["logprobs"] = chat_logprobs(served.tokenizer, reply["logprobs"])
+        else:
+            prompt_text = served.tokenizer.decode(request.prompt_ids) if request.echo else ""
+            choice = {"index": index, "text": prompt_text + reply["text"], "finish_reason": reply["finish_reason"]}
+            if "logprobs" in reply:
+                choice["logprobs"] = completion_logprobs(served.tokenizer, reply["logprobs"], request.top_logprobs)
+            elif request.echo:
+                choice["logprobs"] = None
+        choices.append(choice)
+    return {"id": reply_id, "object": "chat.completion" if request.chat else "text_completion", "created": created,
+            "model": served.name, "choices": choices, "usage": result["usage"]}
 
 
 def token_entry(tokenizer: Tokenizer, token: int, logprob: float) -> dict:
@@ -440,23 +472,25 @@ def completion_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb], top: i
             "text_offset": offsets}
 
 
-def chunk_body(served: ServedModel, request: CompletionRequest, reply_id: str, created: int, reasoning: str = "",
-               text: str = "", finish_reason: str | None = None, usage: dict | None = None,
+def chunk_body(served: ServedModel, request: CompletionRequest, reply_id: str, created: int, index: int = 0,
+               reasoning: str = "", text: str = "", finish_reason: str | None = None, usage: dict | None = None,
                first: bool = False) -> dict:
-    """One streamed chunk: new text (``delta`` in chat, the ``role`` in the first), or the last one
-    with ``finish_reason``."""
-    if request.chat:
+    """One streamed chunk of choice ``index``: new text (``delta`` in chat, the ``role`` in the
+    choice's first), or its last one with ``finish_reason``; ``index`` None: no choice, the usage
+    alone (after the last choice's end, when there are several)."""
+    kind = "chat.completion.chunk" if request.chat else "text_completion"
+    if index is None:
+        choices = []
+    elif request.chat:
         delta = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
         if reasoning:
             delta["reasoning_content"] = reasoning
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-        kind = "chat.completion.chunk"
+        choices = [{"index": index, "delta": delta, "finish_reason": finish_reason}]
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason}
-        kind = "text_completion"
-    body = {"id": reply_id, "object": kind, "created": created, "model": served.name, "choices": [choice]}
+        choices = [{"index": index, "text": text, "finish_reason": finish_reason}]
+    body = {"id": reply_id, "object": kind, "created": created, "model": served.name, "choices": choices}
     if usage is not None:
         body["usage"] = usage
     return body
@@ -526,7 +560,7 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
 
-        sent = [0]
+        started: set[int] = set()  # the choices whose first chunk (with chat's role) has gone
 
         def event(body) -> None:
             try:
@@ -534,10 +568,13 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError) as error:  # the client went away: stop generating
                 raise ClientGone from error
-            sent[0] += 1
 
-        def pieces(reasoning: str, text: str) -> None:
-            event(chunk_body(self.served, request, reply_id, created, reasoning, text, first=sent[0] == 0))
+        def chunk(index: int, **fields) -> None:
+            event(chunk_body(self.served, request, reply_id, created, index, first=index not in started, **fields))
+            started.add(index)
+
+        def pieces(index: int, reasoning: str, text: str) -> None:
+            chunk(index, reasoning=reasoning, text=text)
 
         try:
             try:
@@ -550,8 +587,12 @@ class Handler(BaseHTTPRequestHandler):
             except Exception as error:  # noqa: BLE001 -- a bug, after the headers: one event too
                 event(server_failure(error).body())
                 return
-            event(chunk_body(self.served, request, reply_id, created, finish_reason=result["finish_reason"],
-                             usage=result["usage"], first=sent[0] == 0))
+            if request.n == 1:  # the usage in the one choice's last chunk
+                chunk(0, finish_reason=result["choices"][0]["finish_reason"], usage=result["usage"])
+            else:  # each choice's end, then the usage alone
+                for index, choice in enumerate(result["choices"]):
+                    chunk(index, finish_reason=choice["finish_reason"])
+                event(chunk_body(self.served, request, reply_id, created, None, usage=result["usage"]))
             event("[DONE]")
         except ClientGone:
             pass

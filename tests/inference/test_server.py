@@ -182,7 +182,7 @@ def test_a_think_block_comes_back_as_reasoning_content(thinking_model_dir, token
 @pytest.mark.parametrize("path, body, status, message", [
     ("/v1/completions", b"{not json", 400, "the request body is not valid JSON"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt must be one string"),
-    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n must be 1"),
+    ("/v1/completions", {"prompt": "a", "n": 17}, 400, "n=17 must be >= 1 and <= 16"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens=0 must be >= 1"),
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature=-1.0 must be >= 0.0"),
     ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p=0.0 must be > 0.0"),
@@ -366,3 +366,32 @@ def test_chat_logprobs_list_each_reply_token_with_its_bytes_and_alternatives(url
             "logprob"]
     plain = post(url, "/v1/chat/completions", {"messages": messages, "temperature": 0, "max_tokens": 6})[1]
     assert "logprobs" not in plain["choices"][0] and plain["choices"][0]["message"] == body["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_choices_sample_with_successive_seeds(url, chat_model_dir, tokenizer, stream):
+    """``n`` replies to one prompt: choice i is what ``generate`` samples with seed + i, streamed as
+    chunks of each choice's index (the role once per choice), then the usage alone."""
+    body = {"messages": [{"role": "user", "content": "the cat"}], "max_tokens": 8, "seed": 4, "n": 3,
+            "temperature": 1.2, "stream": stream}
+    status, reply = post(url, "/v1/chat/completions", body)
+    assert status == 200
+    stop = [token_id(tokenizer, "<|end|>"), tokenizer.eos_token_id]
+    prompt = conversation_prompt(tokenizer, body["messages"])
+    expected = [tokenizer.decode(reply_ids(expected_ids(chat_model_dir, prompt, stop, 8, temperature=1.2, seed=4 + i),
+                                           stop)) for i in range(3)]
+    assert len(set(expected)) > 1  # the seeds give different replies: the test can tell them apart
+    if stream:
+        texts = ["".join(chunk["choices"][0]["delta"].get("content", "") for chunk in reply
+                         if chunk["choices"] and chunk["choices"][0]["index"] == index) for index in range(3)]
+        roles = [chunk["choices"][0]["index"] for chunk in reply if chunk["choices"] and "role" in
+                 chunk["choices"][0]["delta"]]
+        assert sorted(roles) == [0, 1, 2] and reply[-1]["choices"] == [] and "usage" in reply[-1]
+        completion_tokens = reply[-1]["usage"]["completion_tokens"]
+    else:
+        assert [choice["index"] for choice in reply["choices"]] == [0, 1, 2]
+        texts = [choice["message"]["content"] for choice in reply["choices"]]
+        completion_tokens = reply["usage"]["completion_tokens"]
+    assert texts == expected
+    assert completion_tokens == sum(len(expected_ids(chat_model_dir, prompt, stop, 8, temperature=1.2, seed=4 + i))
+                                    for i in range(3))
