@@ -15,6 +15,11 @@ Served two ways, as ``meshlm serve`` serves them:
 * ``batched_N`` (``--max-batch-size N``, for each N of ``--batch-sizes``): ``ContinuousBatcher``,
   requests joining and leaving the batch step by step.
 
+With ``--long-prompt L`` the run measures chunked prefill instead: four requests are decoding
+when a prompt of L tokens arrives, and the longest pause between two of their tokens is timed
+while it is prefilled whole and ``--prefill-chunk`` tokens at a time (``ContinuousBatcher
+(prefill_chunk=...)``), alternately, with the total time to the last reply.
+
 The ways are timed alternately, ``--repeats`` times after a warm-up (``bench/timing.py``), so
 machine noise hits them alike. For each: the median wall time from the first arrival to the
 last reply, the generated tokens per second, the median over requests of the latency (arrival
@@ -75,6 +80,31 @@ def serve_batched(batcher: ContinuousBatcher, prompts, new_tokens: int, arrival_
     return max(finished) - started, latencies, replies
 
 
+def longest_pause(model, prefill_chunk: int | None, long_prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """(the longest pause between two tokens of four decoding requests while ``long_prompt``
+    arrives and is prefilled, seconds to the last reply) under ``prefill_chunk``."""
+    batcher = ContinuousBatcher(model, 5, prefill_chunk=prefill_chunk)
+    stamps: list[list[float]] = [[] for _ in range(4)]
+    started = time.perf_counter()
+    try:
+        running = []
+        for index, prompt in enumerate(random_prompts(4, model.config.vocab_size, seed=1)):
+            def stamp(token: int, index=index) -> bool:
+                stamps[index].append(time.perf_counter())
+                return False
+
+            running.append(batcher.submit(GenerationRequest(prompt, new_tokens, GREEDY, on_token=stamp)))
+        while min(len(times) for times in stamps) < 4:  # all four decoding
+            time.sleep(0.001)
+        long = batcher.submit(GenerationRequest(long_prompt, 4, GREEDY))
+        for request in running + [long]:
+            request.wait()
+    finally:
+        batcher.close()
+    pause = max(later - earlier for times in stamps for earlier, later in zip(times, times[1:]))
+    return pause, time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=16)
@@ -83,10 +113,30 @@ def main() -> None:
     parser.add_argument("--arrival-ms", type=float, default=0.0, help="one request every this many ms (0: all at once)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--long-prompt", type=int, default=0, metavar="L",
+                        help="measure chunked prefill: a prompt of L tokens arriving while four requests decode")
+    parser.add_argument("--prefill-chunk", type=int, default=256, help="with --long-prompt: the chunk to compare")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     model = LanguageModel(load_run_config(CONFIG, []).model).to(args.device).eval()
+    if args.long_prompt:
+        long_prompt = random_prompts(1, model.config.vocab_size, seed=2)[0] * (args.long_prompt // 16 + 1)
+        long_prompt = long_prompt[:args.long_prompt]
+        outcomes = {"whole": [], f"chunks_of_{args.prefill_chunk}": []}
+        chunks = {"whole": None, f"chunks_of_{args.prefill_chunk}": args.prefill_chunk}
+        for repeat in range(args.repeats + 1):  # the first round warms up
+            for name, chunk in chunks.items():
+                result = longest_pause(model, chunk, long_prompt, args.max_new_tokens)
+                if repeat:
+                    outcomes[name].append(result)
+        print(json.dumps({"bench": "serving", "scenario": "long prompt arriving", "device": args.device,
+                          "threads": torch.get_num_threads(), "long_prompt_tokens": args.long_prompt,
+                          "decoding_requests": 4, "new_tokens_each": args.max_new_tokens, "repeats": args.repeats,
+                          "ways": {name: {"longest_pause_s": round(statistics.median(r[0] for r in results), 3),
+                                          "seconds": round(statistics.median(r[1] for r in results), 3)}
+                                   for name, results in outcomes.items()}}, indent=1))
+        return
     prompts = random_prompts(args.requests, model.config.vocab_size)
     arrival_s = args.arrival_ms / 1000
     batchers = {f"batched_{size}": ContinuousBatcher(model, int(size)) for size in args.batch_sizes.split(",")}
