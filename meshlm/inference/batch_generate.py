@@ -17,13 +17,19 @@ answer, a reference completion) is copied to the output record, which adds
 
 An input whose records already have one of these fields is refused rather than overwritten.
 
-The output has one line per input record, in input order, appended a batch at a time (flushed to
-disk), so an interrupted job loses at most the batch in flight, and **rerunning the same command
-continues after the last complete line** -- nothing written is redone or lost (a torn last line,
-from a crash mid-write, is dropped first). An output with more lines than the input has records
-is refused: it belongs to another input. Each batch of ``--batch-size`` prompts is one
-``generate`` call seeded with ``--seed`` plus its first record's index, so a rerun with the same
-batch size gives the same completions.
+The prompts are decoded by continuous batching (``continuous_batching.py``): up to ``--batch-size``
+at once, a finished reply's row taken at the next step by the next prompt, so a batch is never
+held back by its longest reply -- the point when replies differ in length, as generated data's
+do. Each record samples with its own generator, seeded with ``--seed`` plus its index, so its
+completion does not depend on the batch size or on what it was batched with. (With ``--compile``,
+or for a LongRoPE model, whose batch cannot be shared, the prompts go in fixed batches of
+``--batch-size``, each one ``generate`` call seeded with ``--seed`` plus its first record's index.)
+
+The output has one line per input record, in input order, written as soon as every record before
+it is done (flushed to disk), so an interrupted job loses at most the records in flight, and
+**rerunning the same command continues after the last complete line** -- nothing written is
+redone or lost (a torn last line, from a crash mid-write, is dropped first). An output with more
+lines than the input has records is refused: it belongs to another input.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from pathlib import Path
 from meshlm.data.jsonl import json_records
 from meshlm.errors import ConfigError, DataError
 from meshlm.inference.chat import conversation_prompt, record_messages, reply_ids, reply_record
+from meshlm.inference.continuous_batching import ContinuousBatcher, GenerationRequest
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 
@@ -144,6 +151,10 @@ def generate_file(args, model, tokenizer, sampling: SamplingConfig, stops: list[
         print(f"meshlm generate: {output} already holds {done} of {len(records)} completions; continuing",
               file=sys.stderr)
     output.parent.mkdir(parents=True, exist_ok=True)
+    if not args.compile and model.config.rope_scaling != "longrope":
+        made = generate_continuously(args, model, tokenizer, sampling, stops, settings, records, done, output)
+        print(f"meshlm generate: wrote {made} completions to {output} ({done + made} in all)", file=sys.stderr)
+        return 0
     with open(output, "a", encoding="utf-8") as handle:
         for first in range(done, len(records), batch_size):
             batch = records[first:first + batch_size]
@@ -159,6 +170,37 @@ def generate_file(args, model, tokenizer, sampling: SamplingConfig, stops: list[
             print(f"meshlm generate: {first + len(batch)}/{len(records)} prompts ({rate:.2f}/s)", file=sys.stderr)
     print(f"meshlm generate: wrote {made} completions to {output} ({done + made} in all)", file=sys.stderr)
     return 0
+
+
+def generate_continuously(args, model, tokenizer, sampling: SamplingConfig, stops: list[int], settings: dict,
+                          records: list[dict], done: int, output: Path) -> int:
+    """Records ``done`` on through a ``ContinuousBatcher`` of ``--batch-size`` rows, each seeded with
+    ``--seed`` plus its index, written in input order as they complete; how many were written."""
+    batcher = ContinuousBatcher(model, args.batch_size, settings["valid_vocab_size"],
+                                prefill_chunk=settings["prefill_chunk"])
+    started, made = time.monotonic(), 0
+    try:
+        requests = []
+        for index in range(done, len(records)):
+            ids = prompt_ids(records[index], tokenizer, args.chat, args.system, args.reasoning)
+            try:
+                requests.append(batcher.submit(GenerationRequest(
+                    ids, args.max_new_tokens, dataclasses.replace(sampling, seed=sampling.seed + index), stops)))
+            except ConfigError as error:  # refused before any is written: name the record
+                raise ConfigError(f"--input {args.input}, record {index + 1}: {error}") from error
+        with open(output, "a", encoding="utf-8") as handle:
+            for index, request in enumerate(requests, start=done):
+                handle.write(json.dumps(output_record(records[index], request.wait(), tokenizer, args.chat, stops))
+                             + "\n")
+                made += 1
+                if made % args.batch_size == 0 or index == len(records) - 1 or not requests[made].done.is_set():
+                    handle.flush()  # whenever the next record is not ready yet: what is done is on disk
+                    os.fsync(handle.fileno())
+                    rate = made / max(time.monotonic() - started, 1e-9)
+                    print(f"meshlm generate: {index + 1}/{len(records)} prompts ({rate:.2f}/s)", file=sys.stderr)
+    finally:
+        batcher.close()
+    return made
 
 
 __all__ = ["DEFAULT_BATCH_SIZE", "check_record", "completed_lines", "generate_file", "output_record",

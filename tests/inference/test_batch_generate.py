@@ -109,3 +109,23 @@ def test_an_output_of_another_input_is_never_touched(model_dir, tmp_path, capsys
     assert other.read_text() == '{"generated": "a"}\n{"generated": "b"}\n'
     assert main(["generate", str(model_dir), "--prompt", "x", "--output", str(other)]) == 2
     assert "--output holds the completions of --input's prompts" in capsys.readouterr().err
+
+
+def test_records_sample_as_alone_whatever_the_batch_size(model_dir, tmp_path):
+    """Continuous batching: record i samples with seed + i, so its completion is what ``generate``
+    samples for its prompt alone, with any --batch-size, in input order."""
+    source = write_records(tmp_path / "in.jsonl", [{"prompt": prompt} for prompt in PROMPTS])
+    outputs = []
+    for batch_size in ("2", "3"):
+        out = tmp_path / f"out{batch_size}.jsonl"
+        assert main(["generate", str(model_dir), "--input", str(source), "--output", str(out), "--batch-size",
+                     batch_size, "--temperature", "1.1", "--seed", "5", "--max-new-tokens", "9"]) == 0
+        outputs.append(out.read_text())
+    assert outputs[0] == outputs[1]
+    tokenizer, model = load_tokenizer(model_dir), load_model(model_dir)
+    alone = [generate(model, [tokenizer.encode(prompt)], 9, SamplingConfig(temperature=1.1, seed=5 + index),
+                      eos_token_id=tokenizer.eos_token_id, valid_vocab_size=tokenizer.vocab_size)[0]
+             for index, prompt in enumerate(PROMPTS)]
+    written = lines(tmp_path / "out2.jsonl")
+    assert [record["new_tokens"] for record in written] == [len(ids) for ids in alone]
+    assert [record["generated"] for record in written] == [tokenizer.decode(ids) for ids in alone]
