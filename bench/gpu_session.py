@@ -59,6 +59,9 @@ stage                         issue  what it runs
                                      attention and the dense band mask, in bf16: whether every
                                      window should run fused on a GPU (on the CPU only windows of
                                      1024 and more do, ``attention.FUSED_WINDOW_MIN_ON_CPU``)
+``serving``                   14     ``bench.serving --device cuda``: ``meshlm serve``'s continuous
+                                     batching (up to 8 and 32 rows) against one request at a time,
+                                     32 requests of 128 new tokens: tokens/s, latency (a guess: 90 s)
 ``local_sgd``                 20     ``bench.local_sgd --device cuda --model moe``: DDP, DiLoCo and
                                      PALSGD at H=8 (also with the outer sync overlapped) over a
                                      simulated 1 Gbps link, 4 ranks on the GPU, on the 13.5M-parameter
@@ -87,7 +90,7 @@ blocks' tier first (issue 14's "done when" asks for the tier to pass, and the fo
 of it left the hybrid's compiled bf16 gradients in question), then the FP8 step on the wide model
 (issue 15's step-time target, met there, with the loss gap and the delayed recipe's compile to
 settle), then the throughput benches (both measured in the fourth session), the rest of the CUDA
-tier, the other FP8 measurements, and issue 20's GPU run last (that issue is resolved). A stage
+tier, the other FP8 measurements, the serving bench, and issue 20's GPU run last (that issue is resolved). A stage
 is given its estimate plus half again (at most what is left of the
 budget) before it is stopped; what a bench wrote before that stays (``bench.gpu_throughput`` rewrites its JSON after every variant).
 
@@ -230,6 +233,11 @@ def plan(out: Path) -> list[Stage]:
               [python, "-m", "bench.sliding_window", "--device", "cuda", "--out", str(out / "sliding_window_gpu.json")],
               [python, "-m", "bench.sliding_window", "--device", "cpu", "--seqs", "256", "--windows", "64",
                "--repeats", "1", "--out", str(out / "sliding_window_gpu.json")]),
+        Stage("serving", 14, 90,
+              [python, "-m", "bench.serving", "--device", "cuda", "--requests", "32", "--batch-sizes", "8,32",
+               "--max-new-tokens", "128", "--out", str(out / "serving_gpu.json")],
+              [python, "-m", "bench.serving", "--device", "cpu", "--requests", "4", "--batch-sizes", "2",
+               "--max-new-tokens", "4", "--repeats", "1", "--out", str(out / "serving_gpu.json")]),
         Stage("local_sgd", 20, 300,
               [python, "-m", "bench.local_sgd", "--device", "cuda", "--model", "moe", "--sync-every", "8",
                "--methods", "diloco", "palsgd", "--overlap-at", "8", "--out", str(out / "local_sgd.json"),

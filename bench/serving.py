@@ -116,6 +116,7 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=0, metavar="L",
                         help="measure chunked prefill: a prompt of L tokens arriving while four requests decode")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="with --long-prompt: the chunk to compare")
+    parser.add_argument("--out", help="also write the JSON report to this file")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -130,12 +131,12 @@ def main() -> None:
                 result = longest_pause(model, chunk, long_prompt, args.max_new_tokens)
                 if repeat:
                     outcomes[name].append(result)
-        print(json.dumps({"bench": "serving", "scenario": "long prompt arriving", "device": args.device,
-                          "threads": torch.get_num_threads(), "long_prompt_tokens": args.long_prompt,
-                          "decoding_requests": 4, "new_tokens_each": args.max_new_tokens, "repeats": args.repeats,
-                          "ways": {name: {"longest_pause_s": round(statistics.median(r[0] for r in results), 3),
-                                          "seconds": round(statistics.median(r[1] for r in results), 3)}
-                                   for name, results in outcomes.items()}}, indent=1))
+        report({"bench": "serving", "scenario": "long prompt arriving", "device": args.device,
+                "threads": torch.get_num_threads(), "long_prompt_tokens": args.long_prompt,
+                "decoding_requests": 4, "new_tokens_each": args.max_new_tokens, "repeats": args.repeats,
+                "ways": {name: {"longest_pause_s": round(statistics.median(r[0] for r in results), 3),
+                                "seconds": round(statistics.median(r[1] for r in results), 3)}
+                         for name, results in outcomes.items()}}, args.out)
         return
     prompts = random_prompts(args.requests, model.config.vocab_size)
     arrival_s = args.arrival_ms / 1000
@@ -165,7 +166,7 @@ def main() -> None:
             batcher.close()
     reference = results["one_at_a_time"][0][2]
     base_seconds = [outcome[0] for outcome in results["one_at_a_time"]]
-    report = {"bench": "serving", "device": args.device, "threads": torch.get_num_threads(),
+    summary = {"bench": "serving", "device": args.device, "threads": torch.get_num_threads(),
               "model": f"configs/demo.yaml, random weights, {sum(p.numel() for p in model.parameters())} parameters",
               "requests": args.requests, "prompt_tokens": "16-128", "new_tokens_each": args.max_new_tokens,
               "arrival_ms": args.arrival_ms, "repeats": args.repeats, "ways": {}}
@@ -180,8 +181,17 @@ def main() -> None:
         if name != "one_at_a_time":
             entry["speedup"] = round(statistics.median(base / own for base, own in zip(base_seconds, seconds)), 2)
             entry["largest_batch"] = batchers[name].largest_batch
-        report["ways"][name] = entry
-    print(json.dumps(report, indent=1))
+        summary["ways"][name] = entry
+    report(summary, args.out)
+
+
+def report(summary: dict, out: str | None) -> None:
+    """Print the JSON report, and write it to ``out`` if given."""
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

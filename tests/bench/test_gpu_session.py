@@ -79,8 +79,8 @@ def test_the_real_plan_runs_each_stage_in_priority_order():
     stages = gpu_session.plan(gpu_session.REPO / "runs")
     assert [stage.name for stage in stages] == ["env", "tier_compile_layouts", "fp8_dense_wide", "throughput_hybrid",
                                                 "throughput_dense", "tier", "fp8_dense", "fp8_gemms",
-                                                "fp8_dense_recipes", "sliding_window", "local_sgd"]
-    assert [stage.issue for stage in stages] == [14, 14, 15, 14, 14, 14, 15, 15, 15, 14, 20]
+                                                "fp8_dense_recipes", "sliding_window", "serving", "local_sgd"]
+    assert [stage.issue for stage in stages] == [14, 14, 15, 14, 14, 14, 15, 15, 15, 14, 14, 20]
     for name, top in (("throughput_dense", "25"), ("throughput_hybrid", "60"), ("fp8_dense", "25"),
                       ("fp8_dense_wide", "25")):
         profiled = next(stage for stage in stages if stage.name == name).command  # each step seen, not only timed
