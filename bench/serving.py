@@ -13,7 +13,10 @@ Served two ways, as ``meshlm serve`` serves them:
 
 * ``one_at_a_time`` (``--max-batch-size 1``): each request by ``generate`` in arrival order;
 * ``batched_N`` (``--max-batch-size N``, for each N of ``--batch-sizes``): ``ContinuousBatcher``,
-  requests joining and leaving the batch step by step.
+  requests joining and leaving the batch step by step;
+* with ``--compile``, ``batched_N_compiled`` too (``meshlm serve --compile``: the compiled decode
+  step; it takes models without MoE blocks, so give a ``--pattern`` without ``E``). Compiling
+  happens in the warm-up round, which is not counted.
 
 With ``--long-prompt L`` the run measures chunked prefill instead: four requests are decoding
 when a prompt of L tokens arrives, and the longest pause between two of their tokens is timed
@@ -117,10 +120,15 @@ def main() -> None:
                         help="measure chunked prefill: a prompt of L tokens arriving while four requests decode")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="with --long-prompt: the chunk to compare")
     parser.add_argument("--out", help="also write the JSON report to this file")
+    parser.add_argument("--compile", action="store_true",
+                        help="also serve each batch size with the compiled decode step (models without MoE blocks)")
+    parser.add_argument("--pattern", help="the model's block pattern instead of the demo's (e.g. M-M*-M-*- "
+                                          "without experts, for --compile)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = LanguageModel(load_run_config(CONFIG, []).model).to(args.device).eval()
+    overrides = [] if args.pattern is None else [f"model.pattern={args.pattern}"]
+    model = LanguageModel(load_run_config(CONFIG, overrides).model).to(args.device).eval()
     if args.long_prompt:
         long_prompt = random_prompts(1, model.config.vocab_size, seed=2)[0] * (args.long_prompt // 16 + 1)
         long_prompt = long_prompt[:args.long_prompt]
@@ -141,6 +149,9 @@ def main() -> None:
     prompts = random_prompts(args.requests, model.config.vocab_size)
     arrival_s = args.arrival_ms / 1000
     batchers = {f"batched_{size}": ContinuousBatcher(model, int(size)) for size in args.batch_sizes.split(",")}
+    if args.compile:
+        batchers |= {f"batched_{size}_compiled": ContinuousBatcher(model, int(size), compile=True)
+                     for size in args.batch_sizes.split(",")}
     results: dict[str, list] = {name: [] for name in ["one_at_a_time", *batchers]}
 
     def timed(name):
@@ -167,7 +178,8 @@ def main() -> None:
     reference = results["one_at_a_time"][0][2]
     base_seconds = [outcome[0] for outcome in results["one_at_a_time"]]
     summary = {"bench": "serving", "device": args.device, "threads": torch.get_num_threads(),
-              "model": f"configs/demo.yaml, random weights, {sum(p.numel() for p in model.parameters())} parameters",
+              "model": f"configs/demo.yaml{'' if args.pattern is None else f' with pattern {args.pattern}'}, random "
+                       f"weights, {sum(p.numel() for p in model.parameters())} parameters",
               "requests": args.requests, "prompt_tokens": "16-128", "new_tokens_each": args.max_new_tokens,
               "arrival_ms": args.arrival_ms, "repeats": args.repeats, "ways": {}}
     generated = args.requests * args.max_new_tokens

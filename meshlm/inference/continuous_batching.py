@@ -38,6 +38,13 @@ Other work with the model -- scoring a sequence's log-probabilities for a reques
 them -- runs on the same thread between two steps (``call``), so nothing else touches the model
 while it decodes.
 
+With ``compile`` each decode step runs compiled (``decode_step.py``: the blocks fused by
+``torch.compile``, the cache's bookkeeping eager), where the model allows it (no MoE blocks). The
+batch's size and its buffers' length change as requests come and go; after the first such change
+TorchDynamo compiles the step once more with those sizes symbolic, and then keeps that graph
+(``python -m bench.serving --pattern M-M*-M-*- --compile``, 2 CPU cores: 16 requests of 64 tokens
+at 1510 tokens/s against 1056 eagerly, 1.43x, the same tokens).
+
 Memory: the rows share one set of KV buffers as long as the longest live sequence (left padding,
 not paging): a long request makes every row's buffers that long while it lasts. vLLM's paged
 attention (Kwon et al. 2023) removes that waste with per-block KV allocation and a kernel that
@@ -56,6 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshlm.errors import ConfigError
+from meshlm.inference.decode_step import DecodeStep
 from meshlm.inference.generate import check_prompts, left_pad
 from meshlm.inference.penalties import TokenPenalties
 from meshlm.inference.prefill import hidden_states, prefill
@@ -147,7 +155,8 @@ class ContinuousBatcher:
     padded vocabulary. ``close()`` stops the worker (requests still waiting get an error)."""
 
     def __init__(self, model, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, valid_vocab_size: int | None = None,
-                 pad_token_id: int = 0, prefill_chunk: int | None = None):
+                 pad_token_id: int = 0, prefill_chunk: int | None = None, compile: bool = False,
+                 compile_backend: str = "inductor"):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ConfigError(f"max_batch_size={max_batch_size!r} must be a whole number of sequences >= 1.")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
@@ -169,6 +178,9 @@ class ContinuousBatcher:
         self.cache: InferenceCache | None = None
         self.prefilling: _Prefill | None = None
         """The admitted requests whose prompts are still being run, a chunk an iteration."""
+        self.decode_step = DecodeStep(model, compile=True, backend=compile_backend) if compile else None
+        """The compiled decode step (``decode_step.py``), taken where the model and cache allow it; None:
+        the ordinary cached forward every step."""
         self.steps = 0
         """Decode steps run (a batch of any size is one)."""
         self.largest_batch = 0
@@ -339,7 +351,10 @@ class ContinuousBatcher:
     def _step(self) -> None:
         """Feed every row its last token, draw the next, and let the finished rows leave."""
         tokens = torch.tensor([[row.last_token] for row in self.rows], device=self.device)
-        logits = self.model.head_logits(hidden_states(self.model, tokens, self.cache))[:, -1]
+        if self.decode_step is not None and self.decode_step.supports(self.cache):
+            logits = self.decode_step(tokens[:, 0], self.cache)
+        else:
+            logits = self.model.head_logits(hidden_states(self.model, tokens, self.cache))[:, -1]
         self.steps += 1
         self.largest_batch = max(self.largest_batch, len(self.rows))
         staying = self._draw(self.rows, logits)

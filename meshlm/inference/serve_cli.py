@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                         help="run an arriving prompt N tokens at a time, the running replies decoding a token "
                              f"between chunks (default {DEFAULT_PREFILL_CHUNK}; 0: whole prompts at once)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decode step (torch.compile; the first requests pay for compiling; models "
+                             "without MoE blocks)")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory holding one")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
 
@@ -52,14 +55,19 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or Path(args.checkpoint).resolve().name
     served = ServedModel(name, model, tokenizer, choose_eos(None, tokenizer, model_dir), args.max_tokens)
     server = make_server(served, args.host, args.port)
-    batching = f"up to {args.max_batch_size} requests decoded together"
-    if args.max_batch_size > 1 and model.config.rope_scaling == "longrope":
+    if model.config.rope_scaling == "longrope":
+        if args.compile:
+            raise ConfigError("--compile compiles the batcher's decode step, and a LongRoPE model is served one "
+                              "request at a time without it (its re-run past the original context cannot be "
+                              "shared); drop --compile.")
         batching = "one request at a time (LongRoPE re-runs a sequence past its original context: no shared batch)"
-    elif args.max_batch_size > 1:
+    else:  # one at a time too, in arrival order, with --max-batch-size 1
         served.batcher = ContinuousBatcher(model, args.max_batch_size, served.valid_vocab_size,
-                                           prefill_chunk=args.prefill_chunk or None)
-    else:
-        batching = "one request at a time"
+                                           prefill_chunk=args.prefill_chunk or None, compile=args.compile)
+        batching = (f"up to {args.max_batch_size} requests decoded together" if args.max_batch_size > 1
+                    else "one request at a time")
+        if args.compile:
+            batching += ", the decode step compiled"
     host, port = server.server_address[:2]
     print(f"meshlm serve: {name} ({model_dir}, {device}) on http://{host}:{port}, {batching}: POST /v1/completions, "
           "/v1/chat/completions; GET /v1/models, /health; Ctrl-C stops", file=sys.stderr, flush=True)

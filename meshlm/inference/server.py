@@ -47,8 +47,8 @@ request joins the running batch before the next decode step and leaves it when i
 to ``--max-batch-size`` at once (default 8), and gets the tokens it would get alone. Its tokens
 reach the response as they are drawn: the batcher's thread turns them into text and hands the
 pieces to the request's own thread, which writes them, so a slow client never holds up the
-batch. With ``--max-batch-size 1`` (and for a LongRoPE model, whose batch cannot be shared)
-requests are served one at a time in the order they arrive, each by ``generate`` under a lock. A
+batch. ``--max-batch-size 1`` serves them one at a time in the order they arrive; a LongRoPE
+model, whose batch cannot be shared, is served that way by ``generate`` under a lock. A
 client that closes a streamed reply's connection stops its generation at the next token.
 """
 

@@ -215,3 +215,19 @@ def test_calls_run_on_the_batchers_thread_between_steps_and_return_or_raise():
     assert [thread.name for thread in seen] == ["meshlm-batcher"]
     with pytest.raises(RuntimeError, match="closed"):
         batcher.call(lambda: 0)
+
+
+def test_the_compiled_decode_step_serves_a_changing_batch_with_the_same_tokens():
+    """``compile``: requests joining and leaving change the batch's size and its buffers' length
+    between steps; the compiled step (TorchDynamo's graph, run by aot_eager here to keep the test
+    fast) gives the tokens of each request alone."""
+    model = tiny_model(PATTERNS["hybrid"])
+    prompts, budgets = PROMPTS + [LONG_PROMPT], [12, 9, 14, 6, 10]
+    alone = [generate(model, [prompt], budget, GREEDY)[0] for prompt, budget in zip(prompts, budgets)]
+    batcher = ContinuousBatcher(model, max_batch_size=8, compile=True, compile_backend="aot_eager")
+    try:
+        requests = [GenerationRequest(prompt, budget, GREEDY) for prompt, budget in zip(prompts, budgets)]
+        assert staggered(batcher, requests) == alone
+        assert batcher.decode_step.compiled and batcher.decode_step.calls >= batcher.steps - 1 > 10
+    finally:
+        batcher.close()
