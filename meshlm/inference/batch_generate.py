@@ -21,9 +21,10 @@ The prompts are decoded by continuous batching (``continuous_batching.py``): up 
 at once, a finished reply's row taken at the next step by the next prompt, so a batch is never
 held back by its longest reply -- the point when replies differ in length, as generated data's
 do. Each record samples with its own generator, seeded with ``--seed`` plus its index, so its
-completion does not depend on the batch size or on what it was batched with. (With ``--compile``,
-or for a LongRoPE model, whose batch cannot be shared, the prompts go in fixed batches of
-``--batch-size``, each one ``generate`` call seeded with ``--seed`` plus its first record's index.)
+completion does not depend on the batch size or on what it was batched with; ``--compile`` decodes
+with the compiled step. (For a LongRoPE model, whose batch cannot be shared, the prompts go in
+fixed batches of ``--batch-size``, each one ``generate`` call seeded with ``--seed`` plus its first
+record's index.)
 
 The output has one line per input record, in input order, written as soon as every record before
 it is done (flushed to disk), so an interrupted job loses at most the records in flight, and
@@ -151,7 +152,7 @@ def generate_file(args, model, tokenizer, sampling: SamplingConfig, stops: list[
         print(f"meshlm generate: {output} already holds {done} of {len(records)} completions; continuing",
               file=sys.stderr)
     output.parent.mkdir(parents=True, exist_ok=True)
-    if not args.compile and model.config.rope_scaling != "longrope":
+    if model.config.rope_scaling != "longrope":
         made = generate_continuously(args, model, tokenizer, sampling, stops, settings, records, done, output)
         print(f"meshlm generate: wrote {made} completions to {output} ({done + made} in all)", file=sys.stderr)
         return 0
@@ -177,7 +178,7 @@ def generate_continuously(args, model, tokenizer, sampling: SamplingConfig, stop
     """Records ``done`` on through a ``ContinuousBatcher`` of ``--batch-size`` rows, each seeded with
     ``--seed`` plus its index, written in input order as they complete; how many were written."""
     batcher = ContinuousBatcher(model, args.batch_size, settings["valid_vocab_size"],
-                                prefill_chunk=settings["prefill_chunk"])
+                                prefill_chunk=settings["prefill_chunk"], compile=settings["compile"])
     started, made = time.monotonic(), 0
     try:
         requests = []
