@@ -147,15 +147,23 @@ def generate_file(args, model, tokenizer, sampling: SamplingConfig, stops: list[
     check_output_fields(records, args.input)
     output = Path(args.output)
     done = completed_lines(output, len(records))
-    batch_size, started, made = args.batch_size, time.monotonic(), 0
     if done:
         print(f"meshlm generate: {output} already holds {done} of {len(records)} completions; continuing",
               file=sys.stderr)
     output.parent.mkdir(parents=True, exist_ok=True)
     if model.config.rope_scaling != "longrope":
         made = generate_continuously(args, model, tokenizer, sampling, stops, settings, records, done, output)
-        print(f"meshlm generate: wrote {made} completions to {output} ({done + made} in all)", file=sys.stderr)
-        return 0
+    else:
+        made = generate_in_batches(args, model, tokenizer, sampling, stops, settings, records, done, output)
+    print(f"meshlm generate: wrote {made} completions to {output} ({done + made} in all)", file=sys.stderr)
+    return 0
+
+
+def generate_in_batches(args, model, tokenizer, sampling: SamplingConfig, stops: list[int], settings: dict,
+                        records: list[dict], done: int, output: Path) -> int:
+    """Records ``done`` on in fixed batches of ``--batch-size``, each one ``generate`` call seeded with
+    ``--seed`` plus its first record's index (LongRoPE models); how many were written."""
+    batch_size, started, made = args.batch_size, time.monotonic(), 0
     with open(output, "a", encoding="utf-8") as handle:
         for first in range(done, len(records), batch_size):
             batch = records[first:first + batch_size]
@@ -169,8 +177,7 @@ def generate_file(args, model, tokenizer, sampling: SamplingConfig, stops: list[
             made += len(batch)
             rate = made / max(time.monotonic() - started, 1e-9)
             print(f"meshlm generate: {first + len(batch)}/{len(records)} prompts ({rate:.2f}/s)", file=sys.stderr)
-    print(f"meshlm generate: wrote {made} completions to {output} ({done + made} in all)", file=sys.stderr)
-    return 0
+    return made
 
 
 def generate_continuously(args, model, tokenizer, sampling: SamplingConfig, stops: list[int], settings: dict,

@@ -427,7 +427,7 @@ def completion_body(served: ServedModel, request: CompletionRequest, result: dic
             prompt_text = served.tokenizer.decode(request.prompt_ids) if request.echo else ""
             choice = {"index": index, "text": prompt_text + reply["text"], "finish_reason": reply["finish_reason"]}
             if "logprobs" in reply:
-                choice["logprobs"] = completion_logprobs(served.tokenizer, reply["logprobs"], request.top_logprobs)
+                choice["logprobs"] = completion_logprobs(served.tokenizer, reply["logprobs"])
             elif request.echo:
                 choice["logprobs"] = None
         choices.append(choice)
@@ -435,11 +435,15 @@ def completion_body(served: ServedModel, request: CompletionRequest, result: dic
             "model": served.name, "choices": choices, "usage": result["usage"]}
 
 
+def token_text(tokenizer: Tokenizer, token: int) -> str:
+    """A token's own text: its bytes as UTF-8, U+FFFD for part of a character."""
+    return tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
+
 def token_entry(tokenizer: Tokenizer, token: int, logprob: float) -> dict:
     """One token as chat's logprobs spell it: its text, log-probability and raw bytes (a token may hold
     part of a UTF-8 character, whose text is then U+FFFD)."""
-    raw = tokenizer.token_bytes(token)
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+    return {"token": token_text(tokenizer, token), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token))}
 
 
 def chat_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb]) -> dict:
@@ -449,13 +453,13 @@ def chat_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb]) -> dict:
                         for item in scored]}
 
 
-def completion_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb], top: int) -> dict:
+def completion_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb]) -> dict:
     """Completions' ``logprobs``: parallel lists of the tokens' text, log-probabilities (None for the
-    prompt's first token), the ``top`` likeliest alternatives plus the chosen token ({text:
-    log-probability}), and each token's character offset in the returned text."""
+    prompt's first token), the likeliest alternatives scored (``logprobs``: N) plus the chosen token ({text:
+    log-probability}), and each token's character offset in the tokens' texts joined."""
     tokens, offsets, length = [], [], 0
     for item in scored:
-        text = tokenizer.token_bytes(item.token).decode("utf-8", errors="replace")
+        text = token_text(tokenizer, item.token)
         tokens.append(text)
         offsets.append(length)
         length += len(text)
@@ -464,8 +468,7 @@ def completion_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb], top: i
         if item.logprob is None:
             alternatives.append(None)
             continue
-        choices = {tokenizer.token_bytes(token).decode("utf-8", errors="replace"): logprob
-                   for token, logprob in item.top[:top]}
+        choices = {token_text(tokenizer, token): logprob for token, logprob in item.top}
         choices.setdefault(text, item.logprob)
         alternatives.append(choices)
     return {"tokens": tokens, "token_logprobs": [item.logprob for item in scored], "top_logprobs": alternatives,

@@ -93,7 +93,7 @@ class _FusedLinear(torch.autograd.Function):
     """(y_1, ..., y_n) = x [W_1; ...; W_n]^T (+ [b_1; ...; b_n]) split into each layer's output, saving x
     and the separate weights rather than their concatenation (which autograd would keep for the
     input's gradient). The outputs' gradients come back one per layer: dx = sum_i dy_i W_i (one GEMM
-    each, accumulated in place), dW_i = dy_i^T x, db_i = sum dy_i. Taking them apart, rather than as
+    each, each adding the sum so far: ``addmm``), dW_i = dy_i^T x, db_i = sum dy_i. Taking them apart, rather than as
     the gradient of one concatenated output, spares backward the concatenation autograd would make
     of them -- which a compiler fuses into the kernel producing them (the SwiGLU or RoPE backward),
     there writing each half while reading every input of both."""

@@ -129,3 +129,30 @@ def test_records_sample_as_alone_whatever_the_batch_size(model_dir, tmp_path):
     written = lines(tmp_path / "out2.jsonl")
     assert [record["new_tokens"] for record in written] == [len(ids) for ids in alone]
     assert [record["generated"] for record in written] == [tokenizer.decode(ids) for ids in alone]
+
+
+def test_a_longrope_model_goes_in_fixed_batches_seeded_by_their_first_record(tokenizer_dir, tmp_path):
+    """LongRoPE's re-run past the original context cannot share a batch: its file goes in fixed
+    batches of --batch-size, each one ``generate`` call seeded with --seed plus its first index."""
+    import torch
+
+    from meshlm.models.config import ModelConfig
+    from meshlm.models.language_model import LanguageModel
+
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=320, hidden_size=32, pattern="*-*-", num_attention_heads=4,
+                                      num_kv_heads=2, init_std=0.1, rope_scaling="longrope", rope_scaling_factor=4.0,
+                                      rope_original_max_positions=12, rope_short_factors=[1.0, 1.1, 1.3, 1.6],
+                                      rope_long_factors=[1.0, 3.0, 9.0, 27.0]))
+    folder = save_model(model, tmp_path / "longrope", tokenizer_dir=tokenizer_dir)
+    source = write_records(tmp_path / "in.jsonl", [{"prompt": prompt} for prompt in PROMPTS])
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", str(folder), "--input", str(source), "--output", str(out), "--batch-size", "2",
+                 "--temperature", "0.9", "--seed", "3", "--max-new-tokens", "9"]) == 0
+    tokenizer, loaded = load_tokenizer(folder), load_model(folder)
+    expected = []
+    for first in range(0, len(PROMPTS), 2):  # past the 12 original positions: the re-run happens
+        expected += generate(loaded, [tokenizer.encode(prompt) for prompt in PROMPTS[first:first + 2]], 9,
+                             SamplingConfig(temperature=0.9, seed=3 + first), eos_token_id=tokenizer.eos_token_id,
+                             valid_vocab_size=tokenizer.vocab_size)
+    assert [record["generated"] for record in lines(out)] == [tokenizer.decode(ids) for ids in expected]
