@@ -96,15 +96,19 @@ class EagerFallback:
             self.report(f"meshlm train: train.compile=true but {reason}; running eagerly.")
 
 
-def compile_blocks(model: nn.Module, device: torch.device, report: Callable[[str], None]) -> int:
+def compile_blocks(model: nn.Module, device: torch.device, report: Callable[[str], None],
+                   backend: str = "inductor") -> int:
     """Put every ``Block`` of ``model`` (main stack and MTP depths) under torch.compile, in place,
     and the fused loss's softmax part (``losses.softmax_cross_entropy_chunk``: the chunks' sweeps
     over their logits become two kernels; static shapes, as a run's chunks all have one or two).
+    ``backend`` is torch.compile's: Inductor for training; ``aot_eager`` traces the same forward and
+    backward graphs (Dynamo and AOTAutograd, where a lost gradient would come from) and runs them
+    without generating code, which on CPU takes seconds instead of Inductor's tens of seconds.
 
     Returns the number of blocks compiled (0 after falling back to eager, which ``report`` is told).
     """
     fallback = EagerFallback(report)
-    reason = compile_unavailable_reason(device)
+    reason = compile_unavailable_reason(device) if backend == "inductor" else None
     if reason is not None:
         fallback.fail(reason)
         return 0
@@ -113,11 +117,11 @@ def compile_blocks(model: nn.Module, device: torch.device, report: Callable[[str
     # per-function limit silently send a deep hybrid model's later kinds back to eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(blocks))
     for block in blocks:
-        block.residual_step = CompiledForward(block.residual_step, fallback)
+        block.residual_step = CompiledForward(block.residual_step, fallback, backend=backend)
     for module in model.modules():
         if isinstance(module, LanguageModel):
-            module.loss_chunk_softmax = CompiledForward(softmax_cross_entropy_chunk, fallback, dynamic=False,
-                                                        what="the fused loss's softmax")
+            module.loss_chunk_softmax = CompiledForward(softmax_cross_entropy_chunk, fallback, backend=backend,
+                                                        dynamic=False, what="the fused loss's softmax")
     return len(blocks)
 
 

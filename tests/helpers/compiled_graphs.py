@@ -101,8 +101,8 @@ def relative_gradient_gaps(actual: dict[str, torch.Tensor], expected: dict[str, 
             for name, gradient in expected.items() if gradient.norm() > 0}
 
 
-def compiled_gradient_gaps(model, input_ids, device) -> tuple[dict[str, float], int]:
-    """Compile ``model``'s blocks in place (``train.compile``'s ``compile_blocks``) and compare each
+def compiled_gradient_gaps(model, input_ids, device, backend: str = "inductor") -> tuple[dict[str, float], int]:
+    """Compile ``model``'s blocks in place (``train.compile``'s ``compile_blocks``, with ``backend``) and compare each
     parameter's gradient with the eager one taken first: {name: |compiled - eager| / |eager|} over
     the parameters whose eager gradient is not zero, and the number of parameters with one. A
     gradient lost inside a compiled block (as the Mamba-2 scan's was on torch 2.11,
@@ -112,7 +112,7 @@ def compiled_gradient_gaps(model, input_ids, device) -> tuple[dict[str, float], 
     expected = parameter_gradients(model, input_ids)
     torch._dynamo.reset()
     notices = []
-    compiled = compile_blocks(model, device, notices.append)
+    compiled = compile_blocks(model, device, notices.append, backend)
     assert notices == [] and compiled == len(model.config.pattern.replace("|", "")), (compiled, notices)
     return relative_gradient_gaps(parameter_gradients(model, input_ids), expected), len(expected)
 
