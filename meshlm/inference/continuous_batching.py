@@ -34,9 +34,12 @@ left padding), so a request gets the tokens it would get alone: greedy replies a
 sampled ones too for the same seed -- up to the rounding of a batched matmul against a single
 row's, which can only matter where two logits tie to the last bits.
 
-Other work with the model -- scoring a sequence's log-probabilities for a request that asks for
-them -- runs on the same thread between two steps (``call``), so nothing else touches the model
-while it decodes.
+A request with ``top_logprobs`` gets each drawn token scored as it is drawn: its log-probability
+under the model (a log-softmax of the step's logits, before temperature, top-k/p and penalties
+reshape them for sampling, as vLLM returns them) and the likeliest alternatives, in ``log_probs``
+before ``on_token`` sees the token -- so a streamed reply can carry them piece by piece. Other
+work with the model -- scoring a prompt's log-probabilities (``echo``) -- runs on the same thread
+between two steps (``call``), so nothing else touches the model while it decodes.
 
 With ``compile`` each decode step runs compiled (``decode_step.py``: the blocks fused by
 ``torch.compile``, the cache's bookkeeping eager), where the model allows it (no MoE blocks). The
@@ -65,6 +68,7 @@ import torch
 from meshlm.errors import ConfigError
 from meshlm.inference.decode_step import DecodeStep
 from meshlm.inference.generate import check_prompts, left_pad
+from meshlm.inference.logprobs import TokenLogProb, drawn_log_probs
 from meshlm.inference.penalties import TokenPenalties
 from meshlm.inference.prefill import hidden_states, prefill
 from meshlm.inference.sampling import SamplingConfig, restrict_vocab, sample_next
@@ -96,6 +100,10 @@ class GenerationRequest:
     """Set by another thread (``cancel``): the request leaves the batch before its next token."""
     on_done: Callable[[], None] | None = None
     """Called on the batcher's thread once the request has finished, failed or been dropped."""
+    top_logprobs: int | None = None
+    """Score each drawn token (module docstring) with this many likeliest alternatives (0-20); None: not scored."""
+    log_probs: list[TokenLogProb] = field(default_factory=list)
+    """With ``top_logprobs``: one per token of ``new_ids``, added before ``on_token`` is called with it."""
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -381,6 +389,11 @@ class ContinuousBatcher:
             if row.penalties is not None:
                 row.penalties.add(drawn)
             tokens[i] = int(drawn)
+        scored = [i for i, row in enumerate(rows) if row.request.top_logprobs is not None]
+        if scored:
+            for i, log_prob in zip(scored, drawn_log_probs(logits[scored], [tokens[i] for i in scored],
+                                                           max(rows[i].request.top_logprobs for i in scored))):
+                rows[i].request.log_probs.append(log_prob.keeping(rows[i].request.top_logprobs))
         staying = []
         for row, token in zip(rows, tokens):
             request = row.request

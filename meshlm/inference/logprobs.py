@@ -38,6 +38,22 @@ class TokenLogProb:
     top: list[tuple[int, float]] = field(default_factory=list)
     """The likeliest tokens at its position, most likely first, with their log-probabilities."""
 
+    def keeping(self, count: int) -> "TokenLogProb":
+        """The same token with only its ``count`` likeliest alternatives."""
+        return TokenLogProb(self.token, self.logprob, self.top[:count])
+
+
+def drawn_log_probs(logits: torch.Tensor, tokens: list[int], top: int = 0) -> list[TokenLogProb]:
+    """Each row's drawn token scored by that row of ``logits`` [rows, vocabulary] (a decode step's,
+    the padded vocabulary's ids already masked out): its log-probability and the ``top`` likeliest
+    tokens, as ``sequence_log_probs`` scores a position."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = log_probs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    best = log_probs.topk(top, dim=-1) if top else None
+    return [TokenLogProb(token, logprob, [] if best is None else list(zip(best.indices[row].tolist(),
+                                                                           best.values[row].tolist())))
+            for row, (token, logprob) in enumerate(zip(tokens, chosen))]
+
 
 def sequence_log_probs(model, ids: list[int], first: int = 0, top: int = 0,
                        valid_vocab_size: int | None = None) -> list[TokenLogProb]:
@@ -70,4 +86,4 @@ def sequence_log_probs(model, ids: list[int], first: int = 0, top: int = 0,
     return scored
 
 
-__all__ = ["POSITIONS_PER_CHUNK", "TokenLogProb", "sequence_log_probs"]
+__all__ = ["POSITIONS_PER_CHUNK", "TokenLogProb", "drawn_log_probs", "sequence_log_probs"]

@@ -33,8 +33,12 @@ Log-probabilities (``logprobs.py``): chat's ``logprobs: true`` with ``top_logpro
 joined token texts), and ``echo: true`` puts the prompt before the reply and scores its tokens too
 (the first one's is null), with ``max_tokens`` 0 for the prompt alone: how evaluation harnesses
 read a continuation's log-likelihood. They are the model's own distribution (before temperature,
-top-k/p and penalties), scored by one forward over prompt and reply; the end token is not listed.
-Not with ``stream``.
+top-k/p and penalties): the reply's tokens scored by the continuous batcher as they are drawn, the
+prompt's by one forward over it; the end token is not listed. Streamed, each chunk carries the
+log-probabilities of the tokens that came since the choice's previous chunk (``text_offset``
+counting on across chunks), the last chunk those whose text a stop string cut, so the chunks'
+lists join to the whole reply's; with ``echo`` the first chunk is the prompt. A server without
+the batcher (a LongRoPE model) scores a whole reply after it and returns them unstreamed only.
 
 Fields meshlm cannot honour are refused rather than ignored -- ``tools``, ``logit_bias``,
 ``best_of``, ``suffix`` -- with status 400 and one sentence naming the field (OpenAI's error
@@ -219,8 +223,9 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(f"stream must be true or false, not {stream!r}.", "stream")
-    if stream and (top_logprobs is not None or echo):
-        raise RequestError("logprobs and echo come with whole replies only; set stream to false to get them.",
+    if stream and (top_logprobs is not None or echo) and served.batcher is None:
+        raise RequestError("this server decodes one request at a time (a LongRoPE model) and returns logprobs and "
+                           "echo with whole replies only; set stream to false to get them.",
                            "logprobs" if top_logprobs is not None else "echo")
     sampling = (SamplingConfig(greedy=True, seed=seed, **penalties) if temperature == 0 else
                 SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **penalties))
@@ -266,6 +271,8 @@ class ReplyText:
         self.text, self.reasoning, self.ended = "", "", False
         """``ended``: by an end id or a stop string (else the reply ran to max_tokens)."""
         self.sent = self.reasoning_sent = 0
+        self.log_probs_sent = 0
+        """Streamed with log-probabilities: how many of the reply's tokens have had theirs sent."""
         start, end = token_id(tokenizer, THINK_START), token_id(tokenizer, THINK_END)
         self.think = (start, end) if chat and start is not None and end is not None else None
 
@@ -306,47 +313,58 @@ class ReplyText:
         return pieces
 
 
-def run_completion(served: ServedModel, request: CompletionRequest,
-                   on_pieces: Callable[[int, str, str], None] | None = None) -> dict:
-    """Generate a request's ``n`` replies (``on_pieces(choice, reasoning, answer)`` with each sendable
-    piece, to stream them): ``{"choices": [{"text", "reasoning", "finish_reason"[, "logprobs"]}],
-    "usage"}``."""
+Pieces = Callable[[int, str, str, list[TokenLogProb]], None]
+"""``on_pieces(choice, reasoning, answer, log_probs)``: a streamed reply's next sendable text and the
+log-probabilities of the tokens drawn since the previous call (empty unless the request asks)."""
+
+
+def run_completion(served: ServedModel, request: CompletionRequest, on_pieces: Pieces | None = None) -> dict:
+    """Generate a request's ``n`` replies (``on_pieces`` with each sendable piece, to stream them):
+    ``{"choices": [{"text", "reasoning", "finish_reason"[, "logprobs"]}], "usage"}``."""
     replies = [ReplyText(served.tokenizer, request.end_ids, request.stop, request.chat) for _ in range(request.n)]
     try:
         if request.max_tokens == 0:  # echo alone: the prompt scored, nothing generated
-            new_ids = [[] for _ in replies]
+            new_ids, scored = [[] for _ in replies], [[] for _ in replies]
         elif served.batcher is not None:
-            new_ids = batched_choices(served.batcher, request, replies, on_pieces)
+            new_ids, scored = batched_choices(served.batcher, request, replies, on_pieces)
         else:
-            new_ids = sequential_choices(served, request, replies, on_pieces)
+            new_ids, scored = sequential_choices(served, request, replies, on_pieces), None
     except ConfigError as error:  # a prompt too long for the model's positions, say
         raise RequestError(str(error), "messages" if request.chat else "prompt") from error
     choices = []
     for index, (reply, ids) in enumerate(zip(replies, new_ids)):
+        kept = len(ids) - 1 if ids and ids[-1] in request.end_ids else len(ids)  # not the end token
         if on_pieces is not None:  # what the last token left held back (a reply that ran to max_tokens)
             rest = reply.new_pieces(final=True)
-            if any(rest):
-                on_pieces(index, *rest)
+            unsent = scored[index][reply.log_probs_sent:kept] if scored is not None else []
+            if any(rest) or unsent:
+                on_pieces(index, *rest, unsent)
         choice = {"text": reply.text, "reasoning": reply.reasoning,
                   "finish_reason": "stop" if reply.ended else "length"}
-        if request.top_logprobs is not None:
-            kept = ids[:-1] if ids and ids[-1] in request.end_ids else ids  # not the end token
-            choice["logprobs"] = scored_tokens(served, request, kept)
+        if request.top_logprobs is not None and on_pieces is None:  # (streamed: sent with the pieces)
+            choice["logprobs"] = (scored_tokens(served, request, ids[:kept]) if scored is None
+                                  else prompt_log_probs(served, request) + scored[index][:kept])
         choices.append(choice)
     prompt, completion = len(request.prompt_ids), sum(len(ids) for ids in new_ids)
     return {"choices": choices,
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
 
 
-def token_handler(reply: ReplyText, index: int, send: Callable[[int, str, str], None] | None) -> Callable[[int], bool]:
+def token_handler(reply: ReplyText, index: int, send: Pieces | None,
+                  scored: list[TokenLogProb] | None = None) -> Callable[[int], bool]:
     """The per-token callback of choice ``index``: ``reply`` takes the token, the pieces it makes
-    sendable go to ``send``; True once the reply has ended."""
+    sendable go to ``send`` with the log-probabilities in ``scored`` (the batcher's list for the
+    choice, the token's already in it) not sent yet -- an end token's never; True once the reply
+    has ended."""
     def on_token(token: int) -> bool:
         ended = reply.add(token)
         if send is not None:
             pieces = reply.new_pieces(final=ended)
             if any(pieces):
-                send(index, *pieces)
+                scored_end = len(scored or ()) - (token in reply.end_ids)
+                new_log_probs = scored[reply.log_probs_sent:scored_end] if scored else []
+                reply.log_probs_sent = max(reply.log_probs_sent, scored_end)
+                send(index, *pieces, new_log_probs)
         return ended
     return on_token
 
@@ -358,7 +376,7 @@ def sequential_choices(served: ServedModel, request: CompletionRequest, replies:
     new_ids = []
     with served.lock:
         for index, reply in enumerate(replies):
-            on_token = token_handler(reply, index, on_pieces)
+            on_token = token_handler(reply, index, on_pieces)  # no log-probabilities streamed (parse_request)
             new_ids.append(generate(served.model, [request.prompt_ids], request.max_tokens,
                                     request.choice_sampling(index), eos_token_id=request.end_ids or None,
                                     valid_vocab_size=served.valid_vocab_size,
@@ -367,17 +385,20 @@ def sequential_choices(served: ServedModel, request: CompletionRequest, replies:
 
 
 def batched_choices(batcher: ContinuousBatcher, request: CompletionRequest, replies: list[ReplyText],
-                    on_pieces: Callable[[int, str, str], None] | None) -> list[list[int]]:
-    """The choices' new ids from the batcher, decoded side by side: its thread adds each token to its
-    reply and queues the sendable pieces, which this (the request's) thread hands to ``on_pieces``
-    as they come. Should ``on_pieces`` raise (the client went away), the choices are cancelled:
-    they leave the batch at their next token."""
+                    on_pieces: Pieces | None) -> tuple[list[list[int]], list[list[TokenLogProb]]]:
+    """The choices' new ids and their tokens' log-probabilities (empty unless asked for) from the
+    batcher, decoded side by side: its thread adds each token to its reply and queues the sendable
+    pieces, which this (the request's) thread hands to ``on_pieces`` as they come. Should
+    ``on_pieces`` raise (the client went away), the choices are cancelled: they leave the batch at
+    their next token."""
     pieces: queue.SimpleQueue = queue.SimpleQueue()
     finished = object()
     queued = None if on_pieces is None else lambda *item: pieces.put(item)
     jobs = [GenerationRequest(request.prompt_ids, request.max_tokens, request.choice_sampling(index),
-                              request.end_ids, token_handler(reply, index, queued),
-                              on_done=lambda: pieces.put(finished)) for index, reply in enumerate(replies)]
+                              request.end_ids, on_done=lambda: pieces.put(finished),
+                              top_logprobs=request.top_logprobs) for index in range(len(replies))]
+    for index, (job, reply) in enumerate(zip(jobs, replies)):
+        job.on_token = token_handler(reply, index, queued, job.log_probs)
     batcher.check(jobs[0])  # the same prompt for all: refused before any is queued
     for job in jobs:
         batcher.submit(job)
@@ -393,22 +414,32 @@ def batched_choices(batcher: ContinuousBatcher, request: CompletionRequest, repl
         for job in jobs:
             job.cancel()
         raise
-    return [job.wait() for job in jobs]
+    return [job.wait() for job in jobs], [job.log_probs for job in jobs]
+
+
+def prompt_log_probs(served: ServedModel, request: CompletionRequest) -> list[TokenLogProb]:
+    """With ``echo``, the prompt's tokens scored (the first has no log-probability): one forward on
+    the batcher's thread; else nothing."""
+    if not request.echo or request.top_logprobs is None:
+        return []
+    return with_the_model(served, lambda: sequence_log_probs(served.model, request.prompt_ids, 0,
+                                                             request.top_logprobs, served.valid_vocab_size))
+
+
+def with_the_model(served: ServedModel, work: Callable[[], list]) -> list:
+    """``work()`` where nothing else uses the model meanwhile: on the batcher's thread, or under the lock."""
+    if served.batcher is not None:
+        return served.batcher.call(work)
+    with served.lock:
+        return work()
 
 
 def scored_tokens(served: ServedModel, request: CompletionRequest, reply_ids: list[int]) -> list[TokenLogProb]:
     """The reply's tokens (with ``echo`` the prompt's first) and their log-probabilities, scored in
     one forward on the thread that owns the model (``logprobs.py``)."""
     first = 0 if request.echo else len(request.prompt_ids)
-
-    def score():
-        return sequence_log_probs(served.model, request.prompt_ids + reply_ids, first, request.top_logprobs,
-                                  served.valid_vocab_size)
-
-    if served.batcher is not None:
-        return served.batcher.call(score)
-    with served.lock:
-        return score()
+    return with_the_model(served, lambda: sequence_log_probs(served.model, request.prompt_ids + reply_ids, first,
+                                                             request.top_logprobs, served.valid_vocab_size))
 
 
 def completion_body(served: ServedModel, request: CompletionRequest, result: dict, reply_id: str, created: int
@@ -453,11 +484,12 @@ def chat_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb]) -> dict:
                         for item in scored]}
 
 
-def completion_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb]) -> dict:
+def completion_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb], offset: int = 0) -> dict:
     """Completions' ``logprobs``: parallel lists of the tokens' text, log-probabilities (None for the
     prompt's first token), the likeliest alternatives scored (``logprobs``: N) plus the chosen token ({text:
-    log-probability}), and each token's character offset in the tokens' texts joined."""
-    tokens, offsets, length = [], [], 0
+    log-probability}), and each token's character offset in the tokens' texts joined (from ``offset``:
+    where a streamed chunk's tokens start)."""
+    tokens, offsets, length = [], [], offset
     for item in scored:
         text = token_text(tokenizer, item.token)
         tokens.append(text)
@@ -477,10 +509,11 @@ def completion_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb]) -> dic
 
 def chunk_body(served: ServedModel, request: CompletionRequest, reply_id: str, created: int, index: int = 0,
                reasoning: str = "", text: str = "", finish_reason: str | None = None, usage: dict | None = None,
-               first: bool = False) -> dict:
+               first: bool = False, logprobs: dict | None = None) -> dict:
     """One streamed chunk of choice ``index``: new text (``delta`` in chat, the ``role`` in the
-    choice's first), or its last one with ``finish_reason``; ``index`` None: no choice, the usage
-    alone (after the last choice's end, when there are several)."""
+    choice's first) and its tokens' ``logprobs`` (chat's or completions' form, already built), or
+    its last one with ``finish_reason``; ``index`` None: no choice, the usage alone (after the last
+    choice's end, when there are several)."""
     kind = "chat.completion.chunk" if request.chat else "text_completion"
     if index is None:
         choices = []
@@ -493,6 +526,8 @@ def chunk_body(served: ServedModel, request: CompletionRequest, reply_id: str, c
         choices = [{"index": index, "delta": delta, "finish_reason": finish_reason}]
     else:
         choices = [{"index": index, "text": text, "finish_reason": finish_reason}]
+    if logprobs is not None:
+        choices[0]["logprobs"] = logprobs
     body = {"id": reply_id, "object": kind, "created": created, "model": served.name, "choices": choices}
     if usage is not None:
         body["usage"] = usage
@@ -564,6 +599,7 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
         started: set[int] = set()  # the choices whose first chunk (with chat's role) has gone
+        offsets = [0] * request.n  # completions' text_offset: the characters of token text sent per choice
 
         def event(body) -> None:
             try:
@@ -576,11 +612,22 @@ class Handler(BaseHTTPRequestHandler):
             event(chunk_body(self.served, request, reply_id, created, index, first=index not in started, **fields))
             started.add(index)
 
-        def pieces(index: int, reasoning: str, text: str) -> None:
-            chunk(index, reasoning=reasoning, text=text)
+        def pieces(index: int, reasoning: str, text: str, log_probs: list[TokenLogProb]) -> None:
+            logprobs = None
+            if request.top_logprobs is not None and request.chat:
+                logprobs = chat_logprobs(self.served.tokenizer, log_probs)
+            elif request.top_logprobs is not None:
+                logprobs = completion_logprobs(self.served.tokenizer, log_probs, offsets[index])
+                offsets[index] += sum(map(len, logprobs["tokens"]))
+            chunk(index, reasoning=reasoning, text=text, logprobs=logprobs)
 
         try:
             try:
+                if request.echo:  # the prompt first, in each choice's first chunk
+                    prompt_text, scored = self.served.tokenizer.decode(request.prompt_ids), prompt_log_probs(
+                        self.served, request)
+                    for index in range(request.n):
+                        pieces(index, "", prompt_text, scored)
                 result = run_completion(self.served, request, pieces)
             except ClientGone:
                 raise

@@ -231,3 +231,31 @@ def test_the_compiled_decode_step_serves_a_changing_batch_with_the_same_tokens()
         assert batcher.decode_step.compiled and batcher.decode_step.calls >= batcher.steps - 1 > 10
     finally:
         batcher.close()
+
+
+def test_scored_requests_list_each_drawn_tokens_log_probability_under_the_model():
+    """``top_logprobs``: each drawn token's log-probability and alternatives, as a forward over prompt
+    and reply scores them (``sequence_log_probs``) -- the model's distribution, not the sampled one
+    (temperature, top-k, penalties) -- while requests joining the batch and unscored ones go on."""
+    from meshlm.inference.logprobs import sequence_log_probs
+
+    model = tiny_model(PATTERNS["hybrid"])
+    shaped = SamplingConfig(temperature=1.3, top_k=5, seed=3, repetition_penalty=1.4)
+    requests = [GenerationRequest(PROMPTS[0], 7, GREEDY, top_logprobs=3),
+                GenerationRequest(PROMPTS[1], 6, shaped, top_logprobs=0),
+                GenerationRequest(PROMPTS[2], 5, GREEDY)]
+    batcher = ContinuousBatcher(model, max_batch_size=4)
+    try:
+        staggered(batcher, requests, after=2)
+    finally:
+        batcher.close()
+    assert requests[2].log_probs == []
+    for request in requests[:2]:
+        expected = sequence_log_probs(model, request.prompt_ids + request.new_ids, len(request.prompt_ids),
+                                      request.top_logprobs)
+        assert [item.token for item in request.log_probs] == request.new_ids == [item.token for item in expected]
+        for got, want in zip(request.log_probs, expected):
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+            assert [token for token, _ in got.top] == [token for token, _ in want.top]
+            assert [value for _, value in got.top] == pytest.approx([value for _, value in want.top], abs=1e-5)
+    assert len(requests[0].log_probs[0].top) == 3 and requests[0].log_probs[0].top[0][0] == requests[0].new_ids[0]

@@ -192,7 +192,6 @@ def test_a_think_block_comes_back_as_reasoning_content(thinking_model_dir, token
     ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty=0.0 must be > 0.0"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 1}}, 400, "logit_bias is not supported"),
     ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs=21 must be >= 0 and <= 20"),
-    ("/v1/completions", {"prompt": "a", "logprobs": 2, "stream": True}, 400, "set stream to false"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0, "logprobs": 1}, 400, "max_tokens=0 must be >= 1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs: true"),
@@ -395,3 +394,77 @@ def test_n_choices_sample_with_successive_seeds(url, chat_model_dir, tokenizer, 
     assert texts == expected
     assert completion_tokens == sum(len(expected_ids(chat_model_dir, prompt, stop, 8, temperature=1.2, seed=4 + i))
                                     for i in range(3))
+
+
+def joined_stream_logprobs(chunks: list[dict], chat: bool, index: int = 0):
+    """The log-probabilities of a streamed reply's chunks of choice ``index``, joined: chat's
+    ``content`` entries, or completions' parallel lists."""
+    parts = [chunk["choices"][0]["logprobs"] for chunk in chunks
+             if chunk["choices"] and chunk["choices"][0]["index"] == index and "logprobs" in chunk["choices"][0]]
+    if chat:
+        return {"content": [entry for part in parts for entry in part["content"]]}
+    return {key: [value for part in parts for value in part[key]]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def assert_same_log_probs(streamed, whole) -> None:
+    """The same tokens and alternatives with the same log-probabilities (each list's values to 1e-5:
+    the batch a token was drawn in may differ between the two requests' runs)."""
+    def values(tree):
+        if isinstance(tree, dict):
+            return [item for key in sorted(tree) for item in [key, *values(tree[key])]]
+        if isinstance(tree, list):
+            return [item for value in tree for item in values(value)]
+        return [tree]
+    streamed_values, whole_values = values(streamed), values(whole)
+    assert [value for value in streamed_values if not isinstance(value, float)] == [
+        value for value in whole_values if not isinstance(value, float)]
+    assert [value for value in streamed_values if isinstance(value, float)] == pytest.approx(
+        [value for value in whole_values if isinstance(value, float)], abs=1e-5)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "the dog", "temperature": 0, "logprobs": 2}),
+    ("/v1/completions", {"prompt": "the dog", "temperature": 0.9, "logprobs": 1, "echo": True, "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the mat"}], "temperature": 0,
+                              "logprobs": True, "top_logprobs": 3}),
+])
+def test_streamed_chunks_carry_the_logprobs_of_their_tokens(url, path, body):
+    """Streamed, each chunk lists the log-probabilities of its tokens, and the chunks' lists join to
+    the whole reply's (``text_offset`` counting on across chunks; with ``echo`` the prompt's first).
+    A server without the continuous batcher scores whole replies only, and says so."""
+    chat = path.endswith("chat/completions")
+    status, chunks = post(url, path, {**body, "stream": True})
+    if served_by(SERVERS[url]).batcher is None:
+        assert status == 400 and "set stream to false" in chunks["error"]["message"], chunks
+        return
+    _, whole = post(url, path, body)
+    assert status == 200
+    for index, choice in enumerate(whole["choices"]):
+        streamed = joined_stream_logprobs(chunks, chat, index)
+        assert_same_log_probs(streamed, choice["logprobs"])
+        if not chat:
+            text = "".join(chunk["choices"][0]["text"] for chunk in chunks
+                           if chunk["choices"] and chunk["choices"][0]["index"] == index)
+            assert text == choice["text"]
+        carrying = [chunk for chunk in chunks if chunk["choices"] and chunk["choices"][0]["index"] == index
+                    and "logprobs" in chunk["choices"][0]]
+        assert len(carrying) > 1  # piece by piece, not all at the end
+    if body.get("echo"):  # the prompt comes first, its first token unscored
+        first = next(chunk for chunk in chunks if chunk["choices"][0]["index"] == 1)["choices"][0]
+        assert first["text"] == "the dog" and first["logprobs"]["token_logprobs"][0] is None
+
+
+def test_a_stop_string_leaves_its_tokens_log_probabilities_to_the_last_chunk(url):
+    """Tokens whose text a stop string cut are listed, as in the whole reply, in the last chunk."""
+    _, free = post(url, "/v1/completions", {"prompt": "the cat", "temperature": 0, "max_tokens": 20})
+    stop = free["choices"][0]["text"][3:6]
+    body = {"prompt": "the cat", "temperature": 0, "max_tokens": 20, "stop": [stop], "logprobs": 0}
+    _, whole = post(url, "/v1/completions", body)
+    status, chunks = post(url, "/v1/completions", {**body, "stream": True})
+    if served_by(SERVERS[url]).batcher is None:  # whole replies only (the test above)
+        assert status == 400 and chunks["error"]["param"] == "logprobs"
+        return
+    streamed = joined_stream_logprobs(chunks, chat=False)
+    assert_same_log_probs(streamed, whole["choices"][0]["logprobs"])
+    assert len("".join(streamed["tokens"])) > len(whole["choices"][0]["text"])  # the stop string's tokens too
