@@ -23,6 +23,14 @@ the missing ones to the tokenizer it writes beside the store). An assistant mess
 rendered after the content as ``<|tool_call|>{"name": "...", "arguments": {...}}`` (compact
 JSON), and is trained like the content. A ``tool`` message holds what the tool returned.
 
+**Tools offered.** A conversation may come with ``tools``, the functions the assistant may call
+(OpenAI's ``[{"type": "function", "function": {"name", "description", "parameters"}}]``, or the
+bare function objects). A Jinja template gets them as ``tools``, as ``transformers``'
+``apply_chat_template(tools=...)`` passes them (Qwen's, Llama's and Hermes' templates list them in
+the system turn); the default template appends them to the system turn (one is added first if
+the conversation has none) after ``TOOLS_INTRODUCTION``, one compact JSON object a line. Either
+way they are part of the prompt, never trained.
+
 **Where the mask comes from: the rendering itself.** ``ChatTemplate.segments`` returns the text
 as segments, each flagged trained or not; the flags are never guessed from token boundaries.
 The default template builds the segments directly: an assistant turn is ``<|assistant|>\\n``
@@ -59,6 +67,8 @@ ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_SPECIAL_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|tool_call|>", "<|end|>")
 """The markers of meshlm's default template, each one special token."""
 END_OF_TURN = "<|end|>"
+TOOLS_INTRODUCTION = "You may call these functions, each call written as <|tool_call|> and a JSON object:"
+"""What the default template writes before the offered tools (module docstring)."""
 PROBE_REPLY = "\uE000meshlm-probe\uE000"
 """A reply no real conversation holds, rendered to find what a template puts after a reply."""
 
@@ -93,6 +103,42 @@ def check_messages(messages, where: str) -> None:
                         "add the assistant's reply or drop the line.")
 
 
+def tool_definitions(tools, where: str) -> list[dict] | None:
+    """``tools`` (module docstring) checked and in OpenAI's form, ``{"type": "function", "function":
+    {...}}`` each; None for none. DataError names ``where`` and what is wrong."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise DataError(f"{where}: 'tools' must be a list of function definitions, got {type(tools).__name__}.")
+    definitions = []
+    for index, tool in enumerate(tools):
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(tool, dict) and tool.get("type", "function") != "function":
+            raise DataError(f"{where}: tool {index} has type {tool.get('type')!r}; only 'function' tools exist.")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise DataError(f"{where}: tool {index} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                            f"\"description\": ..., \"parameters\": {{...}}}}}}, got {tool!r}.")
+        definitions.append({"type": "function", "function": function})
+    return definitions
+
+
+def tools_text(tools: list[dict]) -> str:
+    """The default template's list of offered tools: the introduction, then one function a line."""
+    return "\n".join([TOOLS_INTRODUCTION, *(json.dumps(tool["function"], ensure_ascii=False, separators=(",", ":"))
+                                           for tool in tools)])
+
+
+def with_tools_in_system_turn(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """``messages`` with the default template's tools text at the end of the system turn (a system
+    message first when there is none); unchanged without tools."""
+    if not tools:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        system = messages[0].get("content") or ""
+        return [{**messages[0], "content": (system + "\n\n" if system else "") + tools_text(tools)}, *messages[1:]]
+    return [{"role": "system", "content": tools_text(tools)}, *messages]
+
+
 def tool_call_json(call, where: str = "tool call") -> str:
     """A tool call as the default template writes it: ``{"name": ..., "arguments": ...}``, compact."""
     function = call.get("function", call) if isinstance(call, dict) else None
@@ -120,17 +166,18 @@ class ChatTemplate:
     def is_default(self) -> bool:
         return self.jinja is None
 
-    def segments(self, messages: list[dict]) -> list[Segment]:
-        """The rendered conversation as segments flagged trained or not (module docstring), with
-        adjacent segments of the same flag joined and empty ones dropped."""
-        found = default_segments(messages) if self.is_default else self._jinja_segments(messages)
+    def segments(self, messages: list[dict], tools: list[dict] | None = None) -> list[Segment]:
+        """The rendered conversation (offered ``tools``, ``tool_definitions``' form, in its prompt) as
+        segments flagged trained or not (module docstring), adjacent segments of the same flag joined
+        and empty ones dropped."""
+        found = default_segments(messages, tools) if self.is_default else self._jinja_segments(messages, tools)
         return join_runs([segment for segment in found if segment.text])
 
-    def prompt(self, messages: list[dict]) -> str:
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The conversation followed by the assistant header: what a reply is generated after."""
         if self.is_default:
-            return "".join(segment.text for segment in default_segments(messages)) + "<|assistant|>\n"
-        return self.render(messages, add_generation_prompt=True)
+            return "".join(segment.text for segment in default_segments(messages, tools)) + "<|assistant|>\n"
+        return self.render(messages, add_generation_prompt=True, tools=tools)
 
     def end_of_turn(self) -> str:
         """What the template writes after an assistant reply, stripped (``<|end|>``, ``<|im_end|>``, ...)."""
@@ -138,21 +185,21 @@ class ChatTemplate:
         reply = "".join(segment.text for segment in self.segments(probe) if segment.trained)
         return reply.split(PROBE_REPLY, 1)[-1].strip()
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          **self.special_tokens)
         except Exception as error:  # jinja2 errors, and raise_exception() called by the template
             raise DataError(f"{self.source}: the chat template failed on this conversation ({error}).") from error
 
-    def _jinja_segments(self, messages: list[dict]) -> list[Segment]:
+    def _jinja_segments(self, messages: list[dict], tools: list[dict] | None = None) -> list[Segment]:
         segments, done = [], ""
         for k, message in enumerate(messages):
             if message["role"] == "assistant":
-                header = self.render(messages[:k], add_generation_prompt=True)
+                header = self.render(messages[:k], add_generation_prompt=True, tools=tools)
                 segments.append(Segment(self._added(done, header, k), False))
                 done = header
-            text = self.render(messages[:k + 1])
+            text = self.render(messages[:k + 1], tools=tools)
             added = self._added(done, text, k + 1)
             if message["role"] == "assistant":
                 reply = added.rstrip()
@@ -170,10 +217,10 @@ class ChatTemplate:
         return after[len(before):]
 
 
-def default_segments(messages: list[dict]) -> list[Segment]:
+def default_segments(messages: list[dict], tools: list[dict] | None = None) -> list[Segment]:
     """meshlm's default template (module docstring), as segments."""
     segments = []
-    for message in messages:
+    for message in with_tools_in_system_turn(messages, tools):
         role, content = message["role"], message.get("content") or ""
         if role == "assistant":
             calls = "".join("<|tool_call|>" + tool_call_json(call) for call in message.get("tool_calls") or [])
@@ -254,6 +301,6 @@ def encode_segments(tokenizer: Tokenizer, segments: list[Segment]) -> tuple[np.n
     return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
 
 
-__all__ = ["ChatTemplate", "DEFAULT_SPECIAL_TOKENS", "END_OF_TURN", "ROLES", "Segment", "check_messages",
-           "default_segments", "encode_segments", "load_chat_template", "missing_special_tokens", "token_id",
-           "tool_call_json"]
+__all__ = ["ChatTemplate", "DEFAULT_SPECIAL_TOKENS", "END_OF_TURN", "ROLES", "Segment", "TOOLS_INTRODUCTION",
+           "check_messages", "default_segments", "encode_segments", "load_chat_template", "missing_special_tokens",
+           "token_id", "tool_call_json", "tool_definitions", "tools_text"]

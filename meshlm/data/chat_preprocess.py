@@ -39,7 +39,7 @@ from typing import Iterator
 import tokenizers
 
 from meshlm.data.chat import (ChatTemplate, check_messages, encode_segments, load_chat_template,
-                              missing_special_tokens, token_id)
+                              missing_special_tokens, token_id, tool_definitions)
 from meshlm.data.chat_formats import conversation
 from meshlm.data.jsonl import json_lines
 from meshlm.data.reasoning import REASONING_SPECIAL_TOKENS, check_think_blocks, has_think_block
@@ -95,14 +95,15 @@ def write_chat_tokenizer(tokenizer_path: str | os.PathLike, folder: Path, templa
     return target
 
 
-def read_conversations(files: list[Path], messages_key: str = "messages") -> Iterator[tuple[str, list]]:
-    """("FILE, line N", messages) for every record of the JSON ``files``, in any shape of
-    ``chat_formats.py`` (messages, ShareGPT, Alpaca, prompt/completion), checked."""
+def read_conversations(files: list[Path], messages_key: str = "messages") -> Iterator[tuple[str, list, list | None]]:
+    """("FILE, line N", messages, tools) for every record of the JSON ``files``, in any shape of
+    ``chat_formats.py`` (messages, ShareGPT, Alpaca, prompt/completion), checked; ``tools``: the
+    record's offered functions (``chat.tool_definitions``), None without."""
     for where, record in json_lines(files, "chat data", "conversation"):
         messages = conversation(record, where, messages_key)
         check_messages(messages, where)
         check_think_blocks(messages, where)
-        yield where, messages
+        yield where, messages, tool_definitions(record.get("tools") if isinstance(record, dict) else None, where)
 
 
 def preprocess_chat(inputs, tokenizer_path: str | os.PathLike, out_prefix: str | os.PathLike,
@@ -110,7 +111,7 @@ def preprocess_chat(inputs, tokenizer_path: str | os.PathLike, out_prefix: str |
     """Render, tokenize and mask every conversation of ``inputs`` into the chat store ``out_prefix``."""
     files = expand_inputs(inputs)
     template = load_chat_template(find_tokenizer_file(tokenizer_path))
-    reasoning = any(has_think_block(messages) for _, messages in read_conversations(files, messages_key))
+    reasoning = any(has_think_block(messages) for _, messages, _ in read_conversations(files, messages_key))
     tokenizer_file = write_chat_tokenizer(tokenizer_path, chat_tokenizer_folder(out_prefix), template, max_vocab_size,
                                           REASONING_SPECIAL_TOKENS if reasoning else ())
     tokenizer = load_tokenizer(tokenizer_file)
@@ -119,8 +120,8 @@ def preprocess_chat(inputs, tokenizer_path: str | os.PathLike, out_prefix: str |
                 "tokenizer_vocab_size": tokenizer.vocab_size, "append_eos": False, "text_key": messages_key,
                 "chat": True, "chat_template": "meshlm default" if template.is_default else "tokenizer"}
     with TokenStoreWriter(out_prefix, tokenizer.vocab_size, metadata, loss_mask=True) as writer:
-        for where, messages in read_conversations(files, messages_key):
-            ids, mask = encode_segments(tokenizer, template.segments(messages))
+        for where, messages, tools in read_conversations(files, messages_key):
+            ids, mask = encode_segments(tokenizer, template.segments(messages, tools))
             writer.add_document(ids, source=where, loss_mask=mask)
     return ChatPreprocessResult(str(out_prefix), writer.num_documents, writer.num_tokens)
 

@@ -50,9 +50,10 @@ def stop_ids(tokenizer: Tokenizer) -> list[int]:
     return list(dict.fromkeys(token for token in (end_id, tokenizer.eos_token_id) if token is not None))
 
 
-def conversation_prompt(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
-    """The ids of ``messages`` rendered by the tokenizer's template, ending with the assistant header."""
-    return tokenizer.encode(load_chat_template(tokenizer.source).prompt(messages), add_special_tokens=False)
+def conversation_prompt(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The ids of ``messages`` (with the functions ``tools`` offers) rendered by the tokenizer's
+    template, ending with the assistant header."""
+    return tokenizer.encode(load_chat_template(tokenizer.source).prompt(messages, tools), add_special_tokens=False)
 
 
 def chat_prompt(tokenizer: Tokenizer, text: str, system: str | None = None,

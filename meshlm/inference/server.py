@@ -40,8 +40,20 @@ counting on across chunks), the last chunk those whose text a stop string cut, s
 lists join to the whole reply's; with ``echo`` the first chunk is the prompt. A server without
 the batcher (a LongRoPE model) scores a whole reply after it and returns them unstreamed only.
 
-Fields meshlm cannot honour are refused rather than ignored -- ``tools``, ``logit_bias``,
-``best_of``, ``suffix`` -- with status 400 and one sentence naming the field (OpenAI's error
+Tool calling (chat): ``tools`` (OpenAI's function definitions) are rendered into the prompt by the
+chat template (``meshlm/data/chat.py``, as SFT rendered them), and the calls a reply writes --
+meshlm's ``<|tool_call|>{json}`` or Hermes' ``<tool_call>{json}</tool_call>``, whichever the
+template uses (``tool_calls.py``) -- come back as ``message.tool_calls`` (``id``, ``type``,
+``function.name``, ``function.arguments`` as a JSON string) with the text before them as the
+content and ``finish_reason`` ``tool_calls``; streamed, the content's pieces stop at the first call
+marker and the calls come whole in one ``delta.tool_calls`` when the reply ends. Messages carry
+the conversation on: an assistant's ``tool_calls`` and a ``tool`` message's result (with its
+``tool_call_id``). ``tool_choice`` is ``auto`` or ``none`` (tools not offered); ``required`` or a
+named function would need decoding constrained to a call, which meshlm does not do: refused. A
+model whose template has no call format meshlm reads gets ``tools`` refused.
+
+Fields meshlm cannot honour are refused rather than ignored -- ``functions`` (the deprecated form
+of ``tools``), ``logit_bias``, ``best_of``, ``suffix`` -- with status 400 and one sentence naming the field (OpenAI's error
 object: ``{"error": {"message", "type", "param"}}``); unknown fields are ignored, as OpenAI's
 clients send many. A prompt that does not fit the model's positions, or a bad value, is a 400 too;
 nothing a request does stops the server.
@@ -68,18 +80,19 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from meshlm.data.chat import token_id
+from meshlm.data.chat import load_chat_template, token_id, tool_definitions
 from meshlm.data.reasoning import THINK_END, THINK_START
 from meshlm.data.tokenizer import Tokenizer
-from meshlm.errors import ConfigError
+from meshlm.errors import ConfigError, DataError
 from meshlm.inference.chat import conversation_prompt, stop_ids
 from meshlm.inference.continuous_batching import ContinuousBatcher, GenerationRequest
 from meshlm.inference.generate import generate
 from meshlm.inference.logprobs import TokenLogProb, sequence_log_probs
 from meshlm.inference.sampling import SamplingConfig
+from meshlm.inference.tool_calls import ToolCall, ToolCallSyntax, split_tool_calls, tool_call_syntax
 
 MAX_STOP_STRINGS = 4
-REFUSED = ("tools", "functions", "logit_bias", "best_of", "suffix")
+REFUSED = ("functions", "logit_bias", "best_of", "suffix")
 MAX_CHOICES = 16
 """The most replies (``n``) one request may ask for."""
 MAX_TOP_LOGPROBS = 20
@@ -144,6 +157,8 @@ class CompletionRequest:
     """Completions: the prompt comes back before the reply, its tokens scored too with logprobs."""
     n: int = 1
     """Replies (choices) to the one prompt; choice i samples with seed ``seed + i``."""
+    tool_syntax: ToolCallSyntax | None = None
+    """Chat with ``tools`` offered: how the model marks a call, read back out of its replies."""
 
     def choice_sampling(self, index: int) -> SamplingConfig:
         """Choice ``index``'s sampling: the request's, its seed moved on by the index."""
@@ -190,10 +205,11 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages):
             raise RequestError(MESSAGES_FORMAT, "messages")
-        messages = [{"role": message["role"], "content": message_text(message.get("content"))} for message in messages]
+        messages = [request_message(message) for message in messages]
+        tools, tool_syntax = tool_fields(body, served)
         try:
-            prompt_ids, end_ids = conversation_prompt(served.tokenizer, messages), stop_ids(served.tokenizer)
-        except ConfigError as error:
+            prompt_ids, end_ids = conversation_prompt(served.tokenizer, messages, tools), stop_ids(served.tokenizer)
+        except (ConfigError, DataError) as error:
             raise RequestError(str(error), "messages") from error
     else:
         prompt = body.get("prompt")
@@ -201,7 +217,9 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise RequestError("prompt must be one string (meshlm serve answers one prompt a request).", "prompt")
-        prompt_ids = served.tokenizer.encode(prompt)
+        if body.get("tools"):
+            raise RequestError("tools belong to /v1/chat/completions.", "tools")
+        prompt_ids, tool_syntax = served.tokenizer.encode(prompt), None
         eos = served.eos_token_id
         end_ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
     if not prompt_ids:
@@ -230,7 +248,41 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     sampling = (SamplingConfig(greedy=True, seed=seed, **penalties) if temperature == 0 else
                 SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **penalties))
     return CompletionRequest(prompt_ids, end_ids, max_tokens, sampling, list(stop), stream, chat, top_logprobs, echo,
-                             choices)
+                             choices, tool_syntax)
+
+
+def request_message(message: dict) -> dict:
+    """One chat message as the template gets it: its role and text, an assistant's ``tool_calls``
+    (its content may then be null) and a tool result's ``tool_call_id`` and ``name``."""
+    calls = message.get("tool_calls")
+    if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list)):
+        raise RequestError("tool_calls belong to assistant messages, as a list of calls.", "messages")
+    content = message.get("content")
+    kept = {"role": message["role"], "content": "" if content is None and calls else message_text(content)}
+    if calls:
+        kept["tool_calls"] = calls
+    kept.update({key: message[key] for key in ("tool_call_id", "name") if isinstance(message.get(key), str)})
+    return kept
+
+
+def tool_fields(body: dict, served: ServedModel) -> tuple[list[dict] | None, ToolCallSyntax | None]:
+    """(the offered functions in OpenAI's form, how the model marks a call), or (None, None) without
+    ``tools`` or with ``tool_choice: "none"``; what meshlm cannot do is refused by field."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(f"tool_choice={choice!r} is not supported: meshlm serve does not force a call; use "
+                           "'auto' (the model decides) or 'none'.", "tool_choice")
+    try:
+        tools = tool_definitions(body.get("tools"), "tools")
+    except DataError as error:
+        raise RequestError(str(error), "tools") from error
+    if tools is None or choice == "none":
+        return None, None
+    syntax = tool_call_syntax(served.tokenizer, load_chat_template(served.tokenizer.source))
+    if syntax is None:
+        raise RequestError(f"{served.name}'s chat template writes tool calls in no format meshlm reads (meshlm's "
+                           "<|tool_call|> or Hermes' <tool_call>...</tool_call>); leave tools out.", "tools")
+    return tools, syntax
 
 
 def log_prob_fields(body: dict, chat: bool) -> tuple[int | None, bool]:
@@ -265,8 +317,14 @@ class ReplyText:
     ``</think>`` and its answer after, each stripped of the whitespace around it (trailing
     whitespace is held back until more text follows); elsewhere the reply is all answer."""
 
-    def __init__(self, tokenizer: Tokenizer, end_ids: list[int], stop: list[str], chat: bool):
+    def __init__(self, tokenizer: Tokenizer, end_ids: list[int], stop: list[str], chat: bool,
+                 tool_syntax: ToolCallSyntax | None = None):
         self.tokenizer, self.end_ids, self.stop = tokenizer, end_ids, stop
+        self.tool_syntax = tool_syntax
+        """With tools offered: the text from the first call marker on is held back (not content) and
+        read as calls when the reply ends (``finish``); the reply is decoded with special tokens kept."""
+        self.calls: list[ToolCall] = []
+        self.finished = False
         self.ids: list[int] = []
         self.text, self.reasoning, self.ended = "", "", False
         """``ended``: by an end id or a stop string (else the reply ran to max_tokens)."""
@@ -280,6 +338,7 @@ class ReplyText:
         """Take one token; True when the reply has ended (end id or stop string)."""
         if token in self.end_ids:
             self.ended = True
+            self.finish()
             return True
         self.ids.append(token)
         answer = self.ids
@@ -287,13 +346,31 @@ class ReplyText:
             close = self.ids.index(self.think[1]) if self.think[1] in self.ids else len(self.ids)
             self.reasoning = self.tokenizer.decode(self.ids[1:close]).strip()
             answer = self.ids[close + 1:]
-            self.text = self.tokenizer.decode(answer).lstrip()
+            self.text = self.decode(answer).lstrip()
         else:
-            self.text = self.tokenizer.decode(answer)
+            self.text = self.decode(answer)
         found = [index for index in (self.text.find(stop) for stop in self.stop) if index >= 0]
         if found:
             self.text, self.ended = self.text[:min(found)], True
+            self.finish()
         return self.ended
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.tool_syntax is None)
+
+    @property
+    def content(self) -> str:
+        """The text before the first tool-call marker (all of it without tools offered)."""
+        if self.tool_syntax is None or self.tool_syntax.start not in self.text:
+            return self.text
+        return self.text[:self.text.index(self.tool_syntax.start)]
+
+    def finish(self) -> None:
+        """The reply has ended: read its tool calls (once). Well-formed ones leave the text before them
+        as the content; otherwise the whole text is content (``tool_calls.split_tool_calls``)."""
+        if self.tool_syntax is not None and not self.finished:
+            self.text, self.calls = split_tool_calls(self.text, self.tool_syntax)
+        self.finished = True
 
     def _sendable(self, text: str, final: bool, stops: list[str]) -> int:
         if final:
@@ -307,8 +384,10 @@ class ReplyText:
         """(reasoning, answer) text not sent yet that can be sent now."""
         reasoning_done = final or (self.think is not None and self.think[1] in self.ids)
         reasoning_end = self._sendable(self.reasoning, reasoning_done, [])
-        answer_end = self._sendable(self.text, final, self.stop)
-        pieces = (self.reasoning[self.reasoning_sent:reasoning_end], self.text[self.sent:answer_end])
+        text = self.text if final else self.content  # a call being written is not content
+        held = self.stop + ([self.tool_syntax.start] if self.tool_syntax is not None else [])
+        answer_end = self._sendable(text, final, held)
+        pieces = (self.reasoning[self.reasoning_sent:reasoning_end], text[self.sent:answer_end])
         self.reasoning_sent, self.sent = max(self.reasoning_sent, reasoning_end), max(self.sent, answer_end)
         return pieces
 
@@ -321,7 +400,8 @@ log-probabilities of the tokens drawn since the previous call (empty unless the 
 def run_completion(served: ServedModel, request: CompletionRequest, on_pieces: Pieces | None = None) -> dict:
     """Generate a request's ``n`` replies (``on_pieces`` with each sendable piece, to stream them):
     ``{"choices": [{"text", "reasoning", "finish_reason"[, "logprobs"]}], "usage"}``."""
-    replies = [ReplyText(served.tokenizer, request.end_ids, request.stop, request.chat) for _ in range(request.n)]
+    replies = [ReplyText(served.tokenizer, request.end_ids, request.stop, request.chat, request.tool_syntax)
+               for _ in range(request.n)]
     try:
         if request.max_tokens == 0:  # echo alone: the prompt scored, nothing generated
             new_ids, scored = [[] for _ in replies], [[] for _ in replies]
@@ -334,13 +414,14 @@ def run_completion(served: ServedModel, request: CompletionRequest, on_pieces: P
     choices = []
     for index, (reply, ids) in enumerate(zip(replies, new_ids)):
         kept = len(ids) - 1 if ids and ids[-1] in request.end_ids else len(ids)  # not the end token
+        reply.finish()
         if on_pieces is not None:  # what the last token left held back (a reply that ran to max_tokens)
             rest = reply.new_pieces(final=True)
             unsent = scored[index][reply.log_probs_sent:kept] if scored is not None else []
             if any(rest) or unsent:
                 on_pieces(index, *rest, unsent)
-        choice = {"text": reply.text, "reasoning": reply.reasoning,
-                  "finish_reason": "stop" if reply.ended else "length"}
+        choice = {"text": reply.text, "reasoning": reply.reasoning, "tool_calls": reply.calls,
+                  "finish_reason": "tool_calls" if reply.calls else "stop" if reply.ended else "length"}
         if request.top_logprobs is not None and on_pieces is None:  # (streamed: sent with the pieces)
             choice["logprobs"] = (scored_tokens(served, request, ids[:kept]) if scored is None
                                   else prompt_log_probs(served, request) + scored[index][:kept])
@@ -448,9 +529,11 @@ def completion_body(served: ServedModel, request: CompletionRequest, result: dic
     choices = []
     for index, reply in enumerate(result["choices"]):
         if request.chat:
-            message = {"role": "assistant", "content": reply["text"]}
+            message = {"role": "assistant", "content": reply["text"] or (None if reply["tool_calls"] else "")}
             if reply["reasoning"]:
                 message["reasoning_content"] = reply["reasoning"]
+            if reply["tool_calls"]:
+                message["tool_calls"] = [call.as_openai() for call in reply["tool_calls"]]
             choice = {"index": index, "message": message, "finish_reason": reply["finish_reason"]}
             if "logprobs" in reply:
                 choice["logprobs"] = chat_logprobs(served.tokenizer, reply["logprobs"])
@@ -509,7 +592,7 @@ def completion_logprobs(tokenizer: Tokenizer, scored: list[TokenLogProb], offset
 
 def chunk_body(served: ServedModel, request: CompletionRequest, reply_id: str, created: int, index: int = 0,
                reasoning: str = "", text: str = "", finish_reason: str | None = None, usage: dict | None = None,
-               first: bool = False, logprobs: dict | None = None) -> dict:
+               first: bool = False, logprobs: dict | None = None, tool_calls: list[ToolCall] = ()) -> dict:
     """One streamed chunk of choice ``index``: new text (``delta`` in chat, the ``role`` in the
     choice's first) and its tokens' ``logprobs`` (chat's or completions' form, already built), or
     its last one with ``finish_reason``; ``index`` None: no choice, the usage alone (after the last
@@ -523,6 +606,8 @@ def chunk_body(served: ServedModel, request: CompletionRequest, reply_id: str, c
             delta["content"] = text
         if reasoning:
             delta["reasoning_content"] = reasoning
+        if tool_calls:  # each whole, in one delta (a reply's calls are read when it ends)
+            delta["tool_calls"] = [{"index": number, **call.as_openai()} for number, call in enumerate(tool_calls)]
         choices = [{"index": index, "delta": delta, "finish_reason": finish_reason}]
     else:
         choices = [{"index": index, "text": text, "finish_reason": finish_reason}]
@@ -637,6 +722,9 @@ class Handler(BaseHTTPRequestHandler):
             except Exception as error:  # noqa: BLE001 -- a bug, after the headers: one event too
                 event(server_failure(error).body())
                 return
+            for index, choice in enumerate(result["choices"]):
+                if choice["tool_calls"]:
+                    chunk(index, tool_calls=choice["tool_calls"])
             if request.n == 1:  # the usage in the one choice's last chunk
                 chunk(0, finish_reason=result["choices"][0]["finish_reason"], usage=result["usage"])
             else:  # each choice's end, then the usage alone

@@ -93,3 +93,42 @@ def test_bad_conversations_are_refused_naming_where(messages, match):
     with pytest.raises(DataError, match=match) as caught:
         check_messages(messages, "chat.jsonl, line 7")
     assert str(caught.value).startswith("chat.jsonl, line 7: ")
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "wx", "description": "The weather in a city.",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+
+
+def test_offered_tools_go_into_the_prompt_never_trained():
+    """The default template lists the tools at the end of the system turn (one is added without
+    one); a Jinja template gets them as ``tools``, as transformers passes them."""
+    from meshlm.data.chat import TOOLS_INTRODUCTION, tool_definitions
+
+    tools = tool_definitions([WEATHER_TOOL], "test")
+    listed = TOOLS_INTRODUCTION + '\n{"name":"wx","description":"The weather in a city.","parameters":' \
+                                  '{"type":"object","properties":{"city":{"type":"string"}}}}'
+    segments = ChatTemplate().segments(CONVERSATION, tools)
+    assert segments[0] == Segment(f"<|system|>\nBe brief.\n\n{listed}<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n",
+                                  False)
+    assert segments[1:] == ChatTemplate().segments(CONVERSATION)[1:]  # the trained parts do not change
+    assert ChatTemplate().prompt(CONVERSATION[1:2], tools) == (f"<|system|>\n{listed}<|end|>\n<|user|>\nHi<|end|>\n"
+                                                                "<|assistant|>\n")
+    listing = ("{% if tools %}{{ '<|im_start|>tools\n' }}{% for tool in tools %}{{ tool.function.name + '\n' }}"
+               "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}")
+    template = ChatTemplate(listing + CHATML, source="chatml with tools")
+    assert template.prompt(CONVERSATION[1:2], tools).startswith("<|im_start|>tools\nwx\n<|im_end|>\n<|im_start|>user")
+    assert template.segments(CONVERSATION[1:3], tools)[1] == Segment("Hello!<|im_end|>", True)
+    assert tool_definitions([WEATHER_TOOL["function"]], "test") == tools  # the bare function object too
+
+
+@pytest.mark.parametrize("tools, match", [
+    ({"name": "wx"}, "must be a list of function definitions"),
+    ([{"type": "retrieval"}], "only 'function' tools exist"),
+    ([{"type": "function", "function": {"description": "no name"}}], "tool 0 must be"),
+])
+def test_bad_tool_lists_are_refused_naming_where(tools, match):
+    from meshlm.data.chat import tool_definitions
+
+    with pytest.raises(DataError, match=f"chat.jsonl, line 2: .*{match}"):
+        tool_definitions(tools, "chat.jsonl, line 2")

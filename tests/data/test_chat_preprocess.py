@@ -71,3 +71,25 @@ def test_bad_lines_are_refused_naming_file_and_line(tmp_path, tokenizer_path, li
         preprocess_chat([chats], tokenizer_path, tmp_path / "s")
     assert str(caught.value).startswith(f"{chats}, line 3: ")
     assert not (tmp_path / "s.bin").exists()
+
+
+def test_a_records_tools_are_rendered_into_its_prompt(tmp_path, tokenizer_path):
+    """``{"messages": [...], "tools": [...]}``: the offered functions are in the stored tokens, untrained."""
+    from meshlm.data.chat import TOOLS_INTRODUCTION, tool_definitions
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    calls = [{"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": None, "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 2}}]},
+             {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}]
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": calls, "tools": tools}) + "\n")
+    assert main(["preprocess", "--chat", "--input", str(chats), "--tokenizer", str(tokenizer_path),
+                 "--out", str(tmp_path / "sft"), "--max-vocab-size", "320"]) == 0
+    store = TokenStore(tmp_path / "sft")
+    tokenizer = load_tokenizer(chat_tokenizer_folder(tmp_path / "sft") / "tokenizer.json")
+    ids, mask = encode_segments(tokenizer, ChatTemplate().segments(calls, tool_definitions(tools, "test")))
+    assert store.document(0).tolist() == ids.tolist()
+    text = tokenizer.decode(store.document(0).tolist(), skip_special_tokens=False)
+    assert text.startswith(f"<|system|>\n{TOOLS_INTRODUCTION}\n" + '{"name":"add"')
+    trained = tokenizer.decode(store.tokens[store.loss_mask == 1].tolist(), skip_special_tokens=False)
+    assert trained == '<|tool_call|>{"name":"add","arguments":{"a":2,"b":2}}<|end|>4<|end|>'

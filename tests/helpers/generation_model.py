@@ -33,7 +33,7 @@ def write_sentence_tokenizer(directory: Path) -> Path:
     return directory
 
 
-__all__ = ["SENTENCES", "tiny_model", "write_sentence_tokenizer"]
+__all__ = ["SENTENCES", "positional_script_model", "tiny_model", "write_sentence_tokenizer"]
 
 
 def word_ids(tokenizer) -> list[int]:
@@ -68,3 +68,24 @@ def thinking_model(tokenizer) -> LanguageModel:
     cat, dog, mat = word_ids(tokenizer)
     return scripted_model(tokenizer.encode("\n", add_special_tokens=False) + [
         token_id(tokenizer, "<think>"), cat, dog, token_id(tokenizer, "</think>"), mat, token_id(tokenizer, "<|end|>")])
+
+
+def positional_script_model(start: int, reply: list[int], vocab_size: int = 320) -> LanguageModel:
+    """A model whose greedy token at position ``start + k`` is ``reply[k]``, whatever came before: the
+    token embeddings are zero and the blocks add nothing (zero output projections), so the last
+    hidden state is the normalized learned embedding of its position, position p's own unit vector,
+    and the output row of ``reply[k]`` is position ``start + k - 1``'s. For replies with repeated
+    tokens (JSON), which ``scripted_model`` cannot chain; the prompt must be ``start`` tokens long."""
+    hidden = 16 * ((start + len(reply)) // 16 + 1)
+    model = LanguageModel(ModelConfig(vocab_size=vocab_size, hidden_size=hidden, pattern="*-", num_attention_heads=4,
+                                      tie_embeddings=False, position_embedding="learned",
+                                      max_position_embeddings=hidden + 64))  # room for tokens past the script
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")) or name in ("output.weight", "embedding.weight"):
+                parameter.zero_()
+        model.position_embedding.weight.zero_()
+        model.position_embedding.weight[:hidden].copy_(torch.eye(hidden))
+        for k, token in enumerate(reply):
+            model.output.weight[token, start + k - 1] = 1.0
+    return model

@@ -468,3 +468,66 @@ def test_a_stop_string_leaves_its_tokens_log_probabilities_to_the_last_chunk(url
     streamed = joined_stream_logprobs(chunks, chat=False)
     assert_same_log_probs(streamed, whole["choices"][0]["logprobs"])
     assert len("".join(streamed["tokens"])) > len(whole["choices"][0]["text"])  # the stop string's tokens too
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "wx", "description": "The weather in a city.",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+TOOL_REPLY = 'Let me look.<|tool_call|>{"name":"wx","arguments":{"city":"Paris"}}<|end|>'
+
+
+@pytest.fixture(scope="module", params=[8, 1], ids=["batched", "one_at_a_time"])
+def tool_server(tmp_path_factory, chat_tokenizer_dir, tokenizer, request):
+    """A server of a model that answers the weather question, tools offered, with ``TOOL_REPLY``."""
+    from meshlm.data.chat import tool_definitions
+    from tests.helpers.generation_model import positional_script_model
+
+    prompt = conversation_prompt(tokenizer, [{"role": "user", "content": "weather?"}],
+                                 tool_definitions([WEATHER_TOOL], "test"))
+    model = positional_script_model(len(prompt), tokenizer.encode(TOOL_REPLY, add_special_tokens=False),
+                                    tokenizer.vocab_size)
+    folder = save_model(model, tmp_path_factory.mktemp("tool_model") / "model", tokenizer_dir=chat_tokenizer_dir)
+    server, base = serving(folder, tokenizer, request.param)
+    yield base
+    stop(server)
+
+
+def test_a_reply_with_a_tool_call_comes_back_as_tool_calls(tool_server):
+    """With ``tools``, the calls a reply writes (meshlm's ``<|tool_call|>`` here; Hermes' tags for templates
+    that use them, tests/inference/test_tool_calls.py) come back as ``message.tool_calls``, the text
+    before them as the content, ``finish_reason`` ``tool_calls``; streamed, the content's pieces never
+    show the call, which comes whole in one ``delta.tool_calls`` before the last chunk."""
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER_TOOL], "temperature": 0,
+            "max_tokens": 64}
+    status, whole = post(tool_server, "/v1/chat/completions", body)
+    assert status == 200, whole
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look.", whole
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "wx", "arguments": '{"city": "Paris"}'}
+    status, chunks = post(tool_server, "/v1/chat/completions", {**body, "stream": True})
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    assert "".join(delta.get("content", "") for delta in deltas) == "Let me look."
+    streamed = [delta["tool_calls"] for delta in deltas if "tool_calls" in delta]
+    assert len(streamed) == 1 and streamed[0][0]["index"] == 0 and streamed[0][0]["function"] == call["function"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # the next turn: the call and its result go back into the conversation
+    follow_up = {"messages": [body["messages"][0], {"role": "assistant", "content": None, "tool_calls": [call]},
+                              {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}],
+                 "tools": [WEATHER_TOOL], "max_tokens": 3}
+    status, reply = post(tool_server, "/v1/chat/completions", follow_up)
+    assert status == 200 and reply["usage"]["prompt_tokens"] > whole["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "does not force a call"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {}}]}, "tools", "tool 0 must be"),
+    ("/v1/completions", {"prompt": "a", "tools": [WEATHER_TOOL]}, "tools", "belong to /v1/chat/completions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a", "tool_calls": []}]}, "messages",
+     "tool_calls belong to assistant messages"),
+])
+def test_tool_requests_meshlm_cannot_honour_are_refused_by_field(tool_server, path, body, param, message):
+    request = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER_TOOL], **body}
+    status, reply = post(tool_server, path, request)
+    assert status == 400 and reply["error"]["param"] == param and message in reply["error"]["message"], reply
