@@ -53,9 +53,9 @@ named function would need decoding constrained to a call, which meshlm does not 
 model whose template has no call format meshlm reads gets ``tools`` refused.
 
 Fields meshlm cannot honour are refused rather than ignored -- ``functions`` (the deprecated form
-of ``tools``), ``logit_bias``, ``best_of``, ``suffix`` -- with status 400 and one sentence naming the field (OpenAI's error
-object: ``{"error": {"message", "type", "param"}}``); unknown fields are ignored, as OpenAI's
-clients send many. A prompt that does not fit the model's positions, or a bad value, is a 400 too;
+of ``tools``), ``logit_bias``, ``best_of``, ``suffix`` -- with status 400 and one sentence naming
+the field (OpenAI's error object: ``{"error": {"message", "type", "param"}}``); unknown fields are
+ignored, as OpenAI's clients send many. A prompt that does not fit the model's positions, or a bad value, is a 400 too;
 nothing a request does stops the server.
 
 Concurrent requests are decoded together by continuous batching (``continuous_batching.py``): a
