@@ -52,7 +52,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from meshlm.data.chat import ChatTemplate, Segment, check_messages, encode_segments, load_chat_template
+from meshlm.data.chat import (ChatTemplate, Segment, check_messages, encode_segments, load_chat_template,
+                              tool_definitions)
 from meshlm.data.chat_preprocess import chat_tokenizer_folder, write_chat_tokenizer
 from meshlm.data.gpt_dataset import IGNORE_INDEX, SPLIT_NAMES, split_document_range
 from meshlm.data.indexed import TokenStore, TokenStoreWriter, metadata_path
@@ -95,21 +96,24 @@ def parse_example(record, where: str) -> tuple[str, str, dict]:
                 or messages[-1].get("role") != "assistant":
             raise DataError(f"{where}: a scored example needs 'messages' ending with the assistant reply it rates.")
         check_messages(messages, where)
-        return where, SCORES, {"messages": messages, "scores": {str(k): float(v) for k, v in scores.items()}}
+        return where, SCORES, {"messages": messages, "scores": {str(k): float(v) for k, v in scores.items()},
+                               "tools": tool_definitions(record.get("tools"), where)}
     if "chosen" not in record or "rejected" not in record:
         raise DataError(f"{where}: each line needs 'chosen' and 'rejected' replies (a pair) or 'messages' and "
                         "'scores' (a rated reply).")
     pair = pair_conversations(record, where)
     for key, messages in pair.items():
         check_messages(messages, f"{where} ({key})")
-    return where, PAIRS, pair
+    return where, PAIRS, {**pair, "tools": tool_definitions(record.get("tools"), where)}
 
 
 # --- rendering -----------------------------------------------------------------------------------
 
-def final_reply_segments(template: ChatTemplate, messages: list[dict]) -> list[Segment]:
-    """The rendered conversation up to the end of its last reply, only that reply trained."""
-    segments = template.segments(messages)
+def final_reply_segments(template: ChatTemplate, messages: list[dict], tools: list[dict] | None = None
+                         ) -> list[Segment]:
+    """The rendered conversation (with the functions ``tools`` offers in its prompt) up to the end
+    of its last reply, only that reply trained."""
+    segments = template.segments(messages, tools)
     last = max(index for index, segment in enumerate(segments) if segment.trained)
     return [Segment(segment.text, index == last) for index, segment in enumerate(segments[:last + 1])]
 
@@ -146,7 +150,7 @@ def preprocess_preference(inputs, tokenizer_path: str | os.PathLike, out_prefix:
                                 "store holds pairs or scored replies, not both: preprocess them separately.")
             conversations = [example["chosen"], example["rejected"]] if kind == PAIRS else [example["messages"]]
             for messages in conversations:
-                ids, mask = encode_segments(tokenizer, final_reply_segments(template, messages))
+                ids, mask = encode_segments(tokenizer, final_reply_segments(template, messages, example["tools"]))
                 if not mask.any():
                     raise DataError(f"{where}: the reply renders to no tokens; give it some content.")
                 writer.add_document(ids, source=where, loss_mask=mask)

@@ -58,7 +58,8 @@ def score_file(model, tokenizer, template, files: list[Path], max_len: int, devi
     for where, example_kind, example in read_examples(files):
         kind = kind or example_kind
         conversations = [example["chosen"], example["rejected"]] if example_kind == PAIRS else [example["messages"]]
-        rows = [encode_segments(tokenizer, final_reply_segments(template, messages))[0][-max_len:].tolist()
+        rows = [encode_segments(tokenizer, final_reply_segments(template, messages, example["tools"]))[0][-max_len:]
+                .tolist()
                 for messages in conversations]
         scores = score_rows(model, rows, device)
         record = {"where": where}

@@ -138,3 +138,22 @@ def test_pairs_and_rated_replies_are_not_mixed(tmp_path, tokenizer_file):
              "scores": {"a": 1}}
     with pytest.raises(DataError, match="line 2: a score example after pairs"):
         write_store(tmp_path, [PAIRS[0], rated], tokenizer_file)
+
+
+def test_a_pairs_tools_are_in_both_conversations_prompts(tmp_path, tokenizer_file):
+    """``tools`` beside a pair (as in SFT records): rendered into the prompt of both replies, untrained."""
+    from meshlm.data.chat import TOOLS_INTRODUCTION
+
+    tools = [{"type": "function", "function": {"name": "t7"}}]
+    line = {"prompt": [{"role": "user", "content": "t1 t2"}], "chosen": [{"role": "assistant", "content": "t3"}],
+            "rejected": [{"role": "assistant", "content": "t5"}], "tools": tools}
+    assert main(["preprocess", "--preference", "--input", str(write_jsonl(tmp_path / "p.jsonl", [line])),
+                 "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "prefs"), "--max-vocab-size", "128"]) == 0
+    store = PreferenceStore(tmp_path / "prefs")
+    tokenizer = load_tokenizer(tmp_path / "prefs.tokenizer" / "tokenizer.json")
+    context = f'<|system|>\n{TOOLS_INTRODUCTION}\n{{"name":"t7"}}<|end|>\n<|user|>\nt1 t2<|end|>\n<|assistant|>\n'
+    for document, reply in enumerate(("t3<|end|>", "t5<|end|>")):
+        context_ids, reply_ids = ids_of(tokenizer, context), ids_of(tokenizer, reply)
+        start, stop = store.store.offsets[document], store.store.offsets[document + 1]
+        assert store.store.document(document).tolist() == context_ids + reply_ids
+        assert store.store.loss_mask[start:stop].tolist() == [0] * len(context_ids) + [1] * len(reply_ids)
