@@ -42,8 +42,8 @@ the batcher (a LongRoPE model) scores a whole reply after it and returns them un
 
 Tool calling (chat): ``tools`` (OpenAI's function definitions) are rendered into the prompt by the
 chat template (``meshlm/data/chat.py``, as SFT rendered them), and the calls a reply writes --
-meshlm's ``<|tool_call|>{json}`` or Hermes' ``<tool_call>{json}</tool_call>``, whichever the
-template uses (``tool_calls.py``) -- come back as ``message.tool_calls`` (``id``, ``type``,
+meshlm's ``<|tool_call|>{json}``, Hermes' ``<tool_call>{json}</tool_call>``, Mistral's
+``[TOOL_CALLS]`` or Llama 3's JSON reply, whichever the template uses (``tool_calls.py``) -- come back as ``message.tool_calls`` (``id``, ``type``,
 ``function.name``, ``function.arguments`` as a JSON string) with the text before them as the
 content and ``finish_reason`` ``tool_calls``; streamed, the content's pieces stop at the first call
 marker and the calls come whole in one ``delta.tool_calls`` when the reply ends. Messages carry
@@ -281,7 +281,8 @@ def tool_fields(body: dict, served: ServedModel) -> tuple[list[dict] | None, Too
     syntax = tool_call_syntax(served.tokenizer, load_chat_template(served.tokenizer.source))
     if syntax is None:
         raise RequestError(f"{served.name}'s chat template writes tool calls in no format meshlm reads (meshlm's "
-                           "<|tool_call|> or Hermes' <tool_call>...</tool_call>); leave tools out.", "tools")
+                           "<|tool_call|>, Hermes' <tool_call>, Mistral's [TOOL_CALLS] or Llama 3's JSON reply); "
+                           "leave tools out.", "tools")
     return tools, syntax
 
 
@@ -361,9 +362,8 @@ class ReplyText:
     @property
     def content(self) -> str:
         """The text before the first tool-call marker (all of it without tools offered)."""
-        if self.tool_syntax is None or self.tool_syntax.start not in self.text:
-            return self.text
-        return self.text[:self.text.index(self.tool_syntax.start)]
+        start = -1 if self.tool_syntax is None else self.tool_syntax.call_start(self.text)
+        return self.text if start < 0 else self.text[:start]
 
     def finish(self) -> None:
         """The reply has ended: read its tool calls (once). Well-formed ones leave the text before them
@@ -385,7 +385,8 @@ class ReplyText:
         reasoning_done = final or (self.think is not None and self.think[1] in self.ids)
         reasoning_end = self._sendable(self.reasoning, reasoning_done, [])
         text = self.text if final else self.content  # a call being written is not content
-        held = self.stop + ([self.tool_syntax.start] if self.tool_syntax is not None else [])
+        held = self.stop + ([self.tool_syntax.start] if self.tool_syntax is not None
+                            and not self.tool_syntax.whole_reply else [])
         answer_end = self._sendable(text, final, held)
         pieces = (self.reasoning[self.reasoning_sent:reasoning_end], text[self.sent:answer_end])
         self.reasoning_sent, self.sent = max(self.reasoning_sent, reasoning_end), max(self.sent, answer_end)

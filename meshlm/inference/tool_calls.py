@@ -2,19 +2,24 @@
 
 A chat model offered tools (``meshlm/data/chat.py``: ``tools`` rendered into the prompt) answers
 either with text or with one or more calls, each a JSON object ``{"name": ..., "arguments":
-{...}}`` behind a marker its chat format defines. Two formats are read:
+{...}}`` in a form its chat format defines. Four formats are read:
 
 * meshlm's default template: ``<|tool_call|>{"name": ..., "arguments": {...}}`` per call, after
   the reply's content (``chat.tool_call_json`` writes them so for training); the marker is a
   special token, so the reply is read with special tokens kept;
 * Hermes' (NousResearch; Qwen 2.5, Qwen 3 and the many templates that copied it):
-  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` per call.
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` per call;
+* Mistral's: ``[TOOL_CALLS]`` then a JSON list of calls (``[{"name", "arguments"}, ...]``), or in
+  its newer tokenizers ``[TOOL_CALLS]name[ARGS]{...}`` per call;
+* Llama 3.1-3.3's custom tools: the whole reply is one JSON object ``{"name": ...,
+  "parameters": {...}}`` (recognized by the template's "Given the following functions" prompt).
 
 ``tool_call_syntax`` picks the one a tokenizer's template writes (None: no format meshlm can
 read, and ``meshlm serve`` refuses ``tools`` for it). ``split_tool_calls`` cuts a reply at its
-first call marker: the text before it is the reply's content, and the calls are parsed from the
-rest. A call whose JSON does not parse, or that lacks a name, makes the whole reply plain text
-again (as vLLM's parsers fall back), so nothing the model wrote is lost.
+first call marker (Llama's: a reply that opens with ``{``): the text before it is the reply's
+content, and the calls are parsed from the rest. A call whose JSON does not parse, or that lacks
+a name, makes the whole reply plain text again (as vLLM's parsers fall back), so nothing the
+model wrote is lost.
 """
 
 from __future__ import annotations
@@ -29,15 +34,29 @@ from meshlm.data.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class ToolCallSyntax:
-    """How a chat format marks a call: the text before its JSON and, if any, after it."""
+    """How a chat format marks a call: the text before its JSON and, if any, after it; ``whole_reply``:
+    the reply itself is the call's JSON, no marker (``start`` is then its first character)."""
 
     start: str
     end: str | None = None
     name: str = ""
+    whole_reply: bool = False
+
+    def call_start(self, text: str) -> int:
+        """Where the calls begin in ``text`` (-1: no call begun)."""
+        if self.whole_reply:
+            stripped = text.lstrip()
+            return len(text) - len(stripped) if stripped.startswith(self.start) else -1
+        return text.find(self.start)
 
 
 DEFAULT_SYNTAX = ToolCallSyntax("<|tool_call|>", None, "meshlm default")
 HERMES_SYNTAX = ToolCallSyntax("<tool_call>", "</tool_call>", "hermes")
+MISTRAL_SYNTAX = ToolCallSyntax("[TOOL_CALLS]", None, "mistral")
+LLAMA3_SYNTAX = ToolCallSyntax("{", None, "llama 3 json", whole_reply=True)
+MISTRAL_ARGUMENTS = "[ARGS]"
+LLAMA3_TOOLS_PROMPT = "Given the following functions"
+"""What Llama 3.1-3.3's templates write before the offered functions (custom tool calling)."""
 
 
 @dataclass(frozen=True)
@@ -58,24 +77,19 @@ def tool_call_syntax(tokenizer: Tokenizer, template: ChatTemplate) -> ToolCallSy
     or None when meshlm cannot read this model's calls."""
     if template.is_default:
         return DEFAULT_SYNTAX if token_id(tokenizer, DEFAULT_SYNTAX.start) is not None else None
-    return HERMES_SYNTAX if HERMES_SYNTAX.start in template.jinja else None
+    for syntax in (HERMES_SYNTAX, MISTRAL_SYNTAX):
+        if syntax.start in template.jinja:
+            return syntax
+    return LLAMA3_SYNTAX if LLAMA3_TOOLS_PROMPT in template.jinja else None
 
 
 def split_tool_calls(text: str, syntax: ToolCallSyntax) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a reply's ``text`` (module docstring); no calls: (text, [])."""
-    first = text.find(syntax.start)
+    first = syntax.call_start(text)
     if first < 0:
         return text, []
-    calls, rest = [], text[first:]
-    for piece in rest.split(syntax.start)[1:]:
-        if syntax.end is not None:
-            if syntax.end not in piece or piece.split(syntax.end, 1)[1].strip():
-                return text, []  # an unclosed call, or text after one: not a well-formed call
-            piece = piece.split(syntax.end, 1)[0]
-        try:
-            call = json.loads(piece)
-        except json.JSONDecodeError:
-            return text, []
+    calls = []
+    for call in call_objects(text[first:], syntax) or [None]:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
             return text, []
         arguments = call.get("arguments", call.get("parameters", {}))
@@ -84,4 +98,31 @@ def split_tool_calls(text: str, syntax: ToolCallSyntax) -> tuple[str, list[ToolC
     return text[:first], calls
 
 
-__all__ = ["DEFAULT_SYNTAX", "HERMES_SYNTAX", "ToolCall", "ToolCallSyntax", "split_tool_calls", "tool_call_syntax"]
+def call_objects(calls_text: str, syntax: ToolCallSyntax) -> list | None:
+    """The JSON values of the calls written in ``calls_text`` (from the first marker on), or None
+    when they are not well formed: unparsable JSON, an unclosed call, text after one."""
+    try:
+        if syntax.whole_reply:
+            return [json.loads(calls_text)]
+        pieces = calls_text.split(syntax.start)[1:]
+        if syntax is MISTRAL_SYNTAX and MISTRAL_ARGUMENTS in calls_text:  # name[ARGS]{...} per call
+            named = [piece.split(MISTRAL_ARGUMENTS, 1) for piece in pieces]
+            return [{"name": pair[0].strip(), "arguments": json.loads(pair[1])} if len(pair) == 2 else None
+                    for pair in named]
+        if syntax is MISTRAL_SYNTAX:  # one JSON list of calls
+            listed = json.loads("".join(pieces))
+            return listed if isinstance(listed, list) else [listed]
+        found = []
+        for piece in pieces:
+            if syntax.end is not None:
+                if syntax.end not in piece or piece.split(syntax.end, 1)[1].strip():
+                    return None
+                piece = piece.split(syntax.end, 1)[0]
+            found.append(json.loads(piece))
+        return found
+    except json.JSONDecodeError:
+        return None
+
+
+__all__ = ["DEFAULT_SYNTAX", "HERMES_SYNTAX", "LLAMA3_SYNTAX", "MISTRAL_SYNTAX", "ToolCall", "ToolCallSyntax",
+           "split_tool_calls", "tool_call_syntax"]

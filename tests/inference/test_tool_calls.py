@@ -1,12 +1,14 @@
-"""Reading tool calls out of a reply (meshlm/inference/tool_calls.py): meshlm's default marker and
-Hermes' tags, the content before them, and plain text back when a call is malformed."""
+"""Reading tool calls out of a reply (meshlm/inference/tool_calls.py): meshlm's default marker,
+Hermes' tags, Mistral's [TOOL_CALLS] (a list, or name[ARGS]json per call) and Llama 3's JSON reply,
+the content before them, and plain text back when a call is malformed."""
 
 import json
 
 import pytest
 
 from meshlm.data.chat import ChatTemplate
-from meshlm.inference.tool_calls import DEFAULT_SYNTAX, HERMES_SYNTAX, split_tool_calls, tool_call_syntax
+from meshlm.inference.tool_calls import (DEFAULT_SYNTAX, HERMES_SYNTAX, LLAMA3_SYNTAX, MISTRAL_SYNTAX, split_tool_calls,
+                                         tool_call_syntax)
 
 
 def test_default_marker_calls_and_the_content_before_them():
@@ -33,13 +35,54 @@ def test_hermes_tags_with_string_arguments_and_whitespace_between_calls():
     ('<tool_call>{"name": "wx"}', HERMES_SYNTAX),                           # never closed
     ('<tool_call>{"name": "wx"}</tool_call> and then prose', HERMES_SYNTAX),  # text after a call
     ("no calls at all", HERMES_SYNTAX),
+    ('[TOOL_CALLS][{"name": "wx", "arguments": {}}', MISTRAL_SYNTAX),      # an unclosed list
+    ('[TOOL_CALLS]wx{"city": "Oslo"}', MISTRAL_SYNTAX),                     # neither a list nor [ARGS]
+    ('{"parameters": {}} is what I would send', LLAMA3_SYNTAX),             # prose after JSON, no name
+    ('The answer is {"name": "wx"}', LLAMA3_SYNTAX),                        # JSON inside prose: text
 ])
 def test_anything_but_well_formed_calls_stays_text(text, syntax):
     assert split_tool_calls(text, syntax) == (text, [])
+
+
+def test_mistral_lists_and_named_calls_and_llama_3_json_replies():
+    listed = '[TOOL_CALLS][{"name": "wx", "arguments": {"city": "Oslo"}}, {"name": "now", "arguments": {}}]'
+    assert [(call.name, json.loads(call.arguments)) for call in split_tool_calls(listed, MISTRAL_SYNTAX)[1]] == [
+        ("wx", {"city": "Oslo"}), ("now", {})]
+    named = 'Sure. [TOOL_CALLS]wx[ARGS]{"city": "Oslo"}[TOOL_CALLS]now[ARGS]{}'
+    content, calls = split_tool_calls(named, MISTRAL_SYNTAX)
+    assert content == "Sure. " and [(call.name, json.loads(call.arguments)) for call in calls] == [
+        ("wx", {"city": "Oslo"}), ("now", {})]
+    content, calls = split_tool_calls(' {"name": "wx", "parameters": {"city": "Oslo"}}', LLAMA3_SYNTAX)
+    assert content == " " and [(call.name, json.loads(call.arguments)) for call in calls] == [("wx", {"city": "Oslo"})]
 
 
 def test_the_syntax_is_the_templates(chat_tokenizer_dir, tokenizer):
     assert tool_call_syntax(tokenizer, ChatTemplate()) == DEFAULT_SYNTAX  # the marker is one token here
     hermes = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if tools %}<tool_call>{% endif %}"
     assert tool_call_syntax(tokenizer, ChatTemplate(hermes, source="qwen-like")) == HERMES_SYNTAX
+    mistral = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]"
+    assert tool_call_syntax(tokenizer, ChatTemplate(mistral)) == MISTRAL_SYNTAX
+    llama = "{% if tools %}Given the following functions, please respond with a JSON{% endif %}"
+    assert tool_call_syntax(tokenizer, ChatTemplate(llama)) == LLAMA3_SYNTAX
     assert tool_call_syntax(tokenizer, ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")) is None
+
+
+@pytest.mark.parametrize("reply, syntax, content", [
+    ('Sure.<tool_call>\n{"name": "wx", "arguments": {}}\n</tool_call>', HERMES_SYNTAX, "Sure."),
+    ('{"name": "wx", "parameters": {}}', LLAMA3_SYNTAX, ""),
+    ('I think {"name": "wx"} is wrong', LLAMA3_SYNTAX, 'I think {"name": "wx"} is wrong'),
+])
+def test_a_streamed_reply_sends_its_content_and_never_a_call(tokenizer, reply, syntax, content):
+    """Token by token (``meshlm serve``'s ``ReplyText``): the pieces sent join to the content alone,
+    the calls are read when the reply ends; a reply that is not a call is all sent."""
+    from meshlm.inference.server import ReplyText
+
+    text = ReplyText(tokenizer, [tokenizer.eos_token_id], [], chat=True, tool_syntax=syntax)
+    sent = ""
+    for token in tokenizer.encode(reply, add_special_tokens=False):
+        text.add(token)
+        sent += text.new_pieces()[1]
+    text.add(tokenizer.eos_token_id)
+    sent += text.new_pieces(final=True)[1]
+    assert sent == content and text.text == content
+    assert [call.name for call in text.calls] == (["wx"] if content != reply else [])
