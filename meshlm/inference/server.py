@@ -43,14 +43,15 @@ the batcher (a LongRoPE model) scores a whole reply after it and returns them un
 Tool calling (chat): ``tools`` (OpenAI's function definitions) are rendered into the prompt by the
 chat template (``meshlm/data/chat.py``, as SFT rendered them), and the calls a reply writes --
 meshlm's ``<|tool_call|>{json}``, Hermes' ``<tool_call>{json}</tool_call>``, Mistral's
-``[TOOL_CALLS]`` or Llama 3's JSON reply, whichever the template uses (``tool_calls.py``) -- come back as ``message.tool_calls`` (``id``, ``type``,
-``function.name``, ``function.arguments`` as a JSON string) with the text before them as the
-content and ``finish_reason`` ``tool_calls``; streamed, the content's pieces stop at the first call
-marker and the calls come whole in one ``delta.tool_calls`` when the reply ends. Messages carry
-the conversation on: an assistant's ``tool_calls`` and a ``tool`` message's result (with its
-``tool_call_id``). ``tool_choice`` is ``auto`` or ``none`` (tools not offered); ``required`` or a
-named function would need decoding constrained to a call, which meshlm does not do: refused. A
-model whose template has no call format meshlm reads gets ``tools`` refused.
+``[TOOL_CALLS]`` or Llama 3's JSON reply, whichever the template uses (``tool_calls.py``) -- come
+back as ``message.tool_calls`` (``id``, ``type``, ``function.name``, ``function.arguments`` as a
+JSON string) with the text before them as the content and ``finish_reason`` ``tool_calls``;
+streamed, the content's pieces stop at the first call marker and the calls come whole in one
+``delta.tool_calls`` when the reply ends. Messages carry the conversation on: an assistant's
+``tool_calls`` and a ``tool`` message's result (with its ``tool_call_id``). ``tool_choice`` is
+``auto`` or ``none`` (tools not offered); ``required`` or a named function would need decoding
+constrained to a call, which meshlm does not do: refused. A model whose template has no call format
+meshlm reads gets ``tools`` refused.
 
 Fields meshlm cannot honour are refused rather than ignored -- ``functions`` (the deprecated form
 of ``tools``), ``logit_bias``, ``best_of``, ``suffix`` -- with status 400 and one sentence naming

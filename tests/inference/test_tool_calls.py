@@ -60,7 +60,8 @@ def test_the_syntax_is_the_templates(chat_tokenizer_dir, tokenizer):
     assert tool_call_syntax(tokenizer, ChatTemplate()) == DEFAULT_SYNTAX  # the marker is one token here
     hermes = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if tools %}<tool_call>{% endif %}"
     assert tool_call_syntax(tokenizer, ChatTemplate(hermes, source="qwen-like")) == HERMES_SYNTAX
-    mistral = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]"
+    mistral = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if tools %}[AVAILABLE_TOOLS]{% endif %}"
+               "[TOOL_CALLS]")
     assert tool_call_syntax(tokenizer, ChatTemplate(mistral)) == MISTRAL_SYNTAX
     llama = "{% if tools %}Given the following functions, please respond with a JSON{% endif %}"
     assert tool_call_syntax(tokenizer, ChatTemplate(llama)) == LLAMA3_SYNTAX
