@@ -54,7 +54,8 @@ constrained to a call, which meshlm does not do: refused. A model whose template
 meshlm reads gets ``tools`` refused.
 
 Fields meshlm cannot honour are refused rather than ignored -- ``functions`` (the deprecated form
-of ``tools``), ``logit_bias``, ``best_of``, ``suffix`` -- with status 400 and one sentence naming
+of ``tools``), ``logit_bias``, ``best_of``, ``suffix``, a ``response_format`` other than text
+(JSON modes need constrained decoding) -- with status 400 and one sentence naming
 the field (OpenAI's error object: ``{"error": {"message", "type", "param"}}``); unknown fields are
 ignored, as OpenAI's clients send many. A prompt that does not fit the model's positions, or a bad value, is a 400 too;
 nothing a request does stops the server.
@@ -200,6 +201,11 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     for name in REFUSED:
         if body.get(name):  # 0, false, null and [] are the defaults: accepted
             raise RequestError(f"{name} is not supported by meshlm serve; leave it out.", name)
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+        raise RequestError(f"response_format {kind!r} is not supported: meshlm serve does not constrain decoding to "
+                           "JSON; leave it out (or ask for JSON in the prompt).", "response_format")
     choices = _number(body, "n", 1, int, low=1, high=MAX_CHOICES)
     if chat:
         messages = body.get("messages")

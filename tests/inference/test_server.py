@@ -193,6 +193,8 @@ def test_a_think_block_comes_back_as_reasoning_content(thinking_model_dir, token
     ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 1}}, 400, "logit_bias is not supported"),
     ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs=21 must be >= 0 and <= 20"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0, "logprobs": 1}, 400, "max_tokens=0 must be >= 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format 'json_object'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs: true"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": 3}, 400,
@@ -208,7 +210,7 @@ def test_bad_requests_are_refused_by_field_and_the_server_goes_on(url, path, bod
     got, reply = post(url, path, body)
     assert got == status and message in reply["error"]["message"], reply
     assert post(url, "/v1/completions", {"prompt": "the", "max_tokens": 2, "presence_penalty": 0,
-                                         "logprobs": None})[0] == 200
+                                         "logprobs": None, "response_format": {"type": "text"}})[0] == 200
 
 
 def test_a_failure_inside_is_a_500_and_the_server_goes_on(url, monkeypatch):
