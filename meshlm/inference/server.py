@@ -48,16 +48,16 @@ back as ``message.tool_calls`` (``id``, ``type``, ``function.name``, ``function.
 JSON string) with the text before them as the content and ``finish_reason`` ``tool_calls``;
 streamed, the content's pieces stop at the first call marker and the calls come whole in one
 ``delta.tool_calls`` when the reply ends. Messages carry the conversation on: an assistant's
-``tool_calls`` and a ``tool`` message's result (with its ``tool_call_id``). ``tool_choice`` is
-``auto`` or ``none`` (tools not offered); ``required`` or a named function would need decoding
-constrained to a call, which meshlm does not do: refused. A model whose template has no call format
-meshlm reads gets ``tools`` refused.
+``tool_calls`` and a ``tool`` message's result (with its ``tool_call_id``). ``parallel_tool_calls``
+false returns a reply's first call only. ``tool_choice`` is ``auto`` or ``none`` (tools not
+offered); ``required`` or a named function would need decoding constrained to a call, which meshlm
+does not do: refused. A model whose template has no call format meshlm reads gets ``tools`` refused.
 
-Fields meshlm cannot honour are refused rather than ignored -- ``functions`` (the deprecated form
-of ``tools``), ``logit_bias``, ``best_of``, ``suffix``, a ``response_format`` other than text
-(JSON modes need constrained decoding) -- with status 400 and one sentence naming
-the field (OpenAI's error object: ``{"error": {"message", "type", "param"}}``); unknown fields are
-ignored, as OpenAI's clients send many. A prompt that does not fit the model's positions, or a bad value, is a 400 too;
+Fields meshlm cannot honour are refused rather than ignored -- ``functions`` (the deprecated form of
+``tools``), ``logit_bias``, ``best_of``, ``suffix``, a ``response_format`` other than text (JSON
+modes need constrained decoding) -- with status 400 and one sentence naming the field (OpenAI's
+error object: ``{"error": {"message", "type", "param"}}``); unknown fields are ignored, as OpenAI's
+clients send many. A prompt that does not fit the model's positions, or a bad value, is a 400 too;
 nothing a request does stops the server.
 
 Concurrent requests are decoded together by continuous batching (``continuous_batching.py``): a
@@ -161,6 +161,8 @@ class CompletionRequest:
     """Replies (choices) to the one prompt; choice i samples with seed ``seed + i``."""
     tool_syntax: ToolCallSyntax | None = None
     """Chat with ``tools`` offered: how the model marks a call, read back out of its replies."""
+    one_tool_call: bool = False
+    """``parallel_tool_calls: false``: a reply's first call only is returned."""
 
     def choice_sampling(self, index: int) -> SamplingConfig:
         """Choice ``index``'s sampling: the request's, its seed moved on by the index."""
@@ -255,7 +257,7 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     sampling = (SamplingConfig(greedy=True, seed=seed, **penalties) if temperature == 0 else
                 SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **penalties))
     return CompletionRequest(prompt_ids, end_ids, max_tokens, sampling, list(stop), stream, chat, top_logprobs, echo,
-                             choices, tool_syntax)
+                             choices, tool_syntax, body.get("parallel_tool_calls", True) is False)
 
 
 def request_message(message: dict) -> dict:
@@ -276,6 +278,8 @@ def tool_fields(body: dict, served: ServedModel) -> tuple[list[dict] | None, Too
     """(the offered functions in OpenAI's form, how the model marks a call), or (None, None) without
     ``tools`` or with ``tool_choice: "none"``; what meshlm cannot do is refused by field."""
     choice = body.get("tool_choice")
+    if not isinstance(body.get("parallel_tool_calls", True), bool):
+        raise RequestError("parallel_tool_calls must be true or false.", "parallel_tool_calls")
     if choice not in (None, "auto", "none"):
         raise RequestError(f"tool_choice={choice!r} is not supported: meshlm serve does not force a call; use "
                            "'auto' (the model decides) or 'none'.", "tool_choice")
@@ -423,6 +427,8 @@ def run_completion(served: ServedModel, request: CompletionRequest, on_pieces: P
     for index, (reply, ids) in enumerate(zip(replies, new_ids)):
         kept = len(ids) - 1 if ids and ids[-1] in request.end_ids else len(ids)  # not the end token
         reply.finish()
+        if request.one_tool_call:
+            reply.calls = reply.calls[:1]
         if on_pieces is not None:  # what the last token left held back (a reply that ran to max_tokens)
             rest = reply.new_pieces(final=True)
             unsent = scored[index][reply.log_probs_sent:kept] if scored is not None else []

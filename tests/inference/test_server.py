@@ -475,7 +475,8 @@ def test_a_stop_string_leaves_its_tokens_log_probabilities_to_the_last_chunk(url
 WEATHER_TOOL = {"type": "function", "function": {"name": "wx", "description": "The weather in a city.",
                                                  "parameters": {"type": "object",
                                                                 "properties": {"city": {"type": "string"}}}}}
-TOOL_REPLY = 'Let me look.<|tool_call|>{"name":"wx","arguments":{"city":"Paris"}}<|end|>'
+TOOL_REPLY = ('Let me look.<|tool_call|>{"name":"wx","arguments":{"city":"Paris"}}'
+              '<|tool_call|>{"name":"wx","arguments":{"city":"Oslo"}}<|end|>')
 
 
 @pytest.fixture(scope="module", params=[8, 1], ids=["batched", "one_at_a_time"])
@@ -500,19 +501,23 @@ def test_a_reply_with_a_tool_call_comes_back_as_tool_calls(tool_server):
     before them as the content, ``finish_reason`` ``tool_calls``; streamed, the content's pieces never
     show the call, which comes whole in one ``delta.tool_calls`` before the last chunk."""
     body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER_TOOL], "temperature": 0,
-            "max_tokens": 64}
+            "max_tokens": 128}
     status, whole = post(tool_server, "/v1/chat/completions", body)
     assert status == 200, whole
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look.", whole
-    (call,) = choice["message"]["tool_calls"]
-    assert call["type"] == "function" and call["id"].startswith("call_")
+    call, second = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_") and second["id"] != call["id"]
     assert call["function"] == {"name": "wx", "arguments": '{"city": "Paris"}'}
+    assert second["function"] == {"name": "wx", "arguments": '{"city": "Oslo"}'}
+    single = post(tool_server, "/v1/chat/completions", {**body, "parallel_tool_calls": False})[1]["choices"][0]
+    assert [entry["function"] for entry in single["message"]["tool_calls"]] == [call["function"]]
     status, chunks = post(tool_server, "/v1/chat/completions", {**body, "stream": True})
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
     assert "".join(delta.get("content", "") for delta in deltas) == "Let me look."
     streamed = [delta["tool_calls"] for delta in deltas if "tool_calls" in delta]
-    assert len(streamed) == 1 and streamed[0][0]["index"] == 0 and streamed[0][0]["function"] == call["function"]
+    assert len(streamed) == 1 and [entry["index"] for entry in streamed[0]] == [0, 1]
+    assert [entry["function"] for entry in streamed[0]] == [call["function"], second["function"]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # the next turn: the call and its result go back into the conversation
     follow_up = {"messages": [body["messages"][0], {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -524,6 +529,7 @@ def test_a_reply_with_a_tool_call_comes_back_as_tool_calls(tool_server):
 
 @pytest.mark.parametrize("path, body, param, message", [
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "does not force a call"),
+    ("/v1/chat/completions", {"parallel_tool_calls": "no"}, "parallel_tool_calls", "must be true or false"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {}}]}, "tools", "tool 0 must be"),
     ("/v1/completions", {"prompt": "a", "tools": [WEATHER_TOOL]}, "tools", "belong to /v1/chat/completions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a", "tool_calls": []}]}, "messages",
