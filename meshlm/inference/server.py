@@ -49,9 +49,13 @@ JSON string) with the text before them as the content and ``finish_reason`` ``to
 streamed, the content's pieces stop at the first call marker and the calls come whole in one
 ``delta.tool_calls`` when the reply ends. Messages carry the conversation on: an assistant's
 ``tool_calls`` and a ``tool`` message's result (with its ``tool_call_id``). ``parallel_tool_calls``
-false returns a reply's first call only. ``tool_choice`` is ``auto`` or ``none`` (tools not
-offered); ``required`` or a named function would need decoding constrained to a call, which meshlm
-does not do: refused. A model whose template has no call format meshlm reads gets ``tools`` refused.
+false returns a reply's first call only. ``tool_choice``: ``auto`` (the model decides), ``none``
+(tools not offered), ``required`` or a named function (``{"type": "function", "function": {"name":
+...}}``): the prompt then ends with the start of a call -- the format's marker, and for a named
+function the call's JSON up to its arguments (``tool_calls.forced_call_prefix``) -- so the model
+writes the rest of a call; its JSON is not constrained while it is drawn, and one that does not
+parse comes back as text. A model whose template has no call format meshlm reads gets ``tools``
+refused.
 
 Fields meshlm cannot honour are refused rather than ignored -- ``functions`` (the deprecated form of
 ``tools``), ``logit_bias``, ``best_of``, ``suffix``, a ``response_format`` other than text (JSON
@@ -91,7 +95,8 @@ from meshlm.inference.continuous_batching import ContinuousBatcher, GenerationRe
 from meshlm.inference.generate import generate
 from meshlm.inference.logprobs import TokenLogProb, sequence_log_probs
 from meshlm.inference.sampling import SamplingConfig
-from meshlm.inference.tool_calls import ToolCall, ToolCallSyntax, split_tool_calls, tool_call_syntax
+from meshlm.inference.tool_calls import (ToolCall, ToolCallSyntax, forced_call_prefix, split_tool_calls,
+                                         tool_call_syntax)
 
 MAX_STOP_STRINGS = 4
 REFUSED = ("functions", "logit_bias", "best_of", "suffix")
@@ -163,6 +168,9 @@ class CompletionRequest:
     """Chat with ``tools`` offered: how the model marks a call, read back out of its replies."""
     one_tool_call: bool = False
     """``parallel_tool_calls: false``: a reply's first call only is returned."""
+    reply_prefix: str = ""
+    """``tool_choice`` required or a named function: the start of a call, put at the end of the
+    prompt (``tool_calls.forced_call_prefix``) and read as the start of each reply."""
 
     def choice_sampling(self, index: int) -> SamplingConfig:
         """Choice ``index``'s sampling: the request's, its seed moved on by the index."""
@@ -215,11 +223,12 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
                 isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages):
             raise RequestError(MESSAGES_FORMAT, "messages")
         messages = [request_message(message) for message in messages]
-        tools, tool_syntax = tool_fields(body, served)
+        tools, tool_syntax, reply_prefix = tool_fields(body, served)
         try:
             prompt_ids, end_ids = conversation_prompt(served.tokenizer, messages, tools), stop_ids(served.tokenizer)
         except (ConfigError, DataError) as error:
             raise RequestError(str(error), "messages") from error
+        prompt_ids += served.tokenizer.encode(reply_prefix, add_special_tokens=False) if reply_prefix else []
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -228,7 +237,7 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
             raise RequestError("prompt must be one string (meshlm serve answers one prompt a request).", "prompt")
         if body.get("tools"):
             raise RequestError("tools belong to /v1/chat/completions.", "tools")
-        prompt_ids, tool_syntax = served.tokenizer.encode(prompt), None
+        prompt_ids, tool_syntax, reply_prefix = served.tokenizer.encode(prompt), None, ""
         eos = served.eos_token_id
         end_ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
     if not prompt_ids:
@@ -257,7 +266,7 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     sampling = (SamplingConfig(greedy=True, seed=seed, **penalties) if temperature == 0 else
                 SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **penalties))
     return CompletionRequest(prompt_ids, end_ids, max_tokens, sampling, list(stop), stream, chat, top_logprobs, echo,
-                             choices, tool_syntax, body.get("parallel_tool_calls", True) is False)
+                             choices, tool_syntax, body.get("parallel_tool_calls", True) is False, reply_prefix)
 
 
 def request_message(message: dict) -> dict:
@@ -274,27 +283,37 @@ def request_message(message: dict) -> dict:
     return kept
 
 
-def tool_fields(body: dict, served: ServedModel) -> tuple[list[dict] | None, ToolCallSyntax | None]:
-    """(the offered functions in OpenAI's form, how the model marks a call), or (None, None) without
-    ``tools`` or with ``tool_choice: "none"``; what meshlm cannot do is refused by field."""
+def tool_fields(body: dict, served: ServedModel) -> tuple[list[dict] | None, ToolCallSyntax | None, str]:
+    """(the offered functions in OpenAI's form, how the model marks a call, the start of a call that
+    ``tool_choice`` forces or ""), or (None, None, "") without ``tools`` or with ``tool_choice:
+    "none"``; what meshlm cannot do is refused by field."""
     choice = body.get("tool_choice")
     if not isinstance(body.get("parallel_tool_calls", True), bool):
         raise RequestError("parallel_tool_calls must be true or false.", "parallel_tool_calls")
-    if choice not in (None, "auto", "none"):
-        raise RequestError(f"tool_choice={choice!r} is not supported: meshlm serve does not force a call; use "
-                           "'auto' (the model decides) or 'none'.", "tool_choice")
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and isinstance(
+        choice.get("function"), dict) else None
+    if choice not in (None, "auto", "none", "required") and not (isinstance(named, str) and named):
+        raise RequestError(f"tool_choice={choice!r} must be 'auto', 'none', 'required' or "
+                           "{\"type\": \"function\", \"function\": {\"name\": ...}}.", "tool_choice")
     try:
         tools = tool_definitions(body.get("tools"), "tools")
     except DataError as error:
         raise RequestError(str(error), "tools") from error
+    if choice in ("required",) or named is not None:
+        if tools is None:
+            raise RequestError("tool_choice asks for a call but no tools are offered; add tools.", "tool_choice")
+        if named is not None and named not in [tool["function"]["name"] for tool in tools]:
+            raise RequestError(f"tool_choice names the function {named!r}, which tools does not offer.", "tool_choice")
     if tools is None or choice == "none":
-        return None, None
-    syntax = tool_call_syntax(served.tokenizer, load_chat_template(served.tokenizer.source))
+        return None, None, ""
+    template = load_chat_template(served.tokenizer.source)
+    syntax = tool_call_syntax(served.tokenizer, template)
     if syntax is None:
         raise RequestError(f"{served.name}'s chat template writes tool calls in no format meshlm reads (meshlm's "
                            "<|tool_call|>, Hermes' <tool_call>, Mistral's [TOOL_CALLS] or Llama 3's JSON reply); "
                            "leave tools out.", "tools")
-    return tools, syntax
+    forced = choice == "required" or named is not None
+    return tools, syntax, forced_call_prefix(syntax, template, named) if forced else ""
 
 
 def log_prob_fields(body: dict, chat: bool) -> tuple[int | None, bool]:
@@ -330,8 +349,10 @@ class ReplyText:
     whitespace is held back until more text follows); elsewhere the reply is all answer."""
 
     def __init__(self, tokenizer: Tokenizer, end_ids: list[int], stop: list[str], chat: bool,
-                 tool_syntax: ToolCallSyntax | None = None):
+                 tool_syntax: ToolCallSyntax | None = None, prefix: str = ""):
         self.tokenizer, self.end_ids, self.stop = tokenizer, end_ids, stop
+        self.prefix = prefix
+        """The start of the reply the prompt already holds (a forced tool call): read as the reply's own."""
         self.tool_syntax = tool_syntax
         """With tools offered: the text from the first call marker on is held back (not content) and
         read as calls when the reply ends (``finish``); the reply is decoded with special tokens kept."""
@@ -360,7 +381,7 @@ class ReplyText:
             answer = self.ids[close + 1:]
             self.text = self.decode(answer).lstrip()
         else:
-            self.text = self.decode(answer)
+            self.text = self.prefix + self.decode(answer)
         found = [index for index in (self.text.find(stop) for stop in self.stop) if index >= 0]
         if found:
             self.text, self.ended = self.text[:min(found)], True
@@ -412,8 +433,8 @@ log-probabilities of the tokens drawn since the previous call (empty unless the 
 def run_completion(served: ServedModel, request: CompletionRequest, on_pieces: Pieces | None = None) -> dict:
     """Generate a request's ``n`` replies (``on_pieces`` with each sendable piece, to stream them):
     ``{"choices": [{"text", "reasoning", "finish_reason"[, "logprobs"]}], "usage"}``."""
-    replies = [ReplyText(served.tokenizer, request.end_ids, request.stop, request.chat, request.tool_syntax)
-               for _ in range(request.n)]
+    replies = [ReplyText(served.tokenizer, request.end_ids, request.stop, request.chat, request.tool_syntax,
+                         request.reply_prefix) for _ in range(request.n)]
     try:
         if request.max_tokens == 0:  # echo alone: the prompt scored, nothing generated
             new_ids, scored = [[] for _ in replies], [[] for _ in replies]

@@ -83,6 +83,23 @@ def tool_call_syntax(tokenizer: Tokenizer, template: ChatTemplate) -> ToolCallSy
     return LLAMA3_SYNTAX if LLAMA3_TOOLS_PROMPT in template.jinja else None
 
 
+def forced_call_prefix(syntax: ToolCallSyntax, template: ChatTemplate, name: str | None = None) -> str:
+    """The start of a reply that is a call, for ``tool_choice`` "required" (the format's marker) or
+    a named function (the call's JSON too, up to its arguments): put at the end of the prompt, it
+    leaves the model only the rest of a call to write. Nothing constrains what it writes then; a
+    call that does not parse comes back as text."""
+    quoted = json.dumps(name) if name is not None else None
+    if syntax is DEFAULT_SYNTAX:
+        return syntax.start + ("" if name is None else '{"name":' + quoted + ',"arguments":')
+    if syntax is HERMES_SYNTAX:
+        return syntax.start + "\n" + ("" if name is None else '{"name": ' + quoted + ', "arguments": ')
+    if syntax is MISTRAL_SYNTAX:
+        if MISTRAL_ARGUMENTS in (template.jinja or ""):  # name[ARGS]{...}
+            return syntax.start + ("" if name is None else name + MISTRAL_ARGUMENTS)
+        return syntax.start + "[" + ("" if name is None else '{"name": ' + quoted + ', "arguments": ')
+    return "{" + ("" if name is None else '"name": ' + quoted + ', "parameters": ')  # Llama 3: the reply is the call
+
+
 def split_tool_calls(text: str, syntax: ToolCallSyntax) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a reply's ``text`` (module docstring); no calls: (text, [])."""
     first = syntax.call_start(text)
@@ -125,4 +142,4 @@ def call_objects(calls_text: str, syntax: ToolCallSyntax) -> list | None:
 
 
 __all__ = ["DEFAULT_SYNTAX", "HERMES_SYNTAX", "LLAMA3_SYNTAX", "MISTRAL_SYNTAX", "ToolCall", "ToolCallSyntax",
-           "split_tool_calls", "tool_call_syntax"]
+           "forced_call_prefix", "split_tool_calls", "tool_call_syntax"]

@@ -528,7 +528,10 @@ def test_a_reply_with_a_tool_call_comes_back_as_tool_calls(tool_server):
 
 
 @pytest.mark.parametrize("path, body, param, message", [
-    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "does not force a call"),
+    ("/v1/chat/completions", {"tool_choice": "sometimes"}, "tool_choice", "must be 'auto', 'none', 'required'"),
+    ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "clock"}}}, "tool_choice",
+     "which tools does not offer"),
+    ("/v1/chat/completions", {"tools": [], "tool_choice": "required"}, "tool_choice", "no tools are offered"),
     ("/v1/chat/completions", {"parallel_tool_calls": "no"}, "parallel_tool_calls", "must be true or false"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {}}]}, "tools", "tool 0 must be"),
     ("/v1/completions", {"prompt": "a", "tools": [WEATHER_TOOL]}, "tools", "belong to /v1/chat/completions"),
@@ -539,3 +542,32 @@ def test_tool_requests_meshlm_cannot_honour_are_refused_by_field(tool_server, pa
     request = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER_TOOL], **body}
     status, reply = post(tool_server, path, request)
     assert status == 400 and reply["error"]["param"] == param and message in reply["error"]["message"], reply
+
+
+def test_a_named_tool_choice_starts_the_reply_with_that_call(tmp_path, chat_tokenizer_dir, tokenizer):
+    """``tool_choice: {"function": {"name": "wx"}}``: the prompt ends with the start of a call to wx
+    (``tool_calls.forced_call_prefix``), so the model writes only its arguments, and the reply is
+    read from that start: one call to wx."""
+    from meshlm.data.chat import ChatTemplate, tool_definitions
+    from meshlm.inference.tool_calls import DEFAULT_SYNTAX, forced_call_prefix
+    from tests.helpers.generation_model import positional_script_model
+
+    messages = [{"role": "user", "content": "weather?"}]
+    prefix = forced_call_prefix(DEFAULT_SYNTAX, ChatTemplate(), "wx")
+    prompt = conversation_prompt(tokenizer, messages, tool_definitions([WEATHER_TOOL], "test")) + tokenizer.encode(
+        prefix, add_special_tokens=False)
+    model = positional_script_model(len(prompt), tokenizer.encode('{"city":"Oslo"}}<|end|>', add_special_tokens=False),
+                                    tokenizer.vocab_size)
+    server, base = serving(save_model(model, tmp_path / "model", tokenizer_dir=chat_tokenizer_dir), tokenizer)
+    try:
+        body = {"messages": messages, "tools": [WEATHER_TOOL], "temperature": 0, "max_tokens": 32,
+                "tool_choice": {"type": "function", "function": {"name": "wx"}}}
+        status, reply = post(base, "/v1/chat/completions", body)
+    finally:
+        stop(server)
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [call["function"] for call in choice["message"]["tool_calls"]] == [
+        {"name": "wx", "arguments": '{"city": "Oslo"}'}]
+    assert reply["usage"]["prompt_tokens"] == len(prompt)

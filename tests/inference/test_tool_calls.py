@@ -7,8 +7,8 @@ import json
 import pytest
 
 from meshlm.data.chat import ChatTemplate
-from meshlm.inference.tool_calls import (DEFAULT_SYNTAX, HERMES_SYNTAX, LLAMA3_SYNTAX, MISTRAL_SYNTAX, split_tool_calls,
-                                         tool_call_syntax)
+from meshlm.inference.tool_calls import (DEFAULT_SYNTAX, HERMES_SYNTAX, LLAMA3_SYNTAX, MISTRAL_SYNTAX,
+                                         forced_call_prefix, split_tool_calls, tool_call_syntax)
 
 
 def test_default_marker_calls_and_the_content_before_them():
@@ -87,3 +87,21 @@ def test_a_streamed_reply_sends_its_content_and_never_a_call(tokenizer, reply, s
     sent += text.new_pieces(final=True)[1]
     assert sent == content and text.text == content
     assert [call.name for call in text.calls] == (["wx"] if content != reply else [])
+
+
+@pytest.mark.parametrize("syntax, template, required_rest, named_rest", [
+    (DEFAULT_SYNTAX, None, '{"name":"wx","arguments":{"c":1}}', '{"c":1}}'),
+    (HERMES_SYNTAX, "<tool_call>", '{"name": "wx", "arguments": {"c": 1}}\n</tool_call>', '{"c": 1}}\n</tool_call>'),
+    (MISTRAL_SYNTAX, "[TOOL_CALLS]", '{"name": "wx", "arguments": {"c": 1}}]', '{"c": 1}}]'),
+    (MISTRAL_SYNTAX, "[TOOL_CALLS][ARGS]", 'wx[ARGS]{"c": 1}', '{"c": 1}'),
+    (LLAMA3_SYNTAX, "Given the following functions", '"name": "wx", "parameters": {"c": 1}}', '{"c": 1}}'),
+])
+def test_a_forced_calls_start_and_what_the_model_writes_after_it_read_as_one_call(syntax, template, required_rest,
+                                                                                   named_rest):
+    """``tool_choice`` required (the marker) or a named function (the call up to its arguments): the
+    prefix and the rest a model would write parse as the call, in each format."""
+    chat_template = ChatTemplate(template) if template else ChatTemplate()
+    for prefix, rest in ((forced_call_prefix(syntax, chat_template), required_rest),
+                         (forced_call_prefix(syntax, chat_template, "wx"), named_rest)):
+        content, calls = split_tool_calls(prefix + rest, syntax)
+        assert content == "" and [(call.name, json.loads(call.arguments)) for call in calls] == [("wx", {"c": 1})]
