@@ -4,8 +4,9 @@
         [--max-vocab-size 4096]
 
 Each line of the input is one conversation, ``{"messages": [{"role": "user", "content": ...},
-{"role": "assistant", "content": ...}, ...]}`` (``meshlm/data/chat.py`` describes the roles,
-tool calls and templates), or the same conversation as ShareGPT, Alpaca or prompt/completion
+{"role": "assistant", "content": ...}, ...]}``, with ``"tools": [...]`` beside ``messages`` for
+the functions offered (``meshlm/data/chat.py`` describes the roles, tools, tool calls and
+templates), or the same conversation as ShareGPT, Alpaca or prompt/completion
 records write it (``meshlm/data/chat_formats.py``). Each conversation becomes one document of the store, rendered by the
 chat template and tokenized with its loss mask (1 on the assistant's reply tokens), which is
 written to ``PREFIX.mask.bin`` beside ``PREFIX.bin`` (``meshlm/data/indexed.py``). Bad input --
