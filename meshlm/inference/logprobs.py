@@ -46,7 +46,7 @@ class TokenLogProb:
 def drawn_log_probs(logits: torch.Tensor, tokens: list[int], top: int = 0) -> list[TokenLogProb]:
     """Each row's drawn token scored by that row of ``logits`` [rows, vocabulary] (a decode step's,
     the padded vocabulary's ids already masked out): its log-probability and the ``top`` likeliest
-    tokens, as ``sequence_log_probs`` scores a position."""
+    tokens (``sequence_log_probs`` scores a sequence's positions a chunk of rows at a time with it)."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     chosen = log_probs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
     best = log_probs.topk(top, dim=-1) if top else None
@@ -69,18 +69,10 @@ def sequence_log_probs(model, ids: list[int], first: int = 0, top: int = 0,
     try:
         with torch.inference_mode():
             hidden = prefill(model, torch.tensor([ids[:-1]], device=device), None, InferenceCache(), keep_all=True)
-            targets = torch.tensor(ids[start:], device=device)
             for chunk_start in range(start - 1, len(ids) - 1, POSITIONS_PER_CHUNK):
                 positions = slice(chunk_start, min(chunk_start + POSITIONS_PER_CHUNK, len(ids) - 1))
-                logits = restrict_vocab(model.head_logits(hidden[:, positions])[0].float(), valid_vocab_size)
-                log_probs = torch.log_softmax(logits, dim=-1)
-                chosen = targets[positions.start - start + 1:positions.stop - start + 1]
-                chosen_log_probs = log_probs.gather(1, chosen[:, None])[:, 0].tolist()
-                best = log_probs.topk(top, dim=-1) if top else None
-                for row, (token, logprob) in enumerate(zip(chosen.tolist(), chosen_log_probs)):
-                    alternatives = [] if best is None else list(zip(best.indices[row].tolist(),
-                                                                    best.values[row].tolist()))
-                    scored.append(TokenLogProb(token, logprob, alternatives))
+                logits = restrict_vocab(model.head_logits(hidden[:, positions])[0], valid_vocab_size)
+                scored += drawn_log_probs(logits, ids[positions.start + 1:positions.stop + 1], top)
     finally:
         model.train(was_training)
     return scored

@@ -299,7 +299,8 @@ def tool_fields(body: dict, served: ServedModel) -> tuple[list[dict] | None, Too
         tools = tool_definitions(body.get("tools"), "tools")
     except DataError as error:
         raise RequestError(str(error), "tools") from error
-    if choice in ("required",) or named is not None:
+    forced = choice == "required" or named is not None
+    if forced:
         if tools is None:
             raise RequestError("tool_choice asks for a call but no tools are offered; add tools.", "tool_choice")
         if named is not None and named not in [tool["function"]["name"] for tool in tools]:
@@ -312,7 +313,6 @@ def tool_fields(body: dict, served: ServedModel) -> tuple[list[dict] | None, Too
         raise RequestError(f"{served.name}'s chat template writes tool calls in no format meshlm reads (meshlm's "
                            "<|tool_call|>, Hermes' <tool_call>, Mistral's [TOOL_CALLS] or Llama 3's JSON reply); "
                            "leave tools out.", "tools")
-    forced = choice == "required" or named is not None
     return tools, syntax, forced_call_prefix(syntax, template, named) if forced else ""
 
 
@@ -444,6 +444,7 @@ def run_completion(served: ServedModel, request: CompletionRequest, on_pieces: P
             new_ids, scored = sequential_choices(served, request, replies, on_pieces), None
     except ConfigError as error:  # a prompt too long for the model's positions, say
         raise RequestError(str(error), "messages" if request.chat else "prompt") from error
+    echoed = prompt_log_probs(served, request) if scored is not None and on_pieces is None else []  # once for all
     choices = []
     for index, (reply, ids) in enumerate(zip(replies, new_ids)):
         kept = len(ids) - 1 if ids and ids[-1] in request.end_ids else len(ids)  # not the end token
@@ -459,7 +460,7 @@ def run_completion(served: ServedModel, request: CompletionRequest, on_pieces: P
                   "finish_reason": "tool_calls" if reply.calls else "stop" if reply.ended else "length"}
         if request.top_logprobs is not None and on_pieces is None:  # (streamed: sent with the pieces)
             choice["logprobs"] = (scored_tokens(served, request, ids[:kept]) if scored is None
-                                  else prompt_log_probs(served, request) + scored[index][:kept])
+                                  else echoed + scored[index][:kept])
         choices.append(choice)
     prompt, completion = len(request.prompt_ids), sum(len(ids) for ids in new_ids)
     return {"choices": choices,
