@@ -4,7 +4,7 @@ A model only ever sees integer ids; the tokenizer it was trained with fixes what
 means. meshlm reads three file formats, and everything past loading sees the same
 ``Tokenizer`` interface (``encode``, ``encode_batch``, ``decode``, ``vocab_size``, and
 ``bos_token_id``/``eos_token_id``/``pad_token_id``, None when absent; ``token_bytes`` for the
-raw bytes one token stands for):
+raw bytes one token stands for, ``text_tokens`` for every id's, special tokens left out):
 
 - **Hugging Face ``tokenizers``** (``tokenizer.json``): one file holding the normalizer,
   pre-tokenizer, model (usually byte-level BPE, Sennrich et al. 2016, "Neural Machine
@@ -122,6 +122,18 @@ class Tokenizer:
         special = self.backend.get_added_tokens_decoder().get(int(token_id))
         return piece.encode("utf-8") if special is not None else piece_bytes(piece, self._byte_level)
 
+    def text_tokens(self) -> list[bytes | None]:
+        """Every id's bytes (``token_bytes``), None for a special token -- one the tokenizer marks as
+        control rather than text, such as an end of turn (what constrained decoding may not draw as text)."""
+        added = self.backend.get_added_tokens_decoder()
+        byte_level = self._byte_level
+        spelt: list[bytes | None] = [None] * self.vocab_size
+        for piece, token in self.backend.get_vocab(with_added_tokens=True).items():
+            entry = added.get(token)
+            if token < len(spelt) and not (entry is not None and entry.special):
+                spelt[token] = piece.encode("utf-8") if entry is not None else piece_bytes(piece, byte_level)
+        return spelt
+
     @property
     def _byte_level(self) -> bool:
         """Whether the file's decoder is byte-level (GPT-2's alphabet), read from it once."""
@@ -186,6 +198,11 @@ class SentencePieceTokenizer(AddsSpecialTokensByFlag):
     def token_bytes(self, token_id: int) -> bytes:
         return piece_bytes(self.backend.id_to_piece(int(token_id)), byte_level=False)
 
+    def text_tokens(self) -> list[bytes | None]:
+        backend = self.backend
+        return [None if backend.is_control(token) or backend.is_unknown(token) else self.token_bytes(token)
+                for token in range(self.vocab_size)]
+
 
 class TiktokenTokenizer(AddsSpecialTokensByFlag):
     """A tiktoken BPE (``backend`` is a ``tiktoken.Encoding``); special tokens in text are kept
@@ -214,6 +231,16 @@ class TiktokenTokenizer(AddsSpecialTokensByFlag):
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.backend.decode_single_token_bytes(int(token_id))
+
+    def text_tokens(self) -> list[bytes | None]:
+        special = {self.backend.encode_single_token(token) for token in self.backend.special_tokens_set}
+        spelt: list[bytes | None] = []
+        for token in range(self.vocab_size):
+            try:
+                spelt.append(None if token in special else self.backend.decode_single_token_bytes(token))
+            except KeyError:  # a gap in the ranks
+                spelt.append(None)
+        return spelt
 
 
 def find_tokenizer_file(path: str | os.PathLike) -> Path:

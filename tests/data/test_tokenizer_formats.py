@@ -129,3 +129,29 @@ def test_token_bytes_join_to_the_text_also_inside_utf8_characters(kind, tmp_path
     assert any(len(piece) == 1 and piece[0] >= 0x80 for piece in pieces)  # a lone byte of a character
     if tokenizer.eos_token_id is not None and kind != "sentencepiece byte fallback":
         assert tokenizer.token_bytes(tokenizer.eos_token_id).decode() in ("<|endoftext|>", "</s>")
+
+
+@pytest.mark.parametrize("kind", ["huggingface byte-level", "sentencepiece byte fallback", "tiktoken"])
+def test_text_tokens_are_every_ids_bytes_with_the_special_tokens_left_out(kind, tmp_path):
+    """``text_tokens`` (what constrained decoding may draw as text) is ``token_bytes`` of every id but
+    the special ones -- eos, SentencePiece's control pieces, tiktoken's specials -- which are None."""
+    if kind == "tiktoken":
+        pytest.importorskip("tiktoken")
+        write_tiktoken_ranks(tmp_path / "tokenizer.tiktoken")
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    elif kind.startswith("sentencepiece"):
+        write_sentencepiece_model(tmp_path)
+    else:
+        from tests.helpers.generation_model import write_sentence_tokenizer
+
+        write_sentence_tokenizer(tmp_path / "hf")
+        tmp_path = tmp_path / "hf"
+    tokenizer = load_tokenizer(tmp_path)
+    spelt = tokenizer.text_tokens()
+    assert len(spelt) == tokenizer.vocab_size and tokenizer.eos_token_id is not None
+    assert spelt[tokenizer.eos_token_id] is None
+    text = [token for token, data in enumerate(spelt) if data is not None]
+    assert len(text) >= tokenizer.vocab_size - 4
+    assert all(spelt[token] == tokenizer.token_bytes(token) for token in text)
+    ids = tokenizer.encode("the cat sat", add_special_tokens=False)
+    assert b"".join(spelt[token] for token in ids).strip() == b"the cat sat"

@@ -1,0 +1,100 @@
+"""Which tokens of a vocabulary a recognizer state allows: a byte trie walked once per state.
+
+A token may be drawn when every one of its bytes is accepted in turn (``json_recognizer.py``).
+Trying the 32k-150k tokens of a vocabulary one by one before every drawn token would cost seconds;
+instead the tokens' bytes are laid out as a trie (tokens sharing a first byte share a node, and so
+on down), and one depth-first walk advances the recognizer along each edge, leaving a whole
+subtree the moment its edge is refused -- so most of the vocabulary is ruled out at its first
+byte. Inside a free-running string almost every token is allowed; a subtree whose bytes are all
+plain ASCII text (``PLAIN_TEXT_BYTES``) is then taken whole without walking it. Finally the
+masks are remembered per state: a reply's states repeat (every character of a long string value
+is the same state), so most tokens cost one dictionary lookup. This is the approach of
+llguidance and of the token-trie walks in Outlines' and XGrammar's papers (Willard & Louf 2023,
+"Efficient Guided Generation for Large Language Models"; Dong et al. 2024, "XGrammar"), kept in
+plain Python.
+
+Special tokens (``Tokenizer.is_special``: control tokens such as an end of turn) are not text and
+are left out of the trie; the constraint allows the ids that end a reply separately, once the
+document is complete (``token_constraint.py``). The masks are remembered by ``grammar.py``.
+"""
+
+from __future__ import annotations
+
+from meshlm.inference.constrained.json_recognizer import PLAIN_TEXT_BYTES, JsonRecognizer, State
+
+class TrieNode:
+    __slots__ = ("children", "ids", "plain", "_subtree_ids")
+
+    def __init__(self):
+        self.children: dict[int, TrieNode] = {}
+        self.ids: list[int] = []
+        """The tokens whose bytes end here."""
+        self.plain = True
+        """Whether every byte below this node is plain text (the edge into it too)."""
+        self._subtree_ids: list[int] | None = None
+
+    def subtree_ids(self) -> list[int]:
+        """The tokens ending at this node or below (computed once)."""
+        if self._subtree_ids is None:
+            found, pending = [], [self]
+            while pending:
+                node = pending.pop()
+                found += node.ids
+                pending += node.children.values()
+            self._subtree_ids = found
+        return self._subtree_ids
+
+
+class Vocabulary:
+    """A tokenizer's text tokens as a byte trie. ``token_bytes[i]``: the bytes of token i, None for a
+    special token (or one beyond the ids the model draws)."""
+
+    def __init__(self, token_bytes: list[bytes | None]):
+        self.size = len(token_bytes)
+        self.token_bytes = token_bytes
+        self.root = TrieNode()
+        for token, data in enumerate(token_bytes):
+            if not data:
+                continue
+            node = self.root
+            for byte in data:
+                node = node.children.setdefault(byte, TrieNode())
+            node.ids.append(token)
+        self._mark_plain(self.root)
+
+    @classmethod
+    def of_tokenizer(cls, tokenizer, size: int) -> Vocabulary:
+        """The first ``size`` ids of ``tokenizer`` (the ones the model draws from)."""
+        return cls([None if token >= tokenizer.vocab_size or tokenizer.is_special(token)
+                    else tokenizer.token_bytes(token) for token in range(size)])
+
+    def _mark_plain(self, root: TrieNode) -> None:
+        order, pending = [], [(root, None)]
+        while pending:  # parents before children; marked in reverse
+            node, byte = pending.pop()
+            order.append((node, byte))
+            pending += [(child, child_byte) for child_byte, child in node.children.items()]
+        for node, byte in reversed(order):
+            node.plain = (byte is None or byte in PLAIN_TEXT_BYTES) and all(
+                child.plain for child in node.children.values())
+
+    def allowed_ids(self, recognizer: JsonRecognizer, state: State) -> list[int]:
+        """The tokens every byte of which ``recognizer`` accepts in turn from ``state``."""
+        allowed: list[int] = []
+        pending = [(self.root, state)]
+        while pending:
+            node, at = pending.pop()
+            for byte, child in node.children.items():
+                moved = recognizer.advance(at, byte)
+                if moved is None:
+                    continue
+                if child.plain and recognizer.free_text(moved):
+                    allowed += child.subtree_ids()
+                else:
+                    allowed += child.ids
+                    if child.children:
+                        pending.append((child, moved))
+        return allowed
+
+
+__all__ = ["Vocabulary"]
