@@ -41,6 +41,11 @@ before ``on_token`` sees the token -- so a streamed reply can carry them piece b
 work with the model -- scoring a prompt's log-probabilities (``echo``) -- runs on the same thread
 between two steps (``call``), so nothing else touches the model while it decodes.
 
+A request with a ``constraint`` (``constrained/``: a JSON Schema, a forced tool call) draws only the
+tokens its grammar allows: the others' logits are set to -inf in its row before sampling, and the
+reply ends where the grammar lets nothing follow. The masks are remembered per grammar state, so a
+constrained row costs little more than a plain one once its states have been met.
+
 With ``compile`` each decode step runs compiled (``decode_step.py``: the blocks fused by
 ``torch.compile``, the cache's bookkeeping eager), where the model allows it (no MoE blocks). The
 batch's size and its buffers' length change as requests come and go; after the first such change
@@ -66,6 +71,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshlm.errors import ConfigError
+from meshlm.inference.constrained.token_constraint import TokenConstraint
 from meshlm.inference.decode_step import DecodeStep
 from meshlm.inference.generate import check_prompts, left_pad
 from meshlm.inference.logprobs import TokenLogProb, drawn_log_probs
@@ -104,6 +110,9 @@ class GenerationRequest:
     """Score each drawn token (module docstring) with this many likeliest alternatives (0-20); None: not scored."""
     log_probs: list[TokenLogProb] = field(default_factory=list)
     """With ``top_logprobs``: one per token of ``new_ids``, added before ``on_token`` is called with it."""
+    constraint: TokenConstraint | None = None
+    """Hold the reply to a grammar (``constrained/token_constraint.py``): only the tokens it allows are
+    drawn, and the reply ends where the grammar says nothing may follow."""
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -376,15 +385,20 @@ class ContinuousBatcher:
 
     def _draw(self, rows: list[_Row], logits: torch.Tensor) -> list[_Row]:
         """Each row's next token from its logits row, handed to its request; the rows that go on."""
-        logits = restrict_vocab(logits, self.valid_vocab_size)
+        logits = drawn_from = restrict_vocab(logits, self.valid_vocab_size)
+        constrained = [i for i, row in enumerate(rows) if row.request.constraint is not None]
+        if constrained:  # the tokens a row's grammar refuses are not drawn (log-probabilities keep the model's)
+            drawn_from = logits.clone()
+            for i in constrained:
+                drawn_from[i] = rows[i].request.constraint.mask_logits(logits[i])
         greedy = [i for i, row in enumerate(rows) if row.request.sampling.greedy and row.penalties is None]
         tokens = [0] * len(rows)
         if greedy:  # one argmax for all plain greedy rows
-            for i, token in zip(greedy, logits[greedy].argmax(-1).tolist()):
+            for i, token in zip(greedy, drawn_from[greedy].argmax(-1).tolist()):
                 tokens[i] = token
         for i in sorted(set(range(len(rows))) - set(greedy)):
             row = rows[i]
-            row_logits = logits[i:i + 1] if row.penalties is None else row.penalties.apply(logits[i:i + 1])
+            row_logits = drawn_from[i:i + 1] if row.penalties is None else row.penalties.apply(drawn_from[i:i + 1])
             drawn = sample_next(row_logits, row.request.sampling, row.generator)
             if row.penalties is not None:
                 row.penalties.add(drawn)
@@ -401,7 +415,10 @@ class ContinuousBatcher:
                 request.finish()
                 continue
             request.new_ids.append(token)
+            if request.constraint is not None:
+                request.constraint.advance(token)
             ended = request.on_token is not None and request.on_token(token)
+            ended = ended or request.constraint is not None and request.constraint.finished
             if ended or token in request.end_ids or len(request.new_ids) >= request.max_new_tokens:
                 request.finish()
                 continue

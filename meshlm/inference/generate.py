@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from meshlm.errors import ConfigError
+from meshlm.inference.constrained.token_constraint import TokenConstraint
 from meshlm.inference.decode_step import DecodeStep
 from meshlm.inference.penalties import TokenPenalties
 from meshlm.inference.prefill import hidden_states, prefill
@@ -102,7 +103,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
              valid_vocab_size: int | None = None, prefill_chunk: int | None = None,
              speculative: str | None = None, draft_tokens: int | None = None,
              stats: GenerationStats | None = None, compile: bool = False,
-             on_token: Callable[[int, int], bool] | None = None) -> list[list[int]]:
+             on_token: Callable[[int, int], bool] | None = None,
+             constraints: list[TokenConstraint | None] | None = None) -> list[list[int]]:
     """The new tokens of each prompt: at most ``max_new_tokens``, ending at eos if one is drawn.
 
     ``eos_token_id`` may be one id or several (Hugging Face configs list several end tokens).
@@ -114,7 +116,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     the compiled step (``decode_step.py``; plain decoding only), whose compile time ``stats`` keeps
     apart from the decode time. ``on_token(prompt index, token)`` is called for each new token as
     it is drawn (plain decoding only: a server streams with it); returning True ends that prompt
-    there, the token kept, as an eos would (a stop string found in the text so far).
+    there, the token kept, as an eos would (a stop string found in the text so far). ``constraints``:
+    per prompt, None or the grammar its reply is held to (``constrained/token_constraint.py``; plain
+    decoding only): only the tokens it allows are drawn, and the reply ends where it allows none.
     """
     vocab_size = model.config.vocab_size
     check_prompts(prompts, vocab_size)
@@ -135,6 +139,12 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     if speculative is not None and sampling.penalized:
         raise ConfigError("repetition, presence and frequency penalties apply to plain decoding, not speculative "
                           "decoding; drop the penalties or --speculative.")
+    if constraints is not None and len(constraints) != len(prompts):
+        raise ConfigError(f"constraints must hold one entry (or None) per prompt: {len(constraints)} for "
+                          f"{len(prompts)} prompts.")
+    if speculative is not None and constraints is not None:
+        raise ConfigError("constrained decoding (a JSON schema) applies to plain decoding, not speculative "
+                          "decoding; drop the constraint or --speculative.")
     if speculative is not None and on_token is not None:
         raise ConfigError("streaming each token (on_token) applies to plain decoding, not speculative decoding.")
     if speculative is not None and compile:
@@ -160,15 +170,24 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
                                                            sampling)
             else:
                 _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id,
-                        valid_vocab_size, prefill_chunk, stats, new_tokens, compile, on_token)
+                        valid_vocab_size, prefill_chunk, stats, new_tokens, compile, on_token, constraints)
     finally:
         model.train(was_training)
     return new_tokens
 
 
+def held_to(logits: torch.Tensor, constraints: list[TokenConstraint | None]) -> torch.Tensor:
+    """``logits`` [b, vocab] with each row's tokens its constraint refuses at -inf (rows without one as they are)."""
+    if all(constraint is None for constraint in constraints):
+        return logits
+    return torch.stack([row if constraint is None else constraint.mask_logits(row)
+                        for row, constraint in zip(logits, constraints)])
+
+
 def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, valid_vocab_size,
             prefill_chunk, stats: GenerationStats, new_tokens: list[list[int]], compile: bool = False,
-            on_token: Callable[[int, int], bool] | None = None) -> None:
+            on_token: Callable[[int, int], bool] | None = None,
+            constraints: list[TokenConstraint | None] | None = None) -> None:
     """Prefill the padded batch, then decode one token per step, appending into ``new_tokens``
     (with ``compile``, by the compiled ``DecodeStep`` where the model and cache allow it)."""
     device = next(model.parameters()).device
@@ -186,6 +205,8 @@ def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id
     with stats.timing("decode", device):
         for step in range(max_new_tokens):
             logits = restrict_vocab(logits, valid_vocab_size)
+            if constraints is not None:
+                logits = held_to(logits, [constraints[row] for row in rows])
             next_ids = sample_next(logits if penalties is None else penalties.apply(logits), sampling, generator)
             if penalties is not None:
                 penalties.add(next_ids)
@@ -194,6 +215,13 @@ def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id
                 new_tokens[row].append(token)
             stats.decode_tokens += len(rows)
             going = None if eos_ids is None else ~torch.isin(next_ids, eos_ids)
+            if constraints is not None:
+                for row, token in zip(rows, tokens):
+                    if constraints[row] is not None:
+                        constraints[row].advance(token)
+                open_ended = torch.tensor([constraints[row] is None or not constraints[row].finished for row in rows],
+                                          device=next_ids.device)
+                going = open_ended if going is None else going & open_ended
             if on_token is not None:  # every row's callback, eos or not: each sees all of its tokens
                 called = torch.tensor([not on_token(row, token) for row, token in zip(rows, tokens)],
                                       device=next_ids.device)

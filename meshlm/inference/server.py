@@ -91,12 +91,15 @@ from meshlm.data.reasoning import THINK_END, THINK_START
 from meshlm.data.tokenizer import Tokenizer
 from meshlm.errors import ConfigError, DataError
 from meshlm.inference.chat import conversation_prompt, stop_ids
+from meshlm.inference.constrained.grammar import Grammar, GrammarCache
+from meshlm.inference.constrained.response_format import response_format_grammar
+from meshlm.inference.constrained.token_constraint import TokenConstraint
 from meshlm.inference.continuous_batching import ContinuousBatcher, GenerationRequest
 from meshlm.inference.generate import generate
 from meshlm.inference.logprobs import TokenLogProb, sequence_log_probs
 from meshlm.inference.sampling import SamplingConfig
-from meshlm.inference.tool_calls import (ToolCall, ToolCallSyntax, forced_call_prefix, split_tool_calls,
-                                         tool_call_syntax)
+from meshlm.inference.tool_calls import (ToolCall, ToolCallSyntax, forced_call_grammar, forced_call_prefix,
+                                         split_tool_calls, tool_call_syntax)
 
 MAX_STOP_STRINGS = 4
 REFUSED = ("functions", "logit_bias", "best_of", "suffix")
@@ -140,10 +143,21 @@ class ServedModel:
     """Decodes concurrent requests together (``meshlm serve --max-batch-size``); None: one at a time,
     each by ``generate`` under ``lock``."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    grammars: GrammarCache | None = None
+    """The grammars of the requests held to a schema so far (``response_format``, forced tool calls),
+    made on first use."""
+    grammars_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def valid_vocab_size(self) -> int:
         return min(self.tokenizer.vocab_size, self.model.config.vocab_size)
+
+    def grammar(self, key: str, node) -> Grammar:
+        """The grammar kept under ``key`` over this model's vocabulary (``GrammarCache``)."""
+        with self.grammars_lock:
+            if self.grammars is None:
+                self.grammars = GrammarCache(self.tokenizer, self.valid_vocab_size)
+        return self.grammars.grammar(key, node)
 
 
 @dataclass
@@ -171,6 +185,14 @@ class CompletionRequest:
     reply_prefix: str = ""
     """``tool_choice`` required or a named function: the start of a call, put at the end of the
     prompt (``tool_calls.forced_call_prefix``) and read as the start of each reply."""
+    grammar: Grammar | None = None
+    """The grammar each reply is held to (``response_format``, or the forced call), None: free text."""
+    grammar_written: bytes = b""
+    """The part of the grammar's document the prompt already holds (the forced call's opening)."""
+
+    def constraint(self) -> TokenConstraint | None:
+        """A new reply's constraint (one per choice), or None."""
+        return None if self.grammar is None else TokenConstraint(self.grammar, self.end_ids, self.grammar_written)
 
     def choice_sampling(self, index: int) -> SamplingConfig:
         """Choice ``index``'s sampling: the request's, its seed moved on by the index."""
@@ -211,11 +233,11 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
     for name in REFUSED:
         if body.get(name):  # 0, false, null and [] are the defaults: accepted
             raise RequestError(f"{name} is not supported by meshlm serve; leave it out.", name)
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
-        raise RequestError(f"response_format {kind!r} is not supported: meshlm serve does not constrain decoding to "
-                           "JSON; leave it out (or ask for JSON in the prompt).", "response_format")
+    try:
+        grammar = response_format_grammar(body.get("response_format"))  # (key, node) or None
+    except ConfigError as error:
+        raise RequestError(str(error), "response_format") from error
+    grammar_field, grammar_written = "response_format", b""
     choices = _number(body, "n", 1, int, low=1, high=MAX_CHOICES)
     if chat:
         messages = body.get("messages")
@@ -223,7 +245,12 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
                 isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages):
             raise RequestError(MESSAGES_FORMAT, "messages")
         messages = [request_message(message) for message in messages]
-        tools, tool_syntax, reply_prefix = tool_fields(body, served)
+        tools, tool_syntax, reply_prefix, forced_call = tool_fields(body, served)
+        if grammar is not None and tools is not None:
+            raise RequestError("response_format and tools cannot be combined: a reply is either held to the schema "
+                               "or free to call a tool; drop one (or set tool_choice to none).", "response_format")
+        if forced_call is not None:
+            grammar, grammar_field, grammar_written = forced_call[:2], "tool_choice", forced_call[2]
         try:
             prompt_ids, end_ids = conversation_prompt(served.tokenizer, messages, tools), stop_ids(served.tokenizer)
         except (ConfigError, DataError) as error:
@@ -265,8 +292,16 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
                            "logprobs" if top_logprobs is not None else "echo")
     sampling = (SamplingConfig(greedy=True, seed=seed, **penalties) if temperature == 0 else
                 SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **penalties))
-    return CompletionRequest(prompt_ids, end_ids, max_tokens, sampling, list(stop), stream, chat, top_logprobs, echo,
-                             choices, tool_syntax, body.get("parallel_tool_calls", True) is False, reply_prefix)
+    request = CompletionRequest(prompt_ids, end_ids, max_tokens, sampling, list(stop), stream, chat, top_logprobs,
+                                echo, choices, tool_syntax, body.get("parallel_tool_calls", True) is False,
+                                reply_prefix)
+    if grammar is not None:
+        request.grammar, request.grammar_written = served.grammar(*grammar), grammar_written
+        try:
+            request.constraint()  # refused here, before a streamed reply's headers go
+        except ConfigError as error:
+            raise RequestError(str(error), grammar_field) from error
+    return request
 
 
 def request_message(message: dict) -> dict:
@@ -283,10 +318,12 @@ def request_message(message: dict) -> dict:
     return kept
 
 
-def tool_fields(body: dict, served: ServedModel) -> tuple[list[dict] | None, ToolCallSyntax | None, str]:
+def tool_fields(body: dict, served: ServedModel) -> tuple[list[dict] | None, ToolCallSyntax | None, str,
+                                                          tuple | None]:
     """(the offered functions in OpenAI's form, how the model marks a call, the start of a call that
-    ``tool_choice`` forces or ""), or (None, None, "") without ``tools`` or with ``tool_choice:
-    "none"``; what meshlm cannot do is refused by field."""
+    ``tool_choice`` forces or "", the grammar of that call or None: ``tool_calls.forced_call_grammar``),
+    or (None, None, "", None) without ``tools`` or with ``tool_choice: "none"``; what meshlm cannot do
+    is refused by field."""
     choice = body.get("tool_choice")
     if not isinstance(body.get("parallel_tool_calls", True), bool):
         raise RequestError("parallel_tool_calls must be true or false.", "parallel_tool_calls")
@@ -306,14 +343,17 @@ def tool_fields(body: dict, served: ServedModel) -> tuple[list[dict] | None, Too
         if named is not None and named not in [tool["function"]["name"] for tool in tools]:
             raise RequestError(f"tool_choice names the function {named!r}, which tools does not offer.", "tool_choice")
     if tools is None or choice == "none":
-        return None, None, ""
+        return None, None, "", None
     template = load_chat_template(served.tokenizer.source)
     syntax = tool_call_syntax(served.tokenizer, template)
     if syntax is None:
         raise RequestError(f"{served.name}'s chat template writes tool calls in no format meshlm reads (meshlm's "
                            "<|tool_call|>, Hermes' <tool_call>, Mistral's [TOOL_CALLS] or Llama 3's JSON reply); "
                            "leave tools out.", "tools")
-    return tools, syntax, forced_call_prefix(syntax, template, named) if forced else ""
+    if not forced:
+        return tools, syntax, "", None
+    return tools, syntax, forced_call_prefix(syntax, template, named), forced_call_grammar(syntax, template, tools,
+                                                                                           named)
 
 
 def log_prob_fields(body: dict, chat: bool) -> tuple[int | None, bool]:
@@ -435,19 +475,21 @@ def run_completion(served: ServedModel, request: CompletionRequest, on_pieces: P
     ``{"choices": [{"text", "reasoning", "finish_reason"[, "logprobs"]}], "usage"}``."""
     replies = [ReplyText(served.tokenizer, request.end_ids, request.stop, request.chat, request.tool_syntax,
                          request.reply_prefix) for _ in range(request.n)]
+    constraints = [request.constraint() for _ in replies]
     try:
         if request.max_tokens == 0:  # echo alone: the prompt scored, nothing generated
             new_ids, scored = [[] for _ in replies], [[] for _ in replies]
         elif served.batcher is not None:
-            new_ids, scored = batched_choices(served.batcher, request, replies, on_pieces)
+            new_ids, scored = batched_choices(served.batcher, request, replies, on_pieces, constraints)
         else:
-            new_ids, scored = sequential_choices(served, request, replies, on_pieces), None
+            new_ids, scored = sequential_choices(served, request, replies, on_pieces, constraints), None
     except ConfigError as error:  # a prompt too long for the model's positions, say
         raise RequestError(str(error), "messages" if request.chat else "prompt") from error
     echoed = prompt_log_probs(served, request) if scored is not None and on_pieces is None else []  # once for all
     choices = []
-    for index, (reply, ids) in enumerate(zip(replies, new_ids)):
+    for index, (reply, ids, constraint) in enumerate(zip(replies, new_ids, constraints)):
         kept = len(ids) - 1 if ids and ids[-1] in request.end_ids else len(ids)  # not the end token
+        whole = constraint is not None and constraint.complete  # a document that ended by itself
         reply.finish()
         if request.one_tool_call:
             reply.calls = reply.calls[:1]
@@ -457,7 +499,7 @@ def run_completion(served: ServedModel, request: CompletionRequest, on_pieces: P
             if any(rest) or unsent:
                 on_pieces(index, *rest, unsent)
         choice = {"text": reply.text, "reasoning": reply.reasoning, "tool_calls": reply.calls,
-                  "finish_reason": "tool_calls" if reply.calls else "stop" if reply.ended else "length"}
+                  "finish_reason": "tool_calls" if reply.calls else "stop" if reply.ended or whole else "length"}
         if request.top_logprobs is not None and on_pieces is None:  # (streamed: sent with the pieces)
             choice["logprobs"] = (scored_tokens(served, request, ids[:kept]) if scored is None
                                   else echoed + scored[index][:kept])
@@ -487,7 +529,8 @@ def token_handler(reply: ReplyText, index: int, send: Pieces | None,
 
 
 def sequential_choices(served: ServedModel, request: CompletionRequest, replies: list[ReplyText],
-                       on_pieces: Callable[[int, str, str], None] | None) -> list[list[int]]:
+                       on_pieces: Callable[[int, str, str], None] | None,
+                       constraints: list[TokenConstraint | None]) -> list[list[int]]:
     """The choices' new ids one after another by ``generate`` under the model's lock (one request at
     a time), pieces handed to ``on_pieces`` as they are drawn."""
     new_ids = []
@@ -497,12 +540,14 @@ def sequential_choices(served: ServedModel, request: CompletionRequest, replies:
             new_ids.append(generate(served.model, [request.prompt_ids], request.max_tokens,
                                     request.choice_sampling(index), eos_token_id=request.end_ids or None,
                                     valid_vocab_size=served.valid_vocab_size,
-                                    on_token=lambda row, token: on_token(token))[0])
+                                    on_token=lambda row, token: on_token(token),
+                                    constraints=None if constraints[index] is None else [constraints[index]])[0])
     return new_ids
 
 
 def batched_choices(batcher: ContinuousBatcher, request: CompletionRequest, replies: list[ReplyText],
-                    on_pieces: Pieces | None) -> tuple[list[list[int]], list[list[TokenLogProb]]]:
+                    on_pieces: Pieces | None, constraints: list[TokenConstraint | None]
+                    ) -> tuple[list[list[int]], list[list[TokenLogProb]]]:
     """The choices' new ids and their tokens' log-probabilities (empty unless asked for) from the
     batcher, decoded side by side: its thread adds each token to its reply and queues the sendable
     pieces, which this (the request's) thread hands to ``on_pieces`` as they come. Should
@@ -513,7 +558,8 @@ def batched_choices(batcher: ContinuousBatcher, request: CompletionRequest, repl
     queued = None if on_pieces is None else lambda *item: pieces.put(item)
     jobs = [GenerationRequest(request.prompt_ids, request.max_tokens, request.choice_sampling(index),
                               request.end_ids, on_done=lambda: pieces.put(finished),
-                              top_logprobs=request.top_logprobs) for index in range(len(replies))]
+                              top_logprobs=request.top_logprobs, constraint=constraints[index])
+            for index in range(len(replies))]
     for index, (job, reply) in enumerate(zip(jobs, replies)):
         job.on_token = token_handler(reply, index, queued, job.log_probs)
     batcher.check(jobs[0])  # the same prompt for all: refused before any is queued

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 
 from meshlm.data.chat import ChatTemplate, token_id
 from meshlm.data.tokenizer import Tokenizer
+from meshlm.errors import ConfigError
+from meshlm.inference.constrained.json_schema import (ANY_OBJECT, Choice, Literal, Node, ObjectNode, Sequence,
+                                                      json_bytes, read_schema)
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,7 @@ def tool_call_syntax(tokenizer: Tokenizer, template: ChatTemplate) -> ToolCallSy
 def forced_call_prefix(syntax: ToolCallSyntax, template: ChatTemplate, name: str | None = None) -> str:
     """The start of a reply that is a call, for ``tool_choice`` "required" (the format's marker) or
     a named function (the call's JSON too, up to its arguments): put at the end of the prompt, it
-    leaves the model only the rest of a call to write. Nothing constrains what it writes then; a
-    call that does not parse comes back as text."""
+    leaves the model only the rest of a call to write, which ``forced_call_grammar`` holds to."""
     quoted = json.dumps(name) if name is not None else None
     if syntax is DEFAULT_SYNTAX:
         return syntax.start + ("" if name is None else '{"name":' + quoted + ',"arguments":')
@@ -98,6 +100,43 @@ def forced_call_prefix(syntax: ToolCallSyntax, template: ChatTemplate, name: str
             return syntax.start + ("" if name is None else name + MISTRAL_ARGUMENTS)
         return syntax.start + "[" + ("" if name is None else '{"name": ' + quoted + ', "arguments": ')
     return "{" + ("" if name is None else '"name": ' + quoted + ', "parameters": ')  # Llama 3: the reply is the call
+
+
+def forced_call_grammar(syntax: ToolCallSyntax, template: ChatTemplate, tools: list[dict],
+                        name: str | None = None) -> tuple[str, Node, bytes]:
+    """(a key naming it, the grammar, the part of it the prompt holds) of the call a forced ``tool_choice``
+    makes the model write: the text after the format's marker (Llama 3's: the whole reply) -- one
+    call's JSON with the name one of ``tools``' (or ``name``) and the arguments that function's
+    parameters schema, then the format's closing text. Its start is the end of
+    ``forced_call_prefix``, which the prompt already holds. A function whose parameters use keywords
+    decoding cannot hold to (``json_schema.read_schema`` refuses them) gets any JSON object as its
+    arguments."""
+    arguments = "parameters" if syntax is LLAMA3_SYNTAX else "arguments"
+    calls = []
+    for index, tool in enumerate(tools):
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        try:
+            parameters = read_schema(function.get("parameters") or {"type": "object"},
+                                     f"tools[{index}].function.parameters")
+        except ConfigError:
+            parameters = ANY_OBJECT
+        if syntax is MISTRAL_SYNTAX and MISTRAL_ARGUMENTS in (template.jinja or ""):
+            calls.append(Sequence((Literal((function["name"] + MISTRAL_ARGUMENTS).encode()), parameters)))
+        else:
+            calls.append(ObjectNode({b"name": Literal(json_bytes(function["name"])), arguments.encode(): parameters},
+                                    frozenset({b"name", arguments.encode()})))
+    call = calls[0] if len(calls) == 1 else Choice(tuple(calls))
+    if syntax is HERMES_SYNTAX:
+        call = Sequence((call, Literal(("\n" + syntax.end).encode())))
+    elif syntax is MISTRAL_SYNTAX and MISTRAL_ARGUMENTS not in (template.jinja or ""):
+        call = Sequence((Literal(b"["), call, Literal(b"]")))
+    prefix = forced_call_prefix(syntax, template, name)
+    written = prefix if syntax.whole_reply else prefix[len(syntax.start):]
+    key = json.dumps({"syntax": syntax.name, "tools": tools, "name": name, "jinja": template.jinja or ""},
+                     sort_keys=True)
+    return key, call, written.encode()
 
 
 def split_tool_calls(text: str, syntax: ToolCallSyntax) -> tuple[str, list[ToolCall]]:
@@ -142,4 +181,4 @@ def call_objects(calls_text: str, syntax: ToolCallSyntax) -> list | None:
 
 
 __all__ = ["DEFAULT_SYNTAX", "HERMES_SYNTAX", "LLAMA3_SYNTAX", "MISTRAL_SYNTAX", "ToolCall", "ToolCallSyntax",
-           "forced_call_prefix", "split_tool_calls", "tool_call_syntax"]
+           "forced_call_grammar", "forced_call_prefix", "split_tool_calls", "tool_call_syntax"]

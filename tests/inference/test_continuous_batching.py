@@ -4,6 +4,7 @@ sliding windows, Mamba and experts -- get exactly the tokens ``generate`` gives 
 request ends at its end id, its token budget, its callback or a cancel without disturbing the
 others; a failure fails its batch only; bad requests are refused before they queue."""
 
+import json
 import threading
 
 import pytest
@@ -259,3 +260,69 @@ def test_scored_requests_list_each_drawn_tokens_log_probability_under_the_model(
             assert [token for token, _ in got.top] == [token for token, _ in want.top]
             assert [value for _, value in got.top] == pytest.approx([value for _, value in want.top], abs=1e-5)
     assert len(requests[0].log_probs[0].top) == 3 and requests[0].log_probs[0].top[0][0] == requests[0].new_ids[0]
+
+
+def ascii_vocabulary():
+    """A vocabulary for the 97-id test models: id 0 ends a reply, ids 1-95 are the printable ASCII
+    characters, id 96 is ``{"``."""
+    from meshlm.inference.constrained.vocabulary import Vocabulary
+
+    return Vocabulary([None] + [bytes([byte]) for byte in range(0x20, 0x7F)] + [b'{"'])
+
+
+SMALL_SCHEMA = {"type": "object", "required": ["n", "ok"],
+                "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
+                               "s": {"type": "string", "maxLength": 3}}}
+
+
+def test_a_constrained_request_draws_as_alone_beside_free_ones():
+    """A request held to a schema (``GenerationRequest.constraint``) joins a batch of free ones: its
+    reply is the schema's document and the same tokens ``generate`` draws with the same constraint
+    alone, ending by the grammar at the end id; the free requests get their tokens as alone."""
+    from meshlm.inference.constrained.grammar import Grammar
+    from meshlm.inference.constrained.json_schema import read_schema
+    from meshlm.inference.constrained.token_constraint import TokenConstraint
+
+    model = tiny_model(PATTERNS["hybrid"])
+    vocabulary = ascii_vocabulary()
+    grammar = Grammar(read_schema(SMALL_SCHEMA, "test"), vocabulary)
+    samplings = [GREEDY, SamplingConfig(temperature=1.2, seed=4), SamplingConfig(temperature=0.9, seed=2)]
+    held = [None, TokenConstraint(grammar, [0]), None]
+    alone = [generate(model, [prompt], 200, sampling, eos_token_id=0,
+                      constraints=None if constraint is None else [TokenConstraint(grammar, [0])])[0]
+             for prompt, sampling, constraint in zip(PROMPTS, samplings, held)]
+    document = b"".join(vocabulary.token_bytes[token] for token in alone[1][:-1])
+    value = json.loads(document)
+    assert alone[1][-1] == 0 and set(value) >= {"n", "ok"} and isinstance(value["ok"], bool), document
+    batcher = ContinuousBatcher(model, max_batch_size=3)
+    try:
+        requests = [GenerationRequest(prompt, 200, sampling, [0], constraint=constraint)
+                    for prompt, sampling, constraint in zip(PROMPTS, samplings, held)]
+        assert staggered(batcher, requests, after=2) == alone
+    finally:
+        batcher.close()
+    assert held[1].ended and held[1].complete
+
+
+def test_a_grammar_that_lets_nothing_follow_ends_the_reply_without_an_end_id():
+    """A reply held to an enum and given no end id ends at the enum's closing quote, in the batcher
+    as in ``generate``; ``generate`` refuses constraints that do not match its prompts, or with
+    speculative decoding."""
+    from meshlm.inference.constrained.grammar import Grammar
+    from meshlm.inference.constrained.json_schema import read_schema
+    from meshlm.inference.constrained.token_constraint import TokenConstraint
+
+    model = tiny_model(PATTERNS["dense"])
+    grammar = Grammar(read_schema({"enum": ["yes", "no"]}, "test"), ascii_vocabulary())
+    batcher = ContinuousBatcher(model, max_batch_size=2)
+    try:
+        reply = batcher.generate(GenerationRequest(PROMPTS[0], 50, GREEDY, constraint=TokenConstraint(grammar, [])))
+    finally:
+        batcher.close()
+    assert b"".join(grammar.vocabulary.token_bytes[token] for token in reply) in (b'"yes"', b'"no"')
+    [alone] = generate(model, [PROMPTS[0]], 50, GREEDY, constraints=[TokenConstraint(grammar, [])])
+    assert alone == reply
+    with pytest.raises(ConfigError, match="one entry .or None. per prompt"):
+        generate(model, PROMPTS[:2], 5, GREEDY, constraints=[None])
+    with pytest.raises(ConfigError, match="constrained decoding .a JSON schema. applies to plain decoding"):
+        generate(model, PROMPTS[:1], 5, GREEDY, speculative="mtp", constraints=[TokenConstraint(grammar, [])])

@@ -194,7 +194,13 @@ def test_a_think_block_comes_back_as_reasoning_content(thinking_model_dir, token
     ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs=21 must be >= 0 and <= 20"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0, "logprobs": 1}, 400, "max_tokens=0 must be >= 1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format 'json_object'"),
+                              "response_format": {"type": "yaml"}}, 400, "response_format must be {\"type\": \"text\"}"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format.json_schema must be an object holding the JSON Schema"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"day": {"type": "string", "format": "date"}}}}}},
+     400, "response_format.json_schema.schema.properties.day: format bound values by their content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs: true"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": 3}, 400,
@@ -571,3 +577,91 @@ def test_a_named_tool_choice_starts_the_reply_with_that_call(tmp_path, chat_toke
     assert [call["function"] for call in choice["message"]["tool_calls"]] == [
         {"name": "wx", "arguments": '{"city": "Oslo"}'}]
     assert reply["usage"]["prompt_tokens"] == len(prompt)
+
+
+ANIMAL = {"type": "object", "required": ["animal", "legs", "name"],
+          "properties": {"animal": {"enum": ["cat", "dog"]}, "legs": {"type": "integer"},
+                         "name": {"type": "string", "maxLength": 8},
+                         "friends": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}}}
+
+
+def is_animal(value) -> bool:
+    return (isinstance(value, dict) and {"animal", "legs", "name"} <= set(value) <= set(ANIMAL["properties"])
+            and value["animal"] in ("cat", "dog") and type(value["legs"]) is int and len(value["name"]) <= 8
+            and all(isinstance(friend, str) and len(friend) <= 6 for friend in value.get("friends", []))
+            and len(value.get("friends", [])) <= 2)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_reply_held_to_a_json_schema_is_a_document_of_it(url, path):
+    """``response_format`` json_schema: a random tiny model's sampled replies (3 choices) are each one
+    JSON document of the schema, ended by the grammar; streamed, the pieces join to the same text."""
+    chat = path.endswith("chat/completions")
+    body = {"max_tokens": 512, "temperature": 1.0, "seed": 5, "n": 3,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "animal", "schema": ANIMAL}},
+            **({"messages": [{"role": "user", "content": "an animal?"}]} if chat else {"prompt": "the cat"})}
+    status, reply = post(url, path, body)
+    assert status == 200, reply
+    texts = [choice["message"]["content"] if chat else choice["text"] for choice in reply["choices"]]
+    assert all(choice["finish_reason"] == "stop" for choice in reply["choices"]), reply
+    assert all(is_animal(json.loads(text)) for text in texts), texts
+    assert len(set(texts)) > 1  # three different samples
+    status, chunks = post(url, path, {**body, "n": 1, "stream": True})
+    pieces = [chunk["choices"][0]["delta"].get("content", "") if chat else chunk["choices"][0]["text"]
+              for chunk in chunks if chunk["choices"]]
+    assert "".join(pieces) == texts[0] and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_json_mode_ends_the_reply_where_its_object_closes(tmp_path, chat_tokenizer_dir, tokenizer):
+    """``response_format`` json_object: a model that writes an object and then goes on talking is cut
+    at the object's end (the grammar allows only the end of turn there), while the same model's reply
+    without it runs on; a reply that is the model's own valid choice is not changed."""
+    from tests.helpers.generation_model import positional_script_model
+
+    messages = [{"role": "user", "content": "json?"}]
+    prompt = conversation_prompt(tokenizer, messages)
+    script = tokenizer.encode('{"a": [1, 2]} and more<|end|>', add_special_tokens=False)
+    model = positional_script_model(len(prompt), script, tokenizer.vocab_size)
+    server, base = serving(save_model(model, tmp_path / "model", tokenizer_dir=chat_tokenizer_dir), tokenizer)
+    try:
+        body = {"messages": messages, "temperature": 0, "max_tokens": 64}
+        free = post(base, "/v1/chat/completions", body)[1]["choices"][0]
+        held = post(base, "/v1/chat/completions", {**body, "response_format": {"type": "json_object"}})[1]
+    finally:
+        stop(server)
+    assert free["message"]["content"] == '{"a": [1, 2]} and more'
+    assert held["choices"][0]["message"]["content"] == '{"a": [1, 2]}', held
+    assert held["choices"][0]["finish_reason"] == "stop"
+    assert held["usage"]["completion_tokens"] == len(tokenizer.encode('{"a": [1, 2]}', add_special_tokens=False)) + 1
+
+
+CLOCK_TOOL = {"type": "function", "function": {"name": "clock", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+BOUNDED_WEATHER_TOOL = {"type": "function", "function": {"name": "wx", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}},
+    "required": ["city"]}}}
+
+
+def test_a_required_tool_choice_makes_a_random_model_write_one_valid_call(url):
+    """``tool_choice: "required"``: a random tiny model's sampled replies are each one call of an
+    offered function with arguments of its schema (the grammar of ``tool_calls.forced_call_grammar``)."""
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [BOUNDED_WEATHER_TOOL, CLOCK_TOOL],
+            "tool_choice": "required", "temperature": 1.0, "n": 4, "seed": 1, "max_tokens": 256}
+    status, reply = post(url, "/v1/chat/completions", body)
+    assert status == 200, reply
+    for choice in reply["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        [call] = choice["message"]["tool_calls"]
+        arguments = json.loads(call["function"]["arguments"])
+        if call["function"]["name"] == "clock":
+            assert arguments == {"zone": "UTC"} or arguments == {"zone": "CET"}
+        else:
+            assert call["function"]["name"] == "wx" and set(arguments) in ({"city"}, {"city", "days"})
+            assert len(arguments["city"]) <= 10 and type(arguments.get("days", 0)) is int
+    named = post(url, "/v1/chat/completions", {**body, "tool_choice": {"type": "function",
+                                                                         "function": {"name": "clock"}}})[1]
+    assert {choice["message"]["tool_calls"][0]["function"]["name"] for choice in named["choices"]} == {"clock"}
+    status, refused = post(url, "/v1/chat/completions", {**body, "tool_choice": "auto",
+                                                         "response_format": {"type": "json_object"}})
+    assert status == 400 and refused["error"]["param"] == "response_format"
+    assert "response_format and tools cannot be combined" in refused["error"]["message"]

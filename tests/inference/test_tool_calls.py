@@ -7,8 +7,9 @@ import json
 import pytest
 
 from meshlm.data.chat import ChatTemplate
+from meshlm.inference.constrained.json_recognizer import JsonRecognizer
 from meshlm.inference.tool_calls import (DEFAULT_SYNTAX, HERMES_SYNTAX, LLAMA3_SYNTAX, MISTRAL_SYNTAX,
-                                         forced_call_prefix, split_tool_calls, tool_call_syntax)
+                                         forced_call_grammar, forced_call_prefix, split_tool_calls, tool_call_syntax)
 
 
 def test_default_marker_calls_and_the_content_before_them():
@@ -89,13 +90,16 @@ def test_a_streamed_reply_sends_its_content_and_never_a_call(tokenizer, reply, s
     assert [call.name for call in text.calls] == (["wx"] if content != reply else [])
 
 
-@pytest.mark.parametrize("syntax, template, required_rest, named_rest", [
+FORCED_CALLS = [
     (DEFAULT_SYNTAX, None, '{"name":"wx","arguments":{"c":1}}', '{"c":1}}'),
     (HERMES_SYNTAX, "<tool_call>", '{"name": "wx", "arguments": {"c": 1}}\n</tool_call>', '{"c": 1}}\n</tool_call>'),
     (MISTRAL_SYNTAX, "[TOOL_CALLS]", '{"name": "wx", "arguments": {"c": 1}}]', '{"c": 1}}]'),
     (MISTRAL_SYNTAX, "[TOOL_CALLS][ARGS]", 'wx[ARGS]{"c": 1}', '{"c": 1}'),
     (LLAMA3_SYNTAX, "Given the following functions", '"name": "wx", "parameters": {"c": 1}}', '{"c": 1}}'),
-])
+]
+
+
+@pytest.mark.parametrize("syntax, template, required_rest, named_rest", FORCED_CALLS)
 def test_a_forced_calls_start_and_what_the_model_writes_after_it_read_as_one_call(syntax, template, required_rest,
                                                                                    named_rest):
     """``tool_choice`` required (the marker) or a named function (the call up to its arguments): the
@@ -105,3 +109,36 @@ def test_a_forced_calls_start_and_what_the_model_writes_after_it_read_as_one_cal
                          (forced_call_prefix(syntax, chat_template, "wx"), named_rest)):
         content, calls = split_tool_calls(prefix + rest, syntax)
         assert content == "" and [(call.name, json.loads(call.arguments)) for call in calls] == [("wx", {"c": 1})]
+
+
+TOOLS = [{"type": "function", "function": {"name": "wx", "parameters": {
+    "type": "object", "properties": {"c": {"type": "integer"}}, "required": ["c"]}}},
+         {"type": "function", "function": {"name": "clock", "parameters": {
+             "type": "object", "properties": {"zone": {"type": "string", "format": "tz"}}}}}]
+
+
+@pytest.mark.parametrize("syntax, template, required_rest, named_rest", FORCED_CALLS)
+def test_a_forced_calls_grammar_holds_the_rest_to_one_call_of_an_offered_function(syntax, template, required_rest,
+                                                                                  named_rest):
+    """``forced_call_grammar``: from the part of the prefix after the format's marker, the rest a model
+    would write is a whole document; arguments off their function's schema, a function not offered or
+    a second call are refused; a function whose parameters cannot be held to takes any object."""
+    chat_template = ChatTemplate(template) if template else ChatTemplate()
+    for name, rest in ((None, required_rest), ("wx", named_rest)):
+        key, node, written = forced_call_grammar(syntax, chat_template, TOOLS, name)
+        prefix = forced_call_prefix(syntax, chat_template, name)
+        assert prefix.endswith(written.decode()) and (syntax.whole_reply or prefix.startswith(syntax.start))
+        recognizer = JsonRecognizer(node)
+        state = recognizer.feed(recognizer.initial, written)
+        done = recognizer.feed(state, rest.encode())
+        assert done is not None and recognizer.complete(done), (prefix, rest)
+        assert recognizer.feed(done, b" ") is None and recognizer.feed(done, syntax.start.encode()) is None
+        for wrong in ('"c": "1"', '"c": 1, "d": 2', '"d": 1'):  # a string, a key not in the schema, c missing
+            assert recognizer.feed(state, rest.replace('"c": 1', wrong).replace('"c":1', wrong).encode()) is None
+        assert key != forced_call_grammar(syntax, chat_template, TOOLS[:1], name)[0]
+    key, node, written = forced_call_grammar(syntax, chat_template, TOOLS, None)
+    recognizer = JsonRecognizer(node)
+    state = recognizer.feed(recognizer.initial, written)
+    other = required_rest.replace('"wx"', '"clock"').replace("wx[", "clock[").replace('"c": 1', '"zone": "x"')
+    assert recognizer.complete(recognizer.feed(state, other.replace('"c":1', '"zone":"x"').encode()))
+    assert recognizer.feed(state, required_rest.replace("wx", "rain").encode()) is None

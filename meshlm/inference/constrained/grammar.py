@@ -61,4 +61,43 @@ class Grammar:
             return mask
 
 
-__all__ = ["Grammar", "MASKS_KEPT"]
+
+
+GRAMMARS_KEPT = 64
+"""Grammars a ``GrammarCache`` keeps (the least recently used are dropped beyond)."""
+
+
+class GrammarCache:
+    """The grammars of one tokenizer's vocabulary by the schema they were read from, so requests with
+    the same schema share their masks (``meshlm serve`` keeps one). The vocabulary trie is built on
+    first use: ``size`` ids of ``tokenizer`` (the ones the model draws from)."""
+
+    def __init__(self, tokenizer, size: int):
+        self.tokenizer, self.size = tokenizer, size
+        self.lock = threading.Lock()
+        self._vocabulary: Vocabulary | None = None
+        self._grammars: OrderedDict[str, Grammar] = OrderedDict()
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        with self.lock:
+            if self._vocabulary is None:
+                spelt = self.tokenizer.text_tokens()[:self.size]
+                self._vocabulary = Vocabulary(spelt + [None] * (self.size - len(spelt)))
+            return self._vocabulary
+
+    def grammar(self, key: str, node: Node) -> Grammar:
+        """The grammar kept under ``key`` (the canonical text of what ``node`` was read from), or a new
+        one of ``node``."""
+        vocabulary = self.vocabulary
+        with self.lock:
+            grammar = self._grammars.get(key)
+            if grammar is None:
+                grammar = self._grammars[key] = Grammar(node, vocabulary)
+                if len(self._grammars) > GRAMMARS_KEPT:
+                    self._grammars.popitem(last=False)
+            self._grammars.move_to_end(key)
+            return grammar
+
+
+__all__ = ["GRAMMARS_KEPT", "Grammar", "GrammarCache", "MASKS_KEPT"]
