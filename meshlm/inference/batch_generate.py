@@ -15,7 +15,9 @@ answer, a reference completion) is copied to the output record, which adds
 - ``new_tokens``: how many tokens were generated, and ``finished``: whether the prompt ended at
   its end token rather than at ``--max-new-tokens``.
 
-An input whose records already have one of these fields is refused rather than overwritten.
+An input whose records already have one of these fields is refused rather than overwritten. With
+``--json-schema FILE`` every reply is held to that JSON Schema (``constrained/``), so each
+``generated`` is a document of it: structured records straight from the model.
 
 The prompts are decoded by continuous batching (``continuous_batching.py``): up to ``--batch-size``
 at once, a finished reply's row taken at the next step by the next prompt, so a batch is never
@@ -45,6 +47,8 @@ from pathlib import Path
 from meshlm.data.jsonl import json_records
 from meshlm.errors import ConfigError, DataError
 from meshlm.inference.chat import conversation_prompt, record_messages, reply_ids, reply_record
+from meshlm.inference.constrained.grammar import Grammar
+from meshlm.inference.constrained.token_constraint import TokenConstraint
 from meshlm.inference.continuous_batching import ContinuousBatcher, GenerationRequest
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
@@ -141,8 +145,10 @@ def check_output_fields(records: list[dict], path: str) -> None:
                               "that field in the input.")
 
 
-def generate_file(args, model, tokenizer, sampling: SamplingConfig, stops: list[int], settings: dict) -> int:
-    """Generate for every record of ``args.input`` not yet in ``args.output`` (module docstring)."""
+def generate_file(args, model, tokenizer, sampling: SamplingConfig, stops: list[int], settings: dict,
+                  grammar: Grammar | None = None) -> int:
+    """Generate for every record of ``args.input`` not yet in ``args.output`` (module docstring); with
+    ``grammar`` (``--json-schema``) every reply is held to it."""
     records = read_records(args.input, args.chat)
     check_output_fields(records, args.input)
     output = Path(args.output)
@@ -152,15 +158,15 @@ def generate_file(args, model, tokenizer, sampling: SamplingConfig, stops: list[
               file=sys.stderr)
     output.parent.mkdir(parents=True, exist_ok=True)
     if model.config.rope_scaling != "longrope":
-        made = generate_continuously(args, model, tokenizer, sampling, stops, settings, records, done, output)
+        made = generate_continuously(args, model, tokenizer, sampling, stops, settings, records, done, output, grammar)
     else:
-        made = generate_in_batches(args, model, tokenizer, sampling, stops, settings, records, done, output)
+        made = generate_in_batches(args, model, tokenizer, sampling, stops, settings, records, done, output, grammar)
     print(f"meshlm generate: wrote {made} completions to {output} ({done + made} in all)", file=sys.stderr)
     return 0
 
 
 def generate_in_batches(args, model, tokenizer, sampling: SamplingConfig, stops: list[int], settings: dict,
-                        records: list[dict], done: int, output: Path) -> int:
+                        records: list[dict], done: int, output: Path, grammar: Grammar | None = None) -> int:
     """Records ``done`` on in fixed batches of ``--batch-size``, each one ``generate`` call seeded with
     ``--seed`` plus its first record's index (LongRoPE models); how many were written."""
     batch_size, started, made = args.batch_size, time.monotonic(), 0
@@ -169,7 +175,8 @@ def generate_in_batches(args, model, tokenizer, sampling: SamplingConfig, stops:
             batch = records[first:first + batch_size]
             prompts = [prompt_ids(record, tokenizer, args.chat, args.system, args.reasoning) for record in batch]
             seeded = dataclasses.replace(sampling, seed=sampling.seed + first)
-            results = generate(model, prompts, args.max_new_tokens, seeded, **settings)
+            constraints = None if grammar is None else [TokenConstraint(grammar, stops) for _ in prompts]
+            results = generate(model, prompts, args.max_new_tokens, seeded, constraints=constraints, **settings)
             handle.write("".join(json.dumps(output_record(record, ids, tokenizer, args.chat, stops)) + "\n"
                                  for record, ids in zip(batch, results)))
             handle.flush()
@@ -181,7 +188,7 @@ def generate_in_batches(args, model, tokenizer, sampling: SamplingConfig, stops:
 
 
 def generate_continuously(args, model, tokenizer, sampling: SamplingConfig, stops: list[int], settings: dict,
-                          records: list[dict], done: int, output: Path) -> int:
+                          records: list[dict], done: int, output: Path, grammar: Grammar | None = None) -> int:
     """Records ``done`` on through a ``ContinuousBatcher`` of ``--batch-size`` rows, each seeded with
     ``--seed`` plus its index, written in input order as they complete; how many were written."""
     batcher = ContinuousBatcher(model, args.batch_size, settings["valid_vocab_size"],
@@ -193,7 +200,8 @@ def generate_continuously(args, model, tokenizer, sampling: SamplingConfig, stop
             ids = prompt_ids(records[index], tokenizer, args.chat, args.system, args.reasoning)
             try:
                 requests.append(batcher.submit(GenerationRequest(
-                    ids, args.max_new_tokens, dataclasses.replace(sampling, seed=sampling.seed + index), stops)))
+                    ids, args.max_new_tokens, dataclasses.replace(sampling, seed=sampling.seed + index), stops,
+                    constraint=None if grammar is None else TokenConstraint(grammar, stops))))
             except ConfigError as error:  # refused before any is written: name the record
                 raise ConfigError(f"--input {args.input}, record {index + 1}: {error}") from error
         with open(output, "a", encoding="utf-8") as handle:

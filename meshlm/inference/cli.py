@@ -38,6 +38,10 @@ prompts with the same settings, which it then runs too (one prompt at a time, as
 decoding does).
 ``--input FILE --output FILE`` generates for a file of prompt records in batches, appending to the
 output as it goes and continuing there when rerun (``meshlm/inference/batch_generate.py``).
+``--json-schema FILE`` holds every reply to a JSON Schema (``meshlm/inference/constrained/``: only
+the tokens that keep the text on its way to a document of the schema are drawn, and the reply ends
+with it; ``{"type": "object"}`` for any JSON object): structured records for synthetic data, with
+``--input`` too.
 ``--compile`` decodes with the per-token step under torch.compile (``meshlm/inference/decode_step.py``):
 the same tokens up to float rounding, each step several times faster on a CPU, after a first step
 that compiles (tens of seconds; ``--stats`` reports it as ``compile_seconds``).
@@ -56,9 +60,12 @@ from meshlm.checkpoint.locate import resolve_model_dir
 from meshlm.checkpoint.model_files import load_model
 from meshlm.data.readers import read_whole_text
 from meshlm.data.tokenizer import Tokenizer, find_tokenizer_file, load_tokenizer
-from meshlm.errors import ConfigError
+from meshlm.errors import ConfigError, DataError
 from meshlm.inference.batch_generate import DEFAULT_BATCH_SIZE, generate_file
 from meshlm.inference.chat import chat_prompt, reply_ids, reply_record, show_reply, stop_ids
+from meshlm.inference.constrained.grammar import Grammar, GrammarCache
+from meshlm.inference.constrained.json_schema import read_schema
+from meshlm.inference.constrained.token_constraint import TokenConstraint
 from meshlm.inference.generate import generate
 from meshlm.inference.sampling import SamplingConfig
 from meshlm.inference.speculative import SPECULATIVE_METHODS
@@ -114,6 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "rerunning continues after the last complete line")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="N",
                         help=f"with --input: prompts per generate call (default {DEFAULT_BATCH_SIZE})")
+    parser.add_argument("--json-schema", metavar="FILE.json",
+                        help="hold every reply to this JSON Schema (constrained decoding; {\"type\": \"object\"}: "
+                             "any JSON object)")
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -254,12 +264,16 @@ def run(args: argparse.Namespace) -> int:
         prompts, stop_ids = zip(*(chat_prompt(tokenizer, text, args.system, args.reasoning) for text in args.prompt))
         prompts, eos_token_id = list(prompts), stop_ids[0] if args.eos_id is None else args.eos_id
     valid_vocab_size = min(tokenizer.vocab_size, model.config.vocab_size) if tokenizer else None
+    grammar = None if args.json_schema is None else schema_grammar(args.json_schema, tokenizer, valid_vocab_size)
     if args.input is not None:
-        return generate_from_file(args, model, tokenizer, sampling, eos_token_id, valid_vocab_size)
+        return generate_from_file(args, model, tokenizer, sampling, eos_token_id, valid_vocab_size, grammar)
     settings = dict(eos_token_id=eos_token_id, valid_vocab_size=valid_vocab_size, prefill_chunk=args.prefill_chunk)
     stats = GenerationStats() if args.stats else None
+    ends = [] if eos_token_id is None else list(eos_token_id) if isinstance(eos_token_id, list) else [eos_token_id]
     results = generate(model, prompts, args.max_new_tokens, sampling, speculative=args.speculative,
-                       draft_tokens=args.draft_tokens, stats=stats, compile=args.compile, **settings)
+                       draft_tokens=args.draft_tokens, stats=stats, compile=args.compile,
+                       constraints=None if grammar is None else [TokenConstraint(grammar, ends) for _ in prompts],
+                       **settings)
     for ids in results:
         if args.chat:  # the reply only; a think block split from the answer (meshlm/inference/chat.py)
             record = reply_record(tokenizer, reply_ids(ids, eos_token_id if isinstance(eos_token_id, list)
@@ -280,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def generate_from_file(args, model, tokenizer, sampling, eos_token_id, valid_vocab_size) -> int:
+def generate_from_file(args, model, tokenizer, sampling, eos_token_id, valid_vocab_size, grammar=None) -> int:
     """``--input`` / ``--output``: the file's prompts in batches (meshlm/inference/batch_generate.py)."""
     if tokenizer is None:
         raise FileNotFoundError(f"no tokenizer found for {args.checkpoint}: --input holds text prompts; pass "
@@ -294,7 +308,21 @@ def generate_from_file(args, model, tokenizer, sampling, eos_token_id, valid_voc
         stops = [] if eos_token_id is None else list(eos_token_id) if isinstance(eos_token_id, list) else [eos_token_id]
     settings = dict(eos_token_id=stops or None, valid_vocab_size=valid_vocab_size, prefill_chunk=args.prefill_chunk,
                     compile=args.compile)
-    return generate_file(args, model, tokenizer, sampling, stops, settings)
+    return generate_file(args, model, tokenizer, sampling, stops, settings, grammar)
+
+
+def schema_grammar(path: str, tokenizer: Tokenizer | None, valid_vocab_size: int | None) -> Grammar:
+    """The grammar of the JSON Schema in the file ``path`` over the tokenizer's vocabulary (``--json-schema``)."""
+    if tokenizer is None:
+        raise FileNotFoundError("--json-schema holds replies to a schema, which needs the tokenizer's token bytes; "
+                                "pass --tokenizer PATH.")
+    try:
+        schema = json.loads(read_whole_text(path, "--json-schema", "the schema"))
+    except json.JSONDecodeError as error:
+        raise DataError(f"--json-schema {path}: not valid JSON ({error}); write the JSON Schema as one JSON "
+                        "object.") from error
+    node = read_schema(schema, f"--json-schema {path}")
+    return GrammarCache(tokenizer, valid_vocab_size).grammar(json.dumps(schema, sort_keys=True), node)
 
 
 def compare_with_plain(model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,

@@ -156,3 +156,46 @@ def test_a_longrope_model_goes_in_fixed_batches_seeded_by_their_first_record(tok
                              SamplingConfig(temperature=0.9, seed=3 + first), eos_token_id=tokenizer.eos_token_id,
                              valid_vocab_size=tokenizer.vocab_size)
     assert [record["generated"] for record in lines(out)] == [tokenizer.decode(ids) for ids in expected]
+
+
+RECORD_SCHEMA = {"type": "object", "required": ["animal", "legs"],
+                 "properties": {"animal": {"enum": ["cat", "dog"]}, "legs": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("batching", ["continuous", "fixed batches"])
+def test_a_json_schema_holds_every_generated_record_to_it(model_dir, tokenizer_dir, tmp_path, capsys, batching):
+    """``--json-schema``: every record's ``generated`` text is a document of the schema, sampled from a
+    random model, through the continuous batcher and through fixed batches (a LongRoPE model); a
+    schema file that is not JSON, or asks for what decoding cannot hold to, is refused by name."""
+    import torch
+
+    from meshlm.models.config import ModelConfig
+    from meshlm.models.language_model import LanguageModel
+
+    folder = model_dir
+    if batching == "fixed batches":
+        torch.manual_seed(0)
+        model = LanguageModel(ModelConfig(vocab_size=320, hidden_size=32, pattern="*-*-", num_attention_heads=4,
+                                          num_kv_heads=2, init_std=0.1, rope_scaling="longrope",
+                                          rope_scaling_factor=4.0, rope_original_max_positions=64,
+                                          rope_short_factors=[1.0, 1.1, 1.3, 1.6],
+                                          rope_long_factors=[1.0, 3.0, 9.0, 27.0]))
+        folder = save_model(model, tmp_path / "longrope", tokenizer_dir=tokenizer_dir)
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(RECORD_SCHEMA))
+    source = write_records(tmp_path / "in.jsonl", [{"prompt": prompt} for prompt in PROMPTS])
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", str(folder), "--input", str(source), "--output", str(out), "--batch-size", "2",
+                 "--temperature", "1.0", "--seed", "3", "--max-new-tokens", "200", "--json-schema",
+                 str(schema)]) == 0
+    written = lines(out)
+    values = [json.loads(record["generated"]) for record in written]
+    assert all(value["animal"] in ("cat", "dog") and type(value["legs"]) is int and set(value) == {"animal", "legs"}
+               for value in values), values
+    assert all(record["finished"] for record in written)
+    schema.write_text('{"type": "object",')
+    assert main(["generate", str(folder), "--prompt", "a", "--json-schema", str(schema)]) == 2
+    assert f"--json-schema {schema}: not valid JSON" in capsys.readouterr().err
+    schema.write_text(json.dumps({"type": "string", "pattern": "^[a-z]+$"}))
+    assert main(["generate", str(folder), "--prompt", "a", "--json-schema", str(schema)]) == 2
+    assert f"--json-schema {schema}: pattern bound values by their content" in capsys.readouterr().err

@@ -202,3 +202,27 @@ def test_compile_flag_gives_the_same_tokens_and_reports_compile_seconds(capsys, 
     code, out, err = run_cli(capsys, model_dir, *prompt_args, "--compile", "--stats")
     assert code == 0 and out == plain
     assert json.loads(err)["compile_seconds"] >= 0
+
+
+def test_json_schema_holds_each_prompts_reply_to_it(capsys, tmp_path, model_dir):
+    """``--json-schema``: the printed replies of text prompts (sampled from a random model) are each a
+    document of the schema, the same tokens ``generate`` draws under the same constraints."""
+    from meshlm.inference.constrained.grammar import GrammarCache
+    from meshlm.inference.constrained.json_schema import read_schema
+    from meshlm.inference.constrained.token_constraint import TokenConstraint
+
+    schema = {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    code, out, _ = run_cli(capsys, model_dir, "--prompt", "the cat", "--prompt", "a dog", "--max-new-tokens", 100,
+                           "--seed", 2, "--json", "--json-schema", tmp_path / "schema.json")
+    assert code == 0
+    records = [json.loads(line) for line in out.splitlines()]
+    values = [json.loads(record["text"]) for record in records]
+    assert all(1 <= len(value) <= 3 and all(isinstance(item, bool) for item in value) for value in values), values
+    tokenizer = load_tokenizer(model_dir)
+    grammar = GrammarCache(tokenizer, tokenizer.vocab_size).grammar("s", read_schema(schema, "s"))
+    expected = generate(load_model(model_dir), [tokenizer.encode("the cat"), tokenizer.encode("a dog")], 100,
+                        SamplingConfig(seed=2), eos_token_id=tokenizer.eos_token_id,
+                        valid_vocab_size=tokenizer.vocab_size,
+                        constraints=[TokenConstraint(grammar, [tokenizer.eos_token_id]) for _ in range(2)])
+    assert [record["ids"] for record in records] == expected

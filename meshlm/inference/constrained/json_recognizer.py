@@ -38,6 +38,7 @@ has taken (``advance``), so a reply's hundreds of tokens, and the vocabulary wal
 
 from __future__ import annotations
 
+import sys
 from itertools import chain
 
 from meshlm.inference.constrained.json_schema import (ANY_ARRAY, ANY_NUMBER, ANY_OBJECT, ANY_STRING, FALSE, NULL,
@@ -258,13 +259,17 @@ def configuration_complete(configuration: tuple) -> bool:
     return len(stack) == 2 and stack[1][0] == NUMBER and stack[1][2] in NUMBER_ENDS
 
 
-def free_text(configuration: tuple) -> bool:
-    """Whether any run of ``PLAIN_TEXT_BYTES`` keeps ``configuration`` alive where it is (inside a
-    string or a free key, at plain text, with no length to count)."""
+UNBOUNDED = sys.maxsize
+
+
+def plain_room(configuration: tuple) -> int | None:
+    """How many more ``PLAIN_TEXT_BYTES`` may follow where ``configuration`` is, each keeping it alive
+    -- inside a string (as many as its ``maxLength`` leaves) or a free key, at plain text -- or None
+    where plain text is not free to run."""
     top = configuration[1][-1]
-    if top[0] == STRING:
-        return top[2] == 0 and not top[1].counted
-    return top[0] == KEY and top[3] == 0 and top[1].additional is not None
+    if top[0] == STRING and top[2] == 0:
+        return UNBOUNDED if top[1].max_length is None else top[1].max_length - top[3]
+    return UNBOUNDED if top[0] == KEY and top[3] == 0 and top[1].additional is not None else None
 
 
 class JsonRecognizer:
@@ -274,7 +279,7 @@ class JsonRecognizer:
         self.node = node
         self.initial: State = frozenset({(0, ((ROOT,), (VALUE, node)))})
         self._steps: dict[tuple[State, int], State | None] = {}
-        self._free: dict[State, bool] = {}
+        self._room: dict[State, int | None] = {}
         self._complete: dict[State, bool] = {}
 
     def advance(self, state: State, byte: int) -> State | None:
@@ -302,11 +307,13 @@ class JsonRecognizer:
             self._complete[state] = any(configuration_complete(configuration) for configuration in state)
         return self._complete[state]
 
-    def free_text(self, state: State) -> bool:
-        """Whether every run of plain ASCII text keeps ``state`` alive (``free_text`` of a configuration)."""
-        if state not in self._free:
-            self._free[state] = any(free_text(configuration) for configuration in state)
-        return self._free[state]
+    def plain_room(self, state: State) -> int | None:
+        """How many plain ASCII bytes may follow ``state``, each keeping it alive (``plain_room`` of its
+        configurations: the most any of them allows), or None."""
+        if state not in self._room:
+            rooms = [room for room in map(plain_room, state) if room is not None]
+            self._room[state] = max(rooms) if rooms else None
+        return self._room[state]
 
 
 __all__ = ["JsonRecognizer", "MAX_NUMBER_LENGTH", "MAX_WHITESPACE_RUN", "PLAIN_TEXT_BYTES", "State"]

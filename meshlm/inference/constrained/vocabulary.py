@@ -5,8 +5,9 @@ Trying the 32k-150k tokens of a vocabulary one by one before every drawn token w
 instead the tokens' bytes are laid out as a trie (tokens sharing a first byte share a node, and so
 on down), and one depth-first walk advances the recognizer along each edge, leaving a whole
 subtree the moment its edge is refused -- so most of the vocabulary is ruled out at its first
-byte. Inside a free-running string almost every token is allowed; a subtree whose bytes are all
-plain ASCII text (``PLAIN_TEXT_BYTES``) is then taken whole without walking it. Finally the
+byte. Inside a string almost every token is allowed; a subtree whose bytes are all plain ASCII
+text (``PLAIN_TEXT_BYTES``) is then taken without walking it -- whole, or down to the depth a
+``maxLength`` leaves room for. Finally the
 masks are remembered per state: a reply's states repeat (every character of a long string value
 is the same state), so most tokens cost one dictionary lookup. This is the approach of
 llguidance and of the token-trie walks in Outlines' and XGrammar's papers (Willard & Louf 2023,
@@ -23,7 +24,7 @@ from __future__ import annotations
 from meshlm.inference.constrained.json_recognizer import PLAIN_TEXT_BYTES, JsonRecognizer, State
 
 class TrieNode:
-    __slots__ = ("children", "ids", "plain", "_subtree_ids")
+    __slots__ = ("children", "ids", "plain", "height", "_levels", "_subtree_ids")
 
     def __init__(self):
         self.children: dict[int, TrieNode] = {}
@@ -31,18 +32,27 @@ class TrieNode:
         """The tokens whose bytes end here."""
         self.plain = True
         """Whether every byte below this node is plain text (the edge into it too)."""
+        self.height = 0
+        """How many bytes the longest path below this node holds."""
+        self._levels: list[list[int]] | None = None
         self._subtree_ids: list[int] | None = None
 
-    def subtree_ids(self) -> list[int]:
-        """The tokens ending at this node or below (computed once)."""
-        if self._subtree_ids is None:
-            found, pending = [], [self]
-            while pending:
-                node = pending.pop()
-                found += node.ids
-                pending += node.children.values()
-            self._subtree_ids = found
-        return self._subtree_ids
+    def levels(self) -> list[list[int]]:
+        """The tokens ending at this node (``[0]``) and 1, 2, ... bytes below it (computed once)."""
+        if self._levels is None:
+            self._levels, frontier = [], [self]
+            while frontier:
+                self._levels.append([token for node in frontier for token in node.ids])
+                frontier = [child for node in frontier for child in node.children.values()]
+        return self._levels
+
+    def ids_within(self, depth: int) -> list[int]:
+        """The tokens ending at this node or at most ``depth`` bytes below it."""
+        if depth >= self.height:
+            if self._subtree_ids is None:
+                self._subtree_ids = [token for level in self.levels() for token in level]
+            return self._subtree_ids
+        return [token for level in self.levels()[:depth + 1] for token in level]
 
 
 class Vocabulary:
@@ -77,6 +87,7 @@ class Vocabulary:
         for node, byte in reversed(order):
             node.plain = (byte is None or byte in PLAIN_TEXT_BYTES) and all(
                 child.plain for child in node.children.values())
+            node.height = 1 + max((child.height for child in node.children.values()), default=-1)
 
     def allowed_ids(self, recognizer: JsonRecognizer, state: State) -> list[int]:
         """The tokens every byte of which ``recognizer`` accepts in turn from ``state``."""
@@ -88,8 +99,9 @@ class Vocabulary:
                 moved = recognizer.advance(at, byte)
                 if moved is None:
                     continue
-                if child.plain and recognizer.free_text(moved):
-                    allowed += child.subtree_ids()
+                room = recognizer.plain_room(moved) if child.plain else None
+                if room is not None:  # plain text below, free to run that far: no need to walk it
+                    allowed += child.ids_within(room)
                 else:
                     allowed += child.ids
                     if child.children:
