@@ -124,7 +124,7 @@ def generate(model, prompt, max_new_tokens: int = 64, tokenizer=None, *, greedy:
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              eos_token_id: int | list[int] | None = None, prefill_chunk: int | None = None,
-             speculative: str | None = None, draft_tokens: int | None = None):
+             speculative: str | None = None, draft_tokens: int | None = None, json_schema: dict | None = None):
     """Continue ``prompt`` by at most ``max_new_tokens`` tokens; returns only the new ones.
 
     ``prompt`` is a string (-> a string), a list of token ids (-> a list of ids), or a list of
@@ -135,7 +135,9 @@ def generate(model, prompt, max_new_tokens: int = 64, tokenizer=None, *, greedy:
     ``top_k`` (0 = all), ``top_p`` (1 = off) and ``seed``; ``repetition_penalty``, ``presence_penalty``
     and ``frequency_penalty`` lower the logits of tokens already seen (meshlm/inference/penalties.py),
     greedy or sampled; ``prefill_chunk``, ``speculative="mtp"``
-    and ``draft_tokens`` as in ``meshlm generate`` (docs/generation.md)."""
+    and ``draft_tokens`` as in ``meshlm generate`` (docs/generation.md). ``json_schema``: hold every
+    reply to this JSON Schema by constrained decoding (``meshlm/inference/constrained/``; needs the
+    tokenizer; ``{"type": "object"}`` for any JSON object)."""
     from meshlm.inference.generate import generate as generate_ids
     from meshlm.inference.sampling import SamplingConfig
 
@@ -160,11 +162,31 @@ def generate(model, prompt, max_new_tokens: int = 64, tokenizer=None, *, greedy:
                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty)
     valid_vocab_size = min(tokenizer.vocab_size, model.config.vocab_size) if tokenizer is not None else None
+    constraints = None
+    if json_schema is not None:
+        constraints = _schema_constraints(json_schema, tokenizer, valid_vocab_size, eos_token_id, len(ids))
     new_ids = generate_ids(model, ids, max_new_tokens, sampling, eos_token_id=eos_token_id,
                            valid_vocab_size=valid_vocab_size, prefill_chunk=prefill_chunk, speculative=speculative,
-                           draft_tokens=draft_tokens)
+                           draft_tokens=draft_tokens, constraints=constraints)
     results = [tokenizer.decode(new) if isinstance(item, str) else new for item, new in zip(prompts, new_ids)]
     return results[0] if single else results
+
+
+def _schema_constraints(json_schema, tokenizer, valid_vocab_size: int | None, eos_token_id, count: int) -> list:
+    """One constraint per prompt holding its reply to ``json_schema`` (``generate``'s keyword)."""
+    import json
+
+    from meshlm.inference.constrained.grammar import GrammarCache
+    from meshlm.inference.constrained.json_schema import read_schema
+    from meshlm.inference.constrained.token_constraint import TokenConstraint
+
+    if tokenizer is None:
+        raise ConfigError("json_schema holds replies to a schema, which needs the tokenizer's token bytes: pass "
+                          "tokenizer=PATH.")
+    grammar = GrammarCache(tokenizer, valid_vocab_size).grammar(json.dumps(json_schema, sort_keys=True),
+                                                               read_schema(json_schema, "json_schema"))
+    ends = [] if eos_token_id is None else list(eos_token_id) if isinstance(eos_token_id, list) else [eos_token_id]
+    return [TokenConstraint(grammar, ends) for _ in range(count)]
 
 
 def _tokenizer_or_none(path: Path):

@@ -127,6 +127,25 @@ def test_generate_text_in_text_out_ids_in_ids_out(trained):
         meshlm.generate(model, "t0 t3", max_new_tokens=2)
 
 
+def test_generate_holds_replies_to_a_json_schema(trained, tmp_path):
+    """``json_schema=``: the replies (sampled from a random model with a byte-level BPE) are documents
+    of the schema; a vocabulary that cannot spell JSON, or no tokenizer, is refused in one sentence."""
+    import json
+
+    from meshlm.checkpoint.model_files import save_model
+    from tests.helpers.generation_model import tiny_model, write_sentence_tokenizer
+
+    folder = save_model(tiny_model(), tmp_path / "model", tokenizer_dir=write_sentence_tokenizer(tmp_path / "tok"))
+    schema = {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 2}
+    replies = meshlm.generate(folder, ["the cat", "a dog"], max_new_tokens=80, seed=1, json_schema=schema)
+    assert all(1 <= len(json.loads(reply)) <= 2 for reply in replies), replies
+    _, run_dir, _ = trained
+    with pytest.raises(meshlm.ConfigError, match="no token of this vocabulary can begin a document"):
+        meshlm.generate(run_dir, "t0 t3", max_new_tokens=3, json_schema={"type": "object"})
+    with pytest.raises(meshlm.ConfigError, match="json_schema holds replies to a schema, which needs the tokenizer"):
+        meshlm.generate(meshlm.load_model(run_dir), [1, 2], max_new_tokens=3, json_schema={"type": "object"})
+
+
 def test_generate_samples_reproducibly_by_seed(trained):
     _, run_dir, _ = trained
     model = meshlm.load_model(run_dir)

@@ -52,16 +52,24 @@ streamed, the content's pieces stop at the first call marker and the calls come 
 false returns a reply's first call only. ``tool_choice``: ``auto`` (the model decides), ``none``
 (tools not offered), ``required`` or a named function (``{"type": "function", "function": {"name":
 ...}}``): the prompt then ends with the start of a call -- the format's marker, and for a named
-function the call's JSON up to its arguments (``tool_calls.forced_call_prefix``) -- so the model
-writes the rest of a call; its JSON is not constrained while it is drawn, and one that does not
-parse comes back as text. A model whose template has no call format meshlm reads gets ``tools``
-refused.
+function the call's JSON up to its arguments (``tool_calls.forced_call_prefix``) -- and the model
+writes the rest of exactly one call, held by constrained decoding to an offered function's name and
+its ``parameters`` schema (``tool_calls.forced_call_grammar``; a schema with keywords decoding cannot
+hold to, such as ``pattern``, leaves the arguments any JSON object). A model whose template has no
+call format meshlm reads gets ``tools`` refused.
+
+Structured outputs: ``response_format`` ``{"type": "json_object"}`` holds the reply to one JSON
+object, ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` to one document of
+the schema (``constrained/``: before each token, those that cannot lead to a document the schema
+accepts are set to -inf, and the reply ends where the document does, ``finish_reason`` ``stop``).
+Keywords that bound values by content (``pattern``, ``format``, ``minimum``, ...) are refused by
+name; ``response_format`` with ``tools`` is refused (a reply is either a document or a call).
+Grammars are kept by schema, so repeated requests with one schema reuse its token masks.
 
 Fields meshlm cannot honour are refused rather than ignored -- ``functions`` (the deprecated form of
-``tools``), ``logit_bias``, ``best_of``, ``suffix``, a ``response_format`` other than text (JSON
-modes need constrained decoding) -- with status 400 and one sentence naming the field (OpenAI's
-error object: ``{"error": {"message", "type", "param"}}``); unknown fields are ignored, as OpenAI's
-clients send many. A prompt that does not fit the model's positions, or a bad value, is a 400 too;
+``tools``), ``logit_bias``, ``best_of``, ``suffix`` -- with status 400 and one sentence naming the
+field (OpenAI's error object: ``{"error": {"message", "type", "param"}}``); unknown fields are
+ignored, as OpenAI's clients send many. A prompt that does not fit the model's positions, or a bad value, is a 400 too;
 nothing a request does stops the server.
 
 Concurrent requests are decoded together by continuous batching (``continuous_batching.py``): a
