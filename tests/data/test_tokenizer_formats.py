@@ -107,21 +107,27 @@ def test_corrupt_files_name_the_file(tmp_path):
         load_tokenizer(tmp_path / "broken.tiktoken")
 
 
+def tokenizer_of_kind(kind: str, folder):
+    """A small tokenizer of one format written into ``folder`` and loaded (the tiktoken package skips
+    its kind where it is missing)."""
+    if kind == "tiktoken":
+        pytest.importorskip("tiktoken")
+        write_tiktoken_ranks(folder / "tokenizer.tiktoken")
+    elif kind.startswith("sentencepiece"):
+        write_sentencepiece_model(folder)
+    else:
+        from tests.helpers.generation_model import write_sentence_tokenizer
+
+        write_sentence_tokenizer(folder / "hf")
+        folder = folder / "hf"
+    return load_tokenizer(folder)
+
+
 @pytest.mark.parametrize("kind", ["huggingface byte-level", "sentencepiece byte fallback", "tiktoken"])
 def test_token_bytes_join_to_the_text_also_inside_utf8_characters(kind, tmp_path):
     """``token_bytes`` of each token of a text with characters the vocabulary splits into bytes
     joins to the text's UTF-8 bytes, where decoding a lone token would give U+FFFD."""
-    if kind == "tiktoken":
-        pytest.importorskip("tiktoken")
-        write_tiktoken_ranks(tmp_path / "tokenizer.tiktoken")
-    elif kind.startswith("sentencepiece"):
-        write_sentencepiece_model(tmp_path)
-    else:
-        from tests.helpers.generation_model import write_sentence_tokenizer
-
-        write_sentence_tokenizer(tmp_path / "hf")
-        tmp_path = tmp_path / "hf"
-    tokenizer = load_tokenizer(tmp_path)
+    tokenizer = tokenizer_of_kind(kind, tmp_path)
     text = "the cat sat on a log, Ünïcödé 🙂"
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = [tokenizer.token_bytes(token) for token in ids]
@@ -136,17 +142,8 @@ def test_text_tokens_are_every_ids_bytes_with_the_special_tokens_left_out(kind, 
     """``text_tokens`` (what constrained decoding may draw as text) is ``token_bytes`` of every id but
     the special ones -- eos, SentencePiece's control pieces, tiktoken's specials -- which are None."""
     if kind == "tiktoken":
-        pytest.importorskip("tiktoken")
-        write_tiktoken_ranks(tmp_path / "tokenizer.tiktoken")
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
-    elif kind.startswith("sentencepiece"):
-        write_sentencepiece_model(tmp_path)
-    else:
-        from tests.helpers.generation_model import write_sentence_tokenizer
-
-        write_sentence_tokenizer(tmp_path / "hf")
-        tmp_path = tmp_path / "hf"
-    tokenizer = load_tokenizer(tmp_path)
+    tokenizer = tokenizer_of_kind(kind, tmp_path)
     spelt = tokenizer.text_tokens()
     assert len(spelt) == tokenizer.vocab_size and tokenizer.eos_token_id is not None
     assert spelt[tokenizer.eos_token_id] is None
