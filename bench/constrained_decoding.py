@@ -16,7 +16,12 @@ time a state is met, a dictionary lookup after. This measures both parts:
   weights, ``--requests`` prompts decoded together by ``ContinuousBatcher``, sampled at temperature
   1 up to ``--max-new-tokens``: free text, ``json_object`` and the schema, timed alternately
   (``bench/timing.py``), each with a fresh grammar per round so the cold walks are counted: tokens/s
-  and its ratio to free text, and whether every reply that ended is valid JSON.
+  and its ratio to free text, wall milliseconds per token and the constraint's own share of them
+  (its masking, advancing and end checks, timed inside the last round), and whether every reply
+  that ended is valid JSON. Replies held to a grammar may end early (a closed object), and a batch
+  that thins out decodes fewer tokens a second, so the milliseconds the constraint itself takes
+  per token say more than the tokens/s ratio. A random model also meets far more distinct states
+  (whitespace runs, odd keys) than a trained one, so its cold walks are the worst case.
 
 One JSON object on stdout (and in ``--out``).
 """
@@ -122,22 +127,25 @@ def decoding(tokenizer, requests: int, new_tokens: int, repeats: int, device: st
     nodes = {"free": None, "json_object": ANY_OBJECT, "schema": read_schema(SCHEMA, "bench")}
     replies: dict[str, list[list[int]]] = {}
     tokens: dict[str, int] = {}
+    constraint_seconds: dict[str, float] = {}
 
     def run(name: str) -> float:
         node = nodes[name]
         grammar = None if node is None else Grammar(node, vocabulary)  # fresh: its walks are counted
         batcher = ContinuousBatcher(model, requests, tokenizer.vocab_size)
+        TimedConstraint.seconds = 0.0
         try:
             started = time.perf_counter()
             jobs = [batcher.submit(GenerationRequest(prompt, new_tokens, SamplingConfig(seed=index), end,
                                                      constraint=None if grammar is None
-                                                     else TokenConstraint(grammar, end)))
+                                                     else TimedConstraint(grammar, end)))
                     for index, prompt in enumerate(prompts)]
             replies[name] = [job.wait() for job in jobs]
             seconds = time.perf_counter() - started
         finally:
             batcher.close()
         tokens[name] = sum(map(len, replies[name]))
+        constraint_seconds[name] = TimedConstraint.seconds
         return seconds
 
     medians = interleaved_medians({name: (lambda name=name: run(name)) for name in nodes}, repeats)
@@ -149,10 +157,36 @@ def decoding(tokenizer, requests: int, new_tokens: int, repeats: int, device: st
             valid = all(is_json(b"".join(vocabulary.token_bytes[token] for token in ids[:-1])) for ids in ended)
         result[name] = {"seconds": round(seconds, 3), "tokens": tokens[name],
                         "tokens_per_s": round(tokens[name] / seconds, 1), "replies_ended": len(ended),
-                        "ended_replies_valid_json": valid}
+                        "ended_replies_valid_json": valid,
+                        "ms_per_token": round(1e3 * seconds / tokens[name], 3),
+                        "constraint_ms_per_token_last_round": round(1e3 * constraint_seconds[name] / tokens[name], 3)}
     for name in ("json_object", "schema"):
         result[name]["tokens_per_s_vs_free"] = round(result[name]["tokens_per_s"] / result["free"]["tokens_per_s"], 3)
     return result
+
+
+class TimedConstraint(TokenConstraint):
+    """A ``TokenConstraint`` that adds the seconds its work takes (masking, advancing, asking whether
+    the reply must end) to ``seconds``: the constraint's own cost, apart from the model's."""
+
+    seconds = 0.0
+
+    def _timed(self, method, *args):
+        started = time.perf_counter()
+        try:
+            return method(self, *args)
+        finally:
+            TimedConstraint.seconds += time.perf_counter() - started
+
+    def mask_logits(self, logits):
+        return self._timed(TokenConstraint.mask_logits, logits)
+
+    def advance(self, token):
+        return self._timed(TokenConstraint.advance, token)
+
+    @property
+    def finished(self):
+        return self._timed(lambda constraint: TokenConstraint.finished.fget(constraint))
 
 
 def is_json(data: bytes) -> bool:

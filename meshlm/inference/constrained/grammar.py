@@ -30,6 +30,7 @@ class Grammar:
         self.recognizer, self.vocabulary = JsonRecognizer(node), vocabulary
         self.lock = threading.Lock()
         self._masks: OrderedDict[State, torch.Tensor] = OrderedDict()
+        self._device_masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     @property
     def initial(self) -> State:
@@ -59,6 +60,29 @@ class Grammar:
             if len(self._masks) > MASKS_KEPT:
                 self._masks.popitem(last=False)
             return mask
+
+    def logits_mask(self, state: State, end_ids: tuple[int, ...], width: int, device) -> torch.Tensor:
+        """[width] bool on ``device``: the tokens allowed from ``state`` -- with ``end_ids`` where the
+        document is complete -- over a logits row ``width`` wide (ids past the vocabulary: never).
+        Kept per (state, ends, width, device), so a decoding step copies no mask to the device."""
+        ends = end_ids if end_ids and self.complete(state) else ()
+        key = (state, ends, width, str(device))
+        with self.lock:
+            mask = self._device_masks.get(key)
+            if mask is not None:
+                self._device_masks.move_to_end(key)
+                return mask
+        allowed = self.mask(state)
+        row = torch.zeros(width, dtype=torch.bool)
+        row[:min(width, allowed.shape[0])] = allowed[:width]
+        if ends:
+            row[list(ends)] = True
+        mask = row.to(device)
+        with self.lock:
+            self._device_masks[key] = mask
+            if len(self._device_masks) > MASKS_KEPT:
+                self._device_masks.popitem(last=False)
+        return mask
 
 
 

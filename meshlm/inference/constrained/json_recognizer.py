@@ -243,7 +243,7 @@ def key_step(top: tuple, below: tuple, byte: int) -> tuple:
         return ((0, below[:-1] + ((OBJECT, node, OBJECT_COLON, seen, value),)),)
     if node.additional is None:  # only the known keys not yet written
         spelt += bytes((byte,))
-        if not any(name.startswith(spelt) for name in node.properties if name not in seen):
+        if not any(name not in seen for name in node.keys_starting(spelt)):
             return ()
         return ((0, below + ((KEY, node, spelt, 0),)),)
     moved = string_byte(phase, byte)

@@ -57,6 +57,17 @@ class ObjectNode(Node):
     required: frozenset[bytes] = frozenset()
     additional: Node | None = None
     """The node of a key not in ``properties``; None: no other keys."""
+    _prefixes: dict[bytes, tuple[bytes, ...]] | None = field(default=None, repr=False)
+
+    def keys_starting(self, spelt: bytes) -> tuple[bytes, ...]:
+        """The known keys that begin with ``spelt`` (a table of every prefix, made on first use)."""
+        if self._prefixes is None:
+            prefixes: dict[bytes, list[bytes]] = {}
+            for name in self.properties:
+                for end in range(len(name) + 1):
+                    prefixes.setdefault(name[:end], []).append(name)
+            self._prefixes = {prefix: tuple(names) for prefix, names in prefixes.items()}
+        return self._prefixes.get(spelt, ())
 
 
 @dataclass(eq=False)

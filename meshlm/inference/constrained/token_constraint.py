@@ -60,12 +60,10 @@ class TokenConstraint:
         return self.ended or not self.allowed().any()
 
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` [..., vocab] with the tokens not allowed next set to -inf (a new tensor)."""
-        allowed = self.allowed().to(logits.device)
-        vocab = logits.shape[-1]
-        if allowed.shape[0] < vocab:  # ids past the tokenizer's (a padded embedding): never allowed
-            allowed = torch.cat([allowed, allowed.new_zeros(vocab - allowed.shape[0])])
-        return logits.masked_fill(~allowed[:vocab], float("-inf"))
+        """``logits`` [..., vocab] with the tokens not allowed next set to -inf (a new tensor; ids past
+        the tokenizer's, of a padded embedding, are never allowed)."""
+        allowed = self.grammar.logits_mask(self.state, tuple(self.end_ids), logits.shape[-1], logits.device)
+        return logits.masked_fill(~allowed, float("-inf"))
 
     def advance(self, token: int) -> None:
         """Take the drawn ``token`` (one ``allowed`` said may come)."""

@@ -5,9 +5,10 @@ Trying the 32k-150k tokens of a vocabulary one by one before every drawn token w
 instead the tokens' bytes are laid out as a trie (tokens sharing a first byte share a node, and so
 on down), and one depth-first walk advances the recognizer along each edge, leaving a whole
 subtree the moment its edge is refused -- so most of the vocabulary is ruled out at its first
-byte. Inside a string almost every token is allowed; a subtree whose bytes are all plain ASCII
-text (``PLAIN_TEXT_BYTES``) is then taken without walking it -- whole, or down to the depth a
-``maxLength`` leaves room for. Finally the
+byte. Inside a string almost every token is allowed; a subtree that is string text all the way
+down (no quote, backslash or control byte, well-formed UTF-8: ``TrieNode.string_text``) is then
+taken whole without walking it, and inside a string with a ``maxLength`` a subtree of plain ASCII
+(``PLAIN_TEXT_BYTES``), down to the depth the length leaves room for. Finally the
 masks are remembered per state: a reply's states repeat (every character of a long string value
 is the same state), so most tokens cost one dictionary lookup. This is the approach of
 llguidance and of the token-trie walks in Outlines' and XGrammar's papers (Willard & Louf 2023,
@@ -21,12 +22,15 @@ document is complete (``token_constraint.py``). The masks are remembered by ``gr
 
 from __future__ import annotations
 
-from meshlm.inference.constrained.json_recognizer import PLAIN_TEXT_BYTES, JsonRecognizer, State
+from meshlm.inference.constrained.json_recognizer import (ESCAPE, PLAIN_TEXT_BYTES, QUOTE, UNBOUNDED, JsonRecognizer,
+                                                          State, string_byte)
 
 class TrieNode:
-    __slots__ = ("children", "ids", "plain", "height", "_levels", "_subtree_ids")
+    __slots__ = ("byte", "children", "ids", "plain", "height", "_levels", "_subtree_ids", "_text")
 
-    def __init__(self):
+    def __init__(self, byte: int | None = None):
+        self.byte = byte
+        """The byte of the edge into this node (None at the root)."""
         self.children: dict[int, TrieNode] = {}
         self.ids: list[int] = []
         """The tokens whose bytes end here."""
@@ -36,6 +40,20 @@ class TrieNode:
         """How many bytes the longest path below this node holds."""
         self._levels: list[list[int]] | None = None
         self._subtree_ids: list[int] | None = None
+        self._text: dict[int, bool] = {}
+
+    def string_text(self, phase: int = 0) -> bool:
+        """Whether every path from the edge into this node down, read inside a JSON string from
+        ``phase`` (0: between characters), stays string content: no closing quote, backslash or
+        control byte, well-formed UTF-8 so far (``json_recognizer.string_byte``). Computed once per
+        phase, on first asking."""
+        known = self._text.get(phase)
+        if known is None:
+            moved = None if phase == 0 and self.byte == QUOTE else string_byte(phase, self.byte)
+            known = moved is not None and moved[0] != ESCAPE and all(
+                child.string_text(moved[0]) for child in self.children.values())
+            self._text[phase] = known
+        return known
 
     def levels(self) -> list[list[int]]:
         """The tokens ending at this node (``[0]``) and 1, 2, ... bytes below it (computed once)."""
@@ -68,7 +86,7 @@ class Vocabulary:
                 continue
             node = self.root
             for byte in data:
-                node = node.children.setdefault(byte, TrieNode())
+                node = node.children.get(byte) or node.children.setdefault(byte, TrieNode(byte))
             node.ids.append(token)
         self._mark_plain(self.root)
 
@@ -95,7 +113,11 @@ class Vocabulary:
         pending = [(self.root, state)]
         while pending:
             node, at = pending.pop()
+            in_text = recognizer.plain_room(at) == UNBOUNDED  # in a string free to run: text needs no walk
             for byte, child in node.children.items():
+                if in_text and child.string_text():
+                    allowed += child.ids_within(UNBOUNDED)
+                    continue
                 moved = recognizer.advance(at, byte)
                 if moved is None:
                     continue
