@@ -31,6 +31,7 @@ class Grammar:
         self.lock = threading.Lock()
         self._masks: OrderedDict[State, torch.Tensor] = OrderedDict()
         self._device_masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._goes_on: dict[State, bool] = {}
 
     @property
     def initial(self) -> State:
@@ -61,9 +62,16 @@ class Grammar:
                 self._masks.popitem(last=False)
             return mask
 
-    def logits_mask(self, state: State, end_ids: tuple[int, ...], width: int, device) -> torch.Tensor:
-        """[width] bool on ``device``: the tokens allowed from ``state`` -- with ``end_ids`` where the
-        document is complete -- over a logits row ``width`` wide (ids past the vocabulary: never).
+    def can_go_on(self, state: State) -> bool:
+        """Whether any text token is allowed from ``state`` (kept per state)."""
+        known = self._goes_on.get(state)
+        if known is None:
+            known = self._goes_on[state] = bool(self.mask(state).any())
+        return known
+
+    def refused_mask(self, state: State, end_ids: tuple[int, ...], width: int, device) -> torch.Tensor:
+        """[width] bool on ``device``: the tokens *not* allowed from ``state`` -- ``end_ids`` allowed where
+        the document is complete -- over a logits row ``width`` wide (ids past the vocabulary: refused).
         Kept per (state, ends, width, device), so a decoding step copies no mask to the device."""
         ends = end_ids if end_ids and self.complete(state) else ()
         key = (state, ends, width, str(device))
@@ -77,7 +85,7 @@ class Grammar:
         row[:min(width, allowed.shape[0])] = allowed[:width]
         if ends:
             row[list(ends)] = True
-        mask = row.to(device)
+        mask = (~row).to(device)
         with self.lock:
             self._device_masks[key] = mask
             if len(self._device_masks) > MASKS_KEPT:

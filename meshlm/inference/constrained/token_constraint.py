@@ -31,6 +31,7 @@ class TokenConstraint:
     def __init__(self, grammar: Grammar, end_ids: list[int], prefix: bytes = b""):
         self.grammar = grammar
         self.end_ids = [token for token in dict.fromkeys(end_ids) if 0 <= token < grammar.vocabulary.size]
+        self.ends = tuple(self.end_ids)
         state = grammar.feed(grammar.initial, prefix)
         if state is None:
             raise ConfigError(f"the forced start {prefix.decode('utf-8', 'replace')!r} does not fit its grammar.")
@@ -57,13 +58,13 @@ class TokenConstraint:
     @property
     def finished(self) -> bool:
         """Whether the reply must end here: an end id was drawn, or no token may follow."""
-        return self.ended or not self.allowed().any()
+        return self.ended or not (self.grammar.can_go_on(self.state) or self.end_ids and self.complete)
 
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [..., vocab] with the tokens not allowed next set to -inf (a new tensor; ids past
         the tokenizer's, of a padded embedding, are never allowed)."""
-        allowed = self.grammar.logits_mask(self.state, tuple(self.end_ids), logits.shape[-1], logits.device)
-        return logits.masked_fill(~allowed, float("-inf"))
+        refused = self.grammar.refused_mask(self.state, self.ends, logits.shape[-1], logits.device)
+        return logits.masked_fill(refused, float("-inf"))
 
     def advance(self, token: int) -> None:
         """Take the drawn ``token`` (one ``allowed`` said may come)."""
