@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshlm.errors import ConfigError
-from meshlm.inference.constrained.token_constraint import TokenConstraint
+from meshlm.inference.constrained.token_constraint import DecodingConstraint
 from meshlm.inference.decode_step import DecodeStep
 from meshlm.inference.generate import check_prompts, left_pad
 from meshlm.inference.logprobs import TokenLogProb, drawn_log_probs
@@ -110,7 +110,7 @@ class GenerationRequest:
     """Score each drawn token (module docstring) with this many likeliest alternatives (0-20); None: not scored."""
     log_probs: list[TokenLogProb] = field(default_factory=list)
     """With ``top_logprobs``: one per token of ``new_ids``, added before ``on_token`` is called with it."""
-    constraint: TokenConstraint | None = None
+    constraint: DecodingConstraint | None = None
     """Hold the reply to a grammar (``constrained/token_constraint.py``): only the tokens it allows are
     drawn, and the reply ends where the grammar says nothing may follow."""
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from meshlm.errors import ConfigError
-from meshlm.inference.constrained.token_constraint import TokenConstraint
+from meshlm.inference.constrained.token_constraint import DecodingConstraint
 from meshlm.inference.decode_step import DecodeStep
 from meshlm.inference.penalties import TokenPenalties
 from meshlm.inference.prefill import hidden_states, prefill
@@ -104,7 +104,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
              speculative: str | None = None, draft_tokens: int | None = None,
              stats: GenerationStats | None = None, compile: bool = False,
              on_token: Callable[[int, int], bool] | None = None,
-             constraints: list[TokenConstraint | None] | None = None) -> list[list[int]]:
+             constraints: list[DecodingConstraint | None] | None = None) -> list[list[int]]:
     """The new tokens of each prompt: at most ``max_new_tokens``, ending at eos if one is drawn.
 
     ``eos_token_id`` may be one id or several (Hugging Face configs list several end tokens).
@@ -176,7 +176,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     return new_tokens
 
 
-def held_to(logits: torch.Tensor, constraints: list[TokenConstraint | None]) -> torch.Tensor:
+def held_to(logits: torch.Tensor, constraints: list[DecodingConstraint | None]) -> torch.Tensor:
     """``logits`` [b, vocab] with each row's tokens its constraint refuses at -inf (rows without one as they are)."""
     if all(constraint is None for constraint in constraints):
         return logits
@@ -187,7 +187,7 @@ def held_to(logits: torch.Tensor, constraints: list[TokenConstraint | None]) -> 
 def _decode(model, prompts, max_new_tokens, sampling, eos_token_id, pad_token_id, valid_vocab_size,
             prefill_chunk, stats: GenerationStats, new_tokens: list[list[int]], compile: bool = False,
             on_token: Callable[[int, int], bool] | None = None,
-            constraints: list[TokenConstraint | None] | None = None) -> None:
+            constraints: list[DecodingConstraint | None] | None = None) -> None:
     """Prefill the padded batch, then decode one token per step, appending into ``new_tokens``
     (with ``compile``, by the compiled ``DecodeStep`` where the model and cache allow it)."""
     device = next(model.parameters()).device

@@ -101,13 +101,14 @@ from meshlm.errors import ConfigError, DataError
 from meshlm.inference.chat import conversation_prompt, stop_ids
 from meshlm.inference.constrained.grammar import Grammar, GrammarCache
 from meshlm.inference.constrained.response_format import response_format_grammar
-from meshlm.inference.constrained.token_constraint import TokenConstraint
+from meshlm.inference.constrained.token_constraint import DecodingConstraint, TokenConstraint
+from meshlm.inference.constrained.triggered import AfterThinking, CallsInText
 from meshlm.inference.continuous_batching import ContinuousBatcher, GenerationRequest
 from meshlm.inference.generate import generate
 from meshlm.inference.logprobs import TokenLogProb, sequence_log_probs
 from meshlm.inference.sampling import SamplingConfig
-from meshlm.inference.tool_calls import (ToolCall, ToolCallSyntax, forced_call_grammar, forced_call_prefix,
-                                         split_tool_calls, tool_call_syntax)
+from meshlm.inference.tool_calls import (MISTRAL_ARGUMENTS, ToolCall, ToolCallSyntax, forced_call_grammar,
+                                         forced_call_prefix, split_tool_calls, tool_call_syntax)
 
 MAX_STOP_STRINGS = 4
 REFUSED = ("functions", "logit_bias", "best_of", "suffix")
@@ -197,10 +198,20 @@ class CompletionRequest:
     """The grammar each reply is held to (``response_format``, or the forced call), None: free text."""
     grammar_written: bytes = b""
     """The part of the grammar's document the prompt already holds (the forced call's opening)."""
+    call_marker: int | None = None
+    """``tool_choice`` auto: the grammar holds each call after this marker token, the rest is free."""
+    think: tuple[int, int] | None = None
+    """A reasoning model's think tokens: the grammar holds the reply after its think block."""
 
-    def constraint(self) -> TokenConstraint | None:
+    def constraint(self) -> DecodingConstraint | None:
         """A new reply's constraint (one per choice), or None."""
-        return None if self.grammar is None else TokenConstraint(self.grammar, self.end_ids, self.grammar_written)
+        if self.grammar is None:
+            return None
+        if self.call_marker is not None:
+            return CallsInText(self.grammar, self.call_marker, self.end_ids)
+        if self.think is not None:
+            return AfterThinking(self.grammar, self.end_ids, self.think)
+        return TokenConstraint(self.grammar, self.end_ids, self.grammar_written)
 
     def choice_sampling(self, index: int) -> SamplingConfig:
         """Choice ``index``'s sampling: the request's, its seed moved on by the index."""
@@ -245,7 +256,7 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
         grammar = response_format_grammar(body.get("response_format"))  # (key, node) or None
     except ConfigError as error:
         raise RequestError(str(error), "response_format") from error
-    grammar_field, grammar_written = "response_format", b""
+    grammar_field, grammar_written, call_marker = "response_format", b"", None
     choices = _number(body, "n", 1, int, low=1, high=MAX_CHOICES)
     if chat:
         messages = body.get("messages")
@@ -253,12 +264,13 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
                 isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages):
             raise RequestError(MESSAGES_FORMAT, "messages")
         messages = [request_message(message) for message in messages]
-        tools, tool_syntax, reply_prefix, forced_call = tool_fields(body, served)
+        tools, tool_syntax, reply_prefix, call_grammar = tool_fields(body, served)
         if grammar is not None and tools is not None:
             raise RequestError("response_format and tools cannot be combined: a reply is either held to the schema "
                                "or free to call a tool; drop one (or set tool_choice to none).", "response_format")
-        if forced_call is not None:
-            grammar, grammar_field, grammar_written = forced_call[:2], "tool_choice", forced_call[2]
+        if call_grammar is not None:
+            grammar, grammar_field = call_grammar[:2], "tool_choice"
+            grammar_written, call_marker = call_grammar[2:]
         try:
             prompt_ids, end_ids = conversation_prompt(served.tokenizer, messages, tools), stop_ids(served.tokenizer)
         except (ConfigError, DataError) as error:
@@ -305,8 +317,12 @@ def parse_request(body, chat: bool, served: ServedModel) -> CompletionRequest:
                                 reply_prefix)
     if grammar is not None:
         request.grammar, request.grammar_written = served.grammar(*grammar), grammar_written
-        try:
-            request.constraint()  # refused here, before a streamed reply's headers go
+        request.call_marker = call_marker
+        think = token_id(served.tokenizer, THINK_START), token_id(served.tokenizer, THINK_END)
+        if chat and grammar_field == "response_format" and None not in think:
+            request.think = think
+        try:  # refused here, before a streamed reply's headers go
+            TokenConstraint(request.grammar, request.end_ids, grammar_written)
         except ConfigError as error:
             raise RequestError(str(error), grammar_field) from error
     return request
@@ -329,9 +345,11 @@ def request_message(message: dict) -> dict:
 def tool_fields(body: dict, served: ServedModel) -> tuple[list[dict] | None, ToolCallSyntax | None, str,
                                                           tuple | None]:
     """(the offered functions in OpenAI's form, how the model marks a call, the start of a call that
-    ``tool_choice`` forces or "", the grammar of that call or None: ``tool_calls.forced_call_grammar``),
-    or (None, None, "", None) without ``tools`` or with ``tool_choice: "none"``; what meshlm cannot do
-    is refused by field."""
+    ``tool_choice`` forces or "", the calls' grammar or None), or (None, None, "", None) without
+    ``tools`` or with ``tool_choice: "none"``; what meshlm cannot do is refused by field. The grammar
+    is ``(key, node, bytes the prompt holds, marker id)``: for a forced call that of
+    ``tool_calls.forced_call_grammar`` (marker None: it holds from the first token); with ``auto``, for
+    a format whose call marker is one token, the grammar of any call after it (``CallsInText``)."""
     choice = body.get("tool_choice")
     if not isinstance(body.get("parallel_tool_calls", True), bool):
         raise RequestError("parallel_tool_calls must be true or false.", "parallel_tool_calls")
@@ -358,10 +376,14 @@ def tool_fields(body: dict, served: ServedModel) -> tuple[list[dict] | None, Too
         raise RequestError(f"{served.name}'s chat template writes tool calls in no format meshlm reads (meshlm's "
                            "<|tool_call|>, Hermes' <tool_call>, Mistral's [TOOL_CALLS] or Llama 3's JSON reply); "
                            "leave tools out.", "tools")
-    if not forced:
-        return tools, syntax, "", None
-    return tools, syntax, forced_call_prefix(syntax, template, named), forced_call_grammar(syntax, template, tools,
-                                                                                           named)
+    if forced:
+        key, node, written = forced_call_grammar(syntax, template, tools, named)
+        return tools, syntax, forced_call_prefix(syntax, template, named), (key, node, written, None)
+    marker = token_id(served.tokenizer, syntax.start)
+    if syntax.whole_reply or marker is None or MISTRAL_ARGUMENTS in (template.jinja or ""):
+        return tools, syntax, "", None  # no single marker token to wait for: the calls are read as written
+    key, node, _ = forced_call_grammar(syntax, template, tools)
+    return tools, syntax, "", ("after marker " + key, node, b"", marker)
 
 
 def log_prob_fields(body: dict, chat: bool) -> tuple[int | None, bool]:
@@ -538,7 +560,7 @@ def token_handler(reply: ReplyText, index: int, send: Pieces | None,
 
 def sequential_choices(served: ServedModel, request: CompletionRequest, replies: list[ReplyText],
                        on_pieces: Callable[[int, str, str], None] | None,
-                       constraints: list[TokenConstraint | None]) -> list[list[int]]:
+                       constraints: list[DecodingConstraint | None]) -> list[list[int]]:
     """The choices' new ids one after another by ``generate`` under the model's lock (one request at
     a time), pieces handed to ``on_pieces`` as they are drawn."""
     new_ids = []
@@ -554,7 +576,7 @@ def sequential_choices(served: ServedModel, request: CompletionRequest, replies:
 
 
 def batched_choices(batcher: ContinuousBatcher, request: CompletionRequest, replies: list[ReplyText],
-                    on_pieces: Pieces | None, constraints: list[TokenConstraint | None]
+                    on_pieces: Pieces | None, constraints: list[DecodingConstraint | None]
                     ) -> tuple[list[list[int]], list[list[TokenLogProb]]]:
     """The choices' new ids and their tokens' log-probabilities (empty unless asked for) from the
     batcher, decoded side by side: its thread adds each token to its reply and queues the sendable

@@ -175,6 +175,12 @@ def test_a_think_block_comes_back_as_reasoning_content(thinking_model_dir, token
         deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
         assert "".join(delta.get("reasoning_content", "") for delta in deltas) == "cat dog"
         assert "".join(delta.get("content", "") for delta in deltas) == "mat"
+        # held to a schema, the model still thinks first; its answer after the block is the document
+        _, held = post(base, "/v1/chat/completions", {**body, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "yes_no", "schema": {"enum": ["yes", "no"]}}}})
+        message = held["choices"][0]["message"]
+        assert message["reasoning_content"] == "cat dog" and json.loads(message["content"]) in ("yes", "no"), held
+        assert held["choices"][0]["finish_reason"] == "stop"
     finally:
         stop(server)
 
@@ -665,3 +671,27 @@ def test_a_required_tool_choice_makes_a_random_model_write_one_valid_call(url):
                                                          "response_format": {"type": "json_object"}})
     assert status == 400 and refused["error"]["param"] == "response_format"
     assert "response_format and tools cannot be combined" in refused["error"]["message"]
+
+
+def test_with_tool_choice_auto_a_call_the_model_opens_is_held_to_the_offered_functions(tmp_path, chat_tokenizer_dir,
+                                                                                      tokenizer):
+    """``tool_choice`` auto: text stays free, but after the call marker the call is held to the offered
+    functions -- a model that writes a call to a function not offered, with a key its schema lacks,
+    gets a call to the offered one instead, and the text after the call is free again."""
+    from meshlm.data.chat import tool_definitions
+    from tests.helpers.generation_model import positional_script_model
+
+    messages = [{"role": "user", "content": "weather?"}]
+    prompt = conversation_prompt(tokenizer, messages, tool_definitions([WEATHER_TOOL], "test"))
+    script = 'Hm.<|tool_call|>{"name":"clock","arguments":{"zone":"UTC"}}<|end|>'
+    model = positional_script_model(len(prompt), tokenizer.encode(script, add_special_tokens=False),
+                                    tokenizer.vocab_size)
+    server, base = serving(save_model(model, tmp_path / "model", tokenizer_dir=chat_tokenizer_dir), tokenizer)
+    try:
+        body = {"messages": messages, "tools": [WEATHER_TOOL], "temperature": 0, "max_tokens": 64}
+        held = post(base, "/v1/chat/completions", body)[1]["choices"][0]
+    finally:
+        stop(server)
+    assert held["finish_reason"] == "tool_calls" and held["message"]["content"] == "Hm.", held
+    [call] = held["message"]["tool_calls"]
+    assert call["function"]["name"] == "wx" and set(json.loads(call["function"]["arguments"])) <= {"city"}, call

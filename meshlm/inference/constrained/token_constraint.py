@@ -16,11 +16,31 @@ learns (the recognizer's steps, the masks of its states).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from meshlm.errors import ConfigError
 from meshlm.inference.constrained.grammar import Grammar
 from meshlm.inference.constrained.json_recognizer import State
+
+
+class DecodingConstraint(Protocol):
+    """What decoding asks of a constraint (``TokenConstraint``, and the partial ones of ``triggered.py``)."""
+
+    def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with the tokens not allowed next at -inf."""
+
+    def advance(self, token: int) -> None:
+        """Take the token drawn."""
+
+    @property
+    def finished(self) -> bool:
+        """Whether the reply must end here."""
+
+    @property
+    def complete(self) -> bool:
+        """Whether the reply so far is a whole document."""
 
 
 class TokenConstraint:
@@ -78,4 +98,4 @@ class TokenConstraint:
         self.state = state
 
 
-__all__ = ["TokenConstraint"]
+__all__ = ["DecodingConstraint", "TokenConstraint"]

@@ -89,6 +89,8 @@ class Vocabulary:
                 node = node.children.get(byte) or node.children.setdefault(byte, TrieNode(byte))
             node.ids.append(token)
         self._mark_plain(self.root)
+        self.whitespace_ids = [token for token, data in enumerate(token_bytes) if data and not data.strip(b" \t\n\r")]
+        """The tokens that are JSON whitespace only."""
 
     @classmethod
     def of_tokenizer(cls, tokenizer, size: int) -> Vocabulary:
