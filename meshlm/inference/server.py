@@ -55,13 +55,19 @@ false returns a reply's first call only. ``tool_choice``: ``auto`` (the model de
 function the call's JSON up to its arguments (``tool_calls.forced_call_prefix``) -- and the model
 writes the rest of exactly one call, held by constrained decoding to an offered function's name and
 its ``parameters`` schema (``tool_calls.forced_call_grammar``; a schema with keywords decoding cannot
-hold to, such as ``pattern``, leaves the arguments any JSON object). A model whose template has no
-call format meshlm reads gets ``tools`` refused.
+hold to, such as ``pattern``, leaves the arguments any JSON object). With ``auto``, where the format's
+call marker is one token (meshlm's ``<|tool_call|>``, Qwen's ``<tool_call>``, Mistral's
+``[TOOL_CALLS]``), the text is free until the model writes the marker, the call after it is held
+to the same grammar, and after a call only whitespace, another call or the end may follow
+(``constrained/triggered.py``: ``CallsInText``). A model whose template has no call format meshlm
+reads gets ``tools`` refused.
 
 Structured outputs: ``response_format`` ``{"type": "json_object"}`` holds the reply to one JSON
 object, ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` to one document of
 the schema (``constrained/``: before each token, those that cannot lead to a document the schema
-accepts are set to -inf, and the reply ends where the document does, ``finish_reason`` ``stop``).
+accepts are set to -inf, and the reply ends where the document does, ``finish_reason`` ``stop``;
+a reasoning model may think first: a reply that opens a think block is free until it closes, and
+the document follows, ``AfterThinking``).
 Keywords that bound values by content (``pattern``, ``format``, ``minimum``, ...) are refused by
 name; ``response_format`` with ``tools`` is refused (a reply is either a document or a call).
 Grammars are kept by schema, so repeated requests with one schema reuse its token masks.
