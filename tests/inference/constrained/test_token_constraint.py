@@ -158,3 +158,15 @@ def test_random_bytes_vocabulary_agrees_with_brute_force():
     for byte in b'[{"a": "b\\n", "": [1.5, -2, true]}, "x", null]':
         assert sorted(vocabulary.allowed_ids(recognizer, state)) == brute_force(recognizer, vocabulary, state)
         state = recognizer.advance(state, byte)
+
+
+def test_a_grammar_cache_builds_the_vocabulary_once_and_keeps_grammars_by_schema(tokenizer):
+    from meshlm.inference.constrained.grammar import GRAMMARS_KEPT, GrammarCache
+
+    cache = GrammarCache(tokenizer, tokenizer.vocab_size + 5)  # a padded model vocabulary: the extra ids never text
+    first = cache.grammar("a", read_schema({"type": "object"}, "s"))
+    assert cache.grammar("a", read_schema({"type": "string"}, "s")) is first  # kept by its key
+    assert cache.vocabulary.size == tokenizer.vocab_size + 5 and cache.vocabulary.token_bytes[-1] is None
+    for index in range(GRAMMARS_KEPT):
+        assert cache.grammar(f"k{index}", ANY).vocabulary is cache.vocabulary
+    assert cache.grammar("a", ANY) is not first  # the least recently used was dropped
