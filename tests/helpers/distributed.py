@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import importlib
 import importlib.util
 import io
@@ -118,7 +119,13 @@ def _run_task(rank: int, world_size: int, folder: str, reference, payload: bytes
     result = function(*args, **kwargs)
     buffer = io.BytesIO()
     torch.save(result, buffer)
+    del function, args, kwargs, result
     dist.destroy_process_group()
+    # The task's process groups live on in reference cycles (a model and its groups, a mesh and its
+    # children) until the collector finds them, each with gloo's threads, which keep polling their
+    # closed sockets: hundreds accumulate in a worker over a test session and take the CPU the
+    # tests need. Collecting here ends them with their task.
+    gc.collect()
     torch.set_grad_enabled(True)
     torch.set_default_dtype(torch.float32)
     return buffer.getvalue()
